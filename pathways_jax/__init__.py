@@ -1,0 +1,55 @@
+"""pathways_jax: a single controller for asynchronous, sharded dataflow programs in JAX.
+
+Example:
+  >>> import jax.numpy as jnp, pathways_jax as pw
+  >>> s = pw.devices(mesh={"x": 1})
+  >>> @pw.program(devices=s)
+  ... def double(v):
+  ...     return v * 2
+  >>> double(jnp.ones(2)).result().tolist()
+  [2.0, 2.0]
+  >>> s.release()
+"""
+
+from jax.sharding import PartitionSpec as P
+
+from pathways_jax import errors as errors
+from pathways_jax._src.cluster import Cluster as Cluster
+from pathways_jax._src.cluster import cluster as cluster
+from pathways_jax._src.cluster import init as init
+from pathways_jax._src.cluster import shutdown as shutdown
+from pathways_jax._src.counters import counters as counters
+from pathways_jax._src.counters import reset_counters as reset_counters
+from pathways_jax._src.devices import VirtualSlice as VirtualSlice
+from pathways_jax._src.devices import devices as devices
+from pathways_jax._src.futures import Future as Future
+from pathways_jax._src.graph import Graph as Graph
+from pathways_jax._src.graph import Node as Node
+from pathways_jax._src.graph import Transfer as Transfer
+from pathways_jax._src.placed_jit import JitFunction as JitFunction
+from pathways_jax._src.placed_jit import jit as jit
+from pathways_jax._src.tracing import Program as Program
+from pathways_jax._src.tracing import program as program
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cluster",
+    "Future",
+    "Graph",
+    "JitFunction",
+    "Node",
+    "P",
+    "Program",
+    "Transfer",
+    "VirtualSlice",
+    "cluster",
+    "counters",
+    "devices",
+    "errors",
+    "init",
+    "jit",
+    "program",
+    "reset_counters",
+    "shutdown",
+]

@@ -1,0 +1,1 @@
+"""Backends: where the devices of a cluster live."""

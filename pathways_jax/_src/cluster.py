@@ -1,0 +1,180 @@
+"""The cluster: devices grouped into islands, the resource manager and the controller."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+
+from pathways_jax._src import errors
+from pathways_jax._src.backends import local
+from pathways_jax._src.object_store import ObjectStore
+from pathways_jax._src.resources import Island, ResourceManager
+
+# How many executables may be in flight on one island before the controller
+# waits for the oldest. Unbounded asynchronous dispatch of collectives
+# deadlocks XLA's CPU rendezvous (DESIGN §5: 64+ in flight on 8 devices); 16
+# was measured safe, 8 leaves a margin and costs no throughput.
+DEFAULT_IN_FLIGHT = 8
+
+
+class Cluster:
+    """The devices a process uses, grouped into islands, and the runtime serving them.
+
+    Made by :func:`pw.init` (or on first use with the defaults); read it with
+    :func:`pw.cluster`.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        islands: tuple[tuple[jax.Device, ...], ...],
+        init_args: tuple,
+        in_flight: int,
+    ):
+        self.backend = backend
+        self.resources = ResourceManager(islands)
+        self.store = ObjectStore()
+        self.in_flight = in_flight
+        self._init_args = init_args
+        self._closed = False
+        self._controller = None
+        self._controller_lock = threading.Lock()
+
+    @property
+    def islands(self) -> tuple[Island, ...]:
+        return self.resources.islands
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return tuple(d for isl in self.islands for d in isl.devices)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def controller(self):
+        """The background controller; its thread starts on first use."""
+        if self._controller is None:
+            with self._controller_lock:
+                if self._closed:
+                    raise errors.ClusterError(
+                        "the cluster was shut down; call pw.init() to start a new one."
+                    )
+                if self._controller is None:
+                    from pathways_jax._src.controller import Controller
+
+                    self._controller = Controller(self)
+        return self._controller
+
+    def close(self, timeout: float) -> None:
+        with self._controller_lock:
+            self._closed = True
+            controller, self._controller = self._controller, None
+        if controller is not None:
+            controller.stop(timeout)
+
+    def __repr__(self) -> str:
+        return f"Cluster(backend={self.backend!r}, {self.resources.describe()})"
+
+
+_lock = threading.RLock()
+_current: Cluster | None = None
+
+
+def init(
+    *,
+    backend: Literal["local", "ray"] = "local",
+    num_cpu_devices: int | None = None,
+    islands: int | Sequence[Sequence[int]] | None = None,
+    max_in_flight: int = DEFAULT_IN_FLIGHT,
+) -> Cluster:
+    """Starts the cluster this process runs programs on.
+
+    Args:
+      backend: ``"local"``: this process's JAX devices.
+      num_cpu_devices: how many CPU devices JAX should expose. Must come before
+        JAX's backend starts (or match the count it started with).
+      islands: ``None`` (one island of all devices), an int (split the devices
+        evenly, islands numbered from 0) or a list of lists of device ids.
+      max_in_flight: executables in flight per island before the controller
+        waits for the oldest (a correctness bound for collectives, DESIGN §5).
+
+    Returns:
+      The :class:`Cluster`. Calling ``init`` again with the same arguments
+      returns it unchanged.
+
+    Raises:
+      ClusterError: a cluster with other arguments is running (call
+        ``pw.shutdown()`` first), or the arguments cannot be met.
+
+    Example:
+      >>> import pathways_jax as pw
+      >>> pw.cluster().backend
+      'local'
+    """
+    global _current
+    args = (backend, num_cpu_devices, _freeze(islands), max_in_flight)
+    with _lock:
+        if _current is not None:
+            if _current._init_args == args:
+                return _current
+            raise errors.ClusterError(
+                f"pw.init{_describe(args)} was called, but a cluster started with "
+                f"pw.init{_describe(_current._init_args)} is running. Call "
+                "pw.shutdown() first to start one with other arguments."
+            )
+        if backend != "local":
+            raise errors.ClusterError(
+                f"backend={backend!r} is not available in this version of "
+                "pathways_jax; use backend='local'."
+            )
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise errors.ClusterError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}.")
+        if num_cpu_devices is not None:
+            local.set_cpu_device_count(num_cpu_devices)
+        carved = local.carve_islands(local.local_devices(), islands)
+        _current = Cluster(backend, carved, args, max_in_flight)
+        return _current
+
+
+def _freeze(islands):
+    if islands is None or isinstance(islands, int):
+        return islands
+    try:
+        return tuple(tuple(group) for group in islands)
+    except TypeError:
+        return islands
+
+
+def _describe(args: tuple) -> str:
+    backend, count, islands, in_flight = args
+    return (
+        f"(backend={backend!r}, num_cpu_devices={count!r}, islands={islands!r}, "
+        f"max_in_flight={in_flight!r})"
+    )
+
+
+def cluster() -> Cluster:
+    """The running cluster, started with the defaults if ``pw.init`` was not called."""
+    current = _current
+    if current is not None:
+        return current
+    with _lock:
+        return _current if _current is not None else init()
+
+
+def shutdown(timeout: float = 60.0) -> None:
+    """Finishes queued work, stops the controller and forgets the cluster.
+
+    Slices of the old cluster become unusable; futures already computed stay
+    readable. Safe to call when no cluster runs.
+    """
+    global _current
+    with _lock:
+        current, _current = _current, None
+    if current is not None:
+        current.close(timeout)

@@ -1,0 +1,24 @@
+"""Per-thread context: the stack of ``with slice:`` blocks and the active program trace."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathways_jax._src.devices import VirtualSlice
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.slices: list[VirtualSlice] = []
+        # The trace state of the @pw.program being traced on this thread, if any.
+        self.trace: Any = None
+
+
+state = _State()
+
+
+def current_slice() -> VirtualSlice | None:
+    """The innermost slice entered with ``with slice:`` on this thread, if any."""
+    return state.slices[-1] if state.slices else None

@@ -1,0 +1,135 @@
+"""The single controller: one background thread that dispatches every program run.
+
+One thread enqueues all work, so every device of an island sees programs in
+one consistent order: concurrent SPMD programs with collectives cannot
+deadlock (DESIGN §5). Dispatch is asynchronous: the controller never waits
+for data, only for the in-flight bound of an island.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from pathways_jax._src import counters, errors
+from pathways_jax._src.lowering import ExecStep, MoveStep, Run
+from pathways_jax._src.object_store import Failed, Freed, Ready
+
+if TYPE_CHECKING:
+    from pathways_jax._src.cluster import Cluster
+
+_STOP = object()
+
+
+class Controller:
+    """Owns the dispatch thread of a cluster."""
+
+    def __init__(self, cluster: Cluster):
+        self._cluster = cluster
+        self._store = cluster.store
+        self._window = cluster.in_flight
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._in_flight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._serve, name="pathways-controller", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, run: Run) -> None:
+        if self._stopped:
+            raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
+        self._queue.put(run)
+
+    def stop(self, timeout: float) -> None:
+        """Lets queued runs finish dispatching, then ends the thread."""
+        self._stopped = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while True:
+            run = self._queue.get()
+            if run is _STOP:
+                return
+            try:
+                self._execute(run)
+            except BaseException as exc:  # noqa: BLE001 - the controller must not die
+                self._fail(run, f"program {run.plan.graph.name!r} run {run.id} failed in the controller", exc)
+
+    def _wait_window(self, island: int) -> None:
+        in_flight = self._in_flight[island]
+        while len(in_flight) >= self._window:
+            oldest = in_flight.popleft()
+            try:
+                oldest.block_until_ready()
+            except Exception:  # noqa: BLE001 - the owning run's futures report it
+                pass
+
+    def _execute(self, run: Run) -> None:
+        env = run.env
+        graph = run.plan.graph
+        for slot, entry in run.future_inputs:
+            entry.event.wait()
+            match entry.state:
+                case Ready(array):
+                    env[slot] = array
+                case Failed(message, cause):
+                    self._fail(run, f"program {graph.name!r} run {run.id} got an input from a failed run: {message}", cause)
+                    return
+                case Freed():
+                    self._fail(run, f"program {graph.name!r} run {run.id} got an input that was freed", None)
+                    return
+        step: Any = None
+        try:
+            for step in run.plan.steps:
+                if isinstance(step, ExecStep):
+                    self._wait_window(step.island)
+                    outs = step.executable(*[env[s] for s in step.in_slots])
+                    for slot, array in zip(step.out_slots, outs, strict=True):
+                        env[slot] = array
+                    if outs:
+                        self._in_flight[step.island].append(outs[0])
+                    counters.bump("dispatches")
+                else:
+                    env[step.dst] = jax.device_put(env[step.src], step.sharding)
+                    if step.kind is not None:
+                        counters.bump(f"transfers_{step.kind}")
+        except Exception as exc:  # noqa: BLE001 - a user error fails its run only
+            self._fail(run, self._where(graph.name, run.id, step), exc)
+            return
+        finally:
+            for _, entry in run.future_inputs:
+                self._store.decref(entry)
+            run.future_inputs = []
+        for out, entry in zip(run.plan.outputs, run.outputs, strict=True):
+            if out.kind == "slot":
+                self._store.set_ready(entry, env[out.where])
+        run.env = []
+
+    @staticmethod
+    def _where(program: str, run_id: int, step: Any) -> str:
+        if isinstance(step, ExecStep):
+            return (
+                f"program {program!r} run {run_id} failed in node {step.node.name!r} "
+                f"({step.node.source_info})"
+            )
+        if isinstance(step, MoveStep):
+            return f"program {program!r} run {run_id} failed moving a value ({step.kind or 'reshard'})"
+        return f"program {program!r} run {run_id} failed"
+
+    def _fail(self, run: Run, message: str, cause: BaseException | None) -> None:
+        counters.bump("failed_runs")
+        detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None else message
+        for entry in run.outputs:
+            self._store.set_failed(entry, detail, cause)
+        for _, entry in run.future_inputs:
+            self._store.decref(entry)
+        run.future_inputs = []
+        run.env = []

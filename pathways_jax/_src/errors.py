@@ -1,0 +1,55 @@
+"""The error hierarchy of pathways_jax.
+
+Every error a user can meet derives from :class:`PathwaysError` and from the
+fitting built-in exception, so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackPressureTimeout",
+    "ClusterError",
+    "FutureTimeoutError",
+    "PathwaysError",
+    "PlacementError",
+    "ProgramFailedError",
+    "ProgramTraceError",
+    "ResourceError",
+    "TransferError",
+]
+
+
+class PathwaysError(Exception):
+    """Base class of every error raised by pathways_jax."""
+
+
+class ClusterError(PathwaysError, RuntimeError):
+    """The cluster cannot be set up as asked (``pw.init`` / ``pw.shutdown``)."""
+
+
+class ResourceError(PathwaysError, ValueError):
+    """A request for devices that cannot be met (now, or ever)."""
+
+
+class PlacementError(PathwaysError, ValueError):
+    """Code cannot be placed on a slice: no slice given, or the slice is unusable."""
+
+
+class ProgramTraceError(PathwaysError, TypeError):
+    """Tracing a ``@pw.program`` failed; the message names the user's line."""
+
+
+class TransferError(PathwaysError, RuntimeError):
+    """A value could not be moved between slices."""
+
+
+class ProgramFailedError(PathwaysError, RuntimeError):
+    """A program run failed; raised by ``Future.result()`` of every output of the run."""
+
+
+class FutureTimeoutError(PathwaysError, TimeoutError):
+    """``Future.result(timeout=...)`` expired before the value was ready."""
+
+
+class BackPressureTimeout(PathwaysError, TimeoutError):
+    """A program waited longer than its timeout for device memory."""

@@ -1,0 +1,218 @@
+"""The dataflow graph a ``@pw.program`` traces into: immutable data, virtual placement.
+
+A graph names only virtual slices; lowering binds it to physical devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from jax.sharding import PartitionSpec
+
+from pathways_jax._src import errors
+from pathways_jax._src.devices import VirtualSlice
+
+TransferKind = Literal["ici", "dcn"]
+
+
+def _aval_str(aval: Any) -> str:
+    return aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Value:
+    """A value flowing through the graph. ``slice`` is None for values fed from the host."""
+
+    id: int
+    aval: Any
+    slice: VirtualSlice | None
+    origin: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Input:
+    """A dynamic argument leaf of the program: ``index`` into the flat argument leaves."""
+
+    index: int
+    value: int
+    is_future: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Const:
+    """A constant the program closes over, fed to the devices once per plan."""
+
+    value: int
+    data: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Node:
+    """One sharded computation: one compiled function on one slice."""
+
+    name: str
+    kind: Literal["jit", "glue"]
+    slice: VirtualSlice
+    jaxpr: Any
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    in_specs: tuple[PartitionSpec | None, ...]
+    out_specs: tuple[PartitionSpec | None, ...]
+    donated: tuple[bool, ...]
+    source_info: str
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"v{i}" for i in self.inputs)
+        outs = ", ".join(f"v{i}" for i in self.outputs)
+        return (
+            f"Node({self.name!r}, {self.kind}, slice=#{self.slice.id}, "
+            f"({ins}) -> ({outs}), at {self.source_info})"
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transfer:
+    """A value moving from the slice that made it to the slice that uses it."""
+
+    value: int
+    output: int
+    src: VirtualSlice
+    dst: VirtualSlice
+    kind: TransferKind
+
+    def __repr__(self) -> str:
+        return (
+            f"Transfer(v{self.value} -> v{self.output}, {self.kind}, "
+            f"#{self.src.id} (island {self.src.island}) -> #{self.dst.id} (island {self.dst.island}))"
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Output:
+    """A program output leaf: a graph value, or a literal the program returned."""
+
+    value: int | None
+    literal: Any = None
+
+
+Step = tuple[Literal["node", "transfer"], int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Graph:
+    """A traced program: nodes on virtual slices, transfers between them, in run order.
+
+    Attributes:
+      name: the program's name.
+      source_info: where the program function is defined (file:line).
+      values: every value, indexed by id.
+      inputs: the program's dynamic argument leaves.
+      consts: constants closed over by the program.
+      nodes: sharded computation nodes, in dispatch order.
+      transfers: values crossing slices: ``kind`` is ``"ici"`` within an island,
+        ``"dcn"`` across islands.
+      steps: the run order, as ``("node", i)`` / ``("transfer", i)`` pairs.
+      outputs: one per output leaf of the program.
+      out_tree: the output pytree structure.
+    """
+
+    name: str
+    source_info: str
+    values: tuple[Value, ...]
+    inputs: tuple[Input, ...]
+    consts: tuple[Const, ...]
+    nodes: tuple[Node, ...]
+    transfers: tuple[Transfer, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[Output, ...]
+    out_tree: Any
+
+    @property
+    def slices(self) -> tuple[VirtualSlice, ...]:
+        """The distinct slices the graph places work on, in order of first use."""
+        seen: dict[int, VirtualSlice] = {}
+        for node in self.nodes:
+            seen.setdefault(node.slice.id, node.slice)
+        for transfer in self.transfers:
+            seen.setdefault(transfer.src.id, transfer.src)
+        return tuple(seen.values())
+
+    def check(self) -> Graph:
+        """Validates the graph: every edge's shape and dtype, placement and order.
+
+        Returns the graph, so ``program.graph(x).check()`` chains.
+
+        Raises:
+          ProgramTraceError: naming the node and what is inconsistent.
+        """
+        defined = {i.value for i in self.inputs} | {c.value for c in self.consts}
+        for kind, index in self.steps:
+            if kind == "transfer":
+                t = self.transfers[index]
+                self._require(t.value in defined, f"{t!r} reads v{t.value} before it exists")
+                src = self.values[t.value]
+                dst = self.values[t.output]
+                self._require(src.slice is t.src, f"{t!r} does not start where v{t.value} lives")
+                self._require(dst.slice is t.dst, f"{t!r} does not end where v{t.output} lives")
+                expected = "ici" if t.src.island == t.dst.island else "dcn"
+                self._require(t.kind == expected, f"{t!r} should be {expected}")
+                self._require(src.aval.shape == dst.aval.shape and src.aval.dtype == dst.aval.dtype,
+                              f"{t!r} changes shape or dtype")
+                defined.add(t.output)
+                continue
+            node = self.nodes[index]
+            in_avals = node.jaxpr.in_avals
+            out_avals = node.jaxpr.out_avals
+            self._require(len(in_avals) == len(node.inputs), f"{node!r} has {len(node.inputs)} inputs, its function {len(in_avals)}")
+            self._require(len(out_avals) == len(node.outputs), f"{node!r} has {len(node.outputs)} outputs, its function {len(out_avals)}")
+            for position, (vid, aval) in enumerate(zip(node.inputs, in_avals, strict=True)):
+                self._require(vid in defined, f"{node!r} reads v{vid} before it exists")
+                value = self.values[vid]
+                self._require(
+                    value.aval.shape == aval.shape and value.aval.dtype == aval.dtype,
+                    f"{node!r} input {position} expects {_aval_str(aval)} but v{vid} is {_aval_str(value.aval)}",
+                )
+                self._require(
+                    value.slice is None or value.slice is node.slice,
+                    f"{node!r} reads v{vid} on slice #{value.slice.id if value.slice else None} without a transfer",
+                )
+            for spec, aval in zip(node.in_specs + node.out_specs, list(in_avals) + list(out_avals), strict=True):
+                if spec is not None:
+                    self._require(len(spec) <= len(aval.shape), f"{node!r} spec {spec} has more entries than {_aval_str(aval)} has dims")
+            for vid, aval in zip(node.outputs, out_avals, strict=True):
+                value = self.values[vid]
+                self._require(value.slice is node.slice, f"{node!r} output v{vid} is not placed on its slice")
+                self._require(value.aval.shape == aval.shape and value.aval.dtype == aval.dtype,
+                              f"{node!r} output v{vid} does not match its function's output")
+                defined.add(vid)
+        for out in self.outputs:
+            self._require(out.value is None or out.value in defined, f"output v{out.value} is never computed")
+        return self
+
+    def _require(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise errors.ProgramTraceError(f"graph of program {self.name!r} ({self.source_info}) is inconsistent: {what}.")
+
+    def __repr__(self) -> str:
+        lines = [f"Graph({self.name!r}, {len(self.nodes)} nodes, {len(self.transfers)} transfers)"]
+        for inp in self.inputs:
+            v = self.values[inp.value]
+            where = f" on #{v.slice.id}" if v.slice is not None else ""
+            lines.append(f"  input  v{v.id}: {_aval_str(v.aval)}{where}")
+        for kind, index in self.steps:
+            if kind == "transfer":
+                lines.append(f"  {self.transfers[index]!r}")
+                continue
+            node = self.nodes[index]
+            ins = ", ".join(f"v{i}" for i in node.inputs)
+            outs = ", ".join(f"v{i}: {_aval_str(self.values[i].aval)}" for i in node.outputs)
+            s = node.slice
+            mesh = dict(zip(s.axis_names, s.shape, strict=True))
+            lines.append(
+                f"  node   {node.name} [{node.kind}] on #{s.id} {mesh} island {s.island}: "
+                f"({ins}) -> ({outs})  @ {node.source_info}"
+            )
+        outs = ", ".join(f"v{o.value}" if o.value is not None else repr(o.literal) for o in self.outputs)
+        lines.append(f"  output ({outs})")
+        return "\n".join(lines)

@@ -1,0 +1,270 @@
+"""Turns a program's top-level jaxpr into a :class:`Graph`: placement, grouping, transfers."""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any
+
+import jax.extend.core as jex
+
+from pathways_jax._src import errors, source
+from pathways_jax._src.graph import Const, Graph, Input, Node, Output, Step, Transfer, Value
+
+if TYPE_CHECKING:
+    from pathways_jax._src.devices import VirtualSlice
+    from pathways_jax._src.tracing import TraceState
+
+JIT_PRIMITIVES = frozenset({"jit", "pjit"})
+
+
+def _is_var(atom: Any) -> bool:
+    return not isinstance(atom, jex.Literal)
+
+
+def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]) -> list[Any]:
+    """One slice per top-level equation, or a PlacementError naming the user's line."""
+    from pathways_jax._src.tracing import parse_scopes
+
+    eqns = closed.jaxpr.eqns
+    placed: list[VirtualSlice | None] = [None] * len(eqns)
+    var_slice: dict[Any, VirtualSlice] = dict(input_slices)
+    consumers: dict[Any, list[int]] = collections.defaultdict(list)
+    for index, eqn in enumerate(eqns):
+        for atom in eqn.invars:
+            if _is_var(atom):
+                consumers[atom].append(index)
+
+    def from_scopes(eqn: Any) -> tuple[VirtualSlice | None, VirtualSlice | None]:
+        explicit = default = None
+        for kind, number in parse_scopes(eqn.source_info.name_stack):
+            if kind == "pw_jit" and explicit is None:
+                explicit = state.jit_calls[number].slice
+            elif kind == "pw_slice" and explicit is None:
+                explicit = state.slices.get(number)
+            elif kind == "pw_default" and default is None:
+                default = state.slices.get(number)
+        return explicit, default
+
+    scoped = [from_scopes(eqn) for eqn in eqns]
+    changed = True
+    while changed:
+        changed = False
+        for index, eqn in enumerate(eqns):
+            if placed[index] is not None:
+                continue
+            explicit, default = scoped[index]
+            from_inputs = next(
+                (var_slice[a] for a in eqn.invars if _is_var(a) and a in var_slice), None
+            )
+            if eqn.primitive.name in JIT_PRIMITIVES:
+                choice = explicit or default or from_inputs
+            else:
+                choice = explicit or from_inputs or default
+            if choice is None:
+                continue
+            placed[index] = choice
+            changed = True
+            for var in eqn.outvars:
+                var_slice[var] = choice
+        # Equations fed only by the host go where their first consumer runs.
+        for index in reversed(range(len(eqns))):
+            if placed[index] is not None:
+                continue
+            for var in eqns[index].outvars:
+                users = [placed[u] for u in consumers.get(var, ()) if placed[u] is not None]
+                if users:
+                    placed[index] = users[0]
+                    changed = True
+                    for out in eqns[index].outvars:
+                        var_slice[out] = users[0]
+                    break
+    for index, eqn in enumerate(eqns):
+        if placed[index] is None:
+            raise errors.PlacementError(
+                f"cannot decide where `{eqn.primitive.name}` at {source.of_equation(eqn)} "
+                "runs: it is not inside `with slice:`, the program has no devices=, and "
+                "none of its inputs or users is placed. Wrap it in `with slice:`, use "
+                "pw.jit(devices=...), or give the program a default with "
+                "@pw.program(devices=...)."
+            )
+    return placed
+
+
+def _group(eqns: list[Any], placed: list[Any]) -> list[tuple[str, Any, list[int]]]:
+    """Each jit equation alone; runs of glue equations on one slice together."""
+    groups: list[tuple[str, Any, list[int]]] = []
+    for index, eqn in enumerate(eqns):
+        if eqn.primitive.name in JIT_PRIMITIVES:
+            groups.append(("jit", placed[index], [index]))
+        elif groups and groups[-1][0] == "glue" and groups[-1][1] is placed[index]:
+            groups[-1][2].append(index)
+        else:
+            groups.append(("glue", placed[index], [index]))
+    return groups
+
+
+def build(
+    *,
+    name: str,
+    source_info: str,
+    closed: Any,
+    input_slices: tuple[VirtualSlice | None, ...],
+    state: TraceState,
+    out_tree: Any,
+) -> Graph:
+    from pathways_jax._src.tracing import parse_scopes
+
+    jaxpr = closed.jaxpr
+    values: list[Value] = []
+    var_value: dict[Any, int] = {}
+
+    def new_value(aval: Any, slice_: VirtualSlice | None, origin: str) -> int:
+        values.append(Value(len(values), aval, slice_, origin))
+        return len(values) - 1
+
+    inputs = []
+    for index, (var, where) in enumerate(zip(jaxpr.invars, input_slices, strict=True)):
+        var_value[var] = new_value(var.aval, where, f"program {name!r} input {index}")
+        inputs.append(Input(index, var_value[var], where is not None))
+    consts = []
+    for var, data in zip(jaxpr.constvars, closed.consts, strict=True):
+        var_value[var] = new_value(var.aval, None, f"program {name!r} constant")
+        consts.append(Const(var_value[var], data))
+
+    placed = _place(closed, state, {v: s for v, s in zip(jaxpr.invars, input_slices, strict=True) if s is not None})
+    groups = _group(jaxpr.eqns, placed)
+
+    # Which groups read each var, so a glue group exports only what others use.
+    group_of = {}
+    for number, (_, _, members) in enumerate(groups):
+        for index in members:
+            group_of[index] = number
+    readers: dict[Any, set[int]] = collections.defaultdict(set)
+    for index, eqn in enumerate(jaxpr.eqns):
+        for atom in eqn.invars:
+            if _is_var(atom):
+                readers[atom].add(group_of[index])
+    returned = {v for v in jaxpr.outvars if _is_var(v)}
+
+    nodes: list[Node] = []
+    transfers: list[Transfer] = []
+    steps: list[Step] = []
+    moved: dict[tuple[int, int], int] = {}
+    names: collections.Counter[str] = collections.Counter()
+
+    def on_slice(vid: int, slice_: VirtualSlice) -> int:
+        where = values[vid].slice
+        if where is None or where is slice_:
+            return vid
+        key = (vid, slice_.id)
+        if key not in moved:
+            kind = "ici" if where.island == slice_.island else "dcn"
+            out = new_value(values[vid].aval, slice_, values[vid].origin)
+            transfers.append(Transfer(vid, out, where, slice_, kind))
+            steps.append(("transfer", len(transfers) - 1))
+            moved[key] = out
+        return moved[key]
+
+    def unique(base: str) -> str:
+        names[base] += 1
+        return base if names[base] == 1 else f"{base}_{names[base] - 1}"
+
+    for number, (kind, slice_, members) in enumerate(groups):
+        if kind == "jit":
+            eqn = jaxpr.eqns[members[0]]
+            in_ids = []
+            for atom in eqn.invars:
+                if _is_var(atom):
+                    in_ids.append(on_slice(var_value[atom], slice_))
+                else:
+                    vid = new_value(atom.aval, None, f"program {name!r} literal")
+                    consts.append(Const(vid, atom.val))
+                    in_ids.append(vid)
+            in_specs: tuple = (None,) * len(in_ids)
+            out_specs: tuple = (None,) * len(eqn.outvars)
+            for scope_kind, call_number in parse_scopes(eqn.source_info.name_stack):
+                if scope_kind == "pw_jit":
+                    call = state.jit_calls[call_number]
+                    if len(call.in_specs) == len(in_ids):
+                        in_specs = call.in_specs
+                    if call.out_specs is not None and len(call.out_specs) == len(out_specs):
+                        out_specs = call.out_specs
+                    break
+            node_name = unique(str(eqn.params.get("name", "jit")))
+            where = source.of_equation(eqn)
+            out_ids = []
+            for var in eqn.outvars:
+                vid = new_value(var.aval, slice_, f"program {name!r} node {node_name!r} ({where})")
+                if _is_var(var) and not isinstance(var, jex.DropVar):
+                    var_value[var] = vid
+                out_ids.append(vid)
+            nodes.append(
+                Node(
+                    name=node_name,
+                    kind="jit",
+                    slice=slice_,
+                    jaxpr=eqn.params["jaxpr"],
+                    inputs=tuple(in_ids),
+                    outputs=tuple(out_ids),
+                    in_specs=tuple(in_specs),
+                    out_specs=tuple(out_specs),
+                    donated=tuple(eqn.params.get("donated_invars", (False,) * len(in_ids))),
+                    source_info=where,
+                )
+            )
+        else:
+            eqns = [jaxpr.eqns[i] for i in members]
+            defined: set[Any] = set()
+            in_vars: list[Any] = []
+            for eqn in eqns:
+                for atom in eqn.invars:
+                    if _is_var(atom) and atom not in defined and atom not in in_vars:
+                        in_vars.append(atom)
+                defined.update(v for v in eqn.outvars if not isinstance(v, jex.DropVar))
+            out_vars = [
+                v
+                for eqn in eqns
+                for v in eqn.outvars
+                if not isinstance(v, jex.DropVar)
+                and (v in returned or readers.get(v, set()) - {number})
+            ]
+            effects = frozenset().union(*(eqn.effects for eqn in eqns))
+            glue = jex.ClosedJaxpr(jex.Jaxpr([], in_vars, out_vars, eqns, effects), [])
+            node_name = unique("glue")
+            where = source.of_equation(eqns[0])
+            in_ids = [on_slice(var_value[v], slice_) for v in in_vars]
+            out_ids = []
+            for var in out_vars:
+                var_value[var] = new_value(var.aval, slice_, f"program {name!r} node {node_name!r} ({where})")
+                out_ids.append(var_value[var])
+            nodes.append(
+                Node(
+                    name=node_name,
+                    kind="glue",
+                    slice=slice_,
+                    jaxpr=glue,
+                    inputs=tuple(in_ids),
+                    outputs=tuple(out_ids),
+                    in_specs=(None,) * len(in_ids),
+                    out_specs=(None,) * len(out_ids),
+                    donated=(False,) * len(in_ids),
+                    source_info=where,
+                )
+            )
+        steps.append(("node", len(nodes) - 1))
+
+    outputs = tuple(
+        Output(var_value[v]) if _is_var(v) else Output(None, v.val) for v in jaxpr.outvars
+    )
+    return Graph(
+        name=name,
+        source_info=source_info,
+        values=tuple(values),
+        inputs=tuple(inputs),
+        consts=tuple(consts),
+        nodes=tuple(nodes),
+        transfers=tuple(transfers),
+        steps=tuple(steps),
+        outputs=outputs,
+        out_tree=out_tree,
+    )

@@ -1,0 +1,299 @@
+"""Lowering: a Graph plus the current virtual-to-physical map becomes a Plan.
+
+A Plan is what the controller runs: slots for values, host feeds, moves
+between slices, and compiled executables, all decided once per mapping.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any, Literal
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pathways_jax._src import counters
+from pathways_jax._src.devices import VirtualSlice
+from pathways_jax._src.futures import Future
+from pathways_jax._src.graph import Graph, Node
+from pathways_jax._src.object_store import Owner
+
+_runs = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoveStep:
+    """Copy ``src`` to ``dst`` with ``sharding``: a transfer between slices, or a reshard."""
+
+    src: int
+    dst: int
+    sharding: jax.sharding.Sharding
+    kind: Literal["ici", "dcn"] | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExecStep:
+    """Dispatch one compiled node."""
+
+    executable: Any
+    in_slots: tuple[int, ...]
+    out_slots: tuple[int, ...]
+    node: Node
+    island: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputSlot:
+    """Where a program output comes from: a slot, a host argument, or a literal."""
+
+    kind: Literal["slot", "argument", "literal"]
+    where: Any
+    aval: Any
+    sharding: Any
+    slice: VirtualSlice | None
+    origin: str
+
+
+@dataclasses.dataclass(slots=True)
+class Run:
+    """One call of a program, queued for the controller."""
+
+    id: int
+    plan: Plan
+    env: list[Any]
+    future_inputs: list[tuple[int, Any]]
+    outputs: list[Any]
+
+
+def _spec_fits(spec: PartitionSpec, mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> bool:
+    if len(spec) > len(shape):
+        return False
+    for dim, entry in zip(shape, spec, strict=False):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        parts = 1
+        for name in names:
+            if name is None:
+                continue
+            if name not in mesh.shape:
+                return False
+            parts *= mesh.shape[name]
+        if dim % parts:
+            return False
+    return True
+
+
+def _target(spec: PartitionSpec | None, current: Any, mesh: jax.sharding.Mesh, aval: Any) -> NamedSharding:
+    """The sharding a node input should have on ``mesh``."""
+    if spec is not None:
+        return NamedSharding(mesh, spec)
+    if isinstance(current, NamedSharding) and _spec_fits(current.spec, mesh, aval.shape):
+        return NamedSharding(mesh, current.spec)
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _same(a: Any, b: Any, ndim: int) -> bool:
+    try:
+        return a is not None and a.is_equivalent_to(b, ndim)
+    except (AttributeError, ValueError, TypeError):
+        return False
+
+
+class Plan:
+    """A graph bound to physical devices: what the controller executes per run."""
+
+    def __init__(self, graph: Graph, signature: tuple):
+        self.graph = graph
+        self.slices = graph.slices
+        self.mapping = tuple((s, s.devices) for s in self.slices)
+        self.cluster = self.slices[0].cluster if self.slices else None
+        self.template: list[Any] = []
+        self.host_feeds: list[tuple[int, int, Any]] = []   # (arg index, slot, sharding)
+        self.array_feeds: list[tuple[int, int]] = []       # (arg index, slot): taken as is
+        self.future_feeds: list[tuple[int, int]] = []      # (arg index, slot)
+        self.steps: list[MoveStep | ExecStep] = []
+        self.outputs: list[OutputSlot] = []
+        self._lower(signature)
+
+    def _new_slot(self, value: Any = None) -> int:
+        self.template.append(value)
+        return len(self.template) - 1
+
+    def _lower(self, signature: tuple) -> None:
+        graph = self.graph
+        values = graph.values
+        home: dict[int, tuple[int, Any]] = {}        # vid -> (slot, sharding) on devices
+        host_arg: dict[int, int] = {}                 # vid -> argument index (numpy/scalar)
+        const_data: dict[int, Any] = {c.value: c.data for c in graph.consts}
+        placed: dict[tuple[int, Any], int] = {}       # (vid, sharding) -> slot
+        transfer_of = {t.output: t for t in graph.transfers}
+
+        for inp in graph.inputs:
+            sig = signature[inp.index]
+            if sig[0] in ("future", "array"):
+                slot = self._new_slot()
+                (self.future_feeds if sig[0] == "future" else self.array_feeds).append((inp.index, slot))
+                home[inp.value] = (slot, sig[3] if sig[0] == "future" else sig[4])
+            else:
+                host_arg[inp.value] = inp.index
+
+        readers: collections.Counter[int] = collections.Counter()
+        for node in graph.nodes:
+            readers.update(node.inputs)
+        for t in graph.transfers:
+            readers[t.value] += 1
+        for out in graph.outputs:
+            if out.value is not None:
+                readers[out.value] += 2  # never donate what the program returns
+        made_here: set[int] = set()
+
+        def materialise(vid: int, target: NamedSharding, ndim: int) -> int:
+            """A slot holding value ``vid`` with sharding ``target``, adding steps as needed."""
+            key = (vid, target)
+            if key in placed:
+                return placed[key]
+            if vid in transfer_of and vid not in home:
+                t = transfer_of[vid]
+                src_slot, _ = home[t.value] if t.value in home else (None, None)
+                if src_slot is None:  # a host value moved between slices: feed it directly
+                    slot = materialise(t.value, target, ndim)
+                else:
+                    slot = self._new_slot()
+                    self.steps.append(MoveStep(src_slot, slot, target, t.kind))
+                    made_here.add(vid)
+                home[vid] = (slot, target)
+                placed[key] = slot
+                return slot
+            if vid in home:
+                slot, current = home[vid]
+                if _same(current, target, ndim):
+                    placed[key] = slot
+                    return slot
+                out = self._new_slot()
+                self.steps.append(MoveStep(slot, out, target, None))
+                placed[key] = out
+                return out
+            slot = self._new_slot()
+            if vid in host_arg:
+                self.host_feeds.append((host_arg[vid], slot, target))
+            else:
+                self.template[slot] = jax.device_put(const_data[vid], target)
+            placed[key] = slot
+            return slot
+
+        for kind, index in graph.steps:
+            if kind == "transfer":
+                continue  # materialised where a node first reads the moved value
+            node = graph.nodes[index]
+            mesh = node.slice.physical_mesh
+            in_slots, shardings, donate = [], [], []
+            for position, (vid, spec) in enumerate(zip(node.inputs, node.in_specs, strict=True)):
+                aval = values[vid].aval
+                current = None
+                if vid in home:
+                    current = home[vid][1]
+                elif vid in transfer_of and transfer_of[vid].value in home:
+                    current = home[transfer_of[vid].value][1]
+                target = _target(spec, current, mesh, aval)
+                in_slots.append(materialise(vid, target, len(aval.shape)))
+                shardings.append(target)
+                if node.donated[position] and readers[vid] == 1 and vid in made_here:
+                    donate.append(position)
+            out_shardings = tuple(
+                NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
+            )
+            executable = _compile(node, mesh, tuple(shardings), out_shardings, tuple(donate))
+            produced = jax.tree_util.tree_leaves(executable.output_shardings)
+            out_slots = []
+            for vid, sharding in zip(node.outputs, produced, strict=True):
+                slot = self._new_slot()
+                home[vid] = (slot, sharding)
+                made_here.add(vid)
+                out_slots.append(slot)
+            self.steps.append(ExecStep(executable, tuple(in_slots), tuple(out_slots), node, node.slice.island))
+
+        for out in graph.outputs:
+            if out.value is None:
+                literal = jnp.asarray(out.literal)
+                self.outputs.append(OutputSlot("literal", literal, literal.aval, literal.sharding, None, f"{graph.name}: literal"))
+                continue
+            value = values[out.value]
+            if out.value in home:
+                slot, sharding = home[out.value]
+                self.outputs.append(OutputSlot("slot", slot, value.aval, sharding, value.slice, value.origin))
+            elif out.value in host_arg:
+                self.outputs.append(OutputSlot("argument", host_arg[out.value], value.aval, None, None, value.origin))
+            else:
+                slot = self._new_slot(jax.device_put(const_data[out.value]))
+                self.outputs.append(OutputSlot("slot", slot, value.aval, self.template[slot].sharding, None, value.origin))
+
+    def is_current(self) -> bool:
+        """False when a slice was released or remapped, so the plan must be lowered again."""
+        return all(s._devices is devices and not s.released for s, devices in self.mapping)
+
+    def submit(self, leaves: list[Any]) -> Any:
+        """Queues one run with these argument leaves; returns the output pytree of futures."""
+        from pathways_jax._src import cluster as cluster_lib
+
+        cl = self.cluster or cluster_lib.cluster()
+        store = cl.store
+        env = list(self.template)
+        for index, slot, sharding in self.host_feeds:
+            env[slot] = jax.device_put(leaves[index], sharding)
+        for index, slot in self.array_feeds:
+            env[slot] = leaves[index]
+        future_inputs = []
+        for index, slot in self.future_feeds:
+            entry = leaves[index]._entry
+            store.incref(entry)
+            future_inputs.append((slot, entry))
+        run_id = next(_runs)
+        owner = Owner("default", run_id)
+        entries, futures = [], []
+        for out in self.outputs:
+            entry = store.new(owner, out.aval, out.sharding, out.slice, f"{out.origin} (run {run_id})")
+            if out.kind == "literal":
+                store.set_ready(entry, out.where)
+            elif out.kind == "argument":
+                array = jnp.asarray(leaves[out.where])
+                entry.sharding = array.sharding
+                store.set_ready(entry, array)
+            entries.append(entry)
+            futures.append(Future(entry, store))
+        counters.bump("runs")
+        cl.controller.submit(Run(run_id, self, env, future_inputs, entries))
+        return jax.tree_util.tree_unflatten(self.graph.out_tree, futures)
+
+
+def _compile(node: Node, mesh: Any, in_shardings: tuple, out_shardings: tuple, donate: tuple) -> Any:
+    body = jex.jaxpr_as_fun(node.jaxpr)
+
+    def fun(*args: Any) -> tuple:
+        return tuple(body(*args))
+
+    fun.__name__ = node.name
+    args = [
+        jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=s, weak_type=getattr(aval, "weak_type", False))
+        for aval, s in zip(node.jaxpr.in_avals, in_shardings, strict=True)
+    ]
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(
+            fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
+        ).lower(*args)
+        compiled = lowered.compile()
+    counters.bump("compiles")
+    return compiled
+
+
+def lower(graph: Graph, signature: tuple) -> Plan:
+    """Binds ``graph`` to the slices' current devices and compiles its nodes."""
+    plan = Plan(graph, signature)
+    counters.bump("lowerings")
+    return plan
+
+
+__all__ = ["Plan", "Run", "lower", "np"]

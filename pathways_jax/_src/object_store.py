@@ -1,0 +1,121 @@
+"""The object store: every value a program produces, reference-counted and owned.
+
+A value's life is a small tagged union: ``Pending`` until the controller has
+dispatched the node that makes it, then ``Ready`` (holding the ``jax.Array``,
+which may still be computing) or ``Failed``, and ``Freed`` once its last
+reference is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pending:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ready:
+    array: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+    message: str
+    cause: BaseException | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Freed:
+    pass
+
+
+State = Pending | Ready | Failed | Freed
+PENDING = Pending()
+FREED = Freed()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Owner:
+    """Who owns a value: the client that submitted the run, and the run."""
+
+    client: str
+    run: int
+
+
+class Entry:
+    """One value in the store. ``refs`` counts futures and queued runs holding it."""
+
+    __slots__ = ("id", "state", "owner", "refs", "event", "aval", "sharding", "slice", "origin")
+
+    def __init__(self, entry_id: int, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str):
+        self.id = entry_id
+        self.state: State = PENDING
+        self.owner = owner
+        self.refs = 1
+        self.event = threading.Event()
+        self.aval = aval
+        self.sharding = sharding
+        self.slice = slice_
+        self.origin = origin
+
+
+class ObjectStore:
+    """Tracks live values; frees a value when its last reference goes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._live: dict[int, Entry] = {}
+
+    def new(self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str) -> Entry:
+        entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin)
+        with self._lock:
+            self._live[entry.id] = entry
+        return entry
+
+    def incref(self, entry: Entry) -> None:
+        with self._lock:
+            entry.refs += 1
+
+    def decref(self, entry: Entry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            self._live.pop(entry.id, None)
+        # Dropping the store's reference lets JAX free the buffer once nothing
+        # else (a queued computation, an array the user took) holds it.
+        entry.state = FREED
+        entry.event.set()
+
+    @staticmethod
+    def set_ready(entry: Entry, array: jax.Array) -> None:
+        if not isinstance(entry.state, Freed):
+            entry.state = Ready(array)
+        entry.event.set()
+
+    @staticmethod
+    def set_failed(entry: Entry, message: str, cause: BaseException | None) -> None:
+        if not isinstance(entry.state, Freed):
+            entry.state = Failed(message, cause)
+        entry.event.set()
+
+    def live_count(self) -> int:
+        """How many values are alive (held by a future or a queued run)."""
+        with self._lock:
+            return len(self._live)
+
+    def live_bytes(self) -> int:
+        with self._lock:
+            entries = list(self._live.values())
+        return sum(
+            e.state.array.nbytes for e in entries if isinstance(e.state, Ready)
+        )

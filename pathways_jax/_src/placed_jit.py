@@ -1,0 +1,232 @@
+"""``pw.jit``: a jitted function placed on a virtual slice."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from pathways_jax._src import context, errors, source
+from pathways_jax._src.devices import VirtualSlice, check_spec
+from pathways_jax._src.tracing import JIT_SCOPE, JitCall, Program, _static_positions
+
+Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _check_fits(spec: PartitionSpec | None, aval: Any, slice_: VirtualSlice, what: str) -> None:
+    if spec is None:
+        return
+    check_spec(spec, slice_, what=what)
+    shape = getattr(aval, "shape", ())
+    if len(spec) > len(shape):
+        raise errors.PlacementError(
+            f"{what} {spec} has {len(spec)} entries but the value has shape {tuple(shape)}; "
+            "a spec has at most one entry per dimension."
+        )
+    sizes = dict(zip(slice_.axis_names, slice_.shape, strict=True))
+    for dim, entry in zip(shape, spec, strict=False):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        parts = 1
+        for name in names:
+            if name is not None:
+                parts *= sizes[name]
+        if dim % parts:
+            raise errors.PlacementError(
+                f"{what} {spec} splits a dimension of size {dim} into {parts} parts "
+                f"for shape {tuple(shape)} on {slice_!r}; the size must divide evenly."
+            )
+
+
+class JitFunction:
+    """A function compiled with ``jax.jit`` and placed on a slice; see :func:`jit`."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        devices: VirtualSlice | None,
+        in_specs: Specs,
+        out_specs: Any,
+        static_argnums: tuple[int, ...],
+        donate_argnums: tuple[int, ...],
+    ):
+        self._fun = fun
+        self._devices = devices
+        self._in_specs = in_specs
+        self._out_specs = out_specs
+        self._static = static_argnums
+        self._jitted = jax.jit(fun, static_argnums=static_argnums, donate_argnums=donate_argnums)
+        self._programs: dict[int, Program] = {}
+        self.source_info = source.of_function(fun)
+        functools.update_wrapper(self, fun)
+
+    @property
+    def devices(self) -> VirtualSlice | None:
+        return self._devices
+
+    def _slice(self) -> VirtualSlice:
+        trace = context.state.trace
+        chosen = self._devices or context.current_slice() or (trace.default if trace else None)
+        if chosen is None:
+            raise errors.PlacementError(
+                f"pw.jit function {self.__name__!r} ({self.source_info}) was called at "
+                f"{source.of_caller()} with no devices: pass pw.jit(..., devices=slice), "
+                "call it inside `with slice:`, or inside a @pw.program(devices=slice)."
+            )
+        chosen.check_usable()
+        return chosen
+
+    def _leaf_in_specs(self, args: tuple, kwargs: dict, slice_: VirtualSlice) -> tuple:
+        dynamic = [a for i, a in enumerate(args) if i not in self._static]
+        if self._in_specs is None or isinstance(self._in_specs, PartitionSpec):
+            per_arg = [self._in_specs] * len(dynamic)
+        else:
+            per_arg = list(self._in_specs)
+            if len(per_arg) != len(dynamic):
+                raise errors.PlacementError(
+                    f"pw.jit function {self.__name__!r} ({self.source_info}) has "
+                    f"{len(per_arg)} in_specs but was called with {len(dynamic)} "
+                    "non-static positional arguments; give one spec (or None) per argument."
+                )
+        specs: list[PartitionSpec | None] = []
+        for position, (arg, spec) in enumerate(zip(dynamic, per_arg, strict=True)):
+            if not _is_spec_leaf(spec):
+                raise errors.PlacementError(
+                    f"in_specs[{position}] of {self.__name__!r} must be pw.P(...) or None, got {spec!r}."
+                )
+            for leaf in jax.tree_util.tree_leaves(arg):
+                _check_fits(spec, leaf, slice_, f"in_specs[{position}] of {self.__name__!r}")
+                specs.append(spec)
+        specs.extend([None] * len(jax.tree_util.tree_leaves(kwargs)))
+        return tuple(specs)
+
+    def _leaf_out_specs(self, out: Any, slice_: VirtualSlice) -> tuple:
+        if self._out_specs is None:
+            return (None,) * len(jax.tree_util.tree_leaves(out))
+        try:
+            spread = jax.tree_util.tree_map(
+                lambda spec, sub: [spec] * len(jax.tree_util.tree_leaves(sub)),
+                self._out_specs,
+                out,
+                is_leaf=_is_spec_leaf,
+            )
+        except (ValueError, TypeError) as exc:
+            raise errors.PlacementError(
+                f"out_specs {self._out_specs!r} of {self.__name__!r} ({self.source_info}) "
+                f"do not match its output structure {jax.tree_util.tree_structure(out)}; "
+                "give one pw.P(...) for all outputs or a matching tuple."
+            ) from exc
+        specs = [s for group in jax.tree_util.tree_leaves(spread, is_leaf=lambda x: isinstance(x, list)) for s in group]
+        for spec, leaf in zip(specs, jax.tree_util.tree_leaves(out), strict=True):
+            _check_fits(spec, leaf, slice_, f"out_specs of {self.__name__!r}")
+        return tuple(specs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        trace = context.state.trace
+        if trace is None and any(
+            isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))
+        ):
+            # Inside someone else's jax transformation: behave as jax.jit.
+            return self._jitted(*args, **kwargs)
+        slice_ = self._slice()
+        if trace is None:
+            prog = self._programs.get(slice_.id)
+            if prog is None:
+                prog = Program(
+                    lambda *a, **k: self(*a, **k),
+                    devices=slice_,
+                    static_argnums=self._static,
+                    name=self.__name__,
+                )
+                prog.source_info = self.source_info
+                self._programs[slice_.id] = prog
+            return prog(*args, **kwargs)
+        number = trace.record_jit(JitCall(slice_, self._leaf_in_specs(args, kwargs, slice_), None))
+        with jax.named_scope(f"{JIT_SCOPE}{number}"), jax.sharding.use_abstract_mesh(slice_.mesh):
+            out = self._jitted(*args, **kwargs)
+        trace.jit_calls[number] = dataclasses.replace(
+            trace.jit_calls[number], out_specs=self._leaf_out_specs(out, slice_)
+        )
+        return out
+
+    def __repr__(self) -> str:
+        return f"pw.jit({self.__name__}, devices={self._devices!r})"
+
+
+def jit(
+    fun: Callable[..., Any] | None = None,
+    *,
+    devices: VirtualSlice | None = None,
+    in_specs: Specs = None,
+    out_specs: Any = None,
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> JitFunction | Callable[[Callable[..., Any]], JitFunction]:
+    """Compiles ``fun`` with ``jax.jit`` and places it on a slice.
+
+    Usable bare (``pw.jit(f, devices=s)``) or as a decorator
+    (``@pw.jit(devices=s)``). Called inside a ``@pw.program`` it becomes one
+    node of the program; called anywhere else it runs as a one-node program
+    and returns :class:`Future` s.
+
+    Args:
+      fun: the function.
+      devices: the slice to run on; ``None`` uses the enclosing ``with slice:``
+        or the program's default slice at call time.
+      in_specs: ``pw.P(...)`` for every argument, or one ``pw.P``/``None`` per
+        non-static positional argument, over the slice's axis names.
+      out_specs: ``pw.P(...)`` for every output, or a pytree prefix of the
+        output with one ``pw.P``/``None`` per part.
+      static_argnums: positional arguments that are Python values.
+      donate_argnums: arguments whose buffers the function may reuse.
+
+    Returns:
+      A :class:`JitFunction`.
+
+    Example:
+      >>> import jax.numpy as jnp, pathways_jax as pw
+      >>> s = pw.devices(mesh={"x": 2})
+      >>> @pw.jit(devices=s, in_specs=pw.P("x"), out_specs=pw.P())
+      ... def total(v):
+      ...     return v.sum()
+      >>> float(total(jnp.arange(4.0)).result())
+      6.0
+      >>> s.release()
+    """
+    if fun is None:
+        return functools.partial(
+            jit,
+            devices=devices,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            static_argnums=static_argnums,
+            donate_argnums=donate_argnums,
+        )
+    if not callable(fun):
+        raise errors.ProgramTraceError(f"pw.jit expects a function, got {type(fun).__name__}: {fun!r}.")
+    if devices is not None and not isinstance(devices, VirtualSlice):
+        raise errors.PlacementError(
+            f"pw.jit(devices=...) expects a slice from pw.devices(...), got {devices!r}."
+        )
+    if devices is not None:
+        if isinstance(in_specs, PartitionSpec):
+            check_spec(in_specs, devices, what="in_specs")
+        elif in_specs is not None:
+            for spec in in_specs:
+                if spec is not None:
+                    check_spec(spec, devices, what="in_specs")
+    return JitFunction(
+        fun,
+        devices,
+        in_specs,
+        out_specs,
+        _static_positions(static_argnums),
+        _static_positions(donate_argnums),
+    )

@@ -1,0 +1,132 @@
+"""The resource manager: islands of devices and the virtual-to-physical map."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+
+import jax
+
+from pathways_jax._src import errors
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Island:
+    """A group of devices joined by a fast interconnect ("ici"); islands talk over "dcn"."""
+
+    index: int
+    devices: tuple[jax.Device, ...]
+
+    def __repr__(self) -> str:
+        ids = ",".join(str(d.id) for d in self.devices)
+        return f"Island({self.index}, devices=[{ids}])"
+
+
+class ResourceManager:
+    """Maps virtual slices onto physical devices.
+
+    Shared slices go to the least-loaded devices of a fitting island and are
+    time-multiplexed by the controller. Exclusive slices reserve their devices:
+    nothing else is mapped there until they are released.
+    """
+
+    def __init__(self, islands: tuple[tuple[jax.Device, ...], ...]):
+        self.islands = tuple(Island(i, devs) for i, devs in enumerate(islands))
+        self._cond = threading.Condition()
+        self._shared_load: collections.Counter[int] = collections.Counter()
+        self._reserved: set[int] = set()
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"island {isl.index}: {len(isl.devices)} devices" for isl in self.islands
+        )
+
+    def _candidates(self, size: int, island: int | None) -> tuple[Island, ...]:
+        if island is not None:
+            if (
+                not isinstance(island, int)
+                or isinstance(island, bool)
+                or not 0 <= island < len(self.islands)
+            ):
+                raise errors.ResourceError(
+                    f"asked for island {island!r}, but the cluster has islands "
+                    f"0..{len(self.islands) - 1} ({self.describe()}). Pass one of "
+                    "those, or island=None to let the resource manager choose."
+                )
+            pool = (self.islands[island],)
+        else:
+            pool = self.islands
+        fitting = tuple(isl for isl in pool if len(isl.devices) >= size)
+        if not fitting:
+            where = f"island {island}" if island is not None else "any island"
+            raise errors.ResourceError(
+                f"asked for a slice of {size} devices on {where}, but the largest "
+                f"fitting island has {max(len(isl.devices) for isl in pool)} "
+                f"({self.describe()}). Ask for fewer devices, or pw.init() with "
+                "larger islands."
+            )
+        return fitting
+
+    def _try_place(
+        self, size: int, fitting: tuple[Island, ...], exclusive: bool
+    ) -> tuple[int, tuple[jax.Device, ...]] | None:
+        best = None
+        for isl in fitting:
+            free = [d for d in isl.devices if d.id not in self._reserved]
+            if exclusive:
+                free = [d for d in free if self._shared_load[d.id] == 0]
+            if len(free) < size:
+                continue
+            chosen = sorted(free, key=lambda d: (self._shared_load[d.id], d.id))[:size]
+            load = sum(self._shared_load[d.id] for d in chosen)
+            if best is None or load < best[0]:
+                best = (load, isl.index, tuple(sorted(chosen, key=lambda d: d.id)))
+        return None if best is None else (best[1], best[2])
+
+    def acquire(
+        self, size: int, island: int | None, exclusive: bool, timeout: float | None
+    ) -> tuple[int, tuple[jax.Device, ...]]:
+        """Picks devices for a new slice, waiting up to ``timeout`` if they are busy."""
+        fitting = self._candidates(size, island)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (placed := self._try_place(size, fitting, exclusive)) is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    kind = "exclusive" if exclusive else "shared"
+                    raise errors.ResourceError(
+                        f"no island had {size} devices free for an {kind} slice "
+                        f"within timeout={timeout}s ({len(self._reserved)} devices "
+                        "reserved by exclusive slices). Release slices you no "
+                        "longer need, or wait longer."
+                    )
+                self._cond.wait(remaining)
+            island_index, devices = placed
+            for d in devices:
+                if exclusive:
+                    self._reserved.add(d.id)
+                else:
+                    self._shared_load[d.id] += 1
+            return island_index, devices
+
+    def release(self, devices: tuple[jax.Device, ...], exclusive: bool) -> None:
+        with self._cond:
+            for d in devices:
+                if exclusive:
+                    self._reserved.discard(d.id)
+                else:
+                    self._shared_load[d.id] -= 1
+                    if self._shared_load[d.id] <= 0:
+                        del self._shared_load[d.id]
+            self._cond.notify_all()
+
+    def load(self) -> dict[int, int]:
+        """Slices mapped on each device id (an exclusive reservation counts as one)."""
+        with self._cond:
+            out = {d.id: 0 for isl in self.islands for d in isl.devices}
+            out.update(self._shared_load)
+            for device_id in self._reserved:
+                out[device_id] += 1
+            return out

@@ -1,0 +1,302 @@
+"""``@pw.program`` and ``pw.jit``: tracing user functions into dataflow graphs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from pathways_jax._src import context, counters, errors, graph_builder, source
+from pathways_jax._src.devices import SCOPE_PREFIX, VirtualSlice, check_spec
+from pathways_jax._src.futures import Future
+from pathways_jax._src.graph import Graph
+
+JIT_SCOPE = "pw_jit"
+DEFAULT_SCOPE = "pw_default"
+_SCALARS = (bool, int, float, complex)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JitCall:
+    """What a ``pw.jit`` call inside a program trace records about its node."""
+
+    slice: VirtualSlice
+    in_specs: tuple[PartitionSpec | None, ...]
+    out_specs: tuple[PartitionSpec | None, ...] | None
+
+
+class TraceState:
+    """Side tables of one program trace, found again through named scopes."""
+
+    def __init__(self, default: VirtualSlice | None):
+        self.default = default
+        self.slices: dict[int, VirtualSlice] = {}
+        self.jit_calls: list[JitCall] = []
+        if default is not None:
+            self.note_slice(default)
+
+    def note_slice(self, slice_: VirtualSlice) -> None:
+        self.slices[slice_.id] = slice_
+
+    def record_jit(self, call: JitCall) -> int:
+        self.note_slice(call.slice)
+        self.jit_calls.append(call)
+        return len(self.jit_calls) - 1
+
+
+_SCOPE_RE = re.compile(rf"^({SCOPE_PREFIX}|{DEFAULT_SCOPE}|{JIT_SCOPE})(\d+)$")
+
+
+def parse_scopes(name_stack: Any) -> list[tuple[str, int]]:
+    """The pathways scopes of an equation's name stack, innermost first."""
+    found = []
+    for part in reversed(str(name_stack).split("/")):
+        match = _SCOPE_RE.match(part)
+        if match:
+            found.append((match.group(1), int(match.group(2))))
+    return found
+
+
+def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
+    # The tuple is the cache key of the leaf: what tracing and lowering depend on.
+    if isinstance(leaf, Future):
+        return ("future", leaf.shape, leaf.dtype, leaf.sharding, leaf.slice.id)
+    if isinstance(leaf, jax.Array):
+        return ("array", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
+    if isinstance(leaf, np.ndarray | np.generic):
+        return ("numpy", leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
+    if isinstance(leaf, _SCALARS):
+        return ("scalar", type(leaf))
+    raise errors.ProgramTraceError(
+        f"program {program!r} got argument leaf {position} of type "
+        f"{type(leaf).__name__}; expected a jax.Array, numpy array, Python "
+        "scalar or pw.Future (or a pytree of them). Pass other values through "
+        "static_argnums."
+    )
+
+
+def _abstract(signature: tuple) -> jax.ShapeDtypeStruct:
+    match signature:
+        case ("future", shape, dtype, _, _):
+            return jax.ShapeDtypeStruct(shape, dtype)
+        case ("array", shape, dtype, weak, _):
+            return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+        case ("numpy", shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype)
+        case ("scalar", kind):
+            dtype = jax.dtypes.canonicalize_dtype(np.dtype(kind))
+            return jax.ShapeDtypeStruct((), dtype, weak_type=kind is not bool)
+    raise AssertionError(signature)  # pragma: no cover
+
+
+def _static_positions(static_argnums: int | Sequence[int]) -> tuple[int, ...]:
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    if not all(isinstance(n, int) and n >= 0 for n in nums):
+        raise errors.ProgramTraceError(
+            f"static_argnums must be non-negative ints, got {static_argnums!r}."
+        )
+    return tuple(sorted(set(nums)))
+
+
+class Program:
+    """A function traced into ONE dataflow program over virtual slices.
+
+    Made by :func:`program`. Calling it returns at once with a pytree of
+    :class:`Future` (one per output leaf); the controller runs the program in
+    the background.
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        *,
+        devices: VirtualSlice | None,
+        static_argnums: tuple[int, ...],
+        name: str | None = None,
+    ):
+        self._fun = fun
+        self._devices = devices
+        self._static = static_argnums
+        self.name = name or getattr(fun, "__name__", type(fun).__name__)
+        self.source_info = source.of_function(fun)
+        self._lock = threading.RLock()
+        self._graphs: dict[Any, Graph] = {}
+        self._plans: dict[Any, Any] = {}
+        functools.update_wrapper(self, fun)
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, list, Any]:
+        statics = []
+        dynamic = list(args)
+        for position in reversed(self._static):
+            if position >= len(args):
+                raise errors.ProgramTraceError(
+                    f"program {self.name!r} ({self.source_info}) has static_argnums "
+                    f"{self._static}, but was called with {len(args)} positional arguments."
+                )
+            value = dynamic.pop(position)
+            try:
+                hash(value)
+            except TypeError as exc:
+                raise errors.ProgramTraceError(
+                    f"static argument {position} of program {self.name!r} must be "
+                    f"hashable, got {type(value).__name__}."
+                ) from exc
+            statics.append((position, value))
+        leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
+        ambient = context.current_slice() if self._devices is None else None
+        signature = tuple(
+            _leaf_signature(leaf, i, self.name) for i, leaf in enumerate(leaves)
+        )
+        key = (treedef, signature, tuple(statics), ambient.id if ambient is not None else None)
+        return key, leaves, (treedef, tuple(reversed(statics)), signature, ambient, leaves)
+
+    def graph(self, *args: Any, **kwargs: Any) -> Graph:
+        """The dataflow graph this program traces into for these arguments.
+
+        Example:
+          >>> import jax.numpy as jnp, pathways_jax as pw
+          >>> s = pw.devices(mesh={"x": 1})
+          >>> prog = pw.program(lambda v: v + 1, devices=s)
+          >>> len(prog.graph(jnp.zeros(3)).nodes)
+          1
+          >>> s.release()
+        """
+        key, leaves, how = self._split(args, kwargs)
+        return self._graph_for(key, how)
+
+    def _graph_for(self, key: Any, how: tuple) -> Graph:
+        graph = self._graphs.get(key)
+        if graph is None:
+            with self._lock:
+                graph = self._graphs.get(key)
+                if graph is None:
+                    graph = self._trace(*how)
+                    self._graphs[key] = graph
+        return graph
+
+    def _trace(
+        self,
+        treedef: Any,
+        statics: tuple,
+        signature: tuple,
+        ambient: VirtualSlice | None,
+        leaves: list[Any],
+    ) -> Graph:
+        default = self._devices if self._devices is not None else ambient
+        if default is not None:
+            default.check_usable()
+        state = TraceState(default)
+        out_trees: list[Any] = []
+
+        def flat_fun(*dynamic_leaves: Any) -> list[Any]:
+            dynamic, kwargs = jax.tree_util.tree_unflatten(treedef, dynamic_leaves)
+            full = list(dynamic)
+            for position, value in statics:
+                full.insert(position, value)
+            out = self._fun(*full, **kwargs)
+            flat, tree = jax.tree_util.tree_flatten(out)
+            out_trees.append(tree)
+            return flat
+
+        outer, context.state.trace = context.state.trace, state
+        try:
+            with contextlib.ExitStack() as stack:
+                if default is not None:
+                    stack.enter_context(jax.named_scope(f"{DEFAULT_SCOPE}{default.id}"))
+                    stack.enter_context(jax.sharding.use_abstract_mesh(default.mesh))
+                closed = jax.make_jaxpr(flat_fun)(*(_abstract(s) for s in signature))
+        except errors.PathwaysError:
+            raise
+        except Exception as exc:
+            where = source.of_exception(exc)
+            raise errors.ProgramTraceError(
+                f"tracing program {self.name!r} ({self.source_info}) failed at "
+                f"{where or 'an unknown line'}: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            context.state.trace = outer
+        counters.bump("traces")
+        graph = graph_builder.build(
+            name=self.name,
+            source_info=self.source_info,
+            closed=closed,
+            input_slices=tuple(
+                leaf.slice if isinstance(leaf, Future) else None for leaf in leaves
+            ),
+            state=state,
+            out_tree=out_trees[-1],
+        )
+        return graph.check()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from pathways_jax._src import lowering
+
+        key, leaves, how = self._split(args, kwargs)
+        graph = self._graph_for(key, how)
+        plan = self._plans.get(key)
+        if plan is None or not plan.is_current():
+            with self._lock:
+                plan = self._plans.get(key)
+                if plan is None or not plan.is_current():
+                    plan = lowering.lower(graph, how[2])
+                    self._plans[key] = plan
+        return plan.submit(leaves)
+
+    def __repr__(self) -> str:
+        return f"pw.program({self.name}, {self.source_info})"
+
+
+def program(
+    fun: Callable[..., Any] | None = None,
+    *,
+    devices: VirtualSlice | None = None,
+    static_argnums: int | Sequence[int] = (),
+    name: str | None = None,
+) -> Program | Callable[[Callable[..., Any]], Program]:
+    """Turns a function into ONE dataflow program over virtual slices.
+
+    Usable bare (``@pw.program``) or with options (``@pw.program(devices=s)``).
+    Every ``pw.jit`` function called inside becomes one node; plain
+    ``jax.jit`` functions become nodes on the enclosing ``with slice:`` (or the
+    program's ``devices``); operations between them are grouped into small
+    nodes placed with their inputs; values crossing slices get transfers
+    (``"ici"`` within an island, ``"dcn"`` across islands).
+
+    Args:
+      fun: the function to trace.
+      devices: the default slice for code not placed otherwise.
+      static_argnums: positional arguments that are Python values, not arrays.
+      name: the program's name in graphs and errors (default: ``fun.__name__``).
+
+    Returns:
+      A :class:`Program`; calling it returns a pytree of :class:`Future`.
+
+    Example:
+      >>> import jax.numpy as jnp, pathways_jax as pw
+      >>> s = pw.devices(mesh={"x": 1})
+      >>> @pw.program(devices=s)
+      ... def step(v):
+      ...     return v * 2 + 1
+      >>> step(jnp.arange(3.0)).result().tolist()
+      [1.0, 3.0, 5.0]
+      >>> s.release()
+    """
+    if fun is None:
+        return functools.partial(program, devices=devices, static_argnums=static_argnums, name=name)
+    if not callable(fun):
+        raise errors.ProgramTraceError(
+            f"pw.program expects a function, got {type(fun).__name__}: {fun!r}."
+        )
+    if devices is not None and not isinstance(devices, VirtualSlice):
+        raise errors.PlacementError(
+            f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
+        )
+    return Program(fun, devices=devices, static_argnums=_static_positions(static_argnums), name=name)
