@@ -229,9 +229,15 @@ def build(
                 and (v in returned or readers.get(v, set()) - {number})
             ]
             effects = frozenset().union(*(eqn.effects for eqn in eqns))
-            glue = jex.ClosedJaxpr(jex.Jaxpr([], in_vars, out_vars, eqns, effects), [])
             node_name = unique("glue")
             where = source.of_equation(eqns[0])
+            debug = jex.DebugInfo(
+                f"pw.program {name} glue",
+                where,
+                tuple(f"in{i}" for i in range(len(in_vars))),
+                tuple(f"out{i}" for i in range(len(out_vars))),
+            )
+            glue = jex.ClosedJaxpr(jex.Jaxpr([], in_vars, out_vars, eqns, effects, debug), [])
             in_ids = [on_slice(var_value[v], slice_) for v in in_vars]
             out_ids = []
             for var in out_vars:

@@ -80,9 +80,14 @@ class ResourceManager:
             if len(free) < size:
                 continue
             chosen = sorted(free, key=lambda d: (self._shared_load[d.id], d.id))[:size]
-            load = sum(self._shared_load[d.id] for d in chosen)
-            if best is None or load < best[0]:
-                best = (load, isl.index, tuple(sorted(chosen, key=lambda d: d.id)))
+            # Least-loaded devices first, then the emptier island, then the lower index.
+            rank = (
+                sum(self._shared_load[d.id] for d in chosen),
+                sum(self._shared_load[d.id] for d in isl.devices),
+                isl.index,
+            )
+            if best is None or rank < best[0]:
+                best = (rank, isl.index, tuple(sorted(chosen, key=lambda d: d.id)))
         return None if best is None else (best[1], best[2])
 
     def acquire(

@@ -201,18 +201,19 @@ class Program:
             full = list(dynamic)
             for position, value in statics:
                 full.insert(position, value)
-            out = self._fun(*full, **kwargs)
+            with contextlib.ExitStack() as stack:
+                # Scopes entered here, inside the trace, are recorded on every equation.
+                if default is not None:
+                    stack.enter_context(jax.named_scope(f"{DEFAULT_SCOPE}{default.id}"))
+                    stack.enter_context(jax.sharding.use_abstract_mesh(default.mesh))
+                out = self._fun(*full, **kwargs)
             flat, tree = jax.tree_util.tree_flatten(out)
             out_trees.append(tree)
             return flat
 
         outer, context.state.trace = context.state.trace, state
         try:
-            with contextlib.ExitStack() as stack:
-                if default is not None:
-                    stack.enter_context(jax.named_scope(f"{DEFAULT_SCOPE}{default.id}"))
-                    stack.enter_context(jax.sharding.use_abstract_mesh(default.mesh))
-                closed = jax.make_jaxpr(flat_fun)(*(_abstract(s) for s in signature))
+            closed = jax.make_jaxpr(flat_fun)(*(_abstract(s) for s in signature))
         except errors.PathwaysError:
             raise
         except Exception as exc:

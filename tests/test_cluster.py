@@ -1,0 +1,111 @@
+"""The cluster, islands and the resource manager's placement of virtual slices."""
+
+import threading
+import time
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding
+
+import pathways_jax as pw
+
+
+def test_default_cluster_is_one_island_of_all_devices():
+    cl = pw.cluster()
+    assert cl is pw.cluster()
+    assert len(cl.islands) == 1
+    assert [d.id for d in cl.islands[0].devices] == [d.id for d in jax.devices()]
+    assert pw.init() is cl  # same arguments: a no-op
+
+
+@pytest.mark.parametrize(
+    ("islands", "expected"),
+    [
+        (2, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        (4, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+        ([[7, 6], [0, 1, 2]], [[7, 6], [0, 1, 2]]),
+    ],
+)
+def test_islands_are_carved_as_asked(islands, expected):
+    cl = pw.init(num_cpu_devices=8, islands=islands)
+    assert [[d.id for d in isl.devices] for isl in cl.islands] == expected
+    assert [isl.index for isl in cl.islands] == list(range(len(expected)))
+
+
+def test_slice_exposes_mesh_shape_and_devices():
+    pw.init(num_cpu_devices=8, islands=2)
+    s = pw.devices(mesh={"data": 2, "model": 2}, island=1)
+    assert s.shape == (2, 2) and s.axis_names == ("data", "model")
+    assert isinstance(s.mesh, AbstractMesh)
+    assert dict(s.mesh.shape) == {"data": 2, "model": 2}
+    assert s.island == 1
+    assert {d.id for d in s.devices} <= {4, 5, 6, 7} and len(s.devices) == 4
+    sharding = s.sharding("data", None)
+    assert isinstance(sharding, NamedSharding)
+    assert sharding.spec == pw.P("data", None)
+    assert set(sharding.device_set) == set(s.devices)
+    t = pw.devices(mesh=(2, 2))
+    assert t.axis_names == ("x", "y")
+
+
+def test_shared_slices_go_to_the_least_loaded_devices_and_island():
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2})
+    b = pw.devices(mesh={"x": 2})
+    c = pw.devices(mesh={"x": 4})
+    ids = [{d.id for d in s.devices} for s in (a, b, c)]
+    assert ids[0].isdisjoint(ids[1])
+    assert a.island != b.island  # each went to the emptier island
+    load = pw.cluster().resources.load()
+    assert sum(load.values()) == 8
+    # c filled the two idle devices of its island before sharing the busy ones.
+    assert sorted(load[d.id] for d in c.devices) == [1, 1, 2, 2]
+    for s in (a, b, c):
+        s.release()
+    assert set(pw.cluster().resources.load().values()) == {0}
+
+
+def test_exclusive_slices_reserve_devices_and_release_wakes_waiters():
+    pw.init(num_cpu_devices=8, islands=2)
+    held = pw.devices(mesh={"x": 4}, island=0, exclusive=True)
+    shared = pw.devices(mesh={"x": 4})
+    assert shared.island == 1  # reserved devices are not shared out
+    got = []
+
+    def waiter():
+        got.append(pw.devices(mesh={"x": 2}, island=0, exclusive=True, timeout=20))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.2)
+    assert not got
+    held.release()
+    thread.join(20)
+    assert got and got[0].island == 0 and got[0].exclusive
+
+
+def test_slice_context_manager_places_pw_jit_and_nests():
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    double = pw.jit(lambda v: v * 2)
+    with a:
+        out_a = double(jax.numpy.ones(2))
+        with b:
+            out_b = double(jax.numpy.ones(2))
+    assert out_a.slice is a and out_b.slice is b
+    assert set(out_b.sharding.device_set) == set(b.devices)
+
+
+def test_release_is_idempotent_and_dropping_a_slice_gives_devices_back():
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 8}, exclusive=True)
+    s.release()
+    s.release()
+    t = pw.devices(mesh={"x": 8}, exclusive=True)
+    del t
+    import gc
+
+    gc.collect()
+    u = pw.devices(mesh={"x": 8}, exclusive=True, timeout=0)
+    assert u.exclusive

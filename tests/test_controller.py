@@ -1,0 +1,108 @@
+"""The controller: consistent order per island and bounded in-flight dispatch.
+
+Both workloads below abort or hang plain JAX on CPU (DESIGN §5); through the
+controller they must finish, correctly, within the timeout.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pathways_jax as pw
+
+P = pw.P
+
+
+def _allreduce_program(slice_):
+    @pw.jit(devices=slice_, in_specs=(P(), None))
+    def node(acc, x):
+        total = jax.shard_map(
+            lambda a: jax.lax.psum(a.sum(), "x"), in_specs=P("x"), out_specs=P()
+        )(jnp.broadcast_to(x, (slice_.size,)))
+        return acc + total
+
+    return pw.program(lambda acc, x: node(acc, x))
+
+
+@pytest.mark.timeout(240)
+def test_two_threads_300_allreduce_programs_each_on_one_island():
+    pw.init(num_cpu_devices=8)
+    slices = [pw.devices(mesh={"x": 4}), pw.devices(mesh={"x": 4})]
+    assert set(slices[0].devices) & set(slices[1].devices) == set()  # least-loaded spread
+    slices.append(pw.devices(mesh={"x": 4}))                          # overlaps the first
+    assert set(slices[2].devices) == set(slices[0].devices)
+    programs = [_allreduce_program(s) for s in slices]
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def client(index):
+        try:
+            acc = jnp.zeros(())
+            outs = []
+            for step in range(300):
+                acc = programs[(index + step) % 3](acc, float(index + 1))
+                outs.append(acc)
+            results[index] = [o.result(timeout=180) for o in outs[-1:]]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(200)
+    assert not any(t.is_alive() for t in threads), "client threads did not finish"
+    assert not errors, errors
+    # Each step adds size * (index + 1) with size 4; compare with plain jax.jit sequentially.
+    reference = jax.jit(lambda acc, x: acc + 4 * x)
+    for index in range(2):
+        want = jnp.zeros(())
+        for _ in range(300):
+            want = reference(want, float(index + 1))
+        np.testing.assert_allclose(np.asarray(results[index][0]), np.asarray(want), rtol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_chain_of_256_allreduce_programs_submitted_without_waiting():
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 8})
+    program = _allreduce_program(s)
+    acc = jnp.zeros(())
+    futures = []
+    for _ in range(256):
+        acc = program(acc, 0.5)
+        futures.append(acc)
+    assert float(acc.result(timeout=200)) == pytest.approx(256 * 8 * 0.5)
+    assert all(f.done() for f in futures)
+    assert pw.cluster().controller.alive
+
+
+def test_in_flight_window_is_configurable_and_validated():
+    cl = pw.init(num_cpu_devices=8, max_in_flight=2)
+    assert cl.in_flight == 2
+    s = pw.devices(mesh={"x": 8})
+    program = _allreduce_program(s)
+    acc = jnp.zeros(())
+    for _ in range(20):
+        acc = program(acc, 1.0)
+    assert float(acc.result(timeout=60)) == 20 * 8
+    pw.shutdown()
+    with pytest.raises(pw.errors.ClusterError, match="max_in_flight"):
+        pw.init(num_cpu_devices=8, max_in_flight=0)
+
+
+def test_controller_thread_starts_lazily_and_shutdown_drains_the_queue():
+    cl = pw.init(num_cpu_devices=8)
+    assert cl._controller is None
+    s = pw.devices(mesh={"x": 2})
+    step = pw.program(lambda x: x + 1, devices=s)
+    outs = [step(jnp.full(3, float(i))) for i in range(50)]
+    assert cl._controller is not None
+    pw.shutdown()
+    for i, out in enumerate(outs):
+        np.testing.assert_array_equal(np.asarray(out.result(timeout=30)), np.full(3, i + 1.0))
+    with pytest.raises(pw.errors.PlacementError, match="shut down"):
+        step(jnp.zeros(3))
