@@ -19,9 +19,9 @@ P = pw.P
 def _allreduce_program(slice_):
     @pw.jit(devices=slice_, in_specs=(P(), None))
     def node(acc, x):
-        total = jax.shard_map(
-            lambda a: jax.lax.psum(a.sum(), "x"), in_specs=P("x"), out_specs=P()
-        )(jnp.broadcast_to(x, (slice_.size,)))
+        total = jax.shard_map(lambda a: jax.lax.psum(a.sum(), "x"), in_specs=P("x"), out_specs=P())(
+            jnp.broadcast_to(x, (slice_.size,))
+        )
         return acc + total
 
     return pw.program(lambda acc, x: node(acc, x))
@@ -32,7 +32,7 @@ def test_two_threads_300_allreduce_programs_each_on_one_island():
     pw.init(num_cpu_devices=8)
     slices = [pw.devices(mesh={"x": 4}), pw.devices(mesh={"x": 4})]
     assert set(slices[0].devices) & set(slices[1].devices) == set()  # least-loaded spread
-    slices.append(pw.devices(mesh={"x": 4}))                          # overlaps the first
+    slices.append(pw.devices(mesh={"x": 4}))  # overlaps the first
     assert set(slices[2].devices) == set(slices[0].devices)
     programs = [_allreduce_program(s) for s in slices]
     results: dict[int, list] = {}
@@ -46,7 +46,7 @@ def test_two_threads_300_allreduce_programs_each_on_one_island():
                 acc = programs[(index + step) % 3](acc, float(index + 1))
                 outs.append(acc)
             results[index] = [o.result(timeout=180) for o in outs[-1:]]
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]

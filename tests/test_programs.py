@@ -1,5 +1,7 @@
 """Programs give plain jax.jit's results, with the graph structure and caching promised."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,7 +73,7 @@ def test_chain_across_islands_matches_jit(islands):
     assert len(graph.nodes) == islands
     assert [n.slice.island for n in graph.nodes] == list(range(islands))
     assert [t.kind for t in graph.transfers] == ["dcn"] * (islands - 1)
-    assert [(t.src, t.dst) for t in graph.transfers] == list(zip(slices, slices[1:], strict=False))
+    assert [(t.src, t.dst) for t in graph.transfers] == list(itertools.pairwise(slices))
 
 
 def test_quickstart_program_graph_and_counters():
@@ -118,9 +120,9 @@ def test_new_signature_retraces_once():
 
     pw.reset_counters()
     scale(jnp.ones(4), 2.0).result()
-    scale(jnp.ones(4), 3.0).result()        # same signature: cached
+    scale(jnp.ones(4), 3.0).result()  # same signature: cached
     assert pw.counters()["traces"] == 1
-    scale(jnp.ones(6), 2.0).result()        # new shape
+    scale(jnp.ones(6), 2.0).result()  # new shape
     scale(jnp.ones(4, jnp.int32), 2).result()  # new dtypes
     assert pw.counters()["traces"] == 3
     assert pw.counters()["lowerings"] == 3
@@ -179,8 +181,8 @@ def test_glue_goes_with_its_inputs_and_program_default():
     @pw.program(devices=b)
     def step(x):
         y = f(x)
-        z = jnp.exp(y) * 2.0          # glue: grouped with its input on `a`
-        return z, jnp.cos(x)          # glue on the program's default slice `b`
+        z = jnp.exp(y) * 2.0  # glue: grouped with its input on `a`
+        return z, jnp.cos(x)  # glue on the program's default slice `b`
 
     x = jnp.linspace(0.0, 1.0, 6)
     want = jax.jit(lambda v: (jnp.exp(v + 1.0) * 2.0, jnp.cos(v)))(x)
@@ -228,7 +230,7 @@ def test_numpy_scalars_and_futures_as_inputs():
     step = pw.program(lambda x, k: x * k + 1, devices=s)
     x = np.arange(6, dtype=np.float32)
     first = step(x, 2)
-    second = step(first, 0.5)           # a future straight into the next call
+    second = step(first, 0.5)  # a future straight into the next call
     ref = jax.jit(lambda v, k: v * k + 1)
     assert_matches(second, ref(ref(x, 2), 0.5))
 

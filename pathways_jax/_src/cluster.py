@@ -61,9 +61,7 @@ class Cluster:
         if self._controller is None:
             with self._controller_lock:
                 if self._closed:
-                    raise errors.ClusterError(
-                        "the cluster was shut down; call pw.init() to start a new one."
-                    )
+                    raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
                 if self._controller is None:
                     from pathways_jax._src.controller import Controller
 
@@ -129,8 +127,7 @@ def init(
             )
         if backend != "local":
             raise errors.ClusterError(
-                f"backend={backend!r} is not available in this version of "
-                "pathways_jax; use backend='local'."
+                f"backend={backend!r} is not available in this version of pathways_jax; use backend='local'."
             )
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise errors.ClusterError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}.")
@@ -153,8 +150,7 @@ def _freeze(islands):
 def _describe(args: tuple) -> str:
     backend, count, islands, in_flight = args
     return (
-        f"(backend={backend!r}, num_cpu_devices={count!r}, islands={islands!r}, "
-        f"max_in_flight={in_flight!r})"
+        f"(backend={backend!r}, num_cpu_devices={count!r}, islands={islands!r}, max_in_flight={in_flight!r})"
     )
 
 

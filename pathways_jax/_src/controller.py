@@ -9,6 +9,7 @@ for data, only for the in-flight bound of an island.
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 from typing import TYPE_CHECKING, Any
@@ -56,21 +57,20 @@ class Controller:
     def _serve(self) -> None:
         while True:
             run = self._queue.get()
+            self._store.collect()
             if run is _STOP:
                 return
             try:
                 self._execute(run)
-            except BaseException as exc:  # noqa: BLE001 - the controller must not die
+            except BaseException as exc:
                 self._fail(run, f"program {run.plan.graph.name!r} run {run.id} failed in the controller", exc)
 
     def _wait_window(self, island: int) -> None:
         in_flight = self._in_flight[island]
         while len(in_flight) >= self._window:
             oldest = in_flight.popleft()
-            try:
+            with contextlib.suppress(Exception):
                 oldest.block_until_ready()
-            except Exception:  # noqa: BLE001 - the owning run's futures report it
-                pass
 
     def _execute(self, run: Run) -> None:
         env = run.env
@@ -81,7 +81,11 @@ class Controller:
                 case Ready(array):
                     env[slot] = array
                 case Failed(message, cause):
-                    self._fail(run, f"program {graph.name!r} run {run.id} got an input from a failed run: {message}", cause)
+                    self._fail(
+                        run,
+                        f"program {graph.name!r} run {run.id} got an input from a failed run: {message}",
+                        cause,
+                    )
                     return
                 case Freed():
                     self._fail(run, f"program {graph.name!r} run {run.id} got an input that was freed", None)
@@ -101,7 +105,7 @@ class Controller:
                     env[step.dst] = jax.device_put(env[step.src], step.sharding)
                     if step.kind is not None:
                         counters.bump(f"transfers_{step.kind}")
-        except Exception as exc:  # noqa: BLE001 - a user error fails its run only
+        except Exception as exc:
             self._fail(run, self._where(graph.name, run.id, step), exc)
             return
         finally:

@@ -46,9 +46,7 @@ def _normalise_mesh(mesh: Mapping[str, int] | Sequence[int]) -> tuple[tuple[int,
     if not sizes or not all(
         isinstance(s, int | np.integer) and not isinstance(s, bool) and s >= 1 for s in sizes
     ):
-        raise errors.ResourceError(
-            f"mesh sizes must be positive ints and at least one axis, got {mesh!r}."
-        )
+        raise errors.ResourceError(f"mesh sizes must be positive ints and at least one axis, got {mesh!r}.")
     return tuple(int(s) for s in sizes), names
 
 
@@ -88,9 +86,7 @@ class VirtualSlice:
         self._lock = threading.Lock()
         self._physical_mesh: Mesh | None = None
         # Gives the devices back if the slice is dropped without release().
-        self._give_back = weakref.finalize(
-            self, cluster.resources.release, devices, exclusive
-        )
+        self._give_back = weakref.finalize(self, cluster.resources.release, devices, exclusive)
         # One exit stack per active ``with`` of this slice on each thread.
         self._exits = threading.local()
 
@@ -105,9 +101,7 @@ class VirtualSlice:
     def check_usable(self) -> None:
         """Raises ``PlacementError`` if the slice was released or its cluster shut down."""
         if self._released:
-            raise errors.PlacementError(
-                f"{self!r} was released; ask for a new slice with pw.devices(...)."
-            )
+            raise errors.PlacementError(f"{self!r} was released; ask for a new slice with pw.devices(...).")
         if self._cluster.closed:
             raise errors.PlacementError(
                 f"{self!r} belongs to a cluster that was shut down; ask for a new "
@@ -171,17 +165,14 @@ class VirtualSlice:
         kind = "exclusive" if self.exclusive else "shared"
         state = ", released" if self.released else ""
         return (
-            f"VirtualSlice#{self.id}(mesh={{{axes}}}, island={self.island}, "
-            f"devices=[{ids}], {kind}{state})"
+            f"VirtualSlice#{self.id}(mesh={{{axes}}}, island={self.island}, devices=[{ids}], {kind}{state})"
         )
 
 
 def check_spec(spec: PartitionSpec, slice_: VirtualSlice, *, what: str) -> None:
     """Raises ``PlacementError`` if ``spec`` names axes the slice does not have."""
     if not isinstance(spec, PartitionSpec):
-        raise errors.PlacementError(
-            f"{what} must be a pw.P(...) PartitionSpec, got {spec!r}."
-        )
+        raise errors.PlacementError(f"{what} must be a pw.P(...) PartitionSpec, got {spec!r}.")
     for entry in spec:
         names = entry if isinstance(entry, tuple) else (entry,)
         for name in names:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -43,17 +44,15 @@ class Future:
       >>> s.release()
     """
 
-    __slots__ = ("_entry", "_store", "__weakref__")
+    __slots__ = ("__weakref__", "_entry", "_store")
 
     def __init__(self, entry: Entry, store: ObjectStore):
         self._entry = entry
         self._store = store
 
     def __del__(self) -> None:
-        try:
-            self._store.decref(self._entry)
-        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn things down
-            pass
+        with contextlib.suppress(Exception):
+            self._store.drop(self._entry)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -104,9 +103,7 @@ class Future:
                 try:
                     ready = _wait_ready(array, deadline)
                 except Exception as exc:
-                    raise errors.ProgramFailedError(
-                        f"{entry.origin} failed while executing: {exc}"
-                    ) from exc
+                    raise errors.ProgramFailedError(f"{entry.origin} failed while executing: {exc}") from exc
                 if not ready:
                     raise self._timeout(timeout)
                 return array

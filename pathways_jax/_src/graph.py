@@ -157,15 +157,23 @@ class Graph:
                 self._require(dst.slice is t.dst, f"{t!r} does not end where v{t.output} lives")
                 expected = "ici" if t.src.island == t.dst.island else "dcn"
                 self._require(t.kind == expected, f"{t!r} should be {expected}")
-                self._require(src.aval.shape == dst.aval.shape and src.aval.dtype == dst.aval.dtype,
-                              f"{t!r} changes shape or dtype")
+                self._require(
+                    src.aval.shape == dst.aval.shape and src.aval.dtype == dst.aval.dtype,
+                    f"{t!r} changes shape or dtype",
+                )
                 defined.add(t.output)
                 continue
             node = self.nodes[index]
             in_avals = node.jaxpr.in_avals
             out_avals = node.jaxpr.out_avals
-            self._require(len(in_avals) == len(node.inputs), f"{node!r} has {len(node.inputs)} inputs, its function {len(in_avals)}")
-            self._require(len(out_avals) == len(node.outputs), f"{node!r} has {len(node.outputs)} outputs, its function {len(out_avals)}")
+            self._require(
+                len(in_avals) == len(node.inputs),
+                f"{node!r} has {len(node.inputs)} inputs, its function {len(in_avals)}",
+            )
+            self._require(
+                len(out_avals) == len(node.outputs),
+                f"{node!r} has {len(node.outputs)} outputs, its function {len(out_avals)}",
+            )
             for position, (vid, aval) in enumerate(zip(node.inputs, in_avals, strict=True)):
                 self._require(vid in defined, f"{node!r} reads v{vid} before it exists")
                 value = self.values[vid]
@@ -177,14 +185,21 @@ class Graph:
                     value.slice is None or value.slice is node.slice,
                     f"{node!r} reads v{vid} on slice #{value.slice.id if value.slice else None} without a transfer",
                 )
-            for spec, aval in zip(node.in_specs + node.out_specs, list(in_avals) + list(out_avals), strict=True):
+            for spec, aval in zip(
+                node.in_specs + node.out_specs, list(in_avals) + list(out_avals), strict=True
+            ):
                 if spec is not None:
-                    self._require(len(spec) <= len(aval.shape), f"{node!r} spec {spec} has more entries than {_aval_str(aval)} has dims")
+                    self._require(
+                        len(spec) <= len(aval.shape),
+                        f"{node!r} spec {spec} has more entries than {_aval_str(aval)} has dims",
+                    )
             for vid, aval in zip(node.outputs, out_avals, strict=True):
                 value = self.values[vid]
                 self._require(value.slice is node.slice, f"{node!r} output v{vid} is not placed on its slice")
-                self._require(value.aval.shape == aval.shape and value.aval.dtype == aval.dtype,
-                              f"{node!r} output v{vid} does not match its function's output")
+                self._require(
+                    value.aval.shape == aval.shape and value.aval.dtype == aval.dtype,
+                    f"{node!r} output v{vid} does not match its function's output",
+                )
                 defined.add(vid)
         for out in self.outputs:
             self._require(out.value is None or out.value in defined, f"output v{out.value} is never computed")
@@ -192,7 +207,9 @@ class Graph:
 
     def _require(self, ok: bool, what: str) -> None:
         if not ok:
-            raise errors.ProgramTraceError(f"graph of program {self.name!r} ({self.source_info}) is inconsistent: {what}.")
+            raise errors.ProgramTraceError(
+                f"graph of program {self.name!r} ({self.source_info}) is inconsistent: {what}."
+            )
 
     def __repr__(self) -> str:
         lines = [f"Graph({self.name!r}, {len(self.nodes)} nodes, {len(self.transfers)} transfers)"]

@@ -53,9 +53,7 @@ def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]
             if placed[index] is not None:
                 continue
             explicit, default = scoped[index]
-            from_inputs = next(
-                (var_slice[a] for a in eqn.invars if _is_var(a) and a in var_slice), None
-            )
+            from_inputs = next((var_slice[a] for a in eqn.invars if _is_var(a) and a in var_slice), None)
             if eqn.primitive.name in JIT_PRIMITIVES:
                 choice = explicit or default or from_inputs
             else:
@@ -131,7 +129,9 @@ def build(
         var_value[var] = new_value(var.aval, None, f"program {name!r} constant")
         consts.append(Const(var_value[var], data))
 
-    placed = _place(closed, state, {v: s for v, s in zip(jaxpr.invars, input_slices, strict=True) if s is not None})
+    placed = _place(
+        closed, state, {v: s for v, s in zip(jaxpr.invars, input_slices, strict=True) if s is not None}
+    )
     groups = _group(jaxpr.eqns, placed)
 
     # Which groups read each var, so a glue group exports only what others use.
@@ -225,8 +225,7 @@ def build(
                 v
                 for eqn in eqns
                 for v in eqn.outvars
-                if not isinstance(v, jex.DropVar)
-                and (v in returned or readers.get(v, set()) - {number})
+                if not isinstance(v, jex.DropVar) and (v in returned or readers.get(v, set()) - {number})
             ]
             effects = frozenset().union(*(eqn.effects for eqn in eqns))
             node_name = unique("glue")
@@ -259,9 +258,7 @@ def build(
             )
         steps.append(("node", len(nodes) - 1))
 
-    outputs = tuple(
-        Output(var_value[v]) if _is_var(v) else Output(None, v.val) for v in jaxpr.outvars
-    )
+    outputs = tuple(Output(var_value[v]) if _is_var(v) else Output(None, v.val) for v in jaxpr.outvars)
     return Graph(
         name=name,
         source_info=source_info,

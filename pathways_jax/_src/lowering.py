@@ -112,9 +112,9 @@ class Plan:
         self.mapping = tuple((s, s.devices) for s in self.slices)
         self.cluster = self.slices[0].cluster if self.slices else None
         self.template: list[Any] = []
-        self.host_feeds: list[tuple[int, int, Any]] = []   # (arg index, slot, sharding)
-        self.array_feeds: list[tuple[int, int]] = []       # (arg index, slot): taken as is
-        self.future_feeds: list[tuple[int, int]] = []      # (arg index, slot)
+        self.host_feeds: list[tuple[int, int, Any]] = []  # (arg index, slot, sharding)
+        self.array_feeds: list[tuple[int, int]] = []  # (arg index, slot): taken as is
+        self.future_feeds: list[tuple[int, int]] = []  # (arg index, slot)
         self.steps: list[MoveStep | ExecStep] = []
         self.outputs: list[OutputSlot] = []
         self._lower(signature)
@@ -126,10 +126,10 @@ class Plan:
     def _lower(self, signature: tuple) -> None:
         graph = self.graph
         values = graph.values
-        home: dict[int, tuple[int, Any]] = {}        # vid -> (slot, sharding) on devices
-        host_arg: dict[int, int] = {}                 # vid -> argument index (numpy/scalar)
+        home: dict[int, tuple[int, Any]] = {}  # vid -> (slot, sharding) on devices
+        host_arg: dict[int, int] = {}  # vid -> argument index (numpy/scalar)
         const_data: dict[int, Any] = {c.value: c.data for c in graph.consts}
-        placed: dict[tuple[int, Any], int] = {}       # (vid, sharding) -> slot
+        placed: dict[tuple[int, Any], int] = {}  # (vid, sharding) -> slot
         transfer_of = {t.output: t for t in graph.transfers}
 
         for inp in graph.inputs:
@@ -158,7 +158,7 @@ class Plan:
                 return placed[key]
             if vid in transfer_of and vid not in home:
                 t = transfer_of[vid]
-                src_slot, _ = home[t.value] if t.value in home else (None, None)
+                src_slot, _ = home.get(t.value, (None, None))
                 if src_slot is None:  # a host value moved between slices: feed it directly
                     slot = materialise(t.value, target, ndim)
                 else:
@@ -214,22 +214,32 @@ class Plan:
                 home[vid] = (slot, sharding)
                 made_here.add(vid)
                 out_slots.append(slot)
-            self.steps.append(ExecStep(executable, tuple(in_slots), tuple(out_slots), node, node.slice.island))
+            self.steps.append(
+                ExecStep(executable, tuple(in_slots), tuple(out_slots), node, node.slice.island)
+            )
 
         for out in graph.outputs:
             if out.value is None:
                 literal = jnp.asarray(out.literal)
-                self.outputs.append(OutputSlot("literal", literal, literal.aval, literal.sharding, None, f"{graph.name}: literal"))
+                self.outputs.append(
+                    OutputSlot(
+                        "literal", literal, literal.aval, literal.sharding, None, f"{graph.name}: literal"
+                    )
+                )
                 continue
             value = values[out.value]
             if out.value in home:
                 slot, sharding = home[out.value]
                 self.outputs.append(OutputSlot("slot", slot, value.aval, sharding, value.slice, value.origin))
             elif out.value in host_arg:
-                self.outputs.append(OutputSlot("argument", host_arg[out.value], value.aval, None, None, value.origin))
+                self.outputs.append(
+                    OutputSlot("argument", host_arg[out.value], value.aval, None, None, value.origin)
+                )
             else:
                 slot = self._new_slot(jax.device_put(const_data[out.value]))
-                self.outputs.append(OutputSlot("slot", slot, value.aval, self.template[slot].sharding, None, value.origin))
+                self.outputs.append(
+                    OutputSlot("slot", slot, value.aval, self.template[slot].sharding, None, value.origin)
+                )
 
     def is_current(self) -> bool:
         """False when a slice was released or remapped, so the plan must be lowered again."""

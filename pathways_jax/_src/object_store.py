@@ -8,6 +8,7 @@ reference is gone.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -53,7 +54,7 @@ class Owner:
 class Entry:
     """One value in the store. ``refs`` counts futures and queued runs holding it."""
 
-    __slots__ = ("id", "state", "owner", "refs", "event", "aval", "sharding", "slice", "origin")
+    __slots__ = ("aval", "event", "id", "origin", "owner", "refs", "sharding", "slice", "state")
 
     def __init__(self, entry_id: int, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str):
         self.id = entry_id
@@ -74,12 +75,30 @@ class ObjectStore:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._live: dict[int, Entry] = {}
+        # Futures dropped by the garbage collector land here: a finaliser may
+        # run at any allocation, even while this thread holds the lock, so it
+        # only appends (atomic) and the next store operation does the freeing.
+        self._dropped: collections.deque[Entry] = collections.deque()
 
     def new(self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str) -> Entry:
         entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin)
+        self.collect()
         with self._lock:
             self._live[entry.id] = entry
         return entry
+
+    def drop(self, entry: Entry) -> None:
+        """Called from ``Future.__del__``: frees the reference at the next collect()."""
+        self._dropped.append(entry)
+
+    def collect(self) -> None:
+        """Applies the references dropped by finalisers."""
+        while self._dropped:
+            try:
+                entry = self._dropped.popleft()
+            except IndexError:
+                return
+            self.decref(entry)
 
     def incref(self, entry: Entry) -> None:
         with self._lock:
@@ -110,12 +129,12 @@ class ObjectStore:
 
     def live_count(self) -> int:
         """How many values are alive (held by a future or a queued run)."""
+        self.collect()
         with self._lock:
             return len(self._live)
 
     def live_bytes(self) -> int:
+        self.collect()
         with self._lock:
             entries = list(self._live.values())
-        return sum(
-            e.state.array.nbytes for e in entries if isinstance(e.state, Ready)
-        )
+        return sum(e.state.array.nbytes for e in entries if isinstance(e.state, Ready))

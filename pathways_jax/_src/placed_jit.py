@@ -123,7 +123,11 @@ class JitFunction:
                 f"do not match its output structure {jax.tree_util.tree_structure(out)}; "
                 "give one pw.P(...) for all outputs or a matching tuple."
             ) from exc
-        specs = [s for group in jax.tree_util.tree_leaves(spread, is_leaf=lambda x: isinstance(x, list)) for s in group]
+        specs = [
+            s
+            for group in jax.tree_util.tree_leaves(spread, is_leaf=lambda x: isinstance(x, list))
+            for s in group
+        ]
         for spec, leaf in zip(specs, jax.tree_util.tree_leaves(out), strict=True):
             _check_fits(spec, leaf, slice_, f"out_specs of {self.__name__!r}")
         return tuple(specs)

@@ -39,17 +39,11 @@ class ResourceManager:
         self._reserved: set[int] = set()
 
     def describe(self) -> str:
-        return ", ".join(
-            f"island {isl.index}: {len(isl.devices)} devices" for isl in self.islands
-        )
+        return ", ".join(f"island {isl.index}: {len(isl.devices)} devices" for isl in self.islands)
 
     def _candidates(self, size: int, island: int | None) -> tuple[Island, ...]:
         if island is not None:
-            if (
-                not isinstance(island, int)
-                or isinstance(island, bool)
-                or not 0 <= island < len(self.islands)
-            ):
+            if not isinstance(island, int) or isinstance(island, bool) or not 0 <= island < len(self.islands):
                 raise errors.ResourceError(
                     f"asked for island {island!r}, but the cluster has islands "
                     f"0..{len(self.islands) - 1} ({self.describe()}). Pass one of "

@@ -30,7 +30,7 @@ def of_equation(eqn: Any) -> str:
         return "<unknown>"
     try:
         frame = source_info_util.user_frame(eqn.source_info.traceback)
-    except Exception:  # noqa: BLE001 - best effort, never fail a trace over it
+    except Exception:
         return "<unknown>"
     if frame is None:
         return "<unknown>"

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from pathways_jax._src import context, counters, errors, graph_builder, source
-from pathways_jax._src.devices import SCOPE_PREFIX, VirtualSlice, check_spec
+from pathways_jax._src.devices import SCOPE_PREFIX, VirtualSlice
 from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph
 
@@ -100,9 +100,7 @@ def _abstract(signature: tuple) -> jax.ShapeDtypeStruct:
 def _static_positions(static_argnums: int | Sequence[int]) -> tuple[int, ...]:
     nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     if not all(isinstance(n, int) and n >= 0 for n in nums):
-        raise errors.ProgramTraceError(
-            f"static_argnums must be non-negative ints, got {static_argnums!r}."
-        )
+        raise errors.ProgramTraceError(f"static_argnums must be non-negative ints, got {static_argnums!r}.")
     return tuple(sorted(set(nums)))
 
 
@@ -152,9 +150,7 @@ class Program:
             statics.append((position, value))
         leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
         ambient = context.current_slice() if self._devices is None else None
-        signature = tuple(
-            _leaf_signature(leaf, i, self.name) for i, leaf in enumerate(leaves)
-        )
+        signature = tuple(_leaf_signature(leaf, i, self.name) for i, leaf in enumerate(leaves))
         key = (treedef, signature, tuple(statics), ambient.id if ambient is not None else None)
         return key, leaves, (treedef, tuple(reversed(statics)), signature, ambient, leaves)
 
@@ -169,7 +165,7 @@ class Program:
           1
           >>> s.release()
         """
-        key, leaves, how = self._split(args, kwargs)
+        key, _leaves, how = self._split(args, kwargs)
         return self._graph_for(key, how)
 
     def _graph_for(self, key: Any, how: tuple) -> Graph:
@@ -229,9 +225,7 @@ class Program:
             name=self.name,
             source_info=self.source_info,
             closed=closed,
-            input_slices=tuple(
-                leaf.slice if isinstance(leaf, Future) else None for leaf in leaves
-            ),
+            input_slices=tuple(leaf.slice if isinstance(leaf, Future) else None for leaf in leaves),
             state=state,
             out_tree=out_trees[-1],
         )
@@ -293,9 +287,7 @@ def program(
     if fun is None:
         return functools.partial(program, devices=devices, static_argnums=static_argnums, name=name)
     if not callable(fun):
-        raise errors.ProgramTraceError(
-            f"pw.program expects a function, got {type(fun).__name__}: {fun!r}."
-        )
+        raise errors.ProgramTraceError(f"pw.program expects a function, got {type(fun).__name__}: {fun!r}.")
     if devices is not None and not isinstance(devices, VirtualSlice):
         raise errors.PlacementError(
             f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."

@@ -23,9 +23,7 @@ def _backend_started() -> bool:
 def set_cpu_device_count(count: int) -> None:
     """Makes JAX's CPU backend expose ``count`` devices, if it has not started yet."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise errors.ClusterError(
-            f"num_cpu_devices must be a positive int, got {count!r}."
-        )
+        raise errors.ClusterError(f"num_cpu_devices must be a positive int, got {count!r}.")
     if not _backend_started():
         jax.config.update("jax_num_cpu_devices", count)
         return
@@ -65,8 +63,7 @@ def carve_islands(
         isinstance(group, Sequence) and not isinstance(group, str) for group in islands
     ):
         raise errors.ClusterError(
-            "islands must be None, an int, or a list of lists of device ids; "
-            f"got {islands!r}."
+            f"islands must be None, an int, or a list of lists of device ids; got {islands!r}."
         )
     by_id = {d.id: d for d in devices}
     seen: set[int] = set()
