@@ -315,3 +315,21 @@ def test_graph_check_rejects_a_broken_graph():
     broken = dataclasses.replace(graph, nodes=(dataclasses.replace(node, inputs=(99,)),))
     with pytest.raises(pw.errors.ProgramTraceError, match="before it exists"):
         broken.check()
+
+
+def test_a_program_called_inside_a_program_joins_it():
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    inner = pw.program(lambda v: jnp.sin(v) + 1.0, devices=b)
+    f = pw.jit(lambda v: v * 3.0, devices=a)
+
+    @pw.program
+    def outer(x):
+        return inner(f(x))
+
+    x = jnp.arange(4.0)
+    assert_matches(outer(x), jax.jit(lambda v: jnp.sin(v * 3.0) + 1.0)(x), rtol=1e-5)
+    graph = outer.graph(x)
+    assert [n.slice for n in graph.nodes] == [a, b]
+    assert [t.kind for t in graph.transfers] == ["dcn"]

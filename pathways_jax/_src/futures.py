@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -51,8 +50,11 @@ class Future:
         self._store = store
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # No module globals here: at interpreter exit they may already be None.
+        try:  # noqa: SIM105
             self._store.drop(self._entry)
+        except Exception:
+            pass
 
     @property
     def shape(self) -> tuple[int, ...]:

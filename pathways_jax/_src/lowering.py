@@ -253,7 +253,12 @@ class Plan:
         store = cl.store
         env = list(self.template)
         for index, slot, sharding in self.host_feeds:
-            env[slot] = jax.device_put(leaves[index], sharding)
+            leaf = leaves[index]
+            if isinstance(leaf, np.ndarray):
+                # The transfer is asynchronous and the caller may change its numpy
+                # array once the call returns: hand JAX a private copy.
+                leaf = np.array(leaf, copy=True)
+            env[slot] = jax.device_put(leaf, sharding)
         for index, slot in self.array_feeds:
             env[slot] = leaves[index]
         future_inputs = []
@@ -306,4 +311,4 @@ def lower(graph: Graph, signature: tuple) -> Plan:
     return plan
 
 
-__all__ = ["Plan", "Run", "lower", "np"]
+__all__ = ["Plan", "Run", "lower"]

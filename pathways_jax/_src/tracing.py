@@ -234,6 +234,12 @@ class Program:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from pathways_jax._src import lowering
 
+        if context.state.trace is not None:
+            # Called while another program is traced: its nodes join that program.
+            if self._devices is None:
+                return self._fun(*args, **kwargs)
+            with self._devices:
+                return self._fun(*args, **kwargs)
         key, leaves, how = self._split(args, kwargs)
         graph = self._graph_for(key, how)
         plan = self._plans.get(key)
