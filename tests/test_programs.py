@@ -333,3 +333,21 @@ def test_a_program_called_inside_a_program_joins_it():
     graph = outer.graph(x)
     assert [n.slice for n in graph.nodes] == [a, b]
     assert [t.kind for t in graph.transfers] == ["dcn"]
+
+
+def test_callback_output_feeding_a_sharded_node_is_not_pinned_to_one_device():
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 4})
+
+    @pw.jit(devices=s)
+    def hold(x):
+        return jax.pure_callback(lambda v: np.asarray(v) * 2.0, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    spread = pw.jit(lambda v: v + 1.0, devices=s, in_specs=P("x"), out_specs=P("x"))
+
+    @pw.program
+    def step(x):
+        return spread(hold(x))
+
+    x = jnp.arange(8.0)
+    assert_matches(step(x), x * 2.0 + 1.0)

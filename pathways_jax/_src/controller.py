@@ -9,7 +9,6 @@ for data, only for the in-flight bound of an island.
 from __future__ import annotations
 
 import collections
-import contextlib
 import queue
 import threading
 from typing import TYPE_CHECKING, Any
@@ -68,9 +67,13 @@ class Controller:
     def _wait_window(self, island: int) -> None:
         in_flight = self._in_flight[island]
         while len(in_flight) >= self._window:
-            oldest = in_flight.popleft()
-            with contextlib.suppress(Exception):
+            oldest, run = in_flight.popleft()
+            try:
                 oldest.block_until_ready()
+            except Exception:  # the run's futures raise it; count the run once
+                if not run.failed:
+                    run.failed = True
+                    counters.bump("failed_runs")
 
     def _execute(self, run: Run) -> None:
         env = run.env
@@ -99,7 +102,7 @@ class Controller:
                     for slot, array in zip(step.out_slots, outs, strict=True):
                         env[slot] = array
                     if outs:
-                        self._in_flight[step.island].append(outs[0])
+                        self._in_flight[step.island].append((outs[0], run))
                     counters.bump("dispatches")
                 else:
                     env[step.dst] = jax.device_put(env[step.src], step.sharding)
@@ -129,6 +132,7 @@ class Controller:
         return f"program {program!r} run {run_id} failed"
 
     def _fail(self, run: Run, message: str, cause: BaseException | None) -> None:
+        run.failed = True
         counters.bump("failed_runs")
         detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None else message
         for entry in run.outputs:

@@ -34,7 +34,9 @@ def counters() -> dict[str, int]:
     lowered into plans), ``compiles`` (executables compiled), ``runs``
     (program runs submitted), ``dispatches`` (executables dispatched),
     ``transfers_ici`` / ``transfers_dcn`` (values moved between slices within
-    / across islands), ``failed_runs``.
+    / across islands), ``failed_runs`` (runs that failed at dispatch, or
+    whose execution error the controller met while bounding the in-flight
+    window; an error seen only by ``Future.result()`` is not counted).
 
     Example:
       >>> import pathways_jax as pw

@@ -191,7 +191,7 @@ def build(
                         out_specs = call.out_specs
                     break
             node_name = unique(str(eqn.params.get("name", "jit")))
-            where = source.of_equation(eqn)
+            where = source.of_equation(eqn, default=source_info)
             out_ids = []
             for var in eqn.outvars:
                 vid = new_value(var.aval, slice_, f"program {name!r} node {node_name!r} ({where})")
@@ -229,7 +229,7 @@ def build(
             ]
             effects = frozenset().union(*(eqn.effects for eqn in eqns))
             node_name = unique("glue")
-            where = source.of_equation(eqns[0])
+            where = source.of_equation(eqns[0], default=source_info)
             debug = jex.DebugInfo(
                 f"pw.program {name} glue",
                 where,

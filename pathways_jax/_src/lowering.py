@@ -68,6 +68,7 @@ class Run:
     env: list[Any]
     future_inputs: list[tuple[int, Any]]
     outputs: list[Any]
+    failed: bool = False
 
 
 def _spec_fits(spec: PartitionSpec, mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> bool:
@@ -208,6 +209,16 @@ class Plan:
             )
             executable = _compile(node, mesh, tuple(shardings), out_shardings, tuple(donate))
             produced = jax.tree_util.tree_leaves(executable.output_shardings)
+            everywhere = set(mesh.devices.flat)
+            if any(set(sh.device_set) != everywhere for sh in produced):
+                # The compiler may pin an unconstrained output to one device (host
+                # callbacks do); values live on the whole slice, so ask for it.
+                out_shardings = tuple(
+                    NamedSharding(mesh, PartitionSpec()) if set(sh.device_set) != everywhere else want
+                    for sh, want in zip(produced, out_shardings, strict=True)
+                )
+                executable = _compile(node, mesh, tuple(shardings), out_shardings, tuple(donate))
+                produced = jax.tree_util.tree_leaves(executable.output_shardings)
             out_slots = []
             for vid, sharding in zip(node.outputs, produced, strict=True):
                 slot = self._new_slot()

@@ -24,16 +24,16 @@ def _fmt(file_name: str, line: int, function: str) -> str:
     return f"{os.path.basename(file_name)}:{line} ({function})"
 
 
-def of_equation(eqn: Any) -> str:
-    """'file.py:12 (fn)' of the user code that made a jaxpr equation."""
+def of_equation(eqn: Any, default: str = "<unknown>") -> str:
+    """'file.py:12 (fn)' of the user code that made a jaxpr equation, else ``default``."""
     if source_info_util is None:
-        return "<unknown>"
+        return default
     try:
         frame = source_info_util.user_frame(eqn.source_info.traceback)
-    except Exception:
-        return "<unknown>"
+    except Exception:  # best effort: never fail a trace over a location
+        return default
     if frame is None:
-        return "<unknown>"
+        return default
     return _fmt(frame.file_name, frame.start_line, frame.function_name)
 
 
@@ -52,13 +52,34 @@ def _is_user_file(file_name: str) -> bool:
     return not (path.startswith(_PACKAGE_DIR) or path.startswith(_JAX_DIR))
 
 
-def of_exception(exc: BaseException) -> str | None:
-    """The innermost user frame of an exception's traceback, if any."""
+def of_exception(exc: BaseException, fun: Any = None) -> str | None:
+    """Where an exception came from in user code.
+
+    Names the line inside ``fun`` (the traced program) that made the failing
+    call and, when the failure is deeper, the innermost user frame too.
+    """
     frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        if _is_user_file(frame.filename):
-            return _fmt(frame.filename, frame.lineno or 0, frame.name)
-    return None
+    innermost = next(
+        (f for f in reversed(frames) if _is_user_file(f.filename)), None
+    )
+    code = getattr(inspect.unwrap(fun), "__code__", None) if fun is not None else None
+    in_program = None
+    if code is not None:
+        in_program = next(
+            (
+                f
+                for f in reversed(frames)
+                if os.path.abspath(f.filename) == os.path.abspath(code.co_filename)
+                and f.name == code.co_name
+            ),
+            None,
+        )
+    parts = []
+    if in_program is not None:
+        parts.append(_fmt(in_program.filename, in_program.lineno or 0, in_program.name))
+    if innermost is not None and innermost is not in_program:
+        parts.append(f"inside {_fmt(innermost.filename, innermost.lineno or 0, innermost.name)}")
+    return ", ".join(parts) or None
 
 
 def of_caller() -> str:

@@ -213,7 +213,7 @@ class Program:
         except errors.PathwaysError:
             raise
         except Exception as exc:
-            where = source.of_exception(exc)
+            where = source.of_exception(exc, self._fun)
             raise errors.ProgramTraceError(
                 f"tracing program {self.name!r} ({self.source_info}) failed at "
                 f"{where or 'an unknown line'}: {type(exc).__name__}: {exc}"
