@@ -1,0 +1,484 @@
+"""Bad input and failures: each error has the right type and says what was asked,
+what exists and what to do (STYLE §7-8)."""
+
+import inspect
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pathways_jax as pw
+
+
+def _line_of(fun, marker: str) -> int:
+    """The file line number of the first line of ``fun``'s source containing ``marker``."""
+    lines, start = inspect.getsourcelines(fun)
+    for offset, text in enumerate(lines):
+        if marker in text:
+            return start + offset
+    raise AssertionError(f"{marker!r} not in the source of {fun.__name__}")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception reachable through ``__cause__`` / ``__context__``."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not e for e in seen):
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+# --- pw.devices: requests that can never be met -------------------------------------------
+
+
+def test_mesh_larger_than_any_island_names_request_and_islands():
+    pw.init(num_cpu_devices=8, islands=2)
+    with pytest.raises(pw.errors.ResourceError, match=r"slice of 8 devices on any island") as info:
+        pw.devices(mesh={"x": 8})
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert "island 0: 4 devices, island 1: 4 devices" in message
+    assert "Ask for fewer devices" in message
+
+    with pytest.raises(pw.errors.ResourceError, match=r"slice of 6 devices on island 1") as info:
+        pw.devices(mesh=(3, 2), island=1)
+    assert "island 0: 4 devices, island 1: 4 devices" in str(info.value)
+
+    # The failed requests reserved nothing: a whole island is still free for an exclusive slice.
+    whole = pw.devices(mesh={"x": 4}, island=0, exclusive=True, timeout=0)
+    assert [d.id for d in whole.devices] == [0, 1, 2, 3]
+    whole.release()
+
+
+@pytest.mark.parametrize("island", [2, 7, -1, "0", True])
+def test_unknown_island_lists_the_islands_that_exist(island):
+    pw.init(num_cpu_devices=8, islands=2)
+    with pytest.raises(pw.errors.ResourceError, match=rf"asked for island {island!r}") as info:
+        pw.devices(mesh={"x": 2}, island=island)
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert "islands 0..1" in message
+    assert "island=None" in message
+
+
+@pytest.mark.parametrize(
+    ("mesh", "fragment"),
+    [
+        ({"x": 0}, "mesh sizes must be positive ints"),
+        ({"x": -2}, "mesh sizes must be positive ints"),
+        ({"x": 2.0}, "mesh sizes must be positive ints"),
+        ({"x": True}, "mesh sizes must be positive ints"),
+        ({"x": 2, "y": 0}, "mesh sizes must be positive ints"),
+        ({}, "at least one axis"),
+        ((), "at least one axis"),
+        ({"": 2}, "mesh axis names must be non-empty strings"),
+        ({1: 2}, "mesh axis names must be non-empty strings"),
+        ("x", "mesh must be a dict"),
+        (4, "mesh must be a dict"),
+        (None, "mesh must be a dict"),
+    ],
+)
+def test_malformed_mesh(mesh, fragment):
+    pw.init(num_cpu_devices=8)
+    with pytest.raises(pw.errors.ResourceError, match=fragment) as info:
+        pw.devices(mesh=mesh)
+    assert isinstance(info.value, ValueError)
+    # The message shows what arrived (the mesh, or its bad axis names).
+    shown = repr(list(mesh)) if fragment.startswith("mesh axis names") else repr(mesh)
+    assert shown in str(info.value)
+
+
+def test_malformed_timeout():
+    pw.init(num_cpu_devices=8)
+    with pytest.raises(pw.errors.ResourceError, match=r"timeout must be None or a number >= 0, got -1"):
+        pw.devices(mesh={"x": 2}, timeout=-1)
+
+
+# --- pw.jit with nowhere to run -----------------------------------------------------------
+
+
+def test_jit_without_devices_called_directly():
+    pw.init(num_cpu_devices=8)
+
+    def add_one(x):
+        return x + 1
+
+    placed = pw.jit(add_one)
+    with pytest.raises(
+        pw.errors.PlacementError, match=r"pw\.jit function 'add_one'.*with no devices"
+    ) as info:
+        line = inspect.currentframe().f_lineno + 1
+        placed(jnp.ones(4))
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert f"test_errors.py:{line}" in message  # where it was called
+    assert "pw.jit(..., devices=slice)" in message  # what to do
+    assert "with slice:" in message
+
+
+def test_jit_without_devices_inside_program_without_devices():
+    pw.init(num_cpu_devices=8)
+
+    @pw.jit
+    def add_one(x):
+        return x + 1
+
+    def unplaced_step(x):
+        return add_one(x) * 2  # call without devices
+
+    step = pw.program(unplaced_step)
+    line = _line_of(unplaced_step, "# call without devices")
+    with pytest.raises(pw.errors.PlacementError, match=r"'add_one'.*with no devices") as info:
+        step(jnp.ones(4))
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert f"test_errors.py:{line} (unplaced_step)" in message
+    assert "@pw.program(devices=slice)" in message
+
+
+# --- tracing errors name the program and the user's line ----------------------------------
+
+
+def test_shape_mismatch_between_jitted_functions_names_program_and_line():
+    pw.init(num_cpu_devices=8, islands=2)
+    s = pw.devices(mesh={"x": 4})
+
+    @pw.jit(devices=s)
+    def make(x):
+        return x * 2  # shape (4,)
+
+    @pw.jit(devices=s)
+    def project(x):
+        return x @ jnp.ones((3, 3))
+
+    def mismatched_step(x):
+        y = make(x)
+        return project(y)  # the failing call
+
+    step = pw.program(mismatched_step)
+    line = _line_of(mismatched_step, "# the failing call")
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"program 'mismatched_step'") as info:
+        step(jnp.ones(4))
+    assert isinstance(info.value, TypeError)
+    message = str(info.value)
+    assert f"test_errors.py:{line}" in message, message
+    assert "(4,)" in message and "(3,)" in message  # what arrived vs what was expected
+    assert isinstance(info.value.__cause__, TypeError)
+
+
+# --- released slices ----------------------------------------------------------------------
+
+
+def test_released_slice_is_unusable_everywhere():
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 2})
+
+    @pw.jit(devices=s)
+    def inc(x):
+        return x + 1
+
+    @pw.program(devices=s)
+    def step(x):
+        return inc(x) * 2
+
+    # Works while the slice is held (so a cached plan exists for the call below).
+    np.testing.assert_allclose(np.asarray(step(jnp.ones(2)).result(timeout=60)), [4.0, 4.0])
+    s.release()
+    s.release()  # idempotent
+    assert s.released
+
+    with pytest.raises(pw.errors.PlacementError, match="was released") as info:
+        inc(jnp.ones(2))
+    assert isinstance(info.value, ValueError)
+    assert "pw.devices(" in str(info.value)
+
+    with pytest.raises(pw.errors.PlacementError, match="was released"):
+        step(jnp.ones(2))  # same signature: cached graph and plan
+
+    @pw.program(devices=s)
+    def fresh(x):
+        return x * 3
+
+    with pytest.raises(pw.errors.PlacementError, match="was released"):
+        fresh(jnp.ones(2))
+
+    late = pw.jit(lambda x: x - 1, devices=s)
+    with pytest.raises(pw.errors.PlacementError, match="was released"):
+        late(jnp.ones(2))
+
+    with pytest.raises(pw.errors.PlacementError, match="was released"):
+        s.sharding("x")
+    with pytest.raises(pw.errors.PlacementError, match="was released"):
+        s.devices  # noqa: B018
+    with pytest.raises(pw.errors.PlacementError, match="was released"), s:
+        pass
+
+
+# --- a node failing at run time -----------------------------------------------------------
+
+
+def _explode(x):
+    raise ValueError("boom: negative input")
+
+
+@pytest.mark.timeout(60)
+def test_runtime_failure_names_program_and_node_and_controller_keeps_serving():
+    pw.init(num_cpu_devices=8, islands=2)
+    s = pw.devices(mesh={"x": 4})
+
+    @pw.jit(devices=s)
+    def checked(x):
+        return jax.pure_callback(_explode, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    @pw.jit(devices=s)
+    def double(x):
+        return x * 2
+
+    @pw.program(static_argnums=1)
+    def risky_step(x, fail):
+        return checked(x) if fail else double(x)
+
+    x = jnp.arange(4.0)
+    bad = risky_step(x, True)
+    with pytest.raises(pw.errors.ProgramFailedError, match=r"program 'risky_step'") as info:
+        bad.result(timeout=30)
+    assert isinstance(info.value, RuntimeError)
+    assert "'checked'" in str(info.value)  # the node
+    chained = _chain(info.value)[1:]
+    assert chained, "the original error is not chained"
+    # JAX turns the callback's ValueError into a runtime error carrying its text.
+    assert any(
+        (isinstance(e, ValueError) and "boom: negative input" in str(e))
+        or "ValueError: boom: negative input" in str(e)
+        for e in chained
+    ), [type(e) for e in chained]
+    assert bad.done()
+    with pytest.raises(pw.errors.ProgramFailedError):
+        bad.result(timeout=30)  # stays failed
+
+    # The controller keeps serving: the same program with good input, then another program.
+    assert pw.cluster().controller.alive
+    good = risky_step(x, False)
+    want = jax.jit(lambda v: v * 2)(x)
+    got = good.result(timeout=30)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want))
+
+    @pw.program
+    def next_program(v):
+        return double(double(v))
+
+    got = next_program(x).result(timeout=30)
+    want = jax.jit(lambda v: v * 4)(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want))
+    assert pw.cluster().controller.alive
+
+
+# --- pw.init ------------------------------------------------------------------------------
+
+
+def test_init_twice():
+    first = pw.init(num_cpu_devices=8, islands=2)
+    assert pw.init(num_cpu_devices=8, islands=2) is first
+    with pytest.raises(pw.errors.ClusterError, match=r"pw\.shutdown\(\) first") as info:
+        pw.init(num_cpu_devices=8, islands=4)
+    assert isinstance(info.value, RuntimeError)
+    message = str(info.value)
+    assert "islands=4" in message and "islands=2" in message  # what was asked, what runs
+    assert pw.cluster() is first
+    assert len(first.islands) == 2
+
+
+def test_init_with_other_device_count_after_jax_started():
+    assert len(jax.devices()) == 8  # JAX's backend is running with 8 CPU devices
+    with pytest.raises(pw.errors.ClusterError, match=r"num_cpu_devices=4.*8 CPU devices") as info:
+        pw.init(num_cpu_devices=4)
+    assert isinstance(info.value, RuntimeError)
+    message = str(info.value)
+    assert "before any JAX" in message  # what to do
+    assert "xla_force_host_platform_device_count=4" in message
+    # Nothing half-started: a valid init still works and sees all 8 devices.
+    assert len(pw.init(num_cpu_devices=8).devices) == 8
+
+
+@pytest.mark.parametrize("islands", [3, 5, 0])
+def test_islands_must_divide_device_count(islands):
+    with pytest.raises(pw.errors.ClusterError, match=rf"islands={islands} must evenly divide the 8") as info:
+        pw.init(num_cpu_devices=8, islands=islands)
+    assert isinstance(info.value, RuntimeError)
+    assert "divisor" in str(info.value)
+
+
+def test_islands_with_unknown_device_id():
+    with pytest.raises(pw.errors.ClusterError, match=r"names device id 42") as info:
+        pw.init(num_cpu_devices=8, islands=[[0, 1, 2, 3], [4, 5, 6, 42]])
+    assert isinstance(info.value, RuntimeError)
+    assert "[0, 1, 2, 3, 4, 5, 6, 7]" in str(info.value)  # the ids that exist
+
+
+def test_islands_with_duplicate_device_id():
+    with pytest.raises(pw.errors.ClusterError, match=r"device id 3 appears in more than one island") as info:
+        pw.init(num_cpu_devices=8, islands=[[0, 1, 2, 3], [3, 4, 5, 6]])
+    assert isinstance(info.value, RuntimeError)
+    assert "disjoint" in str(info.value)
+    # The failed init left no cluster behind: a good one starts.
+    cl = pw.init(num_cpu_devices=8, islands=[[0, 1], [2, 3, 4, 5, 6, 7]])
+    assert [len(isl.devices) for isl in cl.islands] == [2, 6]
+
+
+# --- exclusive slices ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_exclusive_request_times_out_then_succeeds_after_release():
+    pw.init(num_cpu_devices=8, islands=2)
+    held = pw.devices(mesh={"x": 4}, island=0, exclusive=True)
+
+    start = time.monotonic()
+    with pytest.raises(pw.errors.ResourceError, match=r"exclusive slice within timeout=0\.2s") as info:
+        pw.devices(mesh={"x": 4}, island=0, exclusive=True, timeout=0.2)
+    waited = time.monotonic() - start
+    assert isinstance(info.value, ValueError)
+    assert 0.2 <= waited < 5, waited
+    assert "Release slices" in str(info.value)
+
+    # No silent overcommit: a shared slice cannot land on reserved devices either.
+    with pytest.raises(pw.errors.ResourceError, match="within timeout"):
+        pw.devices(mesh={"x": 1}, island=0, timeout=0.2)
+    # The other island is untouched.
+    other = pw.devices(mesh={"x": 4}, island=1, exclusive=True, timeout=0.2)
+    assert [d.id for d in other.devices] == [4, 5, 6, 7]
+
+    held.release()
+    again = pw.devices(mesh={"x": 4}, island=0, exclusive=True, timeout=0.2)
+    assert [d.id for d in again.devices] == [0, 1, 2, 3]
+    again.release()
+    other.release()
+
+
+@pytest.mark.timeout(60)
+def test_waiting_exclusive_request_is_woken_by_release():
+    pw.init(num_cpu_devices=8, islands=2)
+    held = pw.devices(mesh={"x": 4}, island=0, exclusive=True)
+    got: dict = {}
+
+    def wait_for_island():
+        try:
+            got["slice"] = pw.devices(mesh={"x": 4}, island=0, exclusive=True, timeout=10)
+            got["at"] = time.monotonic()
+        except BaseException as exc:  # reported by the asserts below
+            got["error"] = exc
+
+    waiter = threading.Thread(target=wait_for_island, daemon=True)
+    waiter.start()
+    try:
+        time.sleep(0.3)
+        assert waiter.is_alive() and not got, "the request did not wait for the reserved island"
+        released_at = time.monotonic()
+        held.release()
+        waiter.join(10)
+    finally:
+        held.release()
+        waiter.join(15)
+    assert "error" not in got, got.get("error")
+    assert [d.id for d in got["slice"].devices] == [0, 1, 2, 3]
+    assert got["at"] - released_at < 5  # woken by the release, not by its timeout
+    got["slice"].release()
+
+
+# --- bad program arguments ----------------------------------------------------------------
+
+
+def test_string_argument_leaf():
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 2})
+
+    @pw.program(devices=s)
+    def needs_array(x, y):
+        return x + 1
+
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"program 'needs_array' got argument leaf 1 of type str"
+    ) as info:
+        needs_array(jnp.ones(2), "hello")
+    assert isinstance(info.value, TypeError)
+    assert "static_argnums" in str(info.value)  # what to do
+
+
+def test_unhashable_static_argument():
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 2})
+
+    @pw.program(devices=s, static_argnums=1)
+    def scaled(x, factors):
+        return x * sum(factors)
+
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"static argument 1 of program 'scaled' must be hashable, got list"
+    ) as info:
+        scaled(jnp.ones(2), [1, 2])
+    assert isinstance(info.value, TypeError)
+    # A hashable value is fine.
+    np.testing.assert_allclose(np.asarray(scaled(jnp.ones(2), (1, 2)).result(timeout=60)), [3.0, 3.0])
+
+    power = pw.jit(lambda x, k: x ** len(k), devices=s, static_argnums=1)
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"must be hashable, got dict"):
+        power(jnp.ones(2), {"k": 1})
+
+
+# --- bad specs ----------------------------------------------------------------------------
+
+
+def test_spec_naming_unknown_axis():
+    pw.init(num_cpu_devices=8, islands=2)
+    s = pw.devices(mesh={"x": 4})
+
+    with pytest.raises(pw.errors.PlacementError, match=r"in_specs P\('y',\) names axis 'y'") as info:
+        pw.jit(lambda v: v, devices=s, in_specs=pw.P("y"))
+    assert isinstance(info.value, ValueError)
+    assert "has axes ('x',)" in str(info.value)
+
+    with pytest.raises(pw.errors.PlacementError, match=r"names axis 'y'.*has axes \('x',\)"):
+        pw.jit(lambda v: v, devices=s, in_specs=[pw.P("x"), pw.P(None, "y")])
+
+    out_bad = pw.jit(lambda v: v * 2, devices=s, out_specs=pw.P("y"))
+    with pytest.raises(pw.errors.PlacementError, match=r"out_specs .* names axis 'y'"):
+        out_bad(jnp.ones(8))
+
+    with pytest.raises(pw.errors.PlacementError, match=r"names axis 'y'"):
+        s.sharding("y")
+
+
+def test_spec_that_does_not_divide_a_dimension():
+    pw.init(num_cpu_devices=8, islands=2)
+    s = pw.devices(mesh={"x": 4})
+
+    split_in = pw.jit(lambda v: v + 1, devices=s, in_specs=pw.P("x"))
+    with pytest.raises(
+        pw.errors.PlacementError, match=r"splits a dimension of size 6 into 4 parts for shape \(6,\)"
+    ) as info:
+        split_in(jnp.ones(6))
+    assert isinstance(info.value, ValueError)
+    assert "must divide evenly" in str(info.value)
+
+    split_out = pw.jit(lambda v: v + 1, devices=s, out_specs=pw.P("x"))
+    with pytest.raises(pw.errors.PlacementError, match=r"size 6 into 4 parts"):
+        split_out(jnp.ones(6))
+
+    too_long = pw.jit(lambda v: v + 1, devices=s, in_specs=pw.P("x", None))
+    with pytest.raises(pw.errors.PlacementError, match=r"has 2 entries but the value has shape \(8,\)"):
+        too_long(jnp.ones(8))
+
+    @pw.program
+    def step(v):
+        return split_in(v)
+
+    with pytest.raises(pw.errors.PlacementError, match=r"size 6 into 4 parts"):
+        step(jnp.ones(6))
+    # A dimension that divides evenly is fine.
+    np.testing.assert_allclose(np.asarray(split_in(jnp.ones(8)).result(timeout=60)), np.full(8, 2.0))
