@@ -99,6 +99,14 @@ class Controller:
                 if isinstance(step, ExecStep):
                     self._wait_window(step.island)
                     outs = step.executable(*[env[s] for s in step.in_slots])
+                    if step.pinned:
+                        outs = list(outs)
+                        for position, device in step.pinned:
+                            outs[position] = next(
+                                shard.data
+                                for shard in outs[position].addressable_shards
+                                if shard.device == device
+                            )
                     for slot, array in zip(step.out_slots, outs, strict=True):
                         env[slot] = array
                     if outs:

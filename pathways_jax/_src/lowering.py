@@ -45,6 +45,7 @@ class ExecStep:
     out_slots: tuple[int, ...]
     node: Node
     island: int
+    pinned: tuple[tuple[int, jax.Device], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +96,14 @@ def _target(spec: PartitionSpec | None, current: Any, mesh: jax.sharding.Mesh, a
     if isinstance(current, NamedSharding) and _spec_fits(current.spec, mesh, aval.shape):
         return NamedSharding(mesh, current.spec)
     return NamedSharding(mesh, PartitionSpec())
+
+
+def _pinned_device(sharding: Any) -> jax.Device | None:
+    """The device of a "maximal" sharding (one device holds the value), else None."""
+    hlo = getattr(sharding, "_hlo_sharding", None)
+    if hlo is None or not hlo.is_maximal():
+        return None
+    return sharding._device_assignment[hlo.tile_assignment_devices()[0]]
 
 
 def _same(a: Any, b: Any, ndim: int) -> bool:
@@ -209,16 +218,15 @@ class Plan:
             )
             executable = _compile(node, mesh, tuple(shardings), out_shardings, tuple(donate))
             produced = jax.tree_util.tree_leaves(executable.output_shardings)
-            everywhere = set(mesh.devices.flat)
-            if any(set(sh.device_set) != everywhere for sh in produced):
-                # The compiler may pin an unconstrained output to one device (host
-                # callbacks do); values live on the whole slice, so ask for it.
-                out_shardings = tuple(
-                    NamedSharding(mesh, PartitionSpec()) if set(sh.device_set) != everywhere else want
-                    for sh, want in zip(produced, out_shardings, strict=True)
-                )
-                executable = _compile(node, mesh, tuple(shardings), out_shardings, tuple(donate))
-                produced = jax.tree_util.tree_leaves(executable.output_shardings)
+            pinned = []
+            for position, sharding in enumerate(produced):
+                device = _pinned_device(sharding)
+                if device is not None:
+                    # The compiler pinned this output to one device (host callbacks
+                    # do). Its other shards hold garbage, so the value is the one
+                    # shard: consumers move it from that device like any other.
+                    pinned.append((position, device))
+                    produced[position] = jax.sharding.SingleDeviceSharding(device)
             out_slots = []
             for vid, sharding in zip(node.outputs, produced, strict=True):
                 slot = self._new_slot()
@@ -226,7 +234,9 @@ class Plan:
                 made_here.add(vid)
                 out_slots.append(slot)
             self.steps.append(
-                ExecStep(executable, tuple(in_slots), tuple(out_slots), node, node.slice.island)
+                ExecStep(
+                    executable, tuple(in_slots), tuple(out_slots), node, node.slice.island, tuple(pinned)
+                )
             )
 
         for out in graph.outputs:

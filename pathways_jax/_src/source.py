@@ -59,9 +59,7 @@ def of_exception(exc: BaseException, fun: Any = None) -> str | None:
     call and, when the failure is deeper, the innermost user frame too.
     """
     frames = traceback.extract_tb(exc.__traceback__)
-    innermost = next(
-        (f for f in reversed(frames) if _is_user_file(f.filename)), None
-    )
+    innermost = next((f for f in reversed(frames) if _is_user_file(f.filename)), None)
     code = getattr(inspect.unwrap(fun), "__code__", None) if fun is not None else None
     in_program = None
     if code is not None:
@@ -69,8 +67,7 @@ def of_exception(exc: BaseException, fun: Any = None) -> str | None:
             (
                 f
                 for f in reversed(frames)
-                if os.path.abspath(f.filename) == os.path.abspath(code.co_filename)
-                and f.name == code.co_name
+                if os.path.abspath(f.filename) == os.path.abspath(code.co_filename) and f.name == code.co_name
             ),
             None,
         )
