@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Sequence
 from typing import Literal
@@ -174,3 +175,8 @@ def shutdown(timeout: float = 60.0) -> None:
         current, _current = _current, None
     if current is not None:
         current.close(timeout)
+
+
+# Stop the controller before the interpreter finalises: a dispatch thread still
+# inside XLA while the runtime is torn down can abort the process at exit.
+atexit.register(shutdown)
