@@ -1,6 +1,5 @@
 """The errors pathways_jax raises: ``import pathways_jax as pw; pw.errors.ResourceError``."""
 
-from pathways_jax._src.errors import BackPressureTimeout as BackPressureTimeout
 from pathways_jax._src.errors import ClusterError as ClusterError
 from pathways_jax._src.errors import FutureTimeoutError as FutureTimeoutError
 from pathways_jax._src.errors import PathwaysError as PathwaysError
@@ -11,7 +10,6 @@ from pathways_jax._src.errors import ResourceError as ResourceError
 from pathways_jax._src.errors import TransferError as TransferError
 
 __all__ = [
-    "BackPressureTimeout",
     "ClusterError",
     "FutureTimeoutError",
     "PathwaysError",

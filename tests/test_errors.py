@@ -482,3 +482,20 @@ def test_spec_that_does_not_divide_a_dimension():
         step(jnp.ones(6))
     # A dimension that divides evenly is fine.
     np.testing.assert_allclose(np.asarray(split_in(jnp.ones(8)).result(timeout=60)), np.full(8, 2.0))
+
+
+def test_a_failed_transfer_fails_its_run_with_transfer_error():
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    make = pw.jit(lambda v: v + 1.0, devices=a)
+    use = pw.jit(lambda v: v * 2.0, devices=b)
+    fut = make(jnp.arange(4.0))
+    fut.result(timeout=30).delete()  # the buffer is gone: moving it to island 1 must fail
+    out = use(fut)
+    with pytest.raises(pw.errors.ProgramFailedError, match="moving a value") as info:
+        out.result(timeout=30)
+    assert isinstance(info.value.__cause__, pw.errors.TransferError)
+    assert "dcn" in str(info.value.__cause__)
+    # The controller carries on.
+    np.testing.assert_allclose(np.asarray(use(jnp.ones(2)).result(timeout=30)), [2.0, 2.0])

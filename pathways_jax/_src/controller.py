@@ -113,10 +113,15 @@ class Controller:
                         self._in_flight[step.island].append((outs[0], run))
                     counters.bump("dispatches")
                 else:
-                    env[step.dst] = jax.device_put(env[step.src], step.sharding)
+                    try:
+                        env[step.dst] = jax.device_put(env[step.src], step.sharding)
+                    except Exception as exc:
+                        raise errors.TransferError(
+                            f"moving a value ({step.kind or 'reshard'}) onto {step.sharding} failed: {exc}"
+                        ) from exc
                     if step.kind is not None:
                         counters.bump(f"transfers_{step.kind}")
-        except Exception as exc:
+        except Exception as exc:  # a user error fails its run only
             self._fail(run, self._where(graph.name, run.id, step), exc)
             return
         finally:

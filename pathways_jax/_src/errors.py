@@ -7,7 +7,6 @@ fitting built-in exception, so ``except ValueError`` keeps working.
 from __future__ import annotations
 
 __all__ = [
-    "BackPressureTimeout",
     "ClusterError",
     "FutureTimeoutError",
     "PathwaysError",
@@ -49,7 +48,3 @@ class ProgramFailedError(PathwaysError, RuntimeError):
 
 class FutureTimeoutError(PathwaysError, TimeoutError):
     """``Future.result(timeout=...)`` expired before the value was ready."""
-
-
-class BackPressureTimeout(PathwaysError, TimeoutError):
-    """A program waited longer than its timeout for device memory."""

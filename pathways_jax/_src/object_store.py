@@ -132,9 +132,3 @@ class ObjectStore:
         self.collect()
         with self._lock:
             return len(self._live)
-
-    def live_bytes(self) -> int:
-        self.collect()
-        with self._lock:
-            entries = list(self._live.values())
-        return sum(e.state.array.nbytes for e in entries if isinstance(e.state, Ready))
