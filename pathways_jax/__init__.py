@@ -28,6 +28,10 @@ from pathways_jax._src.graph import Node as Node
 from pathways_jax._src.graph import Transfer as Transfer
 from pathways_jax._src.placed_jit import JitFunction as JitFunction
 from pathways_jax._src.placed_jit import jit as jit
+from pathways_jax._src.plotting import plot_timeline as plot_timeline
+from pathways_jax._src.timeline import start_trace as start_trace
+from pathways_jax._src.timeline import stop_trace as stop_trace
+from pathways_jax._src.timeline import trace as trace
 from pathways_jax._src.tracing import Program as Program
 from pathways_jax._src.tracing import program as program
 
@@ -49,7 +53,11 @@ __all__ = [
     "errors",
     "init",
     "jit",
+    "plot_timeline",
     "program",
     "reset_counters",
     "shutdown",
+    "start_trace",
+    "stop_trace",
+    "trace",
 ]

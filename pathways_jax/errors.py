@@ -7,6 +7,7 @@ from pathways_jax._src.errors import PlacementError as PlacementError
 from pathways_jax._src.errors import ProgramFailedError as ProgramFailedError
 from pathways_jax._src.errors import ProgramTraceError as ProgramTraceError
 from pathways_jax._src.errors import ResourceError as ResourceError
+from pathways_jax._src.errors import TimelineError as TimelineError
 from pathways_jax._src.errors import TransferError as TransferError
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "ProgramFailedError",
     "ProgramTraceError",
     "ResourceError",
+    "TimelineError",
     "TransferError",
 ]

@@ -28,8 +28,9 @@ def _allreduce_program(slice_):
 
 
 @pytest.mark.timeout(240)
-def test_two_threads_300_allreduce_programs_each_on_one_island():
-    pw.init(num_cpu_devices=8)
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-dispatch", "thread-only"])
+def test_two_threads_300_allreduce_programs_each_on_one_island(inline):
+    pw.init(num_cpu_devices=8, inline_dispatch=inline)
     slices = [pw.devices(mesh={"x": 4}), pw.devices(mesh={"x": 4})]
     assert set(slices[0].devices) & set(slices[1].devices) == set()  # least-loaded spread
     slices.append(pw.devices(mesh={"x": 4}))  # overlaps the first
@@ -66,8 +67,9 @@ def test_two_threads_300_allreduce_programs_each_on_one_island():
 
 
 @pytest.mark.timeout(240)
-def test_chain_of_256_allreduce_programs_submitted_without_waiting():
-    pw.init(num_cpu_devices=8)
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-dispatch", "thread-only"])
+def test_chain_of_256_allreduce_programs_submitted_without_waiting(inline):
+    pw.init(num_cpu_devices=8, inline_dispatch=inline)
     s = pw.devices(mesh={"x": 8})
     program = _allreduce_program(s)
     acc = jnp.zeros(())
@@ -106,3 +108,50 @@ def test_controller_thread_starts_lazily_and_shutdown_drains_the_queue():
         np.testing.assert_array_equal(np.asarray(out.result(timeout=30)), np.full(3, i + 1.0))
     with pytest.raises(pw.errors.PlacementError, match="shut down"):
         step(jnp.zeros(3))
+
+
+def test_runs_that_call_back_into_python_never_block_the_caller():
+    import threading
+
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 1})
+    gate = threading.Event()
+
+    def wait(v):
+        gate.wait(30)
+        return v
+
+    held = pw.jit(lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x), devices=s)
+    try:
+        out = held(jnp.ones(2))  # would block here if dispatched on this thread
+        assert not out.done()
+    finally:
+        gate.set()
+    np.testing.assert_array_equal(np.asarray(out.result(timeout=30)), [1.0, 1.0])
+
+
+def test_inline_dispatch_keeps_submission_order_with_a_busy_controller():
+    import threading
+
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 2})
+    gate = threading.Event()
+
+    def wait(v):
+        gate.wait(30)
+        return v
+
+    held = pw.jit(lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x), devices=s)
+    bump = pw.jit(lambda x: x * 2 + 1, devices=s)
+    try:
+        first = held(jnp.ones(2))       # occupies the controller thread
+        chain = [bump(first)]
+        for _ in range(20):             # queued behind it, in order, though the caller is free
+            chain.append(bump(chain[-1]))
+        assert not chain[-1].done()
+    finally:
+        gate.set()
+    want = jnp.ones(2)
+    for _ in range(21):
+        want = want * 2 + 1
+    np.testing.assert_allclose(np.asarray(chain[-1].result(timeout=60)), np.asarray(want))

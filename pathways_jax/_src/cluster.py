@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Literal
 
@@ -34,15 +35,25 @@ class Cluster:
         islands: tuple[tuple[jax.Device, ...], ...],
         init_args: tuple,
         in_flight: int,
+        inline_dispatch: bool = True,
     ):
         self.backend = backend
         self.resources = ResourceManager(islands)
         self.store = ObjectStore()
         self.in_flight = in_flight
+        self.inline_dispatch = inline_dispatch
+        # Bumped whenever a slice is released or the cluster closes: cached plans
+        # check their slices again only then.
+        self.mapping_epoch = 0
+        # Compiled executables by (node function, mesh, shardings): shared by plans.
+        self.executables: dict = {}
         self._init_args = init_args
         self._closed = False
         self._controller = None
         self._controller_lock = threading.Lock()
+        # Live slices, for views (weak: a dropped slice leaves by itself).
+        self._slices: weakref.WeakSet = weakref.WeakSet()
+        self._slices_lock = threading.Lock()
 
     @property
     def islands(self) -> tuple[Island, ...]:
@@ -72,12 +83,29 @@ class Cluster:
     def close(self, timeout: float) -> None:
         with self._controller_lock:
             self._closed = True
+            self.mapping_epoch += 1
             controller, self._controller = self._controller, None
         if controller is not None:
             controller.stop(timeout)
 
+    def add_slice(self, slice_) -> None:
+        """Registers a new slice for :meth:`live_slices` (weakly)."""
+        with self._slices_lock:
+            self._slices.add(slice_)
+
+    def live_slices(self) -> list:
+        """The slices of this cluster not released yet, by id."""
+        with self._slices_lock:
+            slices = list(self._slices)
+        return sorted((s for s in slices if not s.released), key=lambda s: s.id)
+
     def __repr__(self) -> str:
         return f"Cluster(backend={self.backend!r}, {self.resources.describe()})"
+
+    def _repr_html_(self) -> str:
+        from pathways_jax._src import notebook
+
+        return notebook.cluster_html(self)
 
 
 _lock = threading.RLock()
@@ -90,6 +118,7 @@ def init(
     num_cpu_devices: int | None = None,
     islands: int | Sequence[Sequence[int]] | None = None,
     max_in_flight: int = DEFAULT_IN_FLIGHT,
+    inline_dispatch: bool = True,
 ) -> Cluster:
     """Starts the cluster this process runs programs on.
 
@@ -101,6 +130,9 @@ def init(
         evenly, islands numbered from 0) or a list of lists of device ids.
       max_in_flight: executables in flight per island before the controller
         waits for the oldest (a correctness bound for collectives, DESIGN §5).
+      inline_dispatch: let a submitting thread dispatch its run itself when
+        the controller is idle and nothing would wait (same order, no thread
+        hand-off). ``False`` sends every run through the background thread.
 
     Returns:
       The :class:`Cluster`. Calling ``init`` again with the same arguments
@@ -116,7 +148,7 @@ def init(
       'local'
     """
     global _current
-    args = (backend, num_cpu_devices, _freeze(islands), max_in_flight)
+    args = (backend, num_cpu_devices, _freeze(islands), max_in_flight, inline_dispatch)
     with _lock:
         if _current is not None:
             if _current._init_args == args:
@@ -135,7 +167,7 @@ def init(
         if num_cpu_devices is not None:
             local.set_cpu_device_count(num_cpu_devices)
         carved = local.carve_islands(local.local_devices(), islands)
-        _current = Cluster(backend, carved, args, max_in_flight)
+        _current = Cluster(backend, carved, args, max_in_flight, inline_dispatch)
         return _current
 
 
@@ -149,9 +181,10 @@ def _freeze(islands):
 
 
 def _describe(args: tuple) -> str:
-    backend, count, islands, in_flight = args
+    backend, count, islands, in_flight, inline = args
     return (
-        f"(backend={backend!r}, num_cpu_devices={count!r}, islands={islands!r}, max_in_flight={in_flight!r})"
+        f"(backend={backend!r}, num_cpu_devices={count!r}, islands={islands!r}, max_in_flight={in_flight!r}, "
+        f"inline_dispatch={inline!r})"
     )
 
 

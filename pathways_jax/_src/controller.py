@@ -1,9 +1,17 @@
-"""The single controller: one background thread that dispatches every program run.
+"""The single controller: the one place where program runs are dispatched.
 
-One thread enqueues all work, so every device of an island sees programs in
-one consistent order: concurrent SPMD programs with collectives cannot
-deadlock (DESIGN §5). Dispatch is asynchronous: the controller never waits
-for data, only for the in-flight bound of an island.
+All dispatch is serialised by the controller's lock and happens in submission
+order, so every device of an island sees programs in one consistent order:
+concurrent SPMD programs with collectives cannot deadlock (DESIGN §5).
+Dispatch is asynchronous: the controller never waits for data, only for the
+in-flight bound of an island.
+
+Runs normally go through a queue to a background thread. When that thread is
+idle, nothing is queued and the run can be dispatched without waiting (its
+inputs exist and its executables fit in the in-flight windows), the
+submitting thread takes the lock and dispatches the run itself: the order is
+the same, and the hand-off between threads, which costs more than a dispatch,
+is saved.
 """
 
 from __future__ import annotations
@@ -15,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from pathways_jax._src import counters, errors
+from pathways_jax._src import counters, errors, timeline
 from pathways_jax._src.lowering import ExecStep, MoveStep, Run
-from pathways_jax._src.object_store import Failed, Freed, Ready
+from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
 
 if TYPE_CHECKING:
     from pathways_jax._src.cluster import Cluster
@@ -26,14 +34,18 @@ _STOP = object()
 
 
 class Controller:
-    """Owns the dispatch thread of a cluster."""
+    """Owns the dispatch lock, the queue and the background thread of a cluster."""
 
     def __init__(self, cluster: Cluster):
         self._cluster = cluster
         self._store = cluster.store
         self._window = cluster.in_flight
+        self._inline = cluster.inline_dispatch
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._in_flight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self._dispatch = threading.Lock()  # held while a run is dispatched
+        self._queued_lock = threading.Lock()
+        self._queued = 0  # runs in the queue or being dispatched from it
         self._stopped = False
         self._thread = threading.Thread(target=self._serve, name="pathways-controller", daemon=True)
         self._thread.start()
@@ -45,6 +57,15 @@ class Controller:
     def submit(self, run: Run) -> None:
         if self._stopped:
             raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
+        if self._inline and not self._queued and self._dispatch.acquire(blocking=False):
+            try:
+                if not self._queued and self._ready_now(run):
+                    self._execute(run)
+                    return
+            finally:
+                self._dispatch.release()
+        with self._queued_lock:
+            self._queued += 1
         self._queue.put(run)
 
     def stop(self, timeout: float) -> None:
@@ -60,26 +81,53 @@ class Controller:
             if run is _STOP:
                 return
             try:
-                self._execute(run)
+                with self._dispatch:
+                    self._execute(run)
             except BaseException as exc:
                 self._fail(run, f"program {run.plan.graph.name!r} run {run.id} failed in the controller", exc)
+            finally:
+                with self._queued_lock:
+                    self._queued -= 1
+
+    def _ready_now(self, run: Run) -> bool:
+        """True if dispatching ``run`` needs no waiting: inputs exist, windows have room."""
+        if not run.plan.inline_ok:
+            return False
+        for _, entry in run.future_inputs:
+            if isinstance(entry.state, Pending):
+                return False
+        for island, count in run.plan.windowed.items():
+            in_flight = self._in_flight[island]
+            while in_flight and in_flight[0][0].is_ready():
+                self._retire(in_flight.popleft(), island, waited=False)
+            if len(in_flight) + count > self._window:
+                return False
+        return True
+
+    def _retire(self, item: tuple, island: int, waited: bool = True) -> None:
+        oldest, run = item
+        rec = timeline.ACTIVE if waited else None
+        t0 = rec.now() if rec is not None else 0
+        try:
+            oldest.block_until_ready()
+        except Exception:  # the run's futures raise it; count the run once
+            if not run.failed:
+                run.failed = True
+                counters.bump("failed_runs")
+        if rec is not None:
+            rec.waited(t0, client=timeline.client_of(run), island=island, reason="in-flight window")
 
     def _wait_window(self, island: int) -> None:
         in_flight = self._in_flight[island]
         while len(in_flight) >= self._window:
-            oldest, run = in_flight.popleft()
-            try:
-                oldest.block_until_ready()
-            except Exception:  # the run's futures raise it; count the run once
-                if not run.failed:
-                    run.failed = True
-                    counters.bump("failed_runs")
+            self._retire(in_flight.popleft(), island)
 
     def _execute(self, run: Run) -> None:
         env = run.env
         graph = run.plan.graph
+        rec = timeline.ACTIVE
         for slot, entry in run.future_inputs:
-            entry.event.wait()
+            self._store.wait_settled(entry, None)
             match entry.state:
                 case Ready(array):
                     env[slot] = array
@@ -97,7 +145,10 @@ class Controller:
         try:
             for step in run.plan.steps:
                 if isinstance(step, ExecStep):
-                    self._wait_window(step.island)
+                    if step.windowed:
+                        self._wait_window(step.island)
+                    if rec is not None:
+                        t0 = rec.now()
                     outs = step.executable(*[env[s] for s in step.in_slots])
                     if step.pinned:
                         outs = list(outs)
@@ -109,10 +160,14 @@ class Controller:
                             )
                     for slot, array in zip(step.out_slots, outs, strict=True):
                         env[slot] = array
-                    if outs:
+                    if outs and step.windowed:
                         self._in_flight[step.island].append((outs[0], run))
                     counters.bump("dispatches")
+                    if rec is not None:
+                        rec.dispatched(run, step, outs, t0)
                 else:
+                    if rec is not None:
+                        t0 = rec.now()
                     try:
                         env[step.dst] = jax.device_put(env[step.src], step.sharding)
                     except Exception as exc:
@@ -121,6 +176,8 @@ class Controller:
                         ) from exc
                     if step.kind is not None:
                         counters.bump(f"transfers_{step.kind}")
+                    if rec is not None:
+                        rec.moved(run, step, env[step.src], env[step.dst], t0)
         except Exception as exc:  # a user error fails its run only
             self._fail(run, self._where(graph.name, run.id, step), exc)
             return
@@ -131,6 +188,7 @@ class Controller:
         for out, entry in zip(run.plan.outputs, run.outputs, strict=True):
             if out.kind == "slot":
                 self._store.set_ready(entry, env[out.where])
+        self._store.wake()
         run.env = []
 
     @staticmethod
@@ -148,8 +206,10 @@ class Controller:
         run.failed = True
         counters.bump("failed_runs")
         detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None else message
+        timeline.failed(run, detail)
         for entry in run.outputs:
             self._store.set_failed(entry, detail, cause)
+        self._store.wake()
         for _, entry in run.future_inputs:
             self._store.decref(entry)
         run.future_inputs = []

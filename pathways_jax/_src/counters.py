@@ -16,15 +16,28 @@ _NAMES = (
     "failed_runs",
 )
 
+# Each thread counts into its own Counter (no lock on the hot path); reads sum
+# them. A Counter is registered once per thread and kept after the thread ends
+# so that its counts are not lost.
 _lock = threading.Lock()
-_counts: collections.Counter[str] = collections.Counter()
+_all: list[collections.Counter[str]] = []
+_local = threading.local()
+
+
+def _mine() -> collections.Counter[str]:
+    counts = collections.Counter()
+    with _lock:
+        _all.append(counts)
+    _local.counts = counts
+    return counts
 
 
 def bump(name: str, n: int = 1) -> None:
-    # A Counter update under the GIL is one bytecode-level dict op; the lock
-    # keeps read-modify-write exact across the controller and user threads.
-    with _lock:
-        _counts[name] += n
+    try:
+        counts = _local.counts
+    except AttributeError:
+        counts = _mine()
+    counts[name] += n
 
 
 def counters() -> dict[str, int]:
@@ -44,10 +57,11 @@ def counters() -> dict[str, int]:
       ['compiles', 'dispatches', 'failed_runs']
     """
     with _lock:
-        return {name: _counts[name] for name in _NAMES}
+        return {name: sum(c[name] for c in _all) for name in _NAMES}
 
 
 def reset_counters() -> None:
     """Sets every counter back to zero."""
     with _lock:
-        _counts.clear()
+        for counts in _all:
+            counts.clear()

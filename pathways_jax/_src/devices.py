@@ -87,6 +87,7 @@ class VirtualSlice:
         self._physical_mesh: Mesh | None = None
         # Gives the devices back if the slice is dropped without release().
         self._give_back = weakref.finalize(self, cluster.resources.release, devices, exclusive)
+        cluster.add_slice(self)
         # One exit stack per active ``with`` of this slice on each thread.
         self._exits = threading.local()
 
@@ -140,6 +141,7 @@ class VirtualSlice:
                 return
             self._released = True
         self._give_back()
+        self._cluster.mapping_epoch += 1
 
     def __enter__(self) -> VirtualSlice:
         self.check_usable()
@@ -158,6 +160,11 @@ class VirtualSlice:
     def __exit__(self, *exc_info: object) -> None:
         context.state.slices.pop()
         self._exits.stacks.pop().close()
+
+    def _repr_html_(self) -> str:
+        from pathways_jax._src import notebook
+
+        return notebook.slice_html(self)
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n!r}: {s}" for n, s in zip(self.axis_names, self.shape, strict=True))

@@ -14,6 +14,7 @@ __all__ = [
     "ProgramFailedError",
     "ProgramTraceError",
     "ResourceError",
+    "TimelineError",
     "TransferError",
 ]
 
@@ -48,3 +49,8 @@ class ProgramFailedError(PathwaysError, RuntimeError):
 
 class FutureTimeoutError(PathwaysError, TimeoutError):
     """``Future.result(timeout=...)`` expired before the value was ready."""
+
+
+class TimelineError(PathwaysError, RuntimeError):
+    """A timeline trace was misused: nested ``pw.start_trace``, ``pw.stop_trace`` without
+    one, or a trace file that is missing or not trace-event JSON."""

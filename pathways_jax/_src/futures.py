@@ -77,9 +77,9 @@ class Future:
     def done(self) -> bool:
         """True once the value is computed (or its run failed)."""
         entry = self._entry
-        if not entry.event.is_set():
-            return False
         match entry.state:
+            case Pending():
+                return False
             case Ready(array):
                 return array.is_ready()
             case _:
@@ -98,7 +98,7 @@ class Future:
         """
         entry = self._entry
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not entry.event.wait(timeout):
+        if not self._store.wait_settled(entry, timeout):
             raise self._timeout(timeout)
         match entry.state:
             case Ready(array):
@@ -131,6 +131,11 @@ class Future:
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         out = np.asarray(self.result())
         return out if dtype is None else out.astype(dtype)
+
+    def _repr_html_(self) -> str:
+        from pathways_jax._src import notebook
+
+        return notebook.future_html(self)
 
     def __repr__(self) -> str:
         state = type(self._entry.state).__name__.lower()

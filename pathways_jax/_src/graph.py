@@ -52,7 +52,7 @@ class Node:
     """One sharded computation: one compiled function on one slice."""
 
     name: str
-    kind: Literal["jit", "glue"]
+    kind: Literal["jit", "glue", "fused"]
     slice: VirtualSlice
     jaxpr: Any
     inputs: tuple[int, ...]
@@ -233,3 +233,30 @@ class Graph:
         outs = ", ".join(f"v{o.value}" if o.value is not None else repr(o.literal) for o in self.outputs)
         lines.append(f"  output ({outs})")
         return "\n".join(lines)
+
+    def to_dot(self) -> str:
+        """The graph in Graphviz DOT: nodes grouped by island and slice, ICI and DCN transfers distinct.
+
+        Example:
+          >>> import jax.numpy as jnp, pathways_jax as pw
+          >>> s = pw.devices(mesh={"x": 1})
+          >>> dot = pw.program(lambda v: v + 1, devices=s).graph(jnp.zeros(2)).to_dot()
+          >>> dot.startswith("digraph") and "cluster_island_0" in dot
+          True
+          >>> s.release()
+        """
+        from pathways_jax._src import render
+
+        return render.to_dot(self)
+
+    def _repr_svg_(self) -> str:
+        """An SVG picture (Graphviz's ``dot`` when installed, else a built-in layout)."""
+        from pathways_jax._src import render
+
+        return render.to_svg(self)
+
+    def _repr_html_(self) -> str:
+        """The notebook view: picture, a note when Graphviz is missing, the steps as a table."""
+        from pathways_jax._src import render
+
+        return render.to_html(self)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pathways_jax._src import counters
+from pathways_jax._src import counters, timeline
 from pathways_jax._src.devices import VirtualSlice
 from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph, Node
@@ -46,6 +46,9 @@ class ExecStep:
     node: Node
     island: int
     pinned: tuple[tuple[int, jax.Device], ...] = ()
+    # Executables over several devices may hold collectives: they count against
+    # the island's in-flight bound. Single-device ones never rendezvous.
+    windowed: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +61,14 @@ class OutputSlot:
     sharding: Any
     slice: VirtualSlice | None
     origin: str
+
+    @property
+    def signature(self) -> tuple | None:
+        """The argument cache key of futures made from this output (None: compute later)."""
+        if self.sharding is None:
+            return None
+        slice_id = self.slice.id if self.slice is not None else None
+        return ("future", tuple(self.aval.shape), self.aval.dtype, self.sharding, slice_id)
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,6 +109,17 @@ def _target(spec: PartitionSpec | None, current: Any, mesh: jax.sharding.Mesh, a
     return NamedSharding(mesh, PartitionSpec())
 
 
+def _calls_host(jaxpr: Any) -> bool:
+    """True if a jaxpr (or one nested in it) calls back into Python on the host."""
+    for eqn in jaxpr.eqns:
+        if "callback" in eqn.primitive.name:
+            return True
+        for sub in jex.jaxprs_in_params(eqn.params):
+            if _calls_host(sub):
+                return True
+    return False
+
+
 def _pinned_device(sharding: Any) -> jax.Device | None:
     """The device of a "maximal" sharding (one device holds the value), else None."""
     hlo = getattr(sharding, "_hlo_sharding", None)
@@ -127,7 +149,20 @@ class Plan:
         self.future_feeds: list[tuple[int, int]] = []  # (arg index, slot)
         self.steps: list[MoveStep | ExecStep] = []
         self.outputs: list[OutputSlot] = []
+        self._epoch = self.cluster.mapping_epoch if self.cluster is not None else 0
         self._lower(signature)
+        self.signatures = [out.signature for out in self.outputs]
+        # How many windowed executables the plan puts on each island: a run
+        # may be dispatched on the caller's thread only if they all fit now.
+        # XLA's CPU client runs executables that call back into Python on the
+        # dispatching thread; such runs always go through the controller's
+        # thread so that the caller never waits for them.
+        self.inline_ok = not any(
+            isinstance(step, ExecStep) and _calls_host(step.node.jaxpr.jaxpr) for step in self.steps
+        )
+        self.windowed: dict[int, int] = collections.Counter(
+            step.island for step in self.steps if isinstance(step, ExecStep) and step.windowed
+        )
 
     def _new_slot(self, value: Any = None) -> int:
         self.template.append(value)
@@ -195,6 +230,7 @@ class Plan:
             placed[key] = slot
             return slot
 
+        cache = self.cluster.executables if self.cluster is not None else None
         for kind, index in graph.steps:
             if kind == "transfer":
                 continue  # materialised where a node first reads the moved value
@@ -216,7 +252,7 @@ class Plan:
             out_shardings = tuple(
                 NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
             )
-            executable = _compile(node, mesh, tuple(shardings), out_shardings, tuple(donate))
+            executable = _compile(node, mesh, tuple(shardings), out_shardings, tuple(donate), cache)
             produced = jax.tree_util.tree_leaves(executable.output_shardings)
             pinned = []
             for position, sharding in enumerate(produced):
@@ -235,7 +271,13 @@ class Plan:
                 out_slots.append(slot)
             self.steps.append(
                 ExecStep(
-                    executable, tuple(in_slots), tuple(out_slots), node, node.slice.island, tuple(pinned)
+                    executable,
+                    tuple(in_slots),
+                    tuple(out_slots),
+                    node,
+                    node.slice.island,
+                    tuple(pinned),
+                    windowed=mesh.devices.size > 1,
                 )
             )
 
@@ -264,12 +306,20 @@ class Plan:
 
     def is_current(self) -> bool:
         """False when a slice was released or remapped, so the plan must be lowered again."""
-        return all(s._devices is devices and not s.released for s, devices in self.mapping)
+        cluster = self.cluster
+        if cluster is not None and cluster.mapping_epoch == self._epoch:
+            return True  # nothing was released or remapped since the last check
+        current = all(s._devices is devices and not s.released for s, devices in self.mapping)
+        if current and cluster is not None:
+            self._epoch = cluster.mapping_epoch
+        return current
 
     def submit(self, leaves: list[Any]) -> Any:
         """Queues one run with these argument leaves; returns the output pytree of futures."""
         from pathways_jax._src import cluster as cluster_lib
 
+        rec = timeline.ACTIVE
+        t0 = rec.now() if rec is not None else 0
         cl = self.cluster or cluster_lib.cluster()
         store = cl.store
         env = list(self.template)
@@ -290,8 +340,8 @@ class Plan:
         run_id = next(_runs)
         owner = Owner("default", run_id)
         entries, futures = [], []
-        for out in self.outputs:
-            entry = store.new(owner, out.aval, out.sharding, out.slice, f"{out.origin} (run {run_id})")
+        for out, signature in zip(self.outputs, self.signatures, strict=True):
+            entry = store.new(owner, out.aval, out.sharding, out.slice, out.origin, signature)
             if out.kind == "literal":
                 store.set_ready(entry, out.where)
             elif out.kind == "argument":
@@ -302,10 +352,20 @@ class Plan:
             futures.append(Future(entry, store))
         counters.bump("runs")
         cl.controller.submit(Run(run_id, self, env, future_inputs, entries))
+        if rec is not None:
+            rec.submitted(self, run_id, t0, owner.client)
         return jax.tree_util.tree_unflatten(self.graph.out_tree, futures)
 
 
-def _compile(node: Node, mesh: Any, in_shardings: tuple, out_shardings: tuple, donate: tuple) -> Any:
+def _compile(
+    node: Node, mesh: Any, in_shardings: tuple, out_shardings: tuple, donate: tuple, cache: dict | None
+) -> Any:
+    """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once."""
+    key = (id(node.jaxpr), mesh, in_shardings, out_shardings, donate)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None and hit[0] is node.jaxpr:
+            return hit[1]
     body = jex.jaxpr_as_fun(node.jaxpr)
 
     def fun(*args: Any) -> tuple:
@@ -316,19 +376,25 @@ def _compile(node: Node, mesh: Any, in_shardings: tuple, out_shardings: tuple, d
         jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=s, weak_type=getattr(aval, "weak_type", False))
         for aval, s in zip(node.jaxpr.in_avals, in_shardings, strict=True)
     ]
+    t0 = timeline.now()
     with jax.set_mesh(mesh):
         lowered = jax.jit(
             fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
         ).lower(*args)
         compiled = lowered.compile()
     counters.bump("compiles")
+    timeline.compiled(node, t0)
+    if cache is not None:
+        cache[key] = (node.jaxpr, compiled)  # holding the jaxpr keeps its id unique
     return compiled
 
 
 def lower(graph: Graph, signature: tuple) -> Plan:
     """Binds ``graph`` to the slices' current devices and compiles its nodes."""
+    t0 = timeline.now()
     plan = Plan(graph, signature)
     counters.bump("lowerings")
+    timeline.lowered(plan, t0)
     return plan
 
 

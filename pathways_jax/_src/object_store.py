@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import itertools
 import threading
+import time
 from typing import Any
 
 import jax
@@ -54,18 +55,21 @@ class Owner:
 class Entry:
     """One value in the store. ``refs`` counts futures and queued runs holding it."""
 
-    __slots__ = ("aval", "event", "id", "origin", "owner", "refs", "sharding", "slice", "state")
+    __slots__ = ("aval", "id", "origin", "owner", "refs", "sharding", "signature", "slice", "state")
 
-    def __init__(self, entry_id: int, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str):
+    def __init__(
+        self, entry_id: int, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any
+    ):
         self.id = entry_id
         self.state: State = PENDING
         self.owner = owner
         self.refs = 1
-        self.event = threading.Event()
         self.aval = aval
         self.sharding = sharding
         self.slice = slice_
         self.origin = origin
+        # The cache key a program computes for this value as an argument.
+        self.signature = signature
 
 
 class ObjectStore:
@@ -79,10 +83,17 @@ class ObjectStore:
         # run at any allocation, even while this thread holds the lock, so it
         # only appends (atomic) and the next store operation does the freeing.
         self._dropped: collections.deque[Entry] = collections.deque()
+        # One condition for every value: waiting is rare, so values carry no
+        # event of their own (creating one per value cost more than a dispatch).
+        self._settled = threading.Condition(threading.Lock())
+        self._waiters = 0
 
-    def new(self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str) -> Entry:
-        entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin)
-        self.collect()
+    def new(
+        self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any = None
+    ) -> Entry:
+        entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin, signature)
+        if self._dropped:
+            self.collect()
         with self._lock:
             self._live[entry.id] = entry
         return entry
@@ -113,19 +124,42 @@ class ObjectStore:
         # Dropping the store's reference lets JAX free the buffer once nothing
         # else (a queued computation, an array the user took) holds it.
         entry.state = FREED
-        entry.event.set()
+        self.wake()
 
     @staticmethod
     def set_ready(entry: Entry, array: jax.Array) -> None:
+        """Marks a value ready; call :meth:`wake` once the run's values are all set."""
         if not isinstance(entry.state, Freed):
             entry.state = Ready(array)
-        entry.event.set()
 
     @staticmethod
     def set_failed(entry: Entry, message: str, cause: BaseException | None) -> None:
+        """Marks a value failed; call :meth:`wake` once the run's values are all set."""
         if not isinstance(entry.state, Freed):
             entry.state = Failed(message, cause)
-        entry.event.set()
+
+    def wake(self) -> None:
+        """Wakes the threads waiting for values that were pending."""
+        if self._waiters:
+            with self._settled:
+                self._settled.notify_all()
+
+    def wait_settled(self, entry: Entry, timeout: float | None) -> bool:
+        """Waits until ``entry`` is no longer pending; False if ``timeout`` expired."""
+        if not isinstance(entry.state, Pending):
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._settled:
+            self._waiters += 1
+            try:
+                while isinstance(entry.state, Pending):
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._settled.wait(remaining)
+            finally:
+                self._waiters -= 1
+        return True
 
     def live_count(self) -> int:
         """How many values are alive (held by a future or a queued run)."""

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 
 from pathways_jax._src import context, errors, source
 from pathways_jax._src.devices import VirtualSlice, check_spec
-from pathways_jax._src.tracing import JIT_SCOPE, JitCall, Program, _static_positions
+from pathways_jax._src.tracing import JIT_SCOPE, JitCall, Program, TracerArgument, _static_positions
 
 Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
 
@@ -134,11 +134,6 @@ class JitFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = context.state.trace
-        if trace is None and any(
-            isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))
-        ):
-            # Inside someone else's jax transformation: behave as jax.jit.
-            return self._jitted(*args, **kwargs)
         slice_ = self._slice()
         if trace is None:
             prog = self._programs.get(slice_.id)
@@ -151,7 +146,13 @@ class JitFunction:
                 )
                 prog.source_info = self.source_info
                 self._programs[slice_.id] = prog
-            return prog(*args, **kwargs)
+            try:
+                return prog(*args, **kwargs)
+            except errors.ProgramTraceError as exc:
+                if not isinstance(exc.__context__, TracerArgument):
+                    raise
+            # Inside someone else's jax transformation: behave as jax.jit.
+            return self._jitted(*args, **kwargs)
         number = trace.record_jit(JitCall(slice_, self._leaf_in_specs(args, kwargs, slice_), None))
         with jax.named_scope(f"{JIT_SCOPE}{number}"), jax.sharding.use_abstract_mesh(slice_.mesh):
             out = self._jitted(*args, **kwargs)

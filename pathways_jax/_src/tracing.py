@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from pathways_jax._src import context, counters, errors, graph_builder, source
+from pathways_jax._src import context, counters, errors, fusion, graph_builder, source, timeline
 from pathways_jax._src.devices import SCOPE_PREFIX, VirtualSlice
 from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph
@@ -65,10 +65,34 @@ def parse_scopes(name_stack: Any) -> list[tuple[str, int]]:
     return found
 
 
+class TracerArgument(Exception):
+    """Raised when a program is called with JAX tracers (inside a transformation)."""
+
+
+def _future_key(leaf: Future) -> tuple:
+    return leaf._entry.signature or future_signature(leaf._entry)
+
+
+def _array_key(leaf: jax.Array) -> tuple:
+    return ("array", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
+
+
+# Exact-type fast path of the signature (the common argument kinds).
+_KEYS: dict[type, Callable[[Any], tuple]] = {Future: _future_key}
+
+
 def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
     # The tuple is the cache key of the leaf: what tracing and lowering depend on.
+    fast = _KEYS.get(type(leaf))
+    if fast is not None:
+        return fast(leaf)
     if isinstance(leaf, Future):
-        return ("future", leaf.shape, leaf.dtype, leaf.sharding, leaf.slice.id)
+        return _future_key(leaf)
+    if isinstance(leaf, jax.core.Tracer):
+        raise TracerArgument(position)
+    if isinstance(leaf, jax.Array):
+        _KEYS.setdefault(type(leaf), _array_key)
+        return _array_key(leaf)
     if isinstance(leaf, jax.Array):
         return ("array", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
     if isinstance(leaf, np.ndarray | np.generic):
@@ -81,6 +105,12 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
         "scalar or pw.Future (or a pytree of them). Pass other values through "
         "static_argnums."
     )
+
+
+def future_signature(entry: Any) -> tuple:
+    """The cache key of a future argument (computed once, when the value is made)."""
+    slice_id = entry.slice.id if entry.slice is not None else None
+    return ("future", tuple(entry.aval.shape), entry.aval.dtype, entry.sharding, slice_id)
 
 
 def _abstract(signature: tuple) -> jax.ShapeDtypeStruct:
@@ -119,10 +149,12 @@ class Program:
         devices: VirtualSlice | None,
         static_argnums: tuple[int, ...],
         name: str | None = None,
+        fuse: bool = False,
     ):
         self._fun = fun
         self._devices = devices
         self._static = static_argnums
+        self._fuse = fuse
         self.name = name or getattr(fun, "__name__", type(fun).__name__)
         self.source_info = source.of_function(fun)
         self._lock = threading.RLock()
@@ -131,6 +163,13 @@ class Program:
         functools.update_wrapper(self, fun)
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[Any, list, Any]:
+        if not self._static:
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+            ambient = context.current_slice() if self._devices is None else None
+            name = self.name
+            signature = tuple([_leaf_signature(leaf, i, name) for i, leaf in enumerate(leaves)])
+            key = (treedef, signature, (), ambient.id if ambient is not None else None)
+            return key, leaves, (treedef, (), signature, ambient, leaves)
         statics = []
         dynamic = list(args)
         for position in reversed(self._static):
@@ -175,6 +214,8 @@ class Program:
                 graph = self._graphs.get(key)
                 if graph is None:
                     graph = self._trace(*how)
+                    if self._fuse:
+                        graph = fusion.fuse(graph)
                     self._graphs[key] = graph
         return graph
 
@@ -207,6 +248,8 @@ class Program:
             out_trees.append(tree)
             return flat
 
+        rec = timeline.ACTIVE
+        t0 = rec.now() if rec is not None else 0
         outer, context.state.trace = context.state.trace, state
         try:
             closed = jax.make_jaxpr(flat_fun)(*(_abstract(s) for s in signature))
@@ -229,6 +272,8 @@ class Program:
             state=state,
             out_tree=out_trees[-1],
         )
+        if rec is not None:
+            rec.complete(f"trace {self.name}", "trace", t0, program=self.name, source=self.source_info)
         return graph.check()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -240,16 +285,28 @@ class Program:
                 return self._fun(*args, **kwargs)
             with self._devices:
                 return self._fun(*args, **kwargs)
-        key, leaves, how = self._split(args, kwargs)
-        graph = self._graph_for(key, how)
+        try:
+            key, leaves, how = self._split(args, kwargs)
+        except TracerArgument as exc:
+            raise errors.ProgramTraceError(
+                f"program {self.name!r} ({self.source_info}) was called with a JAX tracer as "
+                f"argument leaf {exc.args[0]}: a program cannot run inside jax.jit, vmap or "
+                "grad. Call it from Python, or call the jitted functions it uses directly."
+            ) from None
         plan = self._plans.get(key)
         if plan is None or not plan.is_current():
+            graph = self._graph_for(key, how)
             with self._lock:
                 plan = self._plans.get(key)
                 if plan is None or not plan.is_current():
                     plan = lowering.lower(graph, how[2])
                     self._plans[key] = plan
         return plan.submit(leaves)
+
+    def _repr_html_(self) -> str:
+        from pathways_jax._src import notebook
+
+        return notebook.program_html(self)
 
     def __repr__(self) -> str:
         return f"pw.program({self.name}, {self.source_info})"
@@ -261,6 +318,7 @@ def program(
     devices: VirtualSlice | None = None,
     static_argnums: int | Sequence[int] = (),
     name: str | None = None,
+    fuse: bool = False,
 ) -> Program | Callable[[Callable[..., Any]], Program]:
     """Turns a function into ONE dataflow program over virtual slices.
 
@@ -276,6 +334,9 @@ def program(
       devices: the default slice for code not placed otherwise.
       static_argnums: positional arguments that are Python values, not arrays.
       name: the program's name in graphs and errors (default: ``fun.__name__``).
+      fuse: compile each chain of consecutive nodes on one slice into a single
+        executable (fewer dispatches; identical results). ``graph()`` then
+        shows the fused nodes.
 
     Returns:
       A :class:`Program`; calling it returns a pytree of :class:`Future`.
@@ -291,11 +352,11 @@ def program(
       >>> s.release()
     """
     if fun is None:
-        return functools.partial(program, devices=devices, static_argnums=static_argnums, name=name)
+        return functools.partial(program, devices=devices, static_argnums=static_argnums, name=name, fuse=fuse)
     if not callable(fun):
         raise errors.ProgramTraceError(f"pw.program expects a function, got {type(fun).__name__}: {fun!r}.")
     if devices is not None and not isinstance(devices, VirtualSlice):
         raise errors.PlacementError(
             f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
         )
-    return Program(fun, devices=devices, static_argnums=_static_positions(static_argnums), name=name)
+    return Program(fun, devices=devices, static_argnums=_static_positions(static_argnums), name=name, fuse=fuse)

@@ -1,0 +1,268 @@
+"""Pipelined and two-island data-parallel Transformer training against plain SPMD ``jax.jit``.
+
+The model is the decoder-only Transformer of ``examples/pipeline_transformer.py``
+(--layers blocks). All modes train it with Adam on the same synthetic token
+batches, on the same 8 CPU devices, carved into 2 islands of 4:
+
+  spmd            plain ``jax.jit``: one train step over all 8 devices, the batch
+                  split 8 ways, parameters replicated (the 1-stage baseline, and the
+                  one-island baseline of the data-parallel comparison)
+  pipe{S}-gpipe   ``pipeline.Pipeline`` with S = 2, 4, 8 stages of 8/S devices each
+  pipe{S}-1f1b    (stages 0..S/2-1 on island 0, the rest on island 1), schedule
+                  GPipe or 1F1B, --microbatches microbatches (default 2 x S)
+  dp2             ``pipeline.DataParallel`` over the 2 islands of 4 devices
+
+Every train step of a pathways mode is ONE program call. Rounds are
+interleaved (the mode order rotates each round) so machine drift hits all
+modes alike; each mode's figure is the median over rounds of tokens/second,
+and its ratio is the median over rounds of (mode / spmd of the same round).
+
+Bubble accounting: a synchronous pipeline of S stages and M microbatches idles
+a fraction b = (S - 1) / (M + S - 1) of its device time (GPipe and 1F1B alike).
+We report the measured ratio r, b, and the bubble-corrected ratio r / (1 - b):
+the throughput of the pipelined step relative to SPMD per unit of busy device
+time. On an accelerator the bubble is idle hardware; on this CPU machine all
+"devices" share the same few cores, so an idle stage leaves its cores to the
+busy ones and the raw ratio r is the figure to trust (see benchmarks/README.md).
+
+  python benchmarks/pipeline.py           # the full run (a few minutes)
+  python benchmarks/pipeline.py --quick   # tiny sizes, seconds; used by the test suite
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds per mode.")
+_STEPS = flags.DEFINE_integer("steps", 8, "Train steps per measurement.")
+_STAGES = flags.DEFINE_list("stages", ["2", "4", "8"], "Pipeline stage counts.")
+_MICROBATCHES = flags.DEFINE_integer("microbatches", 0, "Microbatches per step; 0: 2 x stages.")
+_BATCH = flags.DEFINE_integer("batch", 64, "Sequences per step (a multiple of 8 and of 2 x 8 microbatches).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
+_D_MODEL = flags.DEFINE_integer("d_model", 128, "Model width.")
+_LAYERS = flags.DEFINE_integer("layers", 8, "Transformer blocks (a multiple of every stage count).")
+_QUICK = flags.DEFINE_bool("quick", False, "Tiny run that only checks the benchmark works.")
+_OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).resolve().parent / "results"), "Result folder.")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _machine() -> dict:
+    import jax
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
+    }
+
+
+def _modes(config, batch: int, stages: list[int], microbatches: int):
+    """Builds every mode; returns {mode: (step() -> None, finish() -> None, info)}."""
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from pipeline_transformer import loss_fn, make_stages
+
+    import pathways_jax as pw
+    from pathways_jax import pipeline
+
+    tx = optax.adam(1e-3)
+    modes = {}
+
+    # spmd: plain jax.jit over all 8 devices, batch split 8 ways.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))  # automatic sharding, as pw uses
+    replicated, split = NamedSharding(mesh, pw.P()), NamedSharding(mesh, pw.P("data"))
+    params, apply = pipeline.sequential(make_stages(config, 1))
+    state = {"params": jax.device_put(params, replicated)}
+    state["opt"] = jax.device_put(tx.init(state["params"]), replicated)
+
+    @jax.jit
+    def spmd_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(apply(p, x), y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+
+    def spmd_run(x, y):
+        state["loss"], state["params"], state["opt"] = spmd_step(
+            state["params"], state["opt"], jax.device_put(x, split), jax.device_put(y, split)
+        )
+
+    modes["spmd"] = (spmd_run, lambda: jax.block_until_ready(state), {"kind": "baseline"})
+
+    def pathways_mode(trainer, info):
+        last = {}
+
+        def run(x, y):
+            last["loss"] = trainer.train_step(x, y)
+
+        def finish():
+            last["loss"].result()
+            params = trainer.params if isinstance(trainer, pipeline.Pipeline) else trainer.params_per_island
+            jax.tree.map(pw.Future.result, params)
+
+        return run, finish, info
+
+    for count in stages:
+        per = 8 // count
+        slices = [pw.devices(mesh={"data": per}, island=s * 2 // count) for s in range(count)]
+        micro = microbatches or 2 * count
+        for schedule in pipeline.SCHEDULES:
+            pipe = pipeline.Pipeline(
+                make_stages(config, count),
+                slices,
+                loss_fn=loss_fn,
+                optimizer=tx,
+                num_microbatches=micro,
+                schedule=schedule,
+            )
+            info = {
+                "kind": "pipeline",
+                "stages": count,
+                "devices_per_stage": per,
+                "microbatches": micro,
+                "schedule": schedule,
+                "islands": [s.island for s in slices],
+                "bubble_fraction": pipe.bubble_fraction,
+            }
+            modes[f"pipe{count}-{schedule}"] = pathways_mode(pipe, info)
+    islands = [pw.devices(mesh={"data": 4}, island=i) for i in range(2)]
+    dp = pipeline.DataParallel(make_stages(config, 1), islands, loss_fn=loss_fn, optimizer=tx)
+    modes["dp2"] = pathways_mode(dp, {"kind": "data_parallel", "islands": 2, "devices_per_island": 4})
+    return modes
+
+
+def _plot(result: dict, path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'pathways-jax[bench]'): no plot written")
+        return False
+    modes = [m for m in result["modes"] if m != "spmd"]
+    ratios = [result["modes"][m]["ratio_vs_spmd"] for m in modes]
+    ideal = [1 - result["modes"][m].get("bubble_fraction", 0.0) for m in modes]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    xs = range(len(modes))
+    ax.bar(xs, ratios, color=["tab:blue" if "gpipe" in m else "tab:orange" if "1f1b" in m else "tab:green" for m in modes])
+    ax.scatter(xs, ideal, marker="_", s=600, color="black", label="1 - bubble fraction (accelerator ideal)", zorder=3)
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(0.97, color="tab:green", linestyle="--", linewidth=1, label="two-island target 0.97")
+    for x, r in zip(xs, ratios, strict=True):
+        ax.text(x, r + 0.01, f"{r:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(list(xs), modes, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s relative to plain jax.jit SPMD")
+    ax.set_title(f"Transformer training on {result['machine']['devices']} ({result['machine']['cpu_count']} cores)")
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    sys.path.insert(0, str(ROOT / "examples"))
+    import pathways_jax as pw
+
+    pw.init(num_cpu_devices=8, islands=2)  # before any JAX work
+    from pipeline_transformer import Config, make_batch
+
+    if _QUICK.value:
+        config = Config(vocab=8, seq_len=4, d_model=8, heads=1, layers=8, period=3)
+        batch, rounds, steps = 16, 1, 1
+    else:
+        config = Config(vocab=64, seq_len=_SEQ_LEN.value, d_model=_D_MODEL.value, heads=4, layers=_LAYERS.value)
+        batch, rounds, steps = _BATCH.value, _ROUNDS.value, _STEPS.value
+    stages = [int(s) for s in _STAGES.value]
+    microbatches = 1 if _QUICK.value else _MICROBATCHES.value
+    batches = [make_batch(config, 0, i, batch) for i in range(steps)]
+    tokens = batch * config.seq_len * steps
+
+    start = time.perf_counter()
+    modes = _modes(config, batch, stages, microbatches)
+    for name, (run, finish, _) in modes.items():  # compile and warm every mode
+        t0 = time.perf_counter()
+        run(*batches[0])
+        finish()
+        print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"built and compiled {len(modes)} modes in {time.perf_counter() - start:.1f} s")
+
+    names = list(modes)
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            run, finish, _ = modes[name]
+            t0 = time.perf_counter()
+            for x, y in batches:
+                run(x, y)
+            finish()
+            per_round[name].append(tokens / (time.perf_counter() - t0))
+        print(f"round {r}: " + ", ".join(f"{n} {per_round[n][-1]:,.0f}" for n in names), flush=True)
+
+    result = {
+        "benchmark": "pipeline",
+        "machine": _machine(),
+        "quick": _QUICK.value,
+        "config": {
+            **{k: getattr(config, k) for k in ("vocab", "seq_len", "d_model", "heads", "layers")},
+            "batch": batch,
+            "tokens_per_step": batch * config.seq_len,
+            "steps_per_measurement": steps,
+            "rounds": rounds,
+        },
+        "bubble_accounting": (
+            "bubble b = (S-1)/(M+S-1); bubble_corrected_ratio = ratio_vs_spmd / (1 - b). On this CPU "
+            "machine the 8 devices share the cores, so idle stages do not idle the hardware: the raw ratio "
+            "is the honest figure and the corrected one an upper bound."
+        ),
+        "modes": {},
+    }
+    for name in names:
+        info = dict(modes[name][2])
+        ratios = [m / b for m, b in zip(per_round[name], per_round["spmd"], strict=True)]
+        entry = {
+            **info,
+            "tokens_per_s": statistics.median(per_round[name]),
+            "tokens_per_s_min": min(per_round[name]),
+            "tokens_per_s_max": max(per_round[name]),
+            "ratio_vs_spmd": statistics.median(ratios),
+        }
+        if "bubble_fraction" in info:
+            entry["bubble_corrected_ratio"] = entry["ratio_vs_spmd"] / (1 - info["bubble_fraction"])
+        result["modes"][name] = entry
+    result["two_island_vs_one_island"] = result["modes"]["dp2"]["ratio_vs_spmd"]
+
+    out = pathlib.Path(_OUT.value)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")
+    plotted = _plot(result, out / "pipeline.png")
+    print(f"\n{'mode':<14} {'tokens/s':>10} {'ratio':>7} {'bubble':>7} {'corrected':>9}")
+    for name, entry in result["modes"].items():
+        bubble = entry.get("bubble_fraction")
+        corrected = entry.get("bubble_corrected_ratio")
+        print(
+            f"{name:<14} {entry['tokens_per_s']:>10,.0f} {entry['ratio_vs_spmd']:>7.3f} "
+            f"{'' if bubble is None else f'{bubble:.3f}':>7} {'' if corrected is None else f'{corrected:.3f}':>9}"
+        )
+    print(f"wrote {out / 'pipeline.json'}" + (f" and {out / 'pipeline.png'}" if plotted else ""))
+    pw.shutdown()
+
+
+if __name__ == "__main__":
+    app.run(main)

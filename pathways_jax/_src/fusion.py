@@ -1,0 +1,106 @@
+"""Chain fusion: consecutive nodes on one slice become one compiled node.
+
+``@pw.program(fuse=True)`` trades the graph's node-per-function structure for
+fewer dispatches: every run of consecutive steps that are nodes on the same
+slice is compiled as one executable. Values the run makes and only the run
+reads stay inside the executable; values read elsewhere (by a later node, a
+transfer or the program's outputs) become outputs of the fused node, so results
+are exactly those of the unfused program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+
+from pathways_jax._src.graph import Graph, Node
+
+
+def _group_runs(graph: Graph) -> list[list[int] | tuple[str, int]]:
+    """The steps, with consecutive same-slice node steps gathered into lists."""
+    out: list[list[int] | tuple[str, int]] = []
+    for kind, index in graph.steps:
+        if kind == "node":
+            node = graph.nodes[index]
+            last = out[-1] if out else None
+            if isinstance(last, list) and graph.nodes[last[-1]].slice is node.slice:
+                last.append(index)
+                continue
+            out.append([index])
+        else:
+            out.append((kind, index))
+    return out
+
+
+def _fuse_nodes(graph: Graph, members: list[Node], read_outside: set[int]) -> Node:
+    produced = {vid for m in members for vid in m.outputs}
+    inputs: list[int] = []
+    in_specs: list[Any] = []
+    for m in members:
+        for vid, spec in zip(m.inputs, m.in_specs, strict=True):
+            if vid not in produced and vid not in inputs:
+                inputs.append(vid)
+                in_specs.append(spec)
+    outputs: list[int] = []
+    out_specs: list[Any] = []
+    for m in members:
+        for vid, spec in zip(m.outputs, m.out_specs, strict=True):
+            if vid in read_outside:
+                outputs.append(vid)
+                out_specs.append(spec)
+    functions = [(m, jex.jaxpr_as_fun(m.jaxpr)) for m in members]
+
+    def fused(*args: Any) -> list[Any]:
+        env = dict(zip(inputs, args, strict=True))
+        for m, fun in functions:
+            env.update(zip(m.outputs, fun(*(env[v] for v in m.inputs)), strict=True))
+        return [env[v] for v in outputs]
+
+    avals = [graph.values[v].aval for v in inputs]
+    with jax.sharding.use_abstract_mesh(members[0].slice.mesh):
+        closed = jax.make_jaxpr(fused)(
+            *(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals)
+        )
+    first = members[0]
+    return Node(
+        name=f"{first.name}+{len(members) - 1}",
+        kind="fused",
+        slice=first.slice,
+        jaxpr=closed,
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        in_specs=tuple(in_specs),
+        out_specs=tuple(out_specs),
+        donated=(False,) * len(inputs),
+        source_info=first.source_info,
+    )
+
+
+def fuse(graph: Graph) -> Graph:
+    """Returns ``graph`` with each chain of consecutive same-slice nodes fused into one."""
+    runs = _group_runs(graph)
+    if all(not isinstance(r, list) or len(r) == 1 for r in runs):
+        return graph
+    nodes: list[Node] = []
+    steps: list[tuple[str, int]] = []
+    returned = {o.value for o in graph.outputs if o.value is not None}
+    for position, run in enumerate(runs):
+        if not isinstance(run, list):
+            steps.append(run)
+            continue
+        if len(run) == 1:
+            nodes.append(graph.nodes[run[0]])
+        else:
+            members = [graph.nodes[i] for i in run]
+            read_outside = set(returned)
+            for later in runs[position + 1 :]:
+                if isinstance(later, list):
+                    read_outside.update(v for i in later for v in graph.nodes[i].inputs)
+                elif later[0] == "transfer":
+                    read_outside.add(graph.transfers[later[1]].value)
+            nodes.append(_fuse_nodes(graph, members, read_outside))
+        steps.append(("node", len(nodes) - 1))
+    return dataclasses.replace(graph, nodes=tuple(nodes), steps=tuple(steps)).check()

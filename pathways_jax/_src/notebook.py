@@ -1,0 +1,224 @@
+"""HTML views for notebooks: ``Cluster``, ``VirtualSlice``, ``Program`` and ``Future``.
+
+Each object's ``_repr_html_`` delegates here. Views only read state: they never
+wait for a value, start the controller or trace a program.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from pathways_jax._src import render
+from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
+
+__all__ = ["cluster_html", "future_html", "program_html", "slice_html"]
+
+_BOX = 'style="font-family: Helvetica, Arial, sans-serif; font-size: 13px;"'
+_STATE_COLOURS = {"pending": "#b7791f", "ready": "#2f855a", "failed": "#c53030", "freed": "#718096"}
+
+
+def _x(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _badge(state: str) -> str:
+    colour = _STATE_COLOURS.get(state, "#4a5568")
+    return (
+        f'<span style="background: {colour}; color: white; border-radius: 4px; padding: 0 6px;">'
+        f"{_x(state)}</span>"
+    )
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""  # pragma: no cover
+
+
+def _mesh(slice_: Any) -> str:
+    return "{" + ", ".join(f"{n}: {s}" for n, s in zip(slice_.axis_names, slice_.shape, strict=True)) + "}"
+
+
+def _stats() -> Any:
+    """``pw.stats()`` where the running version has it, else ``None``; never raises."""
+    try:
+        import pathways_jax
+
+        fn = getattr(pathways_jax, "stats", None)
+        return fn() if callable(fn) else None
+    except Exception:
+        return None
+
+
+def _device_stats(stats: Any) -> dict[int, Mapping]:
+    per_device = stats.get("devices") if isinstance(stats, Mapping) else None
+    if not isinstance(per_device, Mapping):
+        return {}
+    out = {}
+    for key, value in per_device.items():
+        try:
+            out[int(key)] = value if isinstance(value, Mapping) else {"value": value}
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _memory(device: Any) -> str:
+    try:
+        stats = device.memory_stats()
+    except Exception:
+        return ""
+    if not stats:
+        return ""
+    used, limit = stats.get("bytes_in_use"), stats.get("bytes_limit")
+    if used is None:
+        return ""
+    return _bytes(used) + (f" / {_bytes(limit)}" if limit else "")
+
+
+def cluster_html(cluster: Any) -> str:
+    """Islands, hosts and devices of a cluster, the live slices mapped on them, and stats."""
+    slices = cluster.live_slices() if hasattr(cluster, "live_slices") else []
+    on_device: dict[int, list[str]] = {}
+    for s in slices:
+        for d in s._devices:
+            on_device.setdefault(d.id, []).append(f"#{s.id}")
+    load = cluster.resources.load()
+    stats = _stats()
+    dev_stats = _device_stats(stats)
+    stat_keys = sorted({k for v in dev_stats.values() for k in v})
+    state = "closed" if cluster.closed else "running"
+    n_devices = sum(len(isl.devices) for isl in cluster.islands)
+    parts = [
+        f'<div class="pw-cluster" {_BOX}>',
+        f"<div><b>Cluster</b> ({_x(cluster.backend)} backend, {state}): {len(cluster.islands)} islands, "
+        f"{n_devices} devices, {len(slices)} live slices</div>",
+    ]
+    for isl in cluster.islands:
+        hosts = sorted({getattr(d, "process_index", 0) for d in isl.devices})
+        rows = []
+        for d in isl.devices:
+            row = [
+                d.id,
+                d.device_kind,
+                getattr(d, "process_index", 0),
+                " ".join(on_device.get(d.id, [])),
+                load.get(d.id, 0),
+                _memory(d),
+            ]
+            row += [dev_stats.get(d.id, {}).get(k, "") for k in stat_keys]
+            rows.append(row)
+        parts.append(
+            f'<div style="margin-top: 6px;"><b>island {isl.index}</b> (hosts {", ".join(map(str, hosts))})</div>'
+        )
+        parts.append(render.table(["device", "kind", "host", "slices", "load", "memory", *stat_keys], rows))
+    if slices:
+        rows = [
+            [
+                f"#{s.id}",
+                _mesh(s),
+                s.island,
+                ",".join(str(d.id) for d in s._devices),
+                "exclusive" if s.exclusive else "shared",
+            ]
+            for s in slices
+        ]
+        parts.append('<div style="margin-top: 6px;"><b>live slices</b></div>')
+        parts.append(render.table(["slice", "mesh", "island", "devices", "kind"], rows))
+    if isinstance(stats, Mapping):
+        rows = [[k, v] for k, v in stats.items() if k != "devices"]
+        if rows:
+            parts.append('<div style="margin-top: 6px;"><b>pw.stats()</b></div>')
+            parts.append(render.table(["stat", "value"], rows))
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def slice_html(slice_: Any) -> str:
+    """A virtual slice: its mesh, island, kind, and the devices laid out in mesh shape."""
+    ids = np.array([d.id for d in slice_._devices], dtype=object)
+    shape = slice_.shape
+    grid = ids.reshape(math.prod(shape[:-1]), shape[-1])  # 1-D: one row
+    cell = 'style="border: 1px solid #b0b8c8; padding: 2px 8px; text-align: center; background: #f4f6fa;"'
+    body = "".join("<tr>" + "".join(f"<td {cell}>{_x(v)}</td>" for v in row) + "</tr>" for row in grid)
+    kind = "exclusive" if slice_.exclusive else "shared"
+    state = _badge("released") if slice_.released else ""
+    return (
+        f'<div class="pw-slice" {_BOX}><div><b>VirtualSlice #{slice_.id}</b> mesh {_x(_mesh(slice_))}, '
+        f"island {slice_.island}, {kind} {state}</div>"
+        f'<div style="font-size: 11px; color: #555;">devices in mesh order (rows: '
+        f"{_x(' x '.join(slice_.axis_names[:-1]) or '-')}, columns: {_x(slice_.axis_names[-1])})</div>"
+        f'<table style="border-collapse: collapse;">{body}</table></div>'
+    )
+
+
+def program_html(program: Any) -> str:
+    """A program: where it is defined, its default slice, and the graphs traced so far."""
+    graphs = list(getattr(program, "_graphs", {}).values())
+    plans = getattr(program, "_plans", {})
+    devices = getattr(program, "_devices", None)
+    default = f"slice #{devices.id} {_mesh(devices)}" if devices is not None else "none"
+    parts = [
+        f'<div class="pw-program" {_BOX}>',
+        f"<div><b>pw.program {_x(program.name)}</b> defined at {_x(program.source_info)}; default devices: "
+        f"{_x(default)}; {len(graphs)} traced signatures, {len(plans)} lowered plans</div>",
+    ]
+    if not graphs:
+        parts.append(
+            '<div style="color: #555;">not traced yet: call it, or program.graph(*args) to see its graph</div>'
+        )
+    for i, graph in enumerate(graphs):
+        open_attr = " open" if i == len(graphs) - 1 else ""
+        parts.append(
+            f"<details{open_attr}><summary>signature {i}: {len(graph.nodes)} nodes, "
+            f"{len(graph.transfers)} transfers</summary>{render.to_html(graph)}</details>"
+        )
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _future_state(future: Any) -> tuple[str, str]:
+    """(state, detail) of a future, without waiting."""
+    match future._entry.state:
+        case Pending():
+            return "pending", "not dispatched yet"
+        case Ready(array):
+            try:
+                if not array.is_ready():
+                    return "pending", "dispatched, computing"
+                array.block_until_ready()  # ready: returns at once, or raises its error
+            except Exception as exc:
+                return "failed", f"{type(exc).__name__}: {exc}"
+            if array.size <= 16:
+                try:
+                    return "ready", np.array2string(np.asarray(array), threshold=16)
+                except Exception:
+                    return "ready", ""
+            return "ready", ""
+        case Failed(message, _):
+            return "failed", message
+        case Freed():
+            return "freed", "its value was freed"
+    return "unknown", ""  # pragma: no cover
+
+
+def future_html(future: Any) -> str:
+    """A future: its state (pending / ready / failed / freed), shape, dtype and slice."""
+    entry = future._entry
+    state, detail = _future_state(future)
+    where = f"slice #{entry.slice.id} (island {entry.slice.island})" if entry.slice is not None else "host"
+    shape = "x".join(map(str, entry.aval.shape)) or "scalar"
+    detail_html = f'<pre style="margin: 2px 0;">{_x(detail)}</pre>' if detail else ""
+    return (
+        f'<div class="pw-future" {_BOX}><b>Future</b> {_badge(state)} {_x(shape)} {_x(entry.aval.dtype)} '
+        f'on {_x(where)}<div style="font-size: 11px; color: #555;">{_x(entry.origin)}</div>{detail_html}</div>'
+    )

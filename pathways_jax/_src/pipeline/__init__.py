@@ -1,0 +1,1 @@
+"""Pipelined models and multi-island data parallelism, built only on the public API."""
