@@ -93,8 +93,8 @@ class Controller:
         """True if dispatching ``run`` needs no waiting: inputs exist, windows have room."""
         if not run.plan.inline_ok:
             return False
-        for _, entry in run.future_inputs:
-            if isinstance(entry.state, Pending):
+        for _, future in run.future_inputs:
+            if isinstance(future._entry.state, Pending):
                 return False
         for island, count in run.plan.windowed.items():
             in_flight = self._in_flight[island]
@@ -126,7 +126,12 @@ class Controller:
         env = run.env
         graph = run.plan.graph
         rec = timeline.ACTIVE
-        for slot, entry in run.future_inputs:
+        for slot, future in run.future_inputs:
+            entry = future._entry
+            state = entry.state
+            if type(state) is Ready:
+                env[slot] = state.array
+                continue
             self._store.wait_settled(entry, None)
             match entry.state:
                 case Ready(array):
@@ -142,6 +147,7 @@ class Controller:
                     self._fail(run, f"program {graph.name!r} run {run.id} got an input that was freed", None)
                     return
         step: Any = None
+        dispatched = 0
         try:
             for step in run.plan.steps:
                 if isinstance(step, ExecStep):
@@ -162,7 +168,7 @@ class Controller:
                         env[slot] = array
                     if outs and step.windowed:
                         self._in_flight[step.island].append((outs[0], run))
-                    counters.bump("dispatches")
+                    dispatched += 1
                     if rec is not None:
                         rec.dispatched(run, step, outs, t0)
                 else:
@@ -182,12 +188,12 @@ class Controller:
             self._fail(run, self._where(graph.name, run.id, step), exc)
             return
         finally:
-            for _, entry in run.future_inputs:
-                self._store.decref(entry)
+            counters.bump("dispatches", dispatched)
             run.future_inputs = []
+        set_ready = self._store.set_ready
         for out, entry in zip(run.plan.outputs, run.outputs, strict=True):
             if out.kind == "slot":
-                self._store.set_ready(entry, env[out.where])
+                set_ready(entry, env[out.where])
         self._store.wake()
         run.env = []
 
@@ -210,7 +216,5 @@ class Controller:
         for entry in run.outputs:
             self._store.set_failed(entry, detail, cause)
         self._store.wake()
-        for _, entry in run.future_inputs:
-            self._store.decref(entry)
         run.future_inputs = []
         run.env = []

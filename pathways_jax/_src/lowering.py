@@ -78,7 +78,7 @@ class Run:
     id: int
     plan: Plan
     env: list[Any]
-    future_inputs: list[tuple[int, Any]]
+    future_inputs: list[tuple[int, Future]]
     outputs: list[Any]
     failed: bool = False
 
@@ -316,11 +316,13 @@ class Plan:
 
     def submit(self, leaves: list[Any]) -> Any:
         """Queues one run with these argument leaves; returns the output pytree of futures."""
-        from pathways_jax._src import cluster as cluster_lib
-
         rec = timeline.ACTIVE
         t0 = rec.now() if rec is not None else 0
-        cl = self.cluster or cluster_lib.cluster()
+        cl = self.cluster
+        if cl is None:  # a program that places nothing (it only returns literals)
+            from pathways_jax._src import cluster as cluster_lib
+
+            cl = cluster_lib.cluster()
         store = cl.store
         env = list(self.template)
         for index, slot, sharding in self.host_feeds:
@@ -332,11 +334,9 @@ class Plan:
             env[slot] = jax.device_put(leaf, sharding)
         for index, slot in self.array_feeds:
             env[slot] = leaves[index]
-        future_inputs = []
-        for index, slot in self.future_feeds:
-            entry = leaves[index]._entry
-            store.incref(entry)
-            future_inputs.append((slot, entry))
+        # The run holds its input futures until it is dispatched: their values
+        # stay alive even if the caller drops them at once.
+        future_inputs = [(slot, leaves[index]) for index, slot in self.future_feeds]
         run_id = next(_runs)
         owner = Owner("default", run_id)
         entries, futures = [], []

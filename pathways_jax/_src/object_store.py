@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import typing
 from typing import Any
 
 import jax
@@ -23,12 +24,14 @@ class Pending:
     pass
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Ready and Failed are made once per value on the dispatch path: plain slotted
+# dataclasses (a frozen one pays for object.__setattr__ on every field).
+@dataclasses.dataclass(slots=True)
 class Ready:
     array: jax.Array
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Failed:
     message: str
     cause: BaseException | None
@@ -44,8 +47,7 @@ PENDING = Pending()
 FREED = Freed()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Owner:
+class Owner(typing.NamedTuple):
     """Who owns a value: the client that submitted the run, and the run."""
 
     client: str
@@ -53,9 +55,14 @@ class Owner:
 
 
 class Entry:
-    """One value in the store. ``refs`` counts futures and queued runs holding it."""
+    """One value in the store, owned by exactly one :class:`Future`.
 
-    __slots__ = ("aval", "id", "origin", "owner", "refs", "sharding", "signature", "slice", "state")
+    The value lives as long as that future: the user's references and the
+    queued runs that read it (a run holds its input futures until it is
+    dispatched) are counted by Python's own reference count of the future.
+    """
+
+    __slots__ = ("aval", "id", "origin", "owner", "sharding", "signature", "slice", "state")
 
     def __init__(
         self, entry_id: int, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any
@@ -63,7 +70,6 @@ class Entry:
         self.id = entry_id
         self.state: State = PENDING
         self.owner = owner
-        self.refs = 1
         self.aval = aval
         self.sharding = sharding
         self.slice = slice_
@@ -76,7 +82,6 @@ class ObjectStore:
     """Tracks live values; frees a value when its last reference goes."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._ids = itertools.count()
         self._live: dict[int, Entry] = {}
         # Futures dropped by the garbage collector land here: a finaliser may
@@ -94,37 +99,24 @@ class ObjectStore:
         entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin, signature)
         if self._dropped:
             self.collect()
-        with self._lock:
-            self._live[entry.id] = entry
+        self._live[entry.id] = entry  # one dict store: atomic under the GIL
         return entry
 
     def drop(self, entry: Entry) -> None:
-        """Called from ``Future.__del__``: frees the reference at the next collect()."""
+        """Called from ``Future.__del__``: the value is freed at the next collect()."""
         self._dropped.append(entry)
 
     def collect(self) -> None:
-        """Applies the references dropped by finalisers."""
+        """Frees the values whose futures are gone."""
         while self._dropped:
             try:
                 entry = self._dropped.popleft()
             except IndexError:
                 return
-            self.decref(entry)
-
-    def incref(self, entry: Entry) -> None:
-        with self._lock:
-            entry.refs += 1
-
-    def decref(self, entry: Entry) -> None:
-        with self._lock:
-            entry.refs -= 1
-            if entry.refs > 0:
-                return
             self._live.pop(entry.id, None)
-        # Dropping the store's reference lets JAX free the buffer once nothing
-        # else (a queued computation, an array the user took) holds it.
-        entry.state = FREED
-        self.wake()
+            # Dropping the store's reference lets JAX free the buffer once nothing
+            # else (a queued computation, an array the user took) holds it.
+            entry.state = FREED
 
     @staticmethod
     def set_ready(entry: Entry, array: jax.Array) -> None:
@@ -164,5 +156,4 @@ class ObjectStore:
     def live_count(self) -> int:
         """How many values are alive (held by a future or a queued run)."""
         self.collect()
-        with self._lock:
-            return len(self._live)
+        return len(self._live)

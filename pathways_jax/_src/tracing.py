@@ -277,8 +277,6 @@ class Program:
         return graph.check()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from pathways_jax._src import lowering
-
         if context.state.trace is not None:
             # Called while another program is traced: its nodes join that program.
             if self._devices is None:
@@ -295,6 +293,8 @@ class Program:
             ) from None
         plan = self._plans.get(key)
         if plan is None or not plan.is_current():
+            from pathways_jax._src import lowering
+
             graph = self._graph_for(key, how)
             with self._lock:
                 plan = self._plans.get(key)
