@@ -69,7 +69,7 @@ def _machine() -> dict:
 
 def _measure(run: Callable[[int], float], unit: int, target_s: float) -> Callable[[], float]:
     """Calibrates how many calls last about ``target_s``; returns a timer of computations/s."""
-    run(1)  # compile and warm
+    run(2)  # compile and warm both argument kinds (arrays, then futures)
     calls = 1
     while True:
         elapsed = run(calls)
@@ -97,7 +97,11 @@ def _modes(n: int, chain: int, jax_window: int, work: int | None = None):
     s = pw.devices(mesh={"x": n})
     mesh = s.physical_mesh
     replicated = NamedSharding(mesh, P())
-    weights = None if work is None else jnp.asarray(np.random.default_rng(0).normal(size=(work, work)) / work, jnp.float32)
+    weights = (
+        None
+        if work is None
+        else jnp.asarray(np.random.default_rng(0).normal(size=(work, work)) / work, jnp.float32)
+    )
 
     def computation(x, mesh=None):
         if weights is not None:
@@ -228,7 +232,9 @@ def run_dispatch(devices: list[int], repeats: int, chain: int, target_s: float, 
     return results
 
 
-def run_sweep(devices: list[int], sizes: list[int], repeats: int, chain: int, target_s: float, jax_window: int) -> dict:
+def run_sweep(
+    devices: list[int], sizes: list[int], repeats: int, chain: int, target_s: float, jax_window: int
+) -> dict:
     out = {}
     for n in devices:
         rows = []
@@ -263,9 +269,7 @@ def run_sweep(devices: list[int], sizes: list[int], repeats: int, chain: int, ta
 
 
 def _row(n: int, by_mode: dict) -> str:
-    cells = " | ".join(
-        f"{by_mode[m]['median']:,.0f} ({by_mode[m]['ratio_to_jax_O']:.2f}x)" for m in MODES
-    )
+    cells = " | ".join(f"{by_mode[m]['median']:,.0f} ({by_mode[m]['ratio_to_jax_O']:.2f}x)" for m in MODES)
     return f"| {n} | {cells} |"
 
 
@@ -321,12 +325,20 @@ def main(argv: list[str]) -> None:
     print("| devices | " + " | ".join(MODES) + " |  (computations/s, ratio to jax-O)")
     results = run_dispatch(devices, repeats, chain, target, _JAX_WINDOW.value)
     latency = _submit_latency(devices[-1], chain, 50 if _QUICK.value else 2000)
-    print(f"cached call, submission only (median): pw-O {latency['pw-O']:.1f} us, pw-C {latency['pw-C']:.1f} us")
+    print(
+        f"cached call, submission only (median): pw-O {latency['pw-O']:.1f} us, pw-C {latency['pw-C']:.1f} us"
+    )
     report = {
         "benchmark": "dispatch",
         "machine": _machine(),
-        "config": {"repeats": repeats, "chain": chain, "target_s": target, "jax_window": _JAX_WINDOW.value,
-                   "pw_max_in_flight": pw.cluster().in_flight, "quick": _QUICK.value},
+        "config": {
+            "repeats": repeats,
+            "chain": chain,
+            "target_s": target,
+            "jax_window": _JAX_WINDOW.value,
+            "pw_max_in_flight": pw.cluster().in_flight,
+            "quick": _QUICK.value,
+        },
         "computations_per_second": results,
         "submit_latency_us": latency,
         "table": _table(results),

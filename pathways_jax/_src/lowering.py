@@ -361,10 +361,13 @@ def _compile(
     node: Node, mesh: Any, in_shardings: tuple, out_shardings: tuple, donate: tuple, cache: dict | None
 ) -> Any:
     """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once."""
-    key = (id(node.jaxpr), mesh, in_shardings, out_shardings, donate)
+    # Keyed by the function's text (and its constants' identities): JAX may
+    # trace one Python function into distinct but identical jaxprs.
+    consts = tuple(node.jaxpr.consts)
+    key = (str(node.jaxpr.jaxpr), tuple(map(id, consts)), mesh, in_shardings, out_shardings, donate)
     if cache is not None:
         hit = cache.get(key)
-        if hit is not None and hit[0] is node.jaxpr:
+        if hit is not None:
             return hit[1]
     body = jex.jaxpr_as_fun(node.jaxpr)
 
@@ -385,7 +388,7 @@ def _compile(
     counters.bump("compiles")
     timeline.compiled(node, t0)
     if cache is not None:
-        cache[key] = (node.jaxpr, compiled)  # holding the jaxpr keeps its id unique
+        cache[key] = (consts, compiled)  # holding the constants keeps their ids unique
     return compiled
 
 

@@ -134,6 +134,15 @@ class JitFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = context.state.trace
+        if trace is None and self._devices is not None and not self._devices.released:
+            prog = self._programs.get(self._devices.id)
+            if prog is not None:
+                try:
+                    return prog(*args, **kwargs)
+                except errors.ProgramTraceError as exc:
+                    if not isinstance(exc.__context__, TracerArgument):
+                        raise
+                return self._jitted(*args, **kwargs)
         slice_ = self._slice()
         if trace is None:
             prog = self._programs.get(slice_.id)
