@@ -190,6 +190,21 @@ def check_spec(spec: PartitionSpec, slice_: VirtualSlice, *, what: str) -> None:
                 )
 
 
+def spec_parts(spec: PartitionSpec, sizes: Mapping[str, int]) -> list[int] | None:
+    """How many parts each dimension is split into; None if an axis is unknown."""
+    parts = []
+    for entry in spec:
+        count = 1
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if name is None:
+                continue
+            if name not in sizes:
+                return None
+            count *= sizes[name]
+        parts.append(count)
+    return parts
+
+
 def devices(
     mesh: Mapping[str, int] | Sequence[int],
     *,

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src import counters, timeline
-from pathways_jax._src.devices import VirtualSlice
+from pathways_jax._src.devices import VirtualSlice, spec_parts
 from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph, Node
 from pathways_jax._src.object_store import Owner
@@ -84,20 +84,12 @@ class Run:
 
 
 def _spec_fits(spec: PartitionSpec, mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> bool:
-    if len(spec) > len(shape):
-        return False
-    for dim, entry in zip(shape, spec, strict=False):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        parts = 1
-        for name in names:
-            if name is None:
-                continue
-            if name not in mesh.shape:
-                return False
-            parts *= mesh.shape[name]
-        if dim % parts:
-            return False
-    return True
+    parts = spec_parts(spec, mesh.shape)
+    return (
+        parts is not None
+        and len(parts) <= len(shape)
+        and all(dim % count == 0 for dim, count in zip(shape, parts, strict=False))
+    )
 
 
 def _target(spec: PartitionSpec | None, current: Any, mesh: jax.sharding.Mesh, aval: Any) -> NamedSharding:

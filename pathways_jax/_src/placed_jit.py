@@ -11,7 +11,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from pathways_jax._src import context, errors, source
-from pathways_jax._src.devices import VirtualSlice, check_spec
+from pathways_jax._src.devices import VirtualSlice, check_spec, spec_parts
 from pathways_jax._src.tracing import JIT_SCOPE, JitCall, Program, TracerArgument, _static_positions
 
 Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
@@ -31,13 +31,8 @@ def _check_fits(spec: PartitionSpec | None, aval: Any, slice_: VirtualSlice, wha
             f"{what} {spec} has {len(spec)} entries but the value has shape {tuple(shape)}; "
             "a spec has at most one entry per dimension."
         )
-    sizes = dict(zip(slice_.axis_names, slice_.shape, strict=True))
-    for dim, entry in zip(shape, spec, strict=False):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        parts = 1
-        for name in names:
-            if name is not None:
-                parts *= sizes[name]
+    parts_per_dim = spec_parts(spec, dict(zip(slice_.axis_names, slice_.shape, strict=True)))
+    for dim, parts in zip(shape, parts_per_dim or (), strict=False):
         if dim % parts:
             raise errors.PlacementError(
                 f"{what} {spec} splits a dimension of size {dim} into {parts} parts "
