@@ -351,3 +351,12 @@ def test_callback_output_feeding_a_sharded_node_is_not_pinned_to_one_device():
 
     x = jnp.arange(8.0)
     assert_matches(step(x), x * 2.0 + 1.0)
+
+
+def test_out_specs_for_outputs_that_are_lists():
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 2})
+    pair = pw.jit(lambda p: [p[0] * 2.0, p[1] + 1.0], devices=s, out_specs=[P("x"), P()])
+    got = pair([jnp.arange(4.0), jnp.ones(2)])
+    assert got[0].sharding.spec == P("x") and got[1].sharding.spec == P()
+    assert_matches(got, [jnp.arange(4.0) * 2.0, jnp.ones(2) + 1.0])

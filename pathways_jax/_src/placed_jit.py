@@ -40,6 +40,15 @@ def _check_fits(spec: PartitionSpec | None, aval: Any, slice_: VirtualSlice, wha
             )
 
 
+class _Group:
+    """The specs of one part of an output, spread over its leaves."""
+
+    __slots__ = ("specs",)
+
+    def __init__(self, specs: list) -> None:
+        self.specs = specs
+
+
 class JitFunction:
     """A function compiled with ``jax.jit`` and placed on a slice; see :func:`jit`."""
 
@@ -107,7 +116,7 @@ class JitFunction:
             return (None,) * len(jax.tree_util.tree_leaves(out))
         try:
             spread = jax.tree_util.tree_map(
-                lambda spec, sub: [spec] * len(jax.tree_util.tree_leaves(sub)),
+                lambda spec, sub: _Group([spec] * len(jax.tree_util.tree_leaves(sub))),
                 self._out_specs,
                 out,
                 is_leaf=_is_spec_leaf,
@@ -118,11 +127,8 @@ class JitFunction:
                 f"do not match its output structure {jax.tree_util.tree_structure(out)}; "
                 "give one pw.P(...) for all outputs or a matching tuple."
             ) from exc
-        specs = [
-            s
-            for group in jax.tree_util.tree_leaves(spread, is_leaf=lambda x: isinstance(x, list))
-            for s in group
-        ]
+        # _Group is not a pytree, so the user's own lists are not mistaken for it.
+        specs = [s for group in jax.tree_util.tree_leaves(spread) for s in group.specs]
         for spec, leaf in zip(specs, jax.tree_util.tree_leaves(out), strict=True):
             _check_fits(spec, leaf, slice_, f"out_specs of {self.__name__!r}")
         return tuple(specs)
