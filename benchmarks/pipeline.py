@@ -9,8 +9,11 @@ batches, on the same 8 CPU devices, carved into 2 islands of 4:
                   one-island baseline of the data-parallel comparison)
   pipe{S}-gpipe   ``pipeline.Pipeline`` with S = 2, 4, 8 stages of 8/S devices each
   pipe{S}-1f1b    (stages 0..S/2-1 on island 0, the rest on island 1), schedule
-                  GPipe or 1F1B, --microbatches microbatches (default 2 x S)
+                  GPipe or 1F1B, --microbatches microbatches (default S)
   dp2             ``pipeline.DataParallel`` over the 2 islands of 4 devices
+  jax-dp2         the same two-island step by hand in plain JAX (per-island jitted grads,
+                  ``jax.device_put`` of the gradients across, per-island update): what the
+                  split itself costs on this machine, without pathways_jax
 
 Every train step of a pathways mode is ONE program call. Rounds are
 interleaved (the mode order rotates each round) so machine drift hits all
@@ -41,11 +44,11 @@ import time
 
 from absl import app, flags
 
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds per mode.")
-_STEPS = flags.DEFINE_integer("steps", 8, "Train steps per measurement.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds per mode.")
+_STEPS = flags.DEFINE_integer("steps", 4, "Train steps per measurement.")
 _STAGES = flags.DEFINE_list("stages", ["2", "4", "8"], "Pipeline stage counts.")
-_MICROBATCHES = flags.DEFINE_integer("microbatches", 0, "Microbatches per step; 0: 2 x stages.")
-_BATCH = flags.DEFINE_integer("batch", 64, "Sequences per step (a multiple of 8 and of 2 x 8 microbatches).")
+_MICROBATCHES = flags.DEFINE_integer("microbatches", 0, "Microbatches per step; 0: as many as stages.")
+_BATCH = flags.DEFINE_integer("batch", 32, "Sequences per step (a multiple of 8 and of the microbatches).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
 _D_MODEL = flags.DEFINE_integer("d_model", 128, "Model width.")
 _LAYERS = flags.DEFINE_integer("layers", 8, "Transformer blocks (a multiple of every stage count).")
@@ -102,6 +105,44 @@ def _modes(config, batch: int, stages: list[int], microbatches: int):
 
     modes["spmd"] = (spmd_run, lambda: jax.block_until_ready(state), {"kind": "baseline"})
 
+    # jax-dp2: the two-island step written by hand in plain JAX (same split as dp2, host-driven
+    # transfers), to tell what splitting over islands costs from what pathways_jax adds.
+    from jax.flatten_util import ravel_pytree
+
+    island_meshes = [
+        jax.sharding.Mesh(np.array(jax.devices()[4 * i : 4 * i + 4]), ("data",)) for i in range(2)
+    ]
+    _, unravel = ravel_pytree(params)
+
+    @jax.jit
+    def island_grads(params, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(apply(p, x), y))(params)
+        return loss, ravel_pytree(grads)[0]
+
+    @jax.jit
+    def island_update(params, opt_state, g0, g1):
+        updates, opt_state = tx.update(unravel((g0 + g1) / 2), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    hand = []
+    for m in island_meshes:
+        p = jax.device_put(params, NamedSharding(m, pw.P()))
+        hand.append([p, jax.device_put(tx.init(p), NamedSharding(m, pw.P()))])
+
+    def hand_run(x, y):
+        xs, ys = np.split(np.asarray(x), 2), np.split(np.asarray(y), 2)
+        grads = []
+        for i, m in enumerate(island_meshes):
+            split_i = NamedSharding(m, pw.P("data"))
+            grads.append(
+                island_grads(hand[i][0], jax.device_put(xs[i], split_i), jax.device_put(ys[i], split_i))[1]
+            )
+        for j, m in enumerate(island_meshes):
+            moved = [jax.device_put(g, NamedSharding(m, pw.P())) for g in grads]
+            hand[j][0], hand[j][1] = island_update(hand[j][0], hand[j][1], *moved)
+
+    modes["jax-dp2"] = (hand_run, lambda: jax.block_until_ready(hand), {"kind": "baseline", "islands": 2})
+
     def pathways_mode(trainer, info):
         last = {}
 
@@ -118,7 +159,7 @@ def _modes(config, batch: int, stages: list[int], microbatches: int):
     for count in stages:
         per = 8 // count
         slices = [pw.devices(mesh={"data": per}, island=s * 2 // count) for s in range(count)]
-        micro = microbatches or 2 * count
+        micro = microbatches or count
         for schedule in pipeline.SCHEDULES:
             pipe = pipeline.Pipeline(
                 make_stages(config, count),
@@ -158,15 +199,32 @@ def _plot(result: dict, path: pathlib.Path) -> bool:
     ideal = [1 - result["modes"][m].get("bubble_fraction", 0.0) for m in modes]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     xs = range(len(modes))
-    ax.bar(xs, ratios, color=["tab:blue" if "gpipe" in m else "tab:orange" if "1f1b" in m else "tab:green" for m in modes])
-    ax.scatter(xs, ideal, marker="_", s=600, color="black", label="1 - bubble fraction (accelerator ideal)", zorder=3)
+    ax.bar(
+        xs,
+        ratios,
+        color=[
+            "grey"
+            if m.startswith("jax")
+            else "tab:blue"
+            if "gpipe" in m
+            else "tab:orange"
+            if "1f1b" in m
+            else "tab:green"
+            for m in modes
+        ],
+    )
+    ax.scatter(
+        xs, ideal, marker="_", s=600, color="black", label="1 - bubble fraction (accelerator ideal)", zorder=3
+    )
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
     ax.axhline(0.97, color="tab:green", linestyle="--", linewidth=1, label="two-island target 0.97")
     for x, r in zip(xs, ratios, strict=True):
         ax.text(x, r + 0.01, f"{r:.2f}", ha="center", fontsize=8)
     ax.set_xticks(list(xs), modes, rotation=30, ha="right")
     ax.set_ylabel("tokens/s relative to plain jax.jit SPMD")
-    ax.set_title(f"Transformer training on {result['machine']['devices']} ({result['machine']['cpu_count']} cores)")
+    ax.set_title(
+        f"Transformer training on {result['machine']['devices']} ({result['machine']['cpu_count']} cores)"
+    )
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -182,13 +240,15 @@ def main(argv: list[str]) -> None:
     pw.init(num_cpu_devices=8, islands=2)  # before any JAX work
     from pipeline_transformer import Config, make_batch
 
-    if _QUICK.value:
-        config = Config(vocab=8, seq_len=4, d_model=8, heads=1, layers=8, period=3)
+    stages = [int(s) for s in _STAGES.value]
+    if _QUICK.value:  # compile time dominates: as few layers as the largest pipeline needs
+        config = Config(vocab=8, seq_len=4, d_model=8, heads=1, layers=max(stages), period=3)
         batch, rounds, steps = 16, 1, 1
     else:
-        config = Config(vocab=64, seq_len=_SEQ_LEN.value, d_model=_D_MODEL.value, heads=4, layers=_LAYERS.value)
+        config = Config(
+            vocab=64, seq_len=_SEQ_LEN.value, d_model=_D_MODEL.value, heads=4, layers=_LAYERS.value
+        )
         batch, rounds, steps = _BATCH.value, _ROUNDS.value, _STEPS.value
-    stages = [int(s) for s in _STAGES.value]
     microbatches = 1 if _QUICK.value else _MICROBATCHES.value
     batches = [make_batch(config, 0, i, batch) for i in range(steps)]
     tokens = batch * config.seq_len * steps
@@ -247,6 +307,8 @@ def main(argv: list[str]) -> None:
             entry["bubble_corrected_ratio"] = entry["ratio_vs_spmd"] / (1 - info["bubble_fraction"])
         result["modes"][name] = entry
     result["two_island_vs_one_island"] = result["modes"]["dp2"]["ratio_vs_spmd"]
+    dp2_vs_hand = [a / b for a, b in zip(per_round["dp2"], per_round["jax-dp2"], strict=True)]
+    result["dp2_vs_plain_jax_two_island"] = statistics.median(dp2_vs_hand)
 
     out = pathlib.Path(_OUT.value)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,6 +322,10 @@ def main(argv: list[str]) -> None:
             f"{name:<14} {entry['tokens_per_s']:>10,.0f} {entry['ratio_vs_spmd']:>7.3f} "
             f"{'' if bubble is None else f'{bubble:.3f}':>7} {'' if corrected is None else f'{corrected:.3f}':>9}"
         )
+    print(
+        f"two islands / one island (dp2 / spmd): {result['two_island_vs_one_island']:.3f}; "
+        f"dp2 / jax-dp2: {result['dp2_vs_plain_jax_two_island']:.3f}"
+    )
     print(f"wrote {out / 'pipeline.json'}" + (f" and {out / 'pipeline.png'}" if plotted else ""))
     pw.shutdown()
 

@@ -78,7 +78,9 @@ class TransformerStage(nnx.Module):
     def __init__(self, config: Config, count: int, *, first: bool, last: bool, rngs: nnx.Rngs):
         d = config.d_model
         self.embed = nnx.Embed(config.vocab, d, rngs=rngs) if first else None
-        self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (config.seq_len, d))) if first else None
+        self.position = (
+            nnx.Param(0.02 * jax.random.normal(rngs.params(), (config.seq_len, d))) if first else None
+        )
         self.blocks = nnx.List([Block(config, rngs) for _ in range(count)])
         self.norm = nnx.LayerNorm(d, rngs=rngs) if last else None
         self.head = nnx.Linear(d, config.vocab, rngs=rngs) if last else None
@@ -161,8 +163,10 @@ def main(argv: list[str]) -> None:
     for key in ("traces", "lowerings", "compiles"):
         if final[key] != after_first[key]:
             raise RuntimeError(f"{key} grew after step 0: {after_first[key]} -> {final[key]}")
-    print(f"{final['runs'] - after_first['runs']} program runs for {len(batches) - 1} steps after the first; "
-          "no new traces, lowerings or compiles")
+    print(
+        f"{final['runs'] - after_first['runs']} program runs for {len(batches) - 1} steps after the first; "
+        "no new traces, lowerings or compiles"
+    )
 
     # Reference: the unpipelined model in plain jax.jit, same start, same data.
     params, apply = pipeline.sequential(make_stages(config, num_stages, _SEED.value))

@@ -32,8 +32,28 @@ class Stage:
     description: str
 
 
-def as_stage(model: Any, index: int) -> Stage:
-    """Normalises an NNX module, ``(linen_module, variables)`` or ``(params, apply_fn)``."""
+def as_stage(model: Any, index: int = 0) -> Stage:
+    """Normalises a stage into :class:`Stage`: trainable ``params`` and ``apply(params, x)``.
+
+    Args:
+      model: a Flax NNX module (its ``nnx.Param`` variables are the params),
+        a ``(linen_module, variables)`` pair (``variables["params"]``), or a
+        ``(params, apply_fn)`` pair.
+      index: the stage's position, named in errors.
+
+    Returns:
+      A :class:`Stage`.
+
+    Raises:
+      ProgramTraceError: ``model`` is none of the above.
+
+    Example:
+      >>> from flax import nnx
+      >>> from pathways_jax.pipeline import as_stage
+      >>> stage = as_stage(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+      >>> stage.kind, stage.params["kernel"].shape
+      ('nnx', (2, 3))
+    """
     if isinstance(model, Stage):
         return model
     if isinstance(model, nnx.Module):

@@ -1,0 +1,49 @@
+"""benchmarks/pipeline.py runs end to end in quick mode and reports every mode.
+
+Tiny sizes, no timing asserts: this only keeps the benchmark from rotting. It
+runs in its own process because the benchmark sets its own device count.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_benchmark_quick_mode_reports_every_mode(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "pipeline.py"),
+            "--quick",
+            "--stages=2",
+            f"--out={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    result = json.loads((tmp_path / "pipeline.json").read_text())
+    assert set(result["modes"]) == {"spmd", "jax-dp2", "pipe2-gpipe", "pipe2-1f1b", "dp2"}
+    for name, entry in result["modes"].items():
+        assert entry["tokens_per_s"] > 0, name
+        assert entry["ratio_vs_spmd"] > 0, name
+    for schedule in ("gpipe", "1f1b"):
+        entry = result["modes"][f"pipe2-{schedule}"]
+        assert entry["schedule"] == schedule and entry["stages"] == 2
+        assert entry["bubble_fraction"] == pytest.approx(1 / 2)  # 2 stages, 1 microbatch in quick mode
+        assert entry["bubble_corrected_ratio"] == pytest.approx(entry["ratio_vs_spmd"] * 2)
+    assert result["two_island_vs_one_island"] == result["modes"]["dp2"]["ratio_vs_spmd"]
+    assert result["dp2_vs_plain_jax_two_island"] > 0
+    assert result["machine"]["cpu_count"] >= 1
