@@ -4,7 +4,8 @@ Run with ``python examples/trace_timeline.py`` (add ``--png docs/timeline.png``
 to draw the picture; that needs ``pip install 'pathways-jax[viz]'``).
 
 Two Python threads each call their own program twenty times, feeding each
-result into the next call. Both programs run an all-reduce on island 0 and
+result into the next call; each thread is its own client (a thread's default
+client is named after it), so the picture colours their runs apart. Both programs run an all-reduce on island 0 and
 move a value over DCN to island 1, so the controller interleaves them on the
 same devices in one consistent order. ``pw.trace`` records what it did: open
 the JSON in ui.perfetto.dev or chrome://tracing, or draw it with

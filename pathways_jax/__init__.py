@@ -14,6 +14,9 @@ Example:
 from jax.sharding import PartitionSpec as P
 
 from pathways_jax import errors as errors
+from pathways_jax._src.accounting import stats as stats
+from pathways_jax._src.clients import Client as Client
+from pathways_jax._src.clients import client as client
 from pathways_jax._src.cluster import Cluster as Cluster
 from pathways_jax._src.cluster import cluster as cluster
 from pathways_jax._src.cluster import init as init
@@ -38,6 +41,7 @@ from pathways_jax._src.tracing import program as program
 __version__ = "0.1.0"
 
 __all__ = [
+    "Client",
     "Cluster",
     "Future",
     "Graph",
@@ -47,6 +51,7 @@ __all__ = [
     "Program",
     "Transfer",
     "VirtualSlice",
+    "client",
     "cluster",
     "counters",
     "devices",
@@ -58,6 +63,7 @@ __all__ = [
     "reset_counters",
     "shutdown",
     "start_trace",
+    "stats",
     "stop_trace",
     "trace",
 ]

@@ -1,5 +1,6 @@
 """The errors pathways_jax raises: ``import pathways_jax as pw; pw.errors.ResourceError``."""
 
+from pathways_jax._src.errors import BackPressureTimeout as BackPressureTimeout
 from pathways_jax._src.errors import ClusterError as ClusterError
 from pathways_jax._src.errors import FutureTimeoutError as FutureTimeoutError
 from pathways_jax._src.errors import PathwaysError as PathwaysError
@@ -11,6 +12,7 @@ from pathways_jax._src.errors import TimelineError as TimelineError
 from pathways_jax._src.errors import TransferError as TransferError
 
 __all__ = [
+    "BackPressureTimeout",
     "ClusterError",
     "FutureTimeoutError",
     "PathwaysError",

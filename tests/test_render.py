@@ -86,7 +86,7 @@ def test_to_dot_has_every_node_transfer_cluster_and_source_line():
         line = next(ln for ln in dot.splitlines() if ln.strip().startswith(f"t{i} ["))
         assert f"{t.kind.upper()} transfer" in line
         style = "dashed" if t.kind == "dcn" else "solid"
-        assert f'style="{style}"' in line and render.TRANSFER_STYLE[t.kind]["color"] in line
+        assert f'style="rounded,{style}"' in line and render.TRANSFER_STYLE[t.kind]["color"] in line
         assert re.search(rf"^\s+\w+ -> t{i} \[", dot, re.M) and re.search(rf"^\s+t{i} -> \w+ \[", dot, re.M)
     # Nodes sit in their slice's cluster, inside their island's cluster.
     for island in (0, 1):

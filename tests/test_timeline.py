@@ -1,8 +1,13 @@
 """Timeline traces: valid trace-event JSON whose events match what ran; nothing when off."""
 
 import collections
+import importlib.util
+import itertools
 import json
 import logging
+import os
+import pathlib
+import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -12,6 +17,8 @@ from absl import logging as absl_logging
 import pathways_jax as pw
 from pathways_jax._src import controller as controller_lib
 from pathways_jax._src import timeline
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "trace_timeline.py"
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +74,7 @@ def _check_trace_event_json(data: dict) -> list[dict]:
         if track[0] == timeline.CONTROLLER_PID:
             continue  # controller spans nest (lower holds compiles)
         items.sort()
-        for (_, end, _), (start, _, _) in zip(items, items[1:], strict=False):
+        for (_, end, _), (start, _, _) in itertools.pairwise(items):
             assert start >= end - 1e-3, (track, items)
     return data["traceEvents"]
 
@@ -122,7 +129,9 @@ def test_trace_file_matches_what_ran(tmp_path):
         assert e["pid"] == 1 + b.island  # drawn on the receiving island
 
     # The client of every run, and named tracks for controller, islands and devices.
-    assert {e["args"]["client"] for e in spans if e["cat"] in ("execution", "transfer", "submit")} == {"default"}
+    assert {e["args"]["client"] for e in spans if e["cat"] in ("execution", "transfer", "submit")} == {
+        "default"
+    }
     assert data["otherData"]["clients"] == ["default"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert {"controller", "island 0", "island 1"} <= names
@@ -161,7 +170,7 @@ def test_traces_do_not_nest_and_stop_needs_a_start(tmp_path):
     with pytest.raises(pw.errors.TimelineError, match="no trace is being recorded"):
         pw.stop_trace()
     pw.start_trace()
-    with pytest.raises(pw.errors.TimelineError, match="already being recorded.*pw.stop_trace"):
+    with pytest.raises(pw.errors.TimelineError, match=r"already being recorded.*pw\.stop_trace"):
         pw.start_trace(tmp_path / "other.json")
     assert "traceEvents" in pw.stop_trace()
     with pytest.raises(pw.errors.TimelineError, match="does not exist") as info:
@@ -245,7 +254,9 @@ def test_plot_timeline_draws_devices_and_transfers(tmp_path):
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_yticklabels()]
-    assert labels == ["controller"] + [f"island {d.id // 4} · device {d.id}" for d in [*a.devices, *b.devices]]
+    assert labels == ["controller"] + [
+        f"island {d.id // 4} · device {d.id}" for d in [*a.devices, *b.devices]
+    ]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "step (client default)" in legend and "DCN transfer" in legend
     assert ax.get_title() == "two islands"
@@ -263,3 +274,29 @@ def test_plot_timeline_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"pip install 'pathways-jax\[viz\]'"):
         pw.plot_timeline({"traceEvents": []})
+
+
+@pytest.mark.timeout(120)
+def test_trace_timeline_example_runs_and_draws(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    trace, png = tmp_path / "run.json", tmp_path / "timeline.png"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), f"--trace={trace}", f"--png={png}", "--steps=4"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "both threads match plain jax.jit" in proc.stdout
+    assert "DCN transfers: 8" in proc.stdout  # 2 threads x 4 runs x 1 DCN transfer
+    with open(trace) as f:
+        events = _check_trace_event_json(json.load(f))
+    programs = {e["args"]["program"] for e in events if e.get("cat") == "execution"}
+    assert programs == {"client_a_step", "client_b_step"}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "pathways-jax[viz]" in proc.stdout

@@ -11,8 +11,9 @@ from typing import Literal
 import jax
 
 from pathways_jax._src import errors
+from pathways_jax._src import scheduler as scheduler_lib
 from pathways_jax._src.backends import local
-from pathways_jax._src.object_store import ObjectStore
+from pathways_jax._src.object_store import Budget, ObjectStore
 from pathways_jax._src.resources import Island, ResourceManager
 
 # How many executables may be in flight on one island before the controller
@@ -36,12 +37,22 @@ class Cluster:
         init_args: tuple,
         in_flight: int,
         inline_dispatch: bool = True,
+        *,
+        scheduler: str = "fifo",
+        starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
+        budget: dict[int, int] | None = None,
+        backpressure_timeout: float | None = None,
     ):
         self.backend = backend
         self.resources = ResourceManager(islands)
         self.store = ObjectStore()
+        if budget is not None:
+            self.store.budget = Budget(budget)
         self.in_flight = in_flight
         self.inline_dispatch = inline_dispatch
+        self.scheduler = scheduler
+        self.starvation_limit = starvation_limit
+        self.backpressure_timeout = backpressure_timeout
         # Bumped whenever a slice is released or the cluster closes: cached plans
         # check their slices again only then.
         self.mapping_epoch = 0
@@ -88,6 +99,14 @@ class Cluster:
         if controller is not None:
             controller.stop(timeout)
 
+    def close_client(self, client) -> None:
+        """Cancels a client's queued runs and frees the values it owns."""
+        controller = self._controller
+        if controller is not None:
+            controller.close_client(client)
+        else:
+            self.store.free(self.store.owned_by(client.key))
+
     def add_slice(self, slice_) -> None:
         """Registers a new slice for :meth:`live_slices` (weakly)."""
         with self._slices_lock:
@@ -119,6 +138,10 @@ def init(
     islands: int | Sequence[Sequence[int]] | None = None,
     max_in_flight: int = DEFAULT_IN_FLIGHT,
     inline_dispatch: bool = True,
+    scheduler: Literal["fifo", "priority", "fair"] = "fifo",
+    starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
+    memory_budget: int | float | None = None,
+    backpressure_timeout: float | None = None,
 ) -> Cluster:
     """Starts the cluster this process runs programs on.
 
@@ -133,6 +156,18 @@ def init(
       inline_dispatch: let a submitting thread dispatch its run itself when
         the controller is idle and nothing would wait (same order, no thread
         hand-off). ``False`` sends every run through the background thread.
+      scheduler: how the controller picks the next queued run among clients
+        (``pw.client``): ``"fifo"`` (submission order), ``"priority"`` (higher
+        priority first, FIFO within a level) or ``"fair"`` (device time shared
+        in proportion to client weights).
+      starvation_limit: under ``"priority"``, a run passed over more than this
+        many times goes next.
+      memory_budget: bytes each device may hold in program values (an int), or
+        a fraction of each device's memory (a float in (0, 1]; the device must
+        report its memory). ``None``: no budget. A run whose outputs do not fit
+        waits until values are freed.
+      backpressure_timeout: seconds a run may wait for memory before its
+        futures raise ``BackPressureTimeout`` (``None``: wait as long as it takes).
 
     Returns:
       The :class:`Cluster`. Calling ``init`` again with the same arguments
@@ -148,7 +183,17 @@ def init(
       'local'
     """
     global _current
-    args = (backend, num_cpu_devices, _freeze(islands), max_in_flight, inline_dispatch)
+    args = (
+        backend,
+        num_cpu_devices,
+        _freeze(islands),
+        max_in_flight,
+        inline_dispatch,
+        scheduler,
+        starvation_limit,
+        memory_budget,
+        backpressure_timeout,
+    )
     with _lock:
         if _current is not None:
             if _current._init_args == args:
@@ -164,11 +209,69 @@ def init(
             )
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise errors.ClusterError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}.")
+        if scheduler not in scheduler_lib.POLICIES:
+            raise errors.ClusterError(
+                f"scheduler={scheduler!r} is not a scheduling policy; use one of {scheduler_lib.POLICIES}."
+            )
+        if (
+            not isinstance(starvation_limit, int)
+            or isinstance(starvation_limit, bool)
+            or starvation_limit < 0
+        ):
+            raise errors.ClusterError(f"starvation_limit must be an int >= 0, got {starvation_limit!r}.")
+        if backpressure_timeout is not None and (
+            not isinstance(backpressure_timeout, int | float) or backpressure_timeout < 0
+        ):
+            raise errors.ClusterError(
+                f"backpressure_timeout must be None or a number >= 0, got {backpressure_timeout!r}."
+            )
         if num_cpu_devices is not None:
             local.set_cpu_device_count(num_cpu_devices)
         carved = local.carve_islands(local.local_devices(), islands)
-        _current = Cluster(backend, carved, args, max_in_flight, inline_dispatch)
+        budget = _budget([d for group in carved for d in group], memory_budget)
+        _current = Cluster(
+            backend,
+            carved,
+            args,
+            max_in_flight,
+            inline_dispatch,
+            scheduler=scheduler,
+            starvation_limit=starvation_limit,
+            budget=budget,
+            backpressure_timeout=backpressure_timeout,
+        )
         return _current
+
+
+def _budget(devices: list[jax.Device], memory_budget: int | float | None) -> dict[int, int] | None:
+    """Bytes per device id for ``pw.init(memory_budget=...)``."""
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float):
+        raise errors.ClusterError(
+            f"memory_budget must be None, an int (bytes) or a float fraction in (0, 1], got {memory_budget!r}."
+        )
+    if isinstance(memory_budget, int):
+        if memory_budget <= 0:
+            raise errors.ClusterError(f"memory_budget must be > 0 bytes, got {memory_budget!r}.")
+        return {d.id: memory_budget for d in devices}
+    if not 0 < memory_budget <= 1:
+        raise errors.ClusterError(f"a fractional memory_budget must be in (0, 1], got {memory_budget!r}.")
+    limits = {}
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:
+            stats = None
+        total = (stats or {}).get("bytes_limit")
+        if not total:
+            raise errors.ClusterError(
+                f"memory_budget={memory_budget!r} is a fraction of device memory, but {d} "
+                f"({d.platform}) does not report its memory. Pass the budget in bytes instead, "
+                "e.g. memory_budget=2**30."
+            )
+        limits[d.id] = int(total * memory_budget)
+    return limits
 
 
 def _freeze(islands):
@@ -181,10 +284,11 @@ def _freeze(islands):
 
 
 def _describe(args: tuple) -> str:
-    backend, count, islands, in_flight, inline = args
+    backend, count, islands, in_flight, inline, policy, starvation, budget, bp_timeout = args
     return (
         f"(backend={backend!r}, num_cpu_devices={count!r}, islands={islands!r}, max_in_flight={in_flight!r}, "
-        f"inline_dispatch={inline!r})"
+        f"inline_dispatch={inline!r}, scheduler={policy!r}, starvation_limit={starvation!r}, "
+        f"memory_budget={budget!r}, backpressure_timeout={bp_timeout!r})"
     )
 
 
@@ -195,6 +299,11 @@ def cluster() -> Cluster:
         return current
     with _lock:
         return _current if _current is not None else init()
+
+
+def running() -> Cluster | None:
+    """The running cluster, or None (never starts one)."""
+    return _current
 
 
 def shutdown(timeout: float = 60.0) -> None:

@@ -12,25 +12,39 @@ inputs exist and its executables fit in the in-flight windows), the
 submitting thread takes the lock and dispatches the run itself: the order is
 the same, and the hand-off between threads, which costs more than a dispatch,
 is saved.
+
+Runs wait in one FIFO queue per client; the scheduling policy
+(``scheduler.py``) picks which client's head goes next among the heads that
+can go now (inputs computed, memory budget met; heads whose islands have no
+in-flight room only if no other can go). With a memory budget, a run's node
+output bytes are reserved before dispatch; a run that does not fit waits.
+Accounting (device busy time, per-client usage) is measured by a watcher
+thread (``accounting.py``) that the controller never waits for.
 """
 
 from __future__ import annotations
 
 import collections
-import queue
+import itertools
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import jax
 
-from pathways_jax._src import counters, errors, timeline
+from pathways_jax._src import counters, errors, scheduler, timeline
+from pathways_jax._src.accounting import Accounting
 from pathways_jax._src.lowering import ExecStep, MoveStep, Run
 from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
 
 if TYPE_CHECKING:
     from pathways_jax._src.cluster import Cluster
 
-_STOP = object()
+_now = time.perf_counter_ns
+# What keeps a queued head from going now (in order of preference).
+_GO, _NO_ROOM, _INPUT, _MEMORY = 0, 1, 2, 3
+_BLOCKED_POLL_S = 0.002  # how often a blocked head is looked at again
+_DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 
 
 class Controller:
@@ -41,11 +55,21 @@ class Controller:
         self._store = cluster.store
         self._window = cluster.in_flight
         self._inline = cluster.inline_dispatch
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._in_flight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._dispatch = threading.Lock()  # held while a run is dispatched
-        self._queued_lock = threading.Lock()
-        self._queued = 0  # runs in the queue or being dispatched from it
+        # Guards the per-client queues and the policy; reentrant because a
+        # budget release (which notifies it) may happen on a thread holding it.
+        self._cv = threading.Condition(threading.RLock())
+        self._queues: dict[int, collections.deque[Run]] = {}  # client key -> its queued runs
+        self._queued = 0  # runs in the queues or being dispatched from them
+        self._seq = itertools.count()
+        self._policy: Any = scheduler.make(cluster.scheduler, starvation_limit=cluster.starvation_limit)
+        self._fair = isinstance(self._policy, scheduler.Fair)
+        self._budget = self._store.budget
+        self._bp_timeout = cluster.backpressure_timeout
+        if self._budget is not None:
+            self._budget.listeners.append(self._wake)
+        self.accounting = Accounting([d.id for d in cluster.devices], self._run_done)
         self._stopped = False
         self._thread = threading.Thread(target=self._serve, name="pathways-controller", daemon=True)
         self._thread.start()
@@ -57,28 +81,44 @@ class Controller:
     def submit(self, run: Run) -> None:
         if self._stopped:
             raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
+        # Inline only while nothing is queued: a thread never bypasses the policy.
         if self._inline and not self._queued and self._dispatch.acquire(blocking=False):
             try:
-                if not self._queued and self._ready_now(run):
+                if not self._queued and self._ready_now(run) and self._admit(run):
+                    run.seq = next(self._seq)
+                    if self._fair:
+                        self._charge(run)
                     self._execute(run)
                     return
             finally:
                 self._dispatch.release()
-        with self._queued_lock:
+        key = run.client.key
+        with self._cv:
+            run.seq = next(self._seq)
+            queue = self._queues.get(key)
+            if queue is None:
+                queue = self._queues[key] = collections.deque()
+                self._policy.activate(key)
+            queue.append(run)
             self._queued += 1
-        self._queue.put(run)
+            self._cv.notify()
 
     def stop(self, timeout: float) -> None:
         """Lets queued runs finish dispatching, then ends the thread."""
         self._stopped = True
-        self._queue.put(_STOP)
+        self._wake()
         self._thread.join(timeout)
+        self.accounting.stop()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
 
     def _serve(self) -> None:
         while True:
-            run = self._queue.get()
             self._store.collect()
-            if run is _STOP:
+            run = self._next()
+            if run is None:
                 return
             try:
                 with self._dispatch:
@@ -86,8 +126,213 @@ class Controller:
             except BaseException as exc:
                 self._fail(run, f"program {run.plan.graph.name!r} run {run.id} failed in the controller", exc)
             finally:
-                with self._queued_lock:
+                with self._cv:
                     self._queued -= 1
+
+    # --- scheduling ----------------------------------------------------------------------
+
+    def _head(self, run: Run) -> scheduler.Head:
+        client = run.client
+        plan = run.plan
+        cost = plan.cost or _DEFAULT_COST_S * max(1, len(plan.acct_groups))
+        return scheduler.Head(client.key, run.seq, client.priority, client.weight, cost)
+
+    def _charge(self, run: Run) -> None:
+        head = self._head(run)
+        run.estimate = head.cost
+        with self._cv:
+            self._policy.charge(head.client, head.cost, head.weight)
+
+    def _blocker(self, run: Run) -> int:
+        """What keeps ``run`` from being dispatched now (``_GO``: nothing)."""
+        for _, future in run.future_inputs:
+            if type(future._entry.state) is Pending:
+                return _INPUT
+        budget = self._budget
+        if budget is not None and not budget.fits(run.plan.charge):
+            return _MEMORY
+        for island, count in run.plan.windowed.items():
+            # Read-only: an inline dispatch may be retiring from these deques now.
+            items = list(self._in_flight[island])
+            busy = sum(1 for item in items if not item[0].is_ready())
+            if busy + count > self._window:
+                return _NO_ROOM
+        return _GO
+
+    def _next(self) -> Run | None:
+        """Waits for a run the policy picks among the heads that can go; None once stopped."""
+        with self._cv:
+            while True:
+                if not self._queues:
+                    if self._stopped:
+                        return None
+                    self._cv.wait()
+                    continue
+                go: list[Run] = []
+                no_room: list[Run] = []
+                blocked: list[Run] = []
+                for queue in self._queues.values():
+                    run = queue[0]
+                    why = self._blocker(run)
+                    if why == _GO:
+                        go.append(run)
+                    elif why == _NO_ROOM:
+                        no_room.append(run)
+                    else:
+                        blocked.append(run)
+                        if why == _MEMORY and run.blocked_since is None:
+                            run.blocked_since = time.monotonic()
+                            run.blocked_ns = _now()
+                candidates = go or no_room
+                if candidates:
+                    heads = [self._head(run) for run in candidates]
+                    index = self._policy.pick(heads)
+                    run = candidates[index]
+                    if not self._admit(run):  # memory went between the check and now
+                        self._cv.wait(_BLOCKED_POLL_S)
+                        continue
+                    self._policy.picked(heads, index)
+                    run.estimate = heads[index].cost
+                    self._pop(run)
+                    if run.blocked_since is not None:
+                        rec = timeline.ACTIVE
+                        if rec is not None:
+                            rec.waited(
+                                run.blocked_ns,
+                                client=run.client.name,
+                                island=min(run.plan.islands, default=None),
+                                reason="back-pressure",
+                                bytes=sum(b for _, b in run.plan.charge),
+                            )
+                    return run
+                self._expire(blocked)
+                self._cv.wait(_BLOCKED_POLL_S)
+                self._store.collect()
+
+    def _pop(self, run: Run) -> None:
+        key = run.client.key
+        queue = self._queues[key]
+        queue.popleft()
+        if not queue:
+            del self._queues[key]
+            if self._fair:
+                self._policy.deactivate(key)
+
+    def _expire(self, blocked: list[Run]) -> None:
+        """Fails heads that waited for memory past the timeout (all of them once stopped)."""
+        moment = time.monotonic()
+        for run in blocked:
+            if run.blocked_since is None:
+                if not self._stopped:
+                    continue
+            elif not self._stopped and (
+                self._bp_timeout is None or moment - run.blocked_since < self._bp_timeout
+            ):
+                continue
+            self._pop(run)
+            self._queued -= 1
+            if self._stopped:
+                self._fail(
+                    run,
+                    f"program {run.plan.graph.name!r} run {run.id} was cancelled: the cluster shut down",
+                    None,
+                )
+                continue
+            need = ", ".join(f"device {d}: {b} B" for d, b in run.plan.charge)
+            budget = self._budget
+            have = ", ".join(
+                f"device {d}: {budget.used.get(d, 0)}/{budget.limits.get(d)} B in use"
+                for d, _ in run.plan.charge
+            )
+            message = (
+                f"program {run.plan.graph.name!r} run {run.id} of client {run.client.name!r} waited "
+                f"{moment - run.blocked_since:.2f}s (backpressure_timeout={self._bp_timeout}s) for device "
+                f"memory: it needs {need}; {have}. Free values you no longer need (drop their futures) "
+                "or raise pw.init(memory_budget=...)."
+            )
+            self._fail(
+                run,
+                f"program {run.plan.graph.name!r} run {run.id} was not admitted",
+                errors.BackPressureTimeout(message),
+            )
+
+    def _admit(self, run: Run) -> bool:
+        """Reserves the run's node output bytes under the memory budget; False if they don't fit."""
+        budget = self._budget
+        if budget is None:
+            return True
+        plan = run.plan
+        with budget.lock:
+            if not budget.try_reserve(plan.charge):
+                return False
+            transient = dict(plan.charge)
+            for entry, charge in zip(run.outputs, plan.out_charges, strict=True):
+                if charge and not isinstance(entry.state, Freed):
+                    entry.charge = charge
+                    for d, b in charge:
+                        transient[d] -= b
+            run.transient = tuple((d, b) for d, b in transient.items() if b)
+        return True
+
+    def _run_done(self, run: Run, device_s: float, error: BaseException | None) -> None:
+        """Called by the accounting watcher once every output of a dispatched run is ready."""
+        if run.transient:
+            transient, run.transient = run.transient, ()
+            self._budget.release(transient)
+        if error is not None and not run.failed:
+            run.failed = True
+            counters.bump("failed_runs")
+            message = f"program {run.plan.graph.name!r} run {run.id} failed while executing"
+            timeline.failed(run, f"{message}: {type(error).__name__}: {error}")
+            for entry in run.outputs:
+                cause: BaseException = error
+                match entry.state:
+                    case Ready(array):
+                        try:
+                            array.block_until_ready()
+                        except Exception as exc:
+                            cause = exc
+                self._store.free([entry], failure=(f"{entry.origin} failed while executing: {cause}", cause))
+
+    def close_client(self, client: Any) -> None:
+        """Cancels ``client``'s queued runs and frees the values it owns."""
+        with self._cv:
+            queue = self._queues.pop(client.key, None)
+            if self._fair:
+                self._policy.deactivate(client.key)
+            if queue:
+                self._queued -= len(queue)
+            self._cv.notify_all()
+        for run in queue or ():
+            self._fail(
+                run,
+                f"program {run.plan.graph.name!r} run {run.id} was cancelled: client {client.name!r} was closed",
+                None,
+                count=False,
+            )
+        self._store.free(self._store.owned_by(client.key))
+
+    def queued_by_island(self) -> dict[int, int]:
+        with self._cv:
+            runs = [run for queue in self._queues.values() for run in queue]
+        counts: collections.Counter[int] = collections.Counter()
+        for run in runs:
+            counts.update(run.plan.islands)
+        return dict(counts)
+
+    def queued_by_client_name(self) -> dict[str, int]:
+        counts: collections.Counter[str] = collections.Counter()
+        with self._cv:
+            for queue in self._queues.values():
+                if queue:
+                    counts[queue[0].client.name] += len(queue)
+        return dict(counts)
+
+    def in_flight_by_island(self) -> dict[int, int]:
+        return {
+            island: sum(1 for item in list(items) if not item[0].is_ready())
+            for island, items in list(self._in_flight.items())
+        }
 
     def _ready_now(self, run: Run) -> bool:
         """True if dispatching ``run`` needs no waiting: inputs exist, windows have room."""
@@ -123,6 +368,7 @@ class Controller:
             self._retire(in_flight.popleft(), island)
 
     def _execute(self, run: Run) -> None:
+        started = _now()
         env = run.env
         graph = run.plan.graph
         rec = timeline.ACTIVE
@@ -195,6 +441,7 @@ class Controller:
             if out.kind == "slot":
                 set_ready(entry, env[out.where])
         self._store.wake()
+        self.accounting.note(run, started, tuple([env[slot] for _, slot, _ in run.plan.acct_groups]))
         run.env = []
 
     @staticmethod
@@ -208,13 +455,17 @@ class Controller:
             return f"program {program!r} run {run_id} failed moving a value ({step.kind or 'reshard'})"
         return f"program {program!r} run {run_id} failed"
 
-    def _fail(self, run: Run, message: str, cause: BaseException | None) -> None:
+    def _fail(self, run: Run, message: str, cause: BaseException | None, *, count: bool = True) -> None:
+        """Fails every output of ``run`` and frees what it holds; other runs are not touched."""
         run.failed = True
-        counters.bump("failed_runs")
+        if count:
+            counters.bump("failed_runs")
+            self.accounting.failed(run)
         detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None else message
         timeline.failed(run, detail)
-        for entry in run.outputs:
-            self._store.set_failed(entry, detail, cause)
-        self._store.wake()
+        if run.transient:
+            transient, run.transient = run.transient, ()
+            self._budget.release(transient)
+        self._store.free(list(run.outputs), failure=(detail, cause))
         run.future_inputs = []
         run.env = []

@@ -7,6 +7,7 @@ fitting built-in exception, so ``except ValueError`` keeps working.
 from __future__ import annotations
 
 __all__ = [
+    "BackPressureTimeout",
     "ClusterError",
     "FutureTimeoutError",
     "PathwaysError",
@@ -49,6 +50,14 @@ class ProgramFailedError(PathwaysError, RuntimeError):
 
 class FutureTimeoutError(PathwaysError, TimeoutError):
     """``Future.result(timeout=...)`` expired before the value was ready."""
+
+
+class BackPressureTimeout(PathwaysError, TimeoutError):
+    """A run waited longer than ``backpressure_timeout`` for device memory under its budget.
+
+    Raised by ``Future.result()`` of every output of the run; free values you
+    no longer need (drop their futures), or raise ``pw.init(memory_budget=...)``.
+    """
 
 
 class TimelineError(PathwaysError, RuntimeError):

@@ -95,6 +95,8 @@ class Future:
           FutureTimeoutError: the value was not ready within ``timeout``.
           ProgramFailedError: the run that computes the value failed; the
             original exception is chained.
+          BackPressureTimeout: the run waited for device memory longer than
+            ``pw.init(backpressure_timeout=...)``.
         """
         entry = self._entry
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -110,6 +112,8 @@ class Future:
                     raise self._timeout(timeout)
                 return array
             case Failed(message, cause):
+                if isinstance(cause, errors.BackPressureTimeout):
+                    raise errors.BackPressureTimeout(message) from cause
                 raise errors.ProgramFailedError(message) from cause
             case Freed():
                 raise errors.PathwaysError(f"the value of {entry.origin} was freed.")

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pathways_jax._src import counters, timeline
+from pathways_jax._src import clients, counters, errors, timeline
 from pathways_jax._src.devices import VirtualSlice, spec_parts
 from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph, Node
-from pathways_jax._src.object_store import Owner
+from pathways_jax._src.object_store import Charge, Owner
 
 _runs = itertools.count()
 
@@ -81,6 +81,31 @@ class Run:
     future_inputs: list[tuple[int, Future]]
     outputs: list[Any]
     failed: bool = False
+    # The client that submitted the run, its place in the submission order,
+    # and what the scheduler and the memory budget know of it.
+    client: Any = None
+    seq: int = 0
+    estimate: float = 0.0  # device-seconds charged to the client at dispatch
+    transient: Charge = ()  # reserved bytes released when the run completes
+    blocked_since: float | None = None  # when it first waited for memory
+    blocked_ns: int = 0
+
+
+def charge_of(aval: Any, sharding: Any) -> Charge:
+    """The bytes a value of ``aval`` with ``sharding`` holds on each device."""
+    try:
+        itemsize = np.dtype(aval.dtype).itemsize
+        shard = sharding.shard_shape(tuple(aval.shape))
+        devices = sharding.device_set
+    except Exception:  # an extended dtype, or no sharding: nothing known
+        return ()
+    nbytes = int(np.prod(shard, dtype=np.int64)) * itemsize
+    return tuple((d.id, nbytes) for d in sorted(devices, key=lambda d: d.id))
+
+
+def _add(total: dict[int, int], charge: Charge) -> None:
+    for d, b in charge:
+        total[d] = total.get(d, 0) + b
 
 
 def _spec_fits(spec: PartitionSpec, mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> bool:
@@ -141,8 +166,14 @@ class Plan:
         self.future_feeds: list[tuple[int, int]] = []  # (arg index, slot)
         self.steps: list[MoveStep | ExecStep] = []
         self.outputs: list[OutputSlot] = []
+        # Static bytes of what each step makes, by slot: reserved under a memory budget.
+        self.slot_charge: dict[int, Charge] = {}
+        self.step_charge: list[tuple[str, Charge]] = []  # (what, bytes per device) per step
         self._epoch = self.cluster.mapping_epoch if self.cluster is not None else 0
         self._lower(signature)
+        self._account()
+        if self.cluster is not None and self.cluster.store.budget is not None:
+            self.check_budget(self.cluster.store.budget)
         self.signatures = [out.signature for out in self.outputs]
         # How many windowed executables the plan puts on each island: a run
         # may be dispatched on the caller's thread only if they all fit now.
@@ -201,6 +232,9 @@ class Plan:
                 else:
                     slot = self._new_slot()
                     self.steps.append(MoveStep(src_slot, slot, target, t.kind))
+                    self._note_bytes(
+                        f"{t.kind} transfer of {values[vid].origin}", [slot], [values[vid].aval], [target]
+                    )
                     made_here.add(vid)
                 home[vid] = (slot, target)
                 placed[key] = slot
@@ -212,6 +246,7 @@ class Plan:
                     return slot
                 out = self._new_slot()
                 self.steps.append(MoveStep(slot, out, target, None))
+                self._note_bytes(f"reshard of {values[vid].origin}", [out], [values[vid].aval], [target])
                 placed[key] = out
                 return out
             slot = self._new_slot()
@@ -272,6 +307,12 @@ class Plan:
                     windowed=mesh.devices.size > 1,
                 )
             )
+            self._note_bytes(
+                f"node {node.name!r} ({node.source_info})",
+                out_slots,
+                [values[vid].aval for vid in node.outputs],
+                produced,
+            )
 
         for out in graph.outputs:
             if out.value is None:
@@ -294,6 +335,68 @@ class Plan:
                 slot = self._new_slot(jax.device_put(const_data[out.value]))
                 self.outputs.append(
                     OutputSlot("slot", slot, value.aval, self.template[slot].sharding, None, value.origin)
+                )
+
+    def _note_bytes(self, what: str, slots: list[int], avals: list[Any], shardings: list[Any]) -> None:
+        total: dict[int, int] = {}
+        for slot, aval, sharding in zip(slots, avals, shardings, strict=True):
+            charge = charge_of(aval, sharding)
+            self.slot_charge[slot] = charge
+            _add(total, charge)
+        self.step_charge.append((what, tuple(sorted(total.items()))))
+
+    def _account(self) -> None:
+        """Byte counts, accounting groups and islands of the plan (after ``_lower``)."""
+        total: dict[int, int] = {}
+        for charge in self.slot_charge.values():
+            _add(total, charge)
+        self.charge: Charge = tuple(sorted((d, b) for d, b in total.items() if b))
+        seen: set[int] = set()
+        out_charges: list[Charge | None] = []
+        for out in self.outputs:
+            if out.kind == "slot" and out.where in self.slot_charge and out.where not in seen:
+                seen.add(out.where)
+                out_charges.append(self.slot_charge[out.where])
+            else:
+                out_charges.append(None)
+        self.out_charges = out_charges
+        # Accounting: per set of devices, the slot of the last node there and
+        # how many nodes ran there; the watcher times the run by their readiness.
+        groups: dict[tuple[int, ...], list] = {}
+        islands: set[int] = set()
+        for step in self.steps:
+            if isinstance(step, ExecStep):
+                islands.add(step.island)
+                if not step.out_slots:
+                    continue
+                key = tuple(sorted(d.id for d in step.node.slice.physical_mesh.devices.flat))
+                group = groups.setdefault(key, [key, 0, 0])
+                group[1] = step.out_slots[0]
+                group[2] += 1
+        self.acct_groups = tuple(tuple(g) for g in groups.values())
+        self.devices = frozenset(d for key in groups for d in key)
+        self.islands = frozenset(islands)
+        self.cost = 0.0  # an EMA of the measured device-seconds of a run (0: not known yet)
+
+    def check_budget(self, budget: Any) -> None:
+        """Raises ``ResourceError`` if this plan's outputs can never fit ``budget``."""
+        limits = budget.limits
+        for what, charge in self.step_charge:
+            for d, b in charge:
+                if b > limits.get(d, b):
+                    raise errors.ResourceError(
+                        f"program {self.graph.name!r}: the outputs of {what} need {b} bytes on "
+                        f"device {d}, but its memory budget is {limits[d]} bytes; it can never "
+                        "run. Shard the value over more devices, make it smaller, or raise "
+                        "pw.init(memory_budget=...)."
+                    )
+        for d, b in self.charge:
+            if b > limits.get(d, b):
+                raise errors.ResourceError(
+                    f"program {self.graph.name!r} ({self.graph.source_info}): its nodes' outputs "
+                    f"together need {b} bytes on device {d}, but its memory budget is "
+                    f"{limits[d]} bytes; a run can never be admitted. Split the program, or raise "
+                    "pw.init(memory_budget=...)."
                 )
 
     def is_current(self) -> bool:
@@ -329,8 +432,11 @@ class Plan:
         # The run holds its input futures until it is dispatched: their values
         # stay alive even if the caller drops them at once.
         future_inputs = [(slot, leaves[index]) for index, slot in self.future_feeds]
+        client = clients.current()
+        if client.closed:
+            raise errors.ClusterError(f"{client!r} is closed; programs cannot be submitted for it.")
         run_id = next(_runs)
-        owner = Owner("default", run_id)
+        owner = Owner(client.name, run_id, client.key)
         entries, futures = [], []
         for out, signature in zip(self.outputs, self.signatures, strict=True):
             entry = store.new(owner, out.aval, out.sharding, out.slice, out.origin, signature)
@@ -343,7 +449,7 @@ class Plan:
             entries.append(entry)
             futures.append(Future(entry, store))
         counters.bump("runs")
-        cl.controller.submit(Run(run_id, self, env, future_inputs, entries))
+        cl.controller.submit(Run(run_id, self, env, future_inputs, entries, client=client))
         if rec is not None:
             rec.submitted(self, run_id, t0, owner.client)
         return jax.tree_util.tree_unflatten(self.graph.out_tree, futures)

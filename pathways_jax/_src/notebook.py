@@ -48,54 +48,63 @@ def _mesh(slice_: Any) -> str:
     return "{" + ", ".join(f"{n}: {s}" for n, s in zip(slice_.axis_names, slice_.shape, strict=True)) + "}"
 
 
-def _stats() -> Any:
-    """``pw.stats()`` where the running version has it, else ``None``; never raises."""
+def _stats(cluster: Any) -> Mapping | None:
+    """``pw.stats()`` of ``cluster`` when it is the running one and has run work; never raises.
+
+    The view must not start a cluster or a controller: a closed or idle cluster has no stats.
+    """
     try:
         import pathways_jax
+        from pathways_jax._src import cluster as cluster_lib
 
         fn = getattr(pathways_jax, "stats", None)
-        return fn() if callable(fn) else None
+        running = getattr(cluster_lib, "running", None)
+        current = running() if callable(running) else cluster_lib._current
+        if not callable(fn) or current is not cluster or cluster.closed or cluster._controller is None:
+            return None
+        stats = fn()
+        return stats if isinstance(stats, Mapping) else None
     except Exception:
         return None
 
 
-def _device_stats(stats: Any) -> dict[int, Mapping]:
-    per_device = stats.get("devices") if isinstance(stats, Mapping) else None
-    if not isinstance(per_device, Mapping):
+def _section(stats: Mapping | None, key: str) -> dict[Any, Mapping]:
+    part = stats.get(key) if stats is not None else None
+    if not isinstance(part, Mapping):
         return {}
-    out = {}
-    for key, value in per_device.items():
+    return {k: v for k, v in part.items() if isinstance(v, Mapping)}
+
+
+def _memory(device: Any, stat: Mapping) -> str:
+    """Bytes in use (and the budget) from ``pw.stats()``, else from the device itself."""
+    used, limit = stat.get("bytes_in_use"), stat.get("budget")
+    if used is None:
         try:
-            out[int(key)] = value if isinstance(value, Mapping) else {"value": value}
-        except (TypeError, ValueError):
-            continue
-    return out
-
-
-def _memory(device: Any) -> str:
-    try:
-        stats = device.memory_stats()
-    except Exception:
-        return ""
-    if not stats:
-        return ""
-    used, limit = stats.get("bytes_in_use"), stats.get("bytes_limit")
+            mem = device.memory_stats() or {}
+        except Exception:
+            mem = {}
+        used, limit = mem.get("bytes_in_use"), mem.get("bytes_limit")
     if used is None:
         return ""
     return _bytes(used) + (f" / {_bytes(limit)}" if limit else "")
 
 
+def _percent(value: Any) -> str:
+    return f"{100 * value:.0f}%" if isinstance(value, int | float) else ("" if value is None else str(value))
+
+
 def cluster_html(cluster: Any) -> str:
-    """Islands, hosts and devices of a cluster, the live slices mapped on them, and stats."""
+    """Islands, hosts and devices of a cluster, the live slices mapped on them, and ``pw.stats()``."""
     slices = cluster.live_slices() if hasattr(cluster, "live_slices") else []
     on_device: dict[int, list[str]] = {}
     for s in slices:
         for d in s._devices:
             on_device.setdefault(d.id, []).append(f"#{s.id}")
     load = cluster.resources.load()
-    stats = _stats()
-    dev_stats = _device_stats(stats)
-    stat_keys = sorted({k for v in dev_stats.values() for k in v})
+    stats = _stats(cluster)
+    per_device = _section(stats, "devices")
+    per_island = _section(stats, "islands")
+    has_util = any("utilisation" in v for v in per_device.values())
     state = "closed" if cluster.closed else "running"
     n_devices = sum(len(isl.devices) for isl in cluster.islands)
     parts = [
@@ -103,24 +112,30 @@ def cluster_html(cluster: Any) -> str:
         f"<div><b>Cluster</b> ({_x(cluster.backend)} backend, {state}): {len(cluster.islands)} islands, "
         f"{n_devices} devices, {len(slices)} live slices</div>",
     ]
+    header = ["device", "kind", "host", "slices", "load", "memory"] + (["utilisation"] if has_util else [])
     for isl in cluster.islands:
         hosts = sorted({getattr(d, "process_index", 0) for d in isl.devices})
         rows = []
         for d in isl.devices:
+            stat = per_device.get(d.id, {})
             row = [
                 d.id,
                 d.device_kind,
                 getattr(d, "process_index", 0),
                 " ".join(on_device.get(d.id, [])),
                 load.get(d.id, 0),
-                _memory(d),
+                _memory(d, stat),
             ]
-            row += [dev_stats.get(d.id, {}).get(k, "") for k in stat_keys]
+            if has_util:
+                row.append(_percent(stat.get("utilisation")))
             rows.append(row)
+        queue = per_island.get(isl.index)
+        work = f"; {queue.get('queued', 0)} queued, {queue.get('in_flight', 0)} in flight" if queue else ""
         parts.append(
-            f'<div style="margin-top: 6px;"><b>island {isl.index}</b> (hosts {", ".join(map(str, hosts))})</div>'
+            f'<div style="margin-top: 6px;"><b>island {isl.index}</b> '
+            f"(hosts {', '.join(map(str, hosts))}{_x(work)})</div>"
         )
-        parts.append(render.table(["device", "kind", "host", "slices", "load", "memory", *stat_keys], rows))
+        parts.append(render.table(header, rows))
     if slices:
         rows = [
             [
@@ -134,8 +149,14 @@ def cluster_html(cluster: Any) -> str:
         ]
         parts.append('<div style="margin-top: 6px;"><b>live slices</b></div>')
         parts.append(render.table(["slice", "mesh", "island", "devices", "kind"], rows))
-    if isinstance(stats, Mapping):
-        rows = [[k, v] for k, v in stats.items() if k != "devices"]
+    clients = _section(stats, "clients")
+    if clients:
+        keys = sorted({k for v in clients.values() for k in v})
+        rows = [[name, *(v.get(k, "") for k in keys)] for name, v in clients.items()]
+        parts.append('<div style="margin-top: 6px;"><b>clients</b> (pw.stats())</div>')
+        parts.append(render.table(["client", *keys], rows))
+    if stats is not None:
+        rows = [[k, v] for k, v in stats.items() if not isinstance(v, Mapping)]
         if rows:
             parts.append('<div style="margin-top: 6px;"><b>pw.stats()</b></div>')
             parts.append(render.table(["stat", "value"], rows))
@@ -177,7 +198,7 @@ def program_html(program: Any) -> str:
             '<div style="color: #555;">not traced yet: call it, or program.graph(*args) to see its graph</div>'
         )
     for i, graph in enumerate(graphs):
-        open_attr = " open" if i == len(graphs) - 1 else ""
+        open_attr = ' open="open"' if i == len(graphs) - 1 else ""
         parts.append(
             f"<details{open_attr}><summary>signature {i}: {len(graph.nodes)} nodes, "
             f"{len(graph.transfers)} transfers</summary>{render.to_html(graph)}</details>"

@@ -48,10 +48,61 @@ FREED = Freed()
 
 
 class Owner(typing.NamedTuple):
-    """Who owns a value: the client that submitted the run, and the run."""
+    """Who owns a value: the client that submitted the run (its name and key), and the run."""
 
     client: str
     run: int
+    key: int = 0
+
+
+# Bytes a value (or a run) holds on each device: ((device id, bytes), ...).
+Charge = tuple[tuple[int, int], ...]
+
+
+class Budget:
+    """Per-device byte budgets and the bytes reserved against them.
+
+    The controller reserves a run's statically-known node output bytes before
+    dispatch (:meth:`try_reserve`); a run's intermediates are released when
+    the run completes, its outputs when their values are freed. Listeners
+    (the controller) are called after every release.
+    """
+
+    def __init__(self, limits: dict[int, int]):
+        self.limits = dict(limits)
+        self.used = dict.fromkeys(limits, 0)
+        self.lock = threading.Lock()
+        self.listeners: list[Any] = []
+
+    def fits(self, charge: Charge) -> bool:
+        used, limits = self.used, self.limits
+        return all(used.get(d, 0) + b <= limits.get(d, b) for d, b in charge)
+
+    def try_reserve(self, charge: Charge) -> bool:
+        """Reserves ``charge`` if it fits now; call with :attr:`lock` held."""
+        if not self.fits(charge):
+            return False
+        for d, b in charge:
+            self.used[d] = self.used.get(d, 0) + b
+        return True
+
+    def release(self, charge: Charge, *, locked: bool = False) -> None:
+        if not charge:
+            return
+        if locked:
+            self._sub(charge)
+        else:
+            with self.lock:
+                self._sub(charge)
+            self.notify()
+
+    def _sub(self, charge: Charge) -> None:
+        for d, b in charge:
+            self.used[d] = self.used.get(d, 0) - b
+
+    def notify(self) -> None:
+        for listener in list(self.listeners):
+            listener()
 
 
 class Entry:
@@ -62,7 +113,7 @@ class Entry:
     dispatched) are counted by Python's own reference count of the future.
     """
 
-    __slots__ = ("aval", "id", "origin", "owner", "sharding", "signature", "slice", "state")
+    __slots__ = ("aval", "charge", "id", "origin", "owner", "sharding", "signature", "slice", "state")
 
     def __init__(
         self, entry_id: int, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any
@@ -76,6 +127,8 @@ class Entry:
         self.origin = origin
         # The cache key a program computes for this value as an argument.
         self.signature = signature
+        # Bytes reserved for the value under the memory budget (None: none).
+        self.charge: Charge | None = None
 
 
 class ObjectStore:
@@ -92,6 +145,8 @@ class ObjectStore:
         # event of their own (creating one per value cost more than a dispatch).
         self._settled = threading.Condition(threading.Lock())
         self._waiters = 0
+        # Per-device memory budget (None: no budget; nothing is reserved).
+        self.budget: Budget | None = None
 
     def new(
         self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any = None
@@ -108,15 +163,67 @@ class ObjectStore:
 
     def collect(self) -> None:
         """Frees the values whose futures are gone."""
+        budget = self.budget
+        released = False
         while self._dropped:
             try:
                 entry = self._dropped.popleft()
             except IndexError:
-                return
+                break
             self._live.pop(entry.id, None)
             # Dropping the store's reference lets JAX free the buffer once nothing
             # else (a queued computation, an array the user took) holds it.
-            entry.state = FREED
+            if budget is None:
+                entry.state = FREED
+                continue
+            with budget.lock:
+                entry.state = FREED
+                charge, entry.charge = entry.charge, None
+                if charge:
+                    budget.release(charge, locked=True)
+                    released = True
+        if released:
+            budget.notify()
+
+    def free(self, entries: list[Entry], failure: tuple[str, BaseException | None] | None = None) -> int:
+        """Frees ``entries`` now (or marks them failed): their buffers and reserved bytes go.
+
+        Returns how many were still alive.
+        """
+        budget = self.budget
+        count = 0
+        for entry in entries:
+            if self._live.pop(entry.id, None) is not None:
+                count += 1
+            state: State = FREED if failure is None else Failed(*failure)
+            if budget is None:
+                if not isinstance(entry.state, Freed):
+                    entry.state = state
+                continue
+            with budget.lock:
+                if not isinstance(entry.state, Freed):
+                    entry.state = state
+                charge, entry.charge = entry.charge, None
+                budget.release(charge or (), locked=True)
+        if budget is not None:
+            budget.notify()
+        self.wake()
+        return count
+
+    def owned_by(self, key: int) -> list[Entry]:
+        """The live values owned by the client with this key."""
+        return [e for e in list(self._live.values()) if e.owner.key == key]
+
+    def bytes_in_use(self) -> dict[int, int]:
+        """Bytes of the live, computed values on each device (from their static shapes)."""
+        from pathways_jax._src.lowering import charge_of
+
+        used: collections.Counter[int] = collections.Counter()
+        for entry in list(self._live.values()):
+            if isinstance(entry.state, Ready):
+                for d, b in charge_of(entry.aval, entry.sharding):
+                    used[d] += b
+        return dict(used)
 
     @staticmethod
     def set_ready(entry: Entry, array: jax.Array) -> None:

@@ -183,17 +183,19 @@ def to_dot(graph: Graph) -> str:
         v = graph.values[t.value]
         label = f"{t.kind.upper()} transfer\nv{t.value} -> v{t.output}\n{_aval(v.aval)}, {_nbytes(v.aval)} B"
         tooltip = f"#{t.src.id} (island {t.src.island}) -> #{t.dst.id} (island {t.dst.island})"
-        out.append(
-            f"  t{i} {_attrs(label=label, shape='cds', color=style['color'], fontcolor=style['color'], style=style['dot'], tooltip=tooltip)};"
+        attrs = _attrs(
+            label=label,
+            shape="box",
+            color=style["color"],
+            fontcolor=style["color"],
+            style="rounded," + style["dot"],
+            penwidth="2",
+            tooltip=tooltip,
         )
+        out.append(f"  t{i} {attrs};")
     for m, o in enumerate(graph.outputs):
         label = f"output {m}" + (f"\nv{o.value}" if o.value is not None else f"\nliteral {o.literal!r}")
         out.append(f"  out{m} {_attrs(label=label, shape='ellipse', style='dashed')};")
-    if graph.inputs or graph.consts:
-        ids = [f"in{j}" for j in range(len(graph.inputs))] + [f"c{k}" for k in range(len(graph.consts))]
-        out.append(f"  {{rank=source; {'; '.join(ids)};}}")
-    if graph.outputs:
-        out.append(f"  {{rank=sink; {'; '.join(f'out{m}' for m in range(len(graph.outputs)))};}}")
     for src, dst, vid in lay.edges:
         kind = lay.transfer_kind(dst) or lay.transfer_kind(src)
         label = f"v{vid}: {_aval(graph.values[vid].aval)}"
@@ -244,6 +246,11 @@ def _x(text: Any) -> str:
 
 
 _COL_W, _ROW_H, _BOX_W, _BOX_H, _TOP = 230, 64, 200, 44, 70
+_FIT = 34  # characters that fit on a line of a box (the full text is on hover)
+
+
+def _fit(line: str) -> str:
+    return line if len(line) <= _FIT else line[: _FIT - 1] + "…"
 
 
 def builtin_svg(graph: Graph) -> str:
@@ -342,7 +349,7 @@ def builtin_svg(graph: Graph) -> str:
         x, y = centre(element)
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
         text = "".join(
-            f'<tspan x="{x:.0f}" dy="{0 if n == 0 else 13}">{_x(line)}</tspan>'
+            f'<tspan x="{x:.0f}" dy="{0 if n == 0 else 13}">{_x(_fit(line))}</tspan>'
             for n, line in enumerate(lines)
         )
         parts.append(

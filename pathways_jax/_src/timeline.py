@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -58,8 +59,9 @@ now = time.perf_counter_ns
 
 
 def client_of(run: Any) -> str:
-    """The client a run belongs to: ``run.client``, else its outputs' owner, else "default"."""
+    """The client a run belongs to: ``run.client``'s name, else its outputs' owner, else "default"."""
     client = getattr(run, "client", None)
+    client = getattr(client, "name", client)
     if client is None:
         outputs = getattr(run, "outputs", None)
         owner = getattr(outputs[0], "owner", None) if outputs else None
@@ -136,6 +138,9 @@ class Recorder:
         self._expected: dict[int, int] = {}  # run id -> steps still to dispatch
         self._seen: collections.Counter[int] = collections.Counter()
         self._threads: dict[int, tuple[int, str]] = {}  # ident -> (tid, name)
+        self._tids = itertools.count(1)
+        self._cluster: Any = None
+        self._plan_steps: dict[int, tuple[Any, int]] = {}  # id(plan) -> (plan, hooked steps)
         self._tracks: dict[tuple[int, int], str] = {}
         self._processes: dict[int, str] = {CONTROLLER_PID: "controller"}
         self._devices: dict[int, dict] = {}
@@ -161,13 +166,14 @@ class Recorder:
         ident = threading.get_ident()
         known = self._threads.get(ident)
         if known is None:
-            known = (len(self._threads) + 1, threading.current_thread().name)
+            known = (next(self._tids), threading.current_thread().name)
             self._threads[ident] = known
         return known[0]
 
     def _learn_cluster(self, cluster: Any) -> None:
-        if cluster is None:
+        if cluster is None or cluster is self._cluster:
             return
+        self._cluster = cluster
         for island in cluster.islands:
             self._processes.setdefault(1 + island.index, f"island {island.index}")
             for d in island.devices:
@@ -262,13 +268,24 @@ class Recorder:
         """A run was queued: records the submit span and expects its dispatches."""
         name = plan.graph.name
         self.complete(f"submit {name}", "submit", start, client=client, program=name, run=run_id)
-        steps = len(plan.steps)
+        steps = self._hooked_steps(plan)
         with self._cond:
             if self._closed or self._draining or steps == 0:
                 return
             left = steps - self._seen.pop(run_id, 0)
             if left > 0:
                 self._expected[run_id] = left
+
+    def _hooked_steps(self, plan: Any) -> int:
+        """How many of the plan's steps report through :meth:`dispatched` / :meth:`moved`."""
+        cached = self._plan_steps.get(id(plan))
+        if cached is not None and cached[0] is plan:
+            return cached[1]
+        from pathways_jax._src.lowering import ExecStep, MoveStep
+
+        count = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
+        self._plan_steps[id(plan)] = (plan, count)
+        return count
 
     def _dispatched_step(self, run_id: int) -> None:
         with self._cond:
@@ -579,8 +596,8 @@ def trace(path: str | os.PathLike | None = None, *, drain_timeout: float = 60.0)
       ...     out = double(jnp.ones(2))
       >>> with open(path) as f:
       ...     events = json.load(f)["traceEvents"]
-      >>> sorted({e["cat"] for e in events if e["ph"] == "X"})
-      ['compile', 'dispatch', 'execution', 'lower', 'submit', 'trace']
+      >>> {"submit", "dispatch", "execution"} <= {e["cat"] for e in events if e["ph"] == "X"}
+      True
       >>> s.release()
     """
     rec = start_trace(path, drain_timeout=drain_timeout)

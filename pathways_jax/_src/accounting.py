@@ -1,0 +1,343 @@
+"""Accounting: device busy time, utilisation and per-client usage, measured off the hot path.
+
+After dispatching a run the controller hands the watcher one record: the run,
+when its dispatch began, and for each set of devices it used the output of its
+last node there. The watcher (a daemon thread) notes when those outputs become
+ready; a run's busy interval on a device is ``[max(dispatch, previous end on
+that device), ready]``. Runs seen ready at the same moment on a device share
+that interval in proportion to their node counts there. The controller never
+waits for the watcher.
+
+When all of a run's outputs are ready the watcher calls back the controller,
+which releases the run's intermediate bytes and fails the run if an output
+raised; the measured device time updates the plan's cost estimate (an EMA),
+which the fair scheduler charges each run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+now = time.perf_counter_ns
+# The watcher is never woken per run (a wake-up per run costs the dispatching
+# thread a GIL hand-off): when idle it looks for new notes this often, and
+# otherwise it sleeps inside XLA on the oldest unfinished run.
+_IDLE_POLL_S = 2e-3
+# After each accounted batch the watcher sleeps this long, so that it takes the
+# GIL once per batch of short runs rather than once per run: end times are
+# known to about this granularity (exactly for runs longer than it).
+_BATCH_S = 1e-3
+_EMA = 0.1  # weight of a new measurement in a plan's cost estimate
+
+
+def _ready(arrays: tuple) -> bool:
+    for array in arrays:
+        try:
+            if not array.is_ready() and not array.is_deleted():
+                return False
+        except Exception:  # it failed: it is over
+            pass
+    return True
+
+
+def _block(arrays: list) -> None:
+    for array in arrays:
+        if not array.is_deleted():
+            array.block_until_ready()
+
+
+@dataclasses.dataclass(slots=True)
+class ClientUsage:
+    name: str
+    device_ns: int = 0
+    programs: int = 0
+    failures: int = 0
+
+
+class Accounting:
+    """Busy time per device and usage per client, fed by the controller, read by ``pw.stats()``."""
+
+    def __init__(self, device_ids: list[int], on_done: Callable[[Any, float, BaseException | None], None]):
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._device_ids = list(device_ids)
+        self._end: dict[int, int] = {}
+        self._started = False
+        self._start_lock = threading.Lock()
+        self._busy = False  # the watcher holds records not accounted yet
+        # Notes are appended by the dispatcher (no lock: deque appends are
+        # atomic) and taken by the watcher, which is woken only when it sleeps.
+        self._notes: collections.deque[tuple] = collections.deque()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._open: dict[tuple, list] = {}  # folded records, taken by the watcher
+        self._open_lock = threading.Lock()
+        self._stopping = False
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.t0 = now()
+            self.busy: collections.Counter[int] = collections.Counter()
+            self.usage: dict[int, ClientUsage] = {}
+
+    def _usage(self, client: Any) -> ClientUsage:
+        usage = self.usage.get(client.key)
+        if usage is None:
+            usage = self.usage[client.key] = ClientUsage(client.name)
+        return usage
+
+    def note(self, run: Any, start: int, arrays: tuple) -> None:
+        """A run was dispatched at ``start``; ``arrays``: the last output on each of its device sets.
+
+        Runs of one plan and client dispatched between two looks of the watcher
+        are folded into one record (first start, newest outputs, count): the
+        watcher's work then grows with the kinds of runs, not their number,
+        and it is that work that competes with dispatch for the GIL. Runs that
+        hold intermediate bytes are recorded one by one (each is released).
+        """
+        if run.transient:
+            self._notes.append([run, start, arrays, 1])
+        else:
+            key = (id(run.plan), run.client.key)
+            with self._open_lock:
+                record = self._open.get(key)
+                if record is None:
+                    self._open[key] = [run, start, arrays, 1]
+                else:
+                    record[0] = run
+                    record[2] = arrays
+                    record[3] += 1
+        if not self._started:
+            self._start()
+
+    def failed(self, run: Any) -> None:
+        """A run failed before (or while) being dispatched: count it."""
+        with self._lock:
+            usage = self._usage(run.client)
+            usage.failures += 1
+
+    def idle(self) -> bool:
+        """True when every noted run was accounted."""
+        return not self._notes and not self._open and not self._busy
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ends the watcher; waits for it, so that no thread is inside XLA at exit."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if not self._started:
+                self._thread = threading.Thread(target=self._watch, name="pathways-accounting", daemon=True)
+                self._thread.start()
+                self._started = True
+
+    # --- the watcher ---------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        pending: collections.deque[tuple] = collections.deque()
+        notes = self._notes
+        while not self._stopping:
+            if not pending and not notes and not self._open:
+                self._busy = False
+                self._wakeup.wait(_IDLE_POLL_S)
+                continue
+            self._busy = True
+            while notes:
+                pending.append(notes.popleft())
+            if self._open:
+                with self._open_lock:
+                    folded, self._open = self._open, {}
+                pending.extend(folded.values())
+            # Runs on the same devices finish in dispatch order: wait (in XLA,
+            # without the GIL) for the oldest, then take every run that is done.
+            head = pending[0]
+            behind = _ready(head[2])
+            if not behind:
+                for array in head[2]:
+                    with contextlib.suppress(Exception):
+                        array.block_until_ready()
+            t = now()
+            # Runs of one plan use the same devices and finish in dispatch order:
+            # once the newest finished run of a plan is found, every older run of
+            # it is done too. So readiness is asked once per plan, not per run
+            # (every question costs the dispatching thread GIL time).
+            done_plans: set[int] = set()
+            batch, keep = [], []
+            for note in reversed(pending):
+                plan_id = id(note[0].plan)
+                if plan_id in done_plans or _ready(note[2]):
+                    done_plans.add(plan_id)
+                    batch.append(note)
+                else:
+                    keep.append(note)
+            pending.clear()
+            pending.extend(reversed(keep))
+            batch.reverse()
+            self._account(batch, t)
+            if behind or len(batch) > 1:
+                # Short runs: wake once per batch (end times then known to _BATCH_S).
+                time.sleep(_BATCH_S)
+
+    def _account(self, batch: list[tuple], t: int) -> None:
+        # Execution errors are looked for once per record: exact for runs noted
+        # alone; for a folded record, the newest run's (the others' futures
+        # still raise their own errors).
+        # Runs of one plan and client are accounted together: the watcher's work
+        # per batch grows with the kinds of runs in it, not with their number.
+        groups: dict[tuple, list] = {}
+        for note in batch:
+            run = note[0]
+            key = (id(run.plan), run.client.key)
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [run.plan, run.client, note[3], note[1]]
+            else:
+                group[2] += note[3]
+                group[3] = min(group[3], note[1])
+        durations = []
+        with self._lock:
+            per_device: dict[int, list] = collections.defaultdict(list)
+            for group in groups.values():
+                for devices, _, count in group[0].acct_groups:
+                    for d in devices:
+                        per_device[d].append((group, group[2] * count))
+            spent: collections.Counter[int] = collections.Counter()
+            for d, items in per_device.items():
+                start = max(min(group[3] for group, _ in items), self._end.get(d, 0), self.t0)
+                span = max(t - start, 0)
+                total = sum(weight for _, weight in items)
+                for group, weight in items:
+                    spent[id(group)] += span * weight // total if total else 0
+                self.busy[d] += span
+                self._end[d] = max(self._end.get(d, 0), t)
+            for group in groups.values():
+                plan, client, runs, _ = group
+                ns = spent.get(id(group), 0)
+                usage = self._usage(client)
+                usage.device_ns += ns
+                usage.programs += runs
+                seconds = ns / runs / 1e9
+                plan.cost = seconds if plan.cost == 0.0 else (1 - _EMA) * plan.cost + _EMA * seconds
+            for note in batch:
+                run = note[0]
+                error = None
+                try:  # a folded record shows the newest run's outputs
+                    _block(note[2])
+                except Exception as exc:
+                    error = exc
+                    self._usage(run.client).failures += 1
+                if error is not None or run.transient:
+                    durations.append((run, 0.0, error))
+        for run, seconds, error in durations:
+            if error is not None or run.transient:
+                with contextlib.suppress(Exception):  # never let a callback end the watcher
+                    self._on_done(run, seconds, error)
+
+    def snapshot(self, reset: bool = False) -> tuple[float, dict[int, int], list[ClientUsage]]:
+        """(elapsed seconds, busy ns per device, usage per client) since the last reset."""
+        with self._lock:
+            elapsed = (now() - self.t0) / 1e9
+            busy = {d: self.busy.get(d, 0) for d in self._device_ids}
+            usage = [dataclasses.replace(u) for u in self.usage.values()]
+        if reset:
+            self.reset()
+        return elapsed, busy, usage
+
+
+__all__ = ["Accounting", "ClientUsage"]
+
+
+def stats(*, reset: bool = False) -> dict[str, Any]:
+    """What the cluster's devices and clients have done since start (or the last reset).
+
+    Args:
+      reset: start counting again from now after taking this snapshot.
+
+    Returns:
+      A dict with ``elapsed_s``, ``scheduler``, and:
+
+      - ``devices``: per device id, ``island``, ``busy_s`` (time the device
+        was running dispatched programs), ``utilisation`` (``busy_s /
+        elapsed_s``), ``bytes_in_use`` (reserved under the memory budget, or
+        held by live values when there is none) and ``budget`` (bytes or None).
+      - ``islands``: per island, ``queued`` (runs waiting that touch it) and
+        ``in_flight`` (executables dispatched and not finished).
+      - ``clients``: per client name, ``device_time_s`` (device-seconds its
+        programs ran), ``programs`` (runs completed), ``failures`` and
+        ``queued``.
+
+    Example:
+      >>> import jax.numpy as jnp, pathways_jax as pw
+      >>> s = pw.devices(mesh={"x": 2})
+      >>> add = pw.jit(lambda v: v + 1, devices=s)
+      >>> add(jnp.zeros(4)).result().tolist()
+      [1.0, 1.0, 1.0, 1.0]
+      >>> st = pw.stats()
+      >>> sorted(st)
+      ['clients', 'devices', 'elapsed_s', 'islands', 'scheduler']
+      >>> 0.0 <= st["devices"][s.devices[0].id]["utilisation"] <= 1.0
+      True
+      >>> s.release()
+    """
+    from pathways_jax._src import cluster as cluster_lib
+
+    cl = cluster_lib.cluster()
+    controller = cl.controller
+    # Values whose futures were dropped by now are no longer in use.
+    cl.store.collect()
+    budget = cl.store.budget
+    if budget is not None:
+        with budget.lock:
+            in_use = dict(budget.used)
+    else:
+        in_use = cl.store.bytes_in_use()
+    deadline = time.monotonic() + 1.0
+    while True:  # let the watcher account what is already finished (bounded)
+        elapsed, busy, usage = controller.accounting.snapshot(reset=False)
+        if controller.accounting.idle() or time.monotonic() > deadline:
+            break
+        time.sleep(1e-3)
+    if reset:
+        controller.accounting.reset()
+    devices = {}
+    for island in cl.islands:
+        for d in island.devices:
+            devices[d.id] = {
+                "island": island.index,
+                "busy_s": busy.get(d.id, 0) / 1e9,
+                "utilisation": min(busy.get(d.id, 0) / 1e9 / elapsed, 1.0) if elapsed > 0 else 0.0,
+                "bytes_in_use": int(in_use.get(d.id, 0)),
+                "budget": None if budget is None else budget.limits.get(d.id),
+            }
+    queued = controller.queued_by_island()
+    in_flight = controller.in_flight_by_island()
+    islands = {
+        island.index: {"queued": queued.get(island.index, 0), "in_flight": in_flight.get(island.index, 0)}
+        for island in cl.islands
+    }
+    clients: dict[str, dict[str, Any]] = {}
+    for u in usage:
+        entry = clients.setdefault(u.name, {"device_time_s": 0.0, "programs": 0, "failures": 0, "queued": 0})
+        entry["device_time_s"] += u.device_ns / 1e9
+        entry["programs"] += u.programs
+        entry["failures"] += u.failures
+    for name, count in controller.queued_by_client_name().items():
+        entry = clients.setdefault(name, {"device_time_s": 0.0, "programs": 0, "failures": 0, "queued": 0})
+        entry["queued"] += count
+    return {
+        "elapsed_s": elapsed,
+        "scheduler": cl.scheduler,
+        "devices": devices,
+        "islands": islands,
+        "clients": clients,
+    }

@@ -1,0 +1,140 @@
+"""Clients: who a program run belongs to, with its scheduling priority and weight.
+
+Every program run is owned by a client: the one entered with ``with client:``
+on the submitting thread, else that thread's default client (``"default"`` on
+the main thread, the thread's name on others). Closing a client (or the end of
+a thread, for its default client) cancels its queued runs and frees every value
+it owns; other clients are not touched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import weakref
+from typing import Any
+
+from pathways_jax._src import errors
+
+_ids = itertools.count(1)
+_local = threading.local()
+
+
+class Client:
+    """A tenant of the cluster: programs submitted inside ``with client:`` belong to it.
+
+    Made by :func:`client`. The scheduler orders clients' runs by the policy
+    chosen at ``pw.init(scheduler=...)``: ``priority`` counts under
+    ``"priority"``, ``weight`` under ``"fair"``.
+
+    Attributes:
+      name: shown in ``pw.stats()``, traces and errors.
+      priority: higher goes first under the ``"priority"`` scheduler.
+      weight: share of device time under the ``"fair"`` scheduler.
+      closed: True once :meth:`close` ran.
+    """
+
+    def __init__(self, name: str, *, priority: int = 0, weight: float = 1.0):
+        self.name = name
+        self.priority = priority
+        self.weight = weight
+        self.key = next(_ids)
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Client:
+        if self.closed:
+            raise errors.ClusterError(f"{self!r} is closed; make a new one with pw.client(...).")
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _local.stack.pop()
+
+    def close(self) -> None:
+        """Cancels this client's queued runs and frees every value it owns. Idempotent.
+
+        Futures of the client then raise instead of waiting: a cancelled run's
+        with ``ProgramFailedError``, a freed value's with ``PathwaysError``.
+        """
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        from pathways_jax._src import cluster as cluster_lib
+
+        current = cluster_lib.running()
+        if current is not None:
+            current.close_client(self)
+
+    def __repr__(self) -> str:
+        state = ", closed" if self.closed else ""
+        return f"Client({self.name!r}, priority={self.priority}, weight={self.weight}{state})"
+
+
+class _ThreadDefault:
+    """Holds a thread's default client; closes it when the thread ends."""
+
+    def __init__(self, owner: Client):
+        self.client = owner
+        weakref.finalize(self, owner.close)
+
+
+def client(name: str, *, priority: int = 0, weight: float = 1.0) -> Client:
+    """Makes a client: a tenant whose programs are scheduled, accounted and freed together.
+
+    Args:
+      name: the client's name in ``pw.stats()``, traces and errors.
+      priority: under ``pw.init(scheduler="priority")``, runs of higher
+        priority go first (FIFO within a level; a run passed over more than
+        ``starvation_limit`` times goes next).
+      weight: under ``pw.init(scheduler="fair")``, the client's share of
+        device time is proportional to its weight.
+
+    Returns:
+      A :class:`Client`; use it as a context manager (programs called inside
+      belong to it) and ``close()`` it to free all it owns.
+
+    Raises:
+      ValueError: a bad name, priority or weight.
+
+    Example:
+      >>> import jax.numpy as jnp, pathways_jax as pw
+      >>> s = pw.devices(mesh={"x": 1})
+      >>> double = pw.jit(lambda v: v * 2, devices=s)
+      >>> with pw.client("alice", weight=2.0) as alice:
+      ...     out = double(jnp.ones(2))
+      >>> out.result().tolist()
+      [2.0, 2.0]
+      >>> pw.stats()["clients"]["alice"]["programs"]
+      1
+      >>> alice.close()
+      >>> s.release()
+    """
+    if not isinstance(name, str) or not name:
+        raise errors.ResourceError(f"a client's name must be a non-empty string, got {name!r}.")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise errors.ResourceError(f"priority must be an int, got {priority!r}.")
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or not (0 < weight < math.inf):
+        raise errors.ResourceError(f"weight must be a number > 0, got {weight!r}.")
+    return Client(name, priority=priority, weight=float(weight))
+
+
+def current() -> Client:
+    """The client runs submitted now on this thread belong to."""
+    stack = getattr(_local, "stack", None)
+    if stack:
+        return stack[-1]
+    holder: Any = getattr(_local, "default", None)
+    if holder is None or holder.client.closed:
+        thread = threading.current_thread()
+        name = "default" if thread is threading.main_thread() else thread.name
+        holder = _local.default = _ThreadDefault(Client(name))
+    return holder.client
+
+
+__all__ = ["Client", "client", "current"]

@@ -1,0 +1,209 @@
+"""Scheduling policies as pure code, and end to end through the controller."""
+
+import collections
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pathways_jax as pw
+from pathways_jax._src import scheduler
+from pathways_jax._src.scheduler import Fair, Fifo, Head, Priority
+
+# --- pure policies ------------------------------------------------------------------------
+
+
+def _drive(policy, queues: dict, picks: int, cost=lambda c: 1.0, weights=None, priorities=None):
+    """Runs ``picks`` choices over per-client queues of sequence numbers; returns the clients picked."""
+    weights = weights or {}
+    priorities = priorities or {}
+    order = []
+    for client in queues:
+        policy.activate(client)
+    for _ in range(picks):
+        heads = [
+            Head(c, q[0], priorities.get(c, 0), weights.get(c, 1.0), cost(c)) for c, q in queues.items() if q
+        ]
+        if not heads:
+            break
+        index = policy.pick(heads)
+        policy.picked(heads, index)
+        client = heads[index].client
+        queues[client].popleft()
+        order.append(client)
+    return order
+
+
+def test_fifo_is_global_submission_order():
+    queues = {"a": collections.deque([0, 3, 4]), "b": collections.deque([1, 2, 5])}
+    assert _drive(Fifo(), queues, 6) == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_priority_goes_first_and_is_fifo_within_a_level():
+    queues = {
+        "low": collections.deque([0, 1, 2]),
+        "mid": collections.deque([3, 6]),
+        "high": collections.deque([4, 5]),
+        "mid2": collections.deque([7]),
+    }
+    order = _drive(
+        Priority(starvation_limit=100), queues, 8, priorities={"low": 0, "mid": 1, "mid2": 1, "high": 2}
+    )
+    assert order == ["high", "high", "mid", "mid", "mid2", "low", "low", "low"]
+
+
+def test_priority_bounds_starvation():
+    limit = 3
+    policy = Priority(starvation_limit=limit)
+    queues = {"low": collections.deque(range(0, 10)), "high": collections.deque(range(100, 1000))}
+    order = _drive(policy, queues, 60, priorities={"low": 0, "high": 10})
+    lows = [i for i, c in enumerate(order) if c == "low"]
+    assert len(lows) == 10
+    # Passed over more than `limit` times: it goes next, so gaps are at most limit + 1.
+    gaps = [b - a for a, b in zip([-1, *lows], lows, strict=False)]
+    assert max(gaps) <= limit + 2, gaps
+    # Without the bound the low client would wait for all high runs.
+    unbounded = _drive(
+        Priority(starvation_limit=10**9),
+        {"low": collections.deque(range(0, 10)), "high": collections.deque(range(100, 1000))},
+        60,
+        priorities={"low": 0, "high": 10},
+    )
+    assert "low" not in unbounded
+
+
+@pytest.mark.parametrize("weights", [{"a": 1, "b": 2, "c": 4, "d": 8}, {"a": 1.0, "b": 1.0}])
+def test_fair_shares_follow_weights(weights):
+    queues = {c: collections.deque(range(i * 10_000, (i + 1) * 10_000)) for i, c in enumerate(weights)}
+    costs = {c: 0.5 + i for i, c in enumerate(weights)}  # unequal run costs: shares are of time
+    order = _drive(Fair(), queues, 3000, cost=costs.get, weights=weights)
+    time_of = collections.Counter()
+    for c in order:
+        time_of[c] += costs[c]
+    total = sum(time_of.values())
+    for c, w in weights.items():
+        want = w / sum(weights.values())
+        assert abs(time_of[c] / total - want) / want < 0.02, (c, time_of)
+
+
+def test_fair_corrections_and_no_banked_credit():
+    policy = Fair()
+    policy.activate("a")
+    policy.activate("b")
+    # "a"'s estimate was too low: the measured time corrects its virtual time.
+    policy.charge("a", 1.0, 1.0)
+    policy.charge("a", 9.0, 1.0)  # correction: measured 10
+    heads = [Head("a", 0, weight=1.0, cost=1.0), Head("b", 1, weight=1.0, cost=1.0)]
+    assert heads[policy.pick(heads)].client == "b"
+    # A client that was idle comes back at the active floor, not with its old credit.
+    policy.deactivate("c")
+    policy.vtime["c"] = 0.0
+    policy.charge("b", 5.0, 1.0)
+    policy.activate("c")
+    assert policy.vtime["c"] == min(policy.vtime["a"], policy.vtime["b"])
+
+
+def test_make_names_policies():
+    assert isinstance(scheduler.make("fifo"), Fifo)
+    assert scheduler.make("priority", starvation_limit=3).starvation_limit == 3
+    assert isinstance(scheduler.make("fair"), Fair)
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        scheduler.make("lottery")
+
+
+def test_init_rejects_unknown_scheduler():
+    with pytest.raises(pw.errors.ClusterError, match="scheduling policy"):
+        pw.init(num_cpu_devices=8, islands=2, scheduler="lottery")
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+
+def _plugged_order(policy: str, submit) -> list[str]:
+    """Holds the controller behind a gated run, lets ``submit`` queue runs, returns the dispatch order."""
+    pw.init(num_cpu_devices=8, islands=2, scheduler=policy, starvation_limit=100, max_in_flight=1)
+    s = pw.devices(mesh={"x": 2}, island=0)
+    gate, entered = threading.Event(), threading.Event()
+
+    def wait(v):
+        entered.set()
+        gate.wait(30)
+        return v
+
+    held = pw.jit(lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1, devices=s)
+    work = pw.jit(lambda x: x * 2 + x.sum(), devices=s, in_specs=pw.P("x"))
+    x = jnp.arange(4.0)
+    gate.set()
+    held(x).result(timeout=30)
+    work(x).result(timeout=30)  # compiled
+    gate.clear()
+    entered.clear()
+    outs = []
+    pw.start_trace()
+    try:
+        with pw.client("plug"):
+            outs.append(held(x))  # in flight until the gate opens: fills the window of one
+            assert entered.wait(30)
+            outs.append(work(x))  # the controller takes it and waits for the window
+        deadline = time.monotonic() + 30
+        while pw.stats()["islands"][0]["queued"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        outs += submit(work, x)
+    finally:
+        gate.set()
+        trace = pw.stop_trace()
+    for out in outs:
+        out.result(timeout=30)
+    s.release()
+    dispatches = [
+        e
+        for e in trace["traceEvents"]
+        if e.get("cat") == "dispatch" and e["ph"] == "X" and not e["name"].endswith("transfer")
+    ]
+    order = [e["args"]["client"] for e in sorted(dispatches, key=lambda e: e["ts"])]
+    assert order[:2] == ["plug", "plug"]
+    return order[2:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["fifo", "priority"])
+def test_priority_end_to_end(policy):
+    low = pw.client("low", priority=0)
+    high = pw.client("high", priority=5)
+
+    def submit(work, x):
+        outs = []
+        with low:
+            outs += [work(x) for _ in range(3)]
+        with high:
+            outs += [work(x) for _ in range(3)]
+        return outs
+
+    order = _plugged_order(policy, submit)
+    if policy == "priority":
+        assert order == ["high"] * 3 + ["low"] * 3
+    else:
+        assert order == ["low"] * 3 + ["high"] * 3
+
+
+@pytest.mark.timeout(120)
+def test_fair_end_to_end_interleaves_by_weight():
+    a = pw.client("a", weight=1.0)
+    b = pw.client("b", weight=3.0)
+
+    def submit(work, x):
+        outs = []
+        with a:
+            outs += [work(x) for _ in range(12)]
+        with b:
+            outs += [work(x) for _ in range(12)]
+        return outs
+
+    order = _plugged_order("fair", submit)
+    # While both have work queued, "b" gets about three runs for each of "a"'s
+    # (estimates are corrected by measured device time, so not exactly 3:1).
+    last_b = max(i for i, c in enumerate(order) if c == "b")
+    assert 2 <= order[:last_b].count("a") <= 7, order
+    assert sorted(order) == ["a"] * 12 + ["b"] * 12
