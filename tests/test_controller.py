@@ -144,9 +144,9 @@ def test_inline_dispatch_keeps_submission_order_with_a_busy_controller():
     held = pw.jit(lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x), devices=s)
     bump = pw.jit(lambda x: x * 2 + 1, devices=s)
     try:
-        first = held(jnp.ones(2))       # occupies the controller thread
+        first = held(jnp.ones(2))  # occupies the controller thread
         chain = [bump(first)]
-        for _ in range(20):             # queued behind it, in order, though the caller is free
+        for _ in range(20):  # queued behind it, in order, though the caller is free
             chain.append(bump(chain[-1]))
         assert not chain[-1].done()
     finally:
