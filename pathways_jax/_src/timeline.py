@@ -631,7 +631,8 @@ def lowered(plan: Any, start: int) -> None:
     if old is not None and old.graph is graph:
         before = _mapping(old)
         moved = {sid: (before.get(sid), devs) for sid, devs in mapping.items() if before.get(sid) != devs}
-        logging.info(
+        logging.vlog(
+            1,
             "program %r (%s) re-lowered after a remap: %s",
             graph.name,
             graph.source_info,
@@ -640,7 +641,8 @@ def lowered(plan: Any, start: int) -> None:
         if rec is not None:
             rec.instant(f"remap {graph.name}", "remap", program=graph.name, moved=str(moved))
     else:
-        logging.info(
+        logging.vlog(
+            1,
             "program %r (%s): lowered %d nodes onto devices %s in %.1f ms",
             graph.name,
             graph.source_info,
@@ -655,8 +657,10 @@ def lowered(plan: Any, start: int) -> None:
 def compiled(node: Any, start: int) -> None:
     """``lowering`` compiled ``node``: logs it, records a ``compile`` span."""
     ms = (now() - start) / 1e6
-    logging.info(
-        "compiled node %r (%s) for slice #%d in %.1f ms", node.name, node.source_info, node.slice.id, ms
+    # vlog(1): shown with absl's --v=1 (or set_verbosity(DEBUG)); absl programs
+    # print INFO by default and compiles are not news worth that.
+    logging.vlog(
+        1, "compiled node %r (%s) for slice #%d in %.1f ms", node.name, node.source_info, node.slice.id, ms
     )
     rec = ACTIVE
     if rec is not None:
