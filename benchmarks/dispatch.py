@@ -27,14 +27,12 @@ in benchmarks/results/dispatch.png.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
+import common
 from absl import app, flags
 
 _DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Slice sizes to measure.")
@@ -53,18 +51,6 @@ _OUT = flags.DEFINE_string(
 )
 
 MODES = ("jax-O", "jax-F", "pw-O", "pw-C", "pw-C+fuse", "pw-F")
-
-
-def _machine() -> dict:
-    import jax
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "jax": jax.__version__,
-    }
 
 
 def _measure(run: Callable[[int], float], unit: int, target_s: float) -> Callable[[], float]:
@@ -330,7 +316,7 @@ def main(argv: list[str]) -> None:
     )
     report = {
         "benchmark": "dispatch",
-        "machine": _machine(),
+        "machine": common.machine(),
         "config": {
             "repeats": repeats,
             "chain": chain,

@@ -35,13 +35,12 @@ busy ones and the raw ratio r is the figure to trust (see benchmarks/README.md).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
 
+import common
 from absl import app, flags
 
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds per mode.")
@@ -56,19 +55,6 @@ _QUICK = flags.DEFINE_bool("quick", False, "Tiny run that only checks the benchm
 _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).resolve().parent / "results"), "Result folder.")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _machine() -> dict:
-    import jax
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "jax": jax.__version__,
-        "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
-    }
 
 
 def _modes(config, batch: int, stages: list[int], microbatches: int):
@@ -277,7 +263,7 @@ def main(argv: list[str]) -> None:
 
     result = {
         "benchmark": "pipeline",
-        "machine": _machine(),
+        "machine": common.machine(),
         "quick": _QUICK.value,
         "config": {
             **{k: getattr(config, k) for k in ("vocab", "seq_len", "d_model", "heads", "layers")},

@@ -121,6 +121,25 @@ def make_batch(config: Config, seed: int, step: int, batch: int) -> tuple[np.nda
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def check_against_plain_jax(stages, tx, batches, losses, steps: int) -> None:
+    """Trains the unpipelined model in plain jax.jit from the same start; compares the losses."""
+    params, apply = pipeline.sequential(stages)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def reference_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(apply(p, x), y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+
+    steps = min(steps, len(batches))
+    for step in range(steps):
+        want, params, opt_state = reference_step(params, opt_state, *batches[step])
+        np.testing.assert_allclose(float(losses[step].result()), float(want), rtol=2e-4)
+    print(f"losses of the first {steps} steps match plain jax.jit")
+    print(f"loss: first {float(losses[0].result()):.4f}, last {float(losses[-1].result()):.4f}")
+
+
 def main(argv: list[str]) -> None:
     del argv
     pw.init(num_cpu_devices=8, islands=4)  # 4 islands of 2 CPU devices, before any JAX work
@@ -169,20 +188,9 @@ def main(argv: list[str]) -> None:
     )
 
     # Reference: the unpipelined model in plain jax.jit, same start, same data.
-    params, apply = pipeline.sequential(make_stages(config, num_stages, _SEED.value))
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def reference_step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(apply(p, x), y))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return loss, optax.apply_updates(params, updates), opt_state
-
-    for step in range(min(_CHECK_STEPS.value, len(batches))):
-        want, params, opt_state = reference_step(params, opt_state, *batches[step])
-        np.testing.assert_allclose(float(losses[step].result()), float(want), rtol=2e-4)
-    print(f"losses of the first {min(_CHECK_STEPS.value, len(batches))} steps match plain jax.jit")
-    print(f"loss: first {float(losses[0].result()):.4f}, last {float(losses[-1].result()):.4f}")
+    check_against_plain_jax(
+        make_stages(config, num_stages, _SEED.value), tx, batches, losses, _CHECK_STEPS.value
+    )
     pw.shutdown()
 
 

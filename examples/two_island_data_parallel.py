@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import optax
 from absl import app, flags
-from pipeline_transformer import Config, loss_fn, make_batch, make_stages
+from pipeline_transformer import Config, check_against_plain_jax, loss_fn, make_batch, make_stages
 
 import pathways_jax as pw
 from pathways_jax import pipeline
@@ -75,20 +75,7 @@ def main(argv: list[str]) -> None:
     )
 
     # Reference: one replica in plain jax.jit on the full batch, same start, same data.
-    params, apply = pipeline.sequential(make_stages(config, 4, _SEED.value))
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def reference_step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(apply(p, x), y))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return loss, optax.apply_updates(params, updates), opt_state
-
-    for step in range(min(_CHECK_STEPS.value, len(batches))):
-        want, params, opt_state = reference_step(params, opt_state, *batches[step])
-        np.testing.assert_allclose(float(losses[step].result()), float(want), rtol=2e-4)
-    print(f"losses of the first {min(_CHECK_STEPS.value, len(batches))} steps match plain jax.jit")
-    print(f"loss: first {float(losses[0].result()):.4f}, last {float(losses[-1].result()):.4f}")
+    check_against_plain_jax(make_stages(config, 4, _SEED.value), tx, batches, losses, _CHECK_STEPS.value)
     pw.shutdown()
 
 

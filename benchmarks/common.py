@@ -1,0 +1,21 @@
+"""What every benchmark records about the machine it ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+
+def machine() -> dict:
+    """CPU count, platform, Python, JAX and its devices: stored with every result."""
+    import jax
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
+    }
