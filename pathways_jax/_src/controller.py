@@ -143,8 +143,13 @@ class Controller:
         with self._cv:
             self._policy.charge(head.client, head.cost, head.weight)
 
-    def _blocker(self, run: Run) -> int:
-        """What keeps ``run`` from being dispatched now (``_GO``: nothing)."""
+    def _blocker(self, run: Run, busy: dict[int, int] | None = None) -> int:
+        """What keeps ``run`` from being dispatched now (``_GO``: nothing).
+
+        ``busy``: executables in flight per island, filled as islands are
+        looked at, so that one pass over the clients' heads asks each island's
+        in-flight outputs once, not once per head.
+        """
         for _, future in run.future_inputs:
             if type(future._entry.state) is Pending:
                 return _INPUT
@@ -152,10 +157,14 @@ class Controller:
         if budget is not None and not budget.fits(run.plan.charge):
             return _MEMORY
         for island, count in run.plan.windowed.items():
-            # Read-only: an inline dispatch may be retiring from these deques now.
-            items = list(self._in_flight[island])
-            busy = sum(1 for item in items if not item[0].is_ready())
-            if busy + count > self._window:
+            running = None if busy is None else busy.get(island)
+            if running is None:
+                # Read-only: an inline dispatch may be retiring from these deques now.
+                items = list(self._in_flight[island])
+                running = sum(1 for item in items if not item[0].is_ready())
+                if busy is not None:
+                    busy[island] = running
+            if running + count > self._window:
                 return _NO_ROOM
         return _GO
 
@@ -171,9 +180,10 @@ class Controller:
                 go: list[Run] = []
                 no_room: list[Run] = []
                 blocked: list[Run] = []
+                busy: dict[int, int] = {}
                 for queue in self._queues.values():
                     run = queue[0]
-                    why = self._blocker(run)
+                    why = self._blocker(run, busy)
                     if why == _GO:
                         go.append(run)
                     elif why == _NO_ROOM:

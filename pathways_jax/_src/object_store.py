@@ -12,7 +12,6 @@ import collections
 import dataclasses
 import itertools
 import threading
-import time
 import typing
 from typing import Any
 
@@ -141,10 +140,12 @@ class ObjectStore:
         # run at any allocation, even while this thread holds the lock, so it
         # only appends (atomic) and the next store operation does the freeing.
         self._dropped: collections.deque[Entry] = collections.deque()
-        # One condition for every value: waiting is rare, so values carry no
-        # event of their own (creating one per value cost more than a dispatch).
-        self._settled = threading.Condition(threading.Lock())
-        self._waiters = 0
+        # Values carry no event of their own (creating one per value cost more
+        # than a dispatch): a thread that waits for a pending value registers
+        # an event for it, and wake() sets only the events of settled values,
+        # so a dispatch wakes the threads it concerns, not every waiter.
+        self._settled = threading.Lock()
+        self._waiting: dict[int, tuple[Entry, threading.Event]] = {}
         # Per-device memory budget (None: no budget; nothing is reserved).
         self.budget: Budget | None = None
 
@@ -238,27 +239,30 @@ class ObjectStore:
             entry.state = Failed(message, cause)
 
     def wake(self) -> None:
-        """Wakes the threads waiting for values that were pending."""
-        if self._waiters:
+        """Wakes the threads waiting for values that are no longer pending."""
+        if self._waiting:
             with self._settled:
-                self._settled.notify_all()
+                for entry, event in self._waiting.values():
+                    if not isinstance(entry.state, Pending):
+                        event.set()
 
     def wait_settled(self, entry: Entry, timeout: float | None) -> bool:
         """Waits until ``entry`` is no longer pending; False if ``timeout`` expired."""
         if not isinstance(entry.state, Pending):
             return True
-        deadline = None if timeout is None else time.monotonic() + timeout
+        event = threading.Event()
         with self._settled:
-            self._waiters += 1
-            try:
-                while isinstance(entry.state, Pending):
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return False
-                    self._settled.wait(remaining)
-            finally:
-                self._waiters -= 1
-        return True
+            # State is set before wake() takes the lock: looking again under it
+            # cannot miss a wake-up.
+            if not isinstance(entry.state, Pending):
+                return True
+            self._waiting[id(event)] = (entry, event)
+        try:
+            event.wait(timeout)
+        finally:
+            with self._settled:
+                del self._waiting[id(event)]
+        return not isinstance(entry.state, Pending)
 
     def live_count(self) -> int:
         """How many values are alive (held by a future or a queued run)."""

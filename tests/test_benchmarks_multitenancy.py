@@ -1,0 +1,71 @@
+"""benchmarks/multitenancy.py runs end to end in quick mode and reports every mode.
+
+No timing asserts: this only keeps the benchmark from rotting. It runs in its
+own process because the benchmark sets its own device count, and the plain-JAX
+multi-thread modes run in subprocesses of that one (they may deadlock; the
+benchmark bounds them with a timeout and records what happened).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(240)
+def test_multitenancy_benchmark_quick_mode_reports_every_mode(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "multitenancy.py"), "--quick", f"--out={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    result = json.loads((tmp_path / "multitenancy_quick.json").read_text())
+    assert (tmp_path / "multitenancy_quick.png").stat().st_size > 0
+    assert result["benchmark"] == "multitenancy" and result["quick"] is True
+    assert result["calibration"]["compute_ms"] > 0 and result["calibration"]["size"] > 0
+
+    modes = result["modes"]
+    jax_n = {"jax-2", "jax-4", "jax-2-w8", "jax-4-w8"}
+    assert set(modes) == {"jax-1", "pw-1", "pw-2", "pw-4", "pw-8", "pw-16"} | jax_n
+    assert modes["jax-1"]["programs_per_s"] > 0
+    assert modes["jax-1"]["ratio_to_jax_1"] == pytest.approx(1.0)
+    for n in (1, 2, 4, 8, 16):
+        entry = modes[f"pw-{n}"]
+        assert entry["clients"] == n
+        assert entry["programs_per_s"] > 0 and entry["ratio_to_jax_1"] > 0
+        assert 0.0 <= entry["utilisation"] <= 1.0
+        # Every program a client ran was accounted to that client.
+        assert entry["accounted_programs"] == entry["programs"]
+    for name in jax_n:
+        entry = modes[name]
+        assert entry["threads"] == int(name.split("-")[1])
+        assert entry["outcome"] in {"completed", "aborted", "timeout", "failed"} or entry[
+            "outcome"
+        ].startswith("killed by")
+        assert entry["summary"]
+
+    fair = result["fair"]
+    assert fair["weights"] == [1.0, 2.0, 4.0, 8.0]
+    assert set(fair["clients"]) == {"w1", "w2", "w4", "w8"}
+    for client in fair["clients"].values():
+        assert client["device_time_s"] > 0
+        assert client["weight_share"] == pytest.approx(client["weight"] / 15)
+        assert 0.0 < client["share"] < 1.0
+    assert sum(c["share"] for c in fair["clients"].values()) == pytest.approx(1.0)
+    assert set(result["targets"]) == {
+        "throughput_ratio_4plus_clients",
+        "utilisation_4plus_clients",
+        "fair_relative_error",
+    }
+    assert result["machine"]["cpu_count"] >= 1
