@@ -41,7 +41,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import re
 import signal
 import statistics
@@ -51,6 +50,7 @@ import tempfile
 import threading
 import time
 
+import common
 from absl import app, flags
 
 _CLIENTS = flags.DEFINE_list("clients", ["1", "2", "4", "8", "16"], "Client thread counts of the pw modes.")
@@ -85,19 +85,6 @@ _CHILD_WINDOW = flags.DEFINE_integer("jax_child_window", 0, "Internal: in-flight
 
 NUM_DEVICES = 8
 SIZES = (8, 16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 256, 320, 384, 512)
-
-
-def _machine() -> dict:
-    import jax
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "jax": jax.__version__,
-        "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
-    }
 
 
 def _program(x, w):
@@ -762,7 +749,7 @@ def main(argv: list[str]) -> None:
     report = {
         "benchmark": "multitenancy",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(),
+        "machine": common.machine(),
         "quick": quick,
         "config": {
             "slice_devices": _SLICE.value,
