@@ -58,6 +58,8 @@ class ClientUsage:
     device_ns: int = 0
     programs: int = 0
     failures: int = 0
+    # Runs per plan: device time is attributed per plan at read time (see snapshot).
+    runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class Accounting:
@@ -86,6 +88,8 @@ class Accounting:
             self.t0 = now()
             self.busy: collections.Counter[int] = collections.Counter()
             self.usage: dict[int, ClientUsage] = {}
+            self.plan_ns: collections.Counter[int] = collections.Counter()
+            self.plan_runs: collections.Counter[int] = collections.Counter()
 
     def _usage(self, client: Any) -> ClientUsage:
         usage = self.usage.get(client.key)
@@ -220,14 +224,26 @@ class Accounting:
                     spent[id(group)] += span * weight // total if total else 0
                 self.busy[d] += span
                 self._end[d] = max(self._end.get(d, 0), t)
+            # Device time is measured per plan (over every client's runs of it) and
+            # shared among clients by their runs of the plan when read. Charging
+            # each client the spans its records were accounted in skews it: a
+            # client's folded record is accounted when its newest run is done,
+            # often a span after its older runs ran.
+            per_plan: dict[int, list] = {}
             for group in groups.values():
-                plan, client, runs, _ = group
-                ns = spent.get(id(group), 0)
-                usage = self._usage(client)
-                usage.device_ns += ns
-                usage.programs += runs
+                totals = per_plan.setdefault(id(group[0]), [group[0], 0, 0])
+                totals[1] += spent.get(id(group), 0)
+                totals[2] += group[2]
+            for plan, ns, runs in per_plan.values():
                 seconds = ns / runs / 1e9
                 plan.cost = seconds if plan.cost == 0.0 else (1 - _EMA) * plan.cost + _EMA * seconds
+                self.plan_ns[id(plan)] += ns
+                self.plan_runs[id(plan)] += runs
+            for group in groups.values():
+                plan, client, runs, _ = group
+                usage = self._usage(client)
+                usage.runs[id(plan)] += runs
+                usage.programs += runs
             for note in batch:
                 run = note[0]
                 error = None
@@ -248,7 +264,15 @@ class Accounting:
         with self._lock:
             elapsed = (now() - self.t0) / 1e9
             busy = {d: self.busy.get(d, 0) for d in self._device_ids}
-            usage = [dataclasses.replace(u) for u in self.usage.values()]
+            usage = []
+            for u in self.usage.values():
+                copy = dataclasses.replace(u, runs=collections.Counter(u.runs))
+                copy.device_ns = sum(
+                    runs * self.plan_ns[plan] // self.plan_runs[plan]
+                    for plan, runs in u.runs.items()
+                    if self.plan_runs[plan]
+                )
+                usage.append(copy)
         if reset:
             self.reset()
         return elapsed, busy, usage
