@@ -345,19 +345,8 @@ class Controller:
         }
 
     def _ready_now(self, run: Run) -> bool:
-        """True if dispatching ``run`` needs no waiting: inputs exist, windows have room."""
-        if not run.plan.inline_ok:
-            return False
-        for _, future in run.future_inputs:
-            if isinstance(future._entry.state, Pending):
-                return False
-        for island, count in run.plan.windowed.items():
-            in_flight = self._in_flight[island]
-            while in_flight and in_flight[0][0].is_ready():
-                self._retire(in_flight.popleft(), island, waited=False)
-            if len(in_flight) + count > self._window:
-                return False
-        return True
+        """True if ``run`` may be dispatched on the caller's thread: nothing would wait."""
+        return run.plan.inline_ok and self._blocker(run) == _GO
 
     def _retire(self, item: tuple, island: int, waited: bool = True) -> None:
         oldest, run = item
