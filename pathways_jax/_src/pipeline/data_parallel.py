@@ -132,16 +132,9 @@ class DataParallel:
                 f"{what} has shape {array.shape}; its first (batch) dimension must be a multiple of "
                 f"the {count} slices so each gets an equal shard."
             )
-        size = array.shape[0] // count
-        for index, slice_ in enumerate(self.slices):
-            parts = stages_lib.data_parts(slice_, self.data_axis)
-            if size % parts:
-                raise pw.errors.PlacementError(
-                    f"shards of {size} examples ({what}: batch {array.shape[0]} / {count} slices) cannot "
-                    f"be split over axis {self.data_axis!r} of size {parts} on slice {index} "
-                    f"({slice_!r}); use a batch size that is a multiple of {count * parts}."
-                )
-        return tuple(np.split(array, count))
+        return stages_lib.split_over(
+            array, count, self.slices, self.data_axis, what=what, parts="shards", per="slices", place="slice"
+        )
 
     def _check(self, x: np.ndarray, y: np.ndarray) -> None:
         key = (x.shape, x.dtype, y.shape, y.dtype)

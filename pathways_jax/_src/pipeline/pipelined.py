@@ -379,16 +379,16 @@ class Pipeline:
                 f"divide; use a batch size that is a multiple of {micro}, or a num_microbatches "
                 f"that divides {batch}."
             )
-        size = batch // micro
-        for index, slice_ in enumerate(self.slices):
-            parts = stages_lib.data_parts(slice_, self.data_axis)
-            if size % parts:
-                raise pw.errors.PlacementError(
-                    f"microbatches of {size} examples ({what}: batch {batch} / {micro} microbatches) "
-                    f"cannot be split over axis {self.data_axis!r} of size {parts} on stage {index} "
-                    f"({slice_!r}); use a batch size that is a multiple of {micro * parts}."
-                )
-        return tuple(np.split(array, micro))
+        return stages_lib.split_over(
+            array,
+            micro,
+            self.slices,
+            self.data_axis,
+            what=what,
+            parts="microbatches",
+            per="microbatches",
+            place="stage",
+        )
 
     def _check_chain(self, x: np.ndarray, y: np.ndarray | None) -> None:
         key = (x.shape, x.dtype, None if y is None else (y.shape, y.dtype))

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import linen, nnx
 
@@ -172,6 +173,35 @@ def data_parts(slice_: pw.VirtualSlice, data_axis: str | None) -> int:
     if data_axis is not None and data_axis in slice_.axis_names:
         return slice_.shape[slice_.axis_names.index(data_axis)]
     return 1
+
+
+def split_over(
+    array: np.ndarray,
+    count: int,
+    slices: Any,
+    data_axis: str | None,
+    *,
+    what: str,
+    parts: str,
+    per: str,
+    place: str,
+) -> tuple[np.ndarray, ...]:
+    """``array`` cut into ``count`` equal pieces along the batch, each divisible over every slice.
+
+    The caller has checked that ``count`` divides the batch. In the error, ``parts`` names the
+    pieces ("shards"), ``per`` what the batch is divided by ("slices") and ``place`` a slice.
+    """
+    batch = array.shape[0]
+    size = batch // count
+    for index, slice_ in enumerate(slices):
+        axis_size = data_parts(slice_, data_axis)
+        if size % axis_size:
+            raise pw.errors.PlacementError(
+                f"{parts} of {size} examples ({what}: batch {batch} / {count} {per}) "
+                f"cannot be split over axis {data_axis!r} of size {axis_size} on {place} {index} "
+                f"({slice_!r}); use a batch size that is a multiple of {count * axis_size}."
+            )
+    return tuple(np.split(array, count))
 
 
 def abstract(tree: Any) -> Any:
