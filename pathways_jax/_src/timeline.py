@@ -197,27 +197,16 @@ class Recorder:
         **args: Any,
     ) -> None:
         """Records a span on the calling thread's controller track, from ``start`` to ``end`` (now)."""
-        if self._closed:
-            return
         end = now() if end is None else end
-        if client is not None:
-            args["client"] = client
-            self._clients.add(client)
-        self.events.append(
-            {
-                "name": name,
-                "cat": cat,
-                "ph": "X",
-                "ts": self._us(start),
-                "dur": max(end - start, 0) / 1e3,
-                "pid": CONTROLLER_PID,
-                "tid": self._thread_tid(),
-                "args": args,
-            }
+        self._controller_event(
+            name, cat, client, args, ph="X", ts=self._us(start), dur=max(end - start, 0) / 1e3
         )
 
     def instant(self, name: str, cat: str, *, client: str | None = None, **args: Any) -> None:
         """Records a point in time on the calling thread's controller track."""
+        self._controller_event(name, cat, client, args, ph="i", s="t", ts=self._us(now()))
+
+    def _controller_event(self, name: str, cat: str, client: str | None, args: dict, **fields: Any) -> None:
         if self._closed:
             return
         if client is not None:
@@ -227,9 +216,7 @@ class Recorder:
             {
                 "name": name,
                 "cat": cat,
-                "ph": "i",
-                "s": "t",
-                "ts": self._us(now()),
+                **fields,
                 "pid": CONTROLLER_PID,
                 "tid": self._thread_tid(),
                 "args": args,
