@@ -121,6 +121,18 @@ def make_batch(config: Config, seed: int, step: int, batch: int) -> tuple[np.nda
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def report_steady_state(tokens_per_step: int, steps: int, after_first: dict, first_done: float) -> dict:
+    """Prints the throughput after the first step; fails if anything was traced or compiled again."""
+    if steps > 1:
+        rate = tokens_per_step * (steps - 1) / (time.perf_counter() - first_done)
+        print(f"after the first step (compiles): {rate:,.0f} tokens/s")
+    final = pw.counters()
+    for key in ("traces", "lowerings", "compiles"):
+        if final[key] != after_first[key]:
+            raise RuntimeError(f"{key} grew after step 0: {after_first[key]} -> {final[key]}")
+    return final
+
+
 def check_against_plain_jax(stages, tx, batches, losses, steps: int) -> None:
     """Trains the unpipelined model in plain jax.jit from the same start; compares the losses."""
     params, apply = pipeline.sequential(stages)
@@ -175,13 +187,7 @@ def main(argv: list[str]) -> None:
             print(f"step {step:4d}  loss {mean:.4f}  ({tokens:,.0f} tokens/s since start)", flush=True)
             recent = []
     jax.tree.map(pw.Future.result, pipe.params)
-    if len(batches) > 1:
-        rate = _BATCH.value * config.seq_len * (len(batches) - 1) / (time.perf_counter() - first_done)
-        print(f"after the first step (compiles): {rate:,.0f} tokens/s")
-    final = pw.counters()
-    for key in ("traces", "lowerings", "compiles"):
-        if final[key] != after_first[key]:
-            raise RuntimeError(f"{key} grew after step 0: {after_first[key]} -> {final[key]}")
+    final = report_steady_state(_BATCH.value * config.seq_len, len(batches), after_first, first_done)
     print(
         f"{final['runs'] - after_first['runs']} program runs for {len(batches) - 1} steps after the first; "
         "no new traces, lowerings or compiles"

@@ -18,7 +18,14 @@ import jax
 import numpy as np
 import optax
 from absl import app, flags
-from pipeline_transformer import Config, check_against_plain_jax, loss_fn, make_batch, make_stages
+from pipeline_transformer import (
+    Config,
+    check_against_plain_jax,
+    loss_fn,
+    make_batch,
+    make_stages,
+    report_steady_state,
+)
 
 import pathways_jax as pw
 from pathways_jax import pipeline
@@ -61,13 +68,7 @@ def main(argv: list[str]) -> None:
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     print("the two islands hold bit-identical parameters")
-    if len(batches) > 1:
-        rate = _BATCH.value * config.seq_len * (len(batches) - 1) / (time.perf_counter() - first_done)
-        print(f"after the first step (compiles): {rate:,.0f} tokens/s")
-    final = pw.counters()
-    for key in ("traces", "lowerings", "compiles"):
-        if final[key] != after_first[key]:
-            raise RuntimeError(f"{key} grew after step 0: {after_first[key]} -> {final[key]}")
+    final = report_steady_state(_BATCH.value * config.seq_len, len(batches), after_first, first_done)
     print(
         f"{final['runs'] - after_first['runs']} program runs and "
         f"{final['transfers_dcn'] - after_first['transfers_dcn']} DCN transfers for "
