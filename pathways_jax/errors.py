@@ -3,6 +3,7 @@
 from pathways_jax._src.errors import BackPressureTimeout as BackPressureTimeout
 from pathways_jax._src.errors import ClusterError as ClusterError
 from pathways_jax._src.errors import FutureTimeoutError as FutureTimeoutError
+from pathways_jax._src.errors import HostLostError as HostLostError
 from pathways_jax._src.errors import PathwaysError as PathwaysError
 from pathways_jax._src.errors import PlacementError as PlacementError
 from pathways_jax._src.errors import ProgramFailedError as ProgramFailedError
@@ -15,6 +16,7 @@ __all__ = [
     "BackPressureTimeout",
     "ClusterError",
     "FutureTimeoutError",
+    "HostLostError",
     "PathwaysError",
     "PlacementError",
     "ProgramFailedError",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 
@@ -21,6 +22,8 @@ from pathways_jax._src.resources import Island, ResourceManager
 # deadlocks XLA's CPU rendezvous (DESIGN §5: 64+ in flight on 8 devices); 16
 # was measured safe, 8 leaves a margin and costs no throughput.
 DEFAULT_IN_FLIGHT = 8
+
+log = logging.getLogger("pathways_jax")
 
 
 class Cluster:
@@ -42,8 +45,11 @@ class Cluster:
         starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
         budget: dict[int, int] | None = None,
         backpressure_timeout: float | None = None,
+        remote: Any = None,
     ):
         self.backend = backend
+        # The Ray backend's hosts (None on the local backend).
+        self.remote = remote
         self.resources = ResourceManager(islands)
         self.store = ObjectStore()
         if budget is not None:
@@ -98,6 +104,30 @@ class Cluster:
             controller, self._controller = self._controller, None
         if controller is not None:
             controller.stop(timeout)
+        if self.remote is not None:
+            self.remote.close()
+
+    def host_lost(self, island: int) -> None:
+        """A host died (Ray backend): its island leaves placement; its slices move to survivors.
+
+        A slice moves to the least-loaded surviving island where it fits; plans
+        using it are lowered again on their next call (graphs are not traced
+        again). A slice that fits nowhere stays on the lost island and its
+        programs fail with ``HostLostError``.
+        """
+        why = self.remote.lost.get(island, "it died") if self.remote is not None else "it died"
+        self.resources.lose(island, why)
+        for slice_ in self.live_slices():
+            if slice_.island != island:
+                continue
+            try:
+                new_island, devices = self.resources.acquire(slice_.size, None, slice_.exclusive, timeout=0)
+            except errors.ResourceError as exc:
+                log.warning("pathways_jax: %r could not move off lost island %d: %s", slice_, island, exc)
+                continue
+            slice_._move(new_island, devices)
+            log.warning("pathways_jax: %r moved off lost island %d", slice_, island)
+        self.mapping_epoch += 1
 
     def close_client(self, client) -> None:
         """Cancels a client's queued runs and frees the values it owns."""
@@ -142,11 +172,17 @@ def init(
     starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
     memory_budget: int | float | None = None,
     backpressure_timeout: float | None = None,
+    address: str | None = None,
+    hosts: int | None = None,
+    devices_per_host: int = 1,
 ) -> Cluster:
     """Starts the cluster this process runs programs on.
 
     Args:
-      backend: ``"local"``: this process's JAX devices.
+      backend: ``"local"``: this process's JAX devices. ``"ray"``: ``hosts``
+        Ray actors, each owning ``devices_per_host`` devices of its own (on
+        this machine or others); each host is an island. Needs
+        ``pip install pathways-jax[ray]``.
       num_cpu_devices: how many CPU devices JAX should expose. Must come before
         JAX's backend starts (or match the count it started with).
       islands: ``None`` (one island of all devices), an int (split the devices
@@ -168,6 +204,12 @@ def init(
         waits until values are freed.
       backpressure_timeout: seconds a run may wait for memory before its
         futures raise ``BackPressureTimeout`` (``None``: wait as long as it takes).
+      address: Ray backend: the Ray cluster to connect to (``None``: the one
+        this process already joined, or a new local one).
+      hosts: Ray backend: how many host actors to start (one island each).
+      devices_per_host: Ray backend: CPU devices each host exposes. This
+        process traces and lowers against as many of its own CPU devices
+        (stand-ins, ``num_cpu_devices`` defaults to ``hosts * devices_per_host``).
 
     Returns:
       The :class:`Cluster`. Calling ``init`` again with the same arguments
@@ -193,6 +235,9 @@ def init(
         starvation_limit,
         memory_budget,
         backpressure_timeout,
+        address,
+        hosts,
+        devices_per_host,
     )
     with _lock:
         if _current is not None:
@@ -203,9 +248,12 @@ def init(
                 f"pw.init{_describe(_current._init_args)} is running. Call "
                 "pw.shutdown() first to start one with other arguments."
             )
-        if backend != "local":
+        if backend not in ("local", "ray"):
+            raise errors.ClusterError(f"backend={backend!r} is not a backend; use 'local' or 'ray'.")
+        if backend == "local" and (address is not None or hosts is not None or devices_per_host != 1):
             raise errors.ClusterError(
-                f"backend={backend!r} is not available in this version of pathways_jax; use backend='local'."
+                "address=, hosts= and devices_per_host= describe Ray hosts; pass backend='ray' with "
+                "them, or leave them out for the local backend."
             )
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise errors.ClusterError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}.")
@@ -225,10 +273,20 @@ def init(
             raise errors.ClusterError(
                 f"backpressure_timeout must be None or a number >= 0, got {backpressure_timeout!r}."
             )
-        if num_cpu_devices is not None:
-            local.set_cpu_device_count(num_cpu_devices)
-        carved = local.carve_islands(local.local_devices(), islands)
-        budget = _budget([d for group in carved for d in group], memory_budget)
+        remote = None
+        if backend == "ray":
+            remote = _start_ray(address, hosts, devices_per_host, islands, num_cpu_devices)
+            carved = remote.islands
+        else:
+            if num_cpu_devices is not None:
+                local.set_cpu_device_count(num_cpu_devices)
+            carved = local.carve_islands(local.local_devices(), islands)
+        try:
+            budget = _budget([d for group in carved for d in group], memory_budget)
+        except errors.ClusterError:
+            if remote is not None:
+                remote.close()
+            raise
         _current = Cluster(
             backend,
             carved,
@@ -239,8 +297,60 @@ def init(
             starvation_limit=starvation_limit,
             budget=budget,
             backpressure_timeout=backpressure_timeout,
+            remote=remote,
         )
+        if remote is not None:
+            remote.on_lost = _current.host_lost
+            remote.collect = _current.store.collect
         return _current
+
+
+def _start_ray(
+    address: str | None,
+    hosts: int | None,
+    devices_per_host: int,
+    islands: Any,
+    num_cpu_devices: int | None,
+) -> Any:
+    """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
+    if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1:
+        raise errors.ClusterError(
+            f"pw.init(backend='ray') needs hosts=N, a positive int (one host actor per island); got {hosts!r}."
+        )
+    if not isinstance(devices_per_host, int) or isinstance(devices_per_host, bool) or devices_per_host < 1:
+        raise errors.ClusterError(f"devices_per_host must be a positive int, got {devices_per_host!r}.")
+    if islands is not None and islands != hosts:
+        raise errors.ClusterError(
+            f"on the Ray backend each host is its own island (islands=None or islands={hosts}); got "
+            f"islands={islands!r}. Islands of several hosts are not supported yet."
+        )
+    if address is not None and not isinstance(address, str):
+        raise errors.ClusterError(f"address must be None or a Ray address string, got {address!r}.")
+    total = hosts * devices_per_host
+    if num_cpu_devices is not None and num_cpu_devices < total:
+        raise errors.ClusterError(
+            f"num_cpu_devices={num_cpu_devices} is fewer than the {total} stand-in devices that "
+            f"hosts={hosts} x devices_per_host={devices_per_host} need in this process."
+        )
+    if not local._backend_started():
+        local.set_cpu_device_count(num_cpu_devices or total)
+    standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
+    if len(standins) < total:
+        raise errors.ClusterError(
+            f"hosts={hosts} x devices_per_host={devices_per_host} needs {total} CPU devices in this "
+            f"process to stand in for the hosts' devices, but JAX started with {len(standins)}. Call "
+            f"pw.init before any JAX computation, or set jax.config.update('jax_num_cpu_devices', {total}) "
+            "first."
+        )
+    from pathways_jax._src.backends import ray as ray_backend
+
+    return ray_backend.RayBackend(
+        address=address,
+        hosts=hosts,
+        devices_per_host=devices_per_host,
+        standins=standins[:total],
+        on_lost=None,
+    )
 
 
 def _budget(devices: list[jax.Device], memory_budget: int | float | None) -> dict[int, int] | None:
@@ -284,11 +394,15 @@ def _freeze(islands):
 
 
 def _describe(args: tuple) -> str:
-    backend, count, islands, in_flight, inline, policy, starvation, budget, bp_timeout = args
+    backend, count, islands, in_flight, inline, policy, starvation, budget, bp_timeout, *ray_args = args
+    address, hosts, per_host = ray_args
+    where = (
+        f", address={address!r}, hosts={hosts!r}, devices_per_host={per_host!r}" if backend == "ray" else ""
+    )
     return (
-        f"(backend={backend!r}, num_cpu_devices={count!r}, islands={islands!r}, max_in_flight={in_flight!r}, "
-        f"inline_dispatch={inline!r}, scheduler={policy!r}, starvation_limit={starvation!r}, "
-        f"memory_budget={budget!r}, backpressure_timeout={bp_timeout!r})"
+        f"(backend={backend!r}{where}, num_cpu_devices={count!r}, islands={islands!r}, "
+        f"max_in_flight={in_flight!r}, inline_dispatch={inline!r}, scheduler={policy!r}, "
+        f"starvation_limit={starvation!r}, memory_budget={budget!r}, backpressure_timeout={bp_timeout!r})"
     )
 
 

@@ -45,6 +45,7 @@ _now = time.perf_counter_ns
 _GO, _NO_ROOM, _INPUT, _MEMORY = 0, 1, 2, 3
 _BLOCKED_POLL_S = 0.002  # how often a blocked head is looked at again
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
+REMOTE_RUNS_IN_FLIGHT = 64  # Ray backend: runs sent to one host and not complete yet
 
 
 class Controller:
@@ -53,7 +54,9 @@ class Controller:
     def __init__(self, cluster: Cluster):
         self._cluster = cluster
         self._store = cluster.store
-        self._window = cluster.in_flight
+        # On the Ray backend the hosts bound their own executables in flight
+        # (max_in_flight); here the window counts runs per host.
+        self._window = cluster.in_flight if cluster.remote is None else REMOTE_RUNS_IN_FLIGHT
         self._inline = cluster.inline_dispatch
         self._in_flight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._dispatch = threading.Lock()  # held while a run is dispatched
@@ -391,6 +394,9 @@ class Controller:
                 case Freed():
                     self._fail(run, f"program {graph.name!r} run {run.id} got an input that was freed", None)
                     return
+        if run.plan.remote is not None:
+            self._execute_remote(run, started)
+            return
         step: Any = None
         dispatched = 0
         try:
@@ -441,6 +447,32 @@ class Controller:
                 set_ready(entry, env[out.where])
         self._store.wake()
         self.accounting.note(run, started, tuple([env[slot] for _, slot, _ in run.plan.acct_groups]))
+        run.env = []
+
+    def _execute_remote(self, run: Run, started: int) -> None:
+        """Ray backend: one message per host of the run; the hosts do the rest."""
+        plan = run.plan
+        for island in plan.windowed:
+            self._wait_window(island)
+        try:
+            outputs, markers = self._cluster.remote.dispatch(run)
+        except Exception as exc:
+            self._fail(run, f"program {plan.graph.name!r} run {run.id} could not be sent to its hosts", exc)
+            return
+        finally:
+            run.future_inputs = []
+        counters.bump("dispatches", len(markers))
+        for host, marker in markers.items():
+            self._in_flight[host].append((marker, run))
+        set_ready = self._store.set_ready
+        for out, entry in zip(plan.outputs, run.outputs, strict=True):
+            if out.kind == "slot":
+                set_ready(entry, outputs[out.where])
+        self._store.wake()
+        slot_host = plan.remote.slot_host
+        self.accounting.note(
+            run, started, tuple([markers[slot_host[slot]] for _, slot, _ in plan.acct_groups])
+        )
         run.env = []
 
     @staticmethod

@@ -134,6 +134,14 @@ class VirtualSlice:
         check_spec(partition, self, what="sharding spec")
         return NamedSharding(self.physical_mesh, partition)
 
+    def _move(self, island: int, devices: tuple[jax.Device, ...]) -> None:
+        """Rebinds the slice to other devices (its host was lost); plans using it lower again."""
+        self._give_back.detach()  # the old devices went with their host
+        self._give_back = weakref.finalize(self, self._cluster.resources.release, devices, self.exclusive)
+        self.island = island
+        self._devices = devices
+        self._physical_mesh = None
+
     def release(self) -> None:
         """Gives the devices back to the cluster. Idempotent."""
         with self._lock:

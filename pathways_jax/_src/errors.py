@@ -10,6 +10,7 @@ __all__ = [
     "BackPressureTimeout",
     "ClusterError",
     "FutureTimeoutError",
+    "HostLostError",
     "PathwaysError",
     "PlacementError",
     "ProgramFailedError",
@@ -46,6 +47,15 @@ class TransferError(PathwaysError, RuntimeError):
 
 class ProgramFailedError(PathwaysError, RuntimeError):
     """A program run failed; raised by ``Future.result()`` of every output of the run."""
+
+
+class HostLostError(ProgramFailedError):
+    """A host of the Ray backend died: the values it held and the runs it was part of are lost.
+
+    Raised by ``Future.result()``; the message names the host. Slices that
+    lived on it are moved to surviving hosts where they fit, so the next call
+    of the program runs there (lowered again, not traced again).
+    """
 
 
 class FutureTimeoutError(PathwaysError, TimeoutError):

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from pathways_jax._src import errors
+from pathways_jax._src.backends.ray import RemoteArray
 from pathways_jax._src.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
 
 
@@ -106,14 +107,25 @@ class Future:
             case Ready(array):
                 try:
                     ready = _wait_ready(array, deadline)
+                except errors.HostLostError as exc:
+                    raise errors.HostLostError(f"{entry.origin}: {exc}") from exc
                 except Exception as exc:
                     raise errors.ProgramFailedError(f"{entry.origin} failed while executing: {exc}") from exc
                 if not ready:
                     raise self._timeout(timeout)
+                if type(array) is RemoteArray:  # on a host of the Ray backend: bring it here
+                    try:
+                        return array.fetch()
+                    except errors.PathwaysError:
+                        raise
+                    except Exception as exc:
+                        raise errors.ProgramFailedError(f"fetching {entry.origin} failed: {exc}") from exc
                 return array
             case Failed(message, cause):
                 if isinstance(cause, errors.BackPressureTimeout):
                     raise errors.BackPressureTimeout(message) from cause
+                if isinstance(cause, errors.HostLostError):
+                    raise errors.HostLostError(message) from cause
                 raise errors.ProgramFailedError(message) from cause
             case Freed():
                 raise errors.PathwaysError(f"the value of {entry.origin} was freed.")

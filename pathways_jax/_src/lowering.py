@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 from typing import Any, Literal
 
@@ -49,6 +50,8 @@ class ExecStep:
     # Executables over several devices may hold collectives: they count against
     # the island's in-flight bound. Single-device ones never rendezvous.
     windowed: bool = True
+    # (serialized jax.export bytes, fingerprint) for remote hosts; None locally.
+    exported: tuple[bytes, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,9 +164,12 @@ class Plan:
         self.mapping = tuple((s, s.devices) for s in self.slices)
         self.cluster = self.slices[0].cluster if self.slices else None
         self.template: list[Any] = []
+        # Hosts of the Ray backend run the plan; the controller only dispatches it.
+        self.remote_backend = getattr(self.cluster, "remote", None)
         self.host_feeds: list[tuple[int, int, Any]] = []  # (arg index, slot, sharding)
         self.array_feeds: list[tuple[int, int]] = []  # (arg index, slot): taken as is
         self.future_feeds: list[tuple[int, int]] = []  # (arg index, slot)
+        self.feed_shardings: dict[int, Any] = {}  # arg index -> sharding of a future argument
         self.steps: list[MoveStep | ExecStep] = []
         self.outputs: list[OutputSlot] = []
         # Static bytes of what each step makes, by slot: reserved under a memory budget.
@@ -175,6 +181,7 @@ class Plan:
         if self.cluster is not None and self.cluster.store.budget is not None:
             self.check_budget(self.cluster.store.budget)
         self.signatures = [out.signature for out in self.outputs]
+        self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}
         # How many windowed executables the plan puts on each island: a run
         # may be dispatched on the caller's thread only if they all fit now.
         # XLA's CPU client runs executables that call back into Python on the
@@ -186,6 +193,12 @@ class Plan:
         self.windowed: dict[int, int] = collections.Counter(
             step.island for step in self.steps if isinstance(step, ExecStep) and step.windowed
         )
+        self.remote = None
+        if self.remote_backend is not None:
+            # One message per host per run: each host counts once in its island's window.
+            self.remote = self.remote_backend.prepare(self)
+            self.windowed = dict.fromkeys(self.remote.islands, 1)
+            self.islands = self.remote.islands
 
     def _new_slot(self, value: Any = None) -> int:
         self.template.append(value)
@@ -205,6 +218,8 @@ class Plan:
             if sig[0] in ("future", "array"):
                 slot = self._new_slot()
                 (self.future_feeds if sig[0] == "future" else self.array_feeds).append((inp.index, slot))
+                if sig[0] == "future":
+                    self.feed_shardings[slot] = sig[3]
                 home[inp.value] = (slot, sig[3] if sig[0] == "future" else sig[4])
             else:
                 host_arg[inp.value] = inp.index
@@ -263,6 +278,13 @@ class Plan:
                 continue  # materialised where a node first reads the moved value
             node = graph.nodes[index]
             mesh = node.slice.physical_mesh
+            if self.remote_backend is not None and _calls_host(node.jaxpr.jaxpr):
+                raise errors.PlacementError(
+                    f"node {node.name!r} ({node.source_info}) calls back into Python on the host "
+                    "(pure_callback, io_callback or debug printing); the Ray backend ships "
+                    "computations with jax.export, which cannot carry a Python callback to another "
+                    "process. Move the callback out of the program, or use backend='local'."
+                )
             in_slots, shardings, donate = [], [], []
             for position, (vid, spec) in enumerate(zip(node.inputs, node.in_specs, strict=True)):
                 aval = values[vid].aval
@@ -279,7 +301,15 @@ class Plan:
             out_shardings = tuple(
                 NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
             )
-            executable = _compile(node, mesh, tuple(shardings), out_shardings, tuple(donate), cache)
+            executable, exported = _compile(
+                node,
+                mesh,
+                tuple(shardings),
+                out_shardings,
+                tuple(donate),
+                cache,
+                export=self.remote_backend is not None,
+            )
             produced = jax.tree_util.tree_leaves(executable.output_shardings)
             pinned = []
             for position, sharding in enumerate(produced):
@@ -305,6 +335,7 @@ class Plan:
                     node.slice.island,
                     tuple(pinned),
                     windowed=mesh.devices.size > 1,
+                    exported=exported,
                 )
             )
             self._note_bytes(
@@ -420,8 +451,12 @@ class Plan:
             cl = cluster_lib.cluster()
         store = cl.store
         env = list(self.template)
+        remote = self.remote is not None
         for index, slot, sharding in self.host_feeds:
             leaf = leaves[index]
+            if remote:  # shipped to its host as data with the run's message
+                env[slot] = np.array(leaf, copy=True)
+                continue
             if isinstance(leaf, np.ndarray):
                 # The transfer is asynchronous and the caller may change its numpy
                 # array once the call returns: hand JAX a private copy.
@@ -456,17 +491,28 @@ class Plan:
 
 
 def _compile(
-    node: Node, mesh: Any, in_shardings: tuple, out_shardings: tuple, donate: tuple, cache: dict | None
-) -> Any:
-    """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once."""
+    node: Node,
+    mesh: Any,
+    in_shardings: tuple,
+    out_shardings: tuple,
+    donate: tuple,
+    cache: dict | None,
+    *,
+    export: bool = False,
+) -> tuple[Any, tuple[bytes, str] | None]:
+    """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once.
+
+    Returns the executable and, with ``export``, the node serialized with
+    ``jax.export`` for remote hosts (bytes and their fingerprint).
+    """
     # Keyed by the function's text (and its constants' identities): JAX may
     # trace one Python function into distinct but identical jaxprs.
     consts = tuple(node.jaxpr.consts)
-    key = (str(node.jaxpr.jaxpr), tuple(map(id, consts)), mesh, in_shardings, out_shardings, donate)
+    key = (str(node.jaxpr.jaxpr), tuple(map(id, consts)), mesh, in_shardings, out_shardings, donate, export)
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
-            return hit[1]
+            return hit[1], hit[2]
     body = jex.jaxpr_as_fun(node.jaxpr)
 
     def fun(*args: Any) -> tuple:
@@ -478,16 +524,23 @@ def _compile(
         for aval, s in zip(node.jaxpr.in_avals, in_shardings, strict=True)
     ]
     t0 = timeline.now()
+    exported = None
     with jax.set_mesh(mesh):
-        lowered = jax.jit(
-            fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
-        ).lower(*args)
-        compiled = lowered.compile()
+        jitted = jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
+        compiled = jitted.lower(*args).compile()
+        if export:
+            # Hosts compile for themselves; donation is a local optimisation left out.
+            blob = bytes(
+                jax.export.export(jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings))(
+                    *args
+                ).serialize()
+            )
+            exported = (blob, hashlib.sha256(blob).hexdigest())
     counters.bump("compiles")
     timeline.compiled(node, t0)
     if cache is not None:
-        cache[key] = (consts, compiled)  # holding the constants keeps their ids unique
-    return compiled
+        cache[key] = (consts, compiled, exported)  # holding the constants keeps their ids unique
+    return compiled, exported
 
 
 def lower(graph: Graph, signature: tuple) -> Plan:

@@ -37,6 +37,14 @@ class ResourceManager:
         self._cond = threading.Condition()
         self._shared_load: collections.Counter[int] = collections.Counter()
         self._reserved: set[int] = set()
+        # Islands whose host was lost (Ray backend), with why: nothing is placed there.
+        self.lost: dict[int, str] = {}
+
+    def lose(self, island: int, why: str) -> None:
+        """Takes an island out of placement for good (its host died)."""
+        with self._cond:
+            self.lost[island] = why
+            self._cond.notify_all()
 
     def describe(self) -> str:
         return ", ".join(f"island {isl.index}: {len(isl.devices)} devices" for isl in self.islands)
@@ -49,9 +57,16 @@ class ResourceManager:
                     f"0..{len(self.islands) - 1} ({self.describe()}). Pass one of "
                     "those, or island=None to let the resource manager choose."
                 )
+            if island in self.lost:
+                raise errors.ResourceError(
+                    f"asked for island {island}, but its host was lost ({self.lost[island]}). "
+                    "Pass island=None to let the resource manager pick a surviving island."
+                )
             pool = (self.islands[island],)
         else:
-            pool = self.islands
+            pool = tuple(isl for isl in self.islands if isl.index not in self.lost)
+            if not pool:
+                raise errors.ResourceError("every island's host was lost; there are no devices left.")
         fitting = tuple(isl for isl in pool if len(isl.devices) >= size)
         if not fitting:
             where = f"island {island}" if island is not None else "any island"

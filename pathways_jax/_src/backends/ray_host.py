@@ -1,0 +1,354 @@
+"""The host side of the Ray backend: one host process owning its own JAX devices.
+
+Runs inside a Ray actor (``backends/ray.py`` wraps :class:`Host` with
+``ray.remote``); this module imports no Ray itself. The controller sends a
+host numbered messages (``call``); the host handles them strictly in that
+order on one executor thread, whatever order Ray delivers them in, so every
+host sees the controller's one order of runs. The data plane is direct: a
+value needed by another host is pushed to it (``receive``) by a sender
+thread; it never passes through the controller.
+
+Message kinds, in the order the controller numbered them:
+
+- ``"register"``: a plan's part for this host (its steps, constants) and the
+  serialized computations (``jax.export``) the host has not seen, cached by
+  fingerprint and compiled here.
+- ``"run"``: one run of a registered plan: its inputs (values already here,
+  or data), which results to keep under which keys. Answered once the run's
+  work on this host is complete: ``None``, or ``(kind, peer, message)`` with
+  kind ``"error"`` or ``"lost"`` (a value was to come from the lost host ``peer``).
+- ``"fetch"``: a kept value as a numpy array. ``"free"``: drop kept values.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+import traceback
+from typing import Any
+
+# How long a host waits for a value another host pushes before failing the run.
+RECEIVE_TIMEOUT_S = 600.0
+
+
+class Lost(Exception):
+    """A value this host waited for comes from a host that was lost."""
+
+    def __init__(self, peer: int, message: str):
+        super().__init__(message)
+        self.peer = peer
+
+
+class RemoteFailure(Exception):
+    """A value this host waited for comes from a run that failed on its host."""
+
+
+def sharding_of(desc: tuple, devices: list) -> Any:
+    """The host-local ``jax.sharding.Sharding`` a controller descriptor names."""
+    import jax
+    import numpy as np
+
+    kind = desc[0]
+    if kind == "single":
+        return jax.sharding.SingleDeviceSharding(devices[desc[1]])
+    _, indices, shape, names, spec = desc
+    grid = np.array([devices[i] for i in indices], dtype=object).reshape(shape)
+    return jax.sharding.NamedSharding(jax.sharding.Mesh(grid, names), spec)
+
+
+class Host:
+    """A host: its devices, the values it keeps, compiled computations and registered plans."""
+
+    def __init__(self, index: int, num_devices: int, window: int):
+        import jax
+
+        # The process is fresh: JAX's backend has not started, so the device
+        # count and platform can still be set (DESIGN §5).
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", num_devices)
+        self.index = index
+        self.devices = sorted(jax.devices(), key=lambda d: d.id)
+        self.window = window
+        self.peers: list[Any] = []
+        self.values: dict[int, Any] = {}
+        self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
+        self.plans: dict[int, tuple] = {}  # plan key -> (ops, constants)
+        self.lost_peers: set[int] = set()
+        self.runs_done = 0
+        self._inbox: dict[tuple, Any] = {}
+        self._inbox_cv = threading.Condition()
+        self._queue: dict[int, tuple] = {}
+        self._next_seq = 0
+        self._queue_cv = threading.Condition()
+        self._in_flight: collections.deque = collections.deque()
+        self._sends: collections.deque = collections.deque()
+        self._sends_cv = threading.Condition()
+        self._done: collections.deque = collections.deque()
+        self._done_cv = threading.Condition()
+        self._loop: Any = None
+        for target, name in (
+            (self._execute_loop, "executor"),
+            (self._send_loop, "sender"),
+            (self._done_loop, "completer"),
+        ):
+            threading.Thread(target=target, name=f"pathways-host{index}-{name}", daemon=True).start()
+
+    # --- messages (called on the actor's event loop) -----------------------------------
+
+    async def setup(self, peers: list[Any]) -> dict:
+        import asyncio
+
+        import jax
+
+        self._loop = asyncio.get_running_loop()
+        self.peers = list(peers)
+        return {
+            "pid": os.getpid(),
+            "platform": self.devices[0].platform,
+            "devices": len(self.devices),
+            "jax": jax.__version__,
+        }
+
+    async def call(self, seq: int, kind: str, *args: Any) -> Any:
+        """A numbered message from the controller; answered when it has been handled."""
+        future = self._loop.create_future()
+        with self._queue_cv:
+            self._queue[seq] = (kind, args, future)
+            self._queue_cv.notify()
+        return await future
+
+    async def receive(self, tag: tuple, payload: Any) -> None:
+        """A value (or a failure marker) pushed by another host for one of this host's runs."""
+        with self._inbox_cv:
+            self._inbox[tag] = payload
+            self._inbox_cv.notify_all()
+
+    async def peer_lost(self, peer: int) -> None:
+        with self._inbox_cv:
+            self.lost_peers.add(peer)
+            self._inbox_cv.notify_all()
+
+    async def ping(self) -> int:
+        return self.index
+
+    async def stats(self) -> dict:
+        return {
+            "values": len(self.values),
+            "runs": self.runs_done,
+            "executables": len(self.executables),
+            "plans": len(self.plans),
+        }
+
+    # --- the executor ----------------------------------------------------------------
+
+    def _answer(self, future: Any, value: Any) -> None:
+        def settle() -> None:
+            if not future.done():
+                future.set_result(value)
+
+        self._loop.call_soon_threadsafe(settle)
+
+    def _execute_loop(self) -> None:
+        while True:
+            with self._queue_cv:
+                while self._next_seq not in self._queue:
+                    self._queue_cv.wait()
+                kind, args, future = self._queue.pop(self._next_seq)
+                self._next_seq += 1
+            try:
+                if kind == "run":
+                    self._run(future, *args)
+                    continue
+                result = getattr(self, f"_{kind}")(*args)
+            except BaseException as exc:  # the message fails, the host keeps serving
+                result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}")
+            if kind == "fetch" and not isinstance(result, _Error):
+                with self._done_cv:
+                    self._done.append(("fetch", result, future))
+                    self._done_cv.notify()
+            else:
+                self._answer(future, result)
+
+    def _register(self, key: int, ops: list, constants: dict, blobs: dict) -> None:
+        import jax
+
+        for fingerprint, (blob, in_descs, out_descs) in blobs.items():
+            if fingerprint in self.executables:
+                continue
+            exported = jax.export.deserialize(blob)
+            self.executables[fingerprint] = jax.jit(
+                exported.call,
+                in_shardings=tuple(sharding_of(d, self.devices) for d in in_descs),
+                out_shardings=tuple(sharding_of(d, self.devices) for d in out_descs),
+            )
+        placed = {
+            slot: jax.device_put(data, sharding_of(desc, self.devices))
+            for slot, (data, desc) in constants.items()
+        }
+        self.plans[key] = (ops, placed)
+
+    def _forget(self, key: int) -> None:
+        self.plans.pop(key, None)
+
+    def _free(self, keys: list[int]) -> None:
+        for key in keys:
+            self.values.pop(key, None)
+
+    def _fetch(self, key: int) -> Any:
+        if key not in self.values:
+            raise KeyError(f"value {key} is not on this host (freed, or its run failed)")
+        return self.values[key]
+
+    def _run(self, future: Any, key: int, run_id: int, feeds: list, keep: list, frees: list) -> None:
+        import jax
+
+        self._free(frees)
+        ops, constants = self.plans[key]
+        env: dict[int, Any] = dict(constants)
+        made: list = []
+        step = -1
+        try:
+            for slot, kind, payload in feeds:
+                if kind == "value":
+                    if payload not in self.values:
+                        raise KeyError(
+                            f"input value {payload} is not on host {self.index} (freed, or its run failed)"
+                        )
+                    env[slot] = self.values[payload]
+                else:
+                    data, desc = payload
+                    env[slot] = jax.device_put(data, sharding_of(desc, self.devices))
+            for index, op in enumerate(ops):
+                step = index
+                kind = op[0]
+                if kind == "exec":
+                    _, fingerprint, in_slots, out_slots, windowed, _name = op
+                    if windowed:
+                        while len(self._in_flight) >= self.window:
+                            self._in_flight.popleft().block_until_ready()
+                    outs = self.executables[fingerprint](*[env[s] for s in in_slots])
+                    for slot, array in zip(out_slots, outs, strict=True):
+                        env[slot] = array
+                    if outs:
+                        made.append(outs[0])
+                        if windowed:
+                            self._in_flight.append(outs[0])
+                elif kind == "put":
+                    _, src, dst, desc = op
+                    env[dst] = jax.device_put(env[src], sharding_of(desc, self.devices))
+                elif kind == "send":
+                    _, src, peer, tag = op
+                    self._send(peer, (run_id, tag), env[src])
+                else:  # "recv"
+                    _, dst, peer, tag, desc = op
+                    data = self._wait_inbox(peer, (run_id, tag))
+                    env[dst] = jax.device_put(data, sharding_of(desc, self.devices))
+                    made.append(env[dst])
+        except BaseException as exc:
+            # Peers waiting for this run's values hear that they will not come.
+            for later in ops[step + 1 :] if step >= 0 else ops:
+                if later[0] == "send":
+                    self._send(later[2], (run_id, later[3]), RemoteFailure(f"host {self.index} failed"))
+            detail = f"host {self.index}: {_describe(exc, ops, step)}"
+            self._answer(
+                future, ("lost", exc.peer, detail) if isinstance(exc, Lost) else ("error", None, detail)
+            )
+            return
+        for slot, value_key in keep:
+            self.values[value_key] = env[slot]
+            made.append(env[slot])
+        with self._done_cv:
+            self._done.append(("run", made, future))
+            self._done_cv.notify()
+
+    def _wait_inbox(self, peer: int, tag: tuple) -> Any:
+        deadline = time.monotonic() + RECEIVE_TIMEOUT_S
+        with self._inbox_cv:
+            while tag not in self._inbox:
+                if peer in self.lost_peers:
+                    raise Lost(peer, f"host {peer}, which was to send this value, was lost")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no value from host {peer} within {RECEIVE_TIMEOUT_S}s")
+                self._inbox_cv.wait(min(remaining, 1.0))
+            payload = self._inbox.pop(tag)
+        if isinstance(payload, Exception):
+            raise payload
+        return payload
+
+    # --- the data plane and completions -------------------------------------------------
+
+    def _send(self, peer: int, tag: tuple, value: Any) -> None:
+        with self._sends_cv:
+            self._sends.append((peer, tag, value))
+            self._sends_cv.notify()
+
+    def _send_loop(self) -> None:
+        import numpy as np
+
+        while True:
+            with self._sends_cv:
+                while not self._sends:
+                    self._sends_cv.wait()
+                peer, tag, value = self._sends.popleft()
+            if not isinstance(value, Exception):
+                try:
+                    value = np.asarray(value)  # waits for the value; the executor goes on
+                except Exception as exc:
+                    value = RemoteFailure(f"host {self.index}: computing the value failed: {exc}")
+            # A peer that is gone raises here; the controller handles lost hosts.
+            with contextlib.suppress(Exception):
+                self.peers[peer].receive.remote(tag, value)
+
+    def _done_loop(self) -> None:
+        import numpy as np
+
+        while True:
+            with self._done_cv:
+                while not self._done:
+                    self._done_cv.wait()
+                kind, what, future = self._done.popleft()
+            if kind == "fetch":
+                try:
+                    result: Any = np.asarray(what)
+                except Exception as exc:
+                    result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}")
+                self._answer(future, result)
+                continue
+            status = None
+            for array in what:
+                try:
+                    array.block_until_ready()
+                except Exception as exc:
+                    status = (
+                        "error",
+                        None,
+                        f"host {self.index}: execution failed: {type(exc).__name__}: {exc}",
+                    )
+                    break
+            self.runs_done += 1
+            self._answer(future, status)
+
+
+class _Error:
+    """A failed message's answer (an exception would lose its type crossing Ray)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"_Error({self.message!r})"
+
+
+def _describe(exc: BaseException, ops: list, step: int) -> str:
+    where = ""
+    if 0 <= step < len(ops):
+        op = ops[step]
+        where = f" in node {op[5]}" if op[0] == "exec" else f" in a {op[0]} step"
+    if isinstance(exc, Lost | RemoteFailure):
+        return f"{exc}{where}"
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return f"run failed{where}: {last}"
