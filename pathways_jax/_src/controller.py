@@ -462,6 +462,8 @@ class Controller:
         finally:
             run.future_inputs = []
         counters.bump("dispatches", len(markers))
+        for kind, count in plan.remote.transfers.items():
+            counters.bump(f"transfers_{kind}", count)
         for host, marker in markers.items():
             self._in_flight[host].append((marker, run))
         set_ready = self._store.set_ready

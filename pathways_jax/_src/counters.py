@@ -14,6 +14,7 @@ _NAMES = (
     "transfers_ici",
     "transfers_dcn",
     "failed_runs",
+    "fetches",  # values brought from a remote host to the controller (Ray backend)
 )
 
 # Each thread counts into its own Counter (no lock on the hot path); reads sum

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from pathways_jax._src import errors
+from pathways_jax._src import counters, errors
 
 if TYPE_CHECKING:
     from pathways_jax._src.lowering import Plan
@@ -127,6 +127,7 @@ class RemoteArray:
         if self._value is None:
             self.block_until_ready()
             data = self.backend.fetch(self.host, self.key)
+            counters.bump("fetches")
             self._value = jax.device_put(data, self.sharding)
         return self._value
 
@@ -165,6 +166,7 @@ class RemotePlan:
 
         self.key = next(self._keys)
         self.parts: dict[int, HostPlan] = {}
+        self.transfers: collections.Counter[str] = collections.Counter()  # per run, by kind
         where = backend.where
         slot_host: dict[int, int] = {}
         # Slots whose value the controller has (arguments, constants): shipped as data.
@@ -253,6 +255,8 @@ class RemotePlan:
                 feed_data(step.dst, step.sharding)
                 continue
             src_host = locate(step.src, None)
+            if step.kind is not None:
+                self.transfers[step.kind] += 1
             if src_host == dst_host:
                 part(dst_host).ops.append(("put", step.src, step.dst, desc))
             else:

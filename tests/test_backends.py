@@ -1,0 +1,305 @@
+"""The backend-agnostic suite: the same tests on the local backend and on Ray hosts.
+
+Both backends get the same topology: two islands of four devices (on Ray,
+two host actors of four CPU devices each). The Ray cluster is started once
+for this module; each test starts (and ``pw.shutdown`` stops) its hosts.
+Every result is compared with plain ``jax.jit`` on the same inputs.
+"""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_matches
+
+import pathways_jax as pw
+from ray_support import ray_cluster  # noqa: F401  (the module's Ray cluster fixture)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(params=["local", "ray"])
+def backend(request):
+    if request.param == "local":
+        pw.init(num_cpu_devices=8, islands=2)
+    else:
+        request.getfixturevalue("ray_cluster")
+        pw.init(backend="ray", hosts=2, devices_per_host=4)
+    assert [len(isl.devices) for isl in pw.cluster().islands] == [4, 4]
+    return request.param
+
+
+def _live_values(backend: str) -> int:
+    """Values alive on the devices: in the controller's store, and on every host."""
+    cluster = pw.cluster()
+    count = cluster.store.live_count()
+    if backend == "ray":
+        count += sum(s["values"] for s in cluster.remote.host_stats().values())
+    return count
+
+
+def _wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# --- programs -------------------------------------------------------------------------------
+
+
+def test_sharded_node_equals_jit(backend):
+    a = pw.devices(mesh={"x": 4})
+
+    @pw.jit(devices=a, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    def f(x):
+        return jnp.tanh(x) * 3 + x.sum()
+
+    x = jnp.linspace(-2, 2, 32, dtype=jnp.float32)
+    out = f(x)
+    assert out.sharding.spec == pw.P("x")
+    assert_matches(out, jax.jit(lambda v: jnp.tanh(v) * 3 + v.sum())(x), rtol=1e-5, atol=1e-5)
+
+
+def test_two_island_program_moves_values_and_equals_jit(backend):
+    a = pw.devices(mesh={"x": 4}, island=0)
+    b = pw.devices(mesh={"x": 4}, island=1)
+
+    @pw.jit(devices=a, out_specs=pw.P("x"))
+    def first(x, w):
+        return jnp.sin(x @ w)
+
+    @pw.jit(devices=b, in_specs=(pw.P("x"),))
+    def second(h):
+        return (h * 2).sum(axis=0), h.mean()
+
+    @pw.program
+    def step(x, w):
+        h = first(x, w)
+        s, m = second(h)
+        return {"sum": s + 1.0, "mean": m, "h": h}
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 16))
+
+    def plain(x, w):
+        h = jnp.sin(x @ w)
+        return {"sum": (h * 2).sum(axis=0) + 1.0, "mean": h.mean(), "h": h}
+
+    before = pw.counters()
+    out = step(x, w)
+    assert_matches(out, jax.jit(plain)(x, w), rtol=1e-5, atol=1e-5)
+    assert pw.counters()["transfers_dcn"] - before["transfers_dcn"] == 1
+    graph = step.graph(x, w)
+    assert [t.kind for t in graph.transfers] == ["dcn"]
+
+
+def test_numpy_arguments_and_constants_reach_the_hosts(backend):
+    a = pw.devices(mesh={"x": 2}, island=1)
+    table = jnp.arange(6.0).reshape(2, 3)  # closed over: a constant of the program
+
+    @pw.program(devices=a)
+    def step(x, scale):
+        return (x @ table) * scale, jnp.float32(7.0)
+
+    x = np.ones((4, 2), np.float32)
+    got, seven = step(x, 2.0)
+    x[:] = 5  # the call took its own copy of the argument
+    assert_matches(
+        (got, seven), (jax.jit(lambda v: (v @ table) * 2.0)(np.ones((4, 2), np.float32)), jnp.float32(7.0))
+    )
+
+
+# --- futures --------------------------------------------------------------------------------
+
+
+def test_futures_feed_later_programs_and_stay_on_their_hosts(backend):
+    a = pw.devices(mesh={"x": 4}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    produce = pw.jit(lambda x: jnp.cos(x) * 2, devices=a, out_specs=pw.P("x"))
+    grow = pw.jit(lambda y: y * y + 1, devices=a, in_specs=(pw.P("x"),))
+    reduce = pw.jit(lambda y: jnp.cumsum(y), devices=b)
+
+    x = jnp.arange(16.0)
+    before = pw.counters()
+    y = produce(x)
+    chain = y
+    for _ in range(5):
+        chain = grow(chain)
+    total = reduce(chain)  # island 0 -> island 1, never through the caller
+    # Nothing has been brought back to the controller yet.
+    assert pw.counters()["fetches"] == before["fetches"]
+    want = jnp.cos(x) * 2
+    for _ in range(5):
+        want = want * want + 1
+    assert_matches(total, jnp.cumsum(want), rtol=1e-5)
+    assert_matches(y, jnp.cos(x) * 2)
+    if backend == "ray":
+        assert pw.counters()["fetches"] - before["fetches"] == 2  # the two results asked for
+
+
+def test_result_timeout_and_done(backend):
+    a = pw.devices(mesh={"x": 1}, island=0)
+
+    @pw.jit(devices=a)
+    def slow(m):
+        # About a second of matmuls on one CPU device.
+        return jax.lax.fori_loop(0, 400, lambda i, v: jnp.tanh(v @ m) + 0.5, m)
+
+    m = jax.random.normal(jax.random.key(2), (384, 384)) / 20
+    slow(m).result(timeout=120)  # compiled (and warm) before timing
+    out = slow(m)
+    with pytest.raises(pw.errors.FutureTimeoutError, match="timeout=0.001"):
+        out.result(timeout=0.001)
+    assert not out.done()
+    assert_matches(
+        out,
+        jax.jit(lambda v: jax.lax.fori_loop(0, 400, lambda i, u: jnp.tanh(u @ v) + 0.5, v))(m),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    assert out.done()
+
+
+def test_dropping_futures_frees_values_everywhere(backend):
+    a = pw.devices(mesh={"x": 4}, island=0)
+    b = pw.devices(mesh={"x": 4}, island=1)
+    f = pw.jit(lambda x: x * 2, devices=a, out_specs=pw.P("x"))
+    g = pw.jit(lambda x: x + 1, devices=b, out_specs=pw.P("x"))
+    baseline = _live_values(backend)
+    outs = [g(f(jnp.full(8, float(i)))) for i in range(10)]
+    outs[-1].result(timeout=60)
+    assert _live_values(backend) > baseline
+    del outs
+    assert _wait_for(lambda: _live_values(backend) == baseline), _live_values(backend)
+
+
+def test_closing_a_client_frees_its_values_on_every_host(backend):
+    a = pw.devices(mesh={"x": 4}, island=0)
+    b = pw.devices(mesh={"x": 4}, island=1)
+    f = pw.jit(lambda x: jnp.sin(x), devices=a, out_specs=pw.P("x"))
+    g = pw.jit(lambda x: x * 3, devices=b, out_specs=pw.P("x"))
+    baseline = _live_values(backend)
+    client = pw.client("tenant")
+    with client:
+        kept = [g(f(jnp.arange(8.0) + i)) for i in range(4)] + [f(jnp.ones(8))]
+    kept[-1].result(timeout=60)
+    assert _live_values(backend) > baseline
+    client.close()
+    assert _wait_for(lambda: _live_values(backend) == baseline), _live_values(backend)
+    with pytest.raises(pw.errors.PathwaysError, match="freed"):
+        kept[0].result(timeout=10)
+    # The controller keeps serving other clients.
+    assert_matches(g(f(jnp.arange(8.0))), jnp.sin(jnp.arange(8.0)) * 3)
+
+
+# --- counters, errors, concurrency ------------------------------------------------------------
+
+
+def test_cached_calls_trace_lower_and_compile_nothing(backend):
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+
+    @pw.program
+    def step(x):
+        with a:
+            y = jnp.exp(x) - 1
+        with b:
+            return y.sum() * 2
+
+    x = jnp.linspace(0, 1, 8)
+    step(x).result(timeout=60)
+    before = pw.counters()
+    for i in range(5):
+        out = step(x + i)
+    assert_matches(out, jax.jit(lambda v: (jnp.exp(v) - 1).sum() * 2)(x + 4), rtol=1e-5)
+    after = pw.counters()
+    assert after["traces"] == before["traces"]
+    assert after["lowerings"] == before["lowerings"]
+    assert after["compiles"] == before["compiles"]
+    assert after["runs"] - before["runs"] == 5
+
+
+def test_bad_input_is_a_clear_error_before_anything_runs(backend):
+    a = pw.devices(mesh={"x": 4}, island=0)
+
+    @pw.program
+    def unplaced(x):
+        return x * 2  # no slice: nothing says where this runs
+
+    with pytest.raises(pw.errors.PlacementError, match="test_backends.py"):
+        unplaced(jnp.ones(4))
+
+    @pw.jit(devices=a, in_specs=(pw.P("x"),))
+    def split(x):
+        return x + 1
+
+    with pytest.raises(pw.errors.PathwaysError):
+        split(jnp.ones(6)).result(timeout=30)  # 6 rows do not split over 4 devices
+    assert_matches(split(jnp.ones(8)), jnp.ones(8) + 1)
+
+
+def test_host_callbacks_run_locally_and_are_refused_remotely(backend):
+    a = pw.devices(mesh={"x": 1}, island=0)
+
+    def host_double(v):
+        return np.asarray(v) * 2
+
+    @pw.jit(devices=a)
+    def calls_back(x):
+        return jax.pure_callback(host_double, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    if backend == "local":
+        assert_matches(calls_back(jnp.arange(3.0)), jnp.arange(3.0) * 2)
+    else:
+        with pytest.raises(
+            pw.errors.PlacementError, match=r"test_backends.py:[0-9]+.*calls back into Python"
+        ):
+            calls_back(jnp.arange(3.0))
+    # Either way the cluster keeps serving.
+    assert_matches(pw.jit(lambda v: v - 1, devices=a)(jnp.arange(3.0)), jnp.arange(3.0) - 1)
+
+
+def test_threads_with_collectives_on_both_islands_finish_and_match(backend):
+    a = pw.devices(mesh={"x": 4}, island=0)
+    b = pw.devices(mesh={"x": 4}, island=1)
+
+    @pw.program
+    def step(x):
+        with a:
+            y = jax.lax.with_sharding_constraint(x * 2, a.sharding("x"))
+            s = y.sum()  # an all-reduce over island 0
+        with b:
+            return jnp.tanh(y) + s  # a DCN move, then island 1's devices
+
+    def plain(x):
+        y = x * 2
+        return jnp.tanh(y) + y.sum()
+
+    results: dict[int, list] = {}
+    failures: list[BaseException] = []
+
+    def client_thread(index: int) -> None:
+        try:
+            with pw.client(f"t{index}"):
+                outs = [step(jnp.arange(8.0) + index * 100 + j) for j in range(15)]
+                results[index] = [o.result(timeout=120) for o in outs]
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a client thread hung"
+    assert not failures, failures
+    reference = jax.jit(plain)
+    for index in range(4):
+        for j, got in enumerate(results[index]):
+            assert_matches(got, reference(jnp.arange(8.0) + index * 100 + j), rtol=1e-5)
