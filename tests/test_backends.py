@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_matches
+from ray_support import ray_cluster  # noqa: F401  (the module's Ray cluster fixture)
 
 import pathways_jax as pw
-from ray_support import ray_cluster  # noqa: F401  (the module's Ray cluster fixture)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -154,7 +154,7 @@ def test_result_timeout_and_done(backend):
     m = jax.random.normal(jax.random.key(2), (384, 384)) / 20
     slow(m).result(timeout=120)  # compiled (and warm) before timing
     out = slow(m)
-    with pytest.raises(pw.errors.FutureTimeoutError, match="timeout=0.001"):
+    with pytest.raises(pw.errors.FutureTimeoutError, match=r"timeout=0\.001"):
         out.result(timeout=0.001)
     assert not out.done()
     assert_matches(
@@ -232,7 +232,7 @@ def test_bad_input_is_a_clear_error_before_anything_runs(backend):
     def unplaced(x):
         return x * 2  # no slice: nothing says where this runs
 
-    with pytest.raises(pw.errors.PlacementError, match="test_backends.py"):
+    with pytest.raises(pw.errors.PlacementError, match=r"test_backends\.py"):
         unplaced(jnp.ones(4))
 
     @pw.jit(devices=a, in_specs=(pw.P("x"),))
@@ -258,7 +258,7 @@ def test_host_callbacks_run_locally_and_are_refused_remotely(backend):
         assert_matches(calls_back(jnp.arange(3.0)), jnp.arange(3.0) * 2)
     else:
         with pytest.raises(
-            pw.errors.PlacementError, match=r"test_backends.py:[0-9]+.*calls back into Python"
+            pw.errors.PlacementError, match=r"test_backends\.py:[0-9]+.*calls back into Python"
         ):
             calls_back(jnp.arange(3.0))
     # Either way the cluster keeps serving.
