@@ -43,6 +43,10 @@ _PING_S = 0.25  # how often the monitor looks at every host
 _FLUSH_S = 0.05  # how often freed values are sent back to their hosts
 _START_TIMEOUT_S = 120.0
 _CALL_TIMEOUT_S = 120.0
+_CLOSED = (
+    "the cluster was shut down and its Ray hosts with it; values that lived on them are gone. "
+    "Call .result() before pw.shutdown() to keep a value."
+)
 HOST_WINDOW = 8  # multi-device executables in flight on a host (DESIGN §5)
 
 
@@ -106,7 +110,7 @@ class RemoteArray:
         return False
 
     def is_ready(self) -> bool:
-        if self._outcome is not _UNSETTLED:
+        if self._outcome is not _UNSETTLED or self.backend.closed:
             return True
         ready, _ = self.backend.ray.wait([self.done], timeout=0)
         return bool(ready)
@@ -376,6 +380,10 @@ class RayBackend:
         for thread in self._threads:
             thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # --- devices --------------------------------------------------------------------------
 
     @property
@@ -502,6 +510,8 @@ class RayBackend:
                         self._message(host, "free", self._take_dropped(host))
 
     def fetch(self, host: int, key: int) -> np.ndarray:
+        if self._closed:
+            raise errors.ClusterError(_CLOSED)
         with self._lock:
             if host in self.lost:
                 raise errors.HostLostError(self._lost_message(host, "a value"))
@@ -519,6 +529,8 @@ class RayBackend:
 
     def outcome(self, host: int, done: Any) -> BaseException | None:
         """None if a host's part of a run completed, else the error its values raise."""
+        if self._closed:
+            return errors.ClusterError(_CLOSED)
         try:
             status = self.ray.get(done)
         except Exception as exc:
@@ -592,7 +604,11 @@ class RayBackend:
             time.sleep(_PING_S)
 
     def close(self) -> None:
+        """Kills the host actors (their values go with them) and stops this side's threads."""
         self._closed = True
+        for thread in getattr(self, "_threads", []):
+            if thread is not threading.current_thread():
+                thread.join(10)
         for actor in getattr(self, "actors", []):
             with contextlib.suppress(Exception):
                 self.ray.kill(actor)

@@ -1,0 +1,129 @@
+"""Ray backend only: host loss, slow hosts, the hosts' life cycle and pw.init's checks."""
+
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_matches
+from ray_support import ray_cluster  # noqa: F401  (the module's Ray cluster fixture)
+
+import pathways_jax as pw
+
+pytestmark = pytest.mark.timeout(180)
+
+DETECTION_BOUND_S = 5.0
+
+
+def _slow(v, m, steps):
+    return jax.lax.fori_loop(0, steps, lambda i, u: jnp.tanh(u @ m) + 0.5, v)
+
+
+def test_killed_host_fails_its_futures_and_the_next_run_moves(ray_cluster):
+    cluster = pw.init(backend="ray", hosts=3, devices_per_host=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
+
+    @pw.program
+    def step(x, steps_hint):
+        with a:
+            h = jnp.sin(x) + 1
+        with b:
+            return _slow(h, m, 3000) * steps_hint, h.sum()
+
+    x = jnp.ones((256, 256))
+    step(x, 1.0)[1].result(timeout=120)  # compiled and registered
+    kept_on_host1 = pw.jit(lambda v: v * 2, devices=b)(jnp.arange(4.0))
+    fetched = pw.jit(lambda v: v * 4, devices=b)(jnp.arange(4.0))
+    fetched.result(timeout=60)  # brought to the controller: it stays readable
+    deadline = time.monotonic() + 60
+    while not kept_on_host1.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kept_on_host1.done()  # computed, but only on host 1
+    kept_on_host0 = pw.jit(lambda v: v * 3, devices=a)(jnp.arange(4.0))
+    before = pw.counters()
+
+    slow_out, _ = step(x, 2.0)  # seconds of work on host 1
+    time.sleep(0.5)
+    assert not slow_out.done()
+    os.kill(cluster.remote.info[1]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(pw.errors.HostLostError, match="host 1") as caught:
+        slow_out.result(timeout=30)
+    assert time.monotonic() - killed <= DETECTION_BOUND_S, "host loss took too long to surface"
+    assert isinstance(caught.value, pw.errors.ProgramFailedError)
+    with pytest.raises(pw.errors.HostLostError, match="host 1"):
+        kept_on_host1.result(timeout=30)
+    assert_matches(kept_on_host0, jnp.arange(4.0) * 3)  # host 0's values are untouched
+    assert_matches(fetched, jnp.arange(4.0) * 4)
+
+    # The slice moved to the surviving host with room; the program lowers again, no re-trace.
+    assert time.monotonic() - killed <= DETECTION_BOUND_S + 1
+    assert b.island == 2, b
+    assert {d.id for d in b.devices} == {d.id for d in cluster.islands[2].devices}
+    with pytest.raises(pw.errors.ResourceError, match="island 1.*lost"):
+        pw.devices(mesh={"x": 1}, island=1)
+    out = step(x, 3.0)
+    assert_matches(
+        out, jax.jit(lambda v: (_slow(jnp.sin(v) + 1, m, 3000) * 3.0, (jnp.sin(v) + 1).sum()))(x), rtol=1e-4
+    )
+    after = pw.counters()
+    assert after["traces"] == before["traces"]
+    assert after["lowerings"] - before["lowerings"] == 1
+
+
+def test_a_slow_host_is_not_declared_lost(ray_cluster):
+    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    a = pw.devices(mesh={"x": 1}, island=0)
+    m = jax.random.normal(jax.random.key(1), (256, 256)) / 16
+    slow = pw.jit(lambda v: _slow(v, m, 16000), devices=a)
+    x = jnp.ones((256, 256))
+    slow(x[:1]).result(timeout=120)
+    started = time.monotonic()
+    out = slow(x)
+    value = out.result(timeout=120)
+    busy = time.monotonic() - started
+    # The monitor looked at the host every 0.25 s meanwhile: busy is not lost.
+    assert busy > 1.0, f"the slow node took only {busy:.1f}s; the test needs a longer one"
+    assert_matches(value, jax.jit(lambda v: _slow(v, m, 16000))(x), rtol=1e-4)
+    assert cluster.remote.lost == {}
+    assert all(not isl_lost for isl_lost in [i in cluster.resources.lost for i in range(2)])
+
+
+def test_shutdown_stops_the_host_actors(ray_cluster):
+    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    actors = list(cluster.remote.actors)
+    assert ray_cluster.get([h.ping.remote() for h in actors], timeout=60) == [0, 1]
+    pw.shutdown()
+    deadline = time.monotonic() + 20
+    dead = 0
+    while time.monotonic() < deadline and dead < len(actors):
+        dead = 0
+        for h in actors:
+            try:
+                ray_cluster.get(h.ping.remote(), timeout=5)
+            except Exception:
+                dead += 1
+        time.sleep(0.1)
+    assert dead == len(actors)
+    # Ray itself keeps running for the next cluster.
+    assert pw.init(backend="ray", hosts=1, devices_per_host=2).remote.info[0]["devices"] == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"backend": "ray"}, r"needs hosts=N"),
+        ({"backend": "ray", "hosts": 2, "devices_per_host": 0}, r"devices_per_host must be a positive int"),
+        ({"backend": "ray", "hosts": 2, "islands": 1}, r"each host is its own island"),
+        ({"backend": "ray", "hosts": 4, "devices_per_host": 4}, r"needs 16 CPU devices in this process"),
+        ({"hosts": 2}, r"pass backend='ray'"),
+        ({"backend": "tpu-pod"}, r"not a backend"),
+    ],
+)
+def test_init_arguments_are_checked(kwargs, pattern):
+    with pytest.raises(pw.errors.ClusterError, match=pattern):
+        pw.init(**kwargs)
