@@ -5,6 +5,7 @@ this runs before any test module imports JAX code.
 """
 
 import os
+import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -23,3 +24,26 @@ def _fresh_cluster():
     pw.shutdown()
     yield
     pw.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for one test module (``ray.init`` costs seconds: once per module).
+
+    Ray is a dependency of the test suite (``pip install -e '.[test,ray]'``): a
+    missing Ray fails the tests that use it rather than skipping them.
+    """
+    import ray
+
+    pw.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+    with warnings.catch_warnings():
+        # Ray starts its processes with fork + exec (see _src/backends/ray.py).
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        pw.shutdown()
+        ray.shutdown()

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_matches
-from ray_support import ray_cluster  # noqa: F401  (the module's Ray cluster fixture)
 
 import pathways_jax as pw
 

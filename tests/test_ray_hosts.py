@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_matches
-from ray_support import ray_cluster  # noqa: F401  (the module's Ray cluster fixture)
 
 import pathways_jax as pw
 
@@ -64,7 +63,7 @@ def test_killed_host_fails_its_futures_and_the_next_run_moves(ray_cluster):
     assert time.monotonic() - killed <= DETECTION_BOUND_S + 1
     assert b.island == 2, b
     assert {d.id for d in b.devices} == {d.id for d in cluster.islands[2].devices}
-    with pytest.raises(pw.errors.ResourceError, match="island 1.*lost"):
+    with pytest.raises(pw.errors.ResourceError, match=r"island 1.*lost"):
         pw.devices(mesh={"x": 1}, island=1)
     out = step(x, 3.0)
     assert_matches(
