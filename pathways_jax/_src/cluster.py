@@ -302,6 +302,9 @@ def init(
         if remote is not None:
             remote.on_lost = _current.host_lost
             remote.collect = _current.store.collect
+            # Ray registered its own exit hook when it started; exit hooks run last
+            # first, so this one stops the controller and the hosts while Ray still runs.
+            atexit.register(shutdown)
         return _current
 
 

@@ -58,6 +58,7 @@ class Controller:
         # (max_in_flight); here the window counts runs per host.
         self._window = cluster.in_flight if cluster.remote is None else REMOTE_RUNS_IN_FLIGHT
         self._inline = cluster.inline_dispatch
+        self._remote = cluster.remote
         self._in_flight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._dispatch = threading.Lock()  # held while a run is dispatched
         # Guards the per-client queues and the policy; reentrant because a
@@ -164,7 +165,10 @@ class Controller:
             if running is None:
                 # Read-only: an inline dispatch may be retiring from these deques now.
                 items = list(self._in_flight[island])
-                running = sum(1 for item in items if not item[0].is_ready())
+                if self._remote is not None:
+                    running = len(items)  # runs on a host; completed ones leave at dispatch
+                else:
+                    running = sum(1 for item in items if not item[0].is_ready())
                 if busy is not None:
                     busy[island] = running
             if running + count > self._window:
@@ -452,10 +456,12 @@ class Controller:
     def _execute_remote(self, run: Run, started: int) -> None:
         """Ray backend: one message per host of the run; the hosts do the rest."""
         plan = run.plan
+        remote = self._remote
         for island in plan.windowed:
+            remote.retire_ready(self._in_flight[island])
             self._wait_window(island)
         try:
-            outputs, markers = self._cluster.remote.dispatch(run)
+            outputs, markers = remote.dispatch(run)
         except Exception as exc:
             self._fail(run, f"program {plan.graph.name!r} run {run.id} could not be sent to its hosts", exc)
             return

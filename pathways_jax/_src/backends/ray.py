@@ -86,7 +86,18 @@ class RemoteArray:
     it. Dropping the handle frees the value on its host.
     """
 
-    __slots__ = ("__weakref__", "_outcome", "_value", "aval", "backend", "done", "host", "key", "sharding")
+    __slots__ = (
+        "__weakref__",
+        "_outcome",
+        "_ready",
+        "_value",
+        "aval",
+        "backend",
+        "done",
+        "host",
+        "key",
+        "sharding",
+    )
 
     def __init__(self, backend: RayBackend, host: int, key: int | None, aval: Any, sharding: Any, done: Any):
         self.backend = backend
@@ -96,6 +107,7 @@ class RemoteArray:
         self.sharding = sharding
         self.done = done
         self._outcome: Any = _UNSETTLED
+        self._ready = False
         self._value: jax.Array | None = None
 
     @property
@@ -110,10 +122,11 @@ class RemoteArray:
         return False
 
     def is_ready(self) -> bool:
-        if self._outcome is not _UNSETTLED or self.backend.closed:
+        if self._ready or self.backend.closed:
             return True
         ready, _ = self.backend.ray.wait([self.done], timeout=0)
-        return bool(ready)
+        self._ready = bool(ready)
+        return self._ready
 
     def _settle(self) -> Any:
         if self._outcome is _UNSETTLED:
@@ -483,6 +496,19 @@ class RayBackend:
             array.aval, array.sharding = out.aval, out.sharding
         return outputs, markers
 
+    def retire_ready(self, in_flight: collections.deque) -> None:
+        """Drops the completed head of a host's in-flight deque (one look at Ray for all)."""
+        items = list(in_flight)
+        unknown = [marker.done for marker, _ in items if not marker._ready]
+        if unknown:
+            ready, _ = self.ray.wait(unknown, num_returns=len(unknown), timeout=0)
+            done = set(ready)
+            for marker, _ in items:
+                if marker.done in done:
+                    marker._ready = True
+        while in_flight and in_flight[0][0]._ready:
+            in_flight.popleft()
+
     def _take_dropped(self, host: int) -> list[int]:
         dropped = self._dropped[host]
         keys = []
@@ -504,10 +530,15 @@ class RayBackend:
                 self.collect()
             if not any(self._dropped):
                 continue
-            with self._lock:
-                for host in range(self.hosts):
-                    if self._dropped[host] and host not in self.lost and not self._closed:
-                        self._message(host, "free", self._take_dropped(host))
+            try:
+                with self._lock:
+                    for host in range(self.hosts):
+                        if self._dropped[host] and host not in self.lost and not self._closed:
+                            self._message(host, "free", self._take_dropped(host))
+            except Exception as exc:  # Ray itself went away (process exit): stop
+                if self._closed or not self.ray.is_initialized():
+                    return
+                log.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
 
     def fetch(self, host: int, key: int) -> np.ndarray:
         if self._closed:
@@ -583,25 +614,31 @@ class RayBackend:
         """Pings every host; a host whose actor died is lost. A slow host is only slow."""
         ray = self.ray
         while not self._closed:
-            for host in range(self.hosts):
-                if host in self.lost:
-                    continue
-                ref = self._pings.get(host)
-                if ref is None:
-                    self._pings[host] = self.actors[host].ping.remote()
-                    continue
-                ready, _ = ray.wait([ref], timeout=0)
-                if not ready:
-                    continue  # still busy: slow is not lost
-                del self._pings[host]
-                try:
-                    ray.get(ref)
-                except Exception as exc:
-                    if self._closed:
-                        return
-                    if is_lost_error(exc):
-                        self.mark_lost(host, str(exc))
+            try:
+                self._look(ray)
+            except Exception as exc:  # Ray itself went away (process exit): stop looking
+                if self._closed or not ray.is_initialized():
+                    return
+                log.warning("pathways_jax: the Ray host monitor failed once: %s", exc)
             time.sleep(_PING_S)
+
+    def _look(self, ray: Any) -> None:
+        for host in range(self.hosts):
+            if host in self.lost or self._closed:
+                continue
+            ref = self._pings.get(host)
+            if ref is None:
+                self._pings[host] = self.actors[host].ping.remote()
+                continue
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue  # still busy: slow is not lost
+            del self._pings[host]
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                if not self._closed and is_lost_error(exc):
+                    self.mark_lost(host, str(exc))
 
     def close(self) -> None:
         """Kills the host actors (their values go with them) and stops this side's threads."""
