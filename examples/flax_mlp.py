@@ -1,6 +1,8 @@
 """Train a Flax NNX MLP where every training step is ONE pathways program.
 
-Run with ``python examples/flax_mlp.py [--steps=300] [--batch=128]``.
+Run with ``python examples/flax_mlp.py [--steps=300] [--batch=128]``; add
+``--backend=ray`` to run the same code on two Ray host processes (needs
+``pip install pathways-jax[ray]``): only the ``pw.init`` line differs.
 
 The model learns a smooth function of 8 inputs from synthetic numpy data.
 Each step runs on a slice of 4 devices with the batch split along the "data"
@@ -27,6 +29,9 @@ _HIDDEN = flags.DEFINE_integer("hidden", 64, "Width of the hidden layers.")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 25, "Print the loss every this many steps.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the model and the data.")
+_BACKEND = flags.DEFINE_enum(
+    "backend", "local", ["local", "ray"], "local: this process's devices; ray: two Ray host actors."
+)
 
 NUM_FEATURES = 8
 
@@ -76,7 +81,10 @@ def make_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
 def main(argv: list[str]) -> None:
     del argv
     # Before any JAX work: JAX fixes its CPU device count when its backend starts.
-    pw.init(num_cpu_devices=8)
+    if _BACKEND.value == "ray":
+        pw.init(backend="ray", hosts=2, devices_per_host=4)  # the step runs in host process 0
+    else:
+        pw.init(num_cpu_devices=8)
     data = pw.devices(mesh={"data": 4})  # a virtual slice of 4 devices, axis "data"
     replicated, split = data.sharding(), data.sharding("data")
     batches = [make_batch(_SEED.value, i, _BATCH.value) for i in range(_STEPS.value)]

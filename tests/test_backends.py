@@ -302,3 +302,36 @@ def test_threads_with_collectives_on_both_islands_finish_and_match(backend):
     for index in range(4):
         for j, got in enumerate(results[index]):
             assert_matches(got, reference(jnp.arange(8.0) + index * 100 + j), rtol=1e-5)
+
+
+# --- helpers built on the public API: pipelines and multi-island data parallel -----------------
+
+
+def test_pipeline_and_data_parallel_train_like_plain_jit(backend):
+    import optax
+    from test_pipeline import assert_tree_close, make_data, make_stages, mse, reference_steps
+
+    from pathways_jax import pipeline
+
+    slices = [pw.devices(mesh={"data": 2}, island=i) for i in (0, 1, 1)]
+    tx = optax.adam(1e-2)
+    batches = [make_data(0), make_data(1)]
+    want = reference_steps(make_stages(), tx, batches)
+    pipe = pipeline.Pipeline(
+        make_stages(), slices, loss_fn=mse, optimizer=tx, num_microbatches=2, schedule="1f1b"
+    )
+    for (x, y), (want_loss, _, want_params) in zip(batches, want, strict=True):
+        np.testing.assert_allclose(
+            float(pipe.train_step(x, y).result(timeout=120)), float(want_loss), rtol=1e-5
+        )
+        assert_tree_close(pipe.params, want_params)
+
+    dp = pipeline.DataParallel(make_stages(), slices[:2], loss_fn=mse, optimizer=tx)
+    for (x, y), (want_loss, _, want_params) in zip(batches, want, strict=True):
+        np.testing.assert_allclose(
+            float(dp.train_step(x, y).result(timeout=120)), float(want_loss), rtol=1e-5
+        )
+        first, second = dp.params_per_island
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_tree_close(first, want_params)

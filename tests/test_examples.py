@@ -41,8 +41,9 @@ def test_quickstart():
 
 
 @pytest.mark.timeout(300)
-def test_flax_mlp_trains_and_matches_plain_jax():
-    out = run_example("flax_mlp.py", "--steps=60", "--log_every=10")
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_flax_mlp_trains_and_matches_plain_jax(backend):
+    out = run_example("flax_mlp.py", "--steps=60", "--log_every=10", f"--backend={backend}")
     losses = [float(v) for v in re.findall(r"^step\s+\d+\s+loss\s+([0-9.eE+-]+)", out, flags=re.MULTILINE)]
     assert len(losses) >= 3, out
     assert losses[0] > losses[-1], f"loss did not fall: {losses}"
