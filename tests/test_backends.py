@@ -304,6 +304,29 @@ def test_threads_with_collectives_on_both_islands_finish_and_match(backend):
             assert_matches(got, reference(jnp.arange(8.0) + index * 100 + j), rtol=1e-5)
 
 
+def test_trace_shows_each_island_s_work(backend, tmp_path):
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+
+    @pw.program
+    def step(x):
+        with a:
+            y = jnp.cos(x) * 2
+        with b:
+            return y.sum()
+
+    step(jnp.arange(4.0)).result(timeout=60)
+    started = time.monotonic()
+    with pw.trace(tmp_path / "trace.json", drain_timeout=30) as recorder:
+        outs = [step(jnp.arange(4.0) + i) for i in range(3)]
+    assert time.monotonic() - started < 20, "the trace waited for work that had finished"
+    assert_matches(outs[-1], jax.jit(lambda v: (jnp.cos(v) * 2).sum())(jnp.arange(4.0) + 2))
+    executions = [e for e in recorder.events if e.get("cat") == "execution"]
+    assert {e["args"]["island"] for e in executions} == {0, 1}
+    assert not [e for e in executions if e["args"].get("unfinished") or e["args"].get("error")]
+    assert len({e["args"]["run"] for e in executions}) == 3
+
+
 # --- helpers built on the public API: pipelines and multi-island data parallel -----------------
 
 

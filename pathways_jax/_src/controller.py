@@ -460,6 +460,8 @@ class Controller:
         for island in plan.windowed:
             remote.retire_ready(self._in_flight[island])
             self._wait_window(island)
+        rec = timeline.ACTIVE
+        t0 = rec.now() if rec is not None else 0
         try:
             outputs, markers = remote.dispatch(run)
         except Exception as exc:
@@ -472,6 +474,8 @@ class Controller:
             counters.bump(f"transfers_{kind}", count)
         for host, marker in markers.items():
             self._in_flight[host].append((marker, run))
+            if rec is not None:
+                rec.sent(run, host, marker, t0)
         set_ready = self._store.set_ready
         for out, entry in zip(plan.outputs, run.outputs, strict=True):
             if out.kind == "slot":

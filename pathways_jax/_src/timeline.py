@@ -270,7 +270,10 @@ class Recorder:
             return cached[1]
         from pathways_jax._src.lowering import ExecStep, MoveStep
 
-        count = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
+        if plan.remote is not None:  # Ray backend: one report per host message (sent())
+            count = len(plan.remote.hosts)
+        else:
+            count = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
         self._plan_steps[id(plan)] = (plan, count)
         return count
 
@@ -328,6 +331,28 @@ class Recorder:
         self.complete(f"dispatch {name}", "dispatch", start, end, client=client, run=run.id)
         args = dict(static, run=run.id, client=client, dispatched_us=self._us(start))
         self._inbox.put(_Work(name, "execution", pid_tids, list(outs), start, args))
+        self._dispatched_step(run.id)
+
+    def sent(self, run: Any, host: int, marker: Any, start: int) -> None:
+        """Ray backend: the controller sent ``host`` its part of ``run``; ``marker`` is ready when done."""
+        if self._closed:
+            return
+        end = now()
+        plan = run.plan
+        self._learn_cluster(plan.cluster)
+        client = client_of(run)
+        name = f"{plan.graph.name} on host {host}"
+        self.complete(f"dispatch {name}", "dispatch", start, end, client=client, run=run.id)
+        ids = tuple(d.id for d in plan.cluster.islands[host].devices)
+        args = {
+            "program": plan.graph.name,
+            "run": run.id,
+            "client": client,
+            "host": host,
+            "island": host,
+            "dispatched_us": self._us(start),
+        }
+        self._inbox.put(_Work(name, "execution", (1 + host, ids), [marker], start, args))
         self._dispatched_step(run.id)
 
     def moved(self, run: Any, step: Any, src: Any, dst: Any, start: int) -> None:
