@@ -138,8 +138,14 @@ def test_futures_feed_later_programs_and_stay_on_their_hosts(backend):
         want = want * want + 1
     assert_matches(total, jnp.cumsum(want), rtol=1e-5)
     assert_matches(y, jnp.cos(x) * 2)
+
+    @pw.program(devices=b)
+    def mix(scale, values, offset):  # host data around a future, in any argument position
+        return values * scale + offset
+
+    assert_matches(mix(np.float32(3), total, jnp.ones(16)), jnp.cumsum(want) * 3 + 1, rtol=1e-5)
     if backend == "ray":
-        assert pw.counters()["fetches"] - before["fetches"] == 2  # the two results asked for
+        assert pw.counters()["fetches"] - before["fetches"] == 3  # the three results asked for
 
 
 def test_result_timeout_and_done(backend):

@@ -169,7 +169,7 @@ class Plan:
         self.host_feeds: list[tuple[int, int, Any]] = []  # (arg index, slot, sharding)
         self.array_feeds: list[tuple[int, int]] = []  # (arg index, slot): taken as is
         self.future_feeds: list[tuple[int, int]] = []  # (arg index, slot)
-        self.feed_shardings: dict[int, Any] = {}  # arg index -> sharding of a future argument
+        self.feed_shardings: dict[int, Any] = {}  # slot -> sharding of the future fed there
         self.steps: list[MoveStep | ExecStep] = []
         self.outputs: list[OutputSlot] = []
         # Static bytes of what each step makes, by slot: reserved under a memory budget.

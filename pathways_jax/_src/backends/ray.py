@@ -195,9 +195,7 @@ class RemotePlan:
         for slot, value in enumerate(plan.template):
             if value is not None:
                 data_src[slot] = ("const", slot)
-        signature_sharding = {slot: None for _i, slot in plan.future_feeds}
-        for index, slot in plan.future_feeds:
-            signature_sharding[slot] = plan.feed_shardings[index]
+        signature_sharding = {slot: plan.feed_shardings[slot] for _index, slot in plan.future_feeds}
 
         def part(host: int) -> HostPlan:
             if host not in self.parts:
@@ -213,8 +211,6 @@ class RemotePlan:
                 part(host).data.append((source, slot, desc))
             slot_host[slot] = host
             return host
-
-        fed: set[int] = set()
 
         def locate(slot: int, sharding: Any) -> int:
             """The host of a slot read by a step, feeding data and future slots on first use."""
@@ -281,23 +277,16 @@ class RemotePlan:
                 part(dst_host).ops.append(("recv", step.dst, src_host, index, desc))
             slot_host[step.dst] = dst_host
 
-        # What the run must keep on the hosts: program outputs, and the last
-        # node output per device set (for accounting and completion).
-        self.outputs: list[tuple[int, int]] = []  # (output index, host)
-        for position, out in enumerate(plan.outputs):
+        # What the run keeps on the hosts: the program's outputs.
+        for out in plan.outputs:
             if out.kind != "slot":
                 continue
-            slot = out.where
-            if slot not in slot_host:
-                locate(slot, out.sharding)
-            host = slot_host[slot]
-            if slot not in part(host).keep:
-                part(host).keep.append(slot)
-            self.outputs.append((position, host))
+            host = locate(out.where, out.sharding)
+            if out.where not in part(host).keep:
+                part(host).keep.append(out.where)
         self.slot_host = slot_host
         self.hosts = tuple(sorted(self.parts))
         self.islands = frozenset(self.hosts)
-        del fed
 
 
 class RayBackend:
@@ -477,7 +466,12 @@ class RayBackend:
                 feeds: list[tuple] = []
                 for slot in hp.futures:
                     value = env[slot]
-                    if not isinstance(value, RemoteArray) or value.host != host:
+                    if not isinstance(value, RemoteArray) or value.backend is not self:
+                        raise errors.PlacementError(
+                            f"program {plan.graph.name!r}: an input future belongs to another cluster "
+                            "(one shut down since); pass its .result() instead"
+                        )
+                    if value.host != host:
                         raise errors.PlacementError(
                             f"program {plan.graph.name!r}: an input future is not on host {host}, "
                             "where the program reads it"
