@@ -154,8 +154,10 @@ def test_pw_jit_inside_a_plain_jax_transformation_behaves_as_jax_jit():
 @pytest.mark.timeout(300)
 def test_dispatch_benchmark_runs_in_quick_mode(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # -W error: like the suite's own filterwarnings, a warning in the run fails it.
+    script = str(ROOT / "benchmarks" / "dispatch.py")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "dispatch.py"), "--quick", "--sweep", f"--out={tmp_path}"],
+        [sys.executable, "-W", "error", script, "--quick", "--sweep", f"--out={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=280,
@@ -168,4 +170,12 @@ def test_dispatch_benchmark_runs_in_quick_mode(tmp_path):
         assert all(v["median"] > 0 and v["ratio_to_jax_O"] > 0 for v in by_mode.values())
     assert set(report["submit_latency_us"]) == {"pw-O", "pw-C"}
     assert report["sweep"]
+    # The Ray section (on by default) ran in the same process, after the local one.
+    ray_modes = report["ray"]["computations_per_second"]
+    assert set(ray_modes) == {"ray-O", "pw-ray-O", "pw-ray-C", "pw-ray-C1"}
+    assert all(v["median"] > 0 and v["ratio_to_ray_O"] > 0 for v in ray_modes.values())
+    assert ray_modes["ray-O"]["ratio_to_ray_O"] == 1.0
+    assert report["ray"]["us_per_computation"]["pw-ray-C"] > 0
+    assert isinstance(report["ray"]["target"]["met"], bool)
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
     assert (tmp_path / "dispatch_quick.png").exists()
