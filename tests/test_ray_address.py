@@ -1,0 +1,102 @@
+"""Ray backend: joining a Ray cluster that was started outside the process (``address=``).
+
+A head node is started with ``ray start --head --block`` in its own session
+(this module starts no Ray cluster of its own), and a separate Python process
+runs a two-host program against it with ``pw.init(backend="ray", address=...)``.
+"""
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+CLIENT = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import pathways_jax as pw
+
+    cluster = pw.init(backend="ray", address=sys.argv[1], hosts=2, devices_per_host=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+
+    @pw.program
+    def step(x):
+        with a:
+            y = jnp.sin(x) * 3
+        with b:
+            return y.sum()
+
+    x = jnp.arange(8.0)
+    got = step(x).result(timeout=120)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(lambda v: (jnp.sin(v) * 3).sum())(x)), rtol=1e-6)
+    pids = sorted({info["pid"] for info in cluster.remote.info})
+    print("joined", len(pids), "hosts; result matches jax.jit")
+    """
+)
+
+
+def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
+    ray_cli = pathlib.Path(sys.executable).with_name("ray")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
+    env.pop("XLA_FLAGS", None)
+    head = subprocess.Popen(
+        [
+            str(ray_cli),
+            "start",
+            "--head",
+            "--block",
+            "--port=0",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,  # its raylet, GCS and workers end with it, not with other clusters
+    )
+    try:
+        address = None
+        seen = []
+        deadline = time.monotonic() + 120
+        while address is None and time.monotonic() < deadline:
+            line = head.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            found = re.search(r"ray start --address='([^']+)'", line)
+            if found:
+                address = found.group(1)
+        assert address, "the Ray head did not report its address:\n" + "".join(seen)
+        client = tmp_path / "client.py"
+        client.write_text(CLIENT)
+        # The head uses Ray's token authentication (its default); a driver joining by
+        # address says so, and finds the token Ray saved for this user.
+        client_env = dict(env, RAY_AUTH_MODE="token")
+        proc = subprocess.run(
+            [sys.executable, str(client), address],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=client_env,
+            check=False,
+        )
+        assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        assert "joined 2 hosts; result matches jax.jit" in proc.stdout
+    finally:
+        os.killpg(head.pid, signal.SIGINT)  # `ray start --block` stops its cluster at once on Ctrl-C
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(30)
+        head.stdout.close()
