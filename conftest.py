@@ -41,7 +41,9 @@ def ray_cluster():
     with warnings.catch_warnings():
         # Ray starts its processes with fork + exec (see _src/backends/ray.py).
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
     try:
         yield ray
     finally:

@@ -384,7 +384,13 @@ def run_ray(repeats: int, chain: int, target_s: float) -> dict | None:
         with warnings.catch_warnings():
             # Ray starts its processes with fork + exec; JAX's fork hook warns about it.
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            ray.init(
+                address="local",
+                num_cpus=4,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
     try:
         modes, close = _ray_modes(ray, chain)
         try:

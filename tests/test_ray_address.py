@@ -48,6 +48,10 @@ def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
     ray_cli = pathlib.Path(sys.executable).with_name("ray")
     env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
     env.pop("XLA_FLAGS", None)
+    # `ray start` records its address for later `ray.init()`s on this machine, and the
+    # record outlives the cluster: put back what was there before.
+    record = pathlib.Path("/tmp/ray/ray_current_cluster")
+    previous = record.read_text() if record.exists() else None
     head = subprocess.Popen(
         [
             str(ray_cli),
@@ -100,3 +104,7 @@ def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(30)
         head.stdout.close()
+        if previous is None:
+            record.unlink(missing_ok=True)
+        else:
+            record.write_text(previous)

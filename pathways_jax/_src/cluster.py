@@ -204,8 +204,9 @@ def init(
         waits until values are freed.
       backpressure_timeout: seconds a run may wait for memory before its
         futures raise ``BackPressureTimeout`` (``None``: wait as long as it takes).
-      address: Ray backend: the Ray cluster to connect to (``None``: the one
-        this process already joined, or a new local one).
+      address: Ray backend: the Ray cluster to join (``"host:port"``, ``"auto"``
+        for the one ``ray start`` started on this machine, ``"ray://..."``).
+        ``None``: the Ray session this process already has, or a new local one.
       hosts: Ray backend: how many host actors to start (one island each).
       devices_per_host: Ray backend: CPU devices each host exposes. This
         process traces and lowers against as many of its own CPU devices
@@ -336,7 +337,9 @@ def _start_ray(
             f"hosts={hosts} x devices_per_host={devices_per_host} need in this process."
         )
     if not local._backend_started():
-        local.set_cpu_device_count(num_cpu_devices or total)
+        # Never fewer CPU devices than the process already asked JAX for.
+        configured = getattr(jax.config, "jax_num_cpu_devices", -1) or -1
+        local.set_cpu_device_count(num_cpu_devices or max(total, configured))
     standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
     if len(standins) < total:
         raise errors.ClusterError(

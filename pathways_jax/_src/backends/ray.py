@@ -329,7 +329,8 @@ class RayBackend:
                 # when the child goes on running Python.
                 warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
                 ray.init(
-                    address=address,
+                    # None: a new local cluster, never one a stale `ray start` file names.
+                    address=address or "local",
                     include_dashboard=False,
                     log_to_driver=False,
                     num_cpus=None if address else max(hosts, os.cpu_count() or 1),
