@@ -2,7 +2,7 @@
 
 The model is the decoder-only Transformer of ``examples/pipeline_transformer.py``
 (--layers blocks). All modes train it with Adam on the same synthetic token
-batches, on the same 8 CPU devices, carved into 2 islands of 4:
+batches, on the same CPU devices (8 by default, --devices), carved into 2 islands of half each:
 
   spmd            plain ``jax.jit``: one train step over all 8 devices, the batch
                   split 8 ways, parameters replicated (the 1-stage baseline, and the
@@ -30,6 +30,7 @@ busy ones and the raw ratio r is the figure to trust (see benchmarks/README.md).
 
   python benchmarks/pipeline.py           # the full run (a few minutes)
   python benchmarks/pipeline.py --quick   # tiny sizes, seconds; used by the test suite
+  python benchmarks/pipeline.py --devices 2 --stages 2   # 2 islands of 1 device: one per core here
 """
 
 from __future__ import annotations
@@ -51,13 +52,16 @@ _BATCH = flags.DEFINE_integer("batch", 32, "Sequences per step (a multiple of 8 
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
 _D_MODEL = flags.DEFINE_integer("d_model", 128, "Model width.")
 _LAYERS = flags.DEFINE_integer("layers", 8, "Transformer blocks (a multiple of every stage count).")
+_DEVICES = flags.DEFINE_integer(
+    "devices", 8, "CPU devices, carved into 2 islands of half each (an even number >= every stage count)."
+)
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny run that only checks the benchmark works.")
 _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).resolve().parent / "results"), "Result folder.")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _modes(config, batch: int, stages: list[int], microbatches: int):
+def _modes(config, batch: int, stages: list[int], microbatches: int, devices: int = 8):
     """Builds every mode; returns {mode: (step() -> None, finish() -> None, info)}."""
     import jax
     import numpy as np
@@ -71,8 +75,9 @@ def _modes(config, batch: int, stages: list[int], microbatches: int):
     tx = optax.adam(1e-3)
     modes = {}
 
-    # spmd: plain jax.jit over all 8 devices, batch split 8 ways.
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))  # automatic sharding, as pw uses
+    # spmd: plain jax.jit over all the devices, batch split as many ways.
+    half = devices // 2
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))  # automatic sharding, as pw uses
     replicated, split = NamedSharding(mesh, pw.P()), NamedSharding(mesh, pw.P("data"))
     params, apply = pipeline.sequential(make_stages(config, 1))
     state = {"params": jax.device_put(params, replicated)}
@@ -96,7 +101,7 @@ def _modes(config, batch: int, stages: list[int], microbatches: int):
     from jax.flatten_util import ravel_pytree
 
     island_meshes = [
-        jax.sharding.Mesh(np.array(jax.devices()[4 * i : 4 * i + 4]), ("data",)) for i in range(2)
+        jax.sharding.Mesh(np.array(jax.devices()[half * i : half * i + half]), ("data",)) for i in range(2)
     ]
     _, unravel = ravel_pytree(params)
 
@@ -143,7 +148,7 @@ def _modes(config, batch: int, stages: list[int], microbatches: int):
         return run, finish, info
 
     for count in stages:
-        per = 8 // count
+        per = devices // count
         slices = [pw.devices(mesh={"data": per}, island=s * 2 // count) for s in range(count)]
         micro = microbatches or count
         for schedule in pipeline.SCHEDULES:
@@ -165,9 +170,9 @@ def _modes(config, batch: int, stages: list[int], microbatches: int):
                 "bubble_fraction": pipe.bubble_fraction,
             }
             modes[f"pipe{count}-{schedule}"] = pathways_mode(pipe, info)
-    islands = [pw.devices(mesh={"data": 4}, island=i) for i in range(2)]
+    islands = [pw.devices(mesh={"data": half}, island=i) for i in range(2)]
     dp = pipeline.DataParallel(make_stages(config, 1), islands, loss_fn=loss_fn, optimizer=tx)
-    modes["dp2"] = pathways_mode(dp, {"kind": "data_parallel", "islands": 2, "devices_per_island": 4})
+    modes["dp2"] = pathways_mode(dp, {"kind": "data_parallel", "islands": 2, "devices_per_island": half})
     return modes
 
 
@@ -223,10 +228,15 @@ def main(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     import pathways_jax as pw
 
-    pw.init(num_cpu_devices=8, islands=2)  # before any JAX work
+    devices = _DEVICES.value
+    stages = [int(s) for s in _STAGES.value]
+    if devices < 2 or devices % 2 or any(devices % count for count in stages):
+        raise app.UsageError(
+            f"--devices={devices} must be even and a multiple of every stage count {stages}."
+        )
+    pw.init(num_cpu_devices=devices, islands=2)  # before any JAX work
     from pipeline_transformer import Config, make_batch
 
-    stages = [int(s) for s in _STAGES.value]
     if _QUICK.value:  # compile time dominates: as few layers as the largest pipeline needs
         config = Config(vocab=8, seq_len=4, d_model=8, heads=1, layers=max(stages), period=3)
         batch, rounds, steps = 16, 1, 1
@@ -240,7 +250,7 @@ def main(argv: list[str]) -> None:
     tokens = batch * config.seq_len * steps
 
     start = time.perf_counter()
-    modes = _modes(config, batch, stages, microbatches)
+    modes = _modes(config, batch, stages, microbatches, devices)
     for name, (run, finish, _) in modes.items():  # compile and warm every mode
         t0 = time.perf_counter()
         run(*batches[0])
@@ -271,6 +281,7 @@ def main(argv: list[str]) -> None:
             "tokens_per_step": batch * config.seq_len,
             "steps_per_measurement": steps,
             "rounds": rounds,
+            "devices": devices,
         },
         "bubble_accounting": (
             "bubble b = (S-1)/(M+S-1); bubble_corrected_ratio = ratio_vs_spmd / (1 - b). On this CPU "
