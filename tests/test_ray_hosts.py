@@ -126,3 +126,18 @@ def test_shutdown_stops_the_host_actors(ray_cluster):
 def test_init_arguments_are_checked(kwargs, pattern):
     with pytest.raises(pw.errors.ClusterError, match=pattern):
         pw.init(**kwargs)
+
+
+def test_hosts_follow_the_controller_s_64_bit_mode(ray_cluster):
+    jax.config.update("jax_enable_x64", True)
+    try:
+        pw.init(backend="ray", hosts=2, devices_per_host=1)
+        a = pw.devices(mesh={"x": 1}, island=1)
+        x = jnp.arange(4, dtype=jnp.float64) / 3
+        out = pw.jit(lambda v: v + 1e-10, devices=a)(x)  # below float32 precision
+        got = out.result(timeout=60)
+        assert got.dtype == jnp.float64
+        assert_matches(out, jax.jit(lambda v: v + 1e-10)(x), rtol=0, atol=0)
+        pw.shutdown()
+    finally:
+        jax.config.update("jax_enable_x64", False)

@@ -115,8 +115,7 @@ class Cluster:
         again). A slice that fits nowhere stays on the lost island and its
         programs fail with ``HostLostError``.
         """
-        why = self.remote.lost.get(island, "it died") if self.remote is not None else "it died"
-        self.resources.lose(island, why)
+        self.resources.lose(island, self.remote.lost.get(island, "it died"))
         for slice_ in self.live_slices():
             if slice_.island != island:
                 continue
@@ -189,6 +188,7 @@ def init(
         evenly, islands numbered from 0) or a list of lists of device ids.
       max_in_flight: executables in flight per island before the controller
         waits for the oldest (a correctness bound for collectives, DESIGN §5).
+        On the Ray backend each host applies it to its own executables.
       inline_dispatch: let a submitting thread dispatch its run itself when
         the controller is idle and nothing would wait (same order, no thread
         hand-off). ``False`` sends every run through the background thread.
@@ -276,7 +276,7 @@ def init(
             )
         remote = None
         if backend == "ray":
-            remote = _start_ray(address, hosts, devices_per_host, islands, num_cpu_devices)
+            remote = _start_ray(address, hosts, devices_per_host, islands, num_cpu_devices, max_in_flight)
             carved = remote.islands
         else:
             if num_cpu_devices is not None:
@@ -315,6 +315,7 @@ def _start_ray(
     devices_per_host: int,
     islands: Any,
     num_cpu_devices: int | None,
+    max_in_flight: int,
 ) -> Any:
     """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
     if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1:
@@ -355,6 +356,7 @@ def _start_ray(
         hosts=hosts,
         devices_per_host=devices_per_host,
         standins=standins[:total],
+        window=max_in_flight,
         on_lost=None,
     )
 
@@ -400,8 +402,8 @@ def _freeze(islands):
 
 
 def _describe(args: tuple) -> str:
-    backend, count, islands, in_flight, inline, policy, starvation, budget, bp_timeout, *ray_args = args
-    address, hosts, per_host = ray_args
+    backend, count, islands, in_flight, inline, policy, starvation, budget, bp_timeout = args[:9]
+    address, hosts, per_host = args[9:]
     where = (
         f", address={address!r}, hosts={hosts!r}, devices_per_host={per_host!r}" if backend == "ray" else ""
     )

@@ -47,7 +47,6 @@ _CLOSED = (
     "the cluster was shut down and its Ray hosts with it; values that lived on them are gone. "
     "Call .result() before pw.shutdown() to keep a value."
 )
-HOST_WINDOW = 8  # multi-device executables in flight on a host (DESIGN §5)
 
 
 def _import_ray() -> Any:
@@ -299,6 +298,7 @@ class RayBackend:
         hosts: int,
         devices_per_host: int,
         standins: list[jax.Device],
+        window: int,
         on_lost: Any,
     ):
         ray = _import_ray()
@@ -361,7 +361,7 @@ class RayBackend:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=h
                 ),
-            ).remote(h, devices_per_host, HOST_WINDOW)
+            ).remote(h, devices_per_host, window, bool(jax.config.jax_enable_x64))
             for h in range(hosts)
         ]
         try:

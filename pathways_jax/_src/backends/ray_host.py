@@ -27,7 +27,6 @@ import contextlib
 import os
 import threading
 import time
-import traceback
 from typing import Any
 
 # How long a host waits for a value another host pushes before failing the run.
@@ -62,13 +61,15 @@ def sharding_of(desc: tuple, devices: list) -> Any:
 class Host:
     """A host: its devices, the values it keeps, compiled computations and registered plans."""
 
-    def __init__(self, index: int, num_devices: int, window: int):
+    def __init__(self, index: int, num_devices: int, window: int, x64: bool = False):
         import jax
 
         # The process is fresh: JAX's backend has not started, so the device
-        # count and platform can still be set (DESIGN §5).
+        # count and platform can still be set (DESIGN §5). Dtypes follow the
+        # controller's: exported computations expect its 64-bit mode.
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", num_devices)
+        jax.config.update("jax_enable_x64", x64)
         self.index = index
         self.devices = sorted(jax.devices(), key=lambda d: d.id)
         self.window = window
@@ -350,5 +351,4 @@ def _describe(exc: BaseException, ops: list, step: int) -> str:
         where = f" in node {op[5]}" if op[0] == "exec" else f" in a {op[0]} step"
     if isinstance(exc, Lost | RemoteFailure):
         return f"{exc}{where}"
-    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-    return f"run failed{where}: {last}"
+    return f"run failed{where}: {type(exc).__name__}: {exc}"
