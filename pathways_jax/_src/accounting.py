@@ -48,8 +48,14 @@ def _ready(arrays: tuple) -> bool:
 
 def _block(arrays: list) -> None:
     for array in arrays:
-        if not array.is_deleted():
+        try:
             array.block_until_ready()
+        except Exception:
+            # Deleted (or donated) by its user once computed, perhaps while we
+            # looked: that is not a failure of the run.
+            if array.is_deleted():
+                continue
+            raise
 
 
 @dataclasses.dataclass(slots=True)
