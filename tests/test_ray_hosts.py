@@ -141,3 +141,24 @@ def test_hosts_follow_the_controller_s_64_bit_mode(ray_cluster):
         pw.shutdown()
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypatch):
+    from pathways_jax._src import lowering
+
+    pw.init(backend="ray", hosts=2, devices_per_host=1)
+    a = pw.devices(mesh={"x": 1}, island=0)
+    real_compile = lowering._compile
+
+    def corrupt_export(*args, **kwargs):
+        compiled, _ = real_compile(*args, **kwargs)
+        return compiled, (b"not a serialized computation", "corrupt")
+
+    monkeypatch.setattr(lowering, "_compile", corrupt_export)
+    broken = pw.jit(lambda v: v * 5, devices=a)
+    out = broken(jnp.ones(3))
+    monkeypatch.undo()
+    with pytest.raises(pw.errors.ProgramFailedError, match="registering the plan failed"):
+        out.result(timeout=60)
+    # The host keeps serving other programs.
+    assert_matches(pw.jit(lambda v: v - 5, devices=a)(jnp.ones(3)), jnp.ones(3) - 5)

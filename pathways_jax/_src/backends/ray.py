@@ -566,6 +566,8 @@ class RayBackend:
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
         if status is None:
             return None
+        if not isinstance(status, tuple):  # a message that failed before its run began
+            return errors.ProgramFailedError(f"host {host} failed: {getattr(status, 'message', status)}")
         kind, peer, message = status
         if kind == "lost":
             return errors.HostLostError(self._lost_message(peer, f"a run on host {host}"))

@@ -77,6 +77,7 @@ class Host:
         self.values: dict[int, Any] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
         self.plans: dict[int, tuple] = {}  # plan key -> (ops, constants)
+        self.broken: dict[int, str] = {}  # plan key -> why its registration failed
         self.lost_peers: set[int] = set()
         self.runs_done = 0
         self._inbox: dict[tuple, Any] = {}
@@ -174,6 +175,13 @@ class Host:
                 self._answer(future, result)
 
     def _register(self, key: int, ops: list, constants: dict, blobs: dict) -> None:
+        try:
+            self._compile_plan(key, ops, constants, blobs)
+        except BaseException as exc:  # its runs fail with this reason
+            self.broken[key] = f"registering the plan failed: {type(exc).__name__}: {exc}"
+            raise
+
+    def _compile_plan(self, key: int, ops: list, constants: dict, blobs: dict) -> None:
         import jax
 
         for fingerprint, (blob, in_descs, out_descs) in blobs.items():
@@ -207,6 +215,10 @@ class Host:
         import jax
 
         self._free(frees)
+        if key not in self.plans:
+            why = self.broken.get(key, "it was never registered")
+            self._answer(future, ("error", None, f"host {self.index}: plan {key} cannot run: {why}"))
+            return
         ops, constants = self.plans[key]
         env: dict[int, Any] = dict(constants)
         made: list = []
