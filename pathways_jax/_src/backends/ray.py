@@ -319,7 +319,6 @@ class RayBackend:
         self._keys = itertools.count()
         self.lost: dict[int, str] = {}
         self._closed = False
-        self.started_ray = False
         if not ray.is_initialized():
             import os
 
@@ -336,7 +335,6 @@ class RayBackend:
                     num_cpus=None if address else max(hosts, os.cpu_count() or 1),
                     configure_logging=False,
                 )
-            self.started_ray = True
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -572,12 +570,6 @@ class RayBackend:
         if kind == "lost":
             return errors.HostLostError(self._lost_message(peer, f"a run on host {host}"))
         return errors.ProgramFailedError(message)
-
-    def call(self, host: int, kind: str, *args: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
-        """A numbered message to one host, waited for (``stats``: ask the host directly)."""
-        with self._lock:
-            ref = self._message(host, kind, *args)
-        return self.ray.get(ref, timeout=timeout)
 
     def host_stats(self, timeout: float = _CALL_TIMEOUT_S) -> dict[int, dict]:
         """Each live host's counts: values kept, runs done, executables and plans cached."""
