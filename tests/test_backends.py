@@ -310,6 +310,27 @@ def test_threads_with_collectives_on_both_islands_finish_and_match(backend):
             assert_matches(got, reference(jnp.arange(8.0) + index * 100 + j), rtol=1e-5)
 
 
+def test_stats_account_each_client_s_programs(backend):
+    a = pw.devices(mesh={"x": 4}, island=0)
+    b = pw.devices(mesh={"x": 4}, island=1)
+    f = pw.jit(lambda x: jnp.tanh(x) * 2, devices=a, out_specs=pw.P("x"))
+    g = pw.jit(lambda x: x.sum(), devices=b)
+    with pw.client("stats-tenant"):
+        outs = [g(f(jnp.arange(32.0) + i)) for i in range(6)]
+    assert_matches(outs[-1], jax.jit(lambda x: (jnp.tanh(x) * 2).sum())(jnp.arange(32.0) + 5), rtol=1e-5)
+
+    def settled() -> bool:
+        usage = pw.stats()["clients"].get("stats-tenant", {})
+        return usage.get("programs") == 12
+
+    assert _wait_for(settled), pw.stats()["clients"]
+    stats = pw.stats()
+    usage = stats["clients"]["stats-tenant"]
+    assert usage["failures"] == 0 and usage["device_time_s"] > 0
+    used = {d.id for d in a.devices} | {d.id for d in b.devices}
+    assert all(stats["devices"][d]["busy_s"] > 0 for d in used)
+
+
 def test_trace_shows_each_island_s_work(backend, tmp_path):
     a = pw.devices(mesh={"x": 2}, island=0)
     b = pw.devices(mesh={"x": 2}, island=1)
