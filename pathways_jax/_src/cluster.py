@@ -432,7 +432,9 @@ def shutdown(timeout: float = 60.0) -> None:
     """Finishes queued work, stops the controller and forgets the cluster.
 
     Slices of the old cluster become unusable; futures already computed stay
-    readable. Safe to call when no cluster runs.
+    readable on the local backend. On the Ray backend the host actors end with
+    the cluster and the values on them go too (a future whose ``.result()``
+    was taken keeps its value). Safe to call when no cluster runs.
     """
     global _current
     with _lock:
