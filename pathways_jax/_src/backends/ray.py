@@ -227,7 +227,6 @@ class RemotePlan:
         for index, step in enumerate(plan.steps):
             if isinstance(step, ExecStep):
                 node = step.node
-                mesh_devices = list(node.slice.physical_mesh.devices.flat)
                 host = where(node.slice.sharding(), f"node {node.name!r} ({node.source_info})")[0]
                 executable = step.executable
                 in_shardings = executable.input_shardings[0]
@@ -246,14 +245,13 @@ class RemotePlan:
                         tuple(where(s, node.name)[1] for s in in_shardings),
                         tuple(where(s, node.name)[1] for s in out_shardings),
                     )
-                windowed = len(mesh_devices) > 1
                 hp.ops.append(
                     (
                         "exec",
                         fingerprint,
                         step.in_slots,
                         step.out_slots,
-                        windowed,
+                        step.windowed,
                         f"{node.name!r} ({node.source_info})",
                     )
                 )

@@ -86,10 +86,8 @@ class Host:
         self._next_seq = 0
         self._queue_cv = threading.Condition()
         self._in_flight: collections.deque = collections.deque()
-        self._sends: collections.deque = collections.deque()
-        self._sends_cv = threading.Condition()
-        self._done: collections.deque = collections.deque()
-        self._done_cv = threading.Condition()
+        self._sends = _Work()  # (peer, tag, value): values to push to other hosts
+        self._done = _Work()  # (kind, arrays or array, future): answered once ready
         self._loop: Any = None
         for target, name in (
             (self._execute_loop, "executor"),
@@ -168,9 +166,7 @@ class Host:
             except BaseException as exc:  # the message fails, the host keeps serving
                 result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}")
             if kind == "fetch" and not isinstance(result, _Error):
-                with self._done_cv:
-                    self._done.append(("fetch", result, future))
-                    self._done_cv.notify()
+                self._done.put(("fetch", result, future))
             else:
                 self._answer(future, result)
 
@@ -273,9 +269,7 @@ class Host:
         for slot, value_key in keep:
             self.values[value_key] = env[slot]
             made.append(env[slot])
-        with self._done_cv:
-            self._done.append(("run", made, future))
-            self._done_cv.notify()
+        self._done.put(("run", made, future))
 
     def _wait_inbox(self, peer: int, tag: tuple) -> Any:
         deadline = time.monotonic() + RECEIVE_TIMEOUT_S
@@ -295,18 +289,13 @@ class Host:
     # --- the data plane and completions -------------------------------------------------
 
     def _send(self, peer: int, tag: tuple, value: Any) -> None:
-        with self._sends_cv:
-            self._sends.append((peer, tag, value))
-            self._sends_cv.notify()
+        self._sends.put((peer, tag, value))
 
     def _send_loop(self) -> None:
         import numpy as np
 
         while True:
-            with self._sends_cv:
-                while not self._sends:
-                    self._sends_cv.wait()
-                peer, tag, value = self._sends.popleft()
+            peer, tag, value = self._sends.take()
             if not isinstance(value, Exception):
                 try:
                     value = np.asarray(value)  # waits for the value; the executor goes on
@@ -320,10 +309,7 @@ class Host:
         import numpy as np
 
         while True:
-            with self._done_cv:
-                while not self._done:
-                    self._done_cv.wait()
-                kind, what, future = self._done.popleft()
+            kind, what, future = self._done.take()
             if kind == "fetch":
                 try:
                     result: Any = np.asarray(what)
@@ -344,6 +330,25 @@ class Host:
                     break
             self.runs_done += 1
             self._answer(future, status)
+
+
+class _Work:
+    """A FIFO one thread fills and one worker thread drains, waiting when it is empty."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+
+    def put(self, item: Any) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify()
+
+    def take(self) -> Any:
+        with self._cv:
+            while not self._items:
+                self._cv.wait()
+            return self._items.popleft()
 
 
 class _Error:
