@@ -445,12 +445,16 @@ class Controller:
         finally:
             counters.bump("dispatches", dispatched)
             run.future_inputs = []
+        self._publish(run, started, env, tuple([env[slot] for _, slot, _ in run.plan.acct_groups]))
+
+    def _publish(self, run: Run, started: int, values: Any, last: tuple) -> None:
+        """A dispatched run's outputs become ready (``values[slot]``); the watcher gets ``last``."""
         set_ready = self._store.set_ready
         for out, entry in zip(run.plan.outputs, run.outputs, strict=True):
             if out.kind == "slot":
-                set_ready(entry, env[out.where])
+                set_ready(entry, values[out.where])
         self._store.wake()
-        self.accounting.note(run, started, tuple([env[slot] for _, slot, _ in run.plan.acct_groups]))
+        self.accounting.note(run, started, last)
         run.env = []
 
     def _execute_remote(self, run: Run, started: int) -> None:
@@ -476,16 +480,10 @@ class Controller:
             self._in_flight[host].append((marker, run))
             if rec is not None:
                 rec.sent(run, host, marker, t0)
-        set_ready = self._store.set_ready
-        for out, entry in zip(plan.outputs, run.outputs, strict=True):
-            if out.kind == "slot":
-                set_ready(entry, outputs[out.where])
-        self._store.wake()
         slot_host = plan.remote.slot_host
-        self.accounting.note(
-            run, started, tuple([markers[slot_host[slot]] for _, slot, _ in plan.acct_groups])
+        self._publish(
+            run, started, outputs, tuple([markers[slot_host[slot]] for _, slot, _ in plan.acct_groups])
         )
-        run.env = []
 
     @staticmethod
     def _where(program: str, run_id: int, step: Any) -> str:
