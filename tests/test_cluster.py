@@ -109,3 +109,50 @@ def test_release_is_idempotent_and_dropping_a_slice_gives_devices_back():
     gc.collect()
     u = pw.devices(mesh={"x": 8}, exclusive=True, timeout=0)
     assert u.exclusive
+
+
+def test_device_ids_map_a_slice_onto_named_devices_in_mesh_order():
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2, "y": 2}, device_ids=[7, 5, 6, 4])
+    assert a.island == 1
+    assert [d.id for d in a.devices] == [7, 5, 6, 4]
+    assert [[d.id for d in row] for row in a.physical_mesh.devices] == [[7, 5], [6, 4]]
+    # A shared slice may name devices another slice holds, in another order.
+    b = pw.devices(mesh={"x": 4}, device_ids=[4, 5, 6, 7], island=1)
+    assert [d.id for d in b.devices] == [4, 5, 6, 7]
+    assert pw.cluster().resources.load() == {0: 0, 1: 0, 2: 0, 3: 0, 4: 2, 5: 2, 6: 2, 7: 2}
+    # Values follow the order: shard i of a P("x") value lives on the slice's i-th device.
+    put = pw.jit(lambda v: v + 1, devices=a, in_specs=pw.P(("x", "y")), out_specs=pw.P(("x", "y")))
+    out = put(jax.numpy.arange(4.0)).result()
+    assert {s.device.id: float(s.data[0]) for s in out.addressable_shards} == {7: 1.0, 5: 2.0, 6: 3.0, 4: 4.0}
+    np_ref = jax.jit(lambda v: v + 1)(jax.numpy.arange(4.0))
+    assert out.tolist() == np_ref.tolist()
+    a.release()
+    b.release()
+    assert set(pw.cluster().resources.load().values()) == {0}
+
+
+@pytest.mark.timeout(60)
+def test_named_devices_wait_for_exclusive_holders_like_any_request():
+    pw.init(num_cpu_devices=8, islands=2)
+    held = pw.devices(mesh={"x": 2}, device_ids=[2, 3], exclusive=True)
+    # Devices a shared slice holds cannot be reserved; devices reserved cannot be shared.
+    shared = pw.devices(mesh={"x": 2}, device_ids=[1, 0])
+    with pytest.raises(pw.errors.ResourceError, match=r"devices \[0, 3\] of device_ids=\[0, 3\]") as info:
+        pw.devices(mesh={"x": 2}, device_ids=[0, 3], exclusive=True, timeout=0.1)
+    assert "were not free for an exclusive slice within timeout=0.1s" in str(info.value)
+    with pytest.raises(pw.errors.ResourceError, match=r"devices \[3\] of device_ids=\[3, 1\]"):
+        pw.devices(mesh={"x": 2}, device_ids=[3, 1], timeout=0.1)
+    got = []
+
+    def waiter():
+        got.append(pw.devices(mesh={"x": 2}, device_ids=[3, 2], exclusive=True, timeout=20))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.2)
+    assert not got
+    held.release()
+    thread.join(20)
+    assert got and [d.id for d in got[0].devices] == [3, 2] and got[0].exclusive
+    shared.release()

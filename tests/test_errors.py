@@ -92,6 +92,27 @@ def test_malformed_mesh(mesh, fragment):
     assert shown in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("device_ids", "island", "fragment"),
+    [
+        ([0, 9], None, r"names 9, which is not a device id of this cluster; its ids are \[0, 1, 2, 3, 4, 5, 6, 7\]"),
+        ([0, "1"], None, r"names '1', which is not a device id"),
+        ([0, 1, 2], None, r"names 3 devices, but the mesh has 2; name one device per mesh position"),
+        ([1, 1], None, r"names a device more than once"),
+        ([3, 4], None, r"spans islands \[0, 1\] \(island 0: 4 devices, island 1: 4 devices\); a slice lives on one"),
+        ([0, 1], 1, r"are on island 0, but island=1 was asked for"),
+        ("01", None, r"device_ids must be a list of device ids in mesh order, got '01'"),
+        (3, None, r"device_ids must be a list of device ids in mesh order, got 3"),
+    ],
+)
+def test_device_ids_that_cannot_be_placed(device_ids, island, fragment):
+    pw.init(num_cpu_devices=8, islands=2)
+    with pytest.raises(pw.errors.ResourceError, match=fragment) as info:
+        pw.devices(mesh={"x": 2}, device_ids=device_ids, island=island)
+    assert isinstance(info.value, ValueError)
+    assert set(pw.cluster().resources.load().values()) == {0}  # nothing was taken
+
+
 def test_malformed_timeout():
     pw.init(num_cpu_devices=8)
     with pytest.raises(pw.errors.ResourceError, match=r"timeout must be None or a number >= 0, got -1"):

@@ -219,6 +219,7 @@ def devices(
     island: int | None = None,
     exclusive: bool = False,
     timeout: float | None = None,
+    device_ids: Sequence[int] | None = None,
 ) -> VirtualSlice:
     """Asks the cluster for a virtual slice of devices.
 
@@ -232,14 +233,21 @@ def devices(
         time-multiplexes them.
       timeout: seconds to wait for busy devices (``None``: wait as long as it
         takes). Only waits when devices are reserved by exclusive slices.
+      device_ids: the devices to map the slice onto, one id per mesh
+        position in row-major order (all on one island), instead of letting
+        the resource manager choose. Two slices may name the same devices in
+        different orders; the controller still orders every program on them
+        consistently. If the island's host is lost (Ray backend), the slice
+        moves to devices the resource manager picks.
 
     Returns:
       A :class:`VirtualSlice`.
 
     Raises:
       ResourceError: the request can never be met (more devices than any
-        island has, an unknown island), or no devices freed up within
-        ``timeout``.
+        island has, an unknown island, ``device_ids`` that are unknown,
+        repeated, of the wrong count or on several islands), or no devices
+        freed up within ``timeout``.
 
     Example:
       >>> import pathways_jax as pw
@@ -255,5 +263,5 @@ def devices(
         raise errors.ResourceError(f"timeout must be None or a number >= 0, got {timeout!r}.")
     cl = cluster_lib.cluster()
     size = int(np.prod(shape))
-    island_index, physical = cl.resources.acquire(size, island, exclusive, timeout)
+    island_index, physical = cl.resources.acquire(size, island, exclusive, timeout, device_ids)
     return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import threading
 import time
@@ -99,17 +100,94 @@ class ResourceManager:
                 best = (rank, isl.index, tuple(sorted(chosen, key=lambda d: d.id)))
         return None if best is None else (best[1], best[2])
 
+    def _named(self, size: int, island: int | None, device_ids: object) -> tuple[int, tuple[jax.Device, ...]]:
+        """Checks ``pw.devices(device_ids=...)``: ``size`` distinct known ids, all on one island."""
+        if isinstance(device_ids, str | bytes) or not isinstance(device_ids, collections.abc.Sequence):
+            raise errors.ResourceError(
+                f"device_ids must be a list of device ids in mesh order, got {device_ids!r}."
+            )
+        where = {d.id: (isl.index, d) for isl in self.islands for d in isl.devices}
+        for device_id in device_ids:
+            if not isinstance(device_id, int) or isinstance(device_id, bool) or device_id not in where:
+                raise errors.ResourceError(
+                    f"device_ids={list(device_ids)!r} names {device_id!r}, which is not a device id of "
+                    f"this cluster; its ids are {sorted(where)} ({self.describe()})."
+                )
+        if len(device_ids) != size:
+            raise errors.ResourceError(
+                f"device_ids={list(device_ids)!r} names {len(device_ids)} devices, but the mesh has "
+                f"{size}; name one device per mesh position, in row-major mesh order."
+            )
+        if len(set(device_ids)) != size:
+            raise errors.ResourceError(
+                f"device_ids={list(device_ids)!r} names a device more than once; a slice's devices are distinct."
+            )
+        owners = sorted({where[i][0] for i in device_ids})
+        if len(owners) > 1:
+            raise errors.ResourceError(
+                f"device_ids={list(device_ids)!r} spans islands {owners} ({self.describe()}); a slice "
+                "lives on one island. Name devices of one island (a value moves between islands "
+                "as a transfer between slices)."
+            )
+        (home,) = owners
+        if island is not None and island != home:
+            raise errors.ResourceError(
+                f"device_ids={list(device_ids)!r} are on island {home}, but island={island!r} was asked "
+                "for; drop one of the two arguments or make them agree."
+            )
+        if home in self.lost:
+            raise errors.ResourceError(
+                f"device_ids={list(device_ids)!r} are on island {home}, whose host was lost "
+                f"({self.lost[home]}). Name devices of a surviving island."
+            )
+        return home, tuple(where[i][1] for i in device_ids)
+
+    def _free(self, devices: tuple[jax.Device, ...], exclusive: bool) -> bool:
+        """True if these named devices can be taken now (shared or exclusively)."""
+        if any(d.id in self._reserved for d in devices):
+            return False
+        return not exclusive or all(self._shared_load[d.id] == 0 for d in devices)
+
     def acquire(
-        self, size: int, island: int | None, exclusive: bool, timeout: float | None
+        self,
+        size: int,
+        island: int | None,
+        exclusive: bool,
+        timeout: float | None,
+        device_ids: object = None,
     ) -> tuple[int, tuple[jax.Device, ...]]:
-        """Picks devices for a new slice, waiting up to ``timeout`` if they are busy."""
-        fitting = self._candidates(size, island)
+        """Picks devices for a new slice, waiting up to ``timeout`` if they are busy.
+
+        ``device_ids``: the devices to use, in mesh order, instead of letting
+        the manager choose (they must all be on one island).
+        """
+        if device_ids is not None:
+            named = self._named(size, island, device_ids)
+
+            def place() -> tuple[int, tuple[jax.Device, ...]] | None:
+                return named if self._free(named[1], exclusive) else None
+        else:
+            fitting = self._candidates(size, island)
+
+            def place() -> tuple[int, tuple[jax.Device, ...]] | None:
+                return self._try_place(size, fitting, exclusive)
+
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (placed := self._try_place(size, fitting, exclusive)) is None:
+            while (placed := place()) is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     kind = "exclusive" if exclusive else "shared"
+                    if device_ids is not None:
+                        busy = sorted(
+                            d.id for d in named[1] if d.id in self._reserved or (exclusive and self._shared_load[d.id])
+                        )
+                        raise errors.ResourceError(
+                            f"devices {busy} of device_ids={list(device_ids)!r} were not free for an {kind} "
+                            f"slice within timeout={timeout}s (held by "
+                            f"{'other slices' if exclusive else 'exclusive slices'}). Release those slices, "
+                            "wait longer, or let the resource manager choose (no device_ids)."
+                        )
                     raise errors.ResourceError(
                         f"no island had {size} devices free for an {kind} slice "
                         f"within timeout={timeout}s ({len(self._reserved)} devices "
