@@ -32,7 +32,7 @@ _IDLE_POLL_S = 2e-3
 # After each accounted batch the watcher sleeps this long, so that it takes the
 # GIL once per batch of short runs rather than once per run: end times are
 # known to about this granularity (exactly for runs longer than it).
-_BATCH_S = 1e-3
+_BATCH_S = 4e-3
 _EMA = 0.1  # weight of a new measurement in a plan's cost estimate
 
 

@@ -99,6 +99,7 @@ class Controller:
         key = run.client.key
         with self._cv:
             run.seq = next(self._seq)
+            run.head = self._head(run)
             queue = self._queues.get(key)
             if queue is None:
                 queue = self._queues[key] = collections.deque()
@@ -160,18 +161,20 @@ class Controller:
         budget = self._budget
         if budget is not None and not budget.fits(run.plan.charge):
             return _MEMORY
+        window = self._window
         for island, count in run.plan.windowed.items():
             running = None if busy is None else busy.get(island)
             if running is None:
                 # Read-only: an inline dispatch may be retiring from these deques now.
                 items = list(self._in_flight[island])
-                if self._remote is not None:
-                    running = len(items)  # runs on a host; completed ones leave at dispatch
-                else:
+                running = len(items)
+                # Runs on a host leave at dispatch; local ones are asked only if
+                # the window looks full (every question is a call into XLA).
+                if self._remote is None and running + count > window:
                     running = sum(1 for item in items if not item[0].is_ready())
                 if busy is not None:
                     busy[island] = running
-            if running + count > self._window:
+            if running + count > window:
                 return _NO_ROOM
         return _GO
 
@@ -188,9 +191,17 @@ class Controller:
                 no_room: list[Run] = []
                 blocked: list[Run] = []
                 busy: dict[int, int] = {}
+                # Heads of one plan without future inputs are held back (or not)
+                # by the same things: look once per plan, not once per client.
+                verdicts: dict[int, int] = {}
                 for queue in self._queues.values():
                     run = queue[0]
-                    why = self._blocker(run, busy)
+                    if run.future_inputs:
+                        why = self._blocker(run, busy)
+                    else:
+                        why = verdicts.get(id(run.plan))
+                        if why is None:
+                            why = verdicts[id(run.plan)] = self._blocker(run, busy)
                     if why == _GO:
                         go.append(run)
                     elif why == _NO_ROOM:
@@ -202,7 +213,7 @@ class Controller:
                             run.blocked_ns = _now()
                 candidates = go or no_room
                 if candidates:
-                    heads = [self._head(run) for run in candidates]
+                    heads = [run.head for run in candidates]
                     index = self._policy.pick(heads)
                     run = candidates[index]
                     if not self._admit(run):  # memory went between the check and now
@@ -369,9 +380,17 @@ class Controller:
             rec.waited(t0, client=timeline.client_of(run), island=island, reason="in-flight window")
 
     def _wait_window(self, island: int) -> None:
+        """Makes room for one more executable on ``island``.
+
+        A full window is drained to half before dispatch goes on: the
+        dispatching thread then wakes once per half window of runs instead of
+        once per run, and half a window still queued keeps the devices busy.
+        """
         in_flight = self._in_flight[island]
-        while len(in_flight) >= self._window:
-            self._retire(in_flight.popleft(), island)
+        if len(in_flight) >= self._window:
+            low = self._window // 2
+            while len(in_flight) > low:
+                self._retire(in_flight.popleft(), island)
 
     def _execute(self, run: Run) -> None:
         started = _now()

@@ -142,10 +142,13 @@ class ObjectStore:
         self._dropped: collections.deque[Entry] = collections.deque()
         # Values carry no event of their own (creating one per value cost more
         # than a dispatch): a thread that waits for a pending value registers
-        # an event for it, and wake() sets only the events of settled values,
-        # so a dispatch wakes the threads it concerns, not every waiter.
+        # a held lock for it and blocks acquiring it again; wake() releases
+        # only the locks of settled values, so a dispatch wakes the threads it
+        # concerns, not every waiter. (A bare lock, not a threading.Event:
+        # an Event's set and wait run several Python frames on the
+        # dispatching thread for every waiter.)
         self._settled = threading.Lock()
-        self._waiting: dict[int, tuple[Entry, threading.Event]] = {}
+        self._waiting: dict[int, tuple[Entry, Any]] = {}
         # Per-device memory budget (None: no budget; nothing is reserved).
         self.budget: Budget | None = None
 
@@ -242,27 +245,29 @@ class ObjectStore:
         """Wakes the threads waiting for values that are no longer pending."""
         if self._waiting:
             with self._settled:
-                for entry, event in self._waiting.values():
-                    if not isinstance(entry.state, Pending):
-                        event.set()
+                waiting = self._waiting
+                woken = [key for key, (entry, _) in waiting.items() if type(entry.state) is not Pending]
+                for key in woken:
+                    waiting.pop(key)[1].release()
 
     def wait_settled(self, entry: Entry, timeout: float | None) -> bool:
         """Waits until ``entry`` is no longer pending; False if ``timeout`` expired."""
-        if not isinstance(entry.state, Pending):
+        if type(entry.state) is not Pending:
             return True
-        event = threading.Event()
+        waiter = threading.Lock()
+        waiter.acquire()
+        key = id(waiter)
         with self._settled:
             # State is set before wake() takes the lock: looking again under it
             # cannot miss a wake-up.
-            if not isinstance(entry.state, Pending):
+            if type(entry.state) is not Pending:
                 return True
-            self._waiting[id(event)] = (entry, event)
-        try:
-            event.wait(timeout)
-        finally:
+            self._waiting[key] = (entry, waiter)
+        # wake() releases the lock once it has taken it out of _waiting.
+        if not waiter.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             with self._settled:
-                del self._waiting[id(event)]
-        return not isinstance(entry.state, Pending)
+                self._waiting.pop(key, None)
+        return type(entry.state) is not Pending
 
     def live_count(self) -> int:
         """How many values are alive (held by a future or a queued run)."""

@@ -69,7 +69,8 @@ class Fifo:
     name = "fifo"
 
     def pick(self, heads: Sequence[Head]) -> int:
-        return min(range(len(heads)), key=lambda i: heads[i].seq)
+        seqs = [head.seq for head in heads]
+        return seqs.index(min(seqs))
 
     def picked(self, heads: Sequence[Head], index: int) -> None:
         pass

@@ -74,7 +74,8 @@ def _future_key(leaf: Future) -> tuple:
 
 
 def _array_key(leaf: jax.Array) -> tuple:
-    return ("array", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
+    aval = leaf.aval  # an attribute: shape, dtype and weak_type are properties reading it
+    return ("array", aval.shape, aval.dtype, aval.weak_type, leaf.sharding)
 
 
 # Exact-type fast path of the signature (the common argument kinds).
@@ -91,9 +92,9 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
     if isinstance(leaf, jax.core.Tracer):
         raise TracerArgument(position)
     if isinstance(leaf, jax.Array):
-        _KEYS.setdefault(type(leaf), _array_key)
-        return _array_key(leaf)
-    if isinstance(leaf, jax.Array):
+        if isinstance(getattr(leaf, "aval", None), jax.core.ShapedArray):
+            _KEYS.setdefault(type(leaf), _array_key)
+            return _array_key(leaf)
         return ("array", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
     if isinstance(leaf, np.ndarray | np.generic):
         return ("numpy", leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
