@@ -13,6 +13,12 @@ programs run back to back (the measured figure is reported). Modes:
              ``pw.client``, all calling the same program on the same slice for
              --measure_s seconds, each keeping at most --window of its own
              futures in flight before it waits for the oldest
+  bare-N     a floor for any single-controller design: N client threads hand
+             each program to one plain-Python dispatcher thread (a queue; the
+             dispatcher keeps the same in-flight bound and hands each output
+             back through a lock) and wait as pw-N clients do. It has no
+             scheduling policy, accounting, memory budget, object store or
+             failure isolation: what is left is the hand-off itself
   jax-N      plain JAX with N threads calling the same collective program
              (N in --jax_threads), each dispatching its programs without
              waiting, as plain JAX code does; jax-N-wW: each thread waits for
@@ -24,7 +30,7 @@ programs run back to back (the measured figure is reported). Modes:
              (--fair_weights, 1:2:4:8) submitting as fast as it can; each
              client's share of device time against its weight's share
 
-jax-1 and pw-N repeats are interleaved (the mode order rotates each repeat);
+jax-1, pw-N and bare-N repeats are interleaved (the mode order rotates each repeat);
 figures are medians over repeats, a ratio is the median of per-repeat ratios to
 jax-1 of the same repeat. Utilisation is ``pw.stats()`` (reset before each
 measurement): busy time of each slice device over the wall time, averaged over
@@ -41,6 +47,7 @@ import datetime
 import json
 import os
 import pathlib
+import queue
 import re
 import signal
 import statistics
@@ -237,6 +244,74 @@ def run_clients(pw_fn, x, w, device_ids, n: int, seconds: float, window: int, ta
     }
 
 
+def run_bare(fn, x, w, n: int, seconds: float, window: int, in_flight: int) -> dict:
+    """``n`` threads submit ``fn(x, w)`` through one plain dispatcher thread for ``seconds``."""
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    stop = object()
+    errors: list[BaseException] = []
+
+    def dispatcher() -> None:
+        flight: collections.deque = collections.deque()
+        while (item := requests.get()) is not stop:
+            slot, done = item
+            try:
+                if len(flight) >= in_flight:
+                    flight.popleft().block_until_ready()
+                out = fn(x, w)
+                flight.append(out)
+                slot.append(out)
+            except BaseException as exc:
+                errors.append(exc)
+            done.release()
+
+    counts = [0] * n
+    barrier = threading.Barrier(n + 1)
+    clock = {}
+
+    def worker(i: int) -> None:
+        def wait(item: tuple) -> None:
+            slot, done = item
+            done.acquire()
+            if slot:
+                slot[0].block_until_ready()
+
+        pending: collections.deque = collections.deque()
+        try:
+            barrier.wait()
+            deadline = clock["deadline"]
+            while time.perf_counter() < deadline:
+                done = threading.Lock()
+                done.acquire()
+                item = ([], done)
+                requests.put(item)
+                pending.append(item)
+                counts[i] += 1
+                if len(pending) >= window:
+                    wait(pending.popleft())
+            for item in pending:
+                wait(item)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=dispatcher, name="bare-dispatcher", daemon=True)
+    thread.start()
+    threads = [threading.Thread(target=worker, args=(i,), name=f"bare{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    start = time.perf_counter()
+    clock["deadline"] = start + seconds
+    barrier.wait()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    requests.put(stop)
+    thread.join()
+    if errors:
+        raise errors[0]
+    total = sum(counts)
+    return {"programs": total, "seconds": elapsed, "programs_per_s": total / elapsed}
+
+
 def run_throughput(slice_, size: int, clients: list[int], repeats: int, seconds: float, window: int) -> dict:
     import pathways_jax as pw
 
@@ -253,9 +328,11 @@ def run_throughput(slice_, size: int, clients: list[int], repeats: int, seconds:
         if name == "jax-1":
             return run_jax_1(jax_fn, x, w, measure, jax_window)
         n = int(name.split("-")[1])
+        if name.startswith("bare-"):
+            return run_bare(jax_fn, x, w, n, measure, window, jax_window)
         return run_clients(pw_fn, x, w, device_ids, n, measure, window, tag=f"c{n}-")
 
-    names = ["jax-1"] + [f"pw-{n}" for n in clients]
+    names = ["jax-1"] + [f"pw-{n}" for n in clients] + [f"bare-{n}" for n in clients]
     for name in names:  # warm every mode (threads, clients, the watcher)
         mode(name, min(0.1, seconds))
     samples: dict[str, list[dict]] = {name: [] for name in names}
@@ -288,7 +365,7 @@ def run_throughput(slice_, size: int, clients: list[int], repeats: int, seconds:
             "programs": sum(s["programs"] for s in samples[name]),
             "utilisation": None,
         }
-        if name != "jax-1":
+        if name.startswith("pw-"):
             entry["utilisation"] = statistics.median(s["utilisation"] for s in samples[name])
             entry["utilisation_min"] = min(s["utilisation_min_device"] for s in samples[name])
             entry["accounted_programs"] = sum(s["accounted_programs"] for s in samples[name])
@@ -617,6 +694,16 @@ def _plot(report: dict, path: pathlib.Path) -> None:
         [m["programs_per_s_max"] for m in pw_modes],
         alpha=0.2,
     )
+    bare = [m for name, m in modes.items() if name.startswith("bare-")]
+    if bare:
+        ax1.plot(
+            [m["clients"] for m in bare],
+            [m["programs_per_s"] for m in bare],
+            "-s",
+            color="tab:gray",
+            ms=4,
+            label="bare dispatcher thread, N clients (floor)",
+        )
     ax1.axhline(base["programs_per_s"], color="k", ls="--", label="plain JAX, 1 thread (jax-1)")
     lines = []
     for name, m in modes.items():
@@ -773,13 +860,17 @@ def main(argv: list[str]) -> None:
         "utilisation_measure": (
             "pw.stats(): per device, the union of [dispatch (or the end of the previous run on the device), "
             "outputs ready] over the measurement's wall time (reset before it), averaged over the slice's "
-            "devices. The accounting watcher folds runs that finish close together and wakes about once a "
-            "millisecond, so end times of sub-millisecond runs are known to ~1 ms."
+            "devices. The accounting watcher folds runs that finish close together and wakes once per 4 ms "
+            "batch, so end times of runs shorter than that are known to ~4 ms."
         ),
         "modes": modes,
         "fair": fair,
     }
     report["targets"] = _targets(modes, fair)
+    # pathways_jax against the bare hand-off, per client count: its own cost.
+    report["pw_over_bare"] = {
+        n: modes[f"pw-{n}"]["ratio_to_jax_1"] / modes[f"bare-{n}"]["ratio_to_jax_1"] for n in clients
+    }
     report["table"] = _table(modes)
     report["fair_table"] = _fair_table(fair)
     report["wall_s"] = time.perf_counter() - started
@@ -787,6 +878,7 @@ def main(argv: list[str]) -> None:
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out_dir / f"{name}.png")
     print(report["table"])
+    print("pw-N / bare-N: " + ", ".join(f"{n}: {r:.3f}" for n, r in report["pw_over_bare"].items()))
     print(report["fair_table"])
     for key, target in report["targets"].items():
         print(f"target {key}: {target}")

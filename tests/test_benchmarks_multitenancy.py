@@ -37,7 +37,8 @@ def test_multitenancy_benchmark_quick_mode_reports_every_mode(tmp_path):
 
     modes = result["modes"]
     jax_n = {"jax-2", "jax-4", "jax-2-w8", "jax-4-w8"}
-    assert set(modes) == {"jax-1", "pw-1", "pw-2", "pw-4", "pw-8", "pw-16"} | jax_n
+    bare = {f"bare-{n}" for n in (1, 2, 4, 8, 16)}
+    assert set(modes) == {"jax-1", "pw-1", "pw-2", "pw-4", "pw-8", "pw-16"} | bare | jax_n
     assert modes["jax-1"]["programs_per_s"] > 0
     assert modes["jax-1"]["ratio_to_jax_1"] == pytest.approx(1.0)
     for n in (1, 2, 4, 8, 16):
@@ -47,6 +48,12 @@ def test_multitenancy_benchmark_quick_mode_reports_every_mode(tmp_path):
         assert 0.0 <= entry["utilisation"] <= 1.0
         # Every program a client ran was accounted to that client.
         assert entry["accounted_programs"] == entry["programs"]
+    for n in (1, 2, 4, 8, 16):
+        entry = modes[f"bare-{n}"]
+        assert entry["clients"] == n and entry["programs_per_s"] > 0 and entry["utilisation"] is None
+        assert result["pw_over_bare"][str(n)] == pytest.approx(
+            modes[f"pw-{n}"]["ratio_to_jax_1"] / entry["ratio_to_jax_1"]
+        )
     for name in jax_n:
         entry = modes[name]
         assert entry["threads"] == int(name.split("-")[1])

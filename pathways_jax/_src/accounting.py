@@ -194,7 +194,7 @@ class Accounting:
             pending.extend(reversed(keep))
             batch.reverse()
             self._account(batch, t)
-            if behind or len(batch) > 1:
+            if behind or len(batch) > 1 or t - head[1] < _BATCH_S * 1e9:
                 # Short runs: wake once per batch (end times then known to _BATCH_S).
                 time.sleep(_BATCH_S)
 

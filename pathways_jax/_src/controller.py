@@ -63,7 +63,11 @@ class Controller:
         self._dispatch = threading.Lock()  # held while a run is dispatched
         # Guards the per-client queues and the policy; reentrant because a
         # budget release (which notifies it) may happen on a thread holding it.
-        self._cv = threading.Condition(threading.RLock())
+        # Taken as the bare lock (``with self._lock``), which is the condition's
+        # own: a Condition's __enter__ and __exit__ are Python frames.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._sleeping = False  # the controller thread waits on _cv: a submission notifies it
         self._queues: dict[int, collections.deque[Run]] = {}  # client key -> its queued runs
         self._queued = 0  # runs in the queues or being dispatched from them
         self._seq = itertools.count()
@@ -97,7 +101,7 @@ class Controller:
             finally:
                 self._dispatch.release()
         key = run.client.key
-        with self._cv:
+        with self._lock:
             run.seq = next(self._seq)
             run.head = self._head(run)
             queue = self._queues.get(key)
@@ -106,7 +110,8 @@ class Controller:
                 self._policy.activate(key)
             queue.append(run)
             self._queued += 1
-            self._cv.notify()
+            if self._sleeping:
+                self._cv.notify()
 
     def stop(self, timeout: float) -> None:
         """Lets queued runs finish dispatching, then ends the thread."""
@@ -116,23 +121,30 @@ class Controller:
         self.accounting.stop()
 
     def _wake(self) -> None:
-        with self._cv:
+        with self._lock:
             self._cv.notify_all()
 
     def _serve(self) -> None:
+        finished = False
         while True:
             self._store.collect()
-            run = self._next()
+            run = self._next(finished)
             if run is None:
                 return
+            finished = True
             try:
                 with self._dispatch:
                     self._execute(run)
             except BaseException as exc:
                 self._fail(run, f"program {run.plan.graph.name!r} run {run.id} failed in the controller", exc)
-            finally:
-                with self._cv:
-                    self._queued -= 1
+
+    def _sleep(self, timeout: float | None = None) -> None:
+        """Waits on the condition (lock held) until a submission or a release notifies it."""
+        self._sleeping = True
+        try:
+            self._cv.wait(timeout)
+        finally:
+            self._sleeping = False
 
     # --- scheduling ----------------------------------------------------------------------
 
@@ -145,7 +157,7 @@ class Controller:
     def _charge(self, run: Run) -> None:
         head = self._head(run)
         run.estimate = head.cost
-        with self._cv:
+        with self._lock:
             self._policy.charge(head.client, head.cost, head.weight)
 
     def _blocker(self, run: Run, busy: dict[int, int] | None = None) -> int:
@@ -178,14 +190,20 @@ class Controller:
                 return _NO_ROOM
         return _GO
 
-    def _next(self) -> Run | None:
-        """Waits for a run the policy picks among the heads that can go; None once stopped."""
-        with self._cv:
+    def _next(self, finished: bool) -> Run | None:
+        """Waits for a run the policy picks among the heads that can go; None once stopped.
+
+        ``finished``: the run this returned last time has been dispatched (it
+        leaves the count of queued runs here, under the lock taken anyway).
+        """
+        with self._lock:
+            if finished:
+                self._queued -= 1
             while True:
                 if not self._queues:
                     if self._stopped:
                         return None
-                    self._cv.wait()
+                    self._sleep()
                     continue
                 go: list[Run] = []
                 no_room: list[Run] = []
@@ -217,7 +235,7 @@ class Controller:
                     index = self._policy.pick(heads)
                     run = candidates[index]
                     if not self._admit(run):  # memory went between the check and now
-                        self._cv.wait(_BLOCKED_POLL_S)
+                        self._sleep(_BLOCKED_POLL_S)
                         continue
                     self._policy.picked(heads, index)
                     run.estimate = heads[index].cost
@@ -234,7 +252,7 @@ class Controller:
                             )
                     return run
                 self._expire(blocked)
-                self._cv.wait(_BLOCKED_POLL_S)
+                self._sleep(_BLOCKED_POLL_S)
                 self._store.collect()
 
     def _pop(self, run: Run) -> None:
@@ -324,7 +342,7 @@ class Controller:
 
     def close_client(self, client: Any) -> None:
         """Cancels ``client``'s queued runs and frees the values it owns."""
-        with self._cv:
+        with self._lock:
             queue = self._queues.pop(client.key, None)
             if self._fair:
                 self._policy.deactivate(client.key)
@@ -341,7 +359,7 @@ class Controller:
         self._store.free(self._store.owned_by(client.key))
 
     def queued_by_island(self) -> dict[int, int]:
-        with self._cv:
+        with self._lock:
             runs = [run for queue in self._queues.values() for run in queue]
         counts: collections.Counter[int] = collections.Counter()
         for run in runs:
@@ -350,7 +368,7 @@ class Controller:
 
     def queued_by_client_name(self) -> dict[str, int]:
         counts: collections.Counter[str] = collections.Counter()
-        with self._cv:
+        with self._lock:
             for queue in self._queues.values():
                 if queue:
                     counts[queue[0].client.name] += len(queue)
