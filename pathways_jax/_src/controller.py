@@ -237,6 +237,8 @@ class Controller:
                     if not self._admit(run):  # memory went between the check and now
                         self._sleep(_BLOCKED_POLL_S)
                         continue
+                    # Charged at the cost known now: the estimate moves while a run waits.
+                    heads[index] = self._head(run)
                     self._policy.picked(heads, index)
                     run.estimate = heads[index].cost
                     self._pop(run)
