@@ -730,7 +730,7 @@ def _plot(report: dict, path: pathlib.Path) -> None:
     per_program = report["calibration"].get("jax_1_ms_per_program", report["calibration"]["compute_ms"])
     ax1.set_title(f"Throughput ({per_program:.2f} ms programs, jax-1)")
     ax1.grid(True, alpha=0.3)
-    ax1.legend(fontsize=8, loc="upper right")
+    ax1.legend(fontsize=8, loc="center right")
     ax2.plot(xs, [100 * m["utilisation"] for m in pw_modes], "-o", label="mean over slice devices")
     ax2.plot(
         xs, [100 * m["utilisation_min"] for m in pw_modes], ":", marker=".", label="lowest device, any repeat"
