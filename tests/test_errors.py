@@ -95,11 +95,19 @@ def test_malformed_mesh(mesh, fragment):
 @pytest.mark.parametrize(
     ("device_ids", "island", "fragment"),
     [
-        ([0, 9], None, r"names 9, which is not a device id of this cluster; its ids are \[0, 1, 2, 3, 4, 5, 6, 7\]"),
+        (
+            [0, 9],
+            None,
+            r"names 9, which is not a device id of this cluster; its ids are \[0, 1, 2, 3, 4, 5, 6, 7\]",
+        ),
         ([0, "1"], None, r"names '1', which is not a device id"),
         ([0, 1, 2], None, r"names 3 devices, but the mesh has 2; name one device per mesh position"),
         ([1, 1], None, r"names a device more than once"),
-        ([3, 4], None, r"spans islands \[0, 1\] \(island 0: 4 devices, island 1: 4 devices\); a slice lives on one"),
+        (
+            [3, 4],
+            None,
+            r"spans islands \[0, 1\] \(island 0: 4 devices, island 1: 4 devices\); a slice lives on one",
+        ),
         ([0, 1], 1, r"are on island 0, but island=1 was asked for"),
         ("01", None, r"device_ids must be a list of device ids in mesh order, got '01'"),
         (3, None, r"device_ids must be a list of device ids in mesh order, got 3"),

@@ -92,7 +92,9 @@ class Run:
     transient: Charge = ()  # reserved bytes released when the run completes
     blocked_since: float | None = None  # when it first waited for memory
     blocked_ns: int = 0
-    head: Any = None  # how the scheduling policy sees it once queued (a scheduler.Head; cost refreshed when picked)
+    head: Any = (
+        None  # how the scheduling policy sees it once queued (a scheduler.Head; cost refreshed when picked)
+    )
 
 
 def charge_of(aval: Any, sharding: Any) -> Charge:

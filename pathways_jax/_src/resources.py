@@ -142,11 +142,9 @@ class ResourceManager:
             )
         return home, tuple(where[i][1] for i in device_ids)
 
-    def _free(self, devices: tuple[jax.Device, ...], exclusive: bool) -> bool:
-        """True if these named devices can be taken now (shared or exclusively)."""
-        if any(d.id in self._reserved for d in devices):
-            return False
-        return not exclusive or all(self._shared_load[d.id] == 0 for d in devices)
+    def _busy(self, devices: tuple[jax.Device, ...], exclusive: bool) -> list[int]:
+        """The ids of these named devices that cannot be taken now (shared, or exclusively)."""
+        return [d.id for d in devices if d.id in self._reserved or (exclusive and self._shared_load[d.id])]
 
     def acquire(
         self,
@@ -165,7 +163,7 @@ class ResourceManager:
             named = self._named(size, island, device_ids)
 
             def place() -> tuple[int, tuple[jax.Device, ...]] | None:
-                return named if self._free(named[1], exclusive) else None
+                return None if self._busy(named[1], exclusive) else named
         else:
             fitting = self._candidates(size, island)
 
@@ -179,11 +177,8 @@ class ResourceManager:
                 if remaining is not None and remaining <= 0:
                     kind = "exclusive" if exclusive else "shared"
                     if device_ids is not None:
-                        busy = sorted(
-                            d.id for d in named[1] if d.id in self._reserved or (exclusive and self._shared_load[d.id])
-                        )
                         raise errors.ResourceError(
-                            f"devices {busy} of device_ids={list(device_ids)!r} were not free for an {kind} "
+                            f"devices {sorted(self._busy(named[1], exclusive))} of device_ids={list(device_ids)!r} were not free for an {kind} "
                             f"slice within timeout={timeout}s (held by "
                             f"{'other slices' if exclusive else 'exclusive slices'}). Release those slices, "
                             "wait longer, or let the resource manager choose (no device_ids)."
