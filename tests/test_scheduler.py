@@ -207,3 +207,30 @@ def test_fair_end_to_end_interleaves_by_weight():
     last_b = max(i for i, c in enumerate(order) if c == "b")
     assert 2 <= order[:last_b].count("a") <= 7, order
     assert sorted(order) == ["a"] * 12 + ["b"] * 12
+
+
+@pytest.mark.timeout(120)
+def test_fair_charges_the_cost_estimate_known_when_a_run_is_picked():
+    a = pw.client("a", weight=2.0)
+    seen = {}
+
+    def submit(work, x):
+        with a:
+            outs = [work(x) for _ in range(4)]
+        controller = pw.cluster().controller
+        (queue,) = [q for key, q in controller._queues.items() if key == a.key]
+        assert len(queue) == 4  # the controller is plugged: nothing of "a" was picked yet
+        seen["queued_with"] = queue[0].head.cost
+        queue[0].plan.cost = 100.0  # the estimate moves while the runs wait (far above any measure)
+        seen["vtime"] = controller._policy.vtime[a.key]
+        seen["controller"] = controller
+        return outs
+
+    order = _plugged_order("fair", submit)
+    assert order == ["a"] * 4
+    charged = seen["controller"]._policy.vtime[a.key] - seen["vtime"]
+    # Each pick charges cost / weight with the estimate of that moment: 100 s for the first, then
+    # the estimate as measured runs pull it down (an EMA of weight 0.1), so above 50 s in all.
+    # Charging the estimate the runs were queued with would give 4 * queued_with / 2.
+    assert seen["queued_with"] < 1.0
+    assert charged >= 50.0, charged
