@@ -187,8 +187,9 @@ def init(
       islands: ``None`` (one island of all devices), an int (split the devices
         evenly, islands numbered from 0) or a list of lists of device ids.
       max_in_flight: executables in flight per island before the controller
-        waits for the oldest (a correctness bound for collectives, DESIGN §5).
-        On the Ray backend each host applies it to its own executables.
+        waits (a correctness bound for collectives, DESIGN §5); a full window
+        is drained to half before dispatch goes on. On the Ray backend each
+        host applies it to its own executables, waiting for the oldest.
       inline_dispatch: let a submitting thread dispatch its run itself when
         the controller is idle and nothing would wait (same order, no thread
         hand-off). ``False`` sends every run through the background thread.
