@@ -180,10 +180,15 @@ class Controller:
                 # Read-only: an inline dispatch may be retiring from these deques now.
                 items = list(self._in_flight[island])
                 running = len(items)
-                # Runs on a host leave at dispatch; local ones are asked only if
-                # the window looks full (every question is a call into XLA).
+                # Runs on a host leave at dispatch. Local ones are asked only if
+                # the window looks full, oldest first, up to the first one still
+                # running (every question is a call into XLA); those behind it
+                # count as running, which at worst sends a run to the queue.
                 if self._remote is None and running + count > window:
-                    running = sum(1 for item in items if not item[0].is_ready())
+                    for item in items:
+                        if not item[0].is_ready():
+                            break
+                        running -= 1
                 if busy is not None:
                     busy[island] = running
             if running + count > window:
