@@ -65,6 +65,37 @@ def test_sharded_node_equals_jit(backend):
     assert_matches(out, jax.jit(lambda v: jnp.tanh(v) * 3 + v.sum())(x), rtol=1e-5, atol=1e-5)
 
 
+def test_slices_on_the_same_devices_in_two_orders_equal_jit(backend):
+    forward = pw.devices(mesh={"x": 4}, device_ids=[4, 5, 6, 7])
+    reverse = pw.devices(mesh={"x": 4}, device_ids=[7, 6, 5, 4])
+    assert forward.island == reverse.island == 1
+    assert [d.id for d in reverse.devices] == [7, 6, 5, 4]
+
+    @pw.jit(devices=reverse, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    def scale(x):
+        return x * 2 + x.sum()  # the sum over the sharded vector is an all-reduce
+
+    @pw.jit(devices=forward, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    def shift(h):
+        return jnp.tanh(h) - h.mean()
+
+    @pw.program
+    def both(x):
+        return shift(scale(x))
+
+    x = jnp.linspace(-1, 1, 16, dtype=jnp.float32)
+    before = pw.counters()
+    out = both(x)
+    out.result(timeout=60)  # dispatched (and counted) by now
+    after = pw.counters()
+    # One reshard between the two orders, within the island.
+    assert after["transfers_ici"] - before["transfers_ici"] == 1
+    assert after["transfers_dcn"] == before["transfers_dcn"]
+    assert_matches(
+        out, jax.jit(lambda v: jnp.tanh(v * 2 + v.sum()) - (v * 2 + v.sum()).mean())(x), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_two_island_program_moves_values_and_equals_jit(backend):
     a = pw.devices(mesh={"x": 4}, island=0)
     b = pw.devices(mesh={"x": 4}, island=1)
