@@ -43,6 +43,7 @@ the slice's devices. Results go to benchmarks/results/multitenancy.json and .png
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -191,11 +192,14 @@ def run_jax_1(fn, x, w, seconds: float, window: int) -> dict:
     return {"programs": count, "seconds": elapsed, "programs_per_s": count / elapsed}
 
 
-def run_clients(pw_fn, x, w, device_ids, n: int, seconds: float, window: int, tag: str) -> dict:
-    """``n`` threads, each with its own client, call ``pw_fn`` for ``seconds``; throughput + stats."""
-    import pathways_jax as pw
+def _drive(n: int, seconds: float, window: int, submit, wait, *, enter=None, tag: str, on_start=None):
+    """``n`` threads call ``submit(i)`` until a shared deadline ``seconds`` away; (counts, elapsed).
 
-    clients = [pw.client(f"{tag}{i}") for i in range(n)]
+    Each thread waits (``wait``) for its oldest submission once ``window`` are
+    pending, and for all of them at the end; ``enter(i)``, if given, is the
+    context thread ``i`` submits in. ``on_start`` runs once the threads exist,
+    just before the clock starts. The first error of any thread is raised.
+    """
     counts = [0] * n
     errors: list[BaseException] = []
     barrier = threading.Barrier(n + 1)
@@ -206,32 +210,53 @@ def run_clients(pw_fn, x, w, device_ids, n: int, seconds: float, window: int, ta
         try:
             barrier.wait()
             deadline = clock["deadline"]
-            with clients[i]:
+            with enter(i) if enter is not None else contextlib.nullcontext():
                 while time.perf_counter() < deadline:
-                    pending.append(pw_fn(x, w))
+                    pending.append(submit(i))
                     counts[i] += 1
                     if window and len(pending) >= window:
-                        pending.popleft().result()
-                for out in pending:
-                    out.result()
+                        wait(pending.popleft())
+                for item in pending:
+                    wait(item)
         except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,), name=f"{tag}{i}") for i in range(n)]
     for t in threads:
         t.start()
-    pw.stats(reset=True)
+    if on_start is not None:
+        on_start()
     start = time.perf_counter()
     clock["deadline"] = start + seconds
     barrier.wait()
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
-    stats = pw.stats()
-    for c in clients:
-        c.close()
     if errors:
         raise errors[0]
+    return counts, elapsed
+
+
+def run_clients(pw_fn, x, w, device_ids, n: int, seconds: float, window: int, tag: str) -> dict:
+    """``n`` threads, each with its own client, call ``pw_fn`` for ``seconds``; throughput + stats."""
+    import pathways_jax as pw
+
+    clients = [pw.client(f"{tag}{i}") for i in range(n)]
+    try:
+        counts, elapsed = _drive(
+            n,
+            seconds,
+            window,
+            lambda i: pw_fn(x, w),
+            lambda out: out.result(),
+            enter=lambda i: clients[i],
+            tag=tag,
+            on_start=lambda: pw.stats(reset=True),
+        )
+        stats = pw.stats()
+    finally:
+        for c in clients:
+            c.close()
     mean, low = _slice_utilisation(stats, device_ids)
     total = sum(counts)
     return {
@@ -264,48 +289,26 @@ def run_bare(fn, x, w, n: int, seconds: float, window: int, in_flight: int) -> d
                 errors.append(exc)
             done.release()
 
-    counts = [0] * n
-    barrier = threading.Barrier(n + 1)
-    clock = {}
+    def submit(i: int) -> tuple:
+        done = threading.Lock()
+        done.acquire()
+        item = ([], done)
+        requests.put(item)
+        return item
 
-    def worker(i: int) -> None:
-        def wait(item: tuple) -> None:
-            slot, done = item
-            done.acquire()
-            if slot:
-                slot[0].block_until_ready()
-
-        pending: collections.deque = collections.deque()
-        try:
-            barrier.wait()
-            deadline = clock["deadline"]
-            while time.perf_counter() < deadline:
-                done = threading.Lock()
-                done.acquire()
-                item = ([], done)
-                requests.put(item)
-                pending.append(item)
-                counts[i] += 1
-                if len(pending) >= window:
-                    wait(pending.popleft())
-            for item in pending:
-                wait(item)
-        except BaseException as exc:
-            errors.append(exc)
+    def wait(item: tuple) -> None:
+        slot, done = item
+        done.acquire()
+        if slot:
+            slot[0].block_until_ready()
 
     thread = threading.Thread(target=dispatcher, name="bare-dispatcher", daemon=True)
     thread.start()
-    threads = [threading.Thread(target=worker, args=(i,), name=f"bare{i}") for i in range(n)]
-    for t in threads:
-        t.start()
-    start = time.perf_counter()
-    clock["deadline"] = start + seconds
-    barrier.wait()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    requests.put(stop)
-    thread.join()
+    try:
+        counts, elapsed = _drive(n, seconds, window, submit, wait, tag="bare")
+    finally:
+        requests.put(stop)
+        thread.join()
     if errors:
         raise errors[0]
     total = sum(counts)
