@@ -6,12 +6,13 @@ import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax._src import config as jax_config
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pathways_jax._src import context, errors
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 _ids = itertools.count()
 _DEFAULT_AXIS_NAMES = ("x", "y", "z")
 SCOPE_PREFIX = "pw_slice"
+_NO_MESH = Mesh(np.empty((), dtype=object), ())
+NO_ABSTRACT_MESH = AbstractMesh((), ())
 
 
 def _normalise_mesh(mesh: Mapping[str, int] | Sequence[int]) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -50,6 +53,58 @@ def _normalise_mesh(mesh: Mapping[str, int] | Sequence[int]) -> tuple[tuple[int,
     return tuple(int(s) for s in sizes), names
 
 
+def _normalise_axis_types(
+    axis_types: AxisType | Sequence[AxisType] | None, axis_names: tuple[str, ...]
+) -> tuple[AxisType, ...]:
+    if axis_types is None:
+        return (AxisType.Auto,) * len(axis_names)
+    if isinstance(axis_types, AxisType):
+        return (axis_types,) * len(axis_names)
+    given = axis_types
+    if isinstance(given, str) or not isinstance(given, Sequence):
+        raise errors.ResourceError(
+            f"axis_types must be a jax.sharding.AxisType or a tuple of them, one per mesh axis "
+            f"{axis_names}, got {axis_types!r}; e.g. axis_types=jax.sharding.AxisType.Explicit."
+        )
+    types = tuple(given)
+    if len(types) != len(axis_names):
+        raise errors.ResourceError(
+            f"axis_types has {len(types)} entries {types} but the mesh has {len(axis_names)} "
+            f"axes {axis_names}; give one AxisType, or one per axis."
+        )
+    for t in types:
+        if not isinstance(t, AxisType):
+            raise errors.ResourceError(
+                f"axis_types entries must be jax.sharding.AxisType values, got {t!r} in "
+                f"{axis_types!r}; e.g. (AxisType.Explicit, AxisType.Auto)."
+            )
+        if t == AxisType.Manual:
+            raise errors.ResourceError(
+                f"axis_types {types} has a Manual axis; a slice's axes are Auto or Explicit "
+                "(jax.set_mesh refuses Manual axes too). Enter manual mode inside the program "
+                "with jax.shard_map over the slice's axes."
+            )
+    return types
+
+
+@contextlib.contextmanager
+def only_mesh(abstract: AbstractMesh, concrete: Mesh | None = None) -> Iterator[None]:
+    """Makes ``abstract`` (and ``concrete``, or no concrete mesh) the only meshes in context.
+
+    Whatever mesh the caller set (``jax.set_mesh``, ``use_abstract_mesh``, of any
+    size) is set aside, and restored on exit: the slice's mesh wins inside a
+    program. Unlike ``jax.sharding.use_abstract_mesh`` it may change the mesh's
+    size, and unlike ``jax.set_mesh`` it works inside a trace.
+    """
+    prev_abstract = jax_config.abstract_mesh_context_manager.swap_local(abstract)
+    prev_concrete = jax_config.device_context.swap_local(_NO_MESH if concrete is None else concrete)
+    try:
+        yield
+    finally:
+        jax_config.abstract_mesh_context_manager.set_local(prev_abstract)
+        jax_config.device_context.set_local(prev_concrete)
+
+
 class VirtualSlice:
     """A set of devices with a mesh shape and axis names, asked for with ``pw.devices``.
 
@@ -73,12 +128,17 @@ class VirtualSlice:
         island: int,
         devices: tuple[jax.Device, ...],
         exclusive: bool,
+        axis_types: tuple[AxisType, ...] | None = None,
     ):
         self.id = next(_ids)
         self._cluster = cluster
         self.shape = shape
         self.axis_names = axis_names
-        self.mesh = AbstractMesh(shape, axis_names)
+        self.axis_types = axis_types or (AxisType.Auto,) * len(axis_names)
+        # The abstract mesh names the kind of device (not which ones): code traced
+        # on it lowers for the physical mesh, whose abstract mesh it is.
+        grid = np.array(devices, dtype=object).reshape(shape)
+        self.mesh: AbstractMesh = Mesh(grid, axis_names, axis_types=self.axis_types).abstract_mesh
         self.island = island
         self.exclusive = exclusive
         self._devices = devices
@@ -125,7 +185,7 @@ class VirtualSlice:
         self.check_usable()
         if self._physical_mesh is None:
             grid = np.array(self._devices, dtype=object).reshape(self.shape)
-            self._physical_mesh = Mesh(grid, self.axis_names)
+            self._physical_mesh = Mesh(grid, self.axis_names, axis_types=self.axis_types)
         return self._physical_mesh
 
     def sharding(self, *spec: str | tuple[str, ...] | None) -> NamedSharding:
@@ -158,7 +218,7 @@ class VirtualSlice:
         if trace is not None:
             trace.note_slice(self)
             stack.enter_context(jax.named_scope(f"{SCOPE_PREFIX}{self.id}"))
-            stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh))
+            stack.enter_context(only_mesh(self.mesh))
         context.state.slices.append(self)
         if not hasattr(self._exits, "stacks"):
             self._exits.stacks = []
@@ -179,9 +239,42 @@ class VirtualSlice:
         ids = ",".join(str(d.id) for d in self._devices)
         kind = "exclusive" if self.exclusive else "shared"
         state = ", released" if self.released else ""
+        types = ""
+        if any(t != AxisType.Auto for t in self.axis_types):
+            types = f", axis_types=({', '.join(t.name for t in self.axis_types)})"
         return (
-            f"VirtualSlice#{self.id}(mesh={{{axes}}}, island={self.island}, devices=[{ids}], {kind}{state})"
+            f"VirtualSlice#{self.id}(mesh={{{axes}}}{types}, island={self.island}, "
+            f"devices=[{ids}], {kind}{state})"
         )
+
+
+def fitting_spec(sharding: object, sizes: Mapping[str, int], shape: tuple[int, ...]) -> PartitionSpec:
+    """``sharding``'s spec if it splits ``shape`` evenly over axes of these sizes, else ``P()``."""
+    if isinstance(sharding, NamedSharding):
+        parts = spec_parts(sharding.spec, sizes)
+        if (
+            parts is not None
+            and len(parts) <= len(shape)
+            and all(dim % count == 0 for dim, count in zip(shape, parts, strict=False))
+        ):
+            return sharding.spec
+    return PartitionSpec()
+
+
+def explicit_view(
+    slice_: VirtualSlice | None, sharding: object, shape: tuple[int, ...]
+) -> NamedSharding | None:
+    """How a value with ``sharding`` looks to code traced on an Explicit-axes slice.
+
+    ``None`` on slices without Explicit axes (types there carry no sharding).
+    A value from another mesh (the user's, another slice's) is seen with its
+    spec when that spec names the slice's axes and fits, else replicated: it
+    is moved onto the slice that way when the program runs.
+    """
+    if slice_ is None or AxisType.Explicit not in slice_.axis_types:
+        return None
+    sizes = dict(zip(slice_.axis_names, slice_.shape, strict=True))
+    return NamedSharding(slice_.mesh, fitting_spec(sharding, sizes, shape))
 
 
 def check_spec(spec: PartitionSpec, slice_: VirtualSlice, *, what: str) -> None:
@@ -220,6 +313,7 @@ def devices(
     exclusive: bool = False,
     timeout: float | None = None,
     device_ids: Sequence[int] | None = None,
+    axis_types: AxisType | Sequence[AxisType] | None = None,
 ) -> VirtualSlice:
     """Asks the cluster for a virtual slice of devices.
 
@@ -239,6 +333,12 @@ def devices(
         different orders; the controller still orders every program on them
         consistently. If the island's host is lost (Ray backend), the slice
         moves to devices the resource manager picks.
+      axis_types: a ``jax.sharding.AxisType`` for every axis, or one per axis
+        (as in ``jax.make_mesh``); default ``Auto``. With ``Explicit`` axes,
+        code traced on the slice carries shardings in its types
+        (``jax.typeof(x).sharding``) and may call ``jax.sharding.reshard``,
+        as under ``jax.set_mesh`` of an explicit mesh. Slices with different
+        axis types may share devices.
 
     Returns:
       A :class:`VirtualSlice`.
@@ -246,7 +346,8 @@ def devices(
     Raises:
       ResourceError: the request can never be met (more devices than any
         island has, an unknown island, ``device_ids`` that are unknown,
-        repeated, of the wrong count or on several islands), or no devices
+        repeated, of the wrong count or on several islands), ``axis_types``
+        of the wrong count or kind (``Manual`` included), or no devices
         freed up within ``timeout``.
 
     Example:
@@ -259,9 +360,10 @@ def devices(
     from pathways_jax._src import cluster as cluster_lib
 
     shape, axis_names = _normalise_mesh(mesh)
+    types = _normalise_axis_types(axis_types, axis_names)
     if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
         raise errors.ResourceError(f"timeout must be None or a number >= 0, got {timeout!r}.")
     cl = cluster_lib.cluster()
     size = int(np.prod(shape))
     island_index, physical = cl.resources.acquire(size, island, exclusive, timeout, device_ids)
-    return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive)
+    return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive, types)

@@ -15,7 +15,9 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex
+from jax.sharding import AxisType, NamedSharding
 
+from pathways_jax._src.devices import only_mesh
 from pathways_jax._src.graph import Graph, Node
 
 
@@ -33,6 +35,16 @@ def _group_runs(graph: Graph) -> list[list[int] | tuple[str, int]]:
         else:
             out.append((kind, index))
     return out
+
+
+def _struct(aval: Any) -> jax.ShapeDtypeStruct:
+    # On Explicit axes a sharding is part of the type; elsewhere types carry none.
+    sharding = getattr(aval, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or AxisType.Explicit not in sharding.mesh.axis_types:
+        sharding = None
+    return jax.ShapeDtypeStruct(
+        aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False), sharding=sharding
+    )
 
 
 def _fuse_nodes(graph: Graph, members: list[Node], read_outside: set[int]) -> Node:
@@ -60,10 +72,8 @@ def _fuse_nodes(graph: Graph, members: list[Node], read_outside: set[int]) -> No
         return [env[v] for v in outputs]
 
     avals = [graph.values[v].aval for v in inputs]
-    with jax.sharding.use_abstract_mesh(members[0].slice.mesh):
-        closed = jax.make_jaxpr(fused)(
-            *(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals)
-        )
+    with only_mesh(members[0].slice.mesh):
+        closed = jax.make_jaxpr(fused)(*(_struct(a) for a in avals))
     first = members[0]
     return Node(
         name=f"{first.name}+{len(members) - 1}",

@@ -16,10 +16,10 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src import clients, counters, errors, timeline
-from pathways_jax._src.devices import VirtualSlice, spec_parts
+from pathways_jax._src.devices import VirtualSlice, only_mesh, spec_parts
 from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph, Node
 from pathways_jax._src.object_store import Charge, Owner
@@ -124,7 +124,16 @@ def _spec_fits(spec: PartitionSpec, mesh: jax.sharding.Mesh, shape: tuple[int, .
 
 
 def _target(spec: PartitionSpec | None, current: Any, mesh: jax.sharding.Mesh, aval: Any) -> NamedSharding:
-    """The sharding a node input should have on ``mesh``."""
+    """The sharding a node input should have on ``mesh``.
+
+    On a slice with Explicit axes the value's type says it (its trace saw the
+    input so: see ``devices.explicit_view``); otherwise the node's spec, else
+    the value's own spec where it fits ``mesh`` (whatever mesh it came on),
+    else replicated.
+    """
+    typed = getattr(aval, "sharding", None)
+    if isinstance(typed, NamedSharding) and AxisType.Explicit in typed.mesh.axis_types:
+        return NamedSharding(mesh, typed.spec)
     if spec is not None:
         return NamedSharding(mesh, spec)
     if isinstance(current, NamedSharding) and _spec_fits(current.spec, mesh, aval.shape):
@@ -528,7 +537,8 @@ def _compile(
     ]
     t0 = timeline.now()
     exported = None
-    with jax.set_mesh(mesh):
+    # The slice's mesh alone, whatever mesh the caller set; works inside a trace too.
+    with only_mesh(mesh.abstract_mesh, mesh):
         jitted = jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
         compiled = jitted.lower(*args).compile()
         if export:

@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from pathways_jax._src import context, errors, source
-from pathways_jax._src.devices import VirtualSlice, check_spec, spec_parts
+from pathways_jax._src.devices import VirtualSlice, check_spec, only_mesh, spec_parts
 from pathways_jax._src.tracing import JIT_SCOPE, JitCall, Program, TracerArgument, _static_positions
 
 Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
@@ -38,6 +38,21 @@ def _check_fits(spec: PartitionSpec | None, aval: Any, slice_: VirtualSlice, wha
                 f"{what} {spec} splits a dimension of size {dim} into {parts} parts "
                 f"for shape {tuple(shape)} on {slice_!r}; the size must divide evenly."
             )
+
+
+def _retype(leaf: Any, spec: PartitionSpec | None) -> Any:
+    """``leaf`` resharded to ``spec`` on the context's Explicit mesh, unless its type has it."""
+    if spec is None:
+        return leaf
+    typed = getattr(jax.typeof(leaf), "sharding", None)
+    ndim = len(getattr(leaf, "shape", ()))
+    if typed is not None and _padded(typed.spec, ndim) == _padded(spec, ndim):
+        return leaf
+    return jax.sharding.reshard(leaf, spec)
+
+
+def _padded(spec: PartitionSpec, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 class _Group:
@@ -164,12 +179,56 @@ class JitFunction:
             # Inside someone else's jax transformation: behave as jax.jit.
             return self._jitted(*args, **kwargs)
         number = trace.record_jit(JitCall(slice_, self._leaf_in_specs(args, kwargs, slice_), None))
-        with jax.named_scope(f"{JIT_SCOPE}{number}"), jax.sharding.use_abstract_mesh(slice_.mesh):
+        explicit = AxisType.Explicit in slice_.axis_types
+        with jax.named_scope(f"{JIT_SCOPE}{number}"), only_mesh(slice_.mesh):
+            if explicit:
+                args = self._retype_args(args)
             out = self._jitted(*args, **kwargs)
-        trace.jit_calls[number] = dataclasses.replace(
-            trace.jit_calls[number], out_specs=self._leaf_out_specs(out, slice_)
-        )
+            out_specs = self._leaf_out_specs(out, slice_)
+            if explicit:
+                # Shardings are types here: the node makes what its types say, and
+                # out_specs reshard its outputs (as jax.sharding.reshard would).
+                leaves, tree = jax.tree_util.tree_flatten(out)
+                out = jax.tree_util.tree_unflatten(
+                    tree, [_retype(leaf, spec) for leaf, spec in zip(leaves, out_specs, strict=True)]
+                )
+                out_specs = (None,) * len(out_specs)
+        trace.jit_calls[number] = dataclasses.replace(trace.jit_calls[number], out_specs=out_specs)
         return out
+
+    def _transformed(self, slice_: VirtualSlice, args: tuple, kwargs: dict) -> Any:
+        """Called inside someone else's ``jax.jit``, ``grad`` or ``vmap``: behave as ``jax.jit``,
+        on the slice's devices.
+
+        The arguments are put on the slice's devices, so the computation (and
+        its outputs) stay there inside the outer transformation as in a
+        program. ``in_specs``/``out_specs`` do not apply there: under ``vmap``
+        they would not see the batch dimension; the slice's devices do. An outer
+        ``jax.jit`` whose other arguments live on other devices then fails with
+        JAX's own "incompatible devices" error, naming both.
+        """
+        replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
+
+        def put(tree: Any) -> Any:
+            return jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, replicated), tree)
+
+        moved = [arg if position in self._static else put(arg) for position, arg in enumerate(args)]
+        return self._jitted(*moved, **put(kwargs))
+
+    def _retype_args(self, args: tuple) -> tuple:
+        """On Explicit axes in_specs are types: arguments typed otherwise are resharded first."""
+        if self._in_specs is None:
+            return args
+        dynamic = [i for i in range(len(args)) if i not in self._static]
+        if isinstance(self._in_specs, PartitionSpec):
+            per_arg = [self._in_specs] * len(dynamic)
+        else:
+            per_arg = list(self._in_specs)  # its length was checked by _leaf_in_specs
+        out = list(args)
+        for position, spec in zip(dynamic, per_arg, strict=True):
+            if spec is not None:
+                out[position] = jax.tree_util.tree_map(lambda leaf, s=spec: _retype(leaf, s), args[position])
+        return tuple(out)
 
     def __repr__(self) -> str:
         return f"pw.jit({self.__name__}, devices={self._devices!r})"

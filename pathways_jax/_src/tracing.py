@@ -15,7 +15,13 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from pathways_jax._src import context, counters, errors, fusion, graph_builder, source, timeline
-from pathways_jax._src.devices import SCOPE_PREFIX, VirtualSlice
+from pathways_jax._src.devices import (
+    NO_ABSTRACT_MESH,
+    SCOPE_PREFIX,
+    VirtualSlice,
+    explicit_view,
+    only_mesh,
+)
 from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph
 
@@ -114,14 +120,17 @@ def future_signature(entry: Any) -> tuple:
     return ("future", tuple(entry.aval.shape), entry.aval.dtype, entry.sharding, slice_id)
 
 
-def _abstract(signature: tuple) -> jax.ShapeDtypeStruct:
+def _abstract(signature: tuple, default: VirtualSlice | None = None) -> jax.ShapeDtypeStruct:
+    # On a slice with Explicit axes the trace sees each input as the slice holds
+    # it (its spec if it fits the slice, else replicated), whatever mesh it came on.
     match signature:
-        case ("future", shape, dtype, _, _):
-            return jax.ShapeDtypeStruct(shape, dtype)
-        case ("array", shape, dtype, weak, _):
-            return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+        case ("future", shape, dtype, sharding, _):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=explicit_view(default, sharding, shape))
+        case ("array", shape, dtype, weak, sharding):
+            view = explicit_view(default, sharding, shape)
+            return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=view)
         case ("numpy", shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=explicit_view(default, None, shape))
         case ("scalar", kind):
             dtype = jax.dtypes.canonicalize_dtype(np.dtype(kind))
             return jax.ShapeDtypeStruct((), dtype, weak_type=kind is not bool)
@@ -245,7 +254,6 @@ class Program:
                 # Scopes entered here, inside the trace, are recorded on every equation.
                 if default is not None:
                     stack.enter_context(jax.named_scope(f"{DEFAULT_SCOPE}{default.id}"))
-                    stack.enter_context(jax.sharding.use_abstract_mesh(default.mesh))
                 out = self._fun(*full, **kwargs)
             flat, tree = jax.tree_util.tree_flatten(out)
             out_trees.append(tree)
@@ -255,7 +263,10 @@ class Program:
         t0 = rec.now() if rec is not None else 0
         outer, context.state.trace = context.state.trace, state
         try:
-            closed = jax.make_jaxpr(flat_fun)(*(_abstract(s) for s in signature))
+            # The caller's own mesh (jax.set_mesh, of any size) is set aside: the
+            # program sees its default slice's mesh, or none.
+            with only_mesh(default.mesh if default is not None else NO_ABSTRACT_MESH):
+                closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, default) for s in signature))
         except errors.PathwaysError:
             raise
         except Exception as exc:
