@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src import context, errors, source
+from pathways_jax._src import context, errors, nnx_graph, source
 from pathways_jax._src.devices import VirtualSlice, check_spec, only_mesh, spec_parts
 from pathways_jax._src.tracing import JIT_SCOPE, JitCall, Program, TracerArgument, _static_positions
 
@@ -82,6 +82,8 @@ class JitFunction:
         self._out_specs = out_specs
         self._static = static_argnums
         self._jitted = jax.jit(fun, static_argnums=static_argnums, donate_argnums=donate_argnums)
+        self._donate = donate_argnums
+        self._nnx_jitted: Callable[..., Any] | None = None
         self._programs: dict[int, Program] = {}
         self.source_info = source.of_function(fun)
         functools.update_wrapper(self, fun)
@@ -158,7 +160,7 @@ class JitFunction:
                 except errors.ProgramTraceError as exc:
                     if not isinstance(exc.__context__, TracerArgument):
                         raise
-                return self._jitted(*args, **kwargs)
+                return self._transformed(self._devices, args, kwargs)
         slice_ = self._slice()
         if trace is None:
             prog = self._programs.get(slice_.id)
@@ -176,14 +178,13 @@ class JitFunction:
             except errors.ProgramTraceError as exc:
                 if not isinstance(exc.__context__, TracerArgument):
                     raise
-            # Inside someone else's jax transformation: behave as jax.jit.
-            return self._jitted(*args, **kwargs)
+            return self._transformed(slice_, args, kwargs)
         number = trace.record_jit(JitCall(slice_, self._leaf_in_specs(args, kwargs, slice_), None))
         explicit = AxisType.Explicit in slice_.axis_types
         with jax.named_scope(f"{JIT_SCOPE}{number}"), only_mesh(slice_.mesh):
             if explicit:
                 args = self._retype_args(args)
-            out = self._jitted(*args, **kwargs)
+            out = self._jitted_for(args, kwargs)(*args, **kwargs)
             out_specs = self._leaf_out_specs(out, slice_)
             if explicit:
                 # Shardings are types here: the node makes what its types say, and
@@ -229,6 +230,16 @@ class JitFunction:
             if spec is not None:
                 out[position] = jax.tree_util.tree_map(lambda leaf, s=spec: _retype(leaf, s), args[position])
         return tuple(out)
+
+    def _jitted_for(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
+        # NNX objects are updated in place as nnx.jit does (a trace-time check only).
+        if not nnx_graph.has_graph_nodes((args, kwargs)):
+            return self._jitted
+        if self._nnx_jitted is None:
+            from flax import nnx
+
+            self._nnx_jitted = nnx.jit(self._fun, static_argnums=self._static, donate_argnums=self._donate)
+        return self._nnx_jitted
 
     def __repr__(self) -> str:
         return f"pw.jit({self.__name__}, devices={self._devices!r})"

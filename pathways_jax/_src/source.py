@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -24,12 +25,31 @@ def _fmt(file_name: str, line: int, function: str) -> str:
     return f"{os.path.basename(file_name)}:{line} ({function})"
 
 
+def _library_dirs() -> tuple[str, ...]:
+    """Directories of libraries whose frames are not the user's line (Flax, once imported)."""
+    flax = sys.modules.get("flax")
+    file_name = getattr(flax, "__file__", None)
+    return (os.path.dirname(os.path.abspath(file_name)) + os.sep,) if file_name else ()
+
+
+def _user_frame(traceback: Any) -> Any:
+    # JAX's user_frame skips JAX and pathways_jax; Flax's transforms (nnx.jit,
+    # nnx.value_and_grad) and layers are skipped here too, so that the label is
+    # the user's line that called them. Frames only in Flax keep Flax's line.
+    frames = source_info_util.user_frames(traceback)
+    first = next(frames, None)
+    skip = _library_dirs()
+    if first is None or not skip or not first.file_name.startswith(skip):
+        return first
+    return next((f for f in frames if not f.file_name.startswith(skip)), first)
+
+
 def of_equation(eqn: Any, default: str = "<unknown>") -> str:
     """'file.py:12 (fn)' of the user code that made a jaxpr equation, else ``default``."""
     if source_info_util is None:
         return default
     try:
-        frame = source_info_util.user_frame(eqn.source_info.traceback)
+        frame = _user_frame(eqn.source_info.traceback)
     except Exception:  # best effort: never fail a trace over a location
         return default
     if frame is None:
@@ -49,7 +69,7 @@ def of_function(fun: Any) -> str:
 
 def _is_user_file(file_name: str) -> bool:
     path = os.path.abspath(file_name)
-    return not (path.startswith(_PACKAGE_DIR) or path.startswith(_JAX_DIR))
+    return not (path.startswith((_PACKAGE_DIR, _JAX_DIR, *_library_dirs())))
 
 
 def of_exception(exc: BaseException, fun: Any = None) -> str | None:

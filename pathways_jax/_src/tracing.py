@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from pathways_jax._src import context, counters, errors, fusion, graph_builder, source, timeline
+from pathways_jax._src import context, counters, errors, fusion, graph_builder, nnx_graph, source, timeline
 from pathways_jax._src.devices import (
     NO_ABSTRACT_MESH,
     SCOPE_PREFIX,
@@ -106,6 +107,8 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
         return ("numpy", leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
     if isinstance(leaf, _SCALARS):
         return ("scalar", type(leaf))
+    if nnx_graph.is_graph_leaf(leaf):
+        raise nnx_graph.GraphArgument(position)
     raise errors.ProgramTraceError(
         f"program {program!r} got argument leaf {position} of type "
         f"{type(leaf).__name__}; expected a jax.Array, numpy array, Python "
@@ -137,10 +140,10 @@ def _abstract(signature: tuple, default: VirtualSlice | None = None) -> jax.Shap
     raise AssertionError(signature)  # pragma: no cover
 
 
-def _static_positions(static_argnums: int | Sequence[int]) -> tuple[int, ...]:
-    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+def _static_positions(argnums: int | Sequence[int], what: str = "static_argnums") -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not all(isinstance(n, int) and n >= 0 for n in nums):
-        raise errors.ProgramTraceError(f"static_argnums must be non-negative ints, got {static_argnums!r}.")
+        raise errors.ProgramTraceError(f"{what} must be non-negative ints, got {argnums!r}.")
     return tuple(sorted(set(nums)))
 
 
@@ -159,12 +162,14 @@ class Program:
         devices: VirtualSlice | None,
         static_argnums: tuple[int, ...],
         name: str | None = None,
-        fuse: bool = False,
+        fuse: bool = True,
+        donate_argnums: tuple[int, ...] = (),
     ):
         self._fun = fun
         self._devices = devices
         self._static = static_argnums
         self._fuse = fuse
+        self._donate = donate_argnums
         self.name = name or getattr(fun, "__name__", type(fun).__name__)
         self.source_info = source.of_function(fun)
         self._lock = threading.RLock()
@@ -205,6 +210,50 @@ class Program:
         key = (treedef, signature, tuple(statics), ambient.id if ambient is not None else None)
         return key, leaves, (treedef, tuple(reversed(statics)), signature, ambient, leaves)
 
+    def _in_user_words(self, text: str, treedef: Any, statics: tuple) -> str:
+        """JAX's message about the trace, naming the user's function and arguments, not ours."""
+        text = re.sub(r"flat_fun at \S+", f"{self.name} at {self.source_info}", text)
+        if "dynamic_leaves[" not in text:
+            return text
+        try:
+            names = list(inspect.signature(self._fun).parameters)
+        except (TypeError, ValueError):
+            names = []
+        static = {position for position, _ in statics}
+        dynamic = [p for p in range(treedef.num_leaves + len(static) + len(names)) if p not in static]
+        numbered = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+        leaf_names = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(numbered)[0]:
+            if path[0].idx == 0:  # a positional argument
+                position = dynamic[path[1].idx]
+                head = names[position] if position < len(names) else f"args[{position}]"
+            else:
+                head = str(path[1].key)
+            leaf_names[leaf] = head + jax.tree_util.keystr(path[2:])
+        return re.sub(
+            r"dynamic_leaves\[(\d+)\]", lambda m: leaf_names.get(int(m.group(1)), m.group(0)), text
+        )
+
+    def _donated_leaves(self, args: tuple) -> frozenset[int]:
+        """The argument leaves (flat positions) of the positional arguments in donate_argnums."""
+        if not self._donate:
+            return frozenset()
+        if max(self._donate) >= len(args):
+            raise errors.ProgramTraceError(
+                f"program {self.name!r} ({self.source_info}) has donate_argnums {self._donate}, "
+                f"but was called with {len(args)} positional arguments; donate only positional "
+                "arguments the call passes."
+            )
+        donated, start = set(), 0
+        for position, arg in enumerate(args):
+            if position in self._static:
+                continue
+            count = jax.tree_util.tree_structure(arg).num_leaves
+            if position in self._donate:
+                donated.update(range(start, start + count))
+            start += count
+        return frozenset(donated)
+
     def graph(self, *args: Any, **kwargs: Any) -> Graph:
         """The dataflow graph this program traces into for these arguments.
 
@@ -216,7 +265,16 @@ class Program:
           1
           >>> s.release()
         """
-        key, _leaves, how = self._split(args, kwargs)
+        try:
+            key, _leaves, how = self._split(args, kwargs)
+        except nnx_graph.GraphArgument:
+            return nnx_graph.graph(self, args, kwargs)
+        except errors.ProgramTraceError:
+            if not nnx_graph.routes(self, (args, kwargs)):
+                raise
+            return nnx_graph.graph(self, args, kwargs)  # names the NNX state at fault
+        if nnx_graph.routes(self, (args, kwargs)):
+            return nnx_graph.graph(self, args, kwargs)
         return self._graph_for(key, how)
 
     def _graph_for(self, key: Any, how: tuple) -> Graph:
@@ -273,7 +331,8 @@ class Program:
             where = source.of_exception(exc, self._fun)
             raise errors.ProgramTraceError(
                 f"tracing program {self.name!r} ({self.source_info}) failed at "
-                f"{where or 'an unknown line'}: {type(exc).__name__}: {exc}"
+                f"{where or 'an unknown line'}: {type(exc).__name__}: "
+                f"{self._in_user_words(str(exc), treedef, statics)}"
             ) from exc
         finally:
             context.state.trace = outer
@@ -319,15 +378,26 @@ class Program:
                 f"argument leaf {exc.args[0]}: a program cannot run inside jax.jit, vmap or "
                 "grad. Call it from Python, or call the jitted functions it uses directly."
             ) from None
+        except nnx_graph.GraphArgument:
+            return nnx_graph.call(self, args, kwargs)
+        except errors.ProgramTraceError:
+            if not nnx_graph.routes(self, (args, kwargs)):
+                raise
+            return nnx_graph.call(self, args, kwargs)  # names the NNX state at fault
         plan = self._plans.get(key)
+        if plan is nnx_graph.ROUTE:  # NNX objects that are pytrees: run as nnx.jit does
+            return nnx_graph.call(self, args, kwargs)
         if plan is None or not plan.is_current():
+            if nnx_graph.routes(self, (args, kwargs)):
+                self._plans[key] = nnx_graph.ROUTE
+                return nnx_graph.call(self, args, kwargs)
             from pathways_jax._src import lowering
 
             graph = self._graph_for(key, how)
             with self._lock:
                 plan = self._plans.get(key)
                 if plan is None or not plan.is_current():
-                    plan = lowering.lower(graph, how[2])
+                    plan = lowering.lower(graph, how[2], self._donated_leaves(args))
                     self._plans[key] = plan
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
@@ -349,7 +419,8 @@ def program(
     devices: VirtualSlice | None = None,
     static_argnums: int | Sequence[int] = (),
     name: str | None = None,
-    fuse: bool = False,
+    fuse: bool = True,
+    donate_argnums: int | Sequence[int] = (),
 ) -> Program | Callable[[Callable[..., Any]], Program]:
     """Turns a function into ONE dataflow program over virtual slices.
 
@@ -366,8 +437,14 @@ def program(
       static_argnums: positional arguments that are Python values, not arrays.
       name: the program's name in graphs and errors (default: ``fun.__name__``).
       fuse: compile each chain of consecutive nodes on one slice into a single
-        executable (fewer dispatches; identical results). ``graph()`` then
-        shows the fused nodes.
+        executable (fewer dispatches; identical results), split where another
+        slice reads a value. On by default; ``fuse=False`` keeps one node per
+        jitted function (``graph()`` then shows each of them).
+      donate_argnums: positional arguments whose buffers the program may reuse
+        for its outputs, as in ``jax.jit``: a donated ``jax.Array`` is deleted
+        and a donated :class:`Future` cannot be read again once the run is
+        dispatched. An argument read by more than one computation of the
+        program is kept (with a warning, once).
 
     Returns:
       A :class:`Program`; calling it returns a pytree of :class:`Future`.
@@ -384,7 +461,12 @@ def program(
     """
     if fun is None:
         return functools.partial(
-            program, devices=devices, static_argnums=static_argnums, name=name, fuse=fuse
+            program,
+            devices=devices,
+            static_argnums=static_argnums,
+            name=name,
+            fuse=fuse,
+            donate_argnums=donate_argnums,
         )
     if not callable(fun):
         raise errors.ProgramTraceError(f"pw.program expects a function, got {type(fun).__name__}: {fun!r}.")
@@ -392,6 +474,11 @@ def program(
         raise errors.PlacementError(
             f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
         )
-    return Program(
-        fun, devices=devices, static_argnums=_static_positions(static_argnums), name=name, fuse=fuse
-    )
+    statics = _static_positions(static_argnums)
+    donate = _static_positions(donate_argnums, "donate_argnums")
+    if set(donate) & set(statics):
+        raise errors.ProgramTraceError(
+            f"pw.program({getattr(fun, '__name__', fun)!r}): arguments {sorted(set(donate) & set(statics))} "
+            "are both static and donated; a static argument is a Python value with no buffer to donate."
+        )
+    return Program(fun, devices=devices, static_argnums=statics, name=name, fuse=fuse, donate_argnums=donate)

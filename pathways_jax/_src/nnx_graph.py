@@ -1,0 +1,266 @@
+"""Flax NNX graph objects as program arguments, with the semantics of ``nnx.jit``.
+
+A program called with NNX objects (modules, ``nnx.Optimizer``, ``nnx.Rngs``,
+Variables, nested in tuples, lists and dicts) runs the way ``nnx.jit`` runs
+its function: the objects are split into a pytree of states before the
+program's own argument handling, an inner program (which sees only arrays
+and futures) merges them back into objects inside its trace, calls the
+user's function and returns the output with the updated states, and the
+caller's objects are updated in place with those states: their Variables
+then hold :class:`Future` s. Sharing between arguments is kept (a Variable
+reached from two arguments is one input), as are new attributes and
+returned objects.
+
+This module owns that split/merge; it imports Flax only when a call has
+NNX objects (``flax.nnx`` already imported), never at package import.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+from pathways_jax._src import errors
+
+
+class GraphArgument(Exception):
+    """Raised by the argument signature for a leaf that is an NNX graph node or Variable."""
+
+
+class _Route:
+    """Marks a program cache key whose arguments hold NNX objects (see ``Program.__call__``)."""
+
+    __slots__ = ()
+
+    def is_current(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "nnx_graph.ROUTE"
+
+
+ROUTE = _Route()
+
+
+def _nnx() -> Any:
+    """``flax.nnx`` if it is imported, else None: no NNX object can exist without it."""
+    return sys.modules.get("flax.nnx")
+
+
+def is_graph_leaf(leaf: Any) -> bool:
+    """True for an NNX Variable or graph node (a leaf of ``jax.tree`` when not a pytree)."""
+    if _nnx() is None:
+        return False
+    from flax.nnx import graphlib
+
+    return graphlib.is_graph_node(leaf)
+
+
+def has_graph_nodes(tree: Any) -> bool:
+    """True when the pytree holds an NNX Variable or graph node anywhere."""
+    if _nnx() is None:
+        return False
+    import jax
+    from flax.nnx import graphlib
+
+    return any(
+        graphlib.is_graph_node(leaf)
+        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=graphlib.is_graph_node)
+    )
+
+
+def routes(program: Any, tree: Any) -> bool:
+    """True when a program's arguments hold NNX objects it should run as ``nnx.jit`` does.
+
+    The inner programs made here take NNX pytrees as plain pytrees (Flax's tree mode).
+    """
+    return not getattr(program, "_nnx_inner", False) and has_graph_nodes(tree)
+
+
+def _inner_program(program: Any, inner_fun: Any) -> Any:
+    from pathways_jax._src.tracing import Program
+
+    options = {"donate_argnums": program._donate} if getattr(program, "_donate", ()) else {}
+    inner = Program(
+        inner_fun,
+        devices=program._devices,
+        static_argnums=program._static,
+        name=program.name,
+        fuse=program._fuse,
+        **options,
+    )
+    inner.source_info = program.source_info
+    inner._nnx_inner = True
+    return inner
+
+
+class _GraphCall:
+    """The inner program of one program, and the tag of its Flax update context.
+
+    The inner function is Flax's own ``JitFn`` (what ``nnx.jit`` traces): it
+    merges the states into objects inside the trace, calls the user's
+    function, and splits the arguments and the output again.
+    """
+
+    def __init__(self, program: Any):
+        from flax.nnx.transforms import compilation
+
+        self.program = weakref.proxy(program)
+        inner = compilation.JitFn(program._fun, None, None, None, self)
+        self.inner = _inner_program(program, inner)
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        from flax.nnx import extract, graphlib
+        from flax.nnx.transforms import compilation
+
+        with graphlib.update_context(self):
+            pure_args, pure_kwargs = _to_tree(
+                self.program,
+                lambda: extract.to_tree((args, kwargs), split_fn=compilation._jit_split_fn, ctxtag=self),
+            )
+            pure_out = _run(self.inner, pure_args, pure_kwargs, (args, kwargs))
+            _args_out, _kwargs_out, out = extract.from_tree(
+                pure_out, merge_fn=compilation._jit_merge_fn, is_inner=False, ctxtag=self
+            )
+        return out
+
+    def graph(self, args: tuple, kwargs: dict) -> Any:
+        from flax.nnx import extract, graphlib
+        from flax.nnx.transforms import compilation
+
+        with graphlib.update_context(self):
+            pure_args, pure_kwargs = _to_tree(
+                self.program,
+                lambda: extract.to_tree((args, kwargs), split_fn=compilation._jit_split_fn, ctxtag=self),
+            )
+            return self.inner.graph(*pure_args, **pure_kwargs)
+
+
+class _TreeCall:
+    """The inner program in Flax's tree mode (``nnx.jit(graph=False)`` or no graph updates).
+
+    The inner function is Flax's ``SimpleJitFn``: it returns the output and
+    the Variables that changed, which are then written into the caller's.
+    """
+
+    def __init__(self, program: Any, graph: bool):
+        from flax.nnx.transforms import compilation
+
+        self.program = weakref.proxy(program)
+        self.graph_mode = graph
+        inner = compilation.SimpleJitFn(
+            program._fun, None, None, frozenset(getattr(program, "_donate", ())), frozenset(), graph, (None,)
+        )
+        self.inner = _inner_program(program, inner)
+
+    def _pure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        from flax.nnx import extract
+
+        if self.graph_mode:
+            return _to_tree(self.program, lambda: extract.to_tree2((args, kwargs)))
+        return args, kwargs
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        from flax.nnx import extract
+
+        original = (args, kwargs)
+        args, kwargs = self._pure(args, kwargs)
+        variables = extract.check_no_aliases("jit", args=args, kwargs=kwargs)
+        out, updates = _run(self.inner, args, kwargs, original)
+        extract.apply_updates(variables, updates)
+        return extract.from_tree2(out) if self.graph_mode else out
+
+    def graph(self, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self._pure(args, kwargs)
+        return self.inner.graph(*args, **kwargs)
+
+
+_ARRAY_LIKE = (bool, int, float, complex)
+
+
+def _run(inner: Any, args: tuple, kwargs: dict, original: Any) -> Any:
+    try:
+        return inner(*args, **kwargs)
+    except errors.ProgramTraceError as exc:
+        _explain(inner, original, exc)
+        raise
+
+
+def _explain(inner: Any, original: Any, exc: Exception) -> None:
+    """Names the NNX Variable holding a value a program cannot take (once a call failed)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from flax.nnx import graphlib
+
+    from pathways_jax._src.futures import Future
+
+    taken = (jax.Array, np.ndarray, np.generic, Future, *_ARRAY_LIKE)
+    for top, node in jax.tree_util.tree_leaves_with_path(original, is_leaf=graphlib.is_graph_node):
+        if not graphlib.is_graph_node(node):
+            continue
+        for path, value in nnx.iter_graph(node):
+            if not isinstance(value, nnx.Variable):
+                continue
+            held = value.get_value()
+            if all(isinstance(leaf, taken) for leaf in jax.tree_util.tree_leaves(held)):
+                continue
+            where = jax.tree_util.keystr(top[1:]) + "".join(f".{part}" for part in path)
+            raise errors.ProgramTraceError(
+                f"program {inner.name!r} ({inner.source_info}) got Flax NNX objects whose "
+                f"{type(value).__name__} at argument {where} holds a {type(held).__name__}; expected every "
+                "Variable to hold a jax.Array, numpy array, Python scalar or pw.Future, as "
+                "nnx.jit does. Keep other values in plain attributes (static), or out of the "
+                "arguments."
+            ) from exc
+
+
+def _to_tree(program: Any, split: Any) -> Any:
+    try:
+        return split()
+    except errors.PathwaysError:
+        raise
+    except Exception as exc:
+        raise errors.ProgramTraceError(
+            f"program {program.name!r} ({program.source_info}) got Flax NNX objects it cannot "
+            f"split into states the way nnx.jit does: {type(exc).__name__}: {exc}. Pass NNX "
+            "modules, nnx.Optimizer, nnx.Rngs and Variables (in tuples, lists or dicts) whose "
+            "states hold arrays, or split them yourself with nnx.split and pass the state."
+        ) from exc
+
+
+def _inner(program: Any) -> _GraphCall | _TreeCall:
+    if getattr(program, "_nnx_inner", False):  # a graph node that is not a pytree, in tree mode
+        raise errors.ProgramTraceError(
+            f"program {program.name!r} ({program.source_info}) got a Flax NNX object that is not "
+            "a pytree while nnx.set_graph_mode(False) is in effect; as with nnx.jit, tree mode "
+            "takes only pytree modules. Use graph mode, or make the module a pytree."
+        )
+    graph, updates = _modes()
+    key = (graph, updates)
+    calls = program.__dict__.setdefault("_nnx_calls", {})
+    call = calls.get(key)
+    if call is None:
+        with program._lock:
+            call = calls.get(key)
+            if call is None:
+                call = _GraphCall(program) if graph and updates else _TreeCall(program, graph)
+                calls[key] = call
+    return call
+
+
+def _modes() -> tuple[bool, bool]:
+    from flax.nnx import graphlib
+
+    return bool(graphlib.set_graph_mode.current_value()), bool(graphlib.set_graph_updates.current_value())
+
+
+def call(program: Any, args: tuple, kwargs: dict) -> Any:
+    """Runs ``program`` on arguments holding NNX objects, as ``nnx.jit`` would run it."""
+    return _inner(program)(args, kwargs)
+
+
+def graph(program: Any, args: tuple, kwargs: dict) -> Any:
+    """The graph ``program`` traces into for arguments holding NNX objects."""
+    return _inner(program).graph(args, kwargs)
