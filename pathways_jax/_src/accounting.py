@@ -24,6 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from absl import logging
+
+from pathways_jax._src import readiness
+
 now = time.perf_counter_ns
 # The watcher is never woken per run (a wake-up per run costs the dispatching
 # thread a GIL hand-off): when idle it looks for new notes this often, and
@@ -37,25 +41,13 @@ _EMA = 0.1  # weight of a new measurement in a plan's cost estimate
 
 
 def _ready(arrays: tuple) -> bool:
-    for array in arrays:
-        try:
-            if not array.is_ready() and not array.is_deleted():
-                return False
-        except Exception:  # it failed: it is over
-            pass
-    return True
+    return all(readiness.settled(array) for array in arrays)
 
 
 def _block(arrays: list) -> None:
     for array in arrays:
-        try:
-            array.block_until_ready()
-        except Exception:
-            # Deleted (or donated) by its user once computed, perhaps while we
-            # looked: that is not a failure of the run.
-            if array.is_deleted():
-                continue
-            raise
+        # Deleted (or donated) by its user once computed: not a failure of the run.
+        readiness.block(array)
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,6 +74,7 @@ class Accounting:
         # Notes are appended by the dispatcher (no lock: deque appends are
         # atomic) and taken by the watcher, which is woken only when it sleeps.
         self._notes: collections.deque[tuple] = collections.deque()
+        self._batch: list = []  # the notes being accounted now (failed with them on a bug)
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._open: dict[tuple, list] = {}  # folded records, taken by the watcher
@@ -162,41 +155,67 @@ class Accounting:
                 self._wakeup.wait(_IDLE_POLL_S)
                 continue
             self._busy = True
-            while notes:
-                pending.append(notes.popleft())
-            if self._open:
-                with self._open_lock:
-                    folded, self._open = self._open, {}
-                pending.extend(folded.values())
-            # Runs on the same devices finish in dispatch order: wait (in XLA,
-            # without the GIL) for the oldest, then take every run that is done.
-            head = pending[0]
-            behind = _ready(head[2])
-            if not behind:
-                for array in head[2]:
-                    with contextlib.suppress(Exception):
-                        array.block_until_ready()
-            t = now()
-            # Runs of one plan use the same devices and finish in dispatch order:
-            # once the newest finished run of a plan is found, every older run of
-            # it is done too. So readiness is asked once per plan, not per run
-            # (every question costs the dispatching thread GIL time).
-            done_plans: set[int] = set()
-            batch, keep = [], []
-            for note in reversed(pending):
-                plan_id = id(note[0].plan)
-                if plan_id in done_plans or _ready(note[2]):
-                    done_plans.add(plan_id)
-                    batch.append(note)
-                else:
-                    keep.append(note)
-            pending.clear()
-            pending.extend(reversed(keep))
-            batch.reverse()
-            self._account(batch, t)
-            if behind or len(batch) > 1 or t - head[1] < _BATCH_S * 1e9:
-                # Short runs: wake once per batch (end times then known to _BATCH_S).
-                time.sleep(_BATCH_S)
+            try:
+                self._step(pending)
+            except Exception as exc:  # the watcher's own bookkeeping failed: fail its runs, go on
+                self._internal_error(pending, exc)
+
+    def _internal_error(self, pending: collections.deque, exc: Exception) -> None:
+        """Fails the runs the watcher holds after a bug of its own; the watcher keeps serving."""
+        from pathways_jax._src import errors
+
+        logging.error("pathways_jax accounting failed; the runs it held fail: %r", exc)
+        notes = list(pending) + self._batch
+        pending.clear()
+        self._batch = []
+        for note in notes:
+            cause = errors.PathwaysError(
+                f"pathways_jax's accounting failed while it watched this run ({type(exc).__name__}: "
+                f"{exc}); the run's outputs are not trusted. This is a bug of pathways_jax: please "
+                "report it. Other programs keep running."
+            )
+            cause.__cause__ = exc
+            with contextlib.suppress(Exception):
+                self._on_done(note[0], 0.0, cause)
+
+    def _step(self, pending: collections.deque) -> None:
+        """Takes new notes, waits for the oldest run, and accounts every run that is done."""
+        notes = self._notes
+        while notes:
+            pending.append(notes.popleft())
+        if self._open:
+            with self._open_lock:
+                folded, self._open = self._open, {}
+            pending.extend(folded.values())
+        # Runs on the same devices finish in dispatch order: wait (in XLA,
+        # without the GIL) for the oldest, then take every run that is done.
+        head = pending[0]
+        behind = _ready(head[2])
+        if not behind:
+            readiness.poll(head[2], lambda: self._stopping)
+        t = now()
+        # Runs of one plan use the same devices and finish in dispatch order:
+        # once the newest finished run of a plan is found, every older run of
+        # it is done too. So readiness is asked once per plan, not per run
+        # (every question costs the dispatching thread GIL time).
+        done_plans: set[int] = set()
+        batch, keep = [], []
+        for note in reversed(pending):
+            plan_id = id(note[0].plan)
+            if plan_id in done_plans or _ready(note[2]):
+                done_plans.add(plan_id)
+                batch.append(note)
+            else:
+                keep.append(note)
+        pending.clear()
+        pending.extend(reversed(keep))
+        batch.reverse()
+        self._batch = batch  # failed too if accounting them breaks
+        self._account(batch, t)
+        self._batch = []
+        if behind or len(batch) > 1 or t - head[1] < _BATCH_S * 1e9:
+            # Short runs: wake once per batch (end times then known to _BATCH_S).
+            time.sleep(_BATCH_S)
 
     def _account(self, batch: list[tuple], t: int) -> None:
         # Execution errors are looked for once per record: exact for runs noted

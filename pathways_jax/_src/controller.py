@@ -31,8 +31,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import jax
+from absl import logging
 
-from pathways_jax._src import counters, errors, scheduler, timeline
+from pathways_jax._src import counters, errors, readiness, scheduler, timeline
 from pathways_jax._src.accounting import Accounting
 from pathways_jax._src.lowering import ExecStep, MoveStep, Run
 from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
@@ -98,6 +99,9 @@ class Controller:
                         self._charge(run)
                     self._execute(run)
                     return
+            except Exception as exc:  # the controller's own bookkeeping: fail this run only
+                self._internal_error(run, exc)
+                return
             finally:
                 self._dispatch.release()
         key = run.client.key
@@ -127,8 +131,14 @@ class Controller:
     def _serve(self) -> None:
         finished = False
         while True:
-            self._store.collect()
-            run = self._next(finished)
+            try:
+                self._store.collect()
+                run = self._next(finished)
+            except Exception as exc:  # a bug in the controller's own bookkeeping: keep serving
+                finished = False
+                logging.error("pathways_jax controller: picking the next run failed: %r", exc)
+                time.sleep(_BLOCKED_POLL_S)
+                continue
             if run is None:
                 return
             finished = True
@@ -136,7 +146,20 @@ class Controller:
                 with self._dispatch:
                     self._execute(run)
             except BaseException as exc:
-                self._fail(run, f"program {run.plan.graph.name!r} run {run.id} failed in the controller", exc)
+                self._internal_error(run, exc)
+
+    def _internal_error(self, run: Run, exc: BaseException) -> None:
+        """Fails ``run`` after an error of the controller's own (not of the user's code)."""
+        logging.error("pathways_jax controller failed on run %d: %r", run.id, exc)
+        cause = errors.PathwaysError(
+            f"pathways_jax's controller failed while handling this run ({type(exc).__name__}: {exc}). "
+            "This is a bug of pathways_jax: please report it. Other programs keep running."
+        )
+        cause.__cause__ = exc
+        try:
+            self._fail(run, f"program {run.plan.graph.name!r} run {run.id} failed in the controller", cause)
+        except Exception as again:  # pragma: no cover - last resort: never let it escape
+            logging.error("pathways_jax controller could not fail run %d: %r", run.id, again)
 
     def _sleep(self, timeout: float | None = None) -> None:
         """Waits on the condition (lock held) until a submission or a release notifies it."""
@@ -186,7 +209,7 @@ class Controller:
                 # count as running, which at worst sends a run to the queue.
                 if self._remote is None and running + count > window:
                     for item in items:
-                        if not item[0].is_ready():
+                        if not readiness.settled(item[0]):
                             break
                         running -= 1
                 if busy is not None:
@@ -217,14 +240,19 @@ class Controller:
                 # Heads of one plan without future inputs are held back (or not)
                 # by the same things: look once per plan, not once per client.
                 verdicts: dict[int, int] = {}
+                broken: list[tuple[Run, Exception]] = []
                 for queue in self._queues.values():
                     run = queue[0]
-                    if run.future_inputs:
-                        why = self._blocker(run, busy)
-                    else:
-                        why = verdicts.get(id(run.plan))
-                        if why is None:
-                            why = verdicts[id(run.plan)] = self._blocker(run, busy)
+                    try:
+                        if run.future_inputs:
+                            why = self._blocker(run, busy)
+                        else:
+                            why = verdicts.get(id(run.plan))
+                            if why is None:
+                                why = verdicts[id(run.plan)] = self._blocker(run, busy)
+                    except Exception as exc:
+                        broken.append((run, exc))
+                        continue
                     if why == _GO:
                         go.append(run)
                     elif why == _NO_ROOM:
@@ -234,18 +262,31 @@ class Controller:
                         if why == _MEMORY and run.blocked_since is None:
                             run.blocked_since = time.monotonic()
                             run.blocked_ns = _now()
+                if broken:
+                    for run, exc in broken:
+                        self._pop(run)
+                        self._queued -= 1
+                        self._internal_error(run, exc)
+                    continue
                 candidates = go or no_room
                 if candidates:
                     heads = [run.head for run in candidates]
-                    index = self._policy.pick(heads)
-                    run = candidates[index]
-                    if not self._admit(run):  # memory went between the check and now
-                        self._sleep(_BLOCKED_POLL_S)
+                    run = candidates[0]
+                    try:
+                        index = self._policy.pick(heads)
+                        run = candidates[index]
+                        if not self._admit(run):  # memory went between the check and now
+                            self._sleep(_BLOCKED_POLL_S)
+                            continue
+                        # Charged at the cost known now: the estimate moves while a run waits.
+                        heads[index] = self._head(run)
+                        self._policy.picked(heads, index)
+                        run.estimate = heads[index].cost
+                    except Exception as exc:  # the policy's bookkeeping: the picked run fails alone
+                        self._pop(run)
+                        self._queued -= 1
+                        self._internal_error(run, exc)
                         continue
-                    # Charged at the cost known now: the estimate moves while a run waits.
-                    heads[index] = self._head(run)
-                    self._policy.picked(heads, index)
-                    run.estimate = heads[index].cost
                     self._pop(run)
                     if run.blocked_since is not None:
                         rec = timeline.ACTIVE
@@ -383,7 +424,7 @@ class Controller:
 
     def in_flight_by_island(self) -> dict[int, int]:
         return {
-            island: sum(1 for item in list(items) if not item[0].is_ready())
+            island: sum(1 for item in list(items) if not readiness.settled(item[0]))
             for island, items in list(self._in_flight.items())
         }
 
@@ -396,7 +437,7 @@ class Controller:
         rec = timeline.ACTIVE if waited else None
         t0 = rec.now() if rec is not None else 0
         try:
-            oldest.block_until_ready()
+            readiness.block(oldest)  # a later run may have consumed it (donation): not a failure
         except Exception:  # the run's futures raise it; count the run once
             if not run.failed:
                 run.failed = True
@@ -483,6 +524,8 @@ class Controller:
                         counters.bump(f"transfers_{step.kind}")
                     if rec is not None:
                         rec.moved(run, step, env[step.src], env[step.dst], t0)
+            if run.plan.consumed_feeds:
+                self._spend(run)
         except Exception as exc:  # a user error fails its run only
             self._fail(run, self._where(graph.name, run.id, step), exc)
             return
@@ -490,6 +533,18 @@ class Controller:
             counters.bump("dispatches", dispatched)
             run.future_inputs = []
         self._publish(run, started, env, tuple([env[slot] for _, slot, _ in run.plan.acct_groups]))
+
+    def _spend(self, run: Run) -> None:
+        """Futures whose buffers the run's executables consumed (donated) cannot be read again."""
+        consumed = run.plan.consumed_feeds
+        for slot, future in run.future_inputs:
+            if slot in consumed:
+                entry = future._entry
+                message = (
+                    f"{entry.origin} was donated to program {run.plan.graph.name!r} (donate_argnums) "
+                    "and its buffer was reused; use the program's outputs instead."
+                )
+                self._store.free([entry], failure=(message, None))
 
     def _publish(self, run: Run, started: int, values: Any, last: tuple) -> None:
         """A dispatched run's outputs become ready (``values[slot]``); the watcher gets ``last``."""

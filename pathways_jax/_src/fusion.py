@@ -1,8 +1,10 @@
 """Chain fusion: consecutive nodes on one slice become one compiled node.
 
-``@pw.program(fuse=True)`` trades the graph's node-per-function structure for
-fewer dispatches: every run of consecutive steps that are nodes on the same
-slice is compiled as one executable. Values the run makes and only the run
+Programs fuse by default (``@pw.program(fuse=False)`` opts out): every run of
+consecutive steps that are nodes on the same slice is compiled as one
+executable, trading the graph's node-per-function structure for fewer
+dispatches. A run ends after a node whose output another slice reads, so that
+the transfer goes as soon as the value exists. Values the run makes and only the run
 reads stay inside the executable; values read elsewhere (by a later node, a
 transfer or the program's outputs) become outputs of the fused node, so results
 are exactly those of the unfused program.
@@ -22,18 +24,26 @@ from pathways_jax._src.graph import Graph, Node
 
 
 def _group_runs(graph: Graph) -> list[list[int] | tuple[str, int]]:
-    """The steps, with consecutive same-slice node steps gathered into lists."""
+    """The steps, with consecutive same-slice node steps gathered into lists.
+
+    A run ends after a node whose output another slice reads (through a
+    transfer): that slice must not wait for the rest of the chain.
+    """
+    leaves = {t.value for t in graph.transfers}
     out: list[list[int] | tuple[str, int]] = []
+    open_run = False
     for kind, index in graph.steps:
         if kind == "node":
             node = graph.nodes[index]
             last = out[-1] if out else None
-            if isinstance(last, list) and graph.nodes[last[-1]].slice is node.slice:
+            if open_run and isinstance(last, list) and graph.nodes[last[-1]].slice is node.slice:
                 last.append(index)
-                continue
-            out.append([index])
+            else:
+                out.append([index])
+            open_run = not leaves.intersection(node.outputs)
         else:
             out.append((kind, index))
+            open_run = False
     return out
 
 
@@ -51,11 +61,14 @@ def _fuse_nodes(graph: Graph, members: list[Node], read_outside: set[int]) -> No
     produced = {vid for m in members for vid in m.outputs}
     inputs: list[int] = []
     in_specs: list[Any] = []
+    donated: dict[int, bool] = {}  # an input stays donated if every member reading it donates it
     for m in members:
-        for vid, spec in zip(m.inputs, m.in_specs, strict=True):
+        for vid, spec, gives in zip(m.inputs, m.in_specs, m.donated, strict=True):
             if vid not in produced and vid not in inputs:
                 inputs.append(vid)
                 in_specs.append(spec)
+            if vid not in produced:
+                donated[vid] = donated.get(vid, True) and gives
     outputs: list[int] = []
     out_specs: list[Any] = []
     for m in members:
@@ -65,10 +78,21 @@ def _fuse_nodes(graph: Graph, members: list[Node], read_outside: set[int]) -> No
                 out_specs.append(spec)
     functions = [(m, jex.jaxpr_as_fun(m.jaxpr)) for m in members]
 
+    def constrain(value: Any, spec: Any) -> Any:
+        # A member's placement specs still hold inside the fused executable.
+        return value if spec is None else jax.lax.with_sharding_constraint(value, spec)
+
     def fused(*args: Any) -> list[Any]:
         env = dict(zip(inputs, args, strict=True))
         for m, fun in functions:
-            env.update(zip(m.outputs, fun(*(env[v] for v in m.inputs)), strict=True))
+            ins = [
+                constrain(env[v], spec) if v in produced else env[v]
+                for v, spec in zip(m.inputs, m.in_specs, strict=True)
+            ]
+            outs = fun(*ins)
+            env.update(
+                (v, constrain(out, spec)) for v, out, spec in zip(m.outputs, outs, m.out_specs, strict=True)
+            )
         return [env[v] for v in outputs]
 
     avals = [graph.values[v].aval for v in inputs]
@@ -84,7 +108,7 @@ def _fuse_nodes(graph: Graph, members: list[Node], read_outside: set[int]) -> No
         outputs=tuple(outputs),
         in_specs=tuple(in_specs),
         out_specs=tuple(out_specs),
-        donated=(False,) * len(inputs),
+        donated=tuple(donated[v] for v in inputs),
         source_info=first.source_info,
     )
 

@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import warnings
 from typing import Any, Literal
 
 import jax
@@ -170,8 +171,11 @@ def _same(a: Any, b: Any, ndim: int) -> bool:
 class Plan:
     """A graph bound to physical devices: what the controller executes per run."""
 
-    def __init__(self, graph: Graph, signature: tuple):
+    def __init__(self, graph: Graph, signature: tuple, donated: frozenset[int] = frozenset()):
         self.graph = graph
+        self.donated_args = donated  # argument leaves the caller donated (donate_argnums)
+        # Future feed slots whose buffer an executable consumes: their futures are spent.
+        self.consumed_feeds: frozenset[int] = frozenset()
         self.slices = graph.slices
         self.mapping = tuple((s, s.devices) for s in self.slices)
         self.cluster = self.slices[0].cluster if self.slices else None
@@ -190,6 +194,8 @@ class Plan:
         self._epoch = self.cluster.mapping_epoch if self.cluster is not None else 0
         self._lower(signature)
         self._account()
+        if self.consumed_feeds and self.remote_backend is not None:
+            self.consumed_feeds = frozenset()  # hosts compile without donation
         if self.cluster is not None and self.cluster.store.budget is not None:
             self.check_budget(self.cluster.store.budget)
         self.signatures = [out.signature for out in self.outputs]
@@ -225,7 +231,12 @@ class Plan:
         placed: dict[tuple[int, Any], int] = {}  # (vid, sharding) -> slot
         transfer_of = {t.output: t for t in graph.transfers}
 
+        donated_values: set[int] = set()  # program inputs the caller gave up
+        input_values: dict[int, int] = {}  # vid -> argument leaf index
         for inp in graph.inputs:
+            input_values[inp.value] = inp.index
+            if inp.index in self.donated_args:
+                donated_values.add(inp.value)
             sig = signature[inp.index]
             if sig[0] in ("future", "array"):
                 slot = self._new_slot()
@@ -285,6 +296,7 @@ class Plan:
             return slot
 
         cache = self.cluster.executables if self.cluster is not None else None
+        consumed: set[int] = set()
         for kind, index in graph.steps:
             if kind == "transfer":
                 continue  # materialised where a node first reads the moved value
@@ -308,8 +320,13 @@ class Plan:
                 target = _target(spec, current, mesh, aval)
                 in_slots.append(materialise(vid, target, len(aval.shape)))
                 shardings.append(target)
-                if node.donated[position] and readers[vid] == 1 and vid in made_here:
+                wants = node.donated[position] or vid in donated_values
+                if wants and readers[vid] == 1 and (vid in made_here or vid in input_values):
                     donate.append(position)
+                    if vid in input_values and vid in home and home[vid][0] == in_slots[-1]:
+                        consumed.add(in_slots[-1])  # the caller's own buffer goes
+                elif wants and vid in input_values:
+                    _warn_donation(graph, node, input_values[vid])
             out_shardings = tuple(
                 NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
             )
@@ -357,6 +374,7 @@ class Plan:
                 produced,
             )
 
+        self.consumed_feeds = frozenset(slot for _, slot in self.future_feeds if slot in consumed)
         for out in graph.outputs:
             if out.value is None:
                 literal = jnp.asarray(out.literal)
@@ -556,10 +574,31 @@ def _compile(
     return compiled, exported
 
 
-def lower(graph: Graph, signature: tuple) -> Plan:
-    """Binds ``graph`` to the slices' current devices and compiles its nodes."""
+_warned: set[tuple[str, str, int]] = set()
+
+
+def _warn_donation(graph: Graph, node: Node, leaf: int) -> None:
+    """Says once per program, node and argument that a donation cannot be honoured."""
+    key = (graph.name, node.name, leaf)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"program {graph.name!r}: argument leaf {leaf} is donated (donate_argnums) but node "
+        f"{node.name!r} ({node.source_info}) is not its only reader, so its buffer is kept. "
+        "Donate only arguments that one computation reads, or drop the donation.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def lower(graph: Graph, signature: tuple, donated: frozenset[int] = frozenset()) -> Plan:
+    """Binds ``graph`` to the slices' current devices and compiles its nodes.
+
+    ``donated``: argument leaves whose buffers the program may consume.
+    """
     t0 = timeline.now()
-    plan = Plan(graph, signature)
+    plan = Plan(graph, signature, donated)
     counters.bump("lowerings")
     timeline.lowered(plan, t0)
     return plan

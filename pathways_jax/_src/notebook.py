@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pathways_jax._src import render
+from pathways_jax._src import readiness, render
 from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
 
 __all__ = ["cluster_html", "future_html", "program_html", "slice_html"]
@@ -214,7 +214,7 @@ def _future_state(future: Any) -> tuple[str, str]:
             return "pending", "not dispatched yet"
         case Ready(array):
             try:
-                if not array.is_ready():
+                if not readiness.is_ready(array):
                     return "pending", "dispatched, computing"
                 array.block_until_ready()  # ready: returns at once, or raises its error
             except Exception as exc:

@@ -39,7 +39,7 @@ from typing import Any
 
 from absl import logging
 
-from pathways_jax._src import errors
+from pathways_jax._src import errors, readiness
 
 __all__ = ["ACTIVE", "Recorder", "start_trace", "stop_trace", "trace"]
 
@@ -98,16 +98,11 @@ class _Work:
         self.args = args
 
     def ready(self) -> bool:
-        for array in self.arrays:
+        if not all(readiness.settled(array) for array in self.arrays):
+            return False
+        for array in self.arrays:  # all settled: surface an execution error, if any
             try:
-                if not array.is_deleted() and not array.is_ready():
-                    return False
-            except Exception:  # it failed: it is over
-                self.args["error"] = True
-        for array in self.arrays:  # all ready: surface an execution error, if any
-            try:
-                if not array.is_deleted():  # a donated output was consumed: not an error
-                    array.block_until_ready()
+                readiness.block(array)  # a donated output was consumed: not an error
             except Exception as exc:
                 self.args["error"] = f"{type(exc).__name__}: {exc}"[:500]
         self.arrays = []

@@ -1,0 +1,75 @@
+"""Is a value computed yet: one answer for every kind of array the runtime holds.
+
+``jax.Array`` has ``is_ready``; arrays of extended dtypes (typed PRNG keys from
+``jax.random.key``) do not, but wrap a plain array that has; values on Ray
+hosts (``RemoteArray``) answer for themselves. Everything in the runtime that
+asks whether a value is done asks here, so no array type a ``jax.jit``
+function can return can break the controller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _probe(array: Any) -> Any:
+    """The object whose ``is_ready`` answers for ``array``."""
+    if hasattr(array, "is_ready"):
+        return array
+    base = getattr(array, "_base_array", None)  # extended dtypes: typed keys and the like
+    if base is not None and hasattr(base, "is_ready"):
+        return base
+    return None
+
+
+def is_ready(array: Any) -> bool:
+    """True once ``array`` is computed (or failed). Never waits, except for unknown kinds.
+
+    Raises what the computation raised, like ``jax.Array.is_ready``.
+    """
+    probe = _probe(array)
+    if probe is not None:
+        return probe.is_ready()
+    array.block_until_ready()  # a kind that cannot be asked: wait for it
+    return True
+
+
+def is_deleted(array: Any) -> bool:
+    """True if ``array``'s buffers were deleted (freed or donated by its user)."""
+    probe = getattr(array, "is_deleted", None)
+    return bool(probe()) if probe is not None else False
+
+
+def settled(array: Any) -> bool:
+    """True once nothing more will happen to ``array``: computed, failed or deleted."""
+    try:
+        return is_deleted(array) or is_ready(array)
+    except Exception:  # it failed: it is over
+        return True
+
+
+def block(array: Any) -> None:
+    """Waits for ``array``; raises its execution error. A deleted array is not an error."""
+    try:
+        array.block_until_ready()
+    except Exception:
+        if is_deleted(array):
+            return
+        raise
+
+
+def poll(arrays: Any, stopping: Callable[[], bool], longest_s: float = 2e-3) -> None:
+    """Waits until every array is settled or ``stopping()``, sleeping in Python between looks.
+
+    For the runtime's own threads: a thread asleep in Python, unlike one
+    blocked inside XLA, can be stopped at interpreter exit without aborting the
+    process, so exit without ``pw.shutdown()`` stays clean whatever is running.
+    """
+    pause = 1e-5
+    while not all(settled(array) for array in arrays):
+        if stopping():
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, longest_s)
