@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import operator
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from pathways_jax._src import errors
+from pathways_jax._src import errors, readiness
 from pathways_jax._src.backends.ray import RemoteArray
 from pathways_jax._src.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
 
@@ -18,7 +21,7 @@ def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
         array.block_until_ready()
         return True
     pause = 1e-5
-    while not array.is_ready():
+    while not readiness.is_ready(array):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
@@ -28,11 +31,77 @@ def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
     return True
 
 
+def _on_value(op: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``future.<name>(*args)`` is ``op(value, *args)``, once the value is computed."""
+
+    def method(self: Future, *args: Any) -> Any:
+        return op(self.result(), *args)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _reflected(op: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``future.<name>(other)`` is ``op(other, value)``: the future on the right."""
+
+    def method(self: Future, other: Any) -> Any:
+        return op(other, self.result())
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _array_method(name: str) -> Callable[..., Any]:
+    """``future.<name>(...)`` waits, then calls ``jax.Array.<name>`` on the value."""
+
+    def method(self: Future, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.result(), name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Waits for the value and returns ``value.{name}(...)`` (see ``jax.Array.{name}``)."
+    return method
+
+
+def _array_property(name: str) -> property:
+    return property(
+        lambda self: getattr(self.result(), name),
+        doc=f"Waits for the value and returns ``value.{name}`` (see ``jax.Array.{name}``).",
+    )
+
+
 class Future:
     """A value a program is computing, living on the devices of a slice.
 
-    Passing a future to another program keeps the value on its devices; call
-    :meth:`result` to bring it to the caller as a ``jax.Array``.
+    Passing a future to another program keeps the value on its devices and does
+    not wait for it; call :meth:`result` to bring it to the caller as a
+    ``jax.Array``.
+
+    Everywhere else a future stands for that ``jax.Array``: it waits for the
+    value (through :meth:`result`, so a failed run raises the same
+    ``pw.errors`` type) and then does what the array would do, returning plain
+    ``jax.Array`` s. That covers ``float``, ``int``, ``bool``, ``complex``,
+    ``operator.index``, ``round``, ``format``/f-strings and ``str``; every
+    arithmetic, bitwise and comparison operator with an array, a scalar or
+    another future on either side, and unary ``-``, ``+``, ``abs``, ``~``
+    (``x += future`` binds ``x`` to a new array, as for a ``jax.Array``);
+    indexing, iteration, ``in``; the ``jax.Array`` methods (``.item()``,
+    ``.tolist()``, ``.astype``, ``.reshape``, ``.sum``, ...) and properties
+    (``.T``, ``.real``, ``.at``, ...); ``np.asarray`` (with NumPy 2's
+    ``copy=``), ``jnp.asarray`` and the other ``jnp`` functions;
+    ``jax.jit(g)(future)``, which traces and caches as for the array itself;
+    and Flax NNX modules whose parameters hold futures. Like an array, a
+    future is unhashable. ``shape``, ``dtype``, ``ndim``, ``size``,
+    ``nbytes``, ``sharding``, ``len`` and ``repr`` come without waiting.
+
+    What still differs from a ``jax.Array``: ``isinstance(future, jax.Array)``
+    is False; ``repr`` shows the future (program, state), not the value; a
+    future is a pytree leaf of its own type, so ``jax.tree.map`` hands the
+    future itself to the function; abstract evaluation (``jax.eval_shape``,
+    tracing under ``jax.jit``) waits for the value too; and ``jax.jit`` and
+    ``jnp`` take futures through private JAX hooks registered at import
+    (``_register_with_jax``): on a JAX without them, call :meth:`result`
+    first. Futures of different slices combine as arrays on different devices
+    do: JAX raises unless they are moved (``jax.device_put``).
 
     Example:
       >>> import jax.numpy as jnp, pathways_jax as pw
@@ -41,6 +110,8 @@ class Future:
       >>> fut = double(jnp.arange(3.0))
       >>> fut.shape, fut.result().tolist()
       ((3,), [0.0, 2.0, 4.0])
+      >>> f"{fut.sum():.1f}", (fut + 1).tolist(), float(fut[2])
+      ('6.0', [1.0, 3.0, 5.0], 4.0)
       >>> s.release()
     """
 
@@ -82,7 +153,7 @@ class Future:
             case Pending():
                 return False
             case Ready(array):
-                return array.is_ready()
+                return readiness.settled(array)
             case _:
                 return True
 
@@ -144,9 +215,143 @@ class Future:
         self.result()
         return self
 
+    # --- standing for the jax.Array: each of these waits for the value ----------------------
+
+    __array_priority__ = 100  # as jax.Array: NumPy's operators defer to ours
+    __hash__ = None  # as jax.Array: == compares elementwise
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        out = np.asarray(self.result())
-        return out if dtype is None else out.astype(dtype)
+        # NumPy 2 passes copy= (copy=False raises if a copy is needed); NumPy 1 never does.
+        kwargs = {} if copy is None else {"copy": copy}
+        return np.asarray(self.result(), dtype=dtype, **kwargs)
+
+    def __jax_array__(self) -> jax.Array:
+        return self.result()
+
+    @property
+    def ndim(self) -> int:
+        return len(self._entry.aval.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._entry.aval.shape, dtype=np.int64))
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    def __len__(self) -> int:
+        shape = self._entry.aval.shape
+        if not shape:
+            raise TypeError("len() of unsized object")  # as jax.Array and NumPy
+        return shape[0]
+
+    __bool__ = _on_value(bool, "__bool__")
+    __int__ = _on_value(int, "__int__")
+    __float__ = _on_value(float, "__float__")
+    __complex__ = _on_value(complex, "__complex__")
+    __index__ = _on_value(operator.index, "__index__")
+    __round__ = _on_value(round, "__round__")
+    __format__ = _on_value(format, "__format__")
+    __str__ = _on_value(str, "__str__")
+    __iter__ = _on_value(iter, "__iter__")
+    __contains__ = _on_value(operator.contains, "__contains__")
+    __getitem__ = _on_value(operator.getitem, "__getitem__")
+    __setitem__ = _on_value(operator.setitem, "__setitem__")  # raises, as jax.Array does
+    __copy__ = _on_value(copy.copy, "__copy__")
+    __deepcopy__ = _on_value(copy.deepcopy, "__deepcopy__")
+
+    __neg__ = _on_value(operator.neg, "__neg__")
+    __pos__ = _on_value(operator.pos, "__pos__")
+    __abs__ = _on_value(operator.abs, "__abs__")
+    __invert__ = _on_value(operator.invert, "__invert__")
+
+    __eq__ = _on_value(operator.eq, "__eq__")  # type: ignore[assignment]
+    __ne__ = _on_value(operator.ne, "__ne__")  # type: ignore[assignment]
+    __lt__ = _on_value(operator.lt, "__lt__")
+    __le__ = _on_value(operator.le, "__le__")
+    __gt__ = _on_value(operator.gt, "__gt__")
+    __ge__ = _on_value(operator.ge, "__ge__")
+
+    # No __iadd__ and friends: `x += future` falls back to `x = x + future`, a new array.
+    __add__, __radd__ = _on_value(operator.add, "__add__"), _reflected(operator.add, "__radd__")
+    __sub__, __rsub__ = _on_value(operator.sub, "__sub__"), _reflected(operator.sub, "__rsub__")
+    __mul__, __rmul__ = _on_value(operator.mul, "__mul__"), _reflected(operator.mul, "__rmul__")
+    __matmul__ = _on_value(operator.matmul, "__matmul__")
+    __rmatmul__ = _reflected(operator.matmul, "__rmatmul__")
+    __truediv__ = _on_value(operator.truediv, "__truediv__")
+    __rtruediv__ = _reflected(operator.truediv, "__rtruediv__")
+    __floordiv__ = _on_value(operator.floordiv, "__floordiv__")
+    __rfloordiv__ = _reflected(operator.floordiv, "__rfloordiv__")
+    __mod__, __rmod__ = _on_value(operator.mod, "__mod__"), _reflected(operator.mod, "__rmod__")
+    __divmod__, __rdivmod__ = _on_value(divmod, "__divmod__"), _reflected(divmod, "__rdivmod__")
+    __pow__, __rpow__ = _on_value(operator.pow, "__pow__"), _reflected(operator.pow, "__rpow__")
+    __and__, __rand__ = _on_value(operator.and_, "__and__"), _reflected(operator.and_, "__rand__")
+    __or__, __ror__ = _on_value(operator.or_, "__or__"), _reflected(operator.or_, "__ror__")
+    __xor__, __rxor__ = _on_value(operator.xor, "__xor__"), _reflected(operator.xor, "__rxor__")
+    __lshift__ = _on_value(operator.lshift, "__lshift__")
+    __rlshift__ = _reflected(operator.lshift, "__rlshift__")
+    __rshift__ = _on_value(operator.rshift, "__rshift__")
+    __rrshift__ = _reflected(operator.rshift, "__rrshift__")
+
+    T = _array_property("T")
+    mT = _array_property("mT")
+    real = _array_property("real")
+    imag = _array_property("imag")
+    at = _array_property("at")
+    weak_type = _array_property("weak_type")
+
+    __array_namespace__ = _array_method("__array_namespace__")
+    __dlpack__ = _array_method("__dlpack__")
+    __dlpack_device__ = _array_method("__dlpack_device__")
+    all = _array_method("all")
+    any = _array_method("any")
+    argmax = _array_method("argmax")
+    argmin = _array_method("argmin")
+    argpartition = _array_method("argpartition")
+    argsort = _array_method("argsort")
+    astype = _array_method("astype")
+    byteswap = _array_method("byteswap")
+    choose = _array_method("choose")
+    clip = _array_method("clip")
+    compress = _array_method("compress")
+    conj = _array_method("conj")
+    conjugate = _array_method("conjugate")
+    copy = _array_method("copy")
+    cumprod = _array_method("cumprod")
+    cumsum = _array_method("cumsum")
+    diagonal = _array_method("diagonal")
+    dot = _array_method("dot")
+    flatten = _array_method("flatten")
+    item = _array_method("item")
+    max = _array_method("max")
+    mean = _array_method("mean")
+    min = _array_method("min")
+    nonzero = _array_method("nonzero")
+    prod = _array_method("prod")
+    ptp = _array_method("ptp")
+    ravel = _array_method("ravel")
+    repeat = _array_method("repeat")
+    reshape = _array_method("reshape")
+    round = _array_method("round")
+    searchsorted = _array_method("searchsorted")
+    sort = _array_method("sort")
+    squeeze = _array_method("squeeze")
+    std = _array_method("std")
+    sum = _array_method("sum")
+    swapaxes = _array_method("swapaxes")
+    take = _array_method("take")
+    to_device = _array_method("to_device")
+    tobytes = _array_method("tobytes")
+    tolist = _array_method("tolist")
+    trace = _array_method("trace")
+    transpose = _array_method("transpose")
+    var = _array_method("var")
+    view = _array_method("view")
 
     def _repr_html_(self) -> str:
         from pathways_jax._src import notebook
@@ -156,3 +361,51 @@ class Future:
     def __repr__(self) -> str:
         state = type(self._entry.state).__name__.lower()
         return f"Future({self._entry.origin}, shape={self.shape}, dtype={self.dtype}, {state})"
+
+
+def _register_with_jax() -> bool:
+    """Lets ``jax.jit`` and ``jnp`` functions take a future where they take a ``jax.Array``.
+
+    JAX 0.10 no longer calls ``__jax_array__`` when it abstracts an argument
+    ("Triggering __jax_array__() during abstractification is no longer
+    supported"), so ``jax.jit(g)(future)`` and ``jnp.mean(future)`` need the
+    hooks JAX's own array-like types (``PRNGKeyArray``, ``EArray``) use. All
+    three are private to JAX:
+
+    - ``jax._src.core.pytype_aval_mappings``: the abstract value tracing sees
+      (that of the computed value, so weak types and shardings match exactly);
+    - ``jax._src.dtypes.canonicalize_value_handlers``: the concrete value a
+      compiled call receives, the ``jax.Array`` itself;
+    - ``jax._src.interpreters.pxla.shard_arg_handlers``: for calls that skip
+      canonicalization, the same array moved to the argument's sharding.
+
+    Each waits through :meth:`Future.result`. A JAX without these hooks keeps
+    working, but then ``jax.jit`` and ``jnp`` need ``future.result()``.
+
+    Returns:
+      True if the hooks were registered.
+    """
+    try:
+        from jax._src import core, dtypes
+        from jax._src.interpreters import pxla
+
+        avals = core.pytype_aval_mappings
+        canonical = dtypes.canonicalize_value_handlers
+        shard_args = pxla.shard_args
+        handlers = pxla.shard_arg_handlers
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX
+        return False
+
+    def shard_futures(futures: list[Future], shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
+        return shard_args(shardings, layouts, copy_semantics, [f.result() for f in futures])
+
+    try:
+        canonical[Future] = Future.result  # first: the one that calls into jaxlib
+    except TypeError:  # pragma: no cover - another JAX
+        return False
+    avals[Future] = lambda future: jax.typeof(future.result())
+    handlers[Future] = shard_futures
+    return True
+
+
+_JAX_TAKES_FUTURES = _register_with_jax()

@@ -1,0 +1,491 @@
+"""pw.Future stands for its jax.Array: conversions, operators, methods, jnp, jax.jit, NNX.
+
+Every check runs the same operation on the future and on the plain jax.Array that
+``jax.jit`` computes from identical inputs, and compares type, shape, dtype, then values.
+"""
+
+import copy
+import operator
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pathways_jax as pw
+
+FLOATS = np.array([1.5, 2.0, 3.25], np.float32)
+INTS = np.array([5, 12, 7], np.int32)
+OTHER_FLOATS = np.array([0.5, 4.0, 1.25], np.float32)
+OTHER_INTS = np.array([3, 2, 1], np.int32)
+
+
+def _double(v):
+    return v * 2
+
+
+def _pair(fun, *args, devices):
+    """A future computed by ``fun`` in a program, and the same value from plain ``jax.jit``."""
+    return pw.jit(fun, devices=devices)(*args), jax.jit(fun)(*args)
+
+
+def _same(got, want):
+    """Type, then shape and dtype, then values (STYLE §11)."""
+    if isinstance(want, tuple | list):
+        assert type(got) is type(want), (type(got), type(want))
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            _same(g, w)
+        return
+    assert type(got) is type(want), (type(got), type(want))
+    if isinstance(want, jax.Array | np.ndarray | np.generic):
+        assert got.shape == want.shape, (got.shape, want.shape)
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        if jnp.issubdtype(want.dtype, jnp.inexact):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    else:
+        assert got == want, (got, want)
+
+
+@pytest.fixture
+def one():
+    """A one-device slice: the futures of a test live together, as arrays on one device do."""
+    return pw.devices(mesh={"x": 1})
+
+
+@pytest.fixture
+def floats(one):
+    """A float vector future and its plain value."""
+    return _pair(_double, FLOATS, devices=one)
+
+
+@pytest.fixture
+def matrix(one):
+    return _pair(lambda m: m * 2 + 1, np.arange(6.0, dtype=np.float32).reshape(2, 3), devices=one)
+
+
+# --- conversions ---------------------------------------------------------------------------
+
+CONVERSIONS = {
+    "float": (float, "float"),
+    "int": (int, "int"),
+    "bool": (bool, "float"),
+    "complex": (complex, "float"),
+    "index": (operator.index, "int"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVERSIONS))
+def test_scalar_conversion(one, name):
+    convert, kind = CONVERSIONS[name]
+    fut, want = _pair(lambda v: v.sum(), FLOATS if kind == "float" else INTS, devices=one)
+    assert fut.shape == ()
+    _same(convert(fut), convert(want))
+
+
+def test_item(one, floats):
+    fut, want = floats
+    _same(fut.item(1), want.item(1))
+    scalar, plain = _pair(lambda v: v.max(), FLOATS, devices=one)
+    _same(scalar.item(), plain.item())
+
+
+def test_tolist(matrix):
+    fut, want = matrix
+    _same(fut.tolist(), want.tolist())
+
+
+# --- operators -----------------------------------------------------------------------------
+
+BINARY = {
+    "add": (operator.add, "float"),
+    "sub": (operator.sub, "float"),
+    "mul": (operator.mul, "float"),
+    "truediv": (operator.truediv, "float"),
+    "floordiv": (operator.floordiv, "float"),
+    "mod": (operator.mod, "float"),
+    "divmod": (divmod, "float"),
+    "pow": (operator.pow, "float"),
+    "matmul": (operator.matmul, "float"),
+    "and": (operator.and_, "int"),
+    "or": (operator.or_, "int"),
+    "xor": (operator.xor, "int"),
+    "lshift": (operator.lshift, "int"),
+    "rshift": (operator.rshift, "int"),
+    "eq": (operator.eq, "float"),
+    "ne": (operator.ne, "float"),
+    "lt": (operator.lt, "float"),
+    "le": (operator.le, "float"),
+    "gt": (operator.gt, "float"),
+    "ge": (operator.ge, "float"),
+}
+
+
+def _other(kind, form, devices):
+    """The other operand, as the future test sees it and as the reference sees it."""
+    values = OTHER_FLOATS if kind == "float" else OTHER_INTS
+    match form:
+        case "jax":
+            plain = jnp.asarray(values)
+            return plain, plain
+        case "numpy":
+            return values, values
+        case "scalar":
+            scalar = 2.5 if kind == "float" else 2
+            return scalar, scalar
+        case "future":
+            return _pair(lambda v: v + 0, values, devices=devices)
+    raise AssertionError(form)
+
+
+BINARY_CASES = [
+    (name, side, form)
+    for name in BINARY
+    for side in ("left", "right")
+    for form in ("jax", "numpy", "scalar", "future")
+    if not (name == "matmul" and form == "scalar")  # nor does jax.Array's matmul take a scalar
+]
+
+
+@pytest.mark.parametrize(("name", "side", "form"), BINARY_CASES, ids="-".join)
+def test_binary_operator(one, name, side, form):
+    op, kind = BINARY[name]
+    fut, want = _pair(_double, FLOATS if kind == "float" else INTS, devices=one)
+    other, other_plain = _other(kind, form, one)
+    if side == "left":
+        got, expected = op(fut, other), op(want, other_plain)
+    else:
+        got, expected = op(other, fut), op(other_plain, want)
+    _same(got, expected)
+
+
+UNARY = {
+    "neg": (operator.neg, "float"),
+    "pos": (operator.pos, "float"),
+    "abs": (abs, "float"),
+    "invert": (operator.invert, "int"),
+    "round": (round, "float"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNARY))
+def test_unary_operator(one, name):
+    op, kind = UNARY[name]
+    if kind == "float":
+        fut, want = _pair(lambda v: 1.5 - v * 2, FLOATS, devices=one)
+    else:
+        fut, want = _pair(_double, INTS, devices=one)
+    _same(op(fut), op(want))
+
+
+def test_inplace_add_on_python_float_accumulator(one):
+    losses = [_pair(lambda v, i=i: (v * i).mean(), FLOATS, devices=one) for i in range(3)]
+    total, expected = 0.0, 0.0
+    for fut, want in losses:
+        total += fut
+        expected += want
+    _same(total, expected)
+
+
+def test_inplace_ops_on_a_future_variable_make_a_new_array(floats):
+    fut, want = floats
+    variable, plain = fut, want
+    variable += 1
+    plain += 1
+    _same(variable, plain)
+    variable *= fut
+    plain *= want
+    _same(variable, plain)
+    assert type(fut) is pw.Future  # the future itself is untouched, as a jax.Array would be
+    _same(fut.result(), want)
+
+
+def test_future_is_unhashable_like_an_array(floats):
+    fut, want = floats
+    for value in (fut, want):
+        with pytest.raises(TypeError, match="unhashable"):
+            hash(value)
+
+
+# --- indexing, length, iteration -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "index",
+    [0, -1, 1, slice(1, None), slice(None, None, -1), (Ellipsis, 0), (0, slice(0, 2)), "array", "mask"],
+    ids=repr,
+)
+def test_indexing(matrix, index):
+    fut, want = matrix
+    match index:
+        case "array":
+            index = jnp.array([1, 0, 1])
+        case "mask":
+            index = np.array([True, False])
+    _same(fut[index], want[index])
+
+
+def test_setitem_raises_as_for_an_array(floats):
+    fut, _ = floats
+    with pytest.raises(TypeError, match="immutable"):
+        fut[0] = 1.0
+
+
+def test_len(one, matrix):
+    fut, want = matrix
+    assert len(fut) == len(want) == 2
+    scalar, _ = _pair(lambda v: v.sum(), FLOATS, devices=one)
+    with pytest.raises(TypeError, match="unsized"):
+        len(scalar)
+
+
+def test_iteration(matrix, floats):
+    fut, want = matrix
+    _same(list(fut), list(want))
+    _same([float(v) for v in fut[0]], [float(v) for v in want[0]])
+    vector, plain = floats
+    _same(list(vector), list(plain))
+    _same(6.5 in vector, 6.5 in plain)  # __contains__
+    _same(5.0 in vector, 5.0 in plain)
+
+
+# --- formatting ----------------------------------------------------------------------------
+
+
+def test_format_and_str_show_the_value_repr_shows_the_future(one, floats):
+    fut, want = floats
+    scalar, plain = _pair(lambda v: v.mean(), FLOATS, devices=one)
+    assert f"{scalar:.3f}" == f"{plain:.3f}" == "2.250"
+    assert f"{scalar}" == f"{plain}"
+    assert format(fut, "") == format(want, "")
+    assert str(fut) == str(want)
+    assert repr(fut).startswith("Future(program ")
+    assert "shape=(3,)" in repr(fut) and "ready" in repr(fut)
+
+
+# --- numpy and jax.numpy -------------------------------------------------------------------
+
+
+def test_jnp_asarray(floats):
+    fut, want = floats
+    _same(jnp.asarray(fut), jnp.asarray(want))
+    _same(jnp.asarray(fut, dtype=jnp.int32), jnp.asarray(want, dtype=jnp.int32))
+    _same(jnp.array([fut, want]), jnp.array([want, want]))
+
+
+def test_np_asarray_with_numpy2_copy_semantics(floats):
+    fut, want = floats
+    _same(np.asarray(fut), np.asarray(want))
+    _same(np.asarray(fut, dtype=np.float64), np.asarray(want, dtype=np.float64))
+    _same(np.array(fut, copy=True), np.array(want, copy=True))
+    _same(np.asarray(fut, copy=False), np.asarray(want, copy=False))
+    with pytest.raises(ValueError):  # a dtype change needs a copy, as for the array
+        np.asarray(fut, dtype=np.float64, copy=False)
+    with pytest.raises(ValueError):
+        np.asarray(want, dtype=np.float64, copy=False)
+
+
+@pytest.mark.parametrize("name", ["mean", "dot", "where", "concatenate", "stack_axis"])
+def test_jnp_functions(one, floats, name):
+    fut, want = floats
+    other, other_plain = _pair(lambda v: v + 0, OTHER_FLOATS, devices=one)
+    match name:
+        case "mean":
+            got, expected = jnp.mean(fut), jnp.mean(want)
+        case "dot":
+            got, expected = jnp.dot(fut, other), jnp.dot(want, other_plain)
+        case "where":
+            got = jnp.where(fut > other, fut, other)
+            expected = jnp.where(want > other_plain, want, other_plain)
+        case "concatenate":
+            got, expected = jnp.concatenate([fut, other]), jnp.concatenate([want, other_plain])
+        case "stack_axis":
+            got, expected = jnp.stack([fut, other], axis=1), jnp.stack([want, other_plain], axis=1)
+    _same(got, expected)
+
+
+# --- jax.jit and pytrees -------------------------------------------------------------------
+
+
+def test_jit_of_a_future(floats):
+    fut, want = floats
+    traces = []
+
+    def g(v):
+        traces.append(v.aval)
+        return jnp.sin(v) * 3
+
+    jitted = jax.jit(g)
+    _same(jitted(fut), jax.jit(g)(want))
+    # The future traces as its own array would: the same cache entry, no retrace.
+    traces.clear()
+    _same(jitted(fut.result()), jitted(fut))
+    _same(jitted(fut), jitted(fut))
+    assert traces == [], traces
+
+
+def test_jit_of_an_array_and_a_future(floats):
+    fut, want = floats
+    x = jnp.asarray(OTHER_FLOATS)
+
+    @jax.jit
+    def g(a, b):
+        return a @ b + a * b
+
+    _same(g(x, fut), g(x, want))
+    _same(g(fut, fut), g(want, want))
+
+
+def test_jit_of_a_sharded_future():
+    pw.init(num_cpu_devices=8, islands=2)
+    devices = pw.devices(mesh={"x": 4})
+    fut = pw.jit(lambda v: v * 2, devices=devices, out_specs=pw.P("x"))(jnp.arange(8.0))
+    want = jax.jit(lambda v: v * 2)(jnp.arange(8.0))
+    got = jax.jit(lambda v: v.sum() + v)(fut)
+    _same(got, jax.jit(lambda v: v.sum() + v)(want))
+    assert got.sharding.device_set == set(devices.devices)  # computed where the value lives
+    _same(list(fut), list(want))
+
+
+def test_tree_map_over_futures_keeps_them_leaves(one):
+    pairs = {"a": _pair(_double, FLOATS, devices=one), "b": _pair(_double, INTS, devices=one)}
+    futures = {name: fut for name, (fut, _) in pairs.items()}
+    plain = {name: want for name, (_, want) in pairs.items()}
+    assert all(type(leaf) is pw.Future for leaf in jax.tree.leaves(futures))
+    _same(
+        list(jax.tree.map(lambda x: x * 2, futures).values()),
+        list(jax.tree.map(lambda x: x * 2, plain).values()),
+    )
+    _same(list(jax.tree.map(lambda f: f.result(), futures).values()), list(plain.values()))
+
+
+# --- methods and properties ----------------------------------------------------------------
+
+METHODS = {
+    "astype": lambda a: a.astype(jnp.int32),
+    "reshape": lambda a: a.reshape(3, 2),
+    "reshape_tuple": lambda a: a.reshape((-1,)),
+    "T": lambda a: a.T,
+    "mT": lambda a: a.mT,
+    "ndim": lambda a: a.ndim,
+    "size": lambda a: a.size,
+    "nbytes": lambda a: a.nbytes,
+    "itemsize": lambda a: a.itemsize,
+    "sum": lambda a: a.sum(),
+    "sum_axis": lambda a: a.sum(axis=0),
+    "mean": lambda a: a.mean(axis=1),
+    "max": lambda a: a.max(),
+    "argmax": lambda a: a.argmax(),
+    "cumsum": lambda a: a.cumsum(),
+    "transpose": lambda a: a.transpose(1, 0),
+    "flatten": lambda a: a.flatten(),
+    "clip": lambda a: a.clip(2, 8),
+    "at_set": lambda a: a.at[0, 1].set(-1.0),
+    "real": lambda a: a.real,
+    "weak_type": lambda a: a.weak_type,
+    "copy": lambda a: a.copy(),
+    "copy.copy": copy.copy,
+    "copy.deepcopy": copy.deepcopy,
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_method(matrix, name):
+    fut, want = matrix
+    _same(METHODS[name](fut), METHODS[name](want))
+
+
+# --- Flax NNX ------------------------------------------------------------------------------
+
+
+def test_nnx_linear_with_future_parameters_outside_a_program(one):
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    kernel, bias = model.kernel.get_value(), model.bias.get_value()
+    x = jnp.arange(8.0, dtype=jnp.float32).reshape(2, 4)
+
+    def update(k, b):
+        return k * 2, b + 1
+
+    @jax.jit
+    def reference(k, b, x):
+        k, b = update(k, b)
+        return x @ k + b
+
+    new_kernel, new_bias = pw.jit(update, devices=one)(kernel, bias)
+    model.kernel.set_value(new_kernel)
+    model.bias.set_value(new_bias)
+    assert type(model.kernel.get_value()) is pw.Future
+    _same(model(x), reference(kernel, bias, x))
+    _same(nnx.jit(lambda m, v: m(v))(model, x), reference(kernel, bias, x))
+
+
+# --- errors and waiting --------------------------------------------------------------------
+
+
+def _explode(x):
+    raise ValueError("boom")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "use",
+    ["add", "radd", "float", "jnp.asarray", "np.asarray", "jax.jit", "method", "format"],
+)
+def test_failed_run_raises_the_result_error(one, use):
+    failing = pw.jit(
+        lambda v: jax.pure_callback(_explode, jax.ShapeDtypeStruct(v.shape, v.dtype), v), devices=one
+    )
+    fut = failing(jnp.ones(()))
+    with pytest.raises(pw.errors.ProgramFailedError):
+        fut.result(timeout=30)
+    uses = {
+        "add": lambda: fut + 1,
+        "radd": lambda: 1.0 + fut,
+        "float": lambda: float(fut),
+        "jnp.asarray": lambda: jnp.asarray(fut),
+        "np.asarray": lambda: np.asarray(fut),
+        "jax.jit": lambda: jax.jit(lambda v: v + 1)(fut),
+        "method": lambda: fut.sum(),
+        "format": lambda: f"{fut:.3f}",
+    }
+    with pytest.raises(pw.errors.ProgramFailedError):
+        uses[use]()
+
+
+def _gated(event: threading.Event):
+    """A function whose output waits for ``event`` inside a host callback."""
+
+    def wait(x):
+        if not event.wait(30):
+            raise TimeoutError("the test never set the event")
+        return np.asarray(x) * 3
+
+    return lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+@pytest.mark.timeout(60)
+def test_future_passed_to_a_program_is_not_waited_on(one):
+    devices = one
+    release = threading.Event()
+    hold = pw.jit(_gated(release), devices=devices)
+    after = pw.jit(lambda v: v * 2 + 1, devices=devices)
+    x = jnp.arange(4.0)
+    try:
+        pending = hold(x)
+        out = after(pending)
+        assert not release.is_set()
+        assert not pending.done(), "the second call waited for its input"
+        assert not out.done()
+        # Metadata and repr come without waiting either.
+        assert (pending.shape, pending.ndim, pending.size, len(pending)) == ((4,), 1, 4, 4)
+        assert repr(pending).startswith("Future(program ")
+        assert not pending.done()
+        release.set()
+        _same(out.result(timeout=30), jax.jit(lambda v: v * 3 * 2 + 1)(x))
+        _same(pending + 0, jax.jit(lambda v: v * 3 + 0)(x))
+    finally:
+        release.set()
