@@ -9,8 +9,8 @@ scalar add; each output feeds the next. Modes (DESIGN §6):
               safe on 8 devices and costs no throughput against smaller bounds)
   jax-F       plain JAX, one jitted function holding --chain computations
   pw-O        one pw.jit call per computation, through the controller
-  pw-C        one @pw.program chaining --chain nodes, called repeatedly
-  pw-C+fuse   the same program with fuse=True (the chain compiles into one node)
+  pw-C        one @pw.program(fuse=False) chaining --chain nodes, called repeatedly
+  pw-C+fuse   the same program fused (the default; the chain compiles into one node)
   pw-F        one @pw.program whose single node holds --chain computations
 
 Every mode runs for 1, 2, 4 and 8 CPU devices; repeats are interleaved (the
@@ -160,7 +160,7 @@ def _modes(n: int, chain: int, jax_window: int, work: int | None = None):
             x = pw_one(x)
         return x
 
-    pw_chain = pw.program(chained, name="chain")
+    pw_chain = pw.program(chained, name="chain", fuse=False)
     pw_chain_fused = pw.program(chained, name="chain_fused", fuse=True)
     pw_fused = pw.program(lambda x: pw_many(x), name="fused")
 
@@ -208,7 +208,7 @@ def _submit_latency(n: int, chain: int, samples: int) -> dict:
             x = one(x)
         return x
 
-    prog = pw.program(chained, name="latency_chain")
+    prog = pw.program(chained, name="latency_chain", fuse=False)
     out = {}
     for name, fn in (("pw-O", one), ("pw-C", prog)):
         x = fn(jnp.zeros(())).result()
@@ -344,8 +344,8 @@ def _ray_modes(ray, chain: int):
             x = on_a(x)
         return x
 
-    pw_chain = pw.program(alternating, name="ray_chain")
-    pw_chain_one_host = pw.program(host0_only, name="ray_chain_one_host")
+    pw_chain = pw.program(alternating, name="ray_chain", fuse=False)
+    pw_chain_one_host = pw.program(host0_only, name="ray_chain_one_host", fuse=False)
     x0 = jnp.zeros((), jnp.float32)
 
     def ray_o(calls: int) -> float:

@@ -46,7 +46,7 @@ def _reference(length):
 def test_fused_chain_equals_unfused_and_plain_jit(size):
     pw.init(num_cpu_devices=8)
     s = pw.devices(mesh={"x": size})
-    plain = pw.program(_chain(s, 16))
+    plain = pw.program(_chain(s, 16), fuse=False)
     fused = pw.program(_chain(s, 16), fuse=True)
     x = jnp.linspace(-1.0, 1.0, 8)
     got_plain, got_fused = plain(x), fused(x)
@@ -74,7 +74,7 @@ def test_fusion_stops_at_slice_boundaries_and_keeps_transfers():
         y = fa(fa(x))
         return fb(fb(y)), fa(y)
 
-    plain, fused = pw.program(body), pw.program(body, fuse=True)
+    plain, fused = pw.program(body, fuse=False), pw.program(body, fuse=True)
     x = jnp.arange(4.0)
     for got in (plain(x), fused(x)):
         assert_matches(got, jax.jit(lambda v: ((v * 4.0) - 2.0, v * 8.0))(x))
@@ -86,7 +86,7 @@ def test_fusion_stops_at_slice_boundaries_and_keeps_transfers():
 def test_a_cached_call_does_no_tracing_lowering_or_compiling():
     pw.init(num_cpu_devices=8)
     s = pw.devices(mesh={"x": 2})
-    chained = pw.program(_chain(s, 8))
+    chained = pw.program(_chain(s, 8), fuse=False)
     fused = pw.program(_chain(s, 8), fuse=True)
     x = jnp.ones(4)
     for prog in (chained, fused):

@@ -62,7 +62,7 @@ def test_future_feeds_later_programs_without_recomputing():
     def second(y):
         return scale(y)
 
-    @pw.program
+    @pw.program(fuse=False)
     def third(y, w):
         return combine(y, w), y.sum()
 

@@ -28,7 +28,7 @@ def test_two_node_program_matches_jit_on_one_island(size):
     f = pw.jit(_sin2, devices=s, in_specs=P("x"), out_specs=P("x"))
     g = pw.jit(_total, devices=s)
 
-    @pw.program
+    @pw.program(fuse=False)
     def step(x):
         return g(f(x)) + 1.0
 
@@ -154,7 +154,7 @@ def test_plain_jax_jit_and_glue_are_placed_by_with_slice():
     f = jax.jit(lambda v: v * 3.0)
     g = jax.jit(lambda v, w: v @ w)
 
-    @pw.program
+    @pw.program(fuse=False)
     def step(x, w):
         with a:
             y = f(x) - 1.0
@@ -178,7 +178,7 @@ def test_glue_goes_with_its_inputs_and_program_default():
     b = pw.devices(mesh={"x": 2}, island=1)
     f = pw.jit(lambda v: v + 1.0, devices=a)
 
-    @pw.program(devices=b)
+    @pw.program(devices=b, fuse=False)
     def step(x):
         y = f(x)
         z = jnp.exp(y) * 2.0  # glue: grouped with its input on `a`
