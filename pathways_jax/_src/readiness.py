@@ -31,7 +31,7 @@ def is_ready(array: Any) -> bool:
     """
     probe = _probe(array)
     if probe is not None:
-        return probe.is_ready()
+        return is_deleted(probe) or probe.is_ready()  # see settled(): deleted first
     array.block_until_ready()  # a kind that cannot be asked: wait for it
     return True
 
@@ -43,10 +43,20 @@ def is_deleted(array: Any) -> bool:
 
 
 def settled(array: Any) -> bool:
-    """True once nothing more will happen to ``array``: computed, failed or deleted."""
+    """True once nothing more will happen to ``array``: computed, failed or deleted.
+
+    On the dispatch path: two calls into XLA for a plain array.
+    """
+    try:
+        # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client.
+        return array.is_deleted() or array.is_ready()
+    except AttributeError:  # an extended dtype, or a kind that cannot be asked
+        pass
+    except Exception:  # it failed: it is over
+        return True
     try:
         return is_deleted(array) or is_ready(array)
-    except Exception:  # it failed: it is over
+    except Exception:
         return True
 
 

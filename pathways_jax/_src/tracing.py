@@ -230,9 +230,7 @@ class Program:
             else:
                 head = str(path[1].key)
             leaf_names[leaf] = head + jax.tree_util.keystr(path[2:])
-        return re.sub(
-            r"dynamic_leaves\[(\d+)\]", lambda m: leaf_names.get(int(m.group(1)), m.group(0)), text
-        )
+        return re.sub(r"dynamic_leaves\[(\d+)\]", lambda m: leaf_names.get(int(m.group(1)), m.group(0)), text)
 
     def _donated_leaves(self, args: tuple) -> frozenset[int]:
         """The argument leaves (flat positions) of the positional arguments in donate_argnums."""
