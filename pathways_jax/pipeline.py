@@ -11,6 +11,13 @@ Built only on the public API (``pw.devices``, ``pw.jit``, ``@pw.program``):
 - :class:`DataParallel`: one model on K slices (typically K islands), each
   on its own shard of the batch; gradients cross islands over DCN, are
   averaged, and every island applies the same update. One call per step.
+  ``param_specs`` shards the parameters over each slice's mesh.
+
+Every call takes keyword-only ``rngs={"dropout": key}`` and ``train=True/False``
+(Flax style: a Linen stage gets ``train`` and ``rngs`` as in ``module.apply``);
+stage ``s`` on microbatch ``m`` runs with :func:`derive_rngs` ``(rngs, s, m)``.
+The optimizer is anything with Optax's ``init``/``update`` or an
+``nnx.Optimizer`` (its ``.tx`` is used).
 
 Example:
   >>> import jax.numpy as jnp, numpy as np, optax, pathways_jax as pw
@@ -25,6 +32,7 @@ Example:
 
 from pathways_jax._src.pipeline.data_parallel import DataParallel as DataParallel
 from pathways_jax._src.pipeline.pipelined import Pipeline as Pipeline
+from pathways_jax._src.pipeline.rngs import derive_rngs as derive_rngs
 from pathways_jax._src.pipeline.schedules import SCHEDULES as SCHEDULES
 from pathways_jax._src.pipeline.schedules import Schedule as Schedule
 from pathways_jax._src.pipeline.schedules import bubble_fraction as bubble_fraction
@@ -41,6 +49,7 @@ __all__ = [
     "Stage",
     "as_stage",
     "bubble_fraction",
+    "derive_rngs",
     "schedule_order",
     "sequential",
 ]

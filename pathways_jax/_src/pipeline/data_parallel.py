@@ -6,12 +6,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
 import pathways_jax as pw
+from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
+from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.rngs import Mode, Rngs
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -27,17 +31,34 @@ class DataParallel:
     same Optax update. Parameters therefore stay bit-identical across slices,
     and equal to training on the whole batch at once.
 
+    With ``param_specs``, each parameter is sharded over every slice's mesh as
+    asked; its gradients and optimizer state keep that sharding and move
+    between slices leaf by leaf (without ``param_specs`` they are replicated
+    and move as one flat vector).
+
     Args:
       model: a Flax NNX module, a ``(linen_module, variables)`` pair, a
         ``(params, apply_fn)`` pair, or a list of those (composed in order,
         see :func:`sequential`).
       devices: the slices, one per replica; usually one per island.
       loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean over examples.
-      optimizer: an optax ``GradientTransformation``.
+      optimizer: anything with Optax's ``init(params)`` and ``update(grads,
+        state, params) -> (updates, state)`` (an ``optax.GradientTransformation``
+        or an object of your own), or a ``flax.nnx.Optimizer``, whose ``.tx``
+        is used with a fresh state.
       data_axis: the mesh axis of each slice that splits its shard.
+      param_specs: how each parameter is sharded over every slice: ``None``
+        (replicated), one ``pw.P`` for all, a pytree prefix of the params with
+        ``pw.P`` or ``None`` at its leaves (``{"w": pw.P(None, "model"), "b":
+        None}``), or a function ``(key_path, leaf) -> pw.P | None``.
+
+    ``train_step`` takes keyword-only ``rngs`` and ``train`` as
+    :meth:`Pipeline.train_step` does; shard ``i`` runs with
+    ``derive_rngs(rngs, 0, i)``.
 
     Raises:
-      PlacementError: no slices, or a slice is unusable.
+      PlacementError: no slices, a slice is unusable, or ``param_specs`` do
+        not match the params or a slice's mesh.
       ProgramTraceError: the model, loss or optimizer has the wrong type.
 
     Example:
@@ -58,8 +79,9 @@ class DataParallel:
         devices: Sequence[pw.VirtualSlice],
         *,
         loss_fn: LossFn,
-        optimizer: optax.GradientTransformation,
+        optimizer: OptaxLike | Any,
         data_axis: str | None = "data",
+        param_specs: stages_lib.ParamSpecs = None,
     ):
         if isinstance(model, list):  # stages composed in order; a tuple is a pair
             model = stages_lib.sequential(model)
@@ -72,57 +94,99 @@ class DataParallel:
             raise pw.errors.ProgramTraceError(
                 f"loss_fn must be a function (outputs, targets) -> scalar, got {type(loss_fn).__name__}."
             )
-        (tx,) = stages_lib.check_optimizers(optimizer, 1, "DataParallel")
-        if tx is None:
+        if optimizer is None:
             raise pw.errors.ProgramTraceError("DataParallel needs optimizer=, e.g. optax.adam(1e-3).")
+        (tx,) = stages_lib.check_optimizers(optimizer, 1, "DataParallel")
         self.stage = stage
         self.data_axis = data_axis
         self._loss_fn = loss_fn
-        count = len(self.slices)
-        _, unravel = ravel_pytree(stage.params)
-        pspecs = jax.tree.map(lambda _: pw.P(), stage.params)
-        ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
-
-        def loss_and_flat_grads(p: Any, x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(stage.apply(p, x), y))(p)
-            return loss, ravel_pytree(grads)[0]  # one vector: one transfer per island pair
-
-        def average_and_update(p: Any, o: Any, *flat_grads: jax.Array) -> tuple[Any, Any]:
-            total = flat_grads[0]
-            for g in flat_grads[1:]:  # the same order on every island: identical results
-                total = total + g
-            updates, o = tx.update(unravel(total / count), o, p)
-            return optax.apply_updates(p, updates), o
-
-        def mean(*losses: jax.Array) -> jax.Array:
-            return sum(losses[1:], losses[0]) / count
-
-        self._grad_nodes, self._update_nodes = [], []
+        self._tx = tx
+        specs = [
+            stages_lib.param_specs(
+                stage.params, param_specs, slice_, f"DataParallel param_specs on slice {i}"
+            )
+            for i, slice_ in enumerate(self.slices)
+        ]
+        self._pspecs = pspecs = specs[0]
+        # Replicated parameters: the gradients travel as one flat vector (one transfer per
+        # island pair). Sharded ones: leaf by leaf, each keeping its parameter's sharding.
+        self._flat = all(
+            spec == pw.P() for spec in jax.tree.leaves(pspecs, is_leaf=lambda s: isinstance(s, pw.P))
+        )
+        self._ospecs = ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
+        self._update_nodes = []
         self._params: list[Any] = []
         self._opt_states: list[Any] = []
         for slice_ in self.slices:
-            act = stages_lib.activation_spec(slice_, data_axis)
-            self._grad_nodes.append(
-                pw.jit(loss_and_flat_grads, devices=slice_, in_specs=(None, act, act), out_specs=pw.P())
+            self._update_nodes.append(
+                pw.jit(self._average_and_update, devices=slice_, out_specs=(pspecs, ospecs))
             )
-            self._update_nodes.append(pw.jit(average_and_update, devices=slice_, out_specs=(pspecs, ospecs)))
             init = pw.jit(lambda p: (p, tx.init(p)), devices=slice_, out_specs=(pspecs, ospecs))
             params, opt_state = init(stage.params)
             self._params.append(params)
             self._opt_states.append(opt_state)
+        count = len(self.slices)
+
+        def mean(*losses: jax.Array) -> jax.Array:
+            return sum(losses[1:], losses[0]) / count
+
         self._mean = pw.jit(mean, devices=self.slices[0], out_specs=pw.P())
         self._checked: set[Any] = set()
-        self._train = pw.program(self._train_step_fn, name="data_parallel_train_step")
+        self._grad_nodes_by_mode: dict[Mode, list[pw.JitFunction]] = {}
+        self._programs: dict[Mode, Any] = {}
 
-    def _train_step_fn(self, params: tuple, opt_states: tuple, xs: tuple, ys: tuple) -> tuple:
-        results = [node(p, x, y) for node, p, x, y in zip(self._grad_nodes, params, xs, ys, strict=True)]
-        flat_grads = [g for _, g in results]
-        new = [
-            node(p, o, *flat_grads)  # grads made on other islands arrive over DCN
-            for node, p, o in zip(self._update_nodes, params, opt_states, strict=True)
-        ]
-        loss = self._mean(*(loss for loss, _ in results))
-        return loss, tuple(p for p, _ in new), tuple(o for _, o in new)
+    def _average_and_update(self, p: Any, o: Any, *grads: Any) -> tuple[Any, Any]:
+        total = grads[0]
+        for g in grads[1:]:  # the same order on every island: identical results
+            total = jax.tree.map(jnp.add, total, g)
+        mean = jax.tree.map(lambda g: g / len(grads), total)
+        if self._flat:
+            mean = ravel_pytree(self.stage.params)[1](mean)
+        updates, o = self._tx.update(mean, o, p)
+        return optax.apply_updates(p, updates), o
+
+    def _grad_nodes(self, mode: Mode) -> list[pw.JitFunction]:
+        if mode in self._grad_nodes_by_mode:
+            return self._grad_nodes_by_mode[mode]
+        stage, loss_fn, flat = self.stage, self._loss_fn, self._flat
+
+        def loss_and_grads(p: Any, x: Any, y: Any, *k: Any) -> tuple[jax.Array, Any]:
+            rngs = mode.wrap(k[0]) if k else None
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(stage.run(p, x, rngs, mode.train), y))(p)
+            return loss, ravel_pytree(grads)[0] if flat else grads  # flat: one transfer per island pair
+
+        nodes = []
+        for slice_ in self.slices:
+            act = stages_lib.activation_spec(slice_, self.data_axis)
+            kspec = (None,) if mode.keyed else ()
+            out = pw.P() if flat else (pw.P(), self._pspecs)
+            nodes.append(
+                pw.jit(loss_and_grads, devices=slice_, in_specs=(None, act, act, *kspec), out_specs=out)
+            )
+        self._grad_nodes_by_mode[mode] = nodes
+        return nodes
+
+    def _program(self, mode: Mode) -> Any:
+        if mode not in self._programs:
+            grad_nodes = self._grad_nodes(mode)
+
+            def data_parallel_train_step(
+                params: tuple, opt_states: tuple, xs: tuple, ys: tuple, *keys: Any
+            ) -> tuple:
+                results = [
+                    node(p, x, y, *((keys[0][i],) if keys else ()))
+                    for i, (node, p, x, y) in enumerate(zip(grad_nodes, params, xs, ys, strict=True))
+                ]
+                grads = [g for _, g in results]
+                new = [
+                    node(p, o, *grads)  # grads made on other islands arrive over DCN
+                    for node, p, o in zip(self._update_nodes, params, opt_states, strict=True)
+                ]
+                loss = self._mean(*(loss for loss, _ in results))
+                return loss, tuple(p for p, _ in new), tuple(o for _, o in new)
+
+            self._programs[mode] = pw.program(data_parallel_train_step, name="data_parallel_train_step")
+        return self._programs[mode]
 
     def _split(self, x: Any, what: str) -> tuple[np.ndarray, ...]:
         array = np.asarray(x)
@@ -136,40 +200,62 @@ class DataParallel:
             array, count, self.slices, self.data_axis, what=what, parts="shards", per="slices", place="slice"
         )
 
-    def _check(self, x: np.ndarray, y: np.ndarray) -> None:
-        key = (x.shape, x.dtype, y.shape, y.dtype)
+    def _check(self, x: np.ndarray, y: np.ndarray, mode: Mode, rngs: dict[str, jax.Array] | None) -> None:
+        key = (x.shape, x.dtype, y.shape, y.dtype, mode)
         if key in self._checked:
             return
+        keys = None if rngs is None else rngs_lib.derive_rngs(rngs, 0, 0)
         try:
-            out = jax.eval_shape(self.stage.apply, stages_lib.abstract(self._params[0]), x)
+            out = jax.eval_shape(
+                lambda p, x: self.stage.run(p, x, keys, mode.train), stages_lib.abstract(self._params[0]), x
+            )
             loss = jax.eval_shape(self._loss_fn, out, y)
         except Exception as exc:
+            given = [name for name, _ in mode.streams] or "no streams"
             raise pw.errors.ProgramTraceError(
                 f"DataParallel: the model and loss_fn cannot take a shard x {stages_lib.describe(x)}, "
-                f"y {stages_lib.describe(y)}: {type(exc).__name__}: {exc}"
+                f"y {stages_lib.describe(y)} with train={mode.train} and rngs for {given}: "
+                f"{type(exc).__name__}: {exc}. If the model needs an RNG stream, pass "
+                "rngs={'dropout': key} to train_step (or train=False)."
             ) from exc
         if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == ()):
             raise pw.errors.ProgramTraceError(f"loss_fn must return a float scalar, got {loss}.")
         self._checked.add(key)
 
-    def train_step(self, x: Any, y: Any) -> pw.Future:
+    def _inputs(self, x: Any, y: Any, rngs: Rngs | None, train: bool | None) -> tuple:
+        xs, ys = self._split(x, "x"), self._split(y, "y")
+        typed = rngs_lib.check_rngs(rngs, "DataParallel.train_step")
+        mode = rngs_lib.mode_of(typed, train, "DataParallel.train_step")
+        self._check(xs[0], ys[0], mode, typed)
+        grid = rngs_lib.key_grid(typed, 1, len(self.slices))
+        return xs, ys, mode, () if grid is None else (grid[0],)
+
+    def train_step(self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> pw.Future:
         """Runs one train step (ONE program call); returns the batch's mean loss as a future.
+
+        Args:
+          x: the batch of inputs; slice ``i`` gets the ``i``-th equal shard.
+          y: the batch of targets.
+          rngs: stream name to key; shard ``i`` runs with ``derive_rngs(rngs, 0, i)``.
+          train: passed to the model if it takes it (see :func:`as_stage`).
 
         Raises:
           PlacementError: the batch does not split evenly over the slices (and
             their ``data_axis``).
-          ProgramTraceError: the model or loss cannot take the inputs.
+          ProgramTraceError: the model or loss cannot take the inputs, or the
+            model needs an RNG stream that ``rngs`` lacks.
         """
-        xs, ys = self._split(x, "x"), self._split(y, "y")
-        self._check(xs[0], ys[0])
-        loss, params, opt_states = self._train(tuple(self._params), tuple(self._opt_states), xs, ys)
+        xs, ys, mode, keys = self._inputs(x, y, rngs, train)
+        loss, params, opt_states = self._program(mode)(
+            tuple(self._params), tuple(self._opt_states), xs, ys, *keys
+        )
         self._params, self._opt_states = list(params), list(opt_states)
         return loss
 
-    def graph(self, x: Any, y: Any) -> pw.Graph:
+    def graph(self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> pw.Graph:
         """The dataflow graph of one train step for these inputs."""
-        xs, ys = self._split(x, "x"), self._split(y, "y")
-        return self._train.graph(tuple(self._params), tuple(self._opt_states), xs, ys)
+        xs, ys, mode, keys = self._inputs(x, y, rngs, train)
+        return self._program(mode).graph(tuple(self._params), tuple(self._opt_states), xs, ys, *keys)
 
     @property
     def params(self) -> Any:

@@ -2,140 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from flax import errors as flax_errors
 
 import pathways_jax as pw
+from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
+from pathways_jax._src.pipeline.nodes import LossFn, Nodes, StateNodes, build_nodes, build_state_nodes
+from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.rngs import Mode, Rngs
 from pathways_jax._src.pipeline.schedules import SCHEDULES, Schedule, bubble_fraction, schedule_order
 from pathways_jax._src.pipeline.stages import Stage
-
-LossFn = Callable[[Any, Any], jax.Array]
-
-
-def _add(a: Any, b: Any) -> Any:
-    return jax.tree.map(jnp.add, a, b)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Nodes:
-    """The ``pw.jit`` functions of one stage, all placed on the stage's slice."""
-
-    init: pw.JitFunction
-    infer: pw.JitFunction
-    fwd: pw.JitFunction | None = None
-    bwd: pw.JitFunction | None = None
-    bwd_acc: pw.JitFunction | None = None
-    last: pw.JitFunction | None = None
-    last_acc: pw.JitFunction | None = None
-    update: pw.JitFunction | None = None
-
-
-def _build_nodes(
-    stage: Stage,
-    slice_: pw.VirtualSlice,
-    tx: optax.GradientTransformation | None,
-    loss_fn: LossFn | None,
-    *,
-    first: bool,
-    last: bool,
-    num_microbatches: int,
-    remat: bool,
-    data_axis: str | None,
-    pspecs: Any,
-) -> _Nodes:
-    apply = stage.apply
-    act = stages_lib.activation_spec(slice_, data_axis)
-
-    def jit(fun: Callable[..., Any], **kwargs: Any) -> pw.JitFunction:
-        return pw.jit(fun, devices=slice_, **kwargs)
-
-    def infer(p: Any, h: Any) -> Any:
-        return apply(p, h)
-
-    if tx is None:
-        init = jit(lambda p: p, out_specs=pspecs)
-    else:
-        ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
-        init = jit(lambda p: (p, tx.init(p)), out_specs=(pspecs, ospecs))
-    nodes = _Nodes(init=init, infer=jit(infer, in_specs=(None, act), out_specs=act))
-    if tx is None or loss_fn is None:
-        return nodes
-
-    def forward_vjp(p: Any, h: Any) -> tuple[Any, Any]:
-        # The vjp function is a pytree whose leaves are the residual arrays:
-        # they become node outputs and stay on the slice until the backward.
-        if first:  # the model input may be integer tokens: no cotangent for it
-            return jax.vjp(lambda p: apply(p, h), p)
-        return jax.vjp(apply, p, h)
-
-    def cotangents(vjp: Any, dy: Any) -> Any:
-        cts = vjp(dy)
-        return cts[0] if first else cts
-
-    def add_grads(out: Any, acc: Any) -> Any:
-        return _add(acc, out) if first else (_add(acc, out[0]), out[1])
-
-    grads_out = pspecs if first else (pspecs, act)
-    if remat:  # keep only the stage input; recompute the forward in the backward
-        fwd = jit(infer, in_specs=(None, act), out_specs=act)
-
-        def bwd(p: Any, h: Any, dy: Any) -> Any:
-            return cotangents(forward_vjp(p, h)[1], dy)
-
-        def bwd_acc(p: Any, h: Any, dy: Any, acc: Any) -> Any:
-            return add_grads(bwd(p, h, dy), acc)
-
-        bwd_specs = (None, act, act)
-    else:
-        fwd = jit(forward_vjp, in_specs=(None, act), out_specs=(act, None))
-
-        def bwd(vjp: Any, dy: Any) -> Any:
-            return cotangents(vjp, dy)
-
-        def bwd_acc(vjp: Any, dy: Any, acc: Any) -> Any:
-            return add_grads(cotangents(vjp, dy), acc)
-
-        bwd_specs = (None, act)
-
-    scale = 1.0 / num_microbatches
-
-    def loss_grads(p: Any, h: Any, y: Any) -> tuple:
-        # The step's loss is the mean over microbatches of each one's loss.
-        def f(p: Any, h: Any) -> jax.Array:
-            return loss_fn(apply(p, h), y) * scale
-
-        if first:
-            return jax.value_and_grad(lambda p: f(p, h))(p)
-        loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(p, h)
-        return loss, gp, gh
-
-    def loss_grads_acc(p: Any, h: Any, y: Any, loss_acc: Any, acc: Any) -> tuple:
-        loss, gp, *rest = loss_grads(p, h, y)
-        return (loss_acc + loss, _add(acc, gp), *rest)
-
-    def update(p: Any, o: Any, g: Any) -> tuple[Any, Any]:
-        updates, o = tx.update(g, o, p)
-        return optax.apply_updates(p, updates), o
-
-    last_specs = (pw.P(), pspecs) if first else (pw.P(), pspecs, act)
-    return dataclasses.replace(
-        nodes,
-        fwd=fwd,
-        bwd=jit(bwd, in_specs=bwd_specs, out_specs=grads_out),
-        bwd_acc=jit(bwd_acc, in_specs=(*bwd_specs, None), out_specs=grads_out),
-        last=jit(loss_grads, in_specs=(None, act, act), out_specs=last_specs) if last else None,
-        last_acc=(
-            jit(loss_grads_acc, in_specs=(None, act, act, None, None), out_specs=last_specs) if last else None
-        ),
-        update=jit(update, out_specs=(pspecs, ospecs)),
-    )
 
 
 class Pipeline:
@@ -164,21 +46,37 @@ class Pipeline:
       loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean over the
         microbatch's examples (then the step's loss and gradients are those
         of the whole batch). ``None`` for inference only.
-      optimizer: an optax ``GradientTransformation`` for every stage, or one
-        per stage. ``None`` for inference only.
+      optimizer: one optimizer for every stage, or one per stage: anything
+        with Optax's ``init(params)`` and ``update(grads, state, params) ->
+        (updates, state)`` (an ``optax.GradientTransformation`` or an object
+        of your own), or a ``flax.nnx.Optimizer``, whose Optax transformation
+        ``.tx`` is used with a fresh state per stage (the ``nnx.Optimizer``
+        itself is not updated; the pipeline holds parameters and states).
+        ``None`` for inference only.
       num_microbatches: microbatches per step; must divide the batch size.
       schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``
         (one forward, one backward: fewer activations alive at once).
       data_axis: the mesh axis of each slice that splits the batch.
       param_specs: ``None`` (replicated), one ``pw.P`` for every parameter,
-        a function ``(key_path, leaf) -> pw.P | None``, or a sequence with one
-        of those per stage.
+        a function ``(key_path, leaf) -> pw.P | None``, a pytree prefix of the
+        stage's params with ``pw.P`` or ``None`` at its leaves, or a list with
+        one of those per stage.
       remat: keep only each stage's input between forward and backward and
         recompute the forward in the backward (less memory, one more forward).
 
+    Dropout and other randomness: every call takes keyword-only ``rngs`` (a
+    Flax-style mapping, ``{"dropout": key}``) and ``train`` (``True``,
+    ``False`` or ``None``: pass nothing). Stage ``s`` on microbatch ``m`` runs
+    with ``pipeline.derive_rngs(rngs, s, m)``, i.e. every key folded with
+    ``s`` then ``m``, so a step is reproducible and differs across stages and
+    microbatches; pass a new key each step (``jax.random.fold_in(key, step)``).
+    How a stage takes ``train`` and ``rngs`` is described in :func:`as_stage`.
+    ``train=False`` needs no ``rngs``.
+
     Raises:
       PlacementError: the stage count differs from the slice count, a slice
-        is unusable, or ``num_microbatches``/``schedule`` is invalid.
+        is unusable, ``num_microbatches``/``schedule`` is invalid, or
+        ``param_specs`` do not match a stage's params or slice.
       ProgramTraceError: a stage, the loss or an optimizer has the wrong type.
 
     Example:
@@ -201,7 +99,7 @@ class Pipeline:
         devices: Sequence[pw.VirtualSlice],
         *,
         loss_fn: LossFn | None = None,
-        optimizer: optax.GradientTransformation | Sequence[optax.GradientTransformation] | None = None,
+        optimizer: OptaxLike | Sequence[OptaxLike] | Any | None = None,
         num_microbatches: int = 1,
         schedule: Schedule = "1f1b",
         data_axis: str | None = "data",
@@ -242,29 +140,18 @@ class Pipeline:
         self.data_axis = data_axis
         self._loss_fn = loss_fn
         self._trainable = loss_fn is not None and all(tx is not None for tx in txs)
-        self._nodes = []
+        self._state_nodes: list[StateNodes] = []
         self._param_specs = []
         for index, (stage, slice_, tx) in enumerate(zip(normalised, self.slices, txs, strict=True)):
-            specs = stages_lib.param_specs(stage.params, per_stage[index], slice_, index)
+            where = f"param_specs of Pipeline stage {index} ({stage.description})"
+            specs = stages_lib.param_specs(stage.params, per_stage[index], slice_, where)
             self._param_specs.append(specs)
-            self._nodes.append(
-                _build_nodes(
-                    stage,
-                    slice_,
-                    tx if self._trainable else None,
-                    loss_fn if self._trainable else None,
-                    first=index == 0,
-                    last=index == count - 1,
-                    num_microbatches=num_microbatches,
-                    remat=remat,
-                    data_axis=data_axis,
-                    pspecs=specs,
-                )
-            )
+            self._state_nodes.append(build_state_nodes(stage, slice_, tx if self._trainable else None, specs))
+        self._remat = remat
         # Place parameters and optimizer states on their slices: futures from here on.
         self._params: list[Any] = []
         self._opt_states: list[Any] = []
-        for stage, nodes in zip(normalised, self._nodes, strict=True):
+        for stage, nodes in zip(normalised, self._state_nodes, strict=True):
             placed = nodes.init(stage.params)
             if self._trainable:
                 placed, opt_state = placed
@@ -272,9 +159,8 @@ class Pipeline:
             self._params.append(placed)
         self._order = schedule_order(schedule, count, num_microbatches)
         self._checked: set[Any] = set()
-        self._train = pw.program(self._train_step_fn, name="pipeline_train_step")
-        self._grads = pw.program(self._grads_fn, name="pipeline_loss_and_grads")
-        self._forward = pw.program(self._forward_fn, name="pipeline_forward")
+        self._nodes_by_mode: dict[Mode, list[Nodes]] = {}
+        self._programs: dict[tuple[str, Mode], Any] = {}
 
     @property
     def num_stages(self) -> int:
@@ -295,9 +181,62 @@ class Pipeline:
         """The current optimizer states, one pytree of futures per stage."""
         return list(self._opt_states)
 
+    # -- nodes and programs, one set per mode ---------------------------------------------------
+
+    def _nodes(self, mode: Mode) -> list[Nodes]:
+        if mode not in self._nodes_by_mode:
+            count = self.num_stages
+            self._nodes_by_mode[mode] = [
+                build_nodes(
+                    stage,
+                    slice_,
+                    mode,
+                    self._loss_fn if self._trainable else None,
+                    first=index == 0,
+                    last=index == count - 1,
+                    num_microbatches=self.num_microbatches,
+                    remat=self._remat,
+                    data_axis=self.data_axis,
+                    pspecs=self._param_specs[index],
+                )
+                for index, (stage, slice_) in enumerate(zip(self.stages, self.slices, strict=True))
+            ]
+        return self._nodes_by_mode[mode]
+
+    def _program(self, kind: str, mode: Mode) -> Any:
+        """The ``@pw.program`` of a call kind in a mode; keys, when keyed, come last."""
+        if (kind, mode) in self._programs:
+            return self._programs[(kind, mode)]
+        nodes = self._nodes(mode)
+
+        def pipeline_train_step(params: tuple, opt_states: tuple, xs: tuple, ys: tuple, *keys: Any) -> tuple:
+            loss, _, new_params, new_opt_states = self._run_schedule(nodes, params, opt_states, xs, ys, keys)
+            return loss, new_params, new_opt_states
+
+        def pipeline_loss_and_grads(params: tuple, xs: tuple, ys: tuple, *keys: Any) -> tuple:
+            loss, grads, _, _ = self._run_schedule(nodes, params, None, xs, ys, keys)
+            return loss, tuple(grads)
+
+        def pipeline_forward(params: tuple, xs: tuple, *keys: Any) -> Any:
+            return self._forward_fn(nodes, params, xs, keys)
+
+        fn = {"train": pipeline_train_step, "grads": pipeline_loss_and_grads, "forward": pipeline_forward}[
+            kind
+        ]
+        self._programs[(kind, mode)] = pw.program(fn, name=fn.__name__)
+        return self._programs[(kind, mode)]
+
     # -- the traced step functions ------------------------------------------------------------
 
-    def _run_schedule(self, params: tuple, opt_states: tuple | None, xs: tuple, ys: tuple) -> tuple:
+    def _run_schedule(
+        self,
+        nodes_per_stage: list[Nodes],
+        params: tuple,
+        opt_states: tuple | None,
+        xs: tuple,
+        ys: tuple,
+        keys: tuple,
+    ) -> tuple:
         count = self.num_stages
         final = {s: max(i for i, op in enumerate(self._order) if op[1] == s) for s in range(count)}
         outs: dict[tuple[int, int], Any] = {}
@@ -307,46 +246,42 @@ class Pipeline:
         new_params, new_opt_states = list(params), list(opt_states or ())
         loss = None
         for i, (kind, s, m) in enumerate(self._order):
-            nodes = self._nodes[s]
+            nodes = nodes_per_stage[s]
+            k = (keys[0][s][m],) if keys else ()  # the microbatch's keys: every node's last argument
             if kind in ("F", "L"):
                 h = xs[m] if s == 0 else outs.pop((s - 1, m))
             if kind == "F":
-                out = nodes.fwd(params[s], h)
+                out = nodes.fwd(params[s], h, *k)
                 if isinstance(out, tuple):  # (output, vjp residuals)
                     outs[(s, m)], vjp = out
                     saved[(s, m)] = (vjp,)
-                else:  # remat: keep the input, recompute later
+                else:  # remat: keep the input (and keys), recompute later
                     outs[(s, m)] = out
                     saved[(s, m)] = (params[s], h)
             elif kind == "L":
                 if grads[s] is None:
-                    res = nodes.last(params[s], h, ys[m])
+                    res = nodes.last(params[s], h, ys[m], *k)
                 else:
-                    res = nodes.last_acc(params[s], h, ys[m], loss, grads[s])
+                    res = nodes.last_acc(params[s], h, ys[m], loss, grads[s], *k)
                 loss, grads[s] = res[0], res[1]
                 if s > 0:
                     cots[(s - 1, m)] = res[2]
             else:
                 args = (*saved.pop((s, m)), cots.pop((s, m)))
-                res = nodes.bwd(*args) if grads[s] is None else nodes.bwd_acc(*args, grads[s])
+                extra = k if self._remat else ()
+                res = nodes.bwd(*args, *extra) if grads[s] is None else nodes.bwd_acc(*args, grads[s], *extra)
                 if s == 0:
                     grads[s] = res
                 else:
                     grads[s], cots[(s - 1, m)] = res
             if opt_states is not None and i == final[s]:
                 # The stage's gradients are complete: update it now, on its slice.
-                new_params[s], new_opt_states[s] = nodes.update(params[s], opt_states[s], grads[s])
+                new_params[s], new_opt_states[s] = self._state_nodes[s].update(
+                    params[s], opt_states[s], grads[s]
+                )
         return loss, grads, tuple(new_params), tuple(new_opt_states)
 
-    def _train_step_fn(self, params: tuple, opt_states: tuple, xs: tuple, ys: tuple) -> tuple:
-        loss, _, new_params, new_opt_states = self._run_schedule(params, opt_states, xs, ys)
-        return loss, new_params, new_opt_states
-
-    def _grads_fn(self, params: tuple, xs: tuple, ys: tuple) -> tuple:
-        loss, grads, _, _ = self._run_schedule(params, None, xs, ys)
-        return loss, tuple(grads)
-
-    def _forward_fn(self, params: tuple, xs: tuple) -> Any:
+    def _forward_fn(self, nodes_per_stage: list[Nodes], params: tuple, xs: tuple, keys: tuple) -> Any:
         count, micro = self.num_stages, len(xs)
         outs: dict[tuple[int, int], Any] = {}
         for t in range(micro + count - 1):  # wavefront: stage s works on microbatch t - s
@@ -354,7 +289,8 @@ class Pipeline:
                 m = t - s
                 if 0 <= m < micro:
                     h = xs[m] if s == 0 else outs.pop((s - 1, m))
-                    outs[(s, m)] = self._nodes[s].infer(params[s], h)
+                    k = (keys[0][s][m],) if keys else ()
+                    outs[(s, m)] = nodes_per_stage[s].infer(params[s], h, *k)
         results = [outs[(count - 1, m)] for m in range(micro)]
         if micro == 1:
             return results[0]
@@ -390,26 +326,23 @@ class Pipeline:
             place="stage",
         )
 
-    def _check_chain(self, x: np.ndarray, y: np.ndarray | None) -> None:
-        key = (x.shape, x.dtype, None if y is None else (y.shape, y.dtype))
+    def _check_chain(
+        self, x: np.ndarray, y: np.ndarray | None, mode: Mode, rngs: dict[str, jax.Array] | None
+    ) -> None:
+        key = (x.shape, x.dtype, None if y is None else (y.shape, y.dtype), mode)
         if key in self._checked:
             return
         h: Any = jax.ShapeDtypeStruct(x.shape, x.dtype)
         for index, (stage, params) in enumerate(zip(self.stages, self._params, strict=True)):
+            keys = None if rngs is None else rngs_lib.derive_rngs(rngs, index, 0)
+
+            def run(p: Any, h: Any, stage: Stage = stage, keys: Any = keys) -> Any:
+                return stage.run(p, h, keys, mode.train)
+
             try:
-                out = jax.eval_shape(stage.apply, stages_lib.abstract(params), h)
+                out = jax.eval_shape(run, stages_lib.abstract(params), h)
             except Exception as exc:
-                fed = (
-                    f"a microbatch {stages_lib.describe(h)}"
-                    if index == 0
-                    else f"the output of stage {index - 1}, {stages_lib.describe(h)}"
-                )
-                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise pw.errors.ProgramTraceError(
-                    f"Pipeline stage {index} ({self.stages[index].description}) cannot take {fed}: "
-                    f"{type(exc).__name__}: {detail[:300]}. Each stage's output must be what the next "
-                    "stage takes (e.g. its in_features); fix the stage sizes or the input shape."
-                ) from exc
+                raise _stage_error(self.stages[index], index, h, mode, exc) from exc
             h = out
         if y is not None:
             try:
@@ -428,7 +361,16 @@ class Pipeline:
                 )
         self._checked.add(key)
 
-    def _training_inputs(self, x: Any, y: Any, what: str) -> tuple[tuple, tuple]:
+    def _mode(self, rngs: Rngs | None, train: bool | None, what: str) -> tuple[Mode, Any, tuple]:
+        """The call's mode, its checked typed keys, and the program's trailing key arguments."""
+        typed = rngs_lib.check_rngs(rngs, f"Pipeline.{what}")
+        mode = rngs_lib.mode_of(typed, train, f"Pipeline.{what}")
+        grid = rngs_lib.key_grid(typed, self.num_stages, self.num_microbatches)
+        return mode, typed, () if grid is None else (grid,)
+
+    def _training_inputs(
+        self, x: Any, y: Any, what: str, rngs: Rngs | None, train: bool | None
+    ) -> tuple[tuple, tuple, Mode, tuple]:
         if not self._trainable:
             raise pw.errors.ProgramTraceError(
                 f"Pipeline.{what} needs loss_fn= and optimizer= (this pipeline was built for inference "
@@ -439,17 +381,22 @@ class Pipeline:
             raise pw.errors.PlacementError(
                 f"x has a batch of {np.shape(x)[0]} but y of {np.shape(y)[0]}; they must match."
             )
-        self._check_chain(xs[0], ys[0])
-        return xs, ys
+        mode, typed, keys = self._mode(rngs, train, what)
+        self._check_chain(xs[0], ys[0], mode, typed)
+        return xs, ys, mode, keys
 
     # -- public calls -------------------------------------------------------------------------
 
-    def train_step(self, x: Any, y: Any) -> pw.Future:
+    def train_step(self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> pw.Future:
         """Runs one train step (ONE program call) and returns the mean loss as a future.
 
         Args:
           x: the batch of inputs (first dimension: the batch).
           y: the batch of targets.
+          rngs: stream name to key, e.g. ``{"dropout": jax.random.fold_in(key, step)}``;
+            stage ``s`` on microbatch ``m`` gets :func:`derive_rngs` ``(rngs, s, m)``.
+          train: passed to every stage that takes it (see :func:`as_stage`);
+            ``None`` passes nothing.
 
         Returns:
           The batch's mean loss (before the update), a :class:`pw.Future` on the last
@@ -459,35 +406,70 @@ class Pipeline:
           PlacementError: ``num_microbatches`` does not divide the batch, or a
             microbatch cannot be split over a stage's ``data_axis``.
           ProgramTraceError: a stage cannot take the previous stage's output,
-            or the loss is not a float scalar.
+            a stage needs an RNG stream that ``rngs`` lacks, ``rngs``/``train``
+            are malformed, or the loss is not a float scalar.
         """
-        xs, ys = self._training_inputs(x, y, "train_step")
-        loss, params, opt_states = self._train(tuple(self._params), tuple(self._opt_states), xs, ys)
+        xs, ys, mode, keys = self._training_inputs(x, y, "train_step", rngs, train)
+        program = self._program("train", mode)
+        loss, params, opt_states = program(tuple(self._params), tuple(self._opt_states), xs, ys, *keys)
         self._params, self._opt_states = list(params), list(opt_states)
         return loss
 
-    def loss_and_grads(self, x: Any, y: Any) -> tuple[pw.Future, list[Any]]:
-        """The batch's mean loss and every stage's gradients, without an update (one program call)."""
-        xs, ys = self._training_inputs(x, y, "loss_and_grads")
-        loss, grads = self._grads(tuple(self._params), xs, ys)
+    def loss_and_grads(
+        self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None
+    ) -> tuple[pw.Future, list[Any]]:
+        """The batch's mean loss and every stage's gradients, without an update (one program call).
+
+        ``rngs`` and ``train`` are as in :meth:`train_step`.
+        """
+        xs, ys, mode, keys = self._training_inputs(x, y, "loss_and_grads", rngs, train)
+        loss, grads = self._program("grads", mode)(tuple(self._params), xs, ys, *keys)
         return loss, list(grads)
 
-    def forward(self, x: Any) -> Any:
-        """The model's output for a batch (inference; one program call), on the last stage."""
-        xs = self._split(x, "x")
-        self._check_chain(xs[0], None)
-        return self._forward(tuple(self._params), xs)
+    def forward(self, x: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> Any:
+        """The model's output for a batch (inference; one program call), on the last stage.
 
-    def graph(self, x: Any, y: Any) -> pw.Graph:
+        Pass ``train=False`` to run stages in evaluation mode (no ``rngs`` needed);
+        ``rngs`` and ``train`` are as in :meth:`train_step`.
+        """
+        xs = self._split(x, "x")
+        mode, typed, keys = self._mode(rngs, train, "forward")
+        self._check_chain(xs[0], None, mode, typed)
+        return self._program("forward", mode)(tuple(self._params), xs, *keys)
+
+    def graph(self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> pw.Graph:
         """The dataflow graph of one train step for these inputs."""
-        xs, ys = self._training_inputs(x, y, "graph")
-        return self._train.graph(tuple(self._params), tuple(self._opt_states), xs, ys)
+        xs, ys, mode, keys = self._training_inputs(x, y, "graph", rngs, train)
+        return self._program("train", mode).graph(tuple(self._params), tuple(self._opt_states), xs, ys, *keys)
 
     def __repr__(self) -> str:
         return (
             f"Pipeline({self.num_stages} stages, {self.num_microbatches} microbatches, "
             f"schedule={self.schedule!r}, islands={[s.island for s in self.slices]})"
         )
+
+
+def _stage_error(stage: Stage, index: int, h: Any, mode: Mode, exc: Exception) -> pw.errors.ProgramTraceError:
+    """A stage failed on abstract inputs: say what it was fed and, if it wanted a key, what to pass."""
+    fed = (
+        f"a microbatch {stages_lib.describe(h)}"
+        if index == 0
+        else f"the output of stage {index - 1}, {stages_lib.describe(h)}"
+    )
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    given = [name for name, _ in mode.streams]
+    if isinstance(exc, flax_errors.InvalidRngError) or "rng" in detail.lower():
+        return pw.errors.ProgramTraceError(
+            f"Pipeline stage {index} ({stage.description}) needs an RNG stream with train={mode.train} "
+            f"but the call gave rngs for {given or 'no streams'}: {type(exc).__name__}: {detail[:300]}. "
+            "Pass rngs={'dropout': key} (one key per stream the stage uses) to train_step/forward, "
+            "or train=False to run it without randomness."
+        )
+    return pw.errors.ProgramTraceError(
+        f"Pipeline stage {index} ({stage.description}) cannot take {fed}: "
+        f"{type(exc).__name__}: {detail[:300]}. Each stage's output must be what the next "
+        "stage takes (e.g. its in_features); fix the stage sizes or the input shape."
+    )
 
 
 def _concatenate(*parts: Any) -> Any:

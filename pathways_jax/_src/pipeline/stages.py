@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-import optax
 from flax import linen, nnx
 
 import pathways_jax as pw
+from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.optimizers import check_optimizers as check_optimizers
 
 Apply = Callable[[Any, Any], Any]
-# A stage's parameter specs: None (replicated), one pw.P for every leaf, or
-# a function (key path, leaf) -> pw.P | None.
-ParamSpecs = pw.P | Callable[[Any, Any], pw.P | None] | None
+# (params, x, rngs, train) -> y: rngs a mapping of typed keys or None, train a bool or None.
+Call = Callable[[Any, Any, Mapping[str, jax.Array] | None, bool | None], Any]
+# A stage's parameter specs: None (replicated), one pw.P for every leaf, a
+# function (key path, leaf) -> pw.P | None, or a pytree prefix of the params
+# with a pw.P or None at each of its leaves.
+ParamSpecs = pw.P | Callable[[Any, Any], pw.P | None] | Any | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,22 +30,65 @@ class Stage:
 
     Non-trainable state (an NNX module's non-``Param`` variables, a Linen
     module's other collections) is closed over by ``apply`` and held fixed.
+    ``call(params, x, rngs, train)`` runs the stage with RNG streams and a
+    training flag (see :func:`as_stage`); ``None`` means the stage takes
+    neither and ``apply`` is used.
     """
 
     params: Any
     apply: Apply
     kind: str
     description: str
+    call: Call | None = None
+
+    def run(self, params: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
+        """The stage's output with these RNG streams and training flag."""
+        if self.call is None:
+            return self.apply(params, x)
+        return self.call(params, x, rngs, train)
+
+
+def _keywords(fn: Any) -> frozenset[str]:
+    """Which of ``train``, ``deterministic`` and ``rngs`` ``fn`` takes as keywords."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return frozenset({"train", "rngs"})
+    names = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    return frozenset(names & {"train", "deterministic", "rngs"})
+
+
+def _mode_kwargs(keywords: frozenset[str], train: bool | None) -> dict[str, bool]:
+    if train is None:
+        return {}
+    if "train" in keywords:
+        return {"train": train}
+    if "deterministic" in keywords:
+        return {"deterministic": not train}
+    return {}
 
 
 def as_stage(model: Any, index: int = 0) -> Stage:
     """Normalises a stage into :class:`Stage`: trainable ``params`` and ``apply(params, x)``.
 
     Args:
-      model: a Flax NNX module (its ``nnx.Param`` variables are the params),
+      model: a Flax NNX module (its ``nnx.Param`` values are the params, as plain arrays),
         a ``(linen_module, variables)`` pair (``variables["params"]``), or a
         ``(params, apply_fn)`` pair.
       index: the stage's position, named in errors.
+
+    When a step is given ``train=`` (``True``/``False``), a stage whose call
+    takes a ``train`` keyword gets it (else one taking ``deterministic`` gets
+    ``not train``); an NNX module is also switched with ``set_attributes(
+    deterministic=not train, use_running_average=not train)``, as
+    ``module.train()``/``module.eval()`` do. ``train=None`` passes nothing.
+    When a step is given ``rngs`` (stream name to key), a Linen stage gets
+    them as ``module.apply(..., rngs=rngs)``, an ``apply_fn`` taking ``rngs``
+    gets the mapping, and an NNX module gets ``nnx.Rngs(**rngs)`` if its
+    ``__call__`` takes ``rngs``, else its own streams are reseeded with them
+    (``nnx.reseed``).
 
     Returns:
       A :class:`Stage`.
@@ -59,11 +107,28 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         return model
     if isinstance(model, nnx.Module):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        # Plain arrays, not the module's Variables: nodes taking the params never write
+        # back into the user's module (programs update Variables they are given in place).
+        params = nnx.as_pure(params)
+        nnx_keywords = _keywords(type(model).__call__)
 
         def apply_nnx(p: Any, x: Any) -> Any:
             return nnx.merge(graphdef, p, rest)(x)
 
-        return Stage(params, apply_nnx, "nnx", f"nnx {type(model).__name__}")
+        def call_nnx(p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
+            module = nnx.merge(graphdef, p, rest, copy=True)  # fresh variables: reseed may mutate them
+            if train is not None:
+                module.set_attributes(
+                    deterministic=not train, use_running_average=not train, raise_if_not_found=False
+                )
+            kwargs: dict[str, Any] = _mode_kwargs(nnx_keywords, train)
+            if rngs and "rngs" in nnx_keywords:
+                kwargs["rngs"] = nnx.Rngs(**rngs)
+            elif rngs:
+                nnx.reseed(module, **rngs)
+            return module(x, **kwargs)
+
+        return Stage(params, apply_nnx, "nnx", f"nnx {type(model).__name__}", call_nnx)
     if isinstance(model, tuple | list) and len(model) == 2:
         first, second = model
         if isinstance(first, linen.Module):
@@ -75,13 +140,27 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                     "(module, module.init(rng, x)) so the stage has parameters to train."
                 )
             params = variables.pop("params")
+            linen_keywords = _keywords(type(first).__call__)
 
             def apply_linen(p: Any, x: Any) -> Any:
                 return first.apply({"params": p, **variables}, x)
 
-            return Stage(params, apply_linen, "linen", f"linen {type(first).__name__}")
+            def call_linen(p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
+                kwargs = _mode_kwargs(linen_keywords, train)
+                return first.apply({"params": p, **variables}, x, rngs=dict(rngs) if rngs else None, **kwargs)
+
+            return Stage(params, apply_linen, "linen", f"linen {type(first).__name__}", call_linen)
         if callable(second) and not callable(first):
-            return Stage(first, second, "function", f"apply_fn {getattr(second, '__name__', second)!r}")
+            fn_keywords = _keywords(second)
+
+            def call_fn(p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
+                kwargs: dict[str, Any] = _mode_kwargs(fn_keywords, train)
+                if rngs and "rngs" in fn_keywords:
+                    kwargs["rngs"] = dict(rngs)
+                return second(p, x, **kwargs)
+
+            description = f"apply_fn {getattr(second, '__name__', second)!r}"
+            return Stage(first, second, "function", description, call_fn)
     raise pw.errors.ProgramTraceError(
         f"stage {index} is {type(model).__name__}: {model!r:.80}; expected a Flax NNX module, a "
         "(linen_module, variables) pair, or a (params, apply_fn) pair with "
@@ -114,38 +193,123 @@ def check_slices(slices: Sequence[Any], count: int, what: str) -> list[pw.Virtua
     return slices
 
 
-def check_optimizers(optimizer: Any, count: int, what: str) -> list[optax.GradientTransformation | None]:
-    if optimizer is None or isinstance(optimizer, optax.GradientTransformation):
-        return [optimizer] * count
-    if isinstance(optimizer, Sequence) and len(optimizer) == count:
-        for i, tx in enumerate(optimizer):
-            if not isinstance(tx, optax.GradientTransformation):
-                raise pw.errors.ProgramTraceError(
-                    f"{what}: optimizer {i} is {type(tx).__name__}; expected an optax "
-                    "GradientTransformation such as optax.adam(1e-3)."
+def _is_spec(node: Any) -> bool:
+    return node is None or isinstance(node, pw.P)
+
+
+def _key_name(key: Any) -> Any:
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return getattr(key, attribute)
+    return key
+
+
+def _path(path: tuple) -> tuple:
+    return tuple(_key_name(key) for key in path)
+
+
+def _show(path: tuple) -> str:
+    return "/".join(str(part) for part in path) or "<root>"
+
+
+def _from_prefix(params: Any, specs: Any, where: str) -> Any:
+    """Specs per parameter from a pytree prefix of ``params``, matched by key names.
+
+    Matching by names (not node types) lets a plain dict describe an ``nnx.State``.
+    """
+    flat_specs, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+    by_path = {}
+    for path, spec in flat_specs:
+        if not _is_spec(spec):
+            raise pw.errors.PlacementError(
+                f"{where}: entry {_show(_path(path))} is {type(spec).__name__} {spec!r:.60}; "
+                "expected pw.P(...) or None (replicated) at every leaf of param_specs."
+            )
+        by_path[_path(path)] = spec
+    param_paths = [_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    used: set[tuple] = set()
+    missing: list[str] = []
+
+    def pick(path: tuple, leaf: Any) -> pw.P:
+        names = _path(path)
+        for end in range(len(names), -1, -1):
+            if names[:end] in by_path:
+                used.add(names[:end])
+                return by_path[names[:end]] or pw.P()
+        missing.append(_show(names))
+        return pw.P()
+
+    tree = jax.tree_util.tree_map_with_path(pick, params)
+    unknown = [_show(path) for path in by_path if path not in used]
+    if missing or unknown:
+        parts = ", ".join(_show(path) for path in param_paths[:8])
+        more = f" and {len(param_paths) - 8} more" if len(param_paths) > 8 else ""
+        problems = []
+        if unknown:
+            problems.append(f"entries {unknown[:4]} match no parameter")
+        if missing:
+            problems.append(f"parameters {missing[:4]} have no spec")
+        raise pw.errors.PlacementError(
+            f"{where} is not a pytree prefix of the params: {'; '.join(problems)}. The params have "
+            f"{parts}{more}; give a pw.P or None for each of them or for a part holding them "
+            "(or one pw.P for all, or a function (key_path, leaf) -> pw.P | None)."
+        )
+    return tree
+
+
+def _check_fits(spec: pw.P, leaf: Any, slice_: pw.VirtualSlice, where: str) -> None:
+    sizes = dict(zip(slice_.axis_names, slice_.shape, strict=True))
+    shape = tuple(np.shape(leaf))
+    if len(spec) > len(shape):
+        raise pw.errors.PlacementError(
+            f"{where} is {spec}, {len(spec)} entries for a parameter of shape {shape}; "
+            "give at most one entry per dimension."
+        )
+    for dim, entry in zip(shape, spec, strict=False):
+        parts = 1
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if name is None:
+                continue
+            if name not in sizes:
+                raise pw.errors.PlacementError(
+                    f"{where} is {spec}, which names axis {name!r}, but {slice_!r} has axes "
+                    f"{slice_.axis_names}; use the slice's axis names."
                 )
-        return list(optimizer)
-    raise pw.errors.ProgramTraceError(
-        f"{what}: optimizer must be an optax GradientTransformation or a sequence of {count} "
-        f"(one per stage), got {type(optimizer).__name__}."
-    )
+            parts *= sizes[name]
+        if dim % parts:
+            raise pw.errors.PlacementError(
+                f"{where} is {spec}, which splits a dimension of size {dim} (shape {shape}) into "
+                f"{parts} parts on {slice_!r}; the size must divide evenly."
+            )
 
 
-def param_specs(params: Any, specs: ParamSpecs, slice_: pw.VirtualSlice, index: int) -> Any:
-    """A pytree of ``pw.P`` matching ``params``."""
+def param_specs(params: Any, specs: ParamSpecs, slice_: pw.VirtualSlice, where: str) -> Any:
+    """A pytree of ``pw.P`` matching ``params``, each checked against ``slice_``.
+
+    ``specs`` is ``None`` (replicated), one ``pw.P`` for every parameter, a function
+    ``(key_path, leaf) -> pw.P | None``, or a pytree prefix of ``params`` with ``pw.P`` or
+    ``None`` at its leaves. ``where`` names the specs in errors.
+    """
     if specs is None:
         return jax.tree.map(lambda _: pw.P(), params)
     if isinstance(specs, pw.P):
-        return jax.tree.map(lambda _: specs, params)
-    if callable(specs):
-        return jax.tree_util.tree_map_with_path(lambda path, leaf: specs(path, leaf) or pw.P(), params)
-    raise pw.errors.PlacementError(
-        f"param_specs of stage {index} on {slice_!r} is {specs!r}; expected None, one pw.P(...) "
-        "for every parameter, or a function (key_path, leaf) -> pw.P | None."
-    )
+        tree = jax.tree.map(lambda _: specs, params)
+    elif callable(specs) and not isinstance(specs, Mapping | Sequence):
+        tree = jax.tree_util.tree_map_with_path(lambda path, leaf: specs(path, leaf) or pw.P(), params)
+    else:
+        tree = _from_prefix(params, specs, where)
+    for (path, spec), leaf in zip(
+        jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)[0], jax.tree.leaves(params), strict=True
+    ):
+        if not isinstance(spec, pw.P):
+            raise pw.errors.PlacementError(
+                f"{where} gave {spec!r:.60} for parameter {_show(_path(path))}; expected pw.P(...) or None."
+            )
+        _check_fits(spec, leaf, slice_, f"{where} for parameter {_show(_path(path))}")
+    return tree
 
 
-def opt_state_specs(tx: optax.GradientTransformation, params: Any, specs: Any) -> Any:
+def opt_state_specs(tx: OptaxLike, params: Any, specs: Any) -> Any:
     """Specs of ``tx.init(params)``: parameter-shaped subtrees follow ``specs``, the rest replicated."""
     abstract = jax.eval_shape(tx.init, params)
     structure = jax.tree_util.tree_structure(params)
@@ -219,7 +383,9 @@ def sequential(models: Sequence[Any]) -> tuple[tuple[Any, ...], Apply]:
     """Composes stages into one model: ``(params, apply_fn)``, params a tuple per stage.
 
     The result is the unpipelined model: train it with plain ``jax.jit``, or
-    pass it to :class:`DataParallel`.
+    pass it to :class:`DataParallel`. ``apply_fn(params, x, *, rngs=None,
+    train=None)`` runs stage ``j`` with ``train`` and with every key of
+    ``rngs`` folded with ``j`` (``jax.random.fold_in(key, j)``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -230,9 +396,16 @@ def sequential(models: Sequence[Any]) -> tuple[tuple[Any, ...], Apply]:
     """
     stages = as_stages(models)
 
-    def apply(params: Sequence[Any], x: Any) -> Any:
-        for stage, p in zip(stages, params, strict=True):
-            x = stage.apply(p, x)
+    def apply(
+        params: Sequence[Any],
+        x: Any,
+        *,
+        rngs: Mapping[str, jax.Array] | None = None,
+        train: bool | None = None,
+    ) -> Any:
+        for j, (stage, p) in enumerate(zip(stages, params, strict=True)):
+            keys = {name: jax.random.fold_in(key, j) for name, key in rngs.items()} if rngs else None
+            x = stage.run(p, x, keys, train)
         return x
 
     return tuple(stage.params for stage in stages), apply

@@ -1,0 +1,160 @@
+"""The ``pw.jit`` nodes of a pipeline stage: placement and update, and the compute of one mode."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import pathways_jax as pw
+from pathways_jax._src.pipeline import stages as stages_lib
+from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.rngs import Mode
+from pathways_jax._src.pipeline.stages import Stage
+
+LossFn = Callable[[Any, Any], jax.Array]
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateNodes:
+    """A stage's parameter placement and Optax update, on the stage's slice."""
+
+    init: pw.JitFunction
+    update: pw.JitFunction | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Nodes:
+    """The ``pw.jit`` functions that run one stage in one :class:`Mode`, on the stage's slice.
+
+    In a keyed mode every function that runs the stage takes the microbatch's raw key
+    data (a dict by stream) as its LAST argument; otherwise it takes none.
+    """
+
+    infer: pw.JitFunction
+    fwd: pw.JitFunction | None = None
+    bwd: pw.JitFunction | None = None
+    bwd_acc: pw.JitFunction | None = None
+    last: pw.JitFunction | None = None
+    last_acc: pw.JitFunction | None = None
+
+
+def build_state_nodes(stage: Stage, slice_: pw.VirtualSlice, tx: OptaxLike | None, pspecs: Any) -> StateNodes:
+    if tx is None:
+        return StateNodes(init=pw.jit(lambda p: p, devices=slice_, out_specs=pspecs))
+    ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
+
+    def update(p: Any, o: Any, g: Any) -> tuple[Any, Any]:
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o
+
+    return StateNodes(
+        init=pw.jit(lambda p: (p, tx.init(p)), devices=slice_, out_specs=(pspecs, ospecs)),
+        update=pw.jit(update, devices=slice_, out_specs=(pspecs, ospecs)),
+    )
+
+
+def build_nodes(
+    stage: Stage,
+    slice_: pw.VirtualSlice,
+    mode: Mode,
+    loss_fn: LossFn | None,
+    *,
+    first: bool,
+    last: bool,
+    num_microbatches: int,
+    remat: bool,
+    data_axis: str | None,
+    pspecs: Any,
+) -> Nodes:
+    act = stages_lib.activation_spec(slice_, data_axis)
+    kspec: tuple = (None,) if mode.keyed else ()
+
+    def apply(p: Any, h: Any, k: tuple) -> Any:
+        # k is () or (raw key data by stream,): the node's optional last argument.
+        return stage.run(p, h, mode.wrap(k[0]) if k else None, mode.train)
+
+    def jit(fun: Callable[..., Any], **kwargs: Any) -> pw.JitFunction:
+        return pw.jit(fun, devices=slice_, **kwargs)
+
+    def infer(p: Any, h: Any, *k: Any) -> Any:
+        return apply(p, h, k)
+
+    nodes = Nodes(infer=jit(infer, in_specs=(None, act, *kspec), out_specs=act))
+    if loss_fn is None:
+        return nodes
+
+    def forward_vjp(p: Any, h: Any, *k: Any) -> tuple[Any, Any]:
+        # The vjp function is a pytree whose leaves are the residual arrays:
+        # they become node outputs and stay on the slice until the backward.
+        if first:  # the model input may be integer tokens: no cotangent for it
+            return jax.vjp(lambda p: apply(p, h, k), p)
+        return jax.vjp(lambda p, h: apply(p, h, k), p, h)
+
+    def cotangents(vjp: Any, dy: Any) -> Any:
+        cts = vjp(dy)
+        return cts[0] if first else cts
+
+    def add_grads(out: Any, acc: Any) -> Any:
+        return _add(acc, out) if first else (_add(acc, out[0]), out[1])
+
+    grads_out = pspecs if first else (pspecs, act)
+    if remat:  # keep only the stage input (and keys); recompute the forward in the backward
+        fwd = jit(infer, in_specs=(None, act, *kspec), out_specs=act)
+
+        def bwd(p: Any, h: Any, dy: Any, *k: Any) -> Any:
+            return cotangents(forward_vjp(p, h, *k)[1], dy)
+
+        def bwd_acc(p: Any, h: Any, dy: Any, acc: Any, *k: Any) -> Any:
+            return add_grads(bwd(p, h, dy, *k), acc)
+
+        bwd_specs: tuple = (None, act, act)
+    else:
+        fwd = jit(forward_vjp, in_specs=(None, act, *kspec), out_specs=(act, None))
+
+        def bwd(vjp: Any, dy: Any) -> Any:
+            return cotangents(vjp, dy)
+
+        def bwd_acc(vjp: Any, dy: Any, acc: Any) -> Any:
+            return add_grads(cotangents(vjp, dy), acc)
+
+        bwd_specs = (None, act)
+    kbwd = kspec if remat else ()
+
+    scale = 1.0 / num_microbatches
+
+    def loss_grads(p: Any, h: Any, y: Any, *k: Any) -> tuple:
+        # The step's loss is the mean over microbatches of each one's loss.
+        def f(p: Any, h: Any) -> jax.Array:
+            return loss_fn(apply(p, h, k), y) * scale
+
+        if first:
+            return jax.value_and_grad(lambda p: f(p, h))(p)
+        loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(p, h)
+        return loss, gp, gh
+
+    def loss_grads_acc(p: Any, h: Any, y: Any, loss_acc: Any, acc: Any, *k: Any) -> tuple:
+        loss, gp, *rest = loss_grads(p, h, y, *k)
+        return (loss_acc + loss, _add(acc, gp), *rest)
+
+    last_specs = (pw.P(), pspecs) if first else (pw.P(), pspecs, act)
+    return dataclasses.replace(
+        nodes,
+        fwd=fwd,
+        bwd=jit(bwd, in_specs=(*bwd_specs, *kbwd), out_specs=grads_out),
+        bwd_acc=jit(bwd_acc, in_specs=(*bwd_specs, None, *kbwd), out_specs=grads_out),
+        last=jit(loss_grads, in_specs=(None, act, act, *kspec), out_specs=last_specs) if last else None,
+        last_acc=(
+            jit(loss_grads_acc, in_specs=(None, act, act, None, None, *kspec), out_specs=last_specs)
+            if last
+            else None
+        ),
+    )

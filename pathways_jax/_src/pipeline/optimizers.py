@@ -1,0 +1,72 @@
+"""What the pipeline accepts as an optimizer: anything with Optax's ``init``/``update``.
+
+The pipeline trains functional parameters, so it needs an optimizer in Optax's form:
+``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``. Any
+object with those two methods works (``optax.GradientTransformation`` or a class of the
+user's own). A ``flax.nnx.Optimizer`` is accepted too: its Optax transformation
+``optimizer.tx`` is used, with a fresh state made from the stage's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from flax import nnx
+
+import pathways_jax as pw
+
+
+class OptaxLike(Protocol):
+    """An optimizer with Optax's interface (``optax.GradientTransformation`` has it)."""
+
+    def init(self, params: Any) -> Any: ...
+
+    def update(self, updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]: ...
+
+
+_EXPECTED = (
+    "an optimizer with Optax's interface, init(params) -> state and "
+    "update(grads, state, params) -> (updates, state), such as optax.adam(1e-3), or a "
+    "flax.nnx.Optimizer (its .tx is used)"
+)
+
+
+def _is_optax_like(obj: Any) -> bool:
+    return callable(getattr(obj, "init", None)) and callable(getattr(obj, "update", None))
+
+
+def as_optimizer(obj: Any, what: str) -> OptaxLike:
+    """``obj`` as an Optax-like optimizer; ``what`` names it in the error."""
+    if isinstance(obj, nnx.Optimizer):
+        tx = getattr(obj, "tx", None)
+        if _is_optax_like(tx):
+            return tx
+        raise pw.errors.ProgramTraceError(
+            f"{what} is an nnx.Optimizer whose .tx is {type(tx).__name__}, not an Optax "
+            "transformation; pass the Optax transformation itself, e.g. optimizer=optax.adam(1e-3)."
+        )
+    if _is_optax_like(obj):
+        return obj
+    missing = [name for name in ("init", "update") if not callable(getattr(obj, name, None))]
+    raise pw.errors.ProgramTraceError(
+        f"{what} is {type(obj).__name__}: {obj!r:.80}, which has no callable "
+        f"{' or '.join(repr(m) for m in missing)}; expected {_EXPECTED}. Wrap other optimizers in an "
+        "object with those two methods."
+    )
+
+
+def check_optimizers(optimizer: Any, count: int, what: str) -> list[OptaxLike | None]:
+    """One Optax-like optimizer (or ``None``) per stage, from one optimizer or a sequence of ``count``."""
+    if optimizer is None:
+        return [None] * count
+    if _is_optax_like(optimizer) or isinstance(optimizer, nnx.Optimizer):
+        return [as_optimizer(optimizer, f"{what}: optimizer")] * count
+    if isinstance(optimizer, Sequence) and not isinstance(optimizer, str):
+        if len(optimizer) != count:
+            raise pw.errors.ProgramTraceError(
+                f"{what}: optimizer is a sequence of {len(optimizer)}, but there are {count} stages; "
+                f"give one optimizer for every stage, or {_EXPECTED}."
+            )
+        return [as_optimizer(tx, f"{what}: optimizer {i}") for i, tx in enumerate(optimizer)]
+    return [as_optimizer(optimizer, f"{what}: optimizer")] * count
