@@ -332,7 +332,10 @@ def test_an_internal_error_fails_only_its_run():
 _EXIT_SCRIPT = """
 import sys
 import pathways_jax as pw
-pw.init(num_cpu_devices=4)
+if sys.argv[3] == "ray":  # two host processes; the slice lives on host 0
+    pw.init(backend="ray", hosts=2, devices_per_host=int(sys.argv[1]))
+else:
+    pw.init(num_cpu_devices=4)
 import jax, jax.numpy as jnp
 
 s = pw.devices(mesh={"x": int(sys.argv[1])})
@@ -347,13 +350,13 @@ print("submitted", flush=True)
 """
 
 
-@pytest.mark.parametrize(("devices", "runs"), [(4, 3), (1, 2)])
-def test_exit_without_shutdown_mid_run_is_clean(tmp_path, devices, runs):
+@pytest.mark.parametrize(("devices", "runs", "backend"), [(4, 3, "local"), (1, 2, "local"), (2, 3, "ray")])
+def test_exit_without_shutdown_mid_run_is_clean(tmp_path, devices, runs, backend):
     script = tmp_path / "exit_mid_run.py"
     script.write_text(textwrap.dedent(_EXIT_SCRIPT))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(
-        [sys.executable, str(script), str(devices), str(runs)],
+        [sys.executable, str(script), str(devices), str(runs), backend],
         capture_output=True,
         text=True,
         timeout=150,
