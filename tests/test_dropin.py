@@ -468,3 +468,28 @@ def test_a_python_if_on_a_traced_value_names_the_users_line():
     assert "test_dropin.py" in message and "branchy" in message
     assert "pathways_jax" not in message.replace("pathways_jax.", "")
     assert "dynamic_leaves" not in message and "flat_fun" not in message
+
+
+def test_functional_nnx_state_keeps_jax_jit_semantics():
+    # nnx.split's State of Variables is a plain pytree, as under jax.jit: the
+    # caller's input state is not rewritten; the program returns a new one.
+    s = pw.devices(mesh={"x": 1})
+    graphdef, state = nnx.split(_NnxMLP(nnx.Rngs(0)))
+
+    def sgd(state, x, y):
+        def loss_fn(state):
+            logits = nnx.merge(graphdef, state)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), loss
+
+    x, y = _data()
+    before = jax.tree.map(np.asarray, state)
+    got_state, got_loss = pw.program(sgd, devices=s)(state, x, y)
+    want_state, want_loss = jax.jit(sgd)(state, x, y)
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))  # untouched inputs
+    _close(jax.tree.map(np.asarray, state), before)
+    assert all(isinstance(leaf, pw.Future) for leaf in jax.tree.leaves(got_state))
+    _close(got_state, want_state)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=2e-5)

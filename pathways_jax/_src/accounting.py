@@ -31,7 +31,10 @@ from pathways_jax._src import readiness
 now = time.perf_counter_ns
 # The watcher is never woken per run (a wake-up per run costs the dispatching
 # thread a GIL hand-off): when idle it looks for new notes this often, and
-# otherwise it sleeps inside XLA on the oldest unfinished run.
+# otherwise it looks at the oldest unfinished run at most every 0.5-2 ms. It
+# sleeps in Python, never inside XLA: a thread blocked inside XLA at
+# interpreter exit aborts the process when it wakes, so exit without
+# pw.shutdown() could not be clean.
 _IDLE_POLL_S = 2e-3
 # After each accounted batch the watcher sleeps this long, so that it takes the
 # GIL once per batch of short runs rather than once per run: end times are

@@ -58,14 +58,20 @@ def is_graph_leaf(leaf: Any) -> bool:
 
 
 def has_graph_nodes(tree: Any) -> bool:
-    """True when the pytree holds an NNX Variable or graph node anywhere."""
-    if _nnx() is None:
+    """True when the pytree holds an NNX object (module, optimizer, Rngs) anywhere.
+
+    Variables alone (an ``nnx.State`` from ``nnx.split``, functional style) are
+    plain pytrees, as under ``jax.jit``: only objects, whose in-place updates
+    the caller expects to see, are run as ``nnx.jit`` runs them.
+    """
+    nnx = _nnx()
+    if nnx is None:
         return False
     import jax
     from flax.nnx import graphlib
 
     return any(
-        graphlib.is_graph_node(leaf)
+        graphlib.is_graph_node(leaf) and not isinstance(leaf, nnx.Variable)
         for leaf in jax.tree_util.tree_leaves(tree, is_leaf=graphlib.is_graph_node)
     )
 

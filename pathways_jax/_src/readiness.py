@@ -70,14 +70,14 @@ def block(array: Any) -> None:
         raise
 
 
-def poll(arrays: Any, stopping: Callable[[], bool], longest_s: float = 2e-3) -> None:
+def poll(arrays: Any, stopping: Callable[[], bool], first_s: float = 5e-4, longest_s: float = 2e-3) -> None:
     """Waits until every array is settled or ``stopping()``, sleeping in Python between looks.
 
     For the runtime's own threads: a thread asleep in Python, unlike one
     blocked inside XLA, can be stopped at interpreter exit without aborting the
     process, so exit without ``pw.shutdown()`` stays clean whatever is running.
     """
-    pause = 1e-5
+    pause = first_s  # each look costs a thread that dispatches a GIL hand-off: look rarely
     while not all(settled(array) for array in arrays):
         if stopping():
             return
