@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import atexit
-import logging
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
+from absl import logging
 
 from pathways_jax._src import errors
 from pathways_jax._src import scheduler as scheduler_lib
@@ -22,8 +22,6 @@ from pathways_jax._src.resources import Island, ResourceManager
 # deadlocks XLA's CPU rendezvous (DESIGN §5: 64+ in flight on 8 devices); 16
 # was measured safe, 8 leaves a margin and costs no throughput.
 DEFAULT_IN_FLIGHT = 8
-
-log = logging.getLogger("pathways_jax")
 
 
 class Cluster:
@@ -122,10 +120,10 @@ class Cluster:
             try:
                 new_island, devices = self.resources.acquire(slice_.size, None, slice_.exclusive, timeout=0)
             except errors.ResourceError as exc:
-                log.warning("pathways_jax: %r could not move off lost island %d: %s", slice_, island, exc)
+                logging.warning("pathways_jax: %r could not move off lost island %d: %s", slice_, island, exc)
                 continue
             slice_._move(new_island, devices)
-            log.warning("pathways_jax: %r moved off lost island %d", slice_, island)
+            logging.warning("pathways_jax: %r moved off lost island %d", slice_, island)
         self.mapping_epoch += 1
 
     def close_client(self, client) -> None:

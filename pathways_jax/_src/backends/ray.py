@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import logging
 import threading
 import time
 import warnings
@@ -31,13 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from pathways_jax._src import counters, errors
 
 if TYPE_CHECKING:
     from pathways_jax._src.lowering import Plan
-
-log = logging.getLogger("pathways_jax")
 
 _PING_S = 0.25  # how often the monitor looks at every host
 _FLUSH_S = 0.05  # how often freed values are sent back to their hosts
@@ -517,11 +515,11 @@ class RayBackend:
     def _flush_loop(self) -> None:
         while not self._closed:
             time.sleep(_FLUSH_S)
-            if self.collect is not None:
-                self.collect()
-            if not any(self._dropped):
-                continue
             try:
+                if self.collect is not None:
+                    self.collect()
+                if not any(self._dropped):
+                    continue
                 with self._lock:
                     for host in range(self.hosts):
                         if self._dropped[host] and host not in self.lost and not self._closed:
@@ -529,7 +527,7 @@ class RayBackend:
             except Exception as exc:  # Ray itself went away (process exit): stop
                 if self._closed or not self.ray.is_initialized():
                     return
-                log.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
+                logging.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
 
     def fetch(self, host: int, key: int) -> np.ndarray:
         if self._closed:
@@ -590,7 +588,7 @@ class RayBackend:
                 return
             self.lost[host] = why.splitlines()[0] if why else "it died"
             survivors = [h for h in range(self.hosts) if h not in self.lost]
-        log.warning("pathways_jax: host %d was lost: %s", host, self.lost[host])
+        logging.warning("pathways_jax: host %d was lost: %s", host, self.lost[host])
         for h in survivors:
             with contextlib.suppress(Exception):
                 self.actors[h].peer_lost.remote(host)
@@ -606,7 +604,7 @@ class RayBackend:
             except Exception as exc:  # Ray itself went away (process exit): stop looking
                 if self._closed or not ray.is_initialized():
                     return
-                log.warning("pathways_jax: the Ray host monitor failed once: %s", exc)
+                logging.warning("pathways_jax: the Ray host monitor failed once: %s", exc)
             time.sleep(_PING_S)
 
     def _look(self, ray: Any) -> None:
