@@ -92,6 +92,7 @@ def _inner_program(program: Any, inner_fun: Any) -> Any:
         inner_fun,
         devices=program._devices,
         static_argnums=program._static,
+        static_argnames=program._static_names,
         name=program.name,
         fuse=program._fuse,
         **options,

@@ -147,6 +147,29 @@ def _static_positions(argnums: int | Sequence[int], what: str = "static_argnums"
     return tuple(sorted(set(nums)))
 
 
+def _parameters(fun: Callable[..., Any]) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def _positions_of(fun: Callable[..., Any], names: Sequence[str]) -> list[int]:
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [i for i, p in enumerate(_parameters(fun)) if p.kind in positional and p.name in names]
+
+
+def _resolve_statics(
+    fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Static positions and names, each completed from the other as ``jax.jit`` does."""
+    params = _parameters(fun)
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    more_names = [params[n].name for n in nums if n < len(params) and params[n].kind in by_keyword]
+    all_names = tuple(dict.fromkeys((*names, *more_names)))
+    return tuple(sorted({*nums, *_positions_of(fun, names)})), all_names
+
+
 class Program:
     """A function traced into ONE dataflow program over virtual slices.
 
@@ -164,10 +187,13 @@ class Program:
         name: str | None = None,
         fuse: bool = True,
         donate_argnums: tuple[int, ...] = (),
+        static_argnames: tuple[str, ...] = (),
     ):
         self._fun = fun
         self._devices = devices
-        self._static = static_argnums
+        self._static, self._static_names = _resolve_statics(fun, static_argnums, static_argnames)
+        # Static positions that may also arrive by keyword (or be left to their defaults).
+        self._named_positions = frozenset(_positions_of(fun, self._static_names))
         self._fuse = fuse
         self._donate = donate_argnums
         self.name = name or getattr(fun, "__name__", type(fun).__name__)
@@ -180,7 +206,7 @@ class Program:
         functools.update_wrapper(self, fun)
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[Any, list, Any]:
-        if not self._static:
+        if not self._static and not (kwargs and self._static_names):
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             ambient = context.current_slice() if self._devices is None else None
             name = self.name
@@ -189,26 +215,36 @@ class Program:
             return key, leaves, (treedef, (), signature, ambient, leaves)
         statics = []
         dynamic = list(args)
+        if self._static_names and kwargs:
+            # Keyword statics (static_argnames) are keyed by name; the rest stay dynamic.
+            kwargs = dict(kwargs)
+            for name in self._static_names:
+                if name in kwargs:
+                    statics.append((name, kwargs.pop(name)))
         for position in reversed(self._static):
+            if position >= len(args) and position in self._named_positions:
+                continue  # passed by keyword (a static name) or left to its default
             if position >= len(args):
                 raise errors.ProgramTraceError(
                     f"program {self.name!r} ({self.source_info}) has static_argnums "
                     f"{self._static}, but was called with {len(args)} positional arguments."
                 )
-            value = dynamic.pop(position)
+            statics.append((position, dynamic.pop(position)))
+        for position, value in statics:
             try:
                 hash(value)
             except TypeError as exc:
                 raise errors.ProgramTraceError(
-                    f"static argument {position} of program {self.name!r} must be "
+                    f"static argument {position!r} of program {self.name!r} must be "
                     f"hashable, got {type(value).__name__}."
                 ) from exc
-            statics.append((position, value))
         leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
         ambient = context.current_slice() if self._devices is None else None
         signature = tuple(_leaf_signature(leaf, i, self.name) for i, leaf in enumerate(leaves))
         key = (treedef, signature, tuple(statics), ambient.id if ambient is not None else None)
-        return key, leaves, (treedef, tuple(reversed(statics)), signature, ambient, leaves)
+        ordered = tuple(reversed([s for s in statics if isinstance(s[0], int)]))
+        named = tuple(s for s in statics if isinstance(s[0], str))
+        return key, leaves, (treedef, ordered + named, signature, ambient, leaves)
 
     def _in_user_words(self, text: str, treedef: Any, statics: tuple) -> str:
         """JAX's message about the trace, naming the user's function and arguments, not ours."""
@@ -219,7 +255,7 @@ class Program:
             names = list(inspect.signature(self._fun).parameters)
         except (TypeError, ValueError):
             names = []
-        static = {position for position, _ in statics}
+        static = {position for position, _ in statics if isinstance(position, int)}
         dynamic = [p for p in range(treedef.num_leaves + len(static) + len(names)) if p not in static]
         numbered = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
         leaf_names = {}
@@ -305,7 +341,10 @@ class Program:
             dynamic, kwargs = jax.tree_util.tree_unflatten(treedef, dynamic_leaves)
             full = list(dynamic)
             for position, value in statics:
-                full.insert(position, value)
+                if isinstance(position, str):
+                    kwargs = {**kwargs, position: value}
+                else:
+                    full.insert(position, value)
             with contextlib.ExitStack() as stack:
                 # Scopes entered here, inside the trace, are recorded on every equation.
                 if default is not None:
@@ -416,6 +455,7 @@ def program(
     *,
     devices: VirtualSlice | None = None,
     static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
     name: str | None = None,
     fuse: bool = True,
     donate_argnums: int | Sequence[int] = (),
@@ -433,6 +473,9 @@ def program(
       fun: the function to trace.
       devices: the default slice for code not placed otherwise.
       static_argnums: positional arguments that are Python values, not arrays.
+      static_argnames: arguments, by name, that are Python values, as in
+        ``jax.jit``: static whether passed by keyword or by position (each of
+        ``static_argnums`` and ``static_argnames`` completes the other).
       name: the program's name in graphs and errors (default: ``fun.__name__``).
       fuse: compile each chain of consecutive nodes on one slice into a single
         executable (fewer dispatches; identical results), split where another
@@ -462,6 +505,7 @@ def program(
             program,
             devices=devices,
             static_argnums=static_argnums,
+            static_argnames=static_argnames,
             name=name,
             fuse=fuse,
             donate_argnums=donate_argnums,
@@ -473,10 +517,21 @@ def program(
             f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
         )
     statics = _static_positions(static_argnums)
+    static_names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    if not all(isinstance(n, str) for n in static_names):
+        raise errors.ProgramTraceError(f"static_argnames must be strings, got {static_argnames!r}.")
     donate = _static_positions(donate_argnums, "donate_argnums")
     if set(donate) & set(statics):
         raise errors.ProgramTraceError(
             f"pw.program({getattr(fun, '__name__', fun)!r}): arguments {sorted(set(donate) & set(statics))} "
             "are both static and donated; a static argument is a Python value with no buffer to donate."
         )
-    return Program(fun, devices=devices, static_argnums=statics, name=name, fuse=fuse, donate_argnums=donate)
+    return Program(
+        fun,
+        devices=devices,
+        static_argnums=statics,
+        static_argnames=static_names,
+        name=name,
+        fuse=fuse,
+        donate_argnums=donate,
+    )
