@@ -10,7 +10,7 @@ import pytest
 
 import pathways_jax as pw
 from pathways_jax._src import scheduler
-from pathways_jax._src.scheduler import Fair, Fifo, Head, Priority
+from pathways_jax._src.scheduler import Fair, Fifo, Head, Policy, Priority
 
 # --- pure policies ------------------------------------------------------------------------
 
@@ -111,6 +111,61 @@ def test_make_names_policies():
     assert isinstance(scheduler.make("fair"), Fair)
     with pytest.raises(ValueError, match="unknown scheduler"):
         scheduler.make("lottery")
+
+
+@pytest.mark.parametrize("name", scheduler.POLICIES)
+def test_every_policy_is_a_complete_policy(name):
+    policy = scheduler.make(name)
+    assert isinstance(policy, Policy)
+    assert policy.name == name
+    for method in ("pick", "picked", "activate", "deactivate", "charge", "discard", "forget"):
+        assert callable(getattr(type(policy), method)), method
+
+
+def test_an_incomplete_policy_is_not_a_policy():
+    class PickOnly:
+        name = "pick-only"
+
+        def pick(self, heads):
+            return 0
+
+    assert not isinstance(PickOnly(), Policy)
+
+
+def _kept(policy) -> dict:
+    """The policy's per-client or per-run state that is not empty."""
+    return {k: v for k, v in vars(policy).items() if isinstance(v, dict | set | list) and v}
+
+
+@pytest.mark.parametrize("name", scheduler.POLICIES)
+def test_policies_keep_nothing_once_clients_empty_and_close(name):
+    # The controller's sequence of calls: queues fill, heads are picked or
+    # cancelled, queues empty, clients close.
+    policy = scheduler.make(name, starvation_limit=2)
+    queues = {c: collections.deque(range(i * 100, i * 100 + 5)) for i, c in enumerate(range(40))}
+    for client in queues:
+        policy.activate(client)
+        policy.charge(client, 0.5, 1.0)  # an inline dispatch before its queue filled
+    picks = 0
+    while any(queues.values()):
+        heads = [Head(c, q[0], c % 3, 1.0 + c % 2, 1.0) for c, q in queues.items() if q]
+        if picks % 7 == 3:  # a cancelled run (closed client, back-pressure timeout)
+            head = heads[picks % len(heads)]
+            queues[head.client].clear()
+            policy.discard(head)
+            policy.deactivate(head.client)
+        else:
+            index = policy.pick(heads)
+            policy.picked(heads, index)
+            queue = queues[heads[index].client]
+            queue.popleft()
+            if not queue:
+                policy.deactivate(heads[index].client)
+        picks += 1
+    assert _kept(policy).keys() <= {"vtime"}  # a fair client's virtual time outlives an empty queue
+    for client in queues:
+        policy.forget(client)
+    assert _kept(policy) == {}
 
 
 def test_init_rejects_unknown_scheduler():
@@ -234,3 +289,56 @@ def test_fair_charges_the_cost_estimate_known_when_a_run_is_picked():
     # Charging the estimate the runs were queued with would give 4 * queued_with / 2.
     assert seen["queued_with"] < 1.0
     assert charged >= 50.0, charged
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", scheduler.POLICIES)
+def test_closed_clients_leave_no_state_in_the_policy(policy):
+    pw.init(num_cpu_devices=8, islands=2, scheduler=policy, starvation_limit=100, max_in_flight=1)
+    s = pw.devices(mesh={"x": 2}, island=0)
+    gate, entered = threading.Event(), threading.Event()
+
+    def wait(v):
+        entered.set()
+        gate.wait(30)
+        return v
+
+    held = pw.jit(lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1, devices=s)
+    work = pw.jit(lambda x: x * 2 + x.sum(), devices=s, in_specs=pw.P("x"))
+    x = jnp.arange(4.0)
+    plug = pw.client("plug")
+    with plug:
+        gate.set()
+        held(x).result(timeout=30)  # inline: charged to "plug"
+        work(x).result(timeout=30)
+        gate.clear()
+        entered.clear()
+        plugged = [held(x)]  # in flight until the gate opens
+        assert entered.wait(30)
+        plugged.append(work(x))  # the controller takes it and waits for the window
+    controller = pw.cluster().controller
+    deadline = time.monotonic() + 30
+    while pw.stats()["islands"][0]["queued"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    clients = [pw.client(f"c{i}", priority=i % 3, weight=1.0 + i % 2) for i in range(12)]
+    outs = {}
+    for c in clients:
+        with c:
+            outs[c] = [work(x) for _ in range(3)]
+    assert len(controller._queues) == len(clients)  # all queued behind the plug
+    if policy == "fair":
+        assert _kept(controller._policy)  # the test looks at state that exists
+    for c in clients[::2]:
+        c.close()  # cancels its queued runs
+    gate.set()
+    for c in clients[1::2]:
+        for out in outs[c]:
+            out.result(timeout=30)
+    for out in plugged:
+        out.result(timeout=30)
+    for c in [*clients[1::2], plug]:
+        c.close()
+    s.release()
+    with controller._lock:
+        assert controller._queues == {}
+        assert _kept(controller._policy) == {}

@@ -72,8 +72,9 @@ class Controller:
         self._queues: dict[int, collections.deque[Run]] = {}  # client key -> its queued runs
         self._queued = 0  # runs in the queues or being dispatched from them
         self._seq = itertools.count()
-        self._policy: Any = scheduler.make(cluster.scheduler, starvation_limit=cluster.starvation_limit)
-        self._fair = isinstance(self._policy, scheduler.Fair)
+        self._policy: scheduler.Policy = scheduler.make(
+            cluster.scheduler, starvation_limit=cluster.starvation_limit
+        )
         self._budget = self._store.budget
         self._bp_timeout = cluster.backpressure_timeout
         if self._budget is not None:
@@ -95,8 +96,7 @@ class Controller:
             try:
                 if not self._queued and self._ready_now(run) and self._admit(run):
                     run.seq = next(self._seq)
-                    if self._fair:
-                        self._charge(run)
+                    self._charge(run)
                     self._execute(run)
                     return
             except Exception as exc:  # the controller's own bookkeeping: fail this run only
@@ -178,10 +178,12 @@ class Controller:
         return scheduler.Head(client.key, run.seq, client.priority, client.weight, cost)
 
     def _charge(self, run: Run) -> None:
-        head = self._head(run)
-        run.estimate = head.cost
+        """Charges an inline dispatch (one the policy did not pick) to its client."""
+        client = run.client
+        plan = run.plan
+        cost = run.estimate = plan.cost or _DEFAULT_COST_S * max(1, len(plan.acct_groups))
         with self._lock:
-            self._policy.charge(head.client, head.cost, head.weight)
+            self._policy.charge(client.key, cost, client.weight)
 
     def _blocker(self, run: Run, busy: dict[int, int] | None = None) -> int:
         """What keeps ``run`` from being dispatched now (``_GO``: nothing).
@@ -264,8 +266,7 @@ class Controller:
                             run.blocked_ns = _now()
                 if broken:
                     for run, exc in broken:
-                        self._pop(run)
-                        self._queued -= 1
+                        self._drop(run)
                         self._internal_error(run, exc)
                     continue
                 candidates = go or no_room
@@ -283,8 +284,7 @@ class Controller:
                         self._policy.picked(heads, index)
                         run.estimate = heads[index].cost
                     except Exception as exc:  # the policy's bookkeeping: the picked run fails alone
-                        self._pop(run)
-                        self._queued -= 1
+                        self._drop(run)
                         self._internal_error(run, exc)
                         continue
                     self._pop(run)
@@ -304,13 +304,19 @@ class Controller:
                 self._store.collect()
 
     def _pop(self, run: Run) -> None:
+        """Takes ``run``, its client's head, off the queue (lock held)."""
         key = run.client.key
         queue = self._queues[key]
         queue.popleft()
         if not queue:
             del self._queues[key]
-            if self._fair:
-                self._policy.deactivate(key)
+            self._policy.deactivate(key)
+
+    def _drop(self, run: Run) -> None:
+        """Takes ``run`` off the queue without dispatching it (lock held): it fails."""
+        self._pop(run)
+        self._queued -= 1
+        self._policy.discard(run.head)
 
     def _expire(self, blocked: list[Run]) -> None:
         """Fails heads that waited for memory past the timeout (all of them once stopped)."""
@@ -323,8 +329,7 @@ class Controller:
                 self._bp_timeout is None or moment - run.blocked_since < self._bp_timeout
             ):
                 continue
-            self._pop(run)
-            self._queued -= 1
+            self._drop(run)
             if self._stopped:
                 self._fail(
                     run,
@@ -392,10 +397,12 @@ class Controller:
         """Cancels ``client``'s queued runs and frees the values it owns."""
         with self._lock:
             queue = self._queues.pop(client.key, None)
-            if self._fair:
-                self._policy.deactivate(client.key)
             if queue:
                 self._queued -= len(queue)
+                for run in queue:
+                    self._policy.discard(run.head)
+                self._policy.deactivate(client.key)
+            self._policy.forget(client.key)
             self._cv.notify_all()
         for run in queue or ():
             self._fail(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 PolicyName = Literal["fifo", "priority", "fair"]
 POLICIES: tuple[str, ...] = ("fifo", "priority", "fair")
@@ -45,16 +45,46 @@ class Head:
     cost: float = 0.0
 
 
+@runtime_checkable
 class Policy(Protocol):
+    """Everything the controller asks of a scheduling policy.
+
+    The controller calls every method, whatever the policy (one that has no use
+    for a call makes it a no-op), always under its lock. A client's state may
+    live from its first :meth:`activate` or :meth:`charge` until :meth:`forget`;
+    a run's, from the time it heads its queue until :meth:`picked` or
+    :meth:`discard`. Nothing is kept past those calls.
+    """
+
     name: str
 
-    def pick(self, heads: Sequence[Head]) -> int: ...
+    def pick(self, heads: Sequence[Head]) -> int:
+        """The index in ``heads`` of the run to dispatch next (``heads`` is non-empty)."""
+        ...
 
-    def picked(self, heads: Sequence[Head], index: int) -> None: ...
+    def picked(self, heads: Sequence[Head], index: int) -> None:
+        """``heads[index]`` was dispatched; the other heads were passed over."""
+        ...
 
-    def activate(self, client: Hashable) -> None: ...
+    def activate(self, client: Hashable) -> None:
+        """``client``'s queue became non-empty."""
+        ...
 
-    def charge(self, client: Hashable, seconds: float, weight: float) -> None: ...
+    def deactivate(self, client: Hashable) -> None:
+        """``client``'s queue became empty (its runs were dispatched, failed or cancelled)."""
+        ...
+
+    def charge(self, client: Hashable, seconds: float, weight: float) -> None:
+        """``client`` used ``seconds`` of device time outside :meth:`picked` (an inline dispatch)."""
+        ...
+
+    def discard(self, head: Head) -> None:
+        """A queued run left its queue without being picked (it failed or was cancelled)."""
+        ...
+
+    def forget(self, client: Hashable) -> None:
+        """``client`` was closed: drops everything kept for it."""
+        ...
 
 
 class Fifo:
@@ -78,7 +108,16 @@ class Fifo:
     def activate(self, client: Hashable) -> None:
         pass
 
+    def deactivate(self, client: Hashable) -> None:
+        pass
+
     def charge(self, client: Hashable, seconds: float, weight: float) -> None:
+        pass
+
+    def discard(self, head: Head) -> None:
+        pass
+
+    def forget(self, client: Hashable) -> None:
         pass
 
 
@@ -116,15 +155,21 @@ class Priority:
             if i != index:
                 self.passed[head.seq] = self.passed.get(head.seq, 0) + 1
 
-    def forget(self, seq: int) -> None:
+    def discard(self, head: Head) -> None:
         """Drops the count of a run that left its queue without being picked."""
-        self.passed.pop(seq, None)
+        self.passed.pop(head.seq, None)
 
     def activate(self, client: Hashable) -> None:
         pass
 
+    def deactivate(self, client: Hashable) -> None:
+        pass
+
     def charge(self, client: Hashable, seconds: float, weight: float) -> None:
         pass
+
+    def forget(self, client: Hashable) -> None:
+        pass  # counts are per run: the client's runs were picked or discarded
 
 
 class Fair:
@@ -177,8 +222,15 @@ class Fair:
     def charge(self, client: Hashable, seconds: float, weight: float) -> None:
         self.vtime[client] = self.vtime.get(client, 0.0) + seconds / weight
 
+    def discard(self, head: Head) -> None:
+        pass  # a run that never went charged nothing
 
-def make(policy: str, *, starvation_limit: int = DEFAULT_STARVATION_LIMIT) -> Fifo | Priority | Fair:
+    def forget(self, client: Hashable) -> None:
+        self.vtime.pop(client, None)
+        self.active.discard(client)
+
+
+def make(policy: str, *, starvation_limit: int = DEFAULT_STARVATION_LIMIT) -> Policy:
     """The policy object for a ``pw.init(scheduler=...)`` name."""
     match policy:
         case "fifo":
