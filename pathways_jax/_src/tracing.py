@@ -211,9 +211,9 @@ class Program:
             ambient = context.current_slice() if self._devices is None else None
             name = self.name
             signature = tuple([_leaf_signature(leaf, i, name) for i, leaf in enumerate(leaves)])
-            key = (treedef, signature, (), ambient.id if ambient is not None else None)
+            key: tuple = (treedef, signature, (), ambient.id if ambient is not None else None)
             return key, leaves, (treedef, (), signature, ambient, leaves)
-        statics = []
+        statics: list[tuple[int | str, Any]] = []  # (position or keyword name, value)
         dynamic = list(args)
         if self._static_names and kwargs:
             # Keyword statics (static_argnames) are keyed by name; the rest stay dynamic.
@@ -230,12 +230,12 @@ class Program:
                     f"{self._static}, but was called with {len(args)} positional arguments."
                 )
             statics.append((position, dynamic.pop(position)))
-        for position, value in statics:
+        for where, value in statics:
             try:
                 hash(value)
             except TypeError as exc:
                 raise errors.ProgramTraceError(
-                    f"static argument {position!r} of program {self.name!r} must be "
+                    f"static argument {where!r} of program {self.name!r} must be "
                     f"hashable, got {type(value).__name__}."
                 ) from exc
         leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
