@@ -19,3 +19,16 @@ def machine() -> dict:
         "jax": jax.__version__,
         "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
     }
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files (the Agg backend), or None when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'pathways-jax[bench]'): no plot written.")
+        return None
+    return plt

@@ -50,12 +50,8 @@ _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).resolve().parent / 
 
 
 def _plot(result: dict, path: pathlib.Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(5, 3.2))
     names = list(result["modes"])

@@ -436,13 +436,8 @@ def _table(results: dict) -> str:
 
 
 def _plot(results: dict | None, ray_results: dict | None, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'pathways-jax[bench]'): no plot.")
+    plt = common.pyplot()
+    if plt is None:
         return
     panels = [p for p in (results, ray_results) if p is not None]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)

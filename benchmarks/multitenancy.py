@@ -677,13 +677,8 @@ def _fair_table(fair: dict) -> str:
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'pathways-jax[bench]'): no plot.")
+    plt = common.pyplot()
+    if plt is None:
         return
     modes = report["modes"]
     pw_modes = [m for name, m in modes.items() if name.startswith("pw-")]

@@ -177,13 +177,8 @@ def _modes(config, batch: int, stages: list[int], microbatches: int, devices: in
 
 
 def _plot(result: dict, path: pathlib.Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'pathways-jax[bench]'): no plot written")
+    plt = common.pyplot()
+    if plt is None:
         return False
     modes = [m for m in result["modes"] if m != "spmd"]
     ratios = [result["modes"][m]["ratio_vs_spmd"] for m in modes]

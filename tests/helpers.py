@@ -1,5 +1,10 @@
 """Shared test helpers: comparing program results with plain jax.jit."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import numpy as np
 
@@ -14,3 +19,28 @@ def assert_matches(got, want, rtol=1e-6, atol=1e-6):
         assert value.shape == w.shape, f"shape {value.shape} != {w.shape}"
         assert value.dtype == w.dtype, f"dtype {value.dtype} != {w.dtype}"
         np.testing.assert_allclose(np.asarray(value), np.asarray(w), rtol=rtol, atol=atol)
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_script(relative: str, *args: str, timeout: float = 280, python_args: tuple[str, ...] = ()) -> str:
+    """Runs one of the repository's scripts (an example, a benchmark) in its own process.
+
+    Its own process, because a script sets its own CPU device count. Fails the
+    test, showing both streams, unless it exits with 0; returns its stdout.
+    """
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the script picks its own device count
+    proc = subprocess.run(
+        [sys.executable, *python_args, str(ROOT / relative), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"{relative} exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    )
+    return proc.stdout

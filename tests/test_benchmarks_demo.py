@@ -5,29 +5,14 @@ runs in its own process because the benchmark sets its own device count.
 """
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers import run_script
 
 
 @pytest.mark.timeout(300)
 def test_demo_benchmark_quick_mode_reports_every_mode(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "demo.py"), "--quick", f"--out={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    run_script("benchmarks/demo.py", "--quick", f"--out={tmp_path}")
     result = json.loads((tmp_path / "demo.json").read_text())
     assert set(result["modes"]) == {"jax", "pw", "pw-nofuse"}
     for name, entry in result["modes"].items():

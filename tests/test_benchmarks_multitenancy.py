@@ -7,29 +7,14 @@ benchmark bounds them with a timeout and records what happened).
 """
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers import run_script
 
 
 @pytest.mark.timeout(240)
 def test_multitenancy_benchmark_quick_mode_reports_every_mode(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "multitenancy.py"), "--quick", f"--out={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=220,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    run_script("benchmarks/multitenancy.py", "--quick", f"--out={tmp_path}", timeout=220)
     result = json.loads((tmp_path / "multitenancy_quick.json").read_text())
     assert (tmp_path / "multitenancy_quick.png").stat().st_size > 0
     assert result["benchmark"] == "multitenancy" and result["quick"] is True

@@ -5,35 +5,14 @@ runs in its own process because the benchmark sets its own device count.
 """
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers import run_script
 
 
 @pytest.mark.timeout(300)
 def test_pipeline_benchmark_quick_mode_reports_every_mode(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "pipeline.py"),
-            "--quick",
-            "--stages=2",
-            f"--out={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    run_script("benchmarks/pipeline.py", "--quick", "--stages=2", f"--out={tmp_path}")
     result = json.loads((tmp_path / "pipeline.json").read_text())
     assert set(result["modes"]) == {"spmd", "jax-dp2", "pipe2-gpipe", "pipe2-1f1b", "dp2"}
     for name, entry in result["modes"].items():

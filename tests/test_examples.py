@@ -4,32 +4,14 @@ Each example runs in its own process: it sets its own CPU device count, which
 JAX fixes when its backend starts (DESIGN §5).
 """
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+from helpers import run_script
 
 
 def run_example(name: str, *args: str) -> str:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the example picks its own device count
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, (
-        f"{name} exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    )
-    return proc.stdout
+    return run_script(f"examples/{name}", *args, timeout=240)
 
 
 @pytest.mark.timeout(300)

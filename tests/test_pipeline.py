@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen, nnx
+from helpers import run_script
 
 import pathways_jax as pw
 from pathways_jax import pipeline
@@ -292,26 +293,8 @@ def test_stage_output_must_fit_next_stage_before_anything_runs():
     [("pipeline_transformer.py", ["--microbatches=2"]), ("two_island_data_parallel.py", [])],
 )
 def test_transformer_examples_train_and_match_plain_jit(example, flags):
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the example sets its own device count
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / example
-    proc = subprocess.run(
-        [sys.executable, str(path), "--steps=16", "--log_every=5", "--check_steps=2", *flags],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    losses = [
-        float(v) for v in re.findall(r"^step\s+\d+\s+loss\s+([0-9.]+)", proc.stdout, flags=re.MULTILINE)
-    ]
-    assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], proc.stdout
-    assert "no new traces, lowerings or compiles" in proc.stdout
-    assert "match plain jax.jit" in proc.stdout
+    out = run_script(f"examples/{example}", "--steps=16", "--log_every=5", "--check_steps=2", *flags)
+    losses = [float(v) for v in re.findall(r"^step\s+\d+\s+loss\s+([0-9.]+)", out, flags=re.MULTILINE)]
+    assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], out
+    assert "no new traces, lowerings or compiles" in out
+    assert "match plain jax.jit" in out

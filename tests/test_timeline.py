@@ -5,20 +5,16 @@ import importlib.util
 import itertools
 import json
 import logging
-import os
-import pathlib
-import subprocess
 import sys
 
 import jax.numpy as jnp
 import pytest
 from absl import logging as absl_logging
+from helpers import run_script
 
 import pathways_jax as pw
 from pathways_jax._src import controller as controller_lib
 from pathways_jax._src import timeline
-
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "trace_timeline.py"
 
 
 @pytest.fixture(autouse=True)
@@ -278,20 +274,12 @@ def test_plot_timeline_errors(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_trace_timeline_example_runs_and_draws(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     trace, png = tmp_path / "run.json", tmp_path / "timeline.png"
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), f"--trace={trace}", f"--png={png}", "--steps=4"],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=env,
-        check=False,
+    out = run_script(
+        "examples/trace_timeline.py", f"--trace={trace}", f"--png={png}", "--steps=4", timeout=100
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "both threads match plain jax.jit" in proc.stdout
-    assert "DCN transfers: 8" in proc.stdout  # 2 threads x 4 runs x 1 DCN transfer
+    assert "both threads match plain jax.jit" in out
+    assert "DCN transfers: 8" in out  # 2 threads x 4 runs x 1 DCN transfer
     with open(trace) as f:
         events = _check_trace_event_json(json.load(f))
     programs = {e["args"]["program"] for e in events if e.get("cat") == "execution"}
@@ -299,4 +287,4 @@ def test_trace_timeline_example_runs_and_draws(tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
-        assert "pathways-jax[viz]" in proc.stdout
+        assert "pathways-jax[viz]" in out
