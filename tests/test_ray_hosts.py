@@ -162,3 +162,32 @@ def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypa
         out.result(timeout=60)
     # The host keeps serving other programs.
     assert_matches(pw.jit(lambda v: v - 5, devices=a)(jnp.ones(3)), jnp.ones(3) - 5)
+
+
+def test_a_host_failure_reaches_the_user_with_the_host_s_traceback(ray_cluster, monkeypatch):
+    from pathways_jax._src import lowering
+
+    pw.init(backend="ray", hosts=2, devices_per_host=1)
+    a = pw.devices(mesh={"x": 1}, island=1)
+    real_compile = lowering._compile
+
+    def corrupt_export(*args, **kwargs):
+        compiled, _ = real_compile(*args, **kwargs)
+        return compiled, (b"not a serialized computation", "corrupt-traceback")
+
+    monkeypatch.setattr(lowering, "_compile", corrupt_export)
+    broken = pw.jit(lambda v: v * 7, devices=a)
+    out = broken(jnp.ones(3))
+    monkeypatch.undo()
+    with pytest.raises(pw.errors.ProgramFailedError, match="registering the plan failed") as caught:
+        out.result(timeout=60)
+    notes = []
+    exc: BaseException | None = caught.value
+    while exc is not None:
+        notes += getattr(exc, "__notes__", [])
+        exc = exc.__cause__
+    (note,) = [n for n in notes if n.startswith("remote traceback (host 1):")]
+    # Where on the host it failed: the host's own frames, down to the deserialization.
+    assert "Traceback (most recent call last)" in note
+    assert "ray_host.py" in note and "_compile_plan" in note
+    assert "deserialize" in note

@@ -65,6 +65,13 @@ def _import_ray() -> Any:
     return ray
 
 
+def with_remote_traceback(exc: BaseException, host: int, trace: str) -> BaseException:
+    """Attaches the traceback a host sent with a failure (if any) to ``exc`` as a note."""
+    if trace:
+        exc.add_note(f"remote traceback (host {host}):\n{trace.rstrip()}")
+    return exc
+
+
 def is_lost_error(exc: BaseException) -> bool:
     """True if ``exc`` is Ray's way of saying the actor (the host) is gone."""
     import ray.exceptions as rex
@@ -544,7 +551,11 @@ class RayBackend:
                 raise errors.HostLostError(self._lost_message(host, "a value")) from exc
             raise
         if not isinstance(result, np.ndarray):
-            raise errors.ProgramFailedError(f"fetching a value from host {host} failed: {result.message}")
+            raise with_remote_traceback(
+                errors.ProgramFailedError(f"fetching a value from host {host} failed: {result.message}"),
+                host,
+                getattr(result, "trace", ""),
+            )
         return result
 
     def outcome(self, host: int, done: Any) -> BaseException | None:
@@ -561,11 +572,15 @@ class RayBackend:
         if status is None:
             return None
         if not isinstance(status, tuple):  # a message that failed before its run began
-            return errors.ProgramFailedError(f"host {host} failed: {getattr(status, 'message', status)}")
-        kind, peer, message = status
+            return with_remote_traceback(
+                errors.ProgramFailedError(f"host {host} failed: {getattr(status, 'message', status)}"),
+                host,
+                getattr(status, "trace", ""),
+            )
+        kind, peer, message, trace = status
         if kind == "lost":
             return errors.HostLostError(self._lost_message(peer, f"a run on host {host}"))
-        return errors.ProgramFailedError(message)
+        return with_remote_traceback(errors.ProgramFailedError(message), host, trace)
 
     def host_stats(self, timeout: float = _CALL_TIMEOUT_S) -> dict[int, dict]:
         """Each live host's counts: values kept, runs done, executables and plans cached."""

@@ -15,8 +15,9 @@ Message kinds, in the order the controller numbered them:
   fingerprint and compiled here.
 - ``"run"``: one run of a registered plan: its inputs (values already here,
   or data), which results to keep under which keys. Answered once the run's
-  work on this host is complete: ``None``, or ``(kind, peer, message)`` with
-  kind ``"error"`` or ``"lost"`` (a value was to come from the lost host ``peer``).
+  work on this host is complete: ``None``, or ``(kind, peer, message, trace)``
+  with kind ``"error"`` or ``"lost"`` (a value was to come from the lost host
+  ``peer``) and ``trace`` the host's formatted traceback (``""`` if none).
 - ``"fetch"``: a kept value as a numpy array. ``"free"``: drop kept values.
 """
 
@@ -27,6 +28,7 @@ import contextlib
 import os
 import threading
 import time
+import traceback
 from typing import Any
 
 # How long a host waits for a value another host pushes before failing the run.
@@ -77,7 +79,8 @@ class Host:
         self.values: dict[int, Any] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
         self.plans: dict[int, tuple] = {}  # plan key -> (ops, constants)
-        self.broken: dict[int, str] = {}  # plan key -> why its registration failed
+        # plan key -> why its registration failed, and the host's traceback
+        self.broken: dict[int, tuple[str, str]] = {}
         self.lost_peers: set[int] = set()
         self.runs_done = 0
         self._inbox: dict[tuple, Any] = {}
@@ -164,7 +167,7 @@ class Host:
                     continue
                 result = getattr(self, f"_{kind}")(*args)
             except BaseException as exc:  # the message fails, the host keeps serving
-                result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}")
+                result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
             if kind == "fetch" and not isinstance(result, _Error):
                 self._done.put(("fetch", result, future))
             else:
@@ -174,7 +177,7 @@ class Host:
         try:
             self._compile_plan(key, ops, constants, blobs)
         except BaseException as exc:  # its runs fail with this reason
-            self.broken[key] = f"registering the plan failed: {type(exc).__name__}: {exc}"
+            self.broken[key] = (f"registering the plan failed: {type(exc).__name__}: {exc}", _trace(exc))
             raise
 
     def _compile_plan(self, key: int, ops: list, constants: dict, blobs: dict) -> None:
@@ -212,8 +215,8 @@ class Host:
 
         self._free(frees)
         if key not in self.plans:
-            why = self.broken.get(key, "it was never registered")
-            self._answer(future, ("error", None, f"host {self.index}: plan {key} cannot run: {why}"))
+            why, trace = self.broken.get(key, ("it was never registered", ""))
+            self._answer(future, ("error", None, f"host {self.index}: plan {key} cannot run: {why}", trace))
             return
         ops, constants = self.plans[key]
         env: dict[int, Any] = dict(constants)
@@ -263,7 +266,10 @@ class Host:
                     self._send(later[2], (run_id, later[3]), RemoteFailure(f"host {self.index} failed"))
             detail = f"host {self.index}: {_describe(exc, ops, step)}"
             self._answer(
-                future, ("lost", exc.peer, detail) if isinstance(exc, Lost) else ("error", None, detail)
+                future,
+                ("lost", exc.peer, detail, "")
+                if isinstance(exc, Lost)
+                else ("error", None, detail, _trace(exc)),
             )
             return
         for slot, value_key in keep:
@@ -314,7 +320,7 @@ class Host:
                 try:
                     result: Any = np.asarray(what)
                 except Exception as exc:
-                    result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}")
+                    result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
                 self._answer(future, result)
                 continue
             status = None
@@ -326,6 +332,7 @@ class Host:
                         "error",
                         None,
                         f"host {self.index}: execution failed: {type(exc).__name__}: {exc}",
+                        _trace(exc),
                     )
                     break
             self.runs_done += 1
@@ -352,10 +359,14 @@ class _Work:
 
 
 class _Error:
-    """A failed message's answer (an exception would lose its type crossing Ray)."""
+    """A failed message's answer (an exception would lose its type crossing Ray).
 
-    def __init__(self, message: str):
+    ``trace``: the host's formatted traceback, for the controller to attach.
+    """
+
+    def __init__(self, message: str, trace: str = ""):
         self.message = message
+        self.trace = trace
 
     def __repr__(self) -> str:
         return f"_Error({self.message!r})"
@@ -369,3 +380,8 @@ def _describe(exc: BaseException, ops: list, step: int) -> str:
     if isinstance(exc, Lost | RemoteFailure):
         return f"{exc}{where}"
     return f"run failed{where}: {type(exc).__name__}: {exc}"
+
+
+def _trace(exc: BaseException) -> str:
+    """``exc``'s traceback on this host, as text: it crosses to the controller with the error."""
+    return "".join(traceback.format_exception(exc))
