@@ -493,3 +493,35 @@ def test_functional_nnx_state_keeps_jax_jit_semantics():
     assert all(isinstance(leaf, pw.Future) for leaf in jax.tree.leaves(got_state))
     _close(got_state, want_state)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=2e-5)
+
+
+def test_a_bare_program_runs_where_jax_jit_would():
+    # No slice, no pw.jit: the decorator swapped for @jax.jit and nothing else.
+    @jax.jit
+    def inner(v):
+        return v + 1
+
+    def step(x, y):
+        return inner(x) * 2 + y.sum()
+
+    x, y = np.ones(4, np.float32), jnp.arange(3.0)
+    got = pw.program(step)(x, y)
+    assert_matches(got, jax.jit(step)(x, y))
+    assert {d.id for d in got.sharding.device_set} == {jax.devices()[0].id}
+    # Arguments on a mesh of the user's: the program runs there, traced on that mesh.
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    m = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("data")))
+
+    def constrained(v):
+        return jax.lax.with_sharding_constraint(v * 2, P("data")).sum(axis=1)
+
+    prog = pw.program(constrained)
+    out = prog(m)
+    with jax.set_mesh(mesh):
+        want = jax.jit(constrained)(m)
+    assert_matches(out, want)
+    assert out.sharding.device_set == set(mesh.devices.flat)
+    assert out.sharding.spec == want.sharding.spec
+    traces = pw.counters()["traces"]
+    assert prog(m).sharding == out.sharding  # the same slice and plan again: no new trace
+    assert pw.counters()["traces"] == traces

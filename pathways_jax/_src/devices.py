@@ -367,3 +367,26 @@ def devices(
     size = int(np.prod(shape))
     island_index, physical = cl.resources.acquire(size, island, exclusive, timeout, device_ids)
     return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive, types)
+
+
+def implied(
+    device_ids: tuple[int, ...], mesh: Mapping[str, int], axis_types: tuple[AxisType, ...] | None = None
+) -> VirtualSlice:
+    """The shared slice a program with no placement runs on, for inputs on these devices.
+
+    One slice per devices, mesh and axis types for the life of the cluster, so
+    every call of such a program finds the same slice (and its cached plan).
+    """
+    from pathways_jax._src import cluster as cluster_lib
+
+    cl = cluster_lib.cluster()
+    key = (device_ids, tuple(mesh.items()), axis_types)
+    with _IMPLIED_LOCK:
+        found = _IMPLIED.get(key)
+        if found is None or found.released or found.cluster is not cl:
+            found = _IMPLIED[key] = devices(mesh, device_ids=device_ids, axis_types=axis_types, timeout=0)
+        return found
+
+
+_IMPLIED: dict[tuple, VirtualSlice] = {}
+_IMPLIED_LOCK = threading.Lock()

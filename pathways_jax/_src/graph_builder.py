@@ -46,36 +46,50 @@ def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]
         return explicit, default
 
     scoped = [from_scopes(eqn) for eqn in eqns]
-    changed = True
-    while changed:
-        changed = False
-        for index, eqn in enumerate(eqns):
-            if placed[index] is not None:
-                continue
-            explicit, default = scoped[index]
-            from_inputs = next((var_slice[a] for a in eqn.invars if _is_var(a) and a in var_slice), None)
-            if eqn.primitive.name in JIT_PRIMITIVES:
-                choice = explicit or default or from_inputs
-            else:
-                choice = explicit or from_inputs or default
-            if choice is None:
-                continue
-            placed[index] = choice
-            changed = True
-            for var in eqn.outvars:
-                var_slice[var] = choice
-        # Equations fed only by the host go where their first consumer runs.
-        for index in reversed(range(len(eqns))):
-            if placed[index] is not None:
-                continue
-            for var in eqns[index].outvars:
-                users = [placed[u] for u in consumers.get(var, ()) if placed[u] is not None]
-                if users:
-                    placed[index] = users[0]
-                    changed = True
-                    for out in eqns[index].outvars:
-                        var_slice[out] = users[0]
-                    break
+
+    def propagate() -> None:
+        changed = True
+        while changed:
+            changed = False
+            for index, eqn in enumerate(eqns):
+                if placed[index] is not None:
+                    continue
+                explicit, default = scoped[index]
+                from_inputs = next((var_slice[a] for a in eqn.invars if _is_var(a) and a in var_slice), None)
+                if eqn.primitive.name in JIT_PRIMITIVES:
+                    choice = explicit or default or from_inputs
+                else:
+                    choice = explicit or from_inputs or default
+                if choice is None:
+                    continue
+                placed[index] = choice
+                changed = True
+                for var in eqn.outvars:
+                    var_slice[var] = choice
+            # Equations fed only by the host go where their first consumer runs.
+            for index in reversed(range(len(eqns))):
+                if placed[index] is not None:
+                    continue
+                for var in eqns[index].outvars:
+                    users = [placed[u] for u in consumers.get(var, ()) if placed[u] is not None]
+                    if users:
+                        placed[index] = users[0]
+                        changed = True
+                        for out in eqns[index].outvars:
+                            var_slice[out] = users[0]
+                        break
+
+    propagate()
+    # Code nothing places (a program with no slice at all) runs where jax.jit
+    # would run it: the first such equation goes there, then placement spreads.
+    while state.implied is not None and None in placed:
+        index = placed.index(None)
+        fallback = state.implied()
+        state.note_slice(fallback)
+        placed[index] = fallback
+        for var in eqns[index].outvars:
+            var_slice[var] = fallback
+        propagate()
     for index, eqn in enumerate(eqns):
         if placed[index] is None:
             raise errors.PlacementError(

@@ -45,6 +45,9 @@ class TraceState:
 
     def __init__(self, default: VirtualSlice | None):
         self.default = default
+        # Where code no slice, scope or input places runs (a program with no
+        # placement at all): the slice jax.jit would pick, made on first need.
+        self.implied: Callable[[], VirtualSlice] | None = None
         self.slices: dict[int, VirtualSlice] = {}
         self.jit_calls: list[JitCall] = []
         if default is not None:
@@ -115,6 +118,37 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
         "scalar or pw.Future (or a pytree of them). Pass other values through "
         "static_argnums."
     )
+
+
+def _implied_slice(signature: tuple, *, meshes_only: bool = False) -> VirtualSlice | None:
+    """Where a program with no placement runs: where ``jax.jit`` would run it.
+
+    On the devices (and mesh, axis names and types) of the first array argument
+    sharded over a mesh, else on the device of the first array argument, else
+    on JAX's default device. With ``meshes_only``, None unless an argument is on
+    a mesh.
+    """
+    from pathways_jax._src import devices as devices_lib
+
+    single = None
+    for sig in signature:
+        if sig[0] != "array":
+            continue
+        sharding = sig[4]
+        mesh = getattr(sharding, "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+            ids = tuple(d.id for d in mesh.devices.flat)
+            shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+            return devices_lib.implied(ids, shape, tuple(mesh.axis_types))
+        placed = getattr(sharding, "device_set", None)
+        if single is None and placed and len(placed) == 1:
+            single = next(iter(placed))
+    if meshes_only:
+        return None
+    if single is None:
+        default = jax.config.jax_default_device
+        single = default if isinstance(default, jax.Device) else jax.devices()[0]
+    return devices_lib.implied((single.id,), {"x": 1})
 
 
 def future_signature(entry: Any) -> tuple:
@@ -335,6 +369,13 @@ class Program:
         if default is not None:
             default.check_usable()
         state = TraceState(default)
+        implied = None
+        if default is None:
+            # Code nothing places runs where jax.jit would run it. Arguments on a
+            # mesh of yours: the program is traced on that mesh, as jax.jit does.
+            state.implied = functools.cache(lambda: _implied_slice(signature))
+            with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
+                implied = _implied_slice(signature, meshes_only=True)
         out_trees: list[Any] = []
 
         def flat_fun(*dynamic_leaves: Any) -> list[Any]:
@@ -360,8 +401,10 @@ class Program:
         try:
             # The caller's own mesh (jax.set_mesh, of any size) is set aside: the
             # program sees its default slice's mesh, or none.
-            with only_mesh(default.mesh if default is not None else NO_ABSTRACT_MESH):
-                closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, default) for s in signature))
+            with only_mesh(
+                (default or implied).mesh if (default or implied) is not None else NO_ABSTRACT_MESH
+            ):
+                closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, default or implied) for s in signature))
         except errors.PathwaysError:
             raise
         except Exception as exc:
