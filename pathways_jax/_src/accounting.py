@@ -76,7 +76,7 @@ class Accounting:
         self._busy = False  # the watcher holds records not accounted yet
         # Notes are appended by the dispatcher (no lock: deque appends are
         # atomic) and taken by the watcher, which is woken only when it sleeps.
-        self._notes: collections.deque[tuple] = collections.deque()
+        self._notes: collections.deque[list[Any]] = collections.deque()  # [run, start, arrays, count]
         self._batch: list = []  # the notes being accounted now (failed with them on a bug)
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None

@@ -249,9 +249,10 @@ class Controller:
                         if run.future_inputs:
                             why = self._blocker(run, busy)
                         else:
-                            why = verdicts.get(id(run.plan))
-                            if why is None:
-                                why = verdicts[id(run.plan)] = self._blocker(run, busy)
+                            verdict = verdicts.get(id(run.plan))
+                            if verdict is None:
+                                verdict = verdicts[id(run.plan)] = self._blocker(run, busy)
+                            why = verdict
                     except Exception as exc:
                         broken.append((run, exc))
                         continue
@@ -265,9 +266,9 @@ class Controller:
                             run.blocked_since = time.monotonic()
                             run.blocked_ns = _now()
                 if broken:
-                    for run, exc in broken:
+                    for run, error in broken:
                         self._drop(run)
-                        self._internal_error(run, exc)
+                        self._internal_error(run, error)
                     continue
                 candidates = go or no_room
                 if candidates:
@@ -322,15 +323,14 @@ class Controller:
         """Fails heads that waited for memory past the timeout (all of them once stopped)."""
         moment = time.monotonic()
         for run in blocked:
-            if run.blocked_since is None:
+            since = run.blocked_since
+            if since is None:
                 if not self._stopped:
                     continue
-            elif not self._stopped and (
-                self._bp_timeout is None or moment - run.blocked_since < self._bp_timeout
-            ):
+            elif not self._stopped and (self._bp_timeout is None or moment - since < self._bp_timeout):
                 continue
             self._drop(run)
-            if self._stopped:
+            if self._stopped or since is None:  # (not stopped: it waited, since is set)
                 self._fail(
                     run,
                     f"program {run.plan.graph.name!r} run {run.id} was cancelled: the cluster shut down",
@@ -339,13 +339,17 @@ class Controller:
                 continue
             need = ", ".join(f"device {d}: {b} B" for d, b in run.plan.charge)
             budget = self._budget
-            have = ", ".join(
-                f"device {d}: {budget.used.get(d, 0)}/{budget.limits.get(d)} B in use"
-                for d, _ in run.plan.charge
+            have = (
+                ", ".join(
+                    f"device {d}: {budget.used.get(d, 0)}/{budget.limits.get(d)} B in use"
+                    for d, _ in run.plan.charge
+                )
+                if budget is not None
+                else "no memory budget"
             )
             message = (
                 f"program {run.plan.graph.name!r} run {run.id} of client {run.client.name!r} waited "
-                f"{moment - run.blocked_since:.2f}s (backpressure_timeout={self._bp_timeout}s) for device "
+                f"{moment - since:.2f}s (backpressure_timeout={self._bp_timeout}s) for device "
                 f"memory: it needs {need}; {have}. Free values you no longer need (drop their futures) "
                 "or raise pw.init(memory_budget=...)."
             )
@@ -377,7 +381,8 @@ class Controller:
         """Called by the accounting watcher once every output of a dispatched run is ready."""
         if run.transient:
             transient, run.transient = run.transient, ()
-            self._budget.release(transient)
+            if self._budget is not None:  # a run holds transient bytes only under a budget
+                self._budget.release(transient)
         if error is not None and not run.failed:
             run.failed = True
             counters.bump("failed_runs")
@@ -566,6 +571,12 @@ class Controller:
     def _execute_remote(self, run: Run, started: int) -> None:
         """Ray backend: one message per host of the run; the hosts do the rest."""
         plan = run.plan
+        remote_plan = plan.remote
+        if remote_plan is None:
+            raise errors.PathwaysError(
+                f"program {plan.graph.name!r} was dispatched to the Ray hosts without its host plan; "
+                "this is a bug in pathways_jax, please report it."
+            )
         remote = self._remote
         for island in plan.windowed:
             remote.retire_ready(self._in_flight[island])
@@ -580,13 +591,13 @@ class Controller:
         finally:
             run.future_inputs = []
         counters.bump("dispatches", len(markers))
-        for kind, count in plan.remote.transfers.items():
+        for kind, count in remote_plan.transfers.items():
             counters.bump(f"transfers_{kind}", count)
         for host, marker in markers.items():
             self._in_flight[host].append((marker, run))
             if rec is not None:
                 rec.sent(run, host, marker, t0)
-        slot_host = plan.remote.slot_host
+        slot_host = remote_plan.slot_host
         self._publish(
             run, started, outputs, tuple([markers[slot_host[slot]] for _, slot, _ in plan.acct_groups])
         )
@@ -612,7 +623,8 @@ class Controller:
         timeline.failed(run, detail)
         if run.transient:
             transient, run.transient = run.transient, ()
-            self._budget.release(transient)
+            if self._budget is not None:  # a run holds transient bytes only under a budget
+                self._budget.release(transient)
         self._store.free(list(run.outputs), failure=(detail, cause))
         run.future_inputs = []
         run.env = []

@@ -26,7 +26,7 @@ _local = threading.local()
 
 
 def _mine() -> collections.Counter[str]:
-    counts = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
     with _lock:
         _all.append(counts)
     _local.counts = counts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -218,12 +218,14 @@ class Future:
     # --- standing for the jax.Array: each of these waits for the value ----------------------
 
     __array_priority__ = 100  # as jax.Array: NumPy's operators defer to ours
-    __hash__ = None  # as jax.Array: == compares elementwise
+    # As jax.Array: == compares elementwise. (typeshed has object.__hash__ always callable.)
+    __hash__ = None  # type: ignore[assignment]
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         # NumPy 2 passes copy= (copy=False raises if a copy is needed); NumPy 1 never does.
-        kwargs = {} if copy is None else {"copy": copy}
-        return np.asarray(self.result(), dtype=dtype, **kwargs)
+        if copy is None:
+            return np.asarray(self.result(), dtype=dtype)
+        return np.asarray(self.result(), dtype=dtype, copy=copy)
 
     def __jax_array__(self) -> jax.Array:
         return self.result()
@@ -396,7 +398,12 @@ def _register_with_jax() -> bool:
     except (ImportError, AttributeError):  # pragma: no cover - another JAX
         return False
 
-    def shard_futures(futures: list[Future], shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
+    def shard_futures(
+        futures: Sequence[Future],
+        shardings: Sequence[Any],
+        layouts: Sequence[Any],
+        copy_semantics: Sequence[Any],
+    ) -> Sequence[Any]:
         return shard_args(shardings, layouts, copy_semantics, [f.result() for f in futures])
 
     try:

@@ -60,7 +60,13 @@ def _stats(cluster: Any) -> Mapping | None:
         fn = getattr(pathways_jax, "stats", None)
         running = getattr(cluster_lib, "running", None)
         current = running() if callable(running) else cluster_lib._current
-        if not callable(fn) or current is not cluster or cluster.closed or cluster._controller is None:
+        if (
+            not callable(fn)
+            or current is None
+            or current is not cluster
+            or current.closed
+            or current._controller is None
+        ):
             return None
         stats = fn()
         return stats if isinstance(stats, Mapping) else None

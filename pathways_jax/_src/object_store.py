@@ -186,7 +186,7 @@ class ObjectStore:
                 if charge:
                     budget.release(charge, locked=True)
                     released = True
-        if released:
+        if released and budget is not None:
             budget.notify()
 
     def free(self, entries: list[Entry], failure: tuple[str, BaseException | None] | None = None) -> int:

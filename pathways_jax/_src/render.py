@@ -272,15 +272,15 @@ def builtin_svg(graph: Graph) -> str:
         pos[f"c{k}"] = (0, stacked[0])
         stacked[0] += 1
     first = max(stacked.values(), default=0)
-    for row, (kind, index) in enumerate(graph.steps, start=first):
-        if kind == "node":
+    for row, (step_kind, index) in enumerate(graph.steps, start=first):
+        if step_kind == "node":
             pos[f"n{index}"] = (columns[graph.nodes[index].slice.id], row)
         else:
             pos[f"t{index}"] = (columns[graph.transfers[index].dst.id], row)
     stacked.clear()
     for m, o in enumerate(graph.outputs):
-        v = graph.values[o.value] if o.value is not None else None
-        col = columns.get(v.slice.id if v is not None and v.slice is not None else None, 0)
+        out_v = graph.values[o.value] if o.value is not None else None
+        col = columns.get(out_v.slice.id if out_v is not None and out_v.slice is not None else None, 0)
         pos[f"out{m}"] = (col, first + len(graph.steps) + stacked[col])
         stacked[col] += 1
     last = max((row for _, row in pos.values()), default=0)
@@ -308,12 +308,12 @@ def builtin_svg(graph: Graph) -> str:
     # Island and slice bands.
     for island, slices in lay.islands.items():
         cols = [columns[sid] for sid in slices]
-        x0 = 10 + min(cols) * _COL_W + 4
-        x1 = 10 + (max(cols) + 1) * _COL_W - 4
+        left = 10 + min(cols) * _COL_W + 4
+        right = 10 + (max(cols) + 1) * _COL_W - 4
         parts.append(
-            f'<g class="island"><title>island {island}</title><rect x="{x0}" y="40" width="{x1 - x0}" '
+            f'<g class="island"><title>island {island}</title><rect x="{left}" y="40" width="{right - left}" '
             f'height="{height - 50}" rx="8" fill="none" stroke="#888888"/>'
-            f'<text x="{x0 + 6}" y="52" fill="#555555">island {island}</text></g>'
+            f'<text x="{left + 6}" y="52" fill="#555555">island {island}</text></g>'
         )
         for sid, s in slices.items():
             cx = 10 + columns[sid] * _COL_W

@@ -63,7 +63,7 @@ class ResourceManager:
                     f"asked for island {island}, but its host was lost ({self.lost[island]}). "
                     "Pass island=None to let the resource manager pick a surviving island."
                 )
-            pool = (self.islands[island],)
+            pool: tuple[Island, ...] = (self.islands[island],)
         else:
             pool = tuple(isl for isl in self.islands if isl.index not in self.lost)
             if not pool:
@@ -178,7 +178,7 @@ class ResourceManager:
                     kind = "exclusive" if exclusive else "shared"
                     if device_ids is not None:
                         raise errors.ResourceError(
-                            f"devices {sorted(self._busy(named[1], exclusive))} of device_ids={list(device_ids)!r} were not free for an {kind} "
+                            f"devices {sorted(self._busy(named[1], exclusive))} of device_ids={[d.id for d in named[1]]!r} were not free for an {kind} "
                             f"slice within timeout={timeout}s (held by "
                             f"{'other slices' if exclusive else 'exclusive slices'}). Release those slices, "
                             "wait longer, or let the resource manager choose (no device_ids)."

@@ -6,6 +6,7 @@ import inspect
 import os
 import sys
 import traceback
+import types
 from typing import Any
 
 import jax
@@ -13,10 +14,13 @@ import jax
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
 
+# JAX's private source_info_util, None where this JAX has none.
+source_info_util: types.ModuleType | None
 try:  # Keep JAX from reporting frames inside pathways_jax as the user's line.
-    from jax._src import source_info_util
+    from jax._src import source_info_util as _source_info_util
 
-    source_info_util.register_exclusion(_PACKAGE_DIR)
+    _source_info_util.register_exclusion(_PACKAGE_DIR)
+    source_info_util = _source_info_util
 except (ImportError, AttributeError):  # pragma: no cover - older or newer JAX
     source_info_util = None
 
@@ -36,6 +40,8 @@ def _user_frame(traceback: Any) -> Any:
     # JAX's user_frame skips JAX and pathways_jax; Flax's transforms (nnx.jit,
     # nnx.value_and_grad) and layers are skipped here too, so that the label is
     # the user's line that called them. Frames only in Flax keep Flax's line.
+    if source_info_util is None:
+        return None
     frames = source_info_util.user_frames(traceback)
     first = next(frames, None)
     skip = _library_dirs()

@@ -147,6 +147,8 @@ class RemoteArray:
         """Brings the value to the controller as a ``jax.Array`` (on the stand-in devices)."""
         if self._value is None:
             self.block_until_ready()
+            if self.key is None:  # a completion marker: no value of its own
+                raise errors.PathwaysError(f"{self!r} holds no value to fetch.")
             data = self.backend.fetch(self.host, self.key)
             counters.bump("fetches")
             self._value = jax.device_put(data, self.sharding)
@@ -242,6 +244,11 @@ class RemotePlan:
                             f"node {node.name!r} ({node.source_info}) reads a value held on another host; "
                             "this is a bug in pathways_jax's lowering, please report it."
                         )
+                if step.exported is None:
+                    raise errors.PathwaysError(
+                        f"node {node.name!r} ({node.source_info}) was compiled without its serialized "
+                        "computation, which the Ray hosts need; this is a bug in pathways_jax, please report it."
+                    )
                 blob, fingerprint = step.exported
                 hp = part(host)
                 if fingerprint not in hp.blobs:
@@ -362,7 +369,7 @@ class RayBackend:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=h
                 ),
-            ).remote(h, devices_per_host, window, bool(jax.config.jax_enable_x64))
+            ).remote(h, devices_per_host, window, bool(jax.config.read("jax_enable_x64")))
             for h in range(hosts)
         ]
         try:
@@ -398,6 +405,7 @@ class RayBackend:
     def where(self, sharding: Any, what: str) -> tuple[int, tuple]:
         """The host of a stand-in sharding and its host-local descriptor."""
         if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            device: Any  # a jax.Device; its stub type does not resolve here
             (device,) = sharding.device_set
             host, index = self._where[device.id]
             return host, ("single", index)
