@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -66,6 +66,8 @@ class _Group:
 
 class JitFunction:
     """A function compiled with ``jax.jit`` and placed on a slice; see :func:`jit`."""
+
+    __name__: str  # the wrapped function's, set by functools.update_wrapper
 
     def __init__(
         self,
@@ -221,6 +223,7 @@ class JitFunction:
         if self._in_specs is None:
             return args
         dynamic = [i for i in range(len(args)) if i not in self._static]
+        per_arg: list[PartitionSpec | None]
         if isinstance(self._in_specs, PartitionSpec):
             per_arg = [self._in_specs] * len(dynamic)
         else:
@@ -243,6 +246,30 @@ class JitFunction:
 
     def __repr__(self) -> str:
         return f"pw.jit({self.__name__}, devices={self._devices!r})"
+
+
+@overload
+def jit(
+    fun: Callable[..., Any],
+    *,
+    devices: VirtualSlice | None = None,
+    in_specs: Specs = None,
+    out_specs: Any = None,
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> JitFunction: ...
+
+
+@overload
+def jit(
+    fun: None = None,
+    *,
+    devices: VirtualSlice | None = None,
+    in_specs: Specs = None,
+    out_specs: Any = None,
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> Callable[[Callable[..., Any]], JitFunction]: ...
 
 
 def jit(
@@ -286,14 +313,18 @@ def jit(
       >>> s.release()
     """
     if fun is None:
-        return functools.partial(
-            jit,
-            devices=devices,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            static_argnums=static_argnums,
-            donate_argnums=donate_argnums,
-        )
+
+        def decorate(f: Callable[..., Any]) -> JitFunction:
+            return jit(
+                f,
+                devices=devices,
+                in_specs=in_specs,
+                out_specs=out_specs,
+                static_argnums=static_argnums,
+                donate_argnums=donate_argnums,
+            )
+
+        return decorate
     if not callable(fun):
         raise errors.ProgramTraceError(f"pw.jit expects a function, got {type(fun).__name__}: {fun!r}.")
     if devices is not None and not isinstance(devices, VirtualSlice):
