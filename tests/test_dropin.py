@@ -525,3 +525,21 @@ def test_a_bare_program_runs_where_jax_jit_would():
     traces = pw.counters()["traces"]
     assert prog(m).sharding == out.sharding  # the same slice and plan again: no new trace
     assert pw.counters()["traces"] == traces
+
+
+def test_program_takes_jax_jit_shardings_and_donate_argnames():
+    mesh = jax.make_mesh((4,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    rep, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
+
+    def step(params, x, lr):
+        grads = jax.grad(lambda p: ((x @ p["w"]) ** 2).mean())(params)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads)
+
+    options = {"in_shardings": (rep, batch, None), "out_shardings": rep, "donate_argnames": "params"}
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    want = jax.jit(step, **options)({"w": jnp.ones((4, 2))}, x, 0.1)
+    params = {"w": jax.device_put(jnp.ones((4, 2)), rep)}
+    got = pw.program(step, **options)(params, x, 0.1)
+    assert_matches(got, want)
+    assert got["w"].sharding == want["w"].sharding  # the shardings, and so the mesh, of jax.jit
+    assert params["w"].is_deleted()  # donated by name

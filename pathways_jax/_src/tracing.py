@@ -120,22 +120,21 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
     )
 
 
-def _implied_slice(signature: tuple, *, meshes_only: bool = False) -> VirtualSlice | None:
+def _implied_slice(
+    signature: tuple, *, meshes_only: bool = False, hint: jax.sharding.Mesh | None = None
+) -> VirtualSlice | None:
     """Where a program with no placement runs: where ``jax.jit`` would run it.
 
     On the devices (and mesh, axis names and types) of the first array argument
     sharded over a mesh, else on the device of the first array argument, else
     on JAX's default device. With ``meshes_only``, None unless an argument is on
-    a mesh.
+    a mesh. ``hint``: the mesh of the program's own ``in_shardings``, which wins.
     """
     from pathways_jax._src import devices as devices_lib
 
     single = None
-    for sig in signature:
-        if sig[0] != "array":
-            continue
-        sharding = sig[4]
-        mesh = getattr(sharding, "mesh", None)
+    arrays = [sig[4] for sig in signature if sig[0] == "array"]  # their shardings
+    for sharding, mesh in [(None, hint), *((a, getattr(a, "mesh", None)) for a in arrays)]:
         if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
             ids = tuple(d.id for d in mesh.devices.flat)
             shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
@@ -146,7 +145,7 @@ def _implied_slice(signature: tuple, *, meshes_only: bool = False) -> VirtualSli
     if meshes_only:
         return None
     if single is None:
-        default = jax.config.jax_default_device
+        default = getattr(jax.config, "jax_default_device", None)
         single = default if isinstance(default, jax.Device) else jax.devices()[0]
     return devices_lib.implied((single.id,), {"x": 1})
 
@@ -188,6 +187,15 @@ def _parameters(fun: Callable[..., Any]) -> list[inspect.Parameter]:
         return []
 
 
+def _mesh_of(*shardings: Any) -> jax.sharding.Mesh | None:
+    """The first concrete mesh named by a pytree of shardings (``in_shardings``/``out_shardings``)."""
+    for leaf in jax.tree_util.tree_leaves(shardings):
+        mesh = getattr(leaf, "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
+            return mesh
+    return None
+
+
 def _positions_of(fun: Callable[..., Any], names: Sequence[str]) -> list[int]:
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return [i for i, p in enumerate(_parameters(fun)) if p.kind in positional and p.name in names]
@@ -222,8 +230,10 @@ class Program:
         fuse: bool = True,
         donate_argnums: tuple[int, ...] = (),
         static_argnames: tuple[str, ...] = (),
+        mesh_hint: jax.sharding.Mesh | None = None,
     ):
         self._fun = fun
+        self._mesh_hint = mesh_hint  # the mesh of in_shardings/out_shardings, if any
         self._devices = devices
         self._static, self._static_names = _resolve_statics(fun, static_argnums, static_argnames)
         # Static positions that may also arrive by keyword (or be left to their defaults).
@@ -373,9 +383,10 @@ class Program:
         if default is None:
             # Code nothing places runs where jax.jit would run it. Arguments on a
             # mesh of yours: the program is traced on that mesh, as jax.jit does.
-            state.implied = functools.cache(lambda: _implied_slice(signature))
+            hint = self._mesh_hint
+            state.implied = functools.cache(lambda: _implied_slice(signature, hint=hint))
             with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
-                implied = _implied_slice(signature, meshes_only=True)
+                implied = _implied_slice(signature, meshes_only=True, hint=hint)
         out_trees: list[Any] = []
 
         def flat_fun(*dynamic_leaves: Any) -> list[Any]:
@@ -502,6 +513,9 @@ def program(
     name: str | None = None,
     fuse: bool = True,
     donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
 ) -> Program | Callable[[Callable[..., Any]], Program]:
     """Turns a function into ONE dataflow program over virtual slices.
 
@@ -529,6 +543,11 @@ def program(
         and a donated :class:`Future` cannot be read again once the run is
         dispatched. An argument read by more than one computation of the
         program is kept (with a warning, once).
+      donate_argnames: the same, by parameter name.
+      in_shardings: as in ``jax.jit``: the function is compiled with these
+        argument shardings (a pytree prefix of the positional arguments), and
+        a program with no slice runs on their mesh.
+      out_shardings: as in ``jax.jit``, for the outputs.
 
     Returns:
       A :class:`Program`; calling it returns a pytree of :class:`Future`.
@@ -552,6 +571,9 @@ def program(
             name=name,
             fuse=fuse,
             donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
         )
     if not callable(fun):
         raise errors.ProgramTraceError(f"pw.program expects a function, got {type(fun).__name__}: {fun!r}.")
@@ -564,6 +586,22 @@ def program(
     if not all(isinstance(n, str) for n in static_names):
         raise errors.ProgramTraceError(f"static_argnames must be strings, got {static_argnames!r}.")
     donate = _static_positions(donate_argnums, "donate_argnums")
+    donate_names = (donate_argnames,) if isinstance(donate_argnames, str) else tuple(donate_argnames)
+    donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
+    mesh_hint = None
+    if in_shardings is not None or out_shardings is not None:
+        # As jax.jit: the function is compiled with these shardings (one node),
+        # and a program with no slice runs on their mesh.
+        mesh_hint = _mesh_of(in_shardings, out_shardings)
+        fun = functools.wraps(fun)(
+            jax.jit(
+                fun,
+                in_shardings=in_shardings,
+                out_shardings=out_shardings,
+                static_argnums=statics,
+                static_argnames=static_names,
+            )
+        )
     if set(donate) & set(statics):
         raise errors.ProgramTraceError(
             f"pw.program({getattr(fun, '__name__', fun)!r}): arguments {sorted(set(donate) & set(statics))} "
@@ -577,4 +615,5 @@ def program(
         name=name,
         fuse=fuse,
         donate_argnums=donate,
+        mesh_hint=mesh_hint,
     )
