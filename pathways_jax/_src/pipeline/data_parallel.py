@@ -97,6 +97,7 @@ class DataParallel:
         if optimizer is None:
             raise pw.errors.ProgramTraceError("DataParallel needs optimizer=, e.g. optax.adam(1e-3).")
         (tx,) = stages_lib.check_optimizers(optimizer, 1, "DataParallel")
+        assert tx is not None  # optimizer is not None, so check_optimizers made one
         self.stage = stage
         self.data_axis = data_axis
         self._loss_fn = loss_fn

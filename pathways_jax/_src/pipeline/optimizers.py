@@ -39,7 +39,7 @@ def _is_optax_like(obj: Any) -> bool:
 def as_optimizer(obj: Any, what: str) -> OptaxLike:
     """``obj`` as an Optax-like optimizer; ``what`` names it in the error."""
     if isinstance(obj, nnx.Optimizer):
-        tx = getattr(obj, "tx", None)
+        tx: Any = getattr(obj, "tx", None)
         if _is_optax_like(tx):
             return tx
         raise pw.errors.ProgramTraceError(
