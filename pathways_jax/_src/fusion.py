@@ -20,7 +20,7 @@ import jax.extend.core as jex
 from jax.sharding import AxisType, NamedSharding
 
 from pathways_jax._src.devices import only_mesh
-from pathways_jax._src.graph import Graph, Node
+from pathways_jax._src.graph import Graph, Node, Step
 
 
 def _group_runs(graph: Graph) -> list[list[int] | tuple[str, int]]:
@@ -119,7 +119,7 @@ def fuse(graph: Graph) -> Graph:
     if all(not isinstance(r, list) or len(r) == 1 for r in runs):
         return graph
     nodes: list[Node] = []
-    steps: list[tuple[str, int]] = []
+    steps: list[Step] = []
     returned = {o.value for o in graph.outputs if o.value is not None}
     for position, run in enumerate(runs):
         if not isinstance(run, list):
