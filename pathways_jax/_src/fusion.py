@@ -23,14 +23,14 @@ from pathways_jax._src.devices import only_mesh
 from pathways_jax._src.graph import Graph, Node, Step
 
 
-def _group_runs(graph: Graph) -> list[list[int] | tuple[str, int]]:
+def _group_runs(graph: Graph) -> list[list[int] | Step]:
     """The steps, with consecutive same-slice node steps gathered into lists.
 
     A run ends after a node whose output another slice reads (through a
     transfer): that slice must not wait for the rest of the chain.
     """
     leaves = {t.value for t in graph.transfers}
-    out: list[list[int] | tuple[str, int]] = []
+    out: list[list[int] | Step] = []
     open_run = False
     for kind, index in graph.steps:
         if kind == "node":
