@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import jax.extend.core as jex
 
 from pathways_jax._src import errors, source
-from pathways_jax._src.graph import Const, Graph, Input, Node, Output, Step, Transfer, Value
+from pathways_jax._src.graph import Const, Graph, Input, Node, Output, Step, Transfer, TransferKind, Value
 
 if TYPE_CHECKING:
     from pathways_jax._src.devices import VirtualSlice
@@ -71,7 +71,7 @@ def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]
                 if placed[index] is not None:
                     continue
                 for var in eqns[index].outvars:
-                    users = [placed[u] for u in consumers.get(var, ()) if placed[u] is not None]
+                    users = [s for s in (placed[u] for u in consumers.get(var, ())) if s is not None]
                     if users:
                         placed[index] = users[0]
                         changed = True
@@ -135,9 +135,9 @@ def build(
         return len(values) - 1
 
     inputs = []
-    for index, (var, where) in enumerate(zip(jaxpr.invars, input_slices, strict=True)):
-        var_value[var] = new_value(var.aval, where, f"program {name!r} input {index}")
-        inputs.append(Input(index, var_value[var], where is not None))
+    for index, (var, input_slice) in enumerate(zip(jaxpr.invars, input_slices, strict=True)):
+        var_value[var] = new_value(var.aval, input_slice, f"program {name!r} input {index}")
+        inputs.append(Input(index, var_value[var], input_slice is not None))
     consts = []
     for var, data in zip(jaxpr.constvars, closed.consts, strict=True):
         var_value[var] = new_value(var.aval, None, f"program {name!r} constant")
@@ -167,14 +167,14 @@ def build(
     names: collections.Counter[str] = collections.Counter()
 
     def on_slice(vid: int, slice_: VirtualSlice) -> int:
-        where = values[vid].slice
-        if where is None or where is slice_:
+        held = values[vid].slice
+        if held is None or held is slice_:
             return vid
         key = (vid, slice_.id)
         if key not in moved:
-            kind = "ici" if where.island == slice_.island else "dcn"
+            kind: TransferKind = "ici" if held.island == slice_.island else "dcn"
             out = new_value(values[vid].aval, slice_, values[vid].origin)
-            transfers.append(Transfer(vid, out, where, slice_, kind))
+            transfers.append(Transfer(vid, out, held, slice_, kind))
             steps.append(("transfer", len(transfers) - 1))
             moved[key] = out
         return moved[key]

@@ -111,6 +111,7 @@ def plot_timeline(
     """
     data = load_trace(trace)
     figure_cls = _import_matplotlib()
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -133,7 +134,7 @@ def plot_timeline(
     t0 = min((e["ts"] for e in spans), default=0.0)
 
     clients = sorted({e.get("args", {}).get("client", "default") for e in executions + transfers})
-    programs: dict[str, list[str]] = {c: [] for c in clients}
+    programs: dict[str, list[str | None]] = {c: [] for c in clients}  # None: an event naming none
     for e in executions:
         args = e.get("args", {})
         names = programs[args.get("client", "default")]
@@ -193,9 +194,13 @@ def plot_timeline(
             )
     for e in controller:
         start, dur = (e["ts"] - t0) / 1e3, max(e.get("dur", 0) / 1e3, span_ms * 5e-4)
-        face = {"wait": "#bbbbbb", "trace": "#d8b365", "lower": "#d8b365", "compile": "#d8b365"}.get(
-            e.get("cat"), "#555555"
-        )
+        faces: dict[str | None, str] = {
+            "wait": "#bbbbbb",
+            "trace": "#d8b365",
+            "lower": "#d8b365",
+            "compile": "#d8b365",
+        }
+        face = faces.get(e.get("cat"), "#555555")
         ax.broken_barh([(start, dur)], (-0.3, 0.6), facecolors=face, edgecolors="none")
     labels = ["controller"] + [f"island {device_info[d].get('island', '?')} · device {d}" for d in devices]
     ax.set_yticks(range(len(labels)))
@@ -208,7 +213,7 @@ def plot_timeline(
         if islands[i] != islands[i - 1]:
             ax.axhline(i + 0.5, color="#888888", linewidth=0.8)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-    handles = [
+    handles: list[Artist] = [
         Patch(facecolor=colour({"client": c, "program": prog}), label=f"{prog} (client {c})")
         for c in clients
         for prog in programs[c]

@@ -9,7 +9,7 @@ import inspect
 import re
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import numpy as np
@@ -120,6 +120,18 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
     )
 
 
+@overload
+def _implied_slice(
+    signature: tuple, *, meshes_only: Literal[False] = False, hint: jax.sharding.Mesh | None = None
+) -> VirtualSlice: ...
+
+
+@overload
+def _implied_slice(
+    signature: tuple, *, meshes_only: bool, hint: jax.sharding.Mesh | None = None
+) -> VirtualSlice | None: ...
+
+
 def _implied_slice(
     signature: tuple, *, meshes_only: bool = False, hint: jax.sharding.Mesh | None = None
 ) -> VirtualSlice | None:
@@ -220,6 +232,9 @@ class Program:
     the background.
     """
 
+    # True on the inner programs nnx_graph makes (they take NNX objects as pytrees).
+    _nnx_inner: bool = False
+
     def __init__(
         self,
         fun: Callable[..., Any],
@@ -240,7 +255,7 @@ class Program:
         self._named_positions = frozenset(_positions_of(fun, self._static_names))
         self._fuse = fuse
         self._donate = donate_argnums
-        self.name = name or getattr(fun, "__name__", type(fun).__name__)
+        self.name: str = name if name else getattr(fun, "__name__", type(fun).__name__)
         self.source_info = source.of_function(fun)
         self._lock = threading.RLock()
         self._graphs: dict[Any, Graph] = {}
@@ -322,11 +337,12 @@ class Program:
                 f"but was called with {len(args)} positional arguments; donate only positional "
                 "arguments the call passes."
             )
-        donated, start = set(), 0
+        donated: set[int] = set()
+        start = 0
         for position, arg in enumerate(args):
             if position in self._static:
                 continue
-            count = jax.tree_util.tree_structure(arg).num_leaves
+            count = jax.tree_util.tree_structure(arg).num_leaves  # type: ignore[attr-defined]  # jaxlib has no PyTreeDef stubs
             if position in self._donate:
                 donated.update(range(start, start + count))
             start += count
@@ -412,10 +428,9 @@ class Program:
         try:
             # The caller's own mesh (jax.set_mesh, of any size) is set aside: the
             # program sees its default slice's mesh, or none.
-            with only_mesh(
-                (default or implied).mesh if (default or implied) is not None else NO_ABSTRACT_MESH
-            ):
-                closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, default or implied) for s in signature))
+            target = default or implied
+            with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH):
+                closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))
         except errors.PathwaysError:
             raise
         except Exception as exc:
@@ -502,6 +517,38 @@ class Program:
 
     def __repr__(self) -> str:
         return f"pw.program({self.name}, {self.source_info})"
+
+
+@overload
+def program(
+    fun: Callable[..., Any],
+    *,
+    devices: VirtualSlice | None = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    name: str | None = None,
+    fuse: bool = True,
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+) -> Program: ...
+
+
+@overload
+def program(
+    fun: None = None,
+    *,
+    devices: VirtualSlice | None = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    name: str | None = None,
+    fuse: bool = True,
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+) -> Callable[[Callable[..., Any]], Program]: ...
 
 
 def program(

@@ -106,26 +106,34 @@ def build_nodes(
     def add_grads(out: Any, acc: Any) -> Any:
         return _add(acc, out) if first else (_add(acc, out[0]), out[1])
 
-    grads_out = pspecs if first else (pspecs, act)
-    if remat:  # keep only the stage input (and keys); recompute the forward in the backward
-        fwd = jit(infer, in_specs=(None, act, *kspec), out_specs=act)
-
+    # Each variant's backward functions are made by its own factory: their
+    # signatures differ, and they keep the names "bwd" and "bwd_acc" (node names).
+    def remat_backward() -> tuple[Callable[..., Any], Callable[..., Any]]:
         def bwd(p: Any, h: Any, dy: Any, *k: Any) -> Any:
             return cotangents(forward_vjp(p, h, *k)[1], dy)
 
         def bwd_acc(p: Any, h: Any, dy: Any, acc: Any, *k: Any) -> Any:
             return add_grads(bwd(p, h, dy, *k), acc)
 
-        bwd_specs: tuple = (None, act, act)
-    else:
-        fwd = jit(forward_vjp, in_specs=(None, act, *kspec), out_specs=(act, None))
+        return bwd, bwd_acc
 
+    def vjp_backward() -> tuple[Callable[..., Any], Callable[..., Any]]:
         def bwd(vjp: Any, dy: Any) -> Any:
             return cotangents(vjp, dy)
 
         def bwd_acc(vjp: Any, dy: Any, acc: Any) -> Any:
             return add_grads(cotangents(vjp, dy), acc)
 
+        return bwd, bwd_acc
+
+    grads_out = pspecs if first else (pspecs, act)
+    if remat:  # keep only the stage input (and keys); recompute the forward in the backward
+        fwd = jit(infer, in_specs=(None, act, *kspec), out_specs=act)
+        bwd, bwd_acc = remat_backward()
+        bwd_specs: tuple = (None, act, act)
+    else:
+        fwd = jit(forward_vjp, in_specs=(None, act, *kspec), out_specs=(act, None))
+        bwd, bwd_acc = vjp_backward()
         bwd_specs = (None, act)
     kbwd = kspec if remat else ()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -220,9 +220,12 @@ class Pipeline:
         def pipeline_forward(params: tuple, xs: tuple, *keys: Any) -> Any:
             return self._forward_fn(nodes, params, xs, keys)
 
-        fn = {"train": pipeline_train_step, "grads": pipeline_loss_and_grads, "forward": pipeline_forward}[
-            kind
-        ]
+        step_fns: dict[str, Callable[..., Any]] = {
+            "train": pipeline_train_step,
+            "grads": pipeline_loss_and_grads,
+            "forward": pipeline_forward,
+        }
+        fn = step_fns[kind]
         self._programs[(kind, mode)] = pw.program(fn, name=fn.__name__)
         return self._programs[(kind, mode)]
 
@@ -251,6 +254,7 @@ class Pipeline:
             if kind in ("F", "L"):
                 h = xs[m] if s == 0 else outs.pop((s - 1, m))
             if kind == "F":
+                assert nodes.fwd is not None  # a schedule runs only nodes built with a loss_fn
                 out = nodes.fwd(params[s], h, *k)
                 if isinstance(out, tuple):  # (output, vjp residuals)
                     outs[(s, m)], vjp = out
@@ -259,6 +263,7 @@ class Pipeline:
                     outs[(s, m)] = out
                     saved[(s, m)] = (params[s], h)
             elif kind == "L":
+                assert nodes.last is not None and nodes.last_acc is not None  # on the last stage
                 if grads[s] is None:
                     res = nodes.last(params[s], h, ys[m], *k)
                 else:
@@ -267,6 +272,7 @@ class Pipeline:
                 if s > 0:
                     cots[(s - 1, m)] = res[2]
             else:
+                assert nodes.bwd is not None and nodes.bwd_acc is not None
                 args = (*saved.pop((s, m)), cots.pop((s, m)))
                 extra = k if self._remat else ()
                 res = nodes.bwd(*args, *extra) if grads[s] is None else nodes.bwd_acc(*args, grads[s], *extra)
@@ -276,9 +282,9 @@ class Pipeline:
                     grads[s], cots[(s - 1, m)] = res
             if opt_states is not None and i == final[s]:
                 # The stage's gradients are complete: update it now, on its slice.
-                new_params[s], new_opt_states[s] = self._state_nodes[s].update(
-                    params[s], opt_states[s], grads[s]
-                )
+                update = self._state_nodes[s].update
+                assert update is not None  # opt_states: every stage has an optimizer
+                new_params[s], new_opt_states[s] = update(params[s], opt_states[s], grads[s])
         return loss, grads, tuple(new_params), tuple(new_opt_states)
 
     def _forward_fn(self, nodes_per_stage: list[Nodes], params: tuple, xs: tuple, keys: tuple) -> Any:
@@ -345,6 +351,7 @@ class Pipeline:
                 raise _stage_error(self.stages[index], index, h, mode, exc) from exc
             h = out
         if y is not None:
+            assert self._loss_fn is not None  # targets come only with a trainable pipeline
             try:
                 loss = jax.eval_shape(self._loss_fn, h, jax.ShapeDtypeStruct(y.shape, y.dtype))
             except Exception as exc:

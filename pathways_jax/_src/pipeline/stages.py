@@ -106,7 +106,8 @@ def as_stage(model: Any, index: int = 0) -> Stage:
     if isinstance(model, Stage):
         return model
     if isinstance(model, nnx.Module):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        # Flax types split() with two filters as variadic; it returns exactly three parts.
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         # Plain arrays, not the module's Variables: nodes taking the params never write
         # back into the user's module (programs update Variables they are given in place).
         params = nnx.as_pure(params)
@@ -125,7 +126,8 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             if rngs and "rngs" in nnx_keywords:
                 kwargs["rngs"] = nnx.Rngs(**rngs)
             elif rngs:
-                nnx.reseed(module, **rngs)
+                streams: Mapping[str, Any] = rngs  # keywords of reseed: stream names only
+                nnx.reseed(module, **streams)
             return module(x, **kwargs)
 
         return Stage(params, apply_nnx, "nnx", f"nnx {type(model).__name__}", call_nnx)
@@ -146,7 +148,7 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                 return first.apply({"params": p, **variables}, x)
 
             def call_linen(p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
-                kwargs = _mode_kwargs(linen_keywords, train)
+                kwargs: dict[str, Any] = _mode_kwargs(linen_keywords, train)
                 return first.apply({"params": p, **variables}, x, rngs=dict(rngs) if rngs else None, **kwargs)
 
             return Stage(params, apply_linen, "linen", f"linen {type(first).__name__}", call_linen)
@@ -317,7 +319,7 @@ def opt_state_specs(tx: OptaxLike, params: Any, specs: Any) -> Any:
 
     def like_params(node: Any) -> bool:
         try:
-            if jax.tree_util.tree_structure(node) != structure:
+            if jax.tree_util.tree_structure(node) != structure:  # type: ignore[operator]  # jaxlib has no PyTreeDef stubs
                 return False
         except Exception:
             return False
