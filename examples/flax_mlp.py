@@ -70,8 +70,8 @@ def make_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
 
     def update(state, opt_state, batch):
         loss, grads = loss_and_grad(state, *batch)
-        # The optax update is plain glue code: the program groups it into small
-        # computations placed next to their inputs.
+        # The optax update is plain glue code: the program compiles it together
+        # with the loss-and-grad node into one executable (whole-slice compilation).
         updates, opt_state = tx.update(grads, opt_state, state)
         return optax.apply_updates(state, updates), opt_state, loss
 
@@ -97,8 +97,8 @@ def main(argv: list[str]) -> None:
 
     @pw.program(devices=data)
     def train_step(state, opt_state, batch):
-        # Traced into one graph: the jitted loss-and-grad is one node, the optax
-        # glue a few small ones, all placed on `data`.
+        # Traced into one graph on `data`: the jitted loss-and-grad and the optax
+        # glue compile into one node (fuse=False would keep them apart).
         return update(state, opt_state, batch)
 
     # Training: each call returns futures at once; feeding them to the next
