@@ -62,6 +62,9 @@ class Cluster:
         self.mapping_epoch = 0
         # Compiled executables by (node function, mesh, shardings): shared by plans.
         self.executables: dict = {}
+        # Shared slices of programs with no placement, by (devices, mesh, axis types).
+        self.implied_slices: dict[tuple, Any] = {}
+        self.implied_lock = threading.Lock()
         self._init_args = init_args
         self._closed = False
         self._controller = None

@@ -96,7 +96,8 @@ class Controller:
             try:
                 if not self._queued and self._ready_now(run) and self._admit(run):
                     run.seq = next(self._seq)
-                    self._charge(run)
+                    if self._policy.charges:
+                        self._charge(run)
                     self._execute(run)
                     return
             except Exception as exc:  # the controller's own bookkeeping: fail this run only

@@ -381,12 +381,10 @@ def implied(
 
     cl = cluster_lib.cluster()
     key = (device_ids, tuple(mesh.items()), axis_types)
-    with _IMPLIED_LOCK:
-        found = _IMPLIED.get(key)
-        if found is None or found.released or found.cluster is not cl:
-            found = _IMPLIED[key] = devices(mesh, device_ids=device_ids, axis_types=axis_types, timeout=0)
+    with cl.implied_lock:
+        found = cl.implied_slices.get(key)
+        if found is None or found.released:
+            found = cl.implied_slices[key] = devices(
+                mesh, device_ids=device_ids, axis_types=axis_types, timeout=0
+            )
         return found
-
-
-_IMPLIED: dict[tuple, VirtualSlice] = {}
-_IMPLIED_LOCK = threading.Lock()

@@ -57,6 +57,9 @@ class Policy(Protocol):
     """
 
     name: str
+    # False when charge() does nothing: the controller's inline dispatch then skips
+    # the call and the lock it needs (a run dispatched on the caller's thread).
+    charges: bool
 
     def pick(self, heads: Sequence[Head]) -> int:
         """The index in ``heads`` of the run to dispatch next (``heads`` is non-empty)."""
@@ -97,6 +100,7 @@ class Fifo:
     """
 
     name = "fifo"
+    charges = False
 
     def pick(self, heads: Sequence[Head]) -> int:
         seqs = [head.seq for head in heads]
@@ -138,6 +142,7 @@ class Priority:
     """
 
     name = "priority"
+    charges = False
 
     def __init__(self, starvation_limit: int = DEFAULT_STARVATION_LIMIT):
         self.starvation_limit = starvation_limit
@@ -195,6 +200,7 @@ class Fair:
     """
 
     name = "fair"
+    charges = True
 
     def __init__(self) -> None:
         self.vtime: dict[Hashable, float] = {}

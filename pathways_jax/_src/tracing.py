@@ -9,7 +9,7 @@ import inspect
 import re
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, overload
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -120,46 +120,34 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
     )
 
 
-@overload
-def _implied_slice(
-    signature: tuple, *, meshes_only: Literal[False] = False, hint: jax.sharding.Mesh | None = None
-) -> VirtualSlice: ...
+def _mesh_slice(signature: tuple, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
+    """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
 
-
-@overload
-def _implied_slice(
-    signature: tuple, *, meshes_only: bool, hint: jax.sharding.Mesh | None = None
-) -> VirtualSlice | None: ...
-
-
-def _implied_slice(
-    signature: tuple, *, meshes_only: bool = False, hint: jax.sharding.Mesh | None = None
-) -> VirtualSlice | None:
-    """Where a program with no placement runs: where ``jax.jit`` would run it.
-
-    On the devices (and mesh, axis names and types) of the first array argument
-    sharded over a mesh, else on the device of the first array argument, else
-    on JAX's default device. With ``meshes_only``, None unless an argument is on
-    a mesh. ``hint``: the mesh of the program's own ``in_shardings``, which wins.
+    ``hint`` (the mesh of the program's own ``in_shardings``) wins; then the mesh
+    of the first array argument sharded over several devices.
     """
     from pathways_jax._src import devices as devices_lib
 
-    single = None
-    arrays = [sig[4] for sig in signature if sig[0] == "array"]  # their shardings
-    for sharding, mesh in [(None, hint), *((a, getattr(a, "mesh", None)) for a in arrays)]:
+    meshes = [hint, *(getattr(sig[4], "mesh", None) for sig in signature if sig[0] == "array")]
+    for mesh in meshes:
         if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
             ids = tuple(d.id for d in mesh.devices.flat)
             shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
             return devices_lib.implied(ids, shape, tuple(mesh.axis_types))
-        placed = getattr(sharding, "device_set", None)
-        if single is None and placed and len(placed) == 1:
-            single = next(iter(placed))
-    if meshes_only:
-        return None
-    if single is None:
-        default = getattr(jax.config, "jax_default_device", None)
-        single = default if isinstance(default, jax.Device) else jax.devices()[0]
-    return devices_lib.implied((single.id,), {"x": 1})
+    return None
+
+
+def _device_slice(signature: tuple) -> VirtualSlice:
+    """With no argument on a mesh: the first array argument's device, else JAX's default device."""
+    from pathways_jax._src import devices as devices_lib
+
+    for sig in signature:
+        placed = getattr(sig[4], "device_set", None) if sig[0] == "array" else None
+        if placed and len(placed) == 1:
+            return devices_lib.implied((next(iter(placed)).id,), {"x": 1})
+    default = getattr(jax.config, "jax_default_device", None)
+    device = default if isinstance(default, jax.Device) else jax.devices()[0]
+    return devices_lib.implied((device.id,), {"x": 1})
 
 
 def future_signature(entry: Any) -> tuple:
@@ -310,10 +298,7 @@ class Program:
         text = re.sub(r"flat_fun at \S+", f"{self.name} at {self.source_info}", text)
         if "dynamic_leaves[" not in text:
             return text
-        try:
-            names = list(inspect.signature(self._fun).parameters)
-        except (TypeError, ValueError):
-            names = []
+        names = [p.name for p in _parameters(self._fun)]
         static = {position for position, _ in statics if isinstance(position, int)}
         dynamic = [p for p in range(treedef.num_leaves + len(static) + len(names)) if p not in static]
         numbered = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
@@ -399,10 +384,13 @@ class Program:
         if default is None:
             # Code nothing places runs where jax.jit would run it. Arguments on a
             # mesh of yours: the program is traced on that mesh, as jax.jit does.
-            hint = self._mesh_hint
-            state.implied = functools.cache(lambda: _implied_slice(signature, hint=hint))
             with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
-                implied = _implied_slice(signature, meshes_only=True, hint=hint)
+                implied = _mesh_slice(signature, self._mesh_hint)
+            if implied is not None:
+                on_mesh: VirtualSlice = implied
+                state.implied = lambda: on_mesh
+            else:
+                state.implied = functools.cache(lambda: _device_slice(signature))
         out_trees: list[Any] = []
 
         def flat_fun(*dynamic_leaves: Any) -> list[Any]:
