@@ -29,7 +29,7 @@ def _group_runs(graph: Graph) -> list[list[int] | Step]:
     A run ends after a node whose output another slice reads (through a
     transfer): that slice must not wait for the rest of the chain.
     """
-    leaves = {t.value for t in graph.transfers}
+    leaving = {t.value for t in graph.transfers}  # values another slice reads
     out: list[list[int] | Step] = []
     open_run = False
     for kind, index in graph.steps:
@@ -40,7 +40,7 @@ def _group_runs(graph: Graph) -> list[list[int] | Step]:
                 last.append(index)
             else:
                 out.append([index])
-            open_run = not leaves.intersection(node.outputs)
+            open_run = not leaving.intersection(node.outputs)
         else:
             out.append((kind, index))
             open_run = False

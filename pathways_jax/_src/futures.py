@@ -20,13 +20,9 @@ def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
     if deadline is None:
         array.block_until_ready()
         return True
-    pause = 1e-5
-    while not readiness.is_ready(array):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        time.sleep(min(pause, remaining))
-        pause = min(pause * 2, 5e-3)
+    readiness.poll([array], lambda: time.monotonic() >= deadline, first_s=1e-5, longest_s=5e-3)
+    if not readiness.settled(array):
+        return False
     array.block_until_ready()  # surfaces an execution error, if any
     return True
 

@@ -574,15 +574,8 @@ def _compile(
     return compiled, exported
 
 
-_warned: set[tuple[str, str, int]] = set()
-
-
 def _warn_donation(graph: Graph, node: Node, leaf: int) -> None:
-    """Says once per program, node and argument that a donation cannot be honoured."""
-    key = (graph.name, node.name, leaf)
-    if key in _warned:
-        return
-    _warned.add(key)
+    """Says that a donation cannot be honoured; Python's warning filters show it once per text."""
     warnings.warn(
         f"program {graph.name!r}: argument leaf {leaf} is donated (donate_argnums) but node "
         f"{node.name!r} ({node.source_info}) is not its only reader, so its buffer is kept. "

@@ -211,12 +211,11 @@ class JitFunction:
         JAX's own "incompatible devices" error, naming both.
         """
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
-
-        def put(tree: Any) -> Any:
-            return jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, replicated), tree)
-
-        moved = [arg if position in self._static else put(arg) for position, arg in enumerate(args)]
-        return self._jitted(*moved, **put(kwargs))
+        moved = [
+            arg if position in self._static else jax.device_put(arg, replicated)
+            for position, arg in enumerate(args)
+        ]
+        return self._jitted(*moved, **jax.device_put(kwargs, replicated))
 
     def _retype_args(self, args: tuple) -> tuple:
         """On Explicit axes in_specs are types: arguments typed otherwise are resharded first."""
