@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 import jax
@@ -87,6 +89,9 @@ class JitFunction:
         self._donate = donate_argnums
         self._nnx_jitted: Callable[..., Any] | None = None
         self._programs: dict[int, Program] = {}
+        # Threads tracing the function now, each with its depth (see _sole_tracer).
+        self._tracers: dict[int, int] = {}
+        self._tracers_lock = threading.Lock()
         self.source_info = source.of_function(fun)
         functools.update_wrapper(self, fun)
 
@@ -174,7 +179,8 @@ class JitFunction:
                     name=self.__name__,
                 )
                 prog.source_info = self.source_info
-                self._programs[slice_.id] = prog
+                # Threads making their first calls at once share one program (and its caches).
+                prog = self._programs.setdefault(slice_.id, prog)
             try:
                 return prog(*args, **kwargs)
             except errors.ProgramTraceError as exc:
@@ -183,10 +189,11 @@ class JitFunction:
             return self._transformed(slice_, args, kwargs)
         number = trace.record_jit(JitCall(slice_, self._leaf_in_specs(args, kwargs, slice_), None))
         explicit = AxisType.Explicit in slice_.axis_types
-        with jax.named_scope(f"{JIT_SCOPE}{number}"), only_mesh(slice_.mesh):
+        with jax.named_scope(f"{JIT_SCOPE}{number}"), only_mesh(slice_.mesh), self._sole_tracer() as alone:
             if explicit:
                 args = self._retype_args(args)
-            out = self._jitted_for(args, kwargs)(*args, **kwargs)
+            jitted = self._jitted_for(args, kwargs) if alone else self._unshared(args, kwargs)
+            out = jitted(*args, **kwargs)
             out_specs = self._leaf_out_specs(out, slice_)
             if explicit:
                 # Shardings are types here: the node makes what its types say, and
@@ -232,6 +239,36 @@ class JitFunction:
             if spec is not None:
                 out[position] = jax.tree_util.tree_map(lambda leaf, s=spec: _retype(leaf, s), args[position])
         return tuple(out)
+
+    @contextlib.contextmanager
+    def _sole_tracer(self) -> Iterator[bool]:
+        """Marks this thread as tracing the function; yields whether no other thread is.
+
+        JAX's trace cache makes a thread wait for another thread's trace of the
+        same function and arguments. That trace may be waiting for this thread
+        (the function started it and joins it), so a thread that is not alone
+        traces through :meth:`_unshared` instead.
+        """
+        me = threading.get_ident()
+        with self._tracers_lock:
+            alone = self._tracers.keys() <= {me}
+            self._tracers[me] = self._tracers.get(me, 0) + 1
+        try:
+            yield alone
+        finally:
+            with self._tracers_lock:
+                self._tracers[me] -= 1
+                if not self._tracers[me]:
+                    del self._tracers[me]
+
+    def _unshared(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
+        """The function jitted afresh: no trace cache entry shared with another thread's trace."""
+        fun = functools.partial(self._fun)  # hashed by identity: a cache key of its own
+        if nnx_graph.has_graph_nodes((args, kwargs)):
+            from flax import nnx
+
+            return nnx.jit(fun, static_argnums=self._static, donate_argnums=self._donate)
+        return jax.jit(fun, static_argnums=self._static, donate_argnums=self._donate)
 
     def _jitted_for(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
         # NNX objects are updated in place as nnx.jit does (a trace-time check only).

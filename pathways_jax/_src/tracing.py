@@ -173,6 +173,54 @@ def _abstract(signature: tuple, default: VirtualSlice | None = None) -> jax.Shap
     raise AssertionError(signature)  # pragma: no cover
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _KeyFault:
+    """Why a static argument cannot be part of a program's cache key."""
+
+    path: str  # where the part at fault sits in the argument (``[1][0]``); "" for the argument itself
+    part: Any
+    reason: str
+    cause: BaseException | None = None
+    unhashable: bool = False  # hash() raised TypeError: the value is of an unhashable type
+
+
+def _key_fault(value: Any, path: str = "") -> _KeyFault | None:
+    """Why ``value`` cannot be part of a cache key, or None if it can.
+
+    A key must hash and equal itself. Tuples and frozensets are searched part by
+    part: a tuple equals itself whatever it holds (its comparison checks identity
+    first), but a NaN inside it never equals the NaN of the next call.
+    """
+    try:
+        hash(value)
+    except Exception as exc:
+        reason = f"hashing it raised {type(exc).__name__}: {exc}"
+        return _KeyFault(path, value, reason, exc, unhashable=isinstance(exc, TypeError))
+    try:
+        same = bool(value == value)
+    except Exception as exc:
+        return _KeyFault(path, value, f"comparing it with itself raised {type(exc).__name__}: {exc}", exc)
+    if not same:
+        reason = "it is not equal to itself (no NaN is), so every call would miss the cache and trace again"
+        return _KeyFault(path, value, reason)
+    if isinstance(value, tuple | frozenset):
+        parts = enumerate(value) if isinstance(value, tuple) else ((None, v) for v in value)
+        for index, item in parts:
+            fault = _key_fault(item, path if index is None else f"{path}[{index}]")
+            if fault is not None:
+                return fault
+    return None
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages; never raises."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _static_positions(argnums: int | Sequence[int], what: str = "static_argnums") -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not all(isinstance(n, int) and n >= 0 for n in nums):
@@ -245,6 +293,7 @@ class Program:
         self._donate = donate_argnums
         self.name: str = name if name else getattr(fun, "__name__", type(fun).__name__)
         self.source_info = source.of_function(fun)
+        # Guards the caches of graphs and plans; never held while user code runs.
         self._lock = threading.RLock()
         self._graphs: dict[Any, Graph] = {}
         self._plans: dict[Any, Any] = {}
@@ -278,13 +327,7 @@ class Program:
                 )
             statics.append((position, dynamic.pop(position)))
         for where, value in statics:
-            try:
-                hash(value)
-            except TypeError as exc:
-                raise errors.ProgramTraceError(
-                    f"static argument {where!r} of program {self.name!r} must be "
-                    f"hashable, got {type(value).__name__}."
-                ) from exc
+            self._check_static(where, value)
         leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
         ambient = context.current_slice() if self._devices is None else None
         signature = tuple(_leaf_signature(leaf, i, self.name) for i, leaf in enumerate(leaves))
@@ -292,6 +335,31 @@ class Program:
         ordered = tuple(reversed([s for s in statics if isinstance(s[0], int)]))
         named = tuple(s for s in statics if isinstance(s[0], str))
         return key, leaves, (treedef, ordered + named, signature, ambient, leaves)
+
+    def _check_static(self, where: int | str, value: Any) -> None:
+        """Refuses a static argument that cannot key the program's cache.
+
+        A key must hash and equal itself: a NaN does not (``nan != nan``), so a
+        NaN static argument would miss the cache, tracing and compiling the
+        program again, on every call.
+        """
+        fault = _key_fault(value)
+        if fault is None:
+            return
+        head = f"static argument {where!r} of program {self.name!r}"
+        called = f"called at {source.of_caller()} (program defined at {self.source_info})"
+        todo = "Pass it as a traced argument (leave it out of static_argnums and static_argnames), or pass"
+        if fault.unhashable:
+            raise errors.ProgramTraceError(
+                f"{head} must be hashable, got {type(value).__name__}, {called}: static arguments "
+                f"are the program's cache key. {todo} a hashable value (a tuple, not a list)."
+            ) from fault.cause
+        shown = f"its part {fault.path} is" if fault.path else "it is"
+        raise errors.ProgramTraceError(
+            f"{head}, {called}, cannot be a cache key: {shown} {_short_repr(fault.part)} "
+            f"({type(fault.part).__name__}); {fault.reason}. Static arguments are the program's "
+            f"cache key, so each must hash and equal itself. {todo} a value that equals itself."
+        ) from fault.cause
 
     def _in_user_words(self, text: str, treedef: Any, statics: tuple) -> str:
         """JAX's message about the trace, naming the user's function and arguments, not ours."""
@@ -358,15 +426,16 @@ class Program:
 
     def _graph_for(self, key: Any, how: tuple) -> Graph:
         graph = self._graphs.get(key)
-        if graph is None:
-            with self._lock:
-                graph = self._graphs.get(key)
-                if graph is None:
-                    graph = self._trace(*how)
-                    if self._fuse:
-                        graph = fusion.fuse(graph)
-                    self._graphs[key] = graph
-        return graph
+        if graph is not None:
+            return graph
+        # Traced with no lock held: the trace runs the user's code, which may
+        # call this program from a thread it then joins. Threads tracing one
+        # signature at once each finish; the first graph stored is kept.
+        graph = self._trace(*how)
+        if self._fuse:
+            graph = fusion.fuse(graph)
+        with self._lock:
+            return self._graphs.setdefault(key, graph)
 
     def _trace(
         self,
@@ -488,10 +557,11 @@ class Program:
             from pathways_jax._src import lowering
 
             graph = self._graph_for(key, how)
-            with self._lock:
+            donated = self._donated_leaves(args)
+            with self._lock:  # one lowering per signature; lowering runs no user code
                 plan = self._plans.get(key)
                 if plan is None or not plan.is_current():
-                    plan = lowering.lower(graph, how[2], self._donated_leaves(args))
+                    plan = lowering.lower(graph, how[2], donated)
                     self._plans[key] = plan
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
