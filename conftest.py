@@ -16,14 +16,21 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest  # noqa: E402
 
 import pathways_jax as pw  # noqa: E402
+from pathways_jax._src import cluster as cluster_lib  # noqa: E402
+
+
+def _shutdown_as_a_fresh_process() -> None:
+    """Ends any cluster; the next use starts a default one, as a process's first use does."""
+    pw.shutdown()
+    cluster_lib._forget_shutdown()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_cluster():
-    """Every test starts and ends without a running cluster."""
-    pw.shutdown()
+    """Every test starts and ends without a running cluster, as if in a fresh process."""
+    _shutdown_as_a_fresh_process()
     yield
-    pw.shutdown()
+    _shutdown_as_a_fresh_process()
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +42,7 @@ def ray_cluster():
     """
     import ray
 
-    pw.shutdown()
+    _shutdown_as_a_fresh_process()
     if ray.is_initialized():
         ray.shutdown()
     with warnings.catch_warnings():
@@ -47,5 +54,5 @@ def ray_cluster():
     try:
         yield ray
     finally:
-        pw.shutdown()
+        _shutdown_as_a_fresh_process()
         ray.shutdown()

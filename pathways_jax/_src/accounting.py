@@ -12,6 +12,10 @@ When all of a run's outputs are ready the watcher calls back the controller,
 which releases the run's intermediate bytes and fails the run if an output
 raised; the measured device time updates the plan's cost estimate (an EMA),
 which the fair scheduler charges each run.
+
+Usage is kept per live client only: a closed client's usage joins one row,
+``CLOSED_CLIENTS``, as do its runs that finish after it closed, so a process
+that makes a client per request keeps a bounded table.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ _IDLE_POLL_S = 2e-3
 # known to about this granularity (exactly for runs longer than it).
 _BATCH_S = 4e-3
 _EMA = 0.1  # weight of a new measurement in a plan's cost estimate
+_STOP_TIMEOUT_S = 10.0  # how long stop() waits for the watcher unless told
+# The pw.stats() row summing every closed client (a name pw.client refuses).
+CLOSED_CLIENTS = "(closed clients)"
 
 
 def _ready(arrays: tuple) -> bool:
@@ -61,6 +68,8 @@ class ClientUsage:
     failures: int = 0
     # Runs per plan: device time is attributed per plan at read time (see snapshot).
     runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # The CLOSED_CLIENTS row only: how many closed clients it sums.
+    clients: int = 0
 
 
 class Accounting:
@@ -89,15 +98,30 @@ class Accounting:
         with self._lock:
             self.t0 = now()
             self.busy: collections.Counter[int] = collections.Counter()
-            self.usage: dict[int, ClientUsage] = {}
+            self.usage: dict[int, ClientUsage] = {}  # live clients' usage, by client key
+            self.closed_usage = ClientUsage(CLOSED_CLIENTS)  # every closed client's, together
             self.plan_ns: collections.Counter[int] = collections.Counter()
             self.plan_runs: collections.Counter[int] = collections.Counter()
 
     def _usage(self, client: Any) -> ClientUsage:
+        """The row ``client``'s usage goes to (lock held): its own, or the closed clients' row."""
         usage = self.usage.get(client.key)
         if usage is None:
+            if client.closed:  # closed is set before forget() runs: no row comes back
+                return self.closed_usage
             usage = self.usage[client.key] = ClientUsage(client.name)
         return usage
+
+    def forget(self, client: Any) -> None:
+        """``client`` was closed: its usage joins the ``CLOSED_CLIENTS`` row, and so will later runs of it."""
+        with self._lock:
+            usage = self.usage.pop(client.key, None)
+            closed = self.closed_usage
+            closed.clients += 1
+            if usage is not None:
+                closed.programs += usage.programs
+                closed.failures += usage.failures
+                closed.runs.update(usage.runs)
 
     def note(self, run: Any, start: int, arrays: tuple) -> None:
         """A run was dispatched at ``start``; ``arrays``: the last output on each of its device sets.
@@ -133,12 +157,25 @@ class Accounting:
         """True when every noted run was accounted."""
         return not self._notes and not self._open and not self._busy
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Ends the watcher; waits for it, so that no thread is inside XLA at exit."""
+    def stop(self, timeout: float | None = _STOP_TIMEOUT_S) -> None:
+        """Ends the watcher; waits for it up to ``timeout`` seconds (``None``: as long as it takes).
+
+        Waiting keeps a thread from being inside XLA at exit. A watcher that
+        does not end in time (it waits for a hung host) is left running as a
+        daemon thread, and logged.
+        """
         self._stopping = True
         self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(None if timeout is None else max(timeout, 0.0))
+        if thread.is_alive():
+            logging.warning(
+                "pathways_jax: the accounting watcher did not stop within %ss (it waits for a run's "
+                "outputs); it is left running as a daemon thread.",
+                timeout,
+            )
 
     def _start(self) -> None:
         with self._start_lock:
@@ -288,12 +325,16 @@ class Accounting:
                     self._on_done(run, seconds, error)
 
     def snapshot(self, reset: bool = False) -> tuple[float, dict[int, int], list[ClientUsage]]:
-        """(elapsed seconds, busy ns per device, usage per client) since the last reset."""
+        """(elapsed seconds, busy ns per device, usage per live client and closed clients) since the last reset."""
         with self._lock:
             elapsed = (now() - self.t0) / 1e9
             busy = {d: self.busy.get(d, 0) for d in self._device_ids}
             usage = []
-            for u in self.usage.values():
+            rows = list(self.usage.values())
+            closed = self.closed_usage
+            if closed.clients or closed.programs or closed.failures:
+                rows.append(closed)
+            for u in rows:
                 copy = dataclasses.replace(u, runs=collections.Counter(u.runs))
                 copy.device_ns = sum(
                     runs * self.plan_ns[plan] // self.plan_runs[plan]
@@ -306,7 +347,7 @@ class Accounting:
         return elapsed, busy, usage
 
 
-__all__ = ["Accounting", "ClientUsage"]
+__all__ = ["CLOSED_CLIENTS", "Accounting", "ClientUsage"]
 
 
 def stats(*, reset: bool = False) -> dict[str, Any]:
@@ -326,7 +367,15 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
         ``in_flight`` (executables dispatched and not finished).
       - ``clients``: per client name, ``device_time_s`` (device-seconds its
         programs ran), ``programs`` (runs completed), ``failures`` and
-        ``queued``.
+        ``queued``. Closed clients (``Client.close()``, or a thread's default
+        client once its thread ended) are summed in one row named
+        ``"(closed clients)"`` (``CLOSED_CLIENTS``), with the same fields and
+        ``clients``, how many closed clients it sums; runs of theirs that
+        finish after the close are counted there too.
+
+    Raises:
+      ClusterError: ``pw.shutdown()`` ended the cluster and ``pw.init`` was not
+        called since.
 
     Example:
       >>> import jax.numpy as jnp, pathways_jax as pw
@@ -383,6 +432,8 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
         entry["device_time_s"] += u.device_ns / 1e9
         entry["programs"] += u.programs
         entry["failures"] += u.failures
+        if u.name == CLOSED_CLIENTS:
+            entry["clients"] = u.clients
     for name, count in controller.queued_by_client_name().items():
         entry = clients.setdefault(name, {"device_time_s": 0.0, "programs": 0, "failures": 0, "queued": 0})
         entry["queued"] += count

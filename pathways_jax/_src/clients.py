@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import threading
 import weakref
 from typing import Any
 
 from pathways_jax._src import errors
+from pathways_jax._src.accounting import CLOSED_CLIENTS
 
 _ids = itertools.count(1)
 _local = threading.local()
@@ -100,7 +102,10 @@ def client(name: str, *, priority: int = 0, weight: float = 1.0) -> Client:
       belong to it) and ``close()`` it to free all it owns.
 
     Raises:
-      ValueError: a bad name, priority or weight.
+      ResourceError: (a ``ValueError``) a name that is not a non-empty string
+        (or is ``"(closed clients)"``, the ``pw.stats()`` row of closed
+        clients), a priority that is not an int, or a weight that is not a
+        finite number > 0.
 
     Example:
       >>> import jax.numpy as jnp, pathways_jax as pw
@@ -117,11 +122,17 @@ def client(name: str, *, priority: int = 0, weight: float = 1.0) -> Client:
     """
     if not isinstance(name, str) or not name:
         raise errors.ResourceError(f"a client's name must be a non-empty string, got {name!r}.")
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise errors.ResourceError(f"priority must be an int, got {priority!r}.")
-    if not isinstance(weight, int | float) or isinstance(weight, bool) or not (0 < weight < math.inf):
-        raise errors.ResourceError(f"weight must be a number > 0, got {weight!r}.")
-    return Client(name, priority=priority, weight=float(weight))
+    if name == CLOSED_CLIENTS:
+        raise errors.ResourceError(
+            f"a client's name must not be {CLOSED_CLIENTS!r}: pw.stats() sums closed clients under it."
+        )
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+        raise errors.ResourceError(f"priority must be an int, got {priority!r} ({type(priority).__name__}).")
+    if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not (0 < weight < math.inf):
+        raise errors.ResourceError(
+            f"weight must be a finite number > 0, got {weight!r} ({type(weight).__name__})."
+        )
+    return Client(name, priority=int(priority), weight=float(weight))
 
 
 def current() -> Client:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import math
+import numbers
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -22,6 +26,43 @@ from pathways_jax._src.resources import Island, ResourceManager
 # deadlocks XLA's CPU rendezvous (DESIGN §5: 64+ in flight on 8 devices); 16
 # was measured safe, 8 leaves a margin and costs no throughput.
 DEFAULT_IN_FLIGHT = 8
+# How many runs one client may have queued (submitted, not dispatched yet)
+# before a caller that would queue more waits.
+DEFAULT_MAX_QUEUED = 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InitArgs:
+    """The arguments a cluster was started with: ``pw.init`` with equal ones returns it."""
+
+    backend: str
+    num_cpu_devices: int | None
+    islands: Any
+    max_in_flight: int
+    max_queued: int
+    inline_dispatch: bool
+    scheduler: str
+    starvation_limit: int
+    memory_budget: int | float | None
+    backpressure_timeout: float | None
+    address: str | None
+    hosts: int | None
+    devices_per_host: int
+
+    def describe(self) -> str:
+        """The arguments as a ``pw.init(...)`` call would spell them."""
+        where = (
+            f", address={self.address!r}, hosts={self.hosts!r}, devices_per_host={self.devices_per_host!r}"
+            if self.backend == "ray"
+            else ""
+        )
+        return (
+            f"(backend={self.backend!r}{where}, num_cpu_devices={self.num_cpu_devices!r}, "
+            f"islands={self.islands!r}, max_in_flight={self.max_in_flight!r}, "
+            f"max_queued={self.max_queued!r}, inline_dispatch={self.inline_dispatch!r}, "
+            f"scheduler={self.scheduler!r}, starvation_limit={self.starvation_limit!r}, "
+            f"memory_budget={self.memory_budget!r}, backpressure_timeout={self.backpressure_timeout!r})"
+        )
 
 
 class Cluster:
@@ -35,10 +76,11 @@ class Cluster:
         self,
         backend: str,
         islands: tuple[tuple[jax.Device, ...], ...],
-        init_args: tuple,
+        init_args: InitArgs,
         in_flight: int,
         inline_dispatch: bool = True,
         *,
+        max_queued: int = DEFAULT_MAX_QUEUED,
         scheduler: str = "fifo",
         starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
         budget: dict[int, int] | None = None,
@@ -53,6 +95,8 @@ class Cluster:
         if budget is not None:
             self.store.budget = Budget(budget)
         self.in_flight = in_flight
+        # Runs one client may have queued before its next call waits (the controller).
+        self.max_queued = max_queued
         self.inline_dispatch = inline_dispatch
         self.scheduler = scheduler
         self.starvation_limit = starvation_limit
@@ -99,6 +143,12 @@ class Cluster:
         return self._controller
 
     def close(self, timeout: float) -> None:
+        """Stops the controller and the hosts, returning within ``timeout`` seconds whatever they do.
+
+        Each part gets the time left of one deadline; a thread that does not end
+        in time is left running as a daemon (and logged).
+        """
+        deadline = time.monotonic() + timeout
         with self._controller_lock:
             self._closed = True
             self.mapping_epoch += 1
@@ -106,7 +156,7 @@ class Cluster:
         if controller is not None:
             controller.stop(timeout)
         if self.remote is not None:
-            self.remote.close()
+            self.remote.close(max(0.0, deadline - time.monotonic()))
 
     def host_lost(self, island: int) -> None:
         """A host died (Ray backend): its island leaves placement; its slices move to survivors.
@@ -130,10 +180,15 @@ class Cluster:
         self.mapping_epoch += 1
 
     def close_client(self, client) -> None:
-        """Cancels a client's queued runs and frees the values it owns."""
+        """Cancels a client's queued runs, frees the values it owns and forgets its usage.
+
+        Its usage joins the ``pw.stats()`` row of closed clients, as do its runs
+        that finish after this.
+        """
         controller = self._controller
         if controller is not None:
             controller.close_client(client)
+            controller.accounting.forget(client)
         else:
             self.store.free(self.store.owned_by(client.key))
 
@@ -159,6 +214,13 @@ class Cluster:
 
 _lock = threading.RLock()
 _current: Cluster | None = None
+# Set by pw.shutdown() once it ended a cluster: from then on nothing starts a
+# default cluster by itself; pw.init() starts the next one.
+_shut_down = False
+_SHUT_DOWN = (
+    "the cluster was shut down (pw.shutdown()); call pw.init(...) to start a new one. Only the "
+    "first use of pathways_jax in a process starts a default cluster by itself."
+)
 
 
 def init(
@@ -167,6 +229,7 @@ def init(
     num_cpu_devices: int | None = None,
     islands: int | Sequence[Sequence[int]] | None = None,
     max_in_flight: int = DEFAULT_IN_FLIGHT,
+    max_queued: int = DEFAULT_MAX_QUEUED,
     inline_dispatch: bool = True,
     scheduler: Literal["fifo", "priority", "fair"] = "fifo",
     starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
@@ -191,6 +254,10 @@ def init(
         waits (a correctness bound for collectives, DESIGN §5); a full window
         is drained to half before dispatch goes on. On the Ray backend each
         host applies it to its own executables, waiting for the oldest.
+      max_queued: runs one client may have queued (submitted, not yet
+        dispatched); a caller that would queue more blocks until one is
+        dispatched, and raises ``BackPressureTimeout`` after
+        ``backpressure_timeout`` seconds.
       inline_dispatch: let a submitting thread dispatch its run itself when
         the controller is idle and nothing would wait (same order, no thread
         hand-off). ``False`` sends every run through the background thread.
@@ -204,8 +271,9 @@ def init(
         a fraction of each device's memory (a float in (0, 1]; the device must
         report its memory). ``None``: no budget. A run whose outputs do not fit
         waits until values are freed.
-      backpressure_timeout: seconds a run may wait for memory before its
-        futures raise ``BackPressureTimeout`` (``None``: wait as long as it takes).
+      backpressure_timeout: seconds a run may wait for memory (or a caller for
+        room in its client's queue) before ``BackPressureTimeout`` is raised
+        (``None``: wait as long as it takes).
       address: Ray backend: the Ray cluster to join (``"host:port"``, ``"auto"``
         for the one ``ray start`` started on this machine, ``"ray://..."``).
         ``None``: the Ray session this process already has, or a new local one.
@@ -219,120 +287,194 @@ def init(
       returns it unchanged.
 
     Raises:
-      ClusterError: a cluster with other arguments is running (call
-        ``pw.shutdown()`` first), or the arguments cannot be met.
+      ClusterError: an argument of the wrong type or out of range (the message
+        says what was expected), a cluster with other arguments is running
+        (call ``pw.shutdown()`` first), or the arguments cannot be met.
 
     Example:
       >>> import pathways_jax as pw
       >>> pw.cluster().backend
       'local'
     """
-    global _current
-    args = (
-        backend,
-        num_cpu_devices,
-        _freeze(islands),
-        max_in_flight,
-        inline_dispatch,
-        scheduler,
-        starvation_limit,
-        memory_budget,
-        backpressure_timeout,
-        address,
-        hosts,
-        devices_per_host,
+    global _current, _shut_down
+    args = _checked(
+        InitArgs(
+            backend=backend,
+            num_cpu_devices=num_cpu_devices,
+            islands=_freeze(islands),
+            max_in_flight=max_in_flight,
+            max_queued=max_queued,
+            inline_dispatch=inline_dispatch,
+            scheduler=scheduler,
+            starvation_limit=starvation_limit,
+            memory_budget=memory_budget,
+            backpressure_timeout=backpressure_timeout,
+            address=address,
+            hosts=hosts,
+            devices_per_host=devices_per_host,
+        )
     )
     with _lock:
         if _current is not None:
             if _current._init_args == args:
                 return _current
             raise errors.ClusterError(
-                f"pw.init{_describe(args)} was called, but a cluster started with "
-                f"pw.init{_describe(_current._init_args)} is running. Call "
+                f"pw.init{args.describe()} was called, but a cluster started with "
+                f"pw.init{_current._init_args.describe()} is running. Call "
                 "pw.shutdown() first to start one with other arguments."
             )
-        if backend not in ("local", "ray"):
-            raise errors.ClusterError(f"backend={backend!r} is not a backend; use 'local' or 'ray'.")
-        if backend == "local" and (address is not None or hosts is not None or devices_per_host != 1):
-            raise errors.ClusterError(
-                "address=, hosts= and devices_per_host= describe Ray hosts; pass backend='ray' with "
-                "them, or leave them out for the local backend."
-            )
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise errors.ClusterError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}.")
-        if scheduler not in scheduler_lib.POLICIES:
-            raise errors.ClusterError(
-                f"scheduler={scheduler!r} is not a scheduling policy; use one of {scheduler_lib.POLICIES}."
-            )
-        if (
-            not isinstance(starvation_limit, int)
-            or isinstance(starvation_limit, bool)
-            or starvation_limit < 0
-        ):
-            raise errors.ClusterError(f"starvation_limit must be an int >= 0, got {starvation_limit!r}.")
-        if backpressure_timeout is not None and (
-            not isinstance(backpressure_timeout, int | float) or backpressure_timeout < 0
-        ):
-            raise errors.ClusterError(
-                f"backpressure_timeout must be None or a number >= 0, got {backpressure_timeout!r}."
-            )
         remote = None
-        if backend == "ray":
-            remote = _start_ray(address, hosts, devices_per_host, islands, num_cpu_devices, max_in_flight)
+        if args.backend == "ray":
+            remote = _start_ray(args)
             carved = remote.islands
         else:
-            if num_cpu_devices is not None:
-                local.set_cpu_device_count(num_cpu_devices)
+            if args.num_cpu_devices is not None:
+                local.set_cpu_device_count(args.num_cpu_devices)
             carved = local.carve_islands(local.local_devices(), islands)
         try:
-            budget = _budget([d for group in carved for d in group], memory_budget)
+            budget = _budget([d for group in carved for d in group], args.memory_budget)
         except errors.ClusterError:
             if remote is not None:
                 remote.close()
             raise
         _current = Cluster(
-            backend,
+            args.backend,
             carved,
             args,
-            max_in_flight,
-            inline_dispatch,
-            scheduler=scheduler,
-            starvation_limit=starvation_limit,
+            args.max_in_flight,
+            args.inline_dispatch,
+            max_queued=args.max_queued,
+            scheduler=args.scheduler,
+            starvation_limit=args.starvation_limit,
             budget=budget,
-            backpressure_timeout=backpressure_timeout,
+            backpressure_timeout=args.backpressure_timeout,
             remote=remote,
         )
+        _shut_down = False
         if remote is not None:
             remote.on_lost = _current.host_lost
             remote.collect = _current.store.collect
             # Ray registered its own exit hook when it started; exit hooks run last
             # first, so this one stops the controller and the hosts while Ray still runs.
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
         return _current
 
 
-def _start_ray(
-    address: str | None,
-    hosts: int | None,
-    devices_per_host: int,
-    islands: Any,
-    num_cpu_devices: int | None,
-    max_in_flight: int,
-) -> Any:
-    """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
-    if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1:
+def _count(name: str, value: object, minimum: int, *, optional: bool = False) -> int | None:
+    """``value`` as an int if it is one (not a bool) and at least ``minimum``; else ClusterError."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        expected = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise errors.ClusterError(f"{name} must be {expected}, got {value!r} ({type(value).__name__}).")
+    return int(value)
+
+
+def _seconds(name: str, value: object) -> float | None:
+    """``value`` as seconds if it is None or a finite number >= 0 (not a bool); else ClusterError."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise errors.ClusterError(
-            f"pw.init(backend='ray') needs hosts=N, a positive int (one host actor per island); got {hosts!r}."
+            f"{name} must be None (no limit) or a finite number of seconds >= 0, got {value!r} "
+            f"({type(value).__name__})."
         )
-    if not isinstance(devices_per_host, int) or isinstance(devices_per_host, bool) or devices_per_host < 1:
-        raise errors.ClusterError(f"devices_per_host must be a positive int, got {devices_per_host!r}.")
+    return float(value)
+
+
+def _checked(args: InitArgs) -> InitArgs:
+    """Checks every ``pw.init`` argument's type and range; returns them normalised (plain ints, floats)."""
+    if not isinstance(args.backend, str) or args.backend not in ("local", "ray"):
+        raise errors.ClusterError(f"backend={args.backend!r} is not a backend; use 'local' or 'ray'.")
+    if not isinstance(args.scheduler, str) or args.scheduler not in scheduler_lib.POLICIES:
+        raise errors.ClusterError(
+            f"scheduler={args.scheduler!r} is not a scheduling policy; use one of {scheduler_lib.POLICIES}."
+        )
+    if not isinstance(args.inline_dispatch, bool):
+        raise errors.ClusterError(f"inline_dispatch must be True or False, got {args.inline_dispatch!r}.")
+    if args.address is not None and not isinstance(args.address, str):
+        raise errors.ClusterError(f"address must be None or a Ray address string, got {args.address!r}.")
+    _check_islands(args.islands)
+    _check_budget(args.memory_budget)
+    if args.backend == "local" and (
+        args.address is not None
+        or args.hosts is not None
+        or args.devices_per_host != 1
+        or isinstance(args.devices_per_host, bool)
+    ):
+        raise errors.ClusterError(
+            "address=, hosts= and devices_per_host= describe Ray hosts; pass backend='ray' with "
+            "them, or leave them out for the local backend."
+        )
+    if args.backend == "ray" and (
+        isinstance(args.hosts, bool) or not isinstance(args.hosts, numbers.Integral) or args.hosts < 1
+    ):
+        raise errors.ClusterError(
+            f"pw.init(backend='ray') needs hosts=N, a positive int (one host actor per island); "
+            f"got {args.hosts!r}."
+        )
+    if (
+        isinstance(args.devices_per_host, bool)
+        or not isinstance(args.devices_per_host, numbers.Integral)
+        or args.devices_per_host < 1
+    ):
+        raise errors.ClusterError(f"devices_per_host must be a positive int, got {args.devices_per_host!r}.")
+    return dataclasses.replace(
+        args,
+        num_cpu_devices=_count("num_cpu_devices", args.num_cpu_devices, 1, optional=True),
+        max_in_flight=_count("max_in_flight", args.max_in_flight, 1),
+        max_queued=_count("max_queued", args.max_queued, 1),
+        starvation_limit=_count("starvation_limit", args.starvation_limit, 0),
+        backpressure_timeout=_seconds("backpressure_timeout", args.backpressure_timeout),
+        hosts=None if args.hosts is None else int(args.hosts),
+        devices_per_host=int(args.devices_per_host),
+    )
+
+
+def _check_islands(islands: Any) -> None:
+    """``islands`` is None, an int, or groups of int device ids (ranges are checked when carving)."""
+    if islands is None or (isinstance(islands, int) and not isinstance(islands, bool)):
+        return
+    if isinstance(islands, tuple) and all(
+        isinstance(group, tuple)
+        and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in group)
+        for group in islands
+    ):
+        return
+    raise errors.ClusterError(
+        f"islands must be None, an int, or a list of lists of int device ids; got {islands!r}."
+    )
+
+
+def _check_budget(memory_budget: object) -> None:
+    """``memory_budget`` is None, an int > 0 (bytes) or a float fraction in (0, 1]."""
+    if memory_budget is None:
+        return
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float):
+        raise errors.ClusterError(
+            f"memory_budget must be None, an int (bytes) or a float fraction in (0, 1], got {memory_budget!r}."
+        )
+    if isinstance(memory_budget, int):
+        if memory_budget <= 0:
+            raise errors.ClusterError(f"memory_budget must be > 0 bytes, got {memory_budget!r}.")
+    elif not 0 < memory_budget <= 1:  # NaN too
+        raise errors.ClusterError(f"a fractional memory_budget must be in (0, 1], got {memory_budget!r}.")
+
+
+def _start_ray(args: InitArgs) -> Any:
+    """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
+    devices_per_host, islands, num_cpu_devices = args.devices_per_host, args.islands, args.num_cpu_devices
+    hosts = args.hosts or 0  # an int >= 1 (checked)
     if islands is not None and islands != hosts:
         raise errors.ClusterError(
             f"on the Ray backend each host is its own island (islands=None or islands={hosts}); got "
             f"islands={islands!r}. Islands of several hosts are not supported yet."
         )
-    if address is not None and not isinstance(address, str):
-        raise errors.ClusterError(f"address must be None or a Ray address string, got {address!r}.")
     total = hosts * devices_per_host
     if num_cpu_devices is not None and num_cpu_devices < total:
         raise errors.ClusterError(
@@ -354,29 +496,21 @@ def _start_ray(
     from pathways_jax._src.backends import ray as ray_backend
 
     return ray_backend.RayBackend(
-        address=address,
+        address=args.address,
         hosts=hosts,
         devices_per_host=devices_per_host,
         standins=standins[:total],
-        window=max_in_flight,
+        window=args.max_in_flight,
         on_lost=None,
     )
 
 
 def _budget(devices: list[jax.Device], memory_budget: int | float | None) -> dict[int, int] | None:
-    """Bytes per device id for ``pw.init(memory_budget=...)``."""
+    """Bytes per device id for ``pw.init(memory_budget=...)`` (checked by ``_check_budget``)."""
     if memory_budget is None:
         return None
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float):
-        raise errors.ClusterError(
-            f"memory_budget must be None, an int (bytes) or a float fraction in (0, 1], got {memory_budget!r}."
-        )
     if isinstance(memory_budget, int):
-        if memory_budget <= 0:
-            raise errors.ClusterError(f"memory_budget must be > 0 bytes, got {memory_budget!r}.")
         return {d.id: memory_budget for d in devices}
-    if not 0 < memory_budget <= 1:
-        raise errors.ClusterError(f"a fractional memory_budget must be in (0, 1], got {memory_budget!r}.")
     limits = {}
     for d in devices:
         try:
@@ -394,8 +528,9 @@ def _budget(devices: list[jax.Device], memory_budget: int | float | None) -> dic
     return limits
 
 
-def _freeze(islands):
-    if islands is None or isinstance(islands, int):
+def _freeze(islands: Any) -> Any:
+    """``islands`` with its groups as tuples (comparable with a running cluster's)."""
+    if islands is None or isinstance(islands, int | str | bytes):
         return islands
     try:
         return tuple(tuple(group) for group in islands)
@@ -403,26 +538,22 @@ def _freeze(islands):
         return islands
 
 
-def _describe(args: tuple) -> str:
-    backend, count, islands, in_flight, inline, policy, starvation, budget, bp_timeout = args[:9]
-    address, hosts, per_host = args[9:]
-    where = (
-        f", address={address!r}, hosts={hosts!r}, devices_per_host={per_host!r}" if backend == "ray" else ""
-    )
-    return (
-        f"(backend={backend!r}{where}, num_cpu_devices={count!r}, islands={islands!r}, "
-        f"max_in_flight={in_flight!r}, inline_dispatch={inline!r}, scheduler={policy!r}, "
-        f"starvation_limit={starvation!r}, memory_budget={budget!r}, backpressure_timeout={bp_timeout!r})"
-    )
-
-
 def cluster() -> Cluster:
-    """The running cluster, started with the defaults if ``pw.init`` was not called."""
+    """The running cluster; the first use in a process starts one with the defaults.
+
+    Raises:
+      ClusterError: ``pw.shutdown()`` ended the cluster and ``pw.init`` was not
+        called since.
+    """
     current = _current
     if current is not None:
         return current
     with _lock:
-        return _current if _current is not None else init()
+        if _current is not None:
+            return _current
+        if _shut_down:
+            raise errors.ClusterError(_SHUT_DOWN)
+        return init()
 
 
 def running() -> Cluster | None:
@@ -433,18 +564,47 @@ def running() -> Cluster | None:
 def shutdown(timeout: float = 60.0) -> None:
     """Finishes queued work, stops the controller and forgets the cluster.
 
-    Slices of the old cluster become unusable; futures already computed stay
-    readable on the local backend. On the Ray backend the host actors end with
-    the cluster and the values on them go too (a future whose ``.result()``
-    was taken keeps its value). Safe to call when no cluster runs.
+    Returns within ``timeout`` seconds whatever the devices or hosts do (work
+    still running then is abandoned). Slices of the old cluster become
+    unusable; futures already computed stay readable on the local backend. On
+    the Ray backend the host actors end with the cluster and the values on
+    them go too (a future whose ``.result()`` was taken keeps its value). Safe
+    to call when no cluster runs.
+
+    After it, ``pw.cluster()``, ``pw.stats()``, ``pw.devices()`` and program
+    calls raise ``ClusterError`` until ``pw.init(...)`` starts a new cluster:
+    only the first use in a process starts a default cluster by itself.
+
+    Raises:
+      ClusterError: ``timeout`` is not a finite number >= 0.
     """
-    global _current
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout < math.inf:
+        raise errors.ClusterError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}.")
+    _close(float(timeout), by_user=True)
+
+
+def _close(timeout: float, *, by_user: bool) -> None:
+    global _current, _shut_down
     with _lock:
         current, _current = _current, None
+        if current is not None and by_user:
+            _shut_down = True
     if current is not None:
         current.close(timeout)
 
 
+def _shutdown_at_exit() -> None:
+    """The exit hook: stops a running cluster without counting as a user's ``pw.shutdown()``."""
+    _close(60.0, by_user=False)
+
+
+def _forget_shutdown() -> None:
+    """tests: act as a fresh process (the next use starts a default cluster again)."""
+    global _shut_down
+    with _lock:
+        _shut_down = False
+
+
 # Stop the controller before the interpreter finalises: a dispatch thread still
 # inside XLA while the runtime is torn down can abort the process at exit.
-atexit.register(shutdown)
+atexit.register(_shutdown_at_exit)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
+import numbers
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -344,11 +346,14 @@ def devices(
       A :class:`VirtualSlice`.
 
     Raises:
-      ResourceError: the request can never be met (more devices than any
-        island has, an unknown island, ``device_ids`` that are unknown,
-        repeated, of the wrong count or on several islands), ``axis_types``
-        of the wrong count or kind (``Manual`` included), or no devices
-        freed up within ``timeout``.
+      ResourceError: an argument of the wrong type or out of range (e.g. a
+        ``timeout`` that is NaN, infinite or negative), the request can never
+        be met (more devices than any island has, an unknown island,
+        ``device_ids`` that are unknown, repeated, of the wrong count or on
+        several islands), ``axis_types`` of the wrong count or kind
+        (``Manual`` included), or no devices freed up within ``timeout``.
+      ClusterError: ``pw.shutdown()`` ended the cluster and ``pw.init`` was
+        not called since.
 
     Example:
       >>> import pathways_jax as pw
@@ -361,8 +366,18 @@ def devices(
 
     shape, axis_names = _normalise_mesh(mesh)
     types = _normalise_axis_types(axis_types, axis_names)
-    if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
-        raise errors.ResourceError(f"timeout must be None or a number >= 0, got {timeout!r}.")
+    if not isinstance(exclusive, bool):
+        raise errors.ResourceError(f"exclusive must be True or False, got {exclusive!r}.")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not math.isfinite(timeout)
+        or timeout < 0
+    ):
+        raise errors.ResourceError(
+            f"timeout must be None or a number >= 0, got {timeout!r} ({type(timeout).__name__}); give a "
+            "finite number of seconds, or None to wait as long as it takes."
+        )
     cl = cluster_lib.cluster()
     size = int(np.prod(shape))
     island_index, physical = cl.resources.acquire(size, island, exclusive, timeout, device_ids)

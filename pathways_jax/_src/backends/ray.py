@@ -41,6 +41,8 @@ _PING_S = 0.25  # how often the monitor looks at every host
 _FLUSH_S = 0.05  # how often freed values are sent back to their hosts
 _START_TIMEOUT_S = 120.0
 _CALL_TIMEOUT_S = 120.0
+_CLOSE_TIMEOUT_S = 10.0  # how long close() waits for this side's threads unless told
+_WAIT_STEP_S = 0.1  # a wait for a host's answer looks whether the cluster closed this often
 _CLOSED = (
     "the cluster was shut down and its Ray hosts with it; values that lived on them are gone. "
     "Call .result() before pw.shutdown() to keep a value."
@@ -571,6 +573,10 @@ class RayBackend:
         if self._closed:
             return errors.ClusterError(_CLOSED)
         try:
+            # In steps, so that a wait on a hung host ends when the cluster closes.
+            while not self.ray.wait([done], timeout=_WAIT_STEP_S)[0]:
+                if self._closed:
+                    return errors.ClusterError(_CLOSED)
             status = self.ray.get(done)
         except Exception as exc:
             if is_lost_error(exc):
@@ -599,8 +605,15 @@ class RayBackend:
     # --- health ------------------------------------------------------------------------
 
     def _lost_message(self, host: int, what: str) -> str:
-        return (
+        lost = (
             f"{what} needed host {host} (island {host}), which was lost: {self.lost.get(host, 'it died')}. "
+        )
+        if all(h in self.lost for h in range(self.hosts)):
+            return lost + (
+                f"Its values are gone, and no host survives (all {self.hosts} were lost), so nothing can "
+                "run on this cluster: call pw.shutdown() and then pw.init(...) to start new hosts."
+            )
+        return lost + (
             "Its values are gone; slices on it were moved to surviving hosts where they fit, so "
             "calling the program again runs there."
         )
@@ -648,14 +661,29 @@ class RayBackend:
                 if not self._closed and is_lost_error(exc):
                     self.mark_lost(host, str(exc))
 
-    def close(self) -> None:
-        """Kills the host actors (their values go with them) and stops this side's threads."""
+    def close(self, timeout: float | None = _CLOSE_TIMEOUT_S) -> None:
+        """Kills the host actors (their values go with them) and stops this side's threads.
+
+        Never waits for a host: the actors are killed without waiting, and this
+        side's threads are waited for up to ``timeout`` seconds in all
+        (``None``: as long as they take); one still running then is left as a
+        daemon thread, and logged.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
-        for thread in getattr(self, "_threads", []):
-            if thread is not threading.current_thread():
-                thread.join(10)
         for actor in getattr(self, "actors", []):
             with contextlib.suppress(Exception):
                 self.ray.kill(actor)
         with contextlib.suppress(Exception):
             self._remove_pg(self.pg)
+        for thread in getattr(self, "_threads", []):
+            if thread is threading.current_thread():
+                continue
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logging.warning(
+                    "pathways_jax: Ray backend thread %s did not stop within %ss; it is left running "
+                    "as a daemon thread.",
+                    thread.name,
+                    timeout,
+                )
