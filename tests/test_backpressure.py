@@ -19,7 +19,8 @@ def _double():
 
 @pytest.mark.timeout(60)
 def test_third_run_waits_until_a_value_is_freed():
-    pw.init(num_cpu_devices=8, islands=2, memory_budget=int(2.5 * N * 4))
+    # Room for two outputs, plus the host input of the run being admitted.
+    pw.init(num_cpu_devices=8, islands=2, memory_budget=int(3.5 * N * 4))
     s, double = _double()
     x = np.ones(N, np.float32)
     device = s.devices[0].id
@@ -43,7 +44,8 @@ def test_third_run_waits_until_a_value_is_freed():
 
 @pytest.mark.timeout(60)
 def test_backpressure_timeout_raises():
-    pw.init(num_cpu_devices=8, islands=2, memory_budget=int(1.5 * N * 4), backpressure_timeout=0.3)
+    # Room for one output, plus the host input of the run being admitted.
+    pw.init(num_cpu_devices=8, islands=2, memory_budget=int(2.5 * N * 4), backpressure_timeout=0.3)
     s, double = _double()
     x = np.ones(N, np.float32)
     held = double(x)

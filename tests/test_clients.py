@@ -93,7 +93,9 @@ def test_a_threads_default_client_is_closed_when_the_thread_ends():
     assert pw.cluster().store.live_count() == baseline
     with pytest.raises(pw.errors.PathwaysError, match="freed"):
         kept[0].result(timeout=10)
-    assert "worker-7" in pw.stats()["clients"]
+    clients = pw.stats()["clients"]
+    assert "worker-7" not in clients  # its usage went to the row of closed clients
+    assert clients["(closed clients)"]["programs"] == 1
     s.release()
 
 

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -66,8 +67,10 @@ class ClientUsage:
     device_ns: int = 0
     programs: int = 0
     failures: int = 0
-    # Runs per plan: device time is attributed per plan at read time (see snapshot).
+    # Runs per live plan (by plan key): device time is attributed per plan at read
+    # time (see snapshot); once a plan is gone its share moves to settled_ns.
     runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    settled_ns: int = 0
     # The CLOSED_CLIENTS row only: how many closed clients it sums.
     clients: int = 0
 
@@ -90,6 +93,10 @@ class Accounting:
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._open: dict[tuple, list] = {}  # folded records, taken by the watcher
+        # Keys of plans with figures here, and of those garbage-collected since
+        # (a finaliser only appends: it may run at any allocation, lock held or not).
+        self._tracked: set[int] = set()
+        self._gone: collections.deque[int] = collections.deque()
         self._open_lock = threading.Lock()
         self._stopping = False
         self.reset()
@@ -102,6 +109,21 @@ class Accounting:
             self.closed_usage = ClientUsage(CLOSED_CLIENTS)  # every closed client's, together
             self.plan_ns: collections.Counter[int] = collections.Counter()
             self.plan_runs: collections.Counter[int] = collections.Counter()
+
+    def _settle_gone(self) -> None:
+        """Moves the figures of plans that were garbage-collected into their clients' rows (lock held).
+
+        Keeps the accounting's size bounded by the live plans, however many
+        throw-away programs come and go.
+        """
+        while self._gone:
+            key = self._gone.popleft()
+            self._tracked.discard(key)
+            ns, runs = self.plan_ns.pop(key, 0), self.plan_runs.pop(key, 0)
+            for usage in (*self.usage.values(), self.closed_usage):
+                mine = usage.runs.pop(key, 0)
+                if mine and runs:
+                    usage.settled_ns += mine * ns // runs
 
     def _usage(self, client: Any) -> ClientUsage:
         """The row ``client``'s usage goes to (lock held): its own, or the closed clients' row."""
@@ -122,6 +144,7 @@ class Accounting:
                 closed.programs += usage.programs
                 closed.failures += usage.failures
                 closed.runs.update(usage.runs)
+                closed.settled_ns += usage.settled_ns
 
     def note(self, run: Any, start: int, arrays: tuple) -> None:
         """A run was dispatched at ``start``; ``arrays``: the last output on each of its device sets.
@@ -135,7 +158,7 @@ class Accounting:
         if run.transient:
             self._notes.append([run, start, arrays, 1])
         else:
-            key = (id(run.plan), run.client.key)
+            key = (run.plan.key, run.client.key)
             with self._open_lock:
                 record = self._open.get(key)
                 if record is None:
@@ -266,7 +289,7 @@ class Accounting:
         groups: dict[tuple, list] = {}
         for note in batch:
             run = note[0]
-            key = (id(run.plan), run.client.key)
+            key = (run.plan.key, run.client.key)
             group = groups.get(key)
             if group is None:
                 groups[key] = [run.plan, run.client, note[3], note[1]]
@@ -275,6 +298,7 @@ class Accounting:
                 group[3] = min(group[3], note[1])
         durations = []
         with self._lock:
+            self._settle_gone()
             per_device: dict[int, list] = collections.defaultdict(list)
             for group in groups.values():
                 for devices, _, count in group[0].acct_groups:
@@ -296,18 +320,21 @@ class Accounting:
             # often a span after its older runs ran.
             per_plan: dict[int, list] = {}
             for group in groups.values():
-                totals = per_plan.setdefault(id(group[0]), [group[0], 0, 0])
+                totals = per_plan.setdefault(group[0].key, [group[0], 0, 0])
                 totals[1] += spent.get(id(group), 0)
                 totals[2] += group[2]
             for plan, ns, runs in per_plan.values():
                 seconds = ns / runs / 1e9
                 plan.cost = seconds if plan.cost == 0.0 else (1 - _EMA) * plan.cost + _EMA * seconds
-                self.plan_ns[id(plan)] += ns
-                self.plan_runs[id(plan)] += runs
+                if plan.key not in self._tracked:  # its figures go when it does
+                    self._tracked.add(plan.key)
+                    weakref.finalize(plan, self._gone.append, plan.key)
+                self.plan_ns[plan.key] += ns
+                self.plan_runs[plan.key] += runs
             for group in groups.values():
                 plan, client, runs, _ = group
                 usage = self._usage(client)
-                usage.runs[id(plan)] += runs
+                usage.runs[plan.key] += runs
                 usage.programs += runs
             for note in batch:
                 run = note[0]
@@ -327,6 +354,7 @@ class Accounting:
     def snapshot(self, reset: bool = False) -> tuple[float, dict[int, int], list[ClientUsage]]:
         """(elapsed seconds, busy ns per device, usage per live client and closed clients) since the last reset."""
         with self._lock:
+            self._settle_gone()
             elapsed = (now() - self.t0) / 1e9
             busy = {d: self.busy.get(d, 0) for d in self._device_ids}
             usage = []
@@ -336,7 +364,7 @@ class Accounting:
                 rows.append(closed)
             for u in rows:
                 copy = dataclasses.replace(u, runs=collections.Counter(u.runs))
-                copy.device_ns = sum(
+                copy.device_ns = u.settled_ns + sum(
                     runs * self.plan_ns[plan] // self.plan_runs[plan]
                     for plan, runs in u.runs.items()
                     if self.plan_runs[plan]
@@ -395,6 +423,12 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
     cl = cluster_lib.cluster()
     controller = cl.controller
     # Values whose futures were dropped by now are no longer in use.
+    deadline = time.monotonic() + 1.0
+    while True:  # let the watcher account (and release) what is already finished (bounded)
+        elapsed, busy, usage = controller.accounting.snapshot(reset=False)
+        if controller.accounting.idle() or time.monotonic() > deadline:
+            break
+        time.sleep(1e-3)
     cl.store.collect()
     budget = cl.store.budget
     if budget is not None:
@@ -402,12 +436,6 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
             in_use = dict(budget.used)
     else:
         in_use = cl.store.bytes_in_use()
-    deadline = time.monotonic() + 1.0
-    while True:  # let the watcher account what is already finished (bounded)
-        elapsed, busy, usage = controller.accounting.snapshot(reset=False)
-        if controller.accounting.idle() or time.monotonic() > deadline:
-            break
-        time.sleep(1e-3)
     if reset:
         controller.accounting.reset()
     devices = {}

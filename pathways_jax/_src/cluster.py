@@ -18,6 +18,7 @@ from absl import logging
 from pathways_jax._src import errors
 from pathways_jax._src import scheduler as scheduler_lib
 from pathways_jax._src.backends import local
+from pathways_jax._src.executable_cache import ExecutableCache
 from pathways_jax._src.object_store import Budget, ObjectStore
 from pathways_jax._src.resources import Island, ResourceManager
 
@@ -105,7 +106,7 @@ class Cluster:
         # check their slices again only then.
         self.mapping_epoch = 0
         # Compiled executables by (node function, mesh, shardings): shared by plans.
-        self.executables: dict = {}
+        self.executables = ExecutableCache()
         # Shared slices of programs with no placement, by (devices, mesh, axis types).
         self.implied_slices: dict[tuple, Any] = {}
         self.implied_lock = threading.Lock()

@@ -13,18 +13,30 @@ submitting thread takes the lock and dispatches the run itself: the order is
 the same, and the hand-off between threads, which costs more than a dispatch,
 is saved.
 
-Runs wait in one FIFO queue per client; the scheduling policy
-(``scheduler.py``) picks which client's head goes next among the heads that
-can go now (inputs computed, memory budget met; heads whose islands have no
-in-flight room only if no other can go). With a memory budget, a run's node
-output bytes are reserved before dispatch; a run that does not fit waits.
-Accounting (device busy time, per-client usage) is measured by a watcher
-thread (``accounting.py``) that the controller never waits for.
+Runs wait in one FIFO queue per client (at most ``pw.init(max_queued=...)``
+each: a caller beyond that waits); the scheduling policy (``scheduler.py``)
+picks which client's head goes next among the heads that can go now (inputs
+computed, memory budget met, room in the in-flight windows of its islands).
+The controller never blocks on a full window while another run could go: it
+looks again at the windows' oldest executables until one has room, so a busy
+island holds back only the runs that need it. With a memory budget, a run's
+node output bytes and the bytes of its host inputs are reserved before
+dispatch (its host inputs are put on devices only then); a run that does not
+fit waits. Accounting (device busy time, per-client usage) is measured by a
+watcher thread (``accounting.py``) that the controller never waits for.
+
+The controller's threads never die of an error: one in its own bookkeeping
+fails the run concerned and serving goes on; if the thread ends anyway, the
+next call says so at once. An interrupt (``KeyboardInterrupt``) on a thread
+that is dispatching its own run fails that run and frees what it held; under
+a memory budget the main thread (where interrupts land) leaves reserving and
+releasing bytes to the controller's thread, so that no interrupt cuts it in two.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 import time
@@ -45,8 +57,13 @@ _now = time.perf_counter_ns
 # What keeps a queued head from going now (in order of preference).
 _GO, _NO_ROOM, _INPUT, _MEMORY = 0, 1, 2, 3
 _BLOCKED_POLL_S = 0.002  # how often a blocked head is looked at again
+# While every head that could go waits for room in a window, the windows'
+# oldest executables are looked at again after this long, doubling up to
+# _BLOCKED_POLL_S: short runs free a window within microseconds.
+_ROOM_POLL_S = 5e-5
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 REMOTE_RUNS_IN_FLIGHT = 64  # Ray backend: runs sent to one host and not complete yet
+_MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
 
 
 class Controller:
@@ -60,7 +77,12 @@ class Controller:
         self._window = cluster.in_flight if cluster.remote is None else REMOTE_RUNS_IN_FLIGHT
         self._inline = cluster.inline_dispatch
         self._remote = cluster.remote
+        self._max_queued = cluster.max_queued
+        # Per island: (an output of an executable dispatched there, its run), oldest
+        # first. Appended under _dispatch; the settled ones at the front leave under
+        # _settle_lock (see _settle), from whichever thread looks.
         self._in_flight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self._settle_lock = threading.Lock()
         self._dispatch = threading.Lock()  # held while a run is dispatched
         # Guards the per-client queues and the policy; reentrant because a
         # budget release (which notifies it) may happen on a thread holding it.
@@ -68,9 +90,15 @@ class Controller:
         # own: a Condition's __enter__ and __exit__ are Python frames.
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
+        # Callers waiting for their client's queue to drop below max_queued.
+        self._room = threading.Condition(self._lock)
+        self._room_waiters = 0
         self._sleeping = False  # the controller thread waits on _cv: a submission notifies it
         self._queues: dict[int, collections.deque[Run]] = {}  # client key -> its queued runs
-        self._queued = 0  # runs in the queues or being dispatched from them
+        # The run the controller thread took off the queues and is dispatching. No
+        # run goes inline while a run is queued or picked: a thread never bypasses
+        # the policy, and a client's runs keep their order.
+        self._picked: Run | None = None
         self._seq = itertools.count()
         self._policy: scheduler.Policy = scheduler.make(
             cluster.scheduler, starvation_limit=cluster.starvation_limit
@@ -81,8 +109,12 @@ class Controller:
             self._budget.listeners.append(self._wake)
         self.accounting = Accounting([d.id for d in cluster.devices], self._run_done)
         self._stopped = False
+        self._dead: BaseException | None = None  # why the controller thread ended, if it did
         self._thread = threading.Thread(target=self._serve, name="pathways-controller", daemon=True)
         self._thread.start()
+        # A host callback runs on the thread that dispatched its executable: the
+        # store refuses to wait there for a value no run has made yet (a deadlock).
+        self._store.dispatcher = self._thread.ident
 
     @property
     def alive(self) -> bool:
@@ -91,10 +123,21 @@ class Controller:
     def submit(self, run: Run) -> None:
         if self._stopped:
             raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
-        # Inline only while nothing is queued: a thread never bypasses the policy.
-        if self._inline and not self._queued and self._dispatch.acquire(blocking=False):
+        if self._dead is not None or not self._thread.is_alive():
+            self._died()
+        # Inline only while nothing is queued or picked: a thread never bypasses the policy.
+        # Under a memory budget the main thread never dispatches: an interrupt
+        # (Ctrl-C) lands only there, and reserving or releasing bytes there
+        # could be cut in two. The controller's thread is never interrupted.
+        if (
+            self._inline
+            and not self._queues
+            and self._picked is None
+            and (self._budget is None or threading.get_ident() != _MAIN_THREAD)
+            and self._dispatch.acquire(blocking=False)
+        ):
             try:
-                if not self._queued and self._ready_now(run) and self._admit(run):
+                if not self._queues and self._picked is None and self._ready_now(run) and self._admit(run):
                     run.seq = next(self._seq)
                     if self._policy.charges:
                         self._charge(run)
@@ -103,51 +146,123 @@ class Controller:
             except Exception as exc:  # the controller's own bookkeeping: fail this run only
                 self._internal_error(run, exc)
                 return
+            except BaseException as exc:  # an interrupt: the run fails and frees what it reserved
+                self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was interrupted", exc)
+                raise
             finally:
                 self._dispatch.release()
         key = run.client.key
         with self._lock:
+            queue = self._queues.get(key)
+            if queue is not None and len(queue) >= self._max_queued:
+                queue = self._wait_for_room(run)
             run.seq = next(self._seq)
             run.head = self._head(run)
-            queue = self._queues.get(key)
             if queue is None:
-                queue = self._queues[key] = collections.deque()
                 self._policy.activate(key)
-            queue.append(run)
-            self._queued += 1
+                self._queues[key] = collections.deque((run,))
+            else:
+                queue.append(run)
             if self._sleeping:
                 self._cv.notify()
 
+    def _wait_for_room(self, run: Run) -> collections.deque[Run] | None:
+        """Blocks the caller (lock held) until its client has fewer than ``max_queued`` runs queued.
+
+        Returns the client's queue (None once empty). Raises ``BackPressureTimeout``
+        after ``backpressure_timeout`` seconds; the run is not queued then.
+        """
+        key = run.client.key
+        if threading.get_ident() == self._thread.ident:
+            return self._queues.get(key)  # a host callback submitting: waiting would stall the controller
+        deadline = None if self._bp_timeout is None else time.monotonic() + self._bp_timeout
+        since = time.monotonic()
+        while True:
+            queue = self._queues.get(key)
+            if queue is None or len(queue) < self._max_queued:
+                return queue
+            if self._stopped or self._dead is not None:
+                raise errors.ClusterError("the cluster was shut down while this call waited to be queued.")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                message = (
+                    f"program {run.plan.graph.name!r}: client {run.client.name!r} already has "
+                    f"{len(queue)} runs queued (pw.init(max_queued={self._max_queued})) and none was "
+                    f"dispatched in {time.monotonic() - since:.2f}s (backpressure_timeout={self._bp_timeout}s). "
+                    "Wait for results before submitting more, or raise max_queued."
+                )
+                error = errors.BackPressureTimeout(message)
+                self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was not queued", error)
+                raise error
+            self._room_waiters += 1
+            try:
+                self._room.wait(0.1 if left is None else min(left, 0.1))
+            finally:
+                self._room_waiters -= 1
+
+    def _died(self) -> None:
+        """Raises the error of a call made after the controller thread ended."""
+        cause = self._dead
+        raise errors.ClusterError(
+            "pathways_jax's controller thread has stopped"
+            + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
+            + "; no program can run. Call pw.shutdown() and pw.init() to start a new cluster, and "
+            "please report this as a bug of pathways_jax."
+        ) from cause
+
     def stop(self, timeout: float) -> None:
-        """Lets queued runs finish dispatching, then ends the thread."""
+        """Lets queued runs finish dispatching (for up to ``timeout`` s), then ends the threads."""
+        deadline = time.monotonic() + timeout
         self._stopped = True
         self._wake()
         self._thread.join(timeout)
-        self.accounting.stop()
+        if self._thread.is_alive():
+            logging.warning(
+                "pathways_jax: the controller thread did not stop within %.1fs; it is left as a daemon.",
+                timeout,
+            )
+        self.accounting.stop(max(0.0, deadline - time.monotonic()))
 
     def _wake(self) -> None:
         with self._lock:
             self._cv.notify_all()
 
     def _serve(self) -> None:
-        finished = False
+        try:
+            self._serve_runs()
+        except BaseException as exc:  # pragma: no cover - the loop below catches everything it can
+            self._dead = exc
+            logging.error("pathways_jax controller thread died: %r", exc)
+            self._fail_queued(f"the controller thread died ({type(exc).__name__}: {exc})")
+
+    def _serve_runs(self) -> None:
         while True:
             try:
                 self._store.collect()
-                run = self._next(finished)
-            except Exception as exc:  # a bug in the controller's own bookkeeping: keep serving
-                finished = False
+                run = self._next()
+            except BaseException as exc:  # a bug in the controller's own bookkeeping: keep serving
                 logging.error("pathways_jax controller: picking the next run failed: %r", exc)
+                self._picked = None
                 time.sleep(_BLOCKED_POLL_S)
                 continue
             if run is None:
                 return
-            finished = True
             try:
                 with self._dispatch:
                     self._execute(run)
             except BaseException as exc:
                 self._internal_error(run, exc)
+            finally:
+                self._picked = None
+
+    def _fail_queued(self, why: str) -> None:
+        """Fails every queued run (the controller thread is gone)."""
+        with self._lock:
+            runs = [run for queue in self._queues.values() for run in queue]
+            self._queues.clear()
+        for run in runs:
+            with contextlib.suppress(Exception):  # last resort: nothing may escape here
+                self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was cancelled: {why}", None)
 
     def _internal_error(self, run: Run, exc: BaseException) -> None:
         """Fails ``run`` after an error of the controller's own (not of the user's code)."""
@@ -190,61 +305,79 @@ class Controller:
         """What keeps ``run`` from being dispatched now (``_GO``: nothing).
 
         ``busy``: executables in flight per island, filled as islands are
-        looked at, so that one pass over the clients' heads asks each island's
-        in-flight outputs once, not once per head.
+        looked at, so that one pass over the clients' heads asks each island
+        once, not once per head.
         """
         for _, future in run.future_inputs:
             if type(future._entry.state) is Pending:
                 return _INPUT
         budget = self._budget
-        if budget is not None and not budget.fits(run.plan.charge):
+        if budget is not None and not budget.fits(run.plan.admit_charge):
             return _MEMORY
         window = self._window
         for island, count in run.plan.windowed.items():
+            # A run with more executables on an island than its window goes once
+            # the window is empty, and waits for its own oldest ones as it goes.
+            count = min(count, window)
             running = None if busy is None else busy.get(island)
             if running is None:
-                # Read-only: an inline dispatch may be retiring from these deques now.
-                items = list(self._in_flight[island])
-                running = len(items)
-                # Runs on a host leave at dispatch. Local ones are asked only if
-                # the window looks full, oldest first, up to the first one still
-                # running (every question is a call into XLA); those behind it
-                # count as running, which at worst sends a run to the queue.
-                if self._remote is None and running + count > window:
-                    for item in items:
-                        if not readiness.settled(item[0]):
-                            break
-                        running -= 1
+                running = len(self._in_flight[island])
+                # Only a window that looks full is asked (every question is a call
+                # into XLA, or Ray): its settled executables leave first.
+                if running + count > window:
+                    running = self._settle(island)
                 if busy is not None:
                     busy[island] = running
             if running + count > window:
                 return _NO_ROOM
         return _GO
 
-    def _next(self, finished: bool) -> Run | None:
-        """Waits for a run the policy picks among the heads that can go; None once stopped.
+    def _settle(self, island: int) -> int:
+        """Drops the settled executables at the front of ``island``'s window; how many are left.
 
-        ``finished``: the run this returned last time has been dispatched (it
-        leaves the count of queued runs here, under the lock taken anyway).
+        Oldest first, up to the first one still running: those behind it
+        count as running, which at worst makes a run wait for the next look.
         """
+        in_flight = self._in_flight[island]
+        with self._settle_lock:
+            if self._remote is not None:
+                self._remote.retire_ready(in_flight)
+            else:
+                while in_flight and readiness.settled(in_flight[0][0]):
+                    in_flight.popleft()
+            return len(in_flight)
+
+    def _next(self) -> Run | None:
+        """Waits for a run the policy picks among the heads that can go now; None once stopped.
+
+        A head that waits for room in a window is looked at again after
+        ``_ROOM_POLL_S`` (doubling while nothing changes) rather than waited for
+        inside XLA: a run for another island, submitted meanwhile, then goes at once.
+        """
+        pause = _ROOM_POLL_S
         with self._lock:
-            if finished:
-                self._queued -= 1
             while True:
+                if self._store.has_dropped():
+                    self._store.collect()
                 if not self._queues:
                     if self._stopped:
                         return None
                     self._sleep()
+                    pause = _ROOM_POLL_S
                     continue
                 go: list[Run] = []
-                no_room: list[Run] = []
+                no_room = False
                 blocked: list[Run] = []
                 busy: dict[int, int] = {}
                 # Heads of one plan without future inputs are held back (or not)
                 # by the same things: look once per plan, not once per client.
                 verdicts: dict[int, int] = {}
-                broken: list[tuple[Run, Exception]] = []
-                for queue in self._queues.values():
+                broken: list[tuple[Run, BaseException]] = []
+                for key, queue in list(self._queues.items()):
+                    if not queue:  # left empty by an interrupted submission
+                        del self._queues[key]
+                        self._policy.deactivate(key)
+                        continue
                     run = queue[0]
                     try:
                         if run.future_inputs:
@@ -260,7 +393,7 @@ class Controller:
                     if why == _GO:
                         go.append(run)
                     elif why == _NO_ROOM:
-                        no_room.append(run)
+                        no_room = True
                     else:
                         blocked.append(run)
                         if why == _MEMORY and run.blocked_since is None:
@@ -271,13 +404,12 @@ class Controller:
                         self._drop(run)
                         self._internal_error(run, error)
                     continue
-                candidates = go or no_room
-                if candidates:
-                    heads = [run.head for run in candidates]
-                    run = candidates[0]
+                if go:
+                    heads = [run.head for run in go]
+                    run = go[0]
                     try:
                         index = self._policy.pick(heads)
-                        run = candidates[index]
+                        run = go[index]
                         if not self._admit(run):  # memory went between the check and now
                             self._sleep(_BLOCKED_POLL_S)
                             continue
@@ -289,6 +421,7 @@ class Controller:
                         self._drop(run)
                         self._internal_error(run, exc)
                         continue
+                    self._picked = run
                     self._pop(run)
                     if run.blocked_since is not None:
                         rec = timeline.ACTIVE
@@ -298,12 +431,16 @@ class Controller:
                                 client=run.client.name,
                                 island=min(run.plan.islands, default=None),
                                 reason="back-pressure",
-                                bytes=sum(b for _, b in run.plan.charge),
+                                bytes=sum(b for _, b in run.plan.admit_charge),
                             )
                     return run
                 self._expire(blocked)
-                self._sleep(_BLOCKED_POLL_S)
-                self._store.collect()
+                if no_room:
+                    self._sleep(pause)
+                    pause = min(pause * 2, _BLOCKED_POLL_S)
+                else:
+                    self._sleep(_BLOCKED_POLL_S)
+                    self._store.collect()
 
     def _pop(self, run: Run) -> None:
         """Takes ``run``, its client's head, off the queue (lock held)."""
@@ -313,11 +450,12 @@ class Controller:
         if not queue:
             del self._queues[key]
             self._policy.deactivate(key)
+        if self._room_waiters:
+            self._room.notify_all()
 
     def _drop(self, run: Run) -> None:
         """Takes ``run`` off the queue without dispatching it (lock held): it fails."""
         self._pop(run)
-        self._queued -= 1
         self._policy.discard(run.head)
 
     def _expire(self, blocked: list[Run]) -> None:
@@ -338,12 +476,18 @@ class Controller:
                     None,
                 )
                 continue
-            need = ", ".join(f"device {d}: {b} B" for d, b in run.plan.charge)
+            inputs = dict(run.plan.admit_charge)
+            for d, b in run.plan.charge:
+                inputs[d] -= b
+            need = ", ".join(
+                f"device {d}: {b} B" + (f" + {inputs[d]} B of host inputs" if inputs.get(d) else "")
+                for d, b in run.plan.charge
+            )
             budget = self._budget
             have = (
                 ", ".join(
                     f"device {d}: {budget.used.get(d, 0)}/{budget.limits.get(d)} B in use"
-                    for d, _ in run.plan.charge
+                    for d, _ in run.plan.admit_charge
                 )
                 if budget is not None
                 else "no memory budget"
@@ -361,29 +505,46 @@ class Controller:
             )
 
     def _admit(self, run: Run) -> bool:
-        """Reserves the run's node output bytes under the memory budget; False if they don't fit."""
+        """Reserves the run's node output and host input bytes under the memory budget.
+
+        False if they don't fit now. The bytes of outputs go with their values
+        (``entry.charge``); the rest (``run.transient``) when the run completes or fails.
+        """
         budget = self._budget
         if budget is None:
             return True
         plan = run.plan
+        transient = dict(plan.admit_charge)
+        charges = []
+        for entry, charge in zip(run.outputs, plan.out_charges, strict=True):
+            if charge and not isinstance(entry.state, Freed):
+                charges.append((entry, charge))
+                for d, b in charge:
+                    transient[d] -= b
+        held = tuple((d, b) for d, b in transient.items() if b)
         with budget.lock:
-            if not budget.try_reserve(plan.charge):
+            if not budget.try_reserve(plan.admit_charge):
                 return False
-            transient = dict(plan.charge)
-            for entry, charge in zip(run.outputs, plan.out_charges, strict=True):
-                if charge and not isinstance(entry.state, Freed):
-                    entry.charge = charge
-                    for d, b in charge:
-                        transient[d] -= b
-            run.transient = tuple((d, b) for d, b in transient.items() if b)
+            # Recorded right after the reservation, with no call in between where an
+            # interrupt could land: whatever happens next, _fail or _run_done frees it.
+            run.transient = held
+            for entry, charge in charges:
+                entry.charge = charge
         return True
+
+    def _release(self, run: Run) -> None:
+        """Returns the bytes ``run`` holds beyond its outputs' (once: the first caller takes them)."""
+        budget = self._budget
+        if budget is None:
+            return
+        with budget.lock:
+            transient, run.transient = run.transient, ()
+        budget.release(transient)
 
     def _run_done(self, run: Run, device_s: float, error: BaseException | None) -> None:
         """Called by the accounting watcher once every output of a dispatched run is ready."""
         if run.transient:
-            transient, run.transient = run.transient, ()
-            if self._budget is not None:  # a run holds transient bytes only under a budget
-                self._budget.release(transient)
+            self._release(run)
         if error is not None and not run.failed:
             run.failed = True
             counters.bump("failed_runs")
@@ -404,12 +565,13 @@ class Controller:
         with self._lock:
             queue = self._queues.pop(client.key, None)
             if queue:
-                self._queued -= len(queue)
                 for run in queue:
                     self._policy.discard(run.head)
                 self._policy.deactivate(client.key)
             self._policy.forget(client.key)
             self._cv.notify_all()
+            if self._room_waiters:
+                self._room.notify_all()
         for run in queue or ():
             self._fail(
                 run,
@@ -445,31 +607,25 @@ class Controller:
         """True if ``run`` may be dispatched on the caller's thread: nothing would wait."""
         return run.plan.inline_ok and self._blocker(run) == _GO
 
-    def _retire(self, item: tuple, island: int, waited: bool = True) -> None:
-        oldest, run = item
-        rec = timeline.ACTIVE if waited else None
-        t0 = rec.now() if rec is not None else 0
-        try:
-            readiness.block(oldest)  # a later run may have consumed it (donation): not a failure
-        except Exception:  # the run's futures raise it; count the run once
-            if not run.failed:
-                run.failed = True
-                counters.bump("failed_runs")
-        if rec is not None:
-            rec.waited(t0, client=timeline.client_of(run), island=island, reason="in-flight window")
-
     def _wait_window(self, island: int) -> None:
-        """Makes room for one more executable on ``island``.
+        """Makes room for one more executable on ``island``, waiting for the oldest if need be.
 
-        A full window is drained to half before dispatch goes on: the
-        dispatching thread then wakes once per half window of runs instead of
-        once per run, and half a window still queued keeps the devices busy.
+        The controller dispatches a run only once its windows have room
+        (:meth:`_blocker`), so this waits only when a dispatch on another thread
+        filled the window in between.
         """
-        in_flight = self._in_flight[island]
-        if len(in_flight) >= self._window:
-            low = self._window // 2
-            while len(in_flight) > low:
-                self._retire(in_flight.popleft(), island)
+        if len(self._in_flight[island]) < self._window or self._settle(island) < self._window:
+            return
+        rec = timeline.ACTIVE
+        t0 = rec.now() if rec is not None else 0
+        run = None
+        while self._settle(island) >= self._window:
+            oldest, run = self._in_flight[island][0]
+            # Its error reaches the run's futures, and the watcher counts the run.
+            with contextlib.suppress(Exception):
+                readiness.block(oldest)
+        if rec is not None and run is not None:
+            rec.waited(t0, client=timeline.client_of(run), island=island, reason="in-flight window")
 
     def _execute(self, run: Run) -> None:
         started = _now()
@@ -502,6 +658,9 @@ class Controller:
         step: Any = None
         dispatched = 0
         try:
+            if run.plan.staged_feeds:  # under a memory budget: host inputs go on devices once admitted
+                for _, slot, sharding in run.plan.host_feeds:
+                    env[slot] = jax.device_put(env[slot], sharding)
             for step in run.plan.steps:
                 if isinstance(step, ExecStep):
                     if step.windowed:
@@ -580,7 +739,6 @@ class Controller:
             )
         remote = self._remote
         for island in plan.windowed:
-            remote.retire_ready(self._in_flight[island])
             self._wait_window(island)
         rec = timeline.ACTIVE
         t0 = rec.now() if rec is not None else 0
@@ -623,9 +781,7 @@ class Controller:
         detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None else message
         timeline.failed(run, detail)
         if run.transient:
-            transient, run.transient = run.transient, ()
-            if self._budget is not None:  # a run holds transient bytes only under a budget
-                self._budget.release(transient)
+            self._release(run)
         self._store.free(list(run.outputs), failure=(detail, cause))
         run.future_inputs = []
         run.env = []

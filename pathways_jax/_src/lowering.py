@@ -21,11 +21,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src import clients, counters, errors, timeline
 from pathways_jax._src.devices import VirtualSlice, only_mesh, spec_parts
+from pathways_jax._src.executable_cache import ExecutableCache
 from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph, Node
 from pathways_jax._src.object_store import Charge, Owner
 
 _runs = itertools.count()
+_plans = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,8 +50,9 @@ class ExecStep:
     node: Node
     island: int
     pinned: tuple[tuple[int, jax.Device], ...] = ()
-    # Executables over several devices may hold collectives: they count against
-    # the island's in-flight bound. Single-device ones never rendezvous.
+    # Executables over several devices may hold collectives, and ones that call
+    # back into Python hold a host thread each: they count against the island's
+    # in-flight bound. Other single-device ones neither rendezvous nor block.
     windowed: bool = True
     # (serialized jax.export bytes, fingerprint) for remote hosts; None locally.
     exported: tuple[bytes, str] | None = None
@@ -173,6 +176,7 @@ class Plan:
 
     def __init__(self, graph: Graph, signature: tuple, donated: frozenset[int] = frozenset()):
         self.graph = graph
+        self.key = next(_plans)  # never reused, unlike id(): accounting keys its figures by it
         self.donated_args = donated  # argument leaves the caller donated (donate_argnums)
         # Future feed slots whose buffer an executable consumes: their futures are spent.
         self.consumed_feeds: frozenset[int] = frozenset()
@@ -183,6 +187,7 @@ class Plan:
         # Hosts of the Ray backend run the plan; the controller only dispatches it.
         self.remote_backend = getattr(self.cluster, "remote", None)
         self.host_feeds: list[tuple[int, int, Any]] = []  # (arg index, slot, sharding)
+        self.input_charges: list[Charge] = []  # bytes of each host feed on its devices
         self.array_feeds: list[tuple[int, int]] = []  # (arg index, slot): taken as is
         self.future_feeds: list[tuple[int, int]] = []  # (arg index, slot)
         self.feed_shardings: dict[int, Any] = {}  # slot -> sharding of the future fed there
@@ -196,8 +201,12 @@ class Plan:
         self._account()
         if self.consumed_feeds and self.remote_backend is not None:
             self.consumed_feeds = frozenset()  # hosts compile without donation
-        if self.cluster is not None and self.cluster.store.budget is not None:
-            self.check_budget(self.cluster.store.budget)
+        budget = self.cluster.store.budget if self.cluster is not None else None
+        if budget is not None:
+            self.check_budget(budget)
+        # Under a budget, a queued run holds its host inputs on the host: the
+        # controller puts them on devices when it admits the run.
+        self.staged_feeds = budget is not None and self.remote_backend is None and bool(self.host_feeds)
         self.signatures = [out.signature for out in self.outputs]
         self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}
         # How many windowed executables the plan puts on each island: a run
@@ -290,6 +299,7 @@ class Plan:
             slot = self._new_slot()
             if vid in host_arg:
                 self.host_feeds.append((host_arg[vid], slot, target))
+                self.input_charges.append(charge_of(values[vid].aval, target))
             else:
                 self.template[slot] = jax.device_put(const_data[vid], target)
             placed[key] = slot
@@ -363,7 +373,7 @@ class Plan:
                     node,
                     node.slice.island,
                     tuple(pinned),
-                    windowed=mesh.devices.size > 1,
+                    windowed=mesh.devices.size > 1 or _calls_host(node.jaxpr.jaxpr),
                     exported=exported,
                 )
             )
@@ -412,6 +422,11 @@ class Plan:
         for charge in self.slot_charge.values():
             _add(total, charge)
         self.charge: Charge = tuple(sorted((d, b) for d, b in total.items() if b))
+        # Under a memory budget a run also holds its host inputs once on devices:
+        # they are put there only when the run is admitted, and count until it completes.
+        for charge in self.input_charges:
+            _add(total, charge)
+        self.admit_charge: Charge = tuple(sorted((d, b) for d, b in total.items() if b))
         seen: set[int] = set()
         out_charges: list[Charge | None] = []
         for out in self.outputs:
@@ -451,11 +466,11 @@ class Plan:
                         "run. Shard the value over more devices, make it smaller, or raise "
                         "pw.init(memory_budget=...)."
                     )
-        for d, b in self.charge:
+        for d, b in self.admit_charge:
             if b > limits.get(d, b):
                 raise errors.ResourceError(
                     f"program {self.graph.name!r} ({self.graph.source_info}): its nodes' outputs "
-                    f"together need {b} bytes on device {d}, but its memory budget is "
+                    f"and host inputs together need {b} bytes on device {d}, but its memory budget is "
                     f"{limits[d]} bytes; a run can never be admitted. Split the program, or raise "
                     "pw.init(memory_budget=...)."
                 )
@@ -482,10 +497,11 @@ class Plan:
         store = cl.store
         env = list(self.template)
         remote = self.remote is not None
+        staged = remote or self.staged_feeds
         for index, slot, sharding in self.host_feeds:
             leaf = leaves[index]
-            if remote:  # shipped to its host as data with the run's message
-                env[slot] = np.array(leaf, copy=True)
+            if staged:  # shipped to its host with the run's message, or put on devices at admission
+                env[slot] = np.array(leaf, copy=True) if remote or isinstance(leaf, np.ndarray) else leaf
                 continue
             if isinstance(leaf, np.ndarray):
                 # The transfer is asynchronous and the caller may change its numpy
@@ -526,7 +542,7 @@ def _compile(
     in_shardings: tuple,
     out_shardings: tuple,
     donate: tuple,
-    cache: dict | None,
+    cache: ExecutableCache | None,
     *,
     export: bool = False,
 ) -> tuple[Any, tuple[bytes, str] | None]:
@@ -542,7 +558,7 @@ def _compile(
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
-            return hit[1], hit[2]
+            return hit
     body = jex.jaxpr_as_fun(node.jaxpr)
 
     def fun(*args: Any) -> tuple:
@@ -570,7 +586,7 @@ def _compile(
     counters.bump("compiles")
     timeline.compiled(node, t0)
     if cache is not None:
-        cache[key] = (consts, compiled, exported)  # holding the constants keeps their ids unique
+        cache.put(key, (compiled, exported), consts)
     return compiled, exported
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from pathways_jax._src import errors
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pending:
@@ -53,6 +55,8 @@ class Owner(typing.NamedTuple):
     run: int
     key: int = 0
 
+
+_MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
 
 # Bytes a value (or a run) holds on each device: ((device id, bytes), ...).
 Charge = tuple[tuple[int, int], ...]
@@ -151,12 +155,17 @@ class ObjectStore:
         self._waiting: dict[int, tuple[Entry, Any]] = {}
         # Per-device memory budget (None: no budget; nothing is reserved).
         self.budget: Budget | None = None
+        # The controller thread's ident: a host callback runs there, and a wait
+        # there for a value no run has made yet can never end (see wait_settled).
+        self.dispatcher: int | None = None
 
     def new(
         self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any = None
     ) -> Entry:
         entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin, signature)
-        if self._dropped:
+        # Under a budget the main thread leaves freeing to the controller's thread:
+        # an interrupt there could cut a release in two and lose the bytes.
+        if self._dropped and (self.budget is None or threading.get_ident() != _MAIN_THREAD):
             self.collect()
         self._live[entry.id] = entry  # one dict store: atomic under the GIL
         return entry
@@ -164,6 +173,10 @@ class ObjectStore:
     def drop(self, entry: Entry) -> None:
         """Called from ``Future.__del__``: the value is freed at the next collect()."""
         self._dropped.append(entry)
+
+    def has_dropped(self) -> bool:
+        """True when futures were dropped since the last :meth:`collect`."""
+        return bool(self._dropped)
 
     def collect(self) -> None:
         """Frees the values whose futures are gone."""
@@ -251,9 +264,22 @@ class ObjectStore:
                     waiting.pop(key)[1].release()
 
     def wait_settled(self, entry: Entry, timeout: float | None) -> bool:
-        """Waits until ``entry`` is no longer pending; False if ``timeout`` expired."""
+        """Waits until ``entry`` is no longer pending; False if ``timeout`` expired.
+
+        Raises ``PathwaysError`` at once on the controller's thread (a host
+        callback waiting for a program's value): only that thread dispatches
+        the run that makes the value, so the wait would never end.
+        """
         if type(entry.state) is not Pending:
             return True
+        if threading.get_ident() == self.dispatcher:
+            raise errors.PathwaysError(
+                f"{entry.origin} is not computed yet, and this wait runs on pathways_jax's controller "
+                "thread, inside a host callback (jax.pure_callback, jax.debug.callback, io_callback) of a "
+                "program: the run that computes the value can only be dispatched by this thread once the "
+                "callback returns, so the wait would never end. Pass the value to the program as an "
+                "argument instead of waiting for it inside the callback."
+            )
         waiter = threading.Lock()
         waiter.acquire()
         key = id(waiter)

@@ -1,0 +1,68 @@
+"""The compiled executables a cluster shares between plans, bounded in count and in what they hold."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any
+
+# Compiled executables a cluster keeps for sharing between plans (the plans
+# themselves hold theirs): beyond this many the least recently used go.
+EXECUTABLE_CACHE_SIZE = 256
+
+
+class ExecutableCache:
+    """Compiled node executables shared by plans: a function called in many programs compiles once.
+
+    Keyed by the node's text, its constants' identities, mesh, shardings and
+    donation. Bounded: past ``size`` entries the least recently used goes,
+    and an entry goes once one of its constants is collected (at the cache's
+    next use), so the arrays a dropped program closed over are not kept
+    alive. Constants that take no weak reference are held, within the bound.
+    A plan holds its own executables: eviction costs at most a compile when
+    a plan is lowered again.
+    """
+
+    def __init__(self, size: int = EXECUTABLE_CACHE_SIZE):
+        self.size = size
+        self._entries: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        # Keys whose constants died: a finaliser may run at any allocation, even
+        # under the lock, so it only appends, and the next use evicts.
+        self._dead: collections.deque[tuple] = collections.deque()
+
+    def get(self, key: tuple) -> Any:
+        with self._lock:
+            self._evict_dead()
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit[0]
+        return None
+
+    def put(self, key: tuple, value: Any, consts: tuple) -> None:
+        held: tuple = ()
+        try:
+            for const in consts:
+                weakref.finalize(const, self._dead.append, key)
+        except TypeError:  # a constant that takes no weak reference: hold it (its id stays unique)
+            held = consts
+        with self._lock:
+            self._evict_dead()
+            self._entries[key] = (value, held)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def _evict_dead(self) -> None:
+        while self._dead:
+            self._entries.pop(self._dead.popleft(), None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._evict_dead()
+            return len(self._entries)
+
+
+__all__ = ["EXECUTABLE_CACHE_SIZE", "ExecutableCache"]
