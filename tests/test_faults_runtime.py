@@ -391,3 +391,26 @@ def test_host_callback_executables_count_against_the_in_flight_window():
     assert max(seen) >= 1  # callback executables are tracked in the window ...
     assert max(seen) <= window  # ... and never more than it at once
     s.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_program_with_no_placement_runs_again_after_shutdown_and_init():
+    pw.init(num_cpu_devices=8)
+    double = jax.jit(lambda v: v * 2)
+
+    @pw.program
+    def unplaced(x):
+        return double(x) + 1
+
+    want = jax.jit(lambda v: v * 2 + 1)(jnp.arange(3.0))
+    assert_matches(unplaced(jnp.arange(3.0)), want)
+    pw.shutdown()
+    pw.init(num_cpu_devices=8, islands=2)  # a new cluster: the old implied slice is gone
+    assert_matches(unplaced(jnp.arange(3.0)), want)
+    s = pw.devices(mesh={"x": 2})
+    placed = pw.jit(lambda v: v - 1, devices=s)
+    assert_matches(placed(jnp.ones(4)), jnp.zeros(4))
+    pw.shutdown()
+    pw.init(num_cpu_devices=8)
+    with pytest.raises(pw.errors.PlacementError, match="shut down"):  # a slice the user named stays gone
+        placed(jnp.ones(4))

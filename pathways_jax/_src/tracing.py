@@ -426,7 +426,10 @@ class Program:
 
     def _graph_for(self, key: Any, how: tuple) -> Graph:
         graph = self._graphs.get(key)
-        if graph is not None:
+        # A graph on a slice that is gone is traced again: the slices a program
+        # with no placement implied belonged to a cluster that was shut down, and
+        # those the user named raise their own clear error when traced.
+        if graph is not None and not any(s.released for s in graph.slices):
             return graph
         # Traced with no lock held: the trace runs the user's code, which may
         # call this program from a thread it then joins. Threads tracing one
@@ -435,7 +438,10 @@ class Program:
         if self._fuse:
             graph = fusion.fuse(graph)
         with self._lock:
-            return self._graphs.setdefault(key, graph)
+            kept = self._graphs.get(key)
+            if kept is None or any(s.released for s in kept.slices):
+                kept = self._graphs[key] = graph
+            return kept
 
     def _trace(
         self,
