@@ -194,7 +194,7 @@ def test_a_host_failure_reaches_the_user_with_the_host_s_traceback(ray_cluster, 
 
 
 def test_a_busy_host_holds_back_only_its_own_runs(ray_cluster):
-    from pathways_jax._src.controller import REMOTE_RUNS_IN_FLIGHT
+    from pathways_jax._src.backends.ray import RUNS_IN_FLIGHT
 
     pw.init(backend="ray", hosts=2, devices_per_host=1)
     busy = pw.devices(mesh={"x": 1}, island=0)
@@ -207,7 +207,7 @@ def test_a_busy_host_holds_back_only_its_own_runs(ray_cluster):
     start = time.perf_counter()
     slow(x).result(timeout=60)
     slow_s = time.perf_counter() - start
-    backlog = [slow(x) for _ in range(REMOTE_RUNS_IN_FLIGHT + 16)]  # host 0's window is full
+    backlog = [slow(x) for _ in range(RUNS_IN_FLIGHT + 16)]  # host 0's window is full
     time.sleep(0.05)
     with pw.client("interactive"):  # another client: its queue is not behind the backlog
         start = time.perf_counter()

@@ -13,8 +13,8 @@ from absl import logging as absl_logging
 from helpers import run_script
 
 import pathways_jax as pw
-from pathways_jax._src import controller as controller_lib
 from pathways_jax._src import timeline
+from pathways_jax._src.backends import local as local_backend
 
 
 @pytest.fixture(autouse=True)
@@ -200,7 +200,7 @@ def test_failures_are_logged_and_marked(monkeypatch, caplog):
         def device_put(*args, **kwargs):
             raise OSError("link down")
 
-    monkeypatch.setattr(controller_lib, "jax", BrokenJax)
+    monkeypatch.setattr(local_backend, "jax", BrokenJax)
     with pw.trace() as rec:
         out = step(jnp.arange(16.0))
     with pytest.raises(pw.errors.ProgramFailedError, match="link down"):

@@ -18,6 +18,7 @@ from absl import logging
 from pathways_jax._src import errors
 from pathways_jax._src import scheduler as scheduler_lib
 from pathways_jax._src.backends import local
+from pathways_jax._src.backends.base import Backend
 from pathways_jax._src.executable_cache import ExecutableCache
 from pathways_jax._src.object_store import Budget, ObjectStore
 from pathways_jax._src.resources import Island, ResourceManager
@@ -91,6 +92,9 @@ class Cluster:
         self.backend = backend
         # The Ray backend's hosts (None on the local backend).
         self.remote = remote
+        # What the controller dispatches through (backends/base.Backend).
+        self.executor: Backend = remote if remote is not None else local.LocalBackend()
+        self.executor.on_lost = self.host_lost
         self.resources = ResourceManager(islands)
         self.store = ObjectStore()
         if budget is not None:
@@ -156,8 +160,7 @@ class Cluster:
             controller, self._controller = self._controller, None
         if controller is not None:
             controller.stop(timeout)
-        if self.remote is not None:
-            self.remote.close(max(0.0, deadline - time.monotonic()))
+        self.executor.close(max(0.0, deadline - time.monotonic()))
 
     def host_lost(self, island: int) -> None:
         """A host died (Ray backend): its island leaves placement; its slices move to survivors.
@@ -167,7 +170,7 @@ class Cluster:
         again). A slice that fits nowhere stays on the lost island and its
         programs fail with ``HostLostError``.
         """
-        self.resources.lose(island, self.remote.lost.get(island, "it died"))
+        self.resources.lose(island, self.executor.lost.get(island, "it died"))
         for slice_ in self.live_slices():
             if slice_.island != island:
                 continue
@@ -353,7 +356,6 @@ def init(
         )
         _shut_down = False
         if remote is not None:
-            remote.on_lost = _current.host_lost
             remote.collect = _current.store.collect
             # Ray registered its own exit hook when it started; exit hooks run last
             # first, so this one stops the controller and the hosts while Ray still runs.

@@ -42,12 +42,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import jax
 from absl import logging
 
 from pathways_jax._src import counters, errors, readiness, scheduler, timeline
 from pathways_jax._src.accounting import Accounting
-from pathways_jax._src.lowering import ExecStep, MoveStep, Run
+from pathways_jax._src.backends.base import Backend, StepFailed
+from pathways_jax._src.lowering import Run
 from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
 
 if TYPE_CHECKING:
@@ -62,7 +62,6 @@ _BLOCKED_POLL_S = 0.002  # how often a blocked head is looked at again
 # _BLOCKED_POLL_S: short runs free a window within microseconds.
 _ROOM_POLL_S = 5e-5
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
-REMOTE_RUNS_IN_FLIGHT = 64  # Ray backend: runs sent to one host and not complete yet
 _MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
 
 
@@ -72,11 +71,10 @@ class Controller:
     def __init__(self, cluster: Cluster):
         self._cluster = cluster
         self._store = cluster.store
-        # On the Ray backend the hosts bound their own executables in flight
-        # (max_in_flight); here the window counts runs per host.
-        self._window = cluster.in_flight if cluster.remote is None else REMOTE_RUNS_IN_FLIGHT
+        self._backend: Backend = cluster.executor
+        # Executables (or host messages) in flight per island before dispatch there waits.
+        self._window = self._backend.window or cluster.in_flight
         self._inline = cluster.inline_dispatch
-        self._remote = cluster.remote
         self._max_queued = cluster.max_queued
         # Per island: (an output of an executable dispatched there, its run), oldest
         # first. Appended under _dispatch; the settled ones at the front leave under
@@ -340,11 +338,7 @@ class Controller:
         """
         in_flight = self._in_flight[island]
         with self._settle_lock:
-            if self._remote is not None:
-                self._remote.retire_ready(in_flight)
-            else:
-                while in_flight and readiness.settled(in_flight[0][0]):
-                    in_flight.popleft()
+            self._backend.settle(in_flight)
             return len(in_flight)
 
     def _next(self) -> Run | None:
@@ -631,7 +625,6 @@ class Controller:
         started = _now()
         env = run.env
         graph = run.plan.graph
-        rec = timeline.ACTIVE
         for slot, future in run.future_inputs:
             entry = future._entry
             state = entry.state
@@ -652,59 +645,24 @@ class Controller:
                 case Freed():
                     self._fail(run, f"program {graph.name!r} run {run.id} got an input that was freed", None)
                     return
-        if run.plan.remote is not None:
-            self._execute_remote(run, started)
-            return
-        step: Any = None
-        dispatched = 0
         try:
-            if run.plan.staged_feeds:  # under a memory budget: host inputs go on devices once admitted
-                for _, slot, sharding in run.plan.host_feeds:
-                    env[slot] = jax.device_put(env[slot], sharding)
-            for step in run.plan.steps:
-                if isinstance(step, ExecStep):
-                    if step.windowed:
-                        self._wait_window(step.island)
-                    if rec is not None:
-                        t0 = rec.now()
-                    outs = step.executable(*[env[s] for s in step.in_slots])
-                    if step.pinned:
-                        outs = list(outs)
-                        for position, device in step.pinned:
-                            outs[position] = next(
-                                shard.data
-                                for shard in outs[position].addressable_shards
-                                if shard.device == device
-                            )
-                    for slot, array in zip(step.out_slots, outs, strict=True):
-                        env[slot] = array
-                    if outs and step.windowed:
-                        self._in_flight[step.island].append((outs[0], run))
-                    dispatched += 1
-                    if rec is not None:
-                        rec.dispatched(run, step, outs, t0)
-                else:
-                    if rec is not None:
-                        t0 = rec.now()
-                    try:
-                        env[step.dst] = jax.device_put(env[step.src], step.sharding)
-                    except Exception as exc:
-                        raise errors.TransferError(
-                            f"moving a value ({step.kind or 'reshard'}) onto {step.sharding} failed: {exc}"
-                        ) from exc
-                    if step.kind is not None:
-                        counters.bump(f"transfers_{step.kind}")
-                    if rec is not None:
-                        rec.moved(run, step, env[step.src], env[step.dst], t0)
+            values, last = self._backend.execute(run, self)
             if run.plan.consumed_feeds:
                 self._spend(run)
-        except Exception as exc:  # a user error fails its run only
-            self._fail(run, self._where(graph.name, run.id, step), exc)
+        except StepFailed as failed:  # the run's own failure: it fails alone
+            self._fail(run, failed.where, failed.cause)
             return
         finally:
-            counters.bump("dispatches", dispatched)
             run.future_inputs = []
-        self._publish(run, started, env, tuple([env[slot] for _, slot, _ in run.plan.acct_groups]))
+        self._publish(run, started, values, last)
+
+    # --- the in-flight windows, as backends see them (base.Window) -------------------------
+
+    def make_room(self, island: int) -> None:
+        self._wait_window(island)
+
+    def in_flight(self, island: int, marker: Any, run: Run) -> None:
+        self._in_flight[island].append((marker, run))
 
     def _spend(self, run: Run) -> None:
         """Futures whose buffers the run's executables consumed (donated) cannot be read again."""
@@ -727,50 +685,6 @@ class Controller:
         self._store.wake()
         self.accounting.note(run, started, last)
         run.env = []
-
-    def _execute_remote(self, run: Run, started: int) -> None:
-        """Ray backend: one message per host of the run; the hosts do the rest."""
-        plan = run.plan
-        remote_plan = plan.remote
-        if remote_plan is None:
-            raise errors.PathwaysError(
-                f"program {plan.graph.name!r} was dispatched to the Ray hosts without its host plan; "
-                "this is a bug in pathways_jax, please report it."
-            )
-        remote = self._remote
-        for island in plan.windowed:
-            self._wait_window(island)
-        rec = timeline.ACTIVE
-        t0 = rec.now() if rec is not None else 0
-        try:
-            outputs, markers = remote.dispatch(run)
-        except Exception as exc:
-            self._fail(run, f"program {plan.graph.name!r} run {run.id} could not be sent to its hosts", exc)
-            return
-        finally:
-            run.future_inputs = []
-        counters.bump("dispatches", len(markers))
-        for kind, count in remote_plan.transfers.items():
-            counters.bump(f"transfers_{kind}", count)
-        for host, marker in markers.items():
-            self._in_flight[host].append((marker, run))
-            if rec is not None:
-                rec.sent(run, host, marker, t0)
-        slot_host = remote_plan.slot_host
-        self._publish(
-            run, started, outputs, tuple([markers[slot_host[slot]] for _, slot, _ in plan.acct_groups])
-        )
-
-    @staticmethod
-    def _where(program: str, run_id: int, step: Any) -> str:
-        if isinstance(step, ExecStep):
-            return (
-                f"program {program!r} run {run_id} failed in node {step.node.name!r} "
-                f"({step.node.source_info})"
-            )
-        if isinstance(step, MoveStep):
-            return f"program {program!r} run {run_id} failed moving a value ({step.kind or 'reshard'})"
-        return f"program {program!r} run {run_id} failed"
 
     def _fail(self, run: Run, message: str, cause: BaseException | None, *, count: bool = True) -> None:
         """Fails every output of ``run`` and frees what it holds; other runs are not touched."""

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 
 from pathways_jax._src import errors, readiness
-from pathways_jax._src.backends.ray import RemoteArray
 from pathways_jax._src.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
 
 
@@ -180,7 +179,7 @@ class Future:
                     raise errors.ProgramFailedError(f"{entry.origin} failed while executing: {exc}") from exc
                 if not ready:
                     raise self._timeout(timeout)
-                if type(array) is RemoteArray:  # on a host of the Ray backend: bring it here
+                if not isinstance(array, jax.Array):  # held by a backend's host (a handle): bring it here
                     try:
                         return array.fetch()
                     except errors.PathwaysError:

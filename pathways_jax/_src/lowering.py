@@ -184,8 +184,9 @@ class Plan:
         self.mapping = tuple((s, s.devices) for s in self.slices)
         self.cluster = self.slices[0].cluster if self.slices else None
         self.template: list[Any] = []
-        # Hosts of the Ray backend run the plan; the controller only dispatches it.
-        self.remote_backend = getattr(self.cluster, "remote", None)
+        # Where the plan runs (a literal-only plan, with no cluster: nowhere).
+        self.backend = self.cluster.executor if self.cluster is not None else None
+        self.remote: Any = None  # a backend's own part of the plan (the Ray hosts' parts)
         self.host_feeds: list[tuple[int, int, Any]] = []  # (arg index, slot, sharding)
         self.input_charges: list[Charge] = []  # bytes of each host feed on its devices
         self.array_feeds: list[tuple[int, int]] = []  # (arg index, slot): taken as is
@@ -199,14 +200,19 @@ class Plan:
         self._epoch = self.cluster.mapping_epoch if self.cluster is not None else 0
         self._lower(signature)
         self._account()
-        if self.consumed_feeds and self.remote_backend is not None:
-            self.consumed_feeds = frozenset()  # hosts compile without donation
+        if self.consumed_feeds and self.backend is not None and not self.backend.donates:
+            self.consumed_feeds = frozenset()  # compiled without donation there
         budget = self.cluster.store.budget if self.cluster is not None else None
         if budget is not None:
             self.check_budget(budget)
         # Under a budget, a queued run holds its host inputs on the host: the
         # controller puts them on devices when it admits the run.
-        self.staged_feeds = budget is not None and self.remote_backend is None and bool(self.host_feeds)
+        self.staged_feeds = (
+            budget is not None
+            and self.backend is not None
+            and self.backend.stages_inputs
+            and bool(self.host_feeds)
+        )
         self.signatures = [out.signature for out in self.outputs]
         self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}
         # How many windowed executables the plan puts on each island: a run
@@ -220,12 +226,9 @@ class Plan:
         self.windowed: dict[int, int] = collections.Counter(
             step.island for step in self.steps if isinstance(step, ExecStep) and step.windowed
         )
-        self.remote = None
-        if self.remote_backend is not None:
-            # One message per host per run: each host counts once in its island's window.
-            self.remote = self.remote_backend.prepare(self)
-            self.windowed = dict.fromkeys(self.remote.islands, 1)
-            self.islands = self.remote.islands
+        self.reports = 0  # dispatch reports a run makes to a trace (set by the backend)
+        if self.backend is not None:
+            self.backend.prepare(self)
 
     def _new_slot(self, value: Any = None) -> int:
         self.template.append(value)
@@ -312,11 +315,11 @@ class Plan:
                 continue  # materialised where a node first reads the moved value
             node = graph.nodes[index]
             mesh = node.slice.physical_mesh
-            if self.remote_backend is not None and _calls_host(node.jaxpr.jaxpr):
+            if self.backend is not None and not self.backend.calls_back and _calls_host(node.jaxpr.jaxpr):
                 raise errors.PlacementError(
                     f"node {node.name!r} ({node.source_info}) calls back into Python on the host "
-                    "(pure_callback, io_callback or debug printing); the Ray backend ships "
-                    "computations with jax.export, which cannot carry a Python callback to another "
+                    f"(pure_callback, io_callback or debug printing); the {self.backend.name!r} backend "
+                    "ships computations with jax.export, which cannot carry a Python callback to another "
                     "process. Move the callback out of the program, or use backend='local'."
                 )
             in_slots, shardings, donate = [], [], []
@@ -347,7 +350,7 @@ class Plan:
                 out_shardings,
                 tuple(donate),
                 cache,
-                export=self.remote_backend is not None,
+                export=self.backend is not None and self.backend.exports,
             )
             produced = jax.tree_util.tree_leaves(executable.output_shardings)
             pinned = []
@@ -496,12 +499,12 @@ class Plan:
             cl = cluster_lib.cluster()
         store = cl.store
         env = list(self.template)
-        remote = self.remote is not None
-        staged = remote or self.staged_feeds
+        shipped = self.backend is not None and not self.backend.stages_inputs
+        staged = shipped or self.staged_feeds
         for index, slot, sharding in self.host_feeds:
             leaf = leaves[index]
-            if staged:  # shipped to its host with the run's message, or put on devices at admission
-                env[slot] = np.array(leaf, copy=True) if remote or isinstance(leaf, np.ndarray) else leaf
+            if staged:  # shipped with the run's message, or put on devices at admission
+                env[slot] = np.array(leaf, copy=True) if shipped or isinstance(leaf, np.ndarray) else leaf
                 continue
             if isinstance(leaf, np.ndarray):
                 # The transfer is asynchronous and the caller may change its numpy

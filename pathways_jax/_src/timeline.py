@@ -135,7 +135,6 @@ class Recorder:
         self._threads: dict[int, tuple[int, str]] = {}  # ident -> (tid, name)
         self._tids = itertools.count(1)
         self._cluster: Any = None
-        self._plan_steps: dict[int, tuple[Any, int]] = {}  # id(plan) -> (plan, hooked steps)
         self._tracks: dict[tuple[int, int], str] = {}
         self._processes: dict[int, str] = {CONTROLLER_PID: "controller"}
         self._devices: dict[int, dict] = {}
@@ -250,27 +249,13 @@ class Recorder:
         """A run was queued: records the submit span and expects its dispatches."""
         name = plan.graph.name
         self.complete(f"submit {name}", "submit", start, client=client, program=name, run=run_id)
-        steps = self._hooked_steps(plan)
+        steps = plan.reports  # the run's dispatch reports (dispatched / moved / sent)
         with self._cond:
             if self._closed or self._draining or steps == 0:
                 return
             left = steps - self._seen.pop(run_id, 0)
             if left > 0:
                 self._expected[run_id] = left
-
-    def _hooked_steps(self, plan: Any) -> int:
-        """How many of the plan's steps report through :meth:`dispatched` / :meth:`moved`."""
-        cached = self._plan_steps.get(id(plan))
-        if cached is not None and cached[0] is plan:
-            return cached[1]
-        from pathways_jax._src.lowering import ExecStep, MoveStep
-
-        if plan.remote is not None:  # Ray backend: one report per host message (sent())
-            count = len(plan.remote.hosts)
-        else:
-            count = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
-        self._plan_steps[id(plan)] = (plan, count)
-        return count
 
     def _dispatched_step(self, run_id: int) -> None:
         with self._cond:

@@ -2,11 +2,113 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 
-from pathways_jax._src import errors
+from pathways_jax._src import counters, errors, readiness, timeline
+from pathways_jax._src.backends.base import StepFailed, Window
+
+if TYPE_CHECKING:
+    from pathways_jax._src.lowering import Plan, Run
+
+
+class LocalBackend:
+    """The devices of this process: each step of a run is dispatched on the dispatching thread.
+
+    Implements :class:`~pathways_jax._src.backends.base.Backend`. Dispatch is
+    asynchronous (JAX's): executing a step enqueues it on its devices.
+    """
+
+    name = "local"
+    window: int | None = None  # the controller counts executables: pw.init(max_in_flight=...)
+    donates = True
+    exports = False
+    calls_back = True
+    stages_inputs = True
+
+    def __init__(self) -> None:
+        self.lost: dict[int, str] = {}  # in-process devices do not die apart from this process
+        self.on_lost: Callable[[int], None] | None = None
+
+    def prepare(self, plan: Plan) -> None:
+        from pathways_jax._src.lowering import ExecStep, MoveStep
+
+        plan.reports = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
+
+    def execute(self, run: Run, window: Window) -> tuple[Any, tuple]:
+        from pathways_jax._src.lowering import ExecStep
+
+        plan = run.plan
+        env = run.env
+        rec = timeline.ACTIVE
+        step: Any = None
+        dispatched = 0
+        try:
+            if plan.staged_feeds:  # under a memory budget: host inputs go on devices once admitted
+                for _, slot, sharding in plan.host_feeds:
+                    env[slot] = jax.device_put(env[slot], sharding)
+            for step in plan.steps:
+                if isinstance(step, ExecStep):
+                    if step.windowed:
+                        window.make_room(step.island)
+                    if rec is not None:
+                        t0 = rec.now()
+                    outs = step.executable(*[env[s] for s in step.in_slots])
+                    if step.pinned:
+                        outs = list(outs)
+                        for position, device in step.pinned:
+                            outs[position] = next(
+                                shard.data
+                                for shard in outs[position].addressable_shards
+                                if shard.device == device
+                            )
+                    for slot, array in zip(step.out_slots, outs, strict=True):
+                        env[slot] = array
+                    if outs and step.windowed:
+                        window.in_flight(step.island, outs[0], run)
+                    dispatched += 1
+                    if rec is not None:
+                        rec.dispatched(run, step, outs, t0)
+                else:
+                    if rec is not None:
+                        t0 = rec.now()
+                    try:
+                        env[step.dst] = jax.device_put(env[step.src], step.sharding)
+                    except Exception as exc:
+                        raise errors.TransferError(
+                            f"moving a value ({step.kind or 'reshard'}) onto {step.sharding} failed: {exc}"
+                        ) from exc
+                    if step.kind is not None:
+                        counters.bump(f"transfers_{step.kind}")
+                    if rec is not None:
+                        rec.moved(run, step, env[step.src], env[step.dst], t0)
+        except Exception as exc:  # a user error fails its run only
+            raise StepFailed(_where(plan.graph.name, run.id, step), exc) from exc
+        finally:
+            counters.bump("dispatches", dispatched)
+        return env, tuple([env[slot] for _, slot, _ in plan.acct_groups])
+
+    def settle(self, in_flight: collections.deque) -> None:
+        # Oldest first, up to the first one still running (every look is a call into XLA).
+        while in_flight and readiness.settled(in_flight[0][0]):
+            in_flight.popleft()
+
+    def close(self, timeout: float | None) -> None:
+        pass  # JAX owns the devices; their values go with their futures
+
+
+def _where(program: str, run_id: int, step: Any) -> str:
+    """Which program, run and step failed, in the user's words."""
+    from pathways_jax._src.lowering import ExecStep, MoveStep
+
+    if isinstance(step, ExecStep):
+        return f"program {program!r} run {run_id} failed in node {step.node.name!r} ({step.node.source_info})"
+    if isinstance(step, MoveStep):
+        return f"program {program!r} run {run_id} failed moving a value ({step.kind or 'reshard'})"
+    return f"program {program!r} run {run_id} failed"
 
 
 def _backend_started() -> bool:

@@ -32,7 +32,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from pathways_jax._src import counters, errors
+from pathways_jax._src import counters, errors, timeline
+from pathways_jax._src.backends.base import StepFailed, Window
 
 if TYPE_CHECKING:
     from pathways_jax._src.lowering import Plan
@@ -300,8 +301,24 @@ class RemotePlan:
         self.islands = frozenset(self.hosts)
 
 
+# Runs sent to one host and not complete yet before dispatch there waits (each
+# host bounds its own executables in flight with pw.init(max_in_flight=...)).
+RUNS_IN_FLIGHT = 64
+
+
 class RayBackend:
-    """The controller's side of the Ray backend: host actors, messages, values and health."""
+    """The controller's side of the Ray backend: host actors, messages, values and health.
+
+    Implements :class:`~pathways_jax._src.backends.base.Backend`: a run is one
+    message per host, and each host dispatches its part of the plan itself.
+    """
+
+    name = "ray"
+    window: int | None = RUNS_IN_FLIGHT
+    donates = False  # hosts compile the exported nodes without donation
+    exports = True
+    calls_back = False
+    stages_inputs = False  # host inputs travel with the run's message
 
     def __init__(
         self,
@@ -439,13 +456,45 @@ class RayBackend:
         self._seq[host] = seq + 1
         return self.actors[host].call.remote(seq, kind, *args)
 
-    def prepare(self, plan: Plan) -> RemotePlan:
+    def prepare(self, plan: Plan) -> None:
+        """Splits ``plan`` into one part per host; a run then makes one message (and report) per host."""
         remote = RemotePlan(self, plan)
         for host in remote.hosts:
             if host in self.lost:
                 raise errors.HostLostError(self._lost_message(host, f"program {plan.graph.name!r}"))
         weakref.finalize(plan, self._forget, remote.key, remote.hosts)
-        return remote
+        plan.remote = remote
+        # One message per host per run: each host counts once in its island's window.
+        plan.windowed = dict.fromkeys(remote.islands, 1)
+        plan.islands = remote.islands
+        plan.reports = len(remote.hosts)
+
+    def execute(self, run: Any, window: Window) -> tuple[Any, tuple]:
+        """Sends each host of ``run`` its one message; the hosts do the rest."""
+        plan = run.plan
+        remote: RemotePlan = plan.remote
+        for island in plan.windowed:
+            window.make_room(island)
+        rec = timeline.ACTIVE
+        t0 = rec.now() if rec is not None else 0
+        try:
+            outputs, markers = self.dispatch(run)
+        except Exception as exc:
+            raise StepFailed(
+                f"program {plan.graph.name!r} run {run.id} could not be sent to its hosts", exc
+            ) from exc
+        counters.bump("dispatches", len(markers))
+        for kind, count in remote.transfers.items():
+            counters.bump(f"transfers_{kind}", count)
+        for host, marker in markers.items():
+            window.in_flight(host, marker, run)
+            if rec is not None:
+                rec.sent(run, host, marker, t0)
+        slot_host = remote.slot_host
+        return outputs, tuple([markers[slot_host[slot]] for _, slot, _ in plan.acct_groups])
+
+    def settle(self, in_flight: collections.deque) -> None:
+        self.retire_ready(in_flight)
 
     def _forget(self, key: int, hosts: tuple[int, ...]) -> None:
         if self._closed:

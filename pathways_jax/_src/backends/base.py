@@ -1,0 +1,100 @@
+"""The Backend protocol: everything the controller asks of where the devices live.
+
+The controller decides *when* a run goes (queues, policy, budget, in-flight
+windows); a backend decides *how*: it prepares a lowered plan for its
+devices, dispatches a run's steps, says which dispatched executables are
+settled, reports lost hosts and closes. The controller holds one backend and
+never asks which kind it is, so a backend is added by implementing this
+protocol (see ``local.py`` and ``ray.py``), not by touching the controller.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pathways_jax._src.lowering import Plan, Run
+
+
+class StepFailed(Exception):
+    """A run's dispatch failed in the user's part of it (a node, a move, a send).
+
+    The controller fails that run alone, with ``where`` (which program, run
+    and step) as the message and ``cause`` chained.
+    """
+
+    def __init__(self, where: str, cause: BaseException):
+        super().__init__(where)
+        self.where = where
+        self.cause = cause
+
+
+class Window(Protocol):
+    """What a backend asks of the controller while it dispatches a run: the in-flight windows."""
+
+    def make_room(self, island: int) -> None:
+        """Returns once ``island``'s window has room for one more executable (or host message)."""
+        ...
+
+    def in_flight(self, island: int, marker: Any, run: Run) -> None:
+        """``marker`` (an output, or a host's completion marker) settles when the dispatched work does."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A kind of devices the controller dispatches to.
+
+    Attributes:
+      name: ``pw.init(backend=...)``'s name for it.
+      window: executables (or host messages) in flight per island the
+        controller allows; ``None``: ``pw.init(max_in_flight=...)``.
+      donates: compiled executables may consume donated buffers.
+      exports: nodes are also serialized with ``jax.export`` (hosts compile them).
+      calls_back: nodes may call back into Python (``jax.pure_callback``).
+      stages_inputs: under a memory budget, a queued run's host inputs stay on
+        the host and :meth:`execute` puts them on devices once it is admitted.
+      lost: islands whose host died, with why (empty when nothing can die).
+      on_lost: set by the cluster: called with an island whose host died.
+    """
+
+    name: str
+    window: int | None
+    donates: bool
+    exports: bool
+    calls_back: bool
+    stages_inputs: bool
+    lost: dict[int, str]
+    on_lost: Callable[[int], None] | None
+
+    def prepare(self, plan: Plan) -> None:
+        """Finishes lowering ``plan`` for these devices.
+
+        Sets ``plan.windowed`` (executables or messages per island that count
+        against the windows), ``plan.islands`` and ``plan.reports`` (how many
+        dispatch reports a run makes to a trace).
+        """
+        ...
+
+    def execute(self, run: Run, window: Window) -> tuple[Any, tuple]:
+        """Dispatches ``run`` (its inputs are in ``run.env``); never waits for results.
+
+        Returns the values by slot (``values[slot]`` for each output slot) and,
+        for each of the plan's accounting groups, the array whose readiness
+        says the group's devices are done. Raises :class:`StepFailed` for a
+        failure of the run's own.
+        """
+        ...
+
+    def settle(self, in_flight: collections.deque) -> None:
+        """Drops the settled entries at the front of an island's in-flight deque (never waits)."""
+        ...
+
+    def close(self, timeout: float | None) -> None:
+        """Releases the devices and hosts; returns within ``timeout`` seconds."""
+        ...
+
+
+__all__ = ["Backend", "StepFailed", "Window"]

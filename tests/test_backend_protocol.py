@@ -1,0 +1,118 @@
+"""The Backend protocol: the controller dispatches through it alone, so a backend plugs in."""
+
+import ast
+import collections
+import pathlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_matches
+
+import pathways_jax as pw
+from pathways_jax._src.backends import base
+from pathways_jax._src.backends.local import LocalBackend
+from pathways_jax._src.backends.ray import RayBackend
+
+SRC = pathlib.Path(pw.__file__).parent / "_src"
+
+
+def test_the_built_in_backends_implement_the_protocol():
+    assert isinstance(LocalBackend(), base.Backend)
+    members = ["name", "window", "donates", "exports", "calls_back", "stages_inputs"]
+    members += ["prepare", "execute", "settle", "close"]
+    missing = [m for m in members if not hasattr(RayBackend, m)]
+    assert missing == []
+
+
+@pytest.mark.parametrize("module", ["controller.py", "lowering.py", "timeline.py", "futures.py"])
+def test_the_runtime_names_no_backend_implementation(module):
+    """Only the cluster (which picks the backend) may know which backends exist."""
+    tree = ast.parse((SRC / module).read_text())
+    named = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            named.add(node.module)
+            named.update(f"{node.module}.{alias.name}" for alias in node.names)
+    assert not {n for n in named if n.endswith(("backends.local", "backends.ray"))}
+    assert "RayBackend" not in (SRC / module).read_text()
+
+
+class CountingBackend:
+    """A third backend, by composition: local devices, a window of its own, every call counted."""
+
+    name = "counting"
+    window = 2
+    donates = True
+    exports = False
+    calls_back = True
+    stages_inputs = True
+
+    def __init__(self):
+        self.inner = LocalBackend()
+        self.lost: dict[int, str] = {}
+        self.on_lost = None
+        self.calls = collections.Counter()
+        self.most_in_flight = 0
+        self.lock = threading.Lock()
+
+    def prepare(self, plan):
+        self.calls["prepare"] += 1
+        self.inner.prepare(plan)
+
+    def execute(self, run, window):
+        self.calls["execute"] += 1
+        backend = self
+
+        class Watched:
+            def make_room(self, island):
+                window.make_room(island)
+
+            def in_flight(self, island, marker, run):
+                window.in_flight(island, marker, run)
+                with backend.lock:
+                    count = len(pw.cluster().controller._in_flight[island])
+                    backend.most_in_flight = max(backend.most_in_flight, count)
+
+        return self.inner.execute(run, Watched())
+
+    def settle(self, in_flight):
+        self.calls["settle"] += 1
+        self.inner.settle(in_flight)
+
+    def close(self, timeout):
+        self.calls["close"] += 1
+
+
+@pytest.mark.timeout(120)
+def test_a_third_backend_plugs_in_without_touching_the_controller():
+    cluster = pw.init(num_cpu_devices=8, islands=2)
+    counting = CountingBackend()
+    assert isinstance(counting, base.Backend)
+    cluster.executor = counting  # before the controller starts and any plan is lowered
+    s = pw.devices(mesh={"x": 2}, island=0)
+    f = pw.jit(lambda v: jnp.tanh(v) + v.sum(), devices=s, in_specs=pw.P("x"))
+    g = pw.jit(lambda v: v * 3 - 1, devices=s)
+
+    @pw.program(fuse=False)
+    def step(v):
+        return g(f(v))
+
+    want = jax.jit(lambda v: (jnp.tanh(v) + v.sum()) * 3 - 1)
+    x = jnp.arange(8.0) / 8
+    outs = []
+    for _ in range(40):
+        outs.append(step(x))
+        x = outs[-1]
+    expected = jnp.arange(8.0) / 8
+    for out in outs:
+        expected = want(expected)
+        assert_matches(out, expected, rtol=1e-5, atol=1e-5)
+    assert counting.calls["prepare"] == 2  # one plan for array arguments, one for futures
+    assert counting.calls["execute"] == 40
+    assert counting.calls["settle"] >= 1  # the controller asked it which executables settled
+    assert 1 <= counting.most_in_flight <= counting.window  # its own window, not max_in_flight
+    s.release()
+    pw.shutdown()
+    assert counting.calls["close"] == 1
