@@ -30,6 +30,15 @@ Example:
   1.0
 """
 
+try:
+    import flax  # noqa: F401
+    import optax  # noqa: F401
+except ImportError as _missing:  # pragma: no cover - the suite installs the extra
+    raise ImportError(
+        f"pathways_jax.pipeline is built on Flax and Optax, and {_missing.name!r} is not installed. "
+        "Install them with: pip install 'pathways-jax[pipeline]'."
+    ) from _missing
+
 from pathways_jax._src.pipeline.data_parallel import DataParallel as DataParallel
 from pathways_jax._src.pipeline.pipelined import Pipeline as Pipeline
 from pathways_jax._src.pipeline.rngs import derive_rngs as derive_rngs
