@@ -55,10 +55,44 @@ def _ready(arrays: tuple) -> bool:
     return all(readiness.settled(array) for array in arrays)
 
 
-def _block(arrays: list) -> None:
+def _block(arrays: tuple) -> None:
     for array in arrays:
         # Deleted (or donated) by its user once computed: not a failure of the run.
         readiness.block(array)
+
+
+@dataclasses.dataclass(slots=True)
+class Note:
+    """Dispatched runs of one plan and client the watcher waits for (one run, or several folded).
+
+    ``run`` is the newest, ``start`` the first dispatch, ``arrays`` the newest
+    run's last output on each device set of the plan, ``count`` how many runs.
+    Updated in place while folding: no allocation per folded run.
+    """
+
+    run: Any
+    start: int
+    arrays: tuple
+    count: int = 1
+
+
+@dataclasses.dataclass(slots=True)
+class _Group:
+    """The notes of one plan and client in a batch the watcher accounts together."""
+
+    plan: Any
+    client: Any
+    runs: int
+    start: int  # the first dispatch among them
+
+
+@dataclasses.dataclass(slots=True)
+class _PlanTime:
+    """Device time measured for one plan's runs in a batch (every client's)."""
+
+    plan: Any
+    ns: int = 0
+    runs: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,11 +122,11 @@ class Accounting:
         self._busy = False  # the watcher holds records not accounted yet
         # Notes are appended by the dispatcher (no lock: deque appends are
         # atomic) and taken by the watcher, which is woken only when it sleeps.
-        self._notes: collections.deque[list[Any]] = collections.deque()  # [run, start, arrays, count]
-        self._batch: list = []  # the notes being accounted now (failed with them on a bug)
+        self._notes: collections.deque[Note] = collections.deque()
+        self._batch: list[Note] = []  # the notes being accounted now (failed with them on a bug)
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
-        self._open: dict[tuple, list] = {}  # folded records, taken by the watcher
+        self._open: dict[tuple, Note] = {}  # folded records, taken by the watcher
         # Keys of plans with figures here, and of those garbage-collected since
         # (a finaliser only appends: it may run at any allocation, lock held or not).
         self._tracked: set[int] = set()
@@ -156,17 +190,17 @@ class Accounting:
         hold intermediate bytes are recorded one by one (each is released).
         """
         if run.transient:
-            self._notes.append([run, start, arrays, 1])
+            self._notes.append(Note(run, start, arrays))
         else:
             key = (run.plan.key, run.client.key)
             with self._open_lock:
                 record = self._open.get(key)
                 if record is None:
-                    self._open[key] = [run, start, arrays, 1]
+                    self._open[key] = Note(run, start, arrays)
                 else:
-                    record[0] = run
-                    record[2] = arrays
-                    record[3] += 1
+                    record.run = run
+                    record.arrays = arrays
+                    record.count += 1
         if not self._started:
             self._start()
 
@@ -210,7 +244,7 @@ class Accounting:
     # --- the watcher ---------------------------------------------------------------------
 
     def _watch(self) -> None:
-        pending: collections.deque[tuple] = collections.deque()
+        pending: collections.deque[Note] = collections.deque()
         notes = self._notes
         while not self._stopping:
             if not pending and not notes and not self._open:
@@ -223,7 +257,7 @@ class Accounting:
             except Exception as exc:  # the watcher's own bookkeeping failed: fail its runs, go on
                 self._internal_error(pending, exc)
 
-    def _internal_error(self, pending: collections.deque, exc: Exception) -> None:
+    def _internal_error(self, pending: collections.deque[Note], exc: Exception) -> None:
         """Fails the runs the watcher holds after a bug of its own; the watcher keeps serving."""
         from pathways_jax._src import errors
 
@@ -239,9 +273,9 @@ class Accounting:
             )
             cause.__cause__ = exc
             with contextlib.suppress(Exception):
-                self._on_done(note[0], 0.0, cause)
+                self._on_done(note.run, 0.0, cause)
 
-    def _step(self, pending: collections.deque) -> None:
+    def _step(self, pending: collections.deque[Note]) -> None:
         """Takes new notes, waits for the oldest run, and accounts every run that is done."""
         notes = self._notes
         while notes:
@@ -253,9 +287,9 @@ class Accounting:
         # Runs on the same devices finish in dispatch order: wait (in XLA,
         # without the GIL) for the oldest, then take every run that is done.
         head = pending[0]
-        behind = _ready(head[2])
+        behind = _ready(head.arrays)
         if not behind:
-            readiness.poll(head[2], lambda: self._stopping)
+            readiness.poll(head.arrays, lambda: self._stopping)
         t = now()
         # Runs of one plan use the same devices and finish in dispatch order:
         # once the newest finished run of a plan is found, every older run of
@@ -264,8 +298,8 @@ class Accounting:
         done_plans: set[int] = set()
         batch, keep = [], []
         for note in reversed(pending):
-            plan_id = id(note[0].plan)
-            if plan_id in done_plans or _ready(note[2]):
+            plan_id = id(note.run.plan)
+            if plan_id in done_plans or _ready(note.arrays):
                 done_plans.add(plan_id)
                 batch.append(note)
             else:
@@ -276,37 +310,38 @@ class Accounting:
         self._batch = batch  # failed too if accounting them breaks
         self._account(batch, t)
         self._batch = []
-        if behind or len(batch) > 1 or t - head[1] < _BATCH_S * 1e9:
+        if behind or len(batch) > 1 or t - head.start < _BATCH_S * 1e9:
             # Short runs: wake once per batch (end times then known to _BATCH_S).
             time.sleep(_BATCH_S)
 
-    def _account(self, batch: list[tuple], t: int) -> None:
+    def _account(self, batch: list[Note], t: int) -> None:
         # Execution errors are looked for once per record: exact for runs noted
         # alone; for a folded record, the newest run's (the others' futures
         # still raise their own errors).
         # Runs of one plan and client are accounted together: the watcher's work
         # per batch grows with the kinds of runs in it, not with their number.
-        groups: dict[tuple, list] = {}
+        groups: dict[tuple, _Group] = {}
         for note in batch:
-            run = note[0]
+            run = note.run
             key = (run.plan.key, run.client.key)
             group = groups.get(key)
             if group is None:
-                groups[key] = [run.plan, run.client, note[3], note[1]]
+                groups[key] = _Group(run.plan, run.client, note.count, note.start)
             else:
-                group[2] += note[3]
-                group[3] = min(group[3], note[1])
+                group.runs += note.count
+                group.start = min(group.start, note.start)
         durations = []
         with self._lock:
             self._settle_gone()
-            per_device: dict[int, list] = collections.defaultdict(list)
+            per_device: dict[int, list[tuple[_Group, int]]] = collections.defaultdict(list)
             for group in groups.values():
-                for devices, _, count in group[0].acct_groups:
-                    for d in devices:
-                        per_device[d].append((group, group[2] * count))
+                for acct in group.plan.acct_groups:
+                    weight = group.runs * acct.node_count
+                    for d in acct.devices:
+                        per_device[d].append((group, weight))
             spent: collections.Counter[int] = collections.Counter()
             for d, items in per_device.items():
-                start = max(min(group[3] for group, _ in items), self._end.get(d, 0), self.t0)
+                start = max(min(group.start for group, _ in items), self._end.get(d, 0), self.t0)
                 span = max(t - start, 0)
                 total = sum(weight for _, weight in items)
                 for group, weight in items:
@@ -318,12 +353,15 @@ class Accounting:
             # each client the spans its records were accounted in skews it: a
             # client's folded record is accounted when its newest run is done,
             # often a span after its older runs ran.
-            per_plan: dict[int, list] = {}
+            per_plan: dict[int, _PlanTime] = {}
             for group in groups.values():
-                totals = per_plan.setdefault(group[0].key, [group[0], 0, 0])
-                totals[1] += spent.get(id(group), 0)
-                totals[2] += group[2]
-            for plan, ns, runs in per_plan.values():
+                totals = per_plan.get(group.plan.key)
+                if totals is None:
+                    totals = per_plan[group.plan.key] = _PlanTime(group.plan)
+                totals.ns += spent.get(id(group), 0)
+                totals.runs += group.runs
+            for totals in per_plan.values():
+                plan, ns, runs = totals.plan, totals.ns, totals.runs
                 seconds = ns / runs / 1e9
                 plan.cost = seconds if plan.cost == 0.0 else (1 - _EMA) * plan.cost + _EMA * seconds
                 if plan.key not in self._tracked:  # its figures go when it does
@@ -332,15 +370,14 @@ class Accounting:
                 self.plan_ns[plan.key] += ns
                 self.plan_runs[plan.key] += runs
             for group in groups.values():
-                plan, client, runs, _ = group
-                usage = self._usage(client)
-                usage.runs[plan.key] += runs
-                usage.programs += runs
+                usage = self._usage(group.client)
+                usage.runs[group.plan.key] += group.runs
+                usage.programs += group.runs
             for note in batch:
-                run = note[0]
+                run = note.run
                 error = None
                 try:  # a folded record shows the newest run's outputs
-                    _block(note[2])
+                    _block(note.arrays)
                 except Exception as exc:
                     error = exc
                     self._usage(run.client).failures += 1

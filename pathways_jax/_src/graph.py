@@ -12,12 +12,9 @@ from jax.sharding import PartitionSpec
 
 from pathways_jax._src import errors
 from pathways_jax._src.devices import VirtualSlice
+from pathways_jax._src.formatting import aval_text
 
 TransferKind = Literal["ici", "dcn"]
-
-
-def _aval_str(aval: Any) -> str:
-    return aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,7 +176,7 @@ class Graph:
                 value = self.values[vid]
                 self._require(
                     value.aval.shape == aval.shape and value.aval.dtype == aval.dtype,
-                    f"{node!r} input {position} expects {_aval_str(aval)} but v{vid} is {_aval_str(value.aval)}",
+                    f"{node!r} input {position} expects {aval_text(aval)} but v{vid} is {aval_text(value.aval)}",
                 )
                 self._require(
                     value.slice is None or value.slice is node.slice,
@@ -191,7 +188,7 @@ class Graph:
                 if spec is not None:
                     self._require(
                         len(spec) <= len(aval.shape),
-                        f"{node!r} spec {spec} has more entries than {_aval_str(aval)} has dims",
+                        f"{node!r} spec {spec} has more entries than {aval_text(aval)} has dims",
                     )
             for vid, aval in zip(node.outputs, out_avals, strict=True):
                 value = self.values[vid]
@@ -216,14 +213,14 @@ class Graph:
         for inp in self.inputs:
             v = self.values[inp.value]
             where = f" on #{v.slice.id}" if v.slice is not None else ""
-            lines.append(f"  input  v{v.id}: {_aval_str(v.aval)}{where}")
+            lines.append(f"  input  v{v.id}: {aval_text(v.aval)}{where}")
         for kind, index in self.steps:
             if kind == "transfer":
                 lines.append(f"  {self.transfers[index]!r}")
                 continue
             node = self.nodes[index]
             ins = ", ".join(f"v{i}" for i in node.inputs)
-            outs = ", ".join(f"v{i}: {_aval_str(self.values[i].aval)}" for i in node.outputs)
+            outs = ", ".join(f"v{i}: {aval_text(self.values[i].aval)}" for i in node.outputs)
             s = node.slice
             mesh = dict(zip(s.axis_names, s.shape, strict=True))
             lines.append(

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import itertools
 import warnings
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
 import jax.extend.core as jex
@@ -22,9 +22,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from pathways_jax._src import clients, counters, errors, timeline
 from pathways_jax._src.devices import VirtualSlice, only_mesh, spec_parts
 from pathways_jax._src.executable_cache import ExecutableCache
-from pathways_jax._src.futures import Future
+from pathways_jax._src.futures import Future, FutureKey
 from pathways_jax._src.graph import Graph, Node
 from pathways_jax._src.object_store import Charge, Owner
+
+if TYPE_CHECKING:
+    from pathways_jax._src.tracing import Signature
 
 _runs = itertools.count()
 _plans = itertools.count()
@@ -70,12 +73,23 @@ class OutputSlot:
     origin: str
 
     @property
-    def signature(self) -> tuple | None:
+    def signature(self) -> FutureKey | None:
         """The argument cache key of futures made from this output (None: compute later)."""
         if self.sharding is None:
             return None
-        slice_id = self.slice.id if self.slice is not None else None
-        return ("future", tuple(self.aval.shape), self.aval.dtype, self.sharding, slice_id)
+        return FutureKey.of(self.aval, self.sharding, self.slice)
+
+
+class AccountingGroup(NamedTuple):
+    """The nodes of a plan on one set of devices: the accounting watcher times a run by them.
+
+    A run's work on ``devices`` is done when the output in ``slot`` (of the
+    last of those nodes) is ready; its ``node_count`` nodes there share that time.
+    """
+
+    devices: tuple[int, ...]  # device ids, sorted
+    slot: int
+    node_count: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -174,7 +188,7 @@ def _same(a: Any, b: Any, ndim: int) -> bool:
 class Plan:
     """A graph bound to physical devices: what the controller executes per run."""
 
-    def __init__(self, graph: Graph, signature: tuple, donated: frozenset[int] = frozenset()):
+    def __init__(self, graph: Graph, signature: Signature, donated: frozenset[int] = frozenset()):
         self.graph = graph
         self.key = next(_plans)  # never reused, unlike id(): accounting keys its figures by it
         self.donated_args = donated  # argument leaves the caller donated (donate_argnums)
@@ -234,7 +248,7 @@ class Plan:
         self.template.append(value)
         return len(self.template) - 1
 
-    def _lower(self, signature: tuple) -> None:
+    def _lower(self, signature: Signature) -> None:
         graph = self.graph
         values = graph.values
         home: dict[int, tuple[int, Any]] = {}  # vid -> (slot, sharding) on devices
@@ -249,14 +263,17 @@ class Plan:
             input_values[inp.value] = inp.index
             if inp.index in self.donated_args:
                 donated_values.add(inp.value)
-            sig = signature[inp.index]
-            if sig[0] in ("future", "array"):
+            key = signature[inp.index]
+            if key.kind == "future":
                 slot = self._new_slot()
-                (self.future_feeds if sig[0] == "future" else self.array_feeds).append((inp.index, slot))
-                if sig[0] == "future":
-                    self.feed_shardings[slot] = sig[3]
-                home[inp.value] = (slot, sig[3] if sig[0] == "future" else sig[4])
-            else:
+                self.future_feeds.append((inp.index, slot))
+                self.feed_shardings[slot] = key.sharding
+                home[inp.value] = (slot, key.sharding)
+            elif key.kind == "array":
+                slot = self._new_slot()
+                self.array_feeds.append((inp.index, slot))
+                home[inp.value] = (slot, key.sharding)
+            else:  # a numpy array or Python scalar: put on devices per run
                 host_arg[inp.value] = inp.index
 
         readers: collections.Counter[int] = collections.Counter()
@@ -441,7 +458,7 @@ class Plan:
         self.out_charges = out_charges
         # Accounting: per set of devices, the slot of the last node there and
         # how many nodes ran there; the watcher times the run by their readiness.
-        groups: dict[tuple[int, ...], list] = {}
+        groups: dict[tuple[int, ...], AccountingGroup] = {}
         islands: set[int] = set()
         for step in self.steps:
             if isinstance(step, ExecStep):
@@ -449,10 +466,9 @@ class Plan:
                 if not step.out_slots:
                     continue
                 key = tuple(sorted(d.id for d in step.node.slice.physical_mesh.devices.flat))
-                group = groups.setdefault(key, [key, 0, 0])
-                group[1] = step.out_slots[0]
-                group[2] += 1
-        self.acct_groups = tuple(tuple(g) for g in groups.values())
+                count = groups[key].node_count + 1 if key in groups else 1
+                groups[key] = AccountingGroup(key, step.out_slots[0], count)
+        self.acct_groups = tuple(groups.values())
         self.devices = frozenset(d for key in groups for d in key)
         self.islands = frozenset(islands)
         self.cost = 0.0  # an EMA of the measured device-seconds of a run (0: not known yet)
@@ -604,7 +620,7 @@ def _warn_donation(graph: Graph, node: Node, leaf: int) -> None:
     )
 
 
-def lower(graph: Graph, signature: tuple, donated: frozenset[int] = frozenset()) -> Plan:
+def lower(graph: Graph, signature: Signature, donated: frozenset[int] = frozenset()) -> Plan:
     """Binds ``graph`` to the slices' current devices and compiles its nodes.
 
     ``donated``: argument leaves whose buffers the program may consume.
@@ -616,4 +632,4 @@ def lower(graph: Graph, signature: tuple, donated: frozenset[int] = frozenset())
     return plan
 
 
-__all__ = ["Plan", "Run", "lower"]
+__all__ = ["AccountingGroup", "Plan", "Run", "lower"]

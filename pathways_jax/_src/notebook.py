@@ -6,7 +6,6 @@ wait for a value, start the controller or trace a program.
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from pathways_jax._src import readiness, render
+from pathways_jax._src.formatting import escape
 from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
 
 __all__ = ["cluster_html", "future_html", "program_html", "slice_html"]
@@ -22,15 +22,11 @@ _BOX = 'style="font-family: Helvetica, Arial, sans-serif; font-size: 13px;"'
 _STATE_COLOURS = {"pending": "#b7791f", "ready": "#2f855a", "failed": "#c53030", "freed": "#718096"}
 
 
-def _x(text: Any) -> str:
-    return html.escape(str(text), quote=True)
-
-
 def _badge(state: str) -> str:
     colour = _STATE_COLOURS.get(state, "#4a5568")
     return (
         f'<span style="background: {colour}; color: white; border-radius: 4px; padding: 0 6px;">'
-        f"{_x(state)}</span>"
+        f"{escape(state)}</span>"
     )
 
 
@@ -115,7 +111,7 @@ def cluster_html(cluster: Any) -> str:
     n_devices = sum(len(isl.devices) for isl in cluster.islands)
     parts = [
         f'<div class="pw-cluster" {_BOX}>',
-        f"<div><b>Cluster</b> ({_x(cluster.backend)} backend, {state}): {len(cluster.islands)} islands, "
+        f"<div><b>Cluster</b> ({escape(cluster.backend)} backend, {state}): {len(cluster.islands)} islands, "
         f"{n_devices} devices, {len(slices)} live slices</div>",
     ]
     header = ["device", "kind", "host", "slices", "load", "memory"] + (["utilisation"] if has_util else [])
@@ -139,7 +135,7 @@ def cluster_html(cluster: Any) -> str:
         work = f"; {queue.get('queued', 0)} queued, {queue.get('in_flight', 0)} in flight" if queue else ""
         parts.append(
             f'<div style="margin-top: 6px;"><b>island {isl.index}</b> '
-            f"(hosts {', '.join(map(str, hosts))}{_x(work)})</div>"
+            f"(hosts {', '.join(map(str, hosts))}{escape(work)})</div>"
         )
         parts.append(render.table(header, rows))
     if slices:
@@ -176,14 +172,14 @@ def slice_html(slice_: Any) -> str:
     shape = slice_.shape
     grid = ids.reshape(math.prod(shape[:-1]), shape[-1])  # 1-D: one row
     cell = 'style="border: 1px solid #b0b8c8; padding: 2px 8px; text-align: center; background: #f4f6fa;"'
-    body = "".join("<tr>" + "".join(f"<td {cell}>{_x(v)}</td>" for v in row) + "</tr>" for row in grid)
+    body = "".join("<tr>" + "".join(f"<td {cell}>{escape(v)}</td>" for v in row) + "</tr>" for row in grid)
     kind = "exclusive" if slice_.exclusive else "shared"
     state = _badge("released") if slice_.released else ""
     return (
-        f'<div class="pw-slice" {_BOX}><div><b>VirtualSlice #{slice_.id}</b> mesh {_x(_mesh(slice_))}, '
+        f'<div class="pw-slice" {_BOX}><div><b>VirtualSlice #{slice_.id}</b> mesh {escape(_mesh(slice_))}, '
         f"island {slice_.island}, {kind} {state}</div>"
         f'<div style="font-size: 11px; color: #555;">devices in mesh order (rows: '
-        f"{_x(' x '.join(slice_.axis_names[:-1]) or '-')}, columns: {_x(slice_.axis_names[-1])})</div>"
+        f"{escape(' x '.join(slice_.axis_names[:-1]) or '-')}, columns: {escape(slice_.axis_names[-1])})</div>"
         f'<table style="border-collapse: collapse;">{body}</table></div>'
     )
 
@@ -196,8 +192,8 @@ def program_html(program: Any) -> str:
     default = f"slice #{devices.id} {_mesh(devices)}" if devices is not None else "none"
     parts = [
         f'<div class="pw-program" {_BOX}>',
-        f"<div><b>pw.program {_x(program.name)}</b> defined at {_x(program.source_info)}; default devices: "
-        f"{_x(default)}; {len(graphs)} traced signatures, {len(plans)} lowered plans</div>",
+        f"<div><b>pw.program {escape(program.name)}</b> defined at {escape(program.source_info)}; default devices: "
+        f"{escape(default)}; {len(graphs)} traced signatures, {len(plans)} lowered plans</div>",
     ]
     if not graphs:
         parts.append(
@@ -244,8 +240,8 @@ def future_html(future: Any) -> str:
     state, detail = _future_state(future)
     where = f"slice #{entry.slice.id} (island {entry.slice.island})" if entry.slice is not None else "host"
     shape = "x".join(map(str, entry.aval.shape)) or "scalar"
-    detail_html = f'<pre style="margin: 2px 0;">{_x(detail)}</pre>' if detail else ""
+    detail_html = f'<pre style="margin: 2px 0;">{escape(detail)}</pre>' if detail else ""
     return (
-        f'<div class="pw-future" {_BOX}><b>Future</b> {_badge(state)} {_x(shape)} {_x(entry.aval.dtype)} '
-        f'on {_x(where)}<div style="font-size: 11px; color: #555;">{_x(entry.origin)}</div>{detail_html}</div>'
+        f'<div class="pw-future" {_BOX}><b>Future</b> {_badge(state)} {escape(shape)} {escape(entry.aval.dtype)} '
+        f'on {escape(where)}<div style="font-size: 11px; color: #555;">{escape(entry.origin)}</div>{detail_html}</div>'
     )

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import collections
 import functools
-import html
 import math
 import re
 import shutil
 import subprocess
 from typing import TYPE_CHECKING, Any
+
+from pathways_jax._src.formatting import aval_text, escape
 
 if TYPE_CHECKING:
     from pathways_jax._src.graph import Graph
@@ -38,13 +39,6 @@ NO_DOT_NOTE = (
 def find_dot() -> str | None:
     """The path of Graphviz's ``dot`` program, or ``None`` when it is not installed."""
     return shutil.which("dot")
-
-
-def _aval(aval: Any) -> str:
-    try:
-        return aval.str_short(short_dtypes=True)
-    except Exception:
-        return str(aval)
 
 
 def _nbytes(aval: Any) -> int:
@@ -162,7 +156,7 @@ def to_dot(graph: Graph) -> str:
             for i in nodes_on.get(sid, []):
                 node = graph.nodes[i]
                 ins = ", ".join(f"v{v}" for v in node.inputs)
-                outs = ", ".join(f"v{v}: {_aval(graph.values[v].aval)}" for v in node.outputs)
+                outs = ", ".join(f"v{v}: {aval_text(graph.values[v].aval)}" for v in node.outputs)
                 label = f"{node.name} [{node.kind}]\n({ins}) -> ({outs})\n{node.source_info}"
                 fill = "#ffffff" if node.kind == "jit" else "#fff8e1"
                 tooltip = f"{node.name} at {node.source_info}"
@@ -173,15 +167,17 @@ def to_dot(graph: Graph) -> str:
         out.append("  }")
     for j, inp in enumerate(graph.inputs):
         v = graph.values[inp.value]
-        label = f"input {inp.index}\nv{v.id}: {_aval(v.aval)}" + (" (future)" if inp.is_future else "")
+        label = f"input {inp.index}\nv{v.id}: {aval_text(v.aval)}" + (" (future)" if inp.is_future else "")
         out.append(f"  in{j} {_attrs(label=label, shape='ellipse', tooltip=v.origin)};")
     for k, const in enumerate(graph.consts):
         v = graph.values[const.value]
-        out.append(f"  c{k} {_attrs(label=f'const v{v.id}: {_aval(v.aval)}', shape='note')};")
+        out.append(f"  c{k} {_attrs(label=f'const v{v.id}: {aval_text(v.aval)}', shape='note')};")
     for i, t in enumerate(graph.transfers):
         style = TRANSFER_STYLE[t.kind]
         v = graph.values[t.value]
-        label = f"{t.kind.upper()} transfer\nv{t.value} -> v{t.output}\n{_aval(v.aval)}, {_nbytes(v.aval)} B"
+        label = (
+            f"{t.kind.upper()} transfer\nv{t.value} -> v{t.output}\n{aval_text(v.aval)}, {_nbytes(v.aval)} B"
+        )
         tooltip = f"#{t.src.id} (island {t.src.island}) -> #{t.dst.id} (island {t.dst.island})"
         attrs = _attrs(
             label=label,
@@ -198,7 +194,7 @@ def to_dot(graph: Graph) -> str:
         out.append(f"  out{m} {_attrs(label=label, shape='ellipse', style='dashed')};")
     for src, dst, vid in lay.edges:
         kind = lay.transfer_kind(dst) or lay.transfer_kind(src)
-        label = f"v{vid}: {_aval(graph.values[vid].aval)}"
+        label = f"v{vid}: {aval_text(graph.values[vid].aval)}"
         if kind is not None:
             style = TRANSFER_STYLE[kind]
             attrs = _attrs(label=label, color=style["color"], style=style["dot"], penwidth="2")
@@ -239,10 +235,6 @@ def to_svg(graph: Graph) -> str:
     """An SVG picture of the graph: Graphviz's when ``dot`` is installed, else a built-in layout."""
     svg, _ = _svg_via_dot(graph)
     return svg if svg is not None else builtin_svg(graph)
-
-
-def _x(text: Any) -> str:
-    return html.escape(str(text), quote=True)
 
 
 _COL_W, _ROW_H, _BOX_W, _BOX_H, _TOP = 230, 64, 200, 44, 70
@@ -301,8 +293,8 @@ def builtin_svg(graph: Graph) -> str:
             for name, colour in (("plain", "#555555"), ("ici", "#1f5fbf"), ("dcn", "#c0392b"))
         )
         + "</defs>",
-        f'<text x="10" y="18" font-size="13" font-weight="bold">program {_x(graph.name)} '
-        f'<tspan font-weight="normal">({_x(graph.source_info)})</tspan></text>',
+        f'<text x="10" y="18" font-size="13" font-weight="bold">program {escape(graph.name)} '
+        f'<tspan font-weight="normal">({escape(graph.source_info)})</tspan></text>',
         '<text x="10" y="34" fill="#555555">blue solid: ICI transfer · red dashed: DCN transfer</text>',
     ]
     # Island and slice bands.
@@ -318,9 +310,9 @@ def builtin_svg(graph: Graph) -> str:
         for sid, s in slices.items():
             cx = 10 + columns[sid] * _COL_W
             parts.append(
-                f'<g class="slice"><title>{_x(_slice_label(s))}</title><rect x="{cx + 10}" y="56" '
+                f'<g class="slice"><title>{escape(_slice_label(s))}</title><rect x="{cx + 10}" y="56" '
                 f'width="{_COL_W - 20}" height="{height - 72}" rx="6" fill="#f4f6fa" stroke="#b0b8c8"/>'
-                f'<text x="{cx + 16}" y="68" font-size="10">{_x(_slice_label(s))}</text></g>'
+                f'<text x="{cx + 16}" y="68" font-size="10">{escape(_slice_label(s))}</text></g>'
             )
     parts.append('<text x="16" y="68" font-size="10" fill="#555555">host</text>')
     # Edges first, boxes on top.
@@ -342,18 +334,18 @@ def builtin_svg(graph: Graph) -> str:
         parts.append(
             f'<path d="M{x0:.0f},{y0:.0f} C{x0 + bend:.0f},{y0 + 20:.0f} {x1 + bend:.0f},{y1 - 20:.0f} '
             f'{x1:.0f},{y1:.0f}" fill="none" stroke="{colour}" stroke-width="{2 if kind else 1}"{dash} '
-            f'marker-end="url(#pw-arrow-{kind or "plain"})"><title>v{vid}: {_x(_aval(graph.values[vid].aval))}</title></path>'
+            f'marker-end="url(#pw-arrow-{kind or "plain"})"><title>v{vid}: {escape(aval_text(graph.values[vid].aval))}</title></path>'
         )
 
     def box(element: str, lines: list[str], tooltip: str, fill: str, stroke: str, dash: str = "") -> None:
         x, y = centre(element)
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
         text = "".join(
-            f'<tspan x="{x:.0f}" dy="{0 if n == 0 else 13}">{_x(_fit(line))}</tspan>'
+            f'<tspan x="{x:.0f}" dy="{0 if n == 0 else 13}">{escape(_fit(line))}</tspan>'
             for n, line in enumerate(lines)
         )
         parts.append(
-            f'<g class="element" id="pw-{element}"><title>{_x(tooltip)}</title>'
+            f'<g class="element" id="pw-{element}"><title>{escape(tooltip)}</title>'
             f'<rect x="{x - _BOX_W / 2:.0f}" y="{y - _BOX_H / 2:.0f}" width="{_BOX_W}" height="{_BOX_H}" rx="6" '
             f'fill="{fill}" stroke="{stroke}"{dash_attr}/>'
             f'<text x="{x:.0f}" y="{y - _BOX_H / 2 + 14:.0f}" text-anchor="middle">{text}</text></g>'
@@ -361,10 +353,10 @@ def builtin_svg(graph: Graph) -> str:
 
     for j, inp in enumerate(graph.inputs):
         v = graph.values[inp.value]
-        box(f"in{j}", [f"input {inp.index}", f"v{v.id}: {_aval(v.aval)}"], v.origin, "#ffffff", "#555555")
+        box(f"in{j}", [f"input {inp.index}", f"v{v.id}: {aval_text(v.aval)}"], v.origin, "#ffffff", "#555555")
     for k, const in enumerate(graph.consts):
         v = graph.values[const.value]
-        box(f"c{k}", [f"const v{v.id}", _aval(v.aval)], v.origin, "#ffffff", "#999999")
+        box(f"c{k}", [f"const v{v.id}", aval_text(v.aval)], v.origin, "#ffffff", "#999999")
     for i, node in enumerate(graph.nodes):
         outs = ", ".join(f"v{v}" for v in node.outputs)
         fill = "#ffffff" if node.kind == "jit" else "#fff8e1"
@@ -380,7 +372,10 @@ def builtin_svg(graph: Graph) -> str:
         v = graph.values[t.value]
         box(
             f"t{i}",
-            [f"{t.kind.upper()} transfer v{t.value} -> v{t.output}", f"{_aval(v.aval)}, {_nbytes(v.aval)} B"],
+            [
+                f"{t.kind.upper()} transfer v{t.value} -> v{t.output}",
+                f"{aval_text(v.aval)}, {_nbytes(v.aval)} B",
+            ],
             f"#{t.src.id} (island {t.src.island}) -> #{t.dst.id} (island {t.dst.island})",
             "#ffffff",
             style["color"],
@@ -401,8 +396,8 @@ _CELL = 'style="border: 1px solid #ddd; padding: 2px 6px; text-align: left;"'
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
     """A small HTML table; every cell is escaped."""
-    head = "".join(f"<th {_CELL}>{_x(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td {_CELL}>{_x(c)}</td>" for c in row) + "</tr>" for row in rows)
+    head = "".join(f"<th {_CELL}>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td {_CELL}>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table {_TABLE}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -429,7 +424,7 @@ def steps_table(graph: Graph) -> str:
                     f"{t.kind.upper()} transfer",
                     f"island {t.src.island} -> {t.dst.island}",
                     f"#{t.src.id} -> #{t.dst.id}",
-                    f"v{t.value} -> v{t.output}: {_aval(v.aval)}, {_nbytes(v.aval)} B",
+                    f"v{t.value} -> v{t.output}: {aval_text(v.aval)}, {_nbytes(v.aval)} B",
                     "",
                 ]
             )
@@ -443,13 +438,13 @@ def to_html(graph: Graph) -> str:
         svg = builtin_svg(graph)
     parts = [
         '<div class="pw-graph">',
-        f"<div><b>Graph {_x(graph.name)}</b>: {len(graph.nodes)} nodes, {len(graph.transfers)} transfers "
-        f"({sum(t.kind == 'dcn' for t in graph.transfers)} DCN), defined at {_x(graph.source_info)}</div>",
+        f"<div><b>Graph {escape(graph.name)}</b>: {len(graph.nodes)} nodes, {len(graph.transfers)} transfers "
+        f"({sum(t.kind == 'dcn' for t in graph.transfers)} DCN), defined at {escape(graph.source_info)}</div>",
         f'<div style="overflow: auto;">{svg}</div>',
     ]
     if note is not None:
-        parts.append(f'<div style="color: #8a6d3b; font-size: 12px;">{_x(note)}</div>')
+        parts.append(f'<div style="color: #8a6d3b; font-size: 12px;">{escape(note)}</div>')
     parts.append(f"<details><summary>nodes and transfers</summary>{steps_table(graph)}</details>")
-    parts.append(f"<details><summary>DOT source</summary><pre>{_x(to_dot(graph))}</pre></details>")
+    parts.append(f"<details><summary>DOT source</summary><pre>{escape(to_dot(graph))}</pre></details>")
     parts.append("</div>")
     return "".join(parts)

@@ -40,6 +40,7 @@ from typing import Any
 from absl import logging
 
 from pathways_jax._src import errors, readiness
+from pathways_jax._src.formatting import aval_text
 
 __all__ = ["ACTIVE", "Recorder", "start_trace", "stop_trace", "trace"]
 
@@ -74,13 +75,6 @@ def _device_ids(sharding: Any) -> tuple[int, ...]:
         return tuple(sorted(d.id for d in sharding.device_set))
     except Exception:
         return ()
-
-
-def _short(aval: Any) -> str:
-    try:
-        return aval.str_short(short_dtypes=True)
-    except Exception:
-        return str(aval)
 
 
 class _Work:
@@ -354,7 +348,7 @@ class Recorder:
             "client": client,
             "kind": kind,
             "bytes": nbytes,
-            "value": _short(getattr(src, "aval", None)),
+            "value": aval_text(getattr(src, "aval", None)),
             "src_devices": list(_device_ids(getattr(src, "sharding", None))),
             "dst_devices": list(dst_ids),
             "dispatched_us": self._us(start),

@@ -9,7 +9,7 @@ import inspect
 import re
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import jax
 import numpy as np
@@ -23,7 +23,7 @@ from pathways_jax._src.devices import (
     explicit_view,
     only_mesh,
 )
-from pathways_jax._src.futures import Future
+from pathways_jax._src.futures import Future, FutureKey
 from pathways_jax._src.graph import Graph
 
 JIT_SCOPE = "pw_jit"
@@ -79,21 +79,52 @@ class TracerArgument(Exception):
     """Raised when a program is called with JAX tracers (inside a transformation)."""
 
 
-def _future_key(leaf: Future) -> tuple:
-    return leaf._entry.signature or future_signature(leaf._entry)
+class ArrayKey(NamedTuple):
+    """The cache key of a ``jax.Array`` argument leaf: used where it is, as it is."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    weak_type: bool
+    sharding: Any
+    kind: Literal["array"] = "array"
 
 
-def _array_key(leaf: jax.Array) -> tuple:
+class NumpyKey(NamedTuple):
+    """The cache key of a numpy array argument leaf: put on devices at each call."""
+
+    shape: tuple[int, ...]
+    dtype: Any  # canonical: what JAX makes of it
+    kind: Literal["numpy"] = "numpy"
+
+
+class ScalarKey(NamedTuple):
+    """The cache key of a Python scalar argument leaf (a weakly typed value, but for bool)."""
+
+    python_type: type
+    kind: Literal["scalar"] = "scalar"
+
+
+# The cache key of one argument leaf: what tracing and lowering depend on.
+# NamedTuples: hashed and compared as tuples (the kind keeps kinds apart).
+ArgKey = FutureKey | ArrayKey | NumpyKey | ScalarKey
+Signature = tuple[ArgKey, ...]  # one key per argument leaf
+
+
+def _future_key(leaf: Future) -> FutureKey:
+    entry = leaf._entry
+    return entry.signature or FutureKey.of(entry.aval, entry.sharding, entry.slice)
+
+
+def _array_key(leaf: jax.Array) -> ArrayKey:
     aval = leaf.aval  # an attribute: shape, dtype and weak_type are properties reading it
-    return ("array", aval.shape, aval.dtype, aval.weak_type, leaf.sharding)
+    return ArrayKey(aval.shape, aval.dtype, aval.weak_type, leaf.sharding)
 
 
 # Exact-type fast path of the signature (the common argument kinds).
-_KEYS: dict[type, Callable[[Any], tuple]] = {Future: _future_key}
+_KEYS: dict[type, Callable[[Any], ArgKey]] = {Future: _future_key}
 
 
-def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
-    # The tuple is the cache key of the leaf: what tracing and lowering depend on.
+def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
     fast = _KEYS.get(type(leaf))
     if fast is not None:
         return fast(leaf)
@@ -105,11 +136,11 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
         if isinstance(getattr(leaf, "aval", None), jax.core.ShapedArray):
             _KEYS.setdefault(type(leaf), _array_key)
             return _array_key(leaf)
-        return ("array", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
+        return ArrayKey(leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
     if isinstance(leaf, np.ndarray | np.generic):
-        return ("numpy", leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
+        return NumpyKey(leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
     if isinstance(leaf, _SCALARS):
-        return ("scalar", type(leaf))
+        return ScalarKey(type(leaf))
     if nnx_graph.is_graph_leaf(leaf):
         raise nnx_graph.GraphArgument(position)
     raise errors.ProgramTraceError(
@@ -120,7 +151,7 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> tuple:
     )
 
 
-def _mesh_slice(signature: tuple, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
+def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
     """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
 
     ``hint`` (the mesh of the program's own ``in_shardings``) wins; then the mesh
@@ -128,7 +159,7 @@ def _mesh_slice(signature: tuple, hint: jax.sharding.Mesh | None) -> VirtualSlic
     """
     from pathways_jax._src import devices as devices_lib
 
-    meshes = [hint, *(getattr(sig[4], "mesh", None) for sig in signature if sig[0] == "array")]
+    meshes = [hint, *(getattr(key.sharding, "mesh", None) for key in signature if key.kind == "array")]
     for mesh in meshes:
         if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
             ids = tuple(d.id for d in mesh.devices.flat)
@@ -137,12 +168,12 @@ def _mesh_slice(signature: tuple, hint: jax.sharding.Mesh | None) -> VirtualSlic
     return None
 
 
-def _device_slice(signature: tuple) -> VirtualSlice:
+def _device_slice(signature: Signature) -> VirtualSlice:
     """With no argument on a mesh: the first array argument's device, else JAX's default device."""
     from pathways_jax._src import devices as devices_lib
 
-    for sig in signature:
-        placed = getattr(sig[4], "device_set", None) if sig[0] == "array" else None
+    for key in signature:
+        placed = getattr(key.sharding, "device_set", None) if key.kind == "array" else None
         if placed and len(placed) == 1:
             return devices_lib.implied((next(iter(placed)).id,), {"x": 1})
     default = getattr(jax.config, "jax_default_device", None)
@@ -150,27 +181,39 @@ def _device_slice(signature: tuple) -> VirtualSlice:
     return devices_lib.implied((device.id,), {"x": 1})
 
 
-def future_signature(entry: Any) -> tuple:
-    """The cache key of a future argument (computed once, when the value is made)."""
-    slice_id = entry.slice.id if entry.slice is not None else None
-    return ("future", tuple(entry.aval.shape), entry.aval.dtype, entry.sharding, slice_id)
-
-
-def _abstract(signature: tuple, default: VirtualSlice | None = None) -> jax.ShapeDtypeStruct:
+def _abstract(key: ArgKey, default: VirtualSlice | None = None) -> jax.ShapeDtypeStruct:
     # On a slice with Explicit axes the trace sees each input as the slice holds
     # it (its spec if it fits the slice, else replicated), whatever mesh it came on.
-    match signature:
-        case ("future", shape, dtype, sharding, _):
+    match key:
+        case FutureKey(shape=shape, dtype=dtype, sharding=sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=explicit_view(default, sharding, shape))
-        case ("array", shape, dtype, weak, sharding):
+        case ArrayKey(shape=shape, dtype=dtype, weak_type=weak, sharding=sharding):
             view = explicit_view(default, sharding, shape)
             return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=view)
-        case ("numpy", shape, dtype):
+        case NumpyKey(shape=shape, dtype=dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=explicit_view(default, None, shape))
-        case ("scalar", kind):
-            dtype = jax.dtypes.canonicalize_dtype(np.dtype(kind))
-            return jax.ShapeDtypeStruct((), dtype, weak_type=kind is not bool)
-    raise AssertionError(signature)  # pragma: no cover
+        case ScalarKey(python_type=python_type):
+            dtype = jax.dtypes.canonicalize_dtype(np.dtype(python_type))
+            return jax.ShapeDtypeStruct((), dtype, weak_type=python_type is not bool)
+    raise AssertionError(key)  # pragma: no cover
+
+
+class TraceInputs(NamedTuple):
+    """What tracing and lowering a call need of its arguments (made per call by ``Program._split``)."""
+
+    treedef: Any  # of the dynamic arguments: (positional tuple, keyword dict)
+    statics: tuple[tuple[int | str, Any], ...]  # (position or keyword name, value), in position order
+    signature: Signature  # one key per dynamic leaf
+    ambient: VirtualSlice | None  # the enclosing ``with slice:`` (None: none, or the program has devices)
+    leaves: list[Any]  # the dynamic leaves themselves
+
+
+class _LastCall(NamedTuple):
+    """The last call whose arguments were all futures: the next such call may skip its lookups."""
+
+    signatures: tuple[FutureKey, ...]  # the futures' keys (shared objects: compared by identity)
+    ambient: VirtualSlice | None
+    plan: Any  # lowering.Plan
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -297,18 +340,18 @@ class Program:
         self._lock = threading.RLock()
         self._graphs: dict[Any, Graph] = {}
         self._plans: dict[Any, Any] = {}
-        # (argument signatures, ambient slice, plan) of the last all-futures call.
-        self._last: tuple | None = None
+        self._last: _LastCall | None = None
         functools.update_wrapper(self, fun)
 
-    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, list, Any]:
+    def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, TraceInputs]:
+        """The cache key of a call and what tracing it needs."""
         if not self._static and not (kwargs and self._static_names):
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             ambient = context.current_slice() if self._devices is None else None
             name = self.name
             signature = tuple([_leaf_signature(leaf, i, name) for i, leaf in enumerate(leaves)])
             key: tuple = (treedef, signature, (), ambient.id if ambient is not None else None)
-            return key, leaves, (treedef, (), signature, ambient, leaves)
+            return key, TraceInputs(treedef, (), signature, ambient, leaves)
         statics: list[tuple[int | str, Any]] = []  # (position or keyword name, value)
         dynamic = list(args)
         if self._static_names and kwargs:
@@ -334,7 +377,7 @@ class Program:
         key = (treedef, signature, tuple(statics), ambient.id if ambient is not None else None)
         ordered = tuple(reversed([s for s in statics if isinstance(s[0], int)]))
         named = tuple(s for s in statics if isinstance(s[0], str))
-        return key, leaves, (treedef, ordered + named, signature, ambient, leaves)
+        return key, TraceInputs(treedef, ordered + named, signature, ambient, leaves)
 
     def _check_static(self, where: int | str, value: Any) -> None:
         """Refuses a static argument that cannot key the program's cache.
@@ -413,7 +456,7 @@ class Program:
           >>> s.release()
         """
         try:
-            key, _leaves, how = self._split(args, kwargs)
+            key, inputs = self._split(args, kwargs)
         except nnx_graph.GraphArgument:
             return nnx_graph.graph(self, args, kwargs)
         except errors.ProgramTraceError:
@@ -422,9 +465,9 @@ class Program:
             return nnx_graph.graph(self, args, kwargs)  # names the NNX state at fault
         if nnx_graph.routes(self, (args, kwargs)):
             return nnx_graph.graph(self, args, kwargs)
-        return self._graph_for(key, how)
+        return self._graph_for(key, inputs)
 
-    def _graph_for(self, key: Any, how: tuple) -> Graph:
+    def _graph_for(self, key: Any, inputs: TraceInputs) -> Graph:
         graph = self._graphs.get(key)
         # A graph on a slice that is gone is traced again: the slices a program
         # with no placement implied belonged to a cluster that was shut down, and
@@ -434,7 +477,7 @@ class Program:
         # Traced with no lock held: the trace runs the user's code, which may
         # call this program from a thread it then joins. Threads tracing one
         # signature at once each finish; the first graph stored is kept.
-        graph = self._trace(*how)
+        graph = self._trace(inputs)
         if self._fuse:
             graph = fusion.fuse(graph)
         with self._lock:
@@ -443,15 +486,9 @@ class Program:
                 kept = self._graphs[key] = graph
             return kept
 
-    def _trace(
-        self,
-        treedef: Any,
-        statics: tuple,
-        signature: tuple,
-        ambient: VirtualSlice | None,
-        leaves: list[Any],
-    ) -> Graph:
-        default = self._devices if self._devices is not None else ambient
+    def _trace(self, inputs: TraceInputs) -> Graph:
+        treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
+        default = self._devices if self._devices is not None else inputs.ambient
         if default is not None:
             default.check_usable()
         state = TraceState(default)
@@ -510,7 +547,7 @@ class Program:
             name=self.name,
             source_info=self.source_info,
             closed=closed,
-            input_slices=tuple(leaf.slice if isinstance(leaf, Future) else None for leaf in leaves),
+            input_slices=tuple(leaf.slice if isinstance(leaf, Future) else None for leaf in inputs.leaves),
             state=state,
             out_tree=out_trees[-1],
         )
@@ -526,21 +563,21 @@ class Program:
             with self._devices:
                 return self._fun(*args, **kwargs)
         last = self._last
-        if last is not None and not kwargs and len(args) == len(last[0]):
+        if last is not None and not kwargs and len(args) == len(last.signatures):
             # The call before had the same future arguments (signatures are shared
             # objects) and the same ambient slice: skip the signature and lookups.
-            signatures, ambient, plan = last
+            plan = last.plan
             if (
                 all(
                     type(a) is Future and a._entry.signature is sig
-                    for a, sig in zip(args, signatures, strict=True)
+                    for a, sig in zip(args, last.signatures, strict=True)
                 )
-                and (self._devices is not None or context.current_slice() is ambient)
+                and (self._devices is not None or context.current_slice() is last.ambient)
                 and plan.is_current()
             ):
                 return plan.submit(list(args))
         try:
-            key, leaves, how = self._split(args, kwargs)
+            key, inputs = self._split(args, kwargs)
         except TracerArgument as exc:
             raise errors.ProgramTraceError(
                 f"program {self.name!r} ({self.source_info}) was called with a JAX tracer as "
@@ -562,17 +599,17 @@ class Program:
                 return nnx_graph.call(self, args, kwargs)
             from pathways_jax._src import lowering
 
-            graph = self._graph_for(key, how)
+            graph = self._graph_for(key, inputs)
             donated = self._donated_leaves(args)
             with self._lock:  # one lowering per signature; lowering runs no user code
                 plan = self._plans.get(key)
                 if plan is None or not plan.is_current():
-                    plan = lowering.lower(graph, how[2], donated)
+                    plan = lowering.lower(graph, inputs.signature, donated)
                     self._plans[key] = plan
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
-            self._last = (tuple(a._entry.signature for a in args), how[3], plan)
-        return plan.submit(leaves)
+            self._last = _LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan)
+        return plan.submit(inputs.leaves)
 
     def _repr_html_(self) -> str:
         from pathways_jax._src import notebook

@@ -33,7 +33,19 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src import counters, errors, timeline
+from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.base import StepFailed, Window
+from pathways_jax._src.backends.ray_host import (
+    ExecOp,
+    NamedDesc,
+    Op,
+    PutOp,
+    RecvOp,
+    RunFailure,
+    SendOp,
+    ShardingDesc,
+    SingleDesc,
+)
 
 if TYPE_CHECKING:
     from pathways_jax._src.lowering import Plan
@@ -174,10 +186,10 @@ class HostPlan:
     __slots__ = ("blobs", "constants", "data", "futures", "keep", "ops")
 
     def __init__(self) -> None:
-        self.ops: list[tuple] = []
-        self.constants: dict[int, tuple] = {}  # slot -> (numpy, desc)
+        self.ops: list[Op] = []
+        self.constants: dict[int, tuple[np.ndarray, ShardingDesc]] = {}  # slot -> (value, desc)
         self.blobs: dict[str, tuple] = {}  # fingerprint -> (bytes, in descs, out descs)
-        self.data: list[tuple[int, int, tuple]] = []  # (run slot, host slot, desc): fed per run
+        self.data: list[tuple[int, int, ShardingDesc]] = []  # (run slot, host slot, desc): fed per run
         self.futures: list[int] = []  # slots fed by values already on the host
         self.keep: list[int] = []  # slots kept after the run (program outputs)
 
@@ -261,8 +273,7 @@ class RemotePlan:
                         tuple(where(s, node.name)[1] for s in out_shardings),
                     )
                 hp.ops.append(
-                    (
-                        "exec",
+                    ExecOp(
                         fingerprint,
                         step.in_slots,
                         step.out_slots,
@@ -283,10 +294,10 @@ class RemotePlan:
             if step.kind is not None:
                 self.transfers[step.kind] += 1
             if src_host == dst_host:
-                part(dst_host).ops.append(("put", step.src, step.dst, desc))
+                part(dst_host).ops.append(PutOp(step.src, step.dst, desc))
             else:
-                part(src_host).ops.append(("send", step.src, dst_host, index))
-                part(dst_host).ops.append(("recv", step.dst, src_host, index, desc))
+                part(src_host).ops.append(SendOp(step.src, dst_host, index))
+                part(dst_host).ops.append(RecvOp(step.dst, src_host, index, desc))
             slot_host[step.dst] = dst_host
 
         # What the run keeps on the hosts: the program's outputs.
@@ -367,8 +378,6 @@ class RayBackend:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pathways_jax._src.backends import ray_host
-
         self._remove_pg = remove_placement_group
         self.pg = placement_group([{"CPU": 1}] * hosts, strategy="SPREAD")
         try:
@@ -421,13 +430,13 @@ class RayBackend:
         m = self.devices_per_host
         return tuple(tuple(self.standins[h * m : (h + 1) * m]) for h in range(self.hosts))
 
-    def where(self, sharding: Any, what: str) -> tuple[int, tuple]:
+    def where(self, sharding: Any, what: str) -> tuple[int, ShardingDesc]:
         """The host of a stand-in sharding and its host-local descriptor."""
         if isinstance(sharding, jax.sharding.SingleDeviceSharding):
             device: Any  # a jax.Device; its stub type does not resolve here
             (device,) = sharding.device_set
             host, index = self._where[device.id]
-            return host, ("single", index)
+            return host, SingleDesc(index)
         if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
             places = [self._where[d.id] for d in sharding.mesh.devices.flat]
             hosts = {h for h, _ in places}
@@ -436,8 +445,7 @@ class RayBackend:
                     f"{what} is sharded over devices of hosts {sorted(hosts)}; on the Ray backend a "
                     "value lives on one host (islands are single hosts)."
                 )
-            return places[0][0], (
-                "named",
+            return places[0][0], NamedDesc(
                 tuple(i for _, i in places),
                 sharding.mesh.devices.shape,
                 sharding.mesh.axis_names,
@@ -491,7 +499,7 @@ class RayBackend:
             if rec is not None:
                 rec.sent(run, host, marker, t0)
         slot_host = remote.slot_host
-        return outputs, tuple([markers[slot_host[slot]] for _, slot, _ in plan.acct_groups])
+        return outputs, tuple([markers[slot_host[group.slot]] for group in plan.acct_groups])
 
     def settle(self, in_flight: collections.deque) -> None:
         self.retire_ready(in_flight)
@@ -634,16 +642,15 @@ class RayBackend:
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
         if status is None:
             return None
-        if not isinstance(status, tuple):  # a message that failed before its run began
+        if not isinstance(status, RunFailure):  # a message that failed before its run began
             return with_remote_traceback(
                 errors.ProgramFailedError(f"host {host} failed: {getattr(status, 'message', status)}"),
                 host,
                 getattr(status, "trace", ""),
             )
-        kind, peer, message, trace = status
-        if kind == "lost":
-            return errors.HostLostError(self._lost_message(peer, f"a run on host {host}"))
-        return with_remote_traceback(errors.ProgramFailedError(message), host, trace)
+        if status.kind == "lost" and status.peer is not None:
+            return errors.HostLostError(self._lost_message(status.peer, f"a run on host {host}"))
+        return with_remote_traceback(errors.ProgramFailedError(status.message), host, status.trace)
 
     def host_stats(self, timeout: float = _CALL_TIMEOUT_S) -> dict[int, dict]:
         """Each live host's counts: values kept, runs done, executables and plans cached."""

@@ -15,10 +15,14 @@ Message kinds, in the order the controller numbered them:
   fingerprint and compiled here.
 - ``"run"``: one run of a registered plan: its inputs (values already here,
   or data), which results to keep under which keys. Answered once the run's
-  work on this host is complete: ``None``, or ``(kind, peer, message, trace)``
-  with kind ``"error"`` or ``"lost"`` (a value was to come from the lost host
-  ``peer``) and ``trace`` the host's formatted traceback (``""`` if none).
+  work on this host is complete: ``None``, or a :class:`RunFailure`.
 - ``"fetch"``: a kept value as a numpy array. ``"free"``: drop kept values.
+
+A plan's part is a list of operations (:class:`ExecOp`, :class:`PutOp`,
+:class:`SendOp`, :class:`RecvOp`) whose shardings are host-local descriptors
+(:class:`SingleDesc`, :class:`NamedDesc`). They are NamedTuples defined here,
+so both sides pickle them without this module importing the rest of
+pathways_jax.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import os
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 # How long a host waits for a value another host pushes before failing the run.
 RECEIVE_TIMEOUT_S = 600.0
@@ -47,17 +51,86 @@ class RemoteFailure(Exception):
     """A value this host waited for comes from a run that failed on its host."""
 
 
-def sharding_of(desc: tuple, devices: list) -> Any:
+class SingleDesc(NamedTuple):
+    """A value on one device: the host's device number ``device_index``."""
+
+    device_index: int
+    kind: Literal["single"] = "single"
+
+
+class NamedDesc(NamedTuple):
+    """A value sharded with ``spec`` over a mesh of the host's devices."""
+
+    device_indices: tuple[int, ...]  # the host's devices, in the mesh's order
+    grid_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    spec: Any  # a jax.sharding.PartitionSpec
+    kind: Literal["named"] = "named"
+
+
+ShardingDesc = SingleDesc | NamedDesc
+
+
+class ExecOp(NamedTuple):
+    """Run a compiled computation (by fingerprint) on the values in ``in_slots``."""
+
+    fingerprint: str
+    in_slots: tuple[int, ...]
+    out_slots: tuple[int, ...]
+    windowed: bool  # counts against the host's bound of executables in flight
+    name: str  # the node, as messages name it
+    kind: Literal["exec"] = "exec"
+
+
+class PutOp(NamedTuple):
+    """Copy slot ``src`` to slot ``dst`` with another sharding, on this host."""
+
+    src: int
+    dst: int
+    desc: ShardingDesc
+    kind: Literal["put"] = "put"
+
+
+class SendOp(NamedTuple):
+    """Push slot ``src`` to host ``peer``; ``tag`` (the plan's step) names it there."""
+
+    src: int
+    peer: int
+    tag: int
+    kind: Literal["send"] = "send"
+
+
+class RecvOp(NamedTuple):
+    """Wait for the value host ``peer`` pushes under ``tag``; put it in slot ``dst``."""
+
+    dst: int
+    peer: int
+    tag: int
+    desc: ShardingDesc
+    kind: Literal["recv"] = "recv"
+
+
+Op = ExecOp | PutOp | SendOp | RecvOp
+
+
+class RunFailure(NamedTuple):
+    """Why a host's part of a run failed: the answer to its ``"run"`` message."""
+
+    kind: Literal["error", "lost"]  # "lost": a value was to come from the lost host ``peer``
+    peer: int | None
+    message: str
+    trace: str  # the host's formatted traceback ("" if none)
+
+
+def sharding_of(desc: ShardingDesc, devices: list) -> Any:
     """The host-local ``jax.sharding.Sharding`` a controller descriptor names."""
     import jax
     import numpy as np
 
-    kind = desc[0]
-    if kind == "single":
-        return jax.sharding.SingleDeviceSharding(devices[desc[1]])
-    _, indices, shape, names, spec = desc
-    grid = np.array([devices[i] for i in indices], dtype=object).reshape(shape)
-    return jax.sharding.NamedSharding(jax.sharding.Mesh(grid, names), spec)
+    if isinstance(desc, SingleDesc):
+        return jax.sharding.SingleDeviceSharding(devices[desc.device_index])
+    grid = np.array([devices[i] for i in desc.device_indices], dtype=object).reshape(desc.grid_shape)
+    return jax.sharding.NamedSharding(jax.sharding.Mesh(grid, desc.axis_names), desc.spec)
 
 
 class Host:
@@ -78,7 +151,7 @@ class Host:
         self.peers: list[Any] = []
         self.values: dict[int, Any] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
-        self.plans: dict[int, tuple] = {}  # plan key -> (ops, constants)
+        self.plans: dict[int, tuple[list[Op], dict]] = {}  # plan key -> (ops, constants)
         # plan key -> why its registration failed, and the host's traceback
         self.broken: dict[int, tuple[str, str]] = {}
         self.lost_peers: set[int] = set()
@@ -173,14 +246,14 @@ class Host:
             else:
                 self._answer(future, result)
 
-    def _register(self, key: int, ops: list, constants: dict, blobs: dict) -> None:
+    def _register(self, key: int, ops: list[Op], constants: dict, blobs: dict) -> None:
         try:
             self._compile_plan(key, ops, constants, blobs)
         except BaseException as exc:  # its runs fail with this reason
             self.broken[key] = (f"registering the plan failed: {type(exc).__name__}: {exc}", _trace(exc))
             raise
 
-    def _compile_plan(self, key: int, ops: list, constants: dict, blobs: dict) -> None:
+    def _compile_plan(self, key: int, ops: list[Op], constants: dict, blobs: dict) -> None:
         import jax
 
         for fingerprint, (blob, in_descs, out_descs) in blobs.items():
@@ -216,7 +289,9 @@ class Host:
         self._free(frees)
         if key not in self.plans:
             why, trace = self.broken.get(key, ("it was never registered", ""))
-            self._answer(future, ("error", None, f"host {self.index}: plan {key} cannot run: {why}", trace))
+            self._answer(
+                future, RunFailure("error", None, f"host {self.index}: plan {key} cannot run: {why}", trace)
+            )
             return
         ops, constants = self.plans[key]
         env: dict[int, Any] = dict(constants)
@@ -235,41 +310,37 @@ class Host:
                     env[slot] = jax.device_put(data, sharding_of(desc, self.devices))
             for index, op in enumerate(ops):
                 step = index
-                kind = op[0]
-                if kind == "exec":
-                    _, fingerprint, in_slots, out_slots, windowed, _name = op
-                    if windowed:
-                        while len(self._in_flight) >= self.window:
-                            self._in_flight.popleft().block_until_ready()
-                    outs = self.executables[fingerprint](*[env[s] for s in in_slots])
-                    for slot, array in zip(out_slots, outs, strict=True):
-                        env[slot] = array
-                    if outs:
-                        made.append(outs[0])
-                        if windowed:
-                            self._in_flight.append(outs[0])
-                elif kind == "put":
-                    _, src, dst, desc = op
-                    env[dst] = jax.device_put(env[src], sharding_of(desc, self.devices))
-                elif kind == "send":
-                    _, src, peer, tag = op
-                    self._send(peer, (run_id, tag), env[src])
-                else:  # "recv"
-                    _, dst, peer, tag, desc = op
-                    data = self._wait_inbox(peer, (run_id, tag))
-                    env[dst] = jax.device_put(data, sharding_of(desc, self.devices))
-                    made.append(env[dst])
+                match op:
+                    case ExecOp():
+                        if op.windowed:
+                            while len(self._in_flight) >= self.window:
+                                self._in_flight.popleft().block_until_ready()
+                        outs = self.executables[op.fingerprint](*[env[s] for s in op.in_slots])
+                        for slot, array in zip(op.out_slots, outs, strict=True):
+                            env[slot] = array
+                        if outs:
+                            made.append(outs[0])
+                            if op.windowed:
+                                self._in_flight.append(outs[0])
+                    case PutOp():
+                        env[op.dst] = jax.device_put(env[op.src], sharding_of(op.desc, self.devices))
+                    case SendOp():
+                        self._send(op.peer, (run_id, op.tag), env[op.src])
+                    case RecvOp():
+                        data = self._wait_inbox(op.peer, (run_id, op.tag))
+                        env[op.dst] = jax.device_put(data, sharding_of(op.desc, self.devices))
+                        made.append(env[op.dst])
         except BaseException as exc:
             # Peers waiting for this run's values hear that they will not come.
             for later in ops[step + 1 :] if step >= 0 else ops:
-                if later[0] == "send":
-                    self._send(later[2], (run_id, later[3]), RemoteFailure(f"host {self.index} failed"))
+                if isinstance(later, SendOp):
+                    self._send(later.peer, (run_id, later.tag), RemoteFailure(f"host {self.index} failed"))
             detail = f"host {self.index}: {_describe(exc, ops, step)}"
             self._answer(
                 future,
-                ("lost", exc.peer, detail, "")
+                RunFailure("lost", exc.peer, detail, "")
                 if isinstance(exc, Lost)
-                else ("error", None, detail, _trace(exc)),
+                else RunFailure("error", None, detail, _trace(exc)),
             )
             return
         for slot, value_key in keep:
@@ -323,12 +394,12 @@ class Host:
                     result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
                 self._answer(future, result)
                 continue
-            status = None
+            status: RunFailure | None = None
             for array in what:
                 try:
                     array.block_until_ready()
                 except Exception as exc:
-                    status = (
+                    status = RunFailure(
                         "error",
                         None,
                         f"host {self.index}: execution failed: {type(exc).__name__}: {exc}",
@@ -372,11 +443,11 @@ class _Error:
         return f"_Error({self.message!r})"
 
 
-def _describe(exc: BaseException, ops: list, step: int) -> str:
+def _describe(exc: BaseException, ops: list[Op], step: int) -> str:
     where = ""
     if 0 <= step < len(ops):
         op = ops[step]
-        where = f" in node {op[5]}" if op[0] == "exec" else f" in a {op[0]} step"
+        where = f" in node {op.name}" if isinstance(op, ExecOp) else f" in a {op.kind} step"
     if isinstance(exc, Lost | RemoteFailure):
         return f"{exc}{where}"
     return f"run failed{where}: {type(exc).__name__}: {exc}"

@@ -1,0 +1,227 @@
+"""Typed records instead of positional tuples, and one implementation of each concept.
+
+Argument signatures, the future cache key, accounting notes and groups, Ray
+host operations; aval text and HTML escaping, each made in one place.
+"""
+
+import ast
+import inspect
+import pickle
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import core
+
+import pathways_jax as pw
+from pathways_jax._src import accounting, formatting, lowering, notebook, render, tracing
+from pathways_jax._src.backends import ray_host
+from pathways_jax._src.futures import FutureKey
+
+# --- the future cache key ---------------------------------------------------------------
+
+
+def test_the_future_key_made_by_lowering_and_by_tracing_is_one_record():
+    s = pw.devices(mesh={"x": 2})
+    double = pw.jit(lambda v: v * 2, devices=s)
+    fut = double(jnp.arange(4.0))
+    made = fut._entry.signature  # by the plan (lowering.OutputSlot.signature), shared by its runs
+    assert type(made) is FutureKey
+    assert (made.kind, made.shape, made.dtype, made.slice_id) == ("future", (4,), jnp.float32, s.id)
+    assert made.sharding == fut.sharding
+    assert double(jnp.arange(4.0))._entry.signature is made  # one object for every run of the plan
+
+    fut._entry.signature = None  # as for a value whose sharding was not known when it was made
+    try:
+        computed = tracing._leaf_signature(fut, 0, "p")  # tracing builds the key itself
+    finally:
+        fut._entry.signature = made
+    assert type(computed) is FutureKey and computed is not made
+    assert computed == made and hash(computed) == hash(made)
+    s.release()
+
+
+def test_a_call_with_the_same_futures_compares_their_keys_by_identity():
+    s = pw.devices(mesh={"x": 1})
+    inc = pw.program(lambda v: v + 1, devices=s)
+    fut = inc(jnp.zeros(3))
+    inc(fut).result()
+    last = inc._last
+    assert last is not None and last.signatures[0] is fut._entry.signature and last.ambient is None
+    before = pw.counters()
+    assert inc(fut).result().tolist() == [2.0, 2.0, 2.0]
+    after = pw.counters()
+    assert after["traces"] == before["traces"] and after["lowerings"] == before["lowerings"]
+    s.release()
+
+
+# --- argument signatures ------------------------------------------------------------------
+
+
+def test_argument_signatures_have_named_fields_and_stay_cache_keys():
+    s = pw.devices(mesh={"x": 1})
+    prog = pw.program(lambda a, b, c, d, k: (a, b, c, d, k), devices=s, static_argnames="k")
+    args = (jnp.zeros((2, 3), jnp.bfloat16), np.ones(4), 1.5, True)
+    key, inputs = prog._split(args, {"k": 7})
+    array, numpy_, scalar, boolean = inputs.signature
+    assert isinstance(inputs, tracing.TraceInputs)
+    assert inputs.statics == (("k", 7),) and inputs.ambient is None and len(inputs.leaves) == 4
+    assert isinstance(array, tracing.ArrayKey)
+    assert (array.kind, array.shape, array.dtype, array.weak_type) == ("array", (2, 3), jnp.bfloat16, False)
+    assert array.sharding == args[0].sharding
+    assert isinstance(numpy_, tracing.NumpyKey)
+    assert (numpy_.kind, numpy_.shape, numpy_.dtype) == ("numpy", (4,), jnp.float32)  # canonical
+    assert isinstance(scalar, tracing.ScalarKey) and (scalar.kind, scalar.python_type) == ("scalar", float)
+    assert boolean.python_type is bool
+    # Same arguments: an equal, hashable key; another kind of leaf: never equal.
+    again, _ = prog._split(args, {"k": 7})
+    assert again == key and hash(again) == hash(key)
+    assert tracing.ScalarKey(int) != tracing.ScalarKey(float)
+    assert tracing.NumpyKey((4,), jnp.float32) != tracing.ArrayKey((4,), jnp.float32, False, None)
+    s.release()
+
+
+def test_programs_trace_from_the_named_signature():
+    s = pw.devices(mesh={"x": 2})
+
+    @pw.program(devices=s)
+    def step(a, b, c):
+        return a * b + c
+
+    out = step(jnp.arange(4.0), np.arange(4, dtype=np.float32), 2)
+    np.testing.assert_allclose(
+        out.result(), jax.jit(lambda a, b, c: a * b + c)(jnp.arange(4.0), np.arange(4.0), 2)
+    )
+    graph = step.graph(jnp.arange(4.0), np.arange(4, dtype=np.float32), 2)
+    assert [str(i.index) for i in graph.inputs] == ["0", "1", "2"]
+    s.release()
+
+
+# --- plans and accounting -------------------------------------------------------------------
+
+
+def test_accounting_groups_are_named_and_still_unpack():
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 4}, island=1)
+    f = pw.jit(lambda v: v * 2, devices=a)
+    g = pw.jit(lambda v: v.sum(), devices=b)
+    step = pw.program(lambda v: g(f(v)), fuse=False)
+    step(jnp.ones(8)).result()
+    plan = next(iter(step._plans.values()))
+    groups = plan.acct_groups
+    assert all(isinstance(group, lowering.AccountingGroup) for group in groups)
+    assert sorted(group.devices for group in groups) == sorted(
+        [tuple(sorted(d.id for d in a.devices)), tuple(sorted(d.id for d in b.devices))]
+    )
+    for group in groups:
+        devices, slot, node_count = group  # tuple unpacking keeps working
+        assert (devices, slot, node_count) == (
+            group.devices,
+            group.slot,
+            group.node_count,
+        ) and node_count == 1
+
+
+class _Run:
+    def __init__(self, plan_key, client_key, transient=()):
+        self.plan = type("P", (), {"key": plan_key})()
+        self.client = type("C", (), {"key": client_key})()
+        self.transient = transient
+
+
+def test_accounting_notes_fold_in_place():
+    acct = accounting.Accounting([0], on_done=lambda *_: None)
+    acct._started = True  # no watcher thread: the notes stay where note() put them
+    first, second, other = _Run(1, 1), _Run(1, 1), _Run(1, 2, transient=((0, 8),))
+    acct.note(first, 100, ("a",))
+    note = acct._open[(1, 1)]
+    acct.note(second, 200, ("b",))
+    assert acct._open[(1, 1)] is note  # folded into the same record, no new one
+    assert isinstance(note, accounting.Note)
+    assert (note.run, note.start, note.arrays, note.count) == (second, 100, ("b",), 2)
+    acct.note(other, 300, ("c",))
+    (alone,) = acct._notes  # a run holding transient bytes is noted alone
+    assert (alone.run, alone.start, alone.arrays, alone.count) == (other, 300, ("c",), 1)
+
+
+# --- Ray host operations --------------------------------------------------------------------
+
+
+def test_ray_host_operations_are_named_and_pickle():
+    desc = ray_host.NamedDesc((1, 0), (2,), ("x",), jax.sharding.PartitionSpec("x"))
+    ops = [
+        ray_host.ExecOp("fp", (0,), (1, 2), True, "'f' (a.py:1)"),
+        ray_host.PutOp(1, 3, ray_host.SingleDesc(1)),
+        ray_host.SendOp(2, 1, 7),
+        ray_host.RecvOp(4, 0, 7, desc),
+    ]
+    assert pickle.loads(pickle.dumps(ops)) == ops
+    assert [op.kind for op in ops] == ["exec", "put", "send", "recv"]
+    devices = jax.devices()[:2]
+    single = ray_host.sharding_of(ray_host.SingleDesc(1), devices)
+    assert single.device_set == {devices[1]}
+    named = ray_host.sharding_of(desc, devices)
+    assert list(named.mesh.devices.flat) == [devices[1], devices[0]] and named.spec == desc.spec
+    assert (
+        ray_host._describe(ValueError("boom"), ops, 0) == "run failed in node 'f' (a.py:1): ValueError: boom"
+    )
+    assert ray_host._describe(ValueError("boom"), ops, 2) == "run failed in a send step: ValueError: boom"
+    failure = ray_host.RunFailure("lost", 1, "host 0: gone", "")
+    assert pickle.loads(pickle.dumps(failure)) == failure and failure.peer == 1
+
+
+def test_ray_host_imports_nothing_of_pathways_jax_nor_ray():
+    tree = ast.parse(inspect.getsource(ray_host))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {name for name in imported if name.split(".")[0] in ("pathways_jax", "ray")}, imported
+
+
+# --- formatting -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("aval", "text"),
+    [
+        (core.ShapedArray((4, 8), jnp.float32), "f32[4,8]"),
+        (core.ShapedArray((), jnp.bfloat16), "bf16[]"),
+        (core.ShapedArray((3,), jnp.int4), "i4[3]"),
+        (core.ShapedArray((2,), jnp.float32, weak_type=True), "f32[2]"),
+        (jax.random.split(jax.random.key(0), 4).aval, "key<fry>[4]"),
+        (jax.random.key(0).aval, "key<fry>[]"),
+        (None, "None"),
+    ],
+)
+def test_aval_text(aval, text):
+    assert formatting.aval_text(aval) == text
+
+
+def test_graph_listing_and_picture_show_avals_the_same_way():
+    s = pw.devices(mesh={"x": 1})
+    prog = pw.program(lambda k, v: (jax.random.split(k, 4), v.astype(jnp.bfloat16)), devices=s)
+    graph = prog.graph(jax.random.key(0), jnp.zeros(2))
+    listing, dot = str(graph), graph.to_dot()
+    for text in ("key<fry>[]", "key<fry>[4]", "bf16[2]", "f32[2]"):
+        assert text in listing and text in dot, text
+    s.release()
+
+
+def test_html_escaping_is_the_standard_one():
+    assert formatting.escape("<a & \"b\" 'c'>") == "&lt;a &amp; &quot;b&quot; &#x27;c&#x27;&gt;"
+    assert formatting.escape(3) == "3"
+
+
+def test_names_with_html_characters_are_escaped_in_pictures_and_views():
+    name = "a<b&c>\"d'e"
+    s = pw.devices(mesh={"x": 1})
+    prog = pw.program(lambda v: v + 1, devices=s, name=name)
+    prog(jnp.zeros(2)).result()
+    graph = prog.graph(jnp.zeros(2))
+    for text in (render.to_html(graph), notebook.program_html(prog)):
+        assert formatting.escape(name) in text
+        assert name not in text
+        assert not re.search(r"<b&c>", text)
+    s.release()
