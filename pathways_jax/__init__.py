@@ -14,7 +14,6 @@ Example:
 from jax.sharding import PartitionSpec as P
 
 from pathways_jax import errors as errors
-from pathways_jax._src.accounting import stats as stats
 from pathways_jax._src.clients import Client as Client
 from pathways_jax._src.clients import client as client
 from pathways_jax._src.cluster import Cluster as Cluster
@@ -32,6 +31,7 @@ from pathways_jax._src.graph import Transfer as Transfer
 from pathways_jax._src.placed_jit import JitFunction as JitFunction
 from pathways_jax._src.placed_jit import jit as jit
 from pathways_jax._src.plotting import plot_timeline as plot_timeline
+from pathways_jax._src.stats import stats as stats
 from pathways_jax._src.timeline import start_trace as start_trace
 from pathways_jax._src.timeline import stop_trace as stop_trace
 from pathways_jax._src.timeline import trace as trace

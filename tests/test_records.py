@@ -18,7 +18,7 @@ from jax import core
 import pathways_jax as pw
 from pathways_jax._src import accounting, formatting, lowering, notebook, render, tracing
 from pathways_jax._src.backends import ray_host
-from pathways_jax._src.futures import FutureKey
+from pathways_jax._src.signatures import FutureKey
 
 # --- the future cache key ---------------------------------------------------------------
 

@@ -47,11 +47,11 @@ from absl import logging
 from pathways_jax._src import counters, errors, readiness, scheduler, timeline
 from pathways_jax._src.accounting import Accounting
 from pathways_jax._src.backends.base import Backend, StepFailed
-from pathways_jax._src.lowering import Run
 from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
 
 if TYPE_CHECKING:
     from pathways_jax._src.cluster import Cluster
+    from pathways_jax._src.submission import Run
 
 _now = time.perf_counter_ns
 # What keeps a queued head from going now (in order of preference).
@@ -502,28 +502,24 @@ class Controller:
         """Reserves the run's node output and host input bytes under the memory budget.
 
         False if they don't fit now. The bytes of outputs go with their values
-        (``entry.charge``); the rest (``run.transient``) when the run completes or fails.
+        (``entry.charge``); the rest (``run.transient``) when the run completes
+        or fails. Runs on the controller's thread or a caller's other than the
+        main one (see :meth:`submit`): no interrupt cuts it in two.
         """
         budget = self._budget
         if budget is None:
             return True
         plan = run.plan
-        transient = dict(plan.admit_charge)
-        charges = []
-        for entry, charge in zip(run.outputs, plan.out_charges, strict=True):
-            if charge and not isinstance(entry.state, Freed):
-                charges.append((entry, charge))
-                for d, b in charge:
-                    transient[d] -= b
-        held = tuple((d, b) for d, b in transient.items() if b)
-        with budget.lock:
+        with budget.lock:  # a value freed meanwhile (its future dropped) keeps no charge
             if not budget.try_reserve(plan.admit_charge):
                 return False
-            # Recorded right after the reservation, with no call in between where an
-            # interrupt could land: whatever happens next, _fail or _run_done frees it.
-            run.transient = held
-            for entry, charge in charges:
-                entry.charge = charge
+            transient = dict(plan.admit_charge)
+            for entry, charge in zip(run.outputs, plan.out_charges, strict=True):
+                if charge and not isinstance(entry.state, Freed):
+                    entry.charge = charge
+                    for d, b in charge:
+                        transient[d] -= b
+            run.transient = tuple((d, b) for d, b in transient.items() if b)
         return True
 
     def _release(self, run: Run) -> None:

@@ -8,15 +8,15 @@ import math
 import numbers
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from jax._src import config as jax_config
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pathways_jax._src import context, errors
+from pathways_jax._src.meshes import fitting_spec, only_mesh
 
 if TYPE_CHECKING:
     from pathways_jax._src.cluster import Cluster
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 _ids = itertools.count()
 _DEFAULT_AXIS_NAMES = ("x", "y", "z")
 SCOPE_PREFIX = "pw_slice"
-_NO_MESH = Mesh(np.empty((), dtype=object), ())
 NO_ABSTRACT_MESH = AbstractMesh((), ())
 
 
@@ -87,24 +86,6 @@ def _normalise_axis_types(
                 "with jax.shard_map over the slice's axes."
             )
     return types
-
-
-@contextlib.contextmanager
-def only_mesh(abstract: AbstractMesh, concrete: Mesh | None = None) -> Iterator[None]:
-    """Makes ``abstract`` (and ``concrete``, or no concrete mesh) the only meshes in context.
-
-    Whatever mesh the caller set (``jax.set_mesh``, ``use_abstract_mesh``, of any
-    size) is set aside, and restored on exit: the slice's mesh wins inside a
-    program. Unlike ``jax.sharding.use_abstract_mesh`` it may change the mesh's
-    size, and unlike ``jax.set_mesh`` it works inside a trace.
-    """
-    prev_abstract = jax_config.abstract_mesh_context_manager.swap_local(abstract)
-    prev_concrete = jax_config.device_context.swap_local(_NO_MESH if concrete is None else concrete)
-    try:
-        yield
-    finally:
-        jax_config.abstract_mesh_context_manager.set_local(prev_abstract)
-        jax_config.device_context.set_local(prev_concrete)
 
 
 class VirtualSlice:
@@ -250,19 +231,6 @@ class VirtualSlice:
         )
 
 
-def fitting_spec(sharding: object, sizes: Mapping[str, int], shape: tuple[int, ...]) -> PartitionSpec:
-    """``sharding``'s spec if it splits ``shape`` evenly over axes of these sizes, else ``P()``."""
-    if isinstance(sharding, NamedSharding):
-        parts = spec_parts(sharding.spec, sizes)
-        if (
-            parts is not None
-            and len(parts) <= len(shape)
-            and all(dim % count == 0 for dim, count in zip(shape, parts, strict=False))
-        ):
-            return sharding.spec
-    return PartitionSpec()
-
-
 def explicit_view(
     slice_: VirtualSlice | None, sharding: object, shape: tuple[int, ...]
 ) -> NamedSharding | None:
@@ -291,21 +259,6 @@ def check_spec(spec: PartitionSpec, slice_: VirtualSlice, *, what: str) -> None:
                     f"{what} {spec} names axis {name!r}, but {slice_!r} has axes "
                     f"{slice_.axis_names}. Use the slice's axis names."
                 )
-
-
-def spec_parts(spec: PartitionSpec, sizes: Mapping[str, int]) -> list[int] | None:
-    """How many parts each dimension is split into; None if an axis is unknown."""
-    parts = []
-    for entry in spec:
-        count = 1
-        for name in entry if isinstance(entry, tuple) else (entry,):
-            if name is None:
-                continue
-            if name not in sizes:
-                return None
-            count *= sizes[name]
-        parts.append(count)
-    return parts
 
 
 def devices(

@@ -6,41 +6,13 @@ import copy
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
 from pathways_jax._src import errors, readiness
 from pathways_jax._src.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
-
-
-class FutureKey(NamedTuple):
-    """The cache key of a future passed to a program: what its trace and plan depend on.
-
-    Made once per program output (see ``lowering.OutputSlot.signature``) and
-    shared by every future of that output, so a call with the same futures as
-    the call before can compare keys by identity. Equal exactly when shape,
-    dtype, sharding and slice are.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jax import core
-      >>> key = FutureKey.of(core.ShapedArray((2, 3), jnp.float32), None, None)
-      >>> key.kind, key.shape, key.slice_id
-      ('future', (2, 3), None)
-    """
-
-    shape: tuple[int, ...]
-    dtype: Any
-    sharding: Any
-    slice_id: int | None  # the virtual slice the value lives on (None: none)
-    kind: Literal["future"] = "future"
-
-    @classmethod
-    def of(cls, aval: Any, sharding: Any, slice_: Any) -> FutureKey:
-        """The key of a value of ``aval`` with ``sharding`` on the virtual slice ``slice_`` (or None)."""
-        return cls(tuple(aval.shape), aval.dtype, sharding, slice_.id if slice_ is not None else None)
 
 
 def _wait_ready(array: jax.Array, deadline: float | None) -> bool:

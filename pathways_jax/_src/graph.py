@@ -6,13 +6,15 @@ A graph names only virtual slices; lowering binds it to physical devices.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from jax.sharding import PartitionSpec
 
 from pathways_jax._src import errors
-from pathways_jax._src.devices import VirtualSlice
 from pathways_jax._src.formatting import aval_text
+
+if TYPE_CHECKING:
+    from pathways_jax._src.devices import VirtualSlice
 
 TransferKind = Literal["ici", "dcn"]
 

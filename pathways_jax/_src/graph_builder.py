@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 import collections
+import re
 from typing import TYPE_CHECKING, Any
 
 import jax.extend.core as jex
 
 from pathways_jax._src import errors, source
+from pathways_jax._src.devices import SCOPE_PREFIX
 from pathways_jax._src.graph import Const, Graph, Input, Node, Output, Step, Transfer, TransferKind, Value
 
 if TYPE_CHECKING:
     from pathways_jax._src.devices import VirtualSlice
     from pathways_jax._src.tracing import TraceState
+
+# Named scopes the tracer wraps placed code in: a slice's ``with`` block, the
+# program's default slice, and each pw.jit call (numbered).
+JIT_SCOPE = "pw_jit"
+DEFAULT_SCOPE = "pw_default"
+_SCOPE_RE = re.compile(rf"^({SCOPE_PREFIX}|{DEFAULT_SCOPE}|{JIT_SCOPE})(\d+)$")
+
+
+def parse_scopes(name_stack: Any) -> list[tuple[str, int]]:
+    """The pathways scopes of an equation's name stack, innermost first."""
+    found = []
+    for part in reversed(str(name_stack).split("/")):
+        match = _SCOPE_RE.match(part)
+        if match:
+            found.append((match.group(1), int(match.group(2))))
+    return found
+
 
 JIT_PRIMITIVES = frozenset({"jit", "pjit"})
 
@@ -23,7 +42,6 @@ def _is_var(atom: Any) -> bool:
 
 def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]) -> list[Any]:
     """One slice per top-level equation, or a PlacementError naming the user's line."""
-    from pathways_jax._src.tracing import parse_scopes
 
     eqns = closed.jaxpr.eqns
     placed: list[VirtualSlice | None] = [None] * len(eqns)
@@ -124,7 +142,6 @@ def build(
     state: TraceState,
     out_tree: Any,
 ) -> Graph:
-    from pathways_jax._src.tracing import parse_scopes
 
     jaxpr = closed.jaxpr
     values: list[Value] = []

@@ -16,20 +16,20 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src import clients, counters, errors, timeline
-from pathways_jax._src.devices import VirtualSlice, only_mesh, spec_parts
+from pathways_jax._src import charges as charges_lib
+from pathways_jax._src import counters, errors, timeline
+from pathways_jax._src.charges import Charge, charge_of
 from pathways_jax._src.executable_cache import ExecutableCache
-from pathways_jax._src.futures import Future, FutureKey
 from pathways_jax._src.graph import Graph, Node
-from pathways_jax._src.object_store import Charge, Owner
+from pathways_jax._src.meshes import only_mesh, spec_parts
+from pathways_jax._src.signatures import FutureKey
 
 if TYPE_CHECKING:
-    from pathways_jax._src.tracing import Signature
+    from pathways_jax._src.devices import VirtualSlice
+    from pathways_jax._src.signatures import Signature
 
-_runs = itertools.count()
 _plans = itertools.count()
 
 
@@ -90,46 +90,6 @@ class AccountingGroup(NamedTuple):
     devices: tuple[int, ...]  # device ids, sorted
     slot: int
     node_count: int
-
-
-@dataclasses.dataclass(slots=True)
-class Run:
-    """One call of a program, queued for the controller."""
-
-    id: int
-    plan: Plan
-    env: list[Any]
-    future_inputs: list[tuple[int, Future]]
-    outputs: list[Any]
-    failed: bool = False
-    # The client that submitted the run, its place in the submission order,
-    # and what the scheduler and the memory budget know of it.
-    client: Any = None
-    seq: int = 0
-    estimate: float = 0.0  # device-seconds charged to the client at dispatch
-    transient: Charge = ()  # reserved bytes released when the run completes
-    blocked_since: float | None = None  # when it first waited for memory
-    blocked_ns: int = 0
-    head: Any = (
-        None  # how the scheduling policy sees it once queued (a scheduler.Head; cost refreshed when picked)
-    )
-
-
-def charge_of(aval: Any, sharding: Any) -> Charge:
-    """The bytes a value of ``aval`` with ``sharding`` holds on each device."""
-    try:
-        itemsize = np.dtype(aval.dtype).itemsize
-        shard = sharding.shard_shape(tuple(aval.shape))
-        devices = sharding.device_set
-    except Exception:  # an extended dtype, or no sharding: nothing known
-        return ()
-    nbytes = int(np.prod(shard, dtype=np.int64)) * itemsize
-    return tuple((d.id, nbytes) for d in sorted(devices, key=lambda d: d.id))
-
-
-def _add(total: dict[int, int], charge: Charge) -> None:
-    for d, b in charge:
-        total[d] = total.get(d, 0) + b
 
 
 def _spec_fits(spec: PartitionSpec, mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> bool:
@@ -433,19 +393,19 @@ class Plan:
         for slot, aval, sharding in zip(slots, avals, shardings, strict=True):
             charge = charge_of(aval, sharding)
             self.slot_charge[slot] = charge
-            _add(total, charge)
+            charges_lib.add(total, charge)
         self.step_charge.append((what, tuple(sorted(total.items()))))
 
     def _account(self) -> None:
         """Byte counts, accounting groups and islands of the plan (after ``_lower``)."""
         total: dict[int, int] = {}
         for charge in self.slot_charge.values():
-            _add(total, charge)
+            charges_lib.add(total, charge)
         self.charge: Charge = tuple(sorted((d, b) for d, b in total.items() if b))
         # Under a memory budget a run also holds its host inputs once on devices:
         # they are put there only when the run is admitted, and count until it completes.
         for charge in self.input_charges:
-            _add(total, charge)
+            charges_lib.add(total, charge)
         self.admit_charge: Charge = tuple(sorted((d, b) for d, b in total.items() if b))
         seen: set[int] = set()
         out_charges: list[Charge | None] = []
@@ -503,56 +463,6 @@ class Plan:
         if current and cluster is not None:
             self._epoch = cluster.mapping_epoch
         return current
-
-    def submit(self, leaves: list[Any]) -> Any:
-        """Queues one run with these argument leaves; returns the output pytree of futures."""
-        rec = timeline.ACTIVE
-        t0 = rec.now() if rec is not None else 0
-        cl = self.cluster
-        if cl is None:  # a program that places nothing (it only returns literals)
-            from pathways_jax._src import cluster as cluster_lib
-
-            cl = cluster_lib.cluster()
-        store = cl.store
-        env = list(self.template)
-        shipped = self.backend is not None and not self.backend.stages_inputs
-        staged = shipped or self.staged_feeds
-        for index, slot, sharding in self.host_feeds:
-            leaf = leaves[index]
-            if staged:  # shipped with the run's message, or put on devices at admission
-                env[slot] = np.array(leaf, copy=True) if shipped or isinstance(leaf, np.ndarray) else leaf
-                continue
-            if isinstance(leaf, np.ndarray):
-                # The transfer is asynchronous and the caller may change its numpy
-                # array once the call returns: hand JAX a private copy.
-                leaf = np.array(leaf, copy=True)
-            env[slot] = jax.device_put(leaf, sharding)
-        for index, slot in self.array_feeds:
-            env[slot] = leaves[index]
-        # The run holds its input futures until it is dispatched: their values
-        # stay alive even if the caller drops them at once.
-        future_inputs = [(slot, leaves[index]) for index, slot in self.future_feeds]
-        client = clients.current()
-        if client.closed:
-            raise errors.ClusterError(f"{client!r} is closed; programs cannot be submitted for it.")
-        run_id = next(_runs)
-        owner = Owner(client.name, run_id, client.key)
-        entries, futures = [], []
-        for out, signature in zip(self.outputs, self.signatures, strict=True):
-            entry = store.new(owner, out.aval, out.sharding, out.slice, out.origin, signature)
-            if out.kind == "literal":
-                store.set_ready(entry, out.where)
-            elif out.kind == "argument":
-                array = jnp.asarray(leaves[out.where])
-                entry.sharding = array.sharding
-                store.set_ready(entry, array)
-            entries.append(entry)
-            futures.append(Future(entry, store))
-        counters.bump("runs")
-        cl.controller.submit(Run(run_id, self, env, future_inputs, entries, client=client))
-        if rec is not None:
-            rec.submitted(self, run_id, t0, owner.client)
-        return jax.tree_util.tree_unflatten(self.graph.out_tree, futures)
 
 
 def _compile(
@@ -632,4 +542,4 @@ def lower(graph: Graph, signature: Signature, donated: frozenset[int] = frozense
     return plan
 
 
-__all__ = ["AccountingGroup", "Plan", "Run", "lower"]
+__all__ = ["AccountingGroup", "ExecStep", "MoveStep", "OutputSlot", "Plan", "lower"]

@@ -84,24 +84,6 @@ def routes(program: Any, tree: Any) -> bool:
     return not getattr(program, "_nnx_inner", False) and has_graph_nodes(tree)
 
 
-def _inner_program(program: Any, inner_fun: Any) -> Any:
-    from pathways_jax._src.tracing import Program
-
-    options = {"donate_argnums": program._donate} if getattr(program, "_donate", ()) else {}
-    inner = Program(
-        inner_fun,
-        devices=program._devices,
-        static_argnums=program._static,
-        static_argnames=program._static_names,
-        name=program.name,
-        fuse=program._fuse,
-        **options,
-    )
-    inner.source_info = program.source_info
-    inner._nnx_inner = True
-    return inner
-
-
 class _GraphCall:
     """The inner program of one program, and the tag of its Flax update context.
 
@@ -115,7 +97,7 @@ class _GraphCall:
 
         self.program = weakref.proxy(program)
         inner = compilation.JitFn(program._fun, None, None, None, self)
-        self.inner = _inner_program(program, inner)
+        self.inner = program.inner_program(inner)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         from flax.nnx import extract, graphlib
@@ -159,7 +141,7 @@ class _TreeCall:
         inner = compilation.SimpleJitFn(
             program._fun, None, None, frozenset(getattr(program, "_donate", ())), frozenset(), graph, (None,)
         )
-        self.inner = _inner_program(program, inner)
+        self.inner = program.inner_program(inner)
 
     def _pure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         from flax.nnx import extract

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from pathways_jax._src import errors
+from pathways_jax._src.charges import Charge, charge_of
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,9 +58,6 @@ class Owner(typing.NamedTuple):
 
 
 _MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
-
-# Bytes a value (or a run) holds on each device: ((device id, bytes), ...).
-Charge = tuple[tuple[int, int], ...]
 
 
 class Budget:
@@ -233,8 +231,6 @@ class ObjectStore:
 
     def bytes_in_use(self) -> dict[int, int]:
         """Bytes of the live, computed values on each device (from their static shapes)."""
-        from pathways_jax._src.lowering import charge_of
-
         used: collections.Counter[int] = collections.Counter()
         for entry in list(self._live.values()):
             if isinstance(entry.state, Ready):

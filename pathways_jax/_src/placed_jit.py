@@ -13,8 +13,10 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src import context, errors, nnx_graph, source
-from pathways_jax._src.devices import VirtualSlice, check_spec, only_mesh, spec_parts
-from pathways_jax._src.tracing import JIT_SCOPE, JitCall, Program, TracerArgument, _static_positions
+from pathways_jax._src.devices import VirtualSlice, check_spec
+from pathways_jax._src.graph_builder import JIT_SCOPE
+from pathways_jax._src.meshes import only_mesh, spec_parts
+from pathways_jax._src.tracing import JitCall, Program, TracerArgument, _static_positions
 
 Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
 

@@ -9,25 +9,34 @@ import inspect
 import re
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple, overload
+from typing import Any, NamedTuple, overload
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from pathways_jax._src import context, counters, errors, fusion, graph_builder, nnx_graph, source, timeline
+from pathways_jax._src import (
+    context,
+    counters,
+    errors,
+    fusion,
+    graph_builder,
+    nnx_graph,
+    source,
+    submission,
+    timeline,
+)
 from pathways_jax._src.devices import (
     NO_ABSTRACT_MESH,
-    SCOPE_PREFIX,
     VirtualSlice,
     explicit_view,
-    only_mesh,
 )
-from pathways_jax._src.futures import Future, FutureKey
+from pathways_jax._src.futures import Future
 from pathways_jax._src.graph import Graph
+from pathways_jax._src.graph_builder import DEFAULT_SCOPE
+from pathways_jax._src.meshes import only_mesh
+from pathways_jax._src.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 
-JIT_SCOPE = "pw_jit"
-DEFAULT_SCOPE = "pw_default"
 _SCALARS = (bool, int, float, complex)
 
 
@@ -62,52 +71,8 @@ class TraceState:
         return len(self.jit_calls) - 1
 
 
-_SCOPE_RE = re.compile(rf"^({SCOPE_PREFIX}|{DEFAULT_SCOPE}|{JIT_SCOPE})(\d+)$")
-
-
-def parse_scopes(name_stack: Any) -> list[tuple[str, int]]:
-    """The pathways scopes of an equation's name stack, innermost first."""
-    found = []
-    for part in reversed(str(name_stack).split("/")):
-        match = _SCOPE_RE.match(part)
-        if match:
-            found.append((match.group(1), int(match.group(2))))
-    return found
-
-
 class TracerArgument(Exception):
     """Raised when a program is called with JAX tracers (inside a transformation)."""
-
-
-class ArrayKey(NamedTuple):
-    """The cache key of a ``jax.Array`` argument leaf: used where it is, as it is."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-    weak_type: bool
-    sharding: Any
-    kind: Literal["array"] = "array"
-
-
-class NumpyKey(NamedTuple):
-    """The cache key of a numpy array argument leaf: put on devices at each call."""
-
-    shape: tuple[int, ...]
-    dtype: Any  # canonical: what JAX makes of it
-    kind: Literal["numpy"] = "numpy"
-
-
-class ScalarKey(NamedTuple):
-    """The cache key of a Python scalar argument leaf (a weakly typed value, but for bool)."""
-
-    python_type: type
-    kind: Literal["scalar"] = "scalar"
-
-
-# The cache key of one argument leaf: what tracing and lowering depend on.
-# NamedTuples: hashed and compared as tuples (the kind keeps kinds apart).
-ArgKey = FutureKey | ArrayKey | NumpyKey | ScalarKey
-Signature = tuple[ArgKey, ...]  # one key per argument leaf
 
 
 def _future_key(leaf: Future) -> FutureKey:
@@ -575,7 +540,7 @@ class Program:
                 and (self._devices is not None or context.current_slice() is last.ambient)
                 and plan.is_current()
             ):
-                return plan.submit(list(args))
+                return submission.submit(plan, list(args))
         try:
             key, inputs = self._split(args, kwargs)
         except TracerArgument as exc:
@@ -609,7 +574,25 @@ class Program:
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
             self._last = _LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan)
-        return plan.submit(inputs.leaves)
+        return submission.submit(plan, inputs.leaves)
+
+    def inner_program(self, inner_fun: Callable[..., Any]) -> Program:
+        """A program with this one's options over ``inner_fun``, taking NNX pytrees as plain pytrees.
+
+        ``nnx_graph`` runs NNX objects through it as ``nnx.jit`` does.
+        """
+        inner = Program(
+            inner_fun,
+            devices=self._devices,
+            static_argnums=self._static,
+            static_argnames=self._static_names,
+            name=self.name,
+            fuse=self._fuse,
+            donate_argnums=self._donate,
+        )
+        inner.source_info = self.source_info
+        inner._nnx_inner = True
+        return inner
 
     def _repr_html_(self) -> str:
         from pathways_jax._src import notebook

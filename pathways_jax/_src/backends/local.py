@@ -12,7 +12,8 @@ from pathways_jax._src import counters, errors, readiness, timeline
 from pathways_jax._src.backends.base import StepFailed, Window
 
 if TYPE_CHECKING:
-    from pathways_jax._src.lowering import Plan, Run
+    from pathways_jax._src.lowering import Plan
+    from pathways_jax._src.submission import Run
 
 
 class LocalBackend:

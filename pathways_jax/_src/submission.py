@@ -1,0 +1,98 @@
+"""Submission: one call of a lowered plan becomes a run on the controller's queue, and its futures."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pathways_jax._src import clients, counters, errors, timeline
+from pathways_jax._src.charges import Charge
+from pathways_jax._src.futures import Future
+from pathways_jax._src.object_store import Owner
+
+if TYPE_CHECKING:
+    from pathways_jax._src.lowering import Plan
+
+_runs = itertools.count()
+
+
+@dataclasses.dataclass(slots=True)
+class Run:
+    """One call of a program, queued for the controller."""
+
+    id: int
+    plan: Plan
+    env: list[Any]
+    future_inputs: list[tuple[int, Future]]
+    outputs: list[Any]
+    failed: bool = False
+    # The client that submitted the run, its place in the submission order,
+    # and what the scheduler and the memory budget know of it.
+    client: Any = None
+    seq: int = 0
+    estimate: float = 0.0  # device-seconds charged to the client at dispatch
+    transient: Charge = ()  # reserved bytes released when the run completes
+    blocked_since: float | None = None  # when it first waited for memory
+    blocked_ns: int = 0
+    head: Any = (
+        None  # how the scheduling policy sees it once queued (a scheduler.Head; cost refreshed when picked)
+    )
+
+
+def submit(plan: Plan, leaves: list[Any]) -> Any:
+    """Queues one run with these argument leaves; returns the output pytree of futures."""
+    rec = timeline.ACTIVE
+    t0 = rec.now() if rec is not None else 0
+    cl = plan.cluster
+    if cl is None:  # a program that places nothing (it only returns literals)
+        from pathways_jax._src import cluster as cluster_lib
+
+        cl = cluster_lib.cluster()
+    store = cl.store
+    env = list(plan.template)
+    shipped = plan.backend is not None and not plan.backend.stages_inputs
+    staged = shipped or plan.staged_feeds
+    for index, slot, sharding in plan.host_feeds:
+        leaf = leaves[index]
+        if staged:  # shipped with the run's message, or put on devices at admission
+            env[slot] = np.array(leaf, copy=True) if shipped or isinstance(leaf, np.ndarray) else leaf
+            continue
+        if isinstance(leaf, np.ndarray):
+            # The transfer is asynchronous and the caller may change its numpy
+            # array once the call returns: hand JAX a private copy.
+            leaf = np.array(leaf, copy=True)
+        env[slot] = jax.device_put(leaf, sharding)
+    for index, slot in plan.array_feeds:
+        env[slot] = leaves[index]
+    # The run holds its input futures until it is dispatched: their values
+    # stay alive even if the caller drops them at once.
+    future_inputs = [(slot, leaves[index]) for index, slot in plan.future_feeds]
+    client = clients.current()
+    if client.closed:
+        raise errors.ClusterError(f"{client!r} is closed; programs cannot be submitted for it.")
+    run_id = next(_runs)
+    owner = Owner(client.name, run_id, client.key)
+    entries, futures = [], []
+    for out, signature in zip(plan.outputs, plan.signatures, strict=True):
+        entry = store.new(owner, out.aval, out.sharding, out.slice, out.origin, signature)
+        if out.kind == "literal":
+            store.set_ready(entry, out.where)
+        elif out.kind == "argument":
+            array = jnp.asarray(leaves[out.where])
+            entry.sharding = array.sharding
+            store.set_ready(entry, array)
+        entries.append(entry)
+        futures.append(Future(entry, store))
+    counters.bump("runs")
+    cl.controller.submit(Run(run_id, plan, env, future_inputs, entries, client=client))
+    if rec is not None:
+        rec.submitted(plan, run_id, t0, owner.client)
+    return jax.tree_util.tree_unflatten(plan.graph.out_tree, futures)
+
+
+__all__ = ["Run", "submit"]
