@@ -14,29 +14,29 @@ Example:
 from jax.sharding import PartitionSpec as P
 
 from pathways_jax import errors as errors
-from pathways_jax._src.clients import Client as Client
-from pathways_jax._src.clients import client as client
-from pathways_jax._src.cluster import Cluster as Cluster
-from pathways_jax._src.cluster import cluster as cluster
-from pathways_jax._src.cluster import init as init
-from pathways_jax._src.cluster import shutdown as shutdown
-from pathways_jax._src.counters import counters as counters
-from pathways_jax._src.counters import reset_counters as reset_counters
-from pathways_jax._src.devices import VirtualSlice as VirtualSlice
-from pathways_jax._src.devices import devices as devices
-from pathways_jax._src.futures import Future as Future
-from pathways_jax._src.graph import Graph as Graph
-from pathways_jax._src.graph import Node as Node
-from pathways_jax._src.graph import Transfer as Transfer
-from pathways_jax._src.placed_jit import JitFunction as JitFunction
-from pathways_jax._src.placed_jit import jit as jit
-from pathways_jax._src.plotting import plot_timeline as plot_timeline
-from pathways_jax._src.stats import stats as stats
-from pathways_jax._src.timeline import start_trace as start_trace
-from pathways_jax._src.timeline import stop_trace as stop_trace
-from pathways_jax._src.timeline import trace as trace
-from pathways_jax._src.tracing import Program as Program
-from pathways_jax._src.tracing import program as program
+from pathways_jax._src.api.placed_jit import JitFunction as JitFunction
+from pathways_jax._src.api.placed_jit import jit as jit
+from pathways_jax._src.api.stats import stats as stats
+from pathways_jax._src.api.tracing import Program as Program
+from pathways_jax._src.api.tracing import program as program
+from pathways_jax._src.core.counters import counters as counters
+from pathways_jax._src.core.counters import reset_counters as reset_counters
+from pathways_jax._src.core.timeline import start_trace as start_trace
+from pathways_jax._src.core.timeline import stop_trace as stop_trace
+from pathways_jax._src.core.timeline import trace as trace
+from pathways_jax._src.ir.graph import Graph as Graph
+from pathways_jax._src.ir.graph import Node as Node
+from pathways_jax._src.ir.graph import Transfer as Transfer
+from pathways_jax._src.runtime.clients import Client as Client
+from pathways_jax._src.runtime.clients import client as client
+from pathways_jax._src.runtime.cluster import Cluster as Cluster
+from pathways_jax._src.runtime.cluster import cluster as cluster
+from pathways_jax._src.runtime.cluster import init as init
+from pathways_jax._src.runtime.cluster import shutdown as shutdown
+from pathways_jax._src.runtime.devices import VirtualSlice as VirtualSlice
+from pathways_jax._src.runtime.devices import devices as devices
+from pathways_jax._src.runtime.futures import Future as Future
+from pathways_jax._src.views.plotting import plot_timeline as plot_timeline
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,9 @@ def test_the_built_in_backends_implement_the_protocol():
     assert missing == []
 
 
-@pytest.mark.parametrize("module", ["controller.py", "lowering.py", "timeline.py", "futures.py"])
+@pytest.mark.parametrize(
+    "module", ["runtime/controller.py", "compile/lowering.py", "core/timeline.py", "runtime/futures.py"]
+)
 def test_the_runtime_names_no_backend_implementation(module):
     """Only the cluster (which picks the backend) may know which backends exist."""
     tree = ast.parse((SRC / module).read_text())

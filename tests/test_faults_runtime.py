@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import pathways_jax as pw
-from pathways_jax._src import controller as controller_lib
+from pathways_jax._src.runtime import controller as controller_lib
 from tests.helpers import assert_matches
 
 MiB = 2**20
@@ -195,7 +195,7 @@ def test_dropped_programs_release_their_constants_and_executables():
 
 
 def test_the_executable_cache_is_bounded():
-    from pathways_jax._src.executable_cache import ExecutableCache
+    from pathways_jax._src.compile.executable_cache import ExecutableCache
 
     cache = ExecutableCache(size=4)
     consts = [np.ones(3) for _ in range(6)]

@@ -144,7 +144,7 @@ def test_hosts_follow_the_controller_s_64_bit_mode(ray_cluster):
 
 
 def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypatch):
-    from pathways_jax._src import lowering
+    from pathways_jax._src.compile import lowering
 
     pw.init(backend="ray", hosts=2, devices_per_host=1)
     a = pw.devices(mesh={"x": 1}, island=0)
@@ -165,7 +165,7 @@ def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypa
 
 
 def test_a_host_failure_reaches_the_user_with_the_host_s_traceback(ray_cluster, monkeypatch):
-    from pathways_jax._src import lowering
+    from pathways_jax._src.compile import lowering
 
     pw.init(backend="ray", hosts=2, devices_per_host=1)
     a = pw.devices(mesh={"x": 1}, island=1)

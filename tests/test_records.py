@@ -16,9 +16,13 @@ import pytest
 from jax import core
 
 import pathways_jax as pw
-from pathways_jax._src import accounting, formatting, lowering, notebook, render, tracing
+from pathways_jax._src.api import tracing
 from pathways_jax._src.backends import ray_host
-from pathways_jax._src.signatures import FutureKey
+from pathways_jax._src.compile import lowering
+from pathways_jax._src.core import formatting
+from pathways_jax._src.ir.signatures import FutureKey
+from pathways_jax._src.runtime import accounting
+from pathways_jax._src.views import notebook, render
 
 # --- the future cache key ---------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import pathways_jax as pw
-from pathways_jax._src import render
+from pathways_jax._src.views import render
 
 
 def _two_island_graph():

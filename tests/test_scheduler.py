@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import pathways_jax as pw
-from pathways_jax._src import scheduler
-from pathways_jax._src.scheduler import Fair, Fifo, Head, Policy, Priority
+from pathways_jax._src.runtime import scheduler
+from pathways_jax._src.runtime.scheduler import Fair, Fifo, Head, Policy, Priority
 
 # --- pure policies ------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from absl import logging as absl_logging
 from helpers import run_script
 
 import pathways_jax as pw
-from pathways_jax._src import timeline
 from pathways_jax._src.backends import local as local_backend
+from pathways_jax._src.core import timeline
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pathways_jax._src.lowering import Plan
-    from pathways_jax._src.submission import Run
+    from pathways_jax._src.compile.lowering import Plan
+    from pathways_jax._src.runtime.submission import Run
 
 
 class StepFailed(Exception):

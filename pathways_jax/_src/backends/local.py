@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from pathways_jax._src import counters, errors, readiness, timeline
 from pathways_jax._src.backends.base import StepFailed, Window
+from pathways_jax._src.core import counters, errors, readiness, timeline
 
 if TYPE_CHECKING:
-    from pathways_jax._src.lowering import Plan
-    from pathways_jax._src.submission import Run
+    from pathways_jax._src.compile.lowering import Plan
+    from pathways_jax._src.runtime.submission import Run
 
 
 class LocalBackend:
@@ -35,12 +35,12 @@ class LocalBackend:
         self.on_lost: Callable[[int], None] | None = None
 
     def prepare(self, plan: Plan) -> None:
-        from pathways_jax._src.lowering import ExecStep, MoveStep
+        from pathways_jax._src.compile.lowering import ExecStep, MoveStep
 
         plan.reports = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
 
     def execute(self, run: Run, window: Window) -> tuple[Any, tuple]:
-        from pathways_jax._src.lowering import ExecStep
+        from pathways_jax._src.compile.lowering import ExecStep
 
         plan = run.plan
         env = run.env
@@ -103,7 +103,7 @@ class LocalBackend:
 
 def _where(program: str, run_id: int, step: Any) -> str:
     """Which program, run and step failed, in the user's words."""
-    from pathways_jax._src.lowering import ExecStep, MoveStep
+    from pathways_jax._src.compile.lowering import ExecStep, MoveStep
 
     if isinstance(step, ExecStep):
         return f"program {program!r} run {run_id} failed in node {step.node.name!r} ({step.node.source_info})"

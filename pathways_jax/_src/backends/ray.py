@@ -32,7 +32,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from pathways_jax._src import counters, errors, timeline
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.base import StepFailed, Window
 from pathways_jax._src.backends.ray_host import (
@@ -46,9 +45,10 @@ from pathways_jax._src.backends.ray_host import (
     ShardingDesc,
     SingleDesc,
 )
+from pathways_jax._src.core import counters, errors, timeline
 
 if TYPE_CHECKING:
-    from pathways_jax._src.lowering import Plan
+    from pathways_jax._src.compile.lowering import Plan
 
 _PING_S = 0.25  # how often the monitor looks at every host
 _FLUSH_S = 0.05  # how often freed values are sent back to their hosts
@@ -200,7 +200,7 @@ class RemotePlan:
     _keys = itertools.count()
 
     def __init__(self, backend: RayBackend, plan: Plan):
-        from pathways_jax._src.lowering import ExecStep
+        from pathways_jax._src.compile.lowering import ExecStep
 
         self.key = next(self._keys)
         self.parts: dict[int, HostPlan] = {}

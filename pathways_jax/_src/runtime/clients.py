@@ -16,8 +16,8 @@ import threading
 import weakref
 from typing import Any
 
-from pathways_jax._src import errors
-from pathways_jax._src.accounting import CLOSED_CLIENTS
+from pathways_jax._src.core import errors
+from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
 _ids = itertools.count(1)
 _local = threading.local()
@@ -67,7 +67,7 @@ class Client:
             if self.closed:
                 return
             self.closed = True
-        from pathways_jax._src import cluster as cluster_lib
+        from pathways_jax._src.runtime import cluster as cluster_lib
 
         current = cluster_lib.running()
         if current is not None:

@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathways_jax._src import clients, counters, errors, timeline
-from pathways_jax._src.charges import Charge
-from pathways_jax._src.futures import Future
-from pathways_jax._src.object_store import Owner
+from pathways_jax._src.core import counters, errors, timeline
+from pathways_jax._src.core.charges import Charge
+from pathways_jax._src.runtime import clients
+from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.object_store import Owner
 
 if TYPE_CHECKING:
-    from pathways_jax._src.lowering import Plan
+    from pathways_jax._src.compile.lowering import Plan
 
 _runs = itertools.count()
 
@@ -50,7 +51,7 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     t0 = rec.now() if rec is not None else 0
     cl = plan.cluster
     if cl is None:  # a program that places nothing (it only returns literals)
-        from pathways_jax._src import cluster as cluster_lib
+        from pathways_jax._src.runtime import cluster as cluster_lib
 
         cl = cluster_lib.cluster()
     store = cl.store

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from pathways_jax._src import errors
+from pathways_jax._src.core import errors
 
 __all__ = ["load_trace", "plot_timeline"]
 

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from jax.sharding import PartitionSpec
 
-from pathways_jax._src import errors
-from pathways_jax._src.formatting import aval_text
+from pathways_jax._src.core import errors
+from pathways_jax._src.core.formatting import aval_text
 
 if TYPE_CHECKING:
-    from pathways_jax._src.devices import VirtualSlice
+    from pathways_jax._src.runtime.devices import VirtualSlice
 
 TransferKind = Literal["ici", "dcn"]
 
@@ -244,18 +244,18 @@ class Graph:
           True
           >>> s.release()
         """
-        from pathways_jax._src import render
+        from pathways_jax._src.views import render
 
         return render.to_dot(self)
 
     def _repr_svg_(self) -> str:
         """An SVG picture (Graphviz's ``dot`` when installed, else a built-in layout)."""
-        from pathways_jax._src import render
+        from pathways_jax._src.views import render
 
         return render.to_svg(self)
 
     def _repr_html_(self) -> str:
         """The notebook view: picture, a note when Graphviz is missing, the steps as a table."""
-        from pathways_jax._src import render
+        from pathways_jax._src.views import render
 
         return render.to_html(self)

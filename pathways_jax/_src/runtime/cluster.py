@@ -15,13 +15,13 @@ from typing import Any, Literal
 import jax
 from absl import logging
 
-from pathways_jax._src import errors
-from pathways_jax._src import scheduler as scheduler_lib
 from pathways_jax._src.backends import local
 from pathways_jax._src.backends.base import Backend
-from pathways_jax._src.executable_cache import ExecutableCache
-from pathways_jax._src.object_store import Budget, ObjectStore
-from pathways_jax._src.resources import Island, ResourceManager
+from pathways_jax._src.compile.executable_cache import ExecutableCache
+from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import scheduler as scheduler_lib
+from pathways_jax._src.runtime.object_store import Budget, ObjectStore
+from pathways_jax._src.runtime.resources import Island, ResourceManager
 
 # How many executables may be in flight on one island before the controller
 # waits for the oldest. Unbounded asynchronous dispatch of collectives
@@ -142,7 +142,7 @@ class Cluster:
                 if self._closed:
                     raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
                 if self._controller is None:
-                    from pathways_jax._src.controller import Controller
+                    from pathways_jax._src.runtime.controller import Controller
 
                     self._controller = Controller(self)
         return self._controller
@@ -211,7 +211,7 @@ class Cluster:
         return f"Cluster(backend={self.backend!r}, {self.resources.describe()})"
 
     def _repr_html_(self) -> str:
-        from pathways_jax._src import notebook
+        from pathways_jax._src.views import notebook
 
         return notebook.cluster_html(self)
 

@@ -39,8 +39,8 @@ from typing import Any
 
 from absl import logging
 
-from pathways_jax._src import errors, readiness
-from pathways_jax._src.formatting import aval_text
+from pathways_jax._src.core import errors, readiness
+from pathways_jax._src.core.formatting import aval_text
 
 __all__ = ["ACTIVE", "Recorder", "start_trace", "stop_trace", "trace"]
 

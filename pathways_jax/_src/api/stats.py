@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pathways_jax._src.accounting import CLOSED_CLIENTS
+from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
 
 def stats(*, reset: bool = False) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
       True
       >>> s.release()
     """
-    from pathways_jax._src import cluster as cluster_lib
+    from pathways_jax._src.runtime import cluster as cluster_lib
 
     cl = cluster_lib.cluster()
     controller = cl.controller

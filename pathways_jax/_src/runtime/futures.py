@@ -11,8 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from pathways_jax._src import errors, readiness
-from pathways_jax._src.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
+from pathways_jax._src.core import errors, readiness
+from pathways_jax._src.runtime.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
 
 
 def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
@@ -351,7 +351,7 @@ class Future:
     view = _array_method("view")
 
     def _repr_html_(self) -> str:
-        from pathways_jax._src import notebook
+        from pathways_jax._src.views import notebook
 
         return notebook.future_html(self)
 

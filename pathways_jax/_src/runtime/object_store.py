@@ -17,8 +17,8 @@ from typing import Any
 
 import jax
 
-from pathways_jax._src import errors
-from pathways_jax._src.charges import Charge, charge_of
+from pathways_jax._src.core import errors
+from pathways_jax._src.core.charges import Charge, charge_of
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from pathways_jax._src import readiness, render
-from pathways_jax._src.formatting import escape
-from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
+from pathways_jax._src.core import readiness
+from pathways_jax._src.core.formatting import escape
+from pathways_jax._src.runtime.object_store import Failed, Freed, Pending, Ready
+from pathways_jax._src.views import render
 
 __all__ = ["cluster_html", "future_html", "program_html", "slice_html"]
 
@@ -51,7 +52,7 @@ def _stats(cluster: Any) -> Mapping | None:
     """
     try:
         import pathways_jax
-        from pathways_jax._src import cluster as cluster_lib
+        from pathways_jax._src.runtime import cluster as cluster_lib
 
         fn = getattr(pathways_jax, "stats", None)
         running = getattr(cluster_lib, "running", None)

@@ -21,7 +21,7 @@ import sys
 import weakref
 from typing import Any
 
-from pathways_jax._src import errors
+from pathways_jax._src.core import errors
 
 
 class GraphArgument(Exception):
@@ -183,7 +183,7 @@ def _explain(inner: Any, original: Any, exc: Exception) -> None:
     from flax import nnx
     from flax.nnx import graphlib
 
-    from pathways_jax._src.futures import Future
+    from pathways_jax._src.runtime.futures import Future
 
     taken = (jax.Array, np.ndarray, np.generic, Future, *_ARRAY_LIKE)
     for top, node in jax.tree_util.tree_leaves_with_path(original, is_leaf=graphlib.is_graph_node):

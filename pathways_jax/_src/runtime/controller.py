@@ -44,14 +44,15 @@ from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
-from pathways_jax._src import counters, errors, readiness, scheduler, timeline
-from pathways_jax._src.accounting import Accounting
 from pathways_jax._src.backends.base import Backend, StepFailed
-from pathways_jax._src.object_store import Failed, Freed, Pending, Ready
+from pathways_jax._src.core import counters, errors, readiness, timeline
+from pathways_jax._src.runtime import scheduler
+from pathways_jax._src.runtime.accounting import Accounting
+from pathways_jax._src.runtime.object_store import Failed, Freed, Pending, Ready
 
 if TYPE_CHECKING:
-    from pathways_jax._src.cluster import Cluster
-    from pathways_jax._src.submission import Run
+    from pathways_jax._src.runtime.cluster import Cluster
+    from pathways_jax._src.runtime.submission import Run
 
 _now = time.perf_counter_ns
 # What keeps a queued head from going now (in order of preference).

@@ -15,11 +15,12 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pathways_jax._src import context, errors
-from pathways_jax._src.meshes import fitting_spec, only_mesh
+from pathways_jax._src.core import errors
+from pathways_jax._src.core.meshes import fitting_spec, only_mesh
+from pathways_jax._src.runtime import context
 
 if TYPE_CHECKING:
-    from pathways_jax._src.cluster import Cluster
+    from pathways_jax._src.runtime.cluster import Cluster
 
 _ids = itertools.count()
 _DEFAULT_AXIS_NAMES = ("x", "y", "z")
@@ -213,7 +214,7 @@ class VirtualSlice:
         self._exits.stacks.pop().close()
 
     def _repr_html_(self) -> str:
-        from pathways_jax._src import notebook
+        from pathways_jax._src.views import notebook
 
         return notebook.slice_html(self)
 
@@ -315,7 +316,7 @@ def devices(
       2
       >>> s.release()
     """
-    from pathways_jax._src import cluster as cluster_lib
+    from pathways_jax._src.runtime import cluster as cluster_lib
 
     shape, axis_names = _normalise_mesh(mesh)
     types = _normalise_axis_types(axis_types, axis_names)
@@ -345,7 +346,7 @@ def implied(
     One slice per devices, mesh and axis types for the life of the cluster, so
     every call of such a program finds the same slice (and its cached plan).
     """
-    from pathways_jax._src import cluster as cluster_lib
+    from pathways_jax._src.runtime import cluster as cluster_lib
 
     cl = cluster_lib.cluster()
     key = (device_ids, tuple(mesh.items()), axis_types)

@@ -19,8 +19,8 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import AxisType, NamedSharding
 
-from pathways_jax._src.graph import Graph, Node, Step
-from pathways_jax._src.meshes import only_mesh
+from pathways_jax._src.core.meshes import only_mesh
+from pathways_jax._src.ir.graph import Graph, Node, Step
 
 
 def _group_runs(graph: Graph) -> list[list[int] | Step]:

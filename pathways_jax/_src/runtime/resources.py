@@ -10,7 +10,7 @@ import time
 
 import jax
 
-from pathways_jax._src import errors
+from pathways_jax._src.core import errors
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,17 +18,17 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src import charges as charges_lib
-from pathways_jax._src import counters, errors, timeline
-from pathways_jax._src.charges import Charge, charge_of
-from pathways_jax._src.executable_cache import ExecutableCache
-from pathways_jax._src.graph import Graph, Node
-from pathways_jax._src.meshes import only_mesh, spec_parts
-from pathways_jax._src.signatures import FutureKey
+from pathways_jax._src.compile.executable_cache import ExecutableCache
+from pathways_jax._src.core import charges as charges_lib
+from pathways_jax._src.core import counters, errors, timeline
+from pathways_jax._src.core.charges import Charge, charge_of
+from pathways_jax._src.core.meshes import only_mesh, spec_parts
+from pathways_jax._src.ir.graph import Graph, Node
+from pathways_jax._src.ir.signatures import FutureKey
 
 if TYPE_CHECKING:
-    from pathways_jax._src.devices import VirtualSlice
-    from pathways_jax._src.signatures import Signature
+    from pathways_jax._src.ir.signatures import Signature
+    from pathways_jax._src.runtime.devices import VirtualSlice
 
 _plans = itertools.count()
 

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import jax.extend.core as jex
 
-from pathways_jax._src import errors, source
-from pathways_jax._src.devices import SCOPE_PREFIX
-from pathways_jax._src.graph import Const, Graph, Input, Node, Output, Step, Transfer, TransferKind, Value
+from pathways_jax._src.core import errors, source
+from pathways_jax._src.ir.graph import Const, Graph, Input, Node, Output, Step, Transfer, TransferKind, Value
+from pathways_jax._src.runtime.devices import SCOPE_PREFIX
 
 if TYPE_CHECKING:
-    from pathways_jax._src.devices import VirtualSlice
-    from pathways_jax._src.tracing import TraceState
+    from pathways_jax._src.api.tracing import TraceState
+    from pathways_jax._src.runtime.devices import VirtualSlice
 
 # Named scopes the tracer wraps placed code in: a slice's ``with`` block, the
 # program's default slice, and each pw.jit call (numbered).

@@ -31,7 +31,7 @@ from typing import Any
 
 from absl import logging
 
-from pathways_jax._src import readiness
+from pathways_jax._src.core import readiness
 
 now = time.perf_counter_ns
 # The watcher is never woken per run (a wake-up per run costs the dispatching
@@ -259,7 +259,7 @@ class Accounting:
 
     def _internal_error(self, pending: collections.deque[Note], exc: Exception) -> None:
         """Fails the runs the watcher holds after a bug of its own; the watcher keeps serving."""
-        from pathways_jax._src import errors
+        from pathways_jax._src.core import errors
 
         logging.error("pathways_jax accounting failed; the runs it held fail: %r", exc)
         notes = list(pending) + self._batch

@@ -17,10 +17,10 @@ import shutil
 import subprocess
 from typing import TYPE_CHECKING, Any
 
-from pathways_jax._src.formatting import aval_text, escape
+from pathways_jax._src.core.formatting import aval_text, escape
 
 if TYPE_CHECKING:
-    from pathways_jax._src.graph import Graph
+    from pathways_jax._src.ir.graph import Graph
 
 __all__ = ["find_dot", "to_dot", "to_html", "to_svg"]
 

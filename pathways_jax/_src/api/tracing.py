@@ -15,27 +15,16 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from pathways_jax._src import (
-    context,
-    counters,
-    errors,
-    fusion,
-    graph_builder,
-    nnx_graph,
-    source,
-    submission,
-    timeline,
-)
-from pathways_jax._src.devices import (
-    NO_ABSTRACT_MESH,
-    VirtualSlice,
-    explicit_view,
-)
-from pathways_jax._src.futures import Future
-from pathways_jax._src.graph import Graph
-from pathways_jax._src.graph_builder import DEFAULT_SCOPE
-from pathways_jax._src.meshes import only_mesh
-from pathways_jax._src.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
+from pathways_jax._src.api import graph_builder, nnx_graph
+from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
+from pathways_jax._src.core import counters, errors, source, timeline
+from pathways_jax._src.core.meshes import only_mesh
+from pathways_jax._src.ir import fusion
+from pathways_jax._src.ir.graph import Graph
+from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
+from pathways_jax._src.runtime import context, submission
+from pathways_jax._src.runtime.devices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
+from pathways_jax._src.runtime.futures import Future
 
 _SCALARS = (bool, int, float, complex)
 
@@ -122,7 +111,7 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
     ``hint`` (the mesh of the program's own ``in_shardings``) wins; then the mesh
     of the first array argument sharded over several devices.
     """
-    from pathways_jax._src import devices as devices_lib
+    from pathways_jax._src.runtime import devices as devices_lib
 
     meshes = [hint, *(getattr(key.sharding, "mesh", None) for key in signature if key.kind == "array")]
     for mesh in meshes:
@@ -135,7 +124,7 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
 
 def _device_slice(signature: Signature) -> VirtualSlice:
     """With no argument on a mesh: the first array argument's device, else JAX's default device."""
-    from pathways_jax._src import devices as devices_lib
+    from pathways_jax._src.runtime import devices as devices_lib
 
     for key in signature:
         placed = getattr(key.sharding, "device_set", None) if key.kind == "array" else None
@@ -562,7 +551,7 @@ class Program:
             if nnx_graph.routes(self, (args, kwargs)):
                 self._plans[key] = nnx_graph.ROUTE
                 return nnx_graph.call(self, args, kwargs)
-            from pathways_jax._src import lowering
+            from pathways_jax._src.compile import lowering
 
             graph = self._graph_for(key, inputs)
             donated = self._donated_leaves(args)
@@ -595,7 +584,7 @@ class Program:
         return inner
 
     def _repr_html_(self) -> str:
-        from pathways_jax._src import notebook
+        from pathways_jax._src.views import notebook
 
         return notebook.program_html(self)
 

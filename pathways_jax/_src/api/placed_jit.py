@@ -12,11 +12,13 @@ from typing import Any, overload
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src import context, errors, nnx_graph, source
-from pathways_jax._src.devices import VirtualSlice, check_spec
-from pathways_jax._src.graph_builder import JIT_SCOPE
-from pathways_jax._src.meshes import only_mesh, spec_parts
-from pathways_jax._src.tracing import JitCall, Program, TracerArgument, _static_positions
+from pathways_jax._src.api import nnx_graph
+from pathways_jax._src.api.graph_builder import JIT_SCOPE
+from pathways_jax._src.api.tracing import JitCall, Program, TracerArgument, _static_positions
+from pathways_jax._src.core import errors, source
+from pathways_jax._src.core.meshes import only_mesh, spec_parts
+from pathways_jax._src.runtime import context
+from pathways_jax._src.runtime.devices import VirtualSlice, check_spec
 
 Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
 

@@ -1,0 +1,5 @@
+"""IR: the dataflow graph a program traces to, its fusion, and argument signatures.
+
+A graph names only virtual slices; nothing here knows physical devices,
+plans or the runtime. May import: ``core``.
+"""

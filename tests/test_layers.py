@@ -1,0 +1,170 @@
+"""The import-layer contract of ``pathways_jax/_src`` (see its ``__init__`` docstring).
+
+Imports run one way: api -> runtime -> backends -> compile -> ir -> core. A
+module may import its own layer and those below, never above; no import
+cycle exists, lazy (function-level) imports included. ``views`` may import
+anything, and is imported only lazily inside ``_repr_*`` methods (and
+``Graph.to_dot``, the DOT text of the picture). ``pipeline`` sits on the public
+API. Imports under ``if TYPE_CHECKING:`` are annotations, not imports: they
+are not counted.
+"""
+
+import ast
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import pathways_jax
+
+ORDER = ("core", "ir", "compile", "backends", "runtime", "api")
+PACKAGE = pathlib.Path(pathways_jax.__file__).parent
+# Functions that may import a view lazily: notebook hooks, and Graph.to_dot.
+VIEW_ENTRIES = ("_repr_",)
+VIEW_METHODS = {("ir.graph", "to_dot")}
+
+
+def _imports(path: pathlib.Path):
+    """(imported module, enclosing function or None, line) for every pathways_jax import."""
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for orelse in child.orelse:
+                    visit(orelse, function)
+                continue
+            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            if isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                if child.module.startswith("pathways_jax"):
+                    for alias in child.names:
+                        found.append((f"{child.module}.{alias.name}", child.module, inner, child.lineno))
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.startswith("pathways_jax"):
+                        found.append((alias.name, alias.name, inner, child.lineno))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), None)
+    return found
+
+
+def violations(package: pathlib.Path) -> list[str]:
+    """Every upward or cyclic import (and view import) in ``package/_src``, as readable lines."""
+    src = package / "_src"
+    modules: dict[str, pathlib.Path] = {}
+    for path in src.rglob("*.py"):
+        parts = path.relative_to(src).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+
+    def layer(name: str) -> str:
+        return name.split(".")[0]
+
+    problems: list[str] = []
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in sorted(modules.items()):
+        if not name:  # _src/__init__.py: the overview
+            continue
+        mine = layer(name)
+        for full, module, function, line in _imports(path):
+            where = f"_src/{path.relative_to(src)}:{line}"
+            target = None
+            for candidate in (full, module):
+                if candidate.startswith("pathways_jax._src."):
+                    short = candidate[len("pathways_jax._src.") :]
+                    if short in modules:
+                        target = short
+                        break
+            if target is None:
+                if not module.startswith("pathways_jax._src") and mine not in ("pipeline", "views"):
+                    problems.append(f"{where}: imports the public package ({module}) from inside _src")
+                continue
+            if target == name or layer(target) == name:  # itself, or its own package's __init__
+                continue
+            theirs = layer(target)
+            if theirs == "views" and mine != "views":
+                lazy_view = function is not None and (
+                    function.startswith(VIEW_ENTRIES) or (name, function) in VIEW_METHODS
+                )
+                if not lazy_view:
+                    problems.append(f"{where}: imports the view {target} outside a _repr_* method")
+                continue
+            edges[name].add(target)
+            if mine in ("views", "pipeline"):
+                continue
+            if theirs == "pipeline" or (theirs in ORDER and ORDER.index(theirs) > ORDER.index(mine)):
+                problems.append(f"{where}: {name} ({mine}) imports {target} ({theirs}), a layer above it")
+    # Cycles, over every counted edge (lazy ones too).
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for target in sorted(edges[name]):
+            if state.get(target) == 1:
+                cycle = [*stack[stack.index(target) :], target]
+                problems.append("import cycle: " + " -> ".join(cycle))
+            elif target not in state:
+                walk(target)
+        stack.pop()
+        state[name] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            walk(name)
+    return problems
+
+
+def test_the_tree_keeps_the_layers():
+    assert violations(PACKAGE) == []
+
+
+def test_every_layer_is_a_package_that_says_what_it_owns_and_may_import():
+    for name in (*ORDER, "views"):
+        init = PACKAGE / "_src" / name / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "import" in doc, f"{init} needs a docstring saying what it owns and may import"
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "expected"),
+    [
+        ("core/errors.py", "from pathways_jax._src.runtime import cluster", "a layer above it"),
+        ("ir/graph.py", "from pathways_jax._src.compile.lowering import Plan", "a layer above it"),
+        ("compile/lowering.py", "from pathways_jax._src.views import render", "outside a _repr_* method"),
+        ("core/counters.py", "from pathways_jax._src.core import readiness", "import cycle"),
+    ],
+)
+def test_the_check_fails_on_a_bad_import_in_a_scratch_copy(tmp_path, module, line, expected):
+    copy = tmp_path / "pathways_jax"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / "_src" / module
+    text = target.read_text()
+    if expected == "import cycle":
+        # readiness importing counters, and counters importing readiness (lazily).
+        (copy / "_src/core/readiness.py").write_text(
+            (copy / "_src/core/readiness.py").read_text()
+            + "\n\ndef _x():\n    from pathways_jax._src.core import counters\n"
+        )
+        target.write_text(text + f"\n\ndef _y():\n    {line}\n")
+    else:
+        target.write_text(text + f"\n\ndef _z():\n    {line}\n")
+    assert violations(PACKAGE) == []  # the tree itself is untouched
+    found = violations(copy)
+    assert any(expected in problem for problem in found), found
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_package_imports_no_view():
+    code = (
+        "import sys, pathways_jax, pathways_jax.pipeline\n"
+        "views = [m for m in sys.modules if m.startswith('pathways_jax._src.views.')]\n"
+        "print(views)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() in ("[]", "['pathways_jax._src.views.plotting']"), out.stdout
