@@ -19,8 +19,8 @@ from pathways_jax._src.api.placed_jit import jit as jit
 from pathways_jax._src.api.stats import stats as stats
 from pathways_jax._src.api.tracing import Program as Program
 from pathways_jax._src.api.tracing import program as program
-from pathways_jax._src.core.counters import counters as counters
-from pathways_jax._src.core.counters import reset_counters as reset_counters
+from pathways_jax._src.core.counts import counters as counters
+from pathways_jax._src.core.counts import reset_counters as reset_counters
 from pathways_jax._src.core.timeline import start_trace as start_trace
 from pathways_jax._src.core.timeline import stop_trace as stop_trace
 from pathways_jax._src.core.timeline import trace as trace
@@ -29,13 +29,13 @@ from pathways_jax._src.ir.graph import Node as Node
 from pathways_jax._src.ir.graph import Transfer as Transfer
 from pathways_jax._src.runtime.clients import Client as Client
 from pathways_jax._src.runtime.clients import client as client
-from pathways_jax._src.runtime.cluster import Cluster as Cluster
-from pathways_jax._src.runtime.cluster import cluster as cluster
-from pathways_jax._src.runtime.cluster import init as init
-from pathways_jax._src.runtime.cluster import shutdown as shutdown
-from pathways_jax._src.runtime.devices import VirtualSlice as VirtualSlice
-from pathways_jax._src.runtime.devices import devices as devices
 from pathways_jax._src.runtime.futures import Future as Future
+from pathways_jax._src.runtime.session import Cluster as Cluster
+from pathways_jax._src.runtime.session import cluster as cluster
+from pathways_jax._src.runtime.session import init as init
+from pathways_jax._src.runtime.session import shutdown as shutdown
+from pathways_jax._src.runtime.slices import VirtualSlice as VirtualSlice
+from pathways_jax._src.runtime.slices import devices as devices
 from pathways_jax._src.views.plotting import plot_timeline as plot_timeline
 
 __version__ = "0.1.0"

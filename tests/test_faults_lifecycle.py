@@ -15,7 +15,7 @@ import pytest
 import pathways_jax as pw
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.runtime import accounting as accounting_lib
-from pathways_jax._src.runtime import cluster as cluster_lib
+from pathways_jax._src.runtime import session as cluster_lib
 
 CLOSED = accounting_lib.CLOSED_CLIENTS
 

@@ -133,10 +133,10 @@ def test_every_layer_is_a_package_that_says_what_it_owns_and_may_import():
 @pytest.mark.parametrize(
     ("module", "line", "expected"),
     [
-        ("core/errors.py", "from pathways_jax._src.runtime import cluster", "a layer above it"),
+        ("core/errors.py", "from pathways_jax._src.runtime import session", "a layer above it"),
         ("ir/graph.py", "from pathways_jax._src.compile.lowering import Plan", "a layer above it"),
         ("compile/lowering.py", "from pathways_jax._src.views import render", "outside a _repr_* method"),
-        ("core/counters.py", "from pathways_jax._src.core import readiness", "import cycle"),
+        ("core/counts.py", "from pathways_jax._src.core import readiness", "import cycle"),
     ],
 )
 def test_the_check_fails_on_a_bad_import_in_a_scratch_copy(tmp_path, module, line, expected):
@@ -145,10 +145,10 @@ def test_the_check_fails_on_a_bad_import_in_a_scratch_copy(tmp_path, module, lin
     target = copy / "_src" / module
     text = target.read_text()
     if expected == "import cycle":
-        # readiness importing counters, and counters importing readiness (lazily).
+        # readiness importing counts, and counts importing readiness (lazily).
         (copy / "_src/core/readiness.py").write_text(
             (copy / "_src/core/readiness.py").read_text()
-            + "\n\ndef _x():\n    from pathways_jax._src.core import counters\n"
+            + "\n\ndef _x():\n    from pathways_jax._src.core import counts\n"
         )
         target.write_text(text + f"\n\ndef _y():\n    {line}\n")
     else:

@@ -10,11 +10,11 @@ import jax.extend.core as jex
 
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.ir.graph import Const, Graph, Input, Node, Output, Step, Transfer, TransferKind, Value
-from pathways_jax._src.runtime.devices import SCOPE_PREFIX
+from pathways_jax._src.runtime.slices import SCOPE_PREFIX
 
 if TYPE_CHECKING:
     from pathways_jax._src.api.tracing import TraceState
-    from pathways_jax._src.runtime.devices import VirtualSlice
+    from pathways_jax._src.runtime.slices import VirtualSlice
 
 # Named scopes the tracer wraps placed code in: a slice's ``with`` block, the
 # program's default slice, and each pw.jit call (numbered).

@@ -18,7 +18,7 @@ from pathways_jax._src.api.tracing import JitCall, Program, TracerArgument, _sta
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
 from pathways_jax._src.runtime import context
-from pathways_jax._src.runtime.devices import VirtualSlice, check_spec
+from pathways_jax._src.runtime.slices import VirtualSlice, check_spec
 
 Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
 

@@ -48,7 +48,7 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
       True
       >>> s.release()
     """
-    from pathways_jax._src.runtime import cluster as cluster_lib
+    from pathways_jax._src.runtime import session as cluster_lib
 
     cl = cluster_lib.cluster()
     controller = cl.controller

@@ -17,14 +17,15 @@ from jax.sharding import PartitionSpec
 
 from pathways_jax._src.api import graph_builder, nnx_graph
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
-from pathways_jax._src.core import counters, errors, source, timeline
+from pathways_jax._src.core import counts as counters
+from pathways_jax._src.core import errors, source, timeline
 from pathways_jax._src.core.meshes import only_mesh
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.graph import Graph
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, submission
-from pathways_jax._src.runtime.devices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
 from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
 
 _SCALARS = (bool, int, float, complex)
 
@@ -111,7 +112,7 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
     ``hint`` (the mesh of the program's own ``in_shardings``) wins; then the mesh
     of the first array argument sharded over several devices.
     """
-    from pathways_jax._src.runtime import devices as devices_lib
+    from pathways_jax._src.runtime import slices as devices_lib
 
     meshes = [hint, *(getattr(key.sharding, "mesh", None) for key in signature if key.kind == "array")]
     for mesh in meshes:
@@ -124,7 +125,7 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
 
 def _device_slice(signature: Signature) -> VirtualSlice:
     """With no argument on a mesh: the first array argument's device, else JAX's default device."""
-    from pathways_jax._src.runtime import devices as devices_lib
+    from pathways_jax._src.runtime import slices as devices_lib
 
     for key in signature:
         placed = getattr(key.sharding, "device_set", None) if key.kind == "array" else None

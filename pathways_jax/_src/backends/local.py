@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from pathways_jax._src.backends.base import StepFailed, Window
-from pathways_jax._src.core import counters, errors, readiness, timeline
+from pathways_jax._src.core import counts as counters
+from pathways_jax._src.core import errors, readiness, timeline
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan

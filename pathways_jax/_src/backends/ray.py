@@ -45,7 +45,8 @@ from pathways_jax._src.backends.ray_host import (
     ShardingDesc,
     SingleDesc,
 )
-from pathways_jax._src.core import counters, errors, timeline
+from pathways_jax._src.core import counts as counters
+from pathways_jax._src.core import errors, timeline
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan

@@ -20,7 +20,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import charges as charges_lib
-from pathways_jax._src.core import counters, errors, timeline
+from pathways_jax._src.core import counts as counters
+from pathways_jax._src.core import errors, timeline
 from pathways_jax._src.core.charges import Charge, charge_of
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
 from pathways_jax._src.ir.graph import Graph, Node
@@ -28,7 +29,7 @@ from pathways_jax._src.ir.signatures import FutureKey
 
 if TYPE_CHECKING:
     from pathways_jax._src.ir.signatures import Signature
-    from pathways_jax._src.runtime.devices import VirtualSlice
+    from pathways_jax._src.runtime.slices import VirtualSlice
 
 _plans = itertools.count()
 

@@ -14,7 +14,7 @@ from pathways_jax._src.core import errors
 from pathways_jax._src.core.formatting import aval_text
 
 if TYPE_CHECKING:
-    from pathways_jax._src.runtime.devices import VirtualSlice
+    from pathways_jax._src.runtime.slices import VirtualSlice
 
 TransferKind = Literal["ici", "dcn"]
 

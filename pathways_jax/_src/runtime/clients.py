@@ -67,7 +67,7 @@ class Client:
             if self.closed:
                 return
             self.closed = True
-        from pathways_jax._src.runtime import cluster as cluster_lib
+        from pathways_jax._src.runtime import session as cluster_lib
 
         current = cluster_lib.running()
         if current is not None:

@@ -6,7 +6,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pathways_jax._src.runtime.devices import VirtualSlice
+    from pathways_jax._src.runtime.slices import VirtualSlice
 
 
 class _State(threading.local):

@@ -45,13 +45,14 @@ from typing import TYPE_CHECKING, Any
 from absl import logging
 
 from pathways_jax._src.backends.base import Backend, StepFailed
-from pathways_jax._src.core import counters, errors, readiness, timeline
+from pathways_jax._src.core import counts as counters
+from pathways_jax._src.core import errors, readiness, timeline
 from pathways_jax._src.runtime import scheduler
 from pathways_jax._src.runtime.accounting import Accounting
 from pathways_jax._src.runtime.object_store import Failed, Freed, Pending, Ready
 
 if TYPE_CHECKING:
-    from pathways_jax._src.runtime.cluster import Cluster
+    from pathways_jax._src.runtime.session import Cluster
     from pathways_jax._src.runtime.submission import Run
 
 _now = time.perf_counter_ns

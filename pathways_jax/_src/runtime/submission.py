@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathways_jax._src.core import counters, errors, timeline
+from pathways_jax._src.core import counts as counters
+from pathways_jax._src.core import errors, timeline
 from pathways_jax._src.core.charges import Charge
 from pathways_jax._src.runtime import clients
 from pathways_jax._src.runtime.futures import Future
@@ -51,7 +52,7 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     t0 = rec.now() if rec is not None else 0
     cl = plan.cluster
     if cl is None:  # a program that places nothing (it only returns literals)
-        from pathways_jax._src.runtime import cluster as cluster_lib
+        from pathways_jax._src.runtime import session as cluster_lib
 
         cl = cluster_lib.cluster()
     store = cl.store

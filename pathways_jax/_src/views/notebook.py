@@ -52,7 +52,7 @@ def _stats(cluster: Any) -> Mapping | None:
     """
     try:
         import pathways_jax
-        from pathways_jax._src.runtime import cluster as cluster_lib
+        from pathways_jax._src.runtime import session as cluster_lib
 
         fn = getattr(pathways_jax, "stats", None)
         running = getattr(cluster_lib, "running", None)

@@ -20,7 +20,7 @@ from pathways_jax._src.core.meshes import fitting_spec, only_mesh
 from pathways_jax._src.runtime import context
 
 if TYPE_CHECKING:
-    from pathways_jax._src.runtime.cluster import Cluster
+    from pathways_jax._src.runtime.session import Cluster
 
 _ids = itertools.count()
 _DEFAULT_AXIS_NAMES = ("x", "y", "z")
@@ -316,7 +316,7 @@ def devices(
       2
       >>> s.release()
     """
-    from pathways_jax._src.runtime import cluster as cluster_lib
+    from pathways_jax._src.runtime import session as cluster_lib
 
     shape, axis_names = _normalise_mesh(mesh)
     types = _normalise_axis_types(axis_types, axis_names)
@@ -346,7 +346,7 @@ def implied(
     One slice per devices, mesh and axis types for the life of the cluster, so
     every call of such a program finds the same slice (and its cached plan).
     """
-    from pathways_jax._src.runtime import cluster as cluster_lib
+    from pathways_jax._src.runtime import session as cluster_lib
 
     cl = cluster_lib.cluster()
     key = (device_ids, tuple(mesh.items()), axis_types)
