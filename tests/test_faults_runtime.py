@@ -9,8 +9,12 @@ thread and runaway host callbacks. Each compares its results with plain
 
 import _thread
 import gc
+import os
 import random
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -414,3 +418,55 @@ def test_a_program_with_no_placement_runs_again_after_shutdown_and_init():
     pw.init(num_cpu_devices=8)
     with pytest.raises(pw.errors.PlacementError, match="shut down"):  # a slice the user named stays gone
         placed(jnp.ones(4))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux only")
+def test_cpu_device_buffers_are_released_to_the_system_when_freed():
+    """Dropped buffers of varying sizes must not pile up in the allocator (see core/host_memory.py)."""
+    code = textwrap.dedent(
+        """
+        import gc, os, sys
+        import jax
+        jax.config.update("jax_num_cpu_devices", 2)
+        import numpy as np
+        import pathways_jax as pw
+        from pathways_jax._src.core import host_memory
+        pw.init(num_cpu_devices=2)
+        print("fixed", host_memory.release_large_buffers())
+        s = pw.devices(mesh={"x": 1})
+        rng = np.random.default_rng(0)
+
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+        def request():
+            c = rng.standard_normal(rng.integers(2**18, 2**20)).astype(np.float32)  # 1-4 MiB
+            program = pw.jit(lambda v: v + c, devices=s)
+            out = program(np.zeros_like(c))
+            assert np.allclose(np.asarray(out.result()), c)
+
+        for _ in range(40):
+            request()
+        gc.collect()
+        start = rss()
+        for _ in range(120):
+            request()
+        gc.collect()
+        print("growth", rss() - start)
+        """
+    )
+    grew = {}
+    for setting in ("keep", "release"):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PATHWAYS_JAX_MALLOC=setting)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, env=env
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+        assert lines["fixed"] == ("False" if setting == "keep" else "True")
+        grew[setting] = float(lines["growth"])
+    # Freed buffers go back to the system: far less growth than with the allocator left as it is.
+    print("RSS growth over 120 requests (MiB):", grew)
+    assert grew["release"] < 8, grew
+    assert grew["release"] < grew["keep"], grew

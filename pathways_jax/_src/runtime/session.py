@@ -18,7 +18,7 @@ from absl import logging
 from pathways_jax._src.backends import local
 from pathways_jax._src.backends.base import Backend
 from pathways_jax._src.compile.executable_cache import ExecutableCache
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import errors, host_memory
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.object_store import Budget, ObjectStore
 from pathways_jax._src.runtime.resources import Island, ResourceManager
@@ -335,6 +335,8 @@ def init(
             if args.num_cpu_devices is not None:
                 local.set_cpu_device_count(args.num_cpu_devices)
             carved = local.carve_islands(local.local_devices(), islands)
+            if all(d.platform == "cpu" for group in carved for d in group):
+                host_memory.release_large_buffers()  # CPU device buffers are host memory
         try:
             budget = _budget([d for group in carved for d in group], args.memory_budget)
         except errors.ClusterError:
