@@ -44,3 +44,27 @@ def run_script(relative: str, *args: str, timeout: float = 280, python_args: tup
         f"{relative} exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     )
     return proc.stdout
+
+
+def gated(slice_, plus=0.0):
+    """A program on ``slice_`` whose host callback waits for a gate: it holds the island's window.
+
+    Returns ``(program, gate, entered)``: ``entered`` is set once a call reached the
+    callback; the call finishes once ``gate`` is set (or after 30 s). The program
+    returns its input plus ``plus``.
+    """
+    import threading
+
+    import pathways_jax as pw
+
+    gate, entered = threading.Event(), threading.Event()
+
+    def wait(v):
+        entered.set()
+        gate.wait(30)
+        return v
+
+    program = pw.jit(
+        lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + plus, devices=slice_
+    )
+    return program, gate, entered

@@ -26,7 +26,7 @@ import pytest
 
 import pathways_jax as pw
 from pathways_jax._src.runtime import controller as controller_lib
-from tests.helpers import assert_matches
+from tests.helpers import assert_matches, gated
 
 MiB = 2**20
 
@@ -252,14 +252,7 @@ def _plugged(max_queued, backpressure_timeout=None):
         backpressure_timeout=backpressure_timeout,
     )
     s = pw.devices(mesh={"x": 2}, island=0)
-    gate, entered = threading.Event(), threading.Event()
-
-    def wait(v):
-        entered.set()
-        gate.wait(30)
-        return v
-
-    held = pw.jit(lambda v: jax.pure_callback(wait, jax.ShapeDtypeStruct(v.shape, v.dtype), v), devices=s)
+    held, gate, entered = gated(s)
     work = pw.jit(lambda v: v * 3, devices=s)
     gate.set()
     held(jnp.ones(2)).result(timeout=30), work(jnp.ones(2)).result(timeout=30)

@@ -1,11 +1,10 @@
 """Scheduling policies as pure code, and end to end through the controller."""
 
 import collections
-import threading
 
-import jax
 import jax.numpy as jnp
 import pytest
+from helpers import gated
 
 import pathways_jax as pw
 from pathways_jax._src.runtime import scheduler
@@ -179,14 +178,7 @@ def _plugged_order(policy: str, submit) -> list[str]:
     """Fills the island's window with a gated run, lets ``submit`` queue runs, returns their dispatch order."""
     pw.init(num_cpu_devices=8, islands=2, scheduler=policy, starvation_limit=100, max_in_flight=1)
     s = pw.devices(mesh={"x": 2}, island=0)
-    gate, entered = threading.Event(), threading.Event()
-
-    def wait(v):
-        entered.set()
-        gate.wait(30)
-        return v
-
-    held = pw.jit(lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1, devices=s)
+    held, gate, entered = gated(s, plus=1)
     work = pw.jit(lambda x: x * 2 + x.sum(), devices=s, in_specs=pw.P("x"))
     x = jnp.arange(4.0)
     gate.set()
@@ -293,14 +285,7 @@ def test_fair_charges_the_cost_estimate_known_when_a_run_is_picked():
 def test_closed_clients_leave_no_state_in_the_policy(policy):
     pw.init(num_cpu_devices=8, islands=2, scheduler=policy, starvation_limit=100, max_in_flight=1)
     s = pw.devices(mesh={"x": 2}, island=0)
-    gate, entered = threading.Event(), threading.Event()
-
-    def wait(v):
-        entered.set()
-        gate.wait(30)
-        return v
-
-    held = pw.jit(lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1, devices=s)
+    held, gate, entered = gated(s, plus=1)
     work = pw.jit(lambda x: x * 2 + x.sum(), devices=s, in_specs=pw.P("x"))
     x = jnp.arange(4.0)
     plug = pw.client("plug")

@@ -18,7 +18,7 @@ from absl import logging
 from pathways_jax._src.backends import local
 from pathways_jax._src.backends.base import Backend
 from pathways_jax._src.compile.executable_cache import ExecutableCache
-from pathways_jax._src.core import errors, host_memory
+from pathways_jax._src.core import checks, errors, host_memory
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.object_store import Budget, ObjectStore
 from pathways_jax._src.runtime.resources import Island, ResourceManager
@@ -379,12 +379,7 @@ def _seconds(name: str, value: object) -> float | None:
     """``value`` as seconds if it is None or a finite number >= 0 (not a bool); else ClusterError."""
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    if not checks.is_seconds(value):
         raise errors.ClusterError(
             f"{name} must be None (no limit) or a finite number of seconds >= 0, got {value!r} "
             f"({type(value).__name__})."

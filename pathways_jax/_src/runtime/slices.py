@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
-import numbers
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -15,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import checks, errors
 from pathways_jax._src.core.meshes import fitting_spec, only_mesh
 from pathways_jax._src.runtime import context
 
@@ -322,12 +320,7 @@ def devices(
     types = _normalise_axis_types(axis_types, axis_names)
     if not isinstance(exclusive, bool):
         raise errors.ResourceError(f"exclusive must be True or False, got {exclusive!r}.")
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, numbers.Real)
-        or not math.isfinite(timeout)
-        or timeout < 0
-    ):
+    if timeout is not None and not checks.is_seconds(timeout):
         raise errors.ResourceError(
             f"timeout must be None or a number >= 0, got {timeout!r} ({type(timeout).__name__}); give a "
             "finite number of seconds, or None to wait as long as it takes."
