@@ -63,6 +63,12 @@ _BLOCKED_POLL_S = 0.002  # how often a blocked head is looked at again
 # oldest executables are looked at again after this long, doubling up to
 # _BLOCKED_POLL_S: short runs free a window within microseconds.
 _ROOM_POLL_S = 5e-5
+# When every head that could go waits for room and its runs take at most this
+# long on the devices, the controller drains the full window to half inside
+# XLA (one wake-up per half window, as throughput wants) instead of looking
+# again and again: another island's run then waits at most about half a
+# window of such short runs.
+_SHORT_RUN_S = 5e-4
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 _MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
 
@@ -99,6 +105,7 @@ class Controller:
         # run goes inline while a run is queued or picked: a thread never bypasses
         # the policy, and a client's runs keep their order.
         self._picked: Run | None = None
+        self._full = 0  # the island of the window the last head found full
         self._seq = itertools.count()
         self._policy: scheduler.Policy = scheduler.make(
             cluster.scheduler, starvation_limit=cluster.starvation_limit
@@ -123,7 +130,7 @@ class Controller:
     def submit(self, run: Run) -> None:
         if self._stopped:
             raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
-        if self._dead is not None or not self._thread.is_alive():
+        if self._dead is not None:  # set by the thread as it ends (see _serve)
             self._died()
         # Inline only while nothing is queued or picked: a thread never bypasses the policy.
         # Under a memory budget the main thread never dispatches: an interrupt
@@ -247,6 +254,9 @@ class Controller:
                 continue
             if run is None:
                 return
+            if isinstance(run, int):  # every head waits for a window of short runs: drain it
+                self._drain(run)
+                continue
             try:
                 with self._dispatch:
                     self._execute(run)
@@ -316,9 +326,9 @@ class Controller:
             return _MEMORY
         window = self._window
         for island, count in run.plan.windowed.items():
-            # A run with more executables on an island than its window goes once
-            # the window is empty, and waits for its own oldest ones as it goes.
-            count = min(count, window)
+            # A run with more executables on an island than half its window goes
+            # once half the window is free, and waits for the oldest as it goes.
+            count = min(count, max(1, window // 2))
             running = None if busy is None else busy.get(island)
             if running is None:
                 running = len(self._in_flight[island])
@@ -329,6 +339,7 @@ class Controller:
                 if busy is not None:
                     busy[island] = running
             if running + count > window:
+                self._full = island  # which window the head waits for (read by _next)
                 return _NO_ROOM
         return _GO
 
@@ -343,8 +354,19 @@ class Controller:
             self._backend.settle(in_flight)
             return len(in_flight)
 
-    def _next(self) -> Run | None:
+    def _drain(self, island: int) -> None:
+        """Waits (inside XLA, no lock held) until ``island``'s window is at most half full."""
+        low = self._window // 2
+        while self._settle(island) > low:
+            oldest, _ = self._in_flight[island][0]
+            with contextlib.suppress(Exception):  # its error reaches the run's futures
+                readiness.block(oldest)
+
+    def _next(self) -> Run | int | None:
         """Waits for a run the policy picks among the heads that can go now; None once stopped.
+
+        An island (an int) instead when every head waits for room and the
+        shortest of them runs under ``_SHORT_RUN_S``: the caller drains its window.
 
         A head that waits for room in a window is looked at again after
         ``_ROOM_POLL_S`` (doubling while nothing changes) rather than waited for
@@ -363,6 +385,8 @@ class Controller:
                     continue
                 go: list[Run] = []
                 no_room = False
+                expected = 0.0  # the shortest device time of a head waiting for room
+                full = 0  # the island whose window that head waits for
                 blocked: list[Run] = []
                 busy: dict[int, int] = {}
                 # Heads of one plan without future inputs are held back (or not)
@@ -390,6 +414,9 @@ class Controller:
                         go.append(run)
                     elif why == _NO_ROOM:
                         no_room = True
+                        cost = run.plan.cost  # the run's device time, measured (0: not yet)
+                        if cost and (expected == 0.0 or cost < expected):
+                            expected, full = cost, self._full
                     else:
                         blocked.append(run)
                         if why == _MEMORY and run.blocked_since is None:
@@ -432,6 +459,10 @@ class Controller:
                     return run
                 self._expire(blocked)
                 if no_room:
+                    if expected and expected <= _SHORT_RUN_S and not blocked:
+                        return full
+                    if expected:  # look again about when a quarter of such a run is done
+                        pause = min(max(expected / 4, _ROOM_POLL_S / 2), pause)
                     self._sleep(pause)
                     pause = min(pause * 2, _BLOCKED_POLL_S)
                 else:
@@ -603,15 +634,19 @@ class Controller:
         """Makes room for one more executable on ``island``, waiting for the oldest if need be.
 
         The controller dispatches a run only once its windows have room
-        (:meth:`_blocker`), so this waits only when a dispatch on another thread
-        filled the window in between.
+        (:meth:`_blocker`), so this waits only for a run with more executables
+        on the island than the window holds (for its own oldest ones), or when
+        a dispatch on another thread filled the window in between. A full
+        window is drained to half: the dispatching thread then wakes once per
+        half window of executables, not once per executable.
         """
         if len(self._in_flight[island]) < self._window or self._settle(island) < self._window:
             return
         rec = timeline.ACTIVE
         t0 = rec.now() if rec is not None else 0
         run = None
-        while self._settle(island) >= self._window:
+        low = self._window // 2
+        while self._settle(island) > low:
             oldest, run = self._in_flight[island][0]
             # Its error reaches the run's futures, and the watcher counts the run.
             with contextlib.suppress(Exception):
