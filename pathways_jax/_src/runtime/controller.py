@@ -17,9 +17,11 @@ Runs wait in one FIFO queue per client (at most ``pw.init(max_queued=...)``
 each: a caller beyond that waits); the scheduling policy (``scheduler.py``)
 picks which client's head goes next among the heads that can go now (inputs
 computed, memory budget met, room in the in-flight windows of its islands).
-The controller never blocks on a full window while another run could go: it
-looks again at the windows' oldest executables until one has room, so a busy
-island holds back only the runs that need it. With a memory budget, a run's
+A busy island holds back only the runs that need it: when every head waits for
+a full window, the controller looks at the windows' oldest executables again
+about when a quarter of such a run is done, and only for runs shorter than
+``_SHORT_RUN_S`` does it drain the window inside XLA (at most half a window of
+them, which is what throughput on tiny runs needs). With a memory budget, a run's
 node output bytes and the bytes of its host inputs are reserved before
 dispatch (its host inputs are put on devices only then); a run that does not
 fit waits. Accounting (device busy time, per-client usage) is measured by a
