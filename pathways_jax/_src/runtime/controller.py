@@ -356,10 +356,21 @@ class Controller:
             self._backend.settle(in_flight)
             return len(in_flight)
 
+    def _short_oldest(self, island: int) -> bool:
+        """True if the oldest executable in ``island``'s window is of a run known to be short."""
+        items = self._in_flight[island]
+        if not items:
+            return False
+        cost = items[0][1].plan.cost
+        return 0.0 < cost <= _SHORT_RUN_S
+
     def _drain(self, island: int) -> None:
-        """Waits (inside XLA, no lock held) until ``island``'s window is at most half full."""
+        """Waits (inside XLA, no lock held) until ``island``'s window is at most half full.
+
+        Only on short runs: it stops at an executable of a run not known to be short.
+        """
         low = self._window // 2
-        while self._settle(island) > low:
+        while self._settle(island) > low and self._short_oldest(island):
             oldest, _ = self._in_flight[island][0]
             with contextlib.suppress(Exception):  # its error reaches the run's futures
                 readiness.block(oldest)
@@ -370,9 +381,10 @@ class Controller:
         An island (an int) instead when every head waits for room and the
         shortest of them runs under ``_SHORT_RUN_S``: the caller drains its window.
 
-        A head that waits for room in a window is looked at again after
-        ``_ROOM_POLL_S`` (doubling while nothing changes) rather than waited for
-        inside XLA: a run for another island, submitted meanwhile, then goes at once.
+        A head that waits for room in a window is otherwise looked at again
+        about when a quarter of such a run is done (``_ROOM_POLL_S`` doubling
+        when its cost is not known yet), rather than waited for inside XLA: a
+        run for another island, submitted meanwhile, then goes at once.
         """
         pause = _ROOM_POLL_S
         with self._lock:
@@ -393,7 +405,7 @@ class Controller:
                 busy: dict[int, int] = {}
                 # Heads of one plan without future inputs are held back (or not)
                 # by the same things: look once per plan, not once per client.
-                verdicts: dict[int, int] = {}
+                verdicts: dict[int, tuple[int, int]] = {}  # plan -> (why, full island)
                 broken: list[tuple[Run, BaseException]] = []
                 for key, queue in list(self._queues.items()):
                     if not queue:  # left empty by an interrupted submission
@@ -403,12 +415,12 @@ class Controller:
                     run = queue[0]
                     try:
                         if run.future_inputs:
-                            why = self._blocker(run, busy)
+                            why, waits_on = self._blocker(run, busy), self._full
                         else:
                             verdict = verdicts.get(id(run.plan))
                             if verdict is None:
-                                verdict = verdicts[id(run.plan)] = self._blocker(run, busy)
-                            why = verdict
+                                verdict = verdicts[id(run.plan)] = (self._blocker(run, busy), self._full)
+                            why, waits_on = verdict
                     except Exception as exc:
                         broken.append((run, exc))
                         continue
@@ -418,7 +430,7 @@ class Controller:
                         no_room = True
                         cost = run.plan.cost  # the run's device time, measured (0: not yet)
                         if cost and (expected == 0.0 or cost < expected):
-                            expected, full = cost, self._full
+                            expected, full = cost, waits_on
                     else:
                         blocked.append(run)
                         if why == _MEMORY and run.blocked_since is None:
@@ -461,7 +473,7 @@ class Controller:
                     return run
                 self._expire(blocked)
                 if no_room:
-                    if expected and expected <= _SHORT_RUN_S and not blocked:
+                    if expected and expected <= _SHORT_RUN_S and not blocked and self._short_oldest(full):
                         return full
                     if expected:  # look again about when a quarter of such a run is done
                         pause = min(max(expected / 4, _ROOM_POLL_S / 2), pause)
