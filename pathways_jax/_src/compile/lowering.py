@@ -188,6 +188,8 @@ class Plan:
             and self.backend.stages_inputs
             and bool(self.host_feeds)
         )
+        # A backend that does not stage inputs ships them with the run's message.
+        self.shipped_feeds = self.backend is not None and not self.backend.stages_inputs
         self.signatures = [out.signature for out in self.outputs]
         self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}
         # How many windowed executables the plan puts on each island: a run

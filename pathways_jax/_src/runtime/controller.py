@@ -51,7 +51,7 @@ from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, readiness, timeline
 from pathways_jax._src.runtime import scheduler
 from pathways_jax._src.runtime.accounting import Accounting
-from pathways_jax._src.runtime.object_store import Failed, Freed, Pending, Ready
+from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, Pending, Ready
 
 if TYPE_CHECKING:
     from pathways_jax._src.runtime.session import Cluster
@@ -72,7 +72,6 @@ _ROOM_POLL_S = 5e-5
 # window of such short runs.
 _SHORT_RUN_S = 5e-4
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
-_MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
 
 
 class Controller:
@@ -142,7 +141,7 @@ class Controller:
             self._inline
             and not self._queues
             and self._picked is None
-            and (self._budget is None or threading.get_ident() != _MAIN_THREAD)
+            and (self._budget is None or threading.get_ident() != MAIN_THREAD)
             and self._dispatch.acquire(blocking=False)
         ):
             try:
@@ -247,8 +246,7 @@ class Controller:
     def _serve_runs(self) -> None:
         while True:
             try:
-                self._store.collect()
-                run = self._next()
+                run = self._next()  # collects dropped values first
             except BaseException as exc:  # a bug in the controller's own bookkeeping: keep serving
                 logging.error("pathways_jax controller: picking the next run failed: %r", exc)
                 self._picked = None
@@ -480,8 +478,7 @@ class Controller:
                     self._sleep(pause)
                     pause = min(pause * 2, _BLOCKED_POLL_S)
                 else:
-                    self._sleep(_BLOCKED_POLL_S)
-                    self._store.collect()
+                    self._sleep(_BLOCKED_POLL_S)  # freed values are collected at the loop's top
 
     def _pop(self, run: Run) -> None:
         """Takes ``run``, its client's head, off the queue (lock held)."""
@@ -644,7 +641,7 @@ class Controller:
         """True if ``run`` may be dispatched on the caller's thread: nothing would wait."""
         return run.plan.inline_ok and self._blocker(run) == _GO
 
-    def _wait_window(self, island: int) -> None:
+    def make_room(self, island: int) -> None:
         """Makes room for one more executable on ``island``, waiting for the oldest if need be.
 
         The controller dispatches a run only once its windows have room
@@ -703,10 +700,7 @@ class Controller:
             run.future_inputs = []
         self._publish(run, started, values, last)
 
-    # --- the in-flight windows, as backends see them (base.Window) -------------------------
-
-    def make_room(self, island: int) -> None:
-        self._wait_window(island)
+    # --- the in-flight windows, as backends see them (base.Window; make_room above) --------
 
     def in_flight(self, island: int, marker: Any, run: Run) -> None:
         self._in_flight[island].append((marker, run))

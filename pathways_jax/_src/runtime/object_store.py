@@ -57,7 +57,7 @@ class Owner(typing.NamedTuple):
     key: int = 0
 
 
-_MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
+MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
 
 
 class Budget:
@@ -163,7 +163,7 @@ class ObjectStore:
         entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin, signature)
         # Under a budget the main thread leaves freeing to the controller's thread:
         # an interrupt there could cut a release in two and lose the bytes.
-        if self._dropped and (self.budget is None or threading.get_ident() != _MAIN_THREAD):
+        if self._dropped and (self.budget is None or threading.get_ident() != MAIN_THREAD):
             self.collect()
         self._live[entry.id] = entry  # one dict store: atomic under the GIL
         return entry

@@ -57,7 +57,7 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
         cl = cluster_lib.cluster()
     store = cl.store
     env = list(plan.template)
-    shipped = plan.backend is not None and not plan.backend.stages_inputs
+    shipped = plan.shipped_feeds
     staged = shipped or plan.staged_feeds
     for index, slot, sharding in plan.host_feeds:
         leaf = leaves[index]
