@@ -67,3 +67,12 @@ __all__ = [
     "stop_trace",
     "trace",
 ]
+
+
+def __getattr__(name: str):
+    # pw.sim, the simulator, is imported on first use: `import pathways_jax` never loads it.
+    if name == "sim":
+        import importlib
+
+        return importlib.import_module("pathways_jax.sim")
+    raise AttributeError(f"module 'pathways_jax' has no attribute {name!r}")

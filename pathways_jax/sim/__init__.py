@@ -1,0 +1,80 @@
+"""``pw.sim``: a discrete-event simulator of the controller, calibrated by measurement.
+
+It runs a program's graph (or a synthetic workload) on a simulated cluster of
+hosts and devices whose every cost comes from a :class:`Profile`: the
+controller's per-run and per-node costs, one message per host per run, host
+enqueue, device time, ICI collectives, DCN transfers, the in-flight window and
+the scheduler's interleaving of clients. SimPy (``pip install
+'pathways-jax[sim]'``) is imported only when a simulation runs.
+
+Example:
+  >>> import jax.numpy as jnp, pathways_jax as pw
+  >>> s = pw.devices(mesh={"x": 2})
+  >>> @pw.program(devices=s)
+  ... def step(v):
+  ...     return v * 2
+  >>> pred = pw.sim.predict(step, jnp.ones(8), cluster=pw.sim.Cluster(hosts=4, profile="tpu_v4"))
+  >>> pred.step_time_s > 0 and 0 <= pred.utilisation <= 1
+  True
+  >>> s.release()
+
+``python -m pathways_jax.sim calibrate`` measures this machine into a profile.
+"""
+
+from pathways_jax.sim._cluster import Cluster as Cluster
+from pathways_jax.sim._engine import ClientStats as ClientStats
+from pathways_jax.sim._engine import RunRecord as RunRecord
+from pathways_jax.sim._engine import SimResult as SimResult
+from pathways_jax.sim._engine import Workload as Workload
+from pathways_jax.sim._engine import simulate as simulate
+from pathways_jax.sim._errors import ProfileError as ProfileError
+from pathways_jax.sim._errors import SimulatorUnavailable as SimulatorUnavailable
+from pathways_jax.sim._predict import Prediction as Prediction
+from pathways_jax.sim._predict import from_graph as from_graph
+from pathways_jax.sim._predict import predict as predict
+from pathways_jax.sim._profile import ControllerCosts as ControllerCosts
+from pathways_jax.sim._profile import DeviceCosts as DeviceCosts
+from pathways_jax.sim._profile import HostCosts as HostCosts
+from pathways_jax.sim._profile import LinkCosts as LinkCosts
+from pathways_jax.sim._profile import Profile as Profile
+from pathways_jax.sim._profile import builtin_profiles as builtin_profiles
+from pathways_jax.sim._profile import load_profile as load_profile
+from pathways_jax.sim._workload import PREVIOUS_RUN as PREVIOUS_RUN
+from pathways_jax.sim._workload import SimProgram as SimProgram
+from pathways_jax.sim._workload import Step as Step
+from pathways_jax.sim._workload import chain as chain
+from pathways_jax.sim._workload import concat as concat
+from pathways_jax.sim._workload import dispatch_mode as dispatch_mode
+from pathways_jax.sim._workload import pipeline as pipeline
+from pathways_jax.sim._workload import spmd as spmd
+from pathways_jax.sim._workload import two_islands as two_islands
+
+__all__ = [
+    "PREVIOUS_RUN",
+    "ClientStats",
+    "Cluster",
+    "ControllerCosts",
+    "DeviceCosts",
+    "HostCosts",
+    "LinkCosts",
+    "Prediction",
+    "Profile",
+    "ProfileError",
+    "RunRecord",
+    "SimProgram",
+    "SimResult",
+    "SimulatorUnavailable",
+    "Step",
+    "Workload",
+    "builtin_profiles",
+    "chain",
+    "concat",
+    "dispatch_mode",
+    "from_graph",
+    "load_profile",
+    "pipeline",
+    "predict",
+    "simulate",
+    "spmd",
+    "two_islands",
+]

@@ -1,0 +1,142 @@
+"""A simulated cluster: hosts, their devices, islands, and the profile of what everything costs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+from pathways_jax import errors
+from pathways_jax._src.runtime import scheduler as scheduler_lib
+from pathways_jax.sim._profile import Profile, load_profile
+
+Dispatch = Literal["local", "hosts"]
+
+
+def _count(name: str, value: object, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise errors.ResourceError(f"pw.sim.Cluster: {name} must be an integer >= {low}, got {value!r}.")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Cluster:
+    """The cluster a simulation runs on.
+
+    Devices are numbered ``0 .. hosts * devices_per_host - 1``; host ``h`` owns
+    devices ``h * devices_per_host ..``; the hosts are split evenly into
+    ``islands`` (consecutive hosts share an island, and ICI).
+
+    Args:
+      hosts: how many hosts.
+      devices_per_host: devices per host (default: the profile's).
+      profile: the costs: a :class:`Profile`, the name of a built-in profile
+        (``"cpu_2core"``, ``"tpu_v4"``) or the path of a JSON profile.
+      islands: how many islands the hosts form (must divide ``hosts``).
+      dispatch: ``"local"``: the controller enqueues on the devices itself (the
+        local backend); ``"hosts"``: it sends each host one message per run and
+        the host enqueues (the Ray backend, any multi-host cluster). Default:
+        local for one host, hosts otherwise.
+      in_flight: executables in flight per island (local) or per host (hosts)
+        before dispatch waits; default: the profile's.
+      scheduler: the controller's policy among clients (``"fifo"``, ``"fair"``, ``"priority"``).
+
+    Raises:
+      ResourceError: a size is not a positive integer, or ``islands`` does not divide ``hosts``.
+      ProfileError: the profile cannot be found or read.
+
+    Example:
+      >>> from pathways_jax import sim
+      >>> sim.Cluster(hosts=16, profile="tpu_v4").devices
+      64
+    """
+
+    hosts: int
+    devices_per_host: int
+    profile: Profile
+    islands: int
+    dispatch: Dispatch
+    in_flight: int
+    scheduler: str
+
+    def __init__(
+        self,
+        hosts: int = 1,
+        devices_per_host: int | None = None,
+        profile: str | os.PathLike | Profile | Mapping = "cpu_2core",
+        *,
+        islands: int = 1,
+        dispatch: Dispatch | None = None,
+        in_flight: int | None = None,
+        scheduler: Literal["fifo", "fair", "priority"] = "fifo",
+    ):
+        prof = load_profile(profile)
+        hosts = _count("hosts", hosts)
+        per_host = _count(
+            "devices_per_host", prof.devices_per_host if devices_per_host is None else devices_per_host
+        )
+        islands = _count("islands", islands)
+        if hosts % islands:
+            raise errors.ResourceError(
+                f"pw.sim.Cluster: {islands} islands cannot split {hosts} hosts evenly; "
+                "pass an island count that divides the host count."
+            )
+        mode = dispatch if dispatch is not None else ("local" if hosts == 1 else "hosts")
+        if mode not in ("local", "hosts"):
+            raise errors.ResourceError(f"pw.sim.Cluster: dispatch must be 'local' or 'hosts', got {mode!r}.")
+        if mode == "local" and hosts > 1:
+            raise errors.ResourceError(
+                f"pw.sim.Cluster: dispatch='local' drives the devices of one host, got hosts={hosts}."
+            )
+        window = (
+            in_flight
+            if in_flight is not None
+            else (prof.in_flight if mode == "local" else prof.host_in_flight)
+        )
+        if scheduler not in scheduler_lib.POLICIES:
+            raise errors.ResourceError(
+                f"pw.sim.Cluster: scheduler must be one of {scheduler_lib.POLICIES}, got {scheduler!r}."
+            )
+        for name, value in (
+            ("hosts", hosts),
+            ("devices_per_host", per_host),
+            ("profile", prof),
+            ("islands", islands),
+            ("dispatch", mode),
+            ("in_flight", _count("in_flight", window)),
+            ("scheduler", scheduler),
+        ):
+            object.__setattr__(self, name, value)
+
+    @property
+    def devices(self) -> int:
+        """How many devices the cluster has."""
+        return self.hosts * self.devices_per_host
+
+    @property
+    def hosts_per_island(self) -> int:
+        return self.hosts // self.islands
+
+    @property
+    def devices_per_island(self) -> int:
+        return self.hosts_per_island * self.devices_per_host
+
+    def host_of(self, device: int) -> int:
+        return device // self.devices_per_host
+
+    def island_of(self, device: int) -> int:
+        return self.host_of(device) // self.hosts_per_island
+
+    def island_devices(self, island: int) -> tuple[int, int]:
+        """The ``[start, stop)`` device range of ``island``."""
+        if not 0 <= island < self.islands:
+            raise errors.ResourceError(f"pw.sim.Cluster has islands 0..{self.islands - 1}, not {island}.")
+        return island * self.devices_per_island, (island + 1) * self.devices_per_island
+
+    def __repr__(self) -> str:
+        return (
+            f"sim.Cluster(hosts={self.hosts}, devices_per_host={self.devices_per_host}, "
+            f"islands={self.islands}, profile={self.profile.name!r}, dispatch={self.dispatch!r}, "
+            f"in_flight={self.in_flight})"
+        )

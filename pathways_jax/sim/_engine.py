@@ -1,0 +1,638 @@
+"""The discrete-event model of the controller, hosts and devices, on SimPy.
+
+What is modelled (each charged from the cluster's :class:`Profile`):
+
+- **Clients** submit runs (each client's runs in order, every ``interval_s``;
+  a run's first step reads the previous run's output, as chained futures do).
+- **The controller** is one thread: per run ``controller.run_s``, per node
+  ``controller.node_s``, per transfer ``controller.transfer_s``. Among the
+  clients' queue heads the cluster's policy (the runtime's own ``fifo`` /
+  ``fair`` / ``priority`` objects) picks the next run.
+- **Dispatch.** ``local``: the controller enqueues each executable itself. ``hosts``:
+  after its per-node work the controller sends each host the run touches ONE
+  message (``hosts.message_s`` each, one after another); it reaches the host
+  ``hosts.latency_s`` later, and the host's own thread pays ``hosts.run_s``
+  and ``hosts.enqueue_s`` per step. All hosts enqueue in parallel.
+- **The in-flight window.** ``local``: at most ``in_flight`` windowed
+  executables in flight per island; the controller waits when the window is
+  full until it has drained to half (as the runtime does). ``hosts``: each
+  host applies the bound to its own executables, waiting for the oldest.
+- **Devices** run what was enqueued on them in dispatch order, one thing at a
+  time. A node on several devices (and hosts) starts once every one of its
+  devices is free, every host has enqueued it and its inputs are ready, and
+  lasts its step's ``duration_s`` (launch, compute and ICI collectives; see
+  :mod:`pathways_jax.sim._workload`).
+- **Transfers** (ICI or DCN) start when their source is ready and they are
+  enqueued; a DCN link between two islands carries one transfer at a time in
+  each direction. Transfers do not occupy the devices' compute streams.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pathways_jax import errors
+from pathways_jax._src.core.timeline import CONTROLLER_PID, TRANSFER_TID
+from pathways_jax._src.runtime import scheduler as scheduler_lib
+from pathways_jax.sim._cluster import Cluster
+from pathways_jax.sim._errors import import_simpy
+from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step
+
+CONTROLLER_TID = 1
+HOST_TID = 2_000_000  # host threads' tracks, in their island's process
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    """One client's stream of runs of one program.
+
+    Attributes:
+      program: what each run runs.
+      runs: how many runs the client submits.
+      client: the client's name (the timeline colours by it).
+      interval_s: seconds between the client's submissions (0: all at once,
+        interleaved with other clients' submissions at the same instant).
+      chained: each run's first steps read the previous run's output.
+      weight: the client's share under the ``"fair"`` scheduler.
+      priority: the client's priority under the ``"priority"`` scheduler.
+    """
+
+    program: SimProgram
+    runs: int = 1
+    client: str = "default"
+    interval_s: float = 0.0
+    chained: bool = True
+    weight: float = 1.0
+    priority: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunRecord:
+    """When one simulated run was submitted, dispatched and done (seconds)."""
+
+    client: str
+    program: str
+    index: int
+    submitted: float
+    dispatch_start: float
+    dispatch_end: float
+    done: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientStats:
+    """One client's steady state: time per run and computations per second."""
+
+    client: str
+    runs: int
+    step_time_s: float
+    throughput: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SimResult:
+    """What a simulation predicts.
+
+    Attributes:
+      makespan_s: from the first submission until the last step is done.
+      step_time_s: time per run in the steady state (the mean gap between
+        runs done after the first quarter; the whole time for a single run),
+        of the first client.
+      throughput: computations per second of all clients together in the steady state.
+      utilisation: the fraction of device time busy, over all the cluster's
+        devices, in the steady state.
+      controller_busy: the fraction of the time the controller's thread is busy.
+      clients: per-client figures.
+      runs: every run's record.
+      trace: the timeline as trace-event JSON (what ``pw.trace`` writes), or
+        ``None`` if not recorded.
+    """
+
+    makespan_s: float
+    step_time_s: float
+    throughput: float
+    utilisation: float
+    controller_busy: float
+    clients: tuple[ClientStats, ...]
+    runs: tuple[RunRecord, ...]
+    trace: dict | None
+
+
+class _Window:
+    """A bound on executables in flight; waiters ask for the count to fall to a level."""
+
+    def __init__(self, env: Any, size: int):
+        self.env = env
+        self.size = size
+        self.count = 0
+        self._waiters: list[tuple[int, Any]] = []
+
+    def until(self, level: int) -> Any:
+        event = self.env.event()
+        if self.count <= level:
+            event.succeed()
+        else:
+            self._waiters.append((level, event))
+        return event
+
+    def release(self) -> None:
+        self.count -= 1
+        still = []
+        for level, event in self._waiters:
+            if self.count <= level:
+                event.succeed()
+            else:
+                still.append((level, event))
+        self._waiters = still
+
+
+class _Item:
+    """One step of one run, once dispatched."""
+
+    __slots__ = ("done", "end", "enqueued", "hosts_left", "index", "run", "start", "step")
+
+    def __init__(self, env: Any, run: _Run, index: int, step: Step, hosts: int):
+        self.run = run
+        self.index = index
+        self.step = step
+        self.done = env.event()
+        self.enqueued = env.event()
+        self.hosts_left = hosts
+        self.start = math.nan
+        self.end = math.nan
+
+
+class _Run:
+    __slots__ = (
+        "client",
+        "dispatch_end",
+        "dispatch_start",
+        "done",
+        "index",
+        "items",
+        "prev",
+        "seq",
+        "submitted",
+    )
+
+    def __init__(self, client: int, index: int, seq: int, submitted: float, prev: _Run | None):
+        self.client = client
+        self.index = index
+        self.seq = seq
+        self.submitted = submitted
+        self.prev = prev
+        self.items: list[_Item] = []
+        self.dispatch_start = math.nan
+        self.dispatch_end = math.nan
+        self.done: Any = None
+
+
+class _Simulation:
+    def __init__(self, cluster: Cluster, workloads: Sequence[Workload], record: bool, max_tracks: int):
+        simpy = import_simpy()
+        self.simpy = simpy
+        self.env = simpy.Environment()
+        self.cluster = cluster
+        self.profile = cluster.profile
+        self.workloads = list(workloads)
+        self.record = record
+        # The devices the timeline draws: the first ones of every island, max_tracks in all.
+        per_island = max(1, min(max_tracks // cluster.islands, cluster.devices_per_island))
+        self.tracked = [
+            d for i in range(cluster.islands) for d in range(*cluster.island_devices(i))[:per_island]
+        ]
+        self.tracked_hosts = sorted({cluster.host_of(d) for d in self.tracked})
+        self.events: list[dict] = []
+        self.policy = scheduler_lib.make(cluster.scheduler)
+        self.queues: list[collections.deque[_Run]] = [collections.deque() for _ in self.workloads]
+        self.wakeup = self.env.event()
+        self.seq = 0
+        self.runs: list[_Run] = []
+        self.tail = np.full(cluster.devices, -1, dtype=np.int64)  # last item on each device
+        self.items: list[_Item] = []
+        per = "island" if cluster.dispatch == "local" else "host"
+        count = cluster.islands if per == "island" else cluster.hosts
+        self.windows = [_Window(self.env, cluster.in_flight) for _ in range(count)]
+        self.host_threads = (
+            [simpy.Resource(self.env, 1) for _ in range(cluster.hosts)] if per == "host" else []
+        )
+        self.links: dict[tuple[int, int], Any] = {}
+        self.controller_busy = 0.0
+        self.spans: list[tuple[float, float, int, int]] = []  # node (start, end, lo, hi)
+        self.remaining = sum(w.runs for w in self.workloads)
+
+    # --- trace events ------------------------------------------------------------------
+
+    def _span(self, name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict) -> None:
+        if self.record:
+            self.events.append(
+                {
+                    "name": name,
+                    "cat": cat,
+                    "ph": "X",
+                    "ts": start * 1e6,
+                    "dur": (end - start) * 1e6,
+                    "pid": pid,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+
+    def _controller(self, name: str, cat: str, start: float, run: _Run, **args: Any) -> None:
+        now = self.env.now
+        if cat != "wait":
+            self.controller_busy += now - start
+        if self.record:
+            w = self.workloads[run.client]
+            args.update(client=w.client, program=w.program.name, run=run.seq)
+            self._span(name, cat, start, now, CONTROLLER_PID, CONTROLLER_TID, args)
+
+    # --- clients and the scheduler -------------------------------------------------------
+
+    def _client(self, index: int) -> Any:
+        w = self.workloads[index]
+        prev = None
+        for i in range(w.runs):
+            run = _Run(index, i, self.seq, self.env.now, prev if w.chained else None)
+            self.seq += 1
+            self.runs.append(run)
+            if not self.queues[index]:
+                self.policy.activate(index)
+            self.queues[index].append(run)
+            if not self.wakeup.triggered:
+                self.wakeup.succeed()
+            prev = run
+            yield self.env.timeout(w.interval_s)
+
+    def _controller_loop(self) -> Any:
+        while self.remaining:
+            live = [i for i, q in enumerate(self.queues) if q]
+            if not live:
+                self.wakeup = self.env.event()
+                yield self.wakeup
+                continue
+            heads = [
+                scheduler_lib.Head(
+                    client=i,
+                    seq=self.queues[i][0].seq,
+                    priority=self.workloads[i].priority,
+                    weight=self.workloads[i].weight,
+                    cost=self._cost(self.workloads[i].program),
+                )
+                for i in live
+            ]
+            pick = self.policy.pick(heads)
+            self.policy.picked(heads, pick)
+            client = live[pick]
+            run = self.queues[client].popleft()
+            if not self.queues[client]:
+                self.policy.deactivate(client)
+            self.remaining -= 1
+            yield from self._dispatch(run)
+
+    @staticmethod
+    def _cost(program: SimProgram) -> float:
+        return sum(s.duration_s * (s.devices[1] - s.devices[0]) for s in program.steps if s.kind == "node")
+
+    # --- dispatch ------------------------------------------------------------------------
+
+    def _hosts_of(self, step: Step) -> list[int]:
+        d = self.cluster.devices_per_host
+        hosts = set(range(step.devices[0] // d, (step.devices[1] - 1) // d + 1))
+        if step.src is not None:
+            hosts |= set(range(step.src[0] // d, (step.src[1] - 1) // d + 1))
+        return sorted(hosts)
+
+    def _dispatch(self, run: _Run) -> Any:
+        env, cost = self.env, self.profile.controller
+        program = self.workloads[run.client].program
+        run.dispatch_start = env.now
+        start = env.now
+        yield env.timeout(cost.run_s)
+        self._controller(f"dispatch {program.name}", "dispatch", start, run, what="run")
+        local = self.cluster.dispatch == "local"
+        per_host: dict[int, list[_Item]] = collections.defaultdict(list)
+        for index, step in enumerate(program.steps):
+            island = self.cluster.island_of(step.devices[0])
+            hosts = self._hosts_of(step)
+            if local and step.kind == "node" and step.windowed:
+                window = self.windows[island]
+                if window.count >= window.size:
+                    start = env.now
+                    yield window.until(window.size // 2)
+                    self._controller(
+                        f"wait: in-flight window (island {island})", "wait", start, run, island=island
+                    )
+                window.count += 1
+            start = env.now
+            yield env.timeout(cost.node_s if step.kind == "node" else cost.transfer_s)
+            item = self._new_item(run, index, step, 0 if local else len(hosts))
+            self._controller(f"dispatch {program.name}/{step.name}", "dispatch", start, run, node=step.name)
+            if local:
+                item.enqueued.succeed()
+            else:
+                for h in hosts:
+                    per_host[h].append(item)
+        if not local:
+            for h in sorted(per_host):
+                start = env.now
+                yield env.timeout(self.profile.hosts.message_s)
+                self._controller(f"send {program.name} to host {h}", "dispatch", start, run, host=h)
+                env.process(self._host(h, run, per_host[h]))
+        run.dispatch_end = env.now
+        run.done = run.items[program.output].done
+
+    def _new_item(self, run: _Run, index: int, step: Step, hosts: int) -> _Item:
+        item = _Item(self.env, run, index, step, hosts)
+        run.items.append(item)
+        waits = [item.enqueued]
+        for j in step.inputs:
+            if j == PREVIOUS_RUN:
+                if run.prev is not None:
+                    prev = run.prev.items[self.workloads[run.prev.client].program.output]
+                    waits.append(prev.done)
+            else:
+                waits.append(run.items[j].done)
+        if step.kind == "node":
+            lo, hi = step.devices
+            for before in np.unique(self.tail[lo:hi]):
+                if before >= 0:
+                    waits.append(self.items[before].done)
+            self.tail[lo:hi] = len(self.items)
+        self.items.append(item)
+        self.env.process(self._execute(item, waits))
+        return item
+
+    def _host(self, host: int, run: _Run, items: list[_Item]) -> Any:
+        env, cost = self.env, self.profile.hosts
+        yield env.timeout(cost.latency_s)
+        with self.host_threads[host].request() as turn:
+            yield turn
+            start = env.now
+            yield env.timeout(cost.run_s)
+            window = self.windows[host]
+            for item in items:
+                if item.step.kind == "node" and item.step.windowed:
+                    if window.count >= window.size:
+                        yield window.until(window.size - 1)
+                    window.count += 1
+                yield env.timeout(cost.enqueue_s)
+                item.hosts_left -= 1
+                if item.hosts_left == 0:
+                    item.enqueued.succeed()
+            if self.record and host in self.tracked_hosts:
+                island = host // self.cluster.hosts_per_island
+                w = self.workloads[run.client]
+                self._span(
+                    f"host {host}: enqueue {w.program.name}", "enqueue", start, env.now, 1 + island,
+                    HOST_TID + host, {"client": w.client, "program": w.program.name, "run": run.seq, "host": host},
+                )  # fmt: skip
+
+    # --- devices and links ---------------------------------------------------------------
+
+    def _link(self, step: Step) -> Any:
+        assert step.src is not None
+        key = (self.cluster.island_of(step.src[0]), self.cluster.island_of(step.devices[0]))
+        if key not in self.links:
+            self.links[key] = self.simpy.Resource(self.env, 1)
+        return self.links[key]
+
+    def _execute(self, item: _Item, waits: list) -> Any:
+        env, step = self.env, item.step
+        pending = [e for e in waits if not e.processed]
+        if pending:
+            yield self.simpy.AllOf(env, pending)
+        if step.kind == "transfer" and step.link == "dcn":
+            with self._link(step).request() as turn:
+                yield turn
+                item.start = env.now
+                yield env.timeout(step.duration_s)
+        else:
+            item.start = env.now
+            yield env.timeout(step.duration_s)
+        item.end = env.now
+        if step.kind == "node":
+            self.spans.append((item.start, item.end, *step.devices))
+            if step.windowed:
+                local = self.cluster.dispatch == "local"
+                if local:
+                    self.windows[self.cluster.island_of(step.devices[0])].release()
+                else:
+                    for h in self._hosts_of(step):
+                        self.windows[h].release()
+        self._record_item(item)
+        item.done.succeed()
+
+    def _tracked_in(self, devices: tuple[int, int]) -> list[int]:
+        lo, hi = devices
+        return [d for d in self.tracked if lo <= d < hi]
+
+    def _record_item(self, item: _Item) -> None:
+        if not self.record:
+            return
+        step, run = item.step, item.run
+        w = self.workloads[run.client]
+        island = self.cluster.island_of(step.devices[0])
+        tracked = self._tracked_in(step.devices)
+        base = {"program": w.program.name, "client": w.client, "run": run.seq, "island": island}
+        if step.kind == "node":
+            for d in tracked:
+                args = dict(
+                    base, node=step.name, kind="jit", device=d, dispatched_us=run.dispatch_start * 1e6
+                )
+                self._span(
+                    f"{w.program.name}/{step.name}", "execution", item.start, item.end, 1 + island, d, args
+                )
+        elif tracked:
+            assert step.src is not None
+            args = dict(
+                base,
+                kind=step.link,
+                bytes=step.nbytes,
+                src_devices=self._tracked_in(step.src),
+                dst_devices=list(tracked),
+            )
+            self._span(
+                f"{step.link} {step.nbytes} B",
+                "transfer",
+                item.start,
+                item.end,
+                1 + island,
+                TRANSFER_TID,
+                args,
+            )
+
+    # --- running and results -------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        env = self.env
+        for i in range(len(self.workloads)):
+            env.process(self._client(i))
+        env.process(self._controller_loop())
+        env.run()  # until nothing is left to happen
+        return self._result()
+
+    def _result(self) -> SimResult:
+        runs = tuple(
+            RunRecord(
+                self.workloads[r.client].client,
+                self.workloads[r.client].program.name,
+                r.index,
+                r.submitted,
+                r.dispatch_start,
+                r.dispatch_end,
+                float(r.items[self.workloads[r.client].program.output].end),
+            )
+            for r in self.runs
+        )
+        makespan = max(max(r.done for r in runs), max(r.end for r in self.items))
+        stats = []
+        windows = []
+        total_computations = 0.0
+        for i, w in enumerate(self.workloads):
+            done = sorted(rec.done for rec, r in zip(runs, self.runs, strict=True) if r.client == i)
+            first = len(done) // 4
+            if len(done) >= 2 and done[-1] > done[first]:
+                step = (done[-1] - done[first]) / (len(done) - 1 - first)
+                windows.append((done[first], done[-1]))
+            else:
+                step = done[-1] if done else 0.0
+                windows.append((0.0, done[-1] if done else 0.0))
+            rate = w.program.computations / step if step > 0 else math.inf
+            total_computations += rate
+            stats.append(ClientStats(w.client, w.runs, step, rate))
+        a = min(lo for lo, _ in windows)
+        b = max(hi for _, hi in windows)
+        if b <= a:
+            a, b = 0.0, makespan
+        busy = 0.0
+        for start, end, lo, hi in self.spans:
+            busy += max(0.0, min(end, b) - max(start, a)) * (hi - lo)
+        utilisation = busy / (self.cluster.devices * (b - a)) if b > a else 0.0
+        trace = self._trace() if self.record else None
+        return SimResult(
+            makespan_s=makespan,
+            step_time_s=stats[0].step_time_s,
+            throughput=total_computations,
+            utilisation=utilisation,
+            controller_busy=self.controller_busy / makespan if makespan > 0 else 0.0,
+            clients=tuple(stats),
+            runs=runs,
+            trace=trace,
+        )
+
+    def _trace(self) -> dict:
+        c = self.cluster
+        meta: list[dict] = [
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": CONTROLLER_PID,
+                "tid": 0,
+                "args": {"name": "controller (simulated)"},
+            },
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": CONTROLLER_PID,
+                "tid": CONTROLLER_TID,
+                "args": {"name": "controller"},
+            },
+        ]
+        devices = []
+        for island in range(c.islands):
+            meta.append(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": 1 + island,
+                    "tid": 0,
+                    "args": {"name": f"island {island}"},
+                }
+            )
+            meta.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": 1 + island,
+                    "tid": TRANSFER_TID,
+                    "args": {"name": f"transfers into island {island}"},
+                }
+            )
+        for d in self.tracked:
+            island, host = c.island_of(d), c.host_of(d)
+            devices.append({"id": d, "island": island, "kind": "sim", "host": host})
+            meta.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": 1 + island,
+                    "tid": d,
+                    "args": {"name": f"device {d} (sim, host {host})"},
+                }
+            )
+        return {
+            "traceEvents": meta + self.events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "producer": "pathways_jax.sim",
+                "cluster": repr(c),
+                "profile": c.profile.name,
+                "clients": sorted({w.client for w in self.workloads}),
+                "devices": devices,
+                "devices_not_drawn": c.devices - len(self.tracked),
+            },
+        }
+
+
+def simulate(
+    cluster: Cluster,
+    workloads: Workload | SimProgram | Sequence[Workload],
+    *,
+    runs: int = 1,
+    record: bool = True,
+    max_tracks: int = 16,
+) -> SimResult:
+    """Simulates clients running programs on ``cluster``.
+
+    Args:
+      cluster: the simulated cluster.
+      workloads: one :class:`Workload` per client, or one program (one client running it ``runs`` times).
+      runs: runs of a bare program.
+      record: keep the timeline (trace-event JSON in ``SimResult.trace``).
+      max_tracks: draw at most this many devices in the timeline (the first ones of each island).
+
+    Returns:
+      The :class:`SimResult`.
+
+    Raises:
+      ResourceError: a program does not fit the cluster, or there is nothing to run.
+      SimulatorUnavailable: SimPy is not installed (``pip install 'pathways-jax[sim]'``).
+
+    Example:
+      >>> from pathways_jax import sim
+      >>> profile = sim.Profile(controller=sim.ControllerCosts(run_s=1e-6, node_s=1e-6))
+      >>> cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+      >>> program = sim.chain(cluster, 3, compute_s=10e-6)
+      >>> round(sim.simulate(cluster, program).makespan_s * 1e6, 6)  # 1 + 1 + 3 x 10
+      32.0
+    """
+    if isinstance(workloads, SimProgram):
+        workloads = [Workload(workloads, runs=runs)]
+    elif isinstance(workloads, Workload):
+        workloads = [workloads]
+    workloads = list(workloads)
+    if not workloads or any(w.runs < 1 for w in workloads):
+        raise errors.ResourceError("pw.sim.simulate needs at least one workload with runs >= 1.")
+    names = [w.client for w in workloads]
+    if len(set(names)) != len(names):
+        raise errors.ResourceError(f"pw.sim.simulate: every workload needs its own client name, got {names}.")
+    for w in workloads:
+        w.program.check(cluster)
+    return _Simulation(cluster, workloads, record, max_tracks).run()

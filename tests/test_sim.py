@@ -1,0 +1,298 @@
+"""pw.sim: exact timings on tiny clusters with hand-set costs, predict, calibration, errors.
+
+Every timing below is worked out by hand in the comments (times in µs).
+"""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from helpers import ROOT, run_script
+
+import pathways_jax as pw
+from pathways_jax import sim
+
+US = 1e-6
+
+
+def approx(us):
+    return pytest.approx(us * US, rel=1e-9, abs=1e-15)
+
+
+def executions(result, cat="execution"):
+    """(name, start µs, end µs) of the trace's spans of ``cat``, by start, device 0's only for nodes."""
+    spans = [e for e in result.trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == cat]
+    if cat == "execution":
+        spans = [
+            e
+            for e in spans
+            if e["args"]["device"] == e["tid"] and e["tid"] in (0, 1) and e["tid"] == spans[0]["tid"]
+        ]
+    return [
+        (e["name"], round(e["ts"], 6), round(e["ts"] + e["dur"], 6))
+        for e in sorted(spans, key=lambda e: e["ts"])
+    ]
+
+
+def test_a_chain_of_three_nodes():
+    # Controller: the run 0-5, each node 2 µs: n0 enqueued at 7, n1 at 9, n2 at 11.
+    # Device: n0 7-17, n1 waits for n0: 17-27, n2 27-37.
+    profile = sim.Profile(controller=sim.ControllerCosts(run_s=5 * US, node_s=2 * US))
+    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    result = sim.simulate(cluster, sim.chain(cluster, 3, compute_s=10 * US))
+    assert result.makespan_s == approx(37)
+    assert result.runs[0].dispatch_end == approx(11)
+    assert executions(result) == [("chain/n0", 7, 17), ("chain/n1", 17, 27), ("chain/n2", 27, 37)]
+    assert result.utilisation == pytest.approx(30 / 37)
+
+
+def test_a_dcn_transfer_between_two_islands_on_two_hosts():
+    # Controller: run 0-1, A 1-2, the transfer 2-3, B 3-4; then one message per host:
+    # host 0 4-6, host 1 6-8. Host 0 gets it at 6+3=9: enqueues A 9-10, its side of the transfer 10-11.
+    # Host 1 gets it at 8+3=11: its side of the transfer 11-12, B 12-13.
+    # A runs 10-20; the transfer (5 + 4000 B at 1000 B/µs = 9 µs) 20-29; B 29-39.
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(run_s=1 * US, node_s=1 * US, transfer_s=1 * US),
+        hosts=sim.HostCosts(message_s=2 * US, latency_s=3 * US, enqueue_s=1 * US),
+        dcn=sim.LinkCosts(latency_s=5 * US, bytes_per_s=1e9),
+    )
+    cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
+    assert cluster.dispatch == "hosts"
+    transfer_s = profile.dcn.transfer(4000)
+    assert transfer_s == approx(9)
+    program = sim.SimProgram(
+        "dcn",
+        (
+            sim.Step("node", "A", (0, 1), 10 * US, inputs=(sim.PREVIOUS_RUN,), windowed=False),
+            sim.Step(
+                "transfer", "grads", (1, 2), transfer_s, inputs=(0,), src=(0, 1), link="dcn", nbytes=4000
+            ),
+            sim.Step("node", "B", (1, 2), 10 * US, inputs=(1,), windowed=False),
+        ),
+    )
+    result = sim.simulate(cluster, program)
+    assert result.makespan_s == approx(39)
+    (transfer,) = [e for e in result.trace["traceEvents"] if e.get("cat") == "transfer"]
+    assert (transfer["ts"], transfer["ts"] + transfer["dur"]) == (pytest.approx(20), pytest.approx(29))
+    assert transfer["args"]["kind"] == "dcn" and transfer["args"]["bytes"] == 4000
+    assert transfer["pid"] == 2  # island 1's process
+    sends = [e["name"] for e in result.trace["traceEvents"] if e.get("name", "").startswith("send")]
+    assert sends == ["send dcn to host 0", "send dcn to host 1"]  # one message per host per run
+    starts = {e["name"]: e["ts"] for e in result.trace["traceEvents"] if e.get("cat") == "execution"}
+    assert starts == {"dcn/A": pytest.approx(10), "dcn/B": pytest.approx(29)}
+
+
+def test_two_clients_interleave_in_submission_order():
+    # Both clients submit 2 runs at t=0, alternately (a0 b0 a1 b1); FIFO dispatches them in that order,
+    # 3 µs each (run 2 + node 1): enqueued at 3, 6, 9, 12. The device runs them back to back, 10 µs
+    # each: a0 3-13, b0 13-23, a1 23-33, b1 33-43.
+    profile = sim.Profile(controller=sim.ControllerCosts(run_s=2 * US, node_s=1 * US))
+    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    a = sim.chain(cluster, 1, compute_s=10 * US, name="a_step")
+    b = sim.chain(cluster, 1, compute_s=10 * US, name="b_step")
+    result = sim.simulate(cluster, [sim.Workload(a, runs=2, client="a"), sim.Workload(b, runs=2, client="b")])
+    order = [
+        (r.client, r.index, r.dispatch_end / US, r.done / US)
+        for r in sorted(result.runs, key=lambda r: r.done)
+    ]
+    assert order == [
+        ("a", 0, pytest.approx(3), pytest.approx(13)),
+        ("b", 0, pytest.approx(6), pytest.approx(23)),
+        ("a", 1, pytest.approx(9), pytest.approx(33)),
+        ("b", 1, pytest.approx(12), pytest.approx(43)),
+    ]
+    assert [e[0] for e in executions(result)] == ["a_step/n0", "b_step/n0", "a_step/n0", "b_step/n0"]
+    assert {c.client: c.step_time_s for c in result.clients} == {"a": approx(20), "b": approx(20)}
+    assert result.utilisation == pytest.approx(40 / 40)  # steady state: the device never idles
+
+
+def test_a_full_in_flight_window_holds_the_controller_until_it_drains_to_half():
+    # 2 devices (so every node counts against the window), a window of 2, nodes of 10 µs, 1 µs each to
+    # dispatch. n0 dispatched 0-1, n1 1-2: the window is full. The controller waits until it drains to
+    # 1 (n0 done at 11): n2 11-12, full again; waits for n1 (11-21): n3 21-22.
+    # Devices: n0 1-11, n1 11-21, n2 21-31, n3 31-41.
+    profile = sim.Profile(controller=sim.ControllerCosts(node_s=1 * US))
+    cluster = sim.Cluster(hosts=1, devices_per_host=2, profile=profile, in_flight=2)
+    result = sim.simulate(cluster, sim.chain(cluster, 4, compute_s=10 * US))
+    waits = executions(result, "wait")
+    assert [(start, end) for _, start, end in waits] == [(2, 11), (12, 21)]
+    assert waits[0][0] == "wait: in-flight window (island 0)"
+    assert result.runs[0].dispatch_end == approx(22)
+    assert result.makespan_s == approx(41)
+    # A window of 8 never fills: dispatch is done at 4 µs, the devices finish at the same 41 µs.
+    roomy = sim.simulate(
+        sim.Cluster(hosts=1, devices_per_host=2, profile=profile, in_flight=8),
+        sim.chain(cluster, 4, compute_s=10 * US),
+    )
+    assert roomy.runs[0].dispatch_end == approx(4)
+    assert roomy.makespan_s == approx(41)
+    assert not executions(roomy, "wait")
+
+
+def test_host_messages_grow_with_hosts_and_gang_nodes_wait_for_the_last_host():
+    # One SPMD node over every host: the controller sends one message per host (2 µs each), the node
+    # starts once the last host has it: run 1 + node 1 + hosts x 2, then 1 µs to enqueue.
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(run_s=1 * US, node_s=1 * US),
+        hosts=sim.HostCosts(message_s=2 * US, enqueue_s=1 * US),
+    )
+    for hosts in (4, 64):
+        cluster = sim.Cluster(hosts=hosts, devices_per_host=4, profile=profile)
+        result = sim.simulate(cluster, sim.spmd(cluster, 10 * US), record=False)
+        assert result.makespan_s == approx(2 + 2 * hosts + 1 + 10)
+
+
+def test_fair_scheduler_shares_by_weight():
+    profile = sim.Profile(controller=sim.ControllerCosts(run_s=1 * US))
+    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile, scheduler="fair")
+    a = sim.chain(cluster, 1, compute_s=10 * US, name="a")
+    b = sim.chain(cluster, 1, compute_s=10 * US, name="b")
+    result = sim.simulate(
+        cluster,
+        [sim.Workload(a, runs=30, client="a", weight=3.0), sim.Workload(b, runs=30, client="b")],
+        record=False,
+    )
+    first = sorted(result.runs, key=lambda r: r.done)[:20]
+    assert sum(r.client == "a" for r in first) == 15  # 3:1 while both have runs queued
+
+
+def test_predict_a_traced_program_and_draw_its_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    s = pw.devices(mesh={"x": 2})
+    dense = pw.jit(lambda w, x: jnp.tanh(x @ w), devices=s)
+    total = pw.jit(lambda x: x.sum(), devices=s)
+
+    @pw.program(fuse=False)
+    def step(w, x):
+        return total(dense(w, x))
+
+    w, x = jnp.ones((64, 64)), jnp.ones((32, 64))
+    cluster = sim.Cluster(hosts=2, profile="tpu_v4")
+    pred = pw.sim.predict(step, w, x, cluster=cluster, runs=4)
+    assert pred.step_time_s > 0
+    assert 0 < pred.utilisation <= 1
+    # Every node runs on all 8 simulated devices (the slice is all of this machine's island... scaled).
+    nodes = [e for e in pred.timeline["traceEvents"] if e.get("cat") == "execution"]
+    assert len(nodes) == 4 * 2 * len({e["tid"] for e in nodes})
+    assert {e["args"]["program"] for e in nodes} == {"step"}
+    png = tmp_path / "sim.png"
+    fig = pw.plot_timeline(pred.timeline, png)
+    assert fig is not None and png.stat().st_size > 0
+    trace = tmp_path / "sim.json"
+    pred.save_timeline(trace)
+    assert pw.plot_timeline(str(trace)) is not None
+    s.release()
+
+
+def test_predict_names_the_node_times_it_is_given():
+    s = pw.devices(mesh={"x": 1})
+    f = pw.jit(lambda v: v + 1, devices=s)
+    prog = pw.program(lambda v: f(f(v)), name="two", fuse=False)
+    profile = sim.Profile(controller=sim.ControllerCosts(run_s=4 * US, node_s=1 * US))
+    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    names = [n.name for n in prog.graph(jnp.zeros(3)).nodes]
+    # Run 0-4, nodes dispatched at 5 and 6; 100 µs each: 5-105, 105-205; the next run's first node
+    # waits for 205, so the steady step is 200 µs.
+    pred = sim.predict(prog, jnp.zeros(3), cluster=cluster, node_times=dict.fromkeys(names, 100 * US), runs=6)
+    assert pred.result.runs[0].done == approx(205)
+    assert pred.step_time_s == approx(200)
+    s.release()
+
+
+def test_errors_are_named_types():
+    with pytest.raises(pw.errors.ResourceError, match="no profile named 'nope'"):
+        sim.Cluster(hosts=2, profile="nope")
+    with pytest.raises(sim.ProfileError):
+        sim.load_profile({"controller": {"run_s": -1}})
+    with pytest.raises(sim.ProfileError, match="unknown fields"):
+        sim.load_profile({"controller": {"runs": 1}})
+    with pytest.raises(pw.errors.ResourceError, match="hosts must be an integer >= 1"):
+        sim.Cluster(hosts=0)
+    with pytest.raises(pw.errors.ResourceError, match="cannot split 3 hosts"):
+        sim.Cluster(hosts=3, islands=2)
+    cluster = sim.Cluster(hosts=1, devices_per_host=2, profile=sim.Profile())
+    bad = sim.SimProgram("bad", (sim.Step("node", "n", (0, 4), 1.0),))
+    with pytest.raises(pw.errors.ResourceError, match=r"devices \[0, 4\); the cluster has 2"):
+        sim.simulate(cluster, bad)
+    with pytest.raises(pw.errors.ProgramTraceError):
+        sim.predict(42, cluster=cluster)
+
+
+def test_profiles_ship_with_sources():
+    assert {"cpu_2core", "tpu_v4"} <= set(sim.builtin_profiles())
+    tpu = sim.load_profile("tpu_v4")
+    assert tpu.devices_per_host == 4 and tpu.device.flops_per_s > 1e14
+    for field in (
+        "device.flops_per_s",
+        "ici.bytes_per_s",
+        "dcn.bytes_per_s",
+        "hosts.message_s",
+        "controller.run_s",
+    ):
+        assert tpu.sources.get(field), field
+    cpu = sim.load_profile("cpu_2core")
+    assert cpu.meta["machine"]["cpu_count"] >= 1 and cpu.controller.run_s > 0
+    assert sim.load_profile(sim.builtin_profiles and (sim._profile.PROFILES_DIR / "tpu_v4.json")) == tpu
+
+
+@pytest.mark.timeout(120)
+def test_calibration_quick_mode_writes_a_profile(tmp_path):
+    out = tmp_path / "here.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pathways_jax.sim", "calibrate", "--quick", f"--out={out}"],
+        capture_output=True, text=True, timeout=110, cwd=ROOT, env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Ray hosts not measured" in proc.stdout
+    profile = sim.load_profile(out)
+    assert profile.name == "here"
+    assert profile.controller.run_s > 0 and profile.controller.node_s > 0
+    assert set(profile.device.computation_s) == {1, 2}
+    assert profile.meta["quick"] is True
+    assert json.loads(out.read_text())["sources"]["controller.node_s"].startswith("measured")
+
+
+@pytest.mark.timeout(120)
+def test_without_simpy_the_package_imports_and_the_simulator_says_which_extra():
+    code = (
+        "import sys\n"
+        "sys.modules['simpy'] = None\n"
+        "import pathways_jax as pw\n"
+        "assert 'pathways_jax.sim' not in sys.modules\n"
+        "c = pw.sim.Cluster(hosts=2, profile='tpu_v4')\n"
+        "try:\n"
+        "    pw.sim.simulate(c, pw.sim.spmd(c, 1e-3))\n"
+        "except pw.errors.ClusterError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={"JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SimulatorUnavailable" in proc.stdout
+    assert "pip install 'pathways-jax[sim]'" in proc.stdout
+
+
+def test_importing_pathways_jax_does_not_import_simpy():
+    code = "import sys, pathways_jax\nprint('simpy' in sys.modules, 'pathways_jax.sim' in sys.modules)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={"JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.stdout.split() == ["False", "False"], proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_sim_predict_example_runs():
+    out = run_script("examples/sim_predict.py", timeout=240)
+    assert "predicted step" in out
+    assert "hosts" in out
