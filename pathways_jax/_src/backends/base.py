@@ -32,11 +32,31 @@ class StepFailed(Exception):
         self.cause = cause
 
 
+def device_window(device_id: int) -> int:
+    """The key of the window of runs queued on one device (``plan.windowed``, :class:`Window`).
+
+    An island's window has the island's index as its key (>= 0): it bounds the
+    executables over several devices (or calling back into Python) in flight
+    there, whose order must be one on every device. A device's window, keyed
+    ``-1 - device_id`` (< 0), bounds the runs queued on that device by its
+    single-device executables: without it they would all go to the device at
+    once, and the scheduling policy would never choose among them.
+
+    Example:
+      >>> device_window(0), device_window(5)
+      (-1, -6)
+    """
+    return -1 - device_id
+
+
 class Window(Protocol):
-    """What a backend asks of the controller while it dispatches a run: the in-flight windows."""
+    """What a backend asks of the controller while it dispatches a run: the in-flight windows.
+
+    A window's key is an island's index, or :func:`device_window` of a device.
+    """
 
     def make_room(self, island: int) -> None:
-        """Returns once ``island``'s window has room for one more executable (or host message)."""
+        """Returns once window ``island`` has room for one more executable (or host message)."""
         ...
 
     def in_flight(self, island: int, marker: Any, run: Run) -> None:
@@ -73,9 +93,10 @@ class Backend(Protocol):
     def prepare(self, plan: Plan) -> None:
         """Finishes lowering ``plan`` for these devices.
 
-        Sets ``plan.windowed`` (executables or messages per island that count
-        against the windows), ``plan.islands`` and ``plan.reports`` (how many
-        dispatch reports a run makes to a trace).
+        Sets ``plan.windowed`` (executables or messages per window key, an
+        island or a :func:`device_window`, that count against the windows),
+        ``plan.islands`` and ``plan.reports`` (how many dispatch reports a run
+        makes to a trace).
         """
         ...
 
@@ -98,4 +119,4 @@ class Backend(Protocol):
         ...
 
 
-__all__ = ["Backend", "StepFailed", "Window"]
+__all__ = ["Backend", "StepFailed", "Window", "device_window"]

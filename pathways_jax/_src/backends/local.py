@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from pathways_jax._src.backends.base import StepFailed, Window
+from pathways_jax._src.backends.base import StepFailed, Window, device_window
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, readiness, timeline
 
@@ -39,6 +39,19 @@ class LocalBackend:
         from pathways_jax._src.compile.lowering import ExecStep, MoveStep
 
         plan.reports = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
+        # A run counts once in the window of each device its single-device
+        # executables run on, by the output of its last one there (its
+        # accounting group's): that bounds the runs queued on the device, so
+        # that the scheduling policy chooses their order. Executables over
+        # several devices count in their island's window, one by one (lowering).
+        lanes = tuple(
+            (device_window(group.devices[0]), index)
+            for index, group in enumerate(plan.acct_groups)
+            if len(group.devices) == 1
+        )
+        plan.remote = lanes
+        if lanes:
+            plan.windowed = {**plan.windowed, **dict.fromkeys((key for key, _ in lanes), 1)}
 
     def execute(self, run: Run, window: Window) -> tuple[Any, tuple]:
         from pathways_jax._src.compile.lowering import ExecStep
@@ -91,7 +104,10 @@ class LocalBackend:
             raise StepFailed(_where(plan.graph.name, run.id, step), exc) from exc
         finally:
             counters.bump("dispatches", dispatched)
-        return env, tuple([env[slot] for _, slot, _ in plan.acct_groups])
+        last = tuple([env[slot] for _, slot, _ in plan.acct_groups])
+        for key, index in plan.remote:
+            window.in_flight(key, last[index], run)
+        return env, last
 
     def settle(self, in_flight: collections.deque) -> None:
         # Oldest first, up to the first one still running (every look is a call into XLA).

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
-from pathways_jax._src.backends.base import Backend, StepFailed
+from pathways_jax._src.backends.base import Backend, StepFailed, device_window
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, readiness, timeline
 from pathways_jax._src.runtime import scheduler
@@ -72,6 +72,13 @@ _ROOM_POLL_S = 5e-5
 # window of such short runs.
 _SHORT_RUN_S = 5e-4
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
+# Runs queued on one device by its single-device executables (a device's
+# window, base.device_window) before more of them wait in the controller's
+# queues, where the policy orders them. Deep enough that the device never
+# idles while the controller refills it (it wakes when half is done, and then
+# has the other half of the runs to do it in), shallow enough that a run picked
+# now starts after at most this many: measured in docs/DESIGN.md (Schedule).
+DEVICE_WINDOW = 4
 
 
 class Controller:
@@ -83,6 +90,11 @@ class Controller:
         self._backend: Backend = cluster.executor
         # Executables (or host messages) in flight per island before dispatch there waits.
         self._window = self._backend.window or cluster.in_flight
+        self._device_window = DEVICE_WINDOW  # runs queued per device (keys < 0)
+        # The island of each device's window, for pw.stats().
+        self._island_of = {
+            device_window(d.id): island.index for island in cluster.islands for d in island.devices
+        }
         self._inline = cluster.inline_dispatch
         self._max_queued = cluster.max_queued
         # Per island: (an output of an executable dispatched there, its run), oldest
@@ -324,8 +336,8 @@ class Controller:
         budget = self._budget
         if budget is not None and not budget.fits(run.plan.admit_charge):
             return _MEMORY
-        window = self._window
         for island, count in run.plan.windowed.items():
+            window = self._window if island >= 0 else self._device_window
             # A run with more executables on an island than half its window goes
             # once half the window is free, and waits for the oldest as it goes.
             count = min(count, max(1, window // 2))
@@ -367,7 +379,7 @@ class Controller:
 
         Only on short runs: it stops at an executable of a run not known to be short.
         """
-        low = self._window // 2
+        low = self._bound(island) // 2
         while self._settle(island) > low and self._short_oldest(island):
             oldest, _ = self._in_flight[island][0]
             with contextlib.suppress(Exception):  # its error reaches the run's futures
@@ -632,10 +644,17 @@ class Controller:
         return dict(counts)
 
     def in_flight_by_island(self) -> dict[int, int]:
-        return {
-            island: sum(1 for item in list(items) if not readiness.settled(item[0]))
-            for island, items in list(self._in_flight.items())
-        }
+        """Executables (and runs queued on single devices) dispatched and not settled, per island."""
+        counts: collections.Counter[int] = collections.Counter()
+        for key, items in list(self._in_flight.items()):
+            counts[self._island_of.get(key, key)] += sum(
+                1 for item in list(items) if not readiness.settled(item[0])
+            )
+        return dict(counts)
+
+    def _bound(self, key: int) -> int:
+        """How many entries window ``key`` holds: an island's executables, or a device's runs."""
+        return self._window if key >= 0 else self._device_window
 
     def _ready_now(self, run: Run) -> bool:
         """True if ``run`` may be dispatched on the caller's thread: nothing would wait."""
@@ -651,19 +670,25 @@ class Controller:
         window is drained to half: the dispatching thread then wakes once per
         half window of executables, not once per executable.
         """
-        if len(self._in_flight[island]) < self._window or self._settle(island) < self._window:
+        window = self._bound(island)
+        if len(self._in_flight[island]) < window or self._settle(island) < window:
             return
         rec = timeline.ACTIVE
         t0 = rec.now() if rec is not None else 0
         run = None
-        low = self._window // 2
+        low = window // 2
         while self._settle(island) > low:
             oldest, run = self._in_flight[island][0]
             # Its error reaches the run's futures, and the watcher counts the run.
             with contextlib.suppress(Exception):
                 readiness.block(oldest)
         if rec is not None and run is not None:
-            rec.waited(t0, client=timeline.client_of(run), island=island, reason="in-flight window")
+            rec.waited(
+                t0,
+                client=timeline.client_of(run),
+                island=self._island_of.get(island, island),
+                reason="in-flight window",
+            )
 
     def _execute(self, run: Run) -> None:
         started = _now()
