@@ -176,15 +176,24 @@ class Controller:
             queue = self._queues.get(key)
             if queue is not None and len(queue) >= self._max_queued:
                 queue = self._wait_for_room(run)
-            run.seq = next(self._seq)
-            run.head = self._head(run)
-            if queue is None:
-                self._policy.activate(key)
-                self._queues[key] = collections.deque((run,))
-            else:
-                queue.append(run)
+            closed = run.client.closed  # since submission checked: queued, it would outlive the client
+            if not closed:
+                run.seq = next(self._seq)
+                run.head = self._head(run)
+                if queue is None:
+                    self._policy.activate(key)
+                    self._queues[key] = collections.deque((run,))
+                else:
+                    queue.append(run)
             if self._sleeping:
                 self._cv.notify()
+        if closed:
+            self._fail(
+                run,
+                f"program {run.plan.graph.name!r} run {run.id} was cancelled: client {run.client.name!r} was closed",
+                None,
+                count=False,
+            )
 
     def _wait_for_room(self, run: Run) -> collections.deque[Run] | None:
         """Blocks the caller (lock held) until its client has fewer than ``max_queued`` runs queued.
@@ -321,7 +330,9 @@ class Controller:
         plan = run.plan
         cost = run.estimate = plan.cost or _DEFAULT_COST_S * max(1, len(plan.acct_groups))
         with self._lock:
-            self._policy.charge(client.key, cost, client.weight)
+            # A client closed meanwhile was forgotten by the policy: charging it would bring it back.
+            if not client.closed:
+                self._policy.charge(client.key, cost, client.weight)
 
     def _blocker(self, run: Run, busy: dict[int, int] | None = None) -> int:
         """What keeps ``run`` from being dispatched now (``_GO``: nothing).
