@@ -155,3 +155,23 @@ def test_inline_dispatch_keeps_submission_order_with_a_busy_controller():
     for _ in range(21):
         want = want * 2 + 1
     np.testing.assert_allclose(np.asarray(chain[-1].result(timeout=60)), np.asarray(want))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-dispatch", "thread-only"])
+def test_programs_that_place_nothing_run_between_single_device_runs(inline):
+    # Their plans were prepared by no backend (nothing to dispatch, no window
+    # lanes), yet the cluster's backend executes their runs like any other.
+    pw.init(num_cpu_devices=8, inline_dispatch=inline)
+    s = pw.devices(mesh={"x": 1})
+    bump = pw.jit(lambda v: v + 1, devices=s)
+    literal = pw.program(lambda: 3.0)
+    ident = pw.program(lambda *v: v, devices=s)
+    x = jnp.zeros(3)
+    for i in range(12):  # past the device's window, both inline and queued
+        x = bump(x)
+        assert float(literal().result(timeout=30)) == 3.0
+        same, flag = ident(jnp.full(2, float(i)), np.bool_(i % 2))
+        np.testing.assert_array_equal(np.asarray(same.result(timeout=30)), np.full(2, float(i)))
+        assert bool(flag.result(timeout=30)) == bool(i % 2)
+    np.testing.assert_array_equal(np.asarray(x.result(timeout=30)), np.full(3, 12.0))

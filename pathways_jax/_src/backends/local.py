@@ -105,7 +105,9 @@ class LocalBackend:
         finally:
             counters.bump("dispatches", dispatched)
         last = tuple([env[slot] for _, slot, _ in plan.acct_groups])
-        for key, index in plan.remote:
+        # A plan that places nothing (it returns literals or its arguments) was
+        # prepared by no backend: it has no lanes, nor anything to dispatch.
+        for key, index in plan.remote or ():
             window.in_flight(key, last[index], run)
         return env, last
 
