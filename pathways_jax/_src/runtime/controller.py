@@ -655,13 +655,16 @@ class Controller:
         return dict(counts)
 
     def in_flight_by_island(self) -> dict[int, int]:
-        """Executables (and runs queued on single devices) dispatched and not settled, per island."""
-        counts: collections.Counter[int] = collections.Counter()
-        for key, items in list(self._in_flight.items()):
-            counts[self._island_of.get(key, key)] += sum(
-                1 for item in list(items) if not readiness.settled(item[0])
-            )
-        return dict(counts)
+        """Executables (or host messages) in an island's window, dispatched and not settled, per island.
+
+        What ``max_in_flight`` bounds. The devices' windows (keys < 0) count
+        runs, not executables, under another bound: they are not added in.
+        """
+        return {
+            island: sum(1 for item in list(items) if not readiness.settled(item[0]))
+            for island, items in list(self._in_flight.items())
+            if island >= 0
+        }
 
     def _bound(self, key: int) -> int:
         """How many entries window ``key`` holds: an island's executables, or a device's runs."""
