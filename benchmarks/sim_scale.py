@@ -155,7 +155,7 @@ def pipeline_vs_spmd(profile, stage_counts: list[int], microbatches: list[int], 
             "the layers on chips/S chips, forward t and backward 2t per microbatch (3t = work/M); "
             "activations (tokens/M x d_model bf16) move between stages over ICI; gradient "
             "synchronisation is charged to neither",
-        },  # fmt: skip
+        },
         "spmd_step_s": spmd.step_time_s,
         "rows": [],
     }
@@ -212,7 +212,7 @@ def two_islands(profile, hosts_per_island: int, mfu: float, step_scales: list[fl
             "over DCN (sharded over its hosts, both directions at once), then applies both; one "
             "island of all the chips does the same work with the all-reduce over ICI and no DCN. "
             "The transfer starts when the gradient node ends (not overlapped with the backward pass)",
-        },  # fmt: skip
+        },
         "rows": [],
     }
     for scale in step_scales:
