@@ -117,7 +117,9 @@ def test_shutdown_stops_the_host_actors(ray_cluster):
     [
         ({"backend": "ray"}, r"needs hosts=N"),
         ({"backend": "ray", "hosts": 2, "devices_per_host": 0}, r"devices_per_host must be a positive int"),
-        ({"backend": "ray", "hosts": 2, "islands": 1}, r"each host is its own island"),
+        ({"backend": "ray", "hosts": 3, "islands": 2}, r"divides hosts=3"),
+        ({"backend": "ray", "hosts": 2, "platform": "tpu"}, r"platform must be 'cpu' or 'gpu'"),
+        ({"platform": "gpu"}, r"pass backend='ray'"),
         ({"backend": "ray", "hosts": 4, "devices_per_host": 4}, r"needs 16 CPU devices in this process"),
         ({"hosts": 2}, r"pass backend='ray'"),
         ({"backend": "tpu-pod"}, r"not a backend"),

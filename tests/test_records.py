@@ -159,11 +159,11 @@ def test_ray_host_operations_are_named_and_pickle():
     ops = [
         ray_host.ExecOp("fp", (0,), (1, 2), True, "'f' (a.py:1)"),
         ray_host.PutOp(1, 3, ray_host.SingleDesc(1)),
-        ray_host.SendOp(2, 1, 7),
-        ray_host.RecvOp(4, 0, 7, desc),
+        ray_host.PostOp(2, 1, 7, (ray_host.Piece(0, ((0, 2),), (2,)),), "float32"),
+        ray_host.PullOp(4, 2, ((0, 7, (ray_host.Piece(0, ((0, 2),), (2,)),)),), (2,), "float32", desc),
     ]
     assert pickle.loads(pickle.dumps(ops)) == ops
-    assert [op.kind for op in ops] == ["exec", "put", "send", "recv"]
+    assert [op.kind for op in ops] == ["exec", "put", "post", "pull"]
     devices = jax.devices()[:2]
     single = ray_host.sharding_of(ray_host.SingleDesc(1), devices)
     assert single.device_set == {devices[1]}
@@ -172,7 +172,7 @@ def test_ray_host_operations_are_named_and_pickle():
     assert (
         ray_host._describe(ValueError("boom"), ops, 0) == "run failed in node 'f' (a.py:1): ValueError: boom"
     )
-    assert ray_host._describe(ValueError("boom"), ops, 2) == "run failed in a send step: ValueError: boom"
+    assert ray_host._describe(ValueError("boom"), ops, 2) == "run failed in a post step: ValueError: boom"
     failure = ray_host.RunFailure("lost", 1, "host 0: gone", "")
     assert pickle.loads(pickle.dumps(failure)) == failure and failure.peer == 1
 

@@ -1,18 +1,38 @@
 """The Ray backend: host actors owning their own devices, driven by the one controller.
 
-``pw.init(backend="ray", hosts=N, devices_per_host=M)`` starts (or connects
-to) a Ray cluster and one host actor per host (``ray_host.Host``), placed with
-a placement group of one bundle per host. Each host is an island.
+``pw.init(backend="ray", hosts=H, devices_per_host=D, islands=K)`` starts (or
+connects to) a Ray cluster and H host actors (``ray_host.Host``), placed with
+a placement group of one bundle per host, grouped into K islands of H/K
+hosts each (``islands=None``: each host is its own island).
+
+**Islands of several hosts.** The hosts of an island form one
+``jax.distributed`` system (one coordinator per island, on its first host):
+together they see the island's H/K x D devices as one global mesh, and a
+slice may span them. Every host of a slice runs the slice's SPMD
+executables itself, in the controller's order (each host handles its
+numbered messages strictly in order), so their collectives always meet.
 
 **Stand-in devices.** The controller process traces and lowers programs
-exactly as on the local backend, against N x M of its own CPU devices that
-stand in for the hosts' devices (host ``h`` owns stand-ins ``h*M .. h*M+M-1``):
+exactly as on the local backend, against H x D of its own CPU devices that
+stand in for the hosts' devices (host ``h`` owns stand-ins ``h*D .. h*D+D-1``):
 graphs, plans, shardings, byte counts and the scheduler do not change. What
 changes is dispatch: a lowered plan is split into one part per host (its
 computations serialized with ``jax.export``, its moves either local puts or
-sends/receives between hosts), registered once per host, and each run sends
-each participating host ONE message. Values stay on the hosts; a future holds
-a :class:`RemoteArray` handle, and ``Future.result()`` fetches the value.
+host-to-host transfers), registered once per host, and each run sends each
+participating host ONE message. Values stay on the hosts; a future holds a
+:class:`RemoteArray` handle, and ``Future.result()`` fetches the value.
+
+**The data plane.** A value that moves between hosts (between islands, or
+between slices on different hosts of one island) goes from the source
+host's transfer server (``jax.experimental.transfer``) to the destination
+host, never through the controller or a Ray call: the controller only
+numbers the transfers of each run (a uuid base in the run's message). There
+is no Ray-call fallback.
+
+**Failure as a unit.** If any host of an island dies, the island is lost:
+its other hosts are killed, its pending runs fail with ``HostLostError``
+naming the host, the other hosts stop waiting for values from it, and the
+cluster moves its slices to surviving islands.
 
 Ray is imported only here, lazily: ``pip install pathways-jax[ray]``.
 """
@@ -26,7 +46,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,11 +58,14 @@ from pathways_jax._src.backends.ray_host import (
     ExecOp,
     NamedDesc,
     Op,
+    Piece,
+    PostOp,
+    PullOp,
     PutOp,
-    RecvOp,
+    Role,
     RunFailure,
-    SendOp,
     ShardingDesc,
+    Shards,
     SingleDesc,
 )
 from pathways_jax._src.core import counts as counters
@@ -57,10 +80,25 @@ _START_TIMEOUT_S = 120.0
 _CALL_TIMEOUT_S = 120.0
 _CLOSE_TIMEOUT_S = 10.0  # how long close() waits for this side's threads unless told
 _WAIT_STEP_S = 0.1  # a wait for a host's answer looks whether the cluster closed this often
+# A run failed on a host of an island of several hosts, or that pulled values
+# from other hosts: how long the controller waits for those hosts to answer a
+# ping before it takes the failure as the run's own (a dead host answers with
+# an error at once; a busy one answers later, on its event loop).
+_HEALTH_CHECK_S = 3.0
 _CLOSED = (
     "the cluster was shut down and its Ray hosts with it; values that lived on them are gone. "
     "Call .result() before pw.shutdown() to keep a value."
 )
+
+# Executables each host of an island of several hosts keeps in flight at most
+# (pw.init(max_in_flight=...) may lower it). Cross-process collective programs
+# in flight deadlock XLA:CPU beyond a bound: 2 hosts x 2 devices ran 32 at once
+# and hung at 36, 2 x 1 ran 64 (benchmarks/inflight_bound.py measures it).
+CROSS_HOST_WINDOW = 16
+
+# Messages sent to one island's hosts and not complete yet before dispatch
+# there waits (each host bounds its own executables in flight as well).
+RUNS_IN_FLIGHT = 64
 
 
 def _import_ray() -> Any:
@@ -95,15 +133,46 @@ def is_lost_error(exc: BaseException) -> bool:
     return isinstance(exc, rex.RayActorError | rex.ActorDiedError | rex.ActorUnavailableError)
 
 
+class Layout(NamedTuple):
+    """Which hosts make which island: ``hosts`` hosts of ``devices_per_host``, ``per_island`` each."""
+
+    hosts: int
+    devices_per_host: int
+    per_island: int
+
+    @property
+    def islands(self) -> int:
+        return self.hosts // self.per_island
+
+    def island_of(self, host: int) -> int:
+        return host // self.per_island
+
+    def members(self, island: int) -> tuple[int, ...]:
+        return tuple(range(island * self.per_island, (island + 1) * self.per_island))
+
+    def rank(self, host: int) -> int:
+        return host % self.per_island
+
+
+class Placed(NamedTuple):
+    """Where a stand-in sharding lives: its island, the hosts holding it, its descriptor there."""
+
+    island: int
+    hosts: tuple[int, ...]
+    desc: ShardingDesc
+
+
 _UNSETTLED = object()
 
 
 class RemoteArray:
-    """A value living on a host: a handle the object store keeps instead of a ``jax.Array``.
+    """A value living on one host or several: a handle the object store keeps instead of a ``jax.Array``.
 
-    ``sharding`` names the controller's stand-in devices; the host holds the
-    real buffers. Readiness is that of the host's part of the run that made
-    it. Dropping the handle frees the value on its host.
+    ``sharding`` names the controller's stand-in devices; the hosts hold the
+    real buffers (each host of a value spanning hosts its own shards, under
+    the same key). Readiness is that of the hosts' parts of the run that made
+    it. Dropping the handle frees the value on its hosts. A handle with no key
+    is a run's completion marker on one host.
     """
 
     __slots__ = (
@@ -113,22 +182,35 @@ class RemoteArray:
         "_value",
         "aval",
         "backend",
-        "done",
-        "host",
+        "dones",
+        "hosts",
         "key",
         "sharding",
     )
 
-    def __init__(self, backend: RayBackend, host: int, key: int | None, aval: Any, sharding: Any, done: Any):
+    def __init__(
+        self,
+        backend: RayBackend,
+        hosts: tuple[int, ...],
+        key: int | None,
+        aval: Any,
+        sharding: Any,
+        dones: tuple,
+    ):
         self.backend = backend
-        self.host = host
+        self.hosts = hosts
         self.key = key
         self.aval = aval
         self.sharding = sharding
-        self.done = done
+        self.dones = dones
         self._outcome: Any = _UNSETTLED
         self._ready = False
         self._value: jax.Array | None = None
+
+    @property
+    def host(self) -> int:
+        """The (first) host holding the value."""
+        return self.hosts[0]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -144,13 +226,20 @@ class RemoteArray:
     def is_ready(self) -> bool:
         if self._ready or self.backend.closed:
             return True
-        ready, _ = self.backend.ray.wait([self.done], timeout=0)
-        self._ready = bool(ready)
+        dones = list(self.dones)
+        ready, _ = self.backend.ray.wait(dones, num_returns=len(dones), timeout=0)
+        self._ready = len(ready) == len(dones)
         return self._ready
 
     def _settle(self) -> Any:
         if self._outcome is _UNSETTLED:
-            self._outcome = self.backend.outcome(self.host, self.done)
+            outcomes = [
+                self.backend.outcome(host, done) for host, done in zip(self.hosts, self.dones, strict=True)
+            ]
+            failed = [o for o in outcomes if o is not None]
+            # A lost host explains its peers' failures: say that one.
+            lost = [o for o in failed if isinstance(o, errors.HostLostError)]
+            self._outcome = (lost or failed or [None])[0]
         return self._outcome
 
     def block_until_ready(self) -> RemoteArray:
@@ -165,7 +254,7 @@ class RemoteArray:
             self.block_until_ready()
             if self.key is None:  # a completion marker: no value of its own
                 raise errors.PathwaysError(f"{self!r} holds no value to fetch.")
-            data = self.backend.fetch(self.host, self.key)
+            data = self.backend.fetch(self.hosts, self.key, self.aval)
             counters.bump("fetches")
             self._value = jax.device_put(data, self.sharding)
         return self._value
@@ -173,12 +262,14 @@ class RemoteArray:
     def __del__(self) -> None:
         try:
             if self.key is not None:
-                self.backend.drop(self.host, self.key)
+                for host in self.hosts:
+                    self.backend.drop(host, self.key)
         except Exception:
             pass
 
     def __repr__(self) -> str:
-        return f"RemoteArray(host={self.host}, key={self.key}, shape={self.shape}, dtype={self.dtype})"
+        where = f"host={self.hosts[0]}" if len(self.hosts) == 1 else f"hosts={list(self.hosts)}"
+        return f"RemoteArray({where}, key={self.key}, shape={self.shape}, dtype={self.dtype})"
 
 
 class HostPlan:
@@ -196,7 +287,13 @@ class HostPlan:
 
 
 class RemotePlan:
-    """A plan split by host: built once per lowering, registered on each host on first use."""
+    """A plan split by host: built once per lowering, registered on each host on first use.
+
+    Each host's part lists, in the plan's one order, the executables it takes
+    part in, the values it puts on other devices of its own, and its side of
+    each host-to-host transfer (a post on the source, a pull on the
+    destination, numbered ``0 .. transfers-1`` within a run).
+    """
 
     _keys = itertools.count()
 
@@ -206,8 +303,11 @@ class RemotePlan:
         self.key = next(self._keys)
         self.parts: dict[int, HostPlan] = {}
         self.transfers: collections.Counter[str] = collections.Counter()  # per run, by kind
+        self.uuids = 0  # host-to-host transfers per run: the uuids a run takes
+        self.pulls = 0  # of them, pulls from another host's transfer server
         where = backend.where
-        slot_host: dict[int, int] = {}
+        slot_hosts: dict[int, tuple[int, ...]] = {}
+        slot_sharding: dict[int, Any] = {}
         # Slots whose value the controller has (arguments, constants): shipped as data.
         data_src: dict[int, tuple[str, int]] = {}
         for _index, slot, _sharding in plan.host_feeds:
@@ -218,104 +318,134 @@ class RemotePlan:
             if value is not None:
                 data_src[slot] = ("const", slot)
         signature_sharding = {slot: plan.feed_shardings[slot] for _index, slot in plan.future_feeds}
+        name = plan.graph.name
 
         def part(host: int) -> HostPlan:
             if host not in self.parts:
                 self.parts[host] = HostPlan()
             return self.parts[host]
 
-        def feed_data(slot: int, sharding: Any) -> int:
-            host, desc = where(sharding, f"an input of program {plan.graph.name!r}")
+        def feed_data(slot: int, sharding: Any) -> tuple[int, ...]:
+            placed = where(sharding, f"an input of program {name!r}")
             kind, source = data_src[slot]
-            if kind == "const":
-                part(host).constants[slot] = (np.asarray(plan.template[source]), desc)
-            else:
-                part(host).data.append((source, slot, desc))
-            slot_host[slot] = host
-            return host
+            for host in placed.hosts:
+                if kind == "const":
+                    part(host).constants[slot] = (np.asarray(plan.template[source]), placed.desc)
+                else:
+                    part(host).data.append((source, slot, placed.desc))
+            slot_hosts[slot], slot_sharding[slot] = placed.hosts, sharding
+            return placed.hosts
 
-        def locate(slot: int, sharding: Any) -> int:
-            """The host of a slot read by a step, feeding data and future slots on first use."""
-            if slot in slot_host:
-                return slot_host[slot]
+        def locate(slot: int, sharding: Any) -> tuple[int, ...]:
+            """The hosts of a slot read by a step, feeding data and future slots on first use."""
+            if slot in slot_hosts:
+                return slot_hosts[slot]
             if slot in data_src:
                 return feed_data(slot, sharding)
             if slot in signature_sharding:
-                host, _ = where(signature_sharding[slot], f"an input of program {plan.graph.name!r}")
-                part(host).futures.append(slot)
-                slot_host[slot] = host
-                return host
-            raise errors.PlacementError(f"program {plan.graph.name!r}: slot {slot} is read before it is made")
+                placed = where(signature_sharding[slot], f"an input of program {name!r}")
+                for host in placed.hosts:
+                    part(host).futures.append(slot)
+                slot_hosts[slot], slot_sharding[slot] = placed.hosts, signature_sharding[slot]
+                return placed.hosts
+            raise errors.PlacementError(f"program {name!r}: slot {slot} is read before it is made")
 
-        for index, step in enumerate(plan.steps):
+        for step in plan.steps:
             if isinstance(step, ExecStep):
                 node = step.node
-                host = where(node.slice.sharding(), f"node {node.name!r} ({node.source_info})")[0]
+                what = f"node {node.name!r} ({node.source_info})"
+                hosts = where(node.slice.sharding(), what).hosts
                 executable = step.executable
                 in_shardings = executable.input_shardings[0]
                 out_shardings = jax.tree_util.tree_leaves(executable.output_shardings)
                 for slot, sharding in zip(step.in_slots, in_shardings, strict=True):
-                    if locate(slot, sharding) != host:
+                    if locate(slot, sharding) != hosts:
                         raise errors.PlacementError(
-                            f"node {node.name!r} ({node.source_info}) reads a value held on another host; "
-                            "this is a bug in pathways_jax's lowering, please report it."
+                            f"{what} reads a value held on hosts {list(locate(slot, sharding))}, not on its "
+                            f"own hosts {list(hosts)}; this is a bug in pathways_jax's lowering, please report it."
                         )
                 if step.exported is None:
                     raise errors.PathwaysError(
-                        f"node {node.name!r} ({node.source_info}) was compiled without its serialized "
-                        "computation, which the Ray hosts need; this is a bug in pathways_jax, please report it."
+                        f"{what} was compiled without its serialized computation, which the Ray hosts "
+                        "need; this is a bug in pathways_jax, please report it."
                     )
                 blob, fingerprint = step.exported
-                hp = part(host)
-                if fingerprint not in hp.blobs:
-                    hp.blobs[fingerprint] = (
-                        blob,
-                        tuple(where(s, node.name)[1] for s in in_shardings),
-                        tuple(where(s, node.name)[1] for s in out_shardings),
-                    )
-                hp.ops.append(
-                    ExecOp(
-                        fingerprint,
-                        step.in_slots,
-                        step.out_slots,
-                        step.windowed,
-                        f"{node.name!r} ({node.source_info})",
-                    )
+                descs = (
+                    tuple(where(s, what).desc for s in in_shardings),
+                    tuple(where(s, what).desc for s in out_shardings),
                 )
-                for slot in step.out_slots:
-                    slot_host[slot] = host
+                op = ExecOp(fingerprint, step.in_slots, step.out_slots, step.windowed, what)
+                for host in hosts:
+                    hp = part(host)
+                    if fingerprint not in hp.blobs:
+                        hp.blobs[fingerprint] = (blob, *descs)
+                    hp.ops.append(op)
+                for slot, sharding in zip(step.out_slots, out_shardings, strict=True):
+                    slot_hosts[slot], slot_sharding[slot] = hosts, sharding
                 continue
-            # A move: within a host a device_put, across hosts a push from one to the other.
-            dst_host, desc = where(step.sharding, f"a transfer in program {plan.graph.name!r}")
-            if step.src in data_src and step.src not in slot_host:
+            # A move: on one host a device_put; otherwise host to host.
+            dst = where(step.sharding, f"a transfer in program {name!r}")
+            if step.src in data_src and step.src not in slot_hosts:
                 data_src[step.dst] = data_src[step.src]
                 feed_data(step.dst, step.sharding)
                 continue
-            src_host = locate(step.src, None)
+            src_hosts = locate(step.src, None)
             if step.kind is not None:
                 self.transfers[step.kind] += 1
-            if src_host == dst_host:
-                part(dst_host).ops.append(PutOp(step.src, step.dst, desc))
+            if src_hosts == dst.hosts and len(dst.hosts) == 1:
+                part(dst.hosts[0]).ops.append(PutOp(step.src, step.dst, dst.desc))
             else:
-                part(src_host).ops.append(SendOp(step.src, dst_host, index))
-                part(dst_host).ops.append(RecvOp(step.dst, src_host, index, desc))
-            slot_host[step.dst] = dst_host
+                self._move(backend, step, slot_sharding[step.src], dst, part, name)
+            slot_hosts[step.dst], slot_sharding[step.dst] = dst.hosts, step.sharding
 
         # What the run keeps on the hosts: the program's outputs.
         for out in plan.outputs:
             if out.kind != "slot":
                 continue
-            host = locate(out.where, out.sharding)
-            if out.where not in part(host).keep:
-                part(host).keep.append(out.where)
-        self.slot_host = slot_host
+            for host in locate(out.where, out.sharding):
+                if out.where not in part(host).keep:
+                    part(host).keep.append(out.where)
+        self.slot_hosts = slot_hosts
         self.hosts = tuple(sorted(self.parts))
-        self.islands = frozenset(self.hosts)
+        self.islands = frozenset(backend.layout.island_of(h) for h in self.hosts)
+        # One message per host per run, each counting once in its island's window.
+        self.windowed = collections.Counter(backend.layout.island_of(h) for h in self.hosts)
 
-
-# Runs sent to one host and not complete yet before dispatch there waits (each
-# host bounds its own executables in flight with pw.init(max_in_flight=...)).
-RUNS_IN_FLIGHT = 64
+    def _move(
+        self, backend: RayBackend, step: Any, src_sharding: Any, dst: Placed, part: Any, name: str
+    ) -> None:
+        """Each destination host gathers the value: its own shards locally, the rest pulled from their hosts."""
+        shape, dtype = tuple(step.aval.shape), step.aval.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            raise errors.PlacementError(
+                f"program {name!r} moves a value of dtype {dtype} between hosts, which the transfer "
+                "servers cannot carry. Move its jax.random.key_data(...) instead and wrap it again "
+                "with jax.random.wrap_key_data on the other side."
+            )
+        # Every distinct shard of the source, and the hosts (devices) holding a copy.
+        holders: dict[tuple, list[tuple[int, Piece]]] = {}
+        for device, index in src_sharding.devices_indices_map(shape).items():
+            bounds = ray_host.bounds_of(index, shape)
+            _, position, host = backend.place_of(device)
+            piece = Piece(position, bounds, tuple(stop - start for start, stop in bounds))
+            holders.setdefault(bounds, []).append((host, piece))
+        for host in dst.hosts:
+            by_source: dict[int, list[Piece]] = {}
+            if 0 not in shape:  # an empty value is made, not moved
+                for copies in holders.values():
+                    source, piece = next(((h, p) for h, p in copies if h == host), copies[0])
+                    by_source.setdefault(source, []).append(piece)
+            parts = []
+            for source, pieces in sorted(by_source.items()):
+                if source == host:
+                    parts.append((host, -1, tuple(pieces)))
+                    continue
+                offset = self.uuids
+                self.uuids += 1
+                self.pulls += 1
+                part(source).ops.append(PostOp(step.src, host, offset, tuple(pieces), str(dtype)))
+                parts.append((source, offset, tuple(pieces)))
+            part(host).ops.append(PullOp(step.dst, step.src, tuple(parts), shape, str(dtype), dst.desc))
 
 
 class RayBackend:
@@ -323,6 +453,7 @@ class RayBackend:
 
     Implements :class:`~pathways_jax._src.backends.base.Backend`: a run is one
     message per host, and each host dispatches its part of the plan itself.
+    ``lost`` is keyed by island (an island is lost as a unit).
     """
 
     name = "ray"
@@ -341,14 +472,25 @@ class RayBackend:
         standins: list[jax.Device],
         window: int,
         on_lost: Any,
+        islands: int | None = None,
+        platform: str = "cpu",
     ):
         ray = _import_ray()
         self.ray = ray
+        self.layout = Layout(hosts, devices_per_host, hosts // (islands or hosts))
         self.hosts = hosts
         self.devices_per_host = devices_per_host
+        self.platform = platform
+        # Computations are exported for the hosts' platform (the controller lowers on CPU).
+        self.export_platforms = ("cpu",) if platform == "cpu" else ("cpu", "cuda")
         self.standins = standins
-        self._where = {d.id: (i // devices_per_host, i % devices_per_host) for i, d in enumerate(standins)}
-        self.on_lost = on_lost  # set by the cluster: called with a lost host's island
+        per = self.layout.per_island
+        # stand-in id -> (island, position among the island's devices, host)
+        self._where = {
+            d.id: (i // (per * devices_per_host), i % (per * devices_per_host), i // devices_per_host)
+            for i, d in enumerate(standins)
+        }
+        self.on_lost = on_lost  # set by the cluster: called with a lost island
         # Set by the cluster: frees the store's values whose futures went, so that
         # their handles go and the hosts hear of it even when no program runs.
         self.collect: Any = None
@@ -358,7 +500,9 @@ class RayBackend:
         self._fingerprints: list[set] = [set() for _ in range(hosts)]
         self._dropped: list[collections.deque] = [collections.deque() for _ in range(hosts)]
         self._keys = itertools.count()
-        self.lost: dict[int, str] = {}
+        self._next_uuid = 0  # transfer uuids, handed out per run
+        self.lost: dict[int, str] = {}  # island -> why
+        self.lost_hosts: dict[int, str] = {}  # host -> why (every host of a lost island)
         self._closed = False
         if not ray.is_initialized():
             import os
@@ -380,38 +524,40 @@ class RayBackend:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._remove_pg = remove_placement_group
-        self.pg = placement_group([{"CPU": 1}] * hosts, strategy="SPREAD")
+        bundle: dict[str, float] = {"CPU": 1}
+        if platform != "cpu":
+            bundle["GPU"] = devices_per_host
+        self.pg = placement_group([bundle] * hosts, strategy="SPREAD")
         try:
             ray.get(self.pg.ready(), timeout=_START_TIMEOUT_S)
         except Exception as exc:
             remove_placement_group(self.pg)
             raise errors.ClusterError(
-                f"Ray could not place {hosts} hosts (one CPU each) within {_START_TIMEOUT_S}s: {exc}. "
+                f"Ray could not place {hosts} hosts ({bundle} each) within {_START_TIMEOUT_S}s: {exc}. "
                 "Ask for fewer hosts, or add nodes to the Ray cluster."
             ) from exc
+        # Each host of an island of several bounds its executables in flight lower.
+        host_window = window if per == 1 else min(window, CROSS_HOST_WINDOW)
         actor = ray.remote(ray_host.Host)
         self.actors = [
             actor.options(
                 num_cpus=1,
+                num_gpus=0 if platform == "cpu" else devices_per_host,
                 max_restarts=0,
                 max_concurrency=1000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=h
                 ),
-            ).remote(h, devices_per_host, window, bool(jax.config.read("jax_enable_x64")))
+            ).remote(h, devices_per_host, host_window, bool(jax.config.read("jax_enable_x64")), platform)
             for h in range(hosts)
         ]
         try:
-            self.info = ray.get([a.setup.remote(self.actors) for a in self.actors], timeout=_START_TIMEOUT_S)
+            self.info = self._start(ray)
         except Exception as exc:
             self.close()
+            if isinstance(exc, errors.ClusterError):
+                raise
             raise errors.ClusterError(f"the Ray host actors did not start: {exc}") from exc
-        for h, info in enumerate(self.info):
-            if info["devices"] != devices_per_host:
-                self.close()
-                raise errors.ClusterError(
-                    f"host {h} exposes {info['devices']} devices, not devices_per_host={devices_per_host}."
-                )
         self._pings: dict[int, Any] = {}
         self._threads = [
             threading.Thread(target=self._monitor, name="pathways-ray-monitor", daemon=True),
@@ -419,6 +565,49 @@ class RayBackend:
         ]
         for thread in self._threads:
             thread.start()
+
+    def _start(self, ray: Any) -> list[dict]:
+        """Joins each island's hosts into one ``jax.distributed`` system and connects every transfer server."""
+        layout = self.layout
+        # Every host reaches the Ray cluster's address: its route names the host's own.
+        reach = ray.get_runtime_context().gcs_address
+        coordinators: dict[int, str | None] = {}
+        for island in range(layout.islands):
+            first = layout.members(island)[0]
+            many = layout.per_island > 1
+            coordinators[island] = (
+                ray.get(self.actors[first].address.remote(reach), timeout=_START_TIMEOUT_S) if many else None
+            )
+        roles = [
+            Role(
+                layout.island_of(h),
+                layout.rank(h),
+                layout.per_island,
+                coordinators[layout.island_of(h)],
+                reach,
+            )
+            for h in range(self.hosts)
+        ]
+        # All at once: joining an island blocks until every member has.
+        info = ray.get(
+            [a.setup.remote(r) for a, r in zip(self.actors, roles, strict=True)], timeout=_START_TIMEOUT_S
+        )
+        want = layout.per_island * self.devices_per_host
+        for h, host_info in enumerate(info):
+            if host_info["devices"] != self.devices_per_host or host_info["island_devices"] != want:
+                raise errors.ClusterError(
+                    f"host {h} exposes {host_info['devices']} devices ({host_info['island_devices']} in its "
+                    f"island), not devices_per_host={self.devices_per_host} ({want} per island)."
+                )
+        addresses = {h: host_info["transfer"] for h, host_info in enumerate(info)}
+        with self._lock:
+            answers = [self._message(h, "peers", addresses) for h in range(self.hosts)]
+        for h, answer in enumerate(ray.get(answers, timeout=_START_TIMEOUT_S)):
+            if answer is not None:
+                raise errors.ClusterError(
+                    f"host {h} could not reach the other hosts' transfer servers: {answer}"
+                )
+        return info
 
     @property
     def closed(self) -> bool:
@@ -428,29 +617,37 @@ class RayBackend:
 
     @property
     def islands(self) -> tuple[tuple[jax.Device, ...], ...]:
-        m = self.devices_per_host
-        return tuple(tuple(self.standins[h * m : (h + 1) * m]) for h in range(self.hosts))
+        n = self.layout.per_island * self.devices_per_host
+        return tuple(tuple(self.standins[i * n : (i + 1) * n]) for i in range(self.layout.islands))
 
-    def where(self, sharding: Any, what: str) -> tuple[int, ShardingDesc]:
-        """The host of a stand-in sharding and its host-local descriptor."""
+    def place_of(self, device: Any) -> tuple[int, int, int]:
+        """A stand-in device's island, position among the island's devices, and host."""
+        return self._where[device.id]
+
+    def where(self, sharding: Any, what: str) -> Placed:
+        """The island, hosts and island-local descriptor of a stand-in sharding."""
         if isinstance(sharding, jax.sharding.SingleDeviceSharding):
             device: Any  # a jax.Device; its stub type does not resolve here
             (device,) = sharding.device_set
-            host, index = self._where[device.id]
-            return host, SingleDesc(index)
+            island, position, host = self._where[device.id]
+            return Placed(island, (host,), SingleDesc(position))
         if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
             places = [self._where[d.id] for d in sharding.mesh.devices.flat]
-            hosts = {h for h, _ in places}
-            if len(hosts) != 1:
+            islands = sorted({island for island, _, _ in places})
+            if len(islands) != 1:
                 raise errors.PlacementError(
-                    f"{what} is sharded over devices of hosts {sorted(hosts)}; on the Ray backend a "
-                    "value lives on one host (islands are single hosts)."
+                    f"{what} is sharded over devices of islands {islands}; a value lives on one island. "
+                    "Give each island's part its own slice and move values between them."
                 )
-            return places[0][0], NamedDesc(
-                tuple(i for _, i in places),
-                sharding.mesh.devices.shape,
-                sharding.mesh.axis_names,
-                sharding.spec,
+            return Placed(
+                islands[0],
+                tuple(sorted({host for _, _, host in places})),
+                NamedDesc(
+                    tuple(position for _, position, _ in places),
+                    sharding.mesh.devices.shape,
+                    sharding.mesh.axis_names,
+                    sharding.spec,
+                ),
             )
         raise errors.PlacementError(
             f"{what} has sharding {sharding!r}; the Ray backend ships NamedSharding and "
@@ -468,13 +665,12 @@ class RayBackend:
     def prepare(self, plan: Plan) -> None:
         """Splits ``plan`` into one part per host; a run then makes one message (and report) per host."""
         remote = RemotePlan(self, plan)
-        for host in remote.hosts:
-            if host in self.lost:
-                raise errors.HostLostError(self._lost_message(host, f"program {plan.graph.name!r}"))
+        for island in remote.islands:
+            if island in self.lost:
+                raise errors.HostLostError(self._lost_message(island, f"program {plan.graph.name!r}"))
         weakref.finalize(plan, self._forget, remote.key, remote.hosts)
         plan.remote = remote
-        # One message per host per run: each host counts once in its island's window.
-        plan.windowed = dict.fromkeys(remote.islands, 1)
+        plan.windowed = dict(remote.windowed)
         plan.islands = remote.islands
         plan.reports = len(remote.hosts)
 
@@ -495,12 +691,19 @@ class RayBackend:
         counters.bump("dispatches", len(markers))
         for kind, count in remote.transfers.items():
             counters.bump(f"transfers_{kind}", count)
+        if remote.pulls:
+            counters.bump("host_pulls", remote.pulls)
+        island_of = self.layout.island_of
         for host, marker in markers.items():
-            window.in_flight(host, marker, run)
+            window.in_flight(island_of(host), marker, run)
             if rec is not None:
-                rec.sent(run, host, marker, t0)
-        slot_host = remote.slot_host
-        return outputs, tuple([markers[slot_host[group.slot]] for group in plan.acct_groups])
+                ids = tuple(
+                    d.id
+                    for d in self.standins[host * self.devices_per_host : (host + 1) * self.devices_per_host]
+                )
+                rec.sent(run, host, island_of(host), ids, marker, t0)
+        slot_hosts = remote.slot_hosts
+        return outputs, tuple([markers[slot_hosts[group.slot][0]] for group in plan.acct_groups])
 
     def settle(self, in_flight: collections.deque) -> None:
         self.retire_ready(in_flight)
@@ -510,7 +713,7 @@ class RayBackend:
             return
         with self._lock:
             for host in hosts:
-                if key in self._known[host] and host not in self.lost:
+                if key in self._known[host] and host not in self.lost_hosts:
                     self._known[host].discard(key)
                     self._message(host, "forget", key)
 
@@ -519,12 +722,13 @@ class RayBackend:
         plan = run.plan
         remote: RemotePlan = plan.remote
         env = run.env
-        outputs: dict[int, RemoteArray] = {}
         markers: dict[int, RemoteArray] = {}
+        keys = {slot: next(self._keys) for part in remote.parts.values() for slot in part.keep}
         with self._lock:
-            for host in remote.hosts:
-                if host in self.lost:
-                    raise errors.HostLostError(self._lost_message(host, f"program {plan.graph.name!r}"))
+            for island in remote.islands:
+                if island in self.lost:
+                    raise errors.HostLostError(self._lost_message(island, f"program {plan.graph.name!r}"))
+            base = self._take_uuids(remote.uuids)
             for host in remote.hosts:
                 hp = remote.parts[host]
                 if remote.key not in self._known[host]:
@@ -541,34 +745,41 @@ class RayBackend:
                             f"program {plan.graph.name!r}: an input future belongs to another cluster "
                             "(one shut down since); pass its .result() instead"
                         )
-                    if value.host != host:
+                    if value.hosts != remote.slot_hosts[slot]:
                         raise errors.PlacementError(
-                            f"program {plan.graph.name!r}: an input future is not on host {host}, "
-                            "where the program reads it"
+                            f"program {plan.graph.name!r}: an input future is on hosts {list(value.hosts)}, "
+                            f"not on hosts {list(remote.slot_hosts[slot])}, where the program reads it"
                         )
                     feeds.append((slot, "value", value.key))
                 for source, slot, desc in hp.data:
                     feeds.append((slot, "data", (np.asarray(env[source]), desc)))
-                keep = [(slot, next(self._keys)) for slot in hp.keep]
+                keep = [(slot, keys[slot]) for slot in hp.keep]
                 frees = self._take_dropped(host)
-                done = self._message(host, "run", remote.key, run.id, feeds, keep, frees)
-                markers[host] = RemoteArray(self, host, None, None, None, done)
-                for slot, key in keep:
-                    outputs[slot] = RemoteArray(self, host, key, None, None, done)
-        for slot, array in outputs.items():
+                done = self._message(host, "run", remote.key, run.id, base, feeds, keep, frees)
+                markers[host] = RemoteArray(self, (host,), None, None, None, (done,))
+        outputs: dict[int, RemoteArray] = {}
+        for slot, key in keys.items():
             out = plan.slot_outputs[slot]
-            array.aval, array.sharding = out.aval, out.sharding
+            hosts = remote.slot_hosts[slot]
+            dones = tuple(markers[h].dones[0] for h in hosts)
+            outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones)
         return outputs, markers
 
+    def _take_uuids(self, count: int) -> int:
+        """The first of ``count`` fresh transfer uuids; call with ``_lock`` held."""
+        base = self._next_uuid
+        self._next_uuid += count
+        return base
+
     def retire_ready(self, in_flight: collections.deque) -> None:
-        """Drops the completed head of a host's in-flight deque (one look at Ray for all)."""
+        """Drops the completed head of an island's in-flight deque (one look at Ray for all)."""
         items = list(in_flight)
-        unknown = [marker.done for marker, _ in items if not marker._ready]
+        unknown = [marker.dones[0] for marker, _ in items if not marker._ready]
         if unknown:
             ready, _ = self.ray.wait(unknown, num_returns=len(unknown), timeout=0)
             done = set(ready)
             for marker, _ in items:
-                if marker.done in done:
+                if marker.dones[0] in done:
                     marker._ready = True
         while in_flight and in_flight[0][0]._ready:
             in_flight.popleft()
@@ -597,39 +808,53 @@ class RayBackend:
                     continue
                 with self._lock:
                     for host in range(self.hosts):
-                        if self._dropped[host] and host not in self.lost and not self._closed:
+                        if self._dropped[host] and host not in self.lost_hosts and not self._closed:
                             self._message(host, "free", self._take_dropped(host))
             except Exception as exc:  # Ray itself went away (process exit): stop
                 if self._closed or not self.ray.is_initialized():
                     return
                 logging.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
 
-    def fetch(self, host: int, key: int) -> np.ndarray:
+    def fetch(self, hosts: tuple[int, ...], key: int, aval: Any) -> np.ndarray:
+        """A kept value as a numpy array: from its host, or pieced together from its hosts' shards."""
         if self._closed:
             raise errors.ClusterError(_CLOSED)
+        island = self.layout.island_of(hosts[0])
         with self._lock:
-            if host in self.lost:
-                raise errors.HostLostError(self._lost_message(host, "a value"))
-            ref = self._message(host, "fetch", key)
-        try:
-            result = self.ray.get(ref, timeout=_CALL_TIMEOUT_S)
-        except Exception as exc:
-            if is_lost_error(exc):
-                self.mark_lost(host, str(exc))
-                raise errors.HostLostError(self._lost_message(host, "a value")) from exc
-            raise
-        if not isinstance(result, np.ndarray):
-            raise with_remote_traceback(
-                errors.ProgramFailedError(f"fetching a value from host {host} failed: {result.message}"),
-                host,
-                getattr(result, "trace", ""),
-            )
-        return result
+            if island in self.lost:
+                raise errors.HostLostError(self._lost_message(island, "a value"))
+            refs = [self._message(host, "fetch", key) for host in hosts]
+        results = []
+        for host, ref in zip(hosts, refs, strict=True):
+            try:
+                result = self.ray.get(ref, timeout=_CALL_TIMEOUT_S)
+            except Exception as exc:
+                if is_lost_error(exc):
+                    self.mark_lost(host, str(exc))
+                    raise errors.HostLostError(self._lost_message(island, "a value")) from exc
+                raise
+            if not isinstance(result, np.ndarray | Shards):
+                raise with_remote_traceback(
+                    errors.ProgramFailedError(f"fetching a value from host {host} failed: {result.message}"),
+                    host,
+                    getattr(result, "trace", ""),
+                )
+            results.append(result)
+        if len(results) == 1 and isinstance(results[0], np.ndarray):
+            return results[0]
+        whole = np.empty(aval.shape, dtype=aval.dtype)
+        for result in results:
+            if isinstance(result, np.ndarray):  # a host holding all of it
+                return result
+            for bounds, data in result.parts:
+                whole[tuple(slice(start, stop) for start, stop in bounds)] = data
+        return whole
 
     def outcome(self, host: int, done: Any) -> BaseException | None:
         """None if a host's part of a run completed, else the error its values raise."""
         if self._closed:
             return errors.ClusterError(_CLOSED)
+        island = self.layout.island_of(host)
         try:
             # In steps, so that a wait on a hung host ends when the cluster closes.
             while not self.ray.wait([done], timeout=_WAIT_STEP_S)[0]:
@@ -639,7 +864,7 @@ class RayBackend:
         except Exception as exc:
             if is_lost_error(exc):
                 self.mark_lost(host, str(exc))
-                return errors.HostLostError(self._lost_message(host, "a run"))
+                return errors.HostLostError(self._lost_message(island, "a run"))
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
         if status is None:
             return None
@@ -650,43 +875,85 @@ class RayBackend:
                 getattr(status, "trace", ""),
             )
         if status.kind == "lost" and status.peer is not None:
-            return errors.HostLostError(self._lost_message(status.peer, f"a run on host {host}"))
+            return errors.HostLostError(
+                self._lost_message(self.layout.island_of(status.peer), f"a run on host {host}")
+            )
+        # A collective whose peer died, or a pull from a dead host, fails like a
+        # program of the user's: ask the hosts it depended on whether they live.
+        suspects = {h for h in self.layout.members(island) if h != host} | set(status.peers)
+        gone = self._health_check(suspects)
+        if gone is not None:
+            return errors.HostLostError(self._lost_message(gone, f"a run on host {host}"))
         return with_remote_traceback(errors.ProgramFailedError(status.message), host, status.trace)
 
+    def _health_check(self, hosts: set[int]) -> int | None:
+        """The island of the first of ``hosts`` found dead (marked lost), or None if all answer or are busy."""
+        island_of = self.layout.island_of
+        for host in sorted(hosts):
+            if island_of(host) in self.lost:
+                return island_of(host)
+        live = sorted(h for h in hosts if h not in self.lost_hosts)
+        if not live:
+            return None
+        pings = {self.actors[h].ping.remote(): h for h in live}
+        ready, _ = self.ray.wait(list(pings), num_returns=len(pings), timeout=_HEALTH_CHECK_S)
+        for ref in ready:
+            try:
+                self.ray.get(ref)
+            except Exception as exc:
+                if is_lost_error(exc):
+                    host = pings[ref]
+                    self.mark_lost(host, str(exc))
+                    return island_of(host)
+        return None
+
     def host_stats(self, timeout: float = _CALL_TIMEOUT_S) -> dict[int, dict]:
-        """Each live host's counts: values kept, runs done, executables and plans cached."""
-        live = [h for h in range(self.hosts) if h not in self.lost]
+        """Each live host's counts: values kept, runs done, executables and plans cached, transfers."""
+        live = [h for h in range(self.hosts) if h not in self.lost_hosts]
         stats = self.ray.get([self.actors[h].stats.remote() for h in live], timeout=timeout)
         return dict(zip(live, stats, strict=True))
 
     # --- health ------------------------------------------------------------------------
 
-    def _lost_message(self, host: int, what: str) -> str:
+    def _lost_message(self, island: int, what: str) -> str:
+        members = self.layout.members(island)
+        hosts = f"host {members[0]}" if len(members) == 1 else f"hosts {members[0]}-{members[-1]}"
         lost = (
-            f"{what} needed host {host} (island {host}), which was lost: {self.lost.get(host, 'it died')}. "
+            f"{what} needed island {island} ({hosts}), which was lost: {self.lost.get(island, 'it died')}. "
         )
-        if all(h in self.lost for h in range(self.hosts)):
+        if len(self.lost) == self.layout.islands:
             return lost + (
-                f"Its values are gone, and no host survives (all {self.hosts} were lost), so nothing can "
-                "run on this cluster: call pw.shutdown() and then pw.init(...) to start new hosts."
+                f"Its values are gone, and no island survives (all {self.layout.islands} were lost), so "
+                "nothing can run on this cluster: call pw.shutdown() and then pw.init(...) to start new hosts."
             )
         return lost + (
-            "Its values are gone; slices on it were moved to surviving hosts where they fit, so "
+            "Its values are gone; slices on it were moved to surviving islands where they fit, so "
             "calling the program again runs there."
         )
 
     def mark_lost(self, host: int, why: str) -> None:
+        """Host ``host`` died: its island is lost, its other hosts are killed, the rest stop waiting on them."""
+        island = self.layout.island_of(host)
+        members = self.layout.members(island)
         with self._lock:
-            if host in self.lost or self._closed:
+            if island in self.lost or self._closed:
                 return
-            self.lost[host] = why.splitlines()[0] if why else "it died"
-            survivors = [h for h in range(self.hosts) if h not in self.lost]
-        logging.warning("pathways_jax: host %d was lost: %s", host, self.lost[host])
+            self.lost[island] = f"host {host} died ({why.splitlines()[0] if why else 'no reason given'})"
+            for member in members:
+                self.lost_hosts[member] = self.lost[island]
+            survivors = [h for h in range(self.hosts) if h not in self.lost_hosts]
+        logging.warning("pathways_jax: island %d was lost: %s", island, self.lost[island])
+        # An island runs as one: its other hosts' collectives would fail or hang.
+        for member in members:
+            if member != host:
+                with contextlib.suppress(Exception):
+                    self.ray.kill(self.actors[member], no_restart=True)
         for h in survivors:
-            with contextlib.suppress(Exception):
-                self.actors[h].peer_lost.remote(host)
+            for member in members:
+                with contextlib.suppress(Exception):
+                    self.actors[h].peer_lost.remote(member)
         if self.on_lost is not None:
-            self.on_lost(host)
+            self.on_lost(island)
 
     def _monitor(self) -> None:
         """Pings every host; a host whose actor died is lost. A slow host is only slow."""
@@ -702,7 +969,7 @@ class RayBackend:
 
     def _look(self, ray: Any) -> None:
         for host in range(self.hosts):
-            if host in self.lost or self._closed:
+            if host in self.lost_hosts or self._closed:
                 continue
             ref = self._pings.get(host)
             if ref is None:

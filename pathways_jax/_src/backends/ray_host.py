@@ -1,28 +1,44 @@
 """The host side of the Ray backend: one host process owning its own JAX devices.
 
 Runs inside a Ray actor (``backends/ray.py`` wraps :class:`Host` with
-``ray.remote``); this module imports no Ray itself. The controller sends a
-host numbered messages (``call``); the host handles them strictly in that
-order on one executor thread, whatever order Ray delivers them in, so every
-host sees the controller's one order of runs. The data plane is direct: a
-value needed by another host is pushed to it (``receive``) by a sender
-thread; it never passes through the controller.
+``ray.remote``); this module imports Ray only to learn its node's address.
+The controller sends a host numbered messages (``call``); the host handles
+them strictly in that order on one executor thread, whatever order Ray
+delivers them in, so every host sees the controller's one order of runs.
+
+**Islands of several hosts.** The hosts of an island form one
+``jax.distributed`` system (``setup``): each sees the island's devices as
+one global mesh, and each runs the island's SPMD executables itself, in
+the controller's order, as a multi-controller JAX program would. That order
+is what makes their collectives meet: the same programs in another order on
+another host would pair the wrong collectives (wrong results or a hang).
+
+**The data plane.** Each host starts a transfer server
+(``jax.experimental.transfer``). A value another host needs is offered
+there (:class:`PostOp`) under a uuid the controller handed out with the
+run, and pulled by that host (:class:`PullOp`): host to host, never through
+the controller or a Ray call. A run that fails offers errors in place of
+its values, so a pull never waits for a value that will not come; a lost
+peer's pulls are failed at once (``peer_lost``).
 
 Message kinds, in the order the controller numbered them:
 
 - ``"register"``: a plan's part for this host (its steps, constants) and the
   serialized computations (``jax.export``) the host has not seen, cached by
   fingerprint and compiled here.
-- ``"run"``: one run of a registered plan: its inputs (values already here,
-  or data), which results to keep under which keys. Answered once the run's
-  work on this host is complete: ``None``, or a :class:`RunFailure`.
-- ``"fetch"``: a kept value as a numpy array. ``"free"``: drop kept values.
+- ``"run"``: one run of a registered plan: its transfer uuid base, its inputs
+  (values already here, or data), which results to keep under which keys.
+  Answered once the run's work on this host is complete: ``None``, or a
+  :class:`RunFailure`.
+- ``"fetch"``: a kept value as a numpy array (or this host's shards of one
+  spanning hosts). ``"free"``: drop kept values. ``"peers"``: the other
+  hosts' transfer server addresses.
 
 A plan's part is a list of operations (:class:`ExecOp`, :class:`PutOp`,
-:class:`SendOp`, :class:`RecvOp`) whose shardings are host-local descriptors
-(:class:`SingleDesc`, :class:`NamedDesc`). They are NamedTuples defined here,
-so both sides pickle them without this module importing the rest of
-pathways_jax.
+:class:`PostOp`, :class:`PullOp`) whose shardings are descriptors over the
+island's devices (:class:`SingleDesc`, :class:`NamedDesc`). They are
+NamedTuples defined here, so both sides pickle them without this module
+importing the rest of pathways_jax.
 """
 
 from __future__ import annotations
@@ -31,37 +47,21 @@ import collections
 import contextlib
 import os
 import threading
-import time
 import traceback
 from typing import Any, Literal, NamedTuple
 
-# How long a host waits for a value another host pushes before failing the run.
-RECEIVE_TIMEOUT_S = 600.0
-
-
-class Lost(Exception):
-    """A value this host waited for comes from a host that was lost."""
-
-    def __init__(self, peer: int, message: str):
-        super().__init__(message)
-        self.peer = peer
-
-
-class RemoteFailure(Exception):
-    """A value this host waited for comes from a run that failed on its host."""
-
 
 class SingleDesc(NamedTuple):
-    """A value on one device: the host's device number ``device_index``."""
+    """A value on one device: number ``device_index`` of its island's devices."""
 
     device_index: int
     kind: Literal["single"] = "single"
 
 
 class NamedDesc(NamedTuple):
-    """A value sharded with ``spec`` over a mesh of the host's devices."""
+    """A value sharded with ``spec`` over a mesh of its island's devices (of one host or several)."""
 
-    device_indices: tuple[int, ...]  # the host's devices, in the mesh's order
+    device_indices: tuple[int, ...]  # the island's devices, in the mesh's order
     grid_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     spec: Any  # a jax.sharding.PartitionSpec
@@ -91,26 +91,53 @@ class PutOp(NamedTuple):
     kind: Literal["put"] = "put"
 
 
-class SendOp(NamedTuple):
-    """Push slot ``src`` to host ``peer``; ``tag`` (the plan's step) names it there."""
+class Piece(NamedTuple):
+    """One distinct shard of a value moving between hosts.
+
+    ``position``: the device holding it, numbered in its island's global
+    device order; ``bounds``: ``(start, stop)`` per dimension of the value;
+    ``shape``: the shard's shape.
+    """
+
+    position: int
+    bounds: tuple[tuple[int, int], ...]
+    shape: tuple[int, ...]
+
+
+class PostOp(NamedTuple):
+    """Offer this host's ``pieces`` of slot ``src`` to host ``peer`` on the transfer server.
+
+    The uuid is the run's transfer base (sent with the run) plus ``offset``;
+    the peer pulls it, host to host, without the controller.
+    """
 
     src: int
     peer: int
-    tag: int
-    kind: Literal["send"] = "send"
+    offset: int
+    pieces: tuple[Piece, ...]
+    dtype: str
+    kind: Literal["post"] = "post"
 
 
-class RecvOp(NamedTuple):
-    """Wait for the value host ``peer`` pushes under ``tag``; put it in slot ``dst``."""
+class PullOp(NamedTuple):
+    """Gather a value from its hosts into slot ``dst`` with sharding ``desc``.
+
+    ``parts``: ``(host, offset, pieces)`` per source host; this host's own
+    pieces (``host`` is this one) are read from slot ``src`` directly, the
+    others are pulled from their hosts' transfer servers. The pieces are put
+    together on this host, then placed (resharded locally).
+    """
 
     dst: int
-    peer: int
-    tag: int
-    desc: ShardingDesc
-    kind: Literal["recv"] = "recv"
+    src: int
+    parts: tuple[tuple[int, int, tuple[Piece, ...]], ...]
+    shape: tuple[int, ...]
+    dtype: str
+    desc: Any  # ShardingDesc
+    kind: Literal["pull"] = "pull"
 
 
-Op = ExecOp | PutOp | SendOp | RecvOp
+Op = ExecOp | PutOp | PostOp | PullOp
 
 
 class RunFailure(NamedTuple):
@@ -120,10 +147,28 @@ class RunFailure(NamedTuple):
     peer: int | None
     message: str
     trace: str  # the host's formatted traceback ("" if none)
+    peers: tuple[int, ...] = ()  # the hosts this run pulled values from
+
+
+class Role(NamedTuple):
+    """A host's place in its island, sent with ``setup``.
+
+    An island of several hosts is one ``jax.distributed`` system: ``rank``
+    is this host's process id in it, ``size`` the number of hosts and
+    ``coordinator`` the address of the coordination service (on rank 0).
+    ``reach``: an address every host reaches (the Ray cluster's), whose route
+    gives the address this host serves on.
+    """
+
+    island: int
+    rank: int
+    size: int
+    coordinator: str | None
+    reach: str | None = None
 
 
 def sharding_of(desc: ShardingDesc, devices: list) -> Any:
-    """The host-local ``jax.sharding.Sharding`` a controller descriptor names."""
+    """The ``jax.sharding.Sharding`` a controller descriptor names over an island's devices."""
     import jax
     import numpy as np
 
@@ -133,60 +178,134 @@ def sharding_of(desc: ShardingDesc, devices: list) -> Any:
     return jax.sharding.NamedSharding(jax.sharding.Mesh(grid, desc.axis_names), desc.spec)
 
 
+def place(data: Any, sharding: Any) -> Any:
+    """``data`` (numpy, or an array on this host) put on ``sharding``, which may span hosts.
+
+    Over devices of several hosts, each host makes its own shards (every
+    host of the island holds the same ``data``) and the result is one global
+    array, as a multi-controller JAX program would build it.
+    """
+    import jax
+
+    if sharding.is_fully_addressable:
+        return jax.device_put(data, sharding)
+    shape = tuple(data.shape)
+    shards = [
+        jax.device_put(data[index], device)
+        for device, index in sharding.addressable_devices_indices_map(shape).items()
+    ]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def node_ip(reach: str | None) -> str:
+    """This machine's address on the interface that reaches ``reach`` (``"host:port"``).
+
+    Other hosts connect to it (the island's coordinator, the transfer
+    server). No packet is sent: connecting a UDP socket only picks the route.
+    """
+    import socket
+
+    if not reach:
+        return "127.0.0.1"
+    host, _, port = reach.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, int(port or 1)))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
 class Host:
     """A host: its devices, the values it keeps, compiled computations and registered plans."""
 
-    def __init__(self, index: int, num_devices: int, window: int, x64: bool = False):
+    def __init__(self, index: int, num_devices: int, window: int, x64: bool = False, platform: str = "cpu"):
         import jax
 
         # The process is fresh: JAX's backend has not started, so the device
         # count and platform can still be set (DESIGN §5). Dtypes follow the
-        # controller's: exported computations expect its 64-bit mode.
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", num_devices)
+        # controller's: exported computations expect its 64-bit mode. The
+        # backend starts in ``setup``, after ``jax.distributed`` is set up.
+        if platform == "cpu":
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", num_devices)
+        else:  # the accelerators Ray gave this actor (num_gpus), CPU beside them
+            jax.config.update("jax_platforms", f"{'cuda' if platform == 'gpu' else platform},cpu")
         jax.config.update("jax_enable_x64", x64)
         self.index = index
-        self.devices = sorted(jax.devices(), key=lambda d: d.id)
+        self.platform = platform
+        self.num_devices = num_devices
+        self.devices: list[Any] = []  # this host's devices
+        self.island_devices: list[Any] = []  # every device of its island, in rank order
         self.window = window
-        self.peers: list[Any] = []
+        self.role = Role(index, 0, 1, None)
+        self.server: Any = None  # the transfer server (jax.experimental.transfer)
+        self.addresses: dict[int, str] = {}  # host -> transfer server address
+        self._connections: dict[int, Any] = {}
+        self._connections_lock = threading.Lock()
         self.values: dict[int, Any] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
         self.plans: dict[int, tuple[list[Op], dict]] = {}  # plan key -> (ops, constants)
-        # plan key -> why its registration failed, and the host's traceback
-        self.broken: dict[int, tuple[str, str]] = {}
+        # plan key -> (why its registration failed, the host's traceback, its ops)
+        self.broken: dict[int, tuple[str, str, list[Op]]] = {}
         self.lost_peers: set[int] = set()
         self.runs_done = 0
-        self._inbox: dict[tuple, Any] = {}
-        self._inbox_cv = threading.Condition()
+        self.pulls = 0  # values pulled from other hosts' transfer servers
+        self.posts = 0
+        self.fed = 0  # values that came with a run's message (arguments)
+        self._assemblers: dict[tuple, Any] = {}
         self._queue: dict[int, tuple] = {}
         self._next_seq = 0
         self._queue_cv = threading.Condition()
         self._in_flight: collections.deque = collections.deque()
-        self._sends = _Work()  # (peer, tag, value): values to push to other hosts
-        self._done = _Work()  # (kind, arrays or array, future): answered once ready
+        self._done = _Work()  # (kind, arrays or array, future, peers): answered once ready
         self._loop: Any = None
-        for target, name in (
-            (self._execute_loop, "executor"),
-            (self._send_loop, "sender"),
-            (self._done_loop, "completer"),
-        ):
+        for target, name in ((self._execute_loop, "executor"), (self._done_loop, "completer")):
             threading.Thread(target=target, name=f"pathways-host{index}-{name}", daemon=True).start()
 
-    # --- messages (called on the actor's event loop) -----------------------------------
+    # --- set-up (called on the actor's event loop, before any message) --------------------
 
-    async def setup(self, peers: list[Any]) -> dict:
+    async def address(self, reach: str | None) -> str:
+        """A free ``ip:port`` on this host's node: its island's coordinator listens there."""
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return f"{node_ip(reach)}:{port}"
+
+    async def setup(self, role: Role) -> dict:
+        """Starts JAX (joining the island's ``jax.distributed`` system) and the transfer server.
+
+        The members of an island of several hosts must all be in ``setup`` at
+        once: joining blocks until every member has.
+        """
         import asyncio
 
         import jax
+        from jax.experimental import transfer
 
         self._loop = asyncio.get_running_loop()
-        self.peers = list(peers)
+        self.role = role
+        if role.size > 1:
+            jax.distributed.initialize(role.coordinator, role.size, role.rank)
+        self.devices = sorted(jax.local_devices(), key=lambda d: d.id)
+        self.island_devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        ip = node_ip(role.reach)
+        # One transport address per device, as the server copies in parallel.
+        self.server = transfer.start_transfer_server(
+            self.devices[0].client, f"{ip}:0", [f"{ip}:0"] * len(self.devices)
+        )
         return {
             "pid": os.getpid(),
             "platform": self.devices[0].platform,
             "devices": len(self.devices),
+            "island_devices": len(self.island_devices),
+            "transfer": self.server.address(),
             "jax": jax.__version__,
         }
+
+    # --- messages (called on the actor's event loop) -----------------------------------
 
     async def call(self, seq: int, kind: str, *args: Any) -> Any:
         """A numbered message from the controller; answered when it has been handled."""
@@ -196,16 +315,16 @@ class Host:
             self._queue_cv.notify()
         return await future
 
-    async def receive(self, tag: tuple, payload: Any) -> None:
-        """A value (or a failure marker) pushed by another host for one of this host's runs."""
-        with self._inbox_cv:
-            self._inbox[tag] = payload
-            self._inbox_cv.notify_all()
-
     async def peer_lost(self, peer: int) -> None:
-        with self._inbox_cv:
+        """Host ``peer`` was lost: pulls from it fail now, and later ones are not tried."""
+        with self._connections_lock:
             self.lost_peers.add(peer)
-            self._inbox_cv.notify_all()
+            connection = self._connections.pop(peer, None)
+        if connection is not None:
+            # A pull waiting on a peer that died before it posted would wait
+            # forever (the pull's timeout is not applied on every platform).
+            with contextlib.suppress(Exception):
+                connection._poison_connection()
 
     async def ping(self) -> int:
         return self.index
@@ -216,6 +335,9 @@ class Host:
             "runs": self.runs_done,
             "executables": len(self.executables),
             "plans": len(self.plans),
+            "pulls": self.pulls,
+            "posts": self.posts,
+            "fed": self.fed,
         }
 
     # --- the executor ----------------------------------------------------------------
@@ -242,37 +364,55 @@ class Host:
             except BaseException as exc:  # the message fails, the host keeps serving
                 result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
             if kind == "fetch" and not isinstance(result, _Error):
-                self._done.put(("fetch", result, future))
+                self._done.put(("fetch", result, future, ()))
             else:
                 self._answer(future, result)
+
+    def _peers(self, addresses: dict[int, str]) -> None:
+        """The transfer server of every host (numbered: a new host's address comes in order).
+
+        Connects to each at once, while they all live: connecting to a server
+        that is already gone would wait forever.
+        """
+        with self._connections_lock:
+            for host, address in addresses.items():
+                if self.addresses.get(host) != address:
+                    self._connections.pop(host, None)
+                self.addresses[host] = address
+                self.lost_peers.discard(host)
+                if host != self.index and host not in self._connections:
+                    self._connections[host] = self.server.connect(address)
 
     def _register(self, key: int, ops: list[Op], constants: dict, blobs: dict) -> None:
         try:
             self._compile_plan(key, ops, constants, blobs)
         except BaseException as exc:  # its runs fail with this reason
-            self.broken[key] = (f"registering the plan failed: {type(exc).__name__}: {exc}", _trace(exc))
+            self.broken[key] = (
+                f"registering the plan failed: {type(exc).__name__}: {exc}",
+                _trace(exc),
+                ops,
+            )
             raise
 
     def _compile_plan(self, key: int, ops: list[Op], constants: dict, blobs: dict) -> None:
         import jax
 
+        devices = self.island_devices
         for fingerprint, (blob, in_descs, out_descs) in blobs.items():
             if fingerprint in self.executables:
                 continue
             exported = jax.export.deserialize(blob)
             self.executables[fingerprint] = jax.jit(
                 exported.call,
-                in_shardings=tuple(sharding_of(d, self.devices) for d in in_descs),
-                out_shardings=tuple(sharding_of(d, self.devices) for d in out_descs),
+                in_shardings=tuple(sharding_of(d, devices) for d in in_descs),
+                out_shardings=tuple(sharding_of(d, devices) for d in out_descs),
             )
-        placed = {
-            slot: jax.device_put(data, sharding_of(desc, self.devices))
-            for slot, (data, desc) in constants.items()
-        }
+        placed = {slot: place(data, sharding_of(desc, devices)) for slot, (data, desc) in constants.items()}
         self.plans[key] = (ops, placed)
 
     def _forget(self, key: int) -> None:
         self.plans.pop(key, None)
+        self.broken.pop(key, None)
 
     def _free(self, keys: list[int]) -> None:
         for key in keys:
@@ -283,19 +423,20 @@ class Host:
             raise KeyError(f"value {key} is not on this host (freed, or its run failed)")
         return self.values[key]
 
-    def _run(self, future: Any, key: int, run_id: int, feeds: list, keep: list, frees: list) -> None:
-        import jax
-
+    def _run(
+        self, future: Any, key: int, run_id: int, base: int, feeds: list, keep: list, frees: list
+    ) -> None:
         self._free(frees)
         if key not in self.plans:
-            why, trace = self.broken.get(key, ("it was never registered", ""))
-            self._answer(
-                future, RunFailure("error", None, f"host {self.index}: plan {key} cannot run: {why}", trace)
-            )
+            why, trace, ops = self.broken.get(key, ("it was never registered", "", []))
+            message = f"host {self.index}: plan {key} cannot run: {why}"
+            self._abandon(ops, 0, base, message)
+            self._answer(future, RunFailure("error", None, message, trace))
             return
         ops, constants = self.plans[key]
         env: dict[int, Any] = dict(constants)
         made: list = []
+        peers: set[int] = set()
         step = -1
         try:
             for slot, kind, payload in feeds:
@@ -307,7 +448,8 @@ class Host:
                     env[slot] = self.values[payload]
                 else:
                     data, desc = payload
-                    env[slot] = jax.device_put(data, sharding_of(desc, self.devices))
+                    env[slot] = place(data, sharding_of(desc, self.island_devices))
+                    self.fed += 1
             for index, op in enumerate(ops):
                 step = index
                 match op:
@@ -323,73 +465,131 @@ class Host:
                             if op.windowed:
                                 self._in_flight.append(outs[0])
                     case PutOp():
-                        env[op.dst] = jax.device_put(env[op.src], sharding_of(op.desc, self.devices))
-                    case SendOp():
-                        self._send(op.peer, (run_id, op.tag), env[op.src])
-                    case RecvOp():
-                        data = self._wait_inbox(op.peer, (run_id, op.tag))
-                        env[op.dst] = jax.device_put(data, sharding_of(op.desc, self.devices))
+                        env[op.dst] = place(env[op.src], sharding_of(op.desc, self.island_devices))
+                    case PostOp():
+                        self._post(base + op.offset, self._pieces(env[op.src], op.pieces))
+                    case PullOp():
+                        peers.update(host for host, _, _ in op.parts if host != self.index)
+                        env[op.dst] = self._gather(op, base, env)
                         made.append(env[op.dst])
         except BaseException as exc:
-            # Peers waiting for this run's values hear that they will not come.
-            for later in ops[step + 1 :] if step >= 0 else ops:
-                if isinstance(later, SendOp):
-                    self._send(later.peer, (run_id, later.tag), RemoteFailure(f"host {self.index} failed"))
-            detail = f"host {self.index}: {_describe(exc, ops, step)}"
-            self._answer(
-                future,
-                RunFailure("lost", exc.peer, detail, "")
-                if isinstance(exc, Lost)
-                else RunFailure("error", None, detail, _trace(exc)),
-            )
+            # Peers waiting for this run's values get errors in their place, and
+            # what peers posted for it is taken off their servers: nothing waits.
+            message = f"host {self.index}: {_describe(exc, ops, step)}"
+            self._abandon(ops, step + 1 if step >= 0 else 0, base, message)
+            self._answer(future, RunFailure("error", None, message, _trace(exc), tuple(sorted(peers))))
             return
         for slot, value_key in keep:
             self.values[value_key] = env[slot]
             made.append(env[slot])
-        self._done.put(("run", made, future))
+        self._done.put(("run", made, future, tuple(sorted(peers))))
 
-    def _wait_inbox(self, peer: int, tag: tuple) -> Any:
-        deadline = time.monotonic() + RECEIVE_TIMEOUT_S
-        with self._inbox_cv:
-            while tag not in self._inbox:
-                if peer in self.lost_peers:
-                    raise Lost(peer, f"host {peer}, which was to send this value, was lost")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"no value from host {peer} within {RECEIVE_TIMEOUT_S}s")
-                self._inbox_cv.wait(min(remaining, 1.0))
-            payload = self._inbox.pop(tag)
-        if isinstance(payload, Exception):
-            raise payload
-        return payload
+    # --- the data plane: jax.experimental.transfer, host to host -------------------------
 
-    # --- the data plane and completions -------------------------------------------------
+    def _post(self, uuid: int, arrays: list) -> None:
+        self.server.await_pull(uuid, arrays)
+        self.posts += 1
 
-    def _send(self, peer: int, tag: tuple, value: Any) -> None:
-        self._sends.put((peer, tag, value))
+    def _pieces(self, value: Any, pieces: tuple[Piece, ...]) -> list:
+        """The single-device arrays of ``value`` on the devices ``pieces`` name."""
+        by_device = {shard.device: shard.data for shard in value.addressable_shards}
+        return [by_device[self.island_devices[piece.position]] for piece in pieces]
 
-    def _send_loop(self) -> None:
+    def _connection(self, peer: int) -> Any:
+        """The connection to ``peer``'s transfer server, or None if the peer was lost."""
+        with self._connections_lock:
+            if peer in self.lost_peers:
+                return None
+            connection = self._connections.get(peer)
+            if connection is None:
+                connection = self.server.connect(self.addresses[peer])
+                self._connections[peer] = connection
+            return connection
+
+    def _specs(self, pieces: tuple[Piece, ...], dtype: str) -> list:
+        import jax
+
+        target = jax.sharding.SingleDeviceSharding(self.devices[0])
+        return [jax.ShapeDtypeStruct(piece.shape, dtype, sharding=target) for piece in pieces]
+
+    def _pull(self, peer: int, uuid: int, pieces: tuple[Piece, ...], dtype: str) -> list:
+        """``peer``'s pieces, arriving in the background (or errors if the peer was lost)."""
+        from jax.experimental import transfer
+
+        specs = self._specs(pieces, dtype)
+        connection = self._connection(peer)
+        if connection is None:
+            why = f"host {peer}, which was to send this value, was lost"
+            return [transfer.make_error_array(spec, why) for spec in specs]
+        self.pulls += 1
+        return connection.pull(uuid, specs)
+
+    def _gather(self, op: PullOp, base: int, env: dict) -> Any:
+        """Slot ``op.src``'s value, pieced together from its hosts and placed on ``op.desc``."""
+        import jax
         import numpy as np
 
-        while True:
-            peer, tag, value = self._sends.take()
-            if not isinstance(value, Exception):
-                try:
-                    value = np.asarray(value)  # waits for the value; the executor goes on
-                except Exception as exc:
-                    value = RemoteFailure(f"host {self.index}: computing the value failed: {exc}")
-            # A peer that is gone raises here; the controller handles lost hosts.
-            with contextlib.suppress(Exception):
-                self.peers[peer].receive.remote(tag, value)
+        arrays: list = []
+        bounds: list = []
+        for host, offset, pieces in op.parts:
+            if host == self.index:
+                got = [jax.device_put(a, self.devices[0]) for a in self._pieces(env[op.src], pieces)]
+            else:
+                got = self._pull(host, base + offset, pieces, op.dtype)
+            arrays.extend(got)
+            bounds.extend(piece.bounds for piece in pieces)
+        whole = tuple((0, n) for n in op.shape)
+        if not arrays:  # an empty value: nothing to move
+            value = jax.device_put(np.zeros(op.shape, op.dtype), self.devices[0])
+        elif len(arrays) == 1 and bounds[0] == whole:
+            value = arrays[0]
+        else:
+            value = self._assembler(op.shape, op.dtype, tuple(bounds))(*arrays)
+        return place(value, sharding_of(op.desc, self.island_devices))
+
+    def _assembler(self, shape: tuple[int, ...], dtype: str, bounds: tuple) -> Any:
+        """A compiled function writing pieces at ``bounds`` into a ``shape`` array."""
+        key = (shape, dtype, bounds)
+        fn = self._assemblers.get(key)
+        if fn is None:
+            import jax
+            import jax.numpy as jnp
+
+            def assemble(*pieces: Any) -> Any:
+                out = jnp.zeros(shape, dtype)
+                for piece, at in zip(pieces, bounds, strict=True):
+                    out = jax.lax.dynamic_update_slice(out, piece, tuple(start for start, _ in at))
+                return out
+
+            fn = self._assemblers[key] = jax.jit(assemble)
+        return fn
+
+    def _abandon(self, ops: list[Op], start: int, base: int, message: str) -> None:
+        """A run stopped before ``ops[start:]``: its posts become errors, its pulls are drained."""
+        from jax.experimental import transfer
+
+        for op in ops[start:]:
+            try:
+                if isinstance(op, PostOp):
+                    specs = self._specs(op.pieces, op.dtype)
+                    self._post(base + op.offset, [transfer.make_error_array(s, message) for s in specs])
+                elif isinstance(op, PullOp):
+                    for host, offset, pieces in op.parts:
+                        if host != self.index:
+                            self._pull(host, base + offset, pieces, op.dtype)
+            except Exception:  # a server that cannot take it: the peer's loss is handled elsewhere
+                continue
+
+    # --- completions ---------------------------------------------------------------------
 
     def _done_loop(self) -> None:
         import numpy as np
 
         while True:
-            kind, what, future = self._done.take()
+            kind, what, future, peers = self._done.take()
             if kind == "fetch":
                 try:
-                    result: Any = np.asarray(what)
+                    result: Any = _readable(what, np)
                 except Exception as exc:
                     result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
                 self._answer(future, result)
@@ -399,15 +599,41 @@ class Host:
                 try:
                     array.block_until_ready()
                 except Exception as exc:
+                    lost = [peer for peer in peers if peer in self.lost_peers]
                     status = RunFailure(
-                        "error",
-                        None,
+                        "lost" if lost else "error",
+                        lost[0] if lost else None,
                         f"host {self.index}: execution failed: {type(exc).__name__}: {exc}",
                         _trace(exc),
+                        peers,
                     )
                     break
             self.runs_done += 1
             self._answer(future, status)
+
+
+def _readable(value: Any, np: Any) -> Any:
+    """A kept value for the controller: a numpy array, or this host's distinct shards of it."""
+    if value.is_fully_addressable:
+        return np.asarray(value)
+    return Shards(
+        [
+            (bounds_of(shard.index, value.shape), np.asarray(shard.data))
+            for shard in value.addressable_shards
+            if shard.replica_id == 0
+        ]
+    )
+
+
+def bounds_of(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's ``index`` (slices) as ``(start, stop)`` per dimension."""
+    return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True))
+
+
+class Shards(NamedTuple):
+    """A host's distinct shards of a value spanning hosts: ``(bounds, data)`` each."""
+
+    parts: list
 
 
 class _Work:
@@ -448,8 +674,6 @@ def _describe(exc: BaseException, ops: list[Op], step: int) -> str:
     if 0 <= step < len(ops):
         op = ops[step]
         where = f" in node {op.name}" if isinstance(op, ExecOp) else f" in a {op.kind} step"
-    if isinstance(exc, Lost | RemoteFailure):
-        return f"{exc}{where}"
     return f"run failed{where}: {type(exc).__name__}: {exc}"
 
 

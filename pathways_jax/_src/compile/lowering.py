@@ -42,6 +42,7 @@ class MoveStep:
     dst: int
     sharding: jax.sharding.Sharding
     kind: Literal["ici", "dcn"] | None
+    aval: Any  # the moved value's shape and dtype (backends moving it between hosts need them)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -261,7 +262,7 @@ class Plan:
                     slot = materialise(t.value, target, ndim)
                 else:
                     slot = self._new_slot()
-                    self.steps.append(MoveStep(src_slot, slot, target, t.kind))
+                    self.steps.append(MoveStep(src_slot, slot, target, t.kind, values[vid].aval))
                     self._note_bytes(
                         f"{t.kind} transfer of {values[vid].origin}", [slot], [values[vid].aval], [target]
                     )
@@ -275,7 +276,7 @@ class Plan:
                     placed[key] = slot
                     return slot
                 out = self._new_slot()
-                self.steps.append(MoveStep(slot, out, target, None))
+                self.steps.append(MoveStep(slot, out, target, None, values[vid].aval))
                 self._note_bytes(f"reshard of {values[vid].origin}", [out], [values[vid].aval], [target])
                 placed[key] = out
                 return out
@@ -331,6 +332,7 @@ class Plan:
                 tuple(donate),
                 cache,
                 export=self.backend is not None and self.backend.exports,
+                platforms=getattr(self.backend, "export_platforms", None),
             )
             produced = jax.tree_util.tree_leaves(executable.output_shardings)
             pinned = []
@@ -477,16 +479,27 @@ def _compile(
     cache: ExecutableCache | None,
     *,
     export: bool = False,
+    platforms: tuple[str, ...] | None = None,
 ) -> tuple[Any, tuple[bytes, str] | None]:
     """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once.
 
     Returns the executable and, with ``export``, the node serialized with
-    ``jax.export`` for remote hosts (bytes and their fingerprint).
+    ``jax.export`` for remote hosts (bytes and their fingerprint), for
+    ``platforms`` (``None``: this process's).
     """
     # Keyed by the function's text (and its constants' identities): JAX may
     # trace one Python function into distinct but identical jaxprs.
     consts = tuple(node.jaxpr.consts)
-    key = (str(node.jaxpr.jaxpr), tuple(map(id, consts)), mesh, in_shardings, out_shardings, donate, export)
+    key = (
+        str(node.jaxpr.jaxpr),
+        tuple(map(id, consts)),
+        mesh,
+        in_shardings,
+        out_shardings,
+        donate,
+        export,
+        platforms,
+    )
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
@@ -510,9 +523,9 @@ def _compile(
         if export:
             # Hosts compile for themselves; donation is a local optimisation left out.
             blob = bytes(
-                jax.export.export(jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings))(
-                    *args
-                ).serialize()
+                jax.export.export(
+                    jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings), platforms=platforms
+                )(*args).serialize()
             )
             exported = (blob, hashlib.sha256(blob).hexdigest())
     counters.bump("compiles")

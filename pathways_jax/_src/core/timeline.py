@@ -168,7 +168,8 @@ class Recorder:
                 if d.id in self._island_of:
                     continue
                 self._island_of[d.id] = island.index
-                host = getattr(d, "process_index", 0)
+                remote = getattr(cluster, "remote", None)  # Ray: the host owning the stand-in
+                host = remote.place_of(d)[2] if remote is not None else getattr(d, "process_index", 0)
                 self._devices[d.id] = {"id": d.id, "island": island.index, "kind": d.platform, "host": host}
                 self._tracks[(1 + island.index, d.id)] = f"device {d.id} ({d.platform}, host {host})"
 
@@ -307,8 +308,11 @@ class Recorder:
         self._inbox.put(_Work(name, "execution", pid_tids, list(outs), start, args))
         self._dispatched_step(run.id)
 
-    def sent(self, run: Any, host: int, marker: Any, start: int) -> None:
-        """Ray backend: the controller sent ``host`` its part of ``run``; ``marker`` is ready when done."""
+    def sent(self, run: Any, host: int, island: int, ids: tuple[int, ...], marker: Any, start: int) -> None:
+        """Ray backend: the controller sent ``host`` (of ``island``, devices ``ids``) its part of ``run``.
+
+        ``marker`` is ready when the host's part is done.
+        """
         if self._closed:
             return
         end = now()
@@ -317,16 +321,15 @@ class Recorder:
         client = client_of(run)
         name = f"{plan.graph.name} on host {host}"
         self.complete(f"dispatch {name}", "dispatch", start, end, client=client, run=run.id)
-        ids = tuple(d.id for d in plan.cluster.islands[host].devices)
         args = {
             "program": plan.graph.name,
             "run": run.id,
             "client": client,
             "host": host,
-            "island": host,
+            "island": island,
             "dispatched_us": self._us(start),
         }
-        self._inbox.put(_Work(name, "execution", (1 + host, ids), [marker], start, args))
+        self._inbox.put(_Work(name, "execution", (1 + island, ids), [marker], start, args))
         self._dispatched_step(run.id)
 
     def moved(self, run: Any, step: Any, src: Any, dst: Any, start: int) -> None:

@@ -50,11 +50,13 @@ class InitArgs:
     address: str | None
     hosts: int | None
     devices_per_host: int
+    platform: str = "cpu"
 
     def describe(self) -> str:
         """The arguments as a ``pw.init(...)`` call would spell them."""
         where = (
-            f", address={self.address!r}, hosts={self.hosts!r}, devices_per_host={self.devices_per_host!r}"
+            f", address={self.address!r}, hosts={self.hosts!r}, devices_per_host={self.devices_per_host!r}, "
+            f"platform={self.platform!r}"
             if self.backend == "ray"
             else ""
         )
@@ -242,18 +244,23 @@ def init(
     address: str | None = None,
     hosts: int | None = None,
     devices_per_host: int = 1,
+    platform: Literal["cpu", "gpu"] = "cpu",
 ) -> Cluster:
     """Starts the cluster this process runs programs on.
 
     Args:
       backend: ``"local"``: this process's JAX devices. ``"ray"``: ``hosts``
         Ray actors, each owning ``devices_per_host`` devices of its own (on
-        this machine or others); each host is an island. Needs
+        this machine or others), grouped into ``islands``. Needs
         ``pip install pathways-jax[ray]``.
       num_cpu_devices: how many CPU devices JAX should expose. Must come before
         JAX's backend starts (or match the count it started with).
       islands: ``None`` (one island of all devices), an int (split the devices
         evenly, islands numbered from 0) or a list of lists of device ids.
+        Ray backend: ``None`` (each host is an island) or an int ``K``
+        dividing ``hosts``: islands of ``hosts / K`` hosts each, whose hosts
+        run each program together as one SPMD program over the island's
+        devices (``jax.distributed``, one coordinator per island).
       max_in_flight: executables in flight per island before the controller
         waits (a correctness bound for collectives, DESIGN §5); a full window
         is drained to half before dispatch goes on. On the Ray backend each
@@ -281,10 +288,13 @@ def init(
       address: Ray backend: the Ray cluster to join (``"host:port"``, ``"auto"``
         for the one ``ray start`` started on this machine, ``"ray://..."``).
         ``None``: the Ray session this process already has, or a new local one.
-      hosts: Ray backend: how many host actors to start (one island each).
-      devices_per_host: Ray backend: CPU devices each host exposes. This
+      hosts: Ray backend: how many host actors to start.
+      devices_per_host: Ray backend: devices each host exposes. This
         process traces and lowers against as many of its own CPU devices
         (stand-ins, ``num_cpu_devices`` defaults to ``hosts * devices_per_host``).
+      platform: Ray backend: ``"cpu"`` (CPU devices, the default) or
+        ``"gpu"``: each host asks Ray for ``devices_per_host`` GPUs
+        (``num_gpus``) and runs on them.
 
     Returns:
       The :class:`Cluster`. Calling ``init`` again with the same arguments
@@ -316,6 +326,7 @@ def init(
             address=address,
             hosts=hosts,
             devices_per_host=devices_per_host,
+            platform=platform,
         )
     )
     with _lock:
@@ -406,11 +417,14 @@ def _checked(args: InitArgs) -> InitArgs:
         or args.hosts is not None
         or args.devices_per_host != 1
         or isinstance(args.devices_per_host, bool)
+        or args.platform != "cpu"
     ):
         raise errors.ClusterError(
-            "address=, hosts= and devices_per_host= describe Ray hosts; pass backend='ray' with "
-            "them, or leave them out for the local backend."
+            "address=, hosts=, devices_per_host= and platform= describe Ray hosts; pass backend='ray' "
+            "with them, or leave them out for the local backend (it uses this process's JAX devices)."
         )
+    if args.platform not in ("cpu", "gpu"):
+        raise errors.ClusterError(f"platform must be 'cpu' or 'gpu', got {args.platform!r}.")
     if args.backend == "ray" and (
         isinstance(args.hosts, bool) or not isinstance(args.hosts, numbers.Integral) or args.hosts < 1
     ):
@@ -470,10 +484,10 @@ def _start_ray(args: InitArgs) -> Any:
     """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
     devices_per_host, islands, num_cpu_devices = args.devices_per_host, args.islands, args.num_cpu_devices
     hosts = args.hosts or 0  # an int >= 1 (checked)
-    if islands is not None and islands != hosts:
+    if islands is not None and (not isinstance(islands, int) or islands < 1 or hosts % islands):
         raise errors.ClusterError(
-            f"on the Ray backend each host is its own island (islands=None or islands={hosts}); got "
-            f"islands={islands!r}. Islands of several hosts are not supported yet."
+            f"on the Ray backend islands= is None (each host is an island) or a number of islands "
+            f"that divides hosts={hosts} (islands of hosts/islands hosts each); got islands={islands!r}."
         )
     total = hosts * devices_per_host
     if num_cpu_devices is not None and num_cpu_devices < total:
@@ -502,6 +516,8 @@ def _start_ray(args: InitArgs) -> Any:
         standins=standins[:total],
         window=args.max_in_flight,
         on_lost=None,
+        islands=islands,
+        platform=args.platform,
     )
 
 
