@@ -1,8 +1,12 @@
 """The backend-agnostic suite: the same tests on the local backend and on Ray hosts.
 
-Both backends get the same topology: two islands of four devices (on Ray,
-two host actors of four CPU devices each). The Ray cluster is started once
-for this module; each test starts (and ``pw.shutdown`` stops) its hosts.
+Every backend gets the same topology: two islands of four devices. On Ray
+it is made twice: two host actors of four CPU devices each (``"ray"``), and
+four hosts of two devices grouped in islands of two hosts (``"ray-2host"``:
+each island is one ``jax.distributed`` system, its slices span both hosts
+and values cross hosts through the transfer servers). The Ray cluster is
+started once for this module; each test starts (and ``pw.shutdown`` stops)
+its hosts.
 Every result is compared with plain ``jax.jit`` on the same inputs.
 """
 
@@ -20,13 +24,16 @@ import pathways_jax as pw
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(params=["local", "ray"])
+@pytest.fixture(params=["local", "ray", "ray-2host"])
 def backend(request):
     if request.param == "local":
         pw.init(num_cpu_devices=8, islands=2)
-    else:
+    elif request.param == "ray":
         request.getfixturevalue("ray_cluster")
         pw.init(backend="ray", hosts=2, devices_per_host=4)
+    else:
+        request.getfixturevalue("ray_cluster")
+        pw.init(backend="ray", hosts=4, devices_per_host=2, islands=2)
     assert [len(isl.devices) for isl in pw.cluster().islands] == [4, 4]
     return request.param
 
@@ -35,7 +42,7 @@ def _live_values(backend: str) -> int:
     """Values alive on the devices: in the controller's store, and on every host."""
     cluster = pw.cluster()
     count = cluster.store.live_count()
-    if backend == "ray":
+    if backend != "local":
         count += sum(s["values"] for s in cluster.remote.host_stats().values())
     return count
 
@@ -175,7 +182,7 @@ def test_futures_feed_later_programs_and_stay_on_their_hosts(backend):
         return values * scale + offset
 
     assert_matches(mix(np.float32(3), total, jnp.ones(16)), jnp.cumsum(want) * 3 + 1, rtol=1e-5)
-    if backend == "ray":
+    if backend != "local":
         assert pw.counters()["fetches"] - before["fetches"] == 3  # the three results asked for
 
 

@@ -15,6 +15,7 @@ _NAMES = (
     "transfers_dcn",
     "failed_runs",
     "fetches",  # values brought from a remote host to the controller (Ray backend)
+    "host_pulls",  # values pulled host to host through the transfer servers (Ray backend)
 )
 
 # Each thread counts into its own Counter (no lock on the hot path); reads sum
@@ -48,7 +49,9 @@ def counters() -> dict[str, int]:
     lowered into plans), ``compiles`` (executables compiled), ``runs``
     (program runs submitted), ``dispatches`` (executables dispatched),
     ``transfers_ici`` / ``transfers_dcn`` (values moved between slices within
-    / across islands), ``failed_runs`` (runs that failed at dispatch, or
+    / across islands), ``host_pulls`` (Ray backend: values a host pulled
+    from another host's transfer server, whatever the kind of move),
+    ``failed_runs`` (runs that failed at dispatch, or
     whose execution error the controller met while bounding the in-flight
     window; an error seen only by ``Future.result()`` is not counted).
 
