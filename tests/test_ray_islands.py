@@ -1,0 +1,230 @@
+"""Ray backend, islands of several hosts: gang order, host loss and the host-to-host data plane.
+
+An island of several hosts is one ``jax.distributed`` system; its slices span
+hosts and every host runs the island's programs in the controller's order.
+Results are compared with plain ``jax.jit`` on this process.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_matches
+
+import pathways_jax as pw
+
+pytestmark = pytest.mark.timeout(240)
+
+DETECTION_BOUND_S = 5.0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _slow(v, m, steps):
+    return jax.lax.fori_loop(0, steps, lambda i, u: jnp.tanh(u @ m) + 0.5, v)
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "priority", "fair"])
+def test_two_clients_collectives_in_opposite_device_orders_are_exact(ray_cluster, scheduler):
+    # Run in different orders on the two hosts, these programs would pair each
+    # other's collectives: wrong sums, or a hang. Through one controller every
+    # host runs them in its one order.
+    cluster = pw.init(backend="ray", hosts=2, devices_per_host=2, islands=1, scheduler=scheduler)
+    assert [len(isl.devices) for isl in cluster.islands] == [4]
+    forward = pw.devices(mesh={"x": 4}, device_ids=[0, 1, 2, 3])
+    reverse = pw.devices(mesh={"x": 4}, device_ids=[3, 2, 1, 0])
+
+    @pw.jit(devices=forward, in_specs=(pw.P("x"),), out_specs=pw.P())
+    def total(x):
+        return jnp.sum(x, keepdims=True)  # an all-reduce (sum) over both hosts
+
+    @pw.jit(devices=reverse, in_specs=(pw.P("x"),), out_specs=pw.P())
+    def largest(x):
+        return jnp.max(x, keepdims=True) * 2  # an all-reduce (max) in the other device order
+
+    n = 200
+    results: dict[str, list] = {}
+    failures: list[BaseException] = []
+
+    def client_thread(name: str, fn, priority: int, weight: float) -> None:
+        try:
+            with pw.client(name, priority=priority, weight=weight):
+                outs = [fn(jnp.arange(8.0) + j) for j in range(n)]
+                results[name] = [np.asarray(o.result(timeout=180)) for o in outs]
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    threads = [
+        threading.Thread(target=client_thread, args=("sums", total, 1, 1.0)),
+        threading.Thread(target=client_thread, args=("maxes", largest, 0, 3.0)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(200)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not failures, failures
+    want_sum = jax.jit(lambda v: jnp.sum(v, keepdims=True))
+    want_max = jax.jit(lambda v: jnp.max(v, keepdims=True) * 2)
+    for j in range(n):
+        np.testing.assert_array_equal(results["sums"][j], np.asarray(want_sum(jnp.arange(8.0) + j)))
+        np.testing.assert_array_equal(results["maxes"][j], np.asarray(want_max(jnp.arange(8.0) + j)))
+    # Both hosts ran every program: 2 x 200 runs each (collectives need both).
+    stats = cluster.remote.host_stats()
+    assert stats[0]["runs"] >= 2 * n and stats[1]["runs"] >= 2 * n, stats
+
+
+def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
+    cluster = pw.init(backend="ray", hosts=4, devices_per_host=1, islands=2)
+    assert [len(isl.devices) for isl in cluster.islands] == [2, 2]
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
+
+    @pw.program
+    def step(x, scale):
+        with a:
+            h = jnp.sin(x) + 1
+        with b:
+            y = jax.lax.with_sharding_constraint(_slow(h, m, 3000) * scale, pw.P("x"))
+            return y, y.sum()  # the sum is a collective across island 1's two hosts
+
+    def plain(x, scale):
+        y = _slow(jnp.sin(x) + 1, m, 3000) * scale
+        return y, y.sum()
+
+    x = jnp.ones((256, 256))
+    step(x, 1.0)[1].result(timeout=180)  # compiled and registered everywhere
+    kept_on_island0 = pw.jit(lambda v: v * 3, devices=a)(jnp.arange(4.0))
+    kept_on_island1 = pw.jit(lambda v: v * 2, devices=b)(jnp.arange(4.0))
+    assert _wait_for(kept_on_island1.done, 60)
+    before = pw.counters()
+    pids = [info["pid"] for info in cluster.remote.info]
+
+    slow_out, slow_sum = step(x, 2.0)  # seconds of work on island 1 (hosts 2 and 3)
+    time.sleep(0.5)
+    assert not slow_out.done()
+    os.kill(pids[3], signal.SIGKILL)
+    killed = time.monotonic()
+    for out in (slow_out, slow_sum):
+        with pytest.raises(pw.errors.HostLostError, match="host 3") as caught:
+            out.result(timeout=30)
+        assert "island 1" in str(caught.value)
+    assert time.monotonic() - killed <= DETECTION_BOUND_S, "the island's loss took too long to surface"
+    with pytest.raises(pw.errors.HostLostError, match="host 3"):
+        kept_on_island1.result(timeout=30)
+    # The island went as a unit: its other member was stopped too.
+    assert _wait_for(lambda: _gone(pids[2]), DETECTION_BOUND_S), "the lost island's other host still runs"
+    assert not _gone(pids[0]) and not _gone(pids[1])
+    assert cluster.remote.lost.keys() == {1}
+    assert_matches(kept_on_island0, jnp.arange(4.0) * 3)  # island 0's values are untouched
+
+    # The slice moved to the surviving island; the program lowers again, no re-trace.
+    assert b.island == 0, b
+    with pytest.raises(pw.errors.ResourceError, match=r"island 1.*lost"):
+        pw.devices(mesh={"x": 1}, island=1)
+    out = step(x, 3.0)
+    want = jax.jit(plain)(x, 3.0)
+    assert_matches(out, want, rtol=1e-4)
+    after = pw.counters()
+    assert after["traces"] == before["traces"]
+    assert after["lowerings"] - before["lowerings"] == 1
+
+
+def test_values_cross_hosts_through_the_transfer_servers(ray_cluster):
+    cluster = pw.init(backend="ray", hosts=4, devices_per_host=1, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+
+    @pw.program
+    def two_islands(x):
+        with a:
+            h = jax.lax.with_sharding_constraint(jnp.cos(x) * 2, pw.P("x"))
+        with b:
+            return jax.lax.with_sharding_constraint(jnp.tanh(h) + h.sum(), pw.P("x"))
+
+    x = jnp.linspace(-1, 1, 16)
+    want = jax.jit(lambda v: jnp.tanh(jnp.cos(v) * 2) + (jnp.cos(v) * 2).sum())(x)
+    two_islands(x).result(timeout=120)
+    before, stats_before = pw.counters(), cluster.remote.host_stats()
+    runs = 10
+    outs = [two_islands(x) for _ in range(runs)]
+    for out in outs:
+        assert_matches(out, want, rtol=1e-5, atol=1e-6)
+    after, stats_after = pw.counters(), cluster.remote.host_stats()
+
+    def delta(key: str, hosts) -> int:
+        return sum(stats_after[h][key] - stats_before[h][key] for h in hosts)
+
+    # Each run: each of island 1's two hosts gathers h, pulling island 0's two
+    # shards from their two hosts; only the argument came with a message.
+    assert after["host_pulls"] - before["host_pulls"] == 4 * runs
+    assert delta("pulls", (2, 3)) == 4 * runs and delta("posts", (0, 1)) == 4 * runs
+    assert delta("fed", (0, 1)) == 2 * runs  # x, to both hosts of island 0
+    assert delta("fed", (2, 3)) == 0  # nothing reached island 1 through a Ray call
+    assert after["transfers_dcn"] - before["transfers_dcn"] == runs
+
+
+def test_source_killed_mid_transfer_fails_the_run_cleanly(ray_cluster):
+    cluster = pw.init(backend="ray", hosts=4, devices_per_host=1, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    m = jax.random.normal(jax.random.key(1), (256, 256)) / 16
+
+    @pw.program
+    def produce_then_consume(x):
+        with a:
+            h = _slow(x, m, 3000)  # seconds on island 0, then moved to island 1
+        with b:
+            return jnp.tanh(h) * 2
+
+    x = jnp.ones((256, 256))
+    produce_then_consume(x).result(timeout=180)
+    island1_alone = pw.jit(lambda v: v * 5 + 1, devices=b)
+    pids = [info["pid"] for info in cluster.remote.info]
+
+    out = produce_then_consume(x * 0.5)
+    time.sleep(0.5)
+    assert not out.done()  # island 1 waits for the value island 0 is still computing
+    os.kill(pids[0], signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(pw.errors.HostLostError, match="host 0"):
+        out.result(timeout=30)
+    assert time.monotonic() - killed <= DETECTION_BOUND_S
+    # Island 1's hosts did not hang on the pull: they serve the next program.
+    assert_matches(island1_alone(jnp.arange(6.0)), jnp.arange(6.0) * 5 + 1)
+    assert cluster.remote.lost.keys() == {0}
+    assert set(cluster.remote.host_stats()) == {2, 3}
+
+
+def test_init_checks_the_island_layout(ray_cluster):
+    with pytest.raises(pw.errors.ClusterError, match=r"divides hosts=4"):
+        pw.init(backend="ray", hosts=4, islands=3)
+    cluster = pw.init(backend="ray", hosts=2, devices_per_host=2, islands=1)
+    # One island of both hosts' devices: a value spanning the hosts is fetched whole.
+    s = pw.devices(mesh={"x": 4})
+    assert len(s.devices) == 4
+    spread = pw.jit(lambda v: v * 3, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    x = jnp.arange(12.0).reshape(4, 3)
+    assert_matches(spread(x), x * 3)
+    assert [info["island_devices"] for info in cluster.remote.info] == [4, 4]
