@@ -21,7 +21,7 @@ def _slow(v, m, steps):
 
 
 def test_killed_host_fails_its_futures_and_the_next_run_moves(ray_cluster):
-    cluster = pw.init(backend="ray", hosts=3, devices_per_host=2)
+    cluster = pw.init(backend="ray", hosts=3, devices_per_host=2, replace_lost_hosts=False)
     a = pw.devices(mesh={"x": 2}, island=0)
     b = pw.devices(mesh={"x": 2}, island=1)
     m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
@@ -120,6 +120,10 @@ def test_shutdown_stops_the_host_actors(ray_cluster):
         ({"backend": "ray", "hosts": 3, "islands": 2}, r"divides hosts=3"),
         ({"backend": "ray", "hosts": 2, "platform": "tpu"}, r"platform must be 'cpu' or 'gpu'"),
         ({"platform": "gpu"}, r"pass backend='ray'"),
+        (
+            {"backend": "ray", "hosts": 2, "replace_lost_hosts": "yes"},
+            r"replace_lost_hosts must be True or False",
+        ),
         ({"backend": "ray", "hosts": 4, "devices_per_host": 4}, r"needs 16 CPU devices in this process"),
         ({"hosts": 2}, r"pass backend='ray'"),
         ({"backend": "tpu-pod"}, r"not a backend"),

@@ -141,14 +141,22 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
 
     # The slice moved to the surviving island; the program lowers again, no re-trace.
     assert b.island == 0, b
-    with pytest.raises(pw.errors.ResourceError, match=r"island 1.*lost"):
-        pw.devices(mesh={"x": 1}, island=1)
     out = step(x, 3.0)
     want = jax.jit(plain)(x, 3.0)
     assert_matches(out, want, rtol=1e-4)
     after = pw.counters()
     assert after["traces"] == before["traces"]
     assert after["lowerings"] - before["lowerings"] == 1
+
+    # Ray has room (the lost hosts' bundles): the island is rebuilt on two new hosts.
+    assert _wait_for(lambda: not cluster.remote.lost and 1 not in cluster.resources.lost, 90), "not rebuilt"
+    new_pids = [info["pid"] for info in cluster.remote.info]
+    assert new_pids[:2] == pids[:2] and not set(new_pids[2:]) & set(pids)
+    c = pw.devices(mesh={"x": 2}, island=1)
+    spread_sum = pw.jit(lambda v: v - v.mean(), devices=c, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    assert_matches(spread_sum(jnp.arange(8.0)), jnp.arange(8.0) - 3.5)
+    with pytest.raises(pw.errors.HostLostError, match="host 3"):  # old values stay lost
+        kept_on_island1.result(timeout=30)
 
 
 def test_values_cross_hosts_through_the_transfer_servers(ray_cluster):
@@ -186,7 +194,7 @@ def test_values_cross_hosts_through_the_transfer_servers(ray_cluster):
 
 
 def test_source_killed_mid_transfer_fails_the_run_cleanly(ray_cluster):
-    cluster = pw.init(backend="ray", hosts=4, devices_per_host=1, islands=2)
+    cluster = pw.init(backend="ray", hosts=4, devices_per_host=1, islands=2, replace_lost_hosts=False)
     a = pw.devices(mesh={"x": 2}, island=0)
     b = pw.devices(mesh={"x": 2}, island=1)
     m = jax.random.normal(jax.random.key(1), (256, 256)) / 16
@@ -215,6 +223,11 @@ def test_source_killed_mid_transfer_fails_the_run_cleanly(ray_cluster):
     assert_matches(island1_alone(jnp.arange(6.0)), jnp.arange(6.0) * 5 + 1)
     assert cluster.remote.lost.keys() == {0}
     assert set(cluster.remote.host_stats()) == {2, 3}
+    # Not to be rebuilt: the island stays out of placement.
+    time.sleep(1.0)
+    with pytest.raises(pw.errors.ResourceError, match=r"island 0.*lost"):
+        pw.devices(mesh={"x": 1}, island=0)
+    assert a.island == 1  # moved to the surviving island
 
 
 def test_init_checks_the_island_layout(ray_cluster):

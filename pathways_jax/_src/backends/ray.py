@@ -85,6 +85,7 @@ _WAIT_STEP_S = 0.1  # a wait for a host's answer looks whether the cluster close
 # ping before it takes the failure as the run's own (a dead host answers with
 # an error at once; a busy one answers later, on its event loop).
 _HEALTH_CHECK_S = 3.0
+_REBUILD_TIMEOUT_S = 60.0  # how long new hosts for a lost island may take to start
 _CLOSED = (
     "the cluster was shut down and its Ray hosts with it; values that lived on them are gone. "
     "Call .result() before pw.shutdown() to keep a value."
@@ -183,6 +184,7 @@ class RemoteArray:
         "aval",
         "backend",
         "dones",
+        "generation",
         "hosts",
         "key",
         "sharding",
@@ -196,9 +198,11 @@ class RemoteArray:
         aval: Any,
         sharding: Any,
         dones: tuple,
+        generation: int,
     ):
         self.backend = backend
         self.hosts = hosts
+        self.generation = generation  # of its island's hosts (a rebuilt island has new ones)
         self.key = key
         self.aval = aval
         self.sharding = sharding
@@ -234,7 +238,8 @@ class RemoteArray:
     def _settle(self) -> Any:
         if self._outcome is _UNSETTLED:
             outcomes = [
-                self.backend.outcome(host, done) for host, done in zip(self.hosts, self.dones, strict=True)
+                self.backend.outcome(host, done, self.generation)
+                for host, done in zip(self.hosts, self.dones, strict=True)
             ]
             failed = [o for o in outcomes if o is not None]
             # A lost host explains its peers' failures: say that one.
@@ -254,7 +259,7 @@ class RemoteArray:
             self.block_until_ready()
             if self.key is None:  # a completion marker: no value of its own
                 raise errors.PathwaysError(f"{self!r} holds no value to fetch.")
-            data = self.backend.fetch(self.hosts, self.key, self.aval)
+            data = self.backend.fetch(self.hosts, self.key, self.aval, self.generation)
             counters.bump("fetches")
             self._value = jax.device_put(data, self.sharding)
         return self._value
@@ -474,6 +479,7 @@ class RayBackend:
         on_lost: Any,
         islands: int | None = None,
         platform: str = "cpu",
+        replace_lost: bool = True,
     ):
         ray = _import_ray()
         self.ray = ray
@@ -503,6 +509,11 @@ class RayBackend:
         self._next_uuid = 0  # transfer uuids, handed out per run
         self.lost: dict[int, str] = {}  # island -> why
         self.lost_hosts: dict[int, str] = {}  # host -> why (every host of a lost island)
+        self._lost_before: dict[int, str] = {}  # island -> why it was lost last (rebuilt since or not)
+        self._generation = [0] * self.layout.islands  # bumped when an island is rebuilt
+        # A lost island is rebuilt on new hosts (in the same bundles) when Ray has room.
+        self.replace_lost = replace_lost
+        self.on_restored: Any = None  # set by the cluster: called with a rebuilt island
         self._closed = False
         if not ray.is_initialized():
             import os
@@ -537,20 +548,11 @@ class RayBackend:
                 "Ask for fewer hosts, or add nodes to the Ray cluster."
             ) from exc
         # Each host of an island of several bounds its executables in flight lower.
-        host_window = window if per == 1 else min(window, CROSS_HOST_WINDOW)
-        actor = ray.remote(ray_host.Host)
-        self.actors = [
-            actor.options(
-                num_cpus=1,
-                num_gpus=0 if platform == "cpu" else devices_per_host,
-                max_restarts=0,
-                max_concurrency=1000,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=h
-                ),
-            ).remote(h, devices_per_host, host_window, bool(jax.config.read("jax_enable_x64")), platform)
-            for h in range(hosts)
-        ]
+        self._host_window = window if per == 1 else min(window, CROSS_HOST_WINDOW)
+        self._x64 = bool(jax.config.read("jax_enable_x64"))
+        self._strategy = PlacementGroupSchedulingStrategy
+        self._actor_class = ray.remote(ray_host.Host)
+        self.actors = [self._new_actor(h) for h in range(hosts)]
         try:
             self.info = self._start(ray)
         except Exception as exc:
@@ -565,6 +567,16 @@ class RayBackend:
         ]
         for thread in self._threads:
             thread.start()
+
+    def _new_actor(self, host: int) -> Any:
+        """A host actor for host ``host``, in its bundle of the placement group."""
+        return self._actor_class.options(
+            num_cpus=1,
+            num_gpus=0 if self.platform == "cpu" else self.devices_per_host,
+            max_restarts=0,
+            max_concurrency=1000,
+            scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=host),
+        ).remote(host, self.devices_per_host, self._host_window, self._x64, self.platform)
 
     def _start(self, ray: Any) -> list[dict]:
         """Joins each island's hosts into one ``jax.distributed`` system and connects every transfer server."""
@@ -728,6 +740,7 @@ class RayBackend:
             for island in remote.islands:
                 if island in self.lost:
                     raise errors.HostLostError(self._lost_message(island, f"program {plan.graph.name!r}"))
+            generations = {island: self._generation[island] for island in remote.islands}
             base = self._take_uuids(remote.uuids)
             for host in remote.hosts:
                 hp = remote.parts[host]
@@ -756,13 +769,15 @@ class RayBackend:
                 keep = [(slot, keys[slot]) for slot in hp.keep]
                 frees = self._take_dropped(host)
                 done = self._message(host, "run", remote.key, run.id, base, feeds, keep, frees)
-                markers[host] = RemoteArray(self, (host,), None, None, None, (done,))
+                generation = generations[self.layout.island_of(host)]
+                markers[host] = RemoteArray(self, (host,), None, None, None, (done,), generation)
         outputs: dict[int, RemoteArray] = {}
         for slot, key in keys.items():
             out = plan.slot_outputs[slot]
             hosts = remote.slot_hosts[slot]
             dones = tuple(markers[h].dones[0] for h in hosts)
-            outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones)
+            generation = markers[hosts[0]].generation
+            outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones, generation)
         return outputs, markers
 
     def _take_uuids(self, count: int) -> int:
@@ -815,13 +830,13 @@ class RayBackend:
                     return
                 logging.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
 
-    def fetch(self, hosts: tuple[int, ...], key: int, aval: Any) -> np.ndarray:
+    def fetch(self, hosts: tuple[int, ...], key: int, aval: Any, generation: int) -> np.ndarray:
         """A kept value as a numpy array: from its host, or pieced together from its hosts' shards."""
         if self._closed:
             raise errors.ClusterError(_CLOSED)
         island = self.layout.island_of(hosts[0])
         with self._lock:
-            if island in self.lost:
+            if island in self.lost or generation != self._generation[island]:
                 raise errors.HostLostError(self._lost_message(island, "a value"))
             refs = [self._message(host, "fetch", key) for host in hosts]
         results = []
@@ -830,7 +845,7 @@ class RayBackend:
                 result = self.ray.get(ref, timeout=_CALL_TIMEOUT_S)
             except Exception as exc:
                 if is_lost_error(exc):
-                    self.mark_lost(host, str(exc))
+                    self.mark_lost(host, str(exc), generation)
                     raise errors.HostLostError(self._lost_message(island, "a value")) from exc
                 raise
             if not isinstance(result, np.ndarray | Shards):
@@ -850,8 +865,12 @@ class RayBackend:
                 whole[tuple(slice(start, stop) for start, stop in bounds)] = data
         return whole
 
-    def outcome(self, host: int, done: Any) -> BaseException | None:
-        """None if a host's part of a run completed, else the error its values raise."""
+    def outcome(self, host: int, done: Any, generation: int) -> BaseException | None:
+        """None if a host's part of a run completed, else the error its values raise.
+
+        ``generation``: of the host's island when the run was sent (a host that
+        died then may have been replaced since).
+        """
         if self._closed:
             return errors.ClusterError(_CLOSED)
         island = self.layout.island_of(host)
@@ -863,7 +882,7 @@ class RayBackend:
             status = self.ray.get(done)
         except Exception as exc:
             if is_lost_error(exc):
-                self.mark_lost(host, str(exc))
+                self.mark_lost(host, str(exc), generation)
                 return errors.HostLostError(self._lost_message(island, "a run"))
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
         if status is None:
@@ -918,9 +937,8 @@ class RayBackend:
     def _lost_message(self, island: int, what: str) -> str:
         members = self.layout.members(island)
         hosts = f"host {members[0]}" if len(members) == 1 else f"hosts {members[0]}-{members[-1]}"
-        lost = (
-            f"{what} needed island {island} ({hosts}), which was lost: {self.lost.get(island, 'it died')}. "
-        )
+        why = self.lost.get(island) or self._lost_before.get(island, "it died")
+        lost = f"{what} needed island {island} ({hosts}), which was lost: {why}. "
         if len(self.lost) == self.layout.islands:
             return lost + (
                 f"Its values are gone, and no island survives (all {self.layout.islands} were lost), so "
@@ -931,14 +949,21 @@ class RayBackend:
             "calling the program again runs there."
         )
 
-    def mark_lost(self, host: int, why: str) -> None:
-        """Host ``host`` died: its island is lost, its other hosts are killed, the rest stop waiting on them."""
+    def mark_lost(self, host: int, why: str, generation: int | None = None) -> None:
+        """Host ``host`` died: its island is lost, its other hosts are killed, the rest stop waiting on them.
+
+        ``generation``: of the island the death was seen in; a death of hosts
+        already replaced changes nothing.
+        """
         island = self.layout.island_of(host)
         members = self.layout.members(island)
         with self._lock:
             if island in self.lost or self._closed:
                 return
+            if generation is not None and generation != self._generation[island]:
+                return
             self.lost[island] = f"host {host} died ({why.splitlines()[0] if why else 'no reason given'})"
+            self._lost_before[island] = self.lost[island]
             for member in members:
                 self.lost_hosts[member] = self.lost[island]
             survivors = [h for h in range(self.hosts) if h not in self.lost_hosts]
@@ -954,6 +979,70 @@ class RayBackend:
                     self.actors[h].peer_lost.remote(member)
         if self.on_lost is not None:
             self.on_lost(island)
+        if self.replace_lost:
+            threading.Thread(
+                target=self._rebuild, args=(island,), name=f"pathways-ray-rebuild-{island}", daemon=True
+            ).start()
+
+    def _rebuild(self, island: int) -> None:
+        """Starts new hosts for a lost island in its bundles; once they serve, the island is placed on again.
+
+        If Ray has no room for them within ``_REBUILD_TIMEOUT_S`` (a node went
+        with the hosts), the island stays out of placement.
+        """
+        ray = self.ray
+        members = self.layout.members(island)
+        new: list[Any] = []
+        try:
+            for member in members:  # their bundles are free once the old processes are gone
+                with contextlib.suppress(Exception):
+                    ray.kill(self.actors[member], no_restart=True)
+            new = [self._new_actor(member) for member in members]
+            reach = ray.get_runtime_context().gcs_address
+            many = self.layout.per_island > 1
+            coordinator = ray.get(new[0].address.remote(reach), timeout=_REBUILD_TIMEOUT_S) if many else None
+            roles = [
+                Role(island, self.layout.rank(m), self.layout.per_island, coordinator, reach) for m in members
+            ]
+            info = ray.get(
+                [actor.setup.remote(role) for actor, role in zip(new, roles, strict=True)],
+                timeout=_REBUILD_TIMEOUT_S,
+            )
+            with self._lock:
+                if self._closed:
+                    raise errors.ClusterError("the cluster closed")
+                for member, actor, host_info in zip(members, new, info, strict=True):
+                    self.actors[member], self.info[member] = actor, host_info
+                    self._seq[member] = 0
+                    self._known[member] = set()
+                    self._fingerprints[member] = set()
+                    self._dropped[member].clear()
+                    self._pings.pop(member, None)
+                serving = [h for h in range(self.hosts) if h not in self.lost_hosts or h in members]
+                addresses = {h: self.info[h]["transfer"] for h in serving}
+                answers = [self._message(h, "peers", addresses) for h in serving]
+            for answer in ray.get(answers, timeout=_REBUILD_TIMEOUT_S):
+                if answer is not None:
+                    raise errors.ClusterError(f"the new hosts could not reach the others: {answer}")
+            with self._lock:
+                self._generation[island] += 1
+                del self.lost[island]
+                for member in members:
+                    del self.lost_hosts[member]
+        except Exception as exc:
+            for actor in new:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            if not self._closed:
+                logging.warning(
+                    "pathways_jax: island %d could not be rebuilt on new hosts (%s); it stays out of placement.",
+                    island,
+                    exc,
+                )
+            return
+        logging.warning("pathways_jax: island %d was rebuilt on new hosts", island)
+        if self.on_restored is not None:
+            self.on_restored(island)
 
     def _monitor(self) -> None:
         """Pings every host; a host whose actor died is lost. A slow host is only slow."""

@@ -42,9 +42,15 @@ class ResourceManager:
         self.lost: dict[int, str] = {}
 
     def lose(self, island: int, why: str) -> None:
-        """Takes an island out of placement for good (its host died)."""
+        """Takes an island out of placement (its host died) until it is restored."""
         with self._cond:
             self.lost[island] = why
+            self._cond.notify_all()
+
+    def restore(self, island: int) -> None:
+        """Places on a lost island again (the Ray backend rebuilt it on new hosts)."""
+        with self._cond:
+            self.lost.pop(island, None)
             self._cond.notify_all()
 
     def describe(self) -> str:

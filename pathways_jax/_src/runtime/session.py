@@ -51,12 +51,13 @@ class InitArgs:
     hosts: int | None
     devices_per_host: int
     platform: str = "cpu"
+    replace_lost_hosts: bool = True
 
     def describe(self) -> str:
         """The arguments as a ``pw.init(...)`` call would spell them."""
         where = (
             f", address={self.address!r}, hosts={self.hosts!r}, devices_per_host={self.devices_per_host!r}, "
-            f"platform={self.platform!r}"
+            f"platform={self.platform!r}, replace_lost_hosts={self.replace_lost_hosts!r}"
             if self.backend == "ray"
             else ""
         )
@@ -97,6 +98,8 @@ class Cluster:
         # What the controller dispatches through (backends/base.Backend).
         self.executor: Backend = remote if remote is not None else local.LocalBackend()
         self.executor.on_lost = self.host_lost
+        if remote is not None:
+            remote.on_restored = self.island_restored
         self.resources = ResourceManager(islands)
         self.store = ObjectStore()
         if budget is not None:
@@ -185,6 +188,14 @@ class Cluster:
             logging.warning("pathways_jax: %r moved off lost island %d", slice_, island)
         self.mapping_epoch += 1
 
+    def island_restored(self, island: int) -> None:
+        """A lost island was rebuilt on new hosts (Ray backend): slices may be placed there again.
+
+        Slices that moved off it stay where they went; new ones may land there.
+        """
+        self.resources.restore(island)
+        self.mapping_epoch += 1
+
     def close_client(self, client) -> None:
         """Cancels a client's queued runs, frees the values it owns and forgets its usage.
 
@@ -245,6 +256,7 @@ def init(
     hosts: int | None = None,
     devices_per_host: int = 1,
     platform: Literal["cpu", "gpu"] = "cpu",
+    replace_lost_hosts: bool = True,
 ) -> Cluster:
     """Starts the cluster this process runs programs on.
 
@@ -295,6 +307,10 @@ def init(
       platform: Ray backend: ``"cpu"`` (CPU devices, the default) or
         ``"gpu"``: each host asks Ray for ``devices_per_host`` GPUs
         (``num_gpus``) and runs on them.
+      replace_lost_hosts: Ray backend: an island that lost a host (and with
+        it the island's other hosts) is rebuilt on new hosts in the same
+        placement-group bundles when Ray has room for them, and placed on
+        again. ``False``: it stays out of placement.
 
     Returns:
       The :class:`Cluster`. Calling ``init`` again with the same arguments
@@ -327,6 +343,7 @@ def init(
             hosts=hosts,
             devices_per_host=devices_per_host,
             platform=platform,
+            replace_lost_hosts=replace_lost_hosts,
         )
     )
     with _lock:
@@ -418,13 +435,19 @@ def _checked(args: InitArgs) -> InitArgs:
         or args.devices_per_host != 1
         or isinstance(args.devices_per_host, bool)
         or args.platform != "cpu"
+        or args.replace_lost_hosts is not True
     ):
         raise errors.ClusterError(
-            "address=, hosts=, devices_per_host= and platform= describe Ray hosts; pass backend='ray' "
-            "with them, or leave them out for the local backend (it uses this process's JAX devices)."
+            "address=, hosts=, devices_per_host=, platform= and replace_lost_hosts= describe Ray hosts; "
+            "pass backend='ray' with them, or leave them out for the local backend (it uses this "
+            "process's JAX devices)."
         )
     if args.platform not in ("cpu", "gpu"):
         raise errors.ClusterError(f"platform must be 'cpu' or 'gpu', got {args.platform!r}.")
+    if not isinstance(args.replace_lost_hosts, bool):
+        raise errors.ClusterError(
+            f"replace_lost_hosts must be True or False, got {args.replace_lost_hosts!r}."
+        )
     if args.backend == "ray" and (
         isinstance(args.hosts, bool) or not isinstance(args.hosts, numbers.Integral) or args.hosts < 1
     ):
@@ -518,6 +541,7 @@ def _start_ray(args: InitArgs) -> Any:
         on_lost=None,
         islands=islands,
         platform=args.platform,
+        replace_lost=bool(args.replace_lost_hosts),
     )
 
 
