@@ -1,15 +1,21 @@
 """``python -m pathways_jax.sim calibrate``: this machine's costs, measured, as a profile.
 
 Every figure is a median of timed loops of chained calls (each call reads the
-previous call's output, as the dispatch benchmark does):
+previous call's output, as the dispatch benchmark does), the loops interleaved
+(their order rotating each repeat, so that the machine's drift hits all alike):
 
-- ``jax.call_s``: a plain ``jax.jit`` call of the dispatch computation (a
-  scalar all-reduce and an add) on 1 device.
-- ``device.computation_s[k]``: one such computation inside a fused node on
-  ``k`` devices (a jitted chain of them, divided by its length).
-- ``device.launch_s[k]``: one executable on ``k`` devices, beyond its
-  computation: the time per call of a loop of separate jitted calls (at most 16
-  in flight), less ``computation_s[k]``.
+- ``device.computation_s[k]`` / ``launch_s[k]``: on ``k`` devices, ``jax.jit``
+  calls of fused chains of 64 and of 256 computations (a computation: a scalar
+  all-reduce and an add) give a computation's device time; separate calls of
+  one computation (at most 16 in flight), less that, an executable's launch.
+- ``jax.call_s``: a separate call of one computation on 1 device.
+- ``device.inline[k]``: how much of a longer node's device time its call
+  keeps the calling thread (XLA:CPU runs a 1-device executable on the
+  caller's thread): the time inside a call of the chain of 64, beyond a
+  call of one computation, over the chain's extra device time.
+- ``device.shared_cpu`` (not measured): 0 for 1 device, 1 from as many
+  devices as the machine has cores, whose threads then fill the cores: a
+  second of the controller's work while a node runs is a second it loses.
 - ``controller.run_s`` / ``node_s``: a ``pw.jit`` call (one run of one node) and
   a ``@pw.program`` of ``L`` unfused nodes on 1 device, where the controller is
   the bottleneck: ``T(1) = run + node``, ``T(L) = run + L node``.
@@ -28,13 +34,17 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pathways_jax.sim._profile import ControllerCosts, DeviceCosts, HostCosts, LinkCosts, Profile
 
 _L = 16  # nodes of the chained programs
+_LONG = 256  # computations of the long fused node
+_MID = 64  # computations of the shorter fused node (device time, not the host's call, at 1 device)
 _WINDOW = 16  # in-flight bound of the plain-JAX loop (XLA's CPU runtime needs one, DESIGN §5)
+
+Loop = Callable[[int], float]  # runs ``calls`` chained calls, returns the seconds they took
 
 
 def _computation(x: Any, mesh: Any, n: int) -> Any:
@@ -45,9 +55,9 @@ def _computation(x: Any, mesh: Any, n: int) -> Any:
     return total * (1.0 / n) + 1.0
 
 
-def _per_call(loop: Callable[[int], float], target_s: float, repeats: int) -> float:
-    """Median seconds per call of ``loop(calls)`` (which returns its elapsed seconds)."""
-    loop(2)
+def timer(loop: Loop, target_s: float) -> Callable[[], float]:
+    """Sizes ``loop`` to last about ``target_s``; returns a timer of seconds per call."""
+    loop(2)  # compile, warm both argument kinds
     calls = 4
     while True:
         elapsed = loop(calls)
@@ -55,10 +65,22 @@ def _per_call(loop: Callable[[int], float], target_s: float, repeats: int) -> fl
             break
         calls *= 4
     calls = max(4, int(calls * target_s / max(elapsed, 1e-9)))
-    return statistics.median(loop(calls) / calls for _ in range(repeats))
+    return lambda: loop(calls) / calls
 
 
-def _chained(fn: Callable, x0: Any) -> Callable[[int], float]:
+def interleaved(timers: Mapping[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Every timer ``repeats`` times, the order rotating each repeat (drift hits all alike)."""
+    names = list(timers)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out[name].append(timers[name]())
+    return out
+
+
+def _chained(fn: Callable, x0: Any) -> Loop:
+    """Chained ``pw`` calls (the runtime bounds what is in flight): seconds for ``calls``."""
+
     def loop(calls: int) -> float:
         start = time.perf_counter()
         x = x0
@@ -70,62 +92,71 @@ def _chained(fn: Callable, x0: Any) -> Callable[[int], float]:
     return loop
 
 
-def _device_costs(devices: list[int], target_s: float, repeats: int, log: Callable[[str], None]) -> dict:
+def _jax_chained(fn: Callable, x0: Any, *, inside: bool = False) -> Loop:
+    """Chained ``jax.jit`` calls, at most 16 in flight (DESIGN §5: unbounded collectives deadlock).
+
+    Returns the seconds of ``calls``, or with ``inside`` only the seconds spent
+    inside the calls (the caller's thread).
+    """
+
+    def loop(calls: int) -> float:
+        start = time.perf_counter()
+        x, window, spent = x0, [], 0.0
+        for _ in range(calls):
+            before = time.perf_counter()
+            x = fn(x)
+            spent += time.perf_counter() - before
+            window.append(x)
+            if len(window) > _WINDOW:
+                window.pop(0).block_until_ready()
+        x.block_until_ready()
+        return spent if inside else time.perf_counter() - start
+
+    return loop
+
+
+def device_loops(s: Any) -> dict[str, Loop]:
+    """The loops that measure device costs on slice ``s`` (``n`` devices), keyed ``name/n``.
+
+    ``jax-one/n``: separate ``jax.jit`` calls of one computation (at most 16 in
+    flight); ``jax-mid/n`` / ``jax-long/n``: one ``jax.jit`` call of a fused chain
+    of 64 / 256; ``jax-one-in/n`` / ``jax-mid-in/n``: the time the caller's
+    thread spends inside a call of one computation / of the chain of 64.
+    """
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    out: dict[str, dict[int, float]] = {"computation_s": {}, "launch_s": {}}
-    for n in devices:
-        mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
-        x0 = jax.device_put(jnp.zeros((), jnp.float32), NamedSharding(mesh, P()))
-        one = jax.jit(lambda x, mesh=mesh, n=n: _computation(x, mesh, n))
+    mesh = s.physical_mesh
+    n = mesh.devices.size
+    x0 = jax.device_put(jnp.zeros((), jnp.float32), NamedSharding(mesh, P()))
 
-        def many(x, mesh=mesh, n=n):
-            for _ in range(64):
+    def fused(length: int) -> Callable:
+        def many(x):
+            for _ in range(length):
                 x = _computation(x, mesh, n)
             return x
 
-        fused = jax.jit(many)
+        return jax.jit(many)
 
-        def separate(calls: int, one=one, x0=x0) -> float:
-            start = time.perf_counter()
-            x, window = x0, []
-            for _ in range(calls):
-                x = one(x)
-                window.append(x)
-                if len(window) > _WINDOW:
-                    window.pop(0).block_until_ready()
-            x.block_until_ready()
-            return time.perf_counter() - start
-
-        def together(calls: int, fused=fused, x0=x0) -> float:
-            start = time.perf_counter()
-            x = x0
-            for _ in range(calls):
-                x = fused(x)
-            x.block_until_ready()
-            return time.perf_counter() - start
-
-        per_executable = _per_call(separate, target_s, repeats)
-        computation = _per_call(together, target_s, repeats) / 64
-        out["computation_s"][n] = computation
-        out["launch_s"][n] = max(per_executable - computation, 0.0)
-        log(
-            f"  {n} device(s): one executable {per_executable * 1e6:.1f} us, "
-            f"one computation inside a fused node {computation * 1e6:.2f} us"
-        )
-    return out
+    one = jax.jit(lambda x: _computation(x, mesh, n))
+    mid = fused(_MID)
+    return {
+        f"jax-one/{n}": _jax_chained(one, x0),
+        f"jax-mid/{n}": _jax_chained(mid, x0),
+        f"jax-long/{n}": _jax_chained(fused(_LONG), x0),
+        f"jax-one-in/{n}": _jax_chained(one, x0, inside=True),
+        f"jax-mid-in/{n}": _jax_chained(mid, x0, inside=True),
+    }
 
 
-def _controller_costs(target_s: float, repeats: int, log: Callable[[str], None]) -> ControllerCosts:
+def controller_loops(s: Any) -> dict[str, Loop]:
+    """``pw-run``: a ``pw.jit`` call (one run of one node) on 1-device slice ``s``; ``pw-chain``: a run of 16 nodes."""
     import jax.numpy as jnp
 
     import pathways_jax as pw
 
-    s = pw.devices(mesh={"x": 1})
     mesh = s.physical_mesh
     one = pw.jit(lambda x: _computation(x, mesh, 1), devices=s)
 
@@ -136,74 +167,133 @@ def _controller_costs(target_s: float, repeats: int, log: Callable[[str], None])
 
     prog = pw.program(chain, name="calibrate_chain", fuse=False)
     x0 = jnp.zeros((), jnp.float32)
-    t1 = _per_call(_chained(one, x0), target_s, repeats)
-    tl = _per_call(_chained(prog, x0), target_s, repeats)
+    return {"pw-run": _chained(one, x0), "pw-chain": _chained(prog, x0)}
+
+
+def local_costs(
+    per_call: Mapping[str, float], devices: list[int]
+) -> tuple[ControllerCosts, DeviceCosts, float]:
+    """The controller's and the devices' costs from the loops' seconds per call.
+
+    Calls of fused chains of 64 and 256 computations (device-bound) differ by
+    192 computations: a computation's ``c``. An executable's ``launch`` is a
+    call of one computation (separate calls, 16 in flight) less ``c``.
+    ``pw-run = run + node`` and ``pw-chain = run + 16 node`` give the
+    controller's costs. ``device.shared_cpu`` is 0 for one device and 1 from
+    as many devices as the machine has cores (their threads fill the cores:
+    the controller's work is time they lose).
+    """
+    t1, tl = per_call["pw-run"], per_call["pw-chain"]
     node = max((tl - t1) / (_L - 1), 0.0)
-    run = max(t1 - node, 0.0)
-    s.release()
-    log(f"  controller: a 1-node run {t1 * 1e6:.1f} us, a {_L}-node run {tl * 1e6:.1f} us")
-    log(f"  -> run_s {run * 1e6:.1f} us, node_s {node * 1e6:.2f} us")
-    return ControllerCosts(run_s=run, node_s=node, transfer_s=node)
+    controller = ControllerCosts(run_s=max(t1 - node, 0.0), node_s=node, transfer_s=node)
+    computation, launch, inline = {}, {}, {}
+    for n in devices:
+        mid, long = per_call[f"jax-mid/{n}"], per_call[f"jax-long/{n}"]
+        computation[n] = max((long - mid) / (_LONG - _MID), 0.0)
+        launch[n] = max(per_call[f"jax-one/{n}"] - computation[n], 0.0)
+        # Of the chain's extra 63 computations, the part its call ran on the caller's thread.
+        extra = per_call[f"jax-mid/{n}"] - per_call[f"jax-one/{n}"]
+        inside = per_call[f"jax-mid-in/{n}"] - per_call[f"jax-one-in/{n}"]
+        inline[n] = min(max(inside / extra, 0.0), 1.0) if extra > 0 else 0.0
+    cores = max(2, os.cpu_count() or 2)
+    device = DeviceCosts(
+        launch_s=launch, computation_s=computation, shared_cpu={1: 0.0, cores: 1.0}, inline=inline
+    )
+    return controller, device, per_call[f"jax-one/{min(devices)}"]
 
 
-def _ray_costs(
-    node_s: float, target_s: float, repeats: int, log: Callable[[str], None]
-) -> tuple[HostCosts, float] | None:
+LOCAL_SOURCES = {
+    "device.computation_s": f"measured: a jax.jit call of a fused chain of {_LONG} scalar all-reduce + add "
+    f"computations against one of {_MID}, per computation",
+    "device.launch_s": "measured: separate jax.jit calls of one computation (16 in flight) less "
+    "device.computation_s",
+    "device.inline": f"measured: the time a jax.jit call of a fused chain of {_MID} keeps the caller's "
+    "thread, beyond a call of one computation, over its device time beyond one computation's",
+    "device.shared_cpu": "not measured: 0 for 1 device (its thread and the controller's fit the cores), 1 from "
+    "as many devices as the machine has cores (their threads fill the cores: a second of the controller's "
+    "work while they run is a second they lose)",
+    "controller.run_s": "measured: pw.jit call (1-node run) less controller.node_s, 1 device",
+    "controller.node_s": f"measured: a {_L}-node unfused @pw.program against a 1-node run, 1 device",
+    "controller.transfer_s": "taken equal to controller.node_s (not measured separately)",
+    "jax.call_s": "measured: plain jax.jit calls of one computation on 1 device (16 in flight), per call",
+    "ici": "CPU devices share memory: collectives are inside device.computation_s",
+    "dcn": "not measured (no DCN on one machine): zero cost",
+}
+
+
+def ray_loops() -> dict[str, Loop]:
+    """Loops on the Ray hosts ``pw.init(backend="ray", hosts=2, devices_per_host=1)`` started.
+
+    ``ray-one``: one node on host 0 a run; ``ray-both``: one node on each host
+    a run; ``ray-chain``: 16 nodes on host 0 a run.
+    """
+    import jax.numpy as jnp
+
+    import pathways_jax as pw
+
+    a = pw.devices(mesh={"x": 1}, island=0)
+    b = pw.devices(mesh={"x": 1}, island=1)
+    on_a = pw.jit(lambda x: x * 0.5 + 1.0, devices=a)
+    on_b = pw.jit(lambda x: x * 0.5 + 1.0, devices=b)
+
+    def chain(x):
+        for _ in range(_L):
+            x = on_a(x)
+        return x
+
+    both = pw.program(lambda xs: (on_a(xs[0]), on_b(xs[1])), name="calibrate_both")
+    long = pw.program(chain, name="calibrate_host_chain", fuse=False)
+    x0 = jnp.zeros((), jnp.float32)
+
+    def both_loop(calls: int) -> float:
+        start = time.perf_counter()
+        xs: Any = (x0, x0)
+        for _ in range(calls):
+            xs = both(xs)
+        xs[0].result()
+        xs[1].result()
+        return time.perf_counter() - start
+
+    return {"ray-one": _chained(on_a, x0), "ray-both": both_loop, "ray-chain": _chained(long, x0)}
+
+
+def host_costs(per_call: Mapping[str, float], controller: ControllerCosts) -> HostCosts:
+    """Ray hosts' costs from ``ray_loops``' seconds per call and the controller's (local) costs.
+
+    ``ray-both - ray-one`` is one more host's message and one more node; the
+    chain's extra nodes cost a node and a host enqueue each; what a one-node
+    run costs beyond the controller's part and its message is the host's ``run_s``.
+    """
+    t_a, t_b, t_c = per_call["ray-one"], per_call["ray-both"], per_call["ray-chain"]
+    message = max(t_b - t_a - controller.node_s, 0.0)
+    enqueue = max((t_c - t_a) / (_L - 1) - controller.node_s, 0.0)
+    rest = max(t_a - (controller.run_s + controller.node_s + message), 0.0)
+    return HostCosts(message_s=message, latency_s=0.0, run_s=rest, enqueue_s=enqueue)
+
+
+HOST_SOURCES = {
+    "hosts.message_s": "measured on 2 Ray hosts: one node on each host against one node on one host",
+    "hosts.enqueue_s": f"measured on 2 Ray hosts: {_L} nodes on one host against one node",
+    "hosts.run_s": "measured: a 1-node run on one Ray host less the controller's and message costs",
+    "hosts.latency_s": "not separable from hosts.run_s on one machine: zero (counted in hosts.run_s)",
+}
+
+
+def start_ray(hosts: int) -> Any:
+    """A local Ray cluster for ``hosts`` host actors (the caller shuts it down); None without Ray."""
     import warnings
 
     try:
         import ray
     except ImportError:
-        log("Ray is not installed (pip install 'pathways-jax[ray]'): no host costs measured.")
         return None
-    import jax.numpy as jnp
-
-    import pathways_jax as pw
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
         ray.init(
-            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
-        )
-    try:
-        pw.init(backend="ray", hosts=2, devices_per_host=1)
-        a = pw.devices(mesh={"x": 1}, island=0)
-        b = pw.devices(mesh={"x": 1}, island=1)
-        on_a = pw.jit(lambda x: x * 0.5 + 1.0, devices=a)
-        on_b = pw.jit(lambda x: x * 0.5 + 1.0, devices=b)
-
-        def chain(x):
-            for _ in range(_L):
-                x = on_a(x)
-            return x
-
-        both = pw.program(lambda xs: (on_a(xs[0]), on_b(xs[1])), name="calibrate_both")
-        long = pw.program(chain, name="calibrate_host_chain", fuse=False)
-        x0 = jnp.zeros((), jnp.float32)
-
-        def both_loop(calls: int) -> float:
-            start = time.perf_counter()
-            xs: Any = (x0, x0)
-            for _ in range(calls):
-                xs = both(xs)
-            xs[0].result()
-            xs[1].result()
-            return time.perf_counter() - start
-
-        t_a = _per_call(_chained(on_a, x0), target_s, repeats)
-        t_b = _per_call(both_loop, target_s, repeats)
-        t_c = _per_call(_chained(long, x0), target_s, repeats)
-    finally:
-        pw.shutdown()
-        ray.shutdown()
-    message = max(t_b - t_a - node_s, 0.0)
-    enqueue = max((t_c - t_a) / (_L - 1) - node_s, 0.0)
-    log(
-        f"  Ray, 2 hosts: 1 node on 1 host {t_a * 1e6:.1f} us, 1 node on each {t_b * 1e6:.1f} us, "
-        f"{_L} nodes on 1 host {t_c * 1e6:.1f} us"
-    )
-    log(f"  -> message_s {message * 1e6:.1f} us, enqueue_s {enqueue * 1e6:.2f} us")
-    return HostCosts(message_s=message, latency_s=0.0, run_s=0.0, enqueue_s=enqueue), t_a
+            address="local", num_cpus=max(4, hosts + 2), include_dashboard=False, log_to_driver=False,
+            configure_logging=False,
+        )  # fmt: skip
+    return ray
 
 
 def _machine() -> dict:
@@ -240,47 +330,59 @@ def calibrate(
     """
     import pathways_jax as pw
 
-    devices = devices or ([1, 2] if quick else [1, 2, 4, 8])
-    target_s, repeats = (0.01, 3) if quick else (0.2, 5)
+    devices = sorted(set(devices or ([1, 2] if quick else [1, 2, 4, 8])))
+    target_s, repeats = (0.01, 3) if quick else (0.1, 5)
     started = time.time()
-    pw.init(num_cpu_devices=max(8, *devices))
+    # One device more than the largest slice: the controller's loops run beside it.
+    pw.init(num_cpu_devices=max(devices) + 1)
     log(f"calibrating on {os.cpu_count()} CPU cores, devices {devices}{' (quick)' if quick else ''}")
-    dev = _device_costs(devices, target_s, repeats, log)
-    controller = _controller_costs(target_s, repeats, log)
+    single = pw.devices(mesh={"x": 1})
+    samples: dict[str, list[float]] = {}
+    for n in devices:
+        s = pw.devices(mesh={"x": n})
+        loops = {**device_loops(s), **controller_loops(single)}
+        for k, v in interleaved({k: timer(v, target_s) for k, v in loops.items()}, repeats).items():
+            samples.setdefault(k, []).extend(v)  # the controller's loops: beside every slice size
+        s.release()
+        log(
+            f"  {n} device(s): one computation {statistics.median(samples[f'jax-one/{n}']) * 1e6:.1f} us "
+            f"a call, {_LONG} fused {statistics.median(samples[f'jax-long/{n}']) * 1e6:.1f} us a call"
+        )
+    per_call = {k: statistics.median(v) for k, v in samples.items()}
+    log(f"  pw.jit run {per_call['pw-run'] * 1e6:.1f} us, {_L}-node run {per_call['pw-chain'] * 1e6:.1f} us")
+    single.release()
     pw.shutdown()
-    jax_call = dev["launch_s"][1] + dev["computation_s"][1]
+    controller, device, jax_call = local_costs(per_call, devices)
+    log(f"  -> run_s {controller.run_s * 1e6:.1f} us, node_s {controller.node_s * 1e6:.2f} us")
     hosts = HostCosts()
-    sources = {
-        "device.computation_s": "measured: a jitted chain of 64 scalar all-reduce + add computations, per computation",
-        "device.launch_s": "measured: separate jitted calls (16 in flight) per call, less device.computation_s",
-        "controller.run_s": "measured: pw.jit call (1-node run) less controller.node_s, 1 device",
-        "controller.node_s": f"measured: a {_L}-node unfused @pw.program against a 1-node run, 1 device",
-        "controller.transfer_s": "taken equal to controller.node_s (not measured separately)",
-        "jax.call_s": "measured: a plain jax.jit call of the computation on 1 device",
-        "ici": "CPU devices share memory: collectives are inside device.computation_s",
-        "dcn": "not measured (no DCN on one machine): zero cost",
-    }
+    sources = dict(LOCAL_SOURCES)
     if ray and not quick:
-        got = _ray_costs(controller.node_s, target_s, repeats, log)
-        if got is not None:
-            hosts, t_a = got
-            sources["hosts.message_s"] = (
-                "measured on 2 Ray hosts: one node on each host against one node on one host"
+        ray_mod = start_ray(2)
+        if ray_mod is None:
+            log("Ray is not installed (pip install 'pathways-jax[ray]'): no host costs measured.")
+        else:
+            try:
+                pw.init(backend="ray", hosts=2, devices_per_host=1)
+                loops = ray_loops()
+                samples = interleaved({k: timer(v, target_s) for k, v in loops.items()}, repeats)
+                per_call.update({k: statistics.median(v) for k, v in samples.items()})
+            finally:
+                pw.shutdown()
+                ray_mod.shutdown()
+            hosts = host_costs(per_call, controller)
+            sources.update(HOST_SOURCES)
+            log(
+                f"  Ray, 2 hosts: 1 node on 1 host {per_call['ray-one'] * 1e6:.1f} us, 1 node on each "
+                f"{per_call['ray-both'] * 1e6:.1f} us, {_L} nodes on 1 host {per_call['ray-chain'] * 1e6:.1f} us"
             )
-            sources["hosts.enqueue_s"] = f"measured on 2 Ray hosts: {_L} nodes on one host against one node"
-            # What a one-node run on one Ray host costs beyond the controller's part: the host's.
-            rest = t_a - (controller.run_s + controller.node_s + hosts.message_s)
-            hosts = HostCosts(message_s=hosts.message_s, enqueue_s=hosts.enqueue_s, run_s=max(rest, 0.0))
-            sources["hosts.run_s"] = (
-                "measured: a 1-node run on one Ray host less the controller's and message costs"
-            )
+            log(f"  -> message_s {hosts.message_s * 1e6:.1f} us, enqueue_s {hosts.enqueue_s * 1e6:.2f} us")
     elif ray:
         log("quick mode: Ray hosts not measured")
     return Profile(
         name=name,
         controller=controller,
         hosts=hosts,
-        device=DeviceCosts(launch_s=dev["launch_s"], computation_s=dev["computation_s"]),
+        device=device,
         ici=LinkCosts(),
         dcn=LinkCosts(),
         jax_call_s=jax_call,
@@ -293,5 +395,6 @@ def calibrate(
             "seconds": round(time.time() - started, 1),
             "quick": quick,
             "machine": _machine(),
+            "per_call_s": per_call,
         },
     )

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pathways_jax import errors
 from pathways_jax._src.runtime import scheduler as scheduler_lib
+from pathways_jax._src.runtime.controller import DEVICE_WINDOW
 from pathways_jax.sim._profile import Profile, load_profile
 
 Dispatch = Literal["local", "hosts"]
@@ -40,6 +41,8 @@ class Cluster:
         local for one host, hosts otherwise.
       in_flight: executables in flight per island (local) or per host (hosts)
         before dispatch waits; default: the profile's.
+      device_window: single-device executables in flight per device (local)
+        before dispatch waits; default: the runtime's (4).
       scheduler: the controller's policy among clients (``"fifo"``, ``"fair"``, ``"priority"``).
 
     Raises:
@@ -59,6 +62,7 @@ class Cluster:
     dispatch: Dispatch
     in_flight: int
     scheduler: str
+    device_window: int
 
     def __init__(
         self,
@@ -70,6 +74,7 @@ class Cluster:
         dispatch: Dispatch | None = None,
         in_flight: int | None = None,
         scheduler: Literal["fifo", "fair", "priority"] = "fifo",
+        device_window: int | None = None,
     ):
         prof = load_profile(profile)
         hosts = _count("hosts", hosts)
@@ -106,6 +111,10 @@ class Cluster:
             ("dispatch", mode),
             ("in_flight", _count("in_flight", window)),
             ("scheduler", scheduler),
+            (
+                "device_window",
+                _count("device_window", DEVICE_WINDOW if device_window is None else device_window),
+            ),
         ):
             object.__setattr__(self, name, value)
 

@@ -14,14 +14,23 @@ What is modelled (each charged from the cluster's :class:`Profile`):
   ``hosts.latency_s`` later, and the host's own thread pays ``hosts.run_s``
   and ``hosts.enqueue_s`` per step. All hosts enqueue in parallel.
 - **The in-flight window.** ``local``: at most ``in_flight`` windowed
-  executables in flight per island; the controller waits when the window is
-  full until it has drained to half (as the runtime does). ``hosts``: each
+  executables in flight per island, and ``device_window`` single-device
+  executables per device; the controller waits when a window is full until it
+  has drained to half (as the runtime does). ``hosts``: each
   host applies the bound to its own executables, waiting for the oldest.
 - **Devices** run what was enqueued on them in dispatch order, one thing at a
   time. A node on several devices (and hosts) starts once every one of its
   devices is free, every host has enqueued it and its inputs are ready, and
   lasts its step's ``duration_s`` (launch, compute and ICI collectives; see
   :mod:`pathways_jax.sim._workload`).
+- **Inline execution** (local backend): the controller's call that enqueues
+  a node on ``k`` devices keeps it ``device.inline[k]`` of the node's device
+  time beyond a one-computation node's (XLA:CPU runs a 1-device executable on
+  the calling thread). Zero for accelerators.
+- **Shared cores** (local backend): each second of the controller's work
+  while a node runs delays the devices: the next node to start on ``k``
+  devices lasts ``device.shared_cpu[k]`` seconds longer for each (CPU
+  devices' threads run on the controller's cores). Zero for accelerators.
 - **Transfers** (ICI or DCN) start when their source is ready and they are
   enqueued; a DCN link between two islands carries one transfer at a time in
   each direction. Transfers do not occupy the devices' compute streams.
@@ -29,6 +38,7 @@ What is modelled (each charged from the cluster's :class:`Profile`):
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import math
@@ -219,6 +229,11 @@ class _Simulation:
         per = "island" if cluster.dispatch == "local" else "host"
         count = cluster.islands if per == "island" else cluster.hosts
         self.windows = [_Window(self.env, cluster.in_flight) for _ in range(count)]
+        self.device_windows = (
+            [_Window(self.env, cluster.device_window) for _ in range(cluster.devices)]
+            if per == "island"
+            else []
+        )
         self.host_threads = (
             [simpy.Resource(self.env, 1) for _ in range(cluster.hosts)] if per == "host" else []
         )
@@ -226,6 +241,13 @@ class _Simulation:
         self.controller_busy = 0.0
         self.spans: list[tuple[float, float, int, int]] = []  # node (start, end, lo, hi)
         self.remaining = sum(w.runs for w in self.workloads)
+        # The controller's seconds of work while a node ran, charged to the next node to start.
+        table = self.profile.device.shared_cpu
+        self.shared_cpu = cluster.dispatch == "local" and any(v > 0 for v in table.values())
+        self.device_debt = 0.0
+        self.running = 0  # nodes running now
+        self.busy_marks = [0.0]  # times at which ``running`` changed ...
+        self.busy_before = [0.0]  # ... and the time some node ran before each of them
 
     # --- trace events ------------------------------------------------------------------
 
@@ -248,6 +270,8 @@ class _Simulation:
         now = self.env.now
         if cat != "wait":
             self.controller_busy += now - start
+            if self.shared_cpu:
+                self.device_debt += self._busy(now) - self._busy(start)
         if self.record:
             w = self.workloads[run.client]
             args.update(client=w.client, program=w.program.name, run=run.seq)
@@ -321,17 +345,18 @@ class _Simulation:
         for index, step in enumerate(program.steps):
             island = self.cluster.island_of(step.devices[0])
             hosts = self._hosts_of(step)
-            if local and step.kind == "node" and step.windowed:
-                window = self.windows[island]
+            window = self._local_window(step) if local else None
+            if window is not None:
                 if window.count >= window.size:
                     start = env.now
                     yield window.until(window.size // 2)
-                    self._controller(
-                        f"wait: in-flight window (island {island})", "wait", start, run, island=island
-                    )
+                    where = f"island {island}" if step.windowed else f"device {step.devices[0]}"
+                    self._controller(f"wait: in-flight window ({where})", "wait", start, run, island=island)
                 window.count += 1
             start = env.now
             yield env.timeout(cost.node_s if step.kind == "node" else cost.transfer_s)
+            if local and step.kind == "node":
+                yield env.timeout(self._inline(step))
             item = self._new_item(run, index, step, 0 if local else len(hosts))
             self._controller(f"dispatch {program.name}/{step.name}", "dispatch", start, run, node=step.name)
             if local:
@@ -347,6 +372,43 @@ class _Simulation:
                 env.process(self._host(h, run, per_host[h]))
         run.dispatch_end = env.now
         run.done = run.items[program.output].done
+
+    def _inline(self, step: Step) -> float:
+        """The controller's time inside the call that enqueues ``step``, beyond ``node_s``."""
+        k = step.devices[1] - step.devices[0]
+        device = self.profile.device
+        fraction = device.inline_fraction(k)
+        if not fraction:
+            return 0.0
+        return fraction * max(step.duration_s - device.launch(k) - device.computation(k), 0.0)
+
+    def _running(self, change: int) -> None:
+        """A node starts (+1) or ends (-1): the device-busy record moves on."""
+        now = self.env.now
+        ran = now - self.busy_marks[-1] if self.running else 0.0
+        self.busy_marks.append(now)
+        self.busy_before.append(self.busy_before[-1] + ran)
+        self.running += change
+
+    def _busy(self, t: float) -> float:
+        """Seconds before ``t`` during which some node ran."""
+        i = bisect.bisect_right(self.busy_marks, t) - 1
+        running = self.running if i == len(self.busy_marks) - 1 else None
+        if running is None:
+            # Between two marks: running iff the later mark's total grew past this one's.
+            nxt = self.busy_before[i + 1] - self.busy_before[i]
+            return self.busy_before[i] + (t - self.busy_marks[i] if nxt > 0 else 0.0)
+        return self.busy_before[i] + (t - self.busy_marks[i] if running else 0.0)
+
+    def _local_window(self, step: Step) -> _Window | None:
+        """The window a node counts against on the local backend: its island's, or its device's."""
+        if step.kind != "node":
+            return None
+        if step.windowed:
+            return self.windows[self.cluster.island_of(step.devices[0])]
+        if step.devices[1] - step.devices[0] == 1:
+            return self.device_windows[step.devices[0]]
+        return None
 
     def _new_item(self, run: _Run, index: int, step: Step, hosts: int) -> _Item:
         item = _Item(self.env, run, index, step, hosts)
@@ -415,17 +477,24 @@ class _Simulation:
                 yield env.timeout(step.duration_s)
         else:
             item.start = env.now
-            yield env.timeout(step.duration_s)
+            duration = step.duration_s
+            if step.kind == "node" and self.shared_cpu:
+                lost = self.device_debt * self.profile.device.shared(step.devices[1] - step.devices[0])
+                duration, self.device_debt = duration + lost, 0.0
+                self._running(+1)
+            yield env.timeout(duration)
         item.end = env.now
         if step.kind == "node":
+            if self.shared_cpu:
+                self._running(-1)
             self.spans.append((item.start, item.end, *step.devices))
-            if step.windowed:
-                local = self.cluster.dispatch == "local"
-                if local:
-                    self.windows[self.cluster.island_of(step.devices[0])].release()
-                else:
-                    for h in self._hosts_of(step):
-                        self.windows[h].release()
+            if self.cluster.dispatch == "local":
+                window = self._local_window(step)
+                if window is not None:
+                    window.release()
+            elif step.windowed:
+                for h in self._hosts_of(step):
+                    self.windows[h].release()
         self._record_item(item)
         item.done.succeed()
 

@@ -74,18 +74,34 @@ class DeviceCosts:
       computation_s: device time of one of the dispatch benchmark's computations
         (a scalar all-reduce and an add) inside a fused node, by device count:
         what synthetic dispatch workloads charge per computation.
+      shared_cpu: by device count, the device seconds a node loses per second
+        of the controller's work while it runs: 0 for accelerators; for CPU
+        devices, whose threads run on the controller's cores, up to 1 once
+        their threads fill the cores (local backend only).
+      inline: by device count, the fraction of a node's device time beyond
+        one ``computation_s`` node's that the controller's thread spends
+        inside the call that enqueues it (XLA:CPU runs a 1-device executable
+        on the calling thread: about 1; 0 for accelerators; local backend only).
     """
 
     launch_s: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
     flops_per_s: float = math.inf
     bytes_per_s: float = math.inf
     computation_s: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
+    shared_cpu: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
+    inline: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
 
     def launch(self, devices: int) -> float:
         return _by_count(self.launch_s, devices)
 
     def computation(self, devices: int) -> float:
         return _by_count(self.computation_s, devices)
+
+    def inline_fraction(self, devices: int) -> float:
+        return _by_count(self.inline, devices)
+
+    def shared(self, devices: int) -> float:
+        return _by_count(self.shared_cpu, devices)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
