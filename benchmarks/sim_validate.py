@@ -346,7 +346,8 @@ def main(argv: list[str]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     # One device more than the largest slice: the controller's calibration loops run beside it.
-    pw.init(num_cpu_devices=max(devices) + 1)
+    # (and the Ray backend's hosts stand in with CPU devices of this process: as many as hosts)
+    pw.init(num_cpu_devices=max(max(devices) + 1, *hosts))
     local, calibration = run_local(devices, repeats, chain, target)
     pw.shutdown()
     ray_results = None

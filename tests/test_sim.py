@@ -3,6 +3,7 @@
 Every timing below is worked out by hand in the comments (times in µs).
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -129,6 +130,57 @@ def test_a_full_in_flight_window_holds_the_controller_until_it_drains_to_half():
     assert roomy.runs[0].dispatch_end == approx(4)
     assert roomy.makespan_s == approx(41)
     assert not executions(roomy, "wait")
+
+
+def test_single_device_runs_fill_their_device_window():
+    # 1 device, a device window of 2, one node of 10 µs a run, 1 µs to dispatch. r0 dispatched 0-1,
+    # r1 1-2: full. The controller waits until it drains to 1 (r0 done at 11): r2 11-12; full again,
+    # waits for r1 (done at 21): r3 21-22. Device: r0 1-11, r1 11-21, r2 21-31, r3 31-41.
+    profile = sim.Profile(controller=sim.ControllerCosts(node_s=1 * US))
+    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile, device_window=2)
+    result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=4)
+    waits = executions(result, "wait")
+    assert [(start, end) for _, start, end in waits] == [(2, 11), (12, 21)]
+    assert waits[0][0] == "wait: in-flight window (device 0)"
+    assert [round(r.dispatch_end / US, 6) for r in result.runs] == [1, 2, 12, 22]
+    assert result.makespan_s == approx(41)
+
+
+def test_inline_execution_keeps_the_controller_in_the_call():
+    # XLA:CPU runs a 1-device executable on the thread that calls it. Nodes of launch 2 + 10 µs; a
+    # one-computation node would last 2 + 1, so the call keeps the controller 12 - 3 = 9 µs more.
+    # r0: run 0-5, node 5-6, enqueued at 6 (device 6-18), in the call until 15; r1: 15-20, 20-21,
+    # device 21-33, in the call until 30; r2: 30-35, 35-36, device 36-48. Done at 18, 33, 48: the
+    # controller's 15 µs a run set the pace (the device needs 12).
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(run_s=5 * US, node_s=1 * US),
+        device=sim.DeviceCosts(launch_s={1: 2 * US}, computation_s={1: 1 * US}, inline={1: 1.0}),
+    )
+    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=3)
+    assert [r.done / US for r in result.runs] == [pytest.approx(18), pytest.approx(33), pytest.approx(48)]
+    assert result.runs[0].dispatch_end == approx(15)
+    assert result.step_time_s == approx(15)
+    # Without inline execution the device sets the pace: 12 µs a run.
+    plain = dataclasses.replace(profile, device=dataclasses.replace(profile.device, inline={1: 0.0}))
+    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=plain)
+    assert sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=3).step_time_s == approx(12)
+
+
+def test_shared_cores_charge_the_controllers_work_to_the_devices():
+    # CPU devices whose threads fill the cores lose the controller's working time while they run.
+    # r0: node dispatched 0-4, runs 4-14. r1 dispatched 4-8 while r0 runs: 4 µs owed, so r1, which
+    # starts when r0 ends (14), lasts 10 + 4: 14-28. Dispatch of r0 overlapped no node: nothing owed.
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(node_s=4 * US), device=sim.DeviceCosts(shared_cpu={1: 1.0})
+    )
+    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=2)
+    assert executions(result) == [("chain/n0", 4, 14), ("chain/n0", 14, 28)]
+    # Remote hosts run their own devices: no charge there (free messages: r0 4-14, r1 14-24).
+    hosts = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
+    result = sim.simulate(hosts, sim.chain(hosts, 1, compute_s=10 * US, devices=(0, 1)), runs=2)
+    assert [round(r.done / US, 6) for r in result.runs] == [14, 24]
 
 
 def test_host_messages_grow_with_hosts_and_gang_nodes_wait_for_the_last_host():

@@ -355,15 +355,16 @@ class _Simulation:
                 window.count += 1
             start = env.now
             yield env.timeout(cost.node_s if step.kind == "node" else cost.transfer_s)
-            if local and step.kind == "node":
-                yield env.timeout(self._inline(step))
             item = self._new_item(run, index, step, 0 if local else len(hosts))
-            self._controller(f"dispatch {program.name}/{step.name}", "dispatch", start, run, node=step.name)
             if local:
                 item.enqueued.succeed()
+                inline = self._inline(step)
+                if inline:  # the call that enqueued it runs it: the controller waits in it
+                    yield env.timeout(inline)
             else:
                 for h in hosts:
                     per_host[h].append(item)
+            self._controller(f"dispatch {program.name}/{step.name}", "dispatch", start, run, node=step.name)
         if not local:
             for h in sorted(per_host):
                 start = env.now
@@ -374,7 +375,9 @@ class _Simulation:
         run.done = run.items[program.output].done
 
     def _inline(self, step: Step) -> float:
-        """The controller's time inside the call that enqueues ``step``, beyond ``node_s``."""
+        """The controller's time inside the call that enqueues node ``step``, beyond ``node_s``."""
+        if step.kind != "node":
+            return 0.0
         k = step.devices[1] - step.devices[0]
         device = self.profile.device
         fraction = device.inline_fraction(k)
