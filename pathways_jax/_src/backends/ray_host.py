@@ -187,6 +187,8 @@ def place(data: Any, sharding: Any) -> Any:
     """
     import jax
 
+    if getattr(data, "sharding", None) == sharding:  # already there (a pulled value, most often)
+        return data
     if sharding.is_fully_addressable:
         return jax.device_put(data, sharding)
     shape = tuple(data.shape)
@@ -254,6 +256,9 @@ class Host:
         self.posts = 0
         self.fed = 0  # values that came with a run's message (arguments)
         self._assemblers: dict[tuple, Any] = {}
+        self._shardings: dict[Any, Any] = {}  # descriptor -> sharding on the island's devices
+        self._spec_cache: dict[tuple, list] = {}  # (pieces, dtype, descriptor) -> pull specs
+        self._single = jax.sharding.SingleDeviceSharding
         self._queue: dict[int, tuple] = {}
         self._next_seq = 0
         self._queue_cv = threading.Condition()
@@ -448,7 +453,7 @@ class Host:
                     env[slot] = self.values[payload]
                 else:
                     data, desc = payload
-                    env[slot] = place(data, sharding_of(desc, self.island_devices))
+                    env[slot] = place(data, self._sharding(desc))
                     self.fed += 1
             for index, op in enumerate(ops):
                 step = index
@@ -465,7 +470,7 @@ class Host:
                             if op.windowed:
                                 self._in_flight.append(outs[0])
                     case PutOp():
-                        env[op.dst] = place(env[op.src], sharding_of(op.desc, self.island_devices))
+                        env[op.dst] = place(env[op.src], self._sharding(op.desc))
                     case PostOp():
                         self._post(base + op.offset, self._pieces(env[op.src], op.pieces))
                     case PullOp():
@@ -492,6 +497,8 @@ class Host:
 
     def _pieces(self, value: Any, pieces: tuple[Piece, ...]) -> list:
         """The single-device arrays of ``value`` on the devices ``pieces`` name."""
+        if len(pieces) == 1 and isinstance(value.sharding, self._single):
+            return [value]  # a value on one device is its own piece
         by_device = {shard.device: shard.data for shard in value.addressable_shards}
         return [by_device[self.island_devices[piece.position]] for piece in pieces]
 
@@ -506,17 +513,37 @@ class Host:
                 self._connections[peer] = connection
             return connection
 
-    def _specs(self, pieces: tuple[Piece, ...], dtype: str) -> list:
-        import jax
+    def _sharding(self, desc: ShardingDesc) -> Any:
+        """The sharding ``desc`` names on this island's devices (made once per descriptor)."""
+        sharding = self._shardings.get(desc)
+        if sharding is None:
+            sharding = self._shardings[desc] = sharding_of(desc, self.island_devices)
+        return sharding
 
-        target = jax.sharding.SingleDeviceSharding(self.devices[0])
-        return [jax.ShapeDtypeStruct(piece.shape, dtype, sharding=target) for piece in pieces]
+    def _home(self, desc: Any) -> Any:
+        """Where a moving value is put together: ``desc``'s device if it is one of this host's, else the first."""
+        target = self._sharding(desc) if isinstance(desc, SingleDesc) else None
+        if target is None or not target.is_fully_addressable:
+            target = self._single(self.devices[0])
+        return target
 
-    def _pull(self, peer: int, uuid: int, pieces: tuple[Piece, ...], dtype: str) -> list:
-        """``peer``'s pieces, arriving in the background (or errors if the peer was lost)."""
+    def _specs(self, pieces: tuple[Piece, ...], dtype: str, home: Any) -> list:
+        """What a pull (or a post) of ``pieces`` of a ``dtype`` value is, on device sharding ``home``."""
+        key = (pieces, dtype, home)
+        specs = self._spec_cache.get(key)
+        if specs is None:
+            import jax
+
+            specs = self._spec_cache[key] = [
+                jax.ShapeDtypeStruct(piece.shape, dtype, sharding=home) for piece in pieces
+            ]
+        return specs
+
+    def _pull(self, peer: int, uuid: int, pieces: tuple[Piece, ...], dtype: str, home: Any) -> list:
+        """``peer``'s pieces, arriving in the background on ``home`` (or errors if the peer was lost)."""
         from jax.experimental import transfer
 
-        specs = self._specs(pieces, dtype)
+        specs = self._specs(pieces, dtype, home)
         connection = self._connection(peer)
         if connection is None:
             why = f"host {peer}, which was to send this value, was lost"
@@ -529,23 +556,24 @@ class Host:
         import jax
         import numpy as np
 
+        home = self._home(op.desc)
         arrays: list = []
         bounds: list = []
         for host, offset, pieces in op.parts:
             if host == self.index:
-                got = [jax.device_put(a, self.devices[0]) for a in self._pieces(env[op.src], pieces)]
+                got = [place(a, home) for a in self._pieces(env[op.src], pieces)]
             else:
-                got = self._pull(host, base + offset, pieces, op.dtype)
+                got = self._pull(host, base + offset, pieces, op.dtype, home)
             arrays.extend(got)
             bounds.extend(piece.bounds for piece in pieces)
         whole = tuple((0, n) for n in op.shape)
         if not arrays:  # an empty value: nothing to move
-            value = jax.device_put(np.zeros(op.shape, op.dtype), self.devices[0])
+            value = jax.device_put(np.zeros(op.shape, op.dtype), home)
         elif len(arrays) == 1 and bounds[0] == whole:
             value = arrays[0]
         else:
             value = self._assembler(op.shape, op.dtype, tuple(bounds))(*arrays)
-        return place(value, sharding_of(op.desc, self.island_devices))
+        return place(value, self._sharding(op.desc))
 
     def _assembler(self, shape: tuple[int, ...], dtype: str, bounds: tuple) -> Any:
         """A compiled function writing pieces at ``bounds`` into a ``shape`` array."""
@@ -571,12 +599,12 @@ class Host:
         for op in ops[start:]:
             try:
                 if isinstance(op, PostOp):
-                    specs = self._specs(op.pieces, op.dtype)
+                    specs = self._specs(op.pieces, op.dtype, self._single(self.devices[0]))
                     self._post(base + op.offset, [transfer.make_error_array(s, message) for s in specs])
                 elif isinstance(op, PullOp):
                     for host, offset, pieces in op.parts:
                         if host != self.index:
-                            self._pull(host, base + offset, pieces, op.dtype)
+                            self._pull(host, base + offset, pieces, op.dtype, self._home(op.desc))
             except Exception:  # a server that cannot take it: the peer's loss is handled elsewhere
                 continue
 
