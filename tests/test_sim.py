@@ -348,3 +348,18 @@ def test_sim_predict_example_runs():
     out = run_script("examples/sim_predict.py", timeout=240)
     assert "predicted step" in out
     assert "hosts" in out
+
+
+@pytest.mark.timeout(120)
+def test_scale_benchmark_quick_mode_writes_every_figure(tmp_path):
+    run_script("benchmarks/sim_scale.py", "--quick", f"--out={tmp_path}", timeout=110)
+    report = json.loads((tmp_path / "sim_scale_quick.json").read_text())
+    assert set(report["dispatch"]) == {"1", "16"}
+    for row in report["dispatch"].values():
+        assert {"jax-O", "jax-F", "pw-O", "pw-C", "pw-F"} <= set(row)
+    # The controller's cost a run grows with the hosts it messages: so does the threshold.
+    assert report["threshold"]["16"]["95%"] > report["threshold"]["1"]["95%"] > 0
+    assert report["threshold_ray_message"]["16"]["95%"] > report["threshold"]["16"]["95%"]
+    for row in report["pipeline"]["rows"]:
+        assert 0 < row["vs_spmd"] <= row["bubble_bound"] + 1e-9
+    assert 0 < report["two_islands"]["rows"][0]["ratio"] < 1
