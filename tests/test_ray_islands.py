@@ -157,6 +157,9 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     assert_matches(spread_sum(jnp.arange(8.0)), jnp.arange(8.0) - 3.5)
     with pytest.raises(pw.errors.HostLostError, match="host 3"):  # old values stay lost
         kept_on_island1.result(timeout=30)
+    with pytest.raises(pw.errors.HostLostError, match="host 3"):  # and cannot feed the new hosts
+        pw.jit(lambda v: v + 1, devices=c)(kept_on_island1).result(timeout=30)
+    assert_matches(spread_sum(jnp.ones(8)), jnp.zeros(8))  # which keep serving
 
 
 def test_values_cross_hosts_through_the_transfer_servers(ray_cluster):

@@ -736,13 +736,41 @@ class RayBackend:
         env = run.env
         markers: dict[int, RemoteArray] = {}
         keys = {slot: next(self._keys) for part in remote.parts.values() for slot in part.keep}
+        name = plan.graph.name
         with self._lock:
             for island in remote.islands:
                 if island in self.lost:
-                    raise errors.HostLostError(self._lost_message(island, f"program {plan.graph.name!r}"))
+                    raise errors.HostLostError(self._lost_message(island, f"program {name!r}"))
             generations = {island: self._generation[island] for island in remote.islands}
-            base = self._take_uuids(remote.uuids)
+            # Every host's inputs first: a run that fails here sends nothing, so no
+            # host waits for a value from a host that never got its part.
+            messages: dict[int, tuple[list, list]] = {}
             for host in remote.hosts:
+                hp = remote.parts[host]
+                feeds: list[tuple] = []
+                for slot in hp.futures:
+                    value = env[slot]
+                    if not isinstance(value, RemoteArray) or value.backend is not self:
+                        raise errors.PlacementError(
+                            f"program {name!r}: an input future belongs to another cluster "
+                            "(one shut down since); pass its .result() instead"
+                        )
+                    if value.hosts != remote.slot_hosts[slot]:
+                        raise errors.PlacementError(
+                            f"program {name!r}: an input future is on hosts {list(value.hosts)}, "
+                            f"not on hosts {list(remote.slot_hosts[slot])}, where the program reads it"
+                        )
+                    island = self.layout.island_of(host)
+                    if value.generation != generations[island]:
+                        raise errors.HostLostError(
+                            self._lost_message(island, f"an input of program {name!r}")
+                        )
+                    feeds.append((slot, "value", value.key))
+                for source, slot, desc in hp.data:
+                    feeds.append((slot, "data", (np.asarray(env[source]), desc)))
+                messages[host] = (feeds, [(slot, keys[slot]) for slot in hp.keep])
+            base = self._take_uuids(remote.uuids)
+            for host, (feeds, keep) in messages.items():
                 hp = remote.parts[host]
                 if remote.key not in self._known[host]:
                     have = self._fingerprints[host]
@@ -750,23 +778,6 @@ class RayBackend:
                     self._message(host, "register", remote.key, hp.ops, hp.constants, blobs)
                     have.update(blobs)
                     self._known[host].add(remote.key)
-                feeds: list[tuple] = []
-                for slot in hp.futures:
-                    value = env[slot]
-                    if not isinstance(value, RemoteArray) or value.backend is not self:
-                        raise errors.PlacementError(
-                            f"program {plan.graph.name!r}: an input future belongs to another cluster "
-                            "(one shut down since); pass its .result() instead"
-                        )
-                    if value.hosts != remote.slot_hosts[slot]:
-                        raise errors.PlacementError(
-                            f"program {plan.graph.name!r}: an input future is on hosts {list(value.hosts)}, "
-                            f"not on hosts {list(remote.slot_hosts[slot])}, where the program reads it"
-                        )
-                    feeds.append((slot, "value", value.key))
-                for source, slot, desc in hp.data:
-                    feeds.append((slot, "data", (np.asarray(env[source]), desc)))
-                keep = [(slot, keys[slot]) for slot in hp.keep]
                 frees = self._take_dropped(host)
                 done = self._message(host, "run", remote.key, run.id, base, feeds, keep, frees)
                 generation = generations[self.layout.island_of(host)]
