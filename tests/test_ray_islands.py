@@ -187,13 +187,24 @@ def test_values_cross_hosts_through_the_transfer_servers(ray_cluster):
     def delta(key: str, hosts) -> int:
         return sum(stats_after[h][key] - stats_before[h][key] for h in hosts)
 
-    # Each run: each of island 1's two hosts gathers h, pulling island 0's two
-    # shards from their two hosts; only the argument came with a message.
-    assert after["host_pulls"] - before["host_pulls"] == 4 * runs
-    assert delta("pulls", (2, 3)) == 4 * runs and delta("posts", (0, 1)) == 4 * runs
+    # Each run: each of island 1's two hosts pulls the one shard of h its own
+    # shard needs, from the island 0 host holding it; only the argument came
+    # with a message, and nothing reached island 1 through a Ray call.
+    assert after["host_pulls"] - before["host_pulls"] == 2 * runs
+    assert delta("pulls", (2, 3)) == 2 * runs and delta("posts", (0, 1)) == 2 * runs
+    assert delta("pulls", (0, 1)) == 0 and delta("posts", (2, 3)) == 0
     assert delta("fed", (0, 1)) == 2 * runs  # x, to both hosts of island 0
-    assert delta("fed", (2, 3)) == 0  # nothing reached island 1 through a Ray call
+    assert delta("fed", (2, 3)) == 0
     assert after["transfers_dcn"] - before["transfers_dcn"] == runs
+
+    # A replicated reader needs every shard on each of its hosts: 2 hosts x 2 shards.
+    on_a = pw.jit(jnp.cos, devices=a, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    replicated = pw.jit(lambda v: v * 2 + v[::-1], devices=b, in_specs=(pw.P(),), out_specs=pw.P())
+    h = on_a(x)
+    h.result(timeout=60)
+    before = pw.counters()
+    assert_matches(replicated(h), jnp.cos(x) * 2 + jnp.cos(x)[::-1], rtol=1e-6)
+    assert pw.counters()["host_pulls"] - before["host_pulls"] == 4
 
 
 def test_source_killed_mid_transfer_fails_the_run_cleanly(ray_cluster):

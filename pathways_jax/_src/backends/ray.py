@@ -419,7 +419,12 @@ class RemotePlan:
     def _move(
         self, backend: RayBackend, step: Any, src_sharding: Any, dst: Placed, part: Any, name: str
     ) -> None:
-        """Each destination host gathers the value: its own shards locally, the rest pulled from their hosts."""
+        """Each destination host gathers what its shards need: pieces it holds locally, the rest pulled.
+
+        A source piece goes to a destination host if it overlaps one of that
+        host's shards of the destination sharding; of its copies, the host's
+        own if it has one, else one chosen by host so that copies share the load.
+        """
         shape, dtype = tuple(step.aval.shape), step.aval.dtype
         if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
             raise errors.PlacementError(
@@ -434,11 +439,16 @@ class RemotePlan:
             _, position, host = backend.place_of(device)
             piece = Piece(position, bounds, tuple(stop - start for start, stop in bounds))
             holders.setdefault(bounds, []).append((host, piece))
+        needs: dict[int, list[tuple]] = {}  # destination host -> the bounds of its shards
+        for device, index in step.sharding.devices_indices_map(shape).items():
+            needs.setdefault(backend.place_of(device)[2], []).append(ray_host.bounds_of(index, shape))
         for host in dst.hosts:
             by_source: dict[int, list[Piece]] = {}
             if 0 not in shape:  # an empty value is made, not moved
-                for copies in holders.values():
-                    source, piece = next(((h, p) for h, p in copies if h == host), copies[0])
+                for bounds, copies in holders.items():
+                    if not any(_overlap(bounds, need) for need in needs[host]):
+                        continue
+                    source, piece = next(((h, p) for h, p in copies if h == host), copies[host % len(copies)])
                     by_source.setdefault(source, []).append(piece)
             parts = []
             for source, pieces in sorted(by_source.items()):
@@ -451,6 +461,11 @@ class RemotePlan:
                 part(source).ops.append(PostOp(step.src, host, offset, tuple(pieces), str(dtype)))
                 parts.append((source, offset, tuple(pieces)))
             part(host).ops.append(PullOp(step.dst, step.src, tuple(parts), shape, str(dtype), dst.desc))
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether two ``(start, stop)``-per-dimension boxes share an element."""
+    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
 
 
 class RayBackend:
