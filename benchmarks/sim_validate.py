@@ -63,12 +63,16 @@ def _validate(samples: dict, names: list[str], profile_of, simulate) -> tuple[di
 
     The prediction uses the profile of the run's calibration (every loop's
     median, as ``calibrate`` makes it); the error is ``simulated / measured - 1``
-    with the measured median. ``paired_errors``: the same, one repeat at a time
-    (that repeat's calibration against that repeat's measurement).
+    with the measured median. ``best``: the same with every loop's fastest
+    repeat on both sides (timeit's rule: on a shared machine the slower repeats
+    carry other processes' interference). ``paired_errors``: medians, one repeat
+    at a time (that repeat's calibration against that repeat's measurement).
     """
     median = {k: statistics.median(v) for k, v in samples.items()}
     profile = profile_of(median)
     predicted = simulate(profile)
+    best_profile = profile_of({k: min(v) for k, v in samples.items()})
+    best = simulate(best_profile)
     paired: dict[str, list[float]] = {name: [] for name in names}
     for r in range(len(samples[names[0]])):
         again = simulate(profile_of({k: v[r] for k, v in samples.items()}))
@@ -84,9 +88,10 @@ def _validate(samples: dict, names: list[str], profile_of, simulate) -> tuple[di
             "max": max(rates),
             "simulated": predicted[name],
             "error": predicted[name] / measured - 1.0,
+            "best": {"measured": max(rates), "simulated": best[name], "error": best[name] / max(rates) - 1.0},
             "paired_errors": paired[name],
         }
-    return row, _figures(profile)
+    return row, {**_figures(profile), "best": _figures(best_profile)}
 
 
 def _figures(p) -> dict:
@@ -285,8 +290,9 @@ def _line(label: str, row: dict) -> str:
 
 def _table(local: dict, ray: dict | None) -> str:
     lines = [
-        "| point | mode | measured (computations/s, median) | simulated | error | paired errors (one repeat at a time) |",
-        "|---|---|---:|---:|---:|---|",
+        "| point | mode | measured (computations/s, median) | simulated | error | fastest repeats: "
+        "measured | simulated | error | paired errors (one repeat at a time) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for label, results in (("devices", local), ("Ray hosts", ray or {})):
         for n, row in results.items():
@@ -296,9 +302,12 @@ def _table(local: dict, ray: dict | None) -> str:
             for mode, p in _points(row).items():
                 mark = "" if abs(p["error"]) <= TARGET else " **"
                 spread = " ".join(f"{e:+.0%}" for e in p["paired_errors"])
+                b = p["best"]
+                best_mark = "" if abs(b["error"]) <= TARGET else " **"
                 lines.append(
                     f"| {n} {label} | {mode} | {p['measured']:,.0f} | {p['simulated']:,.0f} | "
-                    f"{p['error']:+.1%}{mark} | {spread} |"
+                    f"{p['error']:+.1%}{mark} | {b['measured']:,.0f} | {b['simulated']:,.0f} | "
+                    f"{b['error']:+.1%}{best_mark} | {spread} |"
                 )
     return "\n".join(lines)
 
@@ -361,6 +370,7 @@ def main(argv: list[str]) -> None:
         "benchmark": "sim_validate",
         "target_abs_error": TARGET,
         "within_target": sum(e <= TARGET for e in errors),
+        "within_target_fastest_repeats": sum(abs(p["best"]["error"]) <= TARGET for p in points),
         "points": len(errors),
         "max_abs_error": max(errors, default=None),
         "local": local,
@@ -375,7 +385,10 @@ def main(argv: list[str]) -> None:
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     _plot(local, ray_results, out_dir / f"{name}.png")
     print(report["table"])
-    print(f"{report['within_target']}/{report['points']} points within {TARGET:.0%}")
+    print(
+        f"{report['within_target']}/{report['points']} points within {TARGET:.0%} "
+        f"({report['within_target_fastest_repeats']} with the fastest repeats)"
+    )
     print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
 
 
