@@ -41,7 +41,7 @@ from pathways_jax.sim._profile import ControllerCosts, DeviceCosts, HostCosts, L
 
 _L = 16  # nodes of the chained programs
 _LONG = 256  # computations of the long fused node
-_MID = 64  # computations of the shorter fused node (device time, not the host's call, at 1 device)
+_MID = 64  # computations of the shorter fused node (with _LONG: one computation's device time)
 _WINDOW = 16  # in-flight bound of the plain-JAX loop (XLA's CPU runtime needs one, DESIGN §5)
 
 Loop = Callable[[int], float]  # runs ``calls`` chained calls, returns the seconds they took
