@@ -42,6 +42,7 @@ import contextlib
 import itertools
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from absl import logging
@@ -97,8 +98,8 @@ class Controller:
         }
         self._inline = cluster.inline_dispatch
         self._max_queued = cluster.max_queued
-        # Per island: (an output of an executable dispatched there, its run), oldest
-        # first. Appended under _dispatch; the settled ones at the front leave under
+        # Per window key: (an output of an executable dispatched there, a _Flight
+        # of its run), oldest first. Appended under _dispatch; the settled ones at the front leave under
         # _settle_lock (see _settle), from whichever thread looks.
         self._in_flight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._settle_lock = threading.Lock()
@@ -382,7 +383,8 @@ class Controller:
         items = self._in_flight[island]
         if not items:
             return False
-        cost = items[0][1].plan.cost
+        plan = items[0][1].plan()
+        cost = plan.cost if plan is not None else 0.0
         return 0.0 < cost <= _SHORT_RUN_S
 
     def _drain(self, island: int) -> None:
@@ -689,17 +691,17 @@ class Controller:
             return
         rec = timeline.ACTIVE
         t0 = rec.now() if rec is not None else 0
-        run = None
+        flight = None
         low = window // 2
         while self._settle(island) > low:
-            oldest, run = self._in_flight[island][0]
+            oldest, flight = self._in_flight[island][0]
             # Its error reaches the run's futures, and the watcher counts the run.
             with contextlib.suppress(Exception):
                 readiness.block(oldest)
-        if rec is not None and run is not None:
+        if rec is not None and flight is not None:
             rec.waited(
                 t0,
-                client=timeline.client_of(run),
+                client=flight.client,
                 island=self._island_of.get(island, island),
                 reason="in-flight window",
             )
@@ -742,7 +744,7 @@ class Controller:
     # --- the in-flight windows, as backends see them (base.Window; make_room above) --------
 
     def in_flight(self, island: int, marker: Any, run: Run) -> None:
-        self._in_flight[island].append((marker, run))
+        self._in_flight[island].append((marker, _Flight(run)))
 
     def _spend(self, run: Run) -> None:
         """Futures whose buffers the run's executables consumed (donated) cannot be read again."""
@@ -779,3 +781,19 @@ class Controller:
         self._store.free(list(run.outputs), failure=(detail, cause))
         run.future_inputs = []
         run.env = []
+
+
+class _Flight:
+    """What a window keeps of a dispatched run until its entry settles.
+
+    Not the run: a window's entries leave only when the window is next looked
+    at, and the run's plan holds its executables and the constants they close
+    over, which a dropped program must let go (``Invariants``: nothing grows).
+    The plan is only needed while it lives (its measured cost, ``_short_oldest``).
+    """
+
+    __slots__ = ("client", "plan")
+
+    def __init__(self, run: Run):
+        self.plan = weakref.ref(run.plan)
+        self.client = timeline.client_of(run)
