@@ -461,5 +461,7 @@ def test_cpu_device_buffers_are_released_to_the_system_when_freed():
         grew[setting] = float(lines["growth"])
     # Freed buffers go back to the system: far less growth than with the allocator left as it is.
     print("RSS growth over 120 requests (MiB):", grew)
-    assert grew["release"] < 8, grew
+    # The bound leaves room for what a few 1-4 MiB buffers alive at one instant
+    # (the start's or the end's) move it: 2-12 MiB here, against 26-95 kept.
+    assert grew["release"] < 16, grew
     assert grew["release"] < grew["keep"], grew
