@@ -21,6 +21,10 @@ program runs ``N`` times in a row, each run fed the previous run's output:
            called N times from this process (each call fed the previous
            call's future), ``.result()`` at the end. Throughput: N / the
            driver's elapsed time.
+  pw-C     the same pw.jit chained ``--chain`` times in one
+           ``@pw.program(fuse=False)`` (``--chain`` executables per host per
+           program run, one message per host for all of them), called
+           N / ``--chain`` times: the per-run message amortised.
 
 Programs (``--sizes``):
 
@@ -34,10 +38,10 @@ Programs (``--sizes``):
 N is calibrated per (H, program, side) so a measurement lasts about
 ``--target_s``. Repeats interleave the sides (the order rotates every repeat); both
 sets of actors stay alive across the repeats of one H, and ``pw.shutdown()``
-comes between H values. Before measuring, both sides run each program 20 times
+comes between H values. Before measuring, every side runs each program 32 times
 from the same input and their final values must agree (tiny: every
 measurement's value is also checked, x -> x + 1 from 0). Results: median throughput (runs/s) with min and max, and the
-ratios pw / mc-jax and pw / ray-mc per (H, program), to ``benchmarks/results/islands.json`` and
+ratios pw / mc-jax, pw / ray-mc and pw-C / mc-jax per (H, program), to ``benchmarks/results/islands.json`` and
 ``islands.png``; a markdown table is printed.
 
   python benchmarks/islands.py                     # about 4-6 minutes on 2 cores
@@ -63,14 +67,16 @@ _MATMUL = flags.DEFINE_integer("matmul_size", 256, "S of the matmul program (S x
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved repeats of each side.")
 _TARGET = flags.DEFINE_float("target_s", 1.0, "Seconds a measurement aims to last (sets N).")
 _MAX_RUNS = flags.DEFINE_integer("max_runs", 4000, "Upper bound on N.")
+_CHAIN = flags.DEFINE_integer("chain", 16, "pw-C: runs chained in one @pw.program (N is a multiple).")
 _WINDOW = flags.DEFINE_integer("window", 16, "mc-jax: runs in flight before it waits for the oldest.")
 _OUT = flags.DEFINE_string(
     "out", str(pathlib.Path(__file__).resolve().parent / "results"), "Where results go."
 )
 
+SIDES = ("mc-jax", "ray-mc", "pw", "pw-C")
 _START_TIMEOUT_S = 180.0
-_RUN_TIMEOUT_S = 120.0
-_CHECK_RUNS = 20  # both sides run this many first; their final values must agree  # a hung collective fails the run instead of hanging it
+_RUN_TIMEOUT_S = 120.0  # a hung collective fails the run instead of hanging it
+_CHECK_RUNS = 32  # every side runs this many first; their final values must agree (a multiple of --chain)
 
 
 def _programs(hosts: int, matmul_size: int, mesh=None) -> dict:
@@ -203,8 +209,8 @@ def _mc_side(ray, hosts: int, matmul_size: int, window: int):
     return run, driven, close
 
 
-def _pw_side(hosts: int, matmul_size: int, stand_ins: int):
-    """pathways_jax on one island of H hosts; returns run(name, runs) -> (s, value)."""
+def _pw_side(hosts: int, matmul_size: int, stand_ins: int, chain: int):
+    """pathways_jax on one island of H hosts; returns pw's and pw-C's run(name, runs) -> (s, value)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -226,6 +232,21 @@ def _pw_side(hosts: int, matmul_size: int, stand_ins: int):
     for f, x0 in programs.values():
         f(f(x0)).result()  # compile; warm both argument kinds (arrays, then futures)
 
+    def chained(f):
+        def body(x):
+            for _ in range(chain):
+                x = f(x)
+            return x
+
+        return body
+
+    chains = {
+        name: pw.program(chained(f), name=f"islands_{name}_chain", fuse=False)
+        for name, (f, _) in programs.items()
+    }
+    for name, (_, x0) in programs.items():
+        chains[name](chains[name](x0)).result()
+
     def run(name: str, runs: int) -> tuple[float, object]:
         f, x = programs[name]
         start = time.perf_counter()
@@ -234,7 +255,15 @@ def _pw_side(hosts: int, matmul_size: int, stand_ins: int):
         value = x.result()
         return time.perf_counter() - start, np.asarray(value)
 
-    return run
+    def run_chained(name: str, runs: int) -> tuple[float, object]:
+        f, x = chains[name], programs[name][1]
+        start = time.perf_counter()
+        for _ in range(runs // chain):
+            x = f(x)
+        value = x.result()
+        return time.perf_counter() - start, np.asarray(value)
+
+    return run, run_chained
 
 
 def _check(name: str, runs: int, mc_value, pw_value) -> None:
@@ -246,13 +275,14 @@ def _check(name: str, runs: int, mc_value, pw_value) -> None:
 
 
 def _calibrate(run, name: str, target_s: float) -> int:
-    """Runs per measurement so that one lasts about ``target_s`` (at least 10)."""
-    probe = 10
+    """Runs per measurement so that one lasts about ``target_s`` (a multiple of --chain)."""
+    probe = _CHAIN.value
     elapsed, _ = run(name, probe)
     while elapsed < target_s / 8 and probe < _MAX_RUNS.value:
         probe *= 4
         elapsed, _ = run(name, probe)
-    return max(10, min(_MAX_RUNS.value, int(probe * target_s / elapsed)))
+    runs = max(1, min(_MAX_RUNS.value, int(probe * target_s / elapsed)) // _CHAIN.value)
+    return runs * _CHAIN.value
 
 
 def _measure_hosts(ray, hosts: int, sizes: list[str], repeats: int, target_s: float, stand_ins: int) -> dict:
@@ -260,14 +290,15 @@ def _measure_hosts(ray, hosts: int, sizes: list[str], repeats: int, target_s: fl
 
     mc_run, ray_mc_run, mc_close = _mc_side(ray, hosts, _MATMUL.value, _WINDOW.value)
     try:
-        pw_run = _pw_side(hosts, _MATMUL.value, stand_ins)
+        pw_run, pw_chain_run = _pw_side(hosts, _MATMUL.value, stand_ins, _CHAIN.value)
         try:
-            sides = {"mc-jax": mc_run, "ray-mc": ray_mc_run, "pw": pw_run}
+            sides = {"mc-jax": mc_run, "ray-mc": ray_mc_run, "pw": pw_run, "pw-C": pw_chain_run}
             runs: dict = {name: {} for name in sizes}
             for name in sizes:
                 check = {side: run(name, _CHECK_RUNS)[1] for side, run in sides.items()}
                 _check(name, _CHECK_RUNS, check["mc-jax"], check["pw"])
                 _check(name, _CHECK_RUNS, check["mc-jax"], check["ray-mc"])
+                _check(name, _CHECK_RUNS, check["mc-jax"], check["pw-C"])
                 for side, run in sides.items():
                     runs[name][side] = _calibrate(run, name, target_s)
             samples = {name: {side: [] for side in sides} for name in sizes}
@@ -295,6 +326,7 @@ def _measure_hosts(ray, hosts: int, sizes: list[str], repeats: int, target_s: fl
             "runs_per_second": by_side,
             "ratio_pw_to_mc_jax": by_side["pw"]["median"] / by_side["mc-jax"]["median"],
             "ratio_pw_to_ray_mc": by_side["pw"]["median"] / by_side["ray-mc"]["median"],
+            "ratio_pw_C_to_mc_jax": by_side["pw-C"]["median"] / by_side["mc-jax"]["median"],
             "us_per_run": {side: 1e6 / by_side[side]["median"] for side in by_side},
         }
         print(_row(hosts, name, out[name]), flush=True)
@@ -311,16 +343,21 @@ def _cell(c: dict) -> str:
 
 def _row(hosts: int, name: str, r: dict) -> str:
     by_side, us = r["runs_per_second"], r["us_per_run"]
+    cells = " | ".join(_cell(by_side[side]) for side in SIDES)
     return (
-        f"| {hosts} | {name} | {_cell(by_side['mc-jax'])} | {_cell(by_side['ray-mc'])} | {_cell(by_side['pw'])} "
-        f"| **{_ratio(r['ratio_pw_to_mc_jax'])}** | {_ratio(r['ratio_pw_to_ray_mc'])} "
-        f"| {us['mc-jax']:,.0f} / {us['ray-mc']:,.0f} / {us['pw']:,.0f} |"
+        f"| {hosts} | {name} | {cells} | **{_ratio(r['ratio_pw_to_mc_jax'])}** "
+        f"| {_ratio(r['ratio_pw_to_ray_mc'])} | {_ratio(r['ratio_pw_C_to_mc_jax'])} "
+        f"| {' / '.join(f'{us[side]:,.0f}' for side in SIDES)} |"
     )
 
 
 _HEAD = (
-    "| hosts | program | mc-jax runs/s (min-max) | ray-mc runs/s (min-max) | pw runs/s (min-max) "
-    "| pw / mc-jax | pw / ray-mc | µs/run mc-jax / ray-mc / pw |\n|---:|---|---:|---:|---:|---:|---:|---:|"
+    "| hosts | program | "
+    + " | ".join(f"{side} runs/s (min-max)" for side in SIDES)
+    + " | pw / mc-jax | pw / ray-mc | pw-C / mc-jax | µs/run "
+    + " / ".join(SIDES)
+    + " |\n|---:|---|"
+    + "---:|" * (len(SIDES) + 4)
 )
 
 
@@ -331,7 +368,7 @@ def _plot(results: dict, sizes: list[str], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
     hosts = [int(h) for h in results]
     for ax, name in zip(axes[0], sizes, strict=True):
-        for side, style in (("mc-jax", "--"), ("ray-mc", ":"), ("pw", "-")):
+        for side, style in (("mc-jax", "--"), ("ray-mc", ":"), ("pw", "-"), ("pw-C", "-.")):
             cells = [results[str(h)][name]["runs_per_second"][side] for h in hosts]
             ax.plot(hosts, [c["median"] for c in cells], style, marker="o", label=side)
             ax.fill_between(hosts, [c["min"] for c in cells], [c["max"] for c in cells], alpha=0.15)
