@@ -9,7 +9,8 @@ the same program, as multi-controller JAX does.
 
 One *program* is a jitted ``shard_map`` scalar all-reduce over the global mesh
 (every device of every process) followed by a scalar add (``_all_reduce_add``
-in ``dispatch.py``). For a layout of P processes x D devices and each K of
+in ``dispatch.py``); ``--collectives C`` puts C of them, one after the other,
+in one program. For a layout of P processes x D devices and each K of
 ``--ks``, in increasing order:
 
   1. P fresh Ray actors (a deadlocked process is poisoned: it is killed, not
@@ -29,6 +30,7 @@ hung, to ``benchmarks/results/inflight_bound.json`` and ``inflight_bound.png``.
   python benchmarks/inflight_bound.py                       # 2x1, 2x2, 4x1 (a few minutes)
   python benchmarks/inflight_bound.py --layouts 2x2 --ks 16,32,48
   python benchmarks/inflight_bound.py --layouts 4x2 --merge   # add a layout to the existing JSON
+  python benchmarks/inflight_bound.py --layouts 2x2 --collectives 4 --ks 4,8,12,16,24,32 --merge
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ _TIMEOUT = flags.DEFINE_float(
     "timeout_s", 20.0, "Seconds after which a dispatched batch counts as deadlocked."
 )
 _BISECT = flags.DEFINE_integer("bisect", 2, "Probes between the largest K completed and the smallest hung.")
+_COLLECTIVES = flags.DEFINE_integer(
+    "collectives",
+    1,
+    "All-reduces in one program, each reading the previous (results labelled by it when > 1).",
+)
 _MERGE = flags.DEFINE_bool(
     "merge", False, "Keep the layouts of an existing inflight_bound.json that this run does not measure."
 )
@@ -77,7 +84,7 @@ class _Member:
             port = probe.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, coordinator: str, processes: int, rank: int, devices: int) -> int:
+    def setup(self, coordinator: str, processes: int, rank: int, devices: int, collectives: int) -> int:
         """Joins the system (every member must be in here at once); compiles and warms the program."""
         import jax
         import numpy as np
@@ -92,8 +99,12 @@ class _Member:
         n = len(every)
 
         def program(x):
-            total = jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P(), out_specs=P())(x)
-            return total * (1.0 / n) + 1.0
+            for _ in range(collectives):  # each all-reduce reads the previous one's result
+                total = jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P(), out_specs=P())(
+                    x
+                )
+                x = total * (1.0 / n) + 1.0
+            return x
 
         self._jax = jax
         self._step = jax.jit(program)
@@ -115,14 +126,14 @@ class _Member:
         return {"dispatch_s": dispatched, "total_s": time.perf_counter() - start}
 
 
-def _probe(ray, processes: int, devices: int, k: int, feed: str, timeout_s: float) -> dict:
+def _probe(ray, processes: int, devices: int, k: int, feed: str, timeout_s: float, collectives: int) -> dict:
     """One K on fresh actors: {"ok": bool, ...}. The actors are killed either way."""
     cls = ray.remote(num_cpus=0, max_restarts=0)(_Member)
     actors = [cls.remote() for _ in range(processes)]
     try:
         coordinator = ray.get(actors[0].address.remote(), timeout=_START_TIMEOUT_S)
         ray.get(
-            [a.setup.remote(coordinator, processes, r, devices) for r, a in enumerate(actors)],
+            [a.setup.remote(coordinator, processes, r, devices, collectives) for r, a in enumerate(actors)],
             timeout=_START_TIMEOUT_S,
         )
         start = time.perf_counter()
@@ -144,13 +155,20 @@ def _probe(ray, processes: int, devices: int, k: int, feed: str, timeout_s: floa
 
 
 def _search(
-    ray, processes: int, devices: int, feed: str, ks: list[int], timeout_s: float, bisect: int
+    ray,
+    processes: int,
+    devices: int,
+    feed: str,
+    ks: list[int],
+    timeout_s: float,
+    bisect: int,
+    collectives: int,
 ) -> dict:
     """Ks in increasing order until one hangs, then ``bisect`` probes between the last good and it."""
     probes = []
 
     def probe(k: int) -> bool:
-        result = _probe(ray, processes, devices, k, feed, timeout_s)
+        result = _probe(ray, processes, devices, k, feed, timeout_s, collectives)
         probes.append(result)
         state = (
             f"ok ({result['total_s'] * 1e3:.0f} ms, dispatch {result['dispatch_s'] * 1e3:.0f} ms)"
@@ -233,8 +251,11 @@ def main(argv: list[str]) -> None:
     try:
         for processes, devices in layouts:
             for feed in _FEEDS.value:
-                r = _search(ray, processes, devices, feed, ks, _TIMEOUT.value, _BISECT.value)
-                results.setdefault(f"{processes}x{devices}", {})[feed] = r
+                r = _search(
+                    ray, processes, devices, feed, ks, _TIMEOUT.value, _BISECT.value, _COLLECTIVES.value
+                )
+                label = feed if _COLLECTIVES.value == 1 else f"{feed}, {_COLLECTIVES.value} all-reduces"
+                results.setdefault(f"{processes}x{devices}", {})[label] = r
     finally:
         ray.shutdown()
     out_dir = pathlib.Path(_OUT.value)
