@@ -363,3 +363,17 @@ def test_scale_benchmark_quick_mode_writes_every_figure(tmp_path):
     for row in report["pipeline"]["rows"]:
         assert 0 < row["vs_spmd"] <= row["bubble_bound"] + 1e-9
     assert 0 < report["two_islands"]["rows"][0]["ratio"] < 1
+
+
+@pytest.mark.timeout(120)
+def test_validation_benchmark_quick_mode_reports_every_point(tmp_path):
+    # Only that it runs and reports: the validation itself is in benchmarks/README.md, not timed here.
+    run_script("benchmarks/sim_validate.py", "--quick", f"--out={tmp_path}", timeout=110)
+    report = json.loads((tmp_path / "sim_validate_quick.json").read_text())
+    assert set(report["local"]) == {"1", "2"}
+    for row in report["local"].values():
+        for mode in ("pw-O", "pw-C", "pw-F"):
+            point = row[mode]
+            assert point["measured"] > 0 and point["simulated"] > 0, mode
+            assert point["error"] == pytest.approx(point["simulated"] / point["measured"] - 1)
+    assert report["points"] == 6 and report["ray"] is None
