@@ -424,3 +424,15 @@ def test_pipeline_and_data_parallel_train_like_plain_jit(backend):
         for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert_tree_close(first, want_params)
+
+
+def test_programs_that_place_nothing_return_their_arguments_and_literals(backend):
+    # No node: the plan is prepared by no backend and no host takes part.
+    assert_matches(pw.program(lambda: 3.0)(), jax.jit(lambda: 3.0)())
+    s = pw.devices(mesh={"x": 1})
+    values = [jnp.ones(2), jnp.asarray(True), jnp.arange(4, dtype=jnp.bfloat16)]
+    ident = pw.program(lambda *v: v, devices=s)
+    for got, want in zip(ident(*values), jax.jit(lambda *v: v)(*values), strict=True):
+        assert_matches(got, want)
+    step = pw.jit(lambda v: v * 2 + 1, devices=s)  # and the next program runs as usual
+    assert_matches(step(jnp.arange(3.0)), jnp.arange(3.0) * 2 + 1)

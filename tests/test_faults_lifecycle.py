@@ -356,12 +356,14 @@ def test_client_refuses_bad_arguments(args, kwargs, pattern):
 
 def test_host_lost_message_says_when_no_host_survives():
     backend = object.__new__(ray_backend.RayBackend)
-    backend.hosts = 2
-    backend.lost = {0: "the actor died"}
+    backend.layout = ray_backend.Layout(hosts=4, devices_per_host=1, per_island=2)
+    backend.lost = {0: "host 1 died (the actor died)"}
+    backend._lost_before = dict(backend.lost)
     some = backend._lost_message(0, "program 'step'")
-    assert "moved to surviving hosts" in some and "no host survives" not in some
-    backend.lost[1] = "the actor died"
+    assert "program 'step' needed island 0 (hosts 0-1), which was lost: host 1 died" in some
+    assert "moved to surviving islands" in some and "no island survives" not in some
+    backend.lost[1] = "host 2 died (the actor died)"
     none = backend._lost_message(1, "program 'step'")
-    assert "program 'step' needed host 1" in none
-    assert "no host survives" in none and "surviving hosts" not in none
+    assert "program 'step' needed island 1 (hosts 2-3), which was lost: host 2 died" in none
+    assert "no island survives" in none and "surviving islands" not in none
     assert "pw.shutdown()" in none and "pw.init(" in none

@@ -93,8 +93,11 @@ _CLOSED = (
 
 # Executables each host of an island of several hosts keeps in flight at most
 # (pw.init(max_in_flight=...) may lower it). Cross-process collective programs
-# in flight deadlock XLA:CPU beyond a bound: 2 hosts x 2 devices ran 32 at once
-# and hung at 36, 2 x 1 ran 64 (benchmarks/inflight_bound.py measures it).
+# in flight deadlock XLA:CPU beyond a bound: with several devices per process,
+# 34-38 hung (2x2 hosts x devices: 32 ran, 34 hung; 2x4 and 4x2 hung at 36 and
+# 38), counted in programs, not collectives; processes of one device dispatch
+# synchronously and never hung up to 256 (benchmarks/inflight_bound.py).
+# Half the smallest failing count, rounded down.
 CROSS_HOST_WINDOW = 16
 
 # Messages sent to one island's hosts and not complete yet before dispatch
@@ -704,7 +707,11 @@ class RayBackend:
     def execute(self, run: Any, window: Window) -> tuple[Any, tuple]:
         """Sends each host of ``run`` its one message; the hosts do the rest."""
         plan = run.plan
-        remote: RemotePlan = plan.remote
+        remote: RemotePlan | None = plan.remote
+        if remote is None:
+            # A plan that places nothing (it returns literals or its arguments)
+            # was prepared by no backend: no host takes part, its values are here.
+            return run.env, ()
         for island in plan.windowed:
             window.make_room(island)
         rec = timeline.ACTIVE
@@ -813,16 +820,21 @@ class RayBackend:
         return base
 
     def retire_ready(self, in_flight: collections.deque) -> None:
-        """Drops the completed head of an island's in-flight deque (one look at Ray for all)."""
-        items = list(in_flight)
-        unknown = [marker.dones[0] for marker, _ in items if not marker._ready]
-        if unknown:
-            ready, _ = self.ray.wait(unknown, num_returns=len(unknown), timeout=0)
-            done = set(ready)
-            for marker, _ in items:
-                if marker.dones[0] in done:
-                    marker._ready = True
-        while in_flight and in_flight[0][0]._ready:
+        """Drops the completed head of an island's in-flight deque.
+
+        Each host answers its runs in order, so the deque completes from the
+        front: Ray is asked about the head only, then about each next entry
+        while they are done (not about every entry each time: one look at 64
+        pending answers cost more than the dispatch it bounds).
+        """
+        wait = self.ray.wait
+        while in_flight:
+            marker = in_flight[0][0]
+            if not marker._ready:
+                ready, _ = wait([marker.dones[0]], timeout=0)
+                if not ready:
+                    return
+                marker._ready = True
             in_flight.popleft()
 
     def _take_dropped(self, host: int) -> list[int]:
