@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import pathways_jax as pw
+from pathways_jax._src.runtime import clients as clients_lib
 
 
 def _program(x, w):
@@ -264,3 +265,67 @@ def test_fifo_goes_in_submission_order_with_equal_shares_on_every_slice(size):
     for client, _ in clients.values():
         client.close()
     s.release()
+
+
+def _kept(policy) -> dict:
+    """The policy's per-client or per-run state that is not empty."""
+    return {k: v for k, v in vars(policy).items() if isinstance(v, dict | set | list) and v}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [1, 4])
+@pytest.mark.parametrize("policy", ["fifo", "priority", "fair"])
+def test_closed_clients_leave_no_state_after_many_runs(policy, size):
+    s, f, (x,), w, (want,) = _setup(policy, size)
+    controller = pw.cluster().controller
+    clients = [pw.client(f"c{i}", priority=i % 3, weight=1.0 + i % 2) for i in range(6)]
+    closers, waiters = clients[::2], clients[1::2]
+    cancelled = []
+    barrier = threading.Barrier(len(clients) + 1)
+
+    def wait_all(client):
+        barrier.wait()
+        with client:
+            outs = [f(x, w) for _ in range(60)]
+            outs += [f(x, w) for _ in range(60)]
+        _check_results(outs, want)
+
+    def close_with_runs_queued(client):
+        barrier.wait()
+        with client:
+            outs = [f(x, w) for _ in range(40)]
+        # Its first runs went while the others' queues were full: its later heads were passed over.
+        _check_results(outs[:2], want)
+        client.close()  # cancels what is still queued, frees what it owns
+        for out in outs:
+            try:
+                out.result(timeout=30)
+            except pw.errors.PathwaysError:
+                cancelled.append(out)
+
+    threads, errors = _start([lambda c=c: wait_all(c) for c in waiters])
+    more, more_errors = _start([lambda c=c: close_with_runs_queued(c) for c in closers])
+    barrier.wait(30)
+    seen: set[str] = set()  # the policy's tables seen holding something while clients submit
+    while any(t.is_alive() for t in threads + more):
+        with controller._lock:
+            seen |= set(_kept(controller._policy))
+        time.sleep(1e-3)
+    _join(threads + more, errors + more_errors)
+    assert cancelled, "no run was cancelled by close(): the test missed that path"
+    # The tables the test looks at held something: starvation counts of heads passed over, virtual times.
+    assert seen == {"fifo": set(), "priority": {"passed"}, "fair": {"vtime", "active"}}[policy], seen
+    with controller._lock:
+        assert controller._queues == {}
+        kept = _kept(controller._policy)
+    # Runs all went: what is left is per client (a fair client's virtual time), of open clients.
+    assert set(kept) <= {"vtime"}, kept
+    assert set(kept.get("vtime", {})) <= {c.key for c in waiters} | {clients_lib.current().key}
+    for c in waiters:
+        c.close()
+    clients_lib.current().close()  # this thread's default client: it ran _setup's programs
+    s.release()
+    with controller._lock:
+        assert controller._queues == {}
+        assert _kept(controller._policy) == {}
+    assert controller.accounting.usage == {}
