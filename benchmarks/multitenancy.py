@@ -38,6 +38,10 @@ the slice's devices. Results go to benchmarks/results/multitenancy.json and .png
 
   python benchmarks/multitenancy.py           # the full run (a few minutes)
   python benchmarks/multitenancy.py --quick   # well under a minute; used by the test suite
+  python benchmarks/multitenancy.py --fair_only --slice 1   # the fair runs alone, on a 1-device slice
+
+--fair_only skips the throughput and plain-JAX modes and writes its shares to
+results/multitenancy_fair_slice{N}.json, beside (not over) the full run's results.
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ _FAIR_S = flags.DEFINE_float("fair_s", 4.0, "Seconds of steady state the fair sh
 _FAIR_REPEATS = flags.DEFINE_integer("fair_repeats", 3, "Repeats of the fair run.")
 _FAIR_WINDOW = flags.DEFINE_integer("fair_window", 16, "Futures each fair client thread keeps in flight.")
 _QUICK = flags.DEFINE_bool("quick", False, "Short run that only checks the benchmark works.")
+_FAIR_ONLY = flags.DEFINE_bool(
+    "fair_only", False, "Calibrate, then run only the fair runs (on the --slice-device slice)."
+)
 _OUT = flags.DEFINE_string(
     "out", str(pathlib.Path(__file__).resolve().parent / "results"), "Where results go."
 )
@@ -767,6 +774,60 @@ def _plot(report: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _run_fair_repeats(size: int, weights: list[float], seconds: float, settle: float, repeats: int) -> dict:
+    runs = []
+    for r in range(repeats):
+        runs.append(run_fair(size, weights, seconds, settle, _FAIR_WINDOW.value))
+        print(
+            f"fair run {r}: "
+            + ", ".join(
+                f"{n} {c['share']:.3f} (want {c['weight_share']:.3f})" for n, c in runs[-1]["clients"].items()
+            ),
+            flush=True,
+        )
+    return summarise_fair(runs)
+
+
+def _fair_only(
+    size: int,
+    weights: list[float],
+    seconds: float,
+    settle: float,
+    repeats: int,
+    calibration: dict,
+    out_dir: pathlib.Path,
+    started: float,
+) -> None:
+    """--fair_only: the fair runs alone, written beside (not over) the full run's results."""
+    import pathways_jax as pw
+
+    fair = _run_fair_repeats(size, weights, seconds, settle, repeats)
+    pw.shutdown()
+    report = {
+        "benchmark": "multitenancy-fair",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": common.machine(),
+        "quick": _QUICK.value,
+        "config": {
+            "slice_devices": _SLICE.value,
+            "matmul_size": size,
+            "fair_weights": weights,
+            "fair_s": seconds,
+            "fair_repeats": repeats,
+            "fair_window_per_client": _FAIR_WINDOW.value,
+        },
+        "calibration": calibration,
+        "fair": fair,
+        "fair_table": _fair_table(fair),
+        "wall_s": time.perf_counter() - started,
+    }
+    name = f"multitenancy_fair_slice{_SLICE.value}" + ("_quick" if _QUICK.value else "")
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(report["fair_table"])
+    print(f"max relative error {fair['max_relative_error']:.1%}")
+    print(f"wrote {out_dir / (name + '.json')} in {report['wall_s']:.0f} s")
+
+
 def main(argv: list[str]) -> None:
     del argv
     if _CHILD.value:
@@ -810,22 +871,15 @@ def main(argv: list[str]) -> None:
         flush=True,
     )
 
+    if _FAIR_ONLY.value:
+        slice_.release()
+        _fair_only(size, weights, fair_s, settle, fair_repeats, calibration, out_dir, started)
+        return
     modes = run_throughput(slice_, size, clients, repeats, measure, _WINDOW.value)
     # The most-sampled figure of a program's cost: jax-1's median rate, back to back.
     calibration["jax_1_ms_per_program"] = 1e3 / modes["jax-1"]["programs_per_s"]
     slice_.release()
-    fair_runs = []
-    for r in range(fair_repeats):
-        fair_runs.append(run_fair(size, weights, fair_s, settle, _FAIR_WINDOW.value))
-        print(
-            f"fair run {r}: "
-            + ", ".join(
-                f"{n} {c['share']:.3f} (want {c['weight_share']:.3f})"
-                for n, c in fair_runs[-1]["clients"].items()
-            ),
-            flush=True,
-        )
-    fair = summarise_fair(fair_runs)
+    fair = _run_fair_repeats(size, weights, fair_s, settle, fair_repeats)
     pw.shutdown()
     # Last, with no cluster of ours running: each child deadlocks (or not) on its own.
     jax_windows = [int(v) for v in _JAX_WINDOWS.value]
