@@ -611,6 +611,7 @@ class Host:
     # --- completions ---------------------------------------------------------------------
 
     def _done_loop(self) -> None:
+        import jax
         import numpy as np
 
         while True:
@@ -623,19 +624,18 @@ class Host:
                 self._answer(future, result)
                 continue
             status: RunFailure | None = None
-            for array in what:
-                try:
-                    array.block_until_ready()
-                except Exception as exc:
-                    lost = [peer for peer in peers if peer in self.lost_peers]
-                    status = RunFailure(
-                        "lost" if lost else "error",
-                        lost[0] if lost else None,
-                        f"host {self.index}: execution failed: {type(exc).__name__}: {exc}",
-                        _trace(exc),
-                        peers,
-                    )
-                    break
+            try:
+                # One wait for all (inside XLA), not one wake-up of this thread per array.
+                jax.block_until_ready(what)
+            except Exception as exc:
+                lost = [peer for peer in peers if peer in self.lost_peers]
+                status = RunFailure(
+                    "lost" if lost else "error",
+                    lost[0] if lost else None,
+                    f"host {self.index}: execution failed: {type(exc).__name__}: {exc}",
+                    _trace(exc),
+                    peers,
+                )
             self.runs_done += 1
             self._answer(future, status)
 
