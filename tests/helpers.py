@@ -4,6 +4,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -19,6 +20,16 @@ def assert_matches(got, want, rtol=1e-6, atol=1e-6):
         assert value.shape == w.shape, f"shape {value.shape} != {w.shape}"
         assert value.dtype == w.dtype, f"dtype {value.dtype} != {w.dtype}"
         np.testing.assert_allclose(np.asarray(value), np.asarray(w), rtol=rtol, atol=atol)
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    """Looks at ``predicate()`` every 50 ms for up to ``timeout`` seconds; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, wait_for
 
 import pathways_jax as pw
 
@@ -45,15 +45,6 @@ def _live_values(backend: str) -> int:
     if backend != "local":
         count += sum(s["values"] for s in cluster.remote.host_stats().values())
     return count
-
-
-def _wait_for(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 # --- programs -------------------------------------------------------------------------------
@@ -219,7 +210,7 @@ def test_dropping_futures_frees_values_everywhere(backend):
     outs[-1].result(timeout=60)
     assert _live_values(backend) > baseline
     del outs
-    assert _wait_for(lambda: _live_values(backend) == baseline), _live_values(backend)
+    assert wait_for(lambda: _live_values(backend) == baseline), _live_values(backend)
 
 
 def test_closing_a_client_frees_its_values_on_every_host(backend):
@@ -234,7 +225,7 @@ def test_closing_a_client_frees_its_values_on_every_host(backend):
     kept[-1].result(timeout=60)
     assert _live_values(backend) > baseline
     client.close()
-    assert _wait_for(lambda: _live_values(backend) == baseline), _live_values(backend)
+    assert wait_for(lambda: _live_values(backend) == baseline), _live_values(backend)
     with pytest.raises(pw.errors.PathwaysError, match="freed"):
         kept[0].result(timeout=10)
     # The controller keeps serving other clients.
@@ -362,7 +353,7 @@ def test_stats_account_each_client_s_programs(backend):
         usage = pw.stats()["clients"].get("stats-tenant", {})
         return usage.get("programs") == 12
 
-    assert _wait_for(settled), pw.stats()["clients"]
+    assert wait_for(settled), pw.stats()["clients"]
     stats = pw.stats()
     usage = stats["clients"]["stats-tenant"]
     assert usage["failures"] == 0 and usage["device_time_s"] > 0

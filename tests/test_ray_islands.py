@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, wait_for
 
 import pathways_jax as pw
 
@@ -29,15 +29,6 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
-
-
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def _slow(v, m, steps):
@@ -117,7 +108,7 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     step(x, 1.0)[1].result(timeout=180)  # compiled and registered everywhere
     kept_on_island0 = pw.jit(lambda v: v * 3, devices=a)(jnp.arange(4.0))
     kept_on_island1 = pw.jit(lambda v: v * 2, devices=b)(jnp.arange(4.0))
-    assert _wait_for(kept_on_island1.done, 60)
+    assert wait_for(kept_on_island1.done, 60)
     before = pw.counters()
     pids = [info["pid"] for info in cluster.remote.info]
 
@@ -134,7 +125,7 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     with pytest.raises(pw.errors.HostLostError, match="host 3"):
         kept_on_island1.result(timeout=30)
     # The island went as a unit: its other member was stopped too.
-    assert _wait_for(lambda: _gone(pids[2]), DETECTION_BOUND_S), "the lost island's other host still runs"
+    assert wait_for(lambda: _gone(pids[2]), DETECTION_BOUND_S), "the lost island's other host still runs"
     assert not _gone(pids[0]) and not _gone(pids[1])
     assert cluster.remote.lost.keys() == {1}
     assert_matches(kept_on_island0, jnp.arange(4.0) * 3)  # island 0's values are untouched
@@ -149,7 +140,7 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     assert after["lowerings"] - before["lowerings"] == 1
 
     # Ray has room (the lost hosts' bundles): the island is rebuilt on two new hosts.
-    assert _wait_for(lambda: not cluster.remote.lost and 1 not in cluster.resources.lost, 90), "not rebuilt"
+    assert wait_for(lambda: not cluster.remote.lost and 1 not in cluster.resources.lost, 90), "not rebuilt"
     new_pids = [info["pid"] for info in cluster.remote.info]
     assert new_pids[:2] == pids[:2] and not set(new_pids[2:]) & set(pids)
     c = pw.devices(mesh={"x": 2}, island=1)
