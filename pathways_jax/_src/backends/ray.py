@@ -238,6 +238,13 @@ class RemoteArray:
         self._ready = len(ready) == len(dones)
         return self._ready
 
+    def wait_ready(self, timeout: float) -> None:
+        """Returns once the value is ready or after ``timeout`` seconds (one wait inside Ray)."""
+        if not self._ready and not self.backend.closed:
+            dones = list(self.dones)
+            ready, _ = self.backend.ray.wait(dones, num_returns=len(dones), timeout=timeout)
+            self._ready = len(ready) == len(dones)
+
     def _settle(self) -> Any:
         if self._outcome is _UNSETTLED:
             outcomes = [

@@ -70,16 +70,30 @@ def block(array: Any) -> None:
         raise
 
 
-def poll(arrays: Any, stopping: Callable[[], bool], first_s: float = 5e-4, longest_s: float = 2e-3) -> None:
+def poll(
+    arrays: Any,
+    stopping: Callable[[], bool],
+    first_s: float = 5e-4,
+    longest_s: float = 2e-3,
+    blocking_s: float = 0.1,
+) -> None:
     """Waits until every array is settled or ``stopping()``, sleeping in Python between looks.
 
     For the runtime's own threads: a thread asleep in Python, unlike one
     blocked inside XLA, can be stopped at interpreter exit without aborting the
     process, so exit without ``pw.shutdown()`` stays clean whatever is running.
+    A value that can be waited for with a timeout (``wait_ready``: values on
+    Ray hosts, where each look is a call into Ray) is waited for up to
+    ``blocking_s`` at a time instead, and the wait ends when it is ready.
     """
     pause = first_s  # each look costs a thread that dispatches a GIL hand-off: look rarely
-    while not all(settled(array) for array in arrays):
-        if stopping():
+    while True:
+        waiting = next((array for array in arrays if not settled(array)), None)
+        if waiting is None or stopping():
             return
+        wait_ready = getattr(waiting, "wait_ready", None)
+        if wait_ready is not None:
+            wait_ready(blocking_s)
+            continue
         time.sleep(pause)
         pause = min(pause * 2, longest_s)
