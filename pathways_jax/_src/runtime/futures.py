@@ -19,7 +19,9 @@ def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
     if deadline is None:
         array.block_until_ready()
         return True
-    readiness.poll([array], lambda: time.monotonic() >= deadline, first_s=1e-5, longest_s=5e-3)
+    readiness.poll(
+        [array], lambda: time.monotonic() >= deadline, first_s=1e-5, longest_s=5e-3, blocking_s=5e-3
+    )
     if not readiness.settled(array):
         return False
     array.block_until_ready()  # surfaces an execution error, if any
