@@ -427,3 +427,25 @@ def test_programs_that_place_nothing_return_their_arguments_and_literals(backend
         assert_matches(got, want)
     step = pw.jit(lambda v: v * 2 + 1, devices=s)  # and the next program runs as usual
     assert_matches(step(jnp.arange(3.0)), jnp.arange(3.0) * 2 + 1)
+
+
+def test_typed_prng_keys_go_in_come_out_and_feed_later_programs(backend):
+    s = pw.devices(mesh={"x": 4})
+    split = pw.jit(lambda k: jax.random.split(k, 4), devices=s)
+    draw = pw.jit(lambda ks, v: jax.vmap(lambda k: jax.random.normal(k, (2,)))(ks) + v, devices=s)
+    key, rbg = jax.random.key(7), jax.random.key(3, impl="rbg")
+    want_keys = jax.jit(lambda k: jax.random.split(k, 4))(key)
+    keys = split(key)  # a typed key in, typed keys out (kept where they were made)
+    got_keys = keys.result(timeout=120)
+    assert got_keys.dtype == want_keys.dtype
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(got_keys)), np.asarray(jax.random.key_data(want_keys))
+    )
+    want = jax.jit(lambda ks, v: jax.vmap(lambda k: jax.random.normal(k, (2,)))(ks) + v)(
+        want_keys, jnp.ones((4, 2))
+    )
+    assert_matches(draw(keys, jnp.ones((4, 2))), want, rtol=1e-6)  # the future feeds the next program
+    noise = pw.jit(lambda k, v: jax.random.uniform(k, v.shape) + v, devices=s)
+    assert_matches(
+        noise(rbg, jnp.zeros(8)), jax.jit(lambda k, v: jax.random.uniform(k, v.shape) + v)(rbg, jnp.zeros(8))
+    )

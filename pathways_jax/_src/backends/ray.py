@@ -56,6 +56,7 @@ from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.base import StepFailed, Window
 from pathways_jax._src.backends.ray_host import (
     ExecOp,
+    KeyData,
     NamedDesc,
     Op,
     Piece,
@@ -269,7 +270,7 @@ class RemoteArray:
             self.block_until_ready()
             if self.key is None:  # a completion marker: no value of its own
                 raise errors.PathwaysError(f"{self!r} holds no value to fetch.")
-            data = self.backend.fetch(self.hosts, self.key, self.aval, self.generation)
+            data = self.backend.fetch(self.hosts, self.key, self.generation)
             counters.bump("fetches")
             self._value = jax.device_put(data, self.sharding)
         return self._value
@@ -345,7 +346,7 @@ class RemotePlan:
             kind, source = data_src[slot]
             for host in placed.hosts:
                 if kind == "const":
-                    part(host).constants[slot] = (np.asarray(plan.template[source]), placed.desc)
+                    part(host).constants[slot] = (ray_host.to_wire(plan.template[source]), placed.desc)
                 else:
                     part(host).data.append((source, slot, placed.desc))
             slot_hosts[slot], slot_sharding[slot] = placed.hosts, sharding
@@ -471,6 +472,22 @@ class RemotePlan:
                 part(source).ops.append(PostOp(step.src, host, offset, tuple(pieces), str(dtype)))
                 parts.append((source, offset, tuple(pieces)))
             part(host).ops.append(PullOp(step.dst, step.src, tuple(parts), shape, str(dtype), dst.desc))
+
+
+def _assemble(results: list) -> Any:
+    """One numpy array from the hosts' answers: one host's whole array, or every host's shards."""
+    for result in results:
+        if isinstance(result, np.ndarray):  # a host holding all of it
+            return result
+    parts = [part for result in results for part in result.parts]
+    # The raw data of typed keys has trailing dimensions the keys' shape does not: read them off.
+    shape = tuple(
+        max(stop for (_, stop) in dims) for dims in zip(*(bounds for bounds, _ in parts), strict=True)
+    )
+    whole = np.empty(shape, dtype=parts[0][1].dtype)
+    for bounds, data in parts:
+        whole[tuple(slice(start, stop) for start, stop in bounds)] = data
+    return whole
 
 
 def _overlap(a: tuple, b: tuple) -> bool:
@@ -796,7 +813,7 @@ class RayBackend:
                         )
                     feeds.append((slot, "value", value.key))
                 for source, slot, desc in hp.data:
-                    feeds.append((slot, "data", (np.asarray(env[source]), desc)))
+                    feeds.append((slot, "data", (ray_host.to_wire(env[source]), desc)))
                 messages[host] = (feeds, [(slot, keys[slot]) for slot in hp.keep])
             base = self._take_uuids(remote.uuids)
             for host, (feeds, keep) in messages.items():
@@ -875,7 +892,7 @@ class RayBackend:
                     return
                 logging.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
 
-    def fetch(self, hosts: tuple[int, ...], key: int, aval: Any, generation: int) -> np.ndarray:
+    def fetch(self, hosts: tuple[int, ...], key: int, generation: int) -> Any:
         """A kept value as a numpy array: from its host, or pieced together from its hosts' shards."""
         if self._closed:
             raise errors.ClusterError(_CLOSED)
@@ -884,7 +901,7 @@ class RayBackend:
             if island in self.lost or generation != self._generation[island]:
                 raise errors.HostLostError(self._lost_message(island, "a value"))
             refs = [self._message(host, "fetch", key) for host in hosts]
-        results = []
+        results: list[Any] = []
         for host, ref in zip(hosts, refs, strict=True):
             try:
                 result = self.ray.get(ref, timeout=_CALL_TIMEOUT_S)
@@ -893,22 +910,18 @@ class RayBackend:
                     self.mark_lost(host, str(exc), generation)
                     raise errors.HostLostError(self._lost_message(island, "a value")) from exc
                 raise
-            if not isinstance(result, np.ndarray | Shards):
+            if not isinstance(result, np.ndarray | Shards | KeyData):
                 raise with_remote_traceback(
                     errors.ProgramFailedError(f"fetching a value from host {host} failed: {result.message}"),
                     host,
                     getattr(result, "trace", ""),
                 )
             results.append(result)
-        if len(results) == 1 and isinstance(results[0], np.ndarray):
-            return results[0]
-        whole = np.empty(aval.shape, dtype=aval.dtype)
-        for result in results:
-            if isinstance(result, np.ndarray):  # a host holding all of it
-                return result
-            for bounds, data in result.parts:
-                whole[tuple(slice(start, stop) for start, stop in bounds)] = data
-        return whole
+        keys = [result for result in results if isinstance(result, KeyData)]
+        if not keys:
+            return _assemble(results)
+        # Typed keys: their raw data came, pieced together, then wrapped again.
+        return jax.random.wrap_key_data(_assemble([k.data for k in keys]), impl=keys[0].impl)
 
     def outcome(self, host: int, done: Any, generation: int) -> BaseException | None:
         """None if a host's part of a run completed, else the error its values raise.

@@ -178,6 +178,37 @@ def sharding_of(desc: ShardingDesc, devices: list) -> Any:
     return jax.sharding.NamedSharding(jax.sharding.Mesh(grid, desc.axis_names), desc.spec)
 
 
+class KeyData(NamedTuple):
+    """Typed PRNG keys on their way between the controller and a host: raw data and implementation.
+
+    ``data``: ``jax.random.key_data`` of the keys (numpy, or a host's
+    :class:`Shards` of it); ``impl``: the implementation's name
+    (``"threefry2x32"``, ``"rbg"``, ...), for ``jax.random.wrap_key_data``.
+    """
+
+    data: Any
+    impl: str
+
+
+def to_wire(value: Any) -> Any:
+    """``value`` as Ray ships it: a numpy array, or :class:`KeyData` for typed keys."""
+    import jax
+    import numpy as np
+
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.extended):
+        return KeyData(np.asarray(jax.random.key_data(value)), str(jax.random.key_impl(value)))
+    return np.asarray(value)
+
+
+def from_wire(data: Any) -> Any:
+    """What :func:`to_wire` made, as a value again (typed keys wrapped back)."""
+    if isinstance(data, KeyData):
+        import jax
+
+        return jax.random.wrap_key_data(data.data, impl=data.impl)
+    return data
+
+
 def place(data: Any, sharding: Any) -> Any:
     """``data`` (numpy, or an array on this host) put on ``sharding``, which may span hosts.
 
@@ -412,7 +443,10 @@ class Host:
                 in_shardings=tuple(sharding_of(d, devices) for d in in_descs),
                 out_shardings=tuple(sharding_of(d, devices) for d in out_descs),
             )
-        placed = {slot: place(data, sharding_of(desc, devices)) for slot, (data, desc) in constants.items()}
+        placed = {
+            slot: place(from_wire(data), sharding_of(desc, devices))
+            for slot, (data, desc) in constants.items()
+        }
         self.plans[key] = (ops, placed)
 
     def _forget(self, key: int) -> None:
@@ -453,7 +487,7 @@ class Host:
                     env[slot] = self.values[payload]
                 else:
                     data, desc = payload
-                    env[slot] = place(data, self._sharding(desc))
+                    env[slot] = place(from_wire(data), self._sharding(desc))
                     self.fed += 1
             for index, op in enumerate(ops):
                 step = index
@@ -642,7 +676,14 @@ class Host:
 
 
 def _readable(value: Any, np: Any) -> Any:
-    """A kept value for the controller: a numpy array, or this host's distinct shards of it."""
+    """A kept value for the controller: a numpy array, or this host's distinct shards of it.
+
+    Typed keys go as :class:`KeyData` around their raw data's.
+    """
+    import jax
+
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+        return KeyData(_readable(jax.random.key_data(value), np), str(jax.random.key_impl(value)))
     if value.is_fully_addressable:
         return np.asarray(value)
     return Shards(
