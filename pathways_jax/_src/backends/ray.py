@@ -216,11 +216,6 @@ class RemoteArray:
         self._value: jax.Array | None = None
 
     @property
-    def host(self) -> int:
-        """The (first) host holding the value."""
-        return self.hosts[0]
-
-    @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.aval.shape)
 
