@@ -16,9 +16,15 @@ from jax.sharding import PartitionSpec as P
 from pathways_jax import errors as errors
 from pathways_jax._src.api.placed_jit import JitFunction as JitFunction
 from pathways_jax._src.api.placed_jit import jit as jit
+from pathways_jax._src.api.sharing import receive as receive
+from pathways_jax._src.api.sharing import share as share
 from pathways_jax._src.api.stats import stats as stats
 from pathways_jax._src.api.tracing import Program as Program
 from pathways_jax._src.api.tracing import program as program
+from pathways_jax._src.backends.service import Handle as Handle
+from pathways_jax._src.backends.service import Service as Service
+from pathways_jax._src.backends.service import serve as serve
+from pathways_jax._src.backends.service import service as service
 from pathways_jax._src.core.counts import counters as counters
 from pathways_jax._src.core.counts import reset_counters as reset_counters
 from pathways_jax._src.core.timeline import start_trace as start_trace
@@ -45,10 +51,12 @@ __all__ = [
     "Cluster",
     "Future",
     "Graph",
+    "Handle",
     "JitFunction",
     "Node",
     "P",
     "Program",
+    "Service",
     "Transfer",
     "VirtualSlice",
     "client",
@@ -60,7 +68,11 @@ __all__ = [
     "jit",
     "plot_timeline",
     "program",
+    "receive",
     "reset_counters",
+    "serve",
+    "service",
+    "share",
     "shutdown",
     "start_trace",
     "stats",

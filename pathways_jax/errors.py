@@ -1,5 +1,6 @@
 """The errors pathways_jax raises: ``import pathways_jax as pw; pw.errors.ResourceError``."""
 
+from pathways_jax._src.core.errors import AccessError as AccessError
 from pathways_jax._src.core.errors import BackPressureTimeout as BackPressureTimeout
 from pathways_jax._src.core.errors import ClusterError as ClusterError
 from pathways_jax._src.core.errors import FutureTimeoutError as FutureTimeoutError
@@ -13,6 +14,7 @@ from pathways_jax._src.core.errors import TimelineError as TimelineError
 from pathways_jax._src.core.errors import TransferError as TransferError
 
 __all__ = [
+    "AccessError",
     "BackPressureTimeout",
     "ClusterError",
     "FutureTimeoutError",

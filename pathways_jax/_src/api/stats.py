@@ -30,6 +30,12 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
         ``"(closed clients)"`` (``CLOSED_CLIENTS``), with the same fields and
         ``clients``, how many closed clients it sums; runs of theirs that
         finish after the close are counted there too.
+      - ``service`` (only in a client process of a controller service,
+        ``pw.init(service=...)``): the service's stats: every client process
+        (``name``, ``pid``, ``alive``, ``programs``, ``runs``, ``failures``,
+        ``refused``, ``device_time_s``, ``by_client``, ``bytes_held``,
+        ``values``, ``slices``), its ``scheduler``, ``window``, ``bytes_held``
+        and ``memory_budget``.
 
     Raises:
       ClusterError: ``pw.shutdown()`` ended the cluster and ``pw.init`` was not
@@ -95,13 +101,17 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
     for name, count in controller.queued_by_client_name().items():
         entry = clients.setdefault(name, {"device_time_s": 0.0, "programs": 0, "failures": 0, "queued": 0})
         entry["queued"] += count
-    return {
+    out = {
         "elapsed_s": elapsed,
         "scheduler": cl.scheduler,
         "devices": devices,
         "islands": islands,
         "clients": clients,
     }
+    service_stats = getattr(cl.remote, "service_stats", None)
+    if service_stats is not None:  # a client process of a controller service: the service's view too
+        out["service"] = service_stats()
+    return out
 
 
 __all__ = ["CLOSED_CLIENTS", "stats"]

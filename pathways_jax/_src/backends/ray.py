@@ -63,6 +63,7 @@ from pathways_jax._src.backends.ray_host import (
     PostOp,
     PullOp,
     PutOp,
+    Refused,
     Role,
     RunFailure,
     ShardingDesc,
@@ -129,6 +130,15 @@ def with_remote_traceback(exc: BaseException, host: int, trace: str) -> BaseExce
     if trace:
         exc.add_note(f"remote traceback (host {host}):\n{trace.rstrip()}")
     return exc
+
+
+def refusal(refused: Refused) -> BaseException:
+    """The error a controller service's refusal raises here."""
+    if refused.kind == "memory":
+        return errors.BackPressureTimeout(refused.message)
+    if refused.kind == "gone":
+        return errors.ClusterError(refused.message)
+    return errors.AccessError(refused.message)
 
 
 def is_lost_error(exc: BaseException) -> bool:
@@ -227,7 +237,7 @@ class RemoteArray:
         return False
 
     def is_ready(self) -> bool:
-        if self._ready or self.backend.closed:
+        if self._ready or self.backend.closed or not self.dones:  # no dones: made before this process had it
             return True
         dones = list(self.dones)
         ready, _ = self.backend.ray.wait(dones, num_returns=len(dones), timeout=0)
@@ -236,17 +246,22 @@ class RemoteArray:
 
     def wait_ready(self, timeout: float) -> None:
         """Returns once the value is ready or after ``timeout`` seconds (one wait inside Ray)."""
-        if not self._ready and not self.backend.closed:
+        if not self._ready and not self.backend.closed and self.dones:
             dones = list(self.dones)
             ready, _ = self.backend.ray.wait(dones, num_returns=len(dones), timeout=timeout)
             self._ready = len(ready) == len(dones)
 
     def _settle(self) -> Any:
         if self._outcome is _UNSETTLED:
-            outcomes = [
-                self.backend.outcome(host, done, self.generation)
-                for host, done in zip(self.hosts, self.dones, strict=True)
-            ]
+            # No dones: a value another client process made (pw.receive); the service says if it may be read.
+            outcomes = (
+                [
+                    self.backend.outcome(host, done, self.generation)
+                    for host, done in zip(self.hosts, self.dones, strict=True)
+                ]
+                if self.dones
+                else []
+            )
             failed = [o for o in outcomes if o is not None]
             # A lost host explains its peers' failures: say that one.
             lost = [o for o in failed if isinstance(o, errors.HostLostError)]
@@ -519,39 +534,11 @@ class RayBackend:
         replace_lost: bool = True,
     ):
         ray = _import_ray()
-        self.ray = ray
-        self.layout = Layout(hosts, devices_per_host, hosts // (islands or hosts))
-        self.hosts = hosts
-        self.devices_per_host = devices_per_host
-        self.platform = platform
-        # Computations are exported for the hosts' platform (the controller lowers on CPU).
-        self.export_platforms = ("cpu",) if platform == "cpu" else ("cpu", "cuda")
-        self.standins = standins
-        per = self.layout.per_island
-        # stand-in id -> (island, position among the island's devices, host)
-        self._where = {
-            d.id: (i // (per * devices_per_host), i % (per * devices_per_host), i // devices_per_host)
-            for i, d in enumerate(standins)
-        }
-        self.on_lost = on_lost  # set by the cluster: called with a lost island
-        # Set by the cluster: frees the store's values whose futures went, so that
-        # their handles go and the hosts hear of it even when no program runs.
-        self.collect: Any = None
-        self._lock = threading.Lock()  # message numbering and sending
-        self._seq = [0] * hosts
-        self._known: list[set] = [set() for _ in range(hosts)]  # plan keys each host has
-        self._fingerprints: list[set] = [set() for _ in range(hosts)]
-        self._dropped: list[collections.deque] = [collections.deque() for _ in range(hosts)]
-        self._keys = itertools.count()
-        self._next_uuid = 0  # transfer uuids, handed out per run
-        self.lost: dict[int, str] = {}  # island -> why
-        self.lost_hosts: dict[int, str] = {}  # host -> why (every host of a lost island)
-        self._lost_before: dict[int, str] = {}  # island -> why it was lost last (rebuilt since or not)
-        self._generation = [0] * self.layout.islands  # bumped when an island is rebuilt
+        self._common(
+            ray, Layout(hosts, devices_per_host, hosts // (islands or hosts)), platform, standins, on_lost
+        )
         # A lost island is rebuilt on new hosts (in the same bundles) when Ray has room.
         self.replace_lost = replace_lost
-        self.on_restored: Any = None  # set by the cluster: called with a rebuilt island
-        self._closed = False
         if not ray.is_initialized():
             import os
 
@@ -585,7 +572,7 @@ class RayBackend:
                 "Ask for fewer hosts, or add nodes to the Ray cluster."
             ) from exc
         # Each host of an island of several bounds its executables in flight lower.
-        self._host_window = window if per == 1 else min(window, CROSS_HOST_WINDOW)
+        self._host_window = window if self.layout.per_island == 1 else min(window, CROSS_HOST_WINDOW)
         self._x64 = bool(jax.config.read("jax_enable_x64"))
         self._strategy = PlacementGroupSchedulingStrategy
         self._actor_class = ray.remote(ray_host.Host)
@@ -604,6 +591,41 @@ class RayBackend:
         ]
         for thread in self._threads:
             thread.start()
+
+    def _common(self, ray: Any, layout: Layout, platform: str, standins: list, on_lost: Any) -> None:
+        """The state every controller side keeps, whether it starts the hosts or a service owns them."""
+        self.ray = ray
+        self.layout = layout
+        hosts = self.hosts = layout.hosts
+        devices_per_host = self.devices_per_host = layout.devices_per_host
+        self.platform = platform
+        # Computations are exported for the hosts' platform (the controller lowers on CPU).
+        self.export_platforms = ("cpu",) if platform == "cpu" else ("cpu", "cuda")
+        self.standins = standins
+        per = layout.per_island
+        # stand-in id -> (island, position among the island's devices, host)
+        self._where = {
+            d.id: (i // (per * devices_per_host), i % (per * devices_per_host), i // devices_per_host)
+            for i, d in enumerate(standins)
+        }
+        self.on_lost = on_lost  # set by the cluster: called with a lost island
+        # Set by the cluster: frees the store's values whose futures went, so that
+        # their handles go and the hosts hear of it even when no program runs.
+        self.collect: Any = None
+        self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
+        self._lock = threading.Lock()  # message numbering and sending
+        self._seq = [0] * hosts
+        self._known: list[set] = [set() for _ in range(hosts)]  # plan keys each host has
+        self._fingerprints: list[set] = [set() for _ in range(hosts)]
+        self._dropped: list[collections.deque] = [collections.deque() for _ in range(hosts)]
+        self._keys = itertools.count()
+        self._next_uuid = 0  # transfer uuids, handed out per run
+        self.lost: dict[int, str] = {}  # island -> why
+        self.lost_hosts: dict[int, str] = {}  # host -> why (every host of a lost island)
+        self._lost_before: dict[int, str] = {}  # island -> why it was lost last (rebuilt since or not)
+        self._generation = [0] * layout.islands  # bumped when an island is rebuilt
+        self.on_restored: Any = None  # set by the cluster: called with a rebuilt island
+        self._closed = False
 
     def _new_actor(self, host: int) -> Any:
         """A host actor for host ``host``, in its bundle of the placement group."""
@@ -811,18 +833,25 @@ class RayBackend:
                     feeds.append((slot, "data", (ray_host.to_wire(env[source]), desc)))
                 messages[host] = (feeds, [(slot, keys[slot]) for slot in hp.keep])
             base = self._take_uuids(remote.uuids)
+            # The run's messages, every host's at once: the hosts of an island must
+            # all see them at the same place in their order.
+            batch: list[tuple[int, str, tuple]] = []
+            runs: dict[int, int] = {}  # host -> index of its run message in the batch
             for host, (feeds, keep) in messages.items():
                 hp = remote.parts[host]
                 if remote.key not in self._known[host]:
                     have = self._fingerprints[host]
                     blobs = {f: b for f, b in hp.blobs.items() if f not in have}
-                    self._message(host, "register", remote.key, hp.ops, hp.constants, blobs)
+                    batch.append((host, "register", (remote.key, hp.ops, hp.constants, blobs)))
                     have.update(blobs)
                     self._known[host].add(remote.key)
                 frees = self._take_dropped(host)
-                done = self._message(host, "run", remote.key, run.id, base, feeds, keep, frees)
+                runs[host] = len(batch)
+                batch.append((host, "run", (remote.key, run.id, base, feeds, keep, frees)))
+            refs = self._send_run(batch, run, remote)
+            for host, index in runs.items():
                 generation = generations[self.layout.island_of(host)]
-                markers[host] = RemoteArray(self, (host,), None, None, None, (done,), generation)
+                markers[host] = RemoteArray(self, (host,), None, None, None, (refs[index],), generation)
         outputs: dict[int, RemoteArray] = {}
         for slot, key in keys.items():
             out = plan.slot_outputs[slot]
@@ -831,6 +860,10 @@ class RayBackend:
             generation = markers[hosts[0]].generation
             outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones, generation)
         return outputs, markers
+
+    def _send_run(self, batch: list[tuple[int, str, tuple]], run: Any, remote: RemotePlan) -> list:
+        """Sends a run's messages (host, kind, args) in order; their answers' refs. Call with ``_lock`` held."""
+        return [self._message(host, kind, *args) for host, kind, args in batch]
 
     def _take_uuids(self, count: int) -> int:
         """The first of ``count`` fresh transfer uuids; call with ``_lock`` held."""
@@ -901,10 +934,12 @@ class RayBackend:
             try:
                 result = self.ray.get(ref, timeout=_CALL_TIMEOUT_S)
             except Exception as exc:
-                if is_lost_error(exc):
-                    self.mark_lost(host, str(exc), generation)
-                    raise errors.HostLostError(self._lost_message(island, "a value")) from exc
+                lost = self._loss(host, exc, generation, "a value")
+                if lost is not None:
+                    raise lost from exc
                 raise
+            if isinstance(result, Refused):
+                raise refusal(result)
             if not isinstance(result, np.ndarray | Shards | KeyData):
                 raise with_remote_traceback(
                     errors.ProgramFailedError(f"fetching a value from host {host} failed: {result.message}"),
@@ -934,12 +969,14 @@ class RayBackend:
                     return errors.ClusterError(_CLOSED)
             status = self.ray.get(done)
         except Exception as exc:
-            if is_lost_error(exc):
-                self.mark_lost(host, str(exc), generation)
-                return errors.HostLostError(self._lost_message(island, "a run"))
+            lost = self._loss(host, exc, generation, "a run")
+            if lost is not None:
+                return lost
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
         if status is None:
             return None
+        if isinstance(status, Refused):  # the controller service refused the run: it touched nothing
+            return refusal(status)
         if not isinstance(status, RunFailure):  # a message that failed before its run began
             return with_remote_traceback(
                 errors.ProgramFailedError(f"host {host} failed: {getattr(status, 'message', status)}"),
@@ -957,6 +994,13 @@ class RayBackend:
         if gone is not None:
             return errors.HostLostError(self._lost_message(gone, f"a run on host {host}"))
         return with_remote_traceback(errors.ProgramFailedError(status.message), host, status.trace)
+
+    def _loss(self, host: int, exc: BaseException, generation: int, what: str) -> BaseException | None:
+        """The error for a wait on ``host`` that raised ``exc``: HostLostError if the host died, else None."""
+        if not is_lost_error(exc):
+            return None
+        self.mark_lost(host, str(exc), generation)
+        return errors.HostLostError(self._lost_message(self.layout.island_of(host), what))
 
     def _health_check(self, hosts: set[int]) -> int | None:
         """The island of the first of ``hosts`` found dead (marked lost), or None if all answer or are busy."""

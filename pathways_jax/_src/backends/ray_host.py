@@ -150,6 +150,13 @@ class RunFailure(NamedTuple):
     peers: tuple[int, ...] = ()  # the hosts this run pulled values from
 
 
+class Refused(NamedTuple):
+    """The controller service's answer to a message it would not forward (a handle not the sender's)."""
+
+    message: str
+    kind: str = "access"  # "access": a handle not the sender's; "memory": over budget; "gone": client left
+
+
 class Role(NamedTuple):
     """A host's place in its island, sent with ``setup``.
 

@@ -7,6 +7,7 @@ fitting built-in exception, so ``except ValueError`` keeps working.
 from __future__ import annotations
 
 __all__ = [
+    "AccessError",
     "BackPressureTimeout",
     "ClusterError",
     "FutureTimeoutError",
@@ -55,6 +56,15 @@ class HostLostError(ProgramFailedError):
     Raised by ``Future.result()``; the message names the host. Slices that
     lived on it are moved to surviving hosts where they fit, so the next call
     of the program runs there (lowered again, not traced again).
+    """
+
+
+class AccessError(PathwaysError, PermissionError):
+    """A client process used a value handle that is not its own (nor shared with it), or one freed since.
+
+    Raised by the controller service (``pw.serve``); the run or fetch that
+    carried the handle touched nothing. Ask the value's owner to
+    ``pw.share`` it with this client, or use a live handle.
     """
 
 

@@ -66,6 +66,11 @@ def _array_property(name: str) -> property:
     )
 
 
+# Failures a future raises as their own type, not as ProgramFailedError: a lost
+# host, a refused handle (controller service), memory back-pressure.
+_KEPT_TYPES = (errors.HostLostError, errors.AccessError, errors.BackPressureTimeout)
+
+
 class Future:
     """A value a program is computing, living on the devices of a slice.
 
@@ -166,6 +171,9 @@ class Future:
             original exception is chained.
           BackPressureTimeout: the run waited for device memory longer than
             ``pw.init(backpressure_timeout=...)``.
+          HostLostError: a Ray host the value lived on (or came from) died.
+          AccessError: a controller service refused the run: it read a value
+            handle that is not this process's (nor shared with it), or one freed.
         """
         entry = self._entry
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -175,8 +183,8 @@ class Future:
             case Ready(array):
                 try:
                     ready = _wait_ready(array, deadline)
-                except errors.HostLostError as exc:
-                    raise errors.HostLostError(f"{entry.origin}: {exc}") from exc
+                except _KEPT_TYPES as exc:  # kept as they are: what went wrong is not the program's doing
+                    raise type(exc)(f"{entry.origin}: {exc}") from exc
                 except Exception as exc:
                     raise errors.ProgramFailedError(f"{entry.origin} failed while executing: {exc}") from exc
                 if not ready:
@@ -190,10 +198,8 @@ class Future:
                         raise errors.ProgramFailedError(f"fetching {entry.origin} failed: {exc}") from exc
                 return array
             case Failed(message, cause):
-                if isinstance(cause, errors.BackPressureTimeout):
-                    raise errors.BackPressureTimeout(message) from cause
-                if isinstance(cause, errors.HostLostError):
-                    raise errors.HostLostError(message) from cause
+                if isinstance(cause, _KEPT_TYPES):
+                    raise type(cause)(message) from cause
                 raise errors.ProgramFailedError(message) from cause
             case Freed():
                 raise errors.PathwaysError(f"the value of {entry.origin} was freed.")

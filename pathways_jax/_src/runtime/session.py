@@ -52,12 +52,15 @@ class InitArgs:
     devices_per_host: int
     platform: str = "cpu"
     replace_lost_hosts: bool = True
+    service: str | None = None
+    client_name: str | None = None
 
     def describe(self) -> str:
         """The arguments as a ``pw.init(...)`` call would spell them."""
         where = (
             f", address={self.address!r}, hosts={self.hosts!r}, devices_per_host={self.devices_per_host!r}, "
-            f"platform={self.platform!r}, replace_lost_hosts={self.replace_lost_hosts!r}"
+            f"platform={self.platform!r}, replace_lost_hosts={self.replace_lost_hosts!r}, "
+            f"service={self.service!r}, client_name={self.client_name!r}"
             if self.backend == "ray"
             else ""
         )
@@ -214,6 +217,10 @@ class Cluster:
         with self._slices_lock:
             self._slices.add(slice_)
 
+    def slice_devices(self) -> dict[int, list[int]]:
+        """Each live slice's device ids, by slice id."""
+        return {s.id: [d.id for d in s.devices] for s in self.live_slices()}
+
     def live_slices(self) -> list:
         """The slices of this cluster not released yet, by id."""
         with self._slices_lock:
@@ -257,6 +264,8 @@ def init(
     devices_per_host: int = 1,
     platform: Literal["cpu", "gpu"] = "cpu",
     replace_lost_hosts: bool = True,
+    service: str | None = None,
+    client_name: str | None = None,
 ) -> Cluster:
     """Starts the cluster this process runs programs on.
 
@@ -311,6 +320,14 @@ def init(
         it the island's other hosts) is rebuilt on new hosts in the same
         placement-group bundles when Ray has room for them, and placed on
         again. ``False``: it stays out of placement.
+      service: Ray backend: join the controller service of this name
+        (``pw.serve``) in the Ray cluster at ``address`` instead of starting
+        hosts: this process becomes one of the service's client processes,
+        sharing its hosts with the others. ``hosts``, ``devices_per_host``
+        and ``islands`` come from the service (give them only to check them).
+      client_name: with ``service``: this process's name in the service's
+        stats and for ``pw.share(future, client=...)`` (default
+        ``"<hostname>:<pid>"``).
 
     Returns:
       The :class:`Cluster`. Calling ``init`` again with the same arguments
@@ -344,6 +361,8 @@ def init(
             devices_per_host=devices_per_host,
             platform=platform,
             replace_lost_hosts=replace_lost_hosts,
+            service=service,
+            client_name=client_name,
         )
     )
     with _lock:
@@ -387,6 +406,7 @@ def init(
         _shut_down = False
         if remote is not None:
             remote.collect = _current.store.collect
+            remote.slices_of = _current.slice_devices
             # Ray registered its own exit hook when it started; exit hooks run last
             # first, so this one stops the controller and the hosts while Ray still runs.
             atexit.register(_shutdown_at_exit)
@@ -442,14 +462,30 @@ def _checked(args: InitArgs) -> InitArgs:
             "pass backend='ray' with them, or leave them out for the local backend (it uses this "
             "process's JAX devices)."
         )
+    if args.service is not None and (
+        args.backend != "ray" or not isinstance(args.service, str) or not args.service
+    ):
+        raise errors.ClusterError(
+            f"service={args.service!r}: a controller service is joined with pw.init(backend='ray', "
+            "address=..., service='<name>'), its name a non-empty string."
+        )
+    if args.client_name is not None and (
+        args.service is None or not isinstance(args.client_name, str) or not args.client_name
+    ):
+        raise errors.ClusterError(
+            f"client_name={args.client_name!r}: it names this process in a controller service; pass a "
+            "non-empty string together with service='<name>'."
+        )
     if args.platform not in ("cpu", "gpu"):
         raise errors.ClusterError(f"platform must be 'cpu' or 'gpu', got {args.platform!r}.")
     if not isinstance(args.replace_lost_hosts, bool):
         raise errors.ClusterError(
             f"replace_lost_hosts must be True or False, got {args.replace_lost_hosts!r}."
         )
-    if args.backend == "ray" and (
-        isinstance(args.hosts, bool) or not isinstance(args.hosts, numbers.Integral) or args.hosts < 1
+    if (
+        args.backend == "ray"
+        and (args.service is None or args.hosts is not None)
+        and (isinstance(args.hosts, bool) or not isinstance(args.hosts, numbers.Integral) or args.hosts < 1)
     ):
         raise errors.ClusterError(
             f"pw.init(backend='ray') needs hosts=N, a positive int (one host actor per island); "
@@ -503,20 +539,42 @@ def _check_budget(memory_budget: object) -> None:
         raise errors.ClusterError(f"a fractional memory_budget must be in (0, 1], got {memory_budget!r}.")
 
 
-def _start_ray(args: InitArgs) -> Any:
-    """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
-    devices_per_host, islands, num_cpu_devices = args.devices_per_host, args.islands, args.num_cpu_devices
-    hosts = args.hosts or 0  # an int >= 1 (checked)
-    if islands is not None and (not isinstance(islands, int) or islands < 1 or hosts % islands):
-        raise errors.ClusterError(
-            f"on the Ray backend islands= is None (each host is an island) or a number of islands "
-            f"that divides hosts={hosts} (islands of hosts/islands hosts each); got islands={islands!r}."
+def _join_service(args: InitArgs) -> Any:
+    """Joins the controller service ``args.service``: its hosts, seen through stand-in devices here."""
+    from pathways_jax._src.backends import service as service_lib
+
+    actor, token, joined = service_lib.join(args.service or "", args.address, args.client_name)
+    hosts, per_host, per_island = joined["hosts"], joined["devices_per_host"], joined["per_island"]
+    asked = {"hosts": args.hosts, "islands": args.islands}
+    has = {"hosts": hosts, "islands": hosts // per_island}
+    wrong = [f"{k}={asked[k]!r} (the service has {has[k]})" for k in asked if asked[k] not in (None, has[k])]
+    if args.devices_per_host not in (1, per_host):
+        wrong.append(f"devices_per_host={args.devices_per_host!r} (the service has {per_host})")
+    try:
+        if wrong:
+            raise errors.ClusterError(
+                f"pw.init(service={args.service!r}): {', '.join(wrong)}. Leave them out to take the service's."
+            )
+        standins = _standins(
+            hosts * per_host, args.num_cpu_devices, f"the service's {hosts} x {per_host} devices"
         )
-    total = hosts * devices_per_host
+        return service_lib.ServiceBackend(
+            actor=actor, token=token, joined=joined, standins=standins, on_lost=None
+        )
+    except BaseException:
+        import ray
+
+        ray.get(actor.leave.remote(joined["client"]), timeout=10)
+        ray.kill(token)
+        raise
+
+
+def _standins(total: int, num_cpu_devices: int | None, what: str) -> list:
+    """``total`` CPU devices of this process standing in for the hosts' devices."""
     if num_cpu_devices is not None and num_cpu_devices < total:
         raise errors.ClusterError(
-            f"num_cpu_devices={num_cpu_devices} is fewer than the {total} stand-in devices that "
-            f"hosts={hosts} x devices_per_host={devices_per_host} need in this process."
+            f"num_cpu_devices={num_cpu_devices} is fewer than the {total} stand-in devices that {what} "
+            "need in this process."
         )
     if not local._backend_started():
         # Never fewer CPU devices than the process already asked JAX for.
@@ -525,18 +583,34 @@ def _start_ray(args: InitArgs) -> Any:
     standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
     if len(standins) < total:
         raise errors.ClusterError(
-            f"hosts={hosts} x devices_per_host={devices_per_host} needs {total} CPU devices in this "
-            f"process to stand in for the hosts' devices, but JAX started with {len(standins)}. Call "
-            f"pw.init before any JAX computation, or set jax.config.update('jax_num_cpu_devices', {total}) "
-            "first."
+            f"{what} need {total} CPU devices in this process to stand in for them, but JAX started with "
+            f"{len(standins)}. Call pw.init before any JAX computation, or set "
+            f"jax.config.update('jax_num_cpu_devices', {total}) first."
         )
+    return standins[:total]
+
+
+def _start_ray(args: InitArgs) -> Any:
+    """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
+    if args.service is not None:
+        return _join_service(args)
+    devices_per_host, islands, num_cpu_devices = args.devices_per_host, args.islands, args.num_cpu_devices
+    hosts = args.hosts or 0  # an int >= 1 (checked)
+    if islands is not None and (not isinstance(islands, int) or islands < 1 or hosts % islands):
+        raise errors.ClusterError(
+            f"on the Ray backend islands= is None (each host is an island) or a number of islands "
+            f"that divides hosts={hosts} (islands of hosts/islands hosts each); got islands={islands!r}."
+        )
+    standins = _standins(
+        hosts * devices_per_host, num_cpu_devices, f"hosts={hosts} x devices_per_host={devices_per_host}"
+    )
     from pathways_jax._src.backends import ray as ray_backend
 
     return ray_backend.RayBackend(
         address=args.address,
         hosts=hosts,
         devices_per_host=devices_per_host,
-        standins=standins[:total],
+        standins=standins,
         window=args.max_in_flight,
         on_lost=None,
         islands=islands,

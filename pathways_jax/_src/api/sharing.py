@@ -1,0 +1,103 @@
+"""``pw.share`` and ``pw.receive``: values passed between client processes of a controller service."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import clients
+from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.object_store import Failed, Owner, Ready
+
+_SHARE_TIMEOUT_S = 60.0
+_received = itertools.count()
+
+
+def _service_backend(what: str) -> Any:
+    from pathways_jax._src.backends.service import ServiceBackend
+    from pathways_jax._src.runtime import session
+
+    backend = session.cluster().remote
+    if not isinstance(backend, ServiceBackend):
+        raise errors.ClusterError(
+            f"{what} passes values between client processes of a controller service; this process "
+            "did not join one. Start one with pw.serve(...) and join it with "
+            "pw.init(backend='ray', address=..., service='<name>')."
+        )
+    return backend
+
+
+def share(future: Future, client: str | None = None, *, timeout: float | None = _SHARE_TIMEOUT_S) -> Any:
+    """A handle to ``future``'s value that another client process of the service may use.
+
+    Args:
+      future: a future of this process (of a program run on the service's hosts).
+      client: the client process allowed to read it: its ``client_name``
+        (``pw.init(..., client_name=...)``) or its id in the service's stats.
+        ``None``: nobody else (the handle names the value, and only this
+        process may use it).
+      timeout: seconds to wait for the run making the value to be sent to
+        the hosts.
+
+    Returns:
+      A picklable :class:`pw.Handle`; the other process calls
+      ``pw.receive(handle)``. The value lives while this process's future or
+      the receiver's does.
+
+    Raises:
+      ClusterError: this process did not join a controller service.
+      AccessError: the value is not on the hosts (freed, or its run failed), or
+        no client process of that name is connected.
+      TypeError: ``future`` is not a ``pw.Future``.
+    """
+    from pathways_jax._src.backends import service as service_lib
+
+    backend = _service_backend("pw.share")
+    if not isinstance(future, Future):
+        raise TypeError(f"pw.share takes a pw.Future, got {type(future).__name__}.")
+    entry = future._entry
+    if not future._store.wait_settled(entry, timeout):
+        raise errors.FutureTimeoutError(
+            f"pw.share: {entry.origin} was not sent to the hosts within {timeout}s."
+        )
+    state = entry.state
+    if isinstance(state, Failed):
+        raise errors.ProgramFailedError(f"pw.share: {entry.origin} failed: {state.message}") from state.cause
+    if not isinstance(state, Ready) or not isinstance(getattr(state.array, "key", None), int | tuple):
+        raise errors.AccessError(f"pw.share: {entry.origin} is not a value on the service's hosts.")
+    array = state.array
+    if client is not None:
+        if not isinstance(client, str) or not client:
+            raise errors.AccessError(f"pw.share: client must be a client process's name, got {client!r}.")
+        if not isinstance(array.key, int):
+            raise errors.AccessError("pw.share: only a value's owner shares it; this process received it.")
+        backend.share(array.key, client)
+    return service_lib.handle_of(backend, array)
+
+
+def receive(handle: Any) -> Future:
+    """A future of this process for a value another client process shared (``pw.share``).
+
+    Nothing is asked of the service here: a handle that was not shared with
+    this process (or whose value was freed) fails the first program or
+    ``result()`` that reads it, with ``AccessError``, touching nothing.
+    """
+    from pathways_jax._src.backends import service as service_lib
+    from pathways_jax._src.runtime import session
+
+    backend = _service_backend("pw.receive")
+    if not isinstance(handle, service_lib.Handle):
+        raise TypeError(f"pw.receive takes a pw.Handle (from pw.share), got {type(handle).__name__}.")
+    array = service_lib.array_of(backend, handle)
+    client = clients.current()
+    store = session.cluster().store
+    origin = f"a value received from client {handle.owner} (key {handle.key})"
+    entry = store.new(
+        Owner(client.name, -1 - next(_received), client.key), array.aval, array.sharding, None, origin
+    )
+    store.set_ready(entry, array)
+    return Future(entry, store)
+
+
+__all__ = ["receive", "share"]

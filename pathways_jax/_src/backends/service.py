@@ -1,0 +1,1069 @@
+"""The controller service: one long-lived controller on Ray that many client processes share.
+
+``pw.serve(name, hosts=H, ...)`` starts a :class:`ServiceActor`, a named,
+detached Ray actor. It owns the host actors (a :class:`RayBackend` of its
+own: placement group, islands, the transfer servers, loss and rebuild), the
+record of every value the hosts keep and who may read it, and the scheduler
+that decides which client's run goes to the hosts next.
+
+A client process joins with ``pw.init(backend="ray", address=..., service=name)``
+and keeps the whole API: it traces and lowers locally, against stand-in CPU
+devices, as on the plain Ray backend, and its :class:`ServiceBackend` sends
+what that backend would send to the hosts to the service instead, one
+numbered batch per run (every host's message of the run, so that the hosts
+of an island see the run at the same place in their order). Plans go once
+per host (``jax.export`` blobs), a run is its plan key, input handles and
+fed arguments; values stay on the hosts and the client holds handles.
+
+**One order.** The service is the only sender to the hosts: every host
+gets its messages from one asyncio loop, numbered, so collective programs
+of different client processes on overlapping slices meet in the same order
+on every host of an island.
+
+**Isolation.** Client keys are namespaced by client in the service (a host
+key is ``client * 2**40 + key``). A run or fetch may name only values its
+client owns and still holds, or that another client shared with it
+(``pw.share``); otherwise the whole batch is refused (:class:`Refused`,
+raised as ``AccessError``) and nothing is forwarded. A client process that
+dies (its token actor dies with it) has its queued runs dropped, its values
+freed on the hosts (unless shared with a live client) and its plans and
+slices forgotten, within seconds.
+
+**Scheduling.** Each client process has a FIFO queue (its own order, which
+its own controller chose among its threads, is kept). The service sends
+the head of one queue at a time, when every island the run touches has
+fewer than ``window`` runs in flight, choosing by the policy: ``fifo``
+(arrival), ``priority`` (the head's ``pw.client`` priority) or ``fair``
+(device time charged per client process, in proportion to the head's
+``pw.client`` weight). The small window is what lets the policy choose:
+the hosts never hold more than ``window`` runs per island.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends.ray_host import Refused, RunFailure, sharding_of
+from pathways_jax._src.core import errors
+
+NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
+DEFAULT_WINDOW = 4  # runs in flight per island on the service's hosts
+_KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
+_HEALTH_S = 0.25  # how often a client asks the service about lost islands
+_JOIN_TIMEOUT_S = 60.0
+_START_TIMEOUT_S = 180.0
+
+
+def host_key(client: int, key: int) -> int:
+    """The key the hosts know a client's value or plan by."""
+    return client * _KEY_SPACE + key
+
+
+# --- the service (a detached Ray actor) -----------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _Batch:
+    """A client's numbered batch: messages (host, kind, args) and what the scheduler needs."""
+
+    client: int
+    messages: list
+    meta: dict
+    future: asyncio.Future
+    arrival: int = 0
+    islands: tuple = ()
+    nbytes: int = 0
+    queued_at: float = 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Value:
+    """A value kept on the hosts: whose, where, how big, and who else may read it."""
+
+    owner: int
+    hosts: tuple
+    nbytes: int
+    readers: set = dataclasses.field(default_factory=set)
+    owner_holds: bool = True
+
+
+@dataclasses.dataclass(eq=False)
+class _Client:
+    """A client process of the service."""
+
+    id: int
+    name: str
+    pid: int
+    node: str
+    token: Any
+    joined: float
+    alive: bool = True
+    why: str = ""
+    next_seq: int = 0
+    pending: dict = dataclasses.field(default_factory=dict)  # seq -> batch, until its turn
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    plans: dict = dataclasses.field(default_factory=dict)  # host plan key -> hosts
+    runs: int = 0
+    failures: int = 0
+    refused: int = 0
+    device_s: float = 0.0
+    charged_s: float = 0.0  # device time plus the estimates of runs in flight (fair)
+    by_name: dict = dataclasses.field(default_factory=dict)  # pw.client name -> device seconds
+    estimates: dict = dataclasses.field(default_factory=dict)  # program -> seconds per run
+    slices: dict = dataclasses.field(default_factory=dict)  # slice id -> device ids
+
+
+class ServiceActor:
+    """The controller service's actor (made with ``ray.remote`` by :func:`serve`)."""
+
+    def __init__(self, config: dict):
+        import jax
+
+        # A fresh worker process: the stand-in devices can still be set.
+        total = config["hosts"] * config["devices_per_host"]
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", total)
+        jax.config.update("jax_enable_x64", bool(config["x64"]))
+        self.config = config
+        standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
+        self.backend = ray_backend.RayBackend(
+            address=None,
+            hosts=config["hosts"],
+            devices_per_host=config["devices_per_host"],
+            standins=standins[:total],
+            window=config["max_in_flight"],
+            on_lost=None,
+            islands=config["islands"],
+            platform=config["platform"],
+            replace_lost=config["replace_lost_hosts"],
+        )
+        self.layout = self.backend.layout
+        self.window = config["window"]
+        self.policy = config["scheduler"]
+        self.max_clients = config["max_clients"]
+        self.memory_budget = config["memory_budget"]
+        self.backpressure_timeout = config["backpressure_timeout"]
+        self.clients: dict[int, _Client] = {}
+        self.values: dict[int, _Value] = {}
+        self.in_flight: collections.Counter[int] = collections.Counter()
+        self.busy_until: dict[int, float] = {}
+        self.held = 0  # bytes of values on the hosts
+        self.started = time.monotonic()
+        self._ids = itertools.count(1)
+        self._arrival = itertools.count()
+        self._uuid_lock = threading.Lock()
+        self._ticker: Any = None
+
+    # --- clients ---------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        """What a client needs to lower for the service's hosts."""
+        backend = self.backend
+        return {
+            "name": self.config["name"],
+            "hosts": self.layout.hosts,
+            "devices_per_host": self.layout.devices_per_host,
+            "per_island": self.layout.per_island,
+            "platform": self.config["platform"],
+            "x64": self.config["x64"],
+            "scheduler": self.policy,
+            "window": self.window,
+            "generations": list(backend._generation),
+            "lost": dict(backend.lost),
+            "info": backend.info,
+            "pid": os.getpid(),
+        }
+
+    async def ready(self) -> dict:
+        return self.info()
+
+    async def join(self, name: str, pid: int, node: str, token: Any, x64: bool) -> dict:
+        """Admits a client process (or refuses it, saying why); its id and the cluster's shape."""
+        live = [c for c in self.clients.values() if c.alive]
+        if self.max_clients is not None and len(live) >= self.max_clients:
+            who = ", ".join(f"{c.name} (pid {c.pid})" for c in live)
+            return {"refused": f"the service admits {self.max_clients} client processes and has them: {who}"}
+        if self.memory_budget is not None and self.held >= self.memory_budget:
+            return {
+                "refused": f"the service's hosts hold {self.held} bytes of values, its whole memory budget "
+                f"({self.memory_budget} bytes)"
+            }
+        if bool(x64) != bool(self.config["x64"]):
+            return {
+                "refused": f"the service runs with jax_enable_x64={self.config['x64']}, this process with "
+                f"{x64}: their computations would not match"
+            }
+        client = _Client(next(self._ids), name, pid, node, token, time.time())
+        self.clients[client.id] = client
+        asyncio.get_running_loop().create_task(self._watch(client))
+        return {"client": client.id, **self.info()}
+
+    async def _watch(self, client: _Client) -> None:
+        """Waits on the client's token actor: it dies with the client's process."""
+        try:
+            await client.token.hold.remote()
+            why = "it left"
+        except Exception as exc:
+            why = f"its process died ({type(exc).__name__})"
+        if client.alive:
+            self._drop_client(client, why)
+
+    async def leave(self, client_id: int) -> None:
+        client = self.clients.get(client_id)
+        if client is not None and client.alive:
+            self._drop_client(client, "it left")
+
+    def _drop_client(self, client: _Client, why: str) -> None:
+        """A client went: its queued runs are dropped, its values, plans and slices released."""
+        client.alive = False
+        client.why = why
+        refused = Refused(f"client {client.name!r} is gone: {why}", "gone")
+        for batch in [*client.queue, *client.pending.values()]:
+            if not batch.future.done():
+                batch.future.set_result([refused] * len(batch.messages))
+        client.queue.clear()
+        client.pending.clear()
+        frees: dict[int, list[int]] = collections.defaultdict(list)
+        for key, value in list(self.values.items()):
+            value.readers.discard(client.id)
+            if value.owner == client.id:
+                value.owner_holds = False
+            if not value.owner_holds and not value.readers:
+                self._release(key, frees)
+        with self.backend._lock:
+            for host, keys in frees.items():
+                self._send_host(host, "free", keys)
+            for plan, hosts in client.plans.items():
+                for host in hosts:
+                    self._send_host(host, "forget", plan)
+        client.plans.clear()
+        client.slices.clear()
+        logging.info("pathways_jax service: client %s (pid %d) is gone: %s", client.name, client.pid, why)
+        self._pump()
+
+    async def slices(self, client_id: int, slices: dict) -> None:
+        """The client's slices now (slice id -> device ids), for stats."""
+        client = self.clients.get(client_id)
+        if client is not None and client.alive:
+            client.slices = dict(slices)
+
+    def _share(self, client_id: int, key: int, reader: str) -> Any:
+        """Lets the client named ``reader`` read a value of client ``client_id``; None or a Refused."""
+        value = self.values.get(host_key(client_id, key))
+        if value is None or value.owner != client_id or not value.owner_holds:
+            return Refused(f"value {key} of this client is not on the hosts (freed, or never made)")
+        readers = [c for c in self.clients.values() if c.alive and (c.name == reader or str(c.id) == reader)]
+        if not readers:
+            names = sorted(c.name for c in self.clients.values() if c.alive)
+            return Refused(f"no client process named {reader!r} is connected (connected: {names})")
+        value.readers.update(c.id for c in readers)
+        return None
+
+    # --- batches ---------------------------------------------------------------------------
+
+    async def submit(self, client_id: int, seq: int, messages: list, meta: dict) -> Any:
+        """A client's batch number ``seq``; answered with each message's answer once they are done."""
+        client = self.clients.get(client_id)
+        loop = asyncio.get_running_loop()
+        if client is None or not client.alive:
+            answer = [
+                Refused(f"client {client_id} is not connected to this service (it left or died)", "gone")
+            ]
+            answers = answer * len(messages)
+            return answers[0] if len(messages) == 1 else answers
+        batch = _Batch(client_id, messages, meta, loop.create_future())
+        client.pending[seq] = batch
+        while client.next_seq in client.pending:
+            ready = client.pending.pop(client.next_seq)
+            client.next_seq += 1
+            ready.arrival = next(self._arrival)
+            ready.queued_at = time.monotonic()
+            ready.islands = tuple(ready.meta.get("islands", ()))
+            ready.nbytes = sum(ready.meta.get("nbytes", {}).values())
+            client.queue.append(ready)
+        self._pump()
+        answers = await batch.future
+        return answers[0] if len(messages) == 1 else answers
+
+    async def _tick(self) -> None:
+        """Looks at the queues now and then: a run waiting for memory fails in time even when nothing else happens."""
+        while True:
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(Exception):
+                self._pump()
+
+    def _pump(self) -> None:
+        """Sends queue heads while the policy finds one that may go."""
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        while True:
+            heads = [(c, c.queue[0]) for c in self.clients.values() if c.alive and c.queue]
+            if not heads:
+                return
+            # Everything but runs goes at once (in each client's order).
+            others = [(c, b) for c, b in heads if not b.meta.get("run")]
+            if others:
+                for client, batch in others:
+                    client.queue.popleft()
+                    self._forward(client, batch)
+                continue
+            if any(self._over_budget(c, b) for c, b in heads):
+                continue  # a run failed for memory: look at the queues again
+            runs = [(c, b) for c, b in heads if self._may_go(b)]
+            if not runs:
+                return
+            client, batch = min(runs, key=self._order)
+            client.queue.popleft()
+            self._forward(client, batch)
+
+    def _order(self, head: tuple[_Client, _Batch]) -> tuple:
+        client, batch = head
+        if self.policy == "priority":
+            return (-batch.meta.get("priority", 0), batch.arrival)
+        if self.policy == "fair":
+            return (client.charged_s / max(batch.meta.get("weight", 1.0), 1e-9), batch.arrival)
+        return (batch.arrival,)
+
+    def _may_go(self, batch: _Batch) -> bool:
+        if any(self.in_flight[island] >= self.window for island in batch.islands):
+            return False
+        return self.memory_budget is None or self.held + batch.nbytes <= self.memory_budget
+
+    def _over_budget(self, client: _Client, batch: _Batch) -> bool:
+        """Fails (and takes off the queue) a run that will never fit, or waited too long to; True if it did."""
+        budget = self.memory_budget
+        if budget is None or self.held + batch.nbytes <= budget:
+            return False
+        waited = time.monotonic() - batch.queued_at
+        if batch.nbytes > budget or (
+            self.backpressure_timeout is not None and waited > self.backpressure_timeout
+        ):
+            # It can never fit, or waited too long: it fails, and the queue goes on.
+            client.queue.popleft()
+            why = (
+                f"its outputs ({batch.nbytes} bytes) exceed the service's whole memory budget ({budget} bytes)"
+                if batch.nbytes > budget
+                else f"it waited {waited:.1f}s for memory under the service's budget ({budget} bytes, "
+                f"{self.held} held)"
+            )
+            client.failures += 1
+            batch.future.set_result(
+                [Refused(f"the run cannot be admitted: {why}", "memory")] * len(batch.messages)
+            )
+            return True
+        return False
+
+    def _send_host(self, host: int, kind: str, *args: Any) -> Any:
+        """Host ``host``'s next numbered message; call with the backend's lock held."""
+        if host in self.backend.lost_hosts:
+            return None
+        return self.backend._message(host, kind, *args)
+
+    def _release(self, key: int, frees: dict[int, list[int]]) -> None:
+        value = self.values.pop(key)
+        self.held -= value.nbytes
+        for host in value.hosts:
+            frees[host].append(key)
+
+    def _readable(self, client: _Client, key: Any) -> int:
+        """The host key of a value ``client`` names (its own, or ``(owner, key)``), if it may read it."""
+        owner, local = (client.id, key) if isinstance(key, int) else key
+        hk = host_key(owner, local)
+        value = self.values.get(hk)
+        if value is None:
+            raise _Refuse(
+                f"the value handle (client {owner}, key {local}) names no value on the hosts: freed, or "
+                "never made"
+            )
+        if owner == client.id and value.owner_holds:
+            return hk
+        if client.id in value.readers:
+            return hk
+        if owner == client.id:
+            raise _Refuse(f"value {local} of this client was freed (a stale handle)")
+        raise _Refuse(
+            f"the value handle (client {owner}, key {local}) belongs to another client process and was not "
+            "shared with this one (pw.share(future, client=...) in its owner)"
+        )
+
+    def _frees(self, client: _Client, keys: list, frees: dict[int, list[int]]) -> None:
+        """``client`` dropped its handles ``keys``: values nobody holds any more are freed."""
+        for key in keys:
+            owner, local = (client.id, key) if isinstance(key, int) else key
+            hk = host_key(owner, local)
+            value = self.values.get(hk)
+            if value is None:
+                continue
+            if owner == client.id:
+                value.owner_holds = False
+            else:
+                value.readers.discard(client.id)
+            if not value.owner_holds and not value.readers:
+                self._release(hk, frees)
+
+    def _translate(self, client: _Client, batch: _Batch) -> tuple[list, dict]:
+        """The batch in host keys, and the frees it makes; raises _Refuse before changing anything."""
+        cid = client.id
+        for _host, kind, args in batch.messages:  # every handle is checked first
+            if kind == "run":
+                for _slot, feed, payload in args[3]:
+                    if feed == "value":
+                        self._readable(client, payload)
+            elif kind == "fetch":
+                self._readable(client, args[0])
+            elif kind not in ("register", "forget", "free"):
+                raise _Refuse(f"a client may not send {kind!r} messages")
+        frees: dict[int, list[int]] = collections.defaultdict(list)
+        out = []
+        base = 0
+        if batch.meta.get("run"):
+            with self._uuid_lock:
+                base = self.backend._take_uuids(batch.meta.get("uuids", 0))
+        nbytes = batch.meta.get("nbytes", {})
+        for host, kind, args in batch.messages:
+            if kind == "register":
+                key, ops, constants, blobs = args
+                plan = host_key(cid, key)
+                client.plans.setdefault(plan, set()).add(host)
+                out.append((host, kind, (plan, ops, constants, blobs)))
+            elif kind == "forget":
+                plan = host_key(cid, args[0])
+                client.plans.get(plan, set()).discard(host)
+                out.append((host, kind, (plan,)))
+            elif kind == "run":
+                key, run_id, _base, feeds, keep, drop = args
+                self._frees(client, drop, frees)
+                feeds = [
+                    (slot, feed, self._readable(client, payload) if feed == "value" else payload)
+                    for slot, feed, payload in feeds
+                ]
+                kept = []
+                for slot, local in keep:
+                    hk = host_key(cid, local)
+                    kept.append((slot, hk))
+                    value = self.values.get(hk)
+                    if value is None:
+                        size = int(nbytes.get(local, 0))
+                        self.values[hk] = _Value(cid, (host,), size)
+                        self.held += size
+                    elif host not in value.hosts:
+                        value.hosts = (*value.hosts, host)
+                out.append((host, kind, (host_key(cid, key), run_id, base, feeds, kept, frees.pop(host, []))))
+            elif kind == "free":
+                self._frees(client, args[0], frees)
+                out.append((host, kind, (frees.pop(host, []),)))
+            else:  # fetch
+                out.append((host, kind, (self._readable(client, args[0]),)))
+        return out, frees
+
+    def _forward(self, client: _Client, batch: _Batch) -> None:
+        """Sends a batch to its hosts, all at once; its answers come back through :meth:`_complete`."""
+        if all(kind == "share" for _host, kind, _args in batch.messages):
+            batch.future.set_result([self._share(client.id, *args) for _host, _kind, args in batch.messages])
+            return
+        try:
+            messages, frees = self._translate(client, batch)
+        except _Refuse as refused:
+            # Nothing of it runs and no value is touched; its plans are still
+            # registered (the client counts them as sent, and they read no value).
+            client.refused += 1
+            answer = Refused(str(refused))
+            with self.backend._lock:
+                for host, kind, args in batch.messages:
+                    if kind == "register":
+                        plan = host_key(client.id, args[0])
+                        client.plans.setdefault(plan, set()).add(host)
+                        self._send_host(host, kind, plan, *args[1:])
+            batch.future.set_result([answer] * len(batch.messages))
+            return
+        sent = time.monotonic()
+        with self.backend._lock:
+            refs = [self._send_host(host, kind, *args) for host, kind, args in messages]
+            for host, keys in frees.items():
+                self._send_host(host, "free", keys)
+        is_run = bool(batch.meta.get("run"))
+        if is_run:
+            for island in batch.islands:
+                self.in_flight[island] += 1
+            program = batch.meta.get("program", "")
+            estimate = client.estimates.get(program, 0.0)
+            client.charged_s += estimate
+        asyncio.get_running_loop().create_task(self._complete(client, batch, messages, refs, sent))
+
+    async def _complete(
+        self, client: _Client, batch: _Batch, messages: list, refs: list, sent: float
+    ) -> None:
+        answers: list[Any] = []
+        lost_host = None
+        for (host, _kind, _args), ref in zip(messages, refs, strict=True):
+            if ref is None:
+                answers.append(RunFailure("lost", host, f"host {host} was lost", ""))
+                continue
+            try:
+                answers.append(await ref)
+            except Exception as exc:
+                if ray_backend.is_lost_error(exc):
+                    lost_host = host
+                    answers.append(RunFailure("lost", host, f"host {host} died: {exc}", ""))
+                else:
+                    answers.append(RunFailure("error", None, f"host {host}: {type(exc).__name__}: {exc}", ""))
+        if lost_host is not None:
+            island = self.layout.island_of(lost_host)
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.backend.mark_lost, lost_host, "its actor died", self.backend._generation[island]
+            )
+        if batch.meta.get("run"):
+            done = time.monotonic()
+            for island in batch.islands:
+                self.in_flight[island] -= 1
+            first = min(batch.islands) if batch.islands else -1
+            start = max(sent, self.busy_until.get(first, 0.0))
+            device_s = max(done - start, 0.0)
+            self.busy_until[first] = done
+            program = batch.meta.get("program", "")
+            estimate = client.estimates.get(program, 0.0)
+            client.charged_s += device_s - estimate
+            client.estimates[program] = device_s if not estimate else 0.8 * estimate + 0.2 * device_s
+            client.device_s += device_s
+            name = batch.meta.get("client", client.name)
+            client.by_name[name] = client.by_name.get(name, 0.0) + device_s
+            client.runs += 1
+            if any(isinstance(a, RunFailure) for a in answers):
+                client.failures += 1
+        if not batch.future.done():
+            batch.future.set_result(answers)
+        self._pump()
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def health(self) -> dict:
+        return {"lost": dict(self.backend.lost), "generations": list(self.backend._generation)}
+
+    async def host_stats(self) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(None, self.backend.host_stats)
+
+    async def stats(self) -> dict:
+        """Every client process: programs, device time, bytes held, failures, slices; and the service's state."""
+        elapsed = time.monotonic() - self.started
+        owned: collections.Counter[int] = collections.Counter()
+        count: collections.Counter[int] = collections.Counter()
+        for value in self.values.values():
+            if value.owner_holds:
+                owned[value.owner] += value.nbytes
+                count[value.owner] += 1
+        clients = {}
+        for c in self.clients.values():
+            clients[c.id] = {
+                "name": c.name,
+                "pid": c.pid,
+                "node": c.node,
+                "alive": c.alive,
+                "gone": c.why,
+                "programs": len(c.plans),
+                "runs": c.runs,
+                "failures": c.failures,
+                "refused": c.refused,
+                "queued": len(c.queue),
+                "device_time_s": c.device_s,
+                "by_client": dict(c.by_name),
+                "bytes_held": owned[c.id],
+                "values": count[c.id],
+                "slices": {k: list(v) for k, v in c.slices.items()},
+            }
+        return {
+            "name": self.config["name"],
+            "elapsed_s": elapsed,
+            "scheduler": self.policy,
+            "window": self.window,
+            "hosts": self.layout.hosts,
+            "islands": self.layout.islands,
+            "in_flight": dict(self.in_flight),
+            "bytes_held": self.held,
+            "memory_budget": self.memory_budget,
+            "max_clients": self.max_clients,
+            "lost": dict(self.backend.lost),
+            "clients": clients,
+        }
+
+    async def stop(self) -> None:
+        """Kills the hosts and ends the service (clients' later calls fail with ClusterError)."""
+        for client in self.clients.values():
+            if client.alive:
+                self._drop_client(client, "the service stopped")
+        await asyncio.get_running_loop().run_in_executor(None, self.backend.close, 5.0)
+
+
+class _Refuse(Exception):
+    """A batch names a value its client may not use: it is refused whole."""
+
+
+class Token:
+    """A client process's token actor: it dies with the process, which tells the service."""
+
+    async def hold(self) -> None:
+        await asyncio.Event().wait()
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+
+# --- starting and stopping a service -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Service:
+    """A running controller service (``pw.serve`` returns one; ``pw.service(name)`` finds one).
+
+    Attributes:
+      name: the name clients join with (``pw.init(backend="ray", service=name)``).
+      address: the Ray cluster's address (the GCS address) clients pass as ``address=``.
+    """
+
+    name: str
+    address: str
+    actor: Any = dataclasses.field(repr=False, compare=False)
+
+    def stats(self, timeout: float = 30.0) -> dict:
+        """The service's ``stats``: every client process with its runs, device time, bytes held, failures."""
+        import ray
+
+        return ray.get(self.actor.stats.remote(), timeout=timeout)
+
+    def host_stats(self, timeout: float = 30.0) -> dict:
+        """Each host's counts (values kept, runs done, executables, plans, transfers)."""
+        import ray
+
+        return ray.get(self.actor.host_stats.remote(), timeout=timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops the service: its hosts are killed, its clients' values go, the actor ends."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.get(self.actor.stop.remote(), timeout=timeout)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor)
+
+
+def _connect(address: str | None, *, start: bool = False) -> Any:
+    """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a new one)."""
+    ray = ray_backend._import_ray()
+    if not ray.is_initialized():
+        if address is None and start:
+            logging.warning(
+                "pathways_jax: pw.serve started a new local Ray cluster in this process; the service lives as "
+                "long as this process does. Start one with `ray start --head` for a service that outlives it."
+            )
+        ray.init(
+            address=address or ("local" if start else "auto"),
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    return ray
+
+
+def serve(
+    name: str = "pathways",
+    *,
+    hosts: int,
+    devices_per_host: int = 1,
+    islands: int | None = None,
+    address: str | None = None,
+    scheduler: str = "fifo",
+    window: int = DEFAULT_WINDOW,
+    max_clients: int | None = None,
+    memory_budget: int | None = None,
+    backpressure_timeout: float | None = 60.0,
+    max_in_flight: int = ray_backend.RUNS_IN_FLIGHT,
+    platform: str = "cpu",
+    replace_lost_hosts: bool = True,
+) -> Service:
+    """Starts a controller service: a named, detached Ray actor owning ``hosts`` host actors.
+
+    Client processes join it with ``pw.init(backend="ray", address=...,
+    service=name)``. The service outlives the process that started it; stop
+    it with :meth:`Service.stop` (or ``python -m pathways_jax.serve --stop``).
+
+    Args:
+      name: the service's name in the Ray cluster (namespace ``"pathways_jax"``).
+      hosts, devices_per_host, islands, platform, replace_lost_hosts: the hosts,
+        as for ``pw.init(backend="ray", ...)``.
+      address: the Ray cluster (``"auto"``: the one ``ray start`` started on
+        this machine). ``None``: this process's Ray session, else ``"auto"``.
+      scheduler: ``"fifo"``, ``"priority"`` or ``"fair"``: how the service picks
+        the next run among client processes.
+      window: runs in flight per island on the hosts; small, so the policy decides.
+      max_clients: client processes admitted at once (``None``: no limit).
+      memory_budget: bytes of values the hosts may hold for all clients
+        together; a run whose outputs do not fit waits (at most
+        ``backpressure_timeout`` seconds), a client is not admitted while it is full.
+      backpressure_timeout: seconds a run may wait for memory before it fails.
+      max_in_flight: executables each host keeps in flight.
+
+    Returns:
+      The :class:`Service`.
+
+    Raises:
+      ClusterError: bad arguments, a service of that name exists, or Ray could not start the hosts.
+    """
+    import jax
+
+    from pathways_jax._src.runtime import scheduler as scheduler_lib
+
+    if not isinstance(name, str) or not name:
+        raise errors.ClusterError(f"a service's name must be a non-empty string, got {name!r}.")
+    for label, value, low in (
+        ("hosts", hosts, 1),
+        ("devices_per_host", devices_per_host, 1),
+        ("window", window, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise errors.ClusterError(f"{label} must be an int >= {low}, got {value!r}.")
+    if islands is not None and (
+        isinstance(islands, bool) or not isinstance(islands, int) or islands < 1 or hosts % islands
+    ):
+        raise errors.ClusterError(
+            f"islands must be None or a number of islands dividing hosts={hosts}, got {islands!r}."
+        )
+    if scheduler not in scheduler_lib.POLICIES:
+        raise errors.ClusterError(
+            f"scheduler={scheduler!r} is not a policy; use one of {scheduler_lib.POLICIES}."
+        )
+    if max_clients is not None and (
+        isinstance(max_clients, bool) or not isinstance(max_clients, int) or max_clients < 1
+    ):
+        raise errors.ClusterError(f"max_clients must be None or an int >= 1, got {max_clients!r}.")
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1
+    ):
+        raise errors.ClusterError(
+            f"memory_budget must be None or a number of bytes >= 1, got {memory_budget!r}."
+        )
+    ray = _connect(address, start=True)
+    with contextlib.suppress(ValueError):
+        ray.get_actor(name, namespace=NAMESPACE)
+        raise errors.ClusterError(
+            f"a controller service named {name!r} is already running in this Ray cluster; join it with "
+            f"pw.init(backend='ray', service={name!r}), or stop it first (pw.service({name!r}).stop())."
+        )
+    config = {
+        "name": name,
+        "hosts": hosts,
+        "devices_per_host": devices_per_host,
+        "islands": islands,
+        "platform": platform,
+        "replace_lost_hosts": replace_lost_hosts,
+        "scheduler": scheduler,
+        "window": window,
+        "max_clients": max_clients,
+        "memory_budget": memory_budget,
+        "backpressure_timeout": backpressure_timeout,
+        "max_in_flight": max_in_flight,
+        "x64": bool(jax.config.read("jax_enable_x64")),
+    }
+    actor = (
+        ray.remote(ServiceActor)
+        .options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=10000)
+        .remote(config)
+    )
+    try:
+        ray.get(actor.ready.remote(), timeout=_START_TIMEOUT_S)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+        raise errors.ClusterError(f"the controller service {name!r} did not start: {exc}") from exc
+    return Service(name, ray.get_runtime_context().gcs_address, actor)
+
+
+def service(name: str = "pathways", *, address: str | None = None) -> Service:
+    """The running controller service named ``name`` (ClusterError if there is none)."""
+    ray = _connect(address)
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError as exc:
+        raise errors.ClusterError(
+            f"no controller service named {name!r} runs in this Ray cluster; start one with pw.serve({name!r}, hosts=...)."
+        ) from exc
+    return Service(name, ray.get_runtime_context().gcs_address, actor)
+
+
+# --- the client's side ---------------------------------------------------------------------------
+
+
+def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, Any, dict]:
+    """Joins service ``name``: (its actor, this process's token actor, what the service said)."""
+    import jax
+
+    ray = _connect(address)
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError as exc:
+        raise errors.ClusterError(
+            f"pw.init(service={name!r}): no controller service of that name runs in the Ray cluster at "
+            f"{address or 'auto'}; start one with pw.serve({name!r}, hosts=...) or "
+            f"`python -m pathways_jax.serve --name {name} --hosts N`."
+        ) from exc
+    token = ray.remote(Token).options(num_cpus=0).remote()
+    me = client_name or f"{socket.gethostname()}:{os.getpid()}"
+    try:
+        joined = ray.get(
+            actor.join.remote(
+                me, os.getpid(), socket.gethostname(), token, bool(jax.config.read("jax_enable_x64"))
+            ),
+            timeout=_JOIN_TIMEOUT_S,
+        )
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            ray.kill(token)
+        raise errors.ClusterError(f"pw.init(service={name!r}): the service did not answer: {exc}") from exc
+    if "refused" in joined:
+        with contextlib.suppress(Exception):
+            ray.kill(token)
+        raise errors.ClusterError(
+            f"the controller service {name!r} did not admit this process: {joined['refused']}."
+        )
+    return actor, token, joined
+
+
+class ServiceBackend(ray_backend.RayBackend):
+    """A client process's side of a controller service: the Ray backend, sending to the service.
+
+    Lowering, plans, handles and fetches are the Ray backend's; every message
+    goes to the service instead of a host, in numbered batches (a run's
+    messages in one), and the service answers for the hosts.
+    """
+
+    def __init__(self, *, actor: Any, token: Any, joined: dict, standins: list, on_lost: Any):
+        ray = ray_backend._import_ray()
+        layout = ray_backend.Layout(joined["hosts"], joined["devices_per_host"], joined["per_island"])
+        self._common(ray, layout, joined["platform"], standins, on_lost)
+        self.replace_lost = False  # the service rebuilds lost islands, not this process
+        self.service = actor
+        self.service_name = joined["name"]
+        self.client_id = joined["client"]
+        self.info = joined["info"]
+        self._token = token
+        self._generation = list(joined["generations"])
+        for island, why in joined["lost"].items():
+            self._mark(int(island), why)
+        self._batches = 0
+        self._threads = [
+            threading.Thread(target=self._monitor, name="pathways-service-health", daemon=True),
+            threading.Thread(target=self._flush_loop, name="pathways-service-flush", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _submit(self, batch: list, meta: dict) -> list:
+        """Sends a numbered batch to the service; one ref per message. Call with ``_lock`` held."""
+        seq = self._batches
+        self._batches += 1
+        refs = self.service.submit.options(num_returns=len(batch)).remote(self.client_id, seq, batch, meta)
+        return [refs] if len(batch) == 1 else list(refs)
+
+    def _message(self, host: int, kind: str, *args: Any) -> Any:
+        return self._submit([(host, kind, args)], {"run": False})[0]
+
+    def _send_run(self, batch: list, run: Any, remote: Any) -> list:
+        plan = run.plan
+        nbytes = {}
+        for _host, kind, args in batch:
+            if kind == "run":
+                for slot, key in args[4]:
+                    aval = plan.slot_outputs[slot].aval
+                    nbytes[key] = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+        client = run.client
+        meta = {
+            "run": True,
+            "islands": sorted(remote.islands),
+            "uuids": remote.uuids,
+            "nbytes": nbytes,
+            "program": plan.graph.name,
+            "client": getattr(client, "name", ""),
+            "weight": float(getattr(client, "weight", 1.0)),
+            "priority": int(getattr(client, "priority", 0)),
+        }
+        return self._submit(batch, meta)
+
+    def _take_uuids(self, count: int) -> int:
+        return 0  # the service numbers every run's transfers
+
+    def _loss(self, host: int, exc: BaseException, generation: int, what: str) -> BaseException | None:
+        if not ray_backend.is_lost_error(exc):
+            return None
+        return errors.ClusterError(
+            f"{what} could not be read: the controller service {self.service_name!r} is gone ({exc}). "
+            "Call pw.shutdown(), start the service again and pw.init(...) to join it."
+        )
+
+    def _health_check(self, hosts: set[int]) -> int | None:
+        with contextlib.suppress(Exception):
+            self._apply(self.ray.get(self.service.health.remote(), timeout=3.0))
+        for host in sorted(hosts):
+            if self.layout.island_of(host) in self.lost:
+                return self.layout.island_of(host)
+        return None
+
+    def host_stats(self, timeout: float = ray_backend._CALL_TIMEOUT_S) -> dict[int, dict]:
+        return self.ray.get(self.service.host_stats.remote(), timeout=timeout)
+
+    def service_stats(self, timeout: float = 30.0) -> dict:
+        return self.ray.get(self.service.stats.remote(), timeout=timeout)
+
+    def share(self, key: int, reader: str) -> None:
+        """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
+        with self._lock:  # in this process's order: after the run that makes the value
+            ref = self._submit([(-1, "share", (key, reader))], {"run": False})[0]
+        answer = self.ray.get(ref, timeout=60.0)
+        if isinstance(answer, Refused):
+            raise errors.AccessError(f"pw.share: {answer.message}.")
+
+    def mark_lost(self, host: int, why: str, generation: int | None = None) -> None:
+        # The service sees its hosts die and says so (health, run answers).
+        self._health_check({host})
+
+    def _mark(self, island: int, why: str) -> None:
+        with self._lock:
+            if island in self.lost:
+                return
+            self.lost[island] = why
+            self._lost_before[island] = why
+            for member in self.layout.members(island):
+                self.lost_hosts[member] = why
+        if self.on_lost is not None:
+            self.on_lost(island)
+
+    def _apply(self, health: dict) -> None:
+        """The service's word on lost and rebuilt islands, applied here."""
+        lost = {int(k): v for k, v in health["lost"].items()}
+        for island, why in lost.items():
+            self._mark(island, why)
+        for island, generation in enumerate(health["generations"]):
+            if island in lost or (island not in self.lost and generation == self._generation[island]):
+                continue
+            with self._lock:
+                self.lost.pop(island, None)
+                self._generation[island] = generation
+                for member in self.layout.members(island):
+                    self.lost_hosts.pop(member, None)
+                    self._known[member] = set()  # new hosts: plans go again
+                    self._fingerprints[member] = set()
+            if self.on_restored is not None:
+                self.on_restored(island)
+
+    def _monitor(self) -> None:
+        reported: dict = {}
+        while not self._closed:
+            try:
+                self._apply(self.ray.get(self.service.health.remote(), timeout=10.0))
+                slices = self.slices_of() if self.slices_of is not None else {}
+                if slices != reported:  # for the service's stats
+                    self.service.slices.remote(self.client_id, slices)
+                    reported = slices
+            except Exception as exc:
+                if self._closed or not self.ray.is_initialized():
+                    return
+                logging.warning("pathways_jax: asking the controller service about its hosts failed: %s", exc)
+            time.sleep(_HEALTH_S)
+
+    def close(self, timeout: float | None = ray_backend._CLOSE_TIMEOUT_S) -> None:
+        """Leaves the service (its values and plans are released there) and stops this side's threads."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self.ray.get(self.service.leave.remote(self.client_id), timeout=min(timeout or 5.0, 5.0))
+            with contextlib.suppress(Exception):
+                self.ray.kill(self._token)
+        for thread in self._threads:
+            if thread is threading.current_thread():
+                continue
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+# --- handles -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """A value on a controller service's hosts, as another client process can name it.
+
+    Made by ``pw.share(future, client=...)``; picklable. Pass it to another
+    process, which turns it into a future with ``pw.receive(handle)``. The
+    service lets only the value's owner and the clients it was shared with
+    read it; a handle does not keep its value alive (the owner's future, or a
+    receiver's, does).
+    """
+
+    service: str
+    owner: int
+    key: int
+    hosts: tuple
+    island: int
+    desc: Any
+    shape: tuple
+    dtype: str
+    generation: int
+
+
+def handle_of(backend: ServiceBackend, array: Any) -> Handle:
+    """The handle of a value this process holds (its own or received)."""
+    owner, key = (backend.client_id, array.key) if isinstance(array.key, int) else array.key
+    placed = backend.where(array.sharding, "the shared value")
+    return Handle(
+        backend.service_name,
+        owner,
+        key,
+        tuple(array.hosts),
+        placed.island,
+        placed.desc,
+        tuple(array.aval.shape),
+        str(array.aval.dtype),
+        array.generation,
+    )
+
+
+def array_of(backend: ServiceBackend, handle: Handle) -> Any:
+    """A RemoteArray of this process for ``handle`` (whether it may be read is the service's call)."""
+    import jax
+
+    if handle.service != backend.service_name:
+        raise errors.AccessError(
+            f"the handle is of controller service {handle.service!r}; this process joined {backend.service_name!r}."
+        )
+    devices = backend.islands[handle.island]
+    sharding = sharding_of(handle.desc, list(devices))
+    aval = jax.core.ShapedArray(handle.shape, np.dtype(handle.dtype))
+    key = handle.key if handle.owner == backend.client_id else (handle.owner, handle.key)
+    return ray_backend.RemoteArray(backend, handle.hosts, key, aval, sharding, (), handle.generation)
+
+
+__all__ = [
+    "DEFAULT_WINDOW",
+    "NAMESPACE",
+    "Handle",
+    "Service",
+    "ServiceActor",
+    "ServiceBackend",
+    "array_of",
+    "handle_of",
+    "host_key",
+    "join",
+    "serve",
+    "service",
+]

@@ -1,0 +1,171 @@
+"""A client process of a controller service, for tests/test_service.py (run as a subprocess).
+
+    python tests/service_client.py ADDRESS SERVICE NAME DIR MODE [ARGS...]
+
+It joins service SERVICE at ADDRESS as client NAME and writes what it saw to
+DIR/NAME.json (``{"state": ..., ...}``); it stops when DIR/stop appears.
+Modes:
+
+  collective ORDER N  N all-reduce programs over the island's 4 devices in
+                      ORDER ("forward": sum; "reverse": max x 2, the devices
+                      reversed), each result checked against numpy
+  busy WEIGHT         a matmul loop under pw.client(NAME, weight=WEIGHT),
+                      8 runs in flight, until stopped
+  hold K              K values kept, then runs queued without end (to be killed)
+  share READER        a value shared with READER and one not shared: their
+                      handles pickled to DIR/NAME.handles
+  read OWNER          receives OWNER's handles: the unshared one must be
+                      refused, the shared one read and checked
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import pickle
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pathways_jax as pw
+
+
+def main() -> None:
+    address, service, name, folder, mode, *args = sys.argv[1:]
+    out = pathlib.Path(folder)
+    report = out / f"{name}.json"
+
+    def say(**what) -> None:
+        tmp = report.with_suffix(".tmp")
+        tmp.write_text(json.dumps(what))
+        tmp.replace(report)
+
+    def stopped() -> bool:
+        return (out / "stop").exists()
+
+    try:
+        pw.init(backend="ray", address=address, service=service, client_name=name)
+        if mode == "collective":
+            collective(args[0], int(args[1]), say)
+        elif mode == "busy":
+            busy(name, float(args[0]), say, stopped)
+        elif mode == "hold":
+            hold(int(args[0]), say, stopped)
+        elif mode == "share":
+            share(args[0], out / f"{name}.handles", say, stopped)
+        elif mode == "read":
+            read(out / f"{args[0]}.handles", say)
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+    except BaseException as exc:
+        say(state="error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+        raise
+    finally:
+        pw.shutdown()
+
+
+def collective(order: str, n: int, say) -> None:
+    ids = [0, 1, 2, 3] if order == "forward" else [3, 2, 1, 0]
+    s = pw.devices(mesh={"x": 4}, device_ids=ids)
+    if order == "forward":
+        fn = pw.jit(lambda x: jnp.sum(x, keepdims=True), devices=s, in_specs=(pw.P("x"),), out_specs=pw.P())
+    else:
+        fn = pw.jit(lambda x: jnp.max(x, keepdims=True) * 2, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P())
+    rng = np.random.default_rng(0 if order == "forward" else 1)
+    inputs = [rng.integers(0, 1000, size=8).astype(np.float32) for _ in range(n)]
+    futures = [fn(x) for x in inputs]
+    bad = []
+    for i, (x, f) in enumerate(zip(inputs, futures, strict=True)):
+        want = x.sum() if order == "forward" else x.max() * 2
+        got = float(np.asarray(f.result(timeout=120))[0])
+        if got != want:
+            bad.append([i, got, float(want)])
+    say(state="done", runs=n, bad=bad)
+
+
+def busy(name: str, weight: float, say, stopped) -> None:
+    s = pw.devices(mesh={"x": 1})
+    m = jnp.asarray(np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32) / 12)
+    work = pw.jit(lambda v: jax.lax.fori_loop(0, 40, lambda i, u: jnp.tanh(u @ m), v), devices=s)
+    v = jnp.ones((128, 128), jnp.float32)
+    runs = 0
+    in_flight: list = []
+    with pw.client(name, weight=weight):
+        while not stopped():
+            in_flight.append(work(v))
+            if len(in_flight) >= 8:
+                in_flight.pop(0).result(timeout=120)
+                runs += 1
+                if runs % 10 == 0:
+                    say(state="running", runs=runs)
+    want = np.asarray(jax.jit(lambda v: jax.lax.fori_loop(0, 40, lambda i, u: jnp.tanh(u @ m), v))(v))
+    exact = bool(np.allclose(np.asarray(in_flight[-1].result(timeout=120)), want, atol=1e-5))
+    say(state="done", runs=runs, exact=exact)
+
+
+def hold(k: int, say, stopped) -> None:
+    s = pw.devices(mesh={"x": 1})
+    make = pw.jit(lambda i: jnp.full((256,), i, jnp.float32), devices=s)
+    kept = [make(jnp.float32(i)) for i in range(k)]
+    for f in kept:
+        f.block_until_ready()
+    say(state="holding", values=k)
+    slow = pw.jit(lambda v: jax.lax.fori_loop(0, 200, lambda i, u: jnp.sin(u) + 1.0, v), devices=s)
+    while not stopped():  # queued runs without end, until the process is killed
+        kept.append(slow(kept[-1]))
+        if len(kept) > k + 64:
+            kept[k].block_until_ready()
+            del kept[k]
+
+
+def share(reader: str, path: pathlib.Path, say, stopped) -> None:
+    deadline = time.monotonic() + 120
+    while not any(c["name"] == reader and c["alive"] for c in pw.stats()["service"]["clients"].values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"client {reader!r} did not join the service")
+        time.sleep(0.1)
+    s = pw.devices(mesh={"x": 2})
+    make = pw.jit(lambda v: v * 3 + 1, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    shared = make(jnp.arange(8.0))
+    private = make(jnp.arange(8.0) * 2)
+    handles = {"shared": pw.share(shared, client=reader), "private": pw.share(private)}
+    tmp = path.with_suffix(".part")
+    tmp.write_bytes(pickle.dumps(handles))
+    tmp.replace(path)
+    say(state="shared")
+    while not stopped():
+        time.sleep(0.05)
+
+
+def read(path: pathlib.Path, say) -> None:
+    deadline = time.monotonic() + 120
+    while not path.exists():  # the owner shares once this process has joined
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no handles at {path}")
+        time.sleep(0.05)
+    time.sleep(0.2)  # written whole: it is renamed into place
+    handles = pickle.loads(path.read_bytes())
+    shared = pw.receive(handles["shared"])
+    private = pw.receive(handles["private"])
+    refused = []
+    try:
+        private.result(timeout=60)
+    except pw.errors.AccessError as exc:
+        refused.append(f"fetch: {exc}")
+    s = pw.devices(mesh={"x": 2})
+    double = pw.jit(lambda v: v * 2, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    try:
+        double(private).result(timeout=60)
+    except pw.errors.AccessError as exc:
+        refused.append(f"run: {exc}")
+    got_shared = np.asarray(shared.result(timeout=60)).tolist()
+    doubled = np.asarray(double(shared).result(timeout=60)).tolist()
+    say(state="done", refused=refused, shared=got_shared, doubled=doubled)
+
+
+if __name__ == "__main__":
+    main()
