@@ -21,10 +21,7 @@ from pathways_jax._src.api.sharing import share as share
 from pathways_jax._src.api.stats import stats as stats
 from pathways_jax._src.api.tracing import Program as Program
 from pathways_jax._src.api.tracing import program as program
-from pathways_jax._src.backends.service import Handle as Handle
-from pathways_jax._src.backends.service import Service as Service
-from pathways_jax._src.backends.service import serve as serve
-from pathways_jax._src.backends.service import service as service
+from pathways_jax._src.backends.service_client import Handle as Handle
 from pathways_jax._src.core.counts import counters as counters
 from pathways_jax._src.core.counts import reset_counters as reset_counters
 from pathways_jax._src.core.timeline import start_trace as start_trace
@@ -36,6 +33,9 @@ from pathways_jax._src.ir.graph import Transfer as Transfer
 from pathways_jax._src.runtime.clients import Client as Client
 from pathways_jax._src.runtime.clients import client as client
 from pathways_jax._src.runtime.futures import Future as Future
+from pathways_jax._src.runtime.service import Service as Service
+from pathways_jax._src.runtime.service import serve as serve
+from pathways_jax._src.runtime.service import service as service
 from pathways_jax._src.runtime.session import Cluster as Cluster
 from pathways_jax._src.runtime.session import cluster as cluster
 from pathways_jax._src.runtime.session import init as init

@@ -9,8 +9,8 @@ Modes:
   collective ORDER N  N all-reduce programs over the island's 4 devices in
                       ORDER ("forward": sum; "reverse": max x 2, the devices
                       reversed), each result checked against numpy
-  busy WEIGHT         a matmul loop under pw.client(NAME, weight=WEIGHT),
-                      8 runs in flight, until stopped
+  busy WEIGHT [PRIO]  a matmul loop under pw.client(NAME, weight=WEIGHT,
+                      priority=PRIO), 8 runs in flight, until stopped
   hold K              K values kept, then runs queued without end (to be killed)
   share READER        a value shared with READER and one not shared: their
                       handles pickled to DIR/NAME.handles
@@ -52,7 +52,7 @@ def main() -> None:
         if mode == "collective":
             collective(args[0], int(args[1]), say)
         elif mode == "busy":
-            busy(name, float(args[0]), say, stopped)
+            busy(name, float(args[0]), int(args[1]) if len(args) > 1 else 0, say, stopped)
         elif mode == "hold":
             hold(int(args[0]), say, stopped)
         elif mode == "share":
@@ -74,7 +74,9 @@ def collective(order: str, n: int, say) -> None:
     if order == "forward":
         fn = pw.jit(lambda x: jnp.sum(x, keepdims=True), devices=s, in_specs=(pw.P("x"),), out_specs=pw.P())
     else:
-        fn = pw.jit(lambda x: jnp.max(x, keepdims=True) * 2, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P())
+        fn = pw.jit(
+            lambda x: jnp.max(x, keepdims=True) * 2, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P()
+        )
     rng = np.random.default_rng(0 if order == "forward" else 1)
     inputs = [rng.integers(0, 1000, size=8).astype(np.float32) for _ in range(n)]
     futures = [fn(x) for x in inputs]
@@ -87,22 +89,24 @@ def collective(order: str, n: int, say) -> None:
     say(state="done", runs=n, bad=bad)
 
 
-def busy(name: str, weight: float, say, stopped) -> None:
+def busy(name: str, weight: float, priority: int, say, stopped) -> None:
     s = pw.devices(mesh={"x": 1})
-    m = jnp.asarray(np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32) / 12)
-    work = pw.jit(lambda v: jax.lax.fori_loop(0, 40, lambda i, u: jnp.tanh(u @ m), v), devices=s)
-    v = jnp.ones((128, 128), jnp.float32)
+    m = jnp.asarray(np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32) / 16)
+    # Tens of ms of device time each: two clients submit faster than the device
+    # runs, so their runs queue at the service and its policy chooses.
+    work = pw.jit(lambda v: jax.lax.fori_loop(0, 100, lambda i, u: jnp.tanh(u @ m), v), devices=s)
+    v = jnp.ones((256, 256), jnp.float32)
     runs = 0
     in_flight: list = []
-    with pw.client(name, weight=weight):
+    with pw.client(name, weight=weight, priority=priority):
         while not stopped():
             in_flight.append(work(v))
             if len(in_flight) >= 8:
-                in_flight.pop(0).result(timeout=120)
+                in_flight.pop(0).block_until_ready()
                 runs += 1
                 if runs % 10 == 0:
                     say(state="running", runs=runs)
-    want = np.asarray(jax.jit(lambda v: jax.lax.fori_loop(0, 40, lambda i, u: jnp.tanh(u @ m), v))(v))
+    want = np.asarray(jax.jit(lambda v: jax.lax.fori_loop(0, 100, lambda i, u: jnp.tanh(u @ m), v))(v))
     exact = bool(np.allclose(np.asarray(in_flight[-1].result(timeout=120)), want, atol=1e-5))
     say(state="done", runs=runs, exact=exact)
 

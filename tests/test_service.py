@@ -8,6 +8,8 @@ plain ``jax.jit`` on the same inputs.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -52,7 +54,16 @@ class Clients:
     def start(self, name: str, mode: str, *args: str) -> subprocess.Popen:
         with (self.folder / f"{name}.log").open("w") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
-                [sys.executable, CLIENT, self.svc.address, self.svc.name, name, str(self.folder), mode, *args],
+                [
+                    sys.executable,
+                    CLIENT,
+                    self.svc.address,
+                    self.svc.name,
+                    name,
+                    str(self.folder),
+                    mode,
+                    *args,
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -157,3 +168,228 @@ def test_a_handle_is_refused_unless_shared(clients):
     assert len(got["refused"]) == 2, got["refused"]
     assert all("not shared" in why or "another client" in why for why in got["refused"])
     assert _client_rows(clients.svc)["reader"]["refused"] >= 2
+
+
+def _shares(svc: pw.Service, names: tuple[str, ...], seconds: float) -> dict[str, float]:
+    """Each client's share of the device time the service measured over ``seconds`` of contention."""
+    before = {n: _client_rows(svc)[n]["device_time_s"] for n in names}
+    time.sleep(seconds)
+    after = {n: _client_rows(svc)[n]["device_time_s"] for n in names}
+    used = {n: after[n] - before[n] for n in names}
+    total = sum(used.values())
+    assert total > 0.5 * seconds, f"the device was mostly idle: {used}"
+    return {n: used[n] / total for n in names}
+
+
+@pytest.mark.parametrize(("scheduler", "expected"), [("fair", (0.25, 0.75)), ("priority", (0.0, 1.0))])
+def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler, expected):
+    # One device, two client processes always having runs queued: under "fair"
+    # with weights 1:3 they get 1/4 and 3/4 of the device time (within 10%);
+    # under "priority" the higher one gets all of it while it has work.
+    svc = pw.serve(f"test-{scheduler}", hosts=1, devices_per_host=1, scheduler=scheduler, window=2)
+    group = Clients(svc, tmp_path)
+    try:
+        if scheduler == "fair":
+            group.start("light", "busy", "1.0")
+            group.start("heavy", "busy", "3.0")
+        else:
+            group.start("light", "busy", "1.0", "0")
+            group.start("heavy", "busy", "1.0", "5")
+        group.wait_state("light", "running")
+        group.wait_state("heavy", "running")
+        shares = _shares(svc, ("light", "heavy"), 6.0)
+        light, heavy = expected
+        if scheduler == "fair":
+            assert shares["light"] == pytest.approx(light, rel=0.10), shares
+            assert shares["heavy"] == pytest.approx(heavy, rel=0.10), shares
+        else:
+            assert shares["heavy"] >= 0.9, shares
+        group.stop()
+        for name in ("light", "heavy"):
+            assert group.wait_state(name, "done")["exact"]
+        assert _client_rows(svc)["light"]["by_client"].keys() == {"light"}
+    finally:
+        group.close()
+        svc.stop()
+
+
+@pytest.fixture
+def joined(island_service):
+    """This test process as a client of the island service."""
+    cluster = pw.init(
+        backend="ray", address=island_service.address, service=island_service.name, client_name="me"
+    )
+    try:
+        yield cluster
+    finally:
+        pw.shutdown()
+
+
+def _run_count(svc: pw.Service) -> int:
+    return sum(h["runs"] for h in svc.host_stats().values())
+
+
+def test_client_in_process_matches_jax_and_appears_in_stats(joined, island_service):
+    s = pw.devices(mesh={"x": 4})
+
+    @pw.program(devices=s)
+    def step(x, w):
+        h = jnp.tanh(x @ w)
+        return h.sum(axis=0), h
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((16, 16)), jnp.float32)
+    total, h = step(x, w)
+    want_total, want_h = jax.jit(lambda x, w: (jnp.tanh(x @ w).sum(axis=0), jnp.tanh(x @ w)))(x, w)
+    np.testing.assert_allclose(np.asarray(total.result(timeout=60)), want_total, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(h.result(timeout=60)), want_h, rtol=1e-5, atol=1e-5)
+    again = step(h.sum(axis=1, keepdims=True) * jnp.ones((8, 16)), w)[0]  # a future fed back in
+    want = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0))(
+        want_h.sum(axis=1, keepdims=True) * jnp.ones((8, 16)), w
+    )
+    np.testing.assert_allclose(np.asarray(again.result(timeout=60)), want, rtol=1e-4, atol=1e-4)
+    stats = pw.stats()
+    mine = [row for row in stats["service"]["clients"].values() if row["name"] == "me" and row["alive"]]
+    assert len(mine) == 1
+    assert mine[0]["runs"] >= 2 and mine[0]["programs"] >= 1 and mine[0]["failures"] == 0
+    assert mine[0]["bytes_held"] >= total.nbytes + h.nbytes
+
+    def my_slices() -> list:
+        rows = island_service.stats()["clients"].values()
+        return [row["slices"] for row in rows if row["name"] == "me" and row["alive"]]
+
+    assert wait_for(lambda: my_slices() == [{s.id: [d.id for d in s.devices]}], timeout=10), my_slices()
+
+
+def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_service):
+    s = pw.devices(mesh={"x": 2})
+    make = pw.jit(lambda v: v + 1, devices=s)
+    kept = make(jnp.arange(4.0))
+    handle = pw.share(kept)
+    assert pickle.loads(pickle.dumps(handle)) == handle
+    np.testing.assert_array_equal(pw.receive(handle).result(timeout=60), np.arange(4.0) + 1)
+    runs = _run_count(island_service)
+    forged = [
+        dataclasses.replace(handle, key=handle.key + 10_000),
+        dataclasses.replace(handle, owner=handle.owner + 1),
+    ]
+    for bad in forged:
+        with pytest.raises(pw.errors.AccessError, match=r"names no value|another client"):
+            pw.receive(bad).result(timeout=60)
+        with pytest.raises(pw.errors.AccessError):
+            make(pw.receive(bad)).result(timeout=60)
+    stale = pw.share(make(jnp.zeros(4)))  # its future is dropped at once: the value is freed
+    gc.collect()
+    pw.stats()  # collects dropped futures; their frees go out with the next message
+
+    def refused() -> bool:
+        try:
+            pw.receive(stale).result(timeout=60)
+        except pw.errors.AccessError as exc:
+            return "stale" in str(exc) or "names no value" in str(exc)
+        return False
+
+    assert wait_for(refused, timeout=10)
+    # Nothing the refused runs named ran on a host (the one run that made `stale` did).
+    assert _run_count(island_service) == runs + 1
+    np.testing.assert_array_equal(kept.result(timeout=60), np.arange(4.0) + 1)  # the real one is untouched
+
+
+def test_join_errors_are_clear(joined, island_service, ray_cluster):
+    with pytest.raises(pw.errors.ClusterError, match="is running"):
+        pw.init(backend="ray", address=island_service.address, service="another")
+    pw.shutdown()
+    with pytest.raises(pw.errors.ClusterError, match="no controller service of that name"):
+        pw.init(backend="ray", address=island_service.address, service="no-such-service")
+    with pytest.raises(pw.errors.ClusterError, match="service="):
+        pw.init(service="x")  # the local backend has no service
+    with pytest.raises(pw.errors.ClusterError, match="client_name"):
+        pw.init(backend="ray", hosts=1, client_name="me")
+    with pytest.raises(pw.errors.ClusterError, match=r"hosts=3 \(the service has 2\)"):
+        pw.init(backend="ray", address=island_service.address, service=island_service.name, hosts=3)
+    with pytest.raises(pw.errors.ClusterError, match="already running"):
+        pw.serve(island_service.name, hosts=1)
+    pw.init()  # the local backend
+    with pytest.raises(pw.errors.ClusterError, match="controller service"):
+        pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))
+
+
+def _join_in_subprocess(svc: pw.Service) -> str:
+    code = (
+        "import pathways_jax as pw\n"
+        "try:\n"
+        f"    pw.init(backend='ray', address={svc.address!r}, service={svc.name!r})\n"
+        "    print('JOINED')\n"
+        "except pw.errors.ClusterError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return done.stdout
+
+
+def test_admission_max_clients_and_memory_budget(ray_cluster):
+    svc = pw.serve(
+        "test-admission",
+        hosts=1,
+        devices_per_host=1,
+        max_clients=1,
+        memory_budget=4096,
+        backpressure_timeout=1.0,
+    )
+    try:
+        pw.init(backend="ray", address=svc.address, service=svc.name, client_name="first")
+        out = _join_in_subprocess(svc)
+        assert "REFUSED" in out and "admits 1 client processes" in out, out
+        s = pw.devices(mesh={"x": 1})
+        fill = pw.jit(lambda v: jnp.zeros((1024,), jnp.float32) + v, devices=s)
+        held = fill(jnp.float32(1))  # 4096 bytes: the whole budget
+        np.testing.assert_array_equal(held.result(timeout=60), np.ones(1024))
+        with pytest.raises(pw.errors.BackPressureTimeout, match="exceed the service's whole memory budget"):
+            pw.jit(lambda v: jnp.zeros((2048,), jnp.float32) + v, devices=s)(jnp.float32(1)).result(
+                timeout=60
+            )
+        small = pw.jit(lambda v: v + 1, devices=s)
+        with pytest.raises(pw.errors.BackPressureTimeout, match="waited"):
+            small(jnp.float32(1)).result(timeout=60)  # the budget is full: it waits 1 s, then fails
+        del held
+        gc.collect()
+        pw.stats()
+        assert wait_for(lambda: svc.stats()["bytes_held"] == 0, timeout=10), svc.stats()["bytes_held"]
+        assert float(small(jnp.float32(1)).result(timeout=60)) == 2.0
+        pw.shutdown()
+        assert "JOINED" in _join_in_subprocess(svc)  # room again once the first one left
+    finally:
+        pw.shutdown()
+        svc.stop()
+
+
+def test_command_line_starts_reports_and_stops_a_service(ray_cluster):
+    address = ray_cluster.get_runtime_context().gcs_address
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pathways_jax", "--address", address, "--name", "test-cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+
+    started = cli("serve", "--hosts", "1", "--scheduler", "fair")
+    assert started.returncode == 0, started.stderr
+    assert "service='test-cli'" in started.stdout
+    # The service outlived the command that started it: a client joins it.
+    pw.init(backend="ray", address=address, service="test-cli", client_name="cli-user")
+    try:
+        out = pw.jit(lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 1}))(jnp.arange(3.0))
+        np.testing.assert_array_equal(out.result(timeout=60), np.arange(3.0) * 2 + 1)
+        stats = cli("stats")
+        assert stats.returncode == 0, stats.stderr
+        rows = json.loads(stats.stdout)["clients"].values()
+        assert [r["runs"] for r in rows if r["name"] == "cli-user"] == [1]
+        assert json.loads(stats.stdout)["scheduler"] == "fair"
+    finally:
+        pw.shutdown()
+    stopped = cli("stop")
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
+    again = cli("stats")
+    assert again.returncode == 1 and "no controller service named 'test-cli'" in again.stderr

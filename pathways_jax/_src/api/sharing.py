@@ -15,7 +15,7 @@ _received = itertools.count()
 
 
 def _service_backend(what: str) -> Any:
-    from pathways_jax._src.backends.service import ServiceBackend
+    from pathways_jax._src.backends.service_client import ServiceBackend
     from pathways_jax._src.runtime import session
 
     backend = session.cluster().remote
@@ -51,7 +51,7 @@ def share(future: Future, client: str | None = None, *, timeout: float | None = 
         no client process of that name is connected.
       TypeError: ``future`` is not a ``pw.Future``.
     """
-    from pathways_jax._src.backends import service as service_lib
+    from pathways_jax._src.backends import service_client as service_lib
 
     backend = _service_backend("pw.share")
     if not isinstance(future, Future):
@@ -66,7 +66,7 @@ def share(future: Future, client: str | None = None, *, timeout: float | None = 
         raise errors.ProgramFailedError(f"pw.share: {entry.origin} failed: {state.message}") from state.cause
     if not isinstance(state, Ready) or not isinstance(getattr(state.array, "key", None), int | tuple):
         raise errors.AccessError(f"pw.share: {entry.origin} is not a value on the service's hosts.")
-    array = state.array
+    array: Any = state.array  # a RemoteArray (checked above)
     if client is not None:
         if not isinstance(client, str) or not client:
             raise errors.AccessError(f"pw.share: client must be a client process's name, got {client!r}.")
@@ -83,7 +83,7 @@ def receive(handle: Any) -> Future:
     this process (or whose value was freed) fails the first program or
     ``result()`` that reads it, with ``AccessError``, touching nothing.
     """
-    from pathways_jax._src.backends import service as service_lib
+    from pathways_jax._src.backends import service_client as service_lib
     from pathways_jax._src.runtime import session
 
     backend = _service_backend("pw.receive")

@@ -208,7 +208,7 @@ class RemoteArray:
         self,
         backend: RayBackend,
         hosts: tuple[int, ...],
-        key: int | None,
+        key: int | tuple[int, int] | None,  # (owner, key): a value another client process shared
         aval: Any,
         sharding: Any,
         dones: tuple,
@@ -899,7 +899,7 @@ class RayBackend:
                 break
         return keys
 
-    def drop(self, host: int, key: int) -> None:
+    def drop(self, host: int, key: int | tuple[int, int]) -> None:
         """A handle went: its value is freed on its host with the next message there."""
         self._dropped[host].append(key)
 
@@ -920,7 +920,7 @@ class RayBackend:
                     return
                 logging.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
 
-    def fetch(self, hosts: tuple[int, ...], key: int, generation: int) -> Any:
+    def fetch(self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int) -> Any:
         """A kept value as a numpy array: from its host, or pieced together from its hosts' shards."""
         if self._closed:
             raise errors.ClusterError(_CLOSED)
@@ -973,7 +973,7 @@ class RayBackend:
             if lost is not None:
                 return lost
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
-        if status is None:
+        if status is None or isinstance(status, float):  # done (a host says in how much device time)
             return None
         if isinstance(status, Refused):  # the controller service refused the run: it touched nothing
             return refusal(status)

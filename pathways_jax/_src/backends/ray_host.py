@@ -47,6 +47,7 @@ import collections
 import contextlib
 import os
 import threading
+import time
 import traceback
 from typing import Any, Literal, NamedTuple
 
@@ -301,6 +302,7 @@ class Host:
         self._next_seq = 0
         self._queue_cv = threading.Condition()
         self._in_flight: collections.deque = collections.deque()
+        self._last_done = 0.0  # when the completer saw the previous run end
         self._done = _Work()  # (kind, arrays or array, future, peers): answered once ready
         self._loop: Any = None
         for target, name in ((self._execute_loop, "executor"), (self._done_loop, "completer")):
@@ -480,6 +482,7 @@ class Host:
             self._answer(future, RunFailure("error", None, message, trace))
             return
         ops, constants = self.plans[key]
+        enqueued = time.monotonic()
         env: dict[int, Any] = dict(constants)
         made: list = []
         peers: set[int] = set()
@@ -528,7 +531,7 @@ class Host:
         for slot, value_key in keep:
             self.values[value_key] = env[slot]
             made.append(env[slot])
-        self._done.put(("run", made, future, tuple(sorted(peers))))
+        self._done.put(("run", made, future, (tuple(sorted(peers)), enqueued)))
 
     # --- the data plane: jax.experimental.transfer, host to host -------------------------
 
@@ -663,7 +666,8 @@ class Host:
                     result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
                 self._answer(future, result)
                 continue
-            status: RunFailure | None = None
+            peers, enqueued = peers
+            status: RunFailure | float | None = None
             try:
                 # Newest first: once it is done the older ones mostly are, so this
                 # thread wakes about once per run, not once per array.
@@ -679,6 +683,12 @@ class Host:
                     peers,
                 )
             self.runs_done += 1
+            if status is None:
+                # Success is the run's device time here: from when its work was
+                # enqueued or the previous run ended, whichever is later, to its end.
+                now = time.monotonic()
+                status = now - max(enqueued, self._last_done)
+                self._last_done = now
             self._answer(future, status)
 
 

@@ -175,6 +175,18 @@ class Future:
           AccessError: a controller service refused the run: it read a value
             handle that is not this process's (nor shared with it), or one freed.
         """
+        array = self._computed(timeout)
+        if not isinstance(array, jax.Array):  # held by a backend's host (a handle): bring it here
+            try:
+                return array.fetch()
+            except errors.PathwaysError:
+                raise
+            except Exception as exc:
+                raise errors.ProgramFailedError(f"fetching {self._entry.origin} failed: {exc}") from exc
+        return array
+
+    def _computed(self, timeout: float | None) -> Any:
+        """The value once computed (a ``jax.Array``, or a backend's handle to it); raises as :meth:`result`."""
         entry = self._entry
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._store.wait_settled(entry, timeout):
@@ -189,13 +201,6 @@ class Future:
                     raise errors.ProgramFailedError(f"{entry.origin} failed while executing: {exc}") from exc
                 if not ready:
                     raise self._timeout(timeout)
-                if not isinstance(array, jax.Array):  # held by a backend's host (a handle): bring it here
-                    try:
-                        return array.fetch()
-                    except errors.PathwaysError:
-                        raise
-                    except Exception as exc:
-                        raise errors.ProgramFailedError(f"fetching {entry.origin} failed: {exc}") from exc
                 return array
             case Failed(message, cause):
                 if isinstance(cause, _KEPT_TYPES):
@@ -214,8 +219,11 @@ class Future:
         )
 
     def block_until_ready(self) -> Future:
-        """Waits for the value; returns the future itself."""
-        self.result()
+        """Waits until the value is computed (raising as :meth:`result` does); returns the future itself.
+
+        A value on a Ray host stays there: only :meth:`result` brings it here.
+        """
+        self._computed(None)
         return self
 
     # --- standing for the jax.Array: each of these waits for the value ----------------------

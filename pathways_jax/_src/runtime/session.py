@@ -541,7 +541,7 @@ def _check_budget(memory_budget: object) -> None:
 
 def _join_service(args: InitArgs) -> Any:
     """Joins the controller service ``args.service``: its hosts, seen through stand-in devices here."""
-    from pathways_jax._src.backends import service as service_lib
+    from pathways_jax._src.backends import service_client as service_lib
 
     actor, token, joined = service_lib.join(args.service or "", args.address, args.client_name)
     hosts, per_host, per_island = joined["hosts"], joined["devices_per_host"], joined["per_island"]

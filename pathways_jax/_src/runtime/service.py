@@ -47,23 +47,21 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import socket
 import threading
 import time
 from typing import Any
 
-import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends import ray as ray_backend
-from pathways_jax._src.backends.ray_host import Refused, RunFailure, sharding_of
+from pathways_jax._src.backends.ray_host import Refused, RunFailure
+from pathways_jax._src.backends.service_client import NAMESPACE, connect
 from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import scheduler as scheduler_lib
+from pathways_jax._src.runtime.scheduler import Head
 
-NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 DEFAULT_WINDOW = 4  # runs in flight per island on the service's hosts
 _KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
-_HEALTH_S = 0.25  # how often a client asks the service about lost islands
-_JOIN_TIMEOUT_S = 60.0
 _START_TIMEOUT_S = 180.0
 
 
@@ -120,7 +118,7 @@ class _Client:
     failures: int = 0
     refused: int = 0
     device_s: float = 0.0
-    charged_s: float = 0.0  # device time plus the estimates of runs in flight (fair)
+    active: bool = False  # has runs queued (the policy's activate / deactivate)
     by_name: dict = dataclasses.field(default_factory=dict)  # pw.client name -> device seconds
     estimates: dict = dataclasses.field(default_factory=dict)  # program -> seconds per run
     slices: dict = dataclasses.field(default_factory=dict)  # slice id -> device ids
@@ -153,6 +151,8 @@ class ServiceActor:
         self.layout = self.backend.layout
         self.window = config["window"]
         self.policy = config["scheduler"]
+        # The in-process controller's policies (runtime/scheduler.py), keyed by client process.
+        self.chooser = scheduler_lib.make(self.policy, starvation_limit=config["starvation_limit"])
         self.max_clients = config["max_clients"]
         self.memory_budget = config["memory_budget"]
         self.backpressure_timeout = config["backpressure_timeout"]
@@ -236,6 +236,8 @@ class ServiceActor:
                 batch.future.set_result([refused] * len(batch.messages))
         client.queue.clear()
         client.pending.clear()
+        self.chooser.forget(client.id)
+        client.active = False
         frees: dict[int, list[int]] = collections.defaultdict(list)
         for key, value in list(self.values.items()):
             value.readers.discard(client.id)
@@ -294,6 +296,7 @@ class ServiceActor:
             ready.islands = tuple(ready.meta.get("islands", ()))
             ready.nbytes = sum(ready.meta.get("nbytes", {}).values())
             client.queue.append(ready)
+            self._activity(client)
         self._pump()
         answers = await batch.future
         return answers[0] if len(messages) == 1 else answers
@@ -313,11 +316,13 @@ class ServiceActor:
             heads = [(c, c.queue[0]) for c in self.clients.values() if c.alive and c.queue]
             if not heads:
                 return
-            # Everything but runs goes at once (in each client's order).
-            others = [(c, b) for c, b in heads if not b.meta.get("run")]
+            # Everything but runs goes at once, ahead of the client's queued runs
+            # unless it names what they read or make (a fetch of a queued run's
+            # output waits for that run, a free for the runs reading the value).
+            others = [(c, b) for c in self.clients.values() if c.alive for b in self._unblocked(c)]
             if others:
                 for client, batch in others:
-                    client.queue.popleft()
+                    client.queue.remove(batch)
                     self._forward(client, batch)
                 continue
             if any(self._over_budget(c, b) for c, b in heads):
@@ -325,17 +330,59 @@ class ServiceActor:
             runs = [(c, b) for c, b in heads if self._may_go(b)]
             if not runs:
                 return
-            client, batch = min(runs, key=self._order)
+            choices = [
+                Head(
+                    c.id,
+                    b.arrival,
+                    int(b.meta.get("priority", 0)),
+                    float(b.meta.get("weight", 1.0)),
+                    c.estimates.get(b.meta.get("program", ""), 0.0),
+                )
+                for c, b in runs
+            ]
+            index = self.chooser.pick(choices)
+            self.chooser.picked(choices, index)
+            client, batch = runs[index]
             client.queue.popleft()
+            self._activity(client)
             self._forward(client, batch)
 
-    def _order(self, head: tuple[_Client, _Batch]) -> tuple:
-        client, batch = head
-        if self.policy == "priority":
-            return (-batch.meta.get("priority", 0), batch.arrival)
-        if self.policy == "fair":
-            return (client.charged_s / max(batch.meta.get("weight", 1.0), 1e-9), batch.arrival)
-        return (batch.arrival,)
+    def _activity(self, client: _Client) -> None:
+        """Tells the policy when a client's queue of runs fills or empties (fair: no banked credit)."""
+        has_runs = any(b.meta.get("run") for b in client.queue)
+        if has_runs and not client.active:
+            self.chooser.activate(client.id)
+        elif client.active and not has_runs:
+            self.chooser.deactivate(client.id)
+        client.active = has_runs
+
+    def _unblocked(self, client: _Client) -> list[_Batch]:
+        """The client's queued batches other than runs that need none of its queued runs to go first."""
+        if not client.queue or all(b.meta.get("run") for b in client.queue):
+            return []
+        reads: set = set()
+        makes: set = set()
+        plans: set = set()
+        ready = []
+        for batch in client.queue:
+            if batch.meta.get("run"):
+                for _host, kind, args in batch.messages:
+                    if kind == "run":
+                        plans.add(args[0])
+                        reads.update(payload for _slot, feed, payload in args[3] if feed == "value")
+                        makes.update(local for _slot, local in args[4])
+                continue
+            blocked = False
+            for _host, kind, args in batch.messages:
+                if kind == "fetch" or kind == "share":
+                    blocked |= args[0] in makes
+                elif kind == "free":
+                    blocked |= any(key in makes or key in reads for key in args[0])
+                elif kind == "forget":
+                    blocked |= args[0] in plans
+            if not blocked:
+                ready.append(batch)
+        return ready
 
     def _may_go(self, batch: _Batch) -> bool:
         if any(self.in_flight[island] >= self.window for island in batch.islands):
@@ -353,6 +400,8 @@ class ServiceActor:
         ):
             # It can never fit, or waited too long: it fails, and the queue goes on.
             client.queue.popleft()
+            self.chooser.discard(Head(client.id, batch.arrival))
+            self._activity(client)
             why = (
                 f"its outputs ({batch.nbytes} bytes) exceed the service's whole memory budget ({budget} bytes)"
                 if batch.nbytes > budget
@@ -360,11 +409,23 @@ class ServiceActor:
                 f"{self.held} held)"
             )
             client.failures += 1
-            batch.future.set_result(
-                [Refused(f"the run cannot be admitted: {why}", "memory")] * len(batch.messages)
-            )
+            self._fail(client, batch, Refused(f"the run cannot be admitted: {why}", "memory"))
             return True
         return False
+
+    def _fail(self, client: _Client, batch: _Batch, answer: Refused) -> None:
+        """Answers a batch that will not run with ``answer``: nothing of it runs and no value is touched.
+
+        Its plans are still registered: the client counts them as sent, and a
+        plan reads no value.
+        """
+        with self.backend._lock:
+            for host, kind, args in batch.messages:
+                if kind == "register":
+                    plan = host_key(client.id, args[0])
+                    client.plans.setdefault(plan, set()).add(host)
+                    self._send_host(host, kind, plan, *args[1:])
+        batch.future.set_result([answer] * len(batch.messages))
 
     def _send_host(self, host: int, kind: str, *args: Any) -> Any:
         """Host ``host``'s next numbered message; call with the backend's lock held."""
@@ -402,12 +463,17 @@ class ServiceActor:
     def _frees(self, client: _Client, keys: list, frees: dict[int, list[int]]) -> None:
         """``client`` dropped its handles ``keys``: values nobody holds any more are freed."""
         for key in keys:
-            owner, local = (client.id, key) if isinstance(key, int) else key
+            if isinstance(key, int):
+                owner, local, owned = client.id, key, True
+            else:  # a received handle (pw.receive), of another process or of this one
+                (owner, local), owned = key, False
+                if owner == client.id:
+                    continue  # the owner's own future frees it
             hk = host_key(owner, local)
             value = self.values.get(hk)
             if value is None:
                 continue
-            if owner == client.id:
+            if owned:
                 value.owner_holds = False
             else:
                 value.readers.discard(client.id)
@@ -427,7 +493,7 @@ class ServiceActor:
             elif kind not in ("register", "forget", "free"):
                 raise _Refuse(f"a client may not send {kind!r} messages")
         frees: dict[int, list[int]] = collections.defaultdict(list)
-        out = []
+        out: list[tuple[int, str, tuple]] = []
         base = 0
         if batch.meta.get("run"):
             with self._uuid_lock:
@@ -477,17 +543,8 @@ class ServiceActor:
         try:
             messages, frees = self._translate(client, batch)
         except _Refuse as refused:
-            # Nothing of it runs and no value is touched; its plans are still
-            # registered (the client counts them as sent, and they read no value).
             client.refused += 1
-            answer = Refused(str(refused))
-            with self.backend._lock:
-                for host, kind, args in batch.messages:
-                    if kind == "register":
-                        plan = host_key(client.id, args[0])
-                        client.plans.setdefault(plan, set()).add(host)
-                        self._send_host(host, kind, plan, *args[1:])
-            batch.future.set_result([answer] * len(batch.messages))
+            self._fail(client, batch, Refused(str(refused)))
             return
         sent = time.monotonic()
         with self.backend._lock:
@@ -498,9 +555,6 @@ class ServiceActor:
         if is_run:
             for island in batch.islands:
                 self.in_flight[island] += 1
-            program = batch.meta.get("program", "")
-            estimate = client.estimates.get(program, 0.0)
-            client.charged_s += estimate
         asyncio.get_running_loop().create_task(self._complete(client, batch, messages, refs, sent))
 
     async def _complete(
@@ -531,11 +585,18 @@ class ServiceActor:
                 self.in_flight[island] -= 1
             first = min(batch.islands) if batch.islands else -1
             start = max(sent, self.busy_until.get(first, 0.0))
-            device_s = max(done - start, 0.0)
             self.busy_until[first] = done
+            # The hosts measure it (see ray_host's completer); a failed run: as seen from here.
+            measured = [a for a, (_h, kind, _a) in zip(answers, messages, strict=True) if kind == "run"]
+            device_s = (
+                max(measured)
+                if measured and all(isinstance(a, float) for a in measured)
+                else max(done - start, 0.0)
+            )
             program = batch.meta.get("program", "")
             estimate = client.estimates.get(program, 0.0)
-            client.charged_s += device_s - estimate
+            # The policy was charged the estimate when the run went: now the difference.
+            self.chooser.charge(client.id, device_s - estimate, float(batch.meta.get("weight", 1.0)))
             client.estimates[program] = device_s if not estimate else 0.8 * estimate + 0.2 * device_s
             client.device_s += device_s
             name = batch.meta.get("client", client.name)
@@ -610,16 +671,6 @@ class _Refuse(Exception):
     """A batch names a value its client may not use: it is refused whole."""
 
 
-class Token:
-    """A client process's token actor: it dies with the process, which tells the service."""
-
-    async def hold(self) -> None:
-        await asyncio.Event().wait()
-
-    async def ping(self) -> int:
-        return os.getpid()
-
-
 # --- starting and stopping a service -----------------------------------------------------------
 
 
@@ -658,25 +709,6 @@ class Service:
             ray.kill(self.actor)
 
 
-def _connect(address: str | None, *, start: bool = False) -> Any:
-    """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a new one)."""
-    ray = ray_backend._import_ray()
-    if not ray.is_initialized():
-        if address is None and start:
-            logging.warning(
-                "pathways_jax: pw.serve started a new local Ray cluster in this process; the service lives as "
-                "long as this process does. Start one with `ray start --head` for a service that outlives it."
-            )
-        ray.init(
-            address=address or ("local" if start else "auto"),
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    return ray
-
-
 def serve(
     name: str = "pathways",
     *,
@@ -689,6 +721,7 @@ def serve(
     max_clients: int | None = None,
     memory_budget: int | None = None,
     backpressure_timeout: float | None = 60.0,
+    starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
     max_in_flight: int = ray_backend.RUNS_IN_FLIGHT,
     platform: str = "cpu",
     replace_lost_hosts: bool = True,
@@ -713,6 +746,8 @@ def serve(
         together; a run whose outputs do not fit waits (at most
         ``backpressure_timeout`` seconds), a client is not admitted while it is full.
       backpressure_timeout: seconds a run may wait for memory before it fails.
+      starvation_limit: under ``"priority"``, a run passed over more than
+        this many times goes next.
       max_in_flight: executables each host keeps in flight.
 
     Returns:
@@ -722,8 +757,6 @@ def serve(
       ClusterError: bad arguments, a service of that name exists, or Ray could not start the hosts.
     """
     import jax
-
-    from pathways_jax._src.runtime import scheduler as scheduler_lib
 
     if not isinstance(name, str) or not name:
         raise errors.ClusterError(f"a service's name must be a non-empty string, got {name!r}.")
@@ -754,7 +787,7 @@ def serve(
         raise errors.ClusterError(
             f"memory_budget must be None or a number of bytes >= 1, got {memory_budget!r}."
         )
-    ray = _connect(address, start=True)
+    ray = connect(address, start=True)
     with contextlib.suppress(ValueError):
         ray.get_actor(name, namespace=NAMESPACE)
         raise errors.ClusterError(
@@ -773,6 +806,7 @@ def serve(
         "max_clients": max_clients,
         "memory_budget": memory_budget,
         "backpressure_timeout": backpressure_timeout,
+        "starvation_limit": starvation_limit,
         "max_in_flight": max_in_flight,
         "x64": bool(jax.config.read("jax_enable_x64")),
     }
@@ -792,7 +826,7 @@ def serve(
 
 def service(name: str = "pathways", *, address: str | None = None) -> Service:
     """The running controller service named ``name`` (ClusterError if there is none)."""
-    ray = _connect(address)
+    ray = connect(address)
     try:
         actor = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError as exc:
@@ -802,268 +836,4 @@ def service(name: str = "pathways", *, address: str | None = None) -> Service:
     return Service(name, ray.get_runtime_context().gcs_address, actor)
 
 
-# --- the client's side ---------------------------------------------------------------------------
-
-
-def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, Any, dict]:
-    """Joins service ``name``: (its actor, this process's token actor, what the service said)."""
-    import jax
-
-    ray = _connect(address)
-    try:
-        actor = ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError as exc:
-        raise errors.ClusterError(
-            f"pw.init(service={name!r}): no controller service of that name runs in the Ray cluster at "
-            f"{address or 'auto'}; start one with pw.serve({name!r}, hosts=...) or "
-            f"`python -m pathways_jax.serve --name {name} --hosts N`."
-        ) from exc
-    token = ray.remote(Token).options(num_cpus=0).remote()
-    me = client_name or f"{socket.gethostname()}:{os.getpid()}"
-    try:
-        joined = ray.get(
-            actor.join.remote(
-                me, os.getpid(), socket.gethostname(), token, bool(jax.config.read("jax_enable_x64"))
-            ),
-            timeout=_JOIN_TIMEOUT_S,
-        )
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            ray.kill(token)
-        raise errors.ClusterError(f"pw.init(service={name!r}): the service did not answer: {exc}") from exc
-    if "refused" in joined:
-        with contextlib.suppress(Exception):
-            ray.kill(token)
-        raise errors.ClusterError(
-            f"the controller service {name!r} did not admit this process: {joined['refused']}."
-        )
-    return actor, token, joined
-
-
-class ServiceBackend(ray_backend.RayBackend):
-    """A client process's side of a controller service: the Ray backend, sending to the service.
-
-    Lowering, plans, handles and fetches are the Ray backend's; every message
-    goes to the service instead of a host, in numbered batches (a run's
-    messages in one), and the service answers for the hosts.
-    """
-
-    def __init__(self, *, actor: Any, token: Any, joined: dict, standins: list, on_lost: Any):
-        ray = ray_backend._import_ray()
-        layout = ray_backend.Layout(joined["hosts"], joined["devices_per_host"], joined["per_island"])
-        self._common(ray, layout, joined["platform"], standins, on_lost)
-        self.replace_lost = False  # the service rebuilds lost islands, not this process
-        self.service = actor
-        self.service_name = joined["name"]
-        self.client_id = joined["client"]
-        self.info = joined["info"]
-        self._token = token
-        self._generation = list(joined["generations"])
-        for island, why in joined["lost"].items():
-            self._mark(int(island), why)
-        self._batches = 0
-        self._threads = [
-            threading.Thread(target=self._monitor, name="pathways-service-health", daemon=True),
-            threading.Thread(target=self._flush_loop, name="pathways-service-flush", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _submit(self, batch: list, meta: dict) -> list:
-        """Sends a numbered batch to the service; one ref per message. Call with ``_lock`` held."""
-        seq = self._batches
-        self._batches += 1
-        refs = self.service.submit.options(num_returns=len(batch)).remote(self.client_id, seq, batch, meta)
-        return [refs] if len(batch) == 1 else list(refs)
-
-    def _message(self, host: int, kind: str, *args: Any) -> Any:
-        return self._submit([(host, kind, args)], {"run": False})[0]
-
-    def _send_run(self, batch: list, run: Any, remote: Any) -> list:
-        plan = run.plan
-        nbytes = {}
-        for _host, kind, args in batch:
-            if kind == "run":
-                for slot, key in args[4]:
-                    aval = plan.slot_outputs[slot].aval
-                    nbytes[key] = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-        client = run.client
-        meta = {
-            "run": True,
-            "islands": sorted(remote.islands),
-            "uuids": remote.uuids,
-            "nbytes": nbytes,
-            "program": plan.graph.name,
-            "client": getattr(client, "name", ""),
-            "weight": float(getattr(client, "weight", 1.0)),
-            "priority": int(getattr(client, "priority", 0)),
-        }
-        return self._submit(batch, meta)
-
-    def _take_uuids(self, count: int) -> int:
-        return 0  # the service numbers every run's transfers
-
-    def _loss(self, host: int, exc: BaseException, generation: int, what: str) -> BaseException | None:
-        if not ray_backend.is_lost_error(exc):
-            return None
-        return errors.ClusterError(
-            f"{what} could not be read: the controller service {self.service_name!r} is gone ({exc}). "
-            "Call pw.shutdown(), start the service again and pw.init(...) to join it."
-        )
-
-    def _health_check(self, hosts: set[int]) -> int | None:
-        with contextlib.suppress(Exception):
-            self._apply(self.ray.get(self.service.health.remote(), timeout=3.0))
-        for host in sorted(hosts):
-            if self.layout.island_of(host) in self.lost:
-                return self.layout.island_of(host)
-        return None
-
-    def host_stats(self, timeout: float = ray_backend._CALL_TIMEOUT_S) -> dict[int, dict]:
-        return self.ray.get(self.service.host_stats.remote(), timeout=timeout)
-
-    def service_stats(self, timeout: float = 30.0) -> dict:
-        return self.ray.get(self.service.stats.remote(), timeout=timeout)
-
-    def share(self, key: int, reader: str) -> None:
-        """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
-        with self._lock:  # in this process's order: after the run that makes the value
-            ref = self._submit([(-1, "share", (key, reader))], {"run": False})[0]
-        answer = self.ray.get(ref, timeout=60.0)
-        if isinstance(answer, Refused):
-            raise errors.AccessError(f"pw.share: {answer.message}.")
-
-    def mark_lost(self, host: int, why: str, generation: int | None = None) -> None:
-        # The service sees its hosts die and says so (health, run answers).
-        self._health_check({host})
-
-    def _mark(self, island: int, why: str) -> None:
-        with self._lock:
-            if island in self.lost:
-                return
-            self.lost[island] = why
-            self._lost_before[island] = why
-            for member in self.layout.members(island):
-                self.lost_hosts[member] = why
-        if self.on_lost is not None:
-            self.on_lost(island)
-
-    def _apply(self, health: dict) -> None:
-        """The service's word on lost and rebuilt islands, applied here."""
-        lost = {int(k): v for k, v in health["lost"].items()}
-        for island, why in lost.items():
-            self._mark(island, why)
-        for island, generation in enumerate(health["generations"]):
-            if island in lost or (island not in self.lost and generation == self._generation[island]):
-                continue
-            with self._lock:
-                self.lost.pop(island, None)
-                self._generation[island] = generation
-                for member in self.layout.members(island):
-                    self.lost_hosts.pop(member, None)
-                    self._known[member] = set()  # new hosts: plans go again
-                    self._fingerprints[member] = set()
-            if self.on_restored is not None:
-                self.on_restored(island)
-
-    def _monitor(self) -> None:
-        reported: dict = {}
-        while not self._closed:
-            try:
-                self._apply(self.ray.get(self.service.health.remote(), timeout=10.0))
-                slices = self.slices_of() if self.slices_of is not None else {}
-                if slices != reported:  # for the service's stats
-                    self.service.slices.remote(self.client_id, slices)
-                    reported = slices
-            except Exception as exc:
-                if self._closed or not self.ray.is_initialized():
-                    return
-                logging.warning("pathways_jax: asking the controller service about its hosts failed: %s", exc)
-            time.sleep(_HEALTH_S)
-
-    def close(self, timeout: float | None = ray_backend._CLOSE_TIMEOUT_S) -> None:
-        """Leaves the service (its values and plans are released there) and stops this side's threads."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._closed:
-            self._closed = True
-            with contextlib.suppress(Exception):
-                self.ray.get(self.service.leave.remote(self.client_id), timeout=min(timeout or 5.0, 5.0))
-            with contextlib.suppress(Exception):
-                self.ray.kill(self._token)
-        for thread in self._threads:
-            if thread is threading.current_thread():
-                continue
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-
-# --- handles -------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Handle:
-    """A value on a controller service's hosts, as another client process can name it.
-
-    Made by ``pw.share(future, client=...)``; picklable. Pass it to another
-    process, which turns it into a future with ``pw.receive(handle)``. The
-    service lets only the value's owner and the clients it was shared with
-    read it; a handle does not keep its value alive (the owner's future, or a
-    receiver's, does).
-    """
-
-    service: str
-    owner: int
-    key: int
-    hosts: tuple
-    island: int
-    desc: Any
-    shape: tuple
-    dtype: str
-    generation: int
-
-
-def handle_of(backend: ServiceBackend, array: Any) -> Handle:
-    """The handle of a value this process holds (its own or received)."""
-    owner, key = (backend.client_id, array.key) if isinstance(array.key, int) else array.key
-    placed = backend.where(array.sharding, "the shared value")
-    return Handle(
-        backend.service_name,
-        owner,
-        key,
-        tuple(array.hosts),
-        placed.island,
-        placed.desc,
-        tuple(array.aval.shape),
-        str(array.aval.dtype),
-        array.generation,
-    )
-
-
-def array_of(backend: ServiceBackend, handle: Handle) -> Any:
-    """A RemoteArray of this process for ``handle`` (whether it may be read is the service's call)."""
-    import jax
-
-    if handle.service != backend.service_name:
-        raise errors.AccessError(
-            f"the handle is of controller service {handle.service!r}; this process joined {backend.service_name!r}."
-        )
-    devices = backend.islands[handle.island]
-    sharding = sharding_of(handle.desc, list(devices))
-    aval = jax.core.ShapedArray(handle.shape, np.dtype(handle.dtype))
-    key = handle.key if handle.owner == backend.client_id else (handle.owner, handle.key)
-    return ray_backend.RemoteArray(backend, handle.hosts, key, aval, sharding, (), handle.generation)
-
-
-__all__ = [
-    "DEFAULT_WINDOW",
-    "NAMESPACE",
-    "Handle",
-    "Service",
-    "ServiceActor",
-    "ServiceBackend",
-    "array_of",
-    "handle_of",
-    "host_key",
-    "join",
-    "serve",
-    "service",
-]
+__all__ = ["DEFAULT_WINDOW", "Service", "ServiceActor", "host_key", "serve", "service"]

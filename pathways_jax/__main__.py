@@ -1,0 +1,72 @@
+"""Start, inspect and stop a controller service from the command line.
+
+    ray start --head                                   # a Ray cluster that outlives this command
+    python -m pathways_jax serve --hosts 4 --devices_per_host 2 --islands 2 --scheduler fair
+    python -m pathways_jax stats                       # every client process: runs, device time, bytes
+    python -m pathways_jax stop
+
+Client processes join with ``pw.init(backend="ray", address=<the address
+printed>, service=<name>)``. ``--address`` (default ``auto``: the cluster
+``ray start`` started on this machine) and ``--name`` (default ``pathways``)
+pick the cluster and the service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pathways_jax", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--address", default="auto", help="the Ray cluster (default: the one on this machine)"
+    )
+    parser.add_argument("--name", default="pathways", help="the service's name (default: pathways)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("serve", help="start a controller service (a detached Ray actor)")
+    start.add_argument("--hosts", type=int, required=True)
+    start.add_argument("--devices_per_host", type=int, default=1)
+    start.add_argument("--islands", type=int, default=None)
+    start.add_argument("--scheduler", choices=("fifo", "priority", "fair"), default="fifo")
+    start.add_argument("--window", type=int, default=None, help="runs in flight per island")
+    start.add_argument("--max_clients", type=int, default=None)
+    start.add_argument("--memory_budget", type=int, default=None, help="bytes of values for all clients")
+    start.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    commands.add_parser("stats", help="print the service's stats as JSON")
+    commands.add_parser("stop", help="stop the service (its hosts and every client's values go)")
+    args = parser.parse_args(argv)
+
+    import pathways_jax as pw
+    from pathways_jax._src.runtime import service as service_lib
+
+    try:
+        if args.command == "serve":
+            svc = pw.serve(
+                args.name,
+                hosts=args.hosts,
+                devices_per_host=args.devices_per_host,
+                islands=args.islands,
+                address=args.address,
+                scheduler=args.scheduler,
+                window=args.window or service_lib.DEFAULT_WINDOW,
+                max_clients=args.max_clients,
+                memory_budget=args.memory_budget,
+                platform=args.platform,
+            )
+            print(f"controller service {svc.name!r} is running in the Ray cluster at {svc.address}")
+            print(f"join it with: pw.init(backend='ray', address={svc.address!r}, service={svc.name!r})")
+        elif args.command == "stats":
+            print(json.dumps(pw.service(args.name, address=args.address).stats(), indent=2, default=str))
+        else:
+            pw.service(args.name, address=args.address).stop()
+            print(f"controller service {args.name!r} stopped")
+    except pw.errors.PathwaysError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""A client process's side of a controller service (``pw.init(backend="ray", service=...)``).
+
+The service itself (``pw.serve``) is ``runtime/service.py``: a named, detached
+Ray actor owning the hosts. A client process joins it (:func:`join`: a
+token actor that dies with the process tells the service when it went) and
+keeps the whole API: it traces and lowers locally, against stand-in CPU
+devices, as on the plain Ray backend, and its :class:`ServiceBackend` sends
+what that backend would send to the hosts to the service instead, one
+numbered batch per run (every host's message of the run at once, so the
+hosts of an island see the run at the same place in their order). Plans go
+once per host; a run is its plan key, input handles and fed arguments;
+values stay on the hosts and the client holds handles. A value another
+client process shared with this one (``pw.share``) is named by a
+:class:`Handle` and read as ``(owner, key)``: the service checks that it may be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends.ray_host import Refused, sharding_of
+from pathways_jax._src.core import errors
+
+NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
+_HEALTH_S = 0.25  # how often a client asks the service about lost islands
+_JOIN_TIMEOUT_S = 60.0
+
+
+def connect(address: str | None, *, start: bool = False) -> Any:
+    """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a new one)."""
+    ray = ray_backend._import_ray()
+    if not ray.is_initialized():
+        if address is None and start:
+            logging.warning(
+                "pathways_jax: pw.serve started a new local Ray cluster in this process; the service lives as "
+                "long as this process does. Start one with `ray start --head` for a service that outlives it."
+            )
+        ray.init(
+            address=address or ("local" if start else "auto"),
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    return ray
+
+
+class Token:
+    """A client process's token actor: it dies with the process, which tells the service."""
+
+    async def hold(self) -> None:
+        await asyncio.Event().wait()
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+
+# --- the client's side ---------------------------------------------------------------------------
+
+
+def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, Any, dict]:
+    """Joins service ``name``: (its actor, this process's token actor, what the service said)."""
+    import jax
+
+    ray = connect(address)
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError as exc:
+        raise errors.ClusterError(
+            f"pw.init(service={name!r}): no controller service of that name runs in the Ray cluster at "
+            f"{address or 'auto'}; start one with pw.serve({name!r}, hosts=...) or "
+            f"`python -m pathways_jax.serve --name {name} --hosts N`."
+        ) from exc
+    token = ray.remote(Token).options(num_cpus=0).remote()
+    me = client_name or f"{socket.gethostname()}:{os.getpid()}"
+    try:
+        joined = ray.get(
+            actor.join.remote(
+                me, os.getpid(), socket.gethostname(), token, bool(jax.config.read("jax_enable_x64"))
+            ),
+            timeout=_JOIN_TIMEOUT_S,
+        )
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            ray.kill(token)
+        raise errors.ClusterError(f"pw.init(service={name!r}): the service did not answer: {exc}") from exc
+    if "refused" in joined:
+        with contextlib.suppress(Exception):
+            ray.kill(token)
+        raise errors.ClusterError(
+            f"the controller service {name!r} did not admit this process: {joined['refused']}."
+        )
+    return actor, token, joined
+
+
+class ServiceBackend(ray_backend.RayBackend):
+    """A client process's side of a controller service: the Ray backend, sending to the service.
+
+    Lowering, plans, handles and fetches are the Ray backend's; every message
+    goes to the service instead of a host, in numbered batches (a run's
+    messages in one), and the service answers for the hosts.
+    """
+
+    def __init__(self, *, actor: Any, token: Any, joined: dict, standins: list, on_lost: Any):
+        ray = ray_backend._import_ray()
+        layout = ray_backend.Layout(joined["hosts"], joined["devices_per_host"], joined["per_island"])
+        self._common(ray, layout, joined["platform"], standins, on_lost)
+        self.replace_lost = False  # the service rebuilds lost islands, not this process
+        self.service = actor
+        self.service_name = joined["name"]
+        self.client_id = joined["client"]
+        self.info = joined["info"]
+        self._token = token
+        self._generation = list(joined["generations"])
+        for island, why in joined["lost"].items():
+            self._mark(int(island), why)
+        self._batches = 0
+        self._threads = [
+            threading.Thread(target=self._monitor, name="pathways-service-health", daemon=True),
+            threading.Thread(target=self._flush_loop, name="pathways-service-flush", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _submit(self, batch: list, meta: dict) -> list:
+        """Sends a numbered batch to the service; one ref per message. Call with ``_lock`` held."""
+        seq = self._batches
+        self._batches += 1
+        refs = self.service.submit.options(num_returns=len(batch)).remote(self.client_id, seq, batch, meta)
+        return [refs] if len(batch) == 1 else list(refs)
+
+    def _message(self, host: int, kind: str, *args: Any) -> Any:
+        return self._submit([(host, kind, args)], {"run": False})[0]
+
+    def _send_run(self, batch: list, run: Any, remote: Any) -> list:
+        plan = run.plan
+        nbytes = {}
+        for _host, kind, args in batch:
+            if kind == "run":
+                for slot, key in args[4]:
+                    aval = plan.slot_outputs[slot].aval
+                    nbytes[key] = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+        client = run.client
+        meta = {
+            "run": True,
+            "islands": sorted(remote.islands),
+            "uuids": remote.uuids,
+            "nbytes": nbytes,
+            "program": plan.graph.name,
+            "client": getattr(client, "name", ""),
+            "weight": float(getattr(client, "weight", 1.0)),
+            "priority": int(getattr(client, "priority", 0)),
+        }
+        return self._submit(batch, meta)
+
+    def _take_uuids(self, count: int) -> int:
+        return 0  # the service numbers every run's transfers
+
+    def _loss(self, host: int, exc: BaseException, generation: int, what: str) -> BaseException | None:
+        if not ray_backend.is_lost_error(exc):
+            return None
+        return errors.ClusterError(
+            f"{what} could not be read: the controller service {self.service_name!r} is gone ({exc}). "
+            "Call pw.shutdown(), start the service again and pw.init(...) to join it."
+        )
+
+    def _health_check(self, hosts: set[int]) -> int | None:
+        with contextlib.suppress(Exception):
+            self._apply(self.ray.get(self.service.health.remote(), timeout=3.0))
+        for host in sorted(hosts):
+            if self.layout.island_of(host) in self.lost:
+                return self.layout.island_of(host)
+        return None
+
+    def host_stats(self, timeout: float = ray_backend._CALL_TIMEOUT_S) -> dict[int, dict]:
+        return self.ray.get(self.service.host_stats.remote(), timeout=timeout)
+
+    def service_stats(self, timeout: float = 30.0) -> dict:
+        return self.ray.get(self.service.stats.remote(), timeout=timeout)
+
+    def share(self, key: int, reader: str) -> None:
+        """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
+        with self._lock:  # in this process's order: after the run that makes the value
+            ref = self._submit([(-1, "share", (key, reader))], {"run": False})[0]
+        answer = self.ray.get(ref, timeout=60.0)
+        if isinstance(answer, Refused):
+            raise errors.AccessError(f"pw.share: {answer.message}.")
+
+    def mark_lost(self, host: int, why: str, generation: int | None = None) -> None:
+        # The service sees its hosts die and says so (health, run answers).
+        self._health_check({host})
+
+    def _mark(self, island: int, why: str) -> None:
+        with self._lock:
+            if island in self.lost:
+                return
+            self.lost[island] = why
+            self._lost_before[island] = why
+            for member in self.layout.members(island):
+                self.lost_hosts[member] = why
+        if self.on_lost is not None:
+            self.on_lost(island)
+
+    def _apply(self, health: dict) -> None:
+        """The service's word on lost and rebuilt islands, applied here."""
+        lost = {int(k): v for k, v in health["lost"].items()}
+        for island, why in lost.items():
+            self._mark(island, why)
+        for island, generation in enumerate(health["generations"]):
+            if island in lost or (island not in self.lost and generation == self._generation[island]):
+                continue
+            with self._lock:
+                self.lost.pop(island, None)
+                self._generation[island] = generation
+                for member in self.layout.members(island):
+                    self.lost_hosts.pop(member, None)
+                    self._known[member] = set()  # new hosts: plans go again
+                    self._fingerprints[member] = set()
+            if self.on_restored is not None:
+                self.on_restored(island)
+
+    def _monitor(self) -> None:
+        reported: dict = {}
+        while not self._closed:
+            try:
+                self._apply(self.ray.get(self.service.health.remote(), timeout=10.0))
+                slices = self.slices_of() if self.slices_of is not None else {}
+                if slices != reported:  # for the service's stats
+                    self.service.slices.remote(self.client_id, slices)
+                    reported = slices
+            except Exception as exc:
+                if self._closed or not self.ray.is_initialized():
+                    return
+                logging.warning("pathways_jax: asking the controller service about its hosts failed: %s", exc)
+            time.sleep(_HEALTH_S)
+
+    def close(self, timeout: float | None = ray_backend._CLOSE_TIMEOUT_S) -> None:
+        """Leaves the service (its values and plans are released there) and stops this side's threads."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self.ray.get(self.service.leave.remote(self.client_id), timeout=min(timeout or 5.0, 5.0))
+            with contextlib.suppress(Exception):
+                self.ray.kill(self._token)
+        for thread in self._threads:
+            if thread is threading.current_thread():
+                continue
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+# --- handles -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """A value on a controller service's hosts, as another client process can name it.
+
+    Made by ``pw.share(future, client=...)``; picklable. Pass it to another
+    process, which turns it into a future with ``pw.receive(handle)``. The
+    service lets only the value's owner and the clients it was shared with
+    read it; a handle does not keep its value alive (the owner's future, or a
+    receiver's, does).
+    """
+
+    service: str
+    owner: int
+    key: int
+    hosts: tuple
+    island: int
+    desc: Any
+    shape: tuple
+    dtype: str
+    generation: int
+
+
+def handle_of(backend: ServiceBackend, array: Any) -> Handle:
+    """The handle of a value this process holds (its own or received)."""
+    owner, key = (backend.client_id, array.key) if isinstance(array.key, int) else array.key
+    placed = backend.where(array.sharding, "the shared value")
+    return Handle(
+        backend.service_name,
+        owner,
+        key,
+        tuple(array.hosts),
+        placed.island,
+        placed.desc,
+        tuple(array.aval.shape),
+        str(array.aval.dtype),
+        array.generation,
+    )
+
+
+def array_of(backend: ServiceBackend, handle: Handle) -> Any:
+    """A RemoteArray of this process for ``handle`` (whether it may be read is the service's call)."""
+    import jax
+
+    if handle.service != backend.service_name:
+        raise errors.AccessError(
+            f"the handle is of controller service {handle.service!r}; this process joined {backend.service_name!r}."
+        )
+    devices = backend.islands[handle.island]
+    sharding = sharding_of(handle.desc, list(devices))
+    aval = jax.core.ShapedArray(handle.shape, np.dtype(handle.dtype))
+    # Named (owner, key) even for this process's own value: dropping it frees nothing (the
+    # owner's own future does), and reading it after that is refused as stale.
+    key = (handle.owner, handle.key)
+    return ray_backend.RemoteArray(backend, handle.hosts, key, aval, sharding, (), handle.generation)
+
+
+__all__ = ["NAMESPACE", "Handle", "ServiceBackend", "Token", "array_of", "connect", "handle_of", "join"]
