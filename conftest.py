@@ -34,8 +34,10 @@ def _fresh_cluster():
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(request):
     """A local Ray cluster for one test module (``ray.init`` costs seconds: once per module).
+
+    Its logical CPUs (one per host actor) are 4, or the module's ``RAY_CPUS``.
 
     Ray is a dependency of the test suite (``pip install -e '.[test,ray]'``): a
     missing Ray fails the tests that use it rather than skipping them.
@@ -49,7 +51,11 @@ def ray_cluster():
         # Ray starts its processes with fork + exec (see _src/backends/ray.py).
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
         ray.init(
-            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
+            address="local",
+            num_cpus=getattr(request.module, "RAY_CPUS", 4),
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
         )
     try:
         yield ray

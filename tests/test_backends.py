@@ -4,9 +4,11 @@ Every backend gets the same topology: two islands of four devices. On Ray
 it is made twice: two host actors of four CPU devices each (``"ray"``), and
 four hosts of two devices grouped in islands of two hosts (``"ray-2host"``:
 each island is one ``jax.distributed`` system, its slices span both hosts
-and values cross hosts through the transfer servers). The Ray cluster is
-started once for this module; each test starts (and ``pw.shutdown`` stops)
-its hosts.
+and values cross hosts through the transfer servers), and once more as a
+client process of a controller service with that topology (``"service"``:
+``pw.serve``, started once for the module). The Ray cluster is started once
+for this module; each test starts (and ``pw.shutdown`` stops) its hosts, or
+joins (and leaves) the service.
 Every result is compared with plain ``jax.jit`` on the same inputs.
 """
 
@@ -22,15 +24,29 @@ from helpers import assert_matches, wait_for
 import pathways_jax as pw
 
 pytestmark = pytest.mark.timeout(180)
+RAY_CPUS = 8  # the service's 4 hosts and a test's own 4 (one logical CPU each)
 
 
-@pytest.fixture(params=["local", "ray", "ray-2host"])
+@pytest.fixture(scope="module")
+def shared_service(ray_cluster):
+    """A controller service with the same topology, for the whole module."""
+    svc = pw.serve("backend-suite", hosts=4, devices_per_host=2, islands=2)
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture(params=["local", "ray", "ray-2host", "service"])
 def backend(request):
     if request.param == "local":
         pw.init(num_cpu_devices=8, islands=2)
     elif request.param == "ray":
         request.getfixturevalue("ray_cluster")
         pw.init(backend="ray", hosts=2, devices_per_host=4)
+    elif request.param == "service":
+        svc = request.getfixturevalue("shared_service")
+        pw.init(backend="ray", address=svc.address, service=svc.name)
     else:
         request.getfixturevalue("ray_cluster")
         pw.init(backend="ray", hosts=4, devices_per_host=2, islands=2)
