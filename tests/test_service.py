@@ -399,3 +399,20 @@ def test_command_line_starts_reports_and_stops_a_service(ray_cluster):
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
     again = cli("stats")
     assert again.returncode == 1 and "no controller service named 'test-cli'" in again.stderr
+
+
+def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluster):
+    svc = pw.serve("test-dies", hosts=1)
+    pw.init(backend="ray", address=svc.address, service=svc.name)
+    try:
+        step = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 1}))
+        assert float(step(jnp.float32(1)).result(timeout=60)) == 2.0
+        ray_cluster.kill(svc.actor)  # the service and, with it, its hosts
+        with pytest.raises(pw.errors.PathwaysError, match="controller service 'test-dies' is gone"):
+            step(jnp.float32(1)).result(timeout=60)
+    finally:
+        started = time.monotonic()
+        pw.shutdown()
+        assert time.monotonic() - started < 15
+    with pytest.raises(pw.errors.ClusterError, match="no controller service"):
+        pw.service("test-dies")

@@ -242,6 +242,14 @@ class ServiceBackend(ray_backend.RayBackend):
             except Exception as exc:
                 if self._closed or not self.ray.is_initialized():
                     return
+                if ray_backend.is_lost_error(exc):  # said once: every later call fails saying so too
+                    logging.warning(
+                        "pathways_jax: the controller service %r is gone (%s); this process's programs "
+                        "fail until pw.shutdown() and pw.init(...) join a running one.",
+                        self.service_name,
+                        exc,
+                    )
+                    return
                 logging.warning("pathways_jax: asking the controller service about its hosts failed: %s", exc)
             time.sleep(_HEALTH_S)
 
