@@ -39,9 +39,18 @@ the slice's devices. Results go to benchmarks/results/multitenancy.json and .png
   python benchmarks/multitenancy.py           # the full run (a few minutes)
   python benchmarks/multitenancy.py --quick   # well under a minute; used by the test suite
   python benchmarks/multitenancy.py --fair_only --slice 1   # the fair runs alone, on a 1-device slice
+  python benchmarks/multitenancy.py --only_processes        # client processes against one service
 
 --fair_only skips the throughput and plain-JAX modes and writes its shares to
 results/multitenancy_fair_slice{N}.json, beside (not over) the full run's results.
+
+--only_processes runs the process mode alone (multitenancy_processes.py): proc-N
+is N client *processes* (N in --processes) joined to one controller service
+(``pw.serve``, one host owning the slice's devices), all submitting the same
+program for --measure_s seconds from one start, each keeping --window futures
+in flight; jax-1 and pw-1 (one client thread on the local backend) are
+measured in this process between its rounds. Results go to
+results/multitenancy_processes.json and .png (``_quick`` with --quick).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ import threading
 import time
 
 import common
+import multitenancy_processes
 from absl import app, flags
 
 _CLIENTS = flags.DEFINE_list("clients", ["1", "2", "4", "8", "16"], "Client thread counts of the pw modes.")
@@ -88,6 +98,23 @@ _QUICK = flags.DEFINE_bool("quick", False, "Short run that only checks the bench
 _FAIR_ONLY = flags.DEFINE_bool(
     "fair_only", False, "Calibrate, then run only the fair runs (on the --slice-device slice)."
 )
+_PROCESSES = flags.DEFINE_list(
+    "processes",
+    ["1", "2", "4", "8", "16"],
+    "Client process counts of the process mode (--only_processes); --quick alone: 1,2.",
+)
+_ONLY_PROCESSES = flags.DEFINE_bool(
+    "only_processes", False, "Calibrate, then run only the process mode (client processes, one service)."
+)
+_SERVICE_WINDOW = flags.DEFINE_integer("service_window", 4, "The service's runs in flight per island.")
+_SERVICE_WAIT = flags.DEFINE_enum(
+    "service_wait",
+    "result",
+    ["result", "ready"],
+    "How a client process waits for its oldest future: result (.result(), the value comes to the "
+    "client, as in the thread modes) or ready (.block_until_ready(), it stays on the host; results "
+    "go to multitenancy_processes_ready.json).",
+)
 _OUT = flags.DEFINE_string(
     "out", str(pathlib.Path(__file__).resolve().parent / "results"), "Where results go."
 )
@@ -97,6 +124,12 @@ _CHILD_PROGRAMS = flags.DEFINE_integer(
     "jax_child_programs", 300, "Programs per thread of the jax-N modes (300 unbounded: fine on one thread)."
 )
 _CHILD_WINDOW = flags.DEFINE_integer("jax_child_window", 0, "Internal: in-flight bound per child thread.")
+# Internal: be one client process of the process mode; see multitenancy_processes.child.
+_SERVICE_CHILD = flags.DEFINE_string(
+    "service_child", "", "Internal: run as this client process of the service."
+)
+_SERVICE_ADDRESS = flags.DEFINE_string("service_address", "", "Internal: the service's Ray address.")
+_SERVICE_NAME = flags.DEFINE_string("service_name", "", "Internal: the service's name.")
 
 NUM_DEVICES = 8
 SIZES = (8, 16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 256, 320, 384, 512)
@@ -828,11 +861,141 @@ def _fair_only(
     print(f"wrote {out_dir / (name + '.json')} in {report['wall_s']:.0f} s")
 
 
+def _tree() -> dict:
+    """The commit measured, and the runtime's files changed since it (another job may edit the tree)."""
+
+    def git(*args: str) -> str:
+        root = pathlib.Path(__file__).resolve().parent.parent
+        got = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
+        return got.stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "changed": git("status", "--short", "pathways_jax").splitlines(),
+    }
+
+
+def _processes_only(
+    slice_, size: int, calibration: dict, out_dir: pathlib.Path, started: float, repeats: int, measure: float
+) -> None:
+    """--only_processes: proc-N against jax-1 and pw-1 of the same run; see multitenancy_processes.py."""
+    import ray
+
+    import pathways_jax as pw
+
+    quick = _QUICK.value
+    processes = [int(v) for v in _PROCESSES.value]
+    if quick and not _PROCESSES.present:
+        processes = [1, 2]
+    load_before = os.getloadavg()
+    mesh = slice_.physical_mesh
+    x, w = _inputs(mesh, size)
+    jax_fn = _jax_program(mesh)
+    pw_fn = pw.jit(_program, devices=slice_, in_specs=(pw.P("x"), pw.P()), out_specs=pw.P())
+    jax_window = pw.cluster().in_flight
+    device_ids = [d.id for d in slice_.devices]
+    jax_fn(x, w).block_until_ready()
+    pw_fn(x, w).result()
+    baselines = {
+        "jax-1": lambda seconds: run_jax_1(jax_fn, x, w, seconds, jax_window),
+        "pw-1": lambda seconds: run_clients(pw_fn, x, w, device_ids, 1, seconds, _WINDOW.value, tag="local-"),
+    }
+    for run in baselines.values():  # warm
+        run(min(0.1, measure))
+    command = [
+        sys.executable,
+        str(pathlib.Path(__file__).resolve()),
+        f"--slice={_SLICE.value}",
+        f"--size={size}",
+        f"--window={_WINDOW.value}",
+        f"--service_wait={_SERVICE_WAIT.value}",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        got = multitenancy_processes.run(
+            processes=processes,
+            repeats=repeats,
+            seconds=measure,
+            window=_WINDOW.value,
+            slice_devices=_SLICE.value,
+            size=size,
+            command=command,
+            service_window=_SERVICE_WINDOW.value,
+            baselines=baselines,
+            folder=pathlib.Path(tmp),
+            ready_timeout=240.0,
+        )
+    slice_.release()
+    pw.shutdown()
+    modes = got.pop("modes")
+    calibration["jax_1_ms_per_program"] = 1e3 / modes["jax-1"]["programs_per_s"]
+    report = {
+        "benchmark": "multitenancy-processes",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": common.machine() | {"ray": ray.__version__},
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "tree": _tree(),
+        "quick": quick,
+        "config": {
+            "slice_devices": _SLICE.value,
+            "matmul_size": size,
+            "processes": processes,
+            "repeats": repeats,
+            "measure_s": measure,
+            "window_per_client": _WINDOW.value,
+            "client_waits_with": _SERVICE_WAIT.value,
+            "jax_1_window": jax_window,
+            "service": {
+                "hosts": 1,
+                "devices_per_host": _SLICE.value,
+                "scheduler": "fifo",
+                "window": _SERVICE_WINDOW.value,
+            },
+        },
+        "calibration": calibration,
+        "utilisation_measure": (
+            "proc-N: the increase of the service's stats() device_time_s, summed over its client "
+            "processes, over the round's wall time. The hosts measure each run's device time (from when a "
+            "host enqueued the run's work, or its previous run ended, until the run's outputs were ready; "
+            "the longest of the run's hosts) and the service adds it up per client process: busy time of "
+            "the island, not per device. pw-1: pw.stats() as in the thread mode."
+        ),
+        "modes": modes,
+        **got,
+    }
+    report["table"] = multitenancy_processes.table(modes)
+    report["cpu_table"] = multitenancy_processes.cpu_table(modes)
+    report["wall_s"] = time.perf_counter() - started
+    name = (
+        "multitenancy_processes"
+        + ("_ready" if _SERVICE_WAIT.value == "ready" else "")
+        + ("_quick" if quick else "")
+    )
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    multitenancy_processes.plot(report, out_dir / f"{name}.png", common.pyplot)
+    print(report["table"])
+    print("CPU µs per program, by process role:")
+    print(report["cpu_table"])
+    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')} in {report['wall_s']:.0f} s")
+
+
 def main(argv: list[str]) -> None:
     del argv
     if _CHILD.value:
         _jax_threads_child(
             _CHILD.value, _SLICE.value, _SIZE.value, _CHILD_PROGRAMS.value, _CHILD_WINDOW.value
+        )
+        return
+    if _SERVICE_CHILD.value:  # before any JAX computation in this process
+        multitenancy_processes.child(
+            address=_SERVICE_ADDRESS.value,
+            service=_SERVICE_NAME.value,
+            name=_SERVICE_CHILD.value,
+            slice_devices=_SLICE.value,
+            size=_SIZE.value,
+            window=_WINDOW.value,
+            wait=_SERVICE_WAIT.value,
+            program=_program,
+            inputs=_inputs,
         )
         return
     import pathways_jax as pw
@@ -871,6 +1034,9 @@ def main(argv: list[str]) -> None:
         flush=True,
     )
 
+    if _ONLY_PROCESSES.value:
+        _processes_only(slice_, size, calibration, out_dir, started, repeats, measure)
+        return
     if _FAIR_ONLY.value:
         slice_.release()
         _fair_only(size, weights, fair_s, settle, fair_repeats, calibration, out_dir, started)

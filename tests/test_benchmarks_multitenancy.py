@@ -61,3 +61,39 @@ def test_multitenancy_benchmark_quick_mode_reports_every_mode(tmp_path):
         "fair_relative_error",
     }
     assert result["machine"]["cpu_count"] >= 1
+
+
+@pytest.mark.timeout(240)
+def test_multitenancy_benchmark_quick_process_mode_reports_every_mode(tmp_path):
+    # Client processes against one controller service (pw.serve), with jax-1 and pw-1 of the same run.
+    run_script("benchmarks/multitenancy.py", "--only_processes", "--quick", f"--out={tmp_path}", timeout=220)
+    result = json.loads((tmp_path / "multitenancy_processes_quick.json").read_text())
+    assert (tmp_path / "multitenancy_processes_quick.png").stat().st_size > 0
+    assert result["benchmark"] == "multitenancy-processes" and result["quick"] is True
+    assert result["config"]["processes"] == [1, 2]
+    assert result["config"]["service"]["devices_per_host"] >= result["config"]["slice_devices"]
+    assert result["calibration"]["size"] > 0 and result["machine"]["ray"]
+    assert len(result["load_average"]["before"]) == 3
+
+    modes = result["modes"]
+    assert set(modes) == {"jax-1", "pw-1", "proc-1", "proc-2"}
+    for entry in modes.values():
+        assert entry["programs_per_s"] > 0 and entry["programs"] > 0
+    # Every ratio is to the jax-1 of the same round.
+    base = {r: rnd["jax-1"] for r, rnd in enumerate(result["rounds"])}
+    assert modes["jax-1"]["ratios"] == pytest.approx([1.0] * len(base))
+    for n in (1, 2):
+        entry = modes[f"proc-{n}"]
+        rounds = [(r, rnd) for r, rnd in enumerate(result["rounds"]) if rnd["processes"] == n]
+        assert rounds and entry["processes"] == n
+        assert entry["ratios"] == pytest.approx([rnd[f"proc-{n}"] / base[r] for r, rnd in rounds])
+        assert entry["ratio_to_jax_1"] > 0
+        # Each of the N processes completed programs, and the service ran every one of them.
+        assert all(len(per) == n and min(per) > 0 for per in entry["per_process_programs"])
+        assert entry["service_runs"] == entry["programs"]
+        assert 0.0 < entry["utilisation"] <= 1.05
+        assert entry["latency_ms_one_at_a_time"] > 0
+        assert entry["cpu_us_per_program"]["client processes"] > 0
+    assert 0.0 <= modes["pw-1"]["utilisation"] <= 1.0
+    assert {f"p{i}" for i in range(2)} <= set(result["service_clients"])
+    assert "proc-2" in result["table"]
