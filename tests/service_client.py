@@ -9,8 +9,9 @@ Modes:
   collective ORDER N  N all-reduce programs over the island's 4 devices in
                       ORDER ("forward": sum; "reverse": max x 2, the devices
                       reversed), each result checked against numpy
-  busy WEIGHT [PRIO]  a matmul loop under pw.client(NAME, weight=WEIGHT,
-                      priority=PRIO), 8 runs in flight, until stopped
+  busy WEIGHT [PRIO [SIZE]]  a matmul loop on a SIZE-device slice (rows
+                      split) under pw.client(NAME, weight=WEIGHT, priority=PRIO),
+                      8 runs in flight, until stopped
   hold K              K values kept, then runs queued without end (to be killed)
   share READER        a value shared with READER and one not shared: their
                       handles pickled to DIR/NAME.handles
@@ -52,7 +53,8 @@ def main() -> None:
         if mode == "collective":
             collective(args[0], int(args[1]), say)
         elif mode == "busy":
-            busy(name, float(args[0]), int(args[1]) if len(args) > 1 else 0, say, stopped)
+            priority = int(args[1]) if len(args) > 1 else 0
+            busy(name, float(args[0]), priority, int(args[2]) if len(args) > 2 else 1, say, stopped)
         elif mode == "hold":
             hold(int(args[0]), say, stopped)
         elif mode == "share":
@@ -89,12 +91,17 @@ def collective(order: str, n: int, say) -> None:
     say(state="done", runs=n, bad=bad)
 
 
-def busy(name: str, weight: float, priority: int, say, stopped) -> None:
-    s = pw.devices(mesh={"x": 1})
+def busy(name: str, weight: float, priority: int, size: int, say, stopped) -> None:
+    s = pw.devices(mesh={"x": size})
     m = jnp.asarray(np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32) / 16)
     # Tens of ms of device time each: two clients submit faster than the device
     # runs, so their runs queue at the service and its policy chooses.
-    work = pw.jit(lambda v: jax.lax.fori_loop(0, 100, lambda i, u: jnp.tanh(u @ m), v), devices=s)
+    work = pw.jit(
+        lambda v: jax.lax.fori_loop(0, 100 // size, lambda i, u: jnp.tanh(u @ m), v),
+        devices=s,
+        in_specs=(pw.P("x"),),
+        out_specs=pw.P("x"),
+    )
     v = jnp.ones((256, 256), jnp.float32)
     runs = 0
     in_flight: list = []
@@ -106,7 +113,9 @@ def busy(name: str, weight: float, priority: int, say, stopped) -> None:
                 runs += 1
                 if runs % 10 == 0:
                     say(state="running", runs=runs)
-    want = np.asarray(jax.jit(lambda v: jax.lax.fori_loop(0, 100, lambda i, u: jnp.tanh(u @ m), v))(v))
+    want = np.asarray(
+        jax.jit(lambda v: jax.lax.fori_loop(0, 100 // size, lambda i, u: jnp.tanh(u @ m), v))(v)
+    )
     exact = bool(np.allclose(np.asarray(in_flight[-1].result(timeout=120)), want, atol=1e-5))
     say(state="done", runs=runs, exact=exact)
 

@@ -182,34 +182,36 @@ def _shares(svc: pw.Service, names: tuple[str, ...], seconds: float) -> dict[str
 
 
 @pytest.mark.parametrize(
-    ("scheduler", "expected"), [("fair", (0.25, 0.75)), ("priority", (0.0, 1.0)), ("fifo", (0.5, 0.5))]
+    ("scheduler", "expected", "size"),
+    [
+        ("fair", (0.25, 0.75), 1),
+        ("priority", (0.0, 1.0), 1),
+        ("fifo", (0.5, 0.5), 1),
+        ("fair", (0.25, 0.75), 4),
+    ],
 )
-def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler, expected):
-    # One device, two client processes always having runs queued: under "fair"
+def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler, expected, size):
+    # A 1- or 4-device slice, two client processes always having runs queued: under "fair"
     # with weights 1:3 they get 1/4 and 3/4 of the device time (within 10%);
     # under "priority" the higher one gets all of it but what the starvation
     # bound gives the other; under "fifo", runs go in arrival order: halves.
-    svc = pw.serve(f"test-{scheduler}", hosts=1, devices_per_host=1, scheduler=scheduler, window=2)
+    svc = pw.serve(f"test-{scheduler}-{size}", hosts=1, devices_per_host=size, scheduler=scheduler, window=2)
     group = Clients(svc, tmp_path)
     try:
-        if scheduler == "fair":
-            group.start("light", "busy", "1.0")
-            group.start("heavy", "busy", "3.0")
-        elif scheduler == "fifo":
-            group.start("light", "busy", "3.0", "0")  # weight and priority do not count
-            group.start("heavy", "busy", "1.0", "5")
-        else:
-            group.start("light", "busy", "1.0", "0")
-            group.start("heavy", "busy", "1.0", "5")
+        # (weight, priority) of each; under "fifo" neither counts.
+        light, heavy = {"fair": (("1.0", "0"), ("3.0", "0")), "fifo": (("3.0", "0"), ("1.0", "5"))}.get(
+            scheduler, (("1.0", "0"), ("1.0", "5"))
+        )
+        group.start("light", "busy", *light, str(size))
+        group.start("heavy", "busy", *heavy, str(size))
         group.wait_state("light", "running")
         group.wait_state("heavy", "running")
         shares = _shares(svc, ("light", "heavy"), 6.0)
-        light, heavy = expected
         if scheduler == "priority":
             assert shares["heavy"] >= 0.9, shares
         else:
-            assert shares["light"] == pytest.approx(light, rel=0.10), shares
-            assert shares["heavy"] == pytest.approx(heavy, rel=0.10), shares
+            assert shares["light"] == pytest.approx(expected[0], rel=0.10), shares
+            assert shares["heavy"] == pytest.approx(expected[1], rel=0.10), shares
         group.stop()
         for name in ("light", "heavy"):
             assert group.wait_state(name, "done")["exact"]

@@ -85,6 +85,7 @@ class _Batch:
     islands: tuple = ()
     nbytes: int = 0
     queued_at: float = 0.0
+    charged: float = 0.0  # the estimate the policy was charged when it went
 
 
 @dataclasses.dataclass(eq=False)
@@ -343,6 +344,7 @@ class ServiceActor:
             index = self.chooser.pick(choices)
             self.chooser.picked(choices, index)
             client, batch = runs[index]
+            batch.charged = choices[index].cost
             client.queue.popleft()
             self._activity(client)
             self._forward(client, batch)
@@ -595,8 +597,8 @@ class ServiceActor:
             )
             program = batch.meta.get("program", "")
             estimate = client.estimates.get(program, 0.0)
-            # The policy was charged the estimate when the run went: now the difference.
-            self.chooser.charge(client.id, device_s - estimate, float(batch.meta.get("weight", 1.0)))
+            # The policy was charged an estimate when the run went: now the difference.
+            self.chooser.charge(client.id, device_s - batch.charged, float(batch.meta.get("weight", 1.0)))
             client.estimates[program] = device_s if not estimate else 0.8 * estimate + 0.2 * device_s
             client.device_s += device_s
             name = batch.meta.get("client", client.name)
