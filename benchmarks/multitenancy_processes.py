@@ -5,10 +5,11 @@ and a service of one host owning the slice's devices, then, for each N in
 --processes, N client processes (``multitenancy.py --service_child=NAME``,
 see :func:`child`; added to those already joined, so all N measure). Each
 child joins the service, places the program's inputs on the service's host
-once, compiles and warms the program, and says it is ready. The parent then measures rounds: every child is told the same start
-and deadline (``time.monotonic`` is one clock for every process of the
-machine), submits until the deadline keeping --window futures in flight,
-waits for the rest and reports how many programs it completed.
+once, compiles and warms the program, and says it is ready. The parent
+then measures rounds: every child is told the same start and deadline
+(``time.monotonic`` is one clock for every process of the machine), submits
+until the deadline keeping --window futures in flight, waits for the rest
+and reports how many programs it completed.
 
 Between the rounds the parent measures, in its own process, ``jax-1`` (plain
 JAX, the same program and size on the same number of CPU devices) and
