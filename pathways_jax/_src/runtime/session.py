@@ -556,7 +556,9 @@ def _join_service(args: InitArgs) -> Any:
                 f"pw.init(service={args.service!r}): {', '.join(wrong)}. Leave them out to take the service's."
             )
         standins = _standins(
-            hosts * per_host, args.num_cpu_devices, f"the service's {hosts} x {per_host} devices"
+            hosts * per_host,
+            args.num_cpu_devices,
+            f"joining service {args.service!r} ({hosts} hosts x {per_host} devices)",
         )
         return service_lib.ServiceBackend(
             actor=actor, token=token, joined=joined, standins=standins, on_lost=None
@@ -574,7 +576,7 @@ def _standins(total: int, num_cpu_devices: int | None, what: str) -> list:
     if num_cpu_devices is not None and num_cpu_devices < total:
         raise errors.ClusterError(
             f"num_cpu_devices={num_cpu_devices} is fewer than the {total} stand-in devices that {what} "
-            "need in this process."
+            "needs in this process."
         )
     if not local._backend_started():
         # Never fewer CPU devices than the process already asked JAX for.
@@ -583,7 +585,7 @@ def _standins(total: int, num_cpu_devices: int | None, what: str) -> list:
     standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
     if len(standins) < total:
         raise errors.ClusterError(
-            f"{what} need {total} CPU devices in this process to stand in for them, but JAX started with "
+            f"{what} needs {total} CPU devices in this process to stand in for the hosts' devices, but JAX started with "
             f"{len(standins)}. Call pw.init before any JAX computation, or set "
             f"jax.config.update('jax_num_cpu_devices', {total}) first."
         )
