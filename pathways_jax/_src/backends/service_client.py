@@ -29,7 +29,7 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends import ray as ray_backend
-from pathways_jax._src.backends.ray_host import Refused, sharding_of
+from pathways_jax._src.backends.ray_host import Refused, RunFailure, sharding_of
 from pathways_jax._src.core import errors
 
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
@@ -166,6 +166,22 @@ class ServiceBackend(ray_backend.RayBackend):
 
     def _take_uuids(self, count: int) -> int:
         return 0  # the service numbers every run's transfers
+
+    def _fetched(self, host: int, answer: Any) -> Any:
+        """The service answers a fetch with the host's own answer, a ref: read from the host, not the service."""
+        if isinstance(answer, RunFailure) and answer.kind == "lost":
+            self._health_check({host})
+            raise errors.HostLostError(self._lost_message(self.layout.island_of(host), "a value"))
+        if not isinstance(answer, list):
+            return answer  # refused
+        try:
+            return self.ray.get(answer[0], timeout=ray_backend._CALL_TIMEOUT_S)
+        except Exception as exc:
+            if not ray_backend.is_lost_error(exc):
+                raise
+            island = self.layout.island_of(host)
+            self._health_check({host})
+            raise errors.HostLostError(self._lost_message(island, "a value")) from exc
 
     def _loss(self, host: int, exc: BaseException, generation: int, what: str) -> BaseException | None:
         if not ray_backend.is_lost_error(exc):

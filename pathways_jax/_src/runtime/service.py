@@ -553,10 +553,20 @@ class ServiceActor:
             refs = [self._send_host(host, kind, *args) for host, kind, args in messages]
             for host, keys in frees.items():
                 self._send_host(host, "free", keys)
-        is_run = bool(batch.meta.get("run"))
-        if is_run:
-            for island in batch.islands:
-                self.in_flight[island] += 1
+        if not batch.meta.get("run"):
+            # Answered at once: a fetch with the host's own answer (a ref the client
+            # reads from the host, not through here), the rest with nothing.
+            batch.future.set_result(
+                [
+                    ([ref] if ref is not None else RunFailure("lost", host, f"host {host} was lost", ""))
+                    if kind == "fetch"
+                    else None
+                    for (host, kind, _args), ref in zip(messages, refs, strict=True)
+                ]
+            )
+            return
+        for island in batch.islands:
+            self.in_flight[island] += 1
         asyncio.get_running_loop().create_task(self._complete(client, batch, messages, refs, sent))
 
     async def _complete(
