@@ -317,16 +317,20 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
         pw.init(backend="ray", address=island_service.address, service=island_service.name, hosts=3)
     with pytest.raises(pw.errors.ClusterError, match="already running"):
         pw.serve(island_service.name, hosts=1)
+    pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="me")
+    out = _join_in_subprocess(island_service, "me")  # names are how pw.share finds a client
+    assert "REFUSED" in out and "named 'me' is connected already" in out, out
+    pw.shutdown()
     pw.init()  # the local backend
     with pytest.raises(pw.errors.ClusterError, match="controller service"):
         pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))
 
 
-def _join_in_subprocess(svc: pw.Service) -> str:
+def _join_in_subprocess(svc: pw.Service, name: str | None = None) -> str:
     code = (
         "import pathways_jax as pw\n"
         "try:\n"
-        f"    pw.init(backend='ray', address={svc.address!r}, service={svc.name!r})\n"
+        f"    pw.init(backend='ray', address={svc.address!r}, service={svc.name!r}, client_name={name!r})\n"
         "    print('JOINED')\n"
         "except pw.errors.ClusterError as exc:\n"
         "    print('REFUSED', exc)\n"
@@ -418,3 +422,29 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         assert time.monotonic() - started < 15
     with pytest.raises(pw.errors.ClusterError, match="no controller service"):
         pw.service("test-dies")
+
+
+def test_a_host_lost_under_the_service_fails_its_runs_and_the_next_call_moves(ray_cluster):
+    svc = pw.serve("test-loss", hosts=2, devices_per_host=1)  # two islands of one host
+    cluster = pw.init(backend="ray", address=svc.address, service=svc.name)
+    try:
+        s = pw.devices(mesh={"x": 1}, island=0)
+        slow = pw.jit(lambda v: jax.lax.fori_loop(0, 3000, lambda i, u: jnp.sin(u) + 1.0, v), devices=s)
+        want = jax.jit(lambda v: jax.lax.fori_loop(0, 3000, lambda i, u: jnp.sin(u) + 1.0, v))(jnp.ones(256))
+        np.testing.assert_allclose(slow(jnp.ones(256)).result(timeout=60), want, rtol=1e-5)
+        pending = [slow(jnp.ones(256)) for _ in range(8)]
+        os.kill(cluster.remote.info[0]["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(pw.errors.HostLostError, match="host 0"):
+            for f in pending:
+                f.result(timeout=30)
+        assert time.monotonic() - killed < 5.0 + 1.0
+        # The slice moved to the other island: the next call runs there, lowered again, not traced again.
+        assert wait_for(lambda: s.island == 1, timeout=10)
+        np.testing.assert_allclose(slow(jnp.ones(256)).result(timeout=60), want, rtol=1e-5)
+        # The service rebuilds island 0 on a new host, and this process hears of it.
+        assert wait_for(lambda: 0 not in cluster.remote.lost, timeout=60)
+        assert svc.stats()["lost"] == {}
+    finally:
+        pw.shutdown()
+        svc.stop()

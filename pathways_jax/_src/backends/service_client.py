@@ -46,13 +46,20 @@ def connect(address: str | None, *, start: bool = False) -> Any:
                 "pathways_jax: pw.serve started a new local Ray cluster in this process; the service lives as "
                 "long as this process does. Start one with `ray start --head` for a service that outlives it."
             )
-        ray.init(
-            address=address or ("local" if start else "auto"),
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        where = address or ("local" if start else "auto")
+        try:
+            ray.init(
+                address=where,
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        except Exception as exc:
+            raise errors.ClusterError(
+                f"could not reach the Ray cluster at {where!r}: {exc}. Start one with `ray start --head`, or "
+                "pass the address of the one the controller service runs in (pw.Service.address)."
+            ) from exc
     return ray
 
 
@@ -80,7 +87,7 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
         raise errors.ClusterError(
             f"pw.init(service={name!r}): no controller service of that name runs in the Ray cluster at "
             f"{address or 'auto'}; start one with pw.serve({name!r}, hosts=...) or "
-            f"`python -m pathways_jax.serve --name {name} --hosts N`."
+            f"`python -m pathways_jax --name {name} serve --hosts N`."
         ) from exc
     token = ray.remote(Token).options(num_cpus=0).remote()
     me = client_name or f"{socket.gethostname()}:{os.getpid()}"

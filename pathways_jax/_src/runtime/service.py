@@ -63,6 +63,7 @@ from pathways_jax._src.runtime.scheduler import Head
 DEFAULT_WINDOW = 4  # runs in flight per island on the service's hosts
 _KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
 _START_TIMEOUT_S = 180.0
+_DEPARTED_KEPT = 64  # clients that went, still listed in stats
 
 
 def host_key(client: int, key: int) -> int:
@@ -202,6 +203,11 @@ class ServiceActor:
                 "refused": f"the service's hosts hold {self.held} bytes of values, its whole memory budget "
                 f"({self.memory_budget} bytes)"
             }
+        if any(c.name == name for c in live):
+            return {
+                "refused": f"a client process named {name!r} is connected already (pw.share names clients "
+                "by name): give this one another client_name"
+            }
         if bool(x64) != bool(self.config["x64"]):
             return {
                 "refused": f"the service runs with jax_enable_x64={self.config['x64']}, this process with "
@@ -232,6 +238,8 @@ class ServiceActor:
         client.alive = False
         client.why = why
         refused = Refused(f"client {client.name!r} is gone: {why}", "gone")
+        if client.queue:  # the policy forgets the head it may have passed over
+            self.chooser.discard(Head(client.id, client.queue[0].arrival))
         for batch in [*client.queue, *client.pending.values()]:
             if not batch.future.done():
                 batch.future.set_result([refused] * len(batch.messages))
@@ -254,6 +262,10 @@ class ServiceActor:
                     self._send_host(host, "forget", plan)
         client.plans.clear()
         client.slices.clear()
+        # Stats keep the last clients that went; older ones are forgotten.
+        gone = [c.id for c in self.clients.values() if not c.alive]
+        for old in gone[: max(0, len(gone) - _DEPARTED_KEPT)]:
+            del self.clients[old]
         logging.info("pathways_jax service: client %s (pid %d) is gone: %s", client.name, client.pid, why)
         self._pump()
 
