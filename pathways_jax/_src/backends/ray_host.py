@@ -286,7 +286,7 @@ class Host:
         self._connections_lock = threading.Lock()
         self.values: dict[int, Any] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
-        self.plans: dict[int, tuple[list[Op], dict]] = {}  # plan key -> (ops, constants)
+        self.plans: dict[int, tuple[list[Op], dict, list]] = {}  # plan key -> (ops, constants, steps)
         # plan key -> (why its registration failed, the host's traceback, its ops)
         self.broken: dict[int, tuple[str, str, list[Op]]] = {}
         self.lost_peers: set[int] = set()
@@ -296,6 +296,7 @@ class Host:
         self.fed = 0  # values that came with a run's message (arguments)
         self._assemblers: dict[tuple, Any] = {}
         self._shardings: dict[Any, Any] = {}  # descriptor -> sharding on the island's devices
+        self._homes: dict[Any, Any] = {}  # descriptor -> where a value moving to it is pulled
         self._spec_cache: dict[tuple, list] = {}  # (pieces, dtype, descriptor) -> pull specs
         self._single = jax.sharding.SingleDeviceSharding
         self._queue: dict[int, tuple] = {}
@@ -456,7 +457,7 @@ class Host:
             slot: place(from_wire(data), sharding_of(desc, devices))
             for slot, (data, desc) in constants.items()
         }
-        self.plans[key] = (ops, placed)
+        self.plans[key] = (ops, placed, [self._step(op) for op in ops])
 
     def _forget(self, key: int) -> None:
         self.plans.pop(key, None)
@@ -481,7 +482,7 @@ class Host:
             self._abandon(ops, 0, base, message)
             self._answer(future, RunFailure("error", None, message, trace))
             return
-        ops, constants = self.plans[key]
+        ops, constants, steps = self.plans[key]
         enqueued = time.monotonic()
         env: dict[int, Any] = dict(constants)
         made: list = []
@@ -499,28 +500,9 @@ class Host:
                     data, desc = payload
                     env[slot] = place(from_wire(data), self._sharding(desc))
                     self.fed += 1
-            for index, op in enumerate(ops):
+            for index, run_step in enumerate(steps):
                 step = index
-                match op:
-                    case ExecOp():
-                        if op.windowed:
-                            while len(self._in_flight) >= self.window:
-                                self._in_flight.popleft().block_until_ready()
-                        outs = self.executables[op.fingerprint](*[env[s] for s in op.in_slots])
-                        for slot, array in zip(op.out_slots, outs, strict=True):
-                            env[slot] = array
-                        if outs:
-                            made.append(outs[0])
-                            if op.windowed:
-                                self._in_flight.append(outs[0])
-                    case PutOp():
-                        env[op.dst] = place(env[op.src], self._sharding(op.desc))
-                    case PostOp():
-                        self._post(base + op.offset, self._pieces(env[op.src], op.pieces))
-                    case PullOp():
-                        peers.update(host for host, _, _ in op.parts if host != self.index)
-                        env[op.dst] = self._gather(op, base, env)
-                        made.append(env[op.dst])
+                run_step(env, base, made, peers)
         except BaseException as exc:
             # Peers waiting for this run's values get errors in their place, and
             # what peers posted for it is taken off their servers: nothing waits.
@@ -533,6 +515,101 @@ class Host:
             made.append(env[slot])
         self._done.put(("run", made, future, (tuple(sorted(peers)), enqueued)))
 
+    def _step(self, op: Op) -> Any:
+        """``op`` as a function ``(env, base, made, peers)`` run for each run of its plan.
+
+        Made once, when the plan is registered: what each run would look up
+        again (the executable, shardings, pull specs) is looked up here.
+        """
+        match op:
+            case ExecOp():
+                return self._exec_step(op)
+            case PutOp():
+                sharding = self._sharding(op.desc)
+
+                def put(env: dict, base: int, made: list, peers: set) -> None:
+                    env[op.dst] = place(env[op.src], sharding)
+
+                return put
+            case PostOp():
+                uuid, src, pieces = op.offset, op.src, op.pieces
+
+                def post(env: dict, base: int, made: list, peers: set) -> None:
+                    self._post(base + uuid, self._pieces(env[src], pieces))
+
+                return post
+            case PullOp():
+                return self._pull_step(op)
+        raise TypeError(f"not a host step: {op!r}")
+
+    def _exec_step(self, op: ExecOp) -> Any:
+        fn = self.executables[op.fingerprint]
+        ins, outs_at = op.in_slots, op.out_slots
+        if op.windowed:
+            in_flight, window = self._in_flight, self.window
+
+            def run_windowed(env: dict, base: int, made: list, peers: set) -> None:
+                while len(in_flight) >= window:
+                    in_flight.popleft().block_until_ready()
+                outs = fn(*[env[s] for s in ins])
+                for slot, array in zip(outs_at, outs, strict=True):
+                    env[slot] = array
+                if outs:
+                    made.append(outs[0])
+                    in_flight.append(outs[0])
+
+            return run_windowed
+        if len(ins) == 1 and len(outs_at) == 1:  # the common node: one value in, one out
+            (one_in,), (one_out,) = ins, outs_at
+
+            def run_one(env: dict, base: int, made: list, peers: set) -> None:
+                (out,) = fn(env[one_in])
+                env[one_out] = out
+                made.append(out)
+
+            return run_one
+
+        def run(env: dict, base: int, made: list, peers: set) -> None:
+            outs = fn(*[env[s] for s in ins])
+            for slot, array in zip(outs_at, outs, strict=True):
+                env[slot] = array
+            if outs:
+                made.append(outs[0])
+
+        return run
+
+    def _pull_step(self, op: PullOp) -> Any:
+        remote = {host for host, _, _ in op.parts if host != self.index}
+        whole = tuple((0, n) for n in op.shape)
+        if len(op.parts) == 1 and remote and len(op.parts[0][2]) == 1 and op.parts[0][2][0].bounds == whole:
+            # The whole value from one other host in one piece: pulled where it goes.
+            (peer, offset, pieces), dst = op.parts[0], op.dst
+            home = self._home(op.desc)
+            target = self._sharding(op.desc)
+            specs = self._specs(pieces, op.dtype, home)
+
+            def pull_whole(env: dict, base: int, made: list, peers: set) -> None:
+                peers.add(peer)
+                connection = self._connection(peer)
+                if connection is None:  # lost: the error the generic pull gives
+                    (value,) = self._pull(peer, base + offset, pieces, op.dtype, home)
+                else:
+                    self.pulls += 1
+                    (value,) = connection.pull(base + offset, specs)
+                if home is not target:
+                    value = place(value, target)
+                env[dst] = value
+                made.append(value)
+
+            return pull_whole
+
+        def gather(env: dict, base: int, made: list, peers: set) -> None:
+            peers.update(remote)
+            env[op.dst] = value = self._gather(op, base, env)
+            made.append(value)
+
+        return gather
+
     # --- the data plane: jax.experimental.transfer, host to host -------------------------
 
     def _post(self, uuid: int, arrays: list) -> None:
@@ -541,7 +618,7 @@ class Host:
 
     def _pieces(self, value: Any, pieces: tuple[Piece, ...]) -> list:
         """The single-device arrays of ``value`` on the devices ``pieces`` name."""
-        if len(pieces) == 1 and isinstance(value.sharding, self._single):
+        if len(pieces) == 1 and len(value.sharding.device_set) == 1:
             return [value]  # a value on one device is its own piece
         by_device = {shard.device: shard.data for shard in value.addressable_shards}
         return [by_device[self.island_devices[piece.position]] for piece in pieces]
@@ -565,11 +642,14 @@ class Host:
         return sharding
 
     def _home(self, desc: Any) -> Any:
-        """Where a moving value is put together: ``desc``'s device if it is one of this host's, else the first."""
-        target = self._sharding(desc) if isinstance(desc, SingleDesc) else None
-        if target is None or not target.is_fully_addressable:
-            target = self._single(self.devices[0])
-        return target
+        """Where a moving value is put together: on ``desc``'s sharding itself if that is one device of
+        this host's (the pull lands where the value goes: no copy after it), else on this host's first device."""
+        home = self._homes.get(desc)
+        if home is None:
+            target = self._sharding(desc)
+            single = target.is_fully_addressable and len(target.device_set) == 1
+            home = self._homes[desc] = target if single else self._single(self.devices[0])
+        return home
 
     def _specs(self, pieces: tuple[Piece, ...], dtype: str, home: Any) -> list:
         """What a pull (or a post) of ``pieces`` of a ``dtype`` value is, on device sharding ``home``."""
