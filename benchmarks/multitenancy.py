@@ -355,7 +355,8 @@ def run_bare(fn, x, w, n: int, seconds: float, window: int, in_flight: int) -> d
     return {"programs": total, "seconds": elapsed, "programs_per_s": total / elapsed}
 
 
-def run_throughput(slice_, size: int, clients: list[int], repeats: int, seconds: float, window: int) -> dict:
+def _prepared(slice_, size: int) -> tuple:
+    """The inputs, the plain-JAX and the pathways_jax program (both run once), jax-1's window, the slice's ids."""
     import pathways_jax as pw
 
     mesh = slice_.physical_mesh
@@ -366,6 +367,12 @@ def run_throughput(slice_, size: int, clients: list[int], repeats: int, seconds:
     device_ids = [d.id for d in slice_.devices]
     jax_fn(x, w).block_until_ready()
     pw_fn(x, w).result()
+    return x, w, jax_fn, pw_fn, jax_window, device_ids
+
+
+def run_throughput(slice_, size: int, clients: list[int], repeats: int, seconds: float, window: int) -> dict:
+
+    x, w, jax_fn, pw_fn, jax_window, device_ids = _prepared(slice_, size)
 
     def mode(name: str, measure: float) -> dict:
         if name == "jax-1":
@@ -888,14 +895,7 @@ def _processes_only(
     if quick and not _PROCESSES.present:
         processes = [1, 2]
     load_before = os.getloadavg()
-    mesh = slice_.physical_mesh
-    x, w = _inputs(mesh, size)
-    jax_fn = _jax_program(mesh)
-    pw_fn = pw.jit(_program, devices=slice_, in_specs=(pw.P("x"), pw.P()), out_specs=pw.P())
-    jax_window = pw.cluster().in_flight
-    device_ids = [d.id for d in slice_.devices]
-    jax_fn(x, w).block_until_ready()
-    pw_fn(x, w).result()
+    x, w, jax_fn, pw_fn, jax_window, device_ids = _prepared(slice_, size)
     baselines = {
         "jax-1": lambda seconds: run_jax_1(jax_fn, x, w, seconds, jax_window),
         "pw-1": lambda seconds: run_clients(pw_fn, x, w, device_ids, 1, seconds, _WINDOW.value, tag="local-"),

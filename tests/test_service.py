@@ -307,7 +307,7 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
     with pytest.raises(pw.errors.ClusterError, match="is running"):
         pw.init(backend="ray", address=island_service.address, service="another")
     pw.shutdown()
-    with pytest.raises(pw.errors.ClusterError, match="no controller service of that name"):
+    with pytest.raises(pw.errors.ClusterError, match=r"no controller service named 'no-such-service'"):
         pw.init(backend="ray", address=island_service.address, service="no-such-service")
     with pytest.raises(pw.errors.ClusterError, match="service="):
         pw.init(service="x")  # the local backend has no service

@@ -63,6 +63,18 @@ def connect(address: str | None, *, start: bool = False) -> Any:
     return ray
 
 
+def find(ray: Any, name: str, what: str) -> Any:
+    """The actor of the controller service ``name`` in this process's Ray cluster (ClusterError if none)."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError as exc:
+        raise errors.ClusterError(
+            f"{what}: no controller service named {name!r} runs in this Ray cluster "
+            f"({ray.get_runtime_context().gcs_address}); start one with pw.serve({name!r}, hosts=...) or "
+            f"`python -m pathways_jax --name {name} serve --hosts N`."
+        ) from exc
+
+
 class Token:
     """A client process's token actor: it dies with the process, which tells the service."""
 
@@ -81,14 +93,7 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
     import jax
 
     ray = connect(address)
-    try:
-        actor = ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError as exc:
-        raise errors.ClusterError(
-            f"pw.init(service={name!r}): no controller service of that name runs in the Ray cluster at "
-            f"{address or 'auto'}; start one with pw.serve({name!r}, hosts=...) or "
-            f"`python -m pathways_jax --name {name} serve --hosts N`."
-        ) from exc
+    actor = find(ray, name, f"pw.init(service={name!r})")
     token = ray.remote(Token).options(num_cpus=0).remote()
     me = client_name or f"{socket.gethostname()}:{os.getpid()}"
     try:
@@ -350,4 +355,14 @@ def array_of(backend: ServiceBackend, handle: Handle) -> Any:
     return ray_backend.RemoteArray(backend, handle.hosts, key, aval, sharding, (), handle.generation)
 
 
-__all__ = ["NAMESPACE", "Handle", "ServiceBackend", "Token", "array_of", "connect", "handle_of", "join"]
+__all__ = [
+    "NAMESPACE",
+    "Handle",
+    "ServiceBackend",
+    "Token",
+    "array_of",
+    "connect",
+    "find",
+    "handle_of",
+    "join",
+]

@@ -55,7 +55,7 @@ from absl import logging
 
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.ray_host import Refused, RunFailure
-from pathways_jax._src.backends.service_client import NAMESPACE, connect
+from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
 from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.scheduler import Head
@@ -851,13 +851,7 @@ def serve(
 def service(name: str = "pathways", *, address: str | None = None) -> Service:
     """The running controller service named ``name`` (ClusterError if there is none)."""
     ray = connect(address)
-    try:
-        actor = ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError as exc:
-        raise errors.ClusterError(
-            f"no controller service named {name!r} runs in this Ray cluster; start one with pw.serve({name!r}, hosts=...)."
-        ) from exc
-    return Service(name, ray.get_runtime_context().gcs_address, actor)
+    return Service(name, ray.get_runtime_context().gcs_address, find(ray, name, f"pw.service({name!r})"))
 
 
 __all__ = ["DEFAULT_WINDOW", "Service", "ServiceActor", "host_key", "serve", "service"]
