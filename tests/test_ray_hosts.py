@@ -1,13 +1,15 @@
 """Ray backend only: host loss, slow hosts, the hosts' life cycle and pw.init's checks."""
 
+import gc
 import os
 import signal
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, wait_for
 
 import pathways_jax as pw
 
@@ -229,3 +231,21 @@ def test_a_busy_host_holds_back_only_its_own_runs(ray_cluster):
     for out in backlog[-3:]:
         assert_matches(out, want, rtol=1e-5, atol=1e-5)
     busy.release(), idle.release()
+
+
+def test_dropped_programs_are_forgotten_on_their_hosts(ray_cluster):
+    # A plan's finaliser only queues the forget (it may run inside any allocation,
+    # on a thread holding the backend's lock); the next flush sends it.
+    cluster = pw.init(backend="ray", hosts=1)
+    s = pw.devices(mesh={"x": 1})
+    baseline = cluster.remote.host_stats()[0]["plans"]
+    programs = [pw.jit(lambda v, i=i: v + i, devices=s) for i in range(3)]
+    for i, program in enumerate(programs):
+        np.testing.assert_array_equal(program(jnp.ones(2)).result(timeout=60), np.ones(2) + i)
+    assert cluster.remote.host_stats()[0]["plans"] == baseline + 3
+    del programs, program
+    gc.collect()
+    assert wait_for(lambda: cluster.remote.host_stats()[0]["plans"] == baseline, timeout=10), (
+        cluster.remote.host_stats()
+    )
+    pw.shutdown()

@@ -618,6 +618,7 @@ class RayBackend:
         self._known: list[set] = [set() for _ in range(hosts)]  # plan keys each host has
         self._fingerprints: list[set] = [set() for _ in range(hosts)]
         self._dropped: list[collections.deque] = [collections.deque() for _ in range(hosts)]
+        self._forgotten: collections.deque = collections.deque()  # (plan key, hosts) whose plan went
         self._keys = itertools.count()
         self._next_uuid = 0  # transfer uuids, handed out per run
         self.lost: dict[int, str] = {}  # island -> why
@@ -784,9 +785,17 @@ class RayBackend:
         self.retire_ready(in_flight)
 
     def _forget(self, key: int, hosts: tuple[int, ...]) -> None:
-        if self._closed:
-            return
-        with self._lock:
+        """A plan went (its finaliser): its hosts forget it with the next flush.
+
+        Only queued here: a finaliser may run inside any allocation, on a
+        thread that holds ``_lock`` already.
+        """
+        self._forgotten.append((key, hosts))
+
+    def _send_forgets(self) -> None:
+        """Tells hosts to forget the plans that went; call with ``_lock`` held."""
+        while self._forgotten:
+            key, hosts = self._forgotten.popleft()
             for host in hosts:
                 if key in self._known[host] and host not in self.lost_hosts:
                     self._known[host].discard(key)
@@ -909,9 +918,11 @@ class RayBackend:
             try:
                 if self.collect is not None:
                     self.collect()
-                if not any(self._dropped):
+                if not any(self._dropped) and not self._forgotten:
                     continue
                 with self._lock:
+                    if not self._closed:
+                        self._send_forgets()
                     for host in range(self.hosts):
                         if self._dropped[host] and host not in self.lost_hosts and not self._closed:
                             self._message(host, "free", self._take_dropped(host))
