@@ -188,6 +188,8 @@ def _shares(svc: pw.Service, names: tuple[str, ...], seconds: float) -> dict[str
         ("priority", (0.0, 1.0), 1),
         ("fifo", (0.5, 0.5), 1),
         ("fair", (0.25, 0.75), 4),
+        ("priority", (0.0, 1.0), 4),
+        ("fifo", (0.5, 0.5), 4),
     ],
 )
 def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler, expected, size):
