@@ -35,8 +35,13 @@ the head of one queue at a time, when every island the run touches has
 fewer than ``window`` runs in flight, choosing by the policy: ``fifo``
 (arrival), ``priority`` (the head's ``pw.client`` priority) or ``fair``
 (device time charged per client process, in proportion to the head's
-``pw.client`` weight). The small window is what lets the policy choose:
-the hosts never hold more than ``window`` runs per island.
+``pw.client`` weight): the in-process controller's policy objects
+(``runtime/scheduler.py``), keyed by client process, charged with the
+device time each host measures. The small window is what lets the policy
+choose: the hosts never hold more than ``window`` runs per island. Other
+batches (fetch, free, forget, share) go at once, ahead of the client's
+queued runs unless they name a value one of those makes or reads; a fetch
+is answered with the host's own answer, so values come from the host.
 """
 
 from __future__ import annotations
