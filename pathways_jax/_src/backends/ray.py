@@ -1070,14 +1070,12 @@ class RayBackend:
         island = self.layout.island_of(host)
         members = self.layout.members(island)
         with self._lock:
-            if island in self.lost or self._closed:
+            if self._closed or (generation is not None and generation != self._generation[island]):
                 return
-            if generation is not None and generation != self._generation[island]:
+            if not self._record_lost(
+                island, f"host {host} died ({why.splitlines()[0] if why else 'no reason given'})"
+            ):
                 return
-            self.lost[island] = f"host {host} died ({why.splitlines()[0] if why else 'no reason given'})"
-            self._lost_before[island] = self.lost[island]
-            for member in members:
-                self.lost_hosts[member] = self.lost[island]
             survivors = [h for h in range(self.hosts) if h not in self.lost_hosts]
         logging.warning("pathways_jax: island %d was lost: %s", island, self.lost[island])
         # An island runs as one: its other hosts' collectives would fail or hang.
@@ -1095,6 +1093,15 @@ class RayBackend:
             threading.Thread(
                 target=self._rebuild, args=(island,), name=f"pathways-ray-rebuild-{island}", daemon=True
             ).start()
+
+    def _record_lost(self, island: int, why: str) -> bool:
+        """Marks ``island`` and its hosts lost, saying ``why``; False if it was already. Call with ``_lock`` held."""
+        if island in self.lost:
+            return False
+        self.lost[island] = self._lost_before[island] = why
+        for member in self.layout.members(island):
+            self.lost_hosts[member] = why
+        return True
 
     def _rebuild(self, island: int) -> None:
         """Starts new hosts for a lost island in its bundles; once they serve, the island is placed on again.

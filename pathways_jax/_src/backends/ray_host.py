@@ -590,12 +590,7 @@ class Host:
 
             def pull_whole(env: dict, base: int, made: list, peers: set) -> None:
                 peers.add(peer)
-                connection = self._connection(peer)
-                if connection is None:  # lost: the error the generic pull gives
-                    (value,) = self._pull(peer, base + offset, pieces, op.dtype, home)
-                else:
-                    self.pulls += 1
-                    (value,) = connection.pull(base + offset, specs)
+                (value,) = self._pull(peer, base + offset, pieces, op.dtype, home, specs)
                 if home is not target:
                     value = place(value, target)
                 env[dst] = value
@@ -663,11 +658,22 @@ class Host:
             ]
         return specs
 
-    def _pull(self, peer: int, uuid: int, pieces: tuple[Piece, ...], dtype: str, home: Any) -> list:
-        """``peer``'s pieces, arriving in the background on ``home`` (or errors if the peer was lost)."""
+    def _pull(
+        self,
+        peer: int,
+        uuid: int,
+        pieces: tuple[Piece, ...],
+        dtype: str,
+        home: Any,
+        specs: list | None = None,
+    ) -> list:
+        """``peer``'s pieces, arriving in the background on ``home`` (or errors if the peer was lost).
+
+        ``specs``: what :meth:`_specs` gives for them, when the caller has it already.
+        """
         from jax.experimental import transfer
 
-        specs = self._specs(pieces, dtype, home)
+        specs = specs or self._specs(pieces, dtype, home)
         connection = self._connection(peer)
         if connection is None:
             why = f"host {peer}, which was to send this value, was lost"

@@ -81,9 +81,6 @@ class Token:
     async def hold(self) -> None:
         await asyncio.Event().wait()
 
-    async def ping(self) -> int:
-        return os.getpid()
-
 
 # --- the client's side ---------------------------------------------------------------------------
 
@@ -231,12 +228,8 @@ class ServiceBackend(ray_backend.RayBackend):
 
     def _mark(self, island: int, why: str) -> None:
         with self._lock:
-            if island in self.lost:
+            if not self._record_lost(island, why):
                 return
-            self.lost[island] = why
-            self._lost_before[island] = why
-            for member in self.layout.members(island):
-                self.lost_hosts[member] = why
         if self.on_lost is not None:
             self.on_lost(island)
 

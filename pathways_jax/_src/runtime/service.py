@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import threading
 import time
 from typing import Any
 
@@ -171,7 +170,6 @@ class ServiceActor:
         self.started = time.monotonic()
         self._ids = itertools.count(1)
         self._arrival = itertools.count()
-        self._uuid_lock = threading.Lock()
         self._ticker: Any = None
 
     # --- clients ---------------------------------------------------------------------------
@@ -515,7 +513,7 @@ class ServiceActor:
         out: list[tuple[int, str, tuple]] = []
         base = 0
         if batch.meta.get("run"):
-            with self._uuid_lock:
+            with self.backend._lock:  # its uuid counter's lock
                 base = self.backend._take_uuids(batch.meta.get("uuids", 0))
         nbytes = batch.meta.get("nbytes", {})
         for host, kind, args in batch.messages:
