@@ -56,7 +56,8 @@ def test_a_dcn_transfer_between_two_islands_on_two_hosts():
     # A runs 10-20; the transfer (5 + 4000 B at 1000 B/µs = 9 µs) 20-29; B 29-39.
     profile = sim.Profile(
         controller=sim.ControllerCosts(run_s=1 * US, node_s=1 * US, transfer_s=1 * US),
-        hosts=sim.HostCosts(message_s=2 * US, latency_s=3 * US, enqueue_s=1 * US),
+        # Sending runs to hosts, the controller's cost per node or transfer is the hosts' node_s.
+        hosts=sim.HostCosts(message_s=2 * US, latency_s=3 * US, enqueue_s=1 * US, node_s=1 * US),
         dcn=sim.LinkCosts(latency_s=5 * US, bytes_per_s=1e9),
     )
     cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
@@ -172,7 +173,9 @@ def test_shared_cores_charge_the_controllers_work_to_the_devices():
     # r0: node dispatched 0-4, runs 4-14. r1 dispatched 4-8 while r0 runs: 4 µs owed, so r1, which
     # starts when r0 ends (14), lasts 10 + 4: 14-28. Dispatch of r0 overlapped no node: nothing owed.
     profile = sim.Profile(
-        controller=sim.ControllerCosts(node_s=4 * US), device=sim.DeviceCosts(shared_cpu={1: 1.0})
+        controller=sim.ControllerCosts(node_s=4 * US),
+        hosts=sim.HostCosts(node_s=4 * US),
+        device=sim.DeviceCosts(shared_cpu={1: 1.0}),
     )
     cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
     result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=2)
@@ -188,12 +191,82 @@ def test_host_messages_grow_with_hosts_and_gang_nodes_wait_for_the_last_host():
     # starts once the last host has it: run 1 + node 1 + hosts x 2, then 1 µs to enqueue.
     profile = sim.Profile(
         controller=sim.ControllerCosts(run_s=1 * US, node_s=1 * US),
-        hosts=sim.HostCosts(message_s=2 * US, enqueue_s=1 * US),
+        hosts=sim.HostCosts(message_s=2 * US, enqueue_s=1 * US, node_s=1 * US),
     )
     for hosts in (4, 64):
         cluster = sim.Cluster(hosts=hosts, devices_per_host=4, profile=profile)
         result = sim.simulate(cluster, sim.spmd(cluster, 10 * US), record=False)
         assert result.makespan_s == approx(2 + 2 * hosts + 1 + 10)
+
+
+def test_hosts_sending_runs_pay_their_own_per_run_and_per_node_costs():
+    # Sending a run to hosts, the controller pays controller.run_s + hosts.dispatch_s a run and
+    # hosts.node_s a node (not controller.node_s): run 1 + 5, 3 nodes x 2, one message 4: 16 µs.
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(run_s=1 * US, node_s=100 * US),
+        hosts=sim.HostCosts(dispatch_s=5 * US, node_s=2 * US, message_s=4 * US),
+    )
+    cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
+    result = sim.simulate(cluster, sim.chain(cluster, 3, compute_s=10 * US, devices=(0, 1)), record=False)
+    assert result.runs[0].dispatch_end == approx(16)
+    assert result.makespan_s == approx(16 + 3 * 10)
+
+
+def test_hosts_sharing_a_machines_cores_take_turns_on_them():
+    # One node on each of 2 hosts (10 µs of device time each). The controller: run 2, nodes 1 + 1,
+    # a message to each host 3 + 3 (10 µs); each host: its run 4, an enqueue 1.
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(run_s=2 * US),
+        hosts=sim.HostCosts(node_s=1 * US, message_s=3 * US, run_s=4 * US, enqueue_s=1 * US),
+    )
+    program = sim.SimProgram(
+        "both",
+        (
+            sim.Step("node", "A", (0, 1), 10 * US, inputs=(), windowed=False),
+            sim.Step("node", "B", (1, 2), 10 * US, inputs=(), windowed=False),
+        ),
+    )
+
+    def makespan(cores):
+        cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile, cores=cores)
+        return sim.simulate(cluster, program, record=False).makespan_s
+
+    # Cores of their own: host 0 has its message at 7: run 7-11, enqueue 11-12, A 12-22; host 1 at
+    # 10: 10-14, 14-15, B 15-25.
+    assert makespan(None) == approx(25)
+    # One core: nothing overlaps and something always waits for it, so the run takes all the
+    # work there is: the controller's 10, the hosts' 2 x 5, the nodes' 2 x 10.
+    assert makespan(1) == approx(10 + 2 * 5 + 2 * 10)
+    # As many cores as threads: nothing waits, as with cores of their own.
+    assert makespan(8) == approx(25)
+    with pytest.raises(pw.errors.ResourceError, match="cores= models hosts"):
+        sim.Cluster(hosts=1, devices_per_host=2, cores=2)
+    with pytest.raises(pw.errors.ResourceError, match="cores must be an integer >= 1"):
+        sim.Cluster(hosts=2, devices_per_host=1, cores=0)
+
+
+def test_host_costs_come_from_each_processs_cpu_seconds():
+    # CPU seconds a call as the Ray calibration loops would see them, made from known costs: the
+    # calibration must give those costs back.
+    from pathways_jax.sim._calibrate import _RAY_L, host_costs
+
+    controller = sim.ControllerCosts(run_s=20 * US, node_s=9 * US)
+    device = sim.DeviceCosts(launch_s={1: 7 * US}, computation_s={1: 1 * US})
+    run, node, message, dispatch = 20 * US, 3 * US, 500 * US, 300 * US
+    host_run, enqueue, d = 1000 * US, 10 * US, 8 * US
+    per_call = {
+        "ray-one/controller": run + dispatch + node + message,
+        "ray-both/controller": run + dispatch + 2 * node + 2 * message,
+        "ray-chain/controller": run + dispatch + _RAY_L * node + message,
+        "ray-one/host0": host_run + d,
+        "ray-chain/host0": host_run + d + (_RAY_L - 1) * (enqueue + d),
+    }
+    got = host_costs(per_call, controller, device)
+    assert got.node_s == pytest.approx(node)
+    assert got.message_s == pytest.approx(message)
+    assert got.dispatch_s == pytest.approx(dispatch)
+    assert got.run_s == pytest.approx(host_run)
+    assert got.enqueue_s == pytest.approx(enqueue)
 
 
 def test_fair_scheduler_shares_by_weight():

@@ -20,10 +20,13 @@ previous call's output, as the dispatch benchmark does), the loops interleaved
   a ``@pw.program`` of ``L`` unfused nodes on 1 device, where the controller is
   the bottleneck: ``T(1) = run + node``, ``T(L) = run + L node``.
 - Ray hosts (without ``--quick``, when Ray is installed): on 2 hosts of 1
-  device, one node on host 0 (``T_A``), one node on each host (``T_B``), and
-  ``L`` nodes on host 0 (``T_C``): ``message_s = T_B - T_A - node_s``,
-  ``enqueue_s = (T_C - T_A) / (L - 1) - node_s``, and what a one-host run costs
-  beyond the controller's part is the host's ``run_s``.
+  device, one node on host 0 (``A``), one node on each host (``B``), and ``R = 128``
+  nodes on host 0 (``C``), each loop's CPU seconds per call in the
+  controller's process and in each host's (see :func:`host_costs`):
+  ``node_s = (ctrl_C - ctrl_A) / (R - 1)``, ``message_s = ctrl_B - ctrl_A -
+  node_s``, ``dispatch_s = ctrl_A - run_s - node_s - message_s``; ``run_s =
+  host_A - d`` and ``enqueue_s = (host_C - host_A) / (R - 1) - d``, ``d`` a
+  node's device time.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from typing import Any
 from pathways_jax.sim._profile import ControllerCosts, DeviceCosts, HostCosts, LinkCosts, Profile
 
 _L = 16  # nodes of the chained programs
+# Nodes of the chained program on a Ray host: a host's cost per node is a few µs beside about
+# a millisecond a run, so a short chain hides it in the run-to-run spread.
+_RAY_L = 128
 _LONG = 256  # computations of the long fused node
 _MID = 64  # computations of the shorter fused node (with _LONG: one computation's device time)
 _WINDOW = 16  # in-flight bound of the plain-JAX loop (XLA's CPU runtime needs one, DESIGN §5)
@@ -55,8 +61,8 @@ def _computation(x: Any, mesh: Any, n: int) -> Any:
     return total * (1.0 / n) + 1.0
 
 
-def timer(loop: Loop, target_s: float) -> Callable[[], float]:
-    """Sizes ``loop`` to last about ``target_s``; returns a timer of seconds per call."""
+def _calls(loop: Loop, target_s: float) -> int:
+    """How many calls of ``loop`` last about ``target_s`` (after a warm-up)."""
     loop(2)  # compile, warm both argument kinds
     calls = 4
     while True:
@@ -64,17 +70,55 @@ def timer(loop: Loop, target_s: float) -> Callable[[], float]:
         if elapsed >= target_s / 4 or calls >= 1 << 18:
             break
         calls *= 4
-    calls = max(4, int(calls * target_s / max(elapsed, 1e-9)))
+    return max(4, int(calls * target_s / max(elapsed, 1e-9)))
+
+
+def timer(loop: Loop, target_s: float) -> Callable[[], float]:
+    """Sizes ``loop`` to last about ``target_s``; returns a timer of seconds per call."""
+    calls = _calls(loop, target_s)
     return lambda: loop(calls) / calls
 
 
-def interleaved(timers: Mapping[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """Every timer ``repeats`` times, the order rotating each repeat (drift hits all alike)."""
+def cpu_timer(loop: Loop, target_s: float) -> Callable[[], dict[str, float]]:
+    """Like :func:`timer`, on the Ray backend, with the CPU seconds per call of every process.
+
+    The timer's figures: ``""`` the seconds per call, ``"/controller"`` this
+    process's CPU seconds per call (every thread: the caller's, the
+    controller's, Ray's), ``"/host<i>"`` host ``i``'s (its whole process, from
+    its stats, read outside the timed calls).
+    """
+    import pathways_jax as pw
+
+    calls = _calls(loop, target_s)
+    remote = pw.cluster().remote
+
+    def timed() -> dict[str, float]:
+        hosts = remote.host_stats()
+        cpu = time.process_time()
+        wall = loop(calls)
+        cpu = time.process_time() - cpu
+        after = remote.host_stats()
+        return {
+            "": wall / calls,
+            "/controller": cpu / calls,
+            **{f"/host{i}": (after[i]["cpu_s"] - hosts[i]["cpu_s"]) / calls for i in sorted(hosts)},
+        }
+
+    return timed
+
+
+def interleaved(timers: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Every timer ``repeats`` times, the order rotating each repeat (drift hits all alike).
+
+    A timer returns a figure, or several as ``{suffix: figure}`` (kept as ``name + suffix``).
+    """
     names = list(timers)
-    out: dict[str, list[float]] = {name: [] for name in names}
+    out: dict[str, list[float]] = {}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            out[name].append(timers[name]())
+            value = timers[name]()
+            for suffix, figure in value.items() if isinstance(value, Mapping) else [("", value)]:
+                out.setdefault(name + suffix, []).append(figure)
     return out
 
 
@@ -225,7 +269,7 @@ def ray_loops() -> dict[str, Loop]:
     """Loops on the Ray hosts ``pw.init(backend="ray", hosts=2, devices_per_host=1)`` started.
 
     ``ray-one``: one node on host 0 a run; ``ray-both``: one node on each host
-    a run; ``ray-chain``: 16 nodes on host 0 a run.
+    a run; ``ray-chain``: 128 nodes on host 0 a run.
     """
     import jax.numpy as jnp
 
@@ -237,7 +281,7 @@ def ray_loops() -> dict[str, Loop]:
     on_b = pw.jit(lambda x: x * 0.5 + 1.0, devices=b)
 
     def chain(x):
-        for _ in range(_L):
+        for _ in range(_RAY_L):
             x = on_a(x)
         return x
 
@@ -257,25 +301,45 @@ def ray_loops() -> dict[str, Loop]:
     return {"ray-one": _chained(on_a, x0), "ray-both": both_loop, "ray-chain": _chained(long, x0)}
 
 
-def host_costs(per_call: Mapping[str, float], controller: ControllerCosts) -> HostCosts:
-    """Ray hosts' costs from ``ray_loops``' seconds per call and the controller's (local) costs.
+def host_costs(per_call: Mapping[str, float], controller: ControllerCosts, device: DeviceCosts) -> HostCosts:
+    """Ray hosts' costs from ``ray_loops``' CPU seconds per call (``cpu_timer``'s figures).
 
-    ``ray-both - ray-one`` is one more host's message and one more node; the
-    chain's extra nodes cost a node and a host enqueue each; what a one-node
-    run costs beyond the controller's part and its message is the host's ``run_s``.
+    CPU time, not elapsed time: on one machine the hosts, the controller and
+    Ray take turns on the same cores, so a loop's elapsed time mixes every
+    process's work; each process's CPU seconds are its own. The controller's
+    process spends ``node_s`` on each further node of a run (``ray-chain``: 128
+    nodes on host 0, against ``ray-one``: one), ``message_s`` and a node more
+    on one more host (``ray-both``: a node on each host), and beyond those and
+    ``controller.run_s`` what a run costs is ``dispatch_s``. A host's process
+    spends ``run_s`` plus one node's device time on a run of one node, and
+    ``enqueue_s`` plus a node's device time on each further node.
     """
-    t_a, t_b, t_c = per_call["ray-one"], per_call["ray-both"], per_call["ray-chain"]
-    message = max(t_b - t_a - controller.node_s, 0.0)
-    enqueue = max((t_c - t_a) / (_L - 1) - controller.node_s, 0.0)
-    rest = max(t_a - (controller.run_s + controller.node_s + message), 0.0)
-    return HostCosts(message_s=message, latency_s=0.0, run_s=rest, enqueue_s=enqueue)
+    node_device = device.launch(1) + device.computation(1)
+    ctrl_a, ctrl_b, ctrl_c = (per_call[f"ray-{k}/controller"] for k in ("one", "both", "chain"))
+    host_a, host_c = per_call["ray-one/host0"], per_call["ray-chain/host0"]
+    node = max((ctrl_c - ctrl_a) / (_RAY_L - 1), 0.0)
+    message = max(ctrl_b - ctrl_a - node, 0.0)
+    return HostCosts(
+        message_s=message,
+        latency_s=0.0,
+        run_s=max(host_a - node_device, 0.0),
+        enqueue_s=max((host_c - host_a) / (_RAY_L - 1) - node_device, 0.0),
+        dispatch_s=max(ctrl_a - controller.run_s - node - message, 0.0),
+        node_s=node,
+    )
 
 
 HOST_SOURCES = {
-    "hosts.message_s": "measured on 2 Ray hosts: one node on each host against one node on one host",
-    "hosts.enqueue_s": f"measured on 2 Ray hosts: {_L} nodes on one host against one node",
-    "hosts.run_s": "measured: a 1-node run on one Ray host less the controller's and message costs",
-    "hosts.latency_s": "not separable from hosts.run_s on one machine: zero (counted in hosts.run_s)",
+    "hosts.message_s": "measured on 2 Ray hosts: the controller process's CPU seconds for one node on each "
+    "host against one node on one host, less controller.node_s",
+    "hosts.enqueue_s": f"measured on 2 Ray hosts: the host process's CPU seconds for {_RAY_L} nodes against one "
+    "node, per extra node, less a node's device time",
+    "hosts.run_s": "measured: the host process's CPU seconds for a 1-node run, less the node's device time",
+    "hosts.latency_s": "not separable on one machine (chained runs overlap it): zero",
+    "hosts.node_s": f"measured on 2 Ray hosts: the controller process's CPU seconds for {_RAY_L} nodes on one host "
+    "against one node, per extra node",
+    "hosts.dispatch_s": "measured: the controller process's CPU seconds for a 1-node run on one Ray host, less "
+    "controller.run_s, hosts.node_s and hosts.message_s",
 }
 
 
@@ -364,18 +428,30 @@ def calibrate(
             try:
                 pw.init(backend="ray", hosts=2, devices_per_host=1)
                 loops = ray_loops()
-                samples = interleaved({k: timer(v, target_s) for k, v in loops.items()}, repeats)
+                samples = interleaved({k: cpu_timer(v, target_s) for k, v in loops.items()}, repeats)
                 per_call.update({k: statistics.median(v) for k, v in samples.items()})
             finally:
                 pw.shutdown()
                 ray_mod.shutdown()
-            hosts = host_costs(per_call, controller)
+            hosts = host_costs(per_call, controller, device)
             sources.update(HOST_SOURCES)
             log(
-                f"  Ray, 2 hosts: 1 node on 1 host {per_call['ray-one'] * 1e6:.1f} us, 1 node on each "
-                f"{per_call['ray-both'] * 1e6:.1f} us, {_L} nodes on 1 host {per_call['ray-chain'] * 1e6:.1f} us"
+                "  Ray, 2 hosts, a call's elapsed / controller CPU / host 0 CPU: "
+                + ", ".join(
+                    f"{what} {per_call[k] * 1e6:.0f} / {per_call[k + '/controller'] * 1e6:.0f} / "
+                    f"{per_call[k + '/host0'] * 1e6:.0f} us"
+                    for k, what in (
+                        ("ray-one", "1 node on 1 host"),
+                        ("ray-both", "1 node on each"),
+                        ("ray-chain", f"{_RAY_L} nodes on 1 host"),
+                    )
+                )
             )
-            log(f"  -> message_s {hosts.message_s * 1e6:.1f} us, enqueue_s {hosts.enqueue_s * 1e6:.2f} us")
+            log(
+                f"  -> hosts: message_s {hosts.message_s * 1e6:.1f} us, dispatch_s {hosts.dispatch_s * 1e6:.1f} us, "
+                f"node_s {hosts.node_s * 1e6:.2f} us, run_s {hosts.run_s * 1e6:.1f} us, "
+                f"enqueue_s {hosts.enqueue_s * 1e6:.2f} us"
+            )
     elif ray:
         log("quick mode: Ray hosts not measured")
     return Profile(

@@ -44,9 +44,17 @@ class Cluster:
       device_window: single-device executables in flight per device (local)
         before dispatch waits; default: the runtime's (4).
       scheduler: the controller's policy among clients (``"fifo"``, ``"fair"``, ``"priority"``).
+      cores: the controller and every host share one machine of this many CPU
+        cores (several Ray hosts on one workstation), and their devices are
+        that machine's CPU devices: the controller's and the hosts' work and
+        every node's device time each hold one core while they run, and wait
+        for one when all are busy. ``None`` (default): each host and the
+        controller have cores of their own. Only with ``dispatch="hosts"`` (on
+        the local backend, ``device.shared_cpu`` of the profile models it).
 
     Raises:
-      ResourceError: a size is not a positive integer, or ``islands`` does not divide ``hosts``.
+      ResourceError: a size is not a positive integer, ``islands`` does not divide
+        ``hosts``, or ``cores`` is given with ``dispatch="local"``.
       ProfileError: the profile cannot be found or read.
 
     Example:
@@ -63,6 +71,7 @@ class Cluster:
     in_flight: int
     scheduler: str
     device_window: int
+    cores: int | None
 
     def __init__(
         self,
@@ -75,6 +84,7 @@ class Cluster:
         in_flight: int | None = None,
         scheduler: Literal["fifo", "fair", "priority"] = "fifo",
         device_window: int | None = None,
+        cores: int | None = None,
     ):
         prof = load_profile(profile)
         hosts = _count("hosts", hosts)
@@ -103,6 +113,13 @@ class Cluster:
             raise errors.ResourceError(
                 f"pw.sim.Cluster: scheduler must be one of {scheduler_lib.POLICIES}, got {scheduler!r}."
             )
+        if cores is not None:
+            cores = _count("cores", cores)
+            if mode == "local":
+                raise errors.ResourceError(
+                    "pw.sim.Cluster: cores= models hosts that share one machine (dispatch='hosts'); "
+                    "with dispatch='local' the profile's device.shared_cpu models the shared cores."
+                )
         for name, value in (
             ("hosts", hosts),
             ("devices_per_host", per_host),
@@ -115,6 +132,7 @@ class Cluster:
                 "device_window",
                 _count("device_window", DEVICE_WINDOW if device_window is None else device_window),
             ),
+            ("cores", cores),
         ):
             object.__setattr__(self, name, value)
 
@@ -147,5 +165,5 @@ class Cluster:
         return (
             f"sim.Cluster(hosts={self.hosts}, devices_per_host={self.devices_per_host}, "
             f"islands={self.islands}, profile={self.profile.name!r}, dispatch={self.dispatch!r}, "
-            f"in_flight={self.in_flight})"
+            f"in_flight={self.in_flight}" + (f", cores={self.cores})" if self.cores else ")")
         )

@@ -5,7 +5,9 @@ What is modelled (each charged from the cluster's :class:`Profile`):
 - **Clients** submit runs (each client's runs in order, every ``interval_s``;
   a run's first step reads the previous run's output, as chained futures do).
 - **The controller** is one thread: per run ``controller.run_s``, per node
-  ``controller.node_s``, per transfer ``controller.transfer_s``. Among the
+  ``controller.node_s``, per transfer ``controller.transfer_s`` (sending runs
+  to hosts: ``hosts.dispatch_s`` more per run, ``hosts.node_s`` per node or
+  transfer instead). Among the
   clients' queue heads the cluster's policy (the runtime's own ``fifo`` /
   ``fair`` / ``priority`` objects) picks the next run.
 - **Dispatch.** ``local``: the controller enqueues each executable itself. ``hosts``:
@@ -31,6 +33,10 @@ What is modelled (each charged from the cluster's :class:`Profile`):
   while a node runs delays the devices: the next node to start on ``k``
   devices lasts ``device.shared_cpu[k]`` seconds longer for each (CPU
   devices' threads run on the controller's cores). Zero for accelerators.
+- **Shared cores** (``Cluster(cores=n)``: hosts on one machine): the
+  controller's work, every host's and every node's device time each hold
+  one of ``n`` cores while they run (first come, first served), so that
+  together they never use more than the machine has.
 - **Transfers** (ICI or DCN) start when their source is ready and they are
   enqueued; a DCN link between two islands carries one transfer at a time in
   each direction. Transfers do not occupy the devices' compute streams.
@@ -238,6 +244,7 @@ class _Simulation:
             [simpy.Resource(self.env, 1) for _ in range(cluster.hosts)] if per == "host" else []
         )
         self.links: dict[tuple[int, int], Any] = {}
+        self.cores = simpy.Container(self.env, cluster.cores, init=cluster.cores) if cluster.cores else None
         self.controller_busy = 0.0
         self.spans: list[tuple[float, float, int, int]] = []  # node (start, end, lo, hi)
         self.remaining = sum(w.runs for w in self.workloads)
@@ -338,9 +345,9 @@ class _Simulation:
         program = self.workloads[run.client].program
         run.dispatch_start = env.now
         start = env.now
-        yield env.timeout(cost.run_s)
-        self._controller(f"dispatch {program.name}", "dispatch", start, run, what="run")
         local = self.cluster.dispatch == "local"
+        yield from self._work(cost.run_s + (0.0 if local else self.profile.hosts.dispatch_s))
+        self._controller(f"dispatch {program.name}", "dispatch", start, run, what="run")
         per_host: dict[int, list[_Item]] = collections.defaultdict(list)
         for index, step in enumerate(program.steps):
             island = self.cluster.island_of(step.devices[0])
@@ -354,7 +361,10 @@ class _Simulation:
                     self._controller(f"wait: in-flight window ({where})", "wait", start, run, island=island)
                 window.count += 1
             start = env.now
-            yield env.timeout(cost.node_s if step.kind == "node" else cost.transfer_s)
+            if not local:
+                yield from self._work(self.profile.hosts.node_s)
+            else:
+                yield from self._work(cost.node_s if step.kind == "node" else cost.transfer_s)
             item = self._new_item(run, index, step, 0 if local else len(hosts))
             if local:
                 item.enqueued.succeed()
@@ -368,11 +378,20 @@ class _Simulation:
         if not local:
             for h in sorted(per_host):
                 start = env.now
-                yield env.timeout(self.profile.hosts.message_s)
+                yield from self._work(self.profile.hosts.message_s)
                 self._controller(f"send {program.name} to host {h}", "dispatch", start, run, host=h)
                 env.process(self._host(h, run, per_host[h]))
         run.dispatch_end = env.now
         run.done = run.items[program.output].done
+
+    def _work(self, seconds: float) -> Any:
+        """``seconds`` of one thread's CPU work: on one of the machine's cores when they are shared."""
+        if self.cores is None or seconds <= 0:
+            yield self.env.timeout(seconds)
+            return
+        yield self.cores.get(1)
+        yield self.env.timeout(seconds)
+        yield self.cores.put(1)
 
     def _inline(self, step: Step) -> float:
         """The controller's time inside the call that enqueues node ``step``, beyond ``node_s``."""
@@ -440,14 +459,14 @@ class _Simulation:
         with self.host_threads[host].request() as turn:
             yield turn
             start = env.now
-            yield env.timeout(cost.run_s)
+            yield from self._work(cost.run_s)
             window = self.windows[host]
             for item in items:
                 if item.step.kind == "node" and item.step.windowed:
                     if window.count >= window.size:
                         yield window.until(window.size - 1)
                     window.count += 1
-                yield env.timeout(cost.enqueue_s)
+                yield from self._work(cost.enqueue_s)
                 item.hosts_left -= 1
                 if item.hosts_left == 0:
                     item.enqueued.succeed()
@@ -478,6 +497,14 @@ class _Simulation:
                 yield turn
                 item.start = env.now
                 yield env.timeout(step.duration_s)
+        elif step.kind == "node" and self.cores is not None:
+            # Every device of it is a CPU thread: it takes a core for each (at once, first come
+            # first served: a request waits behind an earlier one that does not fit yet).
+            k = min(step.devices[1] - step.devices[0], self.cores.capacity)
+            yield self.cores.get(k)
+            item.start = env.now
+            yield env.timeout(step.duration_s)
+            yield self.cores.put(k)
         else:
             item.start = env.now
             duration = step.duration_s

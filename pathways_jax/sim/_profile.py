@@ -44,18 +44,28 @@ class ControllerCosts:
 class HostCosts:
     """Remote hosts (the Ray backend; every multi-host cluster): one message per host per run.
 
+    Where the controller sends runs to hosts, these replace the controller's
+    per-node costs: a run names a plan its hosts hold, and each host walks it.
+
     Attributes:
       message_s: the controller's cost of sending one host its part of a run
         (serialisation, the RPC call): paid once per host per run, one after another.
       latency_s: one-way latency of that message to the host.
       run_s: the host's cost of receiving a run's message.
       enqueue_s: the host's cost of enqueueing one node on its devices.
+      dispatch_s: the controller's cost per run of sending it to hosts, beyond
+        ``controller.run_s`` and the messages (the Ray backend: the run's
+        records, its hosts' answers).
+      node_s: the controller's cost per node (and transfer) of a run it sends
+        to hosts (instead of ``controller.node_s``/``transfer_s``).
     """
 
     message_s: float = 0.0
     latency_s: float = 0.0
     run_s: float = 0.0
     enqueue_s: float = 0.0
+    dispatch_s: float = 0.0
+    node_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

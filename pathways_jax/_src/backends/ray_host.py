@@ -384,6 +384,10 @@ class Host:
             "pulls": self.pulls,
             "posts": self.posts,
             "fed": self.fed,
+            "pid": os.getpid(),
+            # The whole process's CPU seconds (every thread: the executor, Ray's, XLA's):
+            # what the simulator's calibration charges a host.
+            "cpu_s": time.process_time(),
         }
 
     # --- the executor ----------------------------------------------------------------
