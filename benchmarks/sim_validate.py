@@ -48,7 +48,6 @@ _HOSTS = flags.DEFINE_list("hosts", ["2", "4"], "Ray host counts.")
 
 LOCAL_MODES = {"O": "pw-O", "C": "pw-C", "F": "pw-F"}
 TARGET = 0.15
-RAY_TARGET_S = 0.5  # the shortest timed loop on Ray hosts
 
 
 def _simulate(cluster, mode: str, chain: int, spread: str, compute_s: float | None = None) -> float:
@@ -228,6 +227,7 @@ def run_ray(base, host_counts: list[int], repeats: int, chain: int, target_s: fl
     from pathways_jax import sim
     from pathways_jax.sim._calibrate import (
         HOST_SOURCES,
+        RAY_TARGET_S,
         cpu_timer,
         host_costs,
         interleaved,
