@@ -106,7 +106,7 @@ def _figures(p) -> dict:
         "hosts.dispatch_s": p.hosts.dispatch_s,
         "hosts.node_s": p.hosts.node_s,
     }
-    for field in ("launch_s", "computation_s"):
+    for field in ("launch_s", "computation_s", "inline"):
         for k, v in getattr(p.device, field).items():
             d[f"device.{field}[{k}]"] = v
     return d

@@ -11,8 +11,11 @@ previous call's output, as the dispatch benchmark does), the loops interleaved
 - ``jax.call_s``: a separate call of one computation on 1 device.
 - ``device.inline[k]``: how much of a longer node's device time its call
   keeps the calling thread (XLA:CPU runs a 1-device executable on the
-  caller's thread): the time inside a call of the chain of 64, beyond a
-  call of one computation, over the chain's extra device time.
+  caller's thread): the time inside a ``jax.jit`` call of the chain of 64,
+  beyond a call of one computation, over the chain's extra device time; on 1
+  device the runtime's own: a ``pw.jit`` call of the chain of 64 (``pw-mid``)
+  against one of one computation (``pw-run``), over the same (above 1 when the
+  run keeps the controller longer than the device time it adds).
 - ``device.shared_cpu`` (not measured): 0 for 1 device, 1 from as many
   devices as the machine has cores, whose threads then fill the cores: a
   second of the controller's work while a node runs is a second it loses.
@@ -197,7 +200,12 @@ def device_loops(s: Any) -> dict[str, Loop]:
 
 
 def controller_loops(s: Any) -> dict[str, Loop]:
-    """``pw-run``: a ``pw.jit`` call (one run of one node) on 1-device slice ``s``; ``pw-chain``: a run of 16 nodes."""
+    """The controller's loops on 1-device slice ``s``.
+
+    ``pw-run``: a ``pw.jit`` call (one run of one node of one computation);
+    ``pw-chain``: a run of 16 such nodes; ``pw-mid``: a ``pw.jit`` call of a
+    fused chain of 64 computations (one node).
+    """
     import jax.numpy as jnp
 
     import pathways_jax as pw
@@ -210,9 +218,18 @@ def controller_loops(s: Any) -> dict[str, Loop]:
             x = one(x)
         return x
 
+    def mid(x):
+        for _ in range(_MID):
+            x = _computation(x, mesh, 1)
+        return x
+
     prog = pw.program(chain, name="calibrate_chain", fuse=False)
     x0 = jnp.zeros((), jnp.float32)
-    return {"pw-run": _chained(one, x0), "pw-chain": _chained(prog, x0)}
+    return {
+        "pw-run": _chained(one, x0),
+        "pw-chain": _chained(prog, x0),
+        "pw-mid": _chained(pw.jit(mid, devices=s), x0),
+    }
 
 
 def local_costs(
@@ -240,6 +257,12 @@ def local_costs(
         extra = per_call[f"jax-mid/{n}"] - per_call[f"jax-one/{n}"]
         inside = per_call[f"jax-mid-in/{n}"] - per_call[f"jax-one-in/{n}"]
         inline[n] = min(max(inside / extra, 0.0), 1.0) if extra > 0 else 0.0
+        if n == 1 and "pw-mid" in per_call and extra > 0:
+            # On one device the runtime's own call: how much longer a run of the chain of 64
+            # keeps the controller than a run of one computation, per second of the extra
+            # device time. It keeps it longer than the device time itself (above 1), where
+            # jax.jit's call lets the caller go a little before the end.
+            inline[n] = max((per_call["pw-mid"] - per_call["pw-run"]) / extra, 0.0)
     cores = max(2, os.cpu_count() or 2)
     device = DeviceCosts(
         launch_s=launch, computation_s=computation, shared_cpu={1: 0.0, cores: 1.0}, inline=inline
@@ -252,7 +275,9 @@ LOCAL_SOURCES = {
     f"computations against one of {_MID}, per computation",
     "device.launch_s": "measured: separate jax.jit calls of one computation (16 in flight) less "
     "device.computation_s",
-    "device.inline": f"measured: the time a jax.jit call of a fused chain of {_MID} keeps the caller's "
+    "device.inline": f"measured: for 1 device, a pw.jit call of a fused chain of {_MID} against a call of "
+    "one computation, over the jax.jit calls' difference; from 2 devices, the time a jax.jit call of a fused "
+    f"chain of {_MID} keeps the caller's "
     "thread, beyond a call of one computation, over its device time beyond one computation's",
     "device.shared_cpu": "not measured: 0 for 1 device (its thread and the controller's fit the cores), 1 from "
     "as many devices as the machine has cores (their threads fill the cores: a second of the controller's "

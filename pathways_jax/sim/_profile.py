@@ -91,7 +91,9 @@ class DeviceCosts:
       inline: by device count, the fraction of a node's device time beyond
         one ``computation_s`` node's that the controller's thread spends
         inside the call that enqueues it (XLA:CPU runs a 1-device executable
-        on the calling thread: about 1; 0 for accelerators; local backend only).
+        on the calling thread: about 1, above 1 where the dispatch of a longer
+        node costs more than its device time; 0 for accelerators; local
+        backend only).
     """
 
     launch_s: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
