@@ -249,3 +249,21 @@ def test_dropped_programs_are_forgotten_on_their_hosts(ray_cluster):
         cluster.remote.host_stats()
     )
     pw.shutdown()
+
+
+def test_host_stats_report_each_host_process_and_its_cpu_seconds(ray_cluster):
+    # The simulator's calibration charges each host its own process's CPU seconds (pw.sim).
+    cluster = pw.init(backend="ray", hosts=2)
+    s = pw.devices(mesh={"x": 1}, island=1)
+    before = cluster.remote.host_stats()
+    assert {before[0]["pid"], before[1]["pid"]}.isdisjoint({os.getpid()})
+    assert before[0]["pid"] != before[1]["pid"]
+    step = pw.jit(lambda v: jnp.tanh(v @ v.T).sum(axis=0), devices=s)
+    x = jnp.ones((256, 256)) / 256
+    for _ in range(50):
+        out = step(x)
+    assert_matches(out, jax.jit(lambda v: jnp.tanh(v @ v.T).sum(axis=0))(x), rtol=1e-5, atol=1e-6)
+    after = cluster.remote.host_stats()
+    assert after[1]["cpu_s"] > before[1]["cpu_s"]  # host 1 ran the programs
+    assert after[1]["cpu_s"] - before[1]["cpu_s"] > after[0]["cpu_s"] - before[0]["cpu_s"]
+    pw.shutdown()

@@ -357,7 +357,7 @@ def host_costs(per_call: Mapping[str, float], controller: ControllerCosts, devic
 
 HOST_SOURCES = {
     "hosts.message_s": "measured on 2 Ray hosts: the controller process's CPU seconds for one node on each "
-    "host against one node on one host, less controller.node_s",
+    "host against one node on one host, less hosts.node_s",
     "hosts.enqueue_s": f"measured on 2 Ray hosts: the host process's CPU seconds for {_RAY_L} nodes against one "
     "node, per extra node, less a node's device time",
     "hosts.run_s": "measured: the host process's CPU seconds for a 1-node run, less the node's device time",
@@ -456,7 +456,7 @@ def calibrate(
                 loops = ray_loops()
                 # Loops of at least RAY_TARGET_S: a loop's fixed cost (its first run's latency, the
                 # fetch at its end: milliseconds on Ray hosts) must stay small beside its runs.
-                ray_target = target_s if quick else max(target_s, RAY_TARGET_S)
+                ray_target = max(target_s, RAY_TARGET_S)
                 samples = interleaved({k: cpu_timer(v, ray_target) for k, v in loops.items()}, repeats)
                 per_call.update({k: statistics.median(v) for k, v in samples.items()})
             finally:
