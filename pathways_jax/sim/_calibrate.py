@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pathways_jax._src.runtime.session import DEFAULT_IN_FLIGHT
 from pathways_jax.sim._profile import ControllerCosts, DeviceCosts, HostCosts, LinkCosts, Profile
 
 _L = 16  # nodes of the chained programs
@@ -491,7 +492,7 @@ def calibrate(
         ici=LinkCosts(),
         dcn=LinkCosts(),
         jax_call_s=jax_call,
-        in_flight=8,
+        in_flight=DEFAULT_IN_FLIGHT,
         host_in_flight=64,
         devices_per_host=max(devices),
         sources=sources,

@@ -26,7 +26,12 @@ from pathways_jax._src.runtime.resources import Island, ResourceManager
 # How many executables may be in flight on one island before the controller
 # waits for the oldest. Unbounded asynchronous dispatch of collectives
 # deadlocks XLA's CPU rendezvous (DESIGN §5: 64+ in flight on 8 devices); 16
-# was measured safe, 8 leaves a margin and costs no throughput.
+# was measured safe. 8 leaves a margin and keeps the scheduling policies in
+# force: what is in flight is out of their hands, and with 16 two clients'
+# runs on a 4-device slice all went straight into XLA ("fair" 1:3 measured
+# 0.50/0.50, tests/test_policies.py). It costs throughput where a run's device
+# time is short beside its dispatch: on 2 CPU devices, one all-reduce a run,
+# 207 µs a run with 8 in flight against 141 with 16 (4-8 devices: 3-11%).
 DEFAULT_IN_FLIGHT = 8
 # How many runs one client may have queued (submitted, not dispatched yet)
 # before a caller that would queue more waits.
