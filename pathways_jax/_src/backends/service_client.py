@@ -179,8 +179,7 @@ class ServiceBackend(ray_backend.RayBackend):
     def _fetched(self, host: int, answer: Any) -> Any:
         """The service answers a fetch with the host's own answer, a ref: read from the host, not the service."""
         if isinstance(answer, RunFailure) and answer.kind == "lost":
-            self._health_check({host})
-            raise errors.HostLostError(self._lost_message(self.layout.island_of(host), "a value"))
+            raise self._value_lost(host)
         if not isinstance(answer, list):
             return answer  # refused
         try:
@@ -188,9 +187,12 @@ class ServiceBackend(ray_backend.RayBackend):
         except Exception as exc:
             if not ray_backend.is_lost_error(exc):
                 raise
-            island = self.layout.island_of(host)
-            self._health_check({host})
-            raise errors.HostLostError(self._lost_message(island, "a value")) from exc
+            raise self._value_lost(host) from exc
+
+    def _value_lost(self, host: int) -> errors.HostLostError:
+        """The error of a fetch whose host was lost, once the health check has marked its island."""
+        self._health_check({host})
+        return errors.HostLostError(self._lost_message(self.layout.island_of(host), "a value"))
 
     def _loss(self, host: int, exc: BaseException, generation: int, what: str) -> BaseException | None:
         if not ray_backend.is_lost_error(exc):
