@@ -1,7 +1,9 @@
 """Clients: ownership, close(), failure isolation and accounting."""
 
+import concurrent.futures
 import gc
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +80,7 @@ def test_close_cancels_queued_runs_and_frees_values():
 
 
 @pytest.mark.timeout(60)
-def test_a_threads_default_client_is_closed_when_the_thread_ends():
+def test_a_threads_default_client_is_retired_when_the_thread_ends_and_its_futures_stay_valid():
     pw.init(num_cpu_devices=8, islands=2)
     s = pw.devices(mesh={"x": 1}, island=0)
     double = pw.jit(lambda v: v * 2, devices=s)
@@ -90,13 +92,58 @@ def test_a_threads_default_client_is_closed_when_the_thread_ends():
     thread.join(30)
     del thread
     gc.collect()
-    assert pw.cluster().store.live_count() == baseline
-    with pytest.raises(pw.errors.PathwaysError, match="freed"):
-        kept[0].result(timeout=10)
-    clients = pw.stats()["clients"]
+    # The thread handed its future on: the value is still there, as a jax.jit result would be.
+    np.testing.assert_array_equal(kept[0].result(timeout=10), jax.jit(lambda v: v * 2)(jnp.ones(3)))
+    clients = _settled_clients(lambda c: "worker-7" not in c)
     assert "worker-7" not in clients  # its usage went to the row of closed clients
     assert clients["(closed clients)"]["programs"] == 1
+    kept.clear()  # and once its futures are gone, nothing of it is left
+    gc.collect()
+    pw.cluster().store.collect()
+    assert pw.cluster().store.live_count() == baseline
     s.release()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scheduler", ["fifo", "fair", "priority"])
+def test_runs_a_worker_thread_queued_before_it_ended_still_run(scheduler):
+    # A pool thread submits a chain of steps and ends while they are queued; the
+    # caller reads the last one. Under every policy the chain completes, exactly.
+    pw.init(num_cpu_devices=8, scheduler=scheduler)
+    s = pw.devices(mesh={"x": 2})
+    step = pw.program(lambda w: jnp.tanh(w @ w) + 1.0, devices=s)
+    reference = jax.jit(lambda w: jnp.tanh(w @ w) + 1.0)
+    w0 = jnp.ones((384, 384)) / 384
+
+    def chain(w):
+        for _ in range(60):
+            w = step(w)
+        return w
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        outs = [pool.submit(chain, w0 * (i + 1)).result(timeout=60) for i in range(3)]
+    expected = []
+    for i in range(3):
+        w = w0 * (i + 1)
+        for _ in range(60):
+            w = reference(w)
+        expected.append(w)
+    for out, want in zip(outs, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(out.result(timeout=60)), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # The controller keeps serving, and forgot the pool's clients once their runs were gone.
+    np.testing.assert_allclose(np.asarray(step(w0).result(timeout=30)), np.asarray(reference(w0)), rtol=1e-6)
+    assert pw.cluster().controller._retiring == set()
+    s.release()
+
+
+def _settled_clients(done, timeout: float = 10.0) -> dict:
+    """pw.stats()'s clients once ``done(clients)`` (the accounting thread folds rows in the background)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        clients = pw.stats()["clients"]
+        if done(clients) or time.monotonic() > deadline:
+            return clients
+        time.sleep(0.05)
 
 
 def test_client_arguments_are_checked():

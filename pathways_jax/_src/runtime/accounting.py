@@ -163,7 +163,7 @@ class Accounting:
         """The row ``client``'s usage goes to (lock held): its own, or the closed clients' row."""
         usage = self.usage.get(client.key)
         if usage is None:
-            if client.closed:  # closed is set before forget() runs: no row comes back
+            if client.closed or client.ended:  # set before forget() runs: no row comes back
                 return self.closed_usage
             usage = self.usage[client.key] = ClientUsage(client.name)
         return usage

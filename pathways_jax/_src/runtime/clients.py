@@ -35,6 +35,8 @@ class Client:
       priority: higher goes first under the ``"priority"`` scheduler.
       weight: share of device time under the ``"fair"`` scheduler.
       closed: True once :meth:`close` ran.
+      ended: True once the thread it is the default client of ended (it
+        submits nothing more; what it submitted still runs).
     """
 
     def __init__(self, name: str, *, priority: int = 0, weight: float = 1.0):
@@ -43,6 +45,7 @@ class Client:
         self.weight = weight
         self.key = next(_ids)
         self.closed = False
+        self.ended = False
         self._lock = threading.Lock()
 
     def __enter__(self) -> Client:
@@ -73,17 +76,29 @@ class Client:
         if current is not None:
             current.close_client(self)
 
+    def _end(self) -> None:
+        """Its thread ended: it is retired, not closed (its runs still run, its values stay)."""
+        with self._lock:
+            if self.closed or self.ended:
+                return
+            self.ended = True
+        from pathways_jax._src.runtime import session as cluster_lib
+
+        current = cluster_lib.running()
+        if current is not None:
+            current.retire_client(self)
+
     def __repr__(self) -> str:
-        state = ", closed" if self.closed else ""
+        state = ", closed" if self.closed else ", ended" if self.ended else ""
         return f"Client({self.name!r}, priority={self.priority}, weight={self.weight}{state})"
 
 
 class _ThreadDefault:
-    """Holds a thread's default client; closes it when the thread ends."""
+    """Holds a thread's default client; retires it when the thread ends."""
 
     def __init__(self, owner: Client):
         self.client = owner
-        weakref.finalize(self, owner.close)
+        weakref.finalize(self, owner._end)
 
 
 def client(name: str, *, priority: int = 0, weight: float = 1.0) -> Client:

@@ -115,6 +115,7 @@ class Controller:
         # Callers waiting for their client's queue to drop below max_queued.
         self._room = threading.Condition(self._lock)
         self._room_waiters = 0
+        self._retiring: set[int] = set()  # ended clients with runs still queued (retire_client)
         self._sleeping = False  # the controller thread waits on _cv: a submission notifies it
         self._queues: dict[int, collections.deque[Run]] = {}  # client key -> its queued runs
         # The run the controller thread took off the queues and is dispatching. No
@@ -334,7 +335,7 @@ class Controller:
         cost = run.estimate = plan.cost or _DEFAULT_COST_S * max(1, len(plan.acct_groups))
         with self._lock:
             # A client closed meanwhile was forgotten by the policy: charging it would bring it back.
-            if not client.closed:
+            if not (client.closed or client.ended):
                 self._policy.charge(client.key, cost, client.weight)
 
     def _blocker(self, run: Run, busy: dict[int, int] | None = None) -> int:
@@ -515,6 +516,9 @@ class Controller:
         if not queue:
             del self._queues[key]
             self._policy.deactivate(key)
+            if self._retiring and key in self._retiring:
+                self._retiring.discard(key)
+                self._policy.forget(key)
         if self._room_waiters:
             self._room.notify_all()
 
@@ -630,6 +634,7 @@ class Controller:
                     self._policy.discard(run.head)
                 self._policy.deactivate(client.key)
             self._policy.forget(client.key)
+            self._retiring.discard(client.key)
             self._cv.notify_all()
             if self._room_waiters:
                 self._room.notify_all()
@@ -641,6 +646,14 @@ class Controller:
                 count=False,
             )
         self._store.free(self._store.owned_by(client.key))
+
+    def retire_client(self, client: Any) -> None:
+        """``client`` submits nothing more: the policy forgets it once its queued runs are gone."""
+        with self._lock:
+            if client.key in self._queues:
+                self._retiring.add(client.key)  # forgotten by _pop, after its last run
+            else:
+                self._policy.forget(client.key)
 
     def queued_by_island(self) -> dict[int, int]:
         with self._lock:

@@ -217,6 +217,17 @@ class Cluster:
         else:
             self.store.free(self.store.owned_by(client.key))
 
+    def retire_client(self, client) -> None:
+        """A thread's default client whose thread ended: its usage joins the closed clients' row.
+
+        Nothing is cancelled or freed: its queued runs still run, and its values
+        live as long as their futures (the thread may have handed them on).
+        """
+        controller = self._controller
+        if controller is not None:
+            controller.retire_client(client)
+            controller.accounting.forget(client)
+
     def add_slice(self, slice_) -> None:
         """Registers a new slice for :meth:`live_slices` (weakly)."""
         with self._slices_lock:
