@@ -73,9 +73,9 @@ def test_training_matches_nnx_jit_and_updates_the_callers_model():
         loss = ours(model, optimizer, x, y)
         ref_loss = reference(ref_model, ref_optimizer, x, y)
         assert isinstance(loss, pw.Future)
-        # The caller's Variables (the same objects) now hold the step's futures.
+        # The caller's Variables (the same objects) now hold the step's arrays, as after nnx.jit.
         assert model.layer1.kernel is kernel
-        assert isinstance(model.layer1.kernel.get_value(), pw.Future)
+        assert isinstance(model.layer1.kernel.get_value(), jax.Array)
         assert not np.allclose(_value(model.layer1.kernel), before)
         np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(
@@ -96,7 +96,7 @@ def test_second_call_neither_retraces_nor_relowers():
     other_model, other_optimizer = _make(seed=1)  # same structure, other objects
     ours(other_model, other_optimizer, *batches[0])
     assert pw.counters()["traces"] == traced
-    ours(model, optimizer, *batches[1])  # futures from here on: one more signature, as for any program
+    ours(model, optimizer, *batches[1])  # the slice's arrays from here on: at most one more signature
     before = pw.counters()
     losses = [ours(model, optimizer, x, y) for x, y in batches[2:]]
     after = pw.counters()
@@ -106,15 +106,50 @@ def test_second_call_neither_retraces_nor_relowers():
     assert all(np.isfinite(np.asarray(loss)) for loss in losses)
 
 
-def test_call_returns_before_the_step_is_computed():
-    # Nothing waits: the outputs and the caller's Variables are futures of a run in flight.
+def test_call_returns_once_dispatched_with_arrays_in_the_callers_variables():
+    # As nnx.jit: the call waits for the step's dispatch, not for its result. The output is a
+    # future; the caller's Variables hold the step's arrays (which may still be computing).
     ours = pw.program(train_step, devices=pw.devices(mesh={"x": 1}))
     model, optimizer = _make()
     for x, y in _batches(3):
         loss = ours(model, optimizer, x, y)
+    assert isinstance(loss, pw.Future)
     leaves = [leaf for leaf in jax.tree.leaves(nnx.state((model, optimizer)))]
-    assert all(isinstance(leaf, pw.Future) for leaf in leaves)
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
     assert np.isfinite(loss.result())
+
+
+def test_eager_code_mutates_the_model_between_program_steps_as_after_nnx_jit():
+    # Eager NNX code between steps (a counter bumped by hand, BatchNorm and Dropout in train
+    # mode, nnx.clone) reads and writes the Variables a program step left.
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+            self.norm = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.seen = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x):
+            self.seen[...] = self.seen[...] + 1
+            return self.drop(self.norm(self.linear(x)))
+
+    def step(net, x):
+        return net(x).sum()
+
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+    ours, theirs = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    program, reference = pw.program(step, devices=pw.devices(mesh={"x": 1})), nnx.jit(step)
+    for _ in range(3):
+        got, want = program(ours, x), reference(theirs, x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        # Eager, in train mode, between steps.
+        np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(theirs(x)), rtol=1e-5, atol=1e-6)
+        ours.seen[...] += 10
+        theirs.seen[...] += 10
+    clone = nnx.clone(ours)
+    np.testing.assert_allclose(np.asarray(clone(x)), np.asarray(nnx.clone(theirs)(x)), rtol=1e-5, atol=1e-6)
+    _assert_states_close(nnx.state(ours, nnx.Param, nnx.BatchStat), nnx.state(theirs, nnx.Param, nnx.BatchStat))
+    assert int(ours.seen[...]) == 3 + 3 + 3 * 10  # 3 program steps, 3 eager calls, 3 bumps of 10
 
 
 def test_trained_model_runs_outside_any_program():
@@ -168,8 +203,8 @@ def test_sharded_model_on_a_two_axis_slice_matches_nnx_jit_on_a_mesh():
         np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5, atol=1e-6)
     _assert_states_close(nnx.state(model), nnx.state(ref_model))
     kernel = model.up.kernel.get_value()
-    assert isinstance(kernel, pw.Future)
-    assert len(kernel.result().sharding.device_set) == 4
+    assert isinstance(kernel, jax.Array)
+    assert len(kernel.sharding.device_set) == 4
     s.release()
 
 

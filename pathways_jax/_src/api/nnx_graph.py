@@ -108,7 +108,8 @@ class _GraphCall:
                 self.program,
                 lambda: extract.to_tree((args, kwargs), split_fn=compilation._jit_split_fn, ctxtag=self),
             )
-            pure_out = _run(self.inner, pure_args, pure_kwargs, (args, kwargs))
+            args_out, kwargs_out, user_out = _run(self.inner, pure_args, pure_kwargs, (args, kwargs))
+            pure_out = (_arrays(args_out), _arrays(kwargs_out), user_out)
             _args_out, _kwargs_out, out = extract.from_tree(
                 pure_out, merge_fn=compilation._jit_merge_fn, is_inner=False, ctxtag=self
             )
@@ -157,7 +158,7 @@ class _TreeCall:
         args, kwargs = self._pure(args, kwargs)
         variables = extract.check_no_aliases("jit", args=args, kwargs=kwargs)
         out, updates = _run(self.inner, args, kwargs, original)
-        extract.apply_updates(variables, updates)
+        extract.apply_updates(variables, _arrays(updates))
         return extract.from_tree2(out) if self.graph_mode else out
 
     def graph(self, args: tuple, kwargs: dict) -> Any:
@@ -166,6 +167,28 @@ class _TreeCall:
 
 
 _ARRAY_LIKE = (bool, int, float, complex)
+
+
+def _arrays(states: Any) -> Any:
+    """The updated states written back into the caller's objects: ``jax.Array`` s once dispatched.
+
+    As after an ``nnx.jit`` call, the caller's Variables then hold arrays that
+    may still be computing, so eager code (``variable[...] = v``, a Dropout's
+    key, ``nnx.clone``) works on the model between steps. The call waits for
+    the run's dispatch, not its result. Values that cannot be had that way
+    (Ray hosts, a controller service, a memory budget, a failed run) stay
+    :class:`Future` s; see ``futures.dispatched``.
+    """
+    import jax
+
+    from pathways_jax._src.runtime.futures import Future, dispatched
+
+    leaves, treedef = jax.tree_util.tree_flatten(states, is_leaf=lambda leaf: type(leaf) is Future)
+    if not any(type(leaf) is Future for leaf in leaves):
+        return states
+    return jax.tree_util.tree_unflatten(
+        treedef, [dispatched(leaf) if type(leaf) is Future else leaf for leaf in leaves]
+    )
 
 
 def _run(inner: Any, args: tuple, kwargs: dict, original: Any) -> Any:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
@@ -160,6 +161,12 @@ class JitFunction:
         for spec, leaf in zip(specs, jax.tree_util.tree_leaves(out), strict=True):
             _check_fits(spec, leaf, slice_, f"out_specs of {self.__name__!r}")
         return tuple(specs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        """As ``jax.jit``: a function defined in a class body is a method, ``self`` its first argument."""
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = context.state.trace

@@ -8,6 +8,7 @@ import functools
 import inspect
 import re
 import threading
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, overload
 
@@ -280,6 +281,7 @@ class Program:
         donate_argnums: tuple[int, ...] = (),
         static_argnames: tuple[str, ...] = (),
         mesh_hint: jax.sharding.Mesh | None = None,
+        donate_argnames: tuple[str, ...] = (),
     ):
         self._fun = fun
         self._mesh_hint = mesh_hint  # the mesh of in_shardings/out_shardings, if any
@@ -288,7 +290,9 @@ class Program:
         # Static positions that may also arrive by keyword (or be left to their defaults).
         self._named_positions = frozenset(_positions_of(fun, self._static_names))
         self._fuse = fuse
-        self._donate = donate_argnums
+        # Donated positions and names, each completed from the other as jax.jit does: an
+        # argument is donated whether it arrives by position or by keyword.
+        self._donate, self._donate_names = _resolve_statics(fun, donate_argnums, donate_argnames)
         self.name: str = name if name else getattr(fun, "__name__", type(fun).__name__)
         self.source_info = source.of_function(fun)
         # Guards the caches of graphs and plans; never held while user code runs.
@@ -378,16 +382,14 @@ class Program:
             leaf_names[leaf] = head + jax.tree_util.keystr(path[2:])
         return re.sub(r"dynamic_leaves\[(\d+)\]", lambda m: leaf_names.get(int(m.group(1)), m.group(0)), text)
 
-    def _donated_leaves(self, args: tuple) -> frozenset[int]:
-        """The argument leaves (flat positions) of the positional arguments in donate_argnums."""
-        if not self._donate:
+    def _donated_leaves(self, args: tuple, kwargs: dict) -> frozenset[int]:
+        """The argument leaves (flat positions) of the arguments donated, by position or by name.
+
+        As ``jax.jit``: a donated parameter is donated whether the call passes it
+        by position or by keyword; one the call leaves to its default has nothing to donate.
+        """
+        if not self._donate and not self._donate_names:
             return frozenset()
-        if max(self._donate) >= len(args):
-            raise errors.ProgramTraceError(
-                f"program {self.name!r} ({self.source_info}) has donate_argnums {self._donate}, "
-                f"but was called with {len(args)} positional arguments; donate only positional "
-                "arguments the call passes."
-            )
         donated: set[int] = set()
         start = 0
         for position, arg in enumerate(args):
@@ -397,7 +399,19 @@ class Program:
             if position in self._donate:
                 donated.update(range(start, start + count))
             start += count
+        # Keyword arguments follow, in the order a dict flattens (sorted keys), statics taken out.
+        for name in sorted(k for k in kwargs if k not in self._static_names):
+            count = jax.tree_util.tree_structure(kwargs[name]).num_leaves  # type: ignore[attr-defined]
+            if name in self._donate_names:
+                donated.update(range(start, start + count))
+            start += count
         return frozenset(donated)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        """As ``jax.jit``: a program defined in a class body is a method, ``self`` its first argument."""
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
 
     def graph(self, *args: Any, **kwargs: Any) -> Graph:
         """The dataflow graph this program traces into for these arguments.
@@ -555,7 +569,7 @@ class Program:
             from pathways_jax._src.compile import lowering
 
             graph = self._graph_for(key, inputs)
-            donated = self._donated_leaves(args)
+            donated = self._donated_leaves(args, kwargs)
             with self._lock:  # one lowering per signature; lowering runs no user code
                 plan = self._plans.get(key)
                 if plan is None or not plan.is_current():
@@ -579,6 +593,7 @@ class Program:
             name=self.name,
             fuse=self._fuse,
             donate_argnums=self._donate,
+            donate_argnames=self._donate_names,
         )
         inner.source_info = self.source_info
         inner._nnx_inner = True
@@ -708,6 +723,8 @@ def program(
         raise errors.ProgramTraceError(f"static_argnames must be strings, got {static_argnames!r}.")
     donate = _static_positions(donate_argnums, "donate_argnums")
     donate_names = (donate_argnames,) if isinstance(donate_argnames, str) else tuple(donate_argnames)
+    if not all(isinstance(n, str) for n in donate_names):
+        raise errors.ProgramTraceError(f"donate_argnames must be strings, got {donate_argnames!r}.")
     donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
     mesh_hint = None
     if in_shardings is not None or out_shardings is not None:
@@ -736,5 +753,6 @@ def program(
         name=name,
         fuse=fuse,
         donate_argnums=donate,
+        donate_argnames=donate_names,
         mesh_hint=mesh_hint,
     )

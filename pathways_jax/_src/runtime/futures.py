@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -374,6 +375,30 @@ class Future:
     def __repr__(self) -> str:
         state = type(self._entry.state).__name__.lower()
         return f"Future({self._entry.origin}, shape={self.shape}, dtype={self.dtype}, {state})"
+
+
+def dispatched(future: Future) -> Any:
+    """The ``jax.Array`` ``future`` stands for once its run is dispatched (not computed); else the future.
+
+    Waits only for the dispatch, as a ``jax.jit`` call returns once its
+    computation is enqueued. The future itself comes back where its value
+    cannot be had that way: a value held by a Ray host or a controller service,
+    a run that failed, a value under a memory budget (whose bytes the store
+    counts while a future holds them), or a wait on the controller's own
+    thread (a host callback), which would never end.
+    """
+    store = future._store
+    entry = future._entry
+    if store.budget is not None:
+        return future
+    if type(entry.state) is Pending:
+        if threading.get_ident() == store.dispatcher:
+            return future
+        store.wait_settled(entry, None)
+    state = entry.state
+    if type(state) is Ready and isinstance(state.array, jax.Array):
+        return state.array
+    return future
 
 
 def _register_with_jax() -> bool:

@@ -1,0 +1,99 @@
+"""Drop-in idioms third-party code uses with ``jax.jit``, under ``@pw.program`` and ``pw.jit``.
+
+Each test runs the same code under plain ``jax.jit`` and pathways_jax on identical
+inputs and compares the results (and what happens to the inputs).
+"""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_matches
+
+import pathways_jax as pw
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Scaler:
+    """A class whose methods are jitted with ``self`` static (hashable by its factor)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __hash__(self):
+        return hash(self.k)
+
+    def __eq__(self, other):
+        return isinstance(other, Scaler) and other.k == self.k
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def by_jax(self, a):
+        return a * self.k
+
+    @functools.partial(pw.program, static_argnums=0)
+    def by_program(self, a):
+        return a * self.k
+
+    @functools.partial(pw.jit, static_argnums=0)
+    def by_pw_jit(self, a):
+        return a * self.k + 1
+
+
+@flax.struct.dataclass
+class Linear:
+    """A pytree whose method is jitted with ``self`` traced (its arrays are arguments)."""
+
+    w: jax.Array
+
+    @jax.jit
+    def by_jax(self, x):
+        return x @ self.w
+
+    @pw.program
+    def by_program(self, x):
+        return x @ self.w
+
+
+def test_programs_and_pw_jit_bind_self_as_methods_like_jax_jit():
+    x = jnp.arange(3.0)
+    s = pw.devices(mesh={"x": 1})
+    for k in (2.0, 3.0):
+        assert_matches(Scaler(k).by_program(x), Scaler(k).by_jax(x))
+        with s:  # pw.jit without devices= runs on the enclosing slice
+            assert_matches(Scaler(k).by_pw_jit(x), Scaler(k).by_jax(x) + 1)
+    s.release()
+    w = jnp.arange(6.0).reshape(3, 2)
+    assert_matches(Linear(w).by_program(x), Linear(w).by_jax(x))
+    assert_matches(Linear(w * 2).by_program(x), Linear(w * 2).by_jax(x))
+    # On the class, the program itself: self passed by hand, as with jax.jit.
+    assert_matches(Linear.by_program(Linear(w), x), Linear.by_jax(Linear(w), x))
+    assert isinstance(Linear.by_program, pw.Program)
+    pw.reset_counters()
+    Linear(w + 1).by_program(x)  # another instance of the same structure: no new trace
+    assert pw.counters()["traces"] == 0
+
+
+def _update(p, g):
+    return p - 0.1 * g
+
+
+@pytest.mark.parametrize("options", [{"donate_argnames": "p"}, {"donate_argnums": 0}], ids=["names", "nums"])
+def test_a_donated_parameter_passed_by_keyword_is_donated_as_under_jax_jit(options):
+    results, deleted = [], []
+    for make in (jax.jit, pw.program):
+        p, g = jnp.ones(8), jnp.ones(8)
+        results.append(np.asarray(make(_update, **options)(p=p, g=g)))
+        deleted.append((p.is_deleted(), g.is_deleted()))
+    np.testing.assert_array_equal(results[1], results[0])
+    assert deleted[1] == deleted[0] == (True, False)
+    # By position too; a keyword call that leaves nothing to donate is not an error.
+    p = jnp.ones(8)
+    assert_matches(pw.program(_update, **options)(p, jnp.ones(8)), jax.jit(_update)(jnp.ones(8), jnp.ones(8)))
+    assert p.is_deleted()
+    assert_matches(
+        pw.program(lambda p=jnp.ones(2), g=1.0: p * g, **options)(g=jnp.float32(2.0)), 2 * jnp.ones(2)
+    )
