@@ -5,6 +5,7 @@ inputs and compares the results (and what happens to the inputs).
 """
 
 import functools
+import pickle
 
 import flax.struct
 import jax
@@ -97,3 +98,31 @@ def test_a_donated_parameter_passed_by_keyword_is_donated_as_under_jax_jit(optio
     assert_matches(
         pw.program(lambda p=jnp.ones(2), g=1.0: p * g, **options)(g=jnp.float32(2.0)), 2 * jnp.ones(2)
     )
+
+
+def test_futures_answer_the_jax_array_attributes_code_uses():
+    s = pw.devices(mesh={"x": 2})
+    f = pw.program(lambda v: v * 2, devices=s)
+    x = jax.device_put(jnp.arange(4.0), s.sharding("x"))
+    fut, arr = f(x), jax.jit(lambda v: v * 2)(x)
+    # Known at once, without waiting.
+    assert fut.devices() == arr.devices() and len(fut.devices()) == 2
+    assert fut.is_fully_replicated == arr.is_fully_replicated is False
+    assert fut.aval == arr.aval
+    assert not fut.is_deleted()
+    # The rest waits for the value.
+    assert fut.committed == arr.committed
+    assert fut.on_device_size_in_bytes() == arr.on_device_size_in_bytes()
+    assert [sh.index for sh in fut.addressable_shards] == [sh.index for sh in arr.addressable_shards]
+    for i in range(2):
+        np.testing.assert_array_equal(fut.addressable_data(i), arr.addressable_data(i))
+    fut.copy_to_host_async()  # the async-logging idiom: start the copy, read later
+    np.testing.assert_array_equal(np.asarray(fut), np.asarray(arr))
+    # Pickled as the array it stands for.
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(fut)), np.asarray(arr))
+    # delete() frees it, as jax.Array.delete() does.
+    fut.delete()
+    assert fut.is_deleted()
+    with pytest.raises(pw.errors.PathwaysError, match="freed"):
+        fut.result(timeout=10)
+    s.release()

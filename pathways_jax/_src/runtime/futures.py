@@ -92,9 +92,12 @@ class Future:
     (``.T``, ``.real``, ``.at``, ...); ``np.asarray`` (with NumPy 2's
     ``copy=``), ``jnp.asarray`` and the other ``jnp`` functions;
     ``jax.jit(g)(future)``, which traces and caches as for the array itself;
-    and Flax NNX modules whose parameters hold futures. Like an array, a
-    future is unhashable. ``shape``, ``dtype``, ``ndim``, ``size``,
-    ``nbytes``, ``sharding``, ``len`` and ``repr`` come without waiting.
+    and Flax NNX modules whose parameters hold futures; ``pickle`` (as the
+    array). Like an array, a future is unhashable. ``shape``, ``dtype``,
+    ``ndim``, ``size``, ``nbytes``, ``sharding``, ``aval``, ``devices()``,
+    ``is_fully_replicated``, ``is_deleted()``, ``len`` and ``repr`` come
+    without waiting; ``copy_to_host_async()`` waits for the run's dispatch
+    only; ``delete()`` frees the value at once.
 
     What still differs from a ``jax.Array``: ``isinstance(future, jax.Array)``
     is False; ``repr`` shows the future (program, state), not the value; a
@@ -104,7 +107,9 @@ class Future:
     ``jnp`` take futures through private JAX hooks registered at import
     (``_register_with_jax``): on a JAX without them, call :meth:`result`
     first. Futures of different slices combine as arrays on different devices
-    do: JAX raises unless they are moved (``jax.device_put``).
+    do: JAX raises unless they are moved (``jax.device_put``). JAX's own
+    indexing takes only its arrays as indices: ``array[future]`` needs
+    ``array[future.result()]`` (``numpy_array[future]`` and ``future[i]`` work).
 
     Example:
       >>> import jax.numpy as jnp, pathways_jax as pw
@@ -148,6 +153,46 @@ class Future:
     def slice(self):
         """The :class:`VirtualSlice` the value lives on."""
         return self._entry.slice
+
+    @property
+    def aval(self) -> Any:
+        """The value's abstract value (shape, dtype, weak type), as ``jax.Array.aval``; no wait."""
+        return self._entry.aval
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        """As ``jax.Array.is_fully_replicated``, from the sharding; no wait."""
+        return self._entry.sharding.is_fully_replicated
+
+    def devices(self) -> set[Any]:
+        """The devices the value lives on, as ``jax.Array.devices()``; no wait."""
+        return set(self._entry.sharding.device_set)
+
+    def is_deleted(self) -> bool:
+        """True once the value was freed (or its buffers deleted or donated); never waits."""
+        state = self._entry.state
+        if type(state) is Freed:
+            return True
+        if type(state) is Ready:
+            return readiness.is_deleted(state.array)
+        return False
+
+    def delete(self) -> None:
+        """Frees the value now, as ``jax.Array.delete()``: reading it (or a run taking it) then raises."""
+        state = self._entry.state
+        self._store.free([self._entry])
+        if type(state) is Ready and isinstance(state.array, jax.Array):
+            state.array.delete()
+
+    def copy_to_host_async(self) -> None:
+        """Starts copying the value to the host, as ``jax.Array.copy_to_host_async()``.
+
+        Waits for the run's dispatch only, not for the value; a value held by a
+        Ray host or a controller service is left where it is (``result()`` fetches it).
+        """
+        array = dispatched(self)
+        if isinstance(array, jax.Array):
+            array.copy_to_host_async()
 
     def done(self) -> bool:
         """True once the value is computed (or its run failed)."""
@@ -318,10 +363,17 @@ class Future:
     imag = _array_property("imag")
     at = _array_property("at")
     weak_type = _array_property("weak_type")
+    committed = _array_property("committed")
+    addressable_shards = _array_property("addressable_shards")
+    global_shards = _array_property("global_shards")
+    format = _array_property("format")
 
     __array_namespace__ = _array_method("__array_namespace__")
     __dlpack__ = _array_method("__dlpack__")
     __dlpack_device__ = _array_method("__dlpack_device__")
+    addressable_data = _array_method("addressable_data")
+    on_device_size_in_bytes = _array_method("on_device_size_in_bytes")
+    unsafe_buffer_pointer = _array_method("unsafe_buffer_pointer")
     all = _array_method("all")
     any = _array_method("any")
     argmax = _array_method("argmax")
@@ -366,6 +418,10 @@ class Future:
     transpose = _array_method("transpose")
     var = _array_method("var")
     view = _array_method("view")
+
+    def __reduce__(self) -> Any:
+        # Pickled as the array it stands for (waits for it): a future names a run of this process.
+        return self.result().__reduce__()
 
     def _repr_html_(self) -> str:
         from pathways_jax._src.views import notebook
