@@ -5,7 +5,10 @@ inputs and compares the results (and what happens to the inputs).
 """
 
 import functools
+import os
 import pickle
+import subprocess
+import sys
 
 import flax.struct
 import jax
@@ -126,3 +129,41 @@ def test_futures_answer_the_jax_array_attributes_code_uses():
     with pytest.raises(pw.errors.PathwaysError, match="freed"):
         fut.result(timeout=10)
     s.release()
+
+
+_EXIT_WITH_QUEUED_SIDE_EFFECTS = """
+import sys, time
+import pathways_jax as pw
+pw.init(num_cpu_devices=2)
+import jax, jax.numpy as jnp
+from jax.experimental import io_callback
+
+def write(v):
+    time.sleep(0.005)
+    with open(sys.argv[1], "a") as fh:
+        fh.write(f"{float(v)}\\n")
+    return v
+
+@pw.program
+def step(x):
+    return io_callback(write, jax.ShapeDtypeStruct((), jnp.float32), x + 1, ordered=True)
+
+x = jnp.float32(0)
+for _ in range(40):
+    x = step(x)
+print("submitted", flush=True)
+"""
+
+
+def test_runs_queued_at_exit_without_shutdown_still_run_as_jax_jit_calls_would(tmp_path):
+    # A script that ends right after queueing steps with side effects (logging, checkpoints):
+    # under jax.jit every call was dispatched and its callback runs; so under pathways_jax.
+    script, log = tmp_path / "exit_queued.py", tmp_path / "log.txt"
+    script.write_text(_EXIT_WITH_QUEUED_SIDE_EFFECTS)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(log)], capture_output=True, text=True, timeout=100, env=env
+    )
+    assert "submitted" in done.stdout and done.returncode == 0, done.stderr[-2000:]
+    assert log.read_text().split() == [f"{float(i)}" for i in range(1, 41)]
+    assert "cancelled" not in done.stderr, done.stderr[-2000:]
