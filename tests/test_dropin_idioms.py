@@ -167,3 +167,34 @@ def test_runs_queued_at_exit_without_shutdown_still_run_as_jax_jit_calls_would(t
     assert "submitted" in done.stdout and done.returncode == 0, done.stderr[-2000:]
     assert log.read_text().split() == [f"{float(i)}" for i in range(1, 41)]
     assert "cancelled" not in done.stderr, done.stderr[-2000:]
+
+
+def test_program_in_and_out_shardings_place_values_as_jax_jit_does():
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    NS, P = jax.sharding.NamedSharding, jax.sharding.PartitionSpec
+    x, y = jnp.arange(64.0).reshape(8, 8), jnp.ones((8, 4))
+    cases = [
+        (lambda a: a * 2, (x,), {"in_shardings": NS(mesh, P("a", "b"))}),
+        (lambda a: a * 2, (x,), {"out_shardings": NS(mesh, P("b", "a"))}),
+        (
+            lambda a, b: a @ b,
+            (x, y),
+            {"in_shardings": (NS(mesh, P("a", None)), NS(mesh, P(None, "b"))), "out_shardings": NS(mesh, P("a", "b"))},
+        ),
+    ]
+    for fun, args, options in cases:
+        want = jax.jit(fun, **options)(*args)
+        got = pw.program(fun, **options)(*args)
+        assert got.sharding.spec == want.sharding.spec  # known when the call returns
+        assert_matches(got, want)
+        assert got.result().sharding == want.sharding
+
+
+def test_pw_jit_of_a_jax_jit_function_keeps_its_options():
+    # pw.jit(jax.jit(f, static_argnums=1)): the jitted function's own options still hold.
+    s = pw.devices(mesh={"x": 1})
+    inner = jax.jit(lambda v, n: v * n, static_argnums=1)
+    outer = pw.jit(inner, devices=s, static_argnums=1)
+    assert_matches(outer(jnp.arange(3.0), 3), inner(jnp.arange(3.0), 3))
+    assert outer._fun is inner
+    s.release()

@@ -23,6 +23,32 @@ DEFAULT_SCOPE = "pw_default"
 _SCOPE_RE = re.compile(rf"^({SCOPE_PREFIX}|{DEFAULT_SCOPE}|{JIT_SCOPE})(\d+)$")
 
 
+def _jit_specs(shardings: Any, slice_: Any, count: int) -> tuple:
+    """The partition specs of a ``jax.jit`` call's shardings that hold on ``slice_``'s mesh.
+
+    A ``NamedSharding`` whose axes the slice's mesh has, with the same sizes,
+    keeps its spec (a program given ``out_shardings`` returns values sharded
+    as ``jax.jit`` would); anything else is left to the compiler (None).
+    """
+    from jax.sharding import NamedSharding
+
+    specs: list[Any] = [None] * count
+    if shardings is None or slice_ is None or len(shardings) != count:
+        return tuple(specs)
+    mesh = getattr(slice_, "physical_mesh", None)
+    if mesh is None:
+        return tuple(specs)
+    sizes = dict(mesh.shape)
+    for i, sharding in enumerate(shardings):
+        if not isinstance(sharding, NamedSharding):
+            continue
+        theirs = dict(sharding.mesh.shape)
+        named = [n for part in sharding.spec if part is not None for n in (part if isinstance(part, tuple) else (part,))]
+        if all(sizes.get(n) == theirs.get(n) for n in named):
+            specs[i] = sharding.spec
+    return tuple(specs)
+
+
 def parse_scopes(name_stack: Any) -> list[tuple[str, int]]:
     """The pathways scopes of an equation's name stack, innermost first."""
     found = []
@@ -211,8 +237,9 @@ def build(
                     vid = new_value(atom.aval, None, f"program {name!r} literal")
                     consts.append(Const(vid, atom.val))
                     in_ids.append(vid)
-            in_specs: tuple = (None,) * len(in_ids)
-            out_specs: tuple = (None,) * len(eqn.outvars)
+            # A plain jax.jit call's own in_shardings/out_shardings, where they name the slice's axes.
+            in_specs: tuple = _jit_specs(eqn.params.get("in_shardings"), slice_, len(in_ids))
+            out_specs: tuple = _jit_specs(eqn.params.get("out_shardings"), slice_, len(eqn.outvars))
             for scope_kind, call_number in parse_scopes(eqn.source_info.name_stack):
                 if scope_kind == "pw_jit":
                     call = state.jit_calls[call_number]

@@ -98,7 +98,7 @@ class JitFunction:
         self._tracers: dict[int, int] = {}
         self._tracers_lock = threading.Lock()
         self.source_info = source.of_function(fun)
-        functools.update_wrapper(self, fun)
+        functools.update_wrapper(self, fun, updated=())  # not fun.__dict__: a jax.jit object keeps its own _fun there
 
     @property
     def devices(self) -> VirtualSlice | None:
