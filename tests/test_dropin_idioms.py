@@ -198,3 +198,29 @@ def test_pw_jit_of_a_jax_jit_function_keeps_its_options():
     assert_matches(outer(jnp.arange(3.0), 3), inner(jnp.arange(3.0), 3))
     assert outer._fun is inner
     s.release()
+
+
+def test_a_program_inside_the_callers_grad_jit_or_vmap_runs_as_jax_jit():
+    # Where @jax.jit stood, the caller may differentiate, jit or vmap the function.
+    s = pw.devices(mesh={"x": 1})
+    square = pw.jit(lambda v: v * v, devices=s)
+
+    def loss(w, x, scale):
+        return jnp.sum(jnp.sin(square(w) * x)) * scale
+
+    ours = pw.program(loss, static_argnums=2)
+    theirs = jax.jit(loss, static_argnums=2)
+    w, x = jnp.arange(3.0), jnp.linspace(0.0, 1.0, 3)
+    assert_matches(jax.grad(ours)(w, x, 2.0), jax.grad(theirs)(w, x, 2.0))
+    value, grad = jax.value_and_grad(ours)(w, x, 3.0)
+    want_value, want_grad = jax.value_and_grad(theirs)(w, x, 3.0)
+    assert_matches(value, want_value)
+    assert_matches(grad, want_grad)
+    assert_matches(jax.vmap(ours, in_axes=(0, None, None))(jnp.stack([w, w + 1]), x, 1.0),
+                   jax.vmap(theirs, in_axes=(0, None, None))(jnp.stack([w, w + 1]), x, 1.0))
+    assert_matches(jax.jit(lambda a: ours(a, x, 1.0) + 1)(w), theirs(w, x, 1.0) + 1)
+    # Called from Python it is still a program: a future, run by the controller.
+    out = ours(w, x, 2.0)
+    assert isinstance(out, pw.Future)
+    assert_matches(out, theirs(w, x, 2.0))
+    s.release()

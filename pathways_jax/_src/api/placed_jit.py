@@ -190,6 +190,7 @@ class JitFunction:
                     name=self.__name__,
                 )
                 prog.source_info = self.source_info
+                prog._under_transforms = False  # a tracer argument comes back here (_transformed)
                 # Threads making their first calls at once share one program (and its caches).
                 prog = self._programs.setdefault(slice_.id, prog)
             try:

@@ -269,6 +269,10 @@ class Program:
 
     # True on the inner programs nnx_graph makes (they take NNX objects as pytrees).
     _nnx_inner: bool = False
+    # Called with tracers (inside the caller's jax.jit, grad or vmap): run as jax.jit would
+    # (see _transformed). False on pw.jit's own programs, which handle that themselves.
+    _under_transforms: bool = True
+    _jitted: Any = None
 
     def __init__(
         self,
@@ -406,6 +410,26 @@ class Program:
                 donated.update(range(start, start + count))
             start += count
         return frozenset(donated)
+
+    def _transformed(self, args: tuple, kwargs: dict) -> Any:
+        """Called inside the caller's ``jax.jit``, ``grad`` or ``vmap``: the function runs as ``jax.jit``.
+
+        A transformation traces through the function, so no controller run can
+        take part: as where ``@jax.jit`` stood, the function is traced into the
+        caller's computation (its ``pw.jit`` functions keep their slices' devices).
+        """
+        jitted = self._jitted
+        if jitted is None:
+            jitted = self._jitted = jax.jit(
+                self._fun,
+                static_argnums=self._static,
+                static_argnames=self._static_names,
+                donate_argnums=self._donate,
+            )
+        if self._devices is None:
+            return jitted(*args, **kwargs)
+        with self._devices:
+            return jitted(*args, **kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a program defined in a class body is a method, ``self`` its first argument."""
@@ -548,6 +572,8 @@ class Program:
         try:
             key, inputs = self._split(args, kwargs)
         except TracerArgument as exc:
+            if self._under_transforms:
+                return self._transformed(args, kwargs)
             raise errors.ProgramTraceError(
                 f"program {self.name!r} ({self.source_info}) was called with a JAX tracer as "
                 f"argument leaf {exc.args[0]}: a program cannot run inside jax.jit, vmap or "
