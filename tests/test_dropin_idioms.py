@@ -224,3 +224,23 @@ def test_a_program_inside_the_callers_grad_jit_or_vmap_runs_as_jax_jit():
     assert isinstance(out, pw.Future)
     assert_matches(out, theirs(w, x, 2.0))
     s.release()
+
+
+def test_a_program_with_no_slice_runs_on_the_mesh_its_sharding_constraints_name():
+    # @pw.program where @jax.jit was, arguments from jnp (on no mesh), the mesh named only inside.
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    NS, P = jax.sharding.NamedSharding, jax.sharding.PartitionSpec
+
+    def constrained(x):
+        return jax.lax.with_sharding_constraint(x * 2, NS(mesh, P("b", "a"))).sum(axis=0)
+
+    inner = jax.jit(lambda x: x + 1, out_shardings=NS(mesh, P("a")))
+
+    def through_inner(x):
+        return inner(x) * 3
+
+    x = jnp.arange(64.0).reshape(8, 8)
+    for fun in (constrained, through_inner):
+        want, got = jax.jit(fun)(x), pw.program(fun)(x)
+        assert_matches(got, want)
+        assert got.result().sharding.mesh.devices.size == want.sharding.mesh.devices.size == 8

@@ -124,6 +124,29 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
     return None
 
 
+def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
+    """The first mesh of several devices a traced function names in its shardings, if any.
+
+    Sharding constraints and inner ``jax.jit`` shardings, nested jaxprs included:
+    the mesh ``jax.jit`` would run a function on when no argument is on a mesh.
+    """
+    for eqn in jaxpr.eqns:
+        named = [eqn.params.get("sharding")]
+        named += list(eqn.params.get("in_shardings", ()) or ()) + list(eqn.params.get("out_shardings", ()) or ())
+        for sharding in named:
+            mesh = getattr(sharding, "mesh", None)
+            if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+                return mesh
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(sub, "eqns"):
+                    mesh = _named_mesh(sub)
+                    if mesh is not None:
+                        return mesh
+    return None
+
+
 def _device_slice(signature: Signature) -> VirtualSlice:
     """With no argument on a mesh: the first array argument's device, else JAX's default device."""
     from pathways_jax._src.runtime import slices as devices_lib
@@ -479,7 +502,7 @@ class Program:
                 kept = self._graphs[key] = graph
             return kept
 
-    def _trace(self, inputs: TraceInputs) -> Graph:
+    def _trace(self, inputs: TraceInputs, hint: jax.sharding.Mesh | None = None) -> Graph:
         treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
         default = self._devices if self._devices is not None else inputs.ambient
         if default is not None:
@@ -490,7 +513,7 @@ class Program:
             # Code nothing places runs where jax.jit would run it. Arguments on a
             # mesh of yours: the program is traced on that mesh, as jax.jit does.
             with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
-                implied = _mesh_slice(signature, self._mesh_hint)
+                implied = _mesh_slice(signature, hint or self._mesh_hint)
             if implied is not None:
                 on_mesh: VirtualSlice = implied
                 state.implied = lambda: on_mesh
@@ -536,6 +559,12 @@ class Program:
         finally:
             context.state.trace = outer
         counters.bump("traces")
+        if default is None and implied is None and hint is None:
+            # Nothing placed it, but the function names a mesh itself (a sharding constraint
+            # or an inner jax.jit's shardings): as jax.jit, it runs on that mesh.
+            named = _named_mesh(closed.jaxpr)
+            if named is not None:
+                return self._trace(inputs, named)
         graph = graph_builder.build(
             name=self.name,
             source_info=self.source_info,
