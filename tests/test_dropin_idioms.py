@@ -244,3 +244,22 @@ def test_a_program_with_no_slice_runs_on_the_mesh_its_sharding_constraints_name(
         want, got = jax.jit(fun)(x), pw.program(fun)(x)
         assert_matches(got, want)
         assert got.result().sharding.mesh.devices.size == want.sharding.mesh.devices.size == 8
+
+
+def test_an_error_jax_finds_only_when_compiling_is_a_pathways_error_with_its_builtin_base():
+    @jax.custom_vjp
+    def ident(x):
+        return x
+
+    ident.defvjp(lambda x: (x, None), lambda _, g: (g,))
+
+    def forward_mode(w):
+        return jax.jvp(ident, (w,), (jnp.ones_like(w),))[1]
+
+    with pytest.raises(TypeError, match="custom_vjp") as jax_error:
+        jax.jit(forward_mode)(jnp.ones(3))
+    with pytest.raises(pw.errors.ProgramTraceError, match="custom_vjp") as ours:
+        pw.program(forward_mode)(jnp.ones(3))
+    assert isinstance(ours.value, TypeError) and type(ours.value.__cause__) is type(jax_error.value)
+    assert "test_dropin_idioms.py" in str(ours.value)  # the caller's line
+    assert_matches(pw.program(lambda x: x + 1)(jnp.ones(2)), jnp.full(2, 2.0))  # still serving

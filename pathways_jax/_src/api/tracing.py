@@ -434,6 +434,24 @@ class Program:
             start += count
         return frozenset(donated)
 
+    def _lowered(self, lower: Callable[..., Any], graph: Graph, signature: Signature, donated: frozenset) -> Any:
+        """``lower(graph, ...)``; what JAX refuses only when compiling raises as a ``pw.errors`` type.
+
+        JAX finds some errors only at lowering (a ``jvp`` of a ``custom_vjp``,
+        devices that do not fit together). Their built-in base stays: a
+        ``TypeError`` becomes ``ProgramTraceError``, a ``ValueError`` ``PlacementError``.
+        """
+        try:
+            return lower(graph, signature, donated)
+        except errors.PathwaysError:
+            raise
+        except (TypeError, ValueError) as exc:
+            kind = errors.ProgramTraceError if isinstance(exc, TypeError) else errors.PlacementError
+            raise kind(
+                f"compiling program {self.name!r} ({self.source_info}) for {source.of_caller()} failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
     def _transformed(self, args: tuple, kwargs: dict) -> Any:
         """Called inside the caller's ``jax.jit``, ``grad`` or ``vmap``: the function runs as ``jax.jit``.
 
@@ -628,7 +646,7 @@ class Program:
             with self._lock:  # one lowering per signature; lowering runs no user code
                 plan = self._plans.get(key)
                 if plan is None or not plan.is_current():
-                    plan = lowering.lower(graph, inputs.signature, donated)
+                    plan = self._lowered(lowering.lower, graph, inputs.signature, donated)
                     self._plans[key] = plan
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
