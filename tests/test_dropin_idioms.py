@@ -85,6 +85,13 @@ def _update(p, g):
     return p - 0.1 * g
 
 
+_ONES = np.ones(2, np.float32)
+
+
+def _scaled_default(p=_ONES, g=1.0):
+    return p * g
+
+
 @pytest.mark.parametrize("options", [{"donate_argnames": "p"}, {"donate_argnums": 0}], ids=["names", "nums"])
 def test_a_donated_parameter_passed_by_keyword_is_donated_as_under_jax_jit(options):
     results, deleted = [], []
@@ -98,9 +105,7 @@ def test_a_donated_parameter_passed_by_keyword_is_donated_as_under_jax_jit(optio
     p = jnp.ones(8)
     assert_matches(pw.program(_update, **options)(p, jnp.ones(8)), jax.jit(_update)(jnp.ones(8), jnp.ones(8)))
     assert p.is_deleted()
-    assert_matches(
-        pw.program(lambda p=jnp.ones(2), g=1.0: p * g, **options)(g=jnp.float32(2.0)), 2 * jnp.ones(2)
-    )
+    assert_matches(pw.program(_scaled_default, **options)(g=jnp.float32(2.0)), 2 * _ONES)
 
 
 def test_futures_answer_the_jax_array_attributes_code_uses():
@@ -179,7 +184,10 @@ def test_program_in_and_out_shardings_place_values_as_jax_jit_does():
         (
             lambda a, b: a @ b,
             (x, y),
-            {"in_shardings": (NS(mesh, P("a", None)), NS(mesh, P(None, "b"))), "out_shardings": NS(mesh, P("a", "b"))},
+            {
+                "in_shardings": (NS(mesh, P("a", None)), NS(mesh, P(None, "b"))),
+                "out_shardings": NS(mesh, P("a", "b")),
+            },
         ),
     ]
     for fun, args, options in cases:
@@ -216,8 +224,10 @@ def test_a_program_inside_the_callers_grad_jit_or_vmap_runs_as_jax_jit():
     want_value, want_grad = jax.value_and_grad(theirs)(w, x, 3.0)
     assert_matches(value, want_value)
     assert_matches(grad, want_grad)
-    assert_matches(jax.vmap(ours, in_axes=(0, None, None))(jnp.stack([w, w + 1]), x, 1.0),
-                   jax.vmap(theirs, in_axes=(0, None, None))(jnp.stack([w, w + 1]), x, 1.0))
+    assert_matches(
+        jax.vmap(ours, in_axes=(0, None, None))(jnp.stack([w, w + 1]), x, 1.0),
+        jax.vmap(theirs, in_axes=(0, None, None))(jnp.stack([w, w + 1]), x, 1.0),
+    )
     assert_matches(jax.jit(lambda a: ours(a, x, 1.0) + 1)(w), theirs(w, x, 1.0) + 1)
     # Called from Python it is still a program: a future, run by the controller.
     out = ours(w, x, 2.0)
@@ -263,3 +273,62 @@ def test_an_error_jax_finds_only_when_compiling_is_a_pathways_error_with_its_bui
     assert isinstance(ours.value, TypeError) and type(ours.value.__cause__) is type(jax_error.value)
     assert "test_dropin_idioms.py" in str(ours.value)  # the caller's line
     assert_matches(pw.program(lambda x: x + 1)(jnp.ones(2)), jnp.full(2, 2.0))  # still serving
+
+
+def test_flax_serialization_takes_futures_as_their_arrays():
+    # A TrainState-style checkpoint mid-training: to_bytes of the step's outputs, then restore.
+    from flax import serialization
+
+    def step(p):
+        return {"w": p["w"] * 2, "b": p["b"] + 1, "n": p["n"] + 1}
+
+    params = {"w": jnp.arange(3.0), "b": jnp.zeros(()), "n": jnp.int32(0)}
+    ours, theirs = pw.program(step)(params), jax.jit(step)(params)
+    data = serialization.to_bytes(ours)
+    assert data == serialization.to_bytes(theirs)
+    restored = serialization.from_bytes(ours, data)
+    assert jax.tree.structure(restored) == jax.tree.structure(theirs)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert serialization.to_state_dict(ours)["w"].tolist() == [0.0, 2.0, 4.0]
+
+
+def test_lower_trace_and_eval_shape_answer_as_jax_jit_and_lower_warms_the_plan():
+    def fun(x, w):
+        return jnp.tanh(x @ w).sum()
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 2))
+    ours, theirs = pw.program(fun), jax.jit(fun)
+    assert ours.eval_shape(x, w) == theirs.eval_shape(x, w)
+    assert str(ours.trace(x, w).jaxpr) == str(theirs.trace(x, w).jaxpr)
+    pw.reset_counters()
+    lowered = ours.lower(x, w)
+    assert lowered.as_text() == theirs.lower(x, w).as_text()
+    assert lowered.compile().cost_analysis() == theirs.lower(x, w).compile().cost_analysis()
+    warmed = pw.counters()
+    assert warmed["traces"] == 1 and warmed["lowerings"] == 1  # the program's own plan
+    assert_matches(ours(x, w), theirs(x, w))
+    after = pw.counters()
+    assert (after["traces"], after["lowerings"], after["compiles"]) == (
+        warmed["traces"],
+        warmed["lowerings"],
+        warmed["compiles"],
+    )  # the call compiled nothing more
+    s = pw.devices(mesh={"x": 1})
+    placed = pw.jit(fun, devices=s)
+    assert placed.eval_shape(x, w) == theirs.eval_shape(x, w)
+    assert placed.lower(x, w).as_text() == theirs.lower(x, w).as_text()
+    s.release()
+
+
+def test_a_future_of_a_cluster_shut_down_since_is_passed_as_its_array():
+    g = pw.program(lambda v: v + 1)
+    old = g(jnp.arange(4.0))
+    old.result()
+    pw.shutdown()
+    pw.init(num_cpu_devices=8)
+    want = jax.jit(lambda v: v + 2)(jnp.arange(4.0))
+    assert_matches(g(old) + 0, jnp.arange(4.0) + 2)  # the same program, the new cluster
+    s = pw.devices(mesh={"x": 2})
+    assert_matches(pw.program(lambda v: v + 1, devices=s)(old), want)  # a new program, a new slice
+    s.release()

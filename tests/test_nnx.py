@@ -148,7 +148,9 @@ def test_eager_code_mutates_the_model_between_program_steps_as_after_nnx_jit():
         theirs.seen[...] += 10
     clone = nnx.clone(ours)
     np.testing.assert_allclose(np.asarray(clone(x)), np.asarray(nnx.clone(theirs)(x)), rtol=1e-5, atol=1e-6)
-    _assert_states_close(nnx.state(ours, nnx.Param, nnx.BatchStat), nnx.state(theirs, nnx.Param, nnx.BatchStat))
+    _assert_states_close(
+        nnx.state(ours, nnx.Param, nnx.BatchStat), nnx.state(theirs, nnx.Param, nnx.BatchStat)
+    )
     assert int(ours.seen[...]) == 3 + 3 + 3 * 10  # 3 program steps, 3 eager calls, 3 bumps of 10
 
 

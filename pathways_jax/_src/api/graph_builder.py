@@ -43,7 +43,12 @@ def _jit_specs(shardings: Any, slice_: Any, count: int) -> tuple:
         if not isinstance(sharding, NamedSharding):
             continue
         theirs = dict(sharding.mesh.shape)
-        named = [n for part in sharding.spec if part is not None for n in (part if isinstance(part, tuple) else (part,))]
+        named = [
+            n
+            for part in sharding.spec
+            if part is not None
+            for n in (part if isinstance(part, tuple) else (part,))
+        ]
         if all(sizes.get(n) == theirs.get(n) for n in named):
             specs[i] = sharding.spec
     return tuple(specs)

@@ -98,7 +98,9 @@ class JitFunction:
         self._tracers: dict[int, int] = {}
         self._tracers_lock = threading.Lock()
         self.source_info = source.of_function(fun)
-        functools.update_wrapper(self, fun, updated=())  # not fun.__dict__: a jax.jit object keeps its own _fun there
+        functools.update_wrapper(
+            self, fun, updated=()
+        )  # not fun.__dict__: a jax.jit object keeps its own _fun there
 
     @property
     def devices(self) -> VirtualSlice | None:
@@ -161,6 +163,18 @@ class JitFunction:
         for spec, leaf in zip(specs, jax.tree_util.tree_leaves(out), strict=True):
             _check_fits(spec, leaf, slice_, f"out_specs of {self.__name__!r}")
         return tuple(specs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``jax.jit(fun).lower(...)``: JAX's ``Lowered`` (``.as_text()``, ``.compile()``, its analyses)."""
+        return self._jitted.lower(*args, **kwargs)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function."""
+        return self._jitted.trace(*args, **kwargs)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
+        return self._jitted.eval_shape(*args, **kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a function defined in a class body is a method, ``self`` its first argument."""

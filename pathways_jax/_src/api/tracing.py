@@ -25,7 +25,7 @@ from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.graph import Graph
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, submission
-from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.futures import Future, register_with_flax
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
 
 _SCALARS = (bool, int, float, complex)
@@ -66,9 +66,34 @@ class TracerArgument(Exception):
     """Raised when a program is called with JAX tracers (inside a transformation)."""
 
 
+class _StaleFuture(Exception):
+    """A future of a released slice (or a cluster shut down since) among a call's arguments."""
+
+
 def _future_key(leaf: Future) -> FutureKey:
     entry = leaf._entry
+    slice_ = entry.slice
+    if slice_ is not None and slice_.released:
+        raise _StaleFuture
     return entry.signature or FutureKey.of(entry.aval, entry.sharding, entry.slice)
+
+
+def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
+    """The signature of a call's argument leaves.
+
+    A future whose slice is gone (released, or its cluster shut down: after
+    ``pw.shutdown()`` and ``pw.init()``) stands for its computed array, which is
+    still readable: it is passed as that array (``leaves`` is updated), as
+    ``jax.jit`` would take it.
+    """
+    try:
+        return tuple([_leaf_signature(leaf, i, program) for i, leaf in enumerate(leaves)])
+    except _StaleFuture:
+        leaves[:] = [
+            leaf.result() if type(leaf) is Future and getattr(leaf.slice, "released", False) else leaf
+            for leaf in leaves
+        ]
+        return tuple([_leaf_signature(leaf, i, program) for i, leaf in enumerate(leaves)])
 
 
 def _array_key(leaf: jax.Array) -> ArrayKey:
@@ -132,7 +157,9 @@ def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
     """
     for eqn in jaxpr.eqns:
         named = [eqn.params.get("sharding")]
-        named += list(eqn.params.get("in_shardings", ()) or ()) + list(eqn.params.get("out_shardings", ()) or ())
+        named += list(eqn.params.get("in_shardings", ()) or ()) + list(
+            eqn.params.get("out_shardings", ()) or ()
+        )
         for sharding in named:
             mesh = getattr(sharding, "mesh", None)
             if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
@@ -327,15 +354,16 @@ class Program:
         self._graphs: dict[Any, Graph] = {}
         self._plans: dict[Any, Any] = {}
         self._last: _LastCall | None = None
-        functools.update_wrapper(self, fun, updated=())  # not fun.__dict__: a jax.jit object keeps its own _fun there
+        functools.update_wrapper(
+            self, fun, updated=()
+        )  # not fun.__dict__: a jax.jit object keeps its own _fun there
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, TraceInputs]:
         """The cache key of a call and what tracing it needs."""
         if not self._static and not (kwargs and self._static_names):
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             ambient = context.current_slice() if self._devices is None else None
-            name = self.name
-            signature = tuple([_leaf_signature(leaf, i, name) for i, leaf in enumerate(leaves)])
+            signature = _signed(leaves, self.name)
             key: tuple = (treedef, signature, (), ambient.id if ambient is not None else None)
             return key, TraceInputs(treedef, (), signature, ambient, leaves)
         statics: list[tuple[int | str, Any]] = []  # (position or keyword name, value)
@@ -359,7 +387,7 @@ class Program:
             self._check_static(where, value)
         leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
         ambient = context.current_slice() if self._devices is None else None
-        signature = tuple(_leaf_signature(leaf, i, self.name) for i, leaf in enumerate(leaves))
+        signature = _signed(leaves, self.name)
         key = (treedef, signature, tuple(statics), ambient.id if ambient is not None else None)
         ordered = tuple(reversed([s for s in statics if isinstance(s[0], int)]))
         named = tuple(s for s in statics if isinstance(s[0], str))
@@ -434,7 +462,9 @@ class Program:
             start += count
         return frozenset(donated)
 
-    def _lowered(self, lower: Callable[..., Any], graph: Graph, signature: Signature, donated: frozenset) -> Any:
+    def _lowered(
+        self, lower: Callable[..., Any], graph: Graph, signature: Signature, donated: frozenset
+    ) -> Any:
         """``lower(graph, ...)``; what JAX refuses only when compiling raises as a ``pw.errors`` type.
 
         JAX finds some errors only at lowering (a ``jvp`` of a ``custom_vjp``,
@@ -459,14 +489,7 @@ class Program:
         take part: as where ``@jax.jit`` stood, the function is traced into the
         caller's computation (its ``pw.jit`` functions keep their slices' devices).
         """
-        jitted = self._jitted
-        if jitted is None:
-            jitted = self._jitted = jax.jit(
-                self._fun,
-                static_argnums=self._static,
-                static_argnames=self._static_names,
-                donate_argnums=self._donate,
-            )
+        jitted = self._as_jax_jit()
         if self._devices is None:
             return jitted(*args, **kwargs)
         with self._devices:
@@ -521,6 +544,7 @@ class Program:
             return kept
 
     def _trace(self, inputs: TraceInputs, hint: jax.sharding.Mesh | None = None) -> Graph:
+        register_with_flax()  # once: flax.serialization then takes the futures this program returns
         treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
         default = self._devices if self._devices is not None else inputs.ambient
         if default is not None:
@@ -639,19 +663,69 @@ class Program:
             if nnx_graph.routes(self, (args, kwargs)):
                 self._plans[key] = nnx_graph.ROUTE
                 return nnx_graph.call(self, args, kwargs)
-            from pathways_jax._src.compile import lowering
-
-            graph = self._graph_for(key, inputs)
-            donated = self._donated_leaves(args, kwargs)
-            with self._lock:  # one lowering per signature; lowering runs no user code
-                plan = self._plans.get(key)
-                if plan is None or not plan.is_current():
-                    plan = self._lowered(lowering.lower, graph, inputs.signature, donated)
-                    self._plans[key] = plan
+            plan = self._plan_for(key, inputs, args, kwargs)
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
             self._last = _LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan)
         return submission.submit(plan, inputs.leaves)
+
+    def _plan_for(self, key: Any, inputs: TraceInputs, args: tuple, kwargs: dict) -> Any:
+        """The plan of this signature: traced (once) and lowered (once per mapping)."""
+        from pathways_jax._src.compile import lowering
+
+        graph = self._graph_for(key, inputs)
+        donated = self._donated_leaves(args, kwargs)
+        with self._lock:  # one lowering per signature; lowering runs no user code
+            plan = self._plans.get(key)
+            if plan is None or not plan.is_current():
+                plan = self._lowered(lowering.lower, graph, inputs.signature, donated)
+                self._plans[key] = plan
+        return plan
+
+    def _as_jax_jit(self) -> Any:
+        """The function under ``jax.jit`` with this program's options (built once)."""
+        jitted = self._jitted
+        if jitted is None:
+            jitted = self._jitted = jax.jit(
+                self._fun,
+                static_argnums=self._static,
+                static_argnames=self._static_names,
+                donate_argnums=self._donate,
+            )
+        return jitted
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``jax.jit(fun).lower(...)``, and compiles this program's plan for these arguments.
+
+        Returns JAX's ``Lowered`` of the whole function as ``jax.jit`` would
+        compile it (one executable): ``.as_text()``, ``.compile()`` and its
+        ``cost_analysis()`` / ``memory_analysis()`` work as for ``jax.jit``.
+        The program's own plan for these arguments (its graph and executables)
+        is prepared too, so a later call with them compiles nothing (warm-up);
+        ``graph(*args)`` shows that plan's nodes.
+        """
+        self._prepare(args, kwargs)
+        return self._as_jax_jit().lower(*args, **kwargs)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
+        return self._as_jax_jit().trace(*args, **kwargs)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
+        return self._as_jax_jit().eval_shape(*args, **kwargs)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> None:
+        """Traces and lowers the plan a call with these arguments would run (nothing runs)."""
+        try:
+            key, inputs = self._split(args, kwargs)
+        except (TracerArgument, nnx_graph.GraphArgument):
+            return  # under a transformation, or NNX objects: prepared by their first call
+        if nnx_graph.routes(self, (args, kwargs)):
+            return
+        plan = self._plans.get(key)
+        if plan is None or not plan.is_current():
+            self._plan_for(key, inputs, args, kwargs)
 
     def inner_program(self, inner_fun: Callable[..., Any]) -> Program:
         """A program with this one's options over ``inner_fun``, taking NNX pytrees as plain pytrees.

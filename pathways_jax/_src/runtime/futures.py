@@ -508,3 +508,27 @@ def _register_with_jax() -> bool:
 
 
 _JAX_TAKES_FUTURES = _register_with_jax()
+_FLAX_TAKES_FUTURES = False
+
+
+def register_with_flax() -> None:
+    """Lets ``flax.serialization`` (``to_bytes``, ``to_state_dict``, ``msgpack_serialize``) take futures.
+
+    Flax's msgpack packer accepts only ``np.ndarray`` and ``jax.Array``
+    leaves: a checkpoint of a ``TrainState`` whose leaves are futures would
+    raise. A future's state dict is the array it stands for (it waits for it);
+    restoring into a target holding futures gives the restored arrays.
+    Called at a program's first trace (once per process): Flax is a dependency,
+    and importing ``flax.serialization`` costs about 0.1 s.
+    """
+    global _FLAX_TAKES_FUTURES
+    if _FLAX_TAKES_FUTURES:
+        return
+    _FLAX_TAKES_FUTURES = True
+    try:
+        from flax import serialization
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return
+    serialization.register_serialization_state(
+        Future, lambda future: future.result(), lambda _target, state: state, override=True
+    )
