@@ -332,3 +332,20 @@ def test_a_future_of_a_cluster_shut_down_since_is_passed_as_its_array():
     s = pw.devices(mesh={"x": 2})
     assert_matches(pw.program(lambda v: v + 1, devices=s)(old), want)  # a new program, a new slice
     s.release()
+
+
+def test_a_program_of_many_arguments_builds_no_error_message_while_checking_its_graph(monkeypatch):
+    # graph.check() made each node's repr (every input listed) for every input it checked:
+    # quadratic, seconds for a model of a thousand parameters. Messages are made on failure only.
+    from pathways_jax._src.ir import graph as graph_lib
+
+    def no_repr(self):
+        raise AssertionError("a node's repr was made while nothing failed")
+
+    monkeypatch.setattr(graph_lib.Node, "__repr__", no_repr)
+    params = {f"layer{i}": {"w": jnp.full((2,), float(i)), "b": jnp.zeros(())} for i in range(300)}
+    step = pw.program(lambda p: jax.tree.map(lambda v: v * 0.5 + 1.0, p))
+    got, want = step(params), jax.jit(lambda p: jax.tree.map(lambda v: v * 0.5 + 1.0, p))(params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(step.graph(params).nodes) >= 1

@@ -130,15 +130,18 @@ def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]
 
     propagate()
     # Code nothing places (a program with no slice at all) runs where jax.jit
-    # would run it: the first such equation goes there, then placement spreads.
-    while state.implied is not None and None in placed:
-        index = placed.index(None)
+    # would run it. What is left unplaced now has no placed input, user or scope,
+    # so placement spreading from there could only bring it there too: it all
+    # goes there at once (placing one equation and spreading again, equation by
+    # equation, was quadratic: seconds for a program of a thousand arguments).
+    if state.implied is not None and None in placed:
         fallback = state.implied()
         state.note_slice(fallback)
-        placed[index] = fallback
-        for var in eqns[index].outvars:
-            var_slice[var] = fallback
-        propagate()
+        for index, where in enumerate(placed):
+            if where is None:
+                placed[index] = fallback
+                for var in eqns[index].outvars:
+                    var_slice[var] = fallback
     for index, eqn in enumerate(eqns):
         if placed[index] is None:
             raise errors.PlacementError(

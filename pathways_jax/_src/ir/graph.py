@@ -6,7 +6,7 @@ A graph names only virtual slices; lowering binds it to physical devices.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from jax.sharding import PartitionSpec
 
@@ -149,66 +149,63 @@ class Graph:
         for kind, index in self.steps:
             if kind == "transfer":
                 t = self.transfers[index]
-                self._require(t.value in defined, f"{t!r} reads v{t.value} before it exists")
+                if t.value not in defined:
+                    self._fail(f"{t!r} reads v{t.value} before it exists")
                 src = self.values[t.value]
                 dst = self.values[t.output]
-                self._require(src.slice is t.src, f"{t!r} does not start where v{t.value} lives")
-                self._require(dst.slice is t.dst, f"{t!r} does not end where v{t.output} lives")
+                if src.slice is not t.src:
+                    self._fail(f"{t!r} does not start where v{t.value} lives")
+                if dst.slice is not t.dst:
+                    self._fail(f"{t!r} does not end where v{t.output} lives")
                 expected = "ici" if t.src.island == t.dst.island else "dcn"
-                self._require(t.kind == expected, f"{t!r} should be {expected}")
-                self._require(
-                    src.aval.shape == dst.aval.shape and src.aval.dtype == dst.aval.dtype,
-                    f"{t!r} changes shape or dtype",
-                )
+                if t.kind != expected:
+                    self._fail(f"{t!r} should be {expected}")
+                if not (src.aval.shape == dst.aval.shape and src.aval.dtype == dst.aval.dtype):
+                    self._fail(f"{t!r} changes shape or dtype")
                 defined.add(t.output)
                 continue
             node = self.nodes[index]
             in_avals = node.jaxpr.in_avals
             out_avals = node.jaxpr.out_avals
-            self._require(
-                len(in_avals) == len(node.inputs),
-                f"{node!r} has {len(node.inputs)} inputs, its function {len(in_avals)}",
-            )
-            self._require(
-                len(out_avals) == len(node.outputs),
-                f"{node!r} has {len(node.outputs)} outputs, its function {len(out_avals)}",
-            )
+            if len(in_avals) != len(node.inputs):
+                self._fail(f"{node!r} has {len(node.inputs)} inputs, its function {len(in_avals)}")
+            if len(out_avals) != len(node.outputs):
+                self._fail(f"{node!r} has {len(node.outputs)} outputs, its function {len(out_avals)}")
             for position, (vid, aval) in enumerate(zip(node.inputs, in_avals, strict=True)):
-                self._require(vid in defined, f"{node!r} reads v{vid} before it exists")
+                if vid not in defined:
+                    self._fail(f"{node!r} reads v{vid} before it exists")
                 value = self.values[vid]
-                self._require(
-                    value.aval.shape == aval.shape and value.aval.dtype == aval.dtype,
-                    f"{node!r} input {position} expects {aval_text(aval)} but v{vid} is {aval_text(value.aval)}",
-                )
-                self._require(
-                    value.slice is None or value.slice is node.slice,
-                    f"{node!r} reads v{vid} on slice #{value.slice.id if value.slice else None} without a transfer",
-                )
+                if not (value.aval.shape == aval.shape and value.aval.dtype == aval.dtype):
+                    self._fail(
+                        f"{node!r} input {position} expects {aval_text(aval)} but v{vid} is {aval_text(value.aval)}"
+                    )
+                if not (value.slice is None or value.slice is node.slice):
+                    self._fail(
+                        f"{node!r} reads v{vid} on slice #{value.slice.id if value.slice else None} without a transfer"
+                    )
             for spec, aval in zip(
                 node.in_specs + node.out_specs, list(in_avals) + list(out_avals), strict=True
             ):
-                if spec is not None:
-                    self._require(
-                        len(spec) <= len(aval.shape),
-                        f"{node!r} spec {spec} has more entries than {aval_text(aval)} has dims",
-                    )
+                if spec is not None and not (len(spec) <= len(aval.shape)):
+                    self._fail(f"{node!r} spec {spec} has more entries than {aval_text(aval)} has dims")
             for vid, aval in zip(node.outputs, out_avals, strict=True):
                 value = self.values[vid]
-                self._require(value.slice is node.slice, f"{node!r} output v{vid} is not placed on its slice")
-                self._require(
-                    value.aval.shape == aval.shape and value.aval.dtype == aval.dtype,
-                    f"{node!r} output v{vid} does not match its function's output",
-                )
+                if value.slice is not node.slice:
+                    self._fail(f"{node!r} output v{vid} is not placed on its slice")
+                if not (value.aval.shape == aval.shape and value.aval.dtype == aval.dtype):
+                    self._fail(f"{node!r} output v{vid} does not match its function's output")
                 defined.add(vid)
         for out in self.outputs:
-            self._require(out.value is None or out.value in defined, f"output v{out.value} is never computed")
+            if not (out.value is None or out.value in defined):
+                self._fail(f"output v{out.value} is never computed")
         return self
 
-    def _require(self, ok: bool, what: str) -> None:
-        if not ok:
-            raise errors.ProgramTraceError(
-                f"graph of program {self.name!r} ({self.source_info}) is inconsistent: {what}."
-            )
+    def _fail(self, what: str) -> NoReturn:
+        # Messages are made only on failure: a node's repr lists every input, and a program
+        # of thousands of arguments made every other's repr for each of them.
+        raise errors.ProgramTraceError(
+            f"graph of program {self.name!r} ({self.source_info}) is inconsistent: {what}."
+        )
 
     def __repr__(self) -> str:
         lines = [f"Graph({self.name!r}, {len(self.nodes)} nodes, {len(self.transfers)} transfers)"]
