@@ -10,12 +10,14 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import re
 import warnings
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.compile.executable_cache import ExecutableCache
@@ -491,7 +493,7 @@ def _compile(
     # trace one Python function into distinct but identical jaxprs.
     consts = tuple(node.jaxpr.consts)
     key = (
-        str(node.jaxpr.jaxpr),
+        _function_text(node.jaxpr.jaxpr),
         tuple(map(id, consts)),
         mesh,
         in_shardings,
@@ -533,6 +535,24 @@ def _compile(
     if cache is not None:
         cache.put(key, (compiled, exported), consts)
     return compiled, exported
+
+
+# A float literal in a jaxpr's text: its value and dtype ("0.99:f32[]").
+_FLOAT_LITERAL = re.compile(r"(?<![\w.])(-?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)):(bf16|f16|f32|f64)\[\]")
+_FLOAT_TYPES = {"bf16": jnp.bfloat16, "f16": np.float16, "f32": np.float32, "f64": np.float64}
+
+
+def _function_text(jaxpr: Any) -> str:
+    """A jaxpr's text with each float literal written as the value its dtype holds.
+
+    Two traces of one function may write one literal two ways (a Python float
+    ``0.99`` in one, the float32 it becomes, ``0.9900000095367432``, in the
+    other: a program's first call with arrays and its next with futures), which
+    made the executable cache miss and compile the same computation again.
+    """
+    return _FLOAT_LITERAL.sub(
+        lambda m: f"{float(_FLOAT_TYPES[m.group(2)](float(m.group(1))))!r}:{m.group(2)}[]", str(jaxpr)
+    )
 
 
 def _warn_donation(graph: Graph, node: Node, leaf: int) -> None:
