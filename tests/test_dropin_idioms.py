@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 
 import flax.struct
 import jax
@@ -364,3 +365,20 @@ def test_the_call_with_futures_after_the_first_with_arrays_compiles_nothing_more
     want = reference(reference(params))
     for got, expected in zip(jax.tree.leaves(second), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_donating_a_train_state_whose_key_is_read_and_returned_unchanged_warns_nothing():
+    # The usual idiom: donate the whole state; its PRNG key is read (dropout) and returned as is.
+    def step(state):
+        noise = jax.random.normal(jax.random.fold_in(state["key"], 1), (16,))
+        return {"w": state["w"] - 0.1 * noise, "key": state["key"]}
+
+    want = jax.jit(step, donate_argnums=0)({"w": jnp.ones(16), "key": jax.random.key(0)})
+    state = {"w": jnp.ones(16), "key": jax.random.key(0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "buffer is kept" warning
+        got = pw.program(step, donate_argnums=0)(state)
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+    assert state["w"].is_deleted()  # the buffer a computation consumed went
+    # The key is the output itself: kept, and equal to jax.jit's.
+    np.testing.assert_array_equal(jax.random.key_data(got["key"].result()), jax.random.key_data(want["key"]))

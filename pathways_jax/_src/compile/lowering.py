@@ -247,6 +247,7 @@ class Plan:
             readers.update(node.inputs)
         for t in graph.transfers:
             readers[t.value] += 1
+        computations = collections.Counter(readers)  # readers other than the program's outputs
         for out in graph.outputs:
             if out.value is not None:
                 readers[out.value] += 2  # never donate what the program returns
@@ -321,7 +322,10 @@ class Plan:
                     donate.append(position)
                     if vid in input_values and vid in home and home[vid][0] == in_slots[-1]:
                         consumed.add(in_slots[-1])  # the caller's own buffer goes
-                elif wants and vid in input_values:
+                elif wants and vid in input_values and computations[vid] > 1:
+                    # Read by several computations: the donation cannot be honoured. A value this
+                    # node alone reads and the program also returns (a TrainState's key) is kept
+                    # without a word: the caller gets that buffer back, as jax.jit's aliasing would.
                     _warn_donation(graph, node, input_values[vid])
             out_shardings = tuple(
                 NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
