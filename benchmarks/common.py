@@ -32,3 +32,11 @@ def pyplot():
         print("matplotlib is not installed (pip install 'pathways-jax[bench]'): no plot written.")
         return None
     return plt
+
+
+def save_figure(plt, fig, path) -> bool:
+    """Lays out ``fig``, writes it to ``path`` (PNG, 120 dpi) and closes it; returns True."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -123,10 +123,7 @@ def _plot(results: dict, path: pathlib.Path) -> bool:
     ax.set_ylabel("pw.program time / jax.jit time")
     ax.set_title("A step over a pytree of N leaves")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return common.save_figure(plt, fig, path)
 
 
 def main(argv: list[str]) -> None:
