@@ -98,9 +98,8 @@ class JitFunction:
         self._tracers: dict[int, int] = {}
         self._tracers_lock = threading.Lock()
         self.source_info = source.of_function(fun)
-        functools.update_wrapper(
-            self, fun, updated=()
-        )  # not fun.__dict__: a jax.jit object keeps its own _fun there
+        # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
+        functools.update_wrapper(self, fun, updated=())
 
     @property
     def devices(self) -> VirtualSlice | None:

@@ -354,9 +354,8 @@ class Program:
         self._graphs: dict[Any, Graph] = {}
         self._plans: dict[Any, Any] = {}
         self._last: _LastCall | None = None
-        functools.update_wrapper(
-            self, fun, updated=()
-        )  # not fun.__dict__: a jax.jit object keeps its own _fun there
+        # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
+        functools.update_wrapper(self, fun, updated=())
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, TraceInputs]:
         """The cache key of a call and what tracing it needs."""
