@@ -416,7 +416,7 @@ def test_a_program_with_no_placement_runs_again_after_shutdown_and_init():
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux only")
 def test_cpu_device_buffers_are_released_to_the_system_when_freed():
-    """Dropped buffers of varying sizes must not pile up in the allocator (see core/host_memory.py)."""
+    """Dropped large buffers must go back to the system, not stay in the allocator's heap (core/host_memory.py)."""
     code = textwrap.dedent(
         """
         import gc, os, sys
@@ -428,23 +428,26 @@ def test_cpu_device_buffers_are_released_to_the_system_when_freed():
         pw.init(num_cpu_devices=2)
         print("fixed", host_memory.release_large_buffers())
         s = pw.devices(mesh={"x": 1})
-        rng = np.random.default_rng(0)
 
         def rss():
             return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 
-        def request():
-            c = rng.standard_normal(rng.integers(2**18, 2**20)).astype(np.float32)  # 1-4 MiB
-            program = pw.jit(lambda v: v + c, devices=s)
-            out = program(np.zeros_like(c))
-            assert np.allclose(np.asarray(out.result()), c)
-
-        for _ in range(40):
-            request()
+        double = pw.jit(lambda v: v * 2, devices=s)
+        # An 8 MiB buffer made and freed: glibc's own mmap threshold then rises past the
+        # 4 MiB buffers below, which it puts in the heap.
+        big = double(np.ones(2**21, np.float32))
+        big.result()
+        del big
         gc.collect()
+        kept = []
         start = rss()
-        for _ in range(120):
-            request()
+        for _ in range(8):
+            out = double(np.ones(2**20, np.float32))  # 4 MiB in, 4 MiB out
+            small = double(np.ones(16, np.float32))
+            small.result()
+            kept.append(small)  # made after it and kept: the heap cannot shrink past it
+            out.result()
+            del out
         gc.collect()
         print("growth", rss() - start)
         """
@@ -460,8 +463,9 @@ def test_cpu_device_buffers_are_released_to_the_system_when_freed():
         assert lines["fixed"] == ("False" if setting == "keep" else "True")
         grew[setting] = float(lines["growth"])
     # Freed buffers go back to the system: far less growth than with the allocator left as it is.
-    print("RSS growth over 120 requests (MiB):", grew)
-    # The bound leaves room for what a few 1-4 MiB buffers alive at one instant
-    # (the start's or the end's) move it: 2-12 MiB here, against 26-95 kept.
-    assert grew["release"] < 16, grew
-    assert grew["release"] < grew["keep"], grew
+    print("RSS growth over 8 freed 4 MiB buffers (MiB):", grew)
+    # Measured: "keep" 25-51 MiB (the freed buffers stay in the heap), "release" -3.3 to +1.2.
+    # (This check used to make a new program per request, whose trace and executable grew the
+    # process whatever happened to buffers: 23-28 MiB on the machines of 2026-12-02, the older
+    # trees too, where its bound was 16.)
+    assert grew["release"] < 8 and grew["keep"] > 16, grew
