@@ -84,6 +84,23 @@ def routes(program: Any, tree: Any) -> bool:
     return not getattr(program, "_nnx_inner", False) and has_graph_nodes(tree)
 
 
+def takes_objects(program: Any, args: tuple, kwargs: dict) -> bool:
+    """True when an argument itself (not nested) is an NNX object (a module, ``nnx.Optimizer``).
+
+    A cheap look before the program flattens its arguments: a model and its
+    optimizer flatten into every Variable, only to be routed here anyway.
+    """
+    nnx = _nnx()
+    if nnx is None or getattr(program, "_nnx_inner", False):
+        return False
+    from flax.nnx import graphlib
+
+    return any(
+        graphlib.is_graph_node(arg) and not isinstance(arg, nnx.Variable)
+        for arg in (*args, *kwargs.values())
+    )
+
+
 class _GraphCall:
     """The inner program of one program, and the tag of its Flax update context.
 

@@ -639,6 +639,8 @@ class Program:
                 and plan.is_current()
             ):
                 return submission.submit(plan, list(args))
+        if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
+            return nnx_graph.call(self, args, kwargs)
         try:
             key, inputs = self._split(args, kwargs)
         except TracerArgument as exc:
