@@ -96,8 +96,7 @@ def takes_objects(program: Any, args: tuple, kwargs: dict) -> bool:
     from flax.nnx import graphlib
 
     return any(
-        graphlib.is_graph_node(arg) and not isinstance(arg, nnx.Variable)
-        for arg in (*args, *kwargs.values())
+        graphlib.is_graph_node(arg) and not isinstance(arg, nnx.Variable) for arg in (*args, *kwargs.values())
     )
 
 
