@@ -57,6 +57,13 @@ def is_graph_leaf(leaf: Any) -> bool:
     return graphlib.is_graph_node(leaf)
 
 
+def _is_object(leaf: Any, nnx: Any) -> bool:
+    """An NNX graph node that is not a Variable: a module, ``nnx.Optimizer``, ``nnx.Rngs``."""
+    from flax.nnx import graphlib
+
+    return graphlib.is_graph_node(leaf) and not isinstance(leaf, nnx.Variable)
+
+
 def has_graph_nodes(tree: Any) -> bool:
     """True when the pytree holds an NNX object (module, optimizer, Rngs) anywhere.
 
@@ -71,8 +78,7 @@ def has_graph_nodes(tree: Any) -> bool:
     from flax.nnx import graphlib
 
     return any(
-        graphlib.is_graph_node(leaf) and not isinstance(leaf, nnx.Variable)
-        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=graphlib.is_graph_node)
+        _is_object(leaf, nnx) for leaf in jax.tree_util.tree_leaves(tree, is_leaf=graphlib.is_graph_node)
     )
 
 
@@ -93,11 +99,7 @@ def takes_objects(program: Any, args: tuple, kwargs: dict) -> bool:
     nnx = _nnx()
     if nnx is None or getattr(program, "_nnx_inner", False):
         return False
-    from flax.nnx import graphlib
-
-    return any(
-        graphlib.is_graph_node(arg) and not isinstance(arg, nnx.Variable) for arg in (*args, *kwargs.values())
-    )
+    return any(_is_object(arg, nnx) for arg in (*args, *kwargs.values()))
 
 
 class _GraphCall:

@@ -70,11 +70,16 @@ class _StaleFuture(Exception):
     """A future of a released slice (or a cluster shut down since) among a call's arguments."""
 
 
+def _stale(leaf: Future) -> bool:
+    """True for a future whose slice is gone (released, or its cluster shut down)."""
+    slice_ = leaf._entry.slice
+    return slice_ is not None and slice_.released
+
+
 def _future_key(leaf: Future) -> FutureKey:
-    entry = leaf._entry
-    slice_ = entry.slice
-    if slice_ is not None and slice_.released:
+    if _stale(leaf):
         raise _StaleFuture
+    entry = leaf._entry
     return entry.signature or FutureKey.of(entry.aval, entry.sharding, entry.slice)
 
 
@@ -89,10 +94,7 @@ def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
     try:
         return tuple([_leaf_signature(leaf, i, program) for i, leaf in enumerate(leaves)])
     except _StaleFuture:
-        leaves[:] = [
-            leaf.result() if type(leaf) is Future and getattr(leaf.slice, "released", False) else leaf
-            for leaf in leaves
-        ]
+        leaves[:] = [leaf.result() if type(leaf) is Future and _stale(leaf) else leaf for leaf in leaves]
         return tuple([_leaf_signature(leaf, i, program) for i, leaf in enumerate(leaves)])
 
 
