@@ -151,6 +151,21 @@ def test_hosts_follow_the_controller_s_64_bit_mode(ray_cluster):
         jax.config.update("jax_enable_x64", False)
 
 
+def test_a_program_with_a_python_callback_is_refused_at_the_call_naming_its_line(ray_cluster):
+    pw.init(backend="ray", hosts=1, devices_per_host=1)
+
+    @pw.program
+    def noisy(v):
+        jax.debug.print("v = {}", v)  # the line the error must name
+        return v + 1
+
+    line = noisy.__wrapped__.__code__.co_firstlineno + 2
+    with pytest.raises(pw.errors.PlacementError, match=rf"test_ray_hosts.py:{line}.*calls back into Python"):
+        noisy(jnp.ones(3))
+    # The controller keeps serving, and the same function without the callback runs.
+    assert_matches(pw.program(lambda v: v + 1)(jnp.ones(3)), jnp.ones(3) + 1)
+
+
 def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypatch):
     from pathways_jax._src.compile import lowering
 

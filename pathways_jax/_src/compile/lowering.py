@@ -528,10 +528,8 @@ def _compile(
         compiled = jitted.lower(*args).compile()
         if export:
             # Hosts compile for themselves; donation is a local optimisation left out.
-            blob = bytes(
-                jax.export.export(
-                    jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings), platforms=platforms
-                )(*args).serialize()
+            blob = _exported(
+                node, jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings), args, platforms
             )
             exported = (blob, hashlib.sha256(blob).hexdigest())
     counters.bump("compiles")
@@ -539,6 +537,26 @@ def _compile(
     if cache is not None:
         cache.put(key, (compiled, exported), consts)
     return compiled, exported
+
+
+def _exported(node: Node, jitted: Any, args: list, platforms: tuple[str, ...] | None) -> bytes:
+    """The node serialized with ``jax.export`` for remote hosts; what cannot be raises ``PlacementError``."""
+    try:
+        return bytes(jax.export.export(jitted, platforms=platforms)(*args).serialize())
+    except Exception as exc:
+        if "host_callback" in str(exc):
+            what = (
+                "calls back into Python (jax.debug.print, jax.debug.callback, pure_callback or "
+                "io_callback), and remote hosts cannot call into this process"
+            )
+            fix = "Take the callback out of the program (print its result after .result()), or use the local backend."
+        else:
+            what = f"cannot be serialized for remote hosts with jax.export ({type(exc).__name__}: {exc})"
+            fix = "Write the computation with operations jax.export supports, or use the local backend."
+        raise errors.PlacementError(
+            f"node {node.name!r} ({node.source_info}) {what}; programs on the Ray backend run in host "
+            f"processes from exported computations. {fix}"
+        ) from exc
 
 
 # A float literal in a jaxpr's text: its value and dtype ("0.99:f32[]").
