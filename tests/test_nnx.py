@@ -359,3 +359,80 @@ def test_modules_that_are_not_pytrees_and_static_arguments():
         out, ref_out = ours(module, 2.0, 1), reference(ref_module, 2.0, 1)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out))
     np.testing.assert_allclose(_value(module.w), _value(ref_module.w))
+
+
+class Tied(nnx.Module):
+    """One layer used twice (weight tying): a graph, not a tree."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.shared = nnx.Linear(2, 2, rngs=rngs)
+        self.seq = nnx.Sequential(self.shared, nnx.relu, self.shared)
+
+    def __call__(self, x):
+        return self.seq(x)
+
+
+def _make_tied_and_optimizer():
+    model = Tied(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+def _tied_run(jit):
+    model, opt = jit(_make_tied_and_optimizer)()
+    shape = (model.seq.layers[0] is model.shared, model.seq.layers[2] is model.shared)
+
+    @jit
+    def step(m, o, x):
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).sum())(m)
+        o.update(m, grads)
+        return loss
+
+    losses = [float(step(model, opt, jnp.ones((1, 2)))) for _ in range(3)]
+    return shape, len(jax.tree.leaves(nnx.state(model, nnx.Param))), losses
+
+
+def test_a_model_made_inside_a_program_keeps_its_sharing_as_under_nnx_jit():
+    # Returned NNX objects are merged as nnx.jit merges them; flattened as pytrees, the tied
+    # layer became two copies (6 parameter leaves) and training diverged from nnx.jit's.
+    want = _tied_run(nnx.jit)
+    got = _tied_run(pw.program)
+    assert want[0] == (True, True) and want[1] == 2
+    assert got == want
+
+
+def test_objects_a_program_returns_hold_arrays_for_eager_code():
+    class Stats(nnx.Module):
+        def __init__(self):
+            self.count = nnx.BatchStat(jnp.zeros(3))
+
+    cases = [
+        (Stats, lambda s: s.count.__setitem__(..., s.count[...] + 1), lambda s: s.count[...]),
+        (lambda: nnx.BatchNorm(3, rngs=nnx.Rngs(0)), lambda bn: bn(jnp.arange(6.0).reshape(2, 3)), None),
+        (lambda: nnx.Dropout(0.5, rngs=nnx.Rngs(0)), lambda d: d(jnp.ones((2, 3))), None),
+        (
+            lambda: nnx.MultiMetric(loss=nnx.metrics.Average("loss")),
+            lambda m: m.update(loss=jnp.array(2.0)),
+            lambda m: m.compute()["loss"],
+        ),
+    ]
+    for make, use, read in cases:
+        want_obj, got_obj = nnx.jit(make)(), pw.program(make)()
+        want, got = use(want_obj), use(got_obj)
+        if read is not None:
+            want, got = read(want_obj), read(got_obj)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        state = jax.tree.leaves(nnx.state(got_obj))
+        assert all(isinstance(leaf, jax.Array) for leaf in state), [type(leaf) for leaf in state]
+
+
+def test_a_program_returning_objects_and_values_keeps_the_values_futures():
+    def make(x):
+        return nnx.Linear(2, 2, rngs=nnx.Rngs(0)), x * 2
+
+    layer, doubled = pw.program(make)(jnp.ones(2))
+    want_layer, want = nnx.jit(make)(jnp.ones(2))
+    assert isinstance(doubled, pw.Future)
+    np.testing.assert_array_equal(doubled.result(), want)
+    np.testing.assert_array_equal(layer.kernel[...], want_layer.kernel[...])
+    graph = pw.program(make).graph(jnp.ones(2))  # the graph of the nnx.jit path
+    assert graph.nodes

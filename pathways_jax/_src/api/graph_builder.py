@@ -71,6 +71,30 @@ def _is_var(atom: Any) -> bool:
     return not isinstance(atom, jex.Literal)
 
 
+def _specialized(closed: Any, fixed: dict[int, Any]) -> Any:
+    """``closed`` (an inner ``jax.jit``'s jaxpr) with the inputs at ``fixed`` bound to those values.
+
+    A literal or a constant the caller passes to an inner ``jax.jit`` (the
+    ``ddof=0`` of ``jnp.std``, a ``jnp.array`` made inside the function) is a
+    constant of the computation under ``jax.jit``, which XLA folds. Passed to the
+    node as an input instead, it is a runtime value: the results differed from
+    ``jax.jit``'s in the last bit. Bound here, it stays a constant.
+    """
+    jaxpr = closed.jaxpr
+    if any(hasattr(effect, "input_index") for effect in jaxpr.effects):
+        return None  # effects that name input positions (references): left as they are
+    bound = sorted(fixed)
+    debug = jaxpr.debug_info
+    if debug is not None and debug.arg_names is not None and len(debug.arg_names) == len(jaxpr.invars):
+        debug = debug._replace(arg_names=tuple(n for i, n in enumerate(debug.arg_names) if i not in fixed))
+    inner = jaxpr.replace(
+        constvars=[*jaxpr.constvars, *(jaxpr.invars[i] for i in bound)],
+        invars=[v for i, v in enumerate(jaxpr.invars) if i not in fixed],
+        debug_info=debug,
+    )
+    return jex.ClosedJaxpr(inner, [*closed.consts, *(fixed[i] for i in bound)])
+
+
 def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]) -> list[Any]:
     """One slice per top-level equation, or a PlacementError naming the user's line."""
 
@@ -190,9 +214,16 @@ def build(
         var_value[var] = new_value(var.aval, input_slice, f"program {name!r} input {index}")
         inputs.append(Input(index, var_value[var], input_slice is not None))
     consts = []
-    for var, data in zip(jaxpr.constvars, closed.consts, strict=True):
-        var_value[var] = new_value(var.aval, None, f"program {name!r} constant")
-        consts.append(Const(var_value[var], data))
+    # The program's constants (arrays the function closes over or makes from
+    # Python data) stay constants of the nodes that read them, as under jax.jit;
+    # only those the program returns as they are become values of the graph.
+    const_data = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+
+    def const_value(var: Any) -> int:
+        if var not in var_value:
+            var_value[var] = new_value(var.aval, None, f"program {name!r} constant")
+            consts.append(Const(var_value[var], const_data[var]))
+        return var_value[var]
 
     placed = _place(
         closed, state, {v: s for v, s in zip(jaxpr.invars, input_slices, strict=True) if s is not None}
@@ -237,25 +268,40 @@ def build(
     for number, (kind, slice_, members) in enumerate(groups):
         if kind == "jit":
             eqn = jaxpr.eqns[members[0]]
+            # Literals and constants passed in are bound into the node's computation.
+            fixed = {
+                i: (const_data[atom] if _is_var(atom) else atom.val)
+                for i, atom in enumerate(eqn.invars)
+                if not _is_var(atom) or atom in const_data
+            }
+            node_jaxpr = _specialized(eqn.params["jaxpr"], fixed) if fixed else eqn.params["jaxpr"]
+            if node_jaxpr is None:  # cannot be bound: passed in as values
+                node_jaxpr, fixed = eqn.params["jaxpr"], {}
+            kept = [i for i in range(len(eqn.invars)) if i not in fixed]
             in_ids = []
-            for atom in eqn.invars:
-                if _is_var(atom):
-                    in_ids.append(on_slice(var_value[atom], slice_))
-                else:
+            for i in kept:
+                atom = eqn.invars[i]
+                if not _is_var(atom):
                     vid = new_value(atom.aval, None, f"program {name!r} literal")
                     consts.append(Const(vid, atom.val))
                     in_ids.append(vid)
+                else:
+                    in_ids.append(
+                        on_slice(var_value[atom] if atom not in const_data else const_value(atom), slice_)
+                    )
             # A plain jax.jit call's own in_shardings/out_shardings, where they name the slice's axes.
-            in_specs: tuple = _jit_specs(eqn.params.get("in_shardings"), slice_, len(in_ids))
+            all_in_specs: tuple = _jit_specs(eqn.params.get("in_shardings"), slice_, len(eqn.invars))
             out_specs: tuple = _jit_specs(eqn.params.get("out_shardings"), slice_, len(eqn.outvars))
             for scope_kind, call_number in parse_scopes(eqn.source_info.name_stack):
                 if scope_kind == "pw_jit":
                     call = state.jit_calls[call_number]
-                    if len(call.in_specs) == len(in_ids):
-                        in_specs = call.in_specs
+                    if len(call.in_specs) == len(eqn.invars):
+                        all_in_specs = call.in_specs
                     if call.out_specs is not None and len(call.out_specs) == len(out_specs):
                         out_specs = call.out_specs
                     break
+            in_specs = tuple(all_in_specs[i] for i in kept)
+            all_donated = eqn.params.get("donated_invars", (False,) * len(eqn.invars))
             node_name = unique(str(eqn.params.get("name", "jit")))
             where = source.of_equation(eqn, default=source_info)
             out_ids = []
@@ -269,12 +315,12 @@ def build(
                     name=node_name,
                     kind="jit",
                     slice=slice_,
-                    jaxpr=eqn.params["jaxpr"],
+                    jaxpr=node_jaxpr,
                     inputs=tuple(in_ids),
                     outputs=tuple(out_ids),
-                    in_specs=tuple(in_specs),
+                    in_specs=in_specs,
                     out_specs=tuple(out_specs),
-                    donated=tuple(eqn.params.get("donated_invars", (False,) * len(in_ids))),
+                    donated=tuple(all_donated[i] for i in kept),
                     source_info=where,
                 )
             )
@@ -282,9 +328,15 @@ def build(
             eqns = [jaxpr.eqns[i] for i in members]
             defined: set[Any] = set()
             in_vars: list[Any] = []
+            glue_consts: list[Any] = []  # the program's constants it reads: constants of its own
             for eqn in eqns:
                 for atom in eqn.invars:
-                    if _is_var(atom) and atom not in defined and atom not in in_vars:
+                    if not _is_var(atom) or atom in defined:
+                        continue
+                    if atom in const_data:
+                        if atom not in glue_consts:
+                            glue_consts.append(atom)
+                    elif atom not in in_vars:
                         in_vars.append(atom)
                 defined.update(v for v in eqn.outvars if not isinstance(v, jex.DropVar))
             out_vars = [
@@ -302,7 +354,10 @@ def build(
                 tuple(f"in{i}" for i in range(len(in_vars))),
                 tuple(f"out{i}" for i in range(len(out_vars))),
             )
-            glue = jex.ClosedJaxpr(jex.Jaxpr([], in_vars, out_vars, eqns, effects, debug), [])
+            glue = jex.ClosedJaxpr(
+                jex.Jaxpr(glue_consts, in_vars, out_vars, eqns, effects, debug),
+                [const_data[v] for v in glue_consts],
+            )
             in_ids = [on_slice(var_value[v], slice_) for v in in_vars]
             out_ids = []
             for var in out_vars:
@@ -324,7 +379,10 @@ def build(
             )
         steps.append(("node", len(nodes) - 1))
 
-    outputs = tuple(Output(var_value[v]) if _is_var(v) else Output(None, v.val) for v in jaxpr.outvars)
+    outputs = tuple(
+        Output(const_value(v) if v in const_data else var_value[v]) if _is_var(v) else Output(None, v.val)
+        for v in jaxpr.outvars
+    )
     return Graph(
         name=name,
         source_info=source_info,

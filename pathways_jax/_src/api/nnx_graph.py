@@ -28,6 +28,10 @@ class GraphArgument(Exception):
     """Raised by the argument signature for a leaf that is an NNX graph node or Variable."""
 
 
+class GraphOutput(Exception):
+    """Raised while a program is traced when its output holds NNX objects: it runs as ``nnx.jit`` runs it."""
+
+
 class _Route:
     """Marks a program cache key whose arguments hold NNX objects (see ``Program.__call__``)."""
 
@@ -127,7 +131,7 @@ class _GraphCall:
                 lambda: extract.to_tree((args, kwargs), split_fn=compilation._jit_split_fn, ctxtag=self),
             )
             args_out, kwargs_out, user_out = _run(self.inner, pure_args, pure_kwargs, (args, kwargs))
-            pure_out = (_arrays(args_out), _arrays(kwargs_out), user_out)
+            pure_out = (_arrays(args_out), _arrays(kwargs_out), _returned_arrays(user_out))
             _args_out, _kwargs_out, out = extract.from_tree(
                 pure_out, merge_fn=compilation._jit_merge_fn, is_inner=False, ctxtag=self
             )
@@ -207,6 +211,22 @@ def _arrays(states: Any) -> Any:
     return jax.tree_util.tree_unflatten(
         treedef, [dispatched(leaf) if type(leaf) is Future else leaf for leaf in leaves]
     )
+
+
+def _returned_arrays(out: Any) -> Any:
+    """The output, with the states of the NNX objects it returns as ``jax.Array`` s once dispatched.
+
+    As after ``nnx.jit``, a model a step returns (or creates) works eagerly at
+    once (``variable[...] = v``, BatchNorm or Dropout in train mode, metrics);
+    the output's other values stay :class:`Future` s.
+    """
+    import jax
+    from flax.nnx import extract
+
+    def is_states(leaf: Any) -> bool:
+        return isinstance(leaf, extract.NodeStates)
+
+    return jax.tree_util.tree_map(lambda x: _arrays(x) if is_states(x) else x, out, is_leaf=is_states)
 
 
 def _run(inner: Any, args: tuple, kwargs: dict, original: Any) -> Any:

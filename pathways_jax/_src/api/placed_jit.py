@@ -15,7 +15,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.api.graph_builder import JIT_SCOPE
-from pathways_jax._src.api.tracing import JitCall, Program, TracerArgument, _static_positions
+from pathways_jax._src.api.tracing import (
+    JitCall,
+    Program,
+    TracerArgument,
+    _resolve_statics,
+    argnames,
+    argnums,
+    name_of,
+)
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
 from pathways_jax._src.runtime import context
@@ -84,14 +92,23 @@ class JitFunction:
         out_specs: Any,
         static_argnums: tuple[int, ...],
         donate_argnums: tuple[int, ...],
+        static_argnames: tuple[str, ...] = (),
+        donate_argnames: tuple[str, ...] = (),
     ):
         self._fun = fun
         self._devices = devices
         self._in_specs = in_specs
         self._out_specs = out_specs
-        self._static = static_argnums
-        self._jitted = jax.jit(fun, static_argnums=static_argnums, donate_argnums=donate_argnums)
-        self._donate = donate_argnums
+        # As jax.jit: positions and names complete each other (a static argument may come by keyword).
+        self._static, self._static_names = _resolve_statics(fun, static_argnums, static_argnames)
+        self._donate, self._donate_names = _resolve_statics(fun, donate_argnums, donate_argnames)
+        self._jit_options = {
+            "static_argnums": self._static,
+            "static_argnames": self._static_names,
+            "donate_argnums": self._donate,
+            "donate_argnames": self._donate_names,
+        }
+        self._jitted = jax.jit(fun, **self._jit_options)
         self._nnx_jitted: Callable[..., Any] | None = None
         self._programs: dict[int, Program] = {}
         # Threads tracing the function now, each with its depth (see _sole_tracer).
@@ -100,6 +117,8 @@ class JitFunction:
         self.source_info = source.of_function(fun)
         # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
         functools.update_wrapper(self, fun, updated=())
+        if not isinstance(getattr(self, "__name__", None), str):  # a functools.partial has none
+            self.__name__ = name_of(fun)
 
     @property
     def devices(self) -> VirtualSlice | None:
@@ -138,7 +157,8 @@ class JitFunction:
             for leaf in jax.tree_util.tree_leaves(arg):
                 _check_fits(spec, leaf, slice_, f"in_specs[{position}] of {self.__name__!r}")
                 specs.append(spec)
-        specs.extend([None] * len(jax.tree_util.tree_leaves(kwargs)))
+        dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
+        specs.extend([None] * len(jax.tree_util.tree_leaves(dynamic_kwargs)))
         return tuple(specs)
 
     def _leaf_out_specs(self, out: Any, slice_: VirtualSlice) -> tuple:
@@ -196,10 +216,14 @@ class JitFunction:
         if trace is None:
             prog = self._programs.get(slice_.id)
             if prog is None:
+                call = functools.partial(JitFunction.__call__, self)
+                # Its signature is the function's: a static argument may come by keyword.
+                call.__wrapped__ = self._fun  # type: ignore[attr-defined]
                 prog = Program(
-                    lambda *a, **k: self(*a, **k),
+                    call,
                     devices=slice_,
                     static_argnums=self._static,
+                    static_argnames=self._static_names,
                     name=self.__name__,
                 )
                 prog.source_info = self.source_info
@@ -247,7 +271,10 @@ class JitFunction:
             arg if position in self._static else jax.device_put(arg, replicated)
             for position, arg in enumerate(args)
         ]
-        return self._jitted(*moved, **jax.device_put(kwargs, replicated))
+        moved_kwargs = {
+            k: v if k in self._static_names else jax.device_put(v, replicated) for k, v in kwargs.items()
+        }
+        return self._jitted(*moved, **moved_kwargs)
 
     def _retype_args(self, args: tuple) -> tuple:
         """On Explicit axes in_specs are types: arguments typed otherwise are resharded first."""
@@ -292,8 +319,8 @@ class JitFunction:
         if nnx_graph.has_graph_nodes((args, kwargs)):
             from flax import nnx
 
-            return nnx.jit(fun, static_argnums=self._static, donate_argnums=self._donate)
-        return jax.jit(fun, static_argnums=self._static, donate_argnums=self._donate)
+            return nnx.jit(fun, **self._jit_options)
+        return jax.jit(fun, **self._jit_options)
 
     def _jitted_for(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
         # NNX objects are updated in place as nnx.jit does (a trace-time check only).
@@ -302,7 +329,7 @@ class JitFunction:
         if self._nnx_jitted is None:
             from flax import nnx
 
-            self._nnx_jitted = nnx.jit(self._fun, static_argnums=self._static, donate_argnums=self._donate)
+            self._nnx_jitted = nnx.jit(self._fun, **self._jit_options)
         return self._nnx_jitted
 
     def __repr__(self) -> str:
@@ -316,8 +343,10 @@ def jit(
     devices: VirtualSlice | None = None,
     in_specs: Specs = None,
     out_specs: Any = None,
-    static_argnums: int | Sequence[int] = (),
-    donate_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] | None = (),
+    donate_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
 ) -> JitFunction: ...
 
 
@@ -328,8 +357,10 @@ def jit(
     devices: VirtualSlice | None = None,
     in_specs: Specs = None,
     out_specs: Any = None,
-    static_argnums: int | Sequence[int] = (),
-    donate_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] | None = (),
+    donate_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
 ) -> Callable[[Callable[..., Any]], JitFunction]: ...
 
 
@@ -339,8 +370,10 @@ def jit(
     devices: VirtualSlice | None = None,
     in_specs: Specs = None,
     out_specs: Any = None,
-    static_argnums: int | Sequence[int] = (),
-    donate_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] | None = (),
+    donate_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
 ) -> JitFunction | Callable[[Callable[..., Any]], JitFunction]:
     """Compiles ``fun`` with ``jax.jit`` and places it on a slice.
 
@@ -357,8 +390,12 @@ def jit(
         non-static positional argument, over the slice's axis names.
       out_specs: ``pw.P(...)`` for every output, or a pytree prefix of the
         output with one ``pw.P``/``None`` per part.
-      static_argnums: positional arguments that are Python values.
+      static_argnums: positional arguments that are Python values (negative
+        positions count from the end, as in ``jax.jit``).
       donate_argnums: arguments whose buffers the function may reuse.
+      static_argnames: the same as ``static_argnums``, by parameter name; each
+        completes the other, so a static argument may come by position or keyword.
+      donate_argnames: the same as ``donate_argnums``, by parameter name.
 
     Returns:
       A :class:`JitFunction`.
@@ -383,6 +420,8 @@ def jit(
                 out_specs=out_specs,
                 static_argnums=static_argnums,
                 donate_argnums=donate_argnums,
+                static_argnames=static_argnames,
+                donate_argnames=donate_argnames,
             )
 
         return decorate
@@ -404,6 +443,8 @@ def jit(
         devices,
         in_specs,
         out_specs,
-        _static_positions(static_argnums),
-        _static_positions(donate_argnums),
+        argnums(fun, static_argnums),
+        argnums(fun, donate_argnums, "donate_argnums"),
+        argnames(static_argnames),
+        argnames(donate_argnames, "donate_argnames"),
     )

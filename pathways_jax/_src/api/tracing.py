@@ -28,6 +28,11 @@ from pathways_jax._src.runtime import context, submission
 from pathways_jax._src.runtime.futures import Future, register_with_flax
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
 
+try:  # the configuration a trace depends on (x64, promotion rules, precision, meshes, default device)
+    from jax._src.config import trace_context as _trace_context
+except ImportError:  # pragma: no cover - a JAX without it: every context is the same
+    _trace_context = tuple
+
 _SCALARS = (bool, int, float, complex)
 
 
@@ -137,8 +142,9 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
 def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
     """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
 
-    ``hint`` (the mesh of the program's own ``in_shardings``) wins; then the mesh
-    of the first array argument sharded over several devices.
+    ``hint`` (the mesh of the program's own ``in_shardings``, else the caller's
+    ``jax.set_mesh`` mesh) wins; then the mesh of the first array argument
+    sharded over several devices.
     """
     from pathways_jax._src.runtime import slices as devices_lib
 
@@ -222,6 +228,7 @@ class _LastCall(NamedTuple):
     signatures: tuple[FutureKey, ...]  # the futures' keys (shared objects: compared by identity)
     ambient: VirtualSlice | None
     plan: Any  # lowering.Plan
+    config: tuple  # JAX's trace context of that call
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -272,11 +279,52 @@ def _short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _static_positions(argnums: int | Sequence[int], what: str = "static_argnums") -> tuple[int, ...]:
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not all(isinstance(n, int) and n >= 0 for n in nums):
-        raise errors.ProgramTraceError(f"{what} must be non-negative ints, got {argnums!r}.")
-    return tuple(sorted(set(nums)))
+def argnums(
+    fun: Callable[..., Any], nums: int | Sequence[int] | None, what: str = "static_argnums"
+) -> tuple[int, ...]:
+    """Argument positions as ``jax.jit`` reads them: None is none, a negative one counts from the end.
+
+    Negative positions count from the end of ``fun``'s positional parameters.
+    """
+    if nums is None:
+        return ()
+    given = (nums,) if isinstance(nums, int) else tuple(nums)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
+        raise errors.ProgramTraceError(f"{what} must be ints, got {nums!r}.")
+    if any(n < 0 for n in given):
+        params = _parameters(fun)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        count = sum(p.kind in positional for p in params)
+        if not params or any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+            raise errors.ProgramTraceError(
+                f"{what}={nums!r} counts from the end of the positional parameters, but "
+                f"{getattr(fun, '__name__', fun)!r} has *args or no signature to count; give "
+                "non-negative positions."
+            )
+        given = tuple(n + count if n < 0 else n for n in given)
+        if any(n < 0 for n in given):
+            raise errors.ProgramTraceError(
+                f"{what}={nums!r} reaches before the first of the {count} positional parameters of "
+                f"{getattr(fun, '__name__', fun)!r}."
+            )
+    return tuple(sorted(set(given)))
+
+
+def argnames(names: str | Sequence[str] | None, what: str = "static_argnames") -> tuple[str, ...]:
+    """Argument names as ``jax.jit`` reads them: one string, several, or None (none)."""
+    if names is None:
+        return ()
+    given = (names,) if isinstance(names, str) else tuple(names)
+    if not all(isinstance(n, str) for n in given):
+        raise errors.ProgramTraceError(f"{what} must be strings, got {names!r}.")
+    return given
+
+
+def name_of(fun: Any) -> str:
+    """A function's name for graphs and errors; a ``functools.partial``'s is its function's."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    return getattr(fun, "__name__", None) or type(fun).__name__
 
 
 def _parameters(fun: Callable[..., Any]) -> list[inspect.Parameter]:
@@ -338,9 +386,13 @@ class Program:
         static_argnames: tuple[str, ...] = (),
         mesh_hint: jax.sharding.Mesh | None = None,
         donate_argnames: tuple[str, ...] = (),
+        device: jax.Device | None = None,
+        compiler_options: tuple[tuple[str, Any], ...] = (),
     ):
         self._fun = fun
-        self._mesh_hint = mesh_hint  # the mesh of in_shardings/out_shardings, if any
+        self._mesh_hint = mesh_hint
+        self._device = device  # jax.jit's device=: where a program with no slice runs
+        self._compiler_options = compiler_options  # the mesh of in_shardings/out_shardings, if any
         self._devices = devices
         self._static, self._static_names = _resolve_statics(fun, static_argnums, static_argnames)
         # Static positions that may also arrive by keyword (or be left to their defaults).
@@ -349,7 +401,7 @@ class Program:
         # Donated positions and names, each completed from the other as jax.jit does: an
         # argument is donated whether it arrives by position or by keyword.
         self._donate, self._donate_names = _resolve_statics(fun, donate_argnums, donate_argnames)
-        self.name: str = name if name else getattr(fun, "__name__", type(fun).__name__)
+        self.name: str = name if name else name_of(fun)
         self.source_info = source.of_function(fun)
         # Guards the caches of graphs and plans; never held while user code runs.
         self._lock = threading.RLock()
@@ -365,7 +417,14 @@ class Program:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             ambient = context.current_slice() if self._devices is None else None
             signature = _signed(leaves, self.name)
-            key: tuple = (treedef, signature, (), ambient.id if ambient is not None else None)
+            # As jax.jit's, the key holds the configuration the trace depends on.
+            key: tuple = (
+                treedef,
+                signature,
+                (),
+                ambient.id if ambient is not None else None,
+                _trace_context(),
+            )
             return key, TraceInputs(treedef, (), signature, ambient, leaves)
         statics: list[tuple[int | str, Any]] = []  # (position or keyword name, value)
         dynamic = list(args)
@@ -389,7 +448,13 @@ class Program:
         leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
         ambient = context.current_slice() if self._devices is None else None
         signature = _signed(leaves, self.name)
-        key = (treedef, signature, tuple(statics), ambient.id if ambient is not None else None)
+        key = (
+            treedef,
+            signature,
+            tuple(statics),
+            ambient.id if ambient is not None else None,
+            _trace_context(),
+        )
         ordered = tuple(reversed([s for s in statics if isinstance(s[0], int)]))
         named = tuple(s for s in statics if isinstance(s[0], str))
         return key, TraceInputs(treedef, ordered + named, signature, ambient, leaves)
@@ -407,8 +472,8 @@ class Program:
         head = f"static argument {where!r} of program {self.name!r}"
         called = f"called at {source.of_caller()} (program defined at {self.source_info})"
         todo = "Pass it as a traced argument (leave it out of static_argnums and static_argnames), or pass"
-        if fault.unhashable:
-            raise errors.ProgramTraceError(
+        if fault.unhashable:  # jax.jit raises ValueError here
+            raise errors.also(errors.ProgramTraceError, ValueError)(
                 f"{head} must be hashable, got {type(value).__name__}, {called}: static arguments "
                 f"are the program's cache key. {todo} a hashable value (a tuple, not a list)."
             ) from fault.cause
@@ -469,16 +534,17 @@ class Program:
         """``lower(graph, ...)``; what JAX refuses only when compiling raises as a ``pw.errors`` type.
 
         JAX finds some errors only at lowering (a ``jvp`` of a ``custom_vjp``,
-        devices that do not fit together). Their built-in base stays: a
-        ``TypeError`` becomes ``ProgramTraceError``, a ``ValueError`` ``PlacementError``.
+        devices that do not fit together), XLA some when compiling (an unknown
+        ``compiler_options`` entry). Their class stays (see ``errors.also``): a
+        ``ValueError`` is also a ``PlacementError``, anything else a ``ProgramTraceError``.
         """
         try:
             return lower(graph, signature, donated)
         except errors.PathwaysError:
             raise
-        except (TypeError, ValueError) as exc:
-            kind = errors.ProgramTraceError if isinstance(exc, TypeError) else errors.PlacementError
-            raise kind(
+        except Exception as exc:  # also of the original's class (XLA's JaxRuntimeError: a bad option)
+            kind = errors.PlacementError if isinstance(exc, ValueError) else errors.ProgramTraceError
+            raise errors.also(kind, type(exc))(
                 f"compiling program {self.name!r} ({self.source_info}) for {source.of_caller()} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
@@ -521,9 +587,12 @@ class Program:
             if not nnx_graph.routes(self, (args, kwargs)):
                 raise
             return nnx_graph.graph(self, args, kwargs)  # names the NNX state at fault
-        if nnx_graph.routes(self, (args, kwargs)):
+        if nnx_graph.routes(self, (args, kwargs)) or self._plans.get(key) is nnx_graph.ROUTE:
             return nnx_graph.graph(self, args, kwargs)
-        return self._graph_for(key, inputs)
+        try:
+            return self._graph_for(key, inputs)
+        except nnx_graph.GraphOutput:
+            return nnx_graph.graph(self, args, kwargs)
 
     def _graph_for(self, key: Any, inputs: TraceInputs) -> Graph:
         graph = self._graphs.get(key)
@@ -538,6 +607,8 @@ class Program:
         graph = self._trace(inputs)
         if self._fuse:
             graph = fusion.fuse(graph)
+        if self._compiler_options:
+            graph = dataclasses.replace(graph, compiler_options=self._compiler_options)
         with self._lock:
             kept = self._graphs.get(key)
             if kept is None or any(s.released for s in kept.slices):
@@ -552,11 +623,17 @@ class Program:
             default.check_usable()
         state = TraceState(default)
         implied = None
-        if default is None:
+        if default is None and self._device is not None:  # jax.jit's device=
+            from pathways_jax._src.runtime import slices as devices_lib
+
+            implied = devices_lib.implied((self._device.id,), {"x": 1})
+            on_device: VirtualSlice = implied
+            state.implied = lambda: on_device
+        elif default is None:
             # Code nothing places runs where jax.jit would run it. Arguments on a
             # mesh of yours: the program is traced on that mesh, as jax.jit does.
             with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
-                implied = _mesh_slice(signature, hint or self._mesh_hint)
+                implied = _mesh_slice(signature, hint or self._mesh_hint or jax.sharding.get_mesh())
             if implied is not None:
                 on_mesh: VirtualSlice = implied
                 state.implied = lambda: on_mesh
@@ -577,6 +654,10 @@ class Program:
                 if default is not None:
                     stack.enter_context(jax.named_scope(f"{DEFAULT_SCOPE}{default.id}"))
                 out = self._fun(*full, **kwargs)
+            if not self._nnx_inner and nnx_graph.has_graph_nodes(out):
+                # New NNX objects (a model made inside): returned as nnx.jit returns them,
+                # sharing between them kept, which flattening them as pytrees loses.
+                raise nnx_graph.GraphOutput
             flat, tree = jax.tree_util.tree_flatten(out)
             out_trees.append(tree)
             return flat
@@ -590,11 +671,12 @@ class Program:
             target = default or implied
             with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH):
                 closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))
-        except errors.PathwaysError:
+        except (errors.PathwaysError, nnx_graph.GraphOutput):
             raise
         except Exception as exc:
             where = source.of_exception(exc, self._fun)
-            raise errors.ProgramTraceError(
+            # Also of the original's class: `except ValueError` written for jax.jit still catches it.
+            raise errors.also(errors.ProgramTraceError, type(exc))(
                 f"tracing program {self.name!r} ({self.source_info}) failed at "
                 f"{where or 'an unknown line'}: {type(exc).__name__}: "
                 f"{self._in_user_words(str(exc), treedef, statics)}"
@@ -639,8 +721,12 @@ class Program:
                 )
                 and (self._devices is not None or context.current_slice() is last.ambient)
                 and plan.is_current()
+                and _trace_context() == last.config
             ):
                 return submission.submit(plan, list(args))
+        if jax.config.jax_disable_jit:  # as jax.jit under jax.disable_jit(): op by op, in the caller
+            out = self._fun(*args, **kwargs)
+            return submission.computed(out, f"program {self.name!r} run op by op", nnx_graph.is_graph_leaf)
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
             return nnx_graph.call(self, args, kwargs)
         try:
@@ -666,10 +752,14 @@ class Program:
             if nnx_graph.routes(self, (args, kwargs)):
                 self._plans[key] = nnx_graph.ROUTE
                 return nnx_graph.call(self, args, kwargs)
-            plan = self._plan_for(key, inputs, args, kwargs)
+            try:
+                plan = self._plan_for(key, inputs, args, kwargs)
+            except nnx_graph.GraphOutput:  # it returns NNX objects: as nnx.jit runs it
+                self._plans[key] = nnx_graph.ROUTE
+                return nnx_graph.call(self, args, kwargs)
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
-            self._last = _LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan)
+            self._last = _LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan, key[-1])
         return submission.submit(plan, inputs.leaves)
 
     def _plan_for(self, key: Any, inputs: TraceInputs, args: tuple, kwargs: dict) -> Any:
@@ -724,11 +814,14 @@ class Program:
             key, inputs = self._split(args, kwargs)
         except (TracerArgument, nnx_graph.GraphArgument):
             return  # under a transformation, or NNX objects: prepared by their first call
-        if nnx_graph.routes(self, (args, kwargs)):
+        if nnx_graph.routes(self, (args, kwargs)) or self._plans.get(key) is nnx_graph.ROUTE:
             return
         plan = self._plans.get(key)
         if plan is None or not plan.is_current():
-            self._plan_for(key, inputs, args, kwargs)
+            try:
+                self._plan_for(key, inputs, args, kwargs)
+            except nnx_graph.GraphOutput:  # NNX objects returned: prepared by the first call
+                self._plans[key] = nnx_graph.ROUTE
 
     def inner_program(self, inner_fun: Callable[..., Any]) -> Program:
         """A program with this one's options over ``inner_fun``, taking NNX pytrees as plain pytrees.
@@ -763,14 +856,19 @@ def program(
     fun: Callable[..., Any],
     *,
     devices: VirtualSlice | None = None,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
+    static_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
     name: str | None = None,
     fuse: bool = True,
-    donate_argnums: int | Sequence[int] = (),
-    donate_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
 ) -> Program: ...
 
 
@@ -779,14 +877,19 @@ def program(
     fun: None = None,
     *,
     devices: VirtualSlice | None = None,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
+    static_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
     name: str | None = None,
     fuse: bool = True,
-    donate_argnums: int | Sequence[int] = (),
-    donate_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
 ) -> Callable[[Callable[..., Any]], Program]: ...
 
 
@@ -794,14 +897,19 @@ def program(
     fun: Callable[..., Any] | None = None,
     *,
     devices: VirtualSlice | None = None,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
+    static_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
     name: str | None = None,
     fuse: bool = True,
-    donate_argnums: int | Sequence[int] = (),
-    donate_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
 ) -> Program | Callable[[Callable[..., Any]], Program]:
     """Turns a function into ONE dataflow program over virtual slices.
 
@@ -834,6 +942,16 @@ def program(
         argument shardings (a pytree prefix of the positional arguments), and
         a program with no slice runs on their mesh.
       out_shardings: as in ``jax.jit``, for the outputs.
+      keep_unused: accepted as ``jax.jit`` accepts it; unused arguments are
+        never transferred or read, kept or not.
+      inline: accepted as ``jax.jit`` accepts it (an inlining hint for an
+        enclosing trace); no effect on a program's results.
+      compiler_options: XLA options every node of the program is compiled
+        with, as in ``jax.jit`` (local backend; Ray hosts compile with theirs).
+      device: as ``jax.jit``'s (deprecated there): a program with no slice runs
+        on this device.
+      backend: as ``jax.jit``'s (deprecated there): a program with no slice
+        runs on the first device of this platform (``"cpu"``).
 
     Returns:
       A :class:`Program`; calling it returns a pytree of :class:`Future`.
@@ -860,6 +978,11 @@ def program(
             donate_argnames=donate_argnames,
             in_shardings=in_shardings,
             out_shardings=out_shardings,
+            keep_unused=keep_unused,
+            inline=inline,
+            compiler_options=compiler_options,
+            device=device,
+            backend=backend,
         )
     if not callable(fun):
         raise errors.ProgramTraceError(f"pw.program expects a function, got {type(fun).__name__}: {fun!r}.")
@@ -867,15 +990,26 @@ def program(
         raise errors.PlacementError(
             f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
         )
-    statics = _static_positions(static_argnums)
-    static_names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
-    if not all(isinstance(n, str) for n in static_names):
-        raise errors.ProgramTraceError(f"static_argnames must be strings, got {static_argnames!r}.")
-    donate = _static_positions(donate_argnums, "donate_argnums")
-    donate_names = (donate_argnames,) if isinstance(donate_argnames, str) else tuple(donate_argnames)
-    if not all(isinstance(n, str) for n in donate_names):
-        raise errors.ProgramTraceError(f"donate_argnames must be strings, got {donate_argnames!r}.")
+    statics = argnums(fun, static_argnums)
+    static_names = argnames(static_argnames)
+    donate = argnums(fun, donate_argnums, "donate_argnums")
+    donate_names = argnames(donate_argnames, "donate_argnames")
     donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
+    del keep_unused, inline  # hints with no effect on a program's results (see Args)
+    if device is None and backend is not None:
+        try:
+            device = jax.devices(backend)[0]
+        except RuntimeError as exc:
+            raise errors.PlacementError(
+                f"pw.program(backend={backend!r}): this process has no such platform ({exc}); "
+                f"its devices are {jax.devices()[0].platform}."
+            ) from exc
+    if device is not None and not isinstance(device, jax.Device):
+        raise errors.PlacementError(f"pw.program(device=...) expects a jax.Device, got {device!r}.")
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise errors.ProgramTraceError(
+            f"pw.program(compiler_options=...) expects a dict of XLA options, got {compiler_options!r}."
+        )
     mesh_hint = None
     if in_shardings is not None or out_shardings is not None:
         # As jax.jit: the function is compiled with these shardings (one node),
@@ -905,4 +1039,6 @@ def program(
         donate_argnums=donate,
         donate_argnames=donate_names,
         mesh_hint=mesh_hint,
+        device=device,
+        compiler_options=tuple(sorted((compiler_options or {}).items())),
     )

@@ -339,6 +339,7 @@ class Plan:
                 cache,
                 export=self.backend is not None and self.backend.exports,
                 platforms=getattr(self.backend, "export_platforms", None),
+                options=graph.compiler_options,
             )
             produced = jax.tree_util.tree_leaves(executable.output_shardings)
             pinned = []
@@ -486,6 +487,7 @@ def _compile(
     *,
     export: bool = False,
     platforms: tuple[str, ...] | None = None,
+    options: tuple[tuple[str, Any], ...] = (),
 ) -> tuple[Any, tuple[bytes, str] | None]:
     """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once.
 
@@ -505,6 +507,7 @@ def _compile(
         donate,
         export,
         platforms,
+        options,
     )
     if cache is not None:
         hit = cache.get(key)
@@ -525,7 +528,8 @@ def _compile(
     # The slice's mesh alone, whatever mesh the caller set; works inside a trace too.
     with only_mesh(mesh.abstract_mesh, mesh):
         jitted = jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
-        compiled = jitted.lower(*args).compile()
+        # XLA options (jax.jit's compiler_options) apply here; remote hosts compile with their own.
+        compiled = jitted.lower(*args).compile(dict(options) if options else None)
         if export:
             # Hosts compile for themselves; donation is a local optimisation left out.
             blob = _exported(

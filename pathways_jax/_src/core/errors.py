@@ -42,6 +42,47 @@ class ProgramTraceError(PathwaysError, TypeError):
     """Tracing a ``@pw.program`` failed; the message names the user's line."""
 
 
+def also(error: type[PathwaysError], builtin: type[BaseException]) -> type[PathwaysError]:
+    """``error`` that is also a ``builtin`` (or any other exception class), so that both catch it.
+
+    Code written for ``jax.jit`` catches what JAX or its own function raised
+    (``except ValueError``, ``pytest.raises(TypePromotionError)``): a trace
+    failure raised as ``also(ProgramTraceError, type(cause))(message)`` is caught
+    there and by ``except pw.errors.ProgramTraceError``. The class is made once
+    per pair; where the two cannot be combined (classes of incompatible layouts,
+    such as ``OSError``) it is ``error`` itself, the cause still chained.
+    """
+    if issubclass(error, builtin):
+        return error
+    if issubclass(builtin, PathwaysError):
+        return builtin
+    key = (error, builtin)
+    made = _COMBINED.get(key)
+    if made is None:
+        try:
+            made = type(
+                error.__name__,
+                (error, builtin),
+                {
+                    "__module__": error.__module__,
+                    "__qualname__": error.__qualname__,
+                    "__doc__": error.__doc__,
+                    # The message as given: not the other class's own constructor or text.
+                    "__init__": BaseException.__init__,
+                    "__str__": BaseException.__str__,
+                    # Pickles (to another process) as the plain pathways_jax error.
+                    "__reduce__": lambda self: (error, self.args),
+                },
+            )
+        except TypeError:
+            made = error
+        _COMBINED[key] = made
+    return made
+
+
+_COMBINED: dict[tuple[type, type], type] = {}
+
+
 class TransferError(PathwaysError, RuntimeError):
     """A value could not be moved between slices."""
 

@@ -114,6 +114,8 @@ class Graph:
       steps: the run order, as ``("node", i)`` / ``("transfer", i)`` pairs.
       outputs: one per output leaf of the program.
       out_tree: the output pytree structure.
+      compiler_options: XLA options every node is compiled with (``jax.jit``'s
+        ``compiler_options``), as sorted ``(name, value)`` pairs.
     """
 
     name: str
@@ -126,6 +128,7 @@ class Graph:
     steps: tuple[Step, ...]
     outputs: tuple[Output, ...]
     out_tree: Any
+    compiler_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def slices(self) -> tuple[VirtualSlice, ...]:

@@ -164,6 +164,18 @@ class Future:
         """As ``jax.Array.is_fully_replicated``, from the sharding; no wait."""
         return self._entry.sharding.is_fully_replicated
 
+    @property
+    def device(self) -> Any:
+        """As ``jax.Array.device``: the device of a value on one, else its sharding; no wait."""
+        sharding = self._entry.sharding
+        devices = sharding.device_set
+        return next(iter(devices)) if len(devices) == 1 else sharding
+
+    @property
+    def is_fully_addressable(self) -> bool:
+        """As ``jax.Array.is_fully_addressable``, from the sharding; no wait."""
+        return self._entry.sharding.is_fully_addressable
+
     def devices(self) -> set[Any]:
         """The devices the value lives on, as ``jax.Array.devices()``; no wait."""
         return set(self._entry.sharding.device_set)

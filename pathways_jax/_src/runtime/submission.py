@@ -97,4 +97,28 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     return jax.tree_util.tree_unflatten(plan.graph.out_tree, futures)
 
 
-__all__ = ["Run", "submit"]
+def computed(tree: Any, origin: str, is_leaf: Any = None) -> Any:
+    """Futures of values already computed in the caller (a program run op by op): ready at once.
+
+    Under ``jax.disable_jit()`` a program runs its function eagerly, as ``jax.jit``
+    does; its outputs are still returned as futures, so code that reads them with
+    ``result()`` works unchanged.
+    """
+    from pathways_jax._src.runtime import session as cluster_lib
+
+    store = cluster_lib.cluster().store
+    client = clients.current()
+    owner = Owner(client.name, next(_runs), client.key)
+
+    def future(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
+            return leaf  # an NNX object (updated in place; see is_leaf) or another Python value: as it is
+        array = leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf)
+        entry = store.new(owner, array.aval, array.sharding, None, origin)
+        store.set_ready(entry, array)
+        return Future(entry, store)
+
+    return jax.tree_util.tree_map(future, tree, is_leaf=is_leaf)
+
+
+__all__ = ["Run", "computed", "submit"]

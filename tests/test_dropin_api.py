@@ -1,0 +1,131 @@
+"""``pw.program`` and ``pw.jit`` take what ``jax.jit`` takes, and futures answer what arrays answer.
+
+Each test calls ``jax.jit`` and pathways_jax with the same options on the same
+inputs and compares results (and where they live).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_matches
+
+import pathways_jax as pw
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _add(x, unused):
+    return x + 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"keep_unused": True},
+        {"inline": True},
+        {"static_argnums": None},
+        {"static_argnames": None},
+        {"donate_argnums": None},
+        {"donate_argnames": None},
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_jax_jit_options_with_no_effect_on_results_are_accepted(options):
+    x, unused = jnp.ones(2), jnp.ones(3)
+    want = jax.jit(_add, **options)(x, unused)
+    assert_matches(pw.program(_add, **options)(x, unused), want, rtol=0, atol=0)
+
+
+def test_compiler_options_reach_xla():
+    x = jnp.ones(4)
+    want = jax.jit(_add, compiler_options={"xla_cpu_enable_fast_math": False})(x, x)
+    prog = pw.program(_add, compiler_options={"xla_cpu_enable_fast_math": False})
+    assert_matches(prog(x, x), want, rtol=0, atol=0)
+    # An option XLA does not know fails as it fails under jax.jit, at the call.
+    with pytest.raises(Exception, match="no_such_option"):
+        jax.jit(_add, compiler_options={"no_such_option": True})(x, x)
+    with pytest.raises(pw.errors.PathwaysError, match="no_such_option"):
+        pw.program(_add, compiler_options={"no_such_option": True})(x, x)
+
+
+def test_device_and_backend_place_a_program_with_no_slice():
+    target = jax.devices()[5]
+    host = np.ones(3, np.float32)
+    with pytest.warns(DeprecationWarning):
+        want = jax.jit(_add, device=target)(host, host)
+    got = pw.program(_add, device=target)(host, host).result(timeout=60)
+    assert got.devices() == want.devices() == {target}
+    assert_matches(got, want, rtol=0, atol=0)
+    on_cpu = pw.program(_add, backend="cpu")(host, host).result(timeout=60)
+    assert next(iter(on_cpu.devices())).platform == "cpu"
+    with pytest.raises(pw.errors.PlacementError, match="no such platform"):
+        pw.program(_add, backend="tpu")
+
+
+def _scale(x, n, shift=0.0):
+    return x * n + shift
+
+
+@pytest.mark.parametrize(
+    ("nums", "args"),
+    [(-1, (jnp.ones(2), 3)), ((-2,), (2.0, jnp.ones(2))), ((1, -1), (jnp.ones(2), 3))],
+    ids=["-1", "-2", "1 and -1"],
+)
+def test_negative_static_argnums_count_from_the_end_as_in_jax_jit(nums, args):
+    def scale(x, n):
+        return x * n
+
+    want = jax.jit(scale, static_argnums=nums)(*args)
+    assert_matches(pw.program(scale, static_argnums=nums)(*args), want, rtol=0, atol=0)
+
+
+def test_negative_static_argnums_on_star_args_is_a_clear_error():
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"counts from the end.*\*args"):
+        pw.program(lambda *xs: xs[0], static_argnums=-1)
+    with pytest.raises(pw.errors.ProgramTraceError, match="before the first"):
+        pw.program(_scale, static_argnums=-4)
+
+
+def test_pw_jit_takes_a_partial_static_argnames_and_statics_by_keyword():
+    s = pw.devices(mesh={"x": 1})
+
+    def f(x, neg):
+        return -x if neg else x
+
+    partial = functools.partial(f, neg=True)
+    by_partial = pw.jit(partial, devices=s)
+    assert by_partial.__name__ == "f"
+    assert_matches(by_partial(jnp.ones(2)), jax.jit(partial)(jnp.ones(2)))
+    by_name = pw.jit(f, devices=s, static_argnames="neg")
+    assert_matches(by_name(jnp.ones(2), neg=True), -jnp.ones(2))
+    assert_matches(by_name(jnp.ones(2), True), -jnp.ones(2))  # the name completes the position
+    by_position = pw.jit(f, devices=s, static_argnums=1)
+    assert_matches(by_position(jnp.ones(2), neg=True), -jnp.ones(2))
+    assert_matches(by_position(jnp.ones(2), neg=False), jnp.ones(2))
+    # Inside a program too.
+    prog = pw.program(lambda v: by_name(v, neg=True) + by_position(v, neg=False))
+    assert_matches(prog(jnp.ones(2)), jnp.zeros(2))
+    donating = pw.jit(lambda x, y: x + y, devices=s, donate_argnames="x")
+    x = jax.device_put(jnp.ones(2), s.sharding())
+    assert_matches(donating(x=x, y=jnp.ones(2)), jnp.full(2, 2.0))
+    assert x.is_deleted()
+
+
+def test_a_programs_name_from_a_partial_is_its_functions():
+    assert pw.program(functools.partial(_scale, n=2)).name == "_scale"
+
+
+def test_future_device_and_addressability_answer_without_waiting():
+    single = pw.program(lambda v: v * 2)(jnp.arange(3.0))
+    plain = jax.jit(lambda v: v * 2)(jnp.arange(3.0))
+    assert single.device == plain.device
+    assert single.is_fully_addressable is plain.is_fully_addressable is True
+    moved = jax.device_put(jnp.ones(2), single.device)
+    assert moved.devices() == plain.devices()
+    s = pw.devices(mesh={"x": 4})
+    sharded = pw.jit(lambda v: v + 1, devices=s, out_specs=pw.P("x"))(jnp.arange(8.0))
+    want = jax.device_put(jnp.arange(8.0) + 1, sharded.sharding)
+    assert sharded.device == want.device == sharded.sharding
