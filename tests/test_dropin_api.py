@@ -129,3 +129,30 @@ def test_future_device_and_addressability_answer_without_waiting():
     sharded = pw.jit(lambda v: v + 1, devices=s, out_specs=pw.P("x"))(jnp.arange(8.0))
     want = jax.device_put(jnp.arange(8.0) + 1, sharded.sharding)
     assert sharded.device == want.device == sharded.sharding
+
+
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")
+@pytest.mark.filterwarnings("ignore:.*[Cc]ouldn't find sharding info")
+def test_orbax_pytree_checkpointers_save_futures_as_the_arrays_they_stand_for(tmp_path):
+    import orbax.checkpoint as ocp
+    from flax.training import checkpoints
+
+    def step(p):
+        return {"w": p["w"] * 2, "step": p["step"] + 1}
+
+    p0 = {"w": jnp.arange(12.0).reshape(4, 3), "step": jnp.int32(0)}
+    want = jax.jit(step)(p0)
+    state = pw.program(step)(p0)  # traced after orbax's import: orbax takes the futures
+    assert isinstance(state["w"], pw.Future)
+    ocp.PyTreeCheckpointer().save(tmp_path / "a", state)
+    restored = ocp.PyTreeCheckpointer().restore(tmp_path / "a")
+    with ocp.CheckpointManager(tmp_path / "b") as manager:
+        manager.save(1, args=ocp.args.PyTreeSave(state))
+        manager.wait_until_finished()
+        by_manager = manager.restore(1, args=ocp.args.PyTreeRestore())
+    checkpoints.save_checkpoint(tmp_path / "c", state, step=1)
+    legacy = checkpoints.restore_checkpoint(tmp_path / "c", target=None)
+    for got in (restored, by_manager, legacy):
+        assert isinstance(got["w"], jax.Array)
+        assert_matches(got["w"], want["w"], rtol=0, atol=0)
+        assert int(got["step"]) == int(want["step"]) == 1

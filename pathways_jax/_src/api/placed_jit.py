@@ -22,6 +22,7 @@ from pathways_jax._src.api.tracing import (
     _resolve_statics,
     argnames,
     argnums,
+    inside_jax_trace,
     name_of,
 )
 from pathways_jax._src.core import errors, source
@@ -203,6 +204,8 @@ class JitFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = context.state.trace
+        if trace is None and inside_jax_trace():  # checkify, make_jaxpr: as jax.jit, traced in
+            return self._transformed(self._slice(), args, kwargs)
         if trace is None and self._devices is not None and not self._devices.released:
             prog = self._programs.get(self._devices.id)
             if prog is not None:

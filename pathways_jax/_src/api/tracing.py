@@ -33,6 +33,30 @@ try:  # the configuration a trace depends on (x64, promotion rules, precision, m
 except ImportError:  # pragma: no cover - a JAX without it: every context is the same
     _trace_context = tuple
 
+
+def inside_jax_trace() -> bool:
+    """True while JAX traces the caller (``checkify``, ``jax.jit``), even with concrete arguments.
+
+    ``checkify.checkify(f)`` and ``jax.make_jaxpr`` of a function closing over
+    its arguments call the program with arrays, not tracers, inside their trace.
+    """
+    try:
+        from jax._src import core as jax_core
+
+        return not isinstance(jax_core.trace_ctx.trace, jax_core.EvalTrace)
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX without them: tracers tell
+        return False
+
+
+def _user_mesh() -> jax.sharding.Mesh | None:
+    """The caller's ``jax.set_mesh`` mesh, if any (outside a JAX trace)."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside a JAX trace: only the abstract mesh is known
+        return None
+    return None if mesh.empty else mesh
+
+
 _SCALARS = (bool, int, float, complex)
 
 
@@ -160,10 +184,14 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
 def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
     """The first mesh of several devices a traced function names in its shardings, if any.
 
-    Sharding constraints and inner ``jax.jit`` shardings, nested jaxprs included:
+    A ``shard_map``'s ``mesh=``, sharding constraints and inner ``jax.jit``
+    shardings, nested jaxprs included:
     the mesh ``jax.jit`` would run a function on when no argument is on a mesh.
     """
     for eqn in jaxpr.eqns:
+        mesh = eqn.params.get("mesh")  # a shard_map's own mesh=
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+            return mesh
         named = [eqn.params.get("sharding")]
         named += list(eqn.params.get("in_shardings", ()) or ()) + list(
             eqn.params.get("out_shardings", ()) or ()
@@ -594,6 +622,19 @@ class Program:
         except nnx_graph.GraphOutput:
             return nnx_graph.graph(self, args, kwargs)
 
+    @staticmethod
+    def _mesh_named_without_context(signature: Signature, state: TraceState, flat_fun: Any) -> Any:
+        """The mesh the function names itself, traced with no mesh set (None if that fails too)."""
+        outer, context.state.trace = context.state.trace, state
+        try:
+            with only_mesh(NO_ABSTRACT_MESH):
+                closed = jax.make_jaxpr(flat_fun)(*(_abstract(s) for s in signature))
+        except Exception:
+            return None
+        finally:
+            context.state.trace = outer
+        return _named_mesh(closed.jaxpr)
+
     def _graph_for(self, key: Any, inputs: TraceInputs) -> Graph:
         graph = self._graphs.get(key)
         # A graph on a slice that is gone is traced again: the slices a program
@@ -633,7 +674,7 @@ class Program:
             # Code nothing places runs where jax.jit would run it. Arguments on a
             # mesh of yours: the program is traced on that mesh, as jax.jit does.
             with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
-                implied = _mesh_slice(signature, hint or self._mesh_hint or jax.sharding.get_mesh())
+                implied = _mesh_slice(signature, hint or self._mesh_hint or _user_mesh())
             if implied is not None:
                 on_mesh: VirtualSlice = implied
                 state.implied = lambda: on_mesh
@@ -674,6 +715,12 @@ class Program:
         except (errors.PathwaysError, nnx_graph.GraphOutput):
             raise
         except Exception as exc:
+            if implied is not None and default is None and hint is None and self._mesh_hint is None:
+                # Traced on its arguments' mesh, the function failed: a mesh it names itself
+                # (a shard_map's or pmap's over other axes) wins, as under jax.jit.
+                named = self._mesh_named_without_context(signature, state, flat_fun)
+                if named is not None:
+                    return self._trace(inputs, named)
             where = source.of_exception(exc, self._fun)
             # Also of the original's class: `except ValueError` written for jax.jit still catches it.
             raise errors.also(errors.ProgramTraceError, type(exc))(
@@ -709,6 +756,9 @@ class Program:
                 return self._fun(*args, **kwargs)
             with self._devices:
                 return self._fun(*args, **kwargs)
+        if self._under_transforms and inside_jax_trace():
+            # Traced by JAX (checkify, make_jaxpr) with concrete arguments: as jax.jit, traced in.
+            return self._transformed(args, kwargs)
         last = self._last
         if last is not None and not kwargs and len(args) == len(last.signatures):
             # The call before had the same future arguments (signatures are shared

@@ -655,6 +655,34 @@ class Controller:
             else:
                 self._policy.forget(client.key)
 
+    def wait_dispatched(self, timeout: float | None = None) -> bool:
+        """Waits until every run queued (or being dispatched) now has been dispatched, or failed.
+
+        What ``jax.effects_barrier()`` needs before JAX's own barrier: a queued
+        run's host callbacks have not run yet. Returns False on timeout; at
+        once on the controller's own thread (a callback), which dispatches them.
+        """
+        if threading.get_ident() == self._thread.ident:
+            return True
+        with self._lock:
+            waiting = {run.id for queue in self._queues.values() for run in queue}
+            if self._picked is not None:
+                waiting.add(self._picked.id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while waiting:
+            if not self._thread.is_alive():
+                return True  # nothing more is dispatched: the queued runs were failed
+            with self._lock:
+                still = {run.id for queue in self._queues.values() for run in queue}
+                if self._picked is not None:
+                    still.add(self._picked.id)
+            waiting &= still
+            if waiting:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.0005)
+        return True
+
     def queued_by_island(self) -> dict[int, int]:
         with self._lock:
             runs = [run for queue in self._queues.values() for run in queue]

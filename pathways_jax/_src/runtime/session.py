@@ -693,6 +693,25 @@ def running() -> Cluster | None:
     return _current
 
 
+def effects_barrier() -> None:
+    """``jax.effects_barrier()``, waiting first for the programs submitted so far to be dispatched.
+
+    A program whose computation calls back into Python (``jax.debug.print``,
+    ``io_callback``) may still be queued for the controller when the caller
+    asks JAX to wait for every callback: its callbacks have not run yet.
+    ``jax.effects_barrier`` is this function once pathways_jax is imported.
+    """
+    current = _current
+    if current is not None and current._controller is not None:
+        current._controller.wait_dispatched()
+    _jax_effects_barrier()
+
+
+# JAX's barrier knows the computations JAX dispatched, not the runs still queued here.
+_jax_effects_barrier = jax.effects_barrier
+jax.effects_barrier = effects_barrier
+
+
 def shutdown(timeout: float = 60.0) -> None:
     """Finishes queued work, stops the controller and forgets the cluster.
 
