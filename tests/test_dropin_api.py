@@ -156,3 +156,65 @@ def test_orbax_pytree_checkpointers_save_futures_as_the_arrays_they_stand_for(tm
         assert isinstance(got["w"], jax.Array)
         assert_matches(got["w"], want["w"], rtol=0, atol=0)
         assert int(got["step"]) == int(want["step"]) == 1
+
+
+def test_an_outputs_weak_type_follows_its_call_not_a_cached_executable():
+    want = jax.jit(lambda x: x * 2)(1.0)
+    strong = pw.program(lambda x: x * 2)
+    assert not strong(np.float32(1.0)).result(timeout=60).weak_type  # compiles x * 2 for a strong x
+    for prog in (strong, pw.program(lambda x: x * 2)):  # the same computation, weak this time
+        got = prog(1.0).result(timeout=60)
+        assert got.weak_type == want.weak_type is True
+        assert (got + jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
+    # A weakly typed output passed back (as a future) stays weak, as jax.jit's array does.
+    again = strong(strong(1.0)).result(timeout=60)
+    assert again.weak_type == jax.jit(lambda x: x * 2)(want).weak_type is True
+
+
+def test_placement_follows_committed_arguments_then_the_default_device_as_in_jax_jit():
+    loose = jnp.arange(4.0)  # a jnp result: on device 0, uncommitted
+    placed = jax.device_put(jnp.ones(4), jax.devices()[3])
+    add = pw.program(lambda a, b: a + b)
+    got, want = add(loose, placed).result(timeout=60), jax.jit(lambda a, b: a + b)(loose, placed)
+    assert got.devices() == want.devices() == {jax.devices()[3]}
+    assert_matches(got, want)
+    double = pw.program(lambda x: x * 2)
+    with jax.default_device(jax.devices()[5]):
+        got, want = double(loose).result(timeout=60), jax.jit(lambda x: x * 2)(loose)
+    assert got.devices() == want.devices() == {jax.devices()[5]}
+    assert double(loose).result(timeout=60).devices() == {jax.devices()[0]}
+
+
+def test_float0_outputs_come_back_as_jax_jit_returns_them():
+    grad = jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True)
+    want = jax.jit(grad)(2.0, 3)
+    got = pw.program(grad)(2.0, 3)
+    assert_matches(got[0], want[0], rtol=0, atol=0)
+    assert got[1].dtype == want[1].dtype == jax.dtypes.float0
+    assert type(got[1]) is type(want[1])
+    for _ in range(3):  # nothing is kept per call for it
+        pw.program(grad)(2.0, 3)
+
+
+def test_labels_and_donation_errors_name_the_users_line_not_optaxs():
+    import optax
+
+    tx = optax.adam(1e-2)
+
+    def step(p, o):
+        g = jax.grad(lambda p: jnp.sum(p**2))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    prog = pw.program(step, donate_argnums=(0, 1))
+    p, o = jnp.ones(3), tx.init(jnp.ones(3))
+    labels = [node.source_info for node in prog.graph(p, o).nodes]
+    assert labels and all("test_dropin_api.py" in label for label in labels), labels
+    p, o = prog(p, o)
+    old = p
+    p, o = prog(p, o)
+    with pytest.raises(
+        pw.errors.ProgramFailedError, match=r"this value \(made by .*test_dropin_api.py:\d+.*donated"
+    ):
+        old.result(timeout=60)
+    assert_matches(p, jax.jit(step)(*jax.jit(step)(jnp.ones(3), tx.init(jnp.ones(3))))[0])

@@ -31,6 +31,8 @@ CASES = {
     "divided by an array made inside": lambda x: x.sum(0) / jnp.array([100.0] * 10, jnp.float32),
     "scaled by a closed-over numpy table": lambda x: x * TABLE + 1,
     "layer norm": _layer_norm,
+    "percentile": lambda x: jnp.percentile(x, 90, axis=0),
+    "quantile": lambda x: jnp.quantile(x, 0.3, axis=0),
     "std then an inner jit with a literal": lambda x: jax.jit(lambda a, b: a * b)(x.std(0), 3.0),
 }
 
@@ -46,7 +48,7 @@ def test_results_are_bit_identical_to_jax_jit(name):
 # Functions that are one node even unfused (one inner jit, or glue alone): compiled as jax.jit
 # compiles them. (Unfused programs of several nodes are several executables, which XLA cannot
 # fuse across: they match jax.jit to rounding, not bit for bit.)
-@pytest.mark.parametrize("name", ["std", "var with ddof", "divided by an array made inside"])
+@pytest.mark.parametrize("name", ["std", "var with ddof", "divided by an array made inside", "percentile"])
 def test_unfused_single_node_programs_are_bit_identical_too(name):
     f = CASES[name]
     program = pw.program(f, fuse=False)

@@ -71,28 +71,30 @@ def _is_var(atom: Any) -> bool:
     return not isinstance(atom, jex.Literal)
 
 
-def _specialized(closed: Any, fixed: dict[int, Any]) -> Any:
-    """``closed`` (an inner ``jax.jit``'s jaxpr) with the inputs at ``fixed`` bound to those values.
+def _with_constants(eqn: Any, consts: dict[Any, Any]) -> tuple[Any, list[Any]]:
+    """A node's computation for an inner ``jax.jit`` call ``eqn`` that passes literals or constants.
 
-    A literal or a constant the caller passes to an inner ``jax.jit`` (the
-    ``ddof=0`` of ``jnp.std``, a ``jnp.array`` made inside the function) is a
-    constant of the computation under ``jax.jit``, which XLA folds. Passed to the
-    node as an input instead, it is a runtime value: the results differed from
-    ``jax.jit``'s in the last bit. Bound here, it stays a constant.
+    A literal the caller passes to an inner ``jax.jit`` (the ``ddof=0`` of
+    ``jnp.std``, the ``q`` of ``jnp.percentile``) and a constant made inside the
+    function (``jnp.array([...])``) are constants of the computation under
+    ``jax.jit``, which XLA folds; passed to the node as inputs they are runtime
+    values, and results differed from ``jax.jit``'s in the last bit. The node
+    computes the call itself, as ``jax.jit`` compiles it: the equation with its
+    literals, the program's constants it reads bound as constants. Returns the
+    computation and its input variables (each once).
     """
-    jaxpr = closed.jaxpr
-    if any(hasattr(effect, "input_index") for effect in jaxpr.effects):
-        return None  # effects that name input positions (references): left as they are
-    bound = sorted(fixed)
-    debug = jaxpr.debug_info
-    if debug is not None and debug.arg_names is not None and len(debug.arg_names) == len(jaxpr.invars):
-        debug = debug._replace(arg_names=tuple(n for i, n in enumerate(debug.arg_names) if i not in fixed))
-    inner = jaxpr.replace(
-        constvars=[*jaxpr.constvars, *(jaxpr.invars[i] for i in bound)],
-        invars=[v for i, v in enumerate(jaxpr.invars) if i not in fixed],
-        debug_info=debug,
+    used = list(dict.fromkeys(atom for atom in eqn.invars if _is_var(atom) and atom in consts))
+    inputs = list(dict.fromkeys(atom for atom in eqn.invars if _is_var(atom) and atom not in consts))
+    # Unused outputs of the call (DropVars) are still outputs of the node: named here.
+    outs = [jex.Var(v.aval) if isinstance(v, jex.DropVar) else v for v in eqn.outvars]
+    debug = jex.DebugInfo(
+        f"pw.program call of {eqn.params.get('name', 'jit')}",
+        source.of_equation(eqn),
+        tuple(f"in{i}" for i in range(len(inputs))),
+        tuple(f"out{i}" for i in range(len(outs))),
     )
-    return jex.ClosedJaxpr(inner, [*closed.consts, *(fixed[i] for i in bound)])
+    jaxpr = jex.Jaxpr(used, inputs, outs, [eqn.replace(outvars=outs)], eqn.effects, debug)
+    return jex.ClosedJaxpr(jaxpr, [consts[v] for v in used]), inputs
 
 
 def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]) -> list[Any]:
@@ -268,27 +270,13 @@ def build(
     for number, (kind, slice_, members) in enumerate(groups):
         if kind == "jit":
             eqn = jaxpr.eqns[members[0]]
-            # Literals and constants passed in are bound into the node's computation.
-            fixed = {
-                i: (const_data[atom] if _is_var(atom) else atom.val)
-                for i, atom in enumerate(eqn.invars)
-                if not _is_var(atom) or atom in const_data
-            }
-            node_jaxpr = _specialized(eqn.params["jaxpr"], fixed) if fixed else eqn.params["jaxpr"]
-            if node_jaxpr is None:  # cannot be bound: passed in as values
-                node_jaxpr, fixed = eqn.params["jaxpr"], {}
-            kept = [i for i in range(len(eqn.invars)) if i not in fixed]
-            in_ids = []
-            for i in kept:
-                atom = eqn.invars[i]
-                if not _is_var(atom):
-                    vid = new_value(atom.aval, None, f"program {name!r} literal")
-                    consts.append(Const(vid, atom.val))
-                    in_ids.append(vid)
-                else:
-                    in_ids.append(
-                        on_slice(var_value[atom] if atom not in const_data else const_value(atom), slice_)
-                    )
+            # Literals and constants passed in stay constants of the node's computation.
+            kept = list(range(len(eqn.invars)))
+            node_jaxpr = eqn.params["jaxpr"]
+            if any(not _is_var(atom) or atom in const_data for atom in eqn.invars):
+                node_jaxpr, in_vars = _with_constants(eqn, const_data)
+                kept = [eqn.invars.index(v) for v in in_vars]  # each variable once, where it first is
+            in_ids = [on_slice(var_value[eqn.invars[i]], slice_) for i in kept]
             # A plain jax.jit call's own in_shardings/out_shardings, where they name the slice's axes.
             all_in_specs: tuple = _jit_specs(eqn.params.get("in_shardings"), slice_, len(eqn.invars))
             out_specs: tuple = _jit_specs(eqn.params.get("out_shardings"), slice_, len(eqn.outvars))

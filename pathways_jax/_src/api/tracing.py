@@ -129,7 +129,7 @@ def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
 
 def _array_key(leaf: jax.Array) -> ArrayKey:
     aval = leaf.aval  # an attribute: shape, dtype and weak_type are properties reading it
-    return ArrayKey(aval.shape, aval.dtype, aval.weak_type, leaf.sharding)
+    return ArrayKey(aval.shape, aval.dtype, aval.weak_type, leaf.sharding, leaf.committed)
 
 
 # Exact-type fast path of the signature (the common argument kinds).
@@ -148,7 +148,9 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
         if isinstance(getattr(leaf, "aval", None), jax.core.ShapedArray):
             _KEYS.setdefault(type(leaf), _array_key)
             return _array_key(leaf)
-        return ArrayKey(leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
+        return ArrayKey(
+            leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding, getattr(leaf, "committed", True)
+        )
     if isinstance(leaf, np.ndarray | np.generic):
         return NumpyKey(leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
     if isinstance(leaf, _SCALARS):
@@ -211,11 +213,16 @@ def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
 
 
 def _device_slice(signature: Signature) -> VirtualSlice:
-    """With no argument on a mesh: the first array argument's device, else JAX's default device."""
+    """With no argument on a mesh: the first committed array argument's device, else JAX's default device.
+
+    As ``jax.jit``: an array no one put on a device (a ``jnp`` result) follows
+    the others, or JAX's default device (``jax.default_device``).
+    """
     from pathways_jax._src.runtime import slices as devices_lib
 
     for key in signature:
-        placed = getattr(key.sharding, "device_set", None) if key.kind == "array" else None
+        committed = key.kind == "array" and key.committed
+        placed = getattr(key.sharding, "device_set", None) if committed else None
         if placed and len(placed) == 1:
             return devices_lib.implied((next(iter(placed)).id,), {"x": 1})
     default = getattr(jax.config, "jax_default_device", None)
@@ -227,8 +234,9 @@ def _abstract(key: ArgKey, default: VirtualSlice | None = None) -> jax.ShapeDtyp
     # On a slice with Explicit axes the trace sees each input as the slice holds
     # it (its spec if it fits the slice, else replicated), whatever mesh it came on.
     match key:
-        case FutureKey(shape=shape, dtype=dtype, sharding=sharding):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=explicit_view(default, sharding, shape))
+        case FutureKey(shape=shape, dtype=dtype, sharding=sharding, weak_type=weak):
+            view = explicit_view(default, sharding, shape)
+            return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=view)
         case ArrayKey(shape=shape, dtype=dtype, weak_type=weak, sharding=sharding):
             view = explicit_view(default, sharding, shape)
             return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=view)
@@ -568,7 +576,7 @@ class Program:
         """
         try:
             return lower(graph, signature, donated)
-        except errors.PathwaysError:
+        except (errors.PathwaysError, Warning):  # a warning raised as an error stays itself
             raise
         except Exception as exc:  # also of the original's class (XLA's JaxRuntimeError: a bad option)
             kind = errors.PlacementError if isinstance(exc, ValueError) else errors.ProgramTraceError

@@ -380,10 +380,12 @@ class Plan:
         for out in graph.outputs:
             if out.value is None:
                 literal = jnp.asarray(out.literal)
+                if isinstance(literal, jax.Array):
+                    aval, sharding = literal.aval, literal.sharding
+                else:  # float0 (the gradient of an integer input): host data, as jax.jit returns it
+                    aval, sharding = jax.core.ShapedArray(np.shape(literal), literal.dtype), None
                 self.outputs.append(
-                    OutputSlot(
-                        "literal", literal, literal.aval, literal.sharding, None, f"{graph.name}: literal"
-                    )
+                    OutputSlot("literal", literal, aval, sharding, None, f"{graph.name}: literal")
                 )
                 continue
             value = values[out.value]
@@ -500,6 +502,8 @@ def _compile(
     consts = tuple(node.jaxpr.consts)
     key = (
         _function_text(node.jaxpr.jaxpr),
+        # The text does not show weak types, which the executable's outputs carry.
+        tuple(getattr(aval, "weak_type", False) for aval in (*node.jaxpr.in_avals, *node.jaxpr.out_avals)),
         tuple(map(id, consts)),
         mesh,
         in_shardings,

@@ -29,17 +29,26 @@ def _fmt(file_name: str, line: int, function: str) -> str:
     return f"{os.path.basename(file_name)}:{line} ({function})"
 
 
+# Libraries whose frames are not the user's line, once imported (their layers and
+# optimizers run inside the user's step: the label is the user's line that called them).
+_LIBRARIES = ("flax", "optax", "chex", "orbax")
+
+
 def _library_dirs() -> tuple[str, ...]:
-    """Directories of libraries whose frames are not the user's line (Flax, once imported)."""
-    flax = sys.modules.get("flax")
-    file_name = getattr(flax, "__file__", None)
-    return (os.path.dirname(os.path.abspath(file_name)) + os.sep,) if file_name else ()
+    """Directories of the libraries of ``_LIBRARIES`` that are imported."""
+    dirs = []
+    for name in _LIBRARIES:
+        file_name = getattr(sys.modules.get(name), "__file__", None)
+        if file_name:
+            dirs.append(os.path.dirname(os.path.abspath(file_name)) + os.sep)
+    return tuple(dirs)
 
 
 def _user_frame(traceback: Any) -> Any:
     # JAX's user_frame skips JAX and pathways_jax; Flax's transforms (nnx.jit,
-    # nnx.value_and_grad) and layers are skipped here too, so that the label is
-    # the user's line that called them. Frames only in Flax keep Flax's line.
+    # nnx.value_and_grad) and layers, and Optax's updates, are skipped here too, so
+    # that the label is the user's line that called them. Frames only in them keep
+    # their line.
     if source_info_util is None:
         return None
     frames = source_info_util.user_frames(traceback)

@@ -29,12 +29,14 @@ class FutureKey(NamedTuple):
     dtype: Any
     sharding: Any
     slice_id: int | None  # the virtual slice the value lives on (None: none)
+    weak_type: bool = False  # as the array's: a weakly typed output stays weak in the next call
     kind: Literal["future"] = "future"
 
     @classmethod
     def of(cls, aval: Any, sharding: Any, slice_: Any) -> FutureKey:
         """The key of a value of ``aval`` with ``sharding`` on the virtual slice ``slice_`` (or None)."""
-        return cls(tuple(aval.shape), aval.dtype, sharding, slice_.id if slice_ is not None else None)
+        slice_id = slice_.id if slice_ is not None else None
+        return cls(tuple(aval.shape), aval.dtype, sharding, slice_id, bool(getattr(aval, "weak_type", False)))
 
 
 class ArrayKey(NamedTuple):
@@ -44,6 +46,7 @@ class ArrayKey(NamedTuple):
     dtype: Any
     weak_type: bool
     sharding: Any
+    committed: bool = True  # placed by the user (jax.device_put to a device), not by default
     kind: Literal["array"] = "array"
 
 

@@ -805,8 +805,9 @@ class Controller:
             if slot in consumed:
                 entry = future._entry
                 message = (
-                    f"{entry.origin} was donated to program {run.plan.graph.name!r} (donate_argnums) "
-                    "and its buffer was reused; use the program's outputs instead."
+                    f"this value (made by {entry.origin}) was donated to program "
+                    f"{run.plan.graph.name!r} (donate_argnums) and its buffer was reused; use the "
+                    "program's outputs instead."
                 )
                 self._store.free([entry], failure=(message, None))
 

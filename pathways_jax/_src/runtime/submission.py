@@ -82,6 +82,13 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     entries, futures = [], []
     for out, signature in zip(plan.outputs, plan.signatures, strict=True):
         entry = store.new(owner, out.aval, out.sharding, out.slice, out.origin, signature)
+        if out.kind == "literal" and not isinstance(out.where, jax.Array):
+            # float0 (no device holds it): host data, as jax.jit returns it; the entry goes at once.
+            store.set_ready(entry, out.where)
+            store.drop(entry)
+            entries.append(entry)
+            futures.append(out.where)
+            continue
         if out.kind == "literal":
             store.set_ready(entry, out.where)
         elif out.kind == "argument":
