@@ -156,3 +156,28 @@ def test_named_devices_wait_for_exclusive_holders_like_any_request():
     thread.join(20)
     assert got and [d.id for d in got[0].devices] == [3, 2] and got[0].exclusive
     shared.release()
+
+
+@pytest.mark.timeout(60)
+def test_slices_only_dropped_values_and_programs_hold_do_not_block_an_exclusive_request():
+    import gc
+
+    import jax.numpy as jnp
+
+    x = jnp.arange(16.0)
+    s = pw.devices(mesh={"x": 4})
+    f = pw.jit(lambda v: v * 2, devices=s)
+    assert f(x).result(timeout=60).shape == (16,)
+    # A program with no slice (where @jax.jit stood) runs on a slice of its own, shared.
+    assert pw.program(lambda v: v + 1)(x).result(timeout=60).shape == (16,)
+    del s, f
+    gc.collect()  # the futures are gone; their values are freed lazily, at the next store use
+    whole = pw.devices(mesh={"x": 8}, exclusive=True, timeout=5)
+    assert len(whole.devices) == 8
+    whole.release()
+    # A program kept alive keeps its slice (and its plan) for its next call.
+    keep = pw.program(lambda v: v * 3)
+    assert_out = keep(x).result(timeout=60)
+    with pytest.raises(pw.errors.ResourceError, match="exclusive"):
+        pw.devices(mesh={"x": 8}, exclusive=True, timeout=0.5)
+    assert (keep(x).result(timeout=60) == assert_out).all()

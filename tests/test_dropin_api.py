@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_matches
+from jax.sharding import PartitionSpec as P
 
 import pathways_jax as pw
 
@@ -218,3 +219,69 @@ def test_labels_and_donation_errors_name_the_users_line_not_optaxs():
     ):
         old.result(timeout=60)
     assert_matches(p, jax.jit(step)(*jax.jit(step)(jnp.ones(3), tx.init(jnp.ones(3))))[0])
+
+
+def test_pw_jit_takes_jax_jits_other_options():
+    s = pw.devices(mesh={"x": 1})
+    x = jnp.ones(3)
+    for options in ({"keep_unused": True}, {"inline": True}, {"compiler_options": {}}):
+        assert_matches(pw.jit(_add, devices=s, **options)(x, x), x + 1)
+    with pytest.raises(pw.errors.PathwaysError, match="no_such_option"):
+        pw.jit(_add, devices=s, compiler_options={"no_such_option": True})(x, x)
+
+
+def test_a_single_device_sharding_pins_a_program_as_it_pins_jax_jit():
+    target = jax.devices()[5]
+    sharding = jax.sharding.SingleDeviceSharding(target)
+    x = jnp.arange(3.0)
+    for options in ({"out_shardings": sharding}, {"in_shardings": sharding}):
+        want = jax.jit(lambda v: v * 2, **options)(x)
+        got = pw.program(lambda v: v * 2, **options)(x).result(timeout=60)
+        assert got.devices() == want.devices() == {target}
+        assert_matches(got, want)
+
+
+def test_bare_partition_specs_as_shardings_under_set_mesh():
+    mesh = jax.make_mesh((2, 4), ("X", "Y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jnp.arange(32.0).reshape(8, 4)
+    for options in ({"out_shardings": P("X")}, {"in_shardings": P("X")}):
+        with jax.set_mesh(mesh):
+            want = jax.jit(lambda v: v * 2, **options)(x)
+            got = pw.program(lambda v: v * 2, **options)(x).result(timeout=60)
+        assert got.sharding.is_equivalent_to(want.sharding, 2)
+        assert_matches(got, want, rtol=0, atol=0)
+
+
+def test_lower_takes_abstract_arguments_as_jax_jit_does():
+    spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    lowered = pw.program(lambda v: v.sum()).lower(spec)
+    assert lowered.as_text() == jax.jit(lambda v: v.sum()).lower(spec).as_text()
+    assert float(lowered.compile()(jnp.ones(4))) == 4.0
+
+
+def test_a_random_stream_follows_jax_threefry_partitionable_as_under_jax_jit():
+    def draw(key):
+        return jax.random.bits(key, (2, 2))
+
+    key = jax.random.key(0)
+    prog = pw.program(draw)
+    for value in (True, False, True):
+        with _config_value("jax_threefry_partitionable", value):
+            want = jax.jit(draw)(key)
+            assert_matches(prog(key), want, rtol=0, atol=0)
+            assert_matches(pw.program(draw)(key), want, rtol=0, atol=0)  # the executable cache too
+
+
+def _config_value(name, value):
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        old = getattr(jax.config, name)
+        jax.config.update(name, value)
+        try:
+            yield
+        finally:
+            jax.config.update(name, old)
+
+    return scope()

@@ -95,8 +95,10 @@ class JitFunction:
         donate_argnums: tuple[int, ...],
         static_argnames: tuple[str, ...] = (),
         donate_argnames: tuple[str, ...] = (),
+        compiler_options: tuple[tuple[str, Any], ...] = (),
     ):
         self._fun = fun
+        self._compiler_options = compiler_options
         self._devices = devices
         self._in_specs = in_specs
         self._out_specs = out_specs
@@ -228,6 +230,7 @@ class JitFunction:
                     static_argnums=self._static,
                     static_argnames=self._static_names,
                     name=self.__name__,
+                    compiler_options=self._compiler_options,
                 )
                 prog.source_info = self.source_info
                 prog._under_transforms = False  # a tracer argument comes back here (_transformed)
@@ -350,6 +353,9 @@ def jit(
     donate_argnums: int | Sequence[int] | None = (),
     static_argnames: str | Sequence[str] | None = (),
     donate_argnames: str | Sequence[str] | None = (),
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
 ) -> JitFunction: ...
 
 
@@ -364,6 +370,9 @@ def jit(
     donate_argnums: int | Sequence[int] | None = (),
     static_argnames: str | Sequence[str] | None = (),
     donate_argnames: str | Sequence[str] | None = (),
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
 ) -> Callable[[Callable[..., Any]], JitFunction]: ...
 
 
@@ -377,6 +386,9 @@ def jit(
     donate_argnums: int | Sequence[int] | None = (),
     static_argnames: str | Sequence[str] | None = (),
     donate_argnames: str | Sequence[str] | None = (),
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
 ) -> JitFunction | Callable[[Callable[..., Any]], JitFunction]:
     """Compiles ``fun`` with ``jax.jit`` and places it on a slice.
 
@@ -399,6 +411,10 @@ def jit(
       static_argnames: the same as ``static_argnums``, by parameter name; each
         completes the other, so a static argument may come by position or keyword.
       donate_argnames: the same as ``donate_argnums``, by parameter name.
+      keep_unused: accepted as ``jax.jit`` accepts it (no effect on results).
+      inline: accepted as ``jax.jit`` accepts it (no effect on results).
+      compiler_options: XLA options the function is compiled with when called
+        on its own (inside a program, the program's own apply).
 
     Returns:
       A :class:`JitFunction`.
@@ -425,9 +441,13 @@ def jit(
                 donate_argnums=donate_argnums,
                 static_argnames=static_argnames,
                 donate_argnames=donate_argnames,
+                keep_unused=keep_unused,
+                inline=inline,
+                compiler_options=compiler_options,
             )
 
         return decorate
+    del keep_unused, inline  # hints with no effect on results (see Args)
     if not callable(fun):
         raise errors.ProgramTraceError(f"pw.jit expects a function, got {type(fun).__name__}: {fun!r}.")
     if devices is not None and not isinstance(devices, VirtualSlice):
@@ -450,4 +470,5 @@ def jit(
         argnums(fun, donate_argnums, "donate_argnums"),
         argnames(static_argnames),
         argnames(donate_argnames, "donate_argnames"),
+        compiler_options=tuple(sorted((compiler_options or {}).items())),
     )

@@ -379,6 +379,14 @@ def _mesh_of(*shardings: Any) -> jax.sharding.Mesh | None:
     return None
 
 
+def _single_device_of(*shardings: Any) -> jax.Device | None:
+    """The device of the first ``SingleDeviceSharding`` in pytrees of shardings, if any."""
+    for leaf in jax.tree_util.tree_leaves(shardings):
+        if isinstance(leaf, jax.sharding.SingleDeviceSharding):
+            return next(iter(leaf.device_set))
+    return None
+
+
 def _positions_of(fun: Callable[..., Any], names: Sequence[str]) -> list[int]:
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return [i for i, p in enumerate(_parameters(fun)) if p.kind in positional and p.name in names]
@@ -718,7 +726,10 @@ class Program:
             # The caller's own mesh (jax.set_mesh, of any size) is set aside: the
             # program sees its default slice's mesh, or none.
             target = default or implied
-            with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH):
+            # A program with no slice sees its mesh as jax.jit sees the caller's (bare
+            # PartitionSpecs in an inner jax.jit's shardings name it); a slice's is abstract.
+            concrete = implied.physical_mesh if default is None and implied is not None else None
+            with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH, concrete):
                 closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))
         except (errors.PathwaysError, nnx_graph.GraphOutput):
             raise
@@ -867,7 +878,13 @@ class Program:
         return self._as_jax_jit().eval_shape(*args, **kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
-        """Traces and lowers the plan a call with these arguments would run (nothing runs)."""
+        """Traces and lowers the plan a call with these arguments would run (nothing runs).
+
+        Abstract arguments (``jax.ShapeDtypeStruct``, as the AOT guide lowers
+        with) make no plan: a call takes arrays.
+        """
+        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+            return
         try:
             key, inputs = self._split(args, kwargs)
         except (TracerArgument, nnx_graph.GraphArgument):
@@ -1062,6 +1079,9 @@ def program(
                 f"pw.program(backend={backend!r}): this process has no such platform ({exc}); "
                 f"its devices are {jax.devices()[0].platform}."
             ) from exc
+    if device is None and (in_shardings is not None or out_shardings is not None):
+        # As jax.jit: shardings on one device (SingleDeviceSharding) run the function there.
+        device = _single_device_of(in_shardings, out_shardings)
     if device is not None and not isinstance(device, jax.Device):
         raise errors.PlacementError(f"pw.program(device=...) expects a jax.Device, got {device!r}.")
     if compiler_options is not None and not isinstance(compiler_options, dict):

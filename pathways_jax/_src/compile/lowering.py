@@ -21,6 +21,11 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.compile.executable_cache import ExecutableCache
+
+try:  # the configuration a lowering depends on, as jax.jit's cache keys it
+    from jax._src.config import trace_context as _trace_context
+except ImportError:  # pragma: no cover - a JAX without it
+    _trace_context = tuple
 from pathways_jax._src.core import charges as charges_lib
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, timeline
@@ -504,6 +509,8 @@ def _compile(
         _function_text(node.jaxpr.jaxpr),
         # The text does not show weak types, which the executable's outputs carry.
         tuple(getattr(aval, "weak_type", False) for aval in (*node.jaxpr.in_avals, *node.jaxpr.out_avals)),
+        # Nor the configuration lowering depends on (jax_threefry_partitionable, precision).
+        _trace_context(),
         tuple(map(id, consts)),
         mesh,
         in_shardings,

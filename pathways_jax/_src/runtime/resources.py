@@ -33,8 +33,14 @@ class ResourceManager:
     nothing else is mapped there until they are released.
     """
 
-    def __init__(self, islands: tuple[tuple[jax.Device, ...], ...]):
+    def __init__(
+        self,
+        islands: tuple[tuple[jax.Device, ...], ...],
+        reclaim: collections.abc.Callable[[], None] | None = None,
+    ):
         self.islands = tuple(Island(i, devs) for i, devs in enumerate(islands))
+        # Called (no lock held) when a request finds no devices free: frees what nothing holds.
+        self._reclaim = reclaim
         self._cond = threading.Condition()
         self._shared_load: collections.Counter[int] = collections.Counter()
         self._reserved: set[int] = set()
@@ -177,6 +183,12 @@ class ResourceManager:
                 return self._try_place(size, fitting, exclusive)
 
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._reclaim is not None:
+            with self._cond:
+                free = place() is not None
+            if not free:
+                # Slices held only by dropped values and programs: released before waiting.
+                self._reclaim()
         with self._cond:
             while (placed := place()) is None:
                 remaining = None if deadline is None else deadline - time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import math
 import numbers
 import threading
@@ -108,8 +109,8 @@ class Cluster:
         self.executor.on_lost = self.host_lost
         if remote is not None:
             remote.on_restored = self.island_restored
-        self.resources = ResourceManager(islands)
         self.store = ObjectStore()
+        self.resources = ResourceManager(islands, reclaim=self._reclaim)
         if budget is not None:
             self.store.budget = Budget(budget)
         self.in_flight = in_flight
@@ -124,8 +125,9 @@ class Cluster:
         self.mapping_epoch = 0
         # Compiled executables by (node function, mesh, shardings): shared by plans.
         self.executables = ExecutableCache()
-        # Shared slices of programs with no placement, by (devices, mesh, axis types).
-        self.implied_slices: dict[tuple, Any] = {}
+        # Shared slices of programs with no placement, by (devices, mesh, axis types);
+        # weak: such a slice goes with the last program, plan and value placed on it.
+        self.implied_slices: weakref.WeakValueDictionary[tuple, Any] = weakref.WeakValueDictionary()
         self.implied_lock = threading.Lock()
         self._init_args = init_args
         self._closed = False
@@ -174,6 +176,16 @@ class Cluster:
         if controller is not None:
             controller.stop(timeout)
         self.executor.close(max(0.0, deadline - time.monotonic()))
+
+    def _reclaim(self) -> None:
+        """Frees what nothing holds any more, so that the slices only it held are released.
+
+        Called when a request for devices finds none free: values whose futures
+        are gone are freed lazily (at the next store operation), and programs
+        live in reference cycles until the garbage collector runs.
+        """
+        gc.collect()
+        self.store.collect()
 
     def host_lost(self, island: int) -> None:
         """A host died (Ray backend): its island leaves placement; its slices move to survivors.
