@@ -274,8 +274,8 @@ def build(
             kept = list(range(len(eqn.invars)))
             node_jaxpr = eqn.params["jaxpr"]
             if any(not _is_var(atom) or atom in const_data for atom in eqn.invars):
-                node_jaxpr, in_vars = _with_constants(eqn, const_data)
-                kept = [eqn.invars.index(v) for v in in_vars]  # each variable once, where it first is
+                node_jaxpr, call_inputs = _with_constants(eqn, const_data)
+                kept = [eqn.invars.index(v) for v in call_inputs]  # each variable once, where it first is
             in_ids = [on_slice(var_value[eqn.invars[i]], slice_) for i in kept]
             # A plain jax.jit call's own in_shardings/out_shardings, where they name the slice's axes.
             all_in_specs: tuple = _jit_specs(eqn.params.get("in_shardings"), slice_, len(eqn.invars))

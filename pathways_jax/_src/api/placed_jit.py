@@ -105,7 +105,7 @@ class JitFunction:
         # As jax.jit: positions and names complete each other (a static argument may come by keyword).
         self._static, self._static_names = _resolve_statics(fun, static_argnums, static_argnames)
         self._donate, self._donate_names = _resolve_statics(fun, donate_argnums, donate_argnames)
-        self._jit_options = {
+        self._jit_options: dict[str, Any] = {
             "static_argnums": self._static,
             "static_argnames": self._static_names,
             "donate_argnums": self._donate,
@@ -447,7 +447,6 @@ def jit(
             )
 
         return decorate
-    del keep_unused, inline  # hints with no effect on results (see Args)
     if not callable(fun):
         raise errors.ProgramTraceError(f"pw.jit expects a function, got {type(fun).__name__}: {fun!r}.")
     if devices is not None and not isinstance(devices, VirtualSlice):

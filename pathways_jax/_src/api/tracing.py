@@ -221,8 +221,8 @@ def _device_slice(signature: Signature) -> VirtualSlice:
     from pathways_jax._src.runtime import slices as devices_lib
 
     for key in signature:
-        committed = key.kind == "array" and key.committed
-        placed = getattr(key.sharding, "device_set", None) if committed else None
+        committed = isinstance(key, ArrayKey) and key.committed
+        placed = getattr(key.sharding, "device_set", None) if committed else None  # type: ignore[union-attr]
         if placed and len(placed) == 1:
             return devices_lib.implied((next(iter(placed)).id,), {"x": 1})
     default = getattr(jax.config, "jax_default_device", None)
@@ -793,7 +793,7 @@ class Program:
                 and _trace_context() == last.config
             ):
                 return submission.submit(plan, list(args))
-        if jax.config.jax_disable_jit:  # as jax.jit under jax.disable_jit(): op by op, in the caller
+        if jax.config.jax_disable_jit:  # type: ignore[attr-defined]  # as jax.jit under jax.disable_jit(): op by op, in the caller
             out = self._fun(*args, **kwargs)
             return submission.computed(out, f"program {self.name!r} run op by op", nnx_graph.is_graph_leaf)
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it

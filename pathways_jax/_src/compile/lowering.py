@@ -199,6 +199,8 @@ class Plan:
         # A backend that does not stage inputs ships them with the run's message.
         self.shipped_feeds = self.backend is not None and not self.backend.stages_inputs
         self.signatures = [out.signature for out in self.outputs]
+        # Outputs submission makes ready itself (literals, arguments returned as they are).
+        self.special_outputs = [(i, out) for i, out in enumerate(self.outputs) if out.kind != "slot"]
         self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}
         # How many windowed executables the plan puts on each island: a run
         # may be dispatched on the caller's thread only if they all fit now.

@@ -813,10 +813,10 @@ class Controller:
 
     def _publish(self, run: Run, started: int, values: Any, last: tuple) -> None:
         """A dispatched run's outputs become ready (``values[slot]``); the watcher gets ``last``."""
-        set_ready = self._store.set_ready
+        # ObjectStore.set_ready for each output a node made, inlined (once per output leaf).
         for out, entry in zip(run.plan.outputs, run.outputs, strict=True):
-            if out.kind == "slot":
-                set_ready(entry, values[out.where])
+            if out.kind == "slot" and type(entry.state) is not Freed:
+                entry.state = Ready(values[out.where])
         self._store.wake()
         self.accounting.note(run, started, last)
         run.env = []

@@ -132,8 +132,9 @@ class Future:
 
     def __del__(self) -> None:
         # No module globals here: at interpreter exit they may already be None.
+        # ObjectStore.drop, inlined (once per output leaf and call): an atomic append.
         try:  # noqa: SIM105
-            self._store.drop(self._entry)
+            self._store._dropped.append(self._entry)
         except Exception:
             pass
 

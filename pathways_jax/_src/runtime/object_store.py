@@ -168,6 +168,20 @@ class ObjectStore:
         self._live[entry.id] = entry  # one dict store: atomic under the GIL
         return entry
 
+    def new_run(self, owner: Owner, outputs: list[Any], signatures: list[Any]) -> list[Entry]:
+        """One entry per output of a run (``outputs``: its plan's output slots), as :meth:`new` each."""
+        if self._dropped and (self.budget is None or threading.get_ident() != MAIN_THREAD):
+            self.collect()
+        ids = self._ids
+        entries = [
+            Entry(next(ids), owner, out.aval, out.sharding, out.slice, out.origin, signature)
+            for out, signature in zip(outputs, signatures, strict=True)
+        ]
+        live = self._live
+        for entry in entries:
+            live[entry.id] = entry  # one dict store each: atomic under the GIL
+        return entries
+
     def drop(self, entry: Entry) -> None:
         """Called from ``Future.__del__``: the value is freed at the next collect()."""
         self._dropped.append(entry)
@@ -179,6 +193,16 @@ class ObjectStore:
     def collect(self) -> None:
         """Frees the values whose futures are gone."""
         budget = self.budget
+        if budget is None:  # the common case, in one tight loop
+            live, dropped = self._live, self._dropped
+            while dropped:
+                try:
+                    entry = dropped.popleft()
+                except IndexError:
+                    break
+                live.pop(entry.id, None)
+                entry.state = FREED
+            return
         released = False
         while self._dropped:
             try:

@@ -79,24 +79,19 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
         raise errors.ClusterError(f"{client!r} is closed; programs cannot be submitted for it.")
     run_id = next(_runs)
     owner = Owner(client.name, run_id, client.key)
-    entries, futures = [], []
-    for out, signature in zip(plan.outputs, plan.signatures, strict=True):
-        entry = store.new(owner, out.aval, out.sharding, out.slice, out.origin, signature)
-        if out.kind == "literal" and not isinstance(out.where, jax.Array):
-            # float0 (no device holds it): host data, as jax.jit returns it; the entry goes at once.
-            store.set_ready(entry, out.where)
-            store.drop(entry)
-            entries.append(entry)
-            futures.append(out.where)
-            continue
+    entries = store.new_run(owner, plan.outputs, plan.signatures)
+    futures: list[Any] = [Future(entry, store) for entry in entries]
+    for position, out in plan.special_outputs:
+        entry = entries[position]
         if out.kind == "literal":
             store.set_ready(entry, out.where)
+            if not isinstance(out.where, jax.Array):
+                # float0 (no device holds it): host data, as jax.jit returns it; the entry goes.
+                futures[position] = out.where
         elif out.kind == "argument":
             array = jnp.asarray(leaves[out.where])
             entry.sharding = array.sharding
             store.set_ready(entry, array)
-        entries.append(entry)
-        futures.append(Future(entry, store))
     counters.bump("runs")
     cl.controller.submit(Run(run_id, plan, env, future_inputs, entries, client=client))
     if rec is not None:
