@@ -363,3 +363,17 @@ def test_a_pmap_called_inside_a_program_runs_as_inside_jax_jit():
     x = jnp.arange(24.0).reshape(8, 1, 3)
     for w in (jax_utils.replicate(jnp.ones(3)), jnp.ones((8, 3))):  # on pmap's own mesh, or plain
         assert_matches(pw.program(outer)(w, x), jax.jit(outer)(w, x), rtol=0, atol=0)
+
+
+def test_pw_jit_under_disable_jit_runs_op_by_op_too():
+    s = pw.devices(mesh={"x": 2})
+    double = pw.jit(lambda v: v * 2, devices=s)
+    runs = pw.counters()["runs"]
+    with jax.disable_jit():
+        out = double(jnp.arange(4.0))
+        nested = pw.program(lambda v: double(v) + 1)(jnp.arange(4.0))
+    assert pw.counters()["runs"] == runs  # nothing went through the controller
+    assert isinstance(out, pw.Future)
+    assert_matches(out, jnp.arange(4.0) * 2, rtol=0, atol=0)
+    assert_matches(nested, jnp.arange(4.0) * 2 + 1, rtol=0, atol=0)
+    assert_matches(double(jnp.arange(4.0)), jnp.arange(4.0) * 2)  # and compiled again outside

@@ -27,7 +27,7 @@ from pathways_jax._src.api.tracing import (
 )
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
-from pathways_jax._src.runtime import context
+from pathways_jax._src.runtime import context, submission
 from pathways_jax._src.runtime.slices import VirtualSlice, check_spec
 
 Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
@@ -206,6 +206,10 @@ class JitFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = context.state.trace
+        if trace is None and jax.config.jax_disable_jit:  # type: ignore[attr-defined]
+            # As jax.jit under jax.disable_jit(): op by op, in the caller; futures of its results.
+            out = self._fun(*args, **kwargs)
+            return submission.computed(out, f"pw.jit {self.__name__!r} run op by op", nnx_graph.is_graph_leaf)
         if trace is None and inside_jax_trace():  # checkify, make_jaxpr: as jax.jit, traced in
             return self._transformed(self._slice(), args, kwargs)
         if trace is None and self._devices is not None and not self._devices.released:
