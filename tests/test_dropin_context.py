@@ -377,3 +377,22 @@ def test_pw_jit_under_disable_jit_runs_op_by_op_too():
     assert_matches(out, jnp.arange(4.0) * 2, rtol=0, atol=0)
     assert_matches(nested, jnp.arange(4.0) * 2 + 1, rtol=0, atol=0)
     assert_matches(double(jnp.arange(4.0)), jnp.arange(4.0) * 2)  # and compiled again outside
+
+
+def test_a_disallowing_transfer_guard_refuses_host_arguments_as_under_jax_jit():
+    f = pw.program(lambda x: x * 2)
+    host = np.ones(3, np.float32)
+    on_device = jnp.ones(3)
+    doubled = on_device * 2
+    assert_matches(f(host), host * 2)  # compiled outside the guard
+    for guard in (jax.transfer_guard, jax.transfer_guard_host_to_device):
+        with guard("disallow"):
+            with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device"):
+                jax.jit(lambda x: x * 2)(host)
+            with pytest.raises(pw.errors.TransferError, match=r"transfer_guard\('disallow'\)"):
+                f(host)
+            with pytest.raises(pw.errors.TransferError):
+                f(2.0)
+            got = f(on_device)  # arrays on devices move nothing
+        assert_matches(got, doubled)
+    assert_matches(f(host), host * 2)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, timeline
@@ -59,6 +60,8 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     env = list(plan.template)
     shipped = plan.shipped_feeds
     staged = shipped or plan.staged_feeds
+    if plan.host_feeds:
+        _guard_host_feeds(plan, leaves)
     for index, slot, sharding in plan.host_feeds:
         leaf = leaves[index]
         if staged:  # shipped with the run's message, or put on devices at admission
@@ -97,6 +100,28 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     if rec is not None:
         rec.submitted(plan, run_id, t0, owner.client)
     return jax.tree_util.tree_unflatten(plan.graph.out_tree, futures)
+
+
+def _guard_host_feeds(plan: Plan, leaves: list[Any]) -> None:
+    """``jax.transfer_guard`` for the host values a call passes, as ``jax.jit`` applies it.
+
+    ``jax.jit`` moves a NumPy array or Python scalar argument to its devices
+    implicitly, which a ``"disallow"`` guard refuses and a ``"log"`` guard
+    logs; the run's own ``jax.device_put`` is explicit, which those allow.
+    """
+    guard = jax.config.jax_transfer_guard_host_to_device or jax.config.jax_transfer_guard  # type: ignore[attr-defined]
+    if guard not in ("disallow", "log"):
+        return
+    index = plan.host_feeds[0][0]
+    leaf = leaves[index]
+    what = f"{type(leaf).__name__} of shape {np.shape(leaf)}"
+    if guard == "disallow":
+        raise errors.TransferError(
+            f"program {plan.graph.name!r} was called with a host value ({what}, argument leaf {index}) "
+            "under jax.transfer_guard('disallow'): as jax.jit, the implicit host-to-device transfer "
+            "is refused. Put it on devices first (jax.device_put), or allow the transfer."
+        )
+    logging.warning("pathways_jax: host-to-device transfer of %s for program %r", what, plan.graph.name)
 
 
 def computed(tree: Any, origin: str, is_leaf: Any = None) -> Any:
