@@ -1,5 +1,6 @@
 """Shared test helpers: comparing program results with plain jax.jit."""
 
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -20,6 +21,17 @@ def assert_matches(got, want, rtol=1e-6, atol=1e-6):
         assert value.shape == w.shape, f"shape {value.shape} != {w.shape}"
         assert value.dtype == w.dtype, f"dtype {value.dtype} != {w.dtype}"
         np.testing.assert_allclose(np.asarray(value), np.asarray(w), rtol=rtol, atol=atol)
+
+
+@contextlib.contextmanager
+def jax_config(name, value):
+    """``jax.config.update(name, value)`` for the block, the old value restored after it."""
+    old = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, old)
 
 
 def wait_for(predicate, timeout: float = 20.0) -> bool:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, jax_config
 from jax.sharding import PartitionSpec as P
 
 import pathways_jax as pw
@@ -266,22 +266,7 @@ def test_a_random_stream_follows_jax_threefry_partitionable_as_under_jax_jit():
     key = jax.random.key(0)
     prog = pw.program(draw)
     for value in (True, False, True):
-        with _config_value("jax_threefry_partitionable", value):
+        with jax_config("jax_threefry_partitionable", value):
             want = jax.jit(draw)(key)
             assert_matches(prog(key), want, rtol=0, atol=0)
             assert_matches(pw.program(draw)(key), want, rtol=0, atol=0)  # the executable cache too
-
-
-def _config_value(name, value):
-    import contextlib
-
-    @contextlib.contextmanager
-    def scope():
-        old = getattr(jax.config, name)
-        jax.config.update(name, value)
-        try:
-            yield
-        finally:
-            jax.config.update(name, old)
-
-    return scope()

@@ -6,29 +6,17 @@ runs op by op under ``jax.disable_jit()``. Each test changes one of them between
 calls of the same program and compares with ``jax.jit`` on the same inputs.
 """
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, jax_config
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import pathways_jax as pw
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@contextlib.contextmanager
-def _config(name, value):
-    old = getattr(jax.config, name)
-    jax.config.update(name, value)
-    try:
-        yield
-    finally:
-        jax.config.update(name, old)
 
 
 def _result(out):
@@ -41,7 +29,7 @@ def test_64_bit_mode_switched_on_after_a_call_retraces_as_jax_jit_does():
 
     prog, jitted = pw.program(add), jax.jit(add)
     assert _result(prog(1.0, 2)).dtype == jitted(1.0, 2).dtype == jnp.float32
-    with _config("jax_enable_x64", True):
+    with jax_config("jax_enable_x64", True):
         want = jitted(1.0, 2)
         got = _result(prog(1.0, 2))
         assert got.dtype == want.dtype == jnp.float64
@@ -58,7 +46,7 @@ def test_strict_dtype_promotion_set_after_a_call_is_applied():
     f32, i32 = jnp.ones(3, jnp.float32), jnp.ones(3, jnp.int32)
     prog = pw.program(add)
     assert_matches(prog(f32, i32), jax.jit(add)(f32, i32))
-    with _config("jax_numpy_dtype_promotion", "strict"):
+    with jax_config("jax_numpy_dtype_promotion", "strict"):
         with pytest.raises(jax.dtypes.TypePromotionError):
             jax.jit(add)(f32, i32)
         # Caught as jax.jit's error is, and as pathways_jax's.
@@ -74,7 +62,7 @@ def test_default_matmul_precision_is_part_of_the_cache_key():
     traces = pw.counters()["traces"]
     _result(prog(x))
     assert pw.counters()["traces"] == traces
-    with _config("jax_default_matmul_precision", "highest"):
+    with jax_config("jax_default_matmul_precision", "highest"):
         _result(prog(x))
         text = prog.lower(x).as_text()
     assert pw.counters()["traces"] == traces + 1
@@ -103,7 +91,7 @@ def test_futures_only_calls_see_a_config_change_too():
     x = prog(jnp.ones(2, jnp.int32))
     x = prog(x)
     x = prog(x)  # now the fast path
-    with _config("jax_enable_x64", True):
+    with jax_config("jax_enable_x64", True):
         y = _result(prog(x))
         want = jax.jit(lambda v: v * 2 + jnp.arange(2))(_result(x))
     assert y.dtype == want.dtype == jnp.int64
