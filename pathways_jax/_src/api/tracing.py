@@ -34,18 +34,20 @@ except ImportError:  # pragma: no cover - a JAX without it: every context is the
     _trace_context = tuple
 
 
+try:  # JAX's current trace (its eager trace at top level)
+    from jax._src.core import EvalTrace as _EvalTrace
+    from jax._src.core import trace_ctx as _trace_ctx
+except ImportError:  # pragma: no cover - a JAX without them: tracer arguments tell
+    _EvalTrace = _trace_ctx = None  # type: ignore[assignment, misc]
+
+
 def inside_jax_trace() -> bool:
     """True while JAX traces the caller (``checkify``, ``jax.jit``), even with concrete arguments.
 
     ``checkify.checkify(f)`` and ``jax.make_jaxpr`` of a function closing over
     its arguments call the program with arrays, not tracers, inside their trace.
     """
-    try:
-        from jax._src import core as jax_core
-
-        return not isinstance(jax_core.trace_ctx.trace, jax_core.EvalTrace)
-    except (ImportError, AttributeError):  # pragma: no cover - a JAX without them: tracers tell
-        return False
+    return _trace_ctx is not None and not isinstance(_trace_ctx.trace, _EvalTrace)
 
 
 def _user_mesh() -> jax.sharding.Mesh | None:
