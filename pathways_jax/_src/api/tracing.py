@@ -436,9 +436,9 @@ class Program:
         compiler_options: tuple[tuple[str, Any], ...] = (),
     ):
         self._fun = fun
-        self._mesh_hint = mesh_hint
+        self._mesh_hint = mesh_hint  # the mesh of in_shardings/out_shardings, if any
         self._device = device  # jax.jit's device=: where a program with no slice runs
-        self._compiler_options = compiler_options  # the mesh of in_shardings/out_shardings, if any
+        self._compiler_options = compiler_options  # XLA options every node is compiled with
         self._devices = devices
         self._static, self._static_names = _resolve_statics(fun, static_argnums, static_argnames)
         # Static positions that may also arrive by keyword (or be left to their defaults).
@@ -795,7 +795,8 @@ class Program:
                 and _trace_context() == last.config
             ):
                 return submission.submit(plan, list(args))
-        if jax.config.jax_disable_jit:  # type: ignore[attr-defined]  # as jax.jit under jax.disable_jit(): op by op, in the caller
+        # As jax.jit under jax.disable_jit(): op by op, in the caller.
+        if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
             out = self._fun(*args, **kwargs)
             return submission.computed(out, f"program {self.name!r} run op by op", nnx_graph.is_graph_leaf)
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
