@@ -22,10 +22,10 @@ from pathways_jax._src.api.tracing import (
     _resolve_statics,
     argnames,
     argnums,
-    inside_jax_trace,
     name_of,
 )
 from pathways_jax._src.core import errors, source
+from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
 from pathways_jax._src.runtime import context, submission
 from pathways_jax._src.runtime.slices import VirtualSlice, check_spec

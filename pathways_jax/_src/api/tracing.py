@@ -20,6 +20,8 @@ from pathways_jax._src.api import graph_builder, nnx_graph
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, source, timeline
+from pathways_jax._src.core.jax_context import inside_jax_trace
+from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.graph import Graph
@@ -27,27 +29,6 @@ from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKe
 from pathways_jax._src.runtime import context, submission
 from pathways_jax._src.runtime.futures import Future, register_with_flax
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
-
-try:  # the configuration a trace depends on (x64, promotion rules, precision, meshes, default device)
-    from jax._src.config import trace_context as _trace_context
-except ImportError:  # pragma: no cover - a JAX without it: every context is the same
-    _trace_context = tuple
-
-
-try:  # JAX's current trace (its eager trace at top level)
-    from jax._src.core import EvalTrace as _EvalTrace
-    from jax._src.core import trace_ctx as _trace_ctx
-except ImportError:  # pragma: no cover - a JAX without them: tracer arguments tell
-    _EvalTrace = _trace_ctx = None  # type: ignore[assignment, misc]
-
-
-def inside_jax_trace() -> bool:
-    """True while JAX traces the caller (``checkify``, ``jax.jit``), even with concrete arguments.
-
-    ``checkify.checkify(f)`` and ``jax.make_jaxpr`` of a function closing over
-    its arguments call the program with arrays, not tracers, inside their trace.
-    """
-    return _trace_ctx is not None and not isinstance(_trace_ctx.trace, _EvalTrace)
 
 
 def _user_mesh() -> jax.sharding.Mesh | None:

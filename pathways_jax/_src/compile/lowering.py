@@ -21,15 +21,11 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.compile.executable_cache import ExecutableCache
-
-try:  # the configuration a lowering depends on, as jax.jit's cache keys it
-    from jax._src.config import trace_context as _trace_context
-except ImportError:  # pragma: no cover - a JAX without it
-    _trace_context = tuple
 from pathways_jax._src.core import charges as charges_lib
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, timeline
 from pathways_jax._src.core.charges import Charge, charge_of
+from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
 from pathways_jax._src.ir.graph import Graph, Node
 from pathways_jax._src.ir.signatures import FutureKey

@@ -664,24 +664,25 @@ class Controller:
         """
         if threading.get_ident() == self._thread.ident:
             return True
-        with self._lock:
-            waiting = {run.id for queue in self._queues.values() for run in queue}
-            if self._picked is not None:
-                waiting.add(self._picked.id)
+        waiting = self._undispatched()
         deadline = None if timeout is None else time.monotonic() + timeout
         while waiting:
             if not self._thread.is_alive():
                 return True  # nothing more is dispatched: the queued runs were failed
-            with self._lock:
-                still = {run.id for queue in self._queues.values() for run in queue}
-                if self._picked is not None:
-                    still.add(self._picked.id)
-            waiting &= still
+            waiting &= self._undispatched()
             if waiting:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 time.sleep(0.0005)
         return True
+
+    def _undispatched(self) -> set[int]:
+        """The ids of the runs queued or being dispatched now."""
+        with self._lock:
+            ids = {run.id for queue in self._queues.values() for run in queue}
+            if self._picked is not None:
+                ids.add(self._picked.id)
+        return ids
 
     def queued_by_island(self) -> dict[int, int]:
         with self._lock:

@@ -132,7 +132,7 @@ class Future:
 
     def __del__(self) -> None:
         # No module globals here: at interpreter exit they may already be None.
-        # ObjectStore.drop, inlined (once per output leaf and call): an atomic append.
+        # The store frees the value at its next collect(): an atomic append.
         try:  # noqa: SIM105
             self._store._dropped.append(self._entry)
         except Exception:

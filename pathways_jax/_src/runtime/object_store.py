@@ -138,7 +138,7 @@ class ObjectStore:
     def __init__(self) -> None:
         self._ids = itertools.count()
         self._live: dict[int, Entry] = {}
-        # Futures dropped by the garbage collector land here: a finaliser may
+        # Futures dropped by the garbage collector land here (Future.__del__ appends): a finaliser may
         # run at any allocation, even while this thread holds the lock, so it
         # only appends (atomic) and the next store operation does the freeing.
         self._dropped: collections.deque[Entry] = collections.deque()
@@ -161,17 +161,13 @@ class ObjectStore:
         self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any = None
     ) -> Entry:
         entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin, signature)
-        # Under a budget the main thread leaves freeing to the controller's thread:
-        # an interrupt there could cut a release in two and lose the bytes.
-        if self._dropped and (self.budget is None or threading.get_ident() != MAIN_THREAD):
-            self.collect()
+        self._collect_before_new()
         self._live[entry.id] = entry  # one dict store: atomic under the GIL
         return entry
 
     def new_run(self, owner: Owner, outputs: list[Any], signatures: list[Any]) -> list[Entry]:
         """One entry per output of a run (``outputs``: its plan's output slots), as :meth:`new` each."""
-        if self._dropped and (self.budget is None or threading.get_ident() != MAIN_THREAD):
-            self.collect()
+        self._collect_before_new()
         ids = self._ids
         entries = [
             Entry(next(ids), owner, out.aval, out.sharding, out.slice, out.origin, signature)
@@ -182,9 +178,14 @@ class ObjectStore:
             live[entry.id] = entry  # one dict store each: atomic under the GIL
         return entries
 
-    def drop(self, entry: Entry) -> None:
-        """Called from ``Future.__del__``: the value is freed at the next collect()."""
-        self._dropped.append(entry)
+    def _collect_before_new(self) -> None:
+        """Frees dropped values before new ones are made.
+
+        Under a budget the main thread leaves freeing to the controller's thread:
+        an interrupt there could cut a release in two and lose the bytes.
+        """
+        if self._dropped and (self.budget is None or threading.get_ident() != MAIN_THREAD):
+            self.collect()
 
     def has_dropped(self) -> bool:
         """True when futures were dropped since the last :meth:`collect`."""
