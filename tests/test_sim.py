@@ -14,6 +14,7 @@ from helpers import ROOT, run_script
 
 import pathways_jax as pw
 from pathways_jax import sim
+from pathways_jax.sim import _engine as sim_engine
 
 US = 1e-6
 
@@ -84,6 +85,25 @@ def test_a_dcn_transfer_between_two_islands_on_two_hosts():
     assert sends == ["send dcn to host 0", "send dcn to host 1"]  # one message per host per run
     starts = {e["name"]: e["ts"] for e in result.trace["traceEvents"] if e.get("cat") == "execution"}
     assert starts == {"dcn/A": pytest.approx(10), "dcn/B": pytest.approx(29)}
+
+
+def test_a_host_paces_its_executables_as_the_runtime_s_hosts_do():
+    # One message reaches host 0 at 0 (no costs but the host's 1 µs a node). It enqueues n_i at
+    # i..i+1; n_i runs 1+10i..11+10i, each after the one before. At 26, about to enqueue n26, the host
+    # has 26 enqueued and 2 done (n0 at 11, n1 at 21): PACE = 24 in flight. It waits until half are
+    # done: 12 more, n2-n13, the last at 141; n26-n29 are enqueued 141-145. The device never idles:
+    # the chain of 30 ends at 301. (Unpaced, the host would be done enqueueing at 30.)
+    assert sim_engine.PACE == 24
+    profile = sim.Profile(hosts=sim.HostCosts(enqueue_s=1 * US))
+    cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
+    steps = tuple(
+        sim.Step("node", f"n{i}", (0, 1), 10 * US, inputs=(i - 1,) if i else (), windowed=False)
+        for i in range(30)
+    )
+    result = sim.simulate(cluster, sim.SimProgram("paced", steps))
+    assert result.makespan_s == approx(301)
+    (enqueue,) = [e for e in result.trace["traceEvents"] if e.get("cat") == "enqueue"]
+    assert (enqueue["ts"], enqueue["ts"] + enqueue["dur"]) == (pytest.approx(0), pytest.approx(145))
 
 
 def test_two_clients_interleave_in_submission_order():

@@ -18,8 +18,11 @@ What is modelled (each charged from the cluster's :class:`Profile`):
 - **The in-flight window.** ``local``: at most ``in_flight`` windowed
   executables in flight per island, and ``device_window`` single-device
   executables per device; the controller waits when a window is full until it
-  has drained to half (as the runtime does). ``hosts``: each
-  host applies the bound to its own executables, waiting for the oldest.
+  has drained to half (as the runtime does). ``hosts``: each host bounds its
+  own executables as the runtime's hosts do: every one counts, at most
+  ``ray_host.PACE`` in flight (windowed ones also at most ``in_flight``, and
+  ``CROSS_HOST_WINDOW`` on islands of several hosts); a full host waits
+  until half have finished.
 - **Devices** run what was enqueued on them in dispatch order, one thing at a
   time. A node on several devices (and hosts) starts once every one of its
   devices is free, every host has enqueued it and its inputs are ready, and
@@ -54,6 +57,8 @@ from typing import Any
 import numpy as np
 
 from pathways_jax import errors
+from pathways_jax._src.backends.ray import CROSS_HOST_WINDOW
+from pathways_jax._src.backends.ray_host import PACE
 from pathways_jax._src.core.timeline import CONTROLLER_PID, TRANSFER_TID
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax.sim._cluster import Cluster
@@ -235,6 +240,10 @@ class _Simulation:
         per = "island" if cluster.dispatch == "local" else "host"
         count = cluster.islands if per == "island" else cluster.hosts
         self.windows = [_Window(self.env, cluster.in_flight) for _ in range(count)]
+        # A host's bound for windowed executables (the runtime's hosts: ray.py, ray_host.py).
+        self._host_bound = min(
+            cluster.in_flight, PACE, CROSS_HOST_WINDOW if cluster.hosts_per_island > 1 else PACE
+        )
         self.device_windows = (
             [_Window(self.env, cluster.device_window) for _ in range(cluster.devices)]
             if per == "island"
@@ -460,11 +469,12 @@ class _Simulation:
             yield turn
             start = env.now
             yield from self._work(cost.run_s)
-            window = self.windows[host]
+            window, windowed = self.windows[host], self._host_bound
             for item in items:
-                if item.step.kind == "node" and item.step.windowed:
-                    if window.count >= window.size:
-                        yield window.until(window.size - 1)
+                if item.step.kind == "node":
+                    bound = windowed if item.step.windowed else PACE
+                    if window.count >= bound:
+                        yield window.until(bound // 2)
                     window.count += 1
                 yield from self._work(cost.enqueue_s)
                 item.hosts_left -= 1
@@ -522,7 +532,7 @@ class _Simulation:
                 window = self._local_window(step)
                 if window is not None:
                     window.release()
-            elif step.windowed:
+            else:
                 for h in self._hosts_of(step):
                     self.windows[h].release()
         self._record_item(item)
