@@ -132,8 +132,21 @@ def test_shutdown_stops_the_host_actors(ray_cluster):
     ],
 )
 def test_init_arguments_are_checked(kwargs, pattern):
+    jax.devices()  # JAX has started with the suite's 8 CPU devices (it has, whatever ran before)
     with pytest.raises(pw.errors.ClusterError, match=pattern):
         pw.init(**kwargs)
+
+
+def test_gpu_hosts_on_a_cluster_without_gpus_are_refused_at_once(ray_cluster):
+    import ray
+
+    assert ray.cluster_resources().get("GPU", 0) == 0  # the suite's local cluster: CPUs only
+    start = time.monotonic()
+    with pytest.raises(pw.errors.ClusterError, match=r"2 hosts x 1 GPUs = 2 GPUs, but the Ray cluster has 0"):
+        pw.init(backend="ray", hosts=2, devices_per_host=1, platform="gpu")
+    assert time.monotonic() - start < 10  # placement would have waited its 120 s
+    # Nothing was started: CPU hosts come up next.
+    assert pw.init(backend="ray", hosts=1, devices_per_host=1).remote.info[0]["platform"] == "cpu"
 
 
 def test_hosts_follow_the_controller_s_64_bit_mode(ray_cluster):

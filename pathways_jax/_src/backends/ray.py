@@ -125,6 +125,18 @@ def _import_ray() -> Any:
     return ray
 
 
+def _check_gpus(ray: Any, hosts: int, devices_per_host: int) -> None:
+    """Refuses at once GPU hosts a Ray cluster has no GPUs for (its placement would wait in vain)."""
+    wanted = hosts * devices_per_host
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < wanted:
+        raise errors.ClusterError(
+            f"platform='gpu' asks Ray for {hosts} hosts x {devices_per_host} GPUs = {wanted} GPUs, but the "
+            f"Ray cluster has {have:g}. Start the Ray nodes that have the GPUs first (Ray must see them: "
+            "`ray status` lists them), ask for fewer hosts or devices_per_host, or use platform='cpu'."
+        )
+
+
 def with_remote_traceback(exc: BaseException, host: int, trace: str) -> BaseException:
     """Attaches the traceback a host sent with a failure (if any) to ``exc`` as a note."""
     if trace:
@@ -562,6 +574,7 @@ class RayBackend:
         bundle: dict[str, float] = {"CPU": 1}
         if platform != "cpu":
             bundle["GPU"] = devices_per_host
+            _check_gpus(ray, hosts, devices_per_host)
         self.pg = placement_group([bundle] * hosts, strategy="SPREAD")
         try:
             ray.get(self.pg.ready(), timeout=_START_TIMEOUT_S)
