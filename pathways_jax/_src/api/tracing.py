@@ -663,6 +663,7 @@ class Program:
             default.check_usable()
         state = TraceState(default)
         implied = None
+        uncommitted = False
         if default is None and self._device is not None:  # jax.jit's device=
             from pathways_jax._src.runtime import slices as devices_lib
 
@@ -679,6 +680,8 @@ class Program:
                 state.implied = lambda: on_mesh
             else:
                 state.implied = functools.cache(lambda: _device_slice(signature))
+                # Nothing committed placed it: as jax.jit's, its outputs there are uncommitted.
+                uncommitted = not any(getattr(key, "committed", False) for key in signature)
         out_trees: list[Any] = []
 
         def flat_fun(*dynamic_leaves: Any) -> list[Any]:
@@ -747,6 +750,8 @@ class Program:
             state=state,
             out_tree=out_trees[-1],
         )
+        if uncommitted and state.implied is not None:
+            graph = dataclasses.replace(graph, uncommitted_slice=state.implied().id)
         if rec is not None:
             rec.complete(f"trace {self.name}", "trace", t0, program=self.name, source=self.source_info)
         return graph.check()

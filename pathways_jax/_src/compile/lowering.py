@@ -76,13 +76,14 @@ class OutputSlot:
     sharding: Any
     slice: VirtualSlice | None
     origin: str
+    committed: bool = True  # False: an uncommitted one-device output, as jax.jit's (Graph.uncommitted_slice)
 
     @property
     def signature(self) -> FutureKey | None:
         """The argument cache key of futures made from this output (None: compute later)."""
         if self.sharding is None:
             return None
-        return FutureKey.of(self.aval, self.sharding, self.slice)
+        return FutureKey.of(self.aval, self.sharding, self.slice, self.committed)
 
 
 class AccountingGroup(NamedTuple):
@@ -394,7 +395,14 @@ class Plan:
             value = values[out.value]
             if out.value in home:
                 slot, sharding = home[out.value]
-                self.outputs.append(OutputSlot("slot", slot, value.aval, sharding, value.slice, value.origin))
+                committed = not (
+                    value.slice is not None
+                    and value.slice.id == graph.uncommitted_slice
+                    and len(sharding.device_set) == 1
+                )
+                self.outputs.append(
+                    OutputSlot("slot", slot, value.aval, sharding, value.slice, value.origin, committed)
+                )
             elif out.value in host_arg:
                 self.outputs.append(
                     OutputSlot("argument", host_arg[out.value], value.aval, None, None, value.origin)

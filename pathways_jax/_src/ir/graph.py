@@ -116,6 +116,9 @@ class Graph:
       out_tree: the output pytree structure.
       compiler_options: XLA options every node is compiled with (``jax.jit``'s
         ``compiler_options``), as sorted ``(name, value)`` pairs.
+      uncommitted_slice: the id of the slice whose one-device outputs are
+        uncommitted, as ``jax.jit``'s are when nothing placed the call (no
+        slice, no committed argument: JAX's default device); None: none.
     """
 
     name: str
@@ -129,6 +132,7 @@ class Graph:
     outputs: tuple[Output, ...]
     out_tree: Any
     compiler_options: tuple[tuple[str, Any], ...] = ()
+    uncommitted_slice: int | None = None
 
     @property
     def slices(self) -> tuple[VirtualSlice, ...]:

@@ -30,13 +30,17 @@ class FutureKey(NamedTuple):
     sharding: Any
     slice_id: int | None  # the virtual slice the value lives on (None: none)
     weak_type: bool = False  # as the array's: a weakly typed output stays weak in the next call
+    # As jax.Array.committed: False for outputs placed on JAX's default device because nothing
+    # placed the call, as jax.jit's outputs of uncommitted arguments are (result() says so too).
+    committed: bool = True
     kind: Literal["future"] = "future"
 
     @classmethod
-    def of(cls, aval: Any, sharding: Any, slice_: Any) -> FutureKey:
+    def of(cls, aval: Any, sharding: Any, slice_: Any, committed: bool = True) -> FutureKey:
         """The key of a value of ``aval`` with ``sharding`` on the virtual slice ``slice_`` (or None)."""
         slice_id = slice_.id if slice_ is not None else None
-        return cls(tuple(aval.shape), aval.dtype, sharding, slice_id, bool(getattr(aval, "weak_type", False)))
+        weak = bool(getattr(aval, "weak_type", False))
+        return cls(tuple(aval.shape), aval.dtype, sharding, slice_id, weak, committed)
 
 
 class ArrayKey(NamedTuple):

@@ -95,7 +95,7 @@ class Future:
     ``jax.jit(g)(future)``, which traces and caches as for the array itself;
     and Flax NNX modules whose parameters hold futures; ``pickle`` (as the
     array). Like an array, a future is unhashable. ``shape``, ``dtype``,
-    ``ndim``, ``size``, ``nbytes``, ``sharding``, ``aval``, ``devices()``,
+    ``ndim``, ``size``, ``nbytes``, ``sharding``, ``committed``, ``aval``, ``devices()``,
     ``is_fully_replicated``, ``is_deleted()``, ``len`` and ``repr`` come
     without waiting; ``copy_to_host_async()`` waits for the run's dispatch
     only; ``delete()`` frees the value at once.
@@ -124,7 +124,7 @@ class Future:
       >>> s.release()
     """
 
-    __slots__ = ("__weakref__", "_entry", "_store")
+    __slots__ = ("__weakref__", "_entry", "_loose", "_store")
 
     def __init__(self, entry: Entry, store: ObjectStore):
         self._entry = entry
@@ -148,8 +148,18 @@ class Future:
 
     @property
     def sharding(self) -> jax.sharding.Sharding:
-        """Where the value lives (known when the call returns)."""
-        return self._entry.sharding
+        """Where the value lives (known when the call returns), as ``result().sharding``."""
+        entry = self._entry
+        signature = entry.signature
+        if signature is not None and not signature.committed:
+            return jax.sharding.SingleDeviceSharding(next(iter(entry.sharding.device_set)))
+        return entry.sharding
+
+    @property
+    def committed(self) -> bool:
+        """As ``jax.Array.committed``: False for outputs placed where nothing placed the call; no wait."""
+        signature = self._entry.signature
+        return signature is None or signature.committed
 
     @property
     def slice(self):
@@ -238,12 +248,29 @@ class Future:
         array = self._computed(timeout)
         if not isinstance(array, jax.Array):  # held by a backend's host (a handle): bring it here
             try:
-                return array.fetch()
+                array = array.fetch()
             except errors.PathwaysError:
                 raise
             except Exception as exc:
                 raise errors.ProgramFailedError(f"fetching {self._entry.origin} failed: {exc}") from exc
+        signature = self._entry.signature
+        if signature is not None and not signature.committed:
+            return self._uncommitted(array)
         return array
+
+    def _uncommitted(self, array: jax.Array) -> jax.Array:
+        """``array`` (a one-device value) as jax.jit returns one nothing placed: uncommitted, on its device.
+
+        The same buffer: made once per future, not copied.
+        """
+        loose = getattr(self, "_loose", None)
+        if loose is None or loose[0] is not array:
+            device = next(iter(array.sharding.device_set))
+            made = _array_impl(
+                array.aval, jax.sharding.SingleDeviceSharding(device), [array], committed=False
+            )
+            loose = self._loose = (array, made)
+        return loose[1]
 
     def _computed(self, timeout: float | None) -> Any:
         """The value once computed (a ``jax.Array``, or a backend's handle to it); raises as :meth:`result`."""
@@ -377,7 +404,6 @@ class Future:
     imag = _array_property("imag")
     at = _array_property("at")
     weak_type = _array_property("weak_type")
-    committed = _array_property("committed")
     addressable_shards = _array_property("addressable_shards")
     global_shards = _array_property("global_shards")
     format = _array_property("format")
@@ -467,8 +493,26 @@ def dispatched(future: Future) -> Any:
         store.wait_settled(entry, None)
     state = entry.state
     if type(state) is Ready and isinstance(state.array, jax.Array):
+        signature = entry.signature
+        if signature is not None and not signature.committed:
+            return future._uncommitted(state.array)
         return state.array
     return future
+
+
+def _array_impl(aval: Any, sharding: Any, arrays: list, committed: bool) -> jax.Array:
+    """A ``jax.Array`` over ``arrays``' buffers with ``sharding`` and ``committed`` (JAX's own constructor).
+
+    Private to JAX; on a JAX without it, and for typed PRNG keys (not made of
+    buffers of their own), the array as it is (committed).
+    """
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # pragma: no cover
+        return arrays[0]
+    if type(arrays[0]) is not ArrayImpl:
+        return arrays[0]
+    return ArrayImpl(aval, sharding, arrays, committed=committed, _skip_checks=True)
 
 
 def _register_with_jax() -> bool:
