@@ -270,3 +270,62 @@ def test_a_random_stream_follows_jax_threefry_partitionable_as_under_jax_jit():
             want = jax.jit(draw)(key)
             assert_matches(prog(key), want, rtol=0, atol=0)
             assert_matches(pw.program(draw)(key), want, rtol=0, atol=0)  # the executable cache too
+
+
+def test_flax_s_sharded_init_recipe_with_a_train_state_made_anew_in_each_call():
+    """Flax's partitioning guide: out_shardings from a jax.eval_shape of an init that makes its module anew.
+
+    Each trace of ``init`` makes another ``apply_fn`` (a bound method of a new
+    module); jax.jit reuses its trace of the ``jax.eval_shape``, so its outputs
+    carry the shardings' metadata and the same shardings then match them as
+    the train step's ``in_shardings``. Under a program's mesh JAX matched the
+    shardings strictly and refused both.
+    """
+    nn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+    from flax.training.train_state import TrainState
+    from jax.sharding import NamedSharding
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+            return nn.Dense(8, kernel_init=init, use_bias=False)(x)
+
+    tx = optax.adam(1e-2)
+
+    def init(key, x):
+        return TrainState.create(apply_fn=MLP().apply, params=MLP().init(key, x)["params"], tx=tx)
+
+    def train_step(state, x):
+        grads = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    x = jnp.ones((8, 4))
+    abstract = jax.eval_shape(init, jax.random.key(0), x)
+    specs = nn.get_partition_spec(abstract)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+    batch = NamedSharding(mesh, P("data"))
+    results = []
+    for decorator in (jax.jit, pw.program):
+        state = decorator(init, out_shardings=shardings)(jax.random.key(0), x)
+        step = decorator(train_step, in_shardings=(shardings, batch), out_shardings=shardings)
+        for _ in range(3):
+            state = step(state, x)
+        kernel = state.params["Dense_0"]["kernel"].value
+        results.append((np.asarray(kernel), kernel.sharding.spec))
+    (expected, expected_spec), (got, got_spec) = results
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert got_spec == expected_spec == P(None, "model")
+
+
+def test_out_shardings_that_do_not_fit_the_outputs_are_refused_as_by_jax_jit():
+    sharding = jax.sharding.NamedSharding(jax.make_mesh((2,), ("x",)), P())
+    wrong = {"a": sharding, "b": sharding}  # the outputs are a tuple
+    with pytest.raises(ValueError, match="out_shardings") as expected:
+        jax.jit(lambda v: (v, v), out_shardings=wrong)(jnp.ones(2))
+    with pytest.raises(ValueError, match="out_shardings") as got:
+        pw.program(lambda v: (v, v), out_shardings=wrong)(jnp.ones(2))
+    assert type(expected.value).__name__ in str(type(got.value).__mro__)

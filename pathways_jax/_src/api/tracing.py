@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 
 from pathways_jax._src.api import graph_builder, nnx_graph
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
+from pathways_jax._src.api.jit_shardings import jit_with_shardings
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, source, timeline
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -1082,14 +1083,12 @@ def program(
         # As jax.jit: the function is compiled with these shardings (one node),
         # and a program with no slice runs on their mesh.
         mesh_hint = _mesh_of(in_shardings, out_shardings)
-        fun = functools.wraps(fun)(
-            jax.jit(
-                fun,
-                in_shardings=in_shardings,
-                out_shardings=out_shardings,
-                static_argnums=statics,
-                static_argnames=static_names,
-            )
+        fun = jit_with_shardings(
+            fun,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            static_argnums=statics,
+            static_argnames=static_names,
         )
     if set(donate) & set(statics):
         raise errors.ProgramTraceError(

@@ -1,0 +1,133 @@
+"""``pw.program(in_shardings=..., out_shardings=...)``: the function compiled with them, as ``jax.jit`` does.
+
+A program is traced with its mesh set (``tracing.only_mesh``), and under a set
+mesh ``jax.jit`` matches ``out_shardings`` against the output tree strictly,
+node metadata included. Code written for ``jax.jit`` without a mesh may rely
+on the looser match: Flax's sharded-initialisation recipe takes
+``out_shardings`` from a ``jax.eval_shape`` of an init function that builds
+its ``TrainState`` anew on each call, whose ``apply_fn`` (a bound method of a
+new module) then differs from the one the shardings came from. Where the
+strict match fails only on such metadata, the shardings are applied to the
+outputs as sharding constraints instead (the same placements), and outputs
+the shardings cover whole take the shardings' metadata, as ``jax.jit``'s do
+(its trace of the ``jax.eval_shape`` is reused, outputs and all).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec, Sharding
+
+# Containers whose metadata is their structure (dict keys, a namedtuple's
+# class): these must match exactly; other nodes' metadata (static fields) may differ.
+_STRUCTURAL = (dict, list, tuple, type(None))
+
+
+def jit_with_shardings(
+    fun: Callable,
+    *,
+    in_shardings: Any,
+    out_shardings: Any,
+    static_argnums: tuple[int, ...],
+    static_argnames: tuple[str, ...],
+) -> Callable:
+    """``jax.jit(fun, in_shardings=..., out_shardings=...)``, matching ``out_shardings`` as ``jax.jit`` does without a mesh."""
+    strict = jax.jit(
+        fun,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+    )
+    if out_shardings is None:
+        return functools.wraps(fun)(strict)
+    loose = jax.jit(
+        fun, in_shardings=in_shardings, static_argnums=static_argnums, static_argnames=static_argnames
+    )
+
+    @functools.wraps(fun)
+    def compiled(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return strict(*args, **kwargs)
+        except ValueError as exc:
+            if "pytree metadata" not in str(exc):
+                raise
+            failure = exc
+        out = loose(*args, **kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        matched = broadcast_prefix(out_shardings, tree)
+        if matched is None:  # not only metadata: jax.jit's own error says what
+            raise failure
+        shardings = matched[0]
+        placed = [
+            leaf if sharding is None else jax.lax.with_sharding_constraint(leaf, sharding)
+            for leaf, sharding in zip(leaves, shardings, strict=True)
+        ]
+        # The outputs' nodes take the shardings' metadata, as jax.jit's do when its trace of the
+        # jax.eval_shape they came from is reused: the same shardings then match them as
+        # in_shardings of the next program.
+        return _with_metadata_of(out_shardings, jax.tree_util.tree_unflatten(tree, placed))
+
+    return compiled
+
+
+def _with_metadata_of(prefix: Any, value: Any) -> Any:
+    """``value`` with the node metadata of the pytree prefix ``prefix`` down to its leaves (they match)."""
+    if _is_leaf(prefix):
+        return value
+    kids, node = jax.tree_util.tree_flatten(prefix, is_leaf=lambda x: x is not prefix)
+    values, _ = jax.tree_util.tree_flatten(value, is_leaf=lambda x: x is not value)
+    return jax.tree_util.tree_unflatten(
+        node, [_with_metadata_of(k, v) for k, v in zip(kids, values, strict=True)]
+    )
+
+
+def _is_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, Sharding | PartitionSpec)
+
+
+def broadcast_prefix(prefix: Any, tree: Any) -> tuple[list, bool] | None:
+    """The leaves of the pytree prefix ``prefix`` (of shardings) broadcast over the leaves of treedef ``tree``.
+
+    Metadata of nodes other than dicts, lists, tuples and None (a dataclass's
+    static fields) is not compared. Returns the broadcast leaves and whether
+    ``prefix`` is a whole tree of ``tree`` (each of its leaves one of
+    ``tree``'s); None where the two do not match otherwise.
+
+    Example:
+      >>> import jax
+      >>> tree = jax.tree_util.tree_structure({"a": (1, 2), "b": 3})
+      >>> broadcast_prefix({"a": "s", "b": "t"}, tree)
+      (['s', 's', 't'], False)
+      >>> broadcast_prefix({"a": ("s", "u"), "b": "t"}, tree)
+      (['s', 'u', 't'], True)
+      >>> broadcast_prefix({"a": "s"}, tree) is None
+      True
+    """
+    prefix_tree = jax.tree_util.tree_structure(prefix, is_leaf=_is_leaf)
+    leaves = iter(jax.tree_util.tree_leaves(prefix, is_leaf=_is_leaf))
+    whole = True
+
+    def walk(p: Any, f: Any) -> list:
+        nonlocal whole
+        if p.num_nodes == 1 and p.num_leaves == 1:  # a leaf of the prefix: its whole subtree
+            whole = whole and f.num_nodes == 1 and f.num_leaves == 1
+            return [next(leaves)] * f.num_leaves
+        if f.num_nodes == 1 and f.num_leaves == 1:
+            raise ValueError("the prefix is deeper than the tree")
+        (p_type, p_data), (f_type, f_data) = p.node_data(), f.node_data()
+        p_kids, f_kids = p.children(), f.children()
+        if p_type is not f_type or len(p_kids) != len(f_kids):
+            raise ValueError("different nodes")
+        if issubclass(p_type, _STRUCTURAL) and p_data != f_data:
+            raise ValueError("different containers")
+        return [s for a, b in zip(p_kids, f_kids, strict=True) for s in walk(a, b)]
+
+    try:
+        return walk(prefix_tree, tree), whole
+    except ValueError:
+        return None
