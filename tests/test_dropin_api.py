@@ -329,3 +329,44 @@ def test_out_shardings_that_do_not_fit_the_outputs_are_refused_as_by_jax_jit():
     with pytest.raises(ValueError, match="out_shardings") as got:
         pw.program(lambda v: (v, v), out_shardings=wrong)(jnp.ones(2))
     assert type(expected.value).__name__ in str(type(got.value).__mro__)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"static_argnames": "q"},
+        {"static_argnums": 3},
+        {"donate_argnums": 5},
+        {"static_argnums": 0, "donate_argnums": 0},
+        {"static_argnames": "a", "donate_argnames": "a"},
+    ],
+    ids=repr,
+)
+def test_argument_positions_and_names_jax_jit_refuses_are_refused_when_the_program_is_made(options):
+    def f(a):
+        return a * 2
+
+    with pytest.raises(ValueError) as expected:
+        jax.jit(f, **options)
+    with pytest.raises(pw.errors.ProgramTraceError) as got:
+        pw.program(f, **options)  # not at the first call: when the program is made, as jax.jit
+    assert isinstance(got.value, ValueError)
+    assert str(expected.value) in str(got.value)
+    assert "test_dropin_api.py" in str(got.value)  # the user's function, by its line
+
+
+def test_clear_cache_traces_again_as_jax_jit_s_does():
+    def f(x):
+        return x * 2
+
+    jitted, program = jax.jit(f), pw.program(f)
+    x = jnp.arange(3.0)
+    for _ in range(2):
+        assert_matches(program(x), jitted(x))
+    traces = pw.counters()["traces"]
+    program(x).result()
+    assert pw.counters()["traces"] == traces  # cached
+    jitted.clear_cache()
+    program.clear_cache()
+    assert_matches(program(x), jitted(x))
+    assert pw.counters()["traces"] == traces + 1

@@ -340,6 +340,20 @@ def test_a_shard_map_over_its_own_mesh_places_a_program_with_no_slice():
     assert got.devices() == set(mesh.devices.flat)
 
 
+@pytest.mark.parametrize("memory_kind", [None, "pinned_host"])
+def test_a_device_put_onto_a_mesh_places_a_program_with_no_slice(memory_kind):
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    target = jax.sharding.NamedSharding(mesh, P("d"), memory_kind=memory_kind)
+
+    def f(a):
+        return jax.device_put(a * 2, target)
+
+    x = jnp.arange(16.0)
+    expected, got = jax.jit(f)(x), pw.program(f)(x)
+    assert_matches(got, expected, rtol=0, atol=0)
+    assert got.result().sharding == expected.sharding
+
+
 def test_a_pmap_called_inside_a_program_runs_as_inside_jax_jit():
     from flax import jax_utils
 

@@ -229,6 +229,21 @@ def test_indexing(matrix, index):
     _same(fut[index], want[index])
 
 
+def test_indexing_a_future_with_futures_and_at_with_futures():
+    def f(x):
+        return x * 2, jnp.argmax(x), x > 2, jnp.argsort(x)
+
+    x = jnp.arange(6.0)
+    vals, i, mask, order = jax.jit(f)(x)
+    fvals, fi, fmask, forder = pw.program(f)(x)
+    _same(fvals[fi], vals[i])  # an integer future
+    _same(fvals[fmask], vals[mask])  # a boolean future
+    _same(fvals[forder], vals[order])  # an integer array future
+    _same(fvals[fi, ...], vals[i, ...])  # inside a tuple
+    _same(fvals.at[fi].set(0.0), vals.at[i].set(0.0))
+    _same(fvals.at[fmask].get(), vals.at[mask].get())
+
+
 def test_setitem_raises_as_for_an_array(floats):
     fut, _ = floats
     with pytest.raises(TypeError, match="immutable"):

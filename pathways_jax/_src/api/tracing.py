@@ -170,8 +170,8 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
 def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
     """The first mesh of several devices a traced function names in its shardings, if any.
 
-    A ``shard_map``'s ``mesh=``, sharding constraints and inner ``jax.jit``
-    shardings, nested jaxprs included:
+    A ``shard_map``'s ``mesh=``, sharding constraints, inner ``jax.jit``
+    shardings and ``jax.device_put`` targets, nested jaxprs included:
     the mesh ``jax.jit`` would run a function on when no argument is on a mesh.
     """
     for eqn in jaxpr.eqns:
@@ -182,6 +182,8 @@ def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
         named += list(eqn.params.get("in_shardings", ()) or ()) + list(
             eqn.params.get("out_shardings", ()) or ()
         )
+        if eqn.primitive.name == "device_put":  # jax.device_put(x, NamedSharding(...)) inside
+            named += list(eqn.params.get("devices", ()) or ())
         for sharding in named:
             mesh = getattr(sharding, "mesh", None)
             if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
@@ -338,6 +340,36 @@ def argnames(names: str | Sequence[str] | None, what: str = "static_argnames") -
     if not all(isinstance(n, str) for n in given):
         raise errors.ProgramTraceError(f"{what} must be strings, got {names!r}.")
     return given
+
+
+def _check_argnums_as_jax_jit(
+    fun: Callable[..., Any],
+    static_argnums: Any,
+    static_argnames: Any,
+    donate_argnums: Any,
+    donate_argnames: Any,
+) -> None:
+    """Refuses, when the program is made, the argument positions and names ``jax.jit`` refuses then.
+
+    Positions past the function's positional parameters, names it does not
+    take, an argument both static and donated: ``jax.jit`` checks them against
+    the function's signature itself, so its own check is used.
+
+    Raises:
+      ProgramTraceError: also a ``ValueError``, as ``jax.jit``'s.
+    """
+    try:
+        jax.jit(  # no names given are None to jax.jit: it then infers them from the positions
+            fun,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames or None,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames or None,
+        )
+    except ValueError as exc:
+        raise errors.also(errors.ProgramTraceError, ValueError)(
+            f"pw.program({name_of(fun)!r}) ({source.of_function(fun)}): {exc}"
+        ) from exc
 
 
 def name_of(fun: Any) -> str:
@@ -859,6 +891,20 @@ class Program:
         self._prepare(args, kwargs)
         return self._as_jax_jit().lower(*args, **kwargs)
 
+    def clear_cache(self) -> None:
+        """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
+
+        Executables identical computations share stay in the cluster's cache
+        (``jax.clear_caches()`` clears JAX's own).
+        """
+        with self._lock:
+            self._graphs.clear()
+            self._plans.clear()
+            self._last = None
+            jitted = self._jitted
+        if jitted is not None:
+            jitted.clear_cache()
+
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
         return self._as_jax_jit().trace(*args, **kwargs)
@@ -1059,6 +1105,7 @@ def program(
     static_names = argnames(static_argnames)
     donate = argnums(fun, donate_argnums, "donate_argnums")
     donate_names = argnames(donate_argnames, "donate_argnames")
+    _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames)
     donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
     del keep_unused, inline  # hints with no effect on a program's results (see Args)
     if device is None and backend is not None:

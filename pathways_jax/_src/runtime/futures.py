@@ -110,7 +110,7 @@ class Future:
     first. Futures of different slices combine as arrays on different devices
     do: JAX raises unless they are moved (``jax.device_put``). JAX's own
     indexing takes only its arrays as indices: ``array[future]`` needs
-    ``array[future.result()]`` (``numpy_array[future]`` and ``future[i]`` work).
+    ``array[future.result()]`` (``numpy_array[future]``, ``future[i]`` and ``future[other_future]`` work).
 
     Example:
       >>> import jax.numpy as jnp, pathways_jax as pw
@@ -360,7 +360,11 @@ class Future:
     __str__ = _on_value(str, "__str__")
     __iter__ = _on_value(iter, "__iter__")
     __contains__ = _on_value(operator.contains, "__contains__")
-    __getitem__ = _on_value(operator.getitem, "__getitem__")
+
+    def __getitem__(self, index: Any) -> Any:
+        # Futures in the index stand for their arrays too (JAX's indexing takes only its own).
+        return self.result()[_index_values(index)]
+
     __setitem__ = _on_value(operator.setitem, "__setitem__")  # raises, as jax.Array does
     __copy__ = _on_value(copy.copy, "__copy__")
     __deepcopy__ = _on_value(copy.deepcopy, "__deepcopy__")
@@ -402,7 +406,12 @@ class Future:
     mT = _array_property("mT")
     real = _array_property("real")
     imag = _array_property("imag")
-    at = _array_property("at")
+
+    @property
+    def at(self) -> Any:
+        """Waits for the value and returns ``value.at`` (see ``jax.Array.at``); futures in its index work."""
+        return _At(self.result().at)
+
     weak_type = _array_property("weak_type")
     addressable_shards = _array_property("addressable_shards")
     global_shards = _array_property("global_shards")
@@ -498,6 +507,27 @@ def dispatched(future: Future) -> Any:
             return future._uncommitted(state.array)
         return state.array
     return future
+
+
+class _At:
+    """``future.at``: the value's ``.at``, taking futures in the index as their arrays."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, at: Any):
+        self._at = at
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._at[_index_values(index)]
+
+
+def _index_values(index: Any) -> Any:
+    """``index`` with each future in it (alone or in a tuple) as its array."""
+    if type(index) is Future:
+        return index.result()
+    if type(index) is tuple and any(type(part) is Future for part in index):
+        return tuple(part.result() if type(part) is Future else part for part in index)
+    return index
 
 
 def _array_impl(aval: Any, sharding: Any, arrays: list, committed: bool) -> jax.Array:
