@@ -150,16 +150,14 @@ class Future:
     def sharding(self) -> jax.sharding.Sharding:
         """Where the value lives (known when the call returns), as ``result().sharding``."""
         entry = self._entry
-        signature = entry.signature
-        if signature is not None and not signature.committed:
+        if _uncommitted_output(entry):
             return jax.sharding.SingleDeviceSharding(next(iter(entry.sharding.device_set)))
         return entry.sharding
 
     @property
     def committed(self) -> bool:
         """As ``jax.Array.committed``: False for outputs placed where nothing placed the call; no wait."""
-        signature = self._entry.signature
-        return signature is None or signature.committed
+        return not _uncommitted_output(self._entry)
 
     @property
     def slice(self):
@@ -253,8 +251,7 @@ class Future:
                 raise
             except Exception as exc:
                 raise errors.ProgramFailedError(f"fetching {self._entry.origin} failed: {exc}") from exc
-        signature = self._entry.signature
-        if signature is not None and not signature.committed:
+        if _uncommitted_output(self._entry):
             return self._uncommitted(array)
         return array
 
@@ -502,11 +499,16 @@ def dispatched(future: Future) -> Any:
         store.wait_settled(entry, None)
     state = entry.state
     if type(state) is Ready and isinstance(state.array, jax.Array):
-        signature = entry.signature
-        if signature is not None and not signature.committed:
+        if _uncommitted_output(entry):
             return future._uncommitted(state.array)
         return state.array
     return future
+
+
+def _uncommitted_output(entry: Entry) -> bool:
+    """True for an output placed where nothing placed its call: uncommitted, as ``jax.jit``'s."""
+    signature = entry.signature
+    return signature is not None and not signature.committed
 
 
 class _At:
