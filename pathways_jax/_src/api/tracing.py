@@ -27,8 +27,8 @@ from pathways_jax._src.core.meshes import only_mesh
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.graph import Graph
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
-from pathways_jax._src.runtime import context, submission
-from pathways_jax._src.runtime.futures import Future, register_with_flax
+from pathways_jax._src.runtime import checkpoint_hooks, context, submission
+from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
 
 
@@ -689,7 +689,7 @@ class Program:
             return kept
 
     def _trace(self, inputs: TraceInputs, hint: jax.sharding.Mesh | None = None) -> Graph:
-        register_with_flax()  # once: flax.serialization then takes the futures this program returns
+        checkpoint_hooks.register()  # once: Flax's and orbax's checkpoints then take the futures it returns
         treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
         default = self._devices if self._devices is not None else inputs.ambient
         if default is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -598,63 +597,3 @@ def _register_with_jax() -> bool:
 
 
 _JAX_TAKES_FUTURES = _register_with_jax()
-_FLAX_TAKES_FUTURES = False
-
-
-def register_with_flax() -> None:
-    """Lets ``flax.serialization`` (``to_bytes``, ``to_state_dict``, ``msgpack_serialize``) take futures.
-
-    Flax's msgpack packer accepts only ``np.ndarray`` and ``jax.Array``
-    leaves: a checkpoint of a ``TrainState`` whose leaves are futures would
-    raise. A future's state dict is the array it stands for (it waits for it);
-    restoring into a target holding futures gives the restored arrays.
-    Called at a program's first trace (once per process): Flax is a dependency,
-    and importing ``flax.serialization`` costs about 0.1 s.
-    """
-    global _FLAX_TAKES_FUTURES
-    if not _ORBAX_TAKES_FUTURES and "orbax.checkpoint" in sys.modules:
-        _register_with_orbax()
-    if _FLAX_TAKES_FUTURES:
-        return
-    _FLAX_TAKES_FUTURES = True
-    try:
-        from flax import serialization
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return
-    serialization.register_serialization_state(
-        Future, lambda future: future.result(), lambda _target, state: state, override=True
-    )
-
-
-def _register_with_orbax() -> None:
-    """Lets orbax-checkpoint's PyTree checkpointers (and Flax's ``checkpoints``) save futures.
-
-    Orbax picks a type handler by the leaf's type and knows none for a future:
-    ``PyTreeCheckpointer().save``, ``args.PyTreeSave`` and
-    ``flax.training.checkpoints.save_checkpoint`` of a state of futures raised.
-    A future is saved as the ``jax.Array`` it stands for (it waits for it) and
-    restores as one. Registered at a program's trace once orbax is imported
-    (importing it here would cost every process a second).
-    """
-    global _ORBAX_TAKES_FUTURES
-    _ORBAX_TAKES_FUTURES = True
-    try:
-        from orbax.checkpoint import type_handlers
-    except ImportError:  # pragma: no cover - an orbax without its type handlers
-        return
-
-    # The handler orbax uses for jax.Array (with its options: the array metadata store),
-    # given the arrays the futures stand for.
-    arrays_handler = type_handlers.get_type_handler(jax.Array)
-    base = type(arrays_handler)
-
-    async def serialize(self: Any, values: Any, infos: Any, args: Any = None) -> Any:
-        arrays = [v.result() if isinstance(v, Future) else v for v in values]
-        return await base.serialize(self, arrays, infos, args)
-
-    handler = copy.copy(arrays_handler)
-    handler.__class__ = type("FutureHandler", (base,), {"serialize": serialize, "__module__": __name__})
-    type_handlers.register_type_handler(Future, handler, override=True)
-
-
-_ORBAX_TAKES_FUTURES = False
