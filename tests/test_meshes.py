@@ -158,3 +158,35 @@ def test_bad_axis_types_raise_resource_error(axis_types, match):
     pw.init(num_cpu_devices=8)
     with pytest.raises(pw.errors.ResourceError, match=match):
         pw.devices(mesh={"x": 2, "y": 2}, axis_types=axis_types)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_inner_jit_out_shardings_on_explicit_axes_follow_the_values_types_as_under_jax_jit(fuse):
+    # Under an Explicit mesh an inner jax.jit's output is typed by its input's sharding, not by its
+    # out_shardings: the fused executable constrained it to out_shardings, which Explicit axes assert.
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        inner = jax.jit(lambda a: a * 2, out_shardings=P(None, "model"))
+        inner2 = jax.jit(lambda a: a - 1, out_shardings=P("model", None))
+        x = jax.device_put(jnp.ones((8, 16)), P("data"))
+        for f in (lambda a: inner(a) + 1, inner, lambda a: inner2(inner(a))):
+            want = jax.jit(f)(x)
+            got = pw.program(f, fuse=fuse)(x)
+            assert_matches(got, want, rtol=0, atol=0)
+            assert got.result().sharding == want.sharding
+
+
+def test_output_specs_are_named_after_the_first_argument_s_as_jax_jit_names_them():
+    # XLA's output sharding is named after an equivalent input sharding: jax.jit's first argument's.
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(Auto,))
+    trailing = NamedSharding(mesh, P("fsdp", None))
+    p = jax.device_put(jnp.ones((16, 16)), trailing)
+    x = jax.device_put(jnp.ones((32, 16)), NamedSharding(mesh, P("fsdp")))
+
+    def step(p, x):
+        return p - 0.1 * jax.grad(lambda p: jnp.sum(x @ p))(p)
+
+    want, got = jax.jit(step)(p, x), pw.program(step)(p, x)
+    assert_matches(got, want, rtol=1e-6)
+    assert want.sharding == trailing
+    assert got.result().sharding == want.sharding  # P("fsdp", None), not the equivalent P("fsdp")

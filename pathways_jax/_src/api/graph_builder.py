@@ -54,6 +54,30 @@ def _jit_specs(shardings: Any, slice_: Any, count: int) -> tuple:
     return tuple(specs)
 
 
+def _typed_specs(atoms: Any, specs: tuple, slice_: Any) -> tuple:
+    """``specs``, with the spec of each value whose type carries a sharding on Explicit axes of ``slice_``'s mesh.
+
+    Under ``jax.set_mesh`` of Explicit axes a value's sharding is part of its
+    type (``jax.typeof(x).sharding``), and an inner ``jax.jit``'s output is
+    typed by it, not by its ``out_shardings``: the compiled node must give it
+    that sharding, which a constraint to another spec would contradict.
+    """
+    from jax.sharding import AxisType, NamedSharding
+
+    mesh = getattr(slice_, "physical_mesh", None)
+    if mesh is None or AxisType.Explicit not in mesh.axis_types:
+        return specs
+    sizes = dict(mesh.shape)
+    out = list(specs)
+    for i, atom in enumerate(atoms):
+        sharding = getattr(getattr(atom, "aval", None), "sharding", None)
+        if not isinstance(sharding, NamedSharding) or AxisType.Explicit not in sharding.mesh.axis_types:
+            continue
+        if dict(sharding.mesh.shape) == sizes:
+            out[i] = sharding.spec
+    return tuple(out)
+
+
 def parse_scopes(name_stack: Any) -> list[tuple[str, int]]:
     """The pathways scopes of an equation's name stack, innermost first."""
     found = []
@@ -212,6 +236,7 @@ def build(
         return len(values) - 1
 
     inputs = []
+    argument_order = {var: index for index, var in enumerate(jaxpr.invars)}
     for index, (var, input_slice) in enumerate(zip(jaxpr.invars, input_slices, strict=True)):
         var_value[var] = new_value(var.aval, input_slice, f"program {name!r} input {index}")
         inputs.append(Input(index, var_value[var], input_slice is not None))
@@ -280,6 +305,9 @@ def build(
             # A plain jax.jit call's own in_shardings/out_shardings, where they name the slice's axes.
             all_in_specs: tuple = _jit_specs(eqn.params.get("in_shardings"), slice_, len(eqn.invars))
             out_specs: tuple = _jit_specs(eqn.params.get("out_shardings"), slice_, len(eqn.outvars))
+            # On Explicit axes the sharding is the value's type: it wins over the call's shardings.
+            all_in_specs = _typed_specs(eqn.invars, all_in_specs, slice_)
+            out_specs = _typed_specs(eqn.outvars, out_specs, slice_)
             for scope_kind, call_number in parse_scopes(eqn.source_info.name_stack):
                 if scope_kind == "pw_jit":
                     call = state.jit_calls[call_number]
@@ -327,6 +355,10 @@ def build(
                     elif atom not in in_vars:
                         in_vars.append(atom)
                 defined.update(v for v in eqn.outvars if not isinstance(v, jex.DropVar))
+            # The program's arguments first, in their order: XLA's output shardings are named
+            # after the first input's, as jax.jit names them after its first argument's
+            # (P("d", None) stays P("d", None), not P("d")).
+            in_vars.sort(key=lambda v: argument_order.get(v, len(argument_order)))
             out_vars = [
                 v
                 for eqn in eqns
