@@ -360,3 +360,15 @@ def test_out_specs_for_outputs_that_are_lists():
     got = pair([jnp.arange(4.0), jnp.ones(2)])
     assert got[0].sharding.spec == P("x") and got[1].sharding.spec == P()
     assert_matches(got, [jnp.arange(4.0) * 2.0, jnp.ones(2) + 1.0])
+
+
+def test_a_replicated_output_of_one_slice_feeds_a_program_on_a_slice_of_another_size():
+    # XLA's replicated output sharding is "tile maximal" too: it was taken for a pinned one-device
+    # output, whose device list it does not have (IndexError while compiling).
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 4}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    x = np.ones((8, 4), np.float32)
+    r = pw.program(lambda v: v + 1, devices=b)(x)
+    q = pw.program(lambda y: y * 2, devices=a)(r)
+    assert_matches(q, jax.jit(lambda v: (v + 1) * 2)(x), rtol=0, atol=0)

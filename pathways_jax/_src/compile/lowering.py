@@ -139,9 +139,10 @@ def _calls_host(jaxpr: Any) -> bool:
 def _pinned_device(sharding: Any) -> jax.Device | None:
     """The device of a "maximal" sharding (one device holds the value), else None."""
     hlo = getattr(sharding, "_hlo_sharding", None)
-    if hlo is None or not hlo.is_maximal():
+    if hlo is None or not hlo.is_maximal() or hlo.is_replicated():  # "tile maximal" covers replicated too
         return None
-    return sharding._device_assignment[hlo.tile_assignment_devices()[0]]
+    devices = hlo.tile_assignment_devices()
+    return sharding._device_assignment[devices[0]] if devices else None
 
 
 def _same(a: Any, b: Any, ndim: int) -> bool:
