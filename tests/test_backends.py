@@ -465,3 +465,28 @@ def test_typed_prng_keys_go_in_come_out_and_feed_later_programs(backend):
     assert_matches(
         noise(rbg, jnp.zeros(8)), jax.jit(lambda k, v: jax.random.uniform(k, v.shape) + v)(rbg, jnp.zeros(8))
     )
+
+
+def test_an_argument_returned_as_it_is_feeds_the_next_call(backend):
+    # Frozen weights carried through a loop: on Ray the returned argument's future held the
+    # controller's array, which a later run refused as "a future of another cluster".
+    def step(frozen, w, x):
+        return frozen, w - 0.1 * (x @ frozen).mean()
+
+    frozen, w, x = np.ones((4, 4), np.float32), np.float32(1.0), np.ones((2, 4), np.float32)
+    want, got = (frozen, w), (frozen, w)
+    program = pw.program(step)
+    for _ in range(3):
+        want, got = jax.jit(step)(*want, x), program(*got, x)
+    assert_matches(got, want)
+
+
+def test_weakly_typed_outputs_stay_weak_as_jax_jit_s(backend):
+    def lr(step):
+        return 0.1 * 0.5**step
+
+    want, got = jax.jit(lr)(2), pw.program(lr)(2)
+    assert got.result().weak_type == want.weak_type is True  # Ray's fetch made it strong
+    w = jnp.ones(3, jnp.bfloat16)
+    assert (w * got).dtype == (w * want).dtype == jnp.bfloat16
+    assert_matches(w * got, w * want)

@@ -70,8 +70,8 @@ from pathways_jax._src.backends.ray_host import (
     Shards,
     SingleDesc,
 )
+from pathways_jax._src.core import arrays, errors, timeline
 from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, timeline
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -294,7 +294,10 @@ class RemoteArray:
                 raise errors.PathwaysError(f"{self!r} holds no value to fetch.")
             data = self.backend.fetch(self.hosts, self.key, self.generation)
             counters.bump("fetches")
-            self._value = jax.device_put(data, self.sharding)
+            value = jax.device_put(data, self.sharding)
+            if getattr(self.aval, "weak_type", False):  # as the host's array was: weakly typed
+                value = arrays.remade(value, aval=value.aval.update(weak_type=True))
+            self._value = value
         return self._value
 
     def __del__(self) -> None:
@@ -343,6 +346,9 @@ class RemotePlan:
         self.transfers: collections.Counter[str] = collections.Counter()  # per run, by kind
         self.uuids = 0  # host-to-host transfers per run: the uuids a run takes
         self.pulls = 0  # of them, pulls from another host's transfer server
+        # Future slots' shardings on the hosts: a future of a value the controller holds
+        # (an argument a program returned as it was) is shipped as data.
+        self.future_descs: dict[int, ShardingDesc] = {}
         where = backend.where
         slot_hosts: dict[int, tuple[int, ...]] = {}
         slot_sharding: dict[int, Any] = {}
@@ -382,6 +388,7 @@ class RemotePlan:
                 return feed_data(slot, sharding)
             if slot in signature_sharding:
                 placed = where(signature_sharding[slot], f"an input of program {name!r}")
+                self.future_descs[slot] = placed.desc
                 for host in placed.hosts:
                     part(host).futures.append(slot)
                 slot_hosts[slot], slot_sharding[slot] = placed.hosts, signature_sharding[slot]
@@ -835,6 +842,9 @@ class RayBackend:
                 feeds: list[tuple] = []
                 for slot in hp.futures:
                     value = env[slot]
+                    if isinstance(value, jax.Array):  # here, not on the hosts: it goes with the message
+                        feeds.append((slot, "data", (ray_host.to_wire(value), remote.future_descs[slot])))
+                        continue
                     if not isinstance(value, RemoteArray) or value.backend is not self:
                         raise errors.PlacementError(
                             f"program {name!r}: an input future belongs to another cluster "

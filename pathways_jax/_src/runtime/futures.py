@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pathways_jax._src.core import errors, readiness
+from pathways_jax._src.core import arrays, errors, readiness
 from pathways_jax._src.runtime.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
 
 
@@ -262,9 +262,7 @@ class Future:
         loose = getattr(self, "_loose", None)
         if loose is None or loose[0] is not array:
             device = next(iter(array.sharding.device_set))
-            made = _array_impl(
-                array.aval, jax.sharding.SingleDeviceSharding(device), [array], committed=False
-            )
+            made = arrays.remade(array, sharding=jax.sharding.SingleDeviceSharding(device), committed=False)
             loose = self._loose = (array, made)
         return loose[1]
 
@@ -529,21 +527,6 @@ def _index_values(index: Any) -> Any:
     if type(index) is tuple and any(type(part) is Future for part in index):
         return tuple(part.result() if type(part) is Future else part for part in index)
     return index
-
-
-def _array_impl(aval: Any, sharding: Any, arrays: list, committed: bool) -> jax.Array:
-    """A ``jax.Array`` over ``arrays``' buffers with ``sharding`` and ``committed`` (JAX's own constructor).
-
-    Private to JAX; on a JAX without it, and for typed PRNG keys (not made of
-    buffers of their own), the array as it is (committed).
-    """
-    try:
-        from jax._src.array import ArrayImpl
-    except ImportError:  # pragma: no cover
-        return arrays[0]
-    if type(arrays[0]) is not ArrayImpl:
-        return arrays[0]
-    return ArrayImpl(aval, sharding, arrays, committed=committed, _skip_checks=True)
 
 
 def _register_with_jax() -> bool:

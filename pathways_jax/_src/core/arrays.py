@@ -1,0 +1,37 @@
+"""A ``jax.Array`` over another's buffers, typed or placed as ``jax.jit`` would have returned it.
+
+Values pathways_jax hands back come from its own executables and transfers,
+which commit them to their devices and, on the Ray backend, lose their weak
+type on the way: ``jax.jit``'s outputs of uncommitted arguments are
+uncommitted, and its weakly typed outputs stay weak (``0.1 * 0.5 ** step``
+times a ``bfloat16`` array stays ``bfloat16``). Re-made here without a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def remade(
+    array: jax.Array, *, aval: Any = None, sharding: Any = None, committed: bool | None = None
+) -> jax.Array:
+    """``array``'s buffers with another ``aval`` (its weak type), ``sharding`` (of the same devices) or ``committed``.
+
+    JAX's own constructor, private to JAX: on a JAX without it, and for typed
+    PRNG keys (not made of buffers of their own), the array as it is.
+    """
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # pragma: no cover
+        return array
+    if type(array) is not ArrayImpl:
+        return array
+    return ArrayImpl(
+        array.aval if aval is None else aval,
+        array.sharding if sharding is None else sharding,
+        [array],
+        committed=array.committed if committed is None else committed,
+        _skip_checks=True,
+    )
