@@ -490,3 +490,16 @@ def test_weakly_typed_outputs_stay_weak_as_jax_jit_s(backend):
     w = jnp.ones(3, jnp.bfloat16)
     assert (w * got).dtype == (w * want).dtype == jnp.bfloat16
     assert_matches(w * got, w * want)
+
+
+def test_an_argument_only_dead_code_reads_is_taken_as_jax_jit_takes_it(backend):
+    # Flax's model.init(key, dummy): the dummy feeds only shape inference, its computation is dead.
+    # XLA's executable has no sharding for it, which the Ray backend refused.
+    from flax import linen as nn
+
+    model, dummy = nn.Dense(5), np.ones((4, 3), np.float32)
+    assert_matches(
+        pw.program(model.init)(jax.random.key(0), dummy), jax.jit(model.init)(jax.random.key(0), dummy)
+    )
+    dead = pw.program(lambda a, b: (jnp.sin(b), a * 2)[1])
+    assert_matches(dead(jnp.ones(3), jnp.ones(2)), jnp.full(3, 2.0))

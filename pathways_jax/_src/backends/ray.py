@@ -401,7 +401,11 @@ class RemotePlan:
                 what = f"node {node.name!r} ({node.source_info})"
                 hosts = where(node.slice.sharding(), what).hosts
                 executable = step.executable
-                in_shardings = executable.input_shardings[0]
+                # An input the executable does not read (dead code: flax's init(key, dummy) input)
+                # has no sharding of its own: the hosts get it on the node's devices.
+                in_shardings = [
+                    s if s is not None else node.slice.sharding() for s in executable.input_shardings[0]
+                ]
                 out_shardings = jax.tree_util.tree_leaves(executable.output_shardings)
                 for slot, sharding in zip(step.in_slots, in_shardings, strict=True):
                     if locate(slot, sharding) != hosts:
