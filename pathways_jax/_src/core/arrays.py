@@ -31,7 +31,7 @@ def remade(
     return ArrayImpl(
         array.aval if aval is None else aval,
         array.sharding if sharding is None else sharding,
-        [array],
+        list(array._arrays),  # its single-device buffers, one a shard
         committed=array.committed if committed is None else committed,
         _skip_checks=True,
     )
