@@ -33,6 +33,7 @@ from pathways_jax._src.ir.graph import Transfer as Transfer
 from pathways_jax._src.runtime.clients import Client as Client
 from pathways_jax._src.runtime.clients import client as client
 from pathways_jax._src.runtime.futures import Future as Future
+from pathways_jax._src.runtime.futures import results as results
 from pathways_jax._src.runtime.service import Service as Service
 from pathways_jax._src.runtime.service import serve as serve
 from pathways_jax._src.runtime.service import service as service
@@ -70,6 +71,7 @@ __all__ = [
     "program",
     "receive",
     "reset_counters",
+    "results",
     "serve",
     "service",
     "share",

@@ -246,8 +246,9 @@ def test_indexing_a_future_with_futures_and_at_with_futures():
 
 def test_setitem_raises_as_for_an_array(floats):
     fut, _ = floats
-    with pytest.raises(TypeError, match="immutable"):
+    with pytest.raises(TypeError, match="immutable") as info:
         fut[0] = 1.0
+    assert any("nnx.update" in note for note in info.value.__notes__)  # what a Flax Variable needs
 
 
 def test_len(one, matrix):
@@ -504,3 +505,11 @@ def test_future_passed_to_a_program_is_not_waited_on(one):
         _same(pending + 0, jax.jit(lambda v: v * 3 + 0)(x))
     finally:
         release.set()
+
+
+def test_results_replaces_every_future_of_a_tree_and_keeps_other_leaves(one):
+    fut, want = _pair(lambda v: v * 2, FLOATS, devices=one)
+    plain = jnp.ones(2)
+    got = pw.results({"a": fut, "b": [plain, 3, None]})
+    assert type(got["a"]) is type(want) and got["b"][0] is plain and got["b"][1] == 3
+    _same(got["a"], want)

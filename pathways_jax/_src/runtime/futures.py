@@ -359,7 +359,18 @@ class Future:
         # Futures in the index stand for their arrays too (JAX's indexing takes only its own).
         return self.result()[_index_values(index)]
 
-    __setitem__ = _on_value(operator.setitem, "__setitem__")  # raises, as jax.Array does
+    def __setitem__(self, index: Any, value: Any) -> None:
+        # Raises jax.Array's TypeError, with what a Flax Variable holding a future needs.
+        try:
+            self.result()[index] = value
+        except TypeError as exc:
+            exc.add_note(
+                "pathways_jax: this is a pw.Future (a Flax Variable holds one after a program on Ray "
+                "hosts or a controller service). Write into arrays: "
+                "nnx.update(model, pw.results(nnx.state(model))) first."
+            )
+            raise
+
     __copy__ = _on_value(copy.copy, "__copy__")
     __deepcopy__ = _on_value(copy.deepcopy, "__deepcopy__")
 
@@ -474,6 +485,26 @@ class Future:
     def __repr__(self) -> str:
         state = type(self._entry.state).__name__.lower()
         return f"Future({self._entry.origin}, shape={self.shape}, dtype={self.dtype}, {state})"
+
+
+def results(tree: Any, timeout: float | None = None) -> Any:
+    """``tree`` with every future in it replaced by its ``jax.Array`` (waits for each).
+
+    Other leaves stay as they are. Eager code that writes into what a program
+    returned needs arrays, as a Flax Variable holding a future refuses
+    ``variable[...] = v`` (values on Ray hosts or a controller service)::
+
+      nnx.update(model, pw.results(nnx.state(model)))
+      metrics.reset()
+
+    Args:
+      tree: any pytree.
+      timeout: seconds to wait for each value; ``None`` waits as long as it takes.
+
+    Raises:
+      As :meth:`Future.result`.
+    """
+    return jax.tree.map(lambda v: v.result(timeout) if isinstance(v, Future) else v, tree)
 
 
 def dispatched(future: Future) -> Any:
