@@ -503,3 +503,69 @@ def test_an_argument_only_dead_code_reads_is_taken_as_jax_jit_takes_it(backend):
     )
     dead = pw.program(lambda a, b: (jnp.sin(b), a * 2)[1])
     assert_matches(dead(jnp.ones(3), jnp.ones(2)), jnp.full(3, 2.0))
+
+
+def test_eager_variable_writes_between_steps_after_the_documented_update(backend):
+    # metrics.reset() and variable[...] = v between steps, as NNX training loops do. On Ray
+    # hosts and a service the Variables hold futures; the README's nnx.update(model, pw.results(...)) makes them arrays.
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 1, rngs=rngs)
+            self.calls = nnx.Variable(jnp.zeros(()))
+
+        def __call__(self, x):
+            self.calls[...] += 1
+            return self.linear(x)
+
+    def train(step, model, metrics, xs):
+        seen = []
+        for x in xs:
+            step(model, metrics, x)
+            nnx.update(model, pw.results(nnx.state(model)))
+            nnx.update(metrics, pw.results(nnx.state(metrics)))
+            seen.append((float(metrics.compute()), float(model.calls[...])))
+            metrics.reset()
+            model.calls[...] = 10.0
+        return seen
+
+    def body(model, metrics, x):
+        loss = model(x).sum()
+        metrics.update(values=loss)
+        return loss
+
+    xs = [np.full((4, 8), i, np.float32) for i in range(3)]
+    mine = train(pw.program(body), Model(nnx.Rngs(0)), nnx.metrics.Average(), xs)
+    theirs = train(nnx.jit(body), Model(nnx.Rngs(0)), nnx.metrics.Average(), xs)
+    np.testing.assert_allclose(mine, theirs, rtol=1e-6)
+    assert [calls for _, calls in mine] == [1.0, 11.0, 11.0]
+
+
+def test_typed_keys_cross_hosts_as_their_key_data(backend):
+    # An NNX Rngs key the runtime moves between hosts (Dropout on a slice of island 1 here,
+    # or one spanning the hosts of an island): the transfer servers carry its raw key data.
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 1, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(self.dropout(x))
+
+    s = pw.devices(mesh={"data": 4}, island=1)
+    mine, theirs = Model(nnx.Rngs(0, dropout=5)), Model(nnx.Rngs(0, dropout=5))
+    step = pw.program(lambda m, x: m(x).sum(), devices=s)
+    reference = nnx.jit(lambda m, x: m(x).sum())
+    x = np.ones((4, 8), np.float32)
+    for _ in range(3):
+        np.testing.assert_allclose(float(step(mine, x)), float(reference(theirs, x)), rtol=1e-6)
+    # A key made on one island and drawn from on the other.
+    a, b = pw.devices(mesh={"x": 4}, island=0), pw.devices(mesh={"x": 4}, island=1)
+    split = pw.jit(lambda k: jax.random.split(k, 4), devices=a)
+    draw = pw.jit(lambda ks: jax.vmap(lambda k: jax.random.normal(k, (2,)))(ks), devices=b)
+    key = jax.random.key(11)
+    want = jax.jit(lambda k: jax.vmap(lambda k: jax.random.normal(k, (2,)))(jax.random.split(k, 4)))(key)
+    assert_matches(pw.program(lambda k: draw(split(k)))(key), want, rtol=1e-6)

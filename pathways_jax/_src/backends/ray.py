@@ -470,22 +470,29 @@ class RemotePlan:
         own if it has one, else one chosen by host so that copies share the load.
         """
         shape, dtype = tuple(step.aval.shape), step.aval.dtype
+        key_impl: str | None = None
+        extra: tuple[tuple[int, int], ...] = ()
         if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-            raise errors.PlacementError(
-                f"program {name!r} moves a value of dtype {dtype} between hosts, which the transfer "
-                "servers cannot carry. Move its jax.random.key_data(...) instead and wrap it again "
-                "with jax.random.wrap_key_data on the other side."
-            )
+            # A typed PRNG key (an NNX Rngs' key): its raw key data crosses, wrapped again there.
+            impl = getattr(dtype, "_impl", None)
+            if impl is None:
+                raise errors.PlacementError(
+                    f"program {name!r} moves a value of dtype {dtype} between hosts, which the transfer "
+                    "servers cannot carry; move plain arrays between hosts."
+                )
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+            key_impl, extra, dtype = impl.name, tuple((0, n) for n in data.shape[len(shape) :]), data.dtype
         # Every distinct shard of the source, and the hosts (devices) holding a copy.
         holders: dict[tuple, list[tuple[int, Piece]]] = {}
         for device, index in src_sharding.devices_indices_map(shape).items():
-            bounds = ray_host.bounds_of(index, shape)
+            bounds = ray_host.bounds_of(index, shape) + extra
             _, position, host = backend.place_of(device)
             piece = Piece(position, bounds, tuple(stop - start for start, stop in bounds))
             holders.setdefault(bounds, []).append((host, piece))
         needs: dict[int, list[tuple]] = {}  # destination host -> the bounds of its shards
         for device, index in step.sharding.devices_indices_map(shape).items():
-            needs.setdefault(backend.place_of(device)[2], []).append(ray_host.bounds_of(index, shape))
+            needs.setdefault(backend.place_of(device)[2], []).append(ray_host.bounds_of(index, shape) + extra)
+        shape = shape + tuple(n for _, n in extra)
         for host in dst.hosts:
             by_source: dict[int, list[Piece]] = {}
             if 0 not in shape:  # an empty value is made, not moved
@@ -502,9 +509,11 @@ class RemotePlan:
                 offset = self.uuids
                 self.uuids += 1
                 self.pulls += 1
-                part(source).ops.append(PostOp(step.src, host, offset, tuple(pieces), str(dtype)))
+                part(source).ops.append(PostOp(step.src, host, offset, tuple(pieces), str(dtype), key_impl))
                 parts.append((source, offset, tuple(pieces)))
-            part(host).ops.append(PullOp(step.dst, step.src, tuple(parts), shape, str(dtype), dst.desc))
+            part(host).ops.append(
+                PullOp(step.dst, step.src, tuple(parts), shape, str(dtype), dst.desc, key_impl)
+            )
 
 
 def _assemble(results: list) -> Any:

@@ -124,6 +124,7 @@ class PostOp(NamedTuple):
     offset: int
     pieces: tuple[Piece, ...]
     dtype: str
+    key_impl: str | None = None  # a typed key's: its key_data goes (pieces and dtype are the data's)
     kind: Literal["post"] = "post"
 
 
@@ -142,6 +143,9 @@ class PullOp(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     desc: Any  # ShardingDesc
+    key_impl: str | None = (
+        None  # a typed key's: its key_data comes (shape and dtype are the data's), then wrapped
+    )
     kind: Literal["pull"] = "pull"
 
 
@@ -544,13 +548,23 @@ class Host:
                 return put
             case PostOp():
                 uuid, src, pieces = op.offset, op.src, op.pieces
+                raw = _key_data if op.key_impl is not None else _same
 
                 def post(env: dict, base: int, made: list, peers: set) -> None:
-                    self._post(base + uuid, self._pieces(env[src], pieces))
+                    self._post(base + uuid, self._pieces(raw(env[src]), pieces))
 
                 return post
             case PullOp():
-                return self._pull_step(op)
+                pull = self._pull_step(op)
+                if op.key_impl is None:
+                    return pull
+                impl, dst = op.key_impl, op.dst
+
+                def pull_key(env: dict, base: int, made: list, peers: set) -> None:
+                    pull(env, base, made, peers)
+                    env[dst] = _wrap_key(env[dst], impl)
+
+                return pull_key
         raise TypeError(f"not a host step: {op!r}")
 
     def _exec_step(self, op: ExecOp) -> Any:
@@ -712,7 +726,8 @@ class Host:
         bounds: list = []
         for host, offset, pieces in op.parts:
             if host == self.index:
-                got = [place(a, home) for a in self._pieces(env[op.src], pieces)]
+                mine = env[op.src] if op.key_impl is None else _key_data(env[op.src])
+                got = [place(a, home) for a in self._pieces(mine, pieces)]
             else:
                 got = self._pull(host, base + offset, pieces, op.dtype, home)
             arrays.extend(got)
@@ -797,6 +812,22 @@ class Host:
                 status = now - max(enqueued, self._last_done)
                 self._last_done = now
             self._answer(future, status)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _key_data(value: Any) -> Any:
+    import jax
+
+    return jax.random.key_data(value)
+
+
+def _wrap_key(data: Any, impl: str) -> Any:
+    import jax
+
+    return jax.random.wrap_key_data(data, impl=impl)
 
 
 def _readable(value: Any, np: Any) -> Any:
