@@ -108,3 +108,46 @@ def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
             record.unlink(missing_ok=True)
         else:
             record.write_text(previous)
+
+
+REINIT = textwrap.dedent(
+    """
+    import time
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)  # stand-ins for up to 8 hosts' devices
+    import jax.numpy as jnp, numpy as np, ray
+    import pathways_jax as pw
+
+    pw.init(backend="ray", hosts=1, devices_per_host=1)  # a local session of this machine's CPUs
+    pw.shutdown()
+    start = time.monotonic()
+    wanted = max(ray.cluster_resources()["CPU"], 1) + 1
+    pw.init(backend="ray", hosts=int(wanted), devices_per_host=1)  # more hosts than it has CPUs
+    print("started", time.monotonic() - start)
+    out = pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}, island=int(wanted) - 1))(jnp.ones(2))
+    np.testing.assert_array_equal(np.asarray(out.result(timeout=120)), np.full(2, 2.0))
+    pw.shutdown()
+    ray.shutdown()
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # the user's own, too small
+    try:
+        pw.init(backend="ray", hosts=2, devices_per_host=1)
+    except pw.errors.ClusterError as exc:
+        print("refused:", exc)
+    """
+)
+
+
+def test_a_later_init_for_more_hosts_gets_a_larger_local_session(tmp_path: pathlib.Path):
+    # The local session pw.init starts stays up, sized for its hosts: a later pw.init for more
+    # hosts waited 120 s for a placement that could not come.
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = float(re.search(r"started ([\d.]+)", done.stdout).group(1))
+    assert started < 60, done.stdout
+    assert (
+        "refused: pw.init asks for 2 hosts (a Ray CPU each), but this process's Ray session has 1 CPUs"
+        in (done.stdout)
+    )

@@ -137,6 +137,47 @@ def _check_gpus(ray: Any, hosts: int, devices_per_host: int) -> None:
         )
 
 
+# The local Ray session pathways_jax started itself, by its node id (none: none or the user's).
+_OWN_SESSION: dict[str, Any] = {}
+
+
+def _join_ray(ray: Any, address: str | None, hosts: int) -> None:
+    """Joins the Ray session ``address`` names, the one this process has, or starts a local one.
+
+    A local session is sized for the hosts asked for (a logical CPU each); a
+    later ``pw.init`` asking for more than a session pathways_jax started has
+    gets a new one (placement would wait in vain), and one asking for more than
+    a session of the user's has is refused at once.
+    """
+    import os
+
+    if ray.is_initialized():
+        have = int(ray.cluster_resources().get("CPU", 0))
+        if have >= hosts or address is not None:
+            return
+        if _OWN_SESSION.get("node") != ray.get_runtime_context().get_node_id():
+            raise errors.ClusterError(
+                f"pw.init asks for {hosts} hosts (a Ray CPU each), but this process's Ray session has "
+                f"{have} CPUs. Start Ray with more (ray.init(num_cpus={hosts})) or ask for fewer hosts."
+            )
+        ray.shutdown()  # the local session pathways_jax started for fewer hosts: a larger one
+    with warnings.catch_warnings():
+        # Ray starts its own processes with fork + exec; JAX's fork hook
+        # warns about forking a multithreaded process, which matters only
+        # when the child goes on running Python.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        ray.init(
+            # None: a new local cluster, never one a stale `ray start` file names.
+            address=address or "local",
+            include_dashboard=False,
+            log_to_driver=False,
+            num_cpus=None if address else max(hosts, os.cpu_count() or 1),
+            configure_logging=False,
+        )
+    if address is None:
+        _OWN_SESSION["node"] = ray.get_runtime_context().get_node_id()
+
+
 def with_remote_traceback(exc: BaseException, host: int, trace: str) -> BaseException:
     """Attaches the traceback a host sent with a failure (if any) to ``exc`` as a note."""
     if trace:
@@ -571,22 +612,7 @@ class RayBackend:
         )
         # A lost island is rebuilt on new hosts (in the same bundles) when Ray has room.
         self.replace_lost = replace_lost
-        if not ray.is_initialized():
-            import os
-
-            with warnings.catch_warnings():
-                # Ray starts its own processes with fork + exec; JAX's fork hook
-                # warns about forking a multithreaded process, which matters only
-                # when the child goes on running Python.
-                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-                ray.init(
-                    # None: a new local cluster, never one a stale `ray start` file names.
-                    address=address or "local",
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    num_cpus=None if address else max(hosts, os.cpu_count() or 1),
-                    configure_logging=False,
-                )
+        _join_ray(ray, address, hosts)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
