@@ -31,6 +31,10 @@ def _gone(pid: int) -> bool:
     return False
 
 
+# Steps of _slow that keep island 1 busy for seconds (3000 took about 0.5 s here: the kill came late).
+_LONG = 12000
+
+
 def _slow(v, m, steps):
     return jax.lax.fori_loop(0, steps, lambda i, u: jnp.tanh(u @ m) + 0.5, v)
 
@@ -97,11 +101,11 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
         with a:
             h = jnp.sin(x) + 1
         with b:
-            y = jax.lax.with_sharding_constraint(_slow(h, m, 3000) * scale, pw.P("x"))
+            y = jax.lax.with_sharding_constraint(_slow(h, m, _LONG) * scale, pw.P("x"))
             return y, y.sum()  # the sum is a collective across island 1's two hosts
 
     def plain(x, scale):
-        y = _slow(jnp.sin(x) + 1, m, 3000) * scale
+        y = _slow(jnp.sin(x) + 1, m, _LONG) * scale
         return y, y.sum()
 
     x = jnp.ones((256, 256))
