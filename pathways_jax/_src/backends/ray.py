@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import os
 import threading
 import time
 import warnings
@@ -149,8 +150,6 @@ def _join_ray(ray: Any, address: str | None, hosts: int) -> None:
     gets a new one (placement would wait in vain), and one asking for more than
     a session of the user's has is refused at once.
     """
-    import os
-
     if ray.is_initialized():
         have = int(ray.cluster_resources().get("CPU", 0))
         if have >= hosts or address is not None:
