@@ -4,6 +4,7 @@ Each test runs the same code under plain ``jax.jit`` and pathways_jax on identic
 inputs and compares the results (and what happens to the inputs).
 """
 
+import enum
 import functools
 import os
 import pickle
@@ -382,3 +383,91 @@ def test_donating_a_train_state_whose_key_is_read_and_returned_unchanged_warns_n
     assert state["w"].is_deleted()  # the buffer a computation consumed went
     # The key is the output itself: kept, and equal to jax.jit's.
     np.testing.assert_array_equal(jax.random.key_data(got["key"].result()), jax.random.key_data(want["key"]))
+
+
+def _times(k):
+    return lambda a: (np.asarray(a) * k).astype(np.asarray(a).dtype)
+
+
+def test_host_callbacks_that_print_alike_call_their_own_functions():
+    # Lambdas of one factory make jaxprs of one text; sharing an executable ran the first one's.
+    from jax.experimental import io_callback
+
+    x = jnp.arange(4.0)
+    for k in (2.0, 3.0, 5.0):
+        cb = _times(k)
+        fun = jax.jit(lambda v, cb=cb: jax.pure_callback(cb, jax.ShapeDtypeStruct(v.shape, v.dtype), v))
+        assert_matches(pw.program(lambda v, fun=fun: fun(v))(x), fun(x))
+    seen = []
+
+    def recorder(tag):
+        def fun(v):
+            io_callback(lambda a: seen.append((tag, float(a[1]))), None, v)
+            jax.debug.callback(lambda a: seen.append((tag + "-debug", float(a[1]))), v)
+            return v + 1
+
+        return jax.jit(fun)
+
+    for tag in "ab":
+        step = recorder(tag)
+        pw.program(lambda v, step=step: step(v))(x).result()
+    assert sorted(seen) == [("a", 1.0), ("a-debug", 1.0), ("b", 1.0), ("b-debug", 1.0)]
+
+
+def test_static_arguments_equal_but_of_other_types_trace_apart_as_under_jax_jit():
+    def fun(v, n):
+        return v * n, jnp.asarray(n)
+
+    ours, theirs = pw.program(fun, static_argnums=1), jax.jit(fun, static_argnums=1)
+    x = jnp.arange(3)
+    for n in (1, 1.0, True, 2, 2.0):  # 1 == 1.0 == True, and they hash alike
+        for got, want in zip(ours(x, n), theirs(x, n), strict=True):
+            assert got.dtype == want.dtype, (n, got.dtype, want.dtype)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 3
+
+
+class Ratio(float):
+    pass
+
+
+def test_scalar_subclasses_are_traced_arguments_as_under_jax_jit():
+    def fun(v, a, b):
+        return v * a + b
+
+    x = jnp.arange(4.0)
+    for a, b in [(Level.HIGH, Ratio(0.5)), (Level.LOW, True), (3, Ratio(2.0))]:
+        got, want = pw.program(fun)(x, a, b), jax.jit(fun)(x, a, b)
+        assert got.dtype == want.dtype and got.weak_type == want.weak_type
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "int2"])
+def test_sub_byte_inputs_on_a_slice_of_several_devices_compute_as_under_jax_jit(dtype):
+    def fun(v):
+        return v[1:3].astype(jnp.int32) * 2, v
+
+    x = jnp.arange(8, dtype=dtype) % 2
+    s = pw.devices(mesh={"x": 2})
+    for got, want in zip(pw.program(fun, devices=s)(x), jax.jit(fun)(x), strict=True):
+        got = got.result()
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.int32), np.asarray(want, np.int32))
+    s.release()
+
+
+def test_a_static_argument_made_abstract_by_eval_shape_is_refused_clearly():
+    def fun(v, n):
+        return jnp.tile(v, n)
+
+    ours = pw.program(fun, static_argnums=1)
+    x = jnp.ones(3)
+    assert ours.eval_shape(x, 2) == jax.jit(fun, static_argnums=1).eval_shape(x, 2)
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"static argument 1 .* is a JAX tracer") as info:
+        jax.eval_shape(ours, x, 2)
+    assert isinstance(info.value, ValueError)  # what jax.jit raises for an unhashable static
+    assert "fun.eval_shape(...)" in str(info.value) and "test_dropin_idioms.py" in str(info.value)

@@ -138,7 +138,8 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
     if isinstance(leaf, np.ndarray | np.generic):
         return NumpyKey(leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
     if isinstance(leaf, _SCALARS):
-        return ScalarKey(type(leaf))
+        # A subclass (an IntEnum, a bool-like flag) traces as the scalar it is, as under jax.jit.
+        return ScalarKey(next(t for t in _SCALARS if isinstance(leaf, t)))
     if nnx_graph.is_graph_leaf(leaf):
         raise nnx_graph.GraphArgument(position)
     raise errors.ProgramTraceError(
@@ -511,7 +512,8 @@ class Program:
         key = (
             treedef,
             signature,
-            tuple(statics),
+            # Typed as jax.jit keys them: 1, 1.0 and True are equal but trace apart.
+            tuple((where, type(value), value) for where, value in statics),
             ambient.id if ambient is not None else None,
             _trace_context(),
         )
@@ -616,6 +618,17 @@ class Program:
         take part: as where ``@jax.jit`` stood, the function is traced into the
         caller's computation (its ``pw.jit`` functions keep their slices' devices).
         """
+        statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in self._static if i < len(args)]
+        statics += [(name, kwargs[name]) for name in self._static_names if name in kwargs]
+        for where, value in statics:
+            if isinstance(value, jax.core.Tracer):
+                raise errors.also(errors.ProgramTraceError, ValueError)(
+                    f"static argument {where!r} of program {self.name!r} ({self.source_info}) is a JAX "
+                    f"tracer (called at {source.of_caller()}): the transformation around the call (jax.eval_shape "
+                    "traces every argument) made it abstract, and a static argument must be a value. "
+                    f"Ask the program itself: {self.name}.eval_shape(...), or close over the value "
+                    "(functools.partial) before transforming."
+                )
         jitted = self._as_jax_jit()
         if self._devices is None:
             return jitted(*args, **kwargs)

@@ -519,6 +519,9 @@ def _compile(
         # Nor the configuration lowering depends on (jax_threefry_partitionable, precision).
         _trace_context(),
         tuple(map(id, consts)),
+        # Nor which Python functions its host callbacks call: two lambdas of one
+        # factory print alike, and sharing an executable would run the wrong one.
+        _host_functions(node.jaxpr.jaxpr),
         mesh,
         in_shardings,
         out_shardings,
@@ -547,7 +550,9 @@ def _compile(
     with only_mesh(mesh.abstract_mesh, mesh):
         jitted = jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
         # XLA options (jax.jit's compiler_options) apply here; remote hosts compile with their own.
-        compiled = jitted.lower(*args).compile(dict(options) if options else None)
+        compiled: Any = jitted.lower(*args).compile(dict(options) if options else None)
+        if any(_sub_byte(aval.dtype) for aval in node.jaxpr.in_avals):
+            compiled = _SubByteInputs(compiled, jitted, mesh)
         if export:
             # Hosts compile for themselves; donation is a local optimisation left out.
             blob = _exported(
@@ -597,6 +602,69 @@ def _function_text(jaxpr: Any) -> str:
     return _FLOAT_LITERAL.sub(
         lambda m: f"{float(_FLOAT_TYPES[m.group(2)](float(m.group(1))))!r}:{m.group(2)}[]", str(jaxpr)
     )
+
+
+def _sub_byte(dtype: Any) -> bool:
+    """int4, uint4, int2, float4: dtypes packed several to a byte."""
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jax.dtypes.itemsize_bits(dtype) < 8
+
+
+class _SubByteInputs:
+    """An executable whose inputs include a sub-byte dtype, called through its ``jax.jit``.
+
+    ``jax.device_put`` onto several devices gives int4 and int2 arrays a layout
+    whose element size reads 0 bits while the compiled executable asks for 4 or
+    2, and a compiled call refuses the mismatch (jax.jit's own call does not):
+    ``ValueError: Computation was compiled for input layouts that disagree``.
+    """
+
+    def __init__(self, compiled: Any, jitted: Any, mesh: Any) -> None:
+        self._jitted, self._mesh = jitted, mesh
+        self.input_shardings, self.output_shardings = compiled.input_shardings, compiled.output_shardings
+
+    def __call__(self, *args: Any) -> Any:
+        with only_mesh(self._mesh.abstract_mesh, self._mesh):
+            return self._jitted(*args)
+
+
+class _Same:
+    """An object as a cache-key part that equals only itself (and keeps it alive while keyed)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+def _host_functions(jaxpr: Any) -> tuple[_Same, ...]:
+    """The Python callables that ``jaxpr``'s host callbacks (``pure_callback``,
+    ``io_callback``, ``jax.debug``) call, in order, nested jaxprs included."""
+    found: list[_Same] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, jex.ClosedJaxpr):
+            value = value.jaxpr
+        if isinstance(value, jex.Jaxpr):
+            for eqn in value.eqns:
+                host = "callback" in eqn.primitive.name
+                for param in eqn.params.values():
+                    if host and callable(param) and not isinstance(param, jex.Jaxpr | jex.ClosedJaxpr):
+                        # pure_callback and io_callback wrap the user's function anew at each trace.
+                        found.append(_Same(getattr(param, "callback_func", param)))
+                    else:
+                        walk(param)
+        elif isinstance(value, tuple | list):
+            for item in value:
+                walk(item)
+
+    walk(jaxpr)
+    return tuple(found)
 
 
 def _warn_donation(graph: Graph, node: Node, leaf: int) -> None:
