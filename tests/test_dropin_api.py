@@ -267,6 +267,14 @@ def test_float0_outputs_come_back_as_jax_jit_returns_them():
     assert type(got[1]) is type(want[1])
     for _ in range(3):  # nothing is kept per call for it
         pw.program(grad)(2.0, 3)
+    # A computed float0 (not a literal): the gradient of an integer array an op reads.
+    grad = jax.grad(lambda x, i: (x * i).sum(), argnums=(0, 1), allow_int=True)
+    x, i = jnp.ones(3), jnp.arange(3)
+    want = jax.jit(grad)(x, i)
+    got = pw.program(grad)(x, i)
+    assert_matches(got[0], want[0], rtol=0, atol=0)
+    assert type(got[1]) is type(want[1]) and got[1].dtype == jax.dtypes.float0
+    assert got[1].shape == want[1].shape == (3,)
 
 
 def test_labels_and_donation_errors_name_the_users_line_not_optaxs():

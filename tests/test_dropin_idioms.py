@@ -176,6 +176,54 @@ def test_runs_queued_at_exit_without_shutdown_still_run_as_jax_jit_calls_would(t
     assert "cancelled" not in done.stderr, done.stderr[-2000:]
 
 
+_EXIT_HOOK_BEFORE_IMPORT = """
+import atexit, os, sys, threading
+seen = []
+
+def check():  # runs last
+    print("seen", seen, "threads", sorted(t.name for t in threading.enumerate()), flush=True)
+
+def hook():  # registered before pathways_jax was imported: runs after its exit hook
+    step(jnp.float32(99))  # its result not read: a last log line
+    print("twice", float(step(step(early)).result()), flush=True)
+
+atexit.register(check)
+atexit.register(hook)
+
+import jax, jax.numpy as jnp, numpy as np
+import pathways_jax as pw
+from jax.experimental import io_callback
+
+def record(v):
+    seen.append(float(v))
+    return v
+
+@pw.program
+def step(x):
+    return io_callback(record, jax.ShapeDtypeStruct((), jnp.float32), x) * 2
+
+early = step(jnp.float32(1))
+early.result()
+"""
+
+
+def test_a_program_called_by_an_exit_hook_after_pathways_jaxs_runs_as_jax_jit_would(tmp_path):
+    # Exit hooks run last first: one registered before the import runs after pathways_jax's
+    # (which stopped the controller). Its calls ran on a new default cluster nothing stopped:
+    # their callbacks were lost, and the process sometimes aborted as it finalised.
+    script = tmp_path / "exit_hook.py"
+    script.write_text(_EXIT_HOOK_BEFORE_IMPORT)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "twice 8.0" in done.stdout, done.stdout + done.stderr[-2000:]
+        assert "seen [1.0, 99.0, 2.0, 4.0]" in done.stdout, done.stdout
+        assert "pathways" not in done.stdout.split("threads")[1].lower(), done.stdout  # no controller started
+
+
 def test_program_in_and_out_shardings_place_values_as_jax_jit_does():
     mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     NS, P = jax.sharding.NamedSharding, jax.sharding.PartitionSpec

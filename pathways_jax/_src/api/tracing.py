@@ -831,6 +831,9 @@ class Program:
         if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
             out = self._fun(*args, **kwargs)
             return submission.computed(out, f"program {self.name!r} run op by op", nnx_graph.is_graph_leaf)
+        if context.exiting:  # called by an exit hook that runs after pathways_jax's: as jax.jit, here
+            out = self._as_jax_jit()(*args, **kwargs)
+            return submission.computed(out, f"program {self.name!r} run at exit", nnx_graph.is_graph_leaf)
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
             return nnx_graph.call(self, args, kwargs)
         try:

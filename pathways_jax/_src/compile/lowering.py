@@ -394,6 +394,11 @@ class Plan:
                 )
                 continue
             value = values[out.value]
+            if value.aval.dtype == jax.dtypes.float0:
+                # Computed float0 (a gradient of an integer input): no data, so host zeros, as jax.jit gives.
+                zeros = jnp.asarray(np.zeros(value.aval.shape, jax.dtypes.float0))
+                self.outputs.append(OutputSlot("literal", zeros, value.aval, None, None, value.origin))
+                continue
             if out.value in home:
                 slot, sharding = home[out.value]
                 committed = not (

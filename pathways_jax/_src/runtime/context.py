@@ -18,6 +18,11 @@ class _State(threading.local):
 
 state = _State()
 
+# Set by pathways_jax's exit hook: an exit hook that runs after it (registered
+# before pathways_jax was imported) and calls a program gets it run as jax.jit, in
+# the caller, instead of starting a cluster nothing would stop.
+exiting = False
+
 
 def current_slice() -> VirtualSlice | None:
     """The innermost slice entered with ``with slice:`` on this thread, if any."""

@@ -20,6 +20,7 @@ from pathways_jax._src.backends import local
 from pathways_jax._src.backends.base import Backend
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import checks, errors, host_memory
+from pathways_jax._src.runtime import context
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.object_store import Budget, ObjectStore
 from pathways_jax._src.runtime.resources import Island, ResourceManager
@@ -758,6 +759,7 @@ def _close(timeout: float, *, by_user: bool) -> None:
 
 def _shutdown_at_exit() -> None:
     """The exit hook: stops a running cluster without counting as a user's ``pw.shutdown()``."""
+    context.exiting = True
     _close(60.0, by_user=False)
 
 

@@ -14,9 +14,9 @@ from absl import logging
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, timeline
 from pathways_jax._src.core.charges import Charge
-from pathways_jax._src.runtime import clients
+from pathways_jax._src.runtime import clients, context
 from pathways_jax._src.runtime.futures import Future
-from pathways_jax._src.runtime.object_store import Owner
+from pathways_jax._src.runtime.object_store import ObjectStore, Owner
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -124,6 +124,9 @@ def _guard_host_feeds(plan: Plan, leaves: list[Any]) -> None:
     logging.warning("pathways_jax: host-to-device transfer of %s for program %r", what, plan.graph.name)
 
 
+_AFTER_EXIT: dict[str, ObjectStore] = {}
+
+
 def computed(tree: Any, origin: str, is_leaf: Any = None) -> Any:
     """Futures of values already computed in the caller (a program run op by op): ready at once.
 
@@ -133,7 +136,11 @@ def computed(tree: Any, origin: str, is_leaf: Any = None) -> Any:
     """
     from pathways_jax._src.runtime import session as cluster_lib
 
-    store = cluster_lib.cluster().store
+    running = cluster_lib.running()
+    if running is not None or not context.exiting:
+        store = cluster_lib.cluster().store
+    else:  # after the exit hook: no cluster to start; the futures keep their own store
+        store = _AFTER_EXIT.setdefault("store", ObjectStore())
     client = clients.current()
     owner = Owner(client.name, next(_runs), client.key)
 
