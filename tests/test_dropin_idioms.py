@@ -519,3 +519,23 @@ def test_a_static_argument_made_abstract_by_eval_shape_is_refused_clearly():
         jax.eval_shape(ours, x, 2)
     assert isinstance(info.value, ValueError)  # what jax.jit raises for an unhashable static
     assert "fun.eval_shape(...)" in str(info.value) and "test_dropin_idioms.py" in str(info.value)
+
+
+class _HasJaxArray:
+    def __init__(self, value):
+        self.value = value
+
+    def __jax_array__(self):
+        return self.value
+
+
+def test_an_argument_with_only_jax_array_is_refused_with_jax_jits_error_class():
+    def fun(v):
+        return jnp.asarray(v) * 2
+
+    with pytest.raises(ValueError, match="__jax_array__"):
+        jax.jit(fun)(_HasJaxArray(jnp.ones(3)))
+    with pytest.raises(ValueError, match=r"has __jax_array__.*jnp\.asarray") as info:
+        pw.program(fun)(_HasJaxArray(jnp.ones(3)))
+    assert isinstance(info.value, pw.errors.ProgramTraceError)
+    assert_matches(pw.program(fun)(jnp.asarray(_HasJaxArray(jnp.ones(3)))), jax.jit(fun)(jnp.ones(3)))

@@ -513,3 +513,35 @@ def test_results_replaces_every_future_of_a_tree_and_keeps_other_leaves(one):
     got = pw.results({"a": fut, "b": [plain, 3, None]})
     assert type(got["a"]) is type(want) and got["b"][0] is plain and got["b"][1] == 3
     _same(got["a"], want)
+
+
+def test_an_uncommitted_future_combines_in_jax_jit_and_pmap_as_jax_jits_output_does():
+    # jax.jit places a call by its arguments' `_committed` (True when missing): a future nothing
+    # placed counted as committed to device 0 and clashed with an array committed elsewhere.
+    twice = pw.program(_double)
+    x = jnp.ones((8, 2))
+    fut, arr = twice(x), jax.jit(_double)(x)
+    assert fut.committed is arr.committed is False
+    elsewhere = jax.device_put(jnp.ones((8, 2)), jax.devices()[3])
+    add = jax.jit(lambda a, b: a + b)
+    got, want = add(fut, elsewhere), add(arr, elsewhere)
+    assert got.devices() == want.devices() == {jax.devices()[3]}
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    bump = jax.pmap(lambda a: a + 1)
+    np.testing.assert_array_equal(np.asarray(bump(fut)), np.asarray(bump(arr)))
+
+
+def test_reading_a_future_whose_buffer_a_jax_jit_donation_consumed_raises_as_jax_does():
+    twice = pw.program(_double)
+    consume = jax.jit(lambda a: a + 1, donate_argnums=0)
+    arr = jax.jit(_double)(jnp.ones(3))
+    consume(arr)
+    with pytest.raises(RuntimeError, match="deleted"):
+        np.asarray(arr)
+    fut = twice(jnp.ones(3))
+    fut.result()
+    consume(fut)
+    with pytest.raises(RuntimeError, match="has been deleted: a computation it was donated to") as info:
+        fut.result()
+    assert isinstance(info.value, pw.errors.PathwaysError)
+    assert not isinstance(info.value, pw.errors.ProgramFailedError)  # the program did not fail

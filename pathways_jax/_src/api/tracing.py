@@ -142,6 +142,12 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
         return ScalarKey(next(t for t in _SCALARS if isinstance(leaf, t)))
     if nnx_graph.is_graph_leaf(leaf):
         raise nnx_graph.GraphArgument(position)
+    if hasattr(leaf, "__jax_array__"):  # jax.jit refuses it with a ValueError too
+        raise errors.also(errors.ProgramTraceError, ValueError)(
+            f"program {program!r} got argument leaf {position} of type {type(leaf).__name__}, which "
+            "has __jax_array__: JAX no longer converts such objects when it abstracts an argument. "
+            "Convert it before the call (jnp.asarray(value)), or register its type as a pytree."
+        )
     raise errors.ProgramTraceError(
         f"program {program!r} got argument leaf {position} of type "
         f"{type(leaf).__name__}; expected a jax.Array, numpy array, Python "

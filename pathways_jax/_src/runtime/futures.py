@@ -159,6 +159,11 @@ class Future:
         return not _uncommitted_output(self._entry)
 
     @property
+    def _committed(self) -> bool:
+        """What ``jax.jit`` reads of an argument (``getattr(arg, "_committed", True)``) to place a call."""
+        return not _uncommitted_output(self._entry)
+
+    @property
     def slice(self):
         """The :class:`VirtualSlice` the value lives on."""
         return self._entry.slice
@@ -279,6 +284,13 @@ class Future:
                 except _KEPT_TYPES as exc:  # kept as they are: what went wrong is not the program's doing
                     raise type(exc)(f"{entry.origin}: {exc}") from exc
                 except Exception as exc:
+                    if isinstance(array, jax.Array) and array.is_deleted():
+                        # As jax.Array's "Array has been deleted": a RuntimeError, not a failed run.
+                        raise errors.also(errors.PathwaysError, RuntimeError)(
+                            f"the value of {entry.origin} has been deleted: a computation it was donated "
+                            "to (donate_argnums of a jax.jit function or a program) consumed its buffer. "
+                            "Read it before donating it, or do not donate it."
+                        ) from exc
                     raise errors.ProgramFailedError(f"{entry.origin} failed while executing: {exc}") from exc
                 if not ready:
                     raise self._timeout(timeout)
