@@ -15,6 +15,7 @@ import pytest
 import pathways_jax as pw
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.runtime import accounting as accounting_lib
+from pathways_jax._src.runtime import context as context_lib
 from pathways_jax._src.runtime import session as cluster_lib
 
 CLOSED = accounting_lib.CLOSED_CLIENTS
@@ -225,11 +226,14 @@ def test_after_shutdown_uses_raise_until_init():
     assert float(literal().result(timeout=30)) == 3.0
 
 
-def test_the_exit_hook_and_a_shutdown_with_nothing_running_do_not_count():
+def test_the_exit_hook_and_a_shutdown_with_nothing_running_do_not_count(monkeypatch):
     pw.shutdown()  # nothing ran: the first use still starts the default cluster
     first = pw.cluster()
+    # The hook marks the process as exiting; the test process goes on, so the mark is undone after.
+    monkeypatch.setattr(context_lib, "exiting", False)
     cluster_lib._shutdown_at_exit()
-    assert first.closed
+    assert first.closed and context_lib.exiting
+    context_lib.exiting = False
     assert pw.cluster() is not first  # the exit hook is not a user's pw.shutdown()
 
 
