@@ -39,6 +39,25 @@ def test_64_bit_mode_switched_on_after_a_call_retraces_as_jax_jit_does():
     assert _result(prog(1.0, 2)).dtype == jnp.float32
 
 
+def test_values_made_in_64_bit_mode_passed_after_it_is_switched_off_are_narrowed_as_jax_jit_does():
+    # A notebook toggles jax_enable_x64: arrays (and futures) made meanwhile stay float64.
+    def affine(x):
+        return x * 2 + 1
+
+    prog, jitted = pw.program(affine), jax.jit(affine)
+    with jax_config("jax_enable_x64", True):
+        wide, wide_future = jnp.arange(3.0), prog(jnp.arange(3.0))
+        assert _result(wide_future).dtype == jnp.float64
+    for arg in (wide, wide_future):
+        with pytest.warns(UserWarning, match="truncated to dtype float32"):
+            want = jitted(arg)
+        with pytest.warns(UserWarning, match="truncated to dtype float32"):
+            got = _result(prog(arg))
+        assert got.dtype == want.dtype == jnp.float32
+        assert_matches(got, want, rtol=0, atol=0)
+    assert wide.dtype == jnp.float64  # the caller's array is left as it was
+
+
 def test_strict_dtype_promotion_set_after_a_call_is_applied():
     def add(a, b):
         return a + b

@@ -9,6 +9,7 @@ import inspect
 import re
 import threading
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, overload
 
@@ -89,11 +90,39 @@ def _stale(leaf: Future) -> bool:
     return slice_ is not None and slice_.released
 
 
+class _WideValue(Exception):
+    """A 64-bit value made under ``jax_enable_x64`` among the arguments of a call made without it."""
+
+
+def _check_width(dtype: Any) -> None:
+    if isinstance(dtype, np.dtype) and dtype.itemsize == 8 and jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise _WideValue
+
+
+def _narrowed(leaf: Any) -> Any:
+    """``leaf`` in the dtype JAX's configuration makes of it (float64 as float32 without x64), as jax.jit takes it."""
+    value = leaf.result() if type(leaf) is Future else leaf
+    if isinstance(value, jax.Array) and isinstance(value.dtype, np.dtype):
+        canonical = jax.dtypes.canonicalize_dtype(value.dtype)
+        if canonical != value.dtype:
+            warnings.warn(  # as jax.jit warns for it
+                f"An argument of dtype {value.dtype} (made under jax_enable_x64) is not available "
+                f"without it, and will be truncated to dtype {canonical}.",
+                UserWarning,
+                stacklevel=5,
+            )
+            return value.astype(canonical)
+    return leaf
+
+
 def _future_key(leaf: Future) -> FutureKey:
     if _stale(leaf):
         raise _StaleFuture
     entry = leaf._entry
-    return entry.signature or FutureKey.of(entry.aval, entry.sharding, entry.slice)
+    key = entry.signature or FutureKey.of(entry.aval, entry.sharding, entry.slice)
+    if key.dtype.itemsize == 8:
+        _check_width(key.dtype)
+    return key
 
 
 def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
@@ -108,12 +137,18 @@ def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
         return tuple([_leaf_signature(leaf, i, program) for i, leaf in enumerate(leaves)])
     except _StaleFuture:
         leaves[:] = [leaf.result() if type(leaf) is Future and _stale(leaf) else leaf for leaf in leaves]
-        return tuple([_leaf_signature(leaf, i, program) for i, leaf in enumerate(leaves)])
+        return _signed(leaves, program)
+    except _WideValue:  # made under jax_enable_x64, passed without it: narrowed, as jax.jit does
+        leaves[:] = [_narrowed(leaf) for leaf in leaves]
+        return _signed(leaves, program)
 
 
 def _array_key(leaf: jax.Array) -> ArrayKey:
     aval = leaf.aval  # an attribute: shape, dtype and weak_type are properties reading it
-    return ArrayKey(aval.shape, aval.dtype, aval.weak_type, leaf.sharding, leaf.committed)
+    dtype = aval.dtype
+    if dtype.itemsize == 8:
+        _check_width(dtype)
+    return ArrayKey(aval.shape, dtype, aval.weak_type, leaf.sharding, leaf.committed)
 
 
 # Exact-type fast path of the signature (the common argument kinds).
