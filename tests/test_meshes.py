@@ -37,6 +37,26 @@ def test_program_and_jit_inside_an_ambient_mesh_of_another_size(size):
     assert jax.sharding.get_abstract_mesh().empty
 
 
+@pytest.mark.parametrize("kind", [Auto, Explicit])
+def test_a_program_with_no_slice_runs_on_the_callers_one_device_mesh_as_jax_jit(kind):
+    pw.init(num_cpu_devices=8)
+
+    def constrained(v):  # names the caller's mesh with a bare spec: it needs one in context
+        if kind == Explicit:
+            return jax.sharding.reshard(v * 2, P("d")) + 1
+        return jax.lax.with_sharding_constraint(v * 2, P("d")) + 1
+
+    x = jnp.arange(8.0)
+    for size in (1, 2):  # a mesh of one device is a mesh too
+        user = jax.make_mesh((size,), ("d",), devices=jax.devices()[:size], axis_types=(kind,))
+        with jax.set_mesh(user):
+            want = jax.jit(constrained)(x)
+            got = pw.program(constrained)(x).result()
+        assert_matches(got, want)
+        assert got.sharding.mesh.devices.tolist() == want.sharding.mesh.devices.tolist()
+        assert got.sharding.spec == want.sharding.spec
+
+
 def test_ambient_explicit_mesh_is_set_aside_inside_the_program():
     pw.init(num_cpu_devices=8)
     s = pw.devices(mesh={"x": 4})

@@ -195,14 +195,15 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
     """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
 
     ``hint`` (the mesh of the program's own ``in_shardings``, else the caller's
-    ``jax.set_mesh`` mesh) wins; then the mesh of the first array argument
-    sharded over several devices.
+    ``jax.set_mesh`` mesh), of any size, wins; then the mesh of the first array
+    argument sharded over several devices.
     """
     from pathways_jax._src.runtime import slices as devices_lib
 
     meshes = [hint, *(getattr(key.sharding, "mesh", None) for key in signature if key.kind == "array")]
     for mesh in meshes:
-        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+        several = mesh is hint or getattr(mesh, "size", 0) > 1  # a 1-device array is on its device
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and several:
             ids = tuple(d.id for d in mesh.devices.flat)
             shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
             return devices_lib.implied(ids, shape, tuple(mesh.axis_types))
