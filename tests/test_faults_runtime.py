@@ -309,25 +309,134 @@ def test_a_client_beyond_max_queued_waits_until_a_run_is_dispatched():
 
 
 @pytest.mark.timeout(60)
-def test_a_host_callback_waiting_on_a_program_fails_at_once_and_the_runtime_keeps_serving():
+def test_a_program_called_inside_a_host_callback_runs_there_as_jax_jit():
     pw.init(num_cpu_devices=8, islands=2)
     s = pw.devices(mesh={"x": 1}, island=0)
     double = pw.jit(lambda v: v * 2, devices=s)
+    inner = jax.jit(lambda v: v * 2)
 
-    def waits_on_a_program(v):
-        return np.asarray(double(jnp.asarray(v)).result(timeout=20))
+    def calls_a_program(jitted):
+        # The callback runs on the thread that dispatched its executable, inside the
+        # controller's work: the program cannot be queued there and waited for.
+        return lambda v: np.asarray(jitted(jnp.asarray(v)).result() if jitted is double else jitted(v))
 
-    calls = pw.jit(
-        lambda v: jax.pure_callback(waits_on_a_program, jax.ShapeDtypeStruct(v.shape, v.dtype), v), devices=s
-    )
+    def outer(jitted):
+        return lambda v: (
+            jax.pure_callback(calls_a_program(jitted), jax.ShapeDtypeStruct(v.shape, v.dtype), v) + 1
+        )
+
+    x = jnp.arange(3.0)
+    want = jax.jit(outer(inner))(x)
     start = time.monotonic()
-    with pytest.raises(pw.errors.ProgramFailedError, match="controller thread"):
-        calls(jnp.ones(3)).result(timeout=30)
-    assert time.monotonic() - start < 10  # at once, not after the callback's own timeout
-    assert_matches(double(jnp.ones(3)), jnp.ones(3) * 2)
+    assert_matches(pw.jit(outer(double), devices=s)(x).result(timeout=30), want)
+    assert time.monotonic() - start < 20
+    assert_matches(double(jnp.ones(3)), jnp.ones(3) * 2)  # and the runtime keeps serving
     start = time.monotonic()
     pw.shutdown(timeout=3)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_inside_the_runtimes_work_for_a_value_not_computed_yet_fails_at_once():
+    from pathways_jax._src.core import reentry
+
+    pw.init(num_cpu_devices=8, islands=2, max_in_flight=1)
+    s = pw.devices(mesh={"x": 1}, island=0)
+    plug, gate, entered = gated(s)
+    double = pw.jit(lambda v: v * 2, devices=s)
+    x = jnp.arange(4.0)
+    held = plug(x)  # holds the island's one window place until the gate opens
+    assert entered.wait(20)
+    later = double(x)  # queued behind it: not computed yet
+    assert type(later._entry.state).__name__ == "Pending"
+    # As a garbage-collector finalizer or a signal handler run while this thread
+    # dispatches (it holds the controller's locks) would wait:
+    reentry.inside.depth += 1
+    try:
+        start = time.monotonic()
+        with pytest.raises(pw.errors.PathwaysError, match="inside pathways_jax's dispatch"):
+            later.result(timeout=20)
+        assert time.monotonic() - start < 5
+        # A program called there runs in place, as jax.jit.
+        assert_matches(double(x + 1).result(timeout=1), (x + 1) * 2)
+    finally:
+        reentry.inside.depth -= 1
+    gate.set()
+    assert_matches(later, x * 2)
+    assert_matches(held, x)
+    s.release()
+
+
+# A deadlock here blocks inside a finalizer or a handler, where no signal gets it out.
+@pytest.mark.timeout(90, method="thread")
+def test_finalizers_the_garbage_collector_runs_inside_dispatch_can_call_programs():
+    pw.init(num_cpu_devices=8)
+    body = lambda v: v * 2 + 1  # noqa: E731
+    program, reference = pw.program(body), jax.jit(body)
+    x = jnp.arange(4.0)
+    want = float(reference(x).sum())
+    got, made = [], 2000
+
+    class Finalized:
+        def __del__(self):  # called and read at once, as code written for jax.jit does
+            got.append(float(program(x).sum()))
+
+    program(x)
+    threshold = gc.get_threshold()
+    gc.set_threshold(100)  # collections often: some land inside the runtime's work, on any of its threads
+    try:
+        for _ in range(made):
+            cycle = Finalized()
+            cycle.self = cycle
+            del cycle
+            out = program(x)
+    finally:
+        gc.set_threshold(*threshold)
+    deadline = time.monotonic() + 30
+    while len(got) < made and time.monotonic() < deadline:
+        gc.collect()  # another thread's collection may be running: look again
+        time.sleep(0.01)
+    assert len(got) == made and set(got) == {want}
+    assert_matches(out, reference(x))
+
+
+# A deadlock here blocks inside a finalizer or a handler, where no signal gets it out.
+@pytest.mark.timeout(90, method="thread")
+def test_a_signal_handler_calling_programs_during_dispatch_gets_their_values():
+    pw.init(num_cpu_devices=8)
+    body = lambda v: jnp.sin(v) * 2  # noqa: E731
+    program, reference = pw.program(body), jax.jit(body)
+    x = jnp.arange(8.0)
+    want = np.asarray(reference(x))
+    got = []
+
+    def on_signal(signum, frame):  # a preemption handler that saves what a program computes
+        got.append(np.asarray(program(x)))
+
+    program(x)
+    stop = threading.Event()
+
+    def signaller():
+        rng = random.Random(0)
+        while not stop.is_set():
+            time.sleep(rng.uniform(0, 5e-4))  # lands anywhere, dispatch included
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    thread = threading.Thread(target=signaller, daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(got) < 300:
+            out = program(x)
+    finally:
+        stop.set()
+        thread.join(10)
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(got) >= 50
+    for value in got:
+        np.testing.assert_allclose(value, want, rtol=1e-6)
+    assert_matches(out, want)
 
 
 @pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ from pathways_jax._src.api import graph_builder, nnx_graph
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
 from pathways_jax._src.api.jit_shardings import jit_with_shardings
 from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, source, timeline
+from pathways_jax._src.core import errors, reentry, source, timeline
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh
@@ -845,12 +845,20 @@ class Program:
         return graph.check()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if context.state.trace is not None:
+        state = context.state
+        if state.trace is not None:
             # Called while another program is traced: its nodes join that program.
             if self._devices is None:
                 return self._fun(*args, **kwargs)
             with self._devices:
                 return self._fun(*args, **kwargs)
+        if reentry.inside.depth or context.exiting:
+            # Called by Python code run inside the controller's own work (a garbage-collector
+            # finalizer, a signal handler, a host callback), or by an exit hook that runs
+            # after pathways_jax's: as jax.jit, in place.
+            out = self._as_jax_jit()(*args, **kwargs)
+            how = "at exit" if context.exiting else "in place"
+            return submission.computed(out, f"program {self.name!r} run {how}", nnx_graph.is_graph_leaf)
         if self._under_transforms and inside_jax_trace():
             # Traced by JAX (checkify, make_jaxpr) with concrete arguments: as jax.jit, traced in.
             return self._transformed(args, kwargs)
@@ -873,9 +881,6 @@ class Program:
         if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
             out = self._fun(*args, **kwargs)
             return submission.computed(out, f"program {self.name!r} run op by op", nnx_graph.is_graph_leaf)
-        if context.exiting:  # called by an exit hook that runs after pathways_jax's: as jax.jit, here
-            out = self._as_jax_jit()(*args, **kwargs)
-            return submission.computed(out, f"program {self.name!r} run at exit", nnx_graph.is_graph_leaf)
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
             return nnx_graph.call(self, args, kwargs)
         try:

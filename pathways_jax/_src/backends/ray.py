@@ -71,7 +71,7 @@ from pathways_jax._src.backends.ray_host import (
     Shards,
     SingleDesc,
 )
-from pathways_jax._src.core import arrays, errors, timeline
+from pathways_jax._src.core import arrays, errors, reentry, timeline
 from pathways_jax._src.core import counts as counters
 
 if TYPE_CHECKING:
@@ -644,8 +644,8 @@ class RayBackend:
             raise errors.ClusterError(f"the Ray host actors did not start: {exc}") from exc
         self._pings: dict[int, Any] = {}
         self._threads = [
-            threading.Thread(target=self._monitor, name="pathways-ray-monitor", daemon=True),
-            threading.Thread(target=self._flush_loop, name="pathways-ray-flush", daemon=True),
+            reentry.runtime_thread(self._monitor, name="pathways-ray-monitor"),
+            reentry.runtime_thread(self._flush_loop, name="pathways-ray-flush"),
         ]
         for thread in self._threads:
             thread.start()
@@ -1151,8 +1151,8 @@ class RayBackend:
         if self.on_lost is not None:
             self.on_lost(island)
         if self.replace_lost:
-            threading.Thread(
-                target=self._rebuild, args=(island,), name=f"pathways-ray-rebuild-{island}", daemon=True
+            reentry.runtime_thread(
+                self._rebuild, args=(island,), name=f"pathways-ray-rebuild-{island}"
             ).start()
 
     def _record_lost(self, island: int, why: str) -> bool:

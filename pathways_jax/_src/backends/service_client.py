@@ -30,7 +30,7 @@ from absl import logging
 
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.ray_host import Refused, RunFailure, sharding_of
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import errors, reentry
 
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
@@ -136,8 +136,8 @@ class ServiceBackend(ray_backend.RayBackend):
             self._mark(int(island), why)
         self._batches = 0
         self._threads = [
-            threading.Thread(target=self._monitor, name="pathways-service-health", daemon=True),
-            threading.Thread(target=self._flush_loop, name="pathways-service-flush", daemon=True),
+            reentry.runtime_thread(self._monitor, name="pathways-service-health"),
+            reentry.runtime_thread(self._flush_loop, name="pathways-service-flush"),
         ]
         for thread in self._threads:
             thread.start()

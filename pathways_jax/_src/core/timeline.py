@@ -39,7 +39,7 @@ from typing import Any
 
 from absl import logging
 
-from pathways_jax._src.core import errors, readiness
+from pathways_jax._src.core import errors, readiness, reentry
 from pathways_jax._src.core.formatting import aval_text
 
 __all__ = ["ACTIVE", "Recorder", "start_trace", "stop_trace", "trace"]
@@ -139,7 +139,7 @@ class Recorder:
         self._busy_until: dict[tuple[int, int], int] = {}
         self._deadline: float | None = None
         self._unfinished = 0
-        self._watcher = threading.Thread(target=self._watch, name="pathways-trace-watcher", daemon=True)
+        self._watcher = reentry.runtime_thread(self._watch, name="pathways-trace-watcher")
         self._watcher.start()
 
     # --- time and tracks -------------------------------------------------------------

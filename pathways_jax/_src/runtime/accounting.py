@@ -31,7 +31,7 @@ from typing import Any
 
 from absl import logging
 
-from pathways_jax._src.core import readiness
+from pathways_jax._src.core import readiness, reentry
 
 now = time.perf_counter_ns
 # The watcher is never woken per run (a wake-up per run costs the dispatching
@@ -237,7 +237,7 @@ class Accounting:
     def _start(self) -> None:
         with self._start_lock:
             if not self._started:
-                self._thread = threading.Thread(target=self._watch, name="pathways-accounting", daemon=True)
+                self._thread = reentry.runtime_thread(self._watch, name="pathways-accounting")
                 self._thread.start()
                 self._started = True
 

@@ -49,7 +49,7 @@ from absl import logging
 
 from pathways_jax._src.backends.base import Backend, StepFailed, device_window
 from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, readiness, timeline
+from pathways_jax._src.core import errors, readiness, reentry, timeline
 from pathways_jax._src.runtime import scheduler
 from pathways_jax._src.runtime.accounting import Accounting
 from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, Pending, Ready
@@ -134,7 +134,7 @@ class Controller:
         self.accounting = Accounting([d.id for d in cluster.devices], self._run_done)
         self._stopped = False
         self._dead: BaseException | None = None  # why the controller thread ended, if it did
-        self._thread = threading.Thread(target=self._serve, name="pathways-controller", daemon=True)
+        self._thread = reentry.runtime_thread(self._serve, name="pathways-controller")
         self._thread.start()
         # A host callback runs on the thread that dispatched its executable: the
         # store refuses to wait there for a value no run has made yet (a deadlock).
@@ -160,6 +160,8 @@ class Controller:
             and (self._budget is None or threading.get_ident() != MAIN_THREAD)
             and self._dispatch.acquire(blocking=False)
         ):
+            inside = reentry.inside
+            inside.depth += 1
             try:
                 if not self._queues and self._picked is None and self._ready_now(run) and self._admit(run):
                     run.seq = next(self._seq)
@@ -174,6 +176,7 @@ class Controller:
                 self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was interrupted", exc)
                 raise
             finally:
+                inside.depth -= 1
                 self._dispatch.release()
         key = run.client.key
         with self._lock:
@@ -377,9 +380,14 @@ class Controller:
         count as running, which at worst makes a run wait for the next look.
         """
         in_flight = self._in_flight[island]
-        with self._settle_lock:
-            self._backend.settle(in_flight)
-            return len(in_flight)
+        inside = reentry.inside
+        inside.depth += 1
+        try:
+            with self._settle_lock:
+                self._backend.settle(in_flight)
+                return len(in_flight)
+        finally:
+            inside.depth -= 1
 
     def _short_oldest(self, island: int) -> bool:
         """True if the oldest executable in ``island``'s window is of a run known to be short."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import errors, reentry
 from pathways_jax._src.core.charges import Charge, charge_of
 
 
@@ -300,6 +300,14 @@ class ObjectStore:
                 "program: the run that computes the value can only be dispatched by this thread once the "
                 "callback returns, so the wait would never end. Pass the value to the program as an "
                 "argument instead of waiting for it inside the callback."
+            )
+        if reentry.inside.depth:
+            raise errors.PathwaysError(
+                f"{entry.origin} is not computed yet, and this wait runs on a thread that is inside "
+                "pathways_jax's dispatch (Python code run meanwhile: a garbage-collector finalizer, a "
+                "signal handler, a host callback): the run that computes the value cannot be dispatched "
+                "until this thread leaves it, so the wait would never end. Wait for the value outside "
+                "such code, or compute it there with jax.jit."
             )
         waiter = threading.Lock()
         waiter.acquire()
