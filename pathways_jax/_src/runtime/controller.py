@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -81,6 +82,22 @@ _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 # now starts after at most this many: measured in docs/DESIGN.md (Schedule).
 DEVICE_WINDOW = 4
 _FLIGHTS_KEPT = 256  # what windows keep of runs, made once per plan and client (in_flight)
+
+
+class Forked(Exception):
+    """Why a controller cannot serve in a process forked from its own."""
+
+
+# Controllers of this process: a child forked from it finds them without their threads.
+_controllers: weakref.WeakSet[Controller] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for controller in list(_controllers):
+        controller._dead = Forked("this process was forked from the one that started it")
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Controller:
@@ -135,6 +152,7 @@ class Controller:
         self._stopped = False
         self._dead: BaseException | None = None  # why the controller thread ended, if it did
         self._thread = reentry.runtime_thread(self._serve, name="pathways-controller")
+        _controllers.add(self)
         self._thread.start()
         # A host callback runs on the thread that dispatched its executable: the
         # store refuses to wait there for a value no run has made yet (a deadlock).
@@ -239,6 +257,14 @@ class Controller:
     def _died(self) -> None:
         """Raises the error of a call made after the controller thread ended."""
         cause = self._dead
+        if isinstance(cause, Forked):
+            raise errors.ClusterError(
+                "this process was forked (os.fork, or multiprocessing's 'fork' start method) from one "
+                "running pathways_jax: the controller's threads, and JAX's runtime, do not survive a "
+                "fork, so no program can run here. Start worker processes that use pathways_jax with "
+                "multiprocessing's 'spawn' or 'forkserver' start method, or call programs only in the "
+                "parent."
+            )
         raise errors.ClusterError(
             "pathways_jax's controller thread has stopped"
             + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
