@@ -95,7 +95,8 @@ class _WideValue(Exception):
 
 
 def _check_width(dtype: Any) -> None:
-    if isinstance(dtype, np.dtype) and dtype.itemsize == 8 and jax.dtypes.canonicalize_dtype(dtype) != dtype:
+    """Raises ``_WideValue`` for a 64-bit dtype JAX's configuration narrows (the callers test the size)."""
+    if isinstance(dtype, np.dtype) and jax.dtypes.canonicalize_dtype(dtype) != dtype:
         raise _WideValue
 
 
@@ -845,8 +846,7 @@ class Program:
         return graph.check()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state = context.state
-        if state.trace is not None:
+        if context.state.trace is not None:
             # Called while another program is traced: its nodes join that program.
             if self._devices is None:
                 return self._fun(*args, **kwargs)

@@ -154,9 +154,6 @@ class Controller:
         self._thread = reentry.runtime_thread(self._serve, name="pathways-controller")
         _controllers.add(self)
         self._thread.start()
-        # A host callback runs on the thread that dispatched its executable: the
-        # store refuses to wait there for a value no run has made yet (a deadlock).
-        self._store.dispatcher = self._thread.ident
 
     @property
     def alive(self) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pathways_jax._src.core import arrays, errors, readiness
+from pathways_jax._src.core import arrays, errors, readiness, reentry
 from pathways_jax._src.runtime.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
 
 
@@ -526,15 +525,15 @@ def dispatched(future: Future) -> Any:
     computation is enqueued. The future itself comes back where its value
     cannot be had that way: a value held by a Ray host or a controller service,
     a run that failed, a value under a memory budget (whose bytes the store
-    counts while a future holds them), or a wait on the controller's own
-    thread (a host callback), which would never end.
+    counts while a future holds them), or a wait inside the runtime's work (a
+    host callback on the controller's thread, a finalizer), which would never end.
     """
     store = future._store
     entry = future._entry
     if store.budget is not None:
         return future
     if type(entry.state) is Pending:
-        if threading.get_ident() == store.dispatcher:
+        if reentry.inside.depth:  # a host callback on the controller's thread, a finalizer: see wait_settled
             return future
         store.wait_settled(entry, None)
     state = entry.state

@@ -153,9 +153,6 @@ class ObjectStore:
         self._waiting: dict[int, tuple[Entry, Any]] = {}
         # Per-device memory budget (None: no budget; nothing is reserved).
         self.budget: Budget | None = None
-        # The controller thread's ident: a host callback runs there, and a wait
-        # there for a value no run has made yet can never end (see wait_settled).
-        self.dispatcher: int | None = None
 
     def new(
         self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any = None
@@ -287,27 +284,21 @@ class ObjectStore:
     def wait_settled(self, entry: Entry, timeout: float | None) -> bool:
         """Waits until ``entry`` is no longer pending; False if ``timeout`` expired.
 
-        Raises ``PathwaysError`` at once on the controller's thread (a host
-        callback waiting for a program's value): only that thread dispatches
-        the run that makes the value, so the wait would never end.
+        Raises ``PathwaysError`` at once on a thread inside the runtime's work
+        (``reentry.inside``: the controller's, where host callbacks run, or one
+        holding the controller's locks): the run that makes the value cannot be
+        dispatched until it leaves, so the wait would never end.
         """
         if type(entry.state) is not Pending:
             return True
-        if threading.get_ident() == self.dispatcher:
-            raise errors.PathwaysError(
-                f"{entry.origin} is not computed yet, and this wait runs on pathways_jax's controller "
-                "thread, inside a host callback (jax.pure_callback, jax.debug.callback, io_callback) of a "
-                "program: the run that computes the value can only be dispatched by this thread once the "
-                "callback returns, so the wait would never end. Pass the value to the program as an "
-                "argument instead of waiting for it inside the callback."
-            )
         if reentry.inside.depth:
             raise errors.PathwaysError(
                 f"{entry.origin} is not computed yet, and this wait runs on a thread that is inside "
-                "pathways_jax's dispatch (Python code run meanwhile: a garbage-collector finalizer, a "
-                "signal handler, a host callback): the run that computes the value cannot be dispatched "
-                "until this thread leaves it, so the wait would never end. Wait for the value outside "
-                "such code, or compute it there with jax.jit."
+                "pathways_jax's dispatch (Python code run meanwhile: a host callback such as "
+                "jax.pure_callback or jax.debug.callback, a garbage-collector finalizer, a signal "
+                "handler): the run that computes the value cannot be dispatched until this thread "
+                "leaves it, so the wait would never end. Pass the value to the program as an argument, "
+                "or wait for it outside such code."
             )
         waiter = threading.Lock()
         waiter.acquire()
