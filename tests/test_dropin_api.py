@@ -258,6 +258,68 @@ def test_placement_follows_committed_arguments_then_the_default_device_as_in_jax
     assert double(loose).result(timeout=60).devices() == {jax.devices()[0]}
 
 
+def test_pw_jit_with_no_devices_runs_where_jax_jit_would():
+    """``s/jax.jit/pw.jit/`` works: with no slice anywhere, it is placed as ``jax.jit`` places."""
+
+    def scale(x, y, n):
+        return x * n + y
+
+    ours, reference = pw.jit(scale, static_argnums=2), jax.jit(scale, static_argnums=2)
+    loose = jnp.arange(4.0)
+    placed = jax.device_put(jnp.ones(4), jax.devices()[3])
+    for args in ((loose, loose, 3), (loose, placed, 2)):
+        got, want = ours(*args), reference(*args)
+        assert isinstance(got, pw.Future)
+        assert_matches(got, want, rtol=0, atol=0)
+        assert got.result(timeout=60).devices() == want.devices()
+    with jax.default_device(jax.devices()[5]):
+        assert ours(loose, loose, 1).result(timeout=60).devices() == {jax.devices()[5]}
+    # Arguments on a mesh of yours: it runs there, its output sharded as jax.jit's.
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    sharded = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, P("d")))
+    got, want = ours(sharded, sharded, 2).result(timeout=60), reference(sharded, sharded, 2)
+    assert got.sharding == want.sharding
+    assert_matches(got, want, rtol=0, atol=0)
+
+    # Inside a program with no slice: one node, as a jax.jit call there is.
+    @pw.program
+    def step(x):
+        return ours(x, x, 2) - 1
+
+    assert_matches(step(loose), jax.jit(lambda x: reference(x, x, 2) - 1)(loose), rtol=0, atol=0)
+    assert len(step.graph(loose).nodes) == 1
+    # Inside your own transformations: as jax.jit.
+    assert_matches(jax.jit(lambda x: ours(x, x, 2))(loose), reference(loose, loose, 2))
+    want_grad = jax.grad(lambda x: reference(x, x, 3).sum())(loose)
+    assert_matches(jax.grad(lambda x: ours(x, x, 3).sum())(loose), want_grad)
+    assert_matches(jax.vmap(lambda x: ours(x, x, 3))(loose), jax.vmap(lambda x: reference(x, x, 3))(loose))
+    # A second call with the same signature neither traces nor compiles again.
+    before = pw.counters()
+    ours(loose, loose, 3).result(timeout=60)
+    after = pw.counters()
+    assert (after["traces"], after["compiles"]) == (before["traces"], before["compiles"])
+    assert after["runs"] == before["runs"] + 1
+
+
+def test_pw_jit_with_no_devices_updates_an_nnx_model_as_nnx_jit_does():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = nnx.Variable(jnp.zeros(()))
+
+    def bump(model, by):
+        model.count[...] = model.count[...] + by
+        return model.count[...] * 2
+
+    ours, reference = Counter(), Counter()
+    for by in (1.0, 2.5):
+        got = pw.jit(bump)(ours, jnp.float32(by))
+        want = nnx.jit(bump)(reference, jnp.float32(by))
+        assert_matches(got, want, rtol=0, atol=0)
+    np.testing.assert_array_equal(np.asarray(ours.count[...]), np.asarray(reference.count[...]))
+
+
 def test_float0_outputs_come_back_as_jax_jit_returns_them():
     grad = jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True)
     want = jax.jit(grad)(2.0, 3)

@@ -1,6 +1,7 @@
 """Bad input and failures: each error has the right type and says what was asked,
 what exists and what to do (STYLE §7-8)."""
 
+import functools
 import inspect
 import threading
 import time
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_matches
 
 import pathways_jax as pw
 
@@ -130,15 +132,15 @@ def test_malformed_timeout():
 # --- pw.jit with nowhere to run -----------------------------------------------------------
 
 
-def test_jit_without_devices_called_directly():
+def test_jit_with_specs_but_no_devices_called_directly():
     pw.init(num_cpu_devices=8)
 
     def add_one(x):
         return x + 1
 
-    placed = pw.jit(add_one)
+    placed = pw.jit(add_one, out_specs=pw.P("x"))  # specs name a slice's axes: it needs one
     with pytest.raises(
-        pw.errors.PlacementError, match=r"pw\.jit function 'add_one'.*with no devices"
+        pw.errors.PlacementError, match=r"pw\.jit function 'add_one'.*with in_specs/out_specs but no devices"
     ) as info:
         line = inspect.currentframe().f_lineno + 1
         placed(jnp.ones(4))
@@ -147,12 +149,16 @@ def test_jit_without_devices_called_directly():
     assert f"test_errors.py:{line}" in message  # where it was called
     assert "pw.jit(..., devices=slice)" in message  # what to do
     assert "with slice:" in message
+    assert "leave the specs out" in message
+    # Inside the slice its axes name, the same function runs.
+    with pw.devices(mesh={"x": 4}):
+        assert_matches(placed(jnp.ones(4)), jnp.ones(4) + 1)
 
 
-def test_jit_without_devices_inside_program_without_devices():
+def test_jit_with_specs_but_no_devices_inside_program_without_devices():
     pw.init(num_cpu_devices=8)
 
-    @pw.jit
+    @functools.partial(pw.jit, in_specs=pw.P("x"))
     def add_one(x):
         return x + 1
 
@@ -161,7 +167,7 @@ def test_jit_without_devices_inside_program_without_devices():
 
     step = pw.program(unplaced_step)
     line = _line_of(unplaced_step, "# call without devices")
-    with pytest.raises(pw.errors.PlacementError, match=r"'add_one'.*with no devices") as info:
+    with pytest.raises(pw.errors.PlacementError, match=r"'add_one'.*but no devices") as info:
         step(jnp.ones(4))
     assert isinstance(info.value, ValueError)
     message = str(info.value)

@@ -113,7 +113,7 @@ class JitFunction:
         }
         self._jitted = jax.jit(fun, **self._jit_options)
         self._nnx_jitted: Callable[..., Any] | None = None
-        self._programs: dict[int, Program] = {}
+        self._programs: dict[int | None, Program] = {}  # by slice id; None: placed as jax.jit
         # Threads tracing the function now, each with its depth (see _sole_tracer).
         self._tracers: dict[int, int] = {}
         self._tracers_lock = threading.Lock()
@@ -127,14 +127,19 @@ class JitFunction:
     def devices(self) -> VirtualSlice | None:
         return self._devices
 
-    def _slice(self) -> VirtualSlice:
+    def _slice(self) -> VirtualSlice | None:
+        """The slice it runs on now; ``None``: nothing places it, so it runs where ``jax.jit`` would."""
         trace = context.state.trace
         chosen = self._devices or context.current_slice() or (trace.default if trace else None)
         if chosen is None:
+            if self._in_specs is None and self._out_specs is None:
+                return None
             raise errors.PlacementError(
                 f"pw.jit function {self.__name__!r} ({self.source_info}) was called at "
-                f"{source.of_caller()} with no devices: pass pw.jit(..., devices=slice), "
-                "call it inside `with slice:`, or inside a @pw.program(devices=slice)."
+                f"{source.of_caller()} with in_specs/out_specs but no devices: specs name a "
+                "slice's axes, so pass pw.jit(..., devices=slice), call it inside `with slice:`, "
+                "or inside a @pw.program(devices=slice) (or leave the specs out to run it "
+                "where jax.jit would)."
             )
         chosen.check_usable()
         return chosen
@@ -211,7 +216,10 @@ class JitFunction:
             out = self._fun(*args, **kwargs)
             return submission.computed(out, f"pw.jit {self.__name__!r} run op by op", nnx_graph.is_graph_leaf)
         if trace is None and inside_jax_trace():  # checkify, make_jaxpr: as jax.jit, traced in
-            return self._transformed(self._slice(), args, kwargs)
+            placed = self._slice()
+            if placed is None:
+                return self._jitted_for(args, kwargs)(*args, **kwargs)
+            return self._transformed(placed, args, kwargs)
         if trace is None and self._devices is not None and not self._devices.released:
             prog = self._programs.get(self._devices.id)
             if prog is not None:
@@ -222,8 +230,14 @@ class JitFunction:
                         raise
                 return self._transformed(self._devices, args, kwargs)
         slice_ = self._slice()
+        if slice_ is None and trace is not None:
+            # Nothing places it: a plain jax.jit call of the program, placed as one.
+            with self._sole_tracer() as alone:
+                jitted = self._jitted_for(args, kwargs) if alone else self._unshared(args, kwargs)
+                return jitted(*args, **kwargs)
         if trace is None:
-            prog = self._programs.get(slice_.id)
+            key = slice_.id if slice_ is not None else None
+            prog = self._programs.get(key)
             if prog is None:
                 call = functools.partial(JitFunction.__call__, self)
                 # Its signature is the function's: a static argument may come by keyword.
@@ -239,12 +253,14 @@ class JitFunction:
                 prog.source_info = self.source_info
                 prog._under_transforms = False  # a tracer argument comes back here (_transformed)
                 # Threads making their first calls at once share one program (and its caches).
-                prog = self._programs.setdefault(slice_.id, prog)
+                prog = self._programs.setdefault(key, prog)
             try:
                 return prog(*args, **kwargs)
             except errors.ProgramTraceError as exc:
                 if not isinstance(exc.__context__, TracerArgument):
                     raise
+            if slice_ is None:
+                return self._jitted_for(args, kwargs)(*args, **kwargs)
             return self._transformed(slice_, args, kwargs)
         number = trace.record_jit(JitCall(slice_, self._leaf_in_specs(args, kwargs, slice_), None))
         explicit = AxisType.Explicit in slice_.axis_types
@@ -404,7 +420,8 @@ def jit(
     Args:
       fun: the function.
       devices: the slice to run on; ``None`` uses the enclosing ``with slice:``
-        or the program's default slice at call time.
+        or the program's default slice at call time, and with neither (and no
+        specs) runs where ``jax.jit`` would: on its arguments' devices or mesh.
       in_specs: ``pw.P(...)`` for every argument, or one ``pw.P``/``None`` per
         non-static positional argument, over the slice's axis names.
       out_specs: ``pw.P(...)`` for every output, or a pytree prefix of the
