@@ -230,11 +230,6 @@ class JitFunction:
                         raise
                 return self._transformed(self._devices, args, kwargs)
         slice_ = self._slice()
-        if slice_ is None and trace is not None:
-            # Nothing places it: a plain jax.jit call of the program, placed as one.
-            with self._sole_tracer() as alone:
-                jitted = self._jitted_for(args, kwargs) if alone else self._unshared(args, kwargs)
-                return jitted(*args, **kwargs)
         if trace is None:
             key = slice_.id if slice_ is not None else None
             prog = self._programs.get(key)
@@ -262,6 +257,11 @@ class JitFunction:
             if slice_ is None:
                 return self._jitted_for(args, kwargs)(*args, **kwargs)
             return self._transformed(slice_, args, kwargs)
+        if slice_ is None:
+            # Nothing places it: a plain jax.jit call of the program, placed as one.
+            with self._sole_tracer() as alone:
+                jitted = self._jitted_for(args, kwargs) if alone else self._unshared(args, kwargs)
+                return jitted(*args, **kwargs)
         number = trace.record_jit(JitCall(slice_, self._leaf_in_specs(args, kwargs, slice_), None))
         explicit = AxisType.Explicit in slice_.axis_types
         with jax.named_scope(f"{JIT_SCOPE}{number}"), only_mesh(slice_.mesh), self._sole_tracer() as alone:
