@@ -367,6 +367,36 @@ def test_jit_of_a_sharded_future():
     _same(list(fut), list(want))
 
 
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_jax_random_takes_a_future_of_a_key_as_the_key(one, make_key):
+    """A program that returns its next key (``state, key = step(state, key)``): jax.random takes it."""
+
+    def advance(key):
+        new, _ = jax.random.split(key)
+        return new
+
+    fut, want = _pair(advance, make_key(3), devices=one)
+    assert isinstance(fut, pw.Future)
+    for use in (
+        lambda k: jax.random.split(k),
+        lambda k: jax.random.split(k, (2, 3)),
+        lambda k: jax.random.fold_in(k, 7),
+        lambda k: jax.random.normal(k, (4,)),
+        lambda k: jax.random.randint(k, (3,), 0, 10),
+        lambda k: jax.random.bernoulli(k, 0.3, (5,)),
+        lambda k: jax.random.permutation(k, 6),
+        lambda k: jax.random.key_data(k),
+    ):
+        got, expected = use(fut), use(want)
+        if jax.dtypes.issubdtype(expected.dtype, jax.dtypes.prng_key):
+            got, expected = jax.random.key_data(got), jax.random.key_data(expected)
+        _same(got, expected)
+    assert jax.random.key_impl(fut) == jax.random.key_impl(want)
+    # The key goes on to the next call, as the array would.
+    again = pw.jit(advance, devices=one)(fut)
+    _same(jax.random.key_data(again.result(timeout=60)), jax.random.key_data(advance(want)))
+
+
 def test_tree_map_over_futures_keeps_them_leaves(one):
     pairs = {"a": _pair(_double, FLOATS, devices=one), "b": _pair(_double, INTS, devices=one)}
     futures = {name: fut for name, (fut, _) in pairs.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -618,7 +619,39 @@ def _register_with_jax() -> bool:
         return False
     avals[Future] = lambda future: jax.typeof(future.result())
     handlers[Future] = shard_futures
+    _let_jax_random_take_futures()
     return True
+
+
+def _let_jax_random_take_futures() -> None:
+    """``jax.random.split(key)`` and the rest take a future of a typed key as they take the key.
+
+    Every ``jax.random`` function checks its key with the private
+    ``jax._src.random.core._check_prng_key``, which asks ``isinstance(key,
+    jax.Array)`` (a C++ type no other class can join) and otherwise reads the
+    key as raw ``uint32`` key data: a future of ``jax.random.key(0)`` (a
+    program that returns its new key) then fails with "invalid PRNG key data".
+    The check is wrapped so that it sees the future's array. Another JAX
+    without that function keeps working; there ``jax.random`` needs
+    ``future.result()``.
+    """
+    try:
+        from jax._src.random import core as random_core
+
+        check = random_core._check_prng_key
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX
+        return
+    if getattr(check, "_takes_futures", False):
+        return
+
+    @functools.wraps(check)
+    def check_prng_key(name: str, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(key) is Future:
+            key = key.result()
+        return check(name, key, *args, **kwargs)
+
+    check_prng_key._takes_futures = True  # type: ignore[attr-defined]
+    random_core._check_prng_key = check_prng_key
 
 
 _JAX_TAKES_FUTURES = _register_with_jax()
