@@ -5,12 +5,13 @@ Each test runs the same function under plain ``jax.jit`` (or ``nnx.jit``) and
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from helpers import assert_matches
+from helpers import assert_matches, jax_config
 
 import pathways_jax as pw
 from pathways_jax import errors
@@ -74,3 +75,67 @@ def test_bad_static_argnames_is_a_named_error():
     prog = pw.program(functools.partial(_scaled, mode="mul"), static_argnames="n")
     with pytest.raises(errors.ProgramTraceError, match="must be hashable"):
         prog(jnp.ones(2), n=[1])
+
+
+# --- jax_debug_nans / jax_debug_infs -----------------------------------------------------
+
+
+def _log_then_scale(x):
+    y = jnp.log(x)  # the NaN is made here
+    return y * 2
+
+
+def _line_of_nan() -> int:
+    lines, first = inspect.getsourcelines(_log_then_scale)
+    return next(first + i for i, text in enumerate(lines) if "the NaN is made here" in text)
+
+
+_bump = jax.jit(lambda v: v + 1)
+_FORMS = {
+    "one_node": _log_then_scale,
+    "among_nodes": lambda v: _bump(jax.jit(_log_then_scale)(_bump(v))),
+    "nested_jit": lambda v: jax.jit(_log_then_scale)(v) + 1,
+}
+
+
+@pytest.mark.parametrize("form", list(_FORMS))
+def test_debug_nans_raises_floating_point_error_naming_the_operation_and_line(form):
+    fun = _FORMS[form]
+    prog = pw.program(fun, fuse=False)
+    bad, good = jnp.array([-2.0, 1.0]), jnp.array([2.0, 1.0])
+    with jax_config("jax_debug_nans", True):
+        with pytest.raises(FloatingPointError, match=r"invalid value \(nan\) encountered in log"):
+            jax.jit(fun)(bad).block_until_ready()
+        out = prog(bad)
+        with pytest.raises(FloatingPointError, match=r"invalid value \(nan\) encountered in log") as info:
+            out.result(timeout=60)
+        assert isinstance(info.value, errors.ProgramFailedError)  # and pathways_jax's own type
+        assert f"test_dropin_more.py:{_line_of_nan()}" in str(info.value)  # the user's line
+        # The controller goes on: the next call with valid inputs is exact.
+        assert_matches(prog(good), jax.jit(fun)(good))
+
+
+def test_debug_infs_raises_for_an_inf_as_jax_jit_does():
+    divide = lambda x: 1.0 / x  # noqa: E731
+    with jax_config("jax_debug_infs", True):
+        with pytest.raises(FloatingPointError):
+            jax.jit(divide)(jnp.zeros(2)).block_until_ready()
+        with pytest.raises(FloatingPointError, match="invalid value \\(inf\\) encountered in div"):
+            pw.program(divide)(jnp.zeros(2)).result(timeout=60)
+        assert_matches(pw.program(divide)(jnp.ones(2)), jax.jit(divide)(jnp.ones(2)))
+
+
+def test_a_run_that_fails_on_its_devices_raises_what_jax_jit_raises_there_too():
+    """Code written for jax.jit catches a device-side failure by JAX's class, and by ours."""
+
+    def refuse(a):
+        raise ValueError("bad value in callback")
+
+    def fun(x):
+        return jax.pure_callback(refuse, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bad value in callback"):
+        jax.jit(fun)(jnp.ones(2)).block_until_ready()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bad value in callback") as info:
+        pw.program(fun)(jnp.ones(2)).result(timeout=60)
+    assert isinstance(info.value, errors.ProgramFailedError)

@@ -7,10 +7,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from pathways_jax._src.backends.base import StepFailed, Window, device_window
 from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, readiness, timeline
+from pathways_jax._src.core import errors, readiness, source, timeline
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -71,7 +72,11 @@ class LocalBackend:
                         window.make_room(step.island)
                     if rec is not None:
                         t0 = rec.now()
-                    outs = step.executable(*[env[s] for s in step.in_slots])
+                    args = [env[s] for s in step.in_slots]
+                    try:
+                        outs = step.executable(*args)
+                    except _NAN_CHECK as exc:  # jax_debug_nans / jax_debug_infs found one
+                        raise nan_error(step, args, exc) from None
                     if step.pinned:
                         outs = list(outs)
                         for position, device in step.pinned:
@@ -118,6 +123,72 @@ class LocalBackend:
 
     def close(self, timeout: float | None) -> None:
         pass  # JAX owns the devices; their values go with their futures
+
+
+try:  # what a compiled call raises when jax_debug_nans or jax_debug_infs finds one (private to JAX)
+    from jax._src.api_util import InternalFloatingPointError
+
+    _NAN_CHECK: tuple[type[Exception], ...] = (InternalFloatingPointError,)
+except ImportError:  # pragma: no cover - another JAX
+    _NAN_CHECK = ()
+
+
+def nan_error(step: Any, args: Sequence[Any], exc: Exception) -> FloatingPointError:
+    """What ``jax.jit`` raises for a NaN or Inf under ``jax_debug_nans``: the operation that made it.
+
+    As ``jax.jit`` does, the node is run again op by op on the same inputs; the
+    first operation with an invalid output is named with the user's line
+    ("invalid value (nan) encountered in log at train.py:12 (loss)"). Inputs a
+    donation consumed cannot be read again: then only the node is named.
+    """
+    where = f"node {step.node.name!r} ({step.node.source_info})"
+    kind = getattr(exc, "ty", "nan")
+    if not any(isinstance(a, jax.Array) and a.is_deleted() for a in args):
+        try:
+            found = _first_invalid(step.node.jaxpr, args)
+        except Exception:  # the op-by-op run failed otherwise: name the node only
+            found = None
+        if found is not None:
+            eqn, what = found
+            return FloatingPointError(
+                f"{what} at {source.of_equation(eqn, step.node.source_info)}, in {where} (found by running it "
+                "again op by op, as jax.jit does under jax_debug_nans/jax_debug_infs)"
+            )
+    return FloatingPointError(
+        f"invalid value ({kind}) encountered in the output of {where} (jax_debug_nans/jax_debug_infs "
+        "is on); running it again op by op did not find the operation."
+    )
+
+
+def _first_invalid(closed: Any, args: Sequence[Any]) -> tuple[Any, str] | None:
+    """The first equation of ``closed`` whose output holds a NaN (or an Inf, as the flags ask), and what it made."""
+    import jax.extend.core as jex
+    import jax.numpy as jnp
+
+    nans = bool(jax.config.jax_debug_nans)  # type: ignore[attr-defined]
+    infs = bool(jax.config.jax_debug_infs)  # type: ignore[attr-defined]
+    jaxpr = closed.jaxpr
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(var: Any) -> Any:
+        return var.val if isinstance(var, jex.Literal) else env[var]
+
+    for eqn in jaxpr.eqns:
+        try:
+            outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.params)
+        except FloatingPointError as exc:  # JAX's own check found it (inside a nested jax.jit: its operation)
+            return eqn, str(exc).split(". Because")[0]
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for out in outs:
+            if not jnp.issubdtype(getattr(out, "dtype", np.int32), jnp.inexact):
+                continue
+            if nans and bool(jnp.isnan(out).any()):
+                return eqn, f"invalid value (nan) encountered in {eqn.primitive.name}"
+            if infs and bool(jnp.isinf(out).any()):
+                return eqn, f"invalid value (inf) encountered in {eqn.primitive.name}"
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return None
 
 
 def _where(program: str, run_id: int, step: Any) -> str:

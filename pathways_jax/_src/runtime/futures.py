@@ -291,14 +291,21 @@ class Future:
                             "to (donate_argnums of a jax.jit function or a program) consumed its buffer. "
                             "Read it before donating it, or do not donate it."
                         ) from exc
-                    raise errors.ProgramFailedError(f"{entry.origin} failed while executing: {exc}") from exc
+                    kind: type[errors.PathwaysError] = errors.ProgramFailedError
+                    if not isinstance(exc, errors.PathwaysError):  # as below: also of the cause's class
+                        kind = errors.also(kind, type(exc))
+                    raise kind(f"{entry.origin} failed while executing: {exc}") from exc
                 if not ready:
                     raise self._timeout(timeout)
                 return array
             case Failed(message, cause):
                 if isinstance(cause, _KEPT_TYPES):
                     raise type(cause)(message) from cause
-                raise errors.ProgramFailedError(message) from cause
+                if cause is None or isinstance(cause, errors.PathwaysError):
+                    raise errors.ProgramFailedError(message) from cause
+                # Also of the cause's class: `except FloatingPointError` (jax_debug_nans) or
+                # `except jax.errors.JaxRuntimeError` written for jax.jit still catches it.
+                raise errors.also(errors.ProgramFailedError, type(cause))(message) from cause
             case Freed():
                 raise errors.PathwaysError(f"the value of {entry.origin} was freed.")
             case Pending():
