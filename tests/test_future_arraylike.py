@@ -397,6 +397,35 @@ def test_jax_random_takes_a_future_of_a_key_as_the_key(one, make_key):
     _same(jax.random.key_data(again.result(timeout=60)), jax.random.key_data(advance(want)))
 
 
+def test_is_ready_platform_clone_traceback_and_flat_answer_as_the_arrays_do(floats):
+    fut, want = floats
+    fut.result(timeout=60)
+    assert fut.is_ready() is want.is_ready() is True
+    assert fut.platform() == want.platform() == "cpu"
+    _same(fut.clone(), want.clone())
+    assert type(fut.traceback) is type(want.traceback)
+    with pytest.raises(NotImplementedError, match="flatten"):
+        jnp.ones(2).flat  # noqa: B018
+    with pytest.raises(NotImplementedError, match="flatten"):
+        fut.flat  # noqa: B018
+    # Neither is_ready nor platform waits: a run held back by an unfinished input answers at once.
+    gate = threading.Event()
+
+    def slow(v):
+        gate.wait(30)
+        return v
+
+    held = pw.jit(
+        lambda v: jax.pure_callback(slow, jax.ShapeDtypeStruct(v.shape, v.dtype), v), devices=fut.slice
+    )(want)
+    try:
+        assert held.is_ready() is False
+        assert held.platform() == "cpu"
+    finally:
+        gate.set()
+    assert held.result(timeout=60).is_ready()
+
+
 def test_tree_map_over_futures_keeps_them_leaves(one):
     pairs = {"a": _pair(_double, FLOATS, devices=one), "b": _pair(_double, INTS, devices=one)}
     futures = {name: fut for name, (fut, _) in pairs.items()}

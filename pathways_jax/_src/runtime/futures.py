@@ -220,6 +220,14 @@ class Future:
         if isinstance(array, jax.Array):
             array.copy_to_host_async()
 
+    def is_ready(self) -> bool:
+        """As ``jax.Array.is_ready``: True once the value is computed (or its run failed); never waits."""
+        return self.done()
+
+    def platform(self) -> str:
+        """As ``jax.Array.platform``: the platform of the devices the value lives on; never waits."""
+        return next(iter(self.devices())).platform
+
     def done(self) -> bool:
         """True once the value is computed (or its run failed)."""
         entry = self._entry
@@ -437,6 +445,9 @@ class Future:
         return _At(self.result().at)
 
     weak_type = _array_property("weak_type")
+    traceback = _array_property("traceback")
+    flat = _array_property("flat")  # raises as jax.Array's does, pointing at flatten()
+    clone = _array_method("clone")
     addressable_shards = _array_property("addressable_shards")
     global_shards = _array_property("global_shards")
     format = _array_property("format")
