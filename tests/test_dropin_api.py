@@ -320,6 +320,23 @@ def test_pw_jit_with_no_devices_updates_an_nnx_model_as_nnx_jit_does():
     np.testing.assert_array_equal(np.asarray(ours.count[...]), np.asarray(reference.count[...]))
 
 
+@pytest.mark.parametrize("wrap", [pw.program, pw.jit], ids=["program", "pw_jit"])
+def test_a_jax_jit_function_keeps_its_static_arguments_when_wrapped(wrap):
+    """``pw.program(existing_jitted_step)``: its static arguments stay static, as calling it."""
+
+    def scale(x, n, *, mode):
+        return x * n if mode == "mul" else x + n
+
+    jitted = jax.jit(scale, static_argnums=1, static_argnames="mode")
+    ours = wrap(jitted)
+    x = jnp.arange(3.0)
+    for n, mode in ((2, "mul"), (2, "mul"), (3, "add")):
+        assert_matches(ours(x, n, mode=mode), jitted(x, n, mode=mode), rtol=0, atol=0)
+    before = pw.counters()["traces"]
+    assert_matches(ours(x, 2, mode="mul"), jitted(x, 2, mode="mul"), rtol=0, atol=0)
+    assert pw.counters()["traces"] == before  # a static value seen before: no trace
+
+
 def test_float0_outputs_come_back_as_jax_jit_returns_them():
     grad = jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True)
     want = jax.jit(grad)(2.0, 3)

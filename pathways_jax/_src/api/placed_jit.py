@@ -23,6 +23,7 @@ from pathways_jax._src.api.tracing import (
     argnames,
     argnums,
     name_of,
+    with_jits_statics,
 )
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -481,14 +482,15 @@ def jit(
             for spec in in_specs:
                 if spec is not None:
                     check_spec(spec, devices, what="in_specs")
+    statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
     return JitFunction(
         fun,
         devices,
         in_specs,
         out_specs,
-        argnums(fun, static_argnums),
+        statics,
         argnums(fun, donate_argnums, "donate_argnums"),
-        argnames(static_argnames),
+        static_names,
         argnames(donate_argnames, "donate_argnames"),
         compiler_options=tuple(sorted((compiler_options or {}).items())),
     )

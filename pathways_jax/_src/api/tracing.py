@@ -1025,6 +1025,26 @@ class Program:
         return f"pw.program({self.name}, {self.source_info})"
 
 
+def with_jits_statics(
+    fun: Any, statics: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``statics`` and ``names``, and those of ``fun`` itself if it is a ``jax.jit`` function.
+
+    ``pw.program(jax.jit(step, static_argnames="train"))`` then takes ``train``
+    as ``jax.jit(step, ...)`` does: a static argument of the inner function
+    cannot arrive traced. (Donation needs nothing: the inner function donates.)
+    """
+    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+    inner = tuple(getattr(info, "static_argnums", ()) or ())
+    inner_names = tuple(getattr(info, "static_argnames", ()) or ())
+    if not inner and not inner_names:
+        return statics, names
+    return (
+        tuple(sorted({*statics, *inner})),
+        tuple(dict.fromkeys((*names, *inner_names))),
+    )
+
+
 @overload
 def program(
     fun: Callable[..., Any],
@@ -1164,8 +1184,7 @@ def program(
         raise errors.PlacementError(
             f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
         )
-    statics = argnums(fun, static_argnums)
-    static_names = argnames(static_argnames)
+    statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
     donate = argnums(fun, donate_argnums, "donate_argnums")
     donate_names = argnames(donate_argnames, "donate_argnames")
     _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames)
