@@ -368,7 +368,7 @@ def test_jit_of_a_sharded_future():
 
 
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
-def test_jax_random_takes_a_future_of_a_key_as_the_key(one, make_key):
+def test_jax_random_and_device_get_take_a_future_of_a_key_as_the_key(one, make_key):
     """A program that returns its next key (``state, key = step(state, key)``): jax.random takes it."""
 
     def advance(key):
@@ -392,6 +392,10 @@ def test_jax_random_takes_a_future_of_a_key_as_the_key(one, make_key):
             got, expected = jax.random.key_data(got), jax.random.key_data(expected)
         _same(got, expected)
     assert jax.random.key_impl(fut) == jax.random.key_impl(want)
+    # jax.device_get of a state holding it (a TrainState's key): what it gives for the array.
+    got, expected = jax.device_get({"key": fut}), jax.device_get({"key": want})
+    assert type(got["key"]) is type(expected["key"])
+    _same(jax.random.key_data(got["key"]), jax.random.key_data(expected["key"]))
     # The key goes on to the next call, as the array would.
     again = pw.jit(advance, devices=one)(fut)
     _same(jax.random.key_data(again.result(timeout=60)), jax.random.key_data(advance(want)))

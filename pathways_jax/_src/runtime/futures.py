@@ -642,34 +642,41 @@ def _register_with_jax() -> bool:
 
 
 def _let_jax_random_take_futures() -> None:
-    """``jax.random.split(key)`` and the rest take a future of a typed key as they take the key.
+    """``jax.random.split(key)`` and ``jax.device_get(state)`` take a future of a typed key as the key.
 
     Every ``jax.random`` function checks its key with the private
     ``jax._src.random.core._check_prng_key``, which asks ``isinstance(key,
     jax.Array)`` (a C++ type no other class can join) and otherwise reads the
     key as raw ``uint32`` key data: a future of ``jax.random.key(0)`` (a
     program that returns its new key) then fails with "invalid PRNG key data".
-    The check is wrapped so that it sees the future's array. Another JAX
-    without that function keeps working; there ``jax.random`` needs
-    ``future.result()``.
+    ``jax.device_get`` asks the same (``jax._src.api._device_get``) before it
+    copies a key's data, and otherwise calls ``__array__``, which a key refuses.
+    Both are wrapped so that they see the future's array. Another JAX without
+    them keeps working; there these need ``future.result()``.
     """
     try:
+        from jax._src import api
         from jax._src.random import core as random_core
-
-        check = random_core._check_prng_key
-    except (ImportError, AttributeError):  # pragma: no cover - another JAX
+    except ImportError:  # pragma: no cover - another JAX
         return
-    if getattr(check, "_takes_futures", False):
+    _see_futures(random_core, "_check_prng_key", 1)
+    _see_futures(api, "_device_get", 0)
+
+
+def _see_futures(module: Any, name: str, position: int) -> None:
+    """Wraps ``module.name`` so that a future at argument ``position`` arrives as its array."""
+    original = getattr(module, name, None)
+    if original is None or getattr(original, "_takes_futures", False):
         return
 
-    @functools.wraps(check)
-    def check_prng_key(name: str, key: Any, *args: Any, **kwargs: Any) -> Any:
-        if type(key) is Future:
-            key = key.result()
-        return check(name, key, *args, **kwargs)
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > position and type(args[position]) is Future:
+            args = (*args[:position], args[position].result(), *args[position + 1 :])
+        return original(*args, **kwargs)
 
-    check_prng_key._takes_futures = True  # type: ignore[attr-defined]
-    random_core._check_prng_key = check_prng_key
+    wrapper._takes_futures = True  # type: ignore[attr-defined]
+    setattr(module, name, wrapper)
 
 
 _JAX_TAKES_FUTURES = _register_with_jax()
