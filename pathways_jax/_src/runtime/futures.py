@@ -309,7 +309,8 @@ class Future:
             case Failed(message, cause):
                 if isinstance(cause, _KEPT_TYPES):
                     raise type(cause)(message) from cause
-                if cause is None or isinstance(cause, errors.PathwaysError):
+                if not isinstance(cause, Exception) or isinstance(cause, errors.PathwaysError):
+                    # None, ours, or an interrupt that cut the run short: never raised as a new Ctrl-C.
                     raise errors.ProgramFailedError(message) from cause
                 # Also of the cause's class: `except FloatingPointError` (jax_debug_nans) or
                 # `except jax.errors.JaxRuntimeError` written for jax.jit still catches it.
