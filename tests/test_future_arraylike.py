@@ -242,6 +242,13 @@ def test_indexing_a_future_with_futures_and_at_with_futures():
     _same(fvals[fi, ...], vals[i, ...])  # inside a tuple
     _same(fvals.at[fi].set(0.0), vals.at[i].set(0.0))
     _same(fvals.at[fmask].get(), vals.at[mask].get())
+    # A plain jax.Array indexed by futures, as by the arrays they stand for.
+    _same(x[fi], x[i])
+    _same(x[fmask], x[mask])
+    _same(x[forder], x[order])
+    _same(x[fi, ...], x[i, ...])
+    _same(x.at[forder].set(1.0), x.at[order].set(1.0))
+    _same(x.at[fi].add(5.0), x.at[i].add(5.0))
 
 
 def test_setitem_raises_as_for_an_array(floats):

@@ -652,8 +652,9 @@ def _let_jax_random_take_futures() -> None:
     program that returns its new key) then fails with "invalid PRNG key data".
     ``jax.device_get`` asks the same (``jax._src.api._device_get``) before it
     copies a key's data, and otherwise calls ``__array__``, which a key refuses.
-    Both are wrapped so that they see the future's array. Another JAX without
-    them keeps working; there these need ``future.result()``.
+    Both are wrapped so that they see the future's array, and so is indexing
+    (:func:`_let_indexing_take_futures`). Another JAX without them keeps
+    working; there these need ``future.result()``.
     """
     try:
         from jax._src import api
@@ -662,6 +663,37 @@ def _let_jax_random_take_futures() -> None:
         return
     _see_futures(random_core, "_check_prng_key", 1)
     _see_futures(api, "_device_get", 0)
+    _let_indexing_take_futures()
+
+
+def _let_indexing_take_futures() -> None:
+    """``array[future]`` and ``array.at[future].set(...)`` index with the future's array.
+
+    JAX reads every index of ``x[...]`` and ``x.at[...]`` through the private
+    ``jax._src.numpy.indexing.NDIndexer.from_raw_indices``, which takes only its
+    own arrays as array indices ("only integers, slices ... are valid indices");
+    the classmethod is wrapped so that a future there, alone or in a tuple,
+    arrives as its array.
+    """
+    try:
+        from jax._src.numpy import indexing
+
+        made = indexing.NDIndexer.__dict__["from_raw_indices"].__func__
+    except (ImportError, AttributeError, KeyError):  # pragma: no cover - another JAX
+        return
+    if getattr(made, "_takes_futures", False):
+        return
+
+    @functools.wraps(made)
+    def from_raw_indices(cls: Any, indices: Any, shape: Any) -> Any:
+        if type(indices) is Future:
+            indices = indices.result()
+        elif type(indices) is tuple and any(type(part) is Future for part in indices):
+            indices = tuple(part.result() if type(part) is Future else part for part in indices)
+        return made(cls, indices, shape)
+
+    from_raw_indices._takes_futures = True  # type: ignore[attr-defined]
+    indexing.NDIndexer.from_raw_indices = classmethod(from_raw_indices)  # type: ignore[method-assign,assignment]
 
 
 def _see_futures(module: Any, name: str, position: int) -> None:
