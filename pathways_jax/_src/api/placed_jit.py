@@ -217,10 +217,7 @@ class JitFunction:
             out = self._fun(*args, **kwargs)
             return submission.computed(out, f"pw.jit {self.__name__!r} run op by op", nnx_graph.is_graph_leaf)
         if trace is None and inside_jax_trace():  # checkify, make_jaxpr: as jax.jit, traced in
-            placed = self._slice()
-            if placed is None:
-                return self._jitted_for(args, kwargs)(*args, **kwargs)
-            return self._transformed(placed, args, kwargs)
+            return self._transformed(self._slice(), args, kwargs)
         if trace is None and self._devices is not None and not self._devices.released:
             prog = self._programs.get(self._devices.id)
             if prog is not None:
@@ -255,8 +252,6 @@ class JitFunction:
             except errors.ProgramTraceError as exc:
                 if not isinstance(exc.__context__, TracerArgument):
                     raise
-            if slice_ is None:
-                return self._jitted_for(args, kwargs)(*args, **kwargs)
             return self._transformed(slice_, args, kwargs)
         if slice_ is None:
             # Nothing places it: a plain jax.jit call of the program, placed as one.
@@ -282,9 +277,9 @@ class JitFunction:
         trace.jit_calls[number] = dataclasses.replace(trace.jit_calls[number], out_specs=out_specs)
         return out
 
-    def _transformed(self, slice_: VirtualSlice, args: tuple, kwargs: dict) -> Any:
+    def _transformed(self, slice_: VirtualSlice | None, args: tuple, kwargs: dict) -> Any:
         """Called inside someone else's ``jax.jit``, ``grad`` or ``vmap``: behave as ``jax.jit``,
-        on the slice's devices.
+        on the slice's devices (with no slice, where ``jax.jit`` would).
 
         The arguments are put on the slice's devices, so the computation (and
         its outputs) stay there inside the outer transformation as in a
@@ -293,6 +288,8 @@ class JitFunction:
         ``jax.jit`` whose other arguments live on other devices then fails with
         JAX's own "incompatible devices" error, naming both.
         """
+        if slice_ is None:
+            return self._jitted_for(args, kwargs)(*args, **kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
         moved = [
             arg if position in self._static else jax.device_put(arg, replicated)

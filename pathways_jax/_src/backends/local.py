@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
 import numpy as np
 
 from pathways_jax._src.backends.base import StepFailed, Window, device_window
@@ -76,7 +78,7 @@ class LocalBackend:
                     try:
                         outs = step.executable(*args)
                     except _NAN_CHECK as exc:  # jax_debug_nans / jax_debug_infs found one
-                        raise nan_error(step, args, exc) from None
+                        raise _nan_error(step, args, exc) from None
                     if step.pinned:
                         outs = list(outs)
                         for position, device in step.pinned:
@@ -133,7 +135,7 @@ except ImportError:  # pragma: no cover - another JAX
     _NAN_CHECK = ()
 
 
-def nan_error(step: Any, args: Sequence[Any], exc: Exception) -> FloatingPointError:
+def _nan_error(step: Any, args: Sequence[Any], exc: Exception) -> FloatingPointError:
     """What ``jax.jit`` raises for a NaN or Inf under ``jax_debug_nans``: the operation that made it.
 
     As ``jax.jit`` does, the node is run again op by op on the same inputs; the
@@ -162,9 +164,6 @@ def nan_error(step: Any, args: Sequence[Any], exc: Exception) -> FloatingPointEr
 
 def _first_invalid(closed: Any, args: Sequence[Any]) -> tuple[Any, str] | None:
     """The first equation of ``closed`` whose output holds a NaN (or an Inf, as the flags ask), and what it made."""
-    import jax.extend.core as jex
-    import jax.numpy as jnp
-
     nans = bool(jax.config.jax_debug_nans)  # type: ignore[attr-defined]
     infs = bool(jax.config.jax_debug_infs)  # type: ignore[attr-defined]
     jaxpr = closed.jaxpr

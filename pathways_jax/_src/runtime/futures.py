@@ -72,6 +72,16 @@ def _array_property(name: str) -> property:
 _KEPT_TYPES = (errors.HostLostError, errors.AccessError, errors.BackPressureTimeout)
 
 
+def _failure_class(cause: BaseException | None) -> type[errors.PathwaysError]:
+    """``ProgramFailedError``, also of the cause's class: ``except FloatingPointError``
+    (jax_debug_nans) or ``except jax.errors.JaxRuntimeError`` written for jax.jit still
+    catches it. Not for ours, nor for an interrupt that cut the run short: that is
+    never raised again as a new Ctrl-C."""
+    if not isinstance(cause, Exception) or isinstance(cause, errors.PathwaysError):
+        return errors.ProgramFailedError
+    return errors.also(errors.ProgramFailedError, type(cause))
+
+
 class Future:
     """A value a program is computing, living on the devices of a slice.
 
@@ -299,22 +309,14 @@ class Future:
                             "to (donate_argnums of a jax.jit function or a program) consumed its buffer. "
                             "Read it before donating it, or do not donate it."
                         ) from exc
-                    kind: type[errors.PathwaysError] = errors.ProgramFailedError
-                    if not isinstance(exc, errors.PathwaysError):  # as below: also of the cause's class
-                        kind = errors.also(kind, type(exc))
-                    raise kind(f"{entry.origin} failed while executing: {exc}") from exc
+                    raise _failure_class(exc)(f"{entry.origin} failed while executing: {exc}") from exc
                 if not ready:
                     raise self._timeout(timeout)
                 return array
             case Failed(message, cause):
                 if isinstance(cause, _KEPT_TYPES):
                     raise type(cause)(message) from cause
-                if not isinstance(cause, Exception) or isinstance(cause, errors.PathwaysError):
-                    # None, ours, or an interrupt that cut the run short: never raised as a new Ctrl-C.
-                    raise errors.ProgramFailedError(message) from cause
-                # Also of the cause's class: `except FloatingPointError` (jax_debug_nans) or
-                # `except jax.errors.JaxRuntimeError` written for jax.jit still catches it.
-                raise errors.also(errors.ProgramFailedError, type(cause))(message) from cause
+                raise _failure_class(cause)(message) from cause
             case Freed():
                 raise errors.PathwaysError(f"the value of {entry.origin} was freed.")
             case Pending():
@@ -638,78 +640,55 @@ def _register_with_jax() -> bool:
         return False
     avals[Future] = lambda future: jax.typeof(future.result())
     handlers[Future] = shard_futures
-    _let_jax_random_take_futures()
+    _let_jax_checks_take_futures()
     return True
 
 
-def _let_jax_random_take_futures() -> None:
-    """``jax.random.split(key)`` and ``jax.device_get(state)`` take a future of a typed key as the key.
+def _let_jax_checks_take_futures() -> None:
+    """``jax.random.split(key)``, ``jax.device_get(state)`` and ``array[future]`` take futures.
 
-    Every ``jax.random`` function checks its key with the private
-    ``jax._src.random.core._check_prng_key``, which asks ``isinstance(key,
-    jax.Array)`` (a C++ type no other class can join) and otherwise reads the
-    key as raw ``uint32`` key data: a future of ``jax.random.key(0)`` (a
-    program that returns its new key) then fails with "invalid PRNG key data".
-    ``jax.device_get`` asks the same (``jax._src.api._device_get``) before it
-    copies a key's data, and otherwise calls ``__array__``, which a key refuses.
-    Both are wrapped so that they see the future's array, and so is indexing
-    (:func:`_let_indexing_take_futures`). Another JAX without them keeps
-    working; there these need ``future.result()``.
+    Each asks ``isinstance(value, jax.Array)`` (a C++ type no other class can
+    join) in a private function: every ``jax.random`` function checks its key
+    with ``jax._src.random.core._check_prng_key``, which otherwise reads the key
+    as raw ``uint32`` key data (a future of ``jax.random.key(0)`` that a program
+    returned fails with "invalid PRNG key data"); ``jax.device_get`` asks in
+    ``jax._src.api._device_get`` before it copies a key's data, and otherwise
+    calls ``__array__``, which a key refuses; ``x[...]`` and ``x.at[...]`` read
+    their indices with ``NDIndexer.from_raw_indices``, which refuses other
+    array indices. Each is wrapped so that it sees the future's array. Another
+    JAX without them keeps working; there these need ``future.result()``.
     """
     try:
         from jax._src import api
+        from jax._src.numpy import indexing
         from jax._src.random import core as random_core
     except ImportError:  # pragma: no cover - another JAX
         return
-    _see_futures(random_core, "_check_prng_key", 1)
-    _see_futures(api, "_device_get", 0)
-    _let_indexing_take_futures()
+    _see_futures(random_core, "_check_prng_key", 1, _value_of)
+    _see_futures(api, "_device_get", 0, _value_of)
+    _see_futures(getattr(indexing, "NDIndexer", None), "from_raw_indices", 1, _index_values)  # after cls
 
 
-def _let_indexing_take_futures() -> None:
-    """``array[future]`` and ``array.at[future].set(...)`` index with the future's array.
-
-    JAX reads every index of ``x[...]`` and ``x.at[...]`` through the private
-    ``jax._src.numpy.indexing.NDIndexer.from_raw_indices``, which takes only its
-    own arrays as array indices ("only integers, slices ... are valid indices");
-    the classmethod is wrapped so that a future there, alone or in a tuple,
-    arrives as its array.
-    """
-    try:
-        from jax._src.numpy import indexing
-
-        made = indexing.NDIndexer.__dict__["from_raw_indices"].__func__
-    except (ImportError, AttributeError, KeyError):  # pragma: no cover - another JAX
-        return
-    if getattr(made, "_takes_futures", False):
-        return
-
-    @functools.wraps(made)
-    def from_raw_indices(cls: Any, indices: Any, shape: Any) -> Any:
-        if type(indices) is Future:
-            indices = indices.result()
-        elif type(indices) is tuple and any(type(part) is Future for part in indices):
-            indices = tuple(part.result() if type(part) is Future else part for part in indices)
-        return made(cls, indices, shape)
-
-    from_raw_indices._takes_futures = True  # type: ignore[attr-defined]
-    indexing.NDIndexer.from_raw_indices = classmethod(from_raw_indices)  # type: ignore[method-assign,assignment]
+def _value_of(value: Any) -> Any:
+    return value.result() if type(value) is Future else value
 
 
-def _see_futures(module: Any, name: str, position: int) -> None:
-    """Wraps ``module.name`` so that a future at argument ``position`` arrives as its array."""
-    original = getattr(module, name, None)
-    if original is None or getattr(original, "_takes_futures", False):
+def _see_futures(owner: Any, name: str, position: int, convert: Callable[[Any], Any]) -> None:
+    """Wraps function (or classmethod) ``owner.name`` so that its argument ``position`` passes through ``convert``."""
+    raw: Any = vars(owner).get(name) if owner is not None else None
+    method = isinstance(raw, classmethod)
+    original = raw.__func__ if method else raw
+    if not callable(original) or getattr(original, "_takes_futures", False):
         return
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if len(args) > position and type(args[position]) is Future:
-            args = (*args[:position], args[position].result(), *args[position + 1 :])
+        if len(args) > position:
+            args = (*args[:position], convert(args[position]), *args[position + 1 :])
         return original(*args, **kwargs)
 
     wrapper._takes_futures = True  # type: ignore[attr-defined]
-    setattr(module, name, wrapper)
+    setattr(owner, name, classmethod(wrapper) if method else wrapper)
 
 
 _JAX_TAKES_FUTURES = _register_with_jax()
