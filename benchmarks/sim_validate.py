@@ -106,6 +106,9 @@ def _figures(p) -> dict:
         "hosts.dispatch_s": p.hosts.dispatch_s,
         "hosts.node_s": p.hosts.node_s,
     }
+    if p.hosts_busy is not None:
+        for field in ("message_s", "run_s", "enqueue_s", "dispatch_s", "node_s"):
+            d[f"hosts_busy.{field}"] = getattr(p.hosts_busy, field)
     for field in ("launch_s", "computation_s", "inline"):
         for k, v in getattr(p.device, field).items():
             d[f"device.{field}[{k}]"] = v
@@ -226,8 +229,10 @@ def run_ray(base, host_counts: list[int], repeats: int, chain: int, target_s: fl
     import pathways_jax as pw
     from pathways_jax import sim
     from pathways_jax.sim._calibrate import (
+        BUSY,
         HOST_SOURCES,
         RAY_TARGET_S,
+        busy_cpu_timer,
         cpu_timer,
         host_costs,
         interleaved,
@@ -249,8 +254,12 @@ def run_ray(base, host_counts: list[int], repeats: int, chain: int, target_s: fl
                 # the fixed cost of a loop (its first run's latency, fetching the results at the
                 # end, tens of ms on 4 hosts) stays a small part of a steady-state figure.
                 ray_target = max(target_s, RAY_TARGET_S)
+                loops = ray_loops()
                 timers = {
-                    **{k: cpu_timer(v, ray_target) for k, v in ray_loops().items()},
+                    **{k: cpu_timer(v, ray_target) for k, v in loops.items()},
+                    # The same loops with no idle core: the profile's hosts_busy, which the
+                    # simulated cluster charges (its hosts and controller outnumber the cores).
+                    **{k + BUSY: busy_cpu_timer(v, ray_target) for k, v in loops.items()},
                     **{f"pw-ray-{m}": t for m, t in _mode_timers(_ray_modes(h, chain), ray_target).items()},
                 }
                 samples = interleaved(timers, repeats)
@@ -265,6 +274,7 @@ def run_ray(base, host_counts: list[int], repeats: int, chain: int, target_s: fl
                 return dataclasses.replace(
                     base,
                     hosts=host_costs(per_call, base.controller, base.device),
+                    hosts_busy=host_costs(per_call, base.controller, base.device, BUSY),
                     devices_per_host=1,
                     sources={**base.sources, **HOST_SOURCES},
                 )

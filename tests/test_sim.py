@@ -265,6 +265,61 @@ def test_hosts_sharing_a_machines_cores_take_turns_on_them():
         sim.Cluster(hosts=2, devices_per_host=1, cores=0)
 
 
+def test_hosts_crowding_a_machines_cores_pay_towards_the_costs_measured_with_none_idle():
+    # One node on host 0: the controller's run 2 + node 1 + message 3 (6), the host's run, an
+    # enqueue 1, the node 10. The host's run is 4 µs with cores to spare (hosts) and 9 with none
+    # idle (hosts_busy); between as many processes (hosts + the controller) as cores and twice as
+    # many, the cost goes linearly from one to the other.
+    costs = dict(node_s=1 * US, message_s=3 * US, enqueue_s=1 * US)
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(run_s=2 * US),
+        hosts=sim.HostCosts(run_s=4 * US, **costs),
+        hosts_busy=sim.HostCosts(run_s=9 * US, **costs),
+    )
+    program = sim.SimProgram("one", (sim.Step("node", "A", (0, 1), 10 * US, inputs=(), windowed=False),))
+
+    def makespan(hosts, cores, profile=profile):
+        cluster = sim.Cluster(hosts=hosts, devices_per_host=1, islands=hosts, profile=profile, cores=cores)
+        return sim.simulate(cluster, program, record=False).makespan_s
+
+    assert makespan(2, None) == approx(6 + 4 + 1 + 10)  # cores of their own: never crowded
+    assert makespan(2, 3) == approx(6 + 4 + 1 + 10)  # 3 processes, 3 cores
+    assert makespan(2, 2) == approx(6 + 6.5 + 1 + 10)  # 3 processes, 2 cores: halfway
+    assert makespan(3, 2) == approx(6 + 9 + 1 + 10)  # 4 processes, 2 cores: none idle
+    assert makespan(4, 2) == approx(6 + 9 + 1 + 10)  # and beyond
+    assert makespan(4, 2, dataclasses.replace(profile, hosts_busy=None)) == approx(6 + 4 + 1 + 10)
+    # The section reads back from a profile's JSON, and a profile without it has none.
+    again = sim.load_profile(json.loads(json.dumps(profile.to_json())))
+    assert again.hosts_busy == profile.hosts_busy and again.hosts == profile.hosts
+    assert sim.load_profile(sim.Profile().to_json()).hosts_busy is None
+    with pytest.raises(sim.ProfileError, match="hosts_busy"):
+        sim.load_profile({"hosts_busy": {"run": 1.0}})
+
+
+def test_the_busy_loops_run_with_no_idle_core_and_leave_nothing_running():
+    import os
+    import time
+
+    from pathways_jax.sim._calibrate import cores_taken
+
+    def cpu_s(proc):
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    with cores_taken() as spinners:
+        assert len(spinners) == max(1, (os.cpu_count() or 1) - 1)
+        first = [cpu_s(proc) for proc in spinners]
+        time.sleep(0.5)
+        # Each of them spins: its CPU seconds grow all the while.
+        assert all(cpu_s(proc) - t > 0.1 for proc, t in zip(spinners, first, strict=True))
+        assert all(proc.poll() is None for proc in spinners)
+    assert all(proc.poll() is not None for proc in spinners)  # killed and reaped
+    with pytest.raises(KeyError), cores_taken(1) as spinners:
+        raise KeyError("inside")
+    assert spinners[0].poll() is not None
+
+
 def test_host_costs_come_from_each_processs_cpu_seconds():
     # CPU seconds a call as the Ray calibration loops would see them, made from known costs: the
     # calibration must give those costs back.
@@ -287,6 +342,13 @@ def test_host_costs_come_from_each_processs_cpu_seconds():
     assert got.dispatch_s == pytest.approx(dispatch)
     assert got.run_s == pytest.approx(host_run)
     assert got.enqueue_s == pytest.approx(enqueue)
+    # The loops measured with no idle core (their names end in BUSY) give hosts_busy's costs.
+    from pathways_jax.sim._calibrate import BUSY
+
+    doubled = {k.replace("/", BUSY + "/"): 2 * v for k, v in per_call.items()}
+    assert host_costs({**per_call, **doubled}, controller, device) == got
+    busy = host_costs(doubled, sim.ControllerCosts(), sim.DeviceCosts(), BUSY)
+    assert busy.run_s == pytest.approx(2 * (host_run + d)) and busy.message_s == pytest.approx(2 * message)
 
 
 def test_fair_scheduler_shares_by_weight():
@@ -379,6 +441,9 @@ def test_profiles_ship_with_sources():
         assert tpu.sources.get(field), field
     cpu = sim.load_profile("cpu_2core")
     assert cpu.meta["machine"]["cpu_count"] >= 1 and cpu.controller.run_s > 0
+    # Measured twice on Ray hosts: with cores to spare and with none idle, each figure named.
+    assert cpu.hosts.run_s > 0 and cpu.hosts_busy is not None and cpu.hosts_busy.run_s > 0
+    assert cpu.sources.get("hosts_busy", "").startswith("measured")
     assert sim.load_profile(sim.builtin_profiles and (sim._profile.PROFILES_DIR / "tpu_v4.json")) == tpu
 
 

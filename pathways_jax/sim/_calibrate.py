@@ -29,18 +29,22 @@ previous call's output, as the dispatch benchmark does), the loops interleaved
   ``node_s = (ctrl_C - ctrl_A) / (R - 1)``, ``message_s = ctrl_B - ctrl_A -
   node_s``, ``dispatch_s = ctrl_A - run_s - node_s - message_s``; ``run_s =
   host_A - d`` and ``enqueue_s = (host_C - host_A) / (R - 1) - d``, ``d`` a
-  node's device time.
+  node's device time. The same loops run again with no idle core (a spinning
+  process per core but one beside them) give ``hosts_busy``: on a machine the
+  hosts share, a process's CPU seconds per unit of work move with the load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pathways_jax._src.runtime.session import DEFAULT_IN_FLIGHT
@@ -110,6 +114,52 @@ def cpu_timer(loop: Loop, target_s: float) -> Callable[[], dict[str, float]]:
         }
 
     return timed
+
+
+BUSY = "-busy"  # the suffix of a loop measured with no idle core (see cores_taken)
+
+
+@contextlib.contextmanager
+def cores_taken(count: int | None = None) -> Iterator[list[subprocess.Popen]]:
+    """No core of this machine idle meanwhile: ``count`` spinning processes (default: cores - 1).
+
+    Beside the process that measures and the hosts it drives, one spinning
+    process per core but one leaves no core idle, as when hosts outnumber the
+    cores they share. A process's CPU seconds per unit of work move with that
+    (the profile's ``hosts_busy``). Yields the processes; they are killed and
+    reaped on the way out, whatever happens inside.
+    """
+    n = max(1, (os.cpu_count() or 1) - 1) if count is None else count
+    spinners: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            spinners.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", "while True: pass"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        time.sleep(0.2)  # started and spinning before the loop begins
+        yield spinners
+    finally:
+        for proc in spinners:
+            proc.kill()
+        for proc in spinners:
+            proc.wait()
+
+
+def busy_cpu_timer(loop: Loop, target_s: float) -> Callable[[], dict[str, float]]:
+    """:func:`cpu_timer` of ``loop`` sized and run with no idle core (:func:`cores_taken`)."""
+    with cores_taken():
+        timed = cpu_timer(loop, target_s)
+
+    def busy() -> dict[str, float]:
+        with cores_taken():
+            return timed()
+
+    return busy
 
 
 def interleaved(timers: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
@@ -328,8 +378,13 @@ def ray_loops() -> dict[str, Loop]:
     return {"ray-one": _chained(on_a, x0), "ray-both": both_loop, "ray-chain": _chained(long, x0)}
 
 
-def host_costs(per_call: Mapping[str, float], controller: ControllerCosts, device: DeviceCosts) -> HostCosts:
+def host_costs(
+    per_call: Mapping[str, float], controller: ControllerCosts, device: DeviceCosts, suffix: str = ""
+) -> HostCosts:
     """Ray hosts' costs from ``ray_loops``' CPU seconds per call (``cpu_timer``'s figures).
+
+    ``suffix``: whose loops (``BUSY``: those measured with no idle core, for
+    the profile's ``hosts_busy``).
 
     CPU time, not elapsed time: on one machine the hosts, the controller and
     Ray take turns on the same cores, so a loop's elapsed time mixes every
@@ -342,8 +397,8 @@ def host_costs(per_call: Mapping[str, float], controller: ControllerCosts, devic
     ``enqueue_s`` plus a node's device time on each further node.
     """
     node_device = device.launch(1) + device.computation(1)
-    ctrl_a, ctrl_b, ctrl_c = (per_call[f"ray-{k}/controller"] for k in ("one", "both", "chain"))
-    host_a, host_c = per_call["ray-one/host0"], per_call["ray-chain/host0"]
+    ctrl_a, ctrl_b, ctrl_c = (per_call[f"ray-{k}{suffix}/controller"] for k in ("one", "both", "chain"))
+    host_a, host_c = per_call[f"ray-one{suffix}/host0"], per_call[f"ray-chain{suffix}/host0"]
     node = max((ctrl_c - ctrl_a) / (_RAY_L - 1), 0.0)
     message = max(ctrl_b - ctrl_a - node, 0.0)
     return HostCosts(
@@ -367,6 +422,9 @@ HOST_SOURCES = {
     "against one node, per extra node",
     "hosts.dispatch_s": "measured: the controller process's CPU seconds for a 1-node run on one Ray host, less "
     "controller.run_s, hosts.node_s and hosts.message_s",
+    "hosts_busy": "measured as hosts.* from the same loops, each sized and run with no idle core: "
+    "one spinning process per CPU core but one beside the controller's process and the hosts' "
+    "(charged where hosts and the controller outnumber a shared machine's cores)",
 }
 
 
@@ -446,6 +504,7 @@ def calibrate(
     controller, device, jax_call = local_costs(per_call, devices)
     log(f"  -> run_s {controller.run_s * 1e6:.1f} us, node_s {controller.node_s * 1e6:.2f} us")
     hosts = HostCosts()
+    hosts_busy: HostCosts | None = None
     sources = dict(LOCAL_SOURCES)
     if ray and not quick:
         ray_mod = start_ray(2)
@@ -458,12 +517,17 @@ def calibrate(
                 # Loops of at least RAY_TARGET_S: a loop's fixed cost (its first run's latency, the
                 # fetch at its end: milliseconds on Ray hosts) must stay small beside its runs.
                 ray_target = max(target_s, RAY_TARGET_S)
-                samples = interleaved({k: cpu_timer(v, ray_target) for k, v in loops.items()}, repeats)
+                timers = {
+                    **{k: cpu_timer(v, ray_target) for k, v in loops.items()},
+                    **{k + BUSY: busy_cpu_timer(v, ray_target) for k, v in loops.items()},
+                }
+                samples = interleaved(timers, repeats)
                 per_call.update({k: statistics.median(v) for k, v in samples.items()})
             finally:
                 pw.shutdown()
                 ray_mod.shutdown()
             hosts = host_costs(per_call, controller, device)
+            hosts_busy = host_costs(per_call, controller, device, BUSY)
             sources.update(HOST_SOURCES)
             log(
                 "  Ray, 2 hosts, a call's elapsed / controller CPU / host 0 CPU: "
@@ -480,7 +544,8 @@ def calibrate(
             log(
                 f"  -> hosts: message_s {hosts.message_s * 1e6:.1f} us, dispatch_s {hosts.dispatch_s * 1e6:.1f} us, "
                 f"node_s {hosts.node_s * 1e6:.2f} us, run_s {hosts.run_s * 1e6:.1f} us, "
-                f"enqueue_s {hosts.enqueue_s * 1e6:.2f} us"
+                f"enqueue_s {hosts.enqueue_s * 1e6:.2f} us; with no idle core: run_s "
+                f"{hosts_busy.run_s * 1e6:.1f} us, enqueue_s {hosts_busy.enqueue_s * 1e6:.2f} us"
             )
     elif ray:
         log("quick mode: Ray hosts not measured")
@@ -488,6 +553,7 @@ def calibrate(
         name=name,
         controller=controller,
         hosts=hosts,
+        hosts_busy=hosts_busy,
         device=device,
         ici=LinkCosts(),
         dcn=LinkCosts(),

@@ -39,7 +39,11 @@ What is modelled (each charged from the cluster's :class:`Profile`):
 - **Shared cores** (``Cluster(cores=n)``: hosts on one machine): the
   controller's work, every host's and every node's device time each hold
   one of ``n`` cores while they run (first come, first served), so that
-  together they never use more than the machine has.
+  together they never use more than the machine has. Where the profile has
+  ``hosts_busy`` (the hosts' costs measured with no idle core), the hosts'
+  costs go from ``hosts`` to it as the processes (the hosts and the
+  controller) go from as many as the cores to twice as many (linearly; see
+  :func:`_host_costs`).
 - **Transfers** (ICI or DCN) start when their source is ready and they are
   enqueued; a DCN link between two islands carries one transfer at a time in
   each direction. Transfers do not occupy the devices' compute streams.
@@ -63,6 +67,7 @@ from pathways_jax._src.core.timeline import CONTROLLER_PID, TRANSFER_TID
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax.sim._cluster import Cluster
 from pathways_jax.sim._errors import import_simpy
+from pathways_jax.sim._profile import HostCosts, Profile
 from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step
 
 CONTROLLER_TID = 1
@@ -214,6 +219,31 @@ class _Run:
         self.done: Any = None
 
 
+def _host_costs(profile: Profile, cluster: Cluster) -> HostCosts:
+    """The hosts' costs on ``cluster``: ``hosts``, or towards ``hosts_busy`` on a crowded machine.
+
+    A process's CPU seconds per unit of work move with the load: calibration
+    measures them with cores to spare (``hosts``) and with none idle
+    (``hosts_busy``). Hosts sharing ``cores`` with the controller pay
+    ``hosts`` while the processes fit the cores and ``hosts_busy`` from twice
+    as many processes as cores, in proportion in between. The linear form and
+    its ends are a choice, not a measurement: on the 2-core machine of
+    ``cpu_2core`` it puts 2 hosts (3 processes) halfway, and 2-host chains fall
+    between the two measured states there (``benchmarks/README.md``, Simulator).
+    """
+    busy = profile.hosts_busy
+    if cluster.cores is None or busy is None:
+        return profile.hosts
+    share = min(max((cluster.hosts + 1 - cluster.cores) / cluster.cores, 0.0), 1.0)
+    idle = profile.hosts
+    return HostCosts(
+        **{
+            f.name: (1 - share) * getattr(idle, f.name) + share * getattr(busy, f.name)
+            for f in dataclasses.fields(HostCosts)
+        }
+    )
+
+
 class _Simulation:
     def __init__(self, cluster: Cluster, workloads: Sequence[Workload], record: bool, max_tracks: int):
         simpy = import_simpy()
@@ -254,6 +284,7 @@ class _Simulation:
         )
         self.links: dict[tuple[int, int], Any] = {}
         self.cores = simpy.Container(self.env, cluster.cores, init=cluster.cores) if cluster.cores else None
+        self.host_costs = _host_costs(self.profile, cluster)
         self.controller_busy = 0.0
         self.spans: list[tuple[float, float, int, int]] = []  # node (start, end, lo, hi)
         self.remaining = sum(w.runs for w in self.workloads)
@@ -355,7 +386,7 @@ class _Simulation:
         run.dispatch_start = env.now
         start = env.now
         local = self.cluster.dispatch == "local"
-        yield from self._work(cost.run_s + (0.0 if local else self.profile.hosts.dispatch_s))
+        yield from self._work(cost.run_s + (0.0 if local else self.host_costs.dispatch_s))
         self._controller(f"dispatch {program.name}", "dispatch", start, run, what="run")
         per_host: dict[int, list[_Item]] = collections.defaultdict(list)
         for index, step in enumerate(program.steps):
@@ -371,7 +402,7 @@ class _Simulation:
                 window.count += 1
             start = env.now
             if not local:
-                yield from self._work(self.profile.hosts.node_s)
+                yield from self._work(self.host_costs.node_s)
             else:
                 yield from self._work(cost.node_s if step.kind == "node" else cost.transfer_s)
             item = self._new_item(run, index, step, 0 if local else len(hosts))
@@ -387,7 +418,7 @@ class _Simulation:
         if not local:
             for h in sorted(per_host):
                 start = env.now
-                yield from self._work(self.profile.hosts.message_s)
+                yield from self._work(self.host_costs.message_s)
                 self._controller(f"send {program.name} to host {h}", "dispatch", start, run, host=h)
                 env.process(self._host(h, run, per_host[h]))
         run.dispatch_end = env.now
@@ -463,7 +494,7 @@ class _Simulation:
         return item
 
     def _host(self, host: int, run: _Run, items: list[_Item]) -> Any:
-        env, cost = self.env, self.profile.hosts
+        env, cost = self.env, self.host_costs
         yield env.timeout(cost.latency_s)
         with self.host_threads[host].request() as turn:
             yield turn
