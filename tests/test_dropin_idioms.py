@@ -224,6 +224,70 @@ def test_a_program_called_by_an_exit_hook_after_pathways_jaxs_runs_as_jax_jit_wo
         assert "pathways" not in done.stdout.split("threads")[1].lower(), done.stdout  # no controller started
 
 
+_EXIT_WITH_A_DAEMON_THREAD = """
+import atexit, sys, threading, time
+joined = []
+
+def join_worker():  # registered before pathways_jax was imported: runs after its exit hook
+    stop.set()
+    worker.join(timeout=30)
+    joined.append(not worker.is_alive())
+    print("joined", joined, "last", last, flush=True)
+
+if sys.argv[1] == "join":
+    atexit.register(join_worker)
+
+import jax, jax.numpy as jnp
+import pathways_jax as pw
+from pathways_jax._src.runtime import context
+context.EXIT_PARK_S = 0.5
+
+@pw.program
+def step(x):
+    return jnp.tanh(x @ x.T) * 0.5
+
+x = jnp.ones((256, 256)) * 0.01
+stop, last = threading.Event(), []
+
+def loop():  # a background loop that never ends by itself (an evaluator, a server)
+    y = x
+    while not stop.is_set():
+        y = step(y)
+        y.result()
+    last.append(float(step(x).sum()))  # a call after the exit hook: held, then run in place
+
+worker = threading.Thread(target=loop, daemon=True)
+worker.start()
+time.sleep(0.3)
+print("end of main", flush=True)
+"""
+
+
+def test_a_daemon_thread_still_calling_programs_at_exit_does_not_crash_the_process(tmp_path):
+    # Plain jax.jit aborts here (a daemon thread inside XLA as the interpreter finalises: "terminate
+    # called without an active exception", SIGABRT or SIGSEGV, 4 runs in 5 before this fix). After
+    # pathways_jax's exit hook a daemon thread's call is held, so finalisation stops it cleanly.
+    script = tmp_path / "exit_daemon.py"
+    script.write_text(_EXIT_WITH_A_DAEMON_THREAD)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, str(script), "plain"], capture_output=True, text=True, timeout=100, env=env
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "end of main" in done.stdout and "Fatal" not in done.stderr, done.stderr[-2000:]
+    # An exit hook that waits for such a thread gets it back: its call is held only EXIT_PARK_S,
+    # then runs in place, with jax.jit's result.
+    done = subprocess.run(
+        [sys.executable, str(script), "join"], capture_output=True, text=True, timeout=100, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "joined [True]" in done.stdout, done.stdout + done.stderr[-2000:]
+    got = float(done.stdout.split("last [")[1].split("]")[0])
+    x = jnp.ones((256, 256)) * 0.01
+    assert got == pytest.approx(float(jax.jit(lambda x: jnp.tanh(x @ x.T) * 0.5)(x).sum()), rel=1e-6)
+
+
 def test_program_in_and_out_shardings_place_values_as_jax_jit_does():
     mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     NS, P = jax.sharding.NamedSharding, jax.sharding.PartitionSpec

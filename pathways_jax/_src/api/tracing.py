@@ -855,7 +855,9 @@ class Program:
         if reentry.inside.depth or context.exiting:
             # Called by Python code run inside the controller's own work (a garbage-collector
             # finalizer, a signal handler, a host callback), or by an exit hook that runs
-            # after pathways_jax's: as jax.jit, in place.
+            # after pathways_jax's: as jax.jit, in place (a daemon thread is held first).
+            if context.exiting and not reentry.inside.depth:
+                context.park_at_exit()
             out = self._as_jax_jit()(*args, **kwargs)
             how = "at exit" if context.exiting else "in place"
             return submission.computed(out, f"program {self.name!r} run {how}", nnx_graph.is_graph_leaf)

@@ -23,6 +23,24 @@ state = _State()
 # the caller, instead of starting a cluster nothing would stop.
 exiting = False
 
+# How long park_at_exit holds a thread (an exit hook that waits for it gets it back then).
+EXIT_PARK_S = 10.0
+_never = threading.Event()
+
+
+def park_at_exit() -> None:
+    """Holds a thread other than the main one that calls a program once the exit hook ran.
+
+    Only daemon threads still run then (Python joins the others before the exit
+    hooks). One that is inside XLA when the interpreter finalises aborts the
+    process (as it does under plain ``jax.jit``); waiting here, in a plain lock
+    wait, it is stopped cleanly by the finalisation instead. Bounded: an exit
+    hook that waits for such a thread gets it back after ``EXIT_PARK_S``, and its
+    call then runs in place as ``jax.jit`` would.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        _never.wait(EXIT_PARK_S)
+
 
 def current_slice() -> VirtualSlice | None:
     """The innermost slice entered with ``with slice:`` on this thread, if any."""

@@ -280,6 +280,10 @@ class Controller:
                 "pathways_jax: the controller thread did not stop within %.1fs; it is left as a daemon.",
                 timeout,
             )
+        # A run another thread is dispatching inline (in XLA now) ends before stop returns:
+        # at exit, a thread still inside XLA as the interpreter finalises aborts the process.
+        if self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._dispatch.release()
         self.accounting.stop(max(0.0, deadline - time.monotonic()))
 
     def _wake(self) -> None:
