@@ -424,7 +424,8 @@ HOST_SOURCES = {
     "controller.run_s, hosts.node_s and hosts.message_s",
     "hosts_busy": "measured as hosts.* from the same loops, each sized and run with no idle core: "
     "one spinning process per CPU core but one beside the controller's process and the hosts' "
-    "(charged where hosts and the controller outnumber a shared machine's cores)",
+    "(a shared machine's hosts pay them in proportion as they and the controller go from as many "
+    "processes as its cores to twice as many)",
 }
 
 
