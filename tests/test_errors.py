@@ -155,6 +155,37 @@ def test_jit_with_specs_but_no_devices_called_directly():
         assert_matches(placed(jnp.ones(4)), jnp.ones(4) + 1)
 
 
+def test_shard_map_over_a_mesh_other_than_the_slices_says_what_to_pass():
+    # jax.make_mesh makes Explicit axes; a slice's are Auto unless asked: JAX refuses a shard_map
+    # over that mesh inside the slice, and the error says what to do.
+    pw.init(num_cpu_devices=8)
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    slice_ = pw.devices(mesh={"x": 2})
+
+    def total(mesh):
+        return lambda x: jax.shard_map(
+            lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P(), out_specs=P()
+        )(x)
+
+    explicit = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
+    with pytest.raises(pw.errors.ProgramTraceError, match="should match the mesh") as info:
+        pw.jit(total(explicit), devices=slice_)(jnp.ones(()))
+    assert isinstance(info.value, ValueError)  # JAX's class, as jax.jit raises it
+    message = str(info.value)
+    assert "mesh=slice.mesh" in message and "axis_types=" in message
+    # What it says to do works, with jax.jit's result, on slices of either axis type.
+    want = jax.jit(total(explicit))(jnp.ones(()))
+    assert_matches(pw.jit(total(slice_.mesh), devices=slice_)(jnp.ones(())), want)
+    typed = pw.devices(mesh={"x": 2}, axis_types=AxisType.Explicit)
+    assert_matches(pw.jit(total(typed.mesh), devices=typed)(jnp.ones(())), want)
+    # Errors of other kinds get no such hint.
+    with pytest.raises(pw.errors.ProgramTraceError) as info:
+        pw.jit(lambda x: x.reshape(3), devices=slice_)(jnp.ones(4))
+    assert "mesh=slice.mesh" not in str(info.value)
+
+
 def test_jit_with_specs_but_no_devices_inside_program_without_devices():
     pw.init(num_cpu_devices=8)
 

@@ -192,6 +192,18 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
     )
 
 
+def _mesh_mismatch_hint(exc: Exception, slice_: VirtualSlice | None) -> str:
+    """What to do when the function names a mesh of its own inside a slice (JAX refuses that)."""
+    if slice_ is None or "should match the mesh passed to" not in str(exc):
+        return ""
+    return (
+        f". A function placed on slice {slice_!r} is traced against the slice's abstract mesh, "
+        "not a physical one of yours: give shard_map mesh=slice.mesh (or "
+        "jax.sharding.get_abstract_mesh()), and the slice the axis types your code expects "
+        "(pw.devices(mesh=..., axis_types=...); jax.make_mesh makes Explicit axes by default)"
+    )
+
+
 def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
     """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
 
@@ -820,7 +832,7 @@ class Program:
             raise errors.also(errors.ProgramTraceError, type(exc))(
                 f"tracing program {self.name!r} ({self.source_info}) failed at "
                 f"{where or 'an unknown line'}: {type(exc).__name__}: "
-                f"{self._in_user_words(str(exc), treedef, statics)}"
+                f"{self._in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}"
             ) from exc
         finally:
             context.state.trace = outer
