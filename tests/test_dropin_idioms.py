@@ -162,15 +162,21 @@ print("submitted", flush=True)
 """
 
 
+def _run_script(tmp_path, text: str, *args: str) -> subprocess.CompletedProcess:
+    """``text`` run as a script of its own (its own device count, its own exit), with ``args``."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=100, env=env
+    )
+
+
 def test_runs_queued_at_exit_without_shutdown_still_run_as_jax_jit_calls_would(tmp_path):
     # A script that ends right after queueing steps with side effects (logging, checkpoints):
     # under jax.jit every call was dispatched and its callback runs; so under pathways_jax.
-    script, log = tmp_path / "exit_queued.py", tmp_path / "log.txt"
-    script.write_text(_EXIT_WITH_QUEUED_SIDE_EFFECTS)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(log)], capture_output=True, text=True, timeout=100, env=env
-    )
+    log = tmp_path / "log.txt"
+    done = _run_script(tmp_path, _EXIT_WITH_QUEUED_SIDE_EFFECTS, str(log))
     assert "submitted" in done.stdout and done.returncode == 0, done.stderr[-2000:]
     assert log.read_text().split() == [f"{float(i)}" for i in range(1, 41)]
     assert "cancelled" not in done.stderr, done.stderr[-2000:]
@@ -211,13 +217,8 @@ def test_a_program_called_by_an_exit_hook_after_pathways_jaxs_runs_as_jax_jit_wo
     # Exit hooks run last first: one registered before the import runs after pathways_jax's
     # (which stopped the controller). Its calls ran on a new default cluster nothing stopped:
     # their callbacks were lost, and the process sometimes aborted as it finalised.
-    script = tmp_path / "exit_hook.py"
-    script.write_text(_EXIT_HOOK_BEFORE_IMPORT)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for _ in range(2):
-        done = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env
-        )
+        done = _run_script(tmp_path, _EXIT_HOOK_BEFORE_IMPORT)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "twice 8.0" in done.stdout, done.stdout + done.stderr[-2000:]
         assert "seen [1.0, 99.0, 2.0, 4.0]" in done.stdout, done.stdout
@@ -267,20 +268,13 @@ def test_a_daemon_thread_still_calling_programs_at_exit_does_not_crash_the_proce
     # Plain jax.jit aborts here (a daemon thread inside XLA as the interpreter finalises: "terminate
     # called without an active exception", SIGABRT or SIGSEGV, 4 runs in 5 before this fix). After
     # pathways_jax's exit hook a daemon thread's call is held, so finalisation stops it cleanly.
-    script = tmp_path / "exit_daemon.py"
-    script.write_text(_EXIT_WITH_A_DAEMON_THREAD)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for _ in range(3):
-        done = subprocess.run(
-            [sys.executable, str(script), "plain"], capture_output=True, text=True, timeout=100, env=env
-        )
+        done = _run_script(tmp_path, _EXIT_WITH_A_DAEMON_THREAD, "plain")
         assert done.returncode == 0, done.stderr[-2000:]
         assert "end of main" in done.stdout and "Fatal" not in done.stderr, done.stderr[-2000:]
     # An exit hook that waits for such a thread gets it back: its call is held only EXIT_PARK_S,
     # then runs in place, with jax.jit's result.
-    done = subprocess.run(
-        [sys.executable, str(script), "join"], capture_output=True, text=True, timeout=100, env=env
-    )
+    done = _run_script(tmp_path, _EXIT_WITH_A_DAEMON_THREAD, "join")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "joined [True]" in done.stdout, done.stdout + done.stderr[-2000:]
     got = float(done.stdout.split("last [")[1].split("]")[0])
