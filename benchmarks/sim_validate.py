@@ -258,7 +258,7 @@ def run_ray(base, host_counts: list[int], repeats: int, chain: int, target_s: fl
                 timers = {
                     **{k: cpu_timer(v, ray_target) for k, v in loops.items()},
                     # The same loops with no idle core: the profile's hosts_busy, which the
-                    # simulated cluster charges (its hosts and controller outnumber the cores).
+                    # simulated cluster charges as its hosts and controller crowd the cores.
                     **{k + BUSY: busy_cpu_timer(v, ray_target) for k, v in loops.items()},
                     **{f"pw-ray-{m}": t for m, t in _mode_timers(_ray_modes(h, chain), ray_target).items()},
                 }

@@ -51,8 +51,7 @@ class Cluster:
         for one when all are busy; as the hosts and the controller go from
         as many as the cores to twice as many, the hosts' costs go from the
         profile's ``hosts`` to its ``hosts_busy`` (measured with no idle
-        core), where it has them.
-        ``None`` (default): each host and the
+        core), where it has them. ``None`` (default): each host and the
         controller have cores of their own. Only with ``dispatch="hosts"`` (on
         the local backend, ``device.shared_cpu`` of the profile models it).
 
