@@ -183,7 +183,34 @@ def test_shard_map_over_a_mesh_other_than_the_slices_says_what_to_pass():
     # Errors of other kinds get no such hint.
     with pytest.raises(pw.errors.ProgramTraceError) as info:
         pw.jit(lambda x: x.reshape(3), devices=slice_)(jnp.ones(4))
-    assert "mesh=slice.mesh" not in str(info.value)
+    assert "mesh=slice.mesh" not in str(info.value) and "device_ids" not in str(info.value)
+
+
+def test_a_sharding_over_other_devices_inside_a_slice_says_what_to_do():
+    # A with_sharding_constraint naming a mesh of the user's over devices 0-1, inside a slice
+    # the resource manager put on devices 2-3: JAX refuses it when lowering, and the error says
+    # what to do; each way works, with jax.jit's result.
+    pw.init(num_cpu_devices=8)
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    taken = pw.devices(mesh={"x": 2}, device_ids=[0, 1], exclusive=True)
+    elsewhere = pw.devices(mesh={"x": 2})
+    assert {d.id for d in elsewhere.devices}.isdisjoint({0, 1})
+
+    def doubled(where):
+        return lambda x: jax.lax.with_sharding_constraint(x * 2, where)
+
+    with pytest.raises(pw.errors.PlacementError, match="incompatible devices") as info:
+        pw.jit(doubled(NamedSharding(mesh, P("x"))), devices=elsewhere)(jnp.ones(4))
+    assert isinstance(info.value, ValueError)
+    assert "slice.mesh" in str(info.value) and "device_ids=" in str(info.value)
+    want = jax.jit(doubled(NamedSharding(mesh, P("x"))))(jnp.ones(4))
+    assert_matches(pw.jit(doubled(P("x")), devices=elsewhere)(jnp.ones(4)), want)
+    taken.release()
+    pinned = pw.devices(mesh={"x": 2}, device_ids=[0, 1])
+    assert_matches(pw.jit(doubled(NamedSharding(mesh, P("x"))), devices=pinned)(jnp.ones(4)), want)
 
 
 def test_jit_with_specs_but_no_devices_inside_program_without_devices():

@@ -193,15 +193,26 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
 
 
 def _mesh_mismatch_hint(exc: Exception, slice_: VirtualSlice | None) -> str:
-    """What to do when the function names a mesh of its own inside a slice (JAX refuses that)."""
-    if slice_ is None or "should match the mesh passed to" not in str(exc):
-        return ""
-    return (
-        f". A function placed on slice {slice_!r} is traced against the slice's abstract mesh, "
-        "not a physical one of yours: give shard_map mesh=slice.mesh (or "
-        "jax.sharding.get_abstract_mesh()), and the slice the axis types your code expects "
-        "(pw.devices(mesh=..., axis_types=...); jax.make_mesh makes Explicit axes by default)"
-    )
+    """What to do when the function names a mesh of its own inside a slice (JAX refuses that).
+
+    ``slice_``: the slice the function was traced on (None: none, or not known here).
+    """
+    text = str(exc)
+    if slice_ is not None and "should match the mesh passed to" in text:
+        return (
+            f". A function placed on slice {slice_!r} is traced against the slice's abstract mesh, "
+            "not a physical one of yours: give shard_map mesh=slice.mesh (or "
+            "jax.sharding.get_abstract_mesh()), and the slice the axis types your code expects "
+            "(pw.devices(mesh=..., axis_types=...); jax.make_mesh makes Explicit axes by default)"
+        )
+    if "incompatible devices for jitted computation" in text and "context mesh" in text:
+        return (
+            ". A function placed on a slice runs on the devices the slice is mapped to, not on "
+            "those of a mesh of yours: name the slice's mesh in shardings inside it (slice.mesh, or "
+            "bare PartitionSpecs), or map the slice onto your mesh's devices "
+            "(pw.devices(..., device_ids=[...]))"
+        )
+    return ""
 
 
 def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
@@ -663,7 +674,7 @@ class Program:
             kind = errors.PlacementError if isinstance(exc, ValueError) else errors.ProgramTraceError
             raise errors.also(kind, type(exc))(
                 f"compiling program {self.name!r} ({self.source_info}) for {source.of_caller()} failed: "
-                f"{type(exc).__name__}: {exc}"
+                f"{type(exc).__name__}: {exc}{_mesh_mismatch_hint(exc, None)}"
             ) from exc
 
     def _transformed(self, args: tuple, kwargs: dict) -> Any:
