@@ -100,15 +100,11 @@ def _figures(p) -> dict:
     d = {
         "controller.run_s": p.controller.run_s,
         "controller.node_s": p.controller.node_s,
-        "hosts.message_s": p.hosts.message_s,
-        "hosts.run_s": p.hosts.run_s,
-        "hosts.enqueue_s": p.hosts.enqueue_s,
-        "hosts.dispatch_s": p.hosts.dispatch_s,
-        "hosts.node_s": p.hosts.node_s,
     }
-    if p.hosts_busy is not None:
-        for field in ("message_s", "run_s", "enqueue_s", "dispatch_s", "node_s"):
-            d[f"hosts_busy.{field}"] = getattr(p.hosts_busy, field)
+    for section, costs in (("hosts", p.hosts), ("hosts_busy", p.hosts_busy)):
+        if costs is not None:
+            for field in ("message_s", "run_s", "enqueue_s", "dispatch_s", "node_s"):
+                d[f"{section}.{field}"] = getattr(costs, field)
     for field in ("launch_s", "computation_s", "inline"):
         for k, v in getattr(p.device, field).items():
             d[f"device.{field}[{k}]"] = v
