@@ -105,16 +105,13 @@ def _figures(p) -> dict:
         if costs is not None:
             for field in ("message_s", "run_s", "enqueue_s", "dispatch_s", "node_s"):
                 d[f"{section}.{field}"] = getattr(costs, field)
-    for field in ("launch_s", "computation_s", "inline"):
+    for field in ("launch_s", "computation_s", "inline", "launch_cpu_s"):
         for k, v in getattr(p.device, field).items():
             d[f"device.{field}[{k}]"] = v
+    for field in ("run_at_s", "node_at_s"):
+        for k, v in getattr(p.controller, field).items():
+            d[f"controller.{field}[{k}]"] = v
     return d
-
-
-def _timers(loops: dict, target_s: float) -> dict:
-    from pathways_jax.sim._calibrate import timer
-
-    return {k: timer(v, target_s) for k, v in loops.items()}
 
 
 def _mode_timers(modes: dict, target_s: float) -> dict:
@@ -140,14 +137,14 @@ def local_profile(per_call: dict, n: int):
 def run_local(devices: list[int], repeats: int, chain: int, target_s: float) -> tuple[dict, dict]:
     import pathways_jax as pw
     from pathways_jax import sim
-    from pathways_jax.sim._calibrate import controller_loops, device_loops, interleaved
+    from pathways_jax.sim._calibrate import interleaved, local_timers
 
     out, calibration = {}, {}
     single = pw.devices(mesh={"x": 1})
     for n in devices:
         s, modes = dispatch._modes(n, chain, 16)
         timers = {
-            **_timers({**device_loops(s), **controller_loops(single)}, target_s),
+            **local_timers(s, single, target_s),
             **_mode_timers({m: modes[m] for m in LOCAL_MODES.values()}, target_s),
         }
         samples = interleaved(timers, repeats)

@@ -206,6 +206,96 @@ def test_shared_cores_charge_the_controllers_work_to_the_devices():
     assert [round(r.done / US, 6) for r in result.runs] == [14, 24]
 
 
+def test_the_controllers_costs_by_device_count_and_jax_s_own_call_exempt_from_the_devices_loss():
+    # On 2 CPU devices the controller's run costs 6 µs and a node 8 (1 device: 1 and 1), and of a
+    # node's 8 the 3 that jax.jit's own call spends are already in the devices' figures.
+    # r0: run 0-6, node 6-14, device 14-24 (no node ran meanwhile: nothing owed). r1: run 14-20
+    # (r0 runs: 6 owed), node 20-28 (r0 runs until 24: 4, less the 3 exempt: 1 owed), so r1 lasts
+    # 10 + 7: 28-45. r2: run 28-34 and node 34-42 all while r1 runs: 6 + 8 - 3 = 11 owed, 45-66.
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(
+            run_s=1 * US, node_s=1 * US, run_at_s={1: 1 * US, 2: 6 * US}, node_at_s={1: 1 * US, 2: 8 * US}
+        ),
+        device=sim.DeviceCosts(shared_cpu={1: 0.0, 2: 1.0}, launch_cpu_s={2: 3 * US}),
+    )
+    cluster = sim.Cluster(hosts=1, devices_per_host=2, profile=profile)
+    result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US, devices=(0, 2)), runs=3)
+    assert executions(result) == [("chain/n0", 14, 24), ("chain/n0", 28, 45), ("chain/n0", 45, 66)]
+    # Without the exemption r1 owes 6 + 4 (28-48), r2 all 14 (48-72); the scalars serve 1 device.
+    owed = dataclasses.replace(profile, device=dataclasses.replace(profile.device, launch_cpu_s={}))
+    cluster = sim.Cluster(hosts=1, devices_per_host=2, profile=owed)
+    result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US, devices=(0, 2)), runs=3)
+    assert executions(result)[1:] == [("chain/n0", 28, 48), ("chain/n0", 48, 72)]
+    one = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    assert sim.simulate(one, sim.chain(one, 1, compute_s=10 * US), runs=1).makespan_s == approx(12)
+    # The tables go through a profile's JSON and back; absent tables stay absent.
+    data = profile.to_json()
+    assert data["controller"]["node_at_s"] == {"1": 1 * US, "2": 8 * US}
+    assert sim.load_profile(data) == dataclasses.replace(profile, name="custom")
+    assert "launch_cpu_s" not in sim.Profile().to_json()["device"]
+
+
+def test_controller_costs_by_device_count_come_from_the_python_threads_cpu_seconds():
+    # Per call as the calibration's loops would see them, made from known costs.
+    from pathways_jax.sim._calibrate import _L, PYTHON, local_costs
+
+    per_call = {"pw-run": 20 * US, "pw-chain": 20 * US + (_L - 1) * 5 * US}
+    for n in (1, 2):
+        per_call |= {f"jax-one/{n}": 50 * US, f"jax-mid/{n}": 500 * US, f"jax-long/{n}": 1500 * US}
+        per_call |= {f"jax-one-in/{n}": 4 * US, f"jax-mid-in/{n}": 10 * US}
+    run, node, jax_call = 30 * US, 25 * US, 18 * US
+    per_call |= {
+        f"pw-run/2{PYTHON}": run + node,
+        f"pw-chain/2{PYTHON}": run + _L * node,
+        f"jax-one/2{PYTHON}": jax_call,
+    }
+    controller, device, _ = local_costs(per_call, [1, 2])
+    assert controller.run(2) == pytest.approx(run) and controller.node(2) == pytest.approx(node)
+    assert controller.run(1) == pytest.approx(15 * US) and controller.node(1) == pytest.approx(5 * US)
+    assert controller.run_s == pytest.approx(15 * US) and device.launch_cpu(2) == pytest.approx(jax_call)
+    # Without the Python threads' figures (no per-thread clocks): the 1-device scalars only.
+    bare = {k: v for k, v in per_call.items() if not k.endswith(PYTHON)}
+    controller, device, _ = local_costs(bare, [1, 2])
+    assert controller.run_at_s == {} and controller.run(2) == controller.run_s and device.launch_cpu(2) == 0
+
+
+def test_python_threads_cpu_seconds_count_every_python_thread():
+    import queue
+    import threading
+    import time
+
+    from pathways_jax.sim._calibrate import PYTHON, python_cpu_timer
+
+    if not hasattr(time, "pthread_getcpuclockid"):
+        pytest.skip("this OS has no per-thread CPU clocks")
+    work, done = queue.Queue(), queue.Queue()
+
+    def worker():  # another thread, as the controller's: 2 ms of CPU for each item
+        while (seconds := work.get()) is not None:
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+            done.put(None)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+
+    def loop(calls):  # the caller only waits: the CPU seconds are the other thread's
+        start = time.perf_counter()
+        for _ in range(calls):
+            work.put(0.002)
+            done.get(timeout=10)
+        return time.perf_counter() - start
+
+    try:
+        figures = python_cpu_timer(loop, 0.05)()
+    finally:
+        work.put(None)
+        thread.join(timeout=10)
+    assert figures[PYTHON] == pytest.approx(0.002, rel=0.25)
+    assert figures[""] >= figures[PYTHON] * 0.9
+
+
 def test_host_messages_grow_with_hosts_and_gang_nodes_wait_for_the_last_host():
     # One SPMD node over every host: the controller sends one message per host (2 µs each), the node
     # starts once the last host has it: run 1 + node 1 + hosts x 2, then 1 µs to enqueue.
@@ -460,6 +550,9 @@ def test_calibration_quick_mode_writes_a_profile(tmp_path):
     assert profile.name == "here"
     assert profile.controller.run_s > 0 and profile.controller.node_s > 0
     assert set(profile.device.computation_s) == {1, 2}
+    # On 2 devices the controller's costs are the Python threads' CPU seconds there.
+    assert set(profile.controller.run_at_s) == {1, 2} and profile.controller.node(2) > 0
+    assert profile.device.launch_cpu(2) > 0
     assert profile.meta["quick"] is True
     assert json.loads(out.read_text())["sources"]["controller.node_s"].startswith("measured")
 

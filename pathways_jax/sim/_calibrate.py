@@ -43,6 +43,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -86,6 +87,46 @@ def timer(loop: Loop, target_s: float) -> Callable[[], float]:
     """Sizes ``loop`` to last about ``target_s``; returns a timer of seconds per call."""
     calls = _calls(loop, target_s)
     return lambda: loop(calls) / calls
+
+
+PYTHON = "/python"  # the suffix of a loop's figure: its Python threads' CPU seconds per call
+
+
+def python_cpu() -> dict[int, float] | None:
+    """Every Python thread of this process: its CPU seconds so far (None where the OS cannot say)."""
+    if not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    out = {}
+    for thread in threading.enumerate():
+        if thread.ident is None:
+            continue
+        # A thread that ends meanwhile has no clock left: it is left out.
+        with contextlib.suppress(OSError, OverflowError):
+            out[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return out
+
+
+def python_cpu_timer(loop: Loop, target_s: float) -> Callable[[], dict[str, float]]:
+    """Like :func:`timer`, with the CPU seconds per call of this process's Python threads.
+
+    The timer's figures: ``""`` the seconds per call, ``PYTHON`` the CPU
+    seconds the Python threads (the caller's, the controller's, every other)
+    spent per call: on CPU devices the XLA threads' work is the devices', and
+    beside it what the controller's threads spend decides what the devices
+    lose. Without per-thread clocks (not every OS has them) only ``""``.
+    """
+    calls = _calls(loop, target_s)
+
+    def timed() -> dict[str, float]:
+        before = python_cpu()
+        wall = loop(calls)
+        after = python_cpu()
+        if before is None or after is None:
+            return {"": wall / calls}
+        spent = sum(cpu - before.get(ident, 0.0) for ident, cpu in after.items())
+        return {"": wall / calls, PYTHON: spent / calls}
+
+    return timed
 
 
 def cpu_timer(loop: Loop, target_s: float) -> Callable[[], dict[str, float]]:
@@ -250,19 +291,20 @@ def device_loops(s: Any) -> dict[str, Loop]:
     }
 
 
-def controller_loops(s: Any) -> dict[str, Loop]:
-    """The controller's loops on 1-device slice ``s``.
+def controller_loops(s: Any, suffix: str = "") -> dict[str, Loop]:
+    """The controller's loops on slice ``s`` (1 device, or ``n`` with ``suffix`` ``/n``).
 
     ``pw-run``: a ``pw.jit`` call (one run of one node of one computation);
-    ``pw-chain``: a run of 16 such nodes; ``pw-mid``: a ``pw.jit`` call of a
-    fused chain of 64 computations (one node).
+    ``pw-chain``: a run of 16 such nodes; ``pw-mid`` (1 device only): a
+    ``pw.jit`` call of a fused chain of 64 computations (one node).
     """
     import jax.numpy as jnp
 
     import pathways_jax as pw
 
     mesh = s.physical_mesh
-    one = pw.jit(lambda x: _computation(x, mesh, 1), devices=s)
+    n = mesh.devices.size
+    one = pw.jit(lambda x: _computation(x, mesh, n), devices=s)
 
     def chain(x):
         for _ in range(_L):
@@ -276,11 +318,27 @@ def controller_loops(s: Any) -> dict[str, Loop]:
 
     prog = pw.program(chain, name="calibrate_chain", fuse=False)
     x0 = jnp.zeros((), jnp.float32)
-    return {
-        "pw-run": _chained(one, x0),
-        "pw-chain": _chained(prog, x0),
-        "pw-mid": _chained(pw.jit(mid, devices=s), x0),
-    }
+    loops = {f"pw-run{suffix}": _chained(one, x0), f"pw-chain{suffix}": _chained(prog, x0)}
+    if n == 1:
+        loops["pw-mid"] = _chained(pw.jit(mid, devices=s), x0)
+    return loops
+
+
+def local_timers(s: Any, single: Any, target_s: float) -> dict[str, Callable[[], Any]]:
+    """The timers of the local costs on slice ``s`` (``n`` devices), beside 1-device slice ``single``.
+
+    ``device_loops(s)`` and ``controller_loops(single)`` by their seconds per
+    call; from 2 devices also ``controller_loops(s, "/n")`` and ``jax-one/n``
+    with their Python threads' CPU seconds (``PYTHON``).
+    """
+    n = s.physical_mesh.devices.size
+    devices = device_loops(s)
+    timers: dict[str, Callable[[], Any]] = {k: timer(v, target_s) for k, v in devices.items()}
+    timers.update({k: timer(v, target_s) for k, v in controller_loops(single).items()})
+    if n > 1:
+        timers[f"jax-one/{n}"] = python_cpu_timer(devices[f"jax-one/{n}"], target_s)
+        timers.update({k: python_cpu_timer(v, target_s) for k, v in controller_loops(s, f"/{n}").items()})
+    return timers
 
 
 def local_costs(
@@ -298,7 +356,20 @@ def local_costs(
     """
     t1, tl = per_call["pw-run"], per_call["pw-chain"]
     node = max((tl - t1) / (_L - 1), 0.0)
-    controller = ControllerCosts(run_s=max(t1 - node, 0.0), node_s=node, transfer_s=node)
+    run_at, node_at, launch_cpu = {1: max(t1 - node, 0.0)}, {1: node}, {}
+    for n in devices:
+        if n > 1 and f"pw-run/{n}{PYTHON}" in per_call and f"jax-one/{n}{PYTHON}" in per_call:
+            # On n CPU devices: the Python threads' CPU seconds of the same two runs, and of
+            # jax.jit's own call (what the devices' figures already hold).
+            c1, cl = per_call[f"pw-run/{n}{PYTHON}"], per_call[f"pw-chain/{n}{PYTHON}"]
+            node_at[n] = max((cl - c1) / (_L - 1), 0.0)
+            run_at[n] = max(c1 - node_at[n], 0.0)
+            launch_cpu[n] = per_call[f"jax-one/{n}{PYTHON}"]
+    if len(run_at) == 1:  # one device only (or no per-thread clocks): the scalars say it all
+        run_at, node_at = {}, {}
+    controller = ControllerCosts(
+        run_s=max(t1 - node, 0.0), node_s=node, transfer_s=node, run_at_s=run_at, node_at_s=node_at
+    )
     computation, launch, inline = {}, {}, {}
     for n in devices:
         mid, long = per_call[f"jax-mid/{n}"], per_call[f"jax-long/{n}"]
@@ -316,7 +387,11 @@ def local_costs(
             inline[n] = max((per_call["pw-mid"] - per_call["pw-run"]) / extra, 0.0)
     cores = max(2, os.cpu_count() or 2)
     device = DeviceCosts(
-        launch_s=launch, computation_s=computation, shared_cpu={1: 0.0, cores: 1.0}, inline=inline
+        launch_s=launch,
+        computation_s=computation,
+        shared_cpu={1: 0.0, cores: 1.0},
+        inline=inline,
+        launch_cpu_s=launch_cpu,
     )
     return controller, device, per_call[f"jax-one/{min(devices)}"]
 
@@ -336,6 +411,12 @@ LOCAL_SOURCES = {
     "controller.run_s": "measured: pw.jit call (1-node run) less controller.node_s, 1 device",
     "controller.node_s": f"measured: a {_L}-node unfused @pw.program against a 1-node run, 1 device",
     "controller.transfer_s": "taken equal to controller.node_s (not measured separately)",
+    "controller.run_at_s": "measured: from 2 devices, the Python threads' CPU seconds of a pw.jit call of one "
+    "computation on that many devices (1-node run) less controller.node_at_s there; 1 device: controller.run_s",
+    "controller.node_at_s": f"measured: from 2 devices, the Python threads' CPU seconds of a {_L}-node unfused "
+    "@pw.program against a 1-node run on that many devices, per extra node; 1 device: controller.node_s",
+    "device.launch_cpu_s": "measured: from 2 devices, the caller's CPU seconds per jax.jit call of one "
+    "computation (16 in flight)",
     "jax.call_s": "measured: plain jax.jit calls of one computation on 1 device (16 in flight), per call",
     "ici": "CPU devices share memory: collectives are inside device.computation_s",
     "dcn": "not measured (no DCN on one machine): zero cost",
@@ -490,8 +571,7 @@ def calibrate(
     samples: dict[str, list[float]] = {}
     for n in devices:
         s = pw.devices(mesh={"x": n})
-        loops = {**device_loops(s), **controller_loops(single)}
-        for k, v in interleaved({k: timer(v, target_s) for k, v in loops.items()}, repeats).items():
+        for k, v in interleaved(local_timers(s, single, target_s), repeats).items():
             samples.setdefault(k, []).extend(v)  # the controller's loops: beside every slice size
         s.release()
         log(
@@ -504,6 +584,11 @@ def calibrate(
     pw.shutdown()
     controller, device, jax_call = local_costs(per_call, devices)
     log(f"  -> run_s {controller.run_s * 1e6:.1f} us, node_s {controller.node_s * 1e6:.2f} us")
+    for n in sorted(set(controller.run_at_s) - {1}):
+        log(
+            f"  -> on {n} devices: run {controller.run(n) * 1e6:.1f} us, node {controller.node(n) * 1e6:.2f} us "
+            f"of the Python threads' CPU, jax.jit's call {device.launch_cpu(n) * 1e6:.1f} us"
+        )
     hosts = HostCosts()
     hosts_busy: HostCosts | None = None
     sources = dict(LOCAL_SOURCES)

@@ -5,7 +5,10 @@ What is modelled (each charged from the cluster's :class:`Profile`):
 - **Clients** submit runs (each client's runs in order, every ``interval_s``;
   a run's first step reads the previous run's output, as chained futures do).
 - **The controller** is one thread: per run ``controller.run_s``, per node
-  ``controller.node_s``, per transfer ``controller.transfer_s`` (sending runs
+  ``controller.node_s`` (on the local backend ``controller.run(k)`` for a run
+  whose widest node is on ``k`` devices and ``controller.node(k)`` for a node
+  on ``k``, where the profile has them by device count), per transfer
+  ``controller.transfer_s`` (sending runs
   to hosts: ``hosts.dispatch_s`` more per run, ``hosts.node_s`` per node or
   transfer instead). Among the
   clients' queue heads the cluster's policy (the runtime's own ``fifo`` /
@@ -35,7 +38,10 @@ What is modelled (each charged from the cluster's :class:`Profile`):
 - **Shared cores** (local backend): each second of the controller's work
   while a node runs delays the devices: the next node to start on ``k``
   devices lasts ``device.shared_cpu[k]`` seconds longer for each (CPU
-  devices' threads run on the controller's cores). Zero for accelerators.
+  devices' threads run on the controller's cores). Of the work that enqueues
+  a node on ``k`` devices, ``device.launch_cpu(k)`` is exempt: ``jax.jit``'s
+  own call spends it too, and ``device.launch_s`` was measured with it.
+  Zero for accelerators.
 - **Shared cores** (``Cluster(cores=n)``: hosts on one machine): the
   controller's work, every host's and every node's device time each hold
   one of ``n`` cores while they run (first come, first served), so that
@@ -313,12 +319,16 @@ class _Simulation:
                 }
             )
 
-    def _controller(self, name: str, cat: str, start: float, run: _Run, **args: Any) -> None:
+    def _controller(
+        self, name: str, cat: str, start: float, run: _Run, *, exempt: float = 0.0, **args: Any
+    ) -> None:
+        """The controller's span from ``start`` to now; ``exempt``: of it, seconds the devices'
+        own figures already hold (``device.launch_cpu``), which they do not lose again."""
         now = self.env.now
         if cat != "wait":
             self.controller_busy += now - start
             if self.shared_cpu:
-                self.device_debt += self._busy(now) - self._busy(start)
+                self.device_debt += max(self._busy(now) - self._busy(start) - exempt, 0.0)
         if self.record:
             w = self.workloads[run.client]
             args.update(client=w.client, program=w.program.name, run=run.seq)
@@ -386,7 +396,11 @@ class _Simulation:
         run.dispatch_start = env.now
         start = env.now
         local = self.cluster.dispatch == "local"
-        yield from self._work(cost.run_s + (0.0 if local else self.host_costs.dispatch_s))
+        if local:  # on CPU devices the controller's costs move with the width of what it enqueues
+            widest = max((s.devices[1] - s.devices[0] for s in program.steps if s.kind == "node"), default=1)
+            yield from self._work(cost.run(widest))
+        else:
+            yield from self._work(cost.run_s + self.host_costs.dispatch_s)
         self._controller(f"dispatch {program.name}", "dispatch", start, run, what="run")
         per_host: dict[int, list[_Item]] = collections.defaultdict(list)
         for index, step in enumerate(program.steps):
@@ -401,10 +415,15 @@ class _Simulation:
                     self._controller(f"wait: in-flight window ({where})", "wait", start, run, island=island)
                 window.count += 1
             start = env.now
+            exempt = 0.0
             if not local:
                 yield from self._work(self.host_costs.node_s)
+            elif step.kind == "node":
+                width = step.devices[1] - step.devices[0]
+                exempt = self.profile.device.launch_cpu(width)
+                yield from self._work(cost.node(width))
             else:
-                yield from self._work(cost.node_s if step.kind == "node" else cost.transfer_s)
+                yield from self._work(cost.transfer_s)
             item = self._new_item(run, index, step, 0 if local else len(hosts))
             if local:
                 item.enqueued.succeed()
@@ -414,7 +433,9 @@ class _Simulation:
             else:
                 for h in hosts:
                     per_host[h].append(item)
-            self._controller(f"dispatch {program.name}/{step.name}", "dispatch", start, run, node=step.name)
+            self._controller(
+                f"dispatch {program.name}/{step.name}", "dispatch", start, run, exempt=exempt, node=step.name
+            )
         if not local:
             for h in sorted(per_host):
                 start = env.now

@@ -33,11 +33,28 @@ class ControllerCosts:
       node_s: per node dispatched (on the local backend this includes
         enqueueing the executable on the devices).
       transfer_s: per transfer (move) dispatched.
+      run_at_s: optional, by device count: ``run_s`` for a run whose widest
+        node is on that many CPU devices of the local backend (the
+        controller's threads' CPU seconds; on CPU devices they move with the
+        device count). Where empty, ``run_s`` at every count.
+      node_at_s: optional, by device count: ``node_s`` for a node on that
+        many CPU devices of the local backend (its executable's enqueue
+        included). Where empty, ``node_s`` at every count.
     """
 
     run_s: float = 0.0
     node_s: float = 0.0
     transfer_s: float = 0.0
+    run_at_s: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    node_at_s: Mapping[int, float] = dataclasses.field(default_factory=dict)
+
+    def run(self, devices: int) -> float:
+        """``run_s`` for a run whose widest node is on ``devices`` devices."""
+        return _by_count(self.run_at_s, devices) if self.run_at_s else self.run_s
+
+    def node(self, devices: int) -> float:
+        """``node_s`` for a node on ``devices`` devices."""
+        return _by_count(self.node_at_s, devices) if self.node_at_s else self.node_s
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,6 +111,11 @@ class DeviceCosts:
         on the calling thread: about 1, above 1 where the dispatch of a longer
         node costs more than its device time; 0 for accelerators; local
         backend only).
+      launch_cpu_s: optional, by device count: the CPU seconds the calling
+        thread spends inside a ``jax.jit`` call of one computation (CPU
+        devices). ``launch_s`` was measured with that thread's work on the
+        same cores, so the devices lose only the controller's work beyond it
+        (``shared_cpu``). Where empty, zero.
     """
 
     launch_s: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
@@ -102,6 +124,7 @@ class DeviceCosts:
     computation_s: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
     shared_cpu: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
     inline: Mapping[int, float] = dataclasses.field(default_factory=lambda: {1: 0.0})
+    launch_cpu_s: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     def launch(self, devices: int) -> float:
         return _by_count(self.launch_s, devices)
@@ -114,6 +137,9 @@ class DeviceCosts:
 
     def shared(self, devices: int) -> float:
         return _by_count(self.shared_cpu, devices)
+
+    def launch_cpu(self, devices: int) -> float:
+        return _by_count(self.launch_cpu_s, devices) if self.launch_cpu_s else 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,6 +209,8 @@ class Profile:
             out = {}
             for f in dataclasses.fields(obj):
                 v = getattr(obj, f.name)
+                if isinstance(v, Mapping) and not v:
+                    continue  # an optional table left empty: absent from the file
                 out[f.name] = {str(k): x for k, x in v.items()} if isinstance(v, Mapping) else v
                 if out[f.name] == math.inf:
                     out[f.name] = None  # JSON has no infinity: null reads back as unbounded
