@@ -22,6 +22,15 @@ previous call's output, as the dispatch benchmark does), the loops interleaved
 - ``controller.run_s`` / ``node_s``: a ``pw.jit`` call (one run of one node) and
   a ``@pw.program`` of ``L`` unfused nodes on 1 device, where the controller is
   the bottleneck: ``T(1) = run + node``, ``T(L) = run + L node``.
+- ``controller.run_at_s[k]`` / ``node_at_s[k]`` (from 2 devices): the same two
+  runs on ``k`` devices, by the CPU seconds of this process's Python threads
+  (the caller's and the controller's; per-thread clocks, where the OS has
+  them), the same two equations; ``device.launch_cpu_s[k]``: those threads'
+  CPU seconds per ``jax.jit`` call of one computation on ``k`` devices. On CPU
+  devices the XLA threads' work is the devices', and what the controller's
+  threads spend beside it (more on more devices: each call hands work to ``k``
+  device threads) is what the devices lose, less what ``jax.jit``'s own call
+  spends, which ``launch_s`` already holds.
 - Ray hosts (without ``--quick``, when Ray is installed): on 2 hosts of 1
   device, one node on host 0 (``A``), one node on each host (``B``), and ``R = 128``
   nodes on host 0 (``C``), each loop's CPU seconds per call in the
