@@ -46,6 +46,23 @@ def test_an_uncommitted_output_combines_with_an_array_committed_elsewhere():
     np.testing.assert_array_equal(pw.program(jnp.sin)(jnp.arange(4.0)) + other, expected)
 
 
+def test_an_uncommitted_output_is_typed_as_jax_jit_s_and_mixes_with_values_on_a_mesh_of_the_user_s():
+    # Its type held the default slice's mesh: jnp.add and jax.jit refused "Mesh for all inputs should be equal".
+    mesh = jax.make_mesh((1,), ("data",))  # Explicit axes
+    on_mesh = jax.device_put(
+        jnp.ones(4), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    )
+    expected = jax.jit(lambda v: v * 2)(jnp.arange(4.0))
+    future = pw.program(lambda v: v * 2)(jnp.arange(4.0))
+    assert jax.typeof(future) == jax.typeof(expected)
+    assert jax.typeof(future.result()) == jax.typeof(expected)
+    for combine in (jnp.add, jax.jit(jnp.add)):
+        want = combine(expected, on_mesh)
+        got = combine(future, on_mesh)
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(got, want)
+
+
 def test_an_uncommitted_output_feeds_a_pmap():
     batch = jnp.arange(16.0).reshape(8, 2)
     doubled = jax.pmap(lambda v: v * 2)

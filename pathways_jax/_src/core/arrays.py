@@ -35,3 +35,20 @@ def remade(
         committed=array.committed if committed is None else committed,
         _skip_checks=True,
     )
+
+
+def unplaced_aval(aval: Any) -> Any:
+    """``aval`` with no mesh in its type, as ``jax.jit`` types an output it put on one device.
+
+    A program with no slice is compiled on its default slice's one-device
+    mesh, which its outputs' types would otherwise carry: ``jnp.add(out, y)``
+    of ``y`` on a mesh of the user's then fails with "Mesh for all inputs
+    should be equal", where ``jax.jit``'s output works.
+    """
+    try:
+        mesh = jax.sharding.AbstractMesh((), ())
+        return aval.update(
+            sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * aval.ndim))
+        )
+    except (AttributeError, TypeError, ValueError):  # pragma: no cover - another JAX: the type as it is
+        return aval

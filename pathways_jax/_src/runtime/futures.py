@@ -285,7 +285,12 @@ class Future:
         loose = getattr(self, "_loose", None)
         if loose is None or loose[0] is not array:
             device = next(iter(array.sharding.device_set))
-            made = arrays.remade(array, sharding=jax.sharding.SingleDeviceSharding(device), committed=False)
+            made = arrays.remade(
+                array,
+                aval=arrays.unplaced_aval(array.aval),
+                sharding=jax.sharding.SingleDeviceSharding(device),
+                committed=False,
+            )
             loose = self._loose = (array, made)
         return loose[1]
 
