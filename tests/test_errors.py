@@ -592,3 +592,29 @@ def test_a_failed_transfer_fails_its_run_with_transfer_error():
     assert "dcn" in str(info.value.__cause__)
     # The controller carries on.
     np.testing.assert_allclose(np.asarray(use(jnp.ones(2)).result(timeout=30)), [2.0, 2.0])
+
+
+def test_a_tracer_leaked_from_an_earlier_trace_raises_unexpected_tracer_error_as_under_jax_jit():
+    # make_jaxpr kept the leaked tracer as a constant: the run failed later, with
+    # "Computation compiled for 2 inputs but called with 1".
+    x = jnp.ones(3)
+    for wrap in (jax.jit, pw.program):
+        leaked = []
+
+        def leak(a, leaked=leaked):
+            leaked.append(a)
+            return a * 2
+
+        def use(a, leaked=leaked):
+            return a + leaked[-1]
+
+        wrap(leak)(x)
+        with pytest.raises(jax.errors.UnexpectedTracerError) as caught:
+            wrap(use)(x)
+    assert isinstance(caught.value, pw.errors.ProgramTraceError)
+    for part in ("program 'use'", "float32[3]", "escaped", "Return the value"):
+        assert part in str(caught.value), (part, str(caught.value))
+    # The program still runs once it is given the value.
+    np.testing.assert_array_equal(
+        pw.program(lambda a, b: a + b)(x, x * 2), jax.jit(lambda a, b: a + b)(x, x * 2)
+    )

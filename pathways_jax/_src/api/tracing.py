@@ -847,6 +847,7 @@ class Program:
             ) from exc
         finally:
             context.state.trace = outer
+        self._refuse_leaked_tracers(closed)
         counters.bump("traces")
         if default is None and implied is None and hint is None:
             # Nothing placed it, but the function names a mesh itself (a sharding constraint
@@ -867,6 +868,25 @@ class Program:
         if rec is not None:
             rec.complete(f"trace {self.name}", "trace", t0, program=self.name, source=self.source_info)
         return graph.check()
+
+    def _refuse_leaked_tracers(self, closed: Any) -> None:
+        """Raises jax.jit's ``UnexpectedTracerError`` for a tracer the function read from an ended trace.
+
+        ``jax.make_jaxpr`` keeps such a tracer (an earlier trace's value saved
+        to a global or a list) as a constant, where ``jax.jit`` refuses it;
+        programs are traced only outside JAX's transformations, so no constant
+        can be a tracer of a live one.
+        """
+        leaked = [c for c in closed.consts if isinstance(c, jax.core.Tracer)]
+        if not leaked or inside_jax_trace():
+            return
+        raise errors.also(errors.ProgramTraceError, jax.errors.UnexpectedTracerError)(
+            f"tracing program {self.name!r} ({self.source_info}) read an intermediate value of another "
+            f"trace ({leaked[0].aval.str_short()} in a {type(leaked[0]).__name__}) that escaped it: "
+            "a function traced by JAX (a program, jax.jit, grad, ...) saved it to global state or a "
+            "list instead of returning it. Return the value from that function and pass it to this "
+            "program as an argument. To find where it leaked, run under jax.checking_leaks()."
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if context.state.trace is not None:
