@@ -335,13 +335,18 @@ class _XferHost:
         import numpy as np
         from jax.experimental import transfer
 
+        from pathways_jax._src.backends.ray_host import transfer_options
+
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", 1)
         device = jax.devices()[0]
         mesh = jax.sharding.Mesh(np.array([device]), ("x",))
         self._parity = parity
         self._step = jax.jit(lambda x: _all_reduce_add(x, mesh, 1))
-        self._server = transfer.start_transfer_server(device.client, "127.0.0.1:0", ["127.0.0.1:0"])
+        # Started as a host's is (ray_host.transfer_options): the floor of the same data plane.
+        self._server = transfer.start_transfer_server(
+            device.client, "127.0.0.1:0", ["127.0.0.1:0"], **transfer_options(device.platform)
+        )
         self._spec = [
             jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
         ]
