@@ -165,6 +165,38 @@ def test_hosts_follow_the_controller_s_64_bit_mode(ray_cluster):
         jax.config.update("jax_enable_x64", False)
 
 
+def test_hosts_follow_a_64_bit_mode_turned_on_after_init(ray_cluster):
+    # The hosts kept the mode of pw.init: 64-bit inputs arrived as float32 and every run failed
+    # with "Dtype mismatch for args[0]: expected float64 and called with float32".
+    pw.init(backend="ray", hosts=2, devices_per_host=1)
+    a = pw.devices(mesh={"x": 1}, island=0)
+    b = pw.devices(mesh={"x": 1}, island=1)
+    on_b = pw.jit(lambda v: v * 3, devices=b)
+
+    def alone(v):
+        return v / 3 + 1e-10  # 1e-10: below float32 precision
+
+    def across(v):  # island 0, then island 1
+        return on_b(pw.jit(alone, devices=a)(v))
+
+    cases = ((pw.program(alone), alone), (pw.program(across), lambda v: alone(v) * 3))
+    jax.config.update("jax_enable_x64", True)
+    try:
+        x = jnp.arange(4, dtype=jnp.float64)
+        for program, reference in cases:
+            want = jax.jit(reference)(x)
+            got = program(x).result(timeout=60)
+            assert want.dtype == got.dtype == jnp.float64
+            np.testing.assert_array_equal(got, want)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    # Back in 32-bit mode, the same programs trace and run again as jax.jit's do.
+    x = jnp.arange(4, dtype=jnp.float32)
+    for program, reference in cases:
+        assert_matches(program(x), jax.jit(reference)(x))
+    pw.shutdown()
+
+
 def test_a_program_with_a_python_callback_is_refused_at_the_call_naming_its_line(ray_cluster):
     pw.init(backend="ray", hosts=1, devices_per_host=1)
 

@@ -390,6 +390,8 @@ class RemotePlan:
         from pathways_jax._src.compile.lowering import ExecStep
 
         self.key = next(self._keys)
+        # The 64-bit mode it was lowered in (this thread's, as jax.jit reads it): its hosts run it so.
+        self.x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]
         self.parts: dict[int, HostPlan] = {}
         self.transfers: collections.Counter[str] = collections.Counter()  # per run, by kind
         self.uuids = 0  # host-to-host transfers per run: the uuids a run takes
@@ -933,7 +935,7 @@ class RayBackend:
                 if remote.key not in self._known[host]:
                     have = self._fingerprints[host]
                     blobs = {f: b for f, b in hp.blobs.items() if f not in have}
-                    batch.append((host, "register", (remote.key, hp.ops, hp.constants, blobs)))
+                    batch.append((host, "register", (remote.key, hp.ops, hp.constants, blobs, remote.x64)))
                     have.update(blobs)
                     self._known[host].add(remote.key)
                 frees = self._take_dropped(host)

@@ -297,6 +297,7 @@ class Host:
         else:  # the accelerators Ray gave this actor (num_gpus), CPU beside them
             jax.config.update("jax_platforms", f"{'cuda' if platform == 'gpu' else platform},cpu")
         jax.config.update("jax_enable_x64", x64)
+        self.x64 = x64  # the process's mode; a plan lowered in the other runs under its own
         self.index = index
         self.platform = platform
         self.num_devices = num_devices
@@ -310,7 +311,8 @@ class Host:
         self._connections_lock = threading.Lock()
         self.values: dict[int, Any] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
-        self.plans: dict[int, tuple[list[Op], dict, list]] = {}  # plan key -> (ops, constants, steps)
+        # plan key -> (ops, constants, steps, the 64-bit mode it runs under: None for the process's)
+        self.plans: dict[int, tuple[list[Op], dict, list, bool | None]] = {}
         # plan key -> (why its registration failed, the host's traceback, its ops)
         self.broken: dict[int, tuple[str, str, list[Op]]] = {}
         self.lost_peers: set[int] = set()
@@ -460,9 +462,20 @@ class Host:
                 if host != self.index and host not in self._connections:
                     self._connections[host] = self.server.connect(address)
 
-    def _register(self, key: int, ops: list[Op], constants: dict, blobs: dict) -> None:
+    def _register(
+        self, key: int, ops: list[Op], constants: dict, blobs: dict, x64: bool | None = None
+    ) -> None:
+        """Compiles a plan's computations and places its constants.
+
+        ``x64``: the controller's ``jax_enable_x64`` when it lowered the plan.
+        It may have changed since the host started (a script that turns it on
+        after ``pw.init``): the plan's runs then run under that mode (JAX's
+        thread-local ``jax.enable_x64``), so its 64-bit inputs stay 64-bit.
+        """
+        mode = None if x64 is None or x64 == self.x64 else x64
         try:
-            self._compile_plan(key, ops, constants, blobs)
+            with _mode(mode):
+                self._compile_plan(key, ops, constants, blobs, mode)
         except BaseException as exc:  # its runs fail with this reason
             self.broken[key] = (
                 f"registering the plan failed: {type(exc).__name__}: {exc}",
@@ -471,7 +484,7 @@ class Host:
             )
             raise
 
-    def _compile_plan(self, key: int, ops: list[Op], constants: dict, blobs: dict) -> None:
+    def _compile_plan(self, key: int, ops: list[Op], constants: dict, blobs: dict, mode: bool | None) -> None:
         import jax
 
         devices = self.island_devices
@@ -488,7 +501,7 @@ class Host:
             slot: place(from_wire(data), sharding_of(desc, devices))
             for slot, (data, desc) in constants.items()
         }
-        self.plans[key] = (ops, placed, [self._step(op) for op in ops])
+        self.plans[key] = (ops, placed, [self._step(op) for op in ops], mode)
 
     def _forget(self, key: int) -> None:
         self.plans.pop(key, None)
@@ -513,7 +526,13 @@ class Host:
             self._abandon(ops, 0, base, message)
             self._answer(future, RunFailure("error", None, message, trace))
             return
-        ops, constants, steps = self.plans[key]
+        ops, constants, steps, mode = self.plans[key]
+        with _mode(mode):
+            self._run_plan(future, ops, constants, steps, base, feeds, keep)
+
+    def _run_plan(
+        self, future: Any, ops: list[Op], constants: dict, steps: list, base: int, feeds: list, keep: list
+    ) -> None:
         enqueued = time.monotonic()
         env: dict[int, Any] = dict(constants)
         made: list = []
@@ -828,6 +847,15 @@ class Host:
                 status = now - max(enqueued, self._last_done)
                 self._last_done = now
             self._answer(future, status)
+
+
+def _mode(x64: bool | None) -> Any:
+    """A context running JAX in 64-bit mode ``x64`` on this thread (None: as the process runs)."""
+    if x64 is None:
+        return contextlib.nullcontext()
+    import jax
+
+    return jax.enable_x64(x64)
 
 
 def _same(value: Any) -> Any:

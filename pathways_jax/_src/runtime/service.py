@@ -518,10 +518,10 @@ class ServiceActor:
         nbytes = batch.meta.get("nbytes", {})
         for host, kind, args in batch.messages:
             if kind == "register":
-                key, ops, constants, blobs = args
+                key, ops, constants, blobs, *mode = args  # mode: the client's 64-bit mode
                 plan = host_key(cid, key)
                 client.plans.setdefault(plan, set()).add(host)
-                out.append((host, kind, (plan, ops, constants, blobs)))
+                out.append((host, kind, (plan, ops, constants, blobs, *mode)))
             elif kind == "forget":
                 plan = host_key(cid, args[0])
                 client.plans.get(plan, set()).discard(host)
