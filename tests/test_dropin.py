@@ -366,6 +366,37 @@ def test_exit_without_shutdown_mid_run_is_clean(tmp_path, devices, runs, backend
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+_EXIT_WITH_CALLBACK_SCRIPT = """
+import pathways_jax as pw
+pw.init(num_cpu_devices=4)
+import jax, jax.numpy as jnp
+
+seen = []
+
+@pw.program(devices=pw.devices(mesh={"x": 4}))
+def body(v):
+    jax.debug.callback(lambda z: seen.append(float(z.sum())), v)
+    return v + 1
+
+out = body(jnp.arange(4.0))  # never read: its callback runs on XLA's threads as Python exits
+print("submitted", flush=True)
+"""
+
+
+def test_exit_with_a_run_s_host_callback_still_to_come_is_clean(tmp_path):
+    # The process aborted ("terminate called without an active exception"), every time;
+    # under jax.jit the same script exits with 0.
+    script = tmp_path / "exit_with_callback.py"
+    script.write_text(textwrap.dedent(_EXIT_WITH_CALLBACK_SCRIPT))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env
+        )
+        assert "submitted" in done.stdout, done.stderr[-2000:]
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
 # --- donation -----------------------------------------------------------------------------
 
 

@@ -284,7 +284,31 @@ class Controller:
         # at exit, a thread still inside XLA as the interpreter finalises aborts the process.
         if self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._dispatch.release()
+        # And so do the runs dispatched: one whose host callback XLA calls as the interpreter
+        # finalises aborts the process ("terminate called without an active exception").
+        self.wait_settled(max(0.0, deadline - time.monotonic()))
         self.accounting.stop(max(0.0, deadline - time.monotonic()))
+
+    def wait_settled(self, timeout: float | None = None) -> bool:
+        """Waits until every run dispatched now has finished on its devices; False on timeout.
+
+        Failed runs count as finished (their errors reach their futures). At
+        once on pathways_jax's own threads and in Python code run inside its
+        work (a host callback): the run calling back may be one of them.
+        """
+        if threading.get_ident() == self._thread.ident or reentry.inside.depth:
+            return True
+        with self._dispatch:  # appended under it: a consistent snapshot
+            markers = [marker for window in list(self._in_flight.values()) for marker, _ in list(window)]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for marker in markers:
+            while deadline is not None and not readiness.settled(marker):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.001)
+            with contextlib.suppress(Exception):  # its error reaches the run's futures
+                readiness.block(marker)
+        return True
 
     def _wake(self) -> None:
         with self._lock:

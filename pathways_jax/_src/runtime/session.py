@@ -707,7 +707,7 @@ def running() -> Cluster | None:
 
 
 def effects_barrier() -> None:
-    """``jax.effects_barrier()``, waiting first for the programs submitted so far to be dispatched.
+    """``jax.effects_barrier()``, waiting first for the programs submitted so far to finish.
 
     A program whose computation calls back into Python (``jax.debug.print``,
     ``io_callback``) may still be queued for the controller when the caller
@@ -717,6 +717,9 @@ def effects_barrier() -> None:
     current = _current
     if current is not None and current._controller is not None:
         current._controller.wait_dispatched()
+        # JAX's barrier does not know the runs dispatched here either: their callbacks may not
+        # have run (the first call of a program gave back no callback at all before this).
+        current._controller.wait_settled()
     _jax_effects_barrier()
 
 
