@@ -618,3 +618,24 @@ def test_a_tracer_leaked_from_an_earlier_trace_raises_unexpected_tracer_error_as
     np.testing.assert_array_equal(
         pw.program(lambda a, b: a + b)(x, x * 2), jax.jit(lambda a, b: a + b)(x, x * 2)
     )
+
+
+@pytest.mark.parametrize(
+    ("timeout", "kind"),
+    [
+        (float("nan"), ValueError),
+        (-1, ValueError),
+        (float("-inf"), ValueError),
+        ("1", TypeError),
+        (True, TypeError),
+    ],
+)
+def test_a_future_s_result_timeout_is_checked(timeout, kind):
+    # NaN raised a bare ValueError from deep inside the store, inf an OverflowError, "1" a TypeError
+    # about adding a str, True waited one second.
+    future = pw.program(lambda v: v + 1)(jnp.ones(3))
+    with pytest.raises(kind, match=r"takes None or a number of seconds >= 0, got") as caught:
+        future.result(timeout=timeout)
+    assert isinstance(caught.value, pw.errors.PathwaysError)
+    assert "program '<lambda>'" in str(caught.value)
+    np.testing.assert_array_equal(future.result(timeout=float("inf")), jax.jit(lambda v: v + 1)(jnp.ones(3)))

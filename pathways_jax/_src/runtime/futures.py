@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
+import numbers
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -12,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pathways_jax._src.core import arrays, errors, readiness, reentry
+from pathways_jax._src.core import arrays, checks, errors, readiness, reentry
 from pathways_jax._src.runtime.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
 
 
@@ -297,6 +299,8 @@ class Future:
     def _computed(self, timeout: float | None) -> Any:
         """The value once computed (a ``jax.Array``, or a backend's handle to it); raises as :meth:`result`."""
         entry = self._entry
+        if timeout is not None and not checks.is_seconds(timeout):
+            timeout = self._checked_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._store.wait_settled(entry, timeout):
             raise self._timeout(timeout)
@@ -327,6 +331,23 @@ class Future:
             case Pending():
                 raise self._timeout(timeout)
         raise AssertionError(f"unknown state {entry.state!r}")  # pragma: no cover
+
+    def _checked_timeout(self, timeout: Any) -> float | None:
+        """``timeout`` that is not a finite number of seconds >= 0: None for infinity, else an error."""
+        if (
+            isinstance(timeout, numbers.Real)
+            and not isinstance(timeout, bool)
+            and math.isinf(timeout)
+            and timeout > 0
+        ):
+            return None  # as long as it takes
+        kind = (
+            ValueError if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) else TypeError
+        )
+        raise errors.also(errors.PathwaysError, kind)(
+            f"result(timeout=...) takes None or a number of seconds >= 0, got {timeout!r} "
+            f"({type(timeout).__name__}) for {self._entry.origin}; pass None to wait as long as it takes."
+        )
 
     def _timeout(self, timeout: float | None) -> errors.FutureTimeoutError:
         return errors.FutureTimeoutError(
