@@ -334,16 +334,10 @@ class Future:
 
     def _checked_timeout(self, timeout: Any) -> float | None:
         """``timeout`` that is not a finite number of seconds >= 0: None for infinity, else an error."""
-        if (
-            isinstance(timeout, numbers.Real)
-            and not isinstance(timeout, bool)
-            and math.isinf(timeout)
-            and timeout > 0
-        ):
+        number = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+        if number and float(timeout) == math.inf:
             return None  # as long as it takes
-        kind = (
-            ValueError if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) else TypeError
-        )
+        kind = ValueError if number else TypeError
         raise errors.also(errors.PathwaysError, kind)(
             f"result(timeout=...) takes None or a number of seconds >= 0, got {timeout!r} "
             f"({type(timeout).__name__}) for {self._entry.origin}; pass None to wait as long as it takes."
