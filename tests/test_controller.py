@@ -106,9 +106,8 @@ def test_controller_thread_starts_lazily_and_shutdown_drains_the_queue():
     pw.shutdown()
     for i, out in enumerate(outs):
         np.testing.assert_array_equal(np.asarray(out.result(timeout=30)), np.full(3, i + 1.0))
-    with pytest.raises(pw.errors.PlacementError, match="shut down") as caught:
+    with pytest.raises(pw.errors.PlacementError, match="shut down"):
         step(jnp.zeros(3))
-    assert isinstance(caught.value, pw.errors.ClusterError)  # as every call after pw.shutdown()
 
 
 def test_runs_that_call_back_into_python_never_block_the_caller():

@@ -142,12 +142,11 @@ class VirtualSlice:
         return self._released or self._cluster.closed
 
     def check_usable(self) -> None:
-        """Raises ``PlacementError`` if the slice was released or its cluster shut down (then also a ``ClusterError``)."""
+        """Raises ``PlacementError`` if the slice was released or its cluster shut down."""
         if self._released:
             raise errors.PlacementError(f"{self!r} was released; ask for a new slice with pw.devices(...).")
         if self._cluster.closed:
-            # A ClusterError as every call after pw.shutdown() raises one; a PlacementError as before.
-            raise errors.also(errors.PlacementError, errors.ClusterError)(
+            raise errors.PlacementError(
                 f"{self!r} belongs to a cluster that was shut down; ask for a new "
                 "slice with pw.devices(...) after pw.init()."
             )
