@@ -446,6 +446,17 @@ def test_exclusive_request_times_out_then_succeeds_after_release():
     # The other island is untouched.
     other = pw.devices(mesh={"x": 4}, island=1, exclusive=True, timeout=0.2)
     assert [d.id for d in other.devices] == [4, 5, 6, 7]
+    other.release()
+
+    # What holds the island asked for: here a shared slice, where the message counted the
+    # whole cluster's exclusive devices only (4, all on island 0) and never named the shared one.
+    shared = pw.devices(mesh={"x": 4}, island=1)
+    with pytest.raises(pw.errors.ResourceError) as info:
+        pw.devices(mesh={"x": 4}, island=1, exclusive=True, timeout=0.1)
+    assert "4 devices did not come free on island 1 for an exclusive slice" in str(info.value)
+    assert "0 of their 4 devices reserved by exclusive slices, 4 used by shared slices" in str(info.value)
+    shared.release()
+    other = pw.devices(mesh={"x": 4}, island=1, exclusive=True, timeout=0.2)
 
     held.release()
     again = pw.devices(mesh={"x": 4}, island=0, exclusive=True, timeout=0.2)

@@ -196,15 +196,21 @@ class ResourceManager:
                     kind = "exclusive" if exclusive else "shared"
                     if device_ids is not None:
                         raise errors.ResourceError(
-                            f"devices {sorted(self._busy(named[1], exclusive))} of device_ids={[d.id for d in named[1]]!r} were not free for an {kind} "
+                            f"devices {sorted(self._busy(named[1], exclusive))} of device_ids={[d.id for d in named[1]]!r} were not free for {'an' if exclusive else 'a'} {kind} "
                             f"slice within timeout={timeout}s (held by "
                             f"{'other slices' if exclusive else 'exclusive slices'}). Release those slices, "
                             "wait longer, or let the resource manager choose (no device_ids)."
                         )
+                    asked = [d.id for isl in fitting for d in isl.devices]
+                    reserved = sum(1 for d in asked if d in self._reserved)
+                    held = f"{reserved} of their {len(asked)} devices reserved by exclusive slices"
+                    if exclusive:  # an exclusive slice needs devices no shared slice uses either
+                        shared = sum(1 for d in asked if d not in self._reserved and self._shared_load[d])
+                        held += f", {shared} used by shared slices"
+                    where = f"island {island}" if island is not None else "any island that fits"
                     raise errors.ResourceError(
-                        f"no island had {size} devices free for an {kind} slice "
-                        f"within timeout={timeout}s ({len(self._reserved)} devices "
-                        "reserved by exclusive slices). Release slices you no "
+                        f"{size} devices did not come free on {where} for {'an' if exclusive else 'a'} "
+                        f"{kind} slice within timeout={timeout}s ({held}). Release slices you no "
                         "longer need, or wait longer."
                     )
                 self._cond.wait(remaining)
