@@ -399,12 +399,30 @@ def test_init_with_other_device_count_after_jax_started():
     assert len(pw.init(num_cpu_devices=8).devices) == 8
 
 
-@pytest.mark.parametrize("islands", [3, 5, 0])
-def test_islands_must_divide_device_count(islands):
-    with pytest.raises(pw.errors.ClusterError, match=rf"islands={islands} must evenly divide the 8") as info:
+@pytest.mark.parametrize(
+    ("islands", "says"),
+    [
+        (3, "must evenly divide the 8"),
+        (5, "must evenly divide the 8"),
+        (0, "at least 1 island"),
+        (-2, "at least 1"),
+    ],
+)
+def test_islands_must_divide_device_count(islands, says):
+    with pytest.raises(pw.errors.ClusterError, match=rf"islands={islands}\b.*{says}") as info:
         pw.init(num_cpu_devices=8, islands=islands)
     assert isinstance(info.value, RuntimeError)
     assert "divisor" in str(info.value)
+
+
+@pytest.mark.parametrize("reset", ["yes", "no", 1, None])
+def test_stats_reset_must_be_a_bool(reset):
+    # reset="no" was taken as true and reset the counts.
+    pw.program(lambda v: v + 1)(jnp.ones(2)).result()
+    before = pw.stats()
+    with pytest.raises(pw.errors.ClusterError, match=r"reset=\.\.\.\) takes True or False, got"):
+        pw.stats(reset=reset)
+    assert pw.stats()["elapsed_s"] >= before["elapsed_s"]  # nothing was reset
 
 
 def test_islands_with_unknown_device_id():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pathways_jax._src.core import errors
 from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
 
@@ -39,7 +40,7 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
 
     Raises:
       ClusterError: ``pw.shutdown()`` ended the cluster and ``pw.init`` was not
-        called since.
+        called since, or ``reset`` is not a bool.
 
     Example:
       >>> import jax.numpy as jnp, pathways_jax as pw
@@ -56,6 +57,10 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
     """
     from pathways_jax._src.runtime import session as cluster_lib
 
+    if not isinstance(reset, bool):  # reset="no" would reset
+        raise errors.ClusterError(
+            f"pw.stats(reset=...) takes True or False, got {reset!r} ({type(reset).__name__})."
+        )
     cl = cluster_lib.cluster()
     controller = cl.controller
     # Values whose futures were dropped by now are no longer in use.

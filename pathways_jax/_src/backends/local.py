@@ -243,7 +243,12 @@ def carve_islands(
     if islands is None:
         return (tuple(devices),)
     if isinstance(islands, int) and not isinstance(islands, bool):
-        if islands < 1 or len(devices) % islands:
+        if islands < 1:
+            raise errors.ClusterError(
+                f"islands={islands}: a cluster has at least 1 island; pass a divisor of the "
+                f"{len(devices)} local devices, or a list of lists of device ids."
+            )
+        if len(devices) % islands:
             raise errors.ClusterError(
                 f"islands={islands} must evenly divide the {len(devices)} local "
                 "devices; pass a divisor of the device count, or a list of "
