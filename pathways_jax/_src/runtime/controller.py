@@ -298,9 +298,15 @@ class Controller:
         """
         if threading.get_ident() == self._thread.ident or reentry.inside.depth:
             return True
-        with self._dispatch:  # appended under it: a consistent snapshot
-            markers = [marker for window in list(self._in_flight.values()) for marker, _ in list(window)]
         deadline = None if timeout is None else time.monotonic() + timeout
+        # Appended under _dispatch, dropped under _settle_lock (taken in that order): a snapshot.
+        if not self._dispatch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False  # a dispatch in progress did not end in time
+        try:
+            with self._settle_lock:
+                markers = [marker for window in list(self._in_flight.values()) for marker, _ in window]
+        finally:
+            self._dispatch.release()
         for marker in markers:
             while deadline is not None and not readiness.settled(marker):
                 if time.monotonic() >= deadline:
