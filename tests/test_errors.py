@@ -668,3 +668,19 @@ def test_a_future_s_result_timeout_is_checked(timeout, kind):
     assert isinstance(caught.value, pw.errors.PathwaysError)
     assert "program '<lambda>'" in str(caught.value)
     np.testing.assert_array_equal(future.result(timeout=float("inf")), jax.jit(lambda v: v + 1)(jnp.ones(3)))
+
+
+def test_a_program_called_with_arguments_its_function_does_not_take_names_the_call_line():
+    # No line of the function failed: the message said "failed at an unknown line".
+    def takes_one(v):
+        return v + 1
+
+    with pytest.raises(TypeError, match="takes 1 positional argument but 2 were given"):
+        jax.jit(takes_one)(jnp.ones(2), jnp.ones(2))
+    with pytest.raises(pw.errors.ProgramTraceError) as caught:
+        pw.program(takes_one)(jnp.ones(2), jnp.ones(2))  # the call
+    assert isinstance(caught.value, TypeError)
+    line = _line_of(
+        test_a_program_called_with_arguments_its_function_does_not_take_names_the_call_line, "# the call"
+    )
+    assert f"failed at the call (test_errors.py:{line} " in str(caught.value), str(caught.value)

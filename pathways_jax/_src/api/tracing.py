@@ -838,11 +838,13 @@ class Program:
                 named = self._mesh_named_without_context(signature, state, flat_fun)
                 if named is not None:
                     return self._trace(inputs, named)
-            where = source.of_exception(exc, self._fun)
+            # No line of the function failed (it was called with arguments it does not take):
+            # the user's call did.
+            where = source.of_exception(exc, self._fun) or f"the call ({source.of_caller()})"
             # Also of the original's class: `except ValueError` written for jax.jit still catches it.
             raise errors.also(errors.ProgramTraceError, type(exc))(
                 f"tracing program {self.name!r} ({self.source_info}) failed at "
-                f"{where or 'an unknown line'}: {type(exc).__name__}: "
+                f"{where}: {type(exc).__name__}: "
                 f"{self._in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}"
             ) from exc
         finally:
