@@ -307,14 +307,8 @@ class Controller:
                 markers = [marker for window in list(self._in_flight.values()) for marker, _ in window]
         finally:
             self._dispatch.release()
-        for marker in markers:
-            while deadline is not None and not readiness.settled(marker):
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.001)
-            with contextlib.suppress(Exception):  # its error reaches the run's futures
-                readiness.block(marker)
-        return True
+        readiness.poll(markers, lambda: deadline is not None and time.monotonic() >= deadline)
+        return all(readiness.settled(marker) for marker in markers)
 
     def _wake(self) -> None:
         with self._lock:
