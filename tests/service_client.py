@@ -17,6 +17,13 @@ Modes:
                       handles pickled to DIR/NAME.handles
   read OWNER          receives OWNER's handles: the unshared one must be
                       refused, the shared one read and checked
+  orders              one function on the island's 4 devices in order
+                      [0, 1, 2, 3], then in order [3, 2, 1, 0], each
+                      result checked against numpy
+  mixed SIDE ROUNDS N two collective programs alternated N times a round
+                      (SIDE "a": on devices [0, 1, 2, 3] and [2, 0]; "b": the
+                      same two on [3, 2, 1, 0] and [0, 2]), every result checked; each
+                      round starts when DIR/go-K appears
 """
 
 from __future__ import annotations
@@ -61,6 +68,10 @@ def main() -> None:
             share(args[0], out / f"{name}.handles", say, stopped)
         elif mode == "read":
             read(out / f"{args[0]}.handles", say)
+        elif mode == "orders":
+            orders(say)
+        elif mode == "mixed":
+            mixed(args[0], int(args[1]), int(args[2]), out, say)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     except BaseException as exc:
@@ -89,6 +100,51 @@ def collective(order: str, n: int, say) -> None:
         if got != want:
             bad.append([i, got, float(want)])
     say(state="done", runs=n, bad=bad)
+
+
+def orders(say) -> None:
+    def fn(x):
+        return jnp.cumsum(x) * 2
+
+    x = np.arange(16, dtype=np.float32)
+    want = np.asarray(jax.jit(fn)(x))
+    bad = []
+    for ids in ([0, 1, 2, 3], [3, 2, 1, 0], [0, 1, 2, 3]):
+        s = pw.devices(mesh={"x": 4}, device_ids=ids)
+        f = pw.jit(fn, devices=s, in_specs=pw.P("x"), out_specs=pw.P("x"))
+        got = np.asarray(f(x).result(timeout=120))
+        if not np.array_equal(got, want):
+            bad.append([ids, got.tolist()])
+    say(state="done", bad=bad)
+
+
+def mixed(side: str, rounds: int, n: int, out: pathlib.Path, say) -> None:
+    wide = pw.devices(mesh={"x": 4}, device_ids=[0, 1, 2, 3] if side == "a" else [3, 2, 1, 0])
+    pair = pw.devices(mesh={"x": 2}, device_ids=[2, 0] if side == "a" else [0, 2])
+    scale = 3.0  # the same computations in both processes, on their devices in other orders
+    f = pw.jit(
+        lambda x: jnp.sum(x, keepdims=True) * scale, devices=wide, in_specs=pw.P("x"), out_specs=pw.P()
+    )
+    g = pw.jit(
+        lambda x: jnp.max(x, keepdims=True) + scale, devices=pair, in_specs=pw.P("x"), out_specs=pw.P()
+    )
+    rng = np.random.default_rng(0 if side == "a" else 1)
+    bad: list = []
+    for r in range(rounds):
+        deadline = time.monotonic() + 120
+        while not (out / f"go-{r}").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"round {r} never started")
+            time.sleep(0.005)
+        xs = [rng.integers(0, 100, size=8 if i % 2 == 0 else 4).astype(np.float32) for i in range(n)]
+        outs = [(f if i % 2 == 0 else g)(x) for i, x in enumerate(xs)]
+        for i, (x, o) in enumerate(zip(xs, outs, strict=True)):
+            want = x.sum() * scale if i % 2 == 0 else x.max() + scale
+            got = float(np.asarray(o.result(timeout=60))[0])
+            if got != want:
+                bad.append([r, i, got, float(want)])
+        say(state="round", round=r + 1, bad=bad)
+    say(state="done", round=rounds, bad=bad)
 
 
 def busy(name: str, weight: float, priority: int, size: int, say, stopped) -> None:

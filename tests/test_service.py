@@ -122,6 +122,39 @@ def test_two_processes_run_collectives_in_opposite_device_orders_exactly(clients
     assert rows["fwd"]["failures"] == 0 and rows["rev"]["failures"] == 0
 
 
+def test_one_function_on_the_same_devices_in_opposite_orders_is_exact(clients):
+    # The hosts compile a computation per device order: one executable shared by
+    # both orders got buffers on the wrong devices and took both hosts down.
+    clients.start("orders", "orders")
+    got = clients.wait_state("orders", "done", timeout=180)
+    assert got["bad"] == [], f"wrong results: {got['bad']}"
+    assert _client_rows(clients.svc)["orders"]["failures"] == 0
+
+
+def test_different_collectives_of_two_processes_on_overlapping_orders_never_hang(clients):
+    # Process a: [0, 1, 2, 3] and [2, 0]; process b: [3, 2, 1, 0] and [0, 2]; each
+    # round starts in both at once. A hang shows as a round that never ends.
+    rounds, per_round = 12, 40
+    for side in ("a", "b"):
+        clients.start(side, "mixed", side, str(rounds), str(per_round))
+    for r in range(rounds):
+        (clients.folder / f"go-{r}").write_text("")
+        for side in ("a", "b"):
+            ok = wait_for(
+                lambda side=side, r=r: (
+                    clients.report(side).get("round", 0) > r or clients.report(side).get("state") == "error"
+                ),
+                timeout=90,
+            )
+            got = clients.report(side)
+            log = (clients.folder / f"{side}.log").read_text()[-3000:]
+            assert ok, f"round {r} of client {side} never ended: {got}\n{log}"
+            assert got["state"] != "error", f"client {side} failed: {got.get('trace')}\n{log}"
+            assert got["bad"] == [], f"client {side}: wrong results {got['bad'][:5]}"
+    for side in ("a", "b"):
+        assert clients.wait_state(side, "done")["round"] == rounds
+
+
 def test_sigkilled_client_is_cleaned_up_and_the_other_goes_on(clients):
     svc = clients.svc
     baseline = sum(h["values"] for h in svc.host_stats().values())

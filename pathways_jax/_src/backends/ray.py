@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import itertools
 import os
 import threading
@@ -468,11 +469,15 @@ class RemotePlan:
                         f"{what} was compiled without its serialized computation, which the Ray hosts "
                         "need; this is a bug in pathways_jax, please report it."
                     )
-                blob, fingerprint = step.exported
+                blob, exported = step.exported
                 descs = (
                     tuple(where(s, what).desc for s in in_shardings),
                     tuple(where(s, what).desc for s in out_shardings),
                 )
+                # Hosts compile the computation for these devices in this order: the
+                # same computation over the same devices in another order is another
+                # executable (sharing one feeds buffers to the wrong replicas).
+                fingerprint = f"{exported}/{hashlib.sha256(repr(descs).encode()).hexdigest()[:24]}"
                 op = ExecOp(fingerprint, step.in_slots, step.out_slots, step.windowed, what)
                 for host in hosts:
                     hp = part(host)
