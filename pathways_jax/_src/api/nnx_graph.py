@@ -203,14 +203,18 @@ def _arrays(states: Any) -> Any:
     """
     import jax
 
-    from pathways_jax._src.runtime.futures import Future, dispatched
+    from pathways_jax._src.runtime.futures import Future, dispatched_all
 
-    leaves, treedef = jax.tree_util.tree_flatten(states, is_leaf=lambda leaf: type(leaf) is Future)
-    if not any(type(leaf) is Future for leaf in leaves):
+    leaves, treedef = jax.tree_util.tree_flatten(states)  # a future is a leaf of its own
+    futures = [leaf for leaf in leaves if type(leaf) is Future]
+    if not futures:
         return states
-    return jax.tree_util.tree_unflatten(
-        treedef, [dispatched(leaf) if type(leaf) is Future else leaf for leaf in leaves]
-    )
+    if len(futures) < len(leaves):
+        values = iter(dispatched_all(futures))
+        return jax.tree_util.tree_unflatten(
+            treedef, [next(values) if type(leaf) is Future else leaf for leaf in leaves]
+        )
+    return jax.tree_util.tree_unflatten(treedef, dispatched_all(futures))
 
 
 def _returned_arrays(out: Any) -> Any:

@@ -320,6 +320,70 @@ class _LastCall(NamedTuple):
     config: tuple  # JAX's trace context of that call
 
 
+class _LastLeaves(NamedTuple):
+    """The last call with no static arguments whose leaves were all ``jax.Array`` s or futures.
+
+    The next call whose leaves have the same types, compared by identity (an
+    array's ``aval`` and ``sharding`` objects, a future's shared signature),
+    skips its signature and cache lookups: a train loop feeds each step the
+    outputs of the one before, whose types are the same objects every step.
+    """
+
+    treedef: Any
+    marks: tuple[Any, ...]  # per leaf: a future's signature, or an array's (aval, sharding, committed)
+    ambient: VirtualSlice | None
+    plan: Any  # lowering.Plan
+    config: tuple  # JAX's trace context of that call
+
+
+def _array_type() -> Any:
+    """The type of every concrete ``jax.Array`` (private to JAX; None on another JAX: no fast path)."""
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # pragma: no cover - another JAX
+        return None
+    return ArrayImpl
+
+
+_ArrayImpl: Any = _array_type()
+
+
+def _marks(leaves: list[Any]) -> tuple[Any, ...] | None:
+    """What identifies each leaf's type for :class:`_LastLeaves` (None: a leaf of another kind)."""
+    marks: list[Any] = []
+    for leaf in leaves:
+        kind = type(leaf)
+        if kind is Future:
+            signature = leaf._entry.signature
+            if signature is None:
+                return None
+            marks.append(signature)
+        elif kind is _ArrayImpl:
+            marks.append((leaf.aval, leaf.sharding, leaf._committed))
+        else:
+            return None
+    return tuple(marks)
+
+
+def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
+    """True when each leaf has the type (by identity) its mark recorded; see :class:`_LastLeaves`."""
+    if len(leaves) != len(marks):
+        return False
+    future, array = Future, _ArrayImpl
+    for leaf, mark in zip(leaves, marks, strict=True):
+        kind = type(leaf)
+        if kind is future:
+            if leaf._entry.signature is not mark:
+                return False
+        elif kind is not array or type(mark) is not tuple:
+            return False
+        else:
+            aval, sharding, committed = mark
+            if leaf.aval is not aval or leaf.sharding is not sharding or leaf._committed is not committed:
+                return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _KeyFault:
     """Why a static argument cannot be part of a program's cache key."""
@@ -535,13 +599,14 @@ class Program:
         self._graphs: dict[Any, Graph] = {}
         self._plans: dict[Any, Any] = {}
         self._last: _LastCall | None = None
+        self._last_leaves: _LastLeaves | None = None
         # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
         functools.update_wrapper(self, fun, updated=())
 
-    def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, TraceInputs]:
-        """The cache key of a call and what tracing it needs."""
+    def _split(self, args: tuple, kwargs: dict, flat: tuple | None = None) -> tuple[tuple, TraceInputs]:
+        """The cache key of a call and what tracing it needs (``flat``: its leaves and treedef, if known)."""
         if not self._static and not (kwargs and self._static_names):
-            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+            leaves, treedef = flat if flat is not None else jax.tree_util.tree_flatten((args, kwargs))
             ambient = context.current_slice() if self._devices is None else None
             signature = _signed(leaves, self.name)
             # As jax.jit's, the key holds the configuration the trace depends on.
@@ -930,8 +995,23 @@ class Program:
             return submission.computed(out, f"program {self.name!r} run op by op", nnx_graph.is_graph_leaf)
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
             return nnx_graph.call(self, args, kwargs)
+        flat = None
+        fast = self._last_leaves
+        if fast is not None and not self._static and not (kwargs and self._static_names):
+            # Leaves of the same types as the call before (a train loop's): skip the signature.
+            flat = jax.tree_util.tree_flatten((args, kwargs))
+            leaves = flat[0]
+            plan = fast.plan
+            if (
+                _same_types(leaves, fast.marks)
+                and flat[1] == fast.treedef
+                and (self._devices is not None or context.current_slice() is fast.ambient)
+                and plan.is_current()
+                and _trace_context() == fast.config
+            ):
+                return submission.submit(plan, leaves)
         try:
-            key, inputs = self._split(args, kwargs)
+            key, inputs = self._split(args, kwargs, flat)
         except TracerArgument as exc:
             if self._under_transforms:
                 return self._transformed(args, kwargs)
@@ -961,6 +1041,10 @@ class Program:
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
             self._last = _LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan, key[-1])
+        elif not self._static and not (kwargs and self._static_names):
+            marks = _marks(inputs.leaves)
+            if marks is not None:
+                self._last_leaves = _LastLeaves(inputs.treedef, marks, inputs.ambient, plan, key[-1])
         return submission.submit(plan, inputs.leaves)
 
     def _plan_for(self, key: Any, inputs: TraceInputs, args: tuple, kwargs: dict) -> Any:
@@ -1011,6 +1095,7 @@ class Program:
             self._graphs.clear()
             self._plans.clear()
             self._last = None
+            self._last_leaves = None
             jitted = self._jitted
         if jitted is not None:
             jitted.clear_cache()

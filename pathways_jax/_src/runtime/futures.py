@@ -286,13 +286,8 @@ class Future:
         """
         loose = getattr(self, "_loose", None)
         if loose is None or loose[0] is not array:
-            device = next(iter(array.sharding.device_set))
-            made = arrays.remade(
-                array,
-                aval=arrays.unplaced_aval(array.aval),
-                sharding=jax.sharding.SingleDeviceSharding(device),
-                committed=False,
-            )
+            aval, sharding = _loose_type(self._entry.signature, array)
+            made = arrays.remade(array, aval=aval, sharding=sharding, committed=False)
             loose = self._loose = (array, made)
         return loose[1]
 
@@ -584,6 +579,65 @@ def dispatched(future: Future) -> Any:
             return future._uncommitted(state.array)
         return state.array
     return future
+
+
+def dispatched_all(futures: list[Future]) -> list[Any]:
+    """:func:`dispatched` of each future, in one pass: what ``nnx_graph`` writes back into Variables.
+
+    The futures of one run settle together: one wait for the last, then each
+    value as :func:`dispatched` gives it.
+    """
+    if not futures:
+        return []
+    store = futures[0]._store
+    if store.budget is not None or any(f._store is not store for f in futures):
+        return [dispatched(f) for f in futures]
+    last = futures[-1]._entry
+    if type(last.state) is Pending:
+        if reentry.inside.depth:
+            return [dispatched(f) for f in futures]
+        store.wait_settled(last, None)
+    out: list[Any] = []
+    append = out.append
+    for future in futures:
+        entry = future._entry
+        state = entry.state
+        if type(state) is not Ready:
+            append(dispatched(future))
+            continue
+        array = state.array
+        signature = entry.signature
+        if signature is not None and not signature.committed and isinstance(array, jax.Array):
+            append(future._uncommitted(array))
+        elif isinstance(array, jax.Array):
+            append(array)
+        else:
+            append(future)
+    return out
+
+
+# (id of an output's FutureKey) -> (that key, the aval and sharding of its uncommitted
+# arrays): made once per program output, not once per value (a SingleDeviceSharding
+# made anew computes its XLA sharding again in every array made with it).
+_LOOSE: dict[int, tuple[Any, Any, Any]] = {}
+
+
+def _loose_type(signature: Any, array: jax.Array) -> tuple[Any, Any]:
+    """The aval and sharding ``jax.jit`` gives an uncommitted one-device output like ``array``."""
+    held = _LOOSE.get(id(signature))
+    if held is not None and held[0] is signature and held[1] is array.aval:
+        return held[2]
+    device = next(iter(array.sharding.device_set))
+    made = (arrays.unplaced_aval(array.aval), _device_sharding(device))
+    if len(_LOOSE) > 4096:  # one per program output: a bound, never reached in a train loop
+        _LOOSE.clear()
+    _LOOSE[id(signature)] = (signature, array.aval, made)
+    return made
+
+
+@functools.lru_cache(maxsize=256)
+def _device_sharding(device: Any) -> jax.sharding.SingleDeviceSharding:
+    return jax.sharding.SingleDeviceSharding(device)
 
 
 def _uncommitted_output(entry: Entry) -> bool:
