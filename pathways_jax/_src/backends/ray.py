@@ -40,6 +40,7 @@ Ray is imported only here, lazily: ``pip install pathways-jax[ray]``.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
 import itertools
@@ -56,6 +57,7 @@ from absl import logging
 
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.base import StepFailed, Window
+from pathways_jax._src.backends.host_link import HostGone, Link, RayCallLink
 from pathways_jax._src.backends.ray_host import (
     ExecOp,
     KeyData,
@@ -198,7 +200,7 @@ def is_lost_error(exc: BaseException) -> bool:
     """True if ``exc`` is Ray's way of saying the actor (the host) is gone."""
     import ray.exceptions as rex
 
-    return isinstance(exc, rex.RayActorError | rex.ActorDiedError | rex.ActorUnavailableError)
+    return isinstance(exc, HostGone | rex.RayActorError | rex.ActorDiedError | rex.ActorUnavailableError)
 
 
 class Layout(NamedTuple):
@@ -248,7 +250,6 @@ class RemoteArray:
         "_outcome",
         "_ready",
         "_value",
-        "_watch",
         "aval",
         "backend",
         "dones",
@@ -267,7 +268,6 @@ class RemoteArray:
         sharding: Any,
         dones: tuple,
         generation: int,
-        watch: tuple | None = None,
     ):
         self.backend = backend
         self.hosts = hosts
@@ -275,13 +275,12 @@ class RemoteArray:
         self.key = key
         self.aval = aval
         self.sharding = sharding
+        # The futures of the hosts' answers to the run that made it (the link's):
+        # asking one costs under a microsecond.
         self.dones = dones
         self._outcome: Any = _UNSETTLED
         self._ready = False
         self._value: jax.Array | None = None
-        # One concurrent future per ref of ``dones`` (Ray's ObjectRef.future()), or None:
-        # asking it costs under a microsecond, asking Ray (ray.wait) about a pending ref 30-80.
-        self._watch = watch
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -297,20 +296,14 @@ class RemoteArray:
     def is_ready(self) -> bool:
         if self._ready or self.backend.closed or not self.dones:  # no dones: made before this process had it
             return True
-        if self._watch is not None:
-            self._ready = all(f.done() for f in self._watch)
-            return self._ready
-        dones = list(self.dones)
-        ready, _ = self.backend.ray.wait(dones, num_returns=len(dones), timeout=0)
-        self._ready = len(ready) == len(dones)
+        self._ready = all(f.done() for f in self.dones)
         return self._ready
 
     def wait_ready(self, timeout: float) -> None:
-        """Returns once the value is ready or after ``timeout`` seconds (one wait inside Ray)."""
+        """Returns once the value is ready or after ``timeout`` seconds."""
         if not self._ready and not self.backend.closed and self.dones:
-            dones = list(self.dones)
-            ready, _ = self.backend.ray.wait(dones, num_returns=len(dones), timeout=timeout)
-            self._ready = len(ready) == len(dones)
+            _, pending = concurrent.futures.wait(self.dones, timeout=timeout)
+            self._ready = not pending
 
     def _settle(self) -> Any:
         if self._outcome is _UNSETTLED:
@@ -571,17 +564,21 @@ class RemotePlan:
             )
 
 
-def _watched(ref: Any) -> Any:
-    """A concurrent future done when ``ref``'s task is (Ray's ``ObjectRef.future()``), or None.
+def make_link(transport: str) -> Link:
+    """The link to the hosts for ``transport``: ``"channel"`` (ZeroMQ) or ``"ray"`` (actor calls)."""
+    if transport == "ray":
+        return RayCallLink()
+    if transport == "channel":
+        from pathways_jax._src.backends.channel_link import ChannelLink
 
-    About 10 µs once, where every ``ray.wait(..., timeout=0)`` on a pending ref
-    costs the asking thread 30-80: the controller looks at a full window's
-    oldest run several times while it runs.
-    """
-    try:
-        return ref.future()
-    except Exception:  # a ref that has none (another kind of Ray client): asked with ray.wait
-        return None
+        return ChannelLink()
+    raise errors.ClusterError(f"transport must be 'channel' or 'ray', not {transport!r}.")
+
+
+def _results(answers: list[concurrent.futures.Future], timeout: float) -> list:
+    """The hosts' answers, waiting up to ``timeout`` seconds in all."""
+    deadline = time.monotonic() + timeout
+    return [answer.result(timeout=max(0.0, deadline - time.monotonic())) for answer in answers]
 
 
 def _assemble(results: list) -> Any:
@@ -632,6 +629,7 @@ class RayBackend:
         islands: int | None = None,
         platform: str = "cpu",
         replace_lost: bool = True,
+        transport: str = "ray",
     ):
         ray = _import_ray()
         self._common(
@@ -662,6 +660,7 @@ class RayBackend:
         self._x64 = bool(jax.config.read("jax_enable_x64"))
         self._strategy = PlacementGroupSchedulingStrategy
         self._actor_class = ray.remote(ray_host.Host)
+        self.link: Link = make_link(transport)
         self.actors = [self._new_actor(h) for h in range(hosts)]
         try:
             self.info = self._start(ray)
@@ -748,7 +747,11 @@ class RayBackend:
         ]
         # All at once: joining an island blocks until every member has.
         info = ray.get(
-            [a.setup.remote(r) for a, r in zip(self.actors, roles, strict=True)], timeout=_START_TIMEOUT_S
+            [
+                a.setup.remote(r, self.link.attach(h, a))
+                for h, (a, r) in enumerate(zip(self.actors, roles, strict=True))
+            ],
+            timeout=_START_TIMEOUT_S,
         )
         want = layout.per_island * self.devices_per_host
         for h, host_info in enumerate(info):
@@ -760,7 +763,7 @@ class RayBackend:
         addresses = {h: host_info["transfer"] for h, host_info in enumerate(info)}
         with self._lock:
             answers = [self._message(h, "peers", addresses) for h in range(self.hosts)]
-        for h, answer in enumerate(ray.get(answers, timeout=_START_TIMEOUT_S)):
+        for h, answer in enumerate(_results(answers, _START_TIMEOUT_S)):
             if answer is not None:
                 raise errors.ClusterError(
                     f"host {h} could not reach the other hosts' transfer servers: {answer}"
@@ -818,7 +821,7 @@ class RayBackend:
         """Sends host ``host`` its next numbered message; call with ``_lock`` held."""
         seq = self._seq[host]
         self._seq[host] = seq + 1
-        return self.actors[host].call.remote(seq, kind, *args)
+        return self.link.send(host, seq, kind, args)
 
     def prepare(self, plan: Plan) -> None:
         """Splits ``plan`` into one part per host; a run then makes one message (and report) per host."""
@@ -946,27 +949,21 @@ class RayBackend:
                 frees = self._take_dropped(host)
                 runs[host] = len(batch)
                 batch.append((host, "run", (remote.key, run.id, base, feeds, keep, frees)))
-            refs = self._send_run(batch, run, remote)
+            answers = self._send_run(batch, run, remote)
             for host, index in runs.items():
                 generation = generations[self.layout.island_of(host)]
-                ref = refs[index]
-                watch = _watched(ref)
-                markers[host] = RemoteArray(
-                    self, (host,), None, None, None, (ref,), generation, None if watch is None else (watch,)
-                )
+                markers[host] = RemoteArray(self, (host,), None, None, None, (answers[index],), generation)
         outputs: dict[int, RemoteArray] = {}
         for slot, key in keys.items():
             out = plan.slot_outputs[slot]
             hosts = remote.slot_hosts[slot]
             dones = tuple(markers[h].dones[0] for h in hosts)
-            watches = [markers[h]._watch for h in hosts]
-            watch = None if None in watches else tuple(w[0] for w in watches if w is not None)
             generation = markers[hosts[0]].generation
-            outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones, generation, watch)
+            outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones, generation)
         return outputs, markers
 
     def _send_run(self, batch: list[tuple[int, str, tuple]], run: Any, remote: RemotePlan) -> list:
-        """Sends a run's messages (host, kind, args) in order; their answers' refs. Call with ``_lock`` held."""
+        """Sends a run's messages (host, kind, args) in order; their answers' futures. Call with ``_lock`` held."""
         return [self._message(host, kind, *args) for host, kind, args in batch]
 
     def _take_uuids(self, count: int) -> int:
@@ -979,22 +976,13 @@ class RayBackend:
         """Drops the completed head of an island's in-flight deque.
 
         Each host answers its runs in order, so the deque completes from the
-        front: Ray is asked about the head only, then about each next entry
-        while they are done (not about every entry each time: one look at 64
-        pending answers cost more than the dispatch it bounds).
+        front: the head is looked at, then each next entry while they are
+        done (not every entry each time).
         """
-        wait = self.ray.wait
         while in_flight:
             marker = in_flight[0][0]
             if not marker._ready:
-                if marker._watch is not None:
-                    if not marker._watch[0].done():
-                        return
-                    marker._ready = True
-                    in_flight.popleft()
-                    continue
-                ready, _ = wait([marker.dones[0]], timeout=0)
-                if not ready:
+                if not marker.dones[0].done():
                     return
                 marker._ready = True
             in_flight.popleft()
@@ -1040,11 +1028,11 @@ class RayBackend:
         with self._lock:
             if island in self.lost or generation != self._generation[island]:
                 raise errors.HostLostError(self._lost_message(island, "a value"))
-            refs = [self._message(host, "fetch", key) for host in hosts]
+            answers = [self._message(host, "fetch", key) for host in hosts]
         results: list[Any] = []
-        for host, ref in zip(hosts, refs, strict=True):
+        for host, answer in zip(hosts, answers, strict=True):
             try:
-                result = self._fetched(host, self.ray.get(ref, timeout=_CALL_TIMEOUT_S))
+                result = self._fetched(host, answer.result(timeout=_CALL_TIMEOUT_S))
             except Exception as exc:
                 lost = self._loss(host, exc, generation, "a value")
                 if lost is not None:
@@ -1076,10 +1064,10 @@ class RayBackend:
         island = self.layout.island_of(host)
         try:
             # In steps, so that a wait on a hung host ends when the cluster closes.
-            while not self.ray.wait([done], timeout=_WAIT_STEP_S)[0]:
+            while concurrent.futures.wait([done], timeout=_WAIT_STEP_S).not_done:
                 if self._closed:
                     return errors.ClusterError(_CLOSED)
-            status = self.ray.get(done)
+            status = done.result()
         except Exception as exc:
             lost = self._loss(host, exc, generation, "a run")
             if lost is not None:
@@ -1179,6 +1167,8 @@ class RayBackend:
                 return
             survivors = [h for h in range(self.hosts) if h not in self.lost_hosts]
         logging.warning("pathways_jax: island %d was lost: %s", island, self.lost[island])
+        for member in members:  # answers they still owe will not come
+            self.link.host_lost(member, self.lost[island])
         # An island runs as one: its other hosts' collectives would fail or hang.
         for member in members:
             if member != host:
@@ -1225,7 +1215,10 @@ class RayBackend:
                 Role(island, self.layout.rank(m), self.layout.per_island, coordinator, reach) for m in members
             ]
             info = ray.get(
-                [actor.setup.remote(role) for actor, role in zip(new, roles, strict=True)],
+                [
+                    actor.setup.remote(role, self.link.attach(member, actor))
+                    for member, actor, role in zip(members, new, roles, strict=True)
+                ],
                 timeout=_REBUILD_TIMEOUT_S,
             )
             with self._lock:
@@ -1241,7 +1234,7 @@ class RayBackend:
                 serving = [h for h in range(self.hosts) if h not in self.lost_hosts or h in members]
                 addresses = {h: self.info[h]["transfer"] for h in serving}
                 answers = [self._message(h, "peers", addresses) for h in serving]
-            for answer in ray.get(answers, timeout=_REBUILD_TIMEOUT_S):
+            for answer in _results(answers, _REBUILD_TIMEOUT_S):
                 if answer is not None:
                     raise errors.ClusterError(f"the new hosts could not reach the others: {answer}")
             with self._lock:
@@ -1307,6 +1300,9 @@ class RayBackend:
         for actor in getattr(self, "actors", []):
             with contextlib.suppress(Exception):
                 self.ray.kill(actor)
+        link = getattr(self, "link", None)
+        if link is not None:
+            link.close()
         with contextlib.suppress(Exception):
             self._remove_pg(self.pg)
         for thread in getattr(self, "_threads", []):

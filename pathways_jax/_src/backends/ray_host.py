@@ -332,6 +332,7 @@ class Host:
         self._last_done = 0.0  # when the completer saw the previous run end
         self._done = _Work()  # (kind, arrays or array, future, peers): answered once ready
         self._loop: Any = None
+        self._channel: Any = None  # the host's end of the controller's channel (channel_link)
         for target, name in ((self._execute_loop, "executor"), (self._done_loop, "completer")):
             threading.Thread(target=target, name=f"pathways-host{index}-{name}", daemon=True).start()
 
@@ -346,7 +347,7 @@ class Host:
             port = probe.getsockname()[1]
         return f"{node_ip(reach)}:{port}"
 
-    async def setup(self, role: Role) -> dict:
+    async def setup(self, role: Role, link: Any = None) -> dict:
         """Starts JAX (joining the island's ``jax.distributed`` system) and the transfer server.
 
         The members of an island of several hosts must all be in ``setup`` at
@@ -422,6 +423,10 @@ class Host:
     # --- the executor ----------------------------------------------------------------
 
     def _answer(self, future: Any, value: Any) -> None:
+        if isinstance(future, int):  # a message that came over the channel: its number
+            self._channel.answer(future, value)
+            return
+
         def settle() -> None:
             if not future.done():
                 future.set_result(value)

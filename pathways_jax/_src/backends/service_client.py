@@ -143,11 +143,11 @@ class ServiceBackend(ray_backend.RayBackend):
             thread.start()
 
     def _submit(self, batch: list, meta: dict) -> list:
-        """Sends a numbered batch to the service; one ref per message. Call with ``_lock`` held."""
+        """Sends a numbered batch to the service; one answer's future per message. Call with ``_lock`` held."""
         seq = self._batches
         self._batches += 1
         refs = self.service.submit.options(num_returns=len(batch)).remote(self.client_id, seq, batch, meta)
-        return [refs] if len(batch) == 1 else list(refs)
+        return [ref.future() for ref in ([refs] if len(batch) == 1 else refs)]
 
     def _message(self, host: int, kind: str, *args: Any) -> Any:
         return self._submit([(host, kind, args)], {"run": False})[0]
@@ -177,17 +177,10 @@ class ServiceBackend(ray_backend.RayBackend):
         return 0  # the service numbers every run's transfers
 
     def _fetched(self, host: int, answer: Any) -> Any:
-        """The service answers a fetch with the host's own answer, a ref: read from the host, not the service."""
+        """The service answers a fetch with the host's answer, or says the host was lost."""
         if isinstance(answer, RunFailure) and answer.kind == "lost":
             raise self._value_lost(host)
-        if not isinstance(answer, list):
-            return answer  # refused
-        try:
-            return self.ray.get(answer[0], timeout=ray_backend._CALL_TIMEOUT_S)
-        except Exception as exc:
-            if not ray_backend.is_lost_error(exc):
-                raise
-            raise self._value_lost(host) from exc
+        return answer
 
     def _value_lost(self, host: int) -> errors.HostLostError:
         """The error of a fetch whose host was lost, once the health check has marked its island."""
@@ -219,8 +212,8 @@ class ServiceBackend(ray_backend.RayBackend):
     def share(self, key: int, reader: str) -> None:
         """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
         with self._lock:  # in this process's order: after the run that makes the value
-            ref = self._submit([(-1, "share", (key, reader))], {"run": False})[0]
-        answer = self.ray.get(ref, timeout=60.0)
+            future = self._submit([(-1, "share", (key, reader))], {"run": False})[0]
+        answer = future.result(timeout=60.0)
         if isinstance(answer, Refused):
             raise errors.AccessError(f"pw.share: {answer.message}.")
 

@@ -569,16 +569,10 @@ class ServiceActor:
             for host, keys in frees.items():
                 self._send_host(host, "free", keys)
         if not batch.meta.get("run"):
-            # Answered at once: a fetch with the host's own answer (a ref the client
-            # reads from the host, not through here), the rest with nothing.
-            batch.future.set_result(
-                [
-                    ([ref] if ref is not None else RunFailure("lost", host, f"host {host} was lost", ""))
-                    if kind == "fetch"
-                    else None
-                    for (host, kind, _args), ref in zip(messages, refs, strict=True)
-                ]
-            )
+            if not any(kind == "fetch" for _host, kind, _args in messages):
+                batch.future.set_result([None] * len(messages))  # answered at once
+            else:  # a fetch: with the host's answer
+                asyncio.get_running_loop().create_task(self._complete(client, batch, messages, refs, sent))
             return
         for island in batch.islands:
             self.in_flight[island] += 1
@@ -594,7 +588,7 @@ class ServiceActor:
                 answers.append(RunFailure("lost", host, f"host {host} was lost", ""))
                 continue
             try:
-                answers.append(await ref)
+                answers.append(await asyncio.wrap_future(ref))
             except Exception as exc:
                 if ray_backend.is_lost_error(exc):
                     lost_host = host
