@@ -15,7 +15,10 @@ Built only on the public API (``pw.devices``, ``pw.jit``, ``@pw.program``):
 
 Every call takes keyword-only ``rngs={"dropout": key}`` and ``train=True/False``
 (Flax style: a Linen stage gets ``train`` and ``rngs`` as in ``module.apply``);
-stage ``s`` on microbatch ``m`` runs with :func:`derive_rngs` ``(rngs, s, m)``.
+a stage's call gets ``train`` as ``train``, ``training`` or ``deterministic``
+(``not train``), whichever it takes, or under the name given as ``train_kw=``;
+``train=True`` that a stage cannot receive is a ``ProgramTraceError``.
+Stage ``s`` on microbatch ``m`` runs with :func:`derive_rngs` ``(rngs, s, m)``.
 The optimizer is anything with Optax's ``init``/``update`` or an
 ``nnx.Optimizer`` (its ``.tx`` is used).
 

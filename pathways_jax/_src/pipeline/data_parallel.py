@@ -52,7 +52,7 @@ class DataParallel:
         ``pw.P`` or ``None`` at its leaves (``{"w": pw.P(None, "model"), "b":
         None}``), or a function ``(key_path, leaf) -> pw.P | None``.
 
-    ``train_step`` takes keyword-only ``rngs`` and ``train`` as
+    ``train_step`` takes keyword-only ``rngs``, ``train`` and ``train_kw`` as
     :meth:`Pipeline.train_step` does; shard ``i`` runs with
     ``derive_rngs(rngs, 0, i)``.
 
@@ -84,8 +84,11 @@ class DataParallel:
         param_specs: stages_lib.ParamSpecs = None,
     ):
         if isinstance(model, list):  # stages composed in order; a tuple is a pair
-            model = stages_lib.sequential(model)
-        stage = stages_lib.as_stage(model, 0)
+            parts = stages_lib.as_stages(model)
+            stage = stages_lib.as_stage(stages_lib.sequential(parts), 0)
+        else:
+            stage = stages_lib.as_stage(model, 0)
+            parts = [stage]
         slices = list(devices) if isinstance(devices, Sequence) else [devices]
         if not slices:
             raise pw.errors.PlacementError("DataParallel needs at least one slice; got none.")
@@ -99,6 +102,7 @@ class DataParallel:
         (tx,) = stages_lib.check_optimizers(optimizer, 1, "DataParallel")
         assert tx is not None  # optimizer is not None, so check_optimizers made one
         self.stage = stage
+        self._parts = parts  # the stages the flag must reach (the composed ones, for a list)
         self.data_axis = data_axis
         self._loss_fn = loss_fn
         self._tx = tx
@@ -153,7 +157,9 @@ class DataParallel:
 
         def loss_and_grads(p: Any, x: Any, y: Any, *k: Any) -> tuple[jax.Array, Any]:
             rngs = mode.wrap(k[0]) if k else None
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(stage.run(p, x, rngs, mode.train), y))(p)
+            loss, grads = jax.value_and_grad(
+                lambda p: loss_fn(stage.run(p, x, rngs, mode.train, mode.train_kw), y)
+            )(p)
             return loss, ravel_pytree(grads)[0] if flat else grads  # flat: one transfer per island pair
 
         nodes = []
@@ -208,7 +214,9 @@ class DataParallel:
         keys = None if rngs is None else rngs_lib.derive_rngs(rngs, 0, 0)
         try:
             out = jax.eval_shape(
-                lambda p, x: self.stage.run(p, x, keys, mode.train), stages_lib.abstract(self._params[0]), x
+                lambda p, x: self.stage.run(p, x, keys, mode.train, mode.train_kw),
+                stages_lib.abstract(self._params[0]),
+                x,
             )
             loss = jax.eval_shape(self._loss_fn, out, y)
         except Exception as exc:
@@ -223,39 +231,61 @@ class DataParallel:
             raise pw.errors.ProgramTraceError(f"loss_fn must return a float scalar, got {loss}.")
         self._checked.add(key)
 
-    def _inputs(self, x: Any, y: Any, rngs: Rngs | None, train: bool | None) -> tuple:
+    def _inputs(self, x: Any, y: Any, rngs: Rngs | None, train: bool | None, train_kw: str | None) -> tuple:
         xs, ys = self._split(x, "x"), self._split(y, "y")
         typed = rngs_lib.check_rngs(rngs, "DataParallel.train_step")
-        mode = rngs_lib.mode_of(typed, train, "DataParallel.train_step")
+        mode = rngs_lib.mode_of(typed, train, "DataParallel.train_step", train_kw)
+        stages_lib.check_train(self._parts, train, train_kw, "DataParallel.train_step")
         self._check(xs[0], ys[0], mode, typed)
         grid = rngs_lib.key_grid(typed, 1, len(self.slices))
         return xs, ys, mode, () if grid is None else (grid[0],)
 
-    def train_step(self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> pw.Future:
+    def train_step(
+        self,
+        x: Any,
+        y: Any,
+        *,
+        rngs: Rngs | None = None,
+        train: bool | None = None,
+        train_kw: str | None = None,
+    ) -> pw.Future:
         """Runs one train step (ONE program call); returns the batch's mean loss as a future.
 
         Args:
           x: the batch of inputs; slice ``i`` gets the ``i``-th equal shard.
           y: the batch of targets.
           rngs: stream name to key; shard ``i`` runs with ``derive_rngs(rngs, 0, i)``.
-          train: passed to the model if it takes it (see :func:`as_stage`).
+          train: passed to the model (each of its stages, for a list) as
+            ``train``, ``training`` or ``deterministic`` (``not train``),
+            whichever its call takes (see :func:`as_stage`).
+          train_kw: the keyword the model takes the flag under when it is
+            none of those, e.g. ``train_kw="is_training"``.
 
         Raises:
           PlacementError: the batch does not split evenly over the slices (and
             their ``data_axis``).
-          ProgramTraceError: the model or loss cannot take the inputs, or the
-            model needs an RNG stream that ``rngs`` lacks.
+          ProgramTraceError: the model or loss cannot take the inputs, the
+            model needs an RNG stream that ``rngs`` lacks, or ``train=True``
+            and the model takes no flag (nor ``train_kw``).
         """
-        xs, ys, mode, keys = self._inputs(x, y, rngs, train)
+        xs, ys, mode, keys = self._inputs(x, y, rngs, train, train_kw)
         loss, params, opt_states = self._program(mode)(
             tuple(self._params), tuple(self._opt_states), xs, ys, *keys
         )
         self._params, self._opt_states = list(params), list(opt_states)
         return loss
 
-    def graph(self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> pw.Graph:
-        """The dataflow graph of one train step for these inputs."""
-        xs, ys, mode, keys = self._inputs(x, y, rngs, train)
+    def graph(
+        self,
+        x: Any,
+        y: Any,
+        *,
+        rngs: Rngs | None = None,
+        train: bool | None = None,
+        train_kw: str | None = None,
+    ) -> pw.Graph:
+        """The dataflow graph of one train step for these inputs (arguments as in :meth:`train_step`)."""
+        xs, ys, mode, keys = self._inputs(x, y, rngs, train, train_kw)
         return self._program(mode).graph(tuple(self._params), tuple(self._opt_states), xs, ys, *keys)
 
     @property

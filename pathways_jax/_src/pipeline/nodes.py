@@ -80,7 +80,7 @@ def build_nodes(
 
     def apply(p: Any, h: Any, k: tuple) -> Any:
         # k is () or (raw key data by stream,): the node's optional last argument.
-        return stage.run(p, h, mode.wrap(k[0]) if k else None, mode.train)
+        return stage.run(p, h, mode.wrap(k[0]) if k else None, mode.train, mode.train_kw)
 
     def jit(fun: Callable[..., Any], **kwargs: Any) -> pw.JitFunction:
         return pw.jit(fun, devices=slice_, **kwargs)

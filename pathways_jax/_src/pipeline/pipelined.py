@@ -70,7 +70,11 @@ class Pipeline:
     with ``pipeline.derive_rngs(rngs, s, m)``, i.e. every key folded with
     ``s`` then ``m``, so a step is reproducible and differs across stages and
     microbatches; pass a new key each step (``jax.random.fold_in(key, step)``).
-    How a stage takes ``train`` and ``rngs`` is described in :func:`as_stage`.
+    How a stage takes ``train`` and ``rngs`` is described in :func:`as_stage`:
+    its call gets ``train``, ``training`` or ``deterministic`` (``not train``),
+    whichever it takes, or the name given as ``train_kw=`` (keyword-only, on
+    every call that takes ``train``). ``train=True`` for a stage that cannot
+    receive it is a ``ProgramTraceError`` before anything runs.
     ``train=False`` needs no ``rngs``.
 
     Raises:
@@ -343,7 +347,7 @@ class Pipeline:
             keys = None if rngs is None else rngs_lib.derive_rngs(rngs, index, 0)
 
             def run(p: Any, h: Any, stage: Stage = stage, keys: Any = keys) -> Any:
-                return stage.run(p, h, keys, mode.train)
+                return stage.run(p, h, keys, mode.train, mode.train_kw)
 
             try:
                 out = jax.eval_shape(run, stages_lib.abstract(params), h)
@@ -368,15 +372,18 @@ class Pipeline:
                 )
         self._checked.add(key)
 
-    def _mode(self, rngs: Rngs | None, train: bool | None, what: str) -> tuple[Mode, Any, tuple]:
+    def _mode(
+        self, rngs: Rngs | None, train: bool | None, train_kw: str | None, what: str
+    ) -> tuple[Mode, Any, tuple]:
         """The call's mode, its checked typed keys, and the program's trailing key arguments."""
         typed = rngs_lib.check_rngs(rngs, f"Pipeline.{what}")
-        mode = rngs_lib.mode_of(typed, train, f"Pipeline.{what}")
+        mode = rngs_lib.mode_of(typed, train, f"Pipeline.{what}", train_kw)
+        stages_lib.check_train(self.stages, train, train_kw, f"Pipeline.{what}")
         grid = rngs_lib.key_grid(typed, self.num_stages, self.num_microbatches)
         return mode, typed, () if grid is None else (grid,)
 
     def _training_inputs(
-        self, x: Any, y: Any, what: str, rngs: Rngs | None, train: bool | None
+        self, x: Any, y: Any, what: str, rngs: Rngs | None, train: bool | None, train_kw: str | None
     ) -> tuple[tuple, tuple, Mode, tuple]:
         if not self._trainable:
             raise pw.errors.ProgramTraceError(
@@ -388,13 +395,21 @@ class Pipeline:
             raise pw.errors.PlacementError(
                 f"x has a batch of {np.shape(x)[0]} but y of {np.shape(y)[0]}; they must match."
             )
-        mode, typed, keys = self._mode(rngs, train, what)
+        mode, typed, keys = self._mode(rngs, train, train_kw, what)
         self._check_chain(xs[0], ys[0], mode, typed)
         return xs, ys, mode, keys
 
     # -- public calls -------------------------------------------------------------------------
 
-    def train_step(self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> pw.Future:
+    def train_step(
+        self,
+        x: Any,
+        y: Any,
+        *,
+        rngs: Rngs | None = None,
+        train: bool | None = None,
+        train_kw: str | None = None,
+    ) -> pw.Future:
         """Runs one train step (ONE program call) and returns the mean loss as a future.
 
         Args:
@@ -402,8 +417,12 @@ class Pipeline:
           y: the batch of targets.
           rngs: stream name to key, e.g. ``{"dropout": jax.random.fold_in(key, step)}``;
             stage ``s`` on microbatch ``m`` gets :func:`derive_rngs` ``(rngs, s, m)``.
-          train: passed to every stage that takes it (see :func:`as_stage`);
-            ``None`` passes nothing.
+          train: passed to every stage, as ``train``, ``training`` or
+            ``deterministic`` (``not train``), whichever its call takes (see
+            :func:`as_stage`); ``None`` passes nothing.
+          train_kw: the keyword the stages take the flag under when it is none
+            of those, e.g. ``train_kw="is_training"``; a stage that does not
+            take it gets one of the names above.
 
         Returns:
           The batch's mean loss (before the update), a :class:`pw.Future` on the last
@@ -413,40 +432,57 @@ class Pipeline:
           PlacementError: ``num_microbatches`` does not divide the batch, or a
             microbatch cannot be split over a stage's ``data_axis``.
           ProgramTraceError: a stage cannot take the previous stage's output,
-            a stage needs an RNG stream that ``rngs`` lacks, ``rngs``/``train``
-            are malformed, or the loss is not a float scalar.
+            a stage needs an RNG stream that ``rngs`` lacks, ``rngs``/``train``/
+            ``train_kw`` are malformed, ``train=True`` and a stage takes no flag
+            (nor ``train_kw``), or the loss is not a float scalar.
         """
-        xs, ys, mode, keys = self._training_inputs(x, y, "train_step", rngs, train)
+        xs, ys, mode, keys = self._training_inputs(x, y, "train_step", rngs, train, train_kw)
         program = self._program("train", mode)
         loss, params, opt_states = program(tuple(self._params), tuple(self._opt_states), xs, ys, *keys)
         self._params, self._opt_states = list(params), list(opt_states)
         return loss
 
     def loss_and_grads(
-        self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None
+        self,
+        x: Any,
+        y: Any,
+        *,
+        rngs: Rngs | None = None,
+        train: bool | None = None,
+        train_kw: str | None = None,
     ) -> tuple[pw.Future, list[Any]]:
         """The batch's mean loss and every stage's gradients, without an update (one program call).
 
-        ``rngs`` and ``train`` are as in :meth:`train_step`.
+        ``rngs``, ``train`` and ``train_kw`` are as in :meth:`train_step`.
         """
-        xs, ys, mode, keys = self._training_inputs(x, y, "loss_and_grads", rngs, train)
+        xs, ys, mode, keys = self._training_inputs(x, y, "loss_and_grads", rngs, train, train_kw)
         loss, grads = self._program("grads", mode)(tuple(self._params), xs, ys, *keys)
         return loss, list(grads)
 
-    def forward(self, x: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> Any:
+    def forward(
+        self, x: Any, *, rngs: Rngs | None = None, train: bool | None = None, train_kw: str | None = None
+    ) -> Any:
         """The model's output for a batch (inference; one program call), on the last stage.
 
         Pass ``train=False`` to run stages in evaluation mode (no ``rngs`` needed);
-        ``rngs`` and ``train`` are as in :meth:`train_step`.
+        ``rngs``, ``train`` and ``train_kw`` are as in :meth:`train_step`.
         """
         xs = self._split(x, "x")
-        mode, typed, keys = self._mode(rngs, train, "forward")
+        mode, typed, keys = self._mode(rngs, train, train_kw, "forward")
         self._check_chain(xs[0], None, mode, typed)
         return self._program("forward", mode)(tuple(self._params), xs, *keys)
 
-    def graph(self, x: Any, y: Any, *, rngs: Rngs | None = None, train: bool | None = None) -> pw.Graph:
-        """The dataflow graph of one train step for these inputs."""
-        xs, ys, mode, keys = self._training_inputs(x, y, "graph", rngs, train)
+    def graph(
+        self,
+        x: Any,
+        y: Any,
+        *,
+        rngs: Rngs | None = None,
+        train: bool | None = None,
+        train_kw: str | None = None,
+    ) -> pw.Graph:
+        """The dataflow graph of one train step for these inputs (arguments as in :meth:`train_step`)."""
+        xs, ys, mode, keys = self._training_inputs(x, y, "graph", rngs, train, train_kw)
         return self._program("train", mode).graph(tuple(self._params), tuple(self._opt_states), xs, ys, *keys)
 
     def __repr__(self) -> str:

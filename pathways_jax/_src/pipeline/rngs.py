@@ -24,7 +24,7 @@ Rngs = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Mode:
-    """What a step's stage nodes are built for: the ``train`` flag and the RNG streams.
+    """What a step's stage nodes are built for: the ``train`` flag (and ``train_kw``) and the RNG streams.
 
     ``streams`` holds ``(name, key implementation)`` pairs in name order; empty when the
     step has no ``rngs`` (then the nodes take no key argument at all).
@@ -32,6 +32,7 @@ class Mode:
 
     train: bool | None = None
     streams: tuple[tuple[str, str], ...] = ()
+    train_kw: str | None = None  # the keyword the user named for the flag (see as_stage)
 
     @property
     def keyed(self) -> bool:
@@ -106,7 +107,9 @@ def check_rngs(rngs: Any, what: str) -> dict[str, jax.Array] | None:
     return typed
 
 
-def mode_of(rngs: Mapping[str, jax.Array] | None, train: bool | None, what: str) -> Mode:
+def mode_of(
+    rngs: Mapping[str, jax.Array] | None, train: bool | None, what: str, train_kw: str | None = None
+) -> Mode:
     if train is not None and not isinstance(train, bool):
         raise pw.errors.ProgramTraceError(
             f"{what}: train must be True, False or None, got {type(train).__name__} {train!r}."
@@ -114,7 +117,7 @@ def mode_of(rngs: Mapping[str, jax.Array] | None, train: bool | None, what: str)
     streams = (
         () if rngs is None else tuple((name, str(jax.random.key_impl(key))) for name, key in rngs.items())
     )
-    return Mode(train=train, streams=streams)
+    return Mode(train=train, streams=streams, train_kw=train_kw)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

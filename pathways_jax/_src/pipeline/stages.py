@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,12 +11,14 @@ import numpy as np
 from flax import linen, nnx
 
 import pathways_jax as pw
+from pathways_jax._src.pipeline.flags import TrainFlag, check_train_kw, signature_of
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.optimizers import check_optimizers as check_optimizers
 
 Apply = Callable[[Any, Any], Any]
-# (params, x, rngs, train) -> y: rngs a mapping of typed keys or None, train a bool or None.
-Call = Callable[[Any, Any, Mapping[str, jax.Array] | None, bool | None], Any]
+# (params, x, rngs, train, train_kw) -> y: rngs a mapping of typed keys or None, train a bool
+# or None, train_kw the keyword the user named for the flag or None.
+Call = Callable[[Any, Any, Mapping[str, jax.Array] | None, bool | None, str | None], Any]
 # A stage's parameter specs: None (replicated), one pw.P for every leaf, a
 # function (key path, leaf) -> pw.P | None, or a pytree prefix of the params
 # with a pw.P or None at each of its leaves.
@@ -30,9 +31,9 @@ class Stage:
 
     Non-trainable state (an NNX module's non-``Param`` variables, a Linen
     module's other collections) is closed over by ``apply`` and held fixed.
-    ``call(params, x, rngs, train)`` runs the stage with RNG streams and a
-    training flag (see :func:`as_stage`); ``None`` means the stage takes
-    neither and ``apply`` is used.
+    ``call(params, x, rngs, train, train_kw)`` runs the stage with RNG streams
+    and a training flag (see :func:`as_stage`); ``None`` means the stage takes
+    neither and ``apply`` is used. ``flag`` says how the stage takes ``train``.
     """
 
     params: Any
@@ -40,34 +41,45 @@ class Stage:
     kind: str
     description: str
     call: Call | None = None
+    flag: TrainFlag | None = None
 
-    def run(self, params: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
+    def check_train(self, train: bool | None, train_kw: str | None, index: int, what: str) -> None:
+        """Raises ``ProgramTraceError`` if ``train=True`` cannot reach this stage (see :func:`as_stage`)."""
+        if self.flag is not None:
+            self.flag.check(train, train_kw, index=index, description=self.description, what=what)
+        elif train is True and self.call is None:
+            raise pw.errors.ProgramTraceError(
+                f"{what}: train=True was asked, but stage {index} ({self.description}) has no call "
+                "that takes a flag (Stage.call is None); give it one, or call with train=False."
+            )
+
+    def run(
+        self,
+        params: Any,
+        x: Any,
+        rngs: Mapping[str, jax.Array] | None,
+        train: bool | None,
+        train_kw: str | None = None,
+    ) -> Any:
         """The stage's output with these RNG streams and training flag."""
         if self.call is None:
             return self.apply(params, x)
-        return self.call(params, x, rngs, train)
+        return self.call(params, x, rngs, train, train_kw)
 
 
-def _keywords(fn: Any) -> frozenset[str]:
-    """Which of ``train``, ``deterministic`` and ``rngs`` ``fn`` takes as keywords."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return frozenset()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return frozenset({"train", "rngs"})
-    names = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
-    return frozenset(names & {"train", "deterministic", "rngs"})
-
-
-def _mode_kwargs(keywords: frozenset[str], train: bool | None) -> dict[str, bool]:
-    if train is None:
-        return {}
-    if "train" in keywords:
-        return {"train": train}
-    if "deterministic" in keywords:
-        return {"deterministic": not train}
-    return {}
+def _nnx_flag(model: nnx.Module) -> TrainFlag:
+    """How an NNX module takes ``train``: its ``__call__``'s keywords and its layers' attributes."""
+    signature = signature_of(type(model).__call__)
+    switched = random = False
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and (
+            hasattr(node, "deterministic") or hasattr(node, "use_running_average")
+        ):
+            switched = True
+        if isinstance(node, nnx.RngStream | nnx.Rngs):
+            random = True
+    random = random or signature.takes("rngs")
+    return TrainFlag(signature, switched=switched, inert=not (switched or random))
 
 
 def as_stage(model: Any, index: int = 0) -> Stage:
@@ -79,16 +91,23 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         ``(params, apply_fn)`` pair.
       index: the stage's position, named in errors.
 
-    When a step is given ``train=`` (``True``/``False``), a stage whose call
-    takes a ``train`` keyword gets it (else one taking ``deterministic`` gets
-    ``not train``); an NNX module is also switched with ``set_attributes(
-    deterministic=not train, use_running_average=not train)``, as
-    ``module.train()``/``module.eval()`` do. ``train=None`` passes nothing.
+    When a step is given ``train=`` (``True``/``False``), the stage's call
+    (an NNX or Linen module's ``__call__``, or ``apply_fn``) gets it under the
+    name it takes: the step's ``train_kw=`` name if given and taken, else
+    ``train``, else ``training`` (nanoGPT), else ``deterministic`` with the
+    opposite sense (``not train``); a call with ``**kwargs`` gets ``train``
+    (or the ``train_kw`` name). Its signature is read once per class. An NNX
+    module is also switched with ``set_attributes(deterministic=not train,
+    use_running_average=not train)``, as ``module.train()``/``module.eval()``
+    do. ``train=True`` for a stage that none of these reach raises
+    ``ProgramTraceError`` (an NNX module with no such layer, no RNG stream and
+    no ``rngs`` parameter is exempt: the flag cannot change it);
+    ``train=False`` and ``train=None`` (passes nothing) never raise.
     When a step is given ``rngs`` (stream name to key), a Linen stage gets
     them as ``module.apply(..., rngs=rngs)``, an ``apply_fn`` taking ``rngs``
     gets the mapping, and an NNX module gets ``nnx.Rngs(**rngs)`` if its
-    ``__call__`` takes ``rngs``, else its own streams are reseeded with them
-    (``nnx.reseed``).
+    ``__call__`` has an ``rngs`` parameter, else its own streams are reseeded
+    with them (``nnx.reseed``).
 
     Returns:
       A :class:`Stage`.
@@ -111,26 +130,29 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         # Plain arrays, not the module's Variables: nodes taking the params never write
         # back into the user's module (programs update Variables they are given in place).
         params = nnx.as_pure(params)
-        nnx_keywords = _keywords(type(model).__call__)
+        nnx_flag = _nnx_flag(model)
+        takes_rngs = "rngs" in nnx_flag.signature.names
 
         def apply_nnx(p: Any, x: Any) -> Any:
             return nnx.merge(graphdef, p, rest)(x)
 
-        def call_nnx(p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
+        def call_nnx(
+            p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
+        ) -> Any:
             module = nnx.merge(graphdef, p, rest, copy=True)  # fresh variables: reseed may mutate them
             if train is not None:
                 module.set_attributes(
                     deterministic=not train, use_running_average=not train, raise_if_not_found=False
                 )
-            kwargs: dict[str, Any] = _mode_kwargs(nnx_keywords, train)
-            if rngs and "rngs" in nnx_keywords:
+            kwargs: dict[str, Any] = nnx_flag.kwargs(train, train_kw)
+            if rngs and takes_rngs:
                 kwargs["rngs"] = nnx.Rngs(**rngs)
             elif rngs:
                 streams: Mapping[str, Any] = rngs  # keywords of reseed: stream names only
                 nnx.reseed(module, **streams)
             return module(x, **kwargs)
 
-        return Stage(params, apply_nnx, "nnx", f"nnx {type(model).__name__}", call_nnx)
+        return Stage(params, apply_nnx, "nnx", f"nnx {type(model).__name__}", call_nnx, nnx_flag)
     if isinstance(model, tuple | list) and len(model) == 2:
         first, second = model
         if isinstance(first, linen.Module):
@@ -142,27 +164,35 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                     "(module, module.init(rng, x)) so the stage has parameters to train."
                 )
             params = variables.pop("params")
-            linen_keywords = _keywords(type(first).__call__)
+            linen_flag = TrainFlag(signature_of(type(first).__call__))
 
             def apply_linen(p: Any, x: Any) -> Any:
                 return first.apply({"params": p, **variables}, x)
 
-            def call_linen(p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
-                kwargs: dict[str, Any] = _mode_kwargs(linen_keywords, train)
+            def call_linen(
+                p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
+            ) -> Any:
+                kwargs: dict[str, Any] = linen_flag.kwargs(train, train_kw)
                 return first.apply({"params": p, **variables}, x, rngs=dict(rngs) if rngs else None, **kwargs)
 
-            return Stage(params, apply_linen, "linen", f"linen {type(first).__name__}", call_linen)
+            description = f"linen {type(first).__name__}"
+            return Stage(params, apply_linen, "linen", description, call_linen, linen_flag)
         if callable(second) and not callable(first):
-            fn_keywords = _keywords(second)
+            fn_flag = TrainFlag(signature_of(second))
+            fn_signature = fn_flag.signature
 
-            def call_fn(p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None) -> Any:
-                kwargs: dict[str, Any] = _mode_kwargs(fn_keywords, train)
-                if rngs and "rngs" in fn_keywords:
+            def call_fn(
+                p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
+            ) -> Any:
+                kwargs: dict[str, Any] = fn_flag.kwargs(train, train_kw)
+                if rngs and fn_signature.takes("rngs"):
                     kwargs["rngs"] = dict(rngs)
+                if train_kw is not None and "train_kw" in fn_signature.names:  # a sequential() model
+                    kwargs["train_kw"] = train_kw
                 return second(p, x, **kwargs)
 
             description = f"apply_fn {getattr(second, '__name__', second)!r}"
-            return Stage(first, second, "function", description, call_fn)
+            return Stage(first, second, "function", description, call_fn, fn_flag)
     raise pw.errors.ProgramTraceError(
         f"stage {index} is {type(model).__name__}: {model!r:.80}; expected a Flax NNX module, a "
         "(linen_module, variables) pair, or a (params, apply_fn) pair with "
@@ -177,6 +207,13 @@ def as_stages(models: Sequence[Any]) -> list[Stage]:
             "wrap a single model in a list: Pipeline([model], [slice], ...)."
         )
     return [as_stage(model, i) for i, model in enumerate(models)]
+
+
+def check_train(stages: Sequence[Stage], train: bool | None, train_kw: str | None, what: str) -> None:
+    """Raises ``ProgramTraceError`` if ``train_kw`` is malformed or ``train=True`` cannot reach a stage."""
+    check_train_kw(train_kw, what)
+    for index, stage in enumerate(stages):
+        stage.check_train(train, train_kw, index, what)
 
 
 def check_slices(slices: Sequence[Any], count: int, what: str) -> list[pw.VirtualSlice]:
@@ -386,8 +423,12 @@ def sequential(models: Sequence[Any]) -> tuple[tuple[Any, ...], Apply]:
 
     The result is the unpipelined model: train it with plain ``jax.jit``, or
     pass it to :class:`DataParallel`. ``apply_fn(params, x, *, rngs=None,
-    train=None)`` runs stage ``j`` with ``train`` and with every key of
-    ``rngs`` folded with ``j`` (``jax.random.fold_in(key, j)``).
+    train=None, train_kw=None)`` runs stage ``j`` with ``train`` (under the
+    name the stage takes, see :func:`as_stage`) and with every key of ``rngs``
+    folded with ``j`` (``jax.random.fold_in(key, j)``).
+
+    Raises (from ``apply_fn``):
+      ProgramTraceError: ``train=True`` and a stage cannot receive it.
 
     Example:
       >>> import jax.numpy as jnp
@@ -404,10 +445,12 @@ def sequential(models: Sequence[Any]) -> tuple[tuple[Any, ...], Apply]:
         *,
         rngs: Mapping[str, jax.Array] | None = None,
         train: bool | None = None,
+        train_kw: str | None = None,
     ) -> Any:
+        check_train(stages, train, train_kw, "sequential")
         for j, (stage, p) in enumerate(zip(stages, params, strict=True)):
             keys = {name: jax.random.fold_in(key, j) for name, key in rngs.items()} if rngs else None
-            x = stage.run(p, x, keys, train)
+            x = stage.run(p, x, keys, train, train_kw)
         return x
 
     return tuple(stage.params for stage in stages), apply
