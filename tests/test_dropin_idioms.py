@@ -460,14 +460,14 @@ def test_a_program_of_many_arguments_builds_no_error_message_while_checking_its_
 
 
 def test_the_call_with_futures_after_the_first_with_arrays_compiles_nothing_more():
-    # The second signature (futures) is traced again, but it is the same computation: the
-    # executable cache must hit, though JAX wrote its float literals another way.
+    # The second signature (futures of the first call's array types) runs the first call's
+    # plan, as jax.jit runs its second call: nothing is traced or compiled again.
     step = pw.program(lambda p: jax.tree.map(lambda v: v * 0.99 + 0.01, p))
     params = {"w": jnp.full((4,), 2.0), "b": jnp.zeros(())}
     first = step(params)
     pw.reset_counters()
     second = step(first)
-    assert pw.counters()["traces"] == 1 and pw.counters()["compiles"] == 0
+    assert pw.counters()["traces"] == 0 and pw.counters()["compiles"] == 0
     reference = jax.jit(lambda p: jax.tree.map(lambda v: v * 0.99 + 0.01, p))
     want = reference(reference(params))
     for got, expected in zip(jax.tree.leaves(second), jax.tree.leaves(want), strict=True):

@@ -131,3 +131,48 @@ def test_marks_take_only_arrays_and_futures():
     assert tracing._marks([jnp.ones(2)]) is not None
     assert tracing._marks([np.ones(2)]) is None  # numpy: put on devices per call, by the slow path
     assert tracing._marks([1.0]) is None
+
+
+def _decay(p):
+    return jax.tree.map(lambda v: v * 0.99 + 0.01, p)
+
+
+def test_second_call_with_the_futures_of_the_first_does_not_trace_again():
+    step = pw.program(_decay)
+    params = {"w": jnp.full((4,), 2.0), "b": jnp.zeros(())}  # uncommitted, as jnp makes them
+    out = step(params)
+    pw.results(out)  # dispatched and computed: the futures stand for arrays of the first call's types
+    before = pw.counters()
+    for _ in range(3):
+        out = step(out)  # futures, of the types of the first call's arrays
+    after = pw.counters()
+    assert after["traces"] == before["traces"]
+    assert after["lowerings"] == before["lowerings"]
+    assert after["compiles"] == before["compiles"]
+    expected = params
+    for _ in range(4):
+        expected = jax.jit(_decay)(expected)
+    _assert_same(pw.results(out), expected)
+    # As jax.jit's: the outputs of uncommitted arguments stay uncommitted.
+    assert all(not leaf.committed for leaf in jax.tree.leaves(out))
+
+
+def test_futures_of_other_types_than_the_arrays_trace_their_own_plan():
+    step = pw.program(_decay)
+    step({"w": jnp.ones(3)})
+    traced = pw.counters()["traces"]
+    other = step({"w": jnp.ones(5)})  # another shape: traced
+    assert pw.counters()["traces"] == traced + 1
+    step(other)  # the futures of the (5,) call: its plan, no trace
+    assert pw.counters()["traces"] == traced + 1
+
+
+def test_a_donating_program_traces_the_futures_signature():
+    # A plan that donates its arguments consumes the buffers it reads: futures are
+    # spent through their own plan (a read afterwards says so), never the arrays'.
+    step = pw.program(_decay, donate_argnums=0)
+    out = step({"w": jnp.ones(3)})
+    traced = pw.counters()["traces"]
+    out = step(out)
+    assert pw.counters()["traces"] == traced + 1
+    np.testing.assert_allclose(np.asarray(out["w"]), (1.0 * 0.99 + 0.01) * 0.99 + 0.01, rtol=1e-6)

@@ -144,6 +144,22 @@ def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
         return _signed(leaves, program)
 
 
+def _as_array_key(key: FutureKey) -> ArrayKey | None:
+    """The key of the ``jax.Array`` a future of ``key`` stands for (as ``result()`` gives it), or None."""
+    sharding = key.sharding
+    if not key.committed:  # as jax.jit's outputs of uncommitted arguments: on their one device, uncommitted
+        devices = sharding.device_set
+        if len(devices) != 1:
+            return None
+        sharding = _one_device(next(iter(devices)))
+    return ArrayKey(key.shape, key.dtype, key.weak_type, sharding, key.committed)
+
+
+@functools.lru_cache(maxsize=256)
+def _one_device(device: Any) -> jax.sharding.SingleDeviceSharding:
+    return jax.sharding.SingleDeviceSharding(device)
+
+
 def _array_key(leaf: jax.Array) -> ArrayKey:
     aval = leaf.aval  # an attribute: shape, dtype and weak_type are properties reading it
     dtype = aval.dtype
@@ -1029,6 +1045,8 @@ class Program:
         plan = self._plans.get(key)
         if plan is nnx_graph.ROUTE:  # NNX objects that are pytrees: run as nnx.jit does
             return nnx_graph.call(self, args, kwargs)
+        if plan is None:
+            plan = self._array_plan(key, inputs)
         if plan is None or not plan.is_current():
             if nnx_graph.routes(self, (args, kwargs)):
                 self._plans[key] = nnx_graph.ROUTE
@@ -1046,6 +1064,35 @@ class Program:
             if marks is not None:
                 self._last_leaves = _LastLeaves(inputs.treedef, marks, inputs.ambient, plan, key[-1])
         return submission.submit(plan, inputs.leaves)
+
+    def _array_plan(self, key: tuple, inputs: TraceInputs) -> Any:
+        """The plan of the call with each future's array in its place, if there is one that takes futures.
+
+        A train loop calls a program first with arrays, then with the futures
+        the call returned: of the same types as those arrays, on the same
+        devices. As ``jax.jit`` runs the second call with the plan of the
+        first, so does a program: the futures are read where the plan reads
+        the arrays, when the run is dispatched (see ``submission.submit``),
+        and the plan is kept for the futures' signature too. None (trace the
+        futures' signature) when no such plan exists, or when the plan cannot
+        take a future where it takes an array: it donates arguments, returns
+        one as it is, runs on remote hosts, or runs under a memory budget
+        (whose accounts know futures from arrays).
+        """
+        signature = key[1]
+        if not any(type(k) is FutureKey for k in signature):
+            return None
+        arrays = tuple(_as_array_key(k) if type(k) is FutureKey else k for k in signature)
+        if None in arrays:
+            return None
+        plan = self._plans.get((key[0], arrays, *key[2:]))
+        if plan is None or plan is nnx_graph.ROUTE or plan.donated_args or plan.shipped_feeds:
+            return None
+        if plan.special_outputs or (plan.cluster is not None and plan.cluster.store.budget is not None):
+            return None
+        with self._lock:
+            self._plans.setdefault(key, plan)
+        return plan
 
     def _plan_for(self, key: Any, inputs: TraceInputs, args: tuple, kwargs: dict) -> Any:
         """The plan of this signature: traced (once) and lowered (once per mapping)."""

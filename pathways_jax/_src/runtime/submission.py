@@ -72,11 +72,17 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
             # array once the call returns: hand JAX a private copy.
             leaf = np.array(leaf, copy=True)
         env[slot] = jax.device_put(leaf, sharding)
-    for index, slot in plan.array_feeds:
-        env[slot] = leaves[index]
     # The run holds its input futures until it is dispatched: their values
     # stay alive even if the caller drops them at once.
     future_inputs = [(slot, leaves[index]) for index, slot in plan.future_feeds]
+    for index, slot in plan.array_feeds:
+        leaf = leaves[index]
+        if (
+            type(leaf) is Future
+        ):  # of the array's type, on its devices (Program._array_plan): read at dispatch
+            future_inputs.append((slot, leaf))
+        else:
+            env[slot] = leaf
     client = clients.current()
     if client.closed:
         raise errors.ClusterError(f"{client!r} is closed; programs cannot be submitted for it.")
