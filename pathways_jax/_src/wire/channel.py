@@ -1,0 +1,708 @@
+"""Authenticated ZeroMQ channels between a server (controller, service) and its peers.
+
+A :class:`Server` binds two ROUTER sockets (``Address.up``: peers send there;
+``Address.down``: peers receive from there); a :class:`Peer` connects one
+DEALER to each, under one routing identity. Each socket has one owner: the
+receive socket belongs to the channel's receive thread, the send socket to
+whichever thread holds the send lock. So a send runs in the caller's thread
+with no hand-off to an I/O thread (whose wake-up would wait for the GIL), and
+no socket is ever touched by two threads at once.
+
+Frames of one message: ``[signature, header, *buffers]`` (a ROUTER adds the
+peer's identity in front). ``signature`` is ``<count:u16><seq:u64><hmac:32>``:
+the HMAC-SHA256, under the service key, of a direction byte, the peer's
+identity, ``count`` and ``seq``, and every later frame with its length. A
+receiver refuses, counts by reason and otherwise ignores what is truncated,
+forged, replayed (``seq`` not above the last accepted from that peer) or
+malformed; the receive loop never raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import queue
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, Self
+
+import msgspec
+import zmq
+
+from pathways_jax._src.core.errors import PathwaysError
+from pathways_jax._src.wire.messages import Batch, Codec, Heartbeat, Item, Message
+
+__all__ = ["SERVER", "Address", "ChannelClosed", "ChannelError", "ChannelFull", "Peer", "Received", "Server"]
+
+_log = logging.getLogger(__name__)
+
+# The name a Peer gives its server in Received.peer and silent_peers().
+SERVER = b""
+_PREFIX = struct.Struct("<HQ")
+_MAC_SIZE = hashlib.sha256().digest_size
+_SIGNATURE_SIZE = _PREFIX.size + _MAC_SIZE
+_LENGTH = struct.Struct("<Q")
+_UP = b"u"  # peer -> server
+_DOWN = b"d"  # server -> peer
+_REASONS = ("truncated", "forged", "replayed", "malformed")
+
+
+class ChannelError(PathwaysError, RuntimeError):
+    """Base class of the errors a wire channel raises."""
+
+
+class ChannelFull(ChannelError, TimeoutError):
+    """A send did not complete within its timeout: the peer is slow, gone, or not yet connected.
+
+    Nothing of the message was sent. Retry later, or treat the peer as lost
+    when ``silent_peers`` names it too.
+    """
+
+
+class ChannelClosed(ChannelError):
+    """The channel was closed (``close()``): it sends and receives nothing more."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Address:
+    """Where a :class:`Server` listens: pass it (it pickles) to the processes that connect.
+
+    Attributes:
+        up: the endpoint peers send to.
+        down: the endpoint peers receive from.
+    """
+
+    up: str
+    down: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Received:
+    """One accepted message.
+
+    Attributes:
+        peer: the sender's identity (a Peer sees its server as ``SERVER``, ``b""``).
+        seq: the message's number on its channel (item ``i`` of a batch is ``seq + i``).
+        body: the message (a batch arrives as its items, one ``Received`` each).
+    """
+
+    peer: bytes
+    seq: int
+    body: Item
+
+
+Handler = Callable[[Received], None]
+
+
+class _Channel:
+    """What a server and a peer share: signing, sending, the receive thread, liveness."""
+
+    _router: bool
+    _out: bytes
+    _in: bytes
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        on_message: Handler | None,
+        queue_size: int,
+        hwm: int,
+        send_timeout: float,
+        heartbeat: float | None,
+        max_pending: int,
+    ) -> None:
+        if not isinstance(key, bytes | bytearray) or len(key) < 16:
+            raise ValueError(
+                f"a channel key is at least 16 bytes (secrets.token_bytes(32)); got {type(key).__name__}"
+                f" of length {len(key) if isinstance(key, bytes | bytearray) else '-'}"
+            )
+        if hwm < 1 or queue_size < 1 or max_pending < 1:
+            raise ValueError(
+                f"hwm, queue_size and max_pending must be >= 1; got {hwm}, {queue_size}, {max_pending}"
+            )
+        self._mac = hmac.new(bytes(key), digestmod=hashlib.sha256)
+        self._keyed: dict[tuple[bytes, bytes], Any] = {}
+        self._on_message = on_message
+        self._queue: queue.Queue[Received] = queue.Queue(maxsize=queue_size)
+        self._hwm = hwm
+        self._send_timeout = send_timeout
+        self._heartbeat = heartbeat
+        self._max_pending = max_pending
+        self._context = zmq.Context(io_threads=1)
+        self._send_lock = threading.Lock()
+        self._send_codec = Codec()
+        self._recv_codec = Codec()
+        self._next_seq: dict[bytes, int] = {}
+        self._last_seq: dict[bytes, int] = {}
+        self._last_heard: dict[bytes, float] = {}
+        self._last_sent: dict[bytes, float] = {}
+        self._pending: list[tuple[bytes, Item]] = []
+        self._pending_lock = threading.Lock()
+        self._refused: collections.Counter[str] = collections.Counter()
+        self.sent = 0
+        """Messages sent (a batch counts once)."""
+        self.received = 0
+        """Messages accepted (a batch counts once)."""
+        self.handler_errors = 0
+        """Exceptions raised by ``on_message`` (logged, then the loop goes on)."""
+        self.dropped = 0
+        """Posted messages not sent within their timeout (logged)."""
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ipc_dir: str | None = None
+
+    def _socket(self, kind: int, identity: bytes | None = None) -> zmq.Socket:
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._hwm)
+        sock.setsockopt(zmq.RCVHWM, self._hwm)
+        if identity is not None:
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        return sock
+
+    def _start(self, send_sock: zmq.Socket, recv_sock: zmq.Socket, name: str) -> None:
+        self._send_sock = send_sock
+        self._recv_sock = recv_sock
+        self._wake_in = self._context.socket(zmq.PAIR)
+        self._wake_out = self._context.socket(zmq.PAIR)
+        endpoint = f"inproc://wake-{id(self)}"
+        self._wake_in.bind(endpoint)
+        self._wake_out.connect(endpoint)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # -- counters and liveness ------------------------------------------------------------
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Frames refused, by reason: ``truncated``, ``forged``, ``replayed``, ``malformed``."""
+        return dict(self._refused)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def silent_peers(self, timeout: float) -> list[bytes]:
+        """The peers heard from (a Peer: its server, from its start) but not in the last ``timeout`` s."""
+        limit = time.monotonic() - timeout
+        return sorted(peer for peer, heard in list(self._last_heard.items()) if heard < limit)
+
+    def last_heard(self, peer: bytes) -> float | None:
+        """``time.monotonic()`` when ``peer`` was last heard from, or None if never."""
+        return self._last_heard.get(peer)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def recv(self, timeout: float | None = None) -> Received | None:
+        """The next message, or None after ``timeout`` seconds (channels made without ``on_message``).
+
+        Raises:
+            ChannelClosed: the channel is closed and nothing is left to read.
+        """
+        if self._on_message is not None:
+            raise RuntimeError("this channel delivers to its on_message handler; recv() gets nothing")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 0.05 if deadline is None else min(0.05, max(0.0, deadline - time.monotonic()))
+            try:
+                return self._queue.get(timeout=wait)
+            except queue.Empty:
+                if self._closed:
+                    raise ChannelClosed("the channel is closed") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._recv_sock, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        tick = None if self._heartbeat is None else max(1, int(self._heartbeat * 1000 / 2))
+        while not self._closed:
+            try:
+                events = dict(poller.poll(tick))
+            except zmq.ZMQError:
+                break
+            if self._wake_in in events:
+                break
+            if self._recv_sock in events:
+                for _ in range(256):
+                    try:
+                        parts = self._read()
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError:
+                        return
+                    self._accept(parts)
+                    if self._closed:
+                        return
+            if self._heartbeat is not None:
+                self._beat()
+
+    def _read(self) -> list[Any]:
+        """One message's frames: the small leading ones as bytes, buffers as zero-copy frames."""
+        sock = self._recv_sock
+        parts: list[Any] = [sock.recv(zmq.NOBLOCK)]
+        small = 3 if self._router else 2
+        while sock.getsockopt(zmq.RCVMORE):
+            parts.append(sock.recv(copy=len(parts) < small))
+        return parts
+
+    def _accept(self, parts: list[Any]) -> None:
+        """Checks one message's frames; delivers it, or counts why it was refused. Never raises."""
+        try:
+            if self._router:
+                if not parts:
+                    self._refused["truncated"] += 1
+                    return
+                peer = bytes(parts[0])
+                parts = parts[1:]
+            else:
+                peer = SERVER
+            if len(parts) < 2:
+                self._refused["truncated"] += 1
+                return
+            signature = memoryview(parts[0])
+            if len(signature) != _SIGNATURE_SIZE:
+                self._refused["malformed"] += 1
+                return
+            count, seq = _PREFIX.unpack_from(signature)
+            if count != len(parts):
+                self._refused["truncated" if count > len(parts) else "malformed"] += 1
+                return
+            frames = [memoryview(part) for part in parts[1:]]
+            mac = self._sign(self._in, peer, signature[: _PREFIX.size], frames)
+            if not hmac.compare_digest(mac, signature[_PREFIX.size :]):
+                self._refused["forged"] += 1
+                return
+            if seq <= self._last_seq.get(peer, 0):
+                self._refused["replayed"] += 1
+                return
+            try:
+                body = self._recv_codec.decode(frames[0], frames[1:])
+            except (msgspec.DecodeError, ValueError, TypeError):
+                self._last_seq[peer] = seq
+                self._refused["malformed"] += 1
+                return
+            items: list[Item] = body.items if isinstance(body, Batch) else [body]
+            self._last_seq[peer] = seq + max(0, len(items) - 1)
+            self._last_heard[peer] = time.monotonic()
+            self.received += 1
+        except Exception:  # a frame must never stop the loop
+            _log.exception("wire: refusing a frame that could not be checked")
+            self._refused["malformed"] += 1
+            return
+        for index, item in enumerate(items):
+            match item:
+                case Heartbeat():
+                    continue
+                case _:
+                    self._deliver(Received(peer, seq + index, item))
+
+    def _deliver(self, received: Received) -> None:
+        if self._on_message is not None:
+            try:
+                self._on_message(received)
+            except Exception:  # the handler's bug must not stop the channel
+                self.handler_errors += 1
+                _log.exception("wire: on_message raised on %r", received)
+            return
+        while not self._closed:
+            try:
+                self._queue.put(received, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def _sign(self, direction: bytes, peer: bytes, prefix: Any, frames: Iterable[Any]) -> bytes:
+        keyed = self._keyed.get((direction, peer))
+        if keyed is None:
+            keyed = self._mac.copy()
+            keyed.update(direction + _LENGTH.pack(len(peer)) + peer)
+            if len(self._keyed) < 4096:  # a cache, bounded
+                self._keyed[(direction, peer)] = keyed
+        mac = keyed.copy()
+        mac.update(prefix)
+        for frame in frames:
+            mac.update(_LENGTH.pack(len(frame)))
+            mac.update(frame)
+        return mac.digest()
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self._send_timeout if timeout is None else timeout
+
+    def _acquire(self, timeout: float) -> None:
+        if self._closed:
+            raise ChannelClosed("the channel is closed: it sends nothing more")
+        if not self._send_lock.acquire(timeout=max(timeout, 0.0)):
+            raise ChannelFull(f"another send held the channel for the whole timeout ({timeout} s)")
+        if self._closed:
+            self._send_lock.release()
+            raise ChannelClosed("the channel is closed: it sends nothing more")
+
+    def _send_locked(self, to: bytes, body: Message, deadline: float) -> int:
+        """Signs and sends ``body`` to ``to``; the send lock is held. Returns its seq."""
+        seq = self._next_seq.get(to, 1)
+        header, buffers = self._send_codec.encode(body)
+        frames = [header, *buffers]
+        prefix = _PREFIX.pack(len(frames) + 1, seq)
+        signature = prefix + self._sign(self._out, to, prefix, frames)
+        parts: list[Any] = [to, signature, *frames] if self._router else [signature, *frames]
+        delay = 20e-6
+        while True:
+            try:
+                self._send_sock.send_multipart(parts, zmq.NOBLOCK, copy=not buffers)
+                break
+            except zmq.Again:
+                why = "its queue is full (a slow or stopped reader)"
+            except zmq.ZMQError as error:
+                if error.errno != zmq.EHOSTUNREACH:
+                    raise ChannelClosed(f"the socket failed: {error}") from error
+                why = "it is not connected (yet, or any more)"
+            if time.monotonic() >= deadline:
+                raise ChannelFull(f"could not send to {_name(to)} before the timeout: {why}")
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+        items = len(body.items) if isinstance(body, Batch) else 1
+        self._next_seq[to] = seq + max(items, 1)
+        self._last_sent[to] = time.monotonic()
+        self.sent += 1
+        return seq
+
+    def _send(self, to: bytes, body: Message, timeout: float | None) -> int:
+        limit = self._timeout(timeout)
+        deadline = time.monotonic() + limit
+        self._acquire(limit)
+        try:
+            self._flush_locked(deadline)
+            return self._send_locked(to, body, deadline)
+        finally:
+            self._send_lock.release()
+            self._flush_again()
+
+    def _send_many(self, to: bytes, bodies: list[Item], timeout: float | None) -> int:
+        if not bodies:
+            raise ValueError("send_many needs at least one message")
+        return self._send(to, bodies[0] if len(bodies) == 1 else Batch(bodies), timeout)
+
+    def _post(self, to: bytes, body: Item, timeout: float | None) -> None:
+        with self._pending_lock:
+            full = len(self._pending) >= self._max_pending
+            if not full:
+                self._pending.append((to, body))
+        if full:  # bounded: wait for the sender in progress, then send in order
+            self._send(to, body, timeout)
+            return
+        if self._send_lock.acquire(blocking=False):
+            try:
+                self._flush_locked(time.monotonic() + self._timeout(timeout))
+            finally:
+                self._send_lock.release()
+                self._flush_again()
+
+    def _flush_locked(self, deadline: float) -> None:
+        """Sends what ``post`` queued, one batch per peer; the send lock is held. Never raises:
+        what cannot be sent by ``deadline`` is dropped, counted in ``dropped`` and logged."""
+        with self._pending_lock:
+            if not self._pending:
+                return
+            pending, self._pending = self._pending, []
+        by_peer: dict[bytes, list[Item]] = {}
+        for to, body in pending:
+            by_peer.setdefault(to, []).append(body)
+        for to, bodies in by_peer.items():
+            try:
+                self._send_locked(to, bodies[0] if len(bodies) == 1 else Batch(bodies), deadline)
+            except (ChannelFull, ChannelClosed) as error:
+                self.dropped += len(bodies)
+                _log.warning("wire: dropped %d posted message(s) to %s: %s", len(bodies), _name(to), error)
+
+    def _flush_again(self) -> None:
+        """After releasing the send lock: sends what was posted while it was held."""
+        while self._pending and not self._closed:
+            if not self._send_lock.acquire(blocking=False):
+                return  # the new holder flushes
+            try:
+                self._flush_locked(time.monotonic() + self._send_timeout)
+            finally:
+                self._send_lock.release()
+
+    def _targets(self) -> list[bytes]:
+        raise NotImplementedError
+
+    def _beat(self) -> None:
+        interval = self._heartbeat
+        if interval is None:
+            return
+        now = time.monotonic()
+        due = [to for to in self._targets() if now - self._last_sent.setdefault(to, now) >= interval]
+        if not due or not self._send_lock.acquire(blocking=False):
+            return
+        try:
+            for to in due:
+                with contextlib.suppress(ChannelFull, ChannelClosed):
+                    self._send_locked(to, Heartbeat(sent_at=time.time()), now)
+        finally:
+            self._send_lock.release()
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the receive thread, closes the sockets, removes IPC files. Idempotent.
+
+        Args:
+            timeout: how long to wait for the receive thread (a handler still running).
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        thread = self._thread
+        if thread is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._wake_out.send(b"", zmq.NOBLOCK)
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        stuck = thread is not None and thread.is_alive()
+        locked = self._send_lock.acquire(timeout=timeout)
+        try:
+            if thread is not None:
+                self._send_sock.close(linger=0)
+                self._wake_out.close(linger=0)
+                if not stuck:
+                    self._recv_sock.close(linger=0)
+                    self._wake_in.close(linger=0)
+        finally:
+            if locked:
+                self._send_lock.release()
+        if stuck:
+            _log.warning(
+                "wire: the receive thread did not stop within %s s; its socket is left open", timeout
+            )
+        else:
+            self._context.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _name(peer: bytes) -> str:
+    return "the server" if peer == SERVER else f"peer {peer!r}"
+
+
+class Server(_Channel):
+    """The bound end: many :class:`Peer`\\ s connect, each named by its identity.
+
+    Args:
+        key: the per-service secret every frame is signed with (``secrets.token_bytes(32)``).
+        transport: ``"ipc"`` (a socket file in a fresh temporary directory, one machine)
+            or ``"tcp"``.
+        host: the interface a tcp server binds; loopback unless asked (``"0.0.0.0"``).
+        on_message: called on the receive thread with every accepted message; when None,
+            messages wait for :meth:`recv` in a queue of ``queue_size``.
+        queue_size: bound of that queue; when full, the receive thread stops reading, the
+            socket fills to ``hwm`` and senders get :class:`ChannelFull`.
+        hwm: ZeroMQ's send and receive high-water marks (messages), per peer.
+        send_timeout: the default seconds a send may wait before :class:`ChannelFull`.
+        heartbeat: seconds of quiet after which a heartbeat is sent to each peer heard from
+            (None: never).
+        max_pending: bound of the messages :meth:`post` may queue behind a send in progress.
+
+    Example:
+        >>> import secrets
+        >>> from pathways_jax._src.wire import Done, Fetch
+        >>> key = secrets.token_bytes(32)
+        >>> with Server(key) as server, Peer(server.address, key, identity=b"host-0") as host:
+        ...     _ = host.send(Done(seq=0))  # hosts speak first: the server learns their names
+        ...     hello = server.recv(timeout=5)
+        ...     asked = server.send(hello.peer, Fetch(key=7))
+        ...     got = host.recv(timeout=5)
+        >>> got.body, got.seq == asked
+        (Fetch(key=7, reply_to=None), True)
+    """
+
+    _router = True
+    _out = _DOWN
+    _in = _UP
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        transport: Literal["ipc", "tcp"] = "ipc",
+        host: str = "127.0.0.1",
+        on_message: Handler | None = None,
+        queue_size: int = 10_000,
+        hwm: int = 10_000,
+        send_timeout: float = 5.0,
+        heartbeat: float | None = 1.0,
+        max_pending: int = 10_000,
+    ) -> None:
+        super().__init__(
+            key,
+            on_message=on_message,
+            queue_size=queue_size,
+            hwm=hwm,
+            send_timeout=send_timeout,
+            heartbeat=heartbeat,
+            max_pending=max_pending,
+        )
+        up = self._socket(zmq.ROUTER)
+        down = self._socket(zmq.ROUTER)
+        try:
+            match transport:
+                case "ipc":
+                    self._ipc_dir = tempfile.mkdtemp(prefix="pw-wire-")
+                    up.bind(f"ipc://{os.path.join(self._ipc_dir, 'up')}")
+                    down.bind(f"ipc://{os.path.join(self._ipc_dir, 'down')}")
+                case "tcp":
+                    up.bind(f"tcp://{host}:*")
+                    down.bind(f"tcp://{host}:*")
+                case _:
+                    raise ValueError(f"transport is 'ipc' or 'tcp'; got {transport!r}")
+        except BaseException:
+            up.close(0)
+            down.close(0)
+            self._context.term()
+            if self._ipc_dir is not None:
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            raise
+        self.address = Address(
+            up=up.getsockopt_string(zmq.LAST_ENDPOINT), down=down.getsockopt_string(zmq.LAST_ENDPOINT)
+        )
+        """Where peers connect: pass it to them."""
+        self._start(down, up, name="pw-wire-server")
+
+    def peers(self) -> list[bytes]:
+        """The identities heard from (and not forgotten)."""
+        return sorted(self._last_heard)
+
+    def forget(self, peer: bytes) -> None:
+        """Drops what the server keeps about ``peer``, a peer gone for good (a live one would
+        refuse what the server sends it next, numbered from 1 again)."""
+        for table in (self._last_heard, self._last_seq, self._next_seq, self._last_sent):
+            table.pop(peer, None)
+        self._keyed.pop((_UP, peer), None)
+        self._keyed.pop((_DOWN, peer), None)
+
+    def send(self, to: bytes, body: Message, *, timeout: float | None = None) -> int:
+        """Sends ``body`` to peer ``to`` now, after anything posted before it.
+
+        Returns:
+            The message's seq (a batch's first item's).
+
+        Raises:
+            ChannelFull: not sent within ``timeout`` (default: the channel's ``send_timeout``).
+            ChannelClosed: the channel is closed.
+        """
+        return self._send(to, body, timeout)
+
+    def send_many(self, to: bytes, bodies: list[Item], *, timeout: float | None = None) -> int:
+        """Sends ``bodies`` to ``to`` as one :class:`Batch`; returns the first one's seq."""
+        return self._send_many(to, bodies, timeout)
+
+    def post(self, to: bytes, body: Item, *, timeout: float | None = None) -> None:
+        """Sends ``body`` to ``to`` now when no send is in progress, else queues it: the sender in
+        progress then sends everything queued for a peer as one :class:`Batch`, right after its
+        own message. Posted messages that cannot be sent within ``timeout`` are dropped and
+        counted in :attr:`dropped`. When ``max_pending`` are queued, waits as :meth:`send`."""
+        self._post(to, body, timeout)
+
+    def _targets(self) -> list[bytes]:
+        return list(self._last_heard)
+
+
+class Peer(_Channel):
+    """The connecting end (a host or client process) of a :class:`Server`.
+
+    Args:
+        address: the server's :attr:`Server.address`.
+        key: the server's key.
+        identity: this peer's name at the server, unique per ``Peer`` (default: random).
+        others: as :class:`Server`'s.
+    """
+
+    _router = False
+    _out = _UP
+    _in = _DOWN
+
+    def __init__(
+        self,
+        address: Address,
+        key: bytes,
+        *,
+        identity: bytes | None = None,
+        on_message: Handler | None = None,
+        queue_size: int = 10_000,
+        hwm: int = 10_000,
+        send_timeout: float = 5.0,
+        heartbeat: float | None = 1.0,
+        max_pending: int = 10_000,
+    ) -> None:
+        super().__init__(
+            key,
+            on_message=on_message,
+            queue_size=queue_size,
+            hwm=hwm,
+            send_timeout=send_timeout,
+            heartbeat=heartbeat,
+            max_pending=max_pending,
+        )
+        self.identity = identity if identity is not None else b"peer-" + os.urandom(6).hex().encode()
+        """This peer's name at the server."""
+        if not self.identity:
+            raise ValueError("a peer's identity is a non-empty byte string")
+        up = self._socket(zmq.DEALER, self.identity)
+        down = self._socket(zmq.DEALER, self.identity)
+        up.connect(address.up)
+        down.connect(address.down)
+        self._last_heard[SERVER] = time.monotonic()
+        self._start(up, down, name=f"pw-wire-peer-{self.identity.decode(errors='replace')}")
+
+    def send(self, body: Message, *, timeout: float | None = None) -> int:
+        """Sends ``body`` to the server now, after anything posted before it.
+
+        Returns:
+            The message's seq (a batch's first item's).
+
+        Raises:
+            ChannelFull: not sent within ``timeout`` (default: the channel's ``send_timeout``).
+            ChannelClosed: the channel is closed.
+        """
+        return self._send(SERVER, body, timeout)
+
+    def send_many(self, bodies: list[Item], *, timeout: float | None = None) -> int:
+        """Sends ``bodies`` as one :class:`Batch`; returns the first one's seq."""
+        return self._send_many(SERVER, bodies, timeout)
+
+    def post(self, body: Item, *, timeout: float | None = None) -> None:
+        """As :meth:`Server.post`, to the server."""
+        self._post(SERVER, body, timeout)
+
+    def _targets(self) -> list[bytes]:
+        return [SERVER]
+
+    # The MAC of a peer's frames names the peer itself, both ways.
+    def _sign(self, direction: bytes, peer: bytes, prefix: Any, frames: Iterable[Any]) -> bytes:
+        return super()._sign(direction, self.identity, prefix, frames)

@@ -1,0 +1,247 @@
+"""The typed wire messages of the control plane, and their encoding into ZeroMQ frames.
+
+Every message is a frozen, tagged, array-like ``msgspec.Struct``; together they
+form the :data:`Message` union, which a receiver dispatches with ``match``.
+Opaque payloads (pickled plan parts, numpy buffers) are :class:`Blob`\\ s: a
+blob of at least :data:`INLINE_LIMIT` bytes travels in a frame of its own,
+referenced from the encoded struct by index, so a numpy array's buffer is
+handed to ZeroMQ without a copy on the sender and read without a copy on the
+receiver.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import msgspec
+from msgspec.msgpack import Ext
+
+__all__ = [
+    "INLINE_LIMIT",
+    "Batch",
+    "Blob",
+    "Codec",
+    "Done",
+    "Failed",
+    "Fetch",
+    "Fetched",
+    "Forget",
+    "Free",
+    "Heartbeat",
+    "Item",
+    "Message",
+    "Peers",
+    "Register",
+    "Run",
+    "Share",
+]
+
+# Blobs shorter than this are encoded inside the struct; longer ones get a frame of their own.
+INLINE_LIMIT = 1024
+_FRAME_EXT = 1
+_INDEX = struct.Struct("<I")
+
+
+class Blob:
+    """An opaque payload: any C-contiguous buffer (bytes, memoryview, numpy array).
+
+    Received blobs hold a read-only ``memoryview`` of the ZeroMQ frame (no copy):
+    ``np.frombuffer(blob.view, dtype)`` rebuilds an array in place.
+
+    Args:
+        data: the buffer to carry. It must not change until the send returns.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    @property
+    def view(self) -> memoryview:
+        """The payload as a flat memoryview of bytes."""
+        view = memoryview(self.data)
+        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+    def __bytes__(self) -> bytes:
+        return bytes(self.view)
+
+    def __len__(self) -> int:
+        return self.view.nbytes
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Blob) and self.view == other.view
+
+    def __hash__(self) -> int:
+        return hash(bytes(self.view))
+
+    def __repr__(self) -> str:
+        return f"Blob({len(self)} bytes)"
+
+
+class Register(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Controller -> host: compile and keep plan ``plan`` (parts pickled by the caller)."""
+
+    plan: int
+    ops: Blob
+    constants: Blob
+    blobs: Blob
+    x64: bool | None = None
+
+
+class Run(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Controller -> host: run plan ``plan`` as run ``run_id``; value keys from ``base``."""
+
+    plan: int
+    run_id: int
+    base: int
+    feeds: Blob
+    keep: list[tuple[int, int]] = []
+    frees: list[int] = []
+
+
+class Fetch(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Ask for value ``key``; ``reply_to`` names the client that gets it directly (None: the sender)."""
+
+    key: int
+    reply_to: bytes | None = None
+
+
+class Free(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Drop the values ``keys``."""
+
+    keys: list[int]
+
+
+class Forget(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Drop plan ``plan`` and its compiled executables."""
+
+    plan: int
+
+
+class Share(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Let client ``reader`` use value ``key``."""
+
+    key: int
+    reader: str
+
+
+class Peers(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Controller -> host: the transfer server address of every host (the data plane's peers)."""
+
+    addresses: dict[int, str]
+
+
+class Done(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The request numbered ``seq`` completed; ``value`` e.g. measured device seconds."""
+
+    seq: int
+    value: float | None = None
+
+
+class Failed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The request numbered ``seq`` failed; ``trace`` is the remote traceback text."""
+
+    seq: int
+    kind: str
+    host: int | None
+    message: str
+    trace: str = ""
+    peers: list[int] = []
+
+
+class Fetched(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The value asked for by the request numbered ``seq``."""
+
+    seq: int
+    payload: Blob
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Liveness: sent by a channel that has been quiet; consumed by the receiving channel."""
+
+    sent_at: float
+
+
+Item: TypeAlias = Register | Run | Fetch | Free | Forget | Share | Peers | Done | Failed | Fetched | Heartbeat
+
+
+class Batch(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Several messages in one frame; item ``i`` is numbered ``seq + i``."""
+
+    items: list[Item]
+
+
+Message: TypeAlias = Item | Batch
+
+
+def _encode_hook(frames: list[Any]) -> Any:
+    def hook(obj: Any) -> Any:
+        if isinstance(obj, Blob):
+            view = obj.view
+            if view.nbytes < INLINE_LIMIT:
+                return view
+            frames.append(view)
+            return Ext(_FRAME_EXT, _INDEX.pack(len(frames) - 1))
+        raise TypeError(f"cannot put a {type(obj).__name__} on the wire; wrap buffers in Blob")
+
+    return hook
+
+
+class Codec:
+    """Encodes messages to (header, frames) and decodes them back; one per thread.
+
+    Not thread safe: it reuses its buffers. The receiving side's blobs view the
+    frames given to :meth:`decode` (keep those alive as long as the blobs).
+
+    Example:
+        >>> codec = Codec()
+        >>> header, frames = codec.encode(Fetched(seq=3, payload=Blob(b"x" * 2000)))
+        >>> len(frames)
+        1
+        >>> codec.decode(header, frames) == Fetched(seq=3, payload=Blob(b"x" * 2000))
+        True
+    """
+
+    def __init__(self) -> None:
+        self._out: list[Any] = []
+        self._in: Sequence[Any] = ()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook(self._out))
+        self._decoder = msgspec.msgpack.Decoder(Message, ext_hook=self._ext, dec_hook=self._dec)
+
+    def encode(self, message: Message) -> tuple[bytes, list[Any]]:
+        """The encoded struct and the out-of-band buffers it references, in order."""
+        self._out.clear()
+        header = self._encoder.encode(message)
+        frames = list(self._out)
+        self._out.clear()
+        return header, frames
+
+    def decode(self, header: Any, frames: Sequence[Any] = ()) -> Message:
+        """The message in ``header``, its blobs viewing ``frames``.
+
+        Raises:
+            msgspec.DecodeError: ``header`` is not a message (``ValidationError``: wrong types),
+                or references a frame that is not there.
+        """
+        self._in = frames
+        try:
+            return self._decoder.decode(header)
+        finally:
+            self._in = ()
+
+    def _ext(self, code: int, data: memoryview) -> Blob:
+        if code != _FRAME_EXT or len(data) != _INDEX.size:
+            raise msgspec.DecodeError(f"unknown extension {code}")
+        (index,) = _INDEX.unpack(data)
+        if index >= len(self._in):
+            raise msgspec.DecodeError(f"frame {index} referenced, {len(self._in)} carried")
+        return Blob(self._in[index])
+
+    @staticmethod
+    def _dec(kind: type, obj: Any) -> Any:
+        if kind is Blob:
+            return obj if isinstance(obj, Blob) else Blob(obj)
+        raise NotImplementedError(f"cannot decode {kind}")
