@@ -150,6 +150,8 @@ def test_forged_replayed_truncated_and_malformed_frames_are_refused_counted_and_
         raw.send_multipart([_sign(KEY, b"mallory", 2, [header]), header + b"\x00"])  # altered
         raw.send_multipart([_sign(b"x" * 32, b"mallory", 3, [header]), header])  # wrong key
         raw.send_multipart([_sign(KEY, b"someone-else", 4, [header]), header])  # another's identity
+        renumbered = struct.pack("<HQ", 2, 99) + good[0][struct.calcsize("<HQ") :]
+        raw.send_multipart([renumbered, header])  # the seq is signed too
         payload_header, frames = Codec().encode(Fetched(seq=1, payload=Blob(b"z" * 4096)))
         raw.send_multipart(
             [_sign(KEY, b"mallory", 5, [payload_header, *frames]), payload_header]
@@ -160,8 +162,8 @@ def test_forged_replayed_truncated_and_malformed_frames_are_refused_counted_and_
         wrong = msgspec.msgpack.encode(["Done", "not a number", None])
         raw.send_multipart([_sign(KEY, b"mallory", 7, [wrong]), wrong])  # wrong types
         raw.send_multipart([b"x" * 3, header])  # malformed signature frame
-        _until(lambda: sum(server.refused.values()) == 9)
-        assert server.refused == {"replayed": 1, "forged": 3, "truncated": 2, "malformed": 3}
+        _until(lambda: sum(server.refused.values()) == 10)
+        assert server.refused == {"replayed": 1, "forged": 4, "truncated": 2, "malformed": 3}
         raw.send_multipart([_sign(KEY, b"mallory", 8, [header]), header])
         assert server.recv(timeout=5).seq == 8  # still serving
     finally:
