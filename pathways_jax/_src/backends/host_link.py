@@ -45,6 +45,10 @@ class Link(Protocol):
         """Sends host ``host`` its message number ``seq``; the future of its answer."""
         ...
 
+    def send_many(self, host: int, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
+        """Sends host ``host`` several messages ``(seq, kind, args)`` at once; their answers' futures."""
+        ...
+
     def host_lost(self, host: int, why: str) -> None:
         """Fails every answer ``host`` still owes with :class:`HostGone`."""
         ...
@@ -73,6 +77,9 @@ class RayCallLink:
     def send(self, host: int, seq: int, kind: str, args: tuple) -> concurrent.futures.Future:
         self._messages += 1
         return self._actors[host].call.remote(seq, kind, *args).future()
+
+    def send_many(self, host: int, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
+        return [self.send(host, seq, kind, args) for seq, kind, args in messages]
 
     def host_lost(self, host: int, why: str) -> None:
         pass  # Ray fails the calls of a dead actor by itself

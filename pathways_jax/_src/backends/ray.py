@@ -629,7 +629,7 @@ class RayBackend:
         islands: int | None = None,
         platform: str = "cpu",
         replace_lost: bool = True,
-        transport: str = "ray",
+        transport: str = "channel",
     ):
         ray = _import_ray()
         self._common(
@@ -963,8 +963,23 @@ class RayBackend:
         return outputs, markers
 
     def _send_run(self, batch: list[tuple[int, str, tuple]], run: Any, remote: RemotePlan) -> list:
-        """Sends a run's messages (host, kind, args) in order; their answers' futures. Call with ``_lock`` held."""
-        return [self._message(host, kind, *args) for host, kind, args in batch]
+        """Sends a run's messages (host, kind, args), each host's in one batch; their answers' futures.
+
+        Call with ``_lock`` held.
+        """
+        by_host: dict[int, list[int]] = {}
+        for index, (host, _kind, _args) in enumerate(batch):
+            by_host.setdefault(host, []).append(index)
+        answers: list[Any] = [None] * len(batch)
+        for host, indices in by_host.items():
+            messages = []
+            for index in indices:
+                _host, kind, args = batch[index]
+                messages.append((self._seq[host], kind, args))
+                self._seq[host] += 1
+            for index, answer in zip(indices, self.link.send_many(host, messages), strict=True):
+                answers[index] = answer
+        return answers
 
     def _take_uuids(self, count: int) -> int:
         """The first of ``count`` fresh transfer uuids; call with ``_lock`` held."""

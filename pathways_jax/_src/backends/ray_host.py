@@ -327,6 +327,7 @@ class Host:
         self._single = jax.sharding.SingleDeviceSharding
         self._queue: dict[int, tuple] = {}
         self._next_seq = 0
+        self._next_arrival = 0  # the number the next message from the channel takes
         self._queue_cv = threading.Condition()
         self._in_flight: collections.deque = collections.deque()
         self._last_done = 0.0  # when the completer saw the previous run end
@@ -360,6 +361,10 @@ class Host:
 
         self._loop = asyncio.get_running_loop()
         self.role = role
+        if link is not None:  # the controller's channel (channel_link): messages come there
+            from pathways_jax._src.backends.channel_link import HostEnd
+
+            self._channel = HostEnd(link, self._arrived)
         if role.size > 1:
             jax.distributed.initialize(role.coordinator, role.size, role.rank)
         self.devices = sorted(jax.local_devices(), key=lambda d: d.id)
@@ -390,6 +395,17 @@ class Host:
             self._queue[seq] = (kind, args, future)
             self._queue_cv.notify()
         return await future
+
+    def _arrived(self, kind: str, args: tuple, seq: int) -> None:
+        """A message from the controller's channel (its receive thread), numbered in arrival order.
+
+        The channel delivers one connection's messages in the order they were
+        sent, and refuses replayed ones: arrival order is the controller's.
+        """
+        with self._queue_cv:
+            self._queue[self._next_arrival] = (kind, args, seq)
+            self._next_arrival += 1
+            self._queue_cv.notify()
 
     async def peer_lost(self, peer: int) -> None:
         """Host ``peer`` was lost: pulls from it fail now, and later ones are not tried."""

@@ -1,0 +1,278 @@
+"""The controller's link to its hosts over ZeroMQ: typed, signed messages, batched both ways.
+
+:class:`ChannelLink` (the controller's end) binds a :class:`wire.Server`: an
+IPC socket when every host runs on this machine, TCP on this node's address
+when the Ray cluster has several nodes. Each host actor connects a
+:class:`HostEnd` (a :class:`wire.Peer`) in its ``setup``, given the address,
+the per-link secret every frame is signed with, and its identity. Ray still
+starts, places and supervises the actors; a host's death (seen by the
+backend's monitor) fails what it owes here (:meth:`ChannelLink.host_lost`).
+
+Messages to a host go in the order the controller numbered them; a run's
+messages to one host (a plan's registration and the run) go as one batch.
+The host handles them strictly in arrival order, answering each with
+``Done``, ``Failed`` or ``Fetched`` (answers posted while another is being
+sent go out together as one batch). Plan parts, fed values and fetched
+values cross as pickled blobs; everything else is typed fields.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import pickle
+import secrets
+import socket
+import threading
+from typing import Any, NamedTuple
+
+from pathways_jax._src import wire
+from pathways_jax._src.backends.host_link import HostGone
+from pathways_jax._src.backends.ray_host import RunFailure, _Error
+
+_SEND_TIMEOUT_S = 30.0  # a host that takes no message for this long is stuck (or gone)
+
+
+class Endpoint(NamedTuple):
+    """What a host needs to join the controller's channel (it pickles through Ray)."""
+
+    address: wire.Address
+    key: bytes
+    identity: bytes
+
+
+def _blob(value: Any) -> wire.Blob:
+    return wire.Blob(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _unblob(blob: wire.Blob) -> Any:
+    return pickle.loads(blob.view)
+
+
+def encode(kind: str, args: tuple) -> wire.Item:
+    """A host message ``(kind, args)`` of the Ray backend as its typed wire message."""
+    match kind:
+        case "run":
+            key, run_id, base, feeds, keep, frees = args
+            return wire.Run(key, run_id, base, _blob(feeds), list(keep), list(frees))
+        case "register":
+            key, ops, constants, blobs, *mode = args
+            return wire.Register(key, _blob(ops), _blob(constants), _blob(blobs), mode[0] if mode else None)
+        case "fetch":
+            return wire.Fetch(args[0])
+        case "free":
+            return wire.Free(list(args[0]))
+        case "forget":
+            return wire.Forget(args[0])
+        case "peers":
+            return wire.Peers({int(h): str(a) for h, a in args[0].items()})
+    raise ValueError(f"no wire message for a host message of kind {kind!r}")
+
+
+def decode(item: wire.Item) -> tuple[str, tuple]:
+    """A typed wire message as the host's ``(kind, args)``."""
+    match item:
+        case wire.Run(plan, run_id, base, feeds, keep, frees):
+            return "run", (plan, run_id, base, _unblob(feeds), [tuple(k) for k in keep], frees)
+        case wire.Register(plan, ops, constants, blobs, x64):
+            return "register", (plan, _unblob(ops), _unblob(constants), _unblob(blobs), x64)
+        case wire.Fetch(key):
+            return "fetch", (key,)
+        case wire.Free(keys):
+            return "free", (keys,)
+        case wire.Forget(plan):
+            return "forget", (plan,)
+        case wire.Peers(addresses):
+            return "peers", (addresses,)
+    raise ValueError(f"a host takes no {type(item).__name__} message")
+
+
+def answer_message(seq: int, value: Any) -> wire.Item:
+    """A host's answer to message ``seq`` as its wire message."""
+    match value:
+        case None | float():
+            return wire.Done(seq, value)
+        case RunFailure(kind, peer, message, trace, peers):
+            return wire.Failed(seq, kind, peer, message, trace, list(peers))
+        case _Error():
+            return wire.Failed(seq, "message", None, value.message, value.trace)
+    return wire.Fetched(seq, _blob(value))
+
+
+def answer_value(item: wire.Item) -> Any:
+    """The host's answer as the Ray backend reads it."""
+    match item:
+        case wire.Done(_, value):
+            return value
+        case wire.Failed(_, "message", _, message, trace):
+            return _Error(message, trace)
+        case wire.Failed(_, kind, peer, message, trace, peers):
+            return RunFailure(kind, peer, message, trace, tuple(peers))  # type: ignore[arg-type]
+        case wire.Fetched(_, payload):
+            return _unblob(payload)
+    raise ValueError(f"not an answer: {type(item).__name__}")
+
+
+def _node_ip() -> str | None:
+    """This node's address when the Ray cluster has several nodes (hosts may be elsewhere), else None."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) <= 1:
+        return None
+    return ray.util.get_node_ip_address() or socket.gethostbyname(socket.gethostname())
+
+
+class ChannelLink:
+    """The controller's end: one signed ZeroMQ server every host connects to."""
+
+    name = "channel"
+
+    def __init__(self, *, transport: str | None = None) -> None:
+        ip = _node_ip() if transport is None else ("127.0.0.1" if transport == "tcp" else None)
+        self._key = secrets.token_bytes(32)
+        self._server = wire.Server(
+            self._key,
+            transport="ipc" if ip is None else "tcp",
+            host=ip or "127.0.0.1",
+            on_message=self._received,
+            send_timeout=_SEND_TIMEOUT_S,
+            heartbeat=1.0,
+        )
+        self._lock = threading.Lock()
+        self._identity: dict[int, bytes] = {}  # host -> its current actor's identity
+        self._incarnation = 0
+        # (identity, seq) -> the future of its answer; answers that came before their future
+        self._owed: dict[tuple[bytes, int], concurrent.futures.Future] = {}
+        self._early: dict[tuple[bytes, int], Any] = {}
+        self.messages = 0
+        self.batches = 0
+
+    @property
+    def address(self) -> wire.Address:
+        return self._server.address
+
+    def attach(self, host: int, actor: Any) -> Endpoint:
+        with self._lock:
+            self._incarnation += 1
+            identity = f"host-{host}-{self._incarnation}".encode()
+            old = self._identity.get(host)
+            self._identity[host] = identity
+        if old is not None:
+            self._fail(old, HostGone(host, "replaced by a new host"))
+        return Endpoint(self._server.address, self._key, identity)
+
+    def send(self, host: int, seq: int, kind: str, args: tuple) -> concurrent.futures.Future:
+        return self.send_many(host, [(seq, kind, args)])[0]
+
+    def send_many(self, host: int, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
+        """Sends host ``host`` its next messages as one batch; the futures of their answers."""
+        identity = self._identity[host]
+        items = [encode(kind, args) for _seq, kind, args in messages]
+        futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in items]
+        try:
+            first = self._server.send_many(identity, items)
+        except wire.ChannelError as exc:
+            for future in futures:
+                future.set_exception(HostGone(host, f"its channel refused the message: {exc}"))
+            return futures
+        self.messages += len(items)
+        self.batches += 1
+        with self._lock:
+            for index, future in enumerate(futures):
+                key = (identity, first + index)
+                if key in self._early:
+                    _settle(future, self._early.pop(key))
+                else:
+                    self._owed[key] = future
+        return futures
+
+    def _received(self, received: wire.Received) -> None:
+        """An answer from a host (the channel's receive thread)."""
+        key = (received.peer, received.seq)
+        match received.body:
+            case wire.Done(seq) | wire.Failed(seq) | wire.Fetched(seq):
+                key = (received.peer, seq)
+            case _:
+                return  # hosts send nothing else
+        try:
+            value: Any = answer_value(received.body)
+        except Exception as exc:  # an answer that does not decode fails its message
+            value = _Error(f"host {received.peer!r} sent an answer that did not decode: {exc}")
+        with self._lock:
+            future = self._owed.pop(key, None)
+            if future is None:
+                self._early[key] = value
+                return
+        _settle(future, value)
+
+    def host_lost(self, host: int, why: str) -> None:
+        identity = self._identity.get(host)
+        if identity is not None:
+            self._fail(identity, HostGone(host, why))
+
+    def _fail(self, identity: bytes, exc: BaseException) -> None:
+        with self._lock:
+            owed = [key for key in self._owed if key[0] == identity]
+            futures = [self._owed.pop(key) for key in owed]
+            for key in [key for key in self._early if key[0] == identity]:
+                del self._early[key]
+        self._server.forget(identity)
+        for future in futures:
+            if not future.done():
+                future.set_exception(exc)
+
+    def stats(self) -> dict:
+        return {
+            "transport": self.name,
+            "messages": self.messages,
+            "batches": self.batches,
+            "refused": self._server.refused,
+            "owed": len(self._owed),
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            futures = list(self._owed.values())
+            self._owed.clear()
+        for future in futures:
+            if not future.done():
+                future.set_exception(HostGone(-1, "the cluster closed"))
+        self._server.close()
+
+
+def _settle(future: concurrent.futures.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class HostEnd:
+    """A host's end of the controller's channel: messages in arrival order, answers batched back."""
+
+    def __init__(self, endpoint: Endpoint, deliver: Any):
+        self._deliver = deliver
+        self._peer = wire.Peer(
+            endpoint.address,
+            endpoint.key,
+            identity=endpoint.identity,
+            on_message=self._received,
+            send_timeout=_SEND_TIMEOUT_S,
+            heartbeat=1.0,
+        )
+
+    def _received(self, received: wire.Received) -> None:
+        try:
+            kind, args = decode(received.body)
+        except Exception as exc:  # the message fails; the host keeps serving
+            self.answer(received.seq, _Error(f"the message did not decode: {type(exc).__name__}: {exc}"))
+            return
+        self._deliver(kind, args, received.seq)
+
+    def answer(self, seq: int, value: Any) -> None:
+        try:
+            message = answer_message(seq, value)
+        except Exception as exc:  # an answer that cannot be pickled still answers
+            message = wire.Failed(seq, "message", None, f"the answer could not be sent: {exc}")
+        self._peer.post(message)
+
+    def close(self) -> None:
+        self._peer.close()
