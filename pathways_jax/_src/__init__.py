@@ -11,6 +11,8 @@ checks it, lazy imports included):
 - ``backends``: the ``Backend`` protocol and where devices live (local, Ray).
 - ``compile``: lowering a graph to a plan for physical devices; executables.
 - ``ir``: the dataflow graph, its fusion and argument signatures.
+- ``wire``: the control plane's typed messages and the signed ZeroMQ channels
+  that carry them between processes.
 - ``core``: errors, counters, source lines, readiness, formatting, memory
   charges, meshes, the timeline recorder.
 

@@ -2,6 +2,9 @@
 
 ``base`` defines the protocol the controller dispatches through; ``local``
 runs steps on this process's JAX devices, ``ray`` sends each host its part
-of a run (``ray_host`` is the host side, importing nothing of pathways_jax).
-May import: ``compile``, ``ir``, ``core`` (and Ray, lazily, in ``ray``).
+of a run (``ray_host`` is the host side, importing nothing of pathways_jax
+until its ``setup``). ``host_link`` is how the Ray backend reaches its hosts
+(``channel_link``: signed ZeroMQ channels; or one Ray actor call a message);
+``service_client`` is a client process's side of a controller service.
+May import: ``compile``, ``ir``, ``wire``, ``core`` (and Ray, lazily, in ``ray``).
 """

@@ -39,6 +39,10 @@ class Endpoint(NamedTuple):
     key: bytes
     identity: bytes
 
+    def connect(self, deliver: Any) -> HostEnd:
+        """This host's end of the channel; ``deliver(kind, args, seq)`` takes each message."""
+        return HostEnd(self, deliver)
+
 
 def _blob(value: Any) -> wire.Blob:
     return wire.Blob(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))

@@ -39,6 +39,12 @@ A plan's part is a list of operations (:class:`ExecOp`, :class:`PutOp`,
 island's devices (:class:`SingleDesc`, :class:`NamedDesc`). They are
 NamedTuples defined here, so both sides pickle them without this module
 importing the rest of pathways_jax.
+
+**Transport.** With the controller's channel (``channel_link``, the default)
+``setup`` is given an endpoint that connects this host to it: messages arrive
+over ZeroMQ in the controller's order and answers go back batched. The
+``call`` actor method serves a controller that sends one Ray actor call per
+message (``host_link.RayCallLink``).
 """
 
 from __future__ import annotations
@@ -361,10 +367,8 @@ class Host:
 
         self._loop = asyncio.get_running_loop()
         self.role = role
-        if link is not None:  # the controller's channel (channel_link): messages come there
-            from pathways_jax._src.backends.channel_link import HostEnd
-
-            self._channel = HostEnd(link, self._arrived)
+        if link is not None:  # the controller's channel (channel_link.Endpoint): messages come there
+            self._channel = link.connect(self._arrived)
         if role.size > 1:
             jax.distributed.initialize(role.coordinator, role.size, role.rank)
         self.devices = sorted(jax.local_devices(), key=lambda d: d.id)

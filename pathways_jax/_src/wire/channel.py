@@ -463,6 +463,7 @@ class _Channel:
                     self._send_locked(to, Heartbeat(sent_at=time.time()), now)
         finally:
             self._send_lock.release()
+            self._flush_again()  # what was posted while the heartbeat held the lock
 
     # -- closing ----------------------------------------------------------------------------
 
