@@ -15,6 +15,18 @@ from typing import Any
 import jax
 
 
+def _array_type() -> Any:
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # pragma: no cover - another JAX: arrays are kept as they are
+        return None
+    return ArrayImpl
+
+
+_ArrayImpl: Any = _array_type()  # JAX's own constructor, private to JAX
+_new: Any = _ArrayImpl  # the same, called (a name no type test narrows)
+
+
 def remade(
     array: jax.Array, *, aval: Any = None, sharding: Any = None, committed: bool | None = None
 ) -> jax.Array:
@@ -23,19 +35,24 @@ def remade(
     JAX's own constructor, private to JAX: on a JAX without it, and for typed
     PRNG keys (not made of buffers of their own), the array as it is.
     """
-    try:
-        from jax._src.array import ArrayImpl
-    except ImportError:  # pragma: no cover
+    if type(array) is not _ArrayImpl:
         return array
-    if type(array) is not ArrayImpl:
-        return array
-    return ArrayImpl(
-        array.aval if aval is None else aval,
-        array.sharding if sharding is None else sharding,
-        list(array._arrays),  # its single-device buffers, one a shard
-        committed=array.committed if committed is None else committed,
+    impl: Any = array
+    return _new(
+        impl.aval if aval is None else aval,
+        impl.sharding if sharding is None else sharding,
+        impl._arrays,  # its single-device buffers, one a shard (a new list each time it is read)
+        committed=impl.committed if committed is None else committed,
         _skip_checks=True,
     )
+
+
+def loose(array: jax.Array, aval: Any, sharding: Any) -> jax.Array:
+    """``remade(array, aval=aval, sharding=sharding, committed=False)``, for a loop over many arrays."""
+    if type(array) is not _ArrayImpl:
+        return array
+    impl: Any = array
+    return _new(aval, sharding, impl._arrays, committed=False, _skip_checks=True)
 
 
 def unplaced_aval(aval: Any) -> Any:
