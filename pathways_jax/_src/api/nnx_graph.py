@@ -131,10 +131,17 @@ class _GraphCall:
                 lambda: extract.to_tree((args, kwargs), split_fn=compilation._jit_split_fn, ctxtag=self),
             )
             args_out, kwargs_out, user_out = _run(self.inner, pure_args, pure_kwargs, (args, kwargs))
-            pure_out = (_arrays(args_out), _arrays(kwargs_out), _returned_arrays(user_out))
+            stores: set[Any] = set()
+            pure_out = (_arrays(args_out, stores), _arrays(kwargs_out, stores), _returned_arrays(user_out))
+            del args_out, kwargs_out, user_out, pure_args, pure_kwargs
             _args_out, _kwargs_out, out = extract.from_tree(
                 pure_out, merge_fn=compilation._jit_merge_fn, is_inner=False, ctxtag=self
             )
+        del pure_out, _args_out, _kwargs_out
+        for store in stores:
+            # The step's futures of the states written back are gone: their entries go now,
+            # not at the next call, so that they die young (a train step makes hundreds).
+            store.collect_dropped()
         return out
 
     def graph(self, args: tuple, kwargs: dict) -> Any:
@@ -191,7 +198,7 @@ class _TreeCall:
 _ARRAY_LIKE = (bool, int, float, complex)
 
 
-def _arrays(states: Any) -> Any:
+def _arrays(states: Any, stores: set[Any] | None = None) -> Any:
     """The updated states written back into the caller's objects: ``jax.Array`` s once dispatched.
 
     As after an ``nnx.jit`` call, the caller's Variables then hold arrays that
@@ -209,6 +216,8 @@ def _arrays(states: Any) -> Any:
     futures = [leaf for leaf in leaves if type(leaf) is Future]
     if not futures:
         return states
+    if stores is not None:
+        stores.add(futures[0]._store)
     if len(futures) < len(leaves):
         values = iter(dispatched_all(futures))
         return jax.tree_util.tree_unflatten(

@@ -615,11 +615,9 @@ def dispatched_all(futures: list[Future]) -> list[Any]:
         else:  # as Future._uncommitted, inlined: hundreds of outputs a call
             held = known.get(id(signature))
             if held is not None and held[0] is signature and held[1] is array.aval:
-                made = loose(array, *held[2])
+                append(loose(array, *held[2]))
             else:
-                made = loose(array, *_loose_type(signature, array))
-            future._loose = (array, made)
-            append(made)
+                append(loose(array, *_loose_type(signature, array)))
     return out
 
 

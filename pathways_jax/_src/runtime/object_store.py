@@ -184,6 +184,10 @@ class ObjectStore:
         if self._dropped and (self.budget is None or threading.get_ident() != MAIN_THREAD):
             self.collect()
 
+    def collect_dropped(self) -> None:
+        """Frees the values whose futures are gone, where :meth:`new` would (see ``_collect_before_new``)."""
+        self._collect_before_new()
+
     def has_dropped(self) -> bool:
         """True when futures were dropped since the last :meth:`collect`."""
         return bool(self._dropped)
