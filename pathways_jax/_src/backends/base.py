@@ -11,7 +11,7 @@ protocol (see ``local.py`` and ``ray.py``), not by touching the controller.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -61,6 +61,17 @@ class Window(Protocol):
 
     def in_flight(self, island: int, marker: Any, run: Run) -> None:
         """``marker`` (an output, or a host's completion marker) settles when the dispatched work does."""
+        ...
+
+    def handed_on(self, consumed: Sequence[Any], marker: Any) -> None:
+        """An executable whose output is ``marker`` just took the buffers ``consumed`` (donation).
+
+        A donated array is deleted, and a deleted array no longer says when the
+        executable that made it finished: the window entries marked by one of
+        ``consumed`` are marked by ``marker`` instead. The executable that took
+        a buffer runs after the one that made it, so its end says both are done.
+        Optional: a window without it (``getattr``) keeps its entries as they are.
+        """
         ...
 
 

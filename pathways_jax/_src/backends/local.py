@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
@@ -52,7 +52,12 @@ class LocalBackend:
             for index, group in enumerate(plan.acct_groups)
             if len(group.devices) == 1
         )
-        plan.remote = lanes
+        # Per step, the arguments its executable consumes (donation): see Window.handed_on.
+        donors = tuple(
+            _donated_positions(step.executable, len(step.in_slots)) if isinstance(step, ExecStep) else ()
+            for step in plan.steps
+        )
+        plan.remote = _LocalPart(lanes, donors if any(donors) else None)
         if lanes:
             plan.windowed = {**plan.windowed, **dict.fromkeys((key for key, _ in lanes), 1)}
 
@@ -64,11 +69,14 @@ class LocalBackend:
         rec = timeline.ACTIVE
         step: Any = None
         dispatched = 0
+        part: _LocalPart | None = plan.remote
+        donors = part.donors if part is not None and part.donors is not None else ()
+        hand_on = getattr(window, "handed_on", None) if donors else None
         try:
             if plan.staged_feeds:  # under a memory budget: host inputs go on devices once admitted
                 for _, slot, sharding in plan.host_feeds:
                     env[slot] = jax.device_put(env[slot], sharding)
-            for step in plan.steps:
+            for index, step in enumerate(plan.steps):
                 if isinstance(step, ExecStep):
                     if step.windowed:
                         window.make_room(step.island)
@@ -89,6 +97,8 @@ class LocalBackend:
                             )
                     for slot, array in zip(step.out_slots, outs, strict=True):
                         env[slot] = array
+                    if hand_on is not None and outs and donors[index]:
+                        hand_on([args[position] for position in donors[index]], outs[0])
                     if outs and step.windowed:
                         window.in_flight(step.island, outs[0], run)
                     dispatched += 1
@@ -114,8 +124,8 @@ class LocalBackend:
         last = tuple([env[slot] for _, slot, _ in plan.acct_groups])
         # A plan that places nothing (it returns literals or its arguments) was
         # prepared by no backend: it has no lanes, nor anything to dispatch.
-        for key, index in plan.remote or ():
-            window.in_flight(key, last[index], run)
+        for key, group in part.lanes if part is not None else ():
+            window.in_flight(key, last[group], run)
         return env, last
 
     def settle(self, in_flight: collections.deque) -> None:
@@ -125,6 +135,30 @@ class LocalBackend:
 
     def close(self, timeout: float | None) -> None:
         pass  # JAX owns the devices; their values go with their futures
+
+
+class _LocalPart(NamedTuple):
+    """What the local backend adds to a plan (``plan.remote``)."""
+
+    # (device window key, accounting group) for each single-device group: the
+    # run counts once in that device's window, by the group's last output.
+    lanes: tuple[tuple[int, int], ...]
+    # Per step, the argument positions its executable consumes (donation); None if none do.
+    donors: tuple[tuple[int, ...], ...] | None
+
+
+def _donated_positions(executable: Any, count: int) -> tuple[int, ...]:
+    """The arguments a compiled executable consumes (its ``donate_argnums``).
+
+    An executable that does not say (a sub-byte dtype's, called through its
+    ``jax.jit``) counts as taking all of them: handing a window entry on to an
+    executable that only reads its marker is still right (it runs after the
+    marker's maker), only later to settle.
+    """
+    info = getattr(executable, "args_info", None)
+    if info is None:
+        return tuple(range(count))
+    return tuple(i for i, arg in enumerate(jax.tree_util.tree_leaves(info[0])) if arg.donated)
 
 
 try:  # what a compiled call raises when jax_debug_nans or jax_debug_infs finds one (private to JAX)

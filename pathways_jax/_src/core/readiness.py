@@ -65,9 +65,23 @@ def block(array: Any) -> None:
     try:
         array.block_until_ready()
     except Exception:
-        if is_deleted(array):
+        if is_deleted(array) or _being_deleted(array):
             return
         raise
+
+
+def _being_deleted(array: Any) -> bool:
+    """True if some of ``array``'s buffers are deleted: a donation is taking them now.
+
+    A donation on another thread deletes an array's buffers one by one and
+    only then reads as ``is_deleted()``: a wait that met a deleted buffer in
+    between raised "BlockHostUntilReady() called on deleted or donated
+    buffer" while ``is_deleted()`` still said False.
+    """
+    try:
+        return any(shard.data.is_deleted() for shard in array.addressable_shards)
+    except Exception:
+        return is_deleted(array)
 
 
 def poll(

@@ -56,6 +56,8 @@ from pathways_jax._src.runtime.accounting import Accounting
 from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, Pending, Ready
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from pathways_jax._src.runtime.session import Cluster
     from pathways_jax._src.runtime.submission import Run
 
@@ -857,6 +859,19 @@ class Controller:
                 self._flights.clear()
             flight = self._flights[key] = _Flight(run)
         self._in_flight[island].append((marker, flight))
+
+    def handed_on(self, consumed: Sequence[Any], marker: Any) -> None:
+        # Donation deletes an entry's marker when the next executable takes its buffer (a
+        # train step's parameters): deleted reads as settled, and the window would stop
+        # bounding collectives in flight (DESIGN, "Donation and the in-flight window").
+        # The taker runs after the maker, so its output marks both. Under _settle_lock, as
+        # entries leave under it; one that a look between the call and here saw deleted has
+        # left already, which at worst lets one more executable in for a moment.
+        ids = {id(array) for array in consumed}
+        with self._settle_lock:
+            for window in list(self._in_flight.values()):
+                for index in [i for i, (old, _) in enumerate(window) if id(old) in ids]:
+                    window[index] = (marker, window[index][1])
 
     def _spend(self, run: Run) -> None:
         """Futures whose buffers the run's executables consumed (donated) cannot be read again."""

@@ -1,0 +1,119 @@
+"""Drop-in defects of the local backend, each against plain ``jax.jit`` on the same inputs.
+
+Tests that must control the process (its CPU device count, its import order,
+an abort inside XLA) run their program in a fresh interpreter.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_python(source: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """Runs ``source`` in a fresh interpreter (8 CPU devices); fails the test on a hang or a crash."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(source), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the program did not finish within {timeout}s (a hang):\n{exc.stdout}\n{exc.stderr}")
+    assert proc.returncode == 0, (
+        f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+# --- 1. Donation and the in-flight window --------------------------------------------------
+
+_DATA_PARALLEL = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import pathways_jax as pw
+
+steps = int(sys.argv[1])
+pw.init(num_cpu_devices=8)
+mesh = jax.make_mesh((8,), ("batch",))
+
+def update(w, x):
+    loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - 1.0) ** 2))(w)
+    return w - 0.1 * grad, loss
+
+x = jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(16, 4), NamedSharding(mesh, P("batch")))
+for name, step in [
+    ("outer", pw.program(update, donate_argnums=0)),
+    ("inner", pw.program(jax.jit(update, donate_argnums=0))),
+    ("set_mesh", None),
+]:
+    w = jax.device_put(np.full((4, 4), 0.1, np.float32), NamedSharding(mesh, P()))
+    losses = []
+    if step is None:  # a pure drop-in: @pw.program where @jax.jit stood, under jax.set_mesh
+        with jax.set_mesh(mesh):
+            step = pw.program(update, donate_argnums=0)
+            for _ in range(steps):
+                w, loss = step(w, x)
+                losses.append(loss)
+    else:
+        for _ in range(steps):
+            w, loss = step(w, x)
+            losses.append(loss)
+    # Every run's loss too: a run whose donated output was waited for as the donation took
+    # it was reported failed ("BlockHostUntilReady() called on deleted or donated buffer").
+    result = [np.asarray(w.result(timeout=60)).tolist(), [float(v.result(timeout=60)) for v in losses]]
+    print(name, json.dumps(result), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_donating_data_parallel_step_called_in_a_loop_stays_inside_the_in_flight_window():
+    # Each call's output is the next call's donated input: a window that tracked runs by
+    # it saw every run but the newest as done, let hundreds of all-reduces into XLA, and
+    # the process aborted in XLA's rendezvous (before the fix: 6 of 6 runs hung at 500
+    # steps, 3 of 3 at 400, within the first loop).
+    steps = 400
+    proc = _run_python(_DATA_PARALLEL, str(steps), timeout=120)
+    mesh = jax.make_mesh((8,), ("batch",))
+    x = jax.device_put(jnp.linspace(-1.0, 1.0, 64).reshape(16, 4), NamedSharding(mesh, P("batch")))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def update(w, x):
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - 1.0) ** 2))(w)
+        return w - 0.1 * grad, loss
+
+    w = jax.device_put(np.full((4, 4), 0.1, np.float32), NamedSharding(mesh, P()))
+    losses = []
+    for i in range(steps):
+        w, loss = update(w, x)
+        losses.append(loss)
+        if i % 8 == 7:  # jax.jit itself deadlocks with that many all-reduces in flight
+            w.block_until_ready()
+    lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    assert sorted(lines) == ["inner", "outer", "set_mesh"]
+    for name, got in lines.items():
+        got_w, got_losses = json.loads(got)
+        np.testing.assert_allclose(
+            np.array(got_w, np.float32), np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=name
+        )
+        np.testing.assert_allclose(got_losses, [float(v) for v in losses], rtol=1e-5, atol=1e-6, err_msg=name)
