@@ -338,6 +338,67 @@ def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_s
     np.testing.assert_array_equal(kept.result(timeout=60), np.arange(4.0) + 1)  # the real one is untouched
 
 
+def test_forged_replayed_truncated_and_malformed_frames_are_refused_and_counted(joined, island_service):
+    import secrets
+
+    import zmq
+
+    from pathways_jax._src import wire
+
+    endpoint = joined.remote.channel  # the service's channel, as this process joined it
+    f = pw.jit(lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 2}))
+    np.testing.assert_array_equal(f(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) * 2 + 1)
+    context = zmq.Context()
+
+    def refused(reason: str, send) -> None:
+        """Sends what ``send`` sends; the service counts it as ``reason`` (and goes on)."""
+        before = island_service.stats()["refused"]["clients"].get(reason, 0)
+        closing = send()
+        try:
+            assert wait_for(
+                lambda: island_service.stats()["refused"]["clients"].get(reason, 0) > before, timeout=20
+            ), (reason, island_service.stats()["refused"]["clients"])
+        finally:
+            if closing is not None:
+                closing.close()
+
+    def raw(identity: bytes, frames: list) -> zmq.Socket:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.connect(endpoint.address.up)
+        sock.send_multipart(frames)
+        return sock
+
+    def peer(key: bytes, identity: bytes, blob: bytes, captured: list | None = None) -> wire.Peer:
+        channel = wire.Peer(endpoint.address, key, identity=identity, heartbeat=None)
+        if captured is not None:  # the frames as they go, to send them again
+            send = channel._send_sock.send_multipart
+
+            def capture(parts, *args, **kwargs):
+                captured.append([bytes(p) for p in parts])
+                return send(parts, *args, **kwargs)
+
+            channel._send_sock.send_multipart = capture
+        channel.send(wire.Submit(0, wire.Blob(blob), None))
+        return channel
+
+    refused("malformed", lambda: raw(b"garbage", [b"not a signature", b"junk"]))
+    refused("truncated", lambda: raw(b"garbage", [b"x"]))
+    refused("forged", lambda: peer(secrets.token_bytes(32), b"forger", pickle.dumps([])))
+    sent: list = []
+    # The right key, but a name no client joined under; then the same frames again.
+    refused("unknown_client", lambda: peer(endpoint.key, b"stranger", pickle.dumps([]), sent))
+    refused("replayed", lambda: raw(b"stranger", sent[0]))
+    context.term()
+    # This process's own channel, a batch that is not a pickled list.
+    refused(
+        "not_a_batch", lambda: joined.remote._peer.send(wire.Submit(10**6, wire.Blob(b"junk"), None)) and None
+    )
+    # The service and this client go on as if nothing happened.
+    np.testing.assert_array_equal(f(jnp.arange(6.0)).result(timeout=60), np.arange(6.0) * 2 + 1)
+
+
 def test_join_errors_are_clear(joined, island_service, ray_cluster):
     with pytest.raises(pw.errors.ClusterError, match="is running"):
         pw.init(backend="ray", address=island_service.address, service="another")

@@ -23,7 +23,7 @@ import pickle
 import secrets
 import socket
 import threading
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pathways_jax._src import wire
 from pathways_jax._src.backends.host_link import HostGone
@@ -116,14 +116,15 @@ def answer_value(item: wire.Item) -> Any:
     raise ValueError(f"not an answer: {type(item).__name__}")
 
 
-def _node_ip() -> str | None:
-    """This node's address when the Ray cluster has several nodes (hosts may be elsewhere), else None."""
+def listen_on() -> tuple[Literal["ipc", "tcp"], str]:
+    """Where a channel of this process listens: IPC when the Ray cluster is this one machine, else
+    TCP on this node's address (its peers may be on other nodes)."""
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) <= 1:
-        return None
-    return ray.util.get_node_ip_address() or socket.gethostbyname(socket.gethostname())
+        return "ipc", "127.0.0.1"
+    return "tcp", ray.util.get_node_ip_address() or socket.gethostbyname(socket.gethostname())
 
 
 class ChannelLink:
@@ -131,13 +132,13 @@ class ChannelLink:
 
     name = "channel"
 
-    def __init__(self, *, transport: str | None = None) -> None:
-        ip = _node_ip() if transport is None else ("127.0.0.1" if transport == "tcp" else None)
+    def __init__(self) -> None:
+        transport, ip = listen_on()
         self._key = secrets.token_bytes(32)
         self._server = wire.Server(
             self._key,
-            transport="ipc" if ip is None else "tcp",
-            host=ip or "127.0.0.1",
+            transport=transport,
+            host=ip,
             on_message=self._received,
             send_timeout=_SEND_TIMEOUT_S,
             heartbeat=1.0,

@@ -17,9 +17,11 @@ client process shared with this one (``pw.share``) is named by a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import pickle
 import socket
 import threading
 import time
@@ -28,13 +30,16 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from pathways_jax._src import wire
 from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray_host import Refused, RunFailure, sharding_of
 from pathways_jax._src.core import errors, reentry
 
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
 _JOIN_TIMEOUT_S = 60.0
+_SEND_TIMEOUT_S = 30.0  # a service that takes no batch for this long is stuck (or gone)
 
 
 def connect(address: str | None, *, start: bool = False) -> Any:
@@ -135,6 +140,16 @@ class ServiceBackend(ray_backend.RayBackend):
         for island, why in joined["lost"].items():
             self._mark(int(island), why)
         self._batches = 0
+        self._owed: dict[int, list[concurrent.futures.Future]] = {}  # batch -> its answers' futures
+        self._owed_lock = threading.Lock()
+        endpoint = self.channel = joined["channel"]  # the service's channel, this process's identity there
+        self._peer = wire.Peer(
+            endpoint.address,
+            endpoint.key,
+            identity=endpoint.identity,
+            on_message=self._answered,
+            send_timeout=_SEND_TIMEOUT_S,
+        )
         self._threads = [
             reentry.runtime_thread(self._monitor, name="pathways-service-health"),
             reentry.runtime_thread(self._flush_loop, name="pathways-service-flush"),
@@ -142,15 +157,47 @@ class ServiceBackend(ray_backend.RayBackend):
         for thread in self._threads:
             thread.start()
 
-    def _submit(self, batch: list, meta: dict) -> list:
+    def _submit(self, batch: list, run: wire.RunMeta | None) -> list[concurrent.futures.Future]:
         """Sends a numbered batch to the service; one answer's future per message. Call with ``_lock`` held."""
         seq = self._batches
         self._batches += 1
-        refs = self.service.submit.options(num_returns=len(batch)).remote(self.client_id, seq, batch, meta)
-        return [ref.future() for ref in ([refs] if len(batch) == 1 else refs)]
+        futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in batch]
+        with self._owed_lock:
+            self._owed[seq] = futures
+        try:
+            blob = wire.Blob(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+            self._peer.send(wire.Submit(seq, blob, run))
+        except wire.ChannelError as exc:
+            self._fail_owed(f"its channel refused the message: {exc}")
+        return futures
+
+    def _answered(self, received: wire.Received) -> None:
+        """The service's answers to a batch (the channel's receive thread)."""
+        match received.body:
+            case wire.Answered(seq, answers):
+                with self._owed_lock:
+                    futures = self._owed.pop(seq, None)
+                if futures is None:
+                    return
+                try:
+                    values = pickle.loads(answers.view)
+                except Exception as exc:  # every message of the batch fails, saying why
+                    values = [Refused(f"the service's answer did not decode: {exc}", "gone")] * len(futures)
+                for future, value in zip(futures, values, strict=True):
+                    if not future.done():
+                        future.set_result(value)
+
+    def _fail_owed(self, why: str) -> None:
+        """Every answer still owed fails: the service is gone (or this side closed)."""
+        with self._owed_lock:
+            owed = [f for futures in self._owed.values() for f in futures]
+            self._owed.clear()
+        for future in owed:
+            if not future.done():
+                future.set_exception(HostGone(-1, f"the controller service {self.service_name!r}: {why}"))
 
     def _message(self, host: int, kind: str, *args: Any) -> Any:
-        return self._submit([(host, kind, args)], {"run": False})[0]
+        return self._submit([(host, kind, args)], None)[0]
 
     def _send_run(self, batch: list, run: Any, remote: Any) -> list:
         plan = run.plan
@@ -161,16 +208,15 @@ class ServiceBackend(ray_backend.RayBackend):
                     aval = plan.slot_outputs[slot].aval
                     nbytes[key] = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
         client = run.client
-        meta = {
-            "run": True,
-            "islands": sorted(remote.islands),
-            "uuids": remote.uuids,
-            "nbytes": nbytes,
-            "program": plan.graph.name,
-            "client": getattr(client, "name", ""),
-            "weight": float(getattr(client, "weight", 1.0)),
-            "priority": int(getattr(client, "priority", 0)),
-        }
+        meta = wire.RunMeta(
+            sorted(remote.islands),
+            remote.uuids,
+            nbytes,
+            plan.graph.name,
+            getattr(client, "name", ""),
+            float(getattr(client, "weight", 1.0)),
+            int(getattr(client, "priority", 0)),
+        )
         return self._submit(batch, meta)
 
     def _take_uuids(self, count: int) -> int:
@@ -212,7 +258,7 @@ class ServiceBackend(ray_backend.RayBackend):
     def share(self, key: int, reader: str) -> None:
         """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
         with self._lock:  # in this process's order: after the run that makes the value
-            future = self._submit([(-1, "share", (key, reader))], {"run": False})[0]
+            future = self._submit([(-1, "share", (key, reader))], None)[0]
         answer = future.result(timeout=60.0)
         if isinstance(answer, Refused):
             raise errors.AccessError(f"pw.share: {answer.message}.")
@@ -259,6 +305,7 @@ class ServiceBackend(ray_backend.RayBackend):
                 if self._closed or not self.ray.is_initialized():
                     return
                 if ray_backend.is_lost_error(exc):  # said once: every later call fails saying so too
+                    self._fail_owed("it is gone")
                     logging.warning(
                         "pathways_jax: the controller service %r is gone (%s); this process's programs "
                         "fail until pw.shutdown() and pw.init(...) join a running one.",
@@ -278,6 +325,8 @@ class ServiceBackend(ray_backend.RayBackend):
                 self.ray.get(self.service.leave.remote(self.client_id), timeout=min(timeout or 5.0, 5.0))
             with contextlib.suppress(Exception):
                 self.ray.kill(self._token)
+            self._fail_owed("this process left it")
+            self._peer.close()
         for thread in self._threads:
             if thread is threading.current_thread():
                 continue

@@ -52,11 +52,15 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import pickle
+import secrets
 import time
 from typing import Any
 
 from absl import logging
 
+from pathways_jax._src import wire
+from pathways_jax._src.backends import channel_link
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.ray_host import Refused, RunFailure
 from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
@@ -68,6 +72,8 @@ DEFAULT_WINDOW = 4  # runs in flight per island on the service's hosts
 _KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
 _START_TIMEOUT_S = 180.0
 _DEPARTED_KEPT = 64  # clients that went, still listed in stats
+# How long an answer may wait for a client's channel (a client that stopped reading).
+_ANSWER_TIMEOUT_S = 5.0
 
 
 def host_key(client: int, key: int) -> int:
@@ -84,7 +90,7 @@ class _Batch:
 
     client: int
     messages: list
-    meta: dict
+    run: wire.RunMeta | None  # set for a run
     future: asyncio.Future
     arrival: int = 0
     islands: tuple = ()
@@ -171,6 +177,16 @@ class ServiceActor:
         self._ids = itertools.count(1)
         self._arrival = itertools.count()
         self._ticker: Any = None
+        self._loop: Any = None  # the actor's event loop (set by its first async call)
+        # Clients send their batches on this channel (signed with the service's key).
+        self.key = secrets.token_bytes(32)
+        transport, ip = channel_link.listen_on()
+        self.channel = wire.Server(
+            self.key, transport=transport, host=ip, on_message=self._from_client, send_timeout=30.0
+        )
+        self._by_identity: dict[bytes, _Client] = {}
+        # Signed messages refused all the same: from no joined client, or not a batch.
+        self.refused_batches: collections.Counter[str] = collections.Counter()
 
     # --- clients ---------------------------------------------------------------------------
 
@@ -193,6 +209,7 @@ class ServiceActor:
         }
 
     async def ready(self) -> dict:
+        self._loop = asyncio.get_running_loop()
         return self.info()
 
     async def join(self, name: str, pid: int, node: str, token: Any, x64: bool) -> dict:
@@ -218,8 +235,12 @@ class ServiceActor:
             }
         client = _Client(next(self._ids), name, pid, node, token, time.time())
         self.clients[client.id] = client
-        asyncio.get_running_loop().create_task(self._watch(client))
-        return {"client": client.id, **self.info()}
+        self._loop = asyncio.get_running_loop()
+        self._loop.create_task(self._watch(client))
+        identity = f"client-{client.id}".encode()
+        self._by_identity[identity] = client
+        channel = channel_link.Endpoint(self.channel.address, self.key, identity)
+        return {"client": client.id, "channel": channel, **self.info()}
 
     async def _watch(self, client: _Client) -> None:
         """Waits on the client's token actor: it dies with the client's process."""
@@ -240,6 +261,9 @@ class ServiceActor:
         """A client went: its queued runs are dropped, its values, plans and slices released."""
         client.alive = False
         client.why = why
+        identity = f"client-{client.id}".encode()
+        self._by_identity.pop(identity, None)
+        self.channel.forget(identity)
         refused = Refused(f"client {client.name!r} is gone: {why}", "gone")
         if client.queue:  # the policy forgets the head it may have passed over
             self.chooser.discard(Head(client.id, client.queue[0].arrival))
@@ -292,30 +316,62 @@ class ServiceActor:
 
     # --- batches ---------------------------------------------------------------------------
 
-    async def submit(self, client_id: int, seq: int, messages: list, meta: dict) -> Any:
-        """A client's batch number ``seq``; answered with each message's answer once they are done."""
-        client = self.clients.get(client_id)
-        loop = asyncio.get_running_loop()
-        if client is None or not client.alive:
-            answer = [
-                Refused(f"client {client_id} is not connected to this service (it left or died)", "gone")
-            ]
-            answers = answer * len(messages)
-            return answers[0] if len(messages) == 1 else answers
-        batch = _Batch(client_id, messages, meta, loop.create_future())
+    def _from_client(self, received: wire.Received) -> None:
+        """A message on the service's channel (its receive thread): handled on the actor's loop."""
+        self._loop.call_soon_threadsafe(self._client_message, received)
+
+    def _client_message(self, received: wire.Received) -> None:
+        client = self._by_identity.get(received.peer)
+        if client is None:  # signed with the key, but no client joined under that name
+            self.refused_batches["unknown_client"] += 1
+            return
+        match received.body:
+            case wire.Submit(seq, messages, run):
+                try:
+                    batch = pickle.loads(messages.view)
+                    if not isinstance(batch, list):
+                        raise TypeError(f"a batch is a list of messages, not a {type(batch).__name__}")
+                except Exception as exc:  # signed, but not a batch: refused, counted
+                    self.refused_batches["not_a_batch"] += 1
+                    answers: list = [Refused(f"the batch did not decode: {type(exc).__name__}: {exc}")]
+                    self._answer(received.peer, seq, answers)
+                    return
+                future = self._submit(client, seq, batch, run)
+                peer = received.peer
+                future.add_done_callback(lambda done: self._answer(peer, seq, done.result()))
+            case _:
+                self.refused_batches["not_a_batch"] += 1  # clients send only batches
+
+    def _answer(self, peer: bytes, seq: int, answers: list) -> None:
+        """Sends a client the answers to its batch ``seq`` (a client that went gets nothing)."""
+        if peer not in self._by_identity:
+            return
+        try:
+            blob = wire.Blob(pickle.dumps(answers, protocol=pickle.HIGHEST_PROTOCOL))
+            self.channel.post(peer, wire.Answered(seq, blob), timeout=_ANSWER_TIMEOUT_S)
+        except Exception as exc:
+            logging.warning("pathways_jax service: answering client %r failed: %s", peer, exc)
+
+    def _submit(self, client: _Client, seq: int, messages: list, run: wire.RunMeta | None) -> asyncio.Future:
+        """A client's batch number ``seq``; its future is set to each message's answer once they are done."""
+        batch = _Batch(client.id, messages, run, self._loop.create_future())
+        if not client.alive:
+            gone = Refused(f"client {client.name!r} is not connected to this service ({client.why})", "gone")
+            batch.future.set_result([gone] * len(messages))
+            return batch.future
         client.pending[seq] = batch
         while client.next_seq in client.pending:
             ready = client.pending.pop(client.next_seq)
             client.next_seq += 1
             ready.arrival = next(self._arrival)
             ready.queued_at = time.monotonic()
-            ready.islands = tuple(ready.meta.get("islands", ()))
-            ready.nbytes = sum(ready.meta.get("nbytes", {}).values())
+            if ready.run is not None:
+                ready.islands = tuple(ready.run.islands)
+                ready.nbytes = sum(ready.run.nbytes.values())
             client.queue.append(ready)
             self._activity(client)
         self._pump()
-        answers = await batch.future
-        return answers[0] if len(messages) == 1 else answers
+        return batch.future
 
     async def _tick(self) -> None:
         """Looks at the queues now and then: a run waiting for memory fails in time even when nothing else happens."""
@@ -350,9 +406,9 @@ class ServiceActor:
                 Head(
                     c.id,
                     b.arrival,
-                    int(b.meta.get("priority", 0)),
-                    float(b.meta.get("weight", 1.0)),
-                    c.estimates.get(b.meta.get("program", ""), 0.0),
+                    b.run.priority if b.run else 0,
+                    b.run.weight if b.run else 1.0,
+                    c.estimates.get(b.run.program if b.run else "", 0.0),
                 )
                 for c, b in runs
             ]
@@ -366,7 +422,7 @@ class ServiceActor:
 
     def _activity(self, client: _Client) -> None:
         """Tells the policy when a client's queue of runs fills or empties (fair: no banked credit)."""
-        has_runs = any(b.meta.get("run") for b in client.queue)
+        has_runs = any(b.run is not None for b in client.queue)
         if has_runs and not client.active:
             self.chooser.activate(client.id)
         elif client.active and not has_runs:
@@ -375,14 +431,14 @@ class ServiceActor:
 
     def _unblocked(self, client: _Client) -> list[_Batch]:
         """The client's queued batches other than runs that need none of its queued runs to go first."""
-        if not client.queue or all(b.meta.get("run") for b in client.queue):
+        if not client.queue or all(b.run is not None for b in client.queue):
             return []
         reads: set = set()
         makes: set = set()
         plans: set = set()
         ready = []
         for batch in client.queue:
-            if batch.meta.get("run"):
+            if batch.run is not None:
                 for _host, kind, args in batch.messages:
                     if kind == "run":
                         plans.add(args[0])
@@ -512,10 +568,10 @@ class ServiceActor:
         frees: dict[int, list[int]] = collections.defaultdict(list)
         out: list[tuple[int, str, tuple]] = []
         base = 0
-        if batch.meta.get("run"):
+        if batch.run is not None:
             with self.backend._lock:  # its uuid counter's lock
-                base = self.backend._take_uuids(batch.meta.get("uuids", 0))
-        nbytes = batch.meta.get("nbytes", {})
+                base = self.backend._take_uuids(batch.run.uuids)
+        nbytes = batch.run.nbytes if batch.run is not None else {}
         for host, kind, args in batch.messages:
             if kind == "register":
                 key, ops, constants, blobs, *mode = args  # mode: the client's 64-bit mode
@@ -568,7 +624,7 @@ class ServiceActor:
             refs = [self._send_host(host, kind, *args) for host, kind, args in messages]
             for host, keys in frees.items():
                 self._send_host(host, "free", keys)
-        if not batch.meta.get("run"):
+        if batch.run is None:
             if not any(kind == "fetch" for _host, kind, _args in messages):
                 batch.future.set_result([None] * len(messages))  # answered at once
             else:  # a fetch: with the host's answer
@@ -600,7 +656,7 @@ class ServiceActor:
             await asyncio.get_running_loop().run_in_executor(
                 None, self.backend.mark_lost, lost_host, "its actor died", self.backend._generation[island]
             )
-        if batch.meta.get("run"):
+        if batch.run is not None:
             done = time.monotonic()
             for island in batch.islands:
                 self.in_flight[island] -= 1
@@ -614,13 +670,13 @@ class ServiceActor:
                 if measured and all(isinstance(a, float) for a in measured)
                 else max(done - start, 0.0)
             )
-            program = batch.meta.get("program", "")
+            program = batch.run.program
             estimate = client.estimates.get(program, 0.0)
             # The policy was charged an estimate when the run went: now the difference.
-            self.chooser.charge(client.id, device_s - batch.charged, float(batch.meta.get("weight", 1.0)))
+            self.chooser.charge(client.id, device_s - batch.charged, batch.run.weight)
             client.estimates[program] = device_s if not estimate else 0.8 * estimate + 0.2 * device_s
             client.device_s += device_s
-            name = batch.meta.get("client", client.name)
+            name = batch.run.client or client.name
             client.by_name[name] = client.by_name.get(name, 0.0) + device_s
             client.runs += 1
             if any(isinstance(a, RunFailure) for a in answers):
@@ -678,6 +734,12 @@ class ServiceActor:
             "max_clients": self.max_clients,
             "lost": dict(self.backend.lost),
             "clients": clients,
+            # Frames refused on the clients' channel (forged, replayed, truncated, malformed;
+            # signed ones from no joined client, or not a batch), and on the hosts' channel.
+            "refused": {
+                "clients": {**self.channel.refused, **self.refused_batches},
+                "hosts": self.backend.link.stats().get("refused", {}),
+            },
         }
 
     async def stop(self) -> None:
@@ -686,6 +748,7 @@ class ServiceActor:
             if client.alive:
                 self._drop_client(client, "the service stopped")
         await asyncio.get_running_loop().run_in_executor(None, self.backend.close, 5.0)
+        self.channel.close()
 
 
 class _Refuse(Exception):

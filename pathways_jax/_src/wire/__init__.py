@@ -17,6 +17,7 @@ from pathways_jax._src.wire.channel import ChannelFull as ChannelFull
 from pathways_jax._src.wire.channel import Peer as Peer
 from pathways_jax._src.wire.channel import Received as Received
 from pathways_jax._src.wire.channel import Server as Server
+from pathways_jax._src.wire.messages import Answered as Answered
 from pathways_jax._src.wire.messages import Batch as Batch
 from pathways_jax._src.wire.messages import Blob as Blob
 from pathways_jax._src.wire.messages import Codec as Codec
@@ -32,11 +33,14 @@ from pathways_jax._src.wire.messages import Message as Message
 from pathways_jax._src.wire.messages import Peers as Peers
 from pathways_jax._src.wire.messages import Register as Register
 from pathways_jax._src.wire.messages import Run as Run
+from pathways_jax._src.wire.messages import RunMeta as RunMeta
 from pathways_jax._src.wire.messages import Share as Share
+from pathways_jax._src.wire.messages import Submit as Submit
 
 __all__ = [
     "SERVER",
     "Address",
+    "Answered",
     "Batch",
     "Blob",
     "ChannelClosed",
@@ -57,6 +61,8 @@ __all__ = [
     "Received",
     "Register",
     "Run",
+    "RunMeta",
     "Server",
     "Share",
+    "Submit",
 ]

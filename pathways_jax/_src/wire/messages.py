@@ -20,6 +20,7 @@ from msgspec.msgpack import Ext
 
 __all__ = [
     "INLINE_LIMIT",
+    "Answered",
     "Batch",
     "Blob",
     "Codec",
@@ -34,8 +35,10 @@ __all__ = [
     "Message",
     "Peers",
     "Register",
+    "RunMeta",
     "Run",
     "Share",
+    "Submit",
 ]
 
 # Blobs shorter than this are encoded inside the struct; longer ones get a frame of their own.
@@ -159,13 +162,58 @@ class Fetched(msgspec.Struct, frozen=True, tag=True, array_like=True):
     payload: Blob
 
 
+class RunMeta(msgspec.Struct, frozen=True, array_like=True):
+    """What a controller service's scheduler needs of a client's run."""
+
+    islands: list[int]  # the islands it runs on
+    uuids: int  # transfer numbers it takes
+    nbytes: dict[int, int]  # bytes of each value it keeps, by the client's key
+    program: str
+    client: str  # the pw.client it was submitted under
+    weight: float = 1.0
+    priority: int = 0
+
+
+class Submit(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Client -> service: the client's batch number ``batch`` of host messages.
+
+    ``messages``: pickled ``(host, kind, args)`` triples (the Ray backend's host
+    messages, in the client's keys); ``run``: set when the batch is a run.
+    """
+
+    batch: int
+    messages: Blob
+    run: RunMeta | None = None
+
+
+class Answered(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Service -> client: the answers to batch ``batch``, one per message (pickled list)."""
+
+    batch: int
+    answers: Blob
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Liveness: sent by a channel that has been quiet; consumed by the receiving channel."""
 
     sent_at: float
 
 
-Item: TypeAlias = Register | Run | Fetch | Free | Forget | Share | Peers | Done | Failed | Fetched | Heartbeat
+Item: TypeAlias = (
+    Register
+    | Run
+    | Fetch
+    | Free
+    | Forget
+    | Share
+    | Peers
+    | Done
+    | Failed
+    | Fetched
+    | Submit
+    | Answered
+    | Heartbeat
+)
 
 
 class Batch(msgspec.Struct, frozen=True, tag=True, array_like=True):
