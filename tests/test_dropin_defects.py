@@ -117,3 +117,32 @@ def test_a_donating_data_parallel_step_called_in_a_loop_stays_inside_the_in_flig
             np.array(got_w, np.float32), np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=name
         )
         np.testing.assert_allclose(got_losses, [float(v) for v in losses], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# --- 4. pw.jit of a jax.jit function donates as it does ---------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "options", [{"donate_argnums": 0}, {"donate_argnames": "x"}], ids=["argnums", "argnames"]
+)
+def test_pw_jit_of_a_donating_jax_jit_deletes_its_input_as_jax_jit_does(options):
+    import pathways_jax as pw
+
+    def f(x, y):
+        return x * 2 + y, y - 1
+
+    want_jit = jax.jit(f, **options)
+    got_jit = pw.jit(jax.jit(f, **options))
+    for step in range(2):  # the first call traces, the second takes the cached plan
+        x, y = jnp.arange(8.0) + step, jnp.ones(8)
+        want = want_jit(x, y)
+        assert x.is_deleted() and not y.is_deleted()
+        x = jnp.arange(8.0) + step
+        got = got_jit(x, y)
+        assert x.is_deleted(), "pw.jit(jax.jit(f, donate_...)) left its donated input alive"
+        assert not y.is_deleted()
+        for g, w in zip(got, want, strict=True):
+            value = g.result(timeout=30)
+            assert (value.shape, value.dtype) == (w.shape, w.dtype)
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(w))

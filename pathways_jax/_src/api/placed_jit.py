@@ -480,14 +480,34 @@ def jit(
                 if spec is not None:
                     check_spec(spec, devices, what="in_specs")
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
+    donated, donated_names = _with_jits_donations(
+        fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
+    )
     return JitFunction(
         fun,
         devices,
         in_specs,
         out_specs,
         statics,
-        argnums(fun, donate_argnums, "donate_argnums"),
+        donated,
         static_names,
-        argnames(donate_argnames, "donate_argnames"),
+        donated_names,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
     )
+
+
+def _with_jits_donations(
+    fun: Any, nums: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``nums`` and ``names``, and the donations of ``fun`` itself if it is a ``jax.jit`` function.
+
+    ``pw.jit(jax.jit(step, donate_argnums=0))`` then consumes its first
+    argument as ``jax.jit(step, donate_argnums=0)`` does: the caller's array
+    reads as deleted after the call.
+    """
+    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+    inner = tuple(getattr(info, "donate_argnums", ()) or ())
+    inner_names = tuple(getattr(info, "donate_argnames", ()) or ())
+    if not inner and not inner_names:
+        return nums, names
+    return tuple(sorted({*nums, *inner})), tuple(dict.fromkeys((*names, *inner_names)))
