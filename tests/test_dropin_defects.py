@@ -146,3 +146,39 @@ def test_pw_jit_of_a_donating_jax_jit_deletes_its_input_as_jax_jit_does(options)
             value = g.result(timeout=30)
             assert (value.shape, value.dtype) == (w.shape, w.dtype)
             np.testing.assert_array_equal(np.asarray(value), np.asarray(w))
+
+
+# --- 2. Orbax imported after the first program call --------------------------------------
+
+_ORBAX_AFTER_THE_FIRST_CALL = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import numpy as np
+import pathways_jax as pw
+
+assert "orbax.checkpoint" not in sys.modules
+s = pw.devices(mesh={"x": 2})
+step = pw.jit(lambda w, b: {"w": w * 2 + 1, "b": b - w.sum()}, devices=s, in_specs=(pw.P("x"), None))
+state = step(jnp.arange(8.0), jnp.float32(3.0))
+state["w"].result()
+import orbax.checkpoint as ocp  # only now, after the program was traced and called
+
+ckpt = ocp.StandardCheckpointer()
+ckpt.save(sys.argv[1], state)
+ckpt.wait_until_finished()
+restored = ckpt.restore(sys.argv[1], state)  # a target of futures: their shapes, dtypes, shardings
+print(json.dumps({k: np.asarray(v).tolist() for k, v in restored.items()}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_orbax_imported_after_the_first_program_call_saves_and_restores_futures(tmp_path):
+    # Before: "ValueError: Unsupported type: <class '...Future'>" from the save.
+    proc = _run_python(_ORBAX_AFTER_THE_FIRST_CALL, str(tmp_path / "ckpt"), timeout=100)
+    want = jax.jit(lambda w, b: {"w": w * 2 + 1, "b": b - w.sum()})(jnp.arange(8.0), jnp.float32(3.0))
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(got) == ["b", "w"]
+    for key in got:
+        np.testing.assert_array_equal(np.asarray(got[key], np.float32), np.asarray(want[key]))

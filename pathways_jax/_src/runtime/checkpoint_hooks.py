@@ -5,7 +5,9 @@ handler by a leaf's type (and builds restore arguments from a target's), so a
 checkpoint of a ``TrainState`` of futures raised. Here a future saves as the
 ``jax.Array`` it stands for, and in a restore target gives its shape, dtype
 and sharding. Flax is imported at the first trace (it is cheap, and a
-dependency of the pipelines); orbax only once the user has imported it.
+dependency of the pipelines); orbax only once the user has imported it:
+before the first trace, registered then; after it, registered as its import
+ends (:class:`_AfterOrbaxImport`), so the order of imports does not matter.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib.abc
+import logging
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -36,8 +41,11 @@ def register() -> None:
     and importing ``flax.serialization`` costs about 0.1 s.
     """
     global _FLAX_TAKES_FUTURES
-    if not _ORBAX_TAKES_FUTURES and "orbax.checkpoint" in sys.modules:
-        _register_with_orbax()
+    if not _ORBAX_TAKES_FUTURES:
+        if "orbax.checkpoint" in sys.modules:
+            _register_with_orbax()
+        else:
+            _AfterOrbaxImport.install()
     if _FLAX_TAKES_FUTURES:
         return
     _FLAX_TAKES_FUTURES = True
@@ -49,6 +57,75 @@ def register() -> None:
     serialization.register_serialization_state(
         Future, lambda future: future.result(), lambda _target, state: state, override=True
     )
+
+
+class _AfterOrbaxImport(importlib.abc.MetaPathFinder):
+    """Registers futures with orbax as soon as ``orbax.checkpoint`` finishes importing.
+
+    Orbax imported after a program's first trace (where :func:`register`
+    looks for it) knew no futures: ``StandardCheckpointer().save`` of a state
+    of futures raised "Unsupported type". Python has no post-import hook; this
+    finder, first on ``sys.meta_path`` until orbax is imported, finds
+    ``orbax.checkpoint`` as the other finders do and makes its loader
+    register once the module has run. Registering lazily where orbax looks a
+    handler up is no alternative: that needs orbax's modules patched, which
+    needs them imported. Costs other imports one string comparison; removes
+    itself once orbax is in. A failure to register is logged, never raised
+    into the user's import.
+    """
+
+    _installed: _AfterOrbaxImport | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        with _HOOK_LOCK:
+            if cls._installed is None:
+                cls._installed = cls()
+                sys.meta_path.insert(0, cls._installed)
+
+    @classmethod
+    def remove(cls) -> None:
+        with _HOOK_LOCK:
+            finder, cls._installed = cls._installed, None
+            if finder is not None:
+                with contextlib.suppress(ValueError):
+                    sys.meta_path.remove(finder)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "orbax.checkpoint":
+            return None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        run = getattr(loader, "exec_module", None)
+        if run is None:  # pragma: no cover - a loader of the old protocol: the next trace registers
+            return spec
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _AfterOrbaxImport.remove()
+            try:
+                _register_with_orbax()
+            except Exception as exc:  # the user's import goes on; their saves of futures will say why
+                logging.getLogger(__name__).warning(
+                    "pathways_jax: registering futures with orbax failed: %r", exc
+                )
+
+        try:
+            loader.exec_module = exec_module  # this module's own loader (one per module)
+        except (AttributeError, TypeError):  # pragma: no cover - a loader that takes no attributes
+            return spec
+        return spec
+
+
+_HOOK_LOCK = threading.Lock()
 
 
 def _register_with_orbax() -> None:
