@@ -13,7 +13,11 @@ TPU v4 figures, this project's measured controller and host-message costs).
               computation at which pw-O reaches 95% (and 99%) of jax-O's
               throughput, against host count (paper: 2.3 ms @16 hosts, 35 ms @512);
               again with a host message of --ray_message_ms (what this project's
-              Ray backend pays: a Python Ray actor call per host per run).
+              Ray backend paid: a Python Ray actor call per host per run), and
+              with the host message --channel_profile measured (its ZeroMQ
+              channel's hosts.message_s), sent one after another ("serial", as
+              the runtime does) and down a tree (each sender forwards to
+              --fanout_degree hosts a round: pw.sim.Cluster(fanout="tree")).
   pipeline    a GPipe step of a 3B-parameter model on 128 chips (32 hosts),
               4/8/16 stages and 16-512 microbatches, against SPMD on the same
               chips doing the same device work (paper: 16 stages 131.4k tokens/s
@@ -45,6 +49,13 @@ _MFU = flags.DEFINE_float("mfu", 0.5, "Fraction of peak FLOP/s the models' devic
 _RAY_MESSAGE_MS = flags.DEFINE_float(
     "ray_message_ms", 1.0, "The host message cost of the threshold's Ray variant (a Ray actor call here)."
 )
+_CHANNEL_PROFILE = flags.DEFINE_string(
+    "channel_profile",
+    "cpu_2core",
+    "The profile whose measured hosts.message_s (the runtime's ZeroMQ channel) the threshold's channel "
+    "variants charge.",
+)
+_FANOUT_DEGREE = flags.DEFINE_integer("fanout_degree", 4, "Hosts each sender sends to a round (fanout tree).")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny sizes: only checks the script works.")
 _OUT = flags.DEFINE_string(
     "out", str(pathlib.Path(__file__).resolve().parent / "results"), "Where results go."
@@ -90,13 +101,19 @@ def dispatch_scale(profile, hosts: list[int], chain: int) -> dict:
     return out
 
 
-def amortisation_threshold(profile, hosts: list[int], levels=(0.95, 0.99)) -> dict:
-    """Per host count: the device time of one computation at which pw-O reaches ``level`` x jax-O."""
+def amortisation_threshold(
+    profile, hosts: list[int], levels=(0.95, 0.99), fanout: str = "serial", degree: int = 4
+) -> dict:
+    """Per host count: the device time of one computation at which pw-O reaches ``level`` x jax-O.
+
+    ``fanout``/``degree``: how the controller's messages of a run reach its hosts (from 2 hosts).
+    """
     from pathways_jax import sim
 
     out = {}
     for h in hosts:
-        cluster = sim.Cluster(hosts=h, profile=profile)
+        tree = {"fanout": fanout, "fanout_degree": degree} if h > 1 else {}
+        cluster = sim.Cluster(hosts=h, profile=profile, **tree)
         n = cluster.devices
         launch = profile.device.launch(n)
 
@@ -121,14 +138,19 @@ def amortisation_threshold(profile, hosts: list[int], levels=(0.95, 0.99)) -> di
                 if hi / lo < 1.001:
                     break
             row[f"{level:.0%}"] = (launch + hi) * 1e3  # ms of device time per computation
-        c = profile.controller
-        row["controller_per_run_ms"] = (
-            c.run_s + c.node_s + (h * profile.hosts.message_s if cluster.dispatch == "hosts" else 0.0)
-        ) * 1e3
+        c, hc = profile.controller, profile.hosts
+        if cluster.dispatch == "hosts":
+            messages = len(sim.fanout_tree(range(h), cluster.fanout, cluster.fanout_degree)[-1])
+            per_run = c.run_s + hc.dispatch_s + hc.node_s + messages * hc.message_s
+        else:
+            messages, per_run = 0, c.run_s + c.node_s
+        row["controller_messages"] = messages
+        row["controller_per_run_ms"] = per_run * 1e3
         out[str(h)] = row
         print(
-            f"threshold {h:4d} hosts: 95% at {row['95%']:.3f} ms, 99% at {row['99%']:.3f} ms "
-            f"(controller per run {row['controller_per_run_ms']:.3f} ms)",
+            f"threshold {h:4d} hosts ({fanout}, {hc.message_s * 1e6:.0f} us messages): "
+            + ", ".join(f"{level:.0%} at {row[f'{level:.0%}']:.3f} ms" for level in levels)
+            + f" (controller per run {row['controller_per_run_ms']:.3f} ms, {messages} messages)",
             flush=True,
         )
     return out
@@ -281,8 +303,17 @@ def _plot(report: dict, path: pathlib.Path) -> None:
         label="controller per run",
     )
     r = report["threshold_ray_message"]
-    ray_label = f"95%, with {report['config_ray_message_ms']:g} ms host messages (Ray)"
+    ray_label = f"95%, with {report['config_ray_message_ms']:g} ms host messages (Ray calls)"
     ax.plot(hosts, [r[str(h)]["95%"] for h in hosts], "--", color="C2", label=ray_label)
+    us = report["config_channel_message_us"]
+    for key, style, color, what in (
+        ("threshold_channel", "-.", "C3", "serial"),
+        ("threshold_channel_tree", "-.", "C4", f"tree of {report['config_fanout_degree']}"),
+    ):
+        ax.plot(
+            hosts, [report[key][str(h)]["95%"] for h in hosts], style, color=color,
+            label=f"95%, measured channel ({us:.0f} µs messages), {what}",
+        )  # fmt: skip
     ph = sorted(PAPER["threshold_ms"])
     ax.plot(ph, [PAPER["threshold_ms"][h] for h in ph], "r*", ms=12, label="paper (Pathways)")
     ax.set_xscale("log", base=2)
@@ -330,18 +361,22 @@ def _tables(report: dict) -> str:
             f"| {h} | {r['chips']} | {r['jax-O']:,.0f} | {r['jax-F']:,.0f} | {r['pw-O']:,.0f} | "
             f"{r['pw-C']:,.0f} | {r['pw-F']:,.0f} | {r['pw-C'] / r['jax-O']:.2f}x |"
         )
+    us, k = report["config_channel_message_us"], report["config_fanout_degree"]
     lines += [
         "",
         "| hosts | pw-O at 95% of jax-O (ms) | at 99% (ms) | controller per run (ms) | "
-        f"95% with {report['config_ray_message_ms']:g} ms messages (ms) | paper (ms) |",
+        f"95% with {report['config_ray_message_ms']:g} ms messages (ms) | "
+        f"95%, channel {us:.0f} µs, serial (ms) | 95%, channel, tree of {k} (ms) | paper (ms) |",
     ]
-    lines.append("|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for h, r in report["threshold"].items():
         paper = PAPER["threshold_ms"].get(int(h))
         ray = report["threshold_ray_message"][h]["95%"]
+        serial = report["threshold_channel"][h]["95%"]
+        tree = report["threshold_channel_tree"][h]["95%"]
         lines.append(
             f"| {h} | {r['95%']:.3f} | {r['99%']:.3f} | {r['controller_per_run_ms']:.3f} | {ray:.3g} | "
-            f"{paper if paper is not None else ''} |"
+            f"{serial:.3g} | {tree:.3g} | {paper if paper is not None else ''} |"
         )
     lines += [
         "",
@@ -383,6 +418,22 @@ def main(argv: list[str]) -> None:
     )
     report["threshold_ray_message"] = amortisation_threshold(ray_like, hosts)
     report["config_ray_message_ms"] = _RAY_MESSAGE_MS.value
+    channel = sim.load_profile(_CHANNEL_PROFILE.value)
+    channel_like = dataclasses.replace(
+        profile, hosts=dataclasses.replace(profile.hosts, message_s=channel.hosts.message_s)
+    )
+    degree = _FANOUT_DEGREE.value
+    report["threshold_channel"] = amortisation_threshold(channel_like, hosts, levels=(0.95,))
+    report["threshold_channel_tree"] = amortisation_threshold(
+        channel_like, hosts, levels=(0.95,), fanout="tree", degree=degree
+    )
+    report["config_channel_message_us"] = channel.hosts.message_s * 1e6
+    report["config_channel_profile"] = {
+        "name": channel.name,
+        "measured": channel.meta.get("hosts_measured", channel.meta.get("measured")),
+        "source": channel.sources.get("hosts.message_s", ""),
+    }
+    report["config_fanout_degree"] = degree
     report["pipeline"] = pipeline_vs_spmd(
         profile, [4, 16] if quick else [4, 8, 16], [16] if quick else [16, 64, 256, 512], _MFU.value
     )

@@ -309,6 +309,40 @@ def test_host_messages_grow_with_hosts_and_gang_nodes_wait_for_the_last_host():
         assert result.makespan_s == approx(2 + 2 * hosts + 1 + 10)
 
 
+def test_serial_messages_cost_the_controller_per_host_and_a_tree_per_round():
+    # One SPMD node over every host; the controller's run 1 + node 1, then its messages (2 µs each).
+    # Serial: one message a host, 2 + 2 H. Tree of degree 2: each round, every sender that has the
+    # message (the controller, each host reached) sends it to 2 more: after r rounds 3^r - 1 hosts
+    # have it, the controller sent 2 r messages: 2 + 4 r, for H = 3^r - 1 hosts.
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(run_s=1 * US, node_s=1 * US),
+        hosts=sim.HostCosts(message_s=2 * US, latency_s=3 * US, enqueue_s=1 * US, node_s=1 * US),
+    )
+
+    def busy_us(hosts, **fanout):
+        cluster = sim.Cluster(hosts=hosts, devices_per_host=1, profile=profile, **fanout)
+        result = sim.simulate(cluster, sim.spmd(cluster, 10 * US), record=False)
+        return result.controller_busy * result.makespan_s / US, result.makespan_s
+
+    for rounds in (2, 3, 4, 5):
+        hosts = 3**rounds - 1
+        serial, _ = busy_us(hosts)
+        tree, _ = busy_us(hosts, fanout="tree", fanout_degree=2)
+        assert serial == pytest.approx(2 + 2 * hosts)  # linear in hosts
+        assert tree == pytest.approx(2 + 4 * rounds)  # linear in log3(hosts + 1)
+    # 8 hosts, where the node starts: serial, the last message leaves at 2 + 16 = 18, lands at 21,
+    # host 7 enqueues 21-22, the node runs 22-32. Tree: the controller sends to hosts 0-3 at 2-4,
+    # 4-6, 6-8, 8-10; host 0 (has it at 7) forwards to 4 and 5 at 7-9, 9-11; host 1 (at 9) to 6 and
+    # 7 at 9-11, 11-13; host 7 has it at 16 and enqueues 16-17 (the last): the node runs 17-27.
+    assert busy_us(8)[1] == approx(32)
+    assert busy_us(8, fanout="tree", fanout_degree=2)[1] == approx(27)
+    assert sim._fanout.fanout_tree(range(8), "tree", 2) == {-1: (0, 1, 2, 3), 0: (4, 5), 1: (6, 7)}
+    with pytest.raises(pw.errors.ResourceError, match="fanout must be one of"):
+        sim.Cluster(hosts=2, fanout="star")
+    with pytest.raises(pw.errors.ResourceError, match="dispatch='local' the controller sends no messages"):
+        sim.Cluster(hosts=1, fanout="tree")
+
+
 def test_hosts_sending_runs_pay_their_own_per_run_and_per_node_costs():
     # Sending a run to hosts, the controller pays controller.run_s + hosts.dispatch_s a run and
     # hosts.node_s a node (not controller.node_s): run 1 + 5, 3 nodes x 2, one message 4: 16 µs.
@@ -611,6 +645,10 @@ def test_scale_benchmark_quick_mode_writes_every_figure(tmp_path):
     # The controller's cost a run grows with the hosts it messages: so does the threshold.
     assert report["threshold"]["16"]["95%"] > report["threshold"]["1"]["95%"] > 0
     assert report["threshold_ray_message"]["16"]["95%"] > report["threshold"]["16"]["95%"]
+    # The measured channel's messages: a tree sends fewer from the controller than one per host.
+    serial, tree = report["threshold_channel"]["16"], report["threshold_channel_tree"]["16"]
+    assert serial["controller_messages"] == 16 > tree["controller_messages"]
+    assert serial["95%"] > tree["95%"] > 0
     for row in report["pipeline"]["rows"]:
         assert 0 < row["vs_spmd"] <= row["bubble_bound"] + 1e-9
     assert 0 < report["two_islands"]["rows"][0]["ratio"] < 1

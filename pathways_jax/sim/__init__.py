@@ -29,6 +29,7 @@ from pathways_jax.sim._engine import Workload as Workload
 from pathways_jax.sim._engine import simulate as simulate
 from pathways_jax.sim._errors import ProfileError as ProfileError
 from pathways_jax.sim._errors import SimulatorUnavailable as SimulatorUnavailable
+from pathways_jax.sim._fanout import fanout_tree as fanout_tree
 from pathways_jax.sim._predict import Prediction as Prediction
 from pathways_jax.sim._predict import from_graph as from_graph
 from pathways_jax.sim._predict import predict as predict
@@ -70,6 +71,7 @@ __all__ = [
     "chain",
     "concat",
     "dispatch_mode",
+    "fanout_tree",
     "from_graph",
     "load_profile",
     "pipeline",

@@ -10,6 +10,7 @@ from typing import Literal
 from pathways_jax import errors
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.controller import DEVICE_WINDOW
+from pathways_jax.sim._fanout import FANOUTS, Fanout
 from pathways_jax.sim._profile import Profile, load_profile
 
 Dispatch = Literal["local", "hosts"]
@@ -54,10 +55,19 @@ class Cluster:
         core), where it has them. ``None`` (default): each host and the
         controller have cores of their own. Only with ``dispatch="hosts"`` (on
         the local backend, ``device.shared_cpu`` of the profile models it).
+      fanout: how a run's messages reach its hosts (``dispatch="hosts"``):
+        ``"serial"`` (default, the runtime's way): the controller sends each
+        host its message, one after another; ``"tree"``: the controller sends
+        to ``fanout_degree`` hosts a round and every host reached forwards to
+        as many more, so the controller's messages grow with
+        ``log(hosts)`` and each hop adds its latency (see
+        :mod:`pathways_jax.sim._fanout`).
+      fanout_degree: ``k`` of ``fanout="tree"``: messages each sender sends a round.
 
     Raises:
       ResourceError: a size is not a positive integer, ``islands`` does not divide
-        ``hosts``, or ``cores`` is given with ``dispatch="local"``.
+        ``hosts``, ``cores`` or ``fanout="tree"`` is given with ``dispatch="local"``,
+        or ``fanout`` is not one of ``"serial"``, ``"tree"``.
       ProfileError: the profile cannot be found or read.
 
     Example:
@@ -75,6 +85,8 @@ class Cluster:
     scheduler: str
     device_window: int
     cores: int | None
+    fanout: Fanout
+    fanout_degree: int
 
     def __init__(
         self,
@@ -88,6 +100,8 @@ class Cluster:
         scheduler: Literal["fifo", "fair", "priority"] = "fifo",
         device_window: int | None = None,
         cores: int | None = None,
+        fanout: Fanout = "serial",
+        fanout_degree: int = 4,
     ):
         prof = load_profile(profile)
         hosts = _count("hosts", hosts)
@@ -123,6 +137,13 @@ class Cluster:
                     "pw.sim.Cluster: cores= models hosts that share one machine (dispatch='hosts'); "
                     "with dispatch='local' the profile's device.shared_cpu models the shared cores."
                 )
+        if fanout not in FANOUTS:
+            raise errors.ResourceError(f"pw.sim.Cluster: fanout must be one of {FANOUTS}, got {fanout!r}.")
+        if fanout == "tree" and mode == "local":
+            raise errors.ResourceError(
+                "pw.sim.Cluster: fanout='tree' is how a run's messages reach its hosts (dispatch='hosts'); "
+                "with dispatch='local' the controller sends no messages."
+            )
         for name, value in (
             ("hosts", hosts),
             ("devices_per_host", per_host),
@@ -136,6 +157,8 @@ class Cluster:
                 _count("device_window", DEVICE_WINDOW if device_window is None else device_window),
             ),
             ("cores", cores),
+            ("fanout", fanout),
+            ("fanout_degree", _count("fanout_degree", fanout_degree)),
         ):
             object.__setattr__(self, name, value)
 
@@ -168,5 +191,7 @@ class Cluster:
         return (
             f"sim.Cluster(hosts={self.hosts}, devices_per_host={self.devices_per_host}, "
             f"islands={self.islands}, profile={self.profile.name!r}, dispatch={self.dispatch!r}, "
-            f"in_flight={self.in_flight}" + (f", cores={self.cores})" if self.cores else ")")
+            f"in_flight={self.in_flight}"
+            + (f", cores={self.cores}" if self.cores else "")
+            + (f", fanout='tree', fanout_degree={self.fanout_degree})" if self.fanout == "tree" else ")")
         )

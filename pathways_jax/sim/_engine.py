@@ -17,7 +17,11 @@ What is modelled (each charged from the cluster's :class:`Profile`):
   after its per-node work the controller sends each host the run touches ONE
   message (``hosts.message_s`` each, one after another); it reaches the host
   ``hosts.latency_s`` later, and the host's own thread pays ``hosts.run_s``
-  and ``hosts.enqueue_s`` per step. All hosts enqueue in parallel.
+  and ``hosts.enqueue_s`` per step. All hosts enqueue in parallel. With
+  ``Cluster(fanout="tree")`` the controller sends to ``fanout_degree`` hosts
+  a round and each host reached forwards the message (``hosts.message_s``
+  each, on its own thread, before its own part) to as many more a round
+  (:mod:`pathways_jax.sim._fanout`).
 - **The in-flight window.** ``local``: at most ``in_flight`` windowed
   executables in flight per island, and ``device_window`` single-device
   executables per device; the controller waits when a window is full until it
@@ -73,6 +77,7 @@ from pathways_jax._src.core.timeline import CONTROLLER_PID, TRANSFER_TID
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax.sim._cluster import Cluster
 from pathways_jax.sim._errors import import_simpy
+from pathways_jax.sim._fanout import CONTROLLER, fanout_tree
 from pathways_jax.sim._profile import HostCosts, Profile
 from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step
 
@@ -437,11 +442,12 @@ class _Simulation:
                 f"dispatch {program.name}/{step.name}", "dispatch", start, run, exempt=exempt, node=step.name
             )
         if not local:
-            for h in sorted(per_host):
+            tree = fanout_tree(sorted(per_host), self.cluster.fanout, self.cluster.fanout_degree)
+            for h in tree.get(CONTROLLER, ()):
                 start = env.now
                 yield from self._work(self.host_costs.message_s)
                 self._controller(f"send {program.name} to host {h}", "dispatch", start, run, host=h)
-                env.process(self._host(h, run, per_host[h]))
+                env.process(self._host(h, run, per_host, tree))
         run.dispatch_end = env.now
         run.done = run.items[program.output].done
 
@@ -514,12 +520,19 @@ class _Simulation:
         self.env.process(self._execute(item, waits))
         return item
 
-    def _host(self, host: int, run: _Run, items: list[_Item]) -> Any:
+    def _host(
+        self, host: int, run: _Run, per_host: dict[int, list[_Item]], tree: dict[int, tuple[int, ...]]
+    ) -> Any:
+        """Host ``host`` receives ``run``'s message, forwards it down ``tree``, then enqueues its items."""
         env, cost = self.env, self.host_costs
         yield env.timeout(cost.latency_s)
         with self.host_threads[host].request() as turn:
             yield turn
             start = env.now
+            for child in tree.get(host, ()):  # a fan-out tree's hop: on this host's thread, first
+                yield from self._work(cost.message_s)
+                env.process(self._host(child, run, per_host, tree))
+            items = per_host[host]
             yield from self._work(cost.run_s)
             window, windowed = self.windows[host], self._host_bound
             for item in items:

@@ -66,7 +66,9 @@ class HostCosts:
 
     Attributes:
       message_s: the controller's cost of sending one host its part of a run
-        (serialisation, the RPC call): paid once per host per run, one after another.
+        (serialisation, the send, its answer's share): paid once per host per
+        run, one after another (``Cluster(fanout="tree")``: once per message
+        the controller sends, and by each host per message it forwards).
       latency_s: one-way latency of that message to the host.
       run_s: the host's cost of receiving a run's message.
       enqueue_s: the host's cost of enqueueing one node on its devices.
@@ -176,9 +178,9 @@ class Profile:
         (``Cluster(cores=n)``) pay ``hosts`` while they and the controller fit
         its cores and these from twice as many processes as cores, in
         proportion in between: a process's CPU seconds per unit of work move
-        with the load (on the machine that built ``cpu_2core``, a host's
-        ``enqueue_s`` falls from 8.1 to 2.9 µs and its ``run_s`` rises from
-        619 to 746 µs when no core is idle).
+        with the load (on the machine that built ``cpu_2core``, over the
+        runtime's ZeroMQ channel, a host's ``run_s`` rises from 73 to 114 µs
+        when no core is idle).
       jax_call_s: plain JAX's cost of one jitted call on one host (the
         multi-controller baseline: every host pays it in parallel).
       in_flight: executables in flight per island before the controller waits.
