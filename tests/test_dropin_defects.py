@@ -182,3 +182,58 @@ def test_orbax_imported_after_the_first_program_call_saves_and_restores_futures(
     assert sorted(got) == ["b", "w"]
     for key in got:
         np.testing.assert_array_equal(np.asarray(got[key], np.float32), np.asarray(want[key]))
+
+
+# --- 5. Queued host inputs under a memory budget are bounded in bytes ----------------------
+
+
+@pytest.mark.timeout(120)
+def test_queued_host_inputs_under_a_memory_budget_stay_within_a_byte_bound():
+    import threading
+
+    import pathways_jax as pw
+    from pathways_jax._src.runtime import submission
+    from tests.helpers import wait_for
+
+    budget = 1 << 20  # per device: 8 MiB over the cluster, the bound on staged host inputs
+    cl = pw.init(num_cpu_devices=8, memory_budget=budget, backpressure_timeout=60.0)
+    s = pw.devices(mesh={"x": 1})
+    fill = pw.jit(lambda: jnp.zeros(budget // 4, jnp.int32), devices=s)
+    step = pw.jit(lambda x, i: (x * 2 + i).sum(), devices=s)
+    inputs = [np.arange(16384, dtype=np.int32) + i for i in range(200)]  # 64 KiB each, 12.5 MiB in all
+    reference = jax.jit(lambda x, i: (x * 2 + i).sum())
+    want = [reference(x, i) for i, x in enumerate(inputs)]
+    got: list = []
+
+    def submit():
+        got.extend(step(x, i) for i, x in enumerate(inputs))
+
+    held = fill()  # the device's whole budget: no run is admitted, every call queues
+    held.result(timeout=30)
+    thread = threading.Thread(target=submit, daemon=True)
+    thread.start()
+    staging = lambda: getattr(submission, "host_staging", lambda _: None)(cl)  # noqa: E731
+    # Either all 200 calls queue (no bound: 12.5 MiB of copies held) or the caller waits
+    # for room at the bound.
+    assert wait_for(lambda: not thread.is_alive() or (staging() is not None and staging().waits > 0), 30)
+    with cl.controller._lock:  # what the queued runs hold, counted apart from the bound's own counter
+        queued_bytes = sum(
+            value.nbytes
+            for queue in cl.controller._queues.values()
+            for run in queue
+            for value in run.env
+            if isinstance(value, np.ndarray)
+        )
+    bound = 8 * budget
+    assert 0 < queued_bytes <= bound, f"{queued_bytes} bytes held by queued calls, bound {bound}"
+    assert staging().held <= bound and staging().waits >= 1
+    del held  # the budget frees: the queued runs are admitted and the caller goes on
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert staging().peak <= bound
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        value = g.result(timeout=60)
+        assert (value.shape, value.dtype) == (w.shape, w.dtype)
+        assert int(value) == int(w)
+    assert staging().held == 0  # every run was admitted: its copies left the bound then

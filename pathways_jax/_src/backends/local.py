@@ -76,6 +76,8 @@ class LocalBackend:
             if plan.staged_feeds:  # under a memory budget: host inputs go on devices once admitted
                 for _, slot, sharding in plan.host_feeds:
                     env[slot] = jax.device_put(env[slot], sharding)
+                if run.staged is not None:  # the run is admitted: its host copies leave the bound
+                    run.staged.release()
             for index, step in enumerate(plan.steps):
                 if isinstance(step, ExecStep):
                     if step.windowed:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -12,7 +14,7 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, timeline
+from pathways_jax._src.core import errors, reentry, timeline
 from pathways_jax._src.core.charges import Charge
 from pathways_jax._src.runtime import clients, context
 from pathways_jax._src.runtime.futures import Future
@@ -42,6 +44,7 @@ class Run:
     transient: Charge = ()  # reserved bytes released when the run completes
     blocked_since: float | None = None  # when it first waited for memory
     blocked_ns: int = 0
+    staged: StagedBytes | None = None  # host-input bytes held until admission (under a budget)
     head: Any = (
         None  # how the scheduling policy sees it once queued (a scheduler.Head; cost refreshed when picked)
     )
@@ -62,10 +65,16 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     staged = shipped or plan.staged_feeds
     if plan.host_feeds:
         _guard_host_feeds(plan, leaves)
+    ticket = None
+    if plan.staged_feeds:  # under a memory budget: queued runs hold these copies on the host
+        ticket = _stage(cl, plan, leaves, env)
     for index, slot, sharding in plan.host_feeds:
         leaf = leaves[index]
         if staged:  # shipped with the run's message, or put on devices at admission
-            env[slot] = np.array(leaf, copy=True) if shipped or isinstance(leaf, np.ndarray) else leaf
+            if shipped:
+                env[slot] = np.array(leaf, copy=True)
+            elif not plan.staged_feeds or not isinstance(leaf, np.ndarray):
+                env[slot] = leaf
             continue
         if isinstance(leaf, np.ndarray):
             # The transfer is asynchronous and the caller may change its numpy
@@ -102,10 +111,33 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
             entry.sharding = array.sharding
             store.set_ready(entry, array)
     counters.bump("runs")
-    cl.controller.submit(Run(run_id, plan, env, future_inputs, entries, client=client))
+    cl.controller.submit(Run(run_id, plan, env, future_inputs, entries, client=client, staged=ticket))
     if rec is not None:
         rec.submitted(plan, run_id, t0, owner.client)
     return jax.tree_util.tree_unflatten(plan.graph.out_tree, futures)
+
+
+def _stage(cl: Any, plan: Plan, leaves: list[Any], env: list[Any]) -> StagedBytes | None:
+    """Private copies of the call's NumPy inputs, within the cluster's bound on staged bytes.
+
+    Waits for room first (:class:`HostStaging`): the copies are made only once they fit.
+    Returns what the run holds, released when it is admitted (or its copies are freed).
+    """
+    staging = _staging(cl)
+    feeds = [(index, slot) for index, slot, _ in plan.host_feeds if isinstance(leaves[index], np.ndarray)]
+    ticket = StagedBytes(staging, sum(leaves[index].nbytes for index, _ in feeds))
+    if not ticket.nbytes:
+        return None
+    staging.reserve(ticket.nbytes, plan.graph.name)
+    try:
+        for index, slot in feeds:
+            copy = env[slot] = np.array(leaves[index], copy=True)
+            # A run failed or cancelled before admission frees its copies: their bytes go then.
+            weakref.finalize(copy, ticket.release)
+    except BaseException:
+        ticket.release()
+        raise
+    return ticket
 
 
 def _guard_host_feeds(plan: Plan, leaves: list[Any]) -> None:
@@ -128,6 +160,109 @@ def _guard_host_feeds(plan: Plan, leaves: list[Any]) -> None:
             "is refused. Put it on devices first (jax.device_put), or allow the transfer."
         )
     logging.warning("pathways_jax: host-to-device transfer of %s for program %r", what, plan.graph.name)
+
+
+class HostStaging:
+    """The bytes of host inputs that queued runs hold under a memory budget, and their bound.
+
+    Under a budget a queued run keeps private copies of its NumPy inputs on the
+    host until it is admitted (``plan.staged_feeds``). ``max_queued`` alone
+    bounded them by runs, not bytes: 1,500 calls with a 1 MiB input under an
+    8 MiB budget held about a gigabyte. Now a call waits (on the caller's
+    thread, as for ``max_queued``) until the copies held by all queued runs
+    and its own fit in :attr:`bound`: the budget summed over the cluster's
+    devices. A call whose inputs alone exceed it goes once nothing else is
+    held. A run's bytes are released when the backend puts its inputs on
+    devices (admission), or when its copies are freed before that (the run
+    failed or was cancelled).
+
+    Attributes:
+      bound: bytes the copies may take together.
+      held: bytes held now.
+      peak: the most held at once.
+      waits: calls that waited for room.
+    """
+
+    def __init__(self, bound: int, timeout: float | None):
+        self.bound = bound
+        self.timeout = timeout
+        self.held = 0
+        self.peak = 0
+        self.waits = 0
+        # Reentrant: a copy can be freed (and released) by a garbage collection that runs
+        # while this thread holds the lock.
+        self._room = threading.Condition(threading.RLock())
+
+    def reserve(self, nbytes: int, program: str) -> None:
+        """Adds ``nbytes``, first waiting until they fit; raises ``BackPressureTimeout`` on timeout."""
+        if nbytes <= 0:
+            return
+        with self._room:
+            if self.held and self.held + nbytes > self.bound and not reentry.inside.depth:
+                # The runtime's own threads (a host callback calling a program) never wait here.
+                self.waits += 1
+                fits = self._room.wait_for(
+                    lambda: not self.held or self.held + nbytes <= self.bound, timeout=self.timeout
+                )
+                if not fits:
+                    raise errors.BackPressureTimeout(
+                        f"program {program!r}: a call with {nbytes} bytes of NumPy inputs waited "
+                        f"{self.timeout}s (backpressure_timeout) while queued runs held {self.held} bytes of "
+                        f"host inputs, at most {self.bound} under the memory budget (its bytes over all "
+                        "devices). Wait for results before submitting more, drop futures you no longer "
+                        "need so that queued runs are admitted, or raise memory_budget."
+                    )
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def release(self, ticket: StagedBytes) -> None:
+        """Gives back what ``ticket`` holds (once: the first caller does)."""
+        with self._room:
+            if ticket.staging is None:
+                return
+            ticket.staging = None
+            self.held -= ticket.nbytes
+            self._room.notify_all()
+
+
+class StagedBytes:
+    """The host-input bytes one queued run holds against :class:`HostStaging`; released once.
+
+    Released when the backend puts the run's inputs on devices (admission), or
+    when its copies are freed first (the run failed or was cancelled).
+    """
+
+    __slots__ = ("nbytes", "staging")
+
+    def __init__(self, staging: HostStaging, nbytes: int):
+        self.staging: HostStaging | None = staging
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        staging = self.staging
+        if staging is not None:
+            staging.release(self)
+
+
+_STAGING: weakref.WeakKeyDictionary[Any, HostStaging] = weakref.WeakKeyDictionary()
+_STAGING_LOCK = threading.Lock()
+
+
+def _staging(cl: Any) -> HostStaging:
+    """The cluster's :class:`HostStaging` (made at its first staged call)."""
+    staging = _STAGING.get(cl)
+    if staging is None:
+        with _STAGING_LOCK:
+            staging = _STAGING.get(cl)
+            if staging is None:
+                budget = cl.store.budget
+                staging = _STAGING[cl] = HostStaging(sum(budget.limits.values()), cl.backpressure_timeout)
+    return staging
+
+
+def host_staging(cl: Any) -> HostStaging | None:
+    """The cluster's :class:`HostStaging`, if a call has staged host inputs yet (for tests and stats)."""
+    return _STAGING.get(cl)
 
 
 _AFTER_EXIT: dict[str, ObjectStore] = {}
@@ -161,4 +296,4 @@ def computed(tree: Any, origin: str, is_leaf: Any = None) -> Any:
     return jax.tree_util.tree_map(future, tree, is_leaf=is_leaf)
 
 
-__all__ = ["Run", "computed", "submit"]
+__all__ = ["HostStaging", "Run", "computed", "host_staging", "submit"]
