@@ -28,7 +28,7 @@ TPU v4 figures, this project's measured controller and host-message costs).
 
 Writes benchmarks/results/sim_scale.json and sim_scale.png.
 
-  python benchmarks/sim_scale.py           # about a minute
+  python benchmarks/sim_scale.py           # a few minutes
   python benchmarks/sim_scale.py --quick   # seconds; used by the test suite
 """
 
