@@ -27,7 +27,7 @@ from typing import Any, Literal, NamedTuple
 
 from pathways_jax._src import wire
 from pathways_jax._src.backends.host_link import HostGone
-from pathways_jax._src.backends.ray_host import RunFailure, _Error
+from pathways_jax._src.backends.ray_host import RunDone, RunFailure, _Error
 
 _SEND_TIMEOUT_S = 30.0  # a host that takes no message for this long is stuck (or gone)
 
@@ -95,6 +95,8 @@ def answer_message(seq: int, value: Any) -> wire.Item:
     match value:
         case None | float():
             return wire.Done(seq, value)
+        case RunDone(device_s, values):
+            return wire.Done(seq, device_s, _blob(values))
         case RunFailure(kind, peer, message, trace, peers):
             return wire.Failed(seq, kind, peer, message, trace, list(peers))
         case _Error():
@@ -105,8 +107,10 @@ def answer_message(seq: int, value: Any) -> wire.Item:
 def answer_value(item: wire.Item) -> Any:
     """The host's answer as the Ray backend reads it."""
     match item:
-        case wire.Done(_, value):
+        case wire.Done(_, value, None):
             return value
+        case wire.Done(_, float() as value, wire.Blob() as values):
+            return RunDone(value, _unblob(values))
         case wire.Failed(_, "message", _, message, trace):
             return _Error(message, trace)
         case wire.Failed(_, kind, peer, message, trace, peers):

@@ -69,6 +69,7 @@ from pathways_jax._src.backends.ray_host import (
     PutOp,
     Refused,
     Role,
+    RunDone,
     RunFailure,
     ShardingDesc,
     Shards,
@@ -334,13 +335,30 @@ class RemoteArray:
             self.block_until_ready()
             if self.key is None:  # a completion marker: no value of its own
                 raise errors.PathwaysError(f"{self!r} holds no value to fetch.")
-            data = self.backend.fetch(self.hosts, self.key, self.generation)
+            data = self._small()
+            if data is None:
+                data = self.backend.fetch(self.hosts, self.key, self.generation)
             counters.bump("fetches")
             value = jax.device_put(data, self.sharding)
             if getattr(self.aval, "weak_type", False):  # as the host's array was: weakly typed
                 value = arrays.remade(value, aval=value.aval.update(weak_type=True))
             self._value = value
         return self._value
+
+    def _small(self) -> Any:
+        """The value if it came back with its run's completion (small, on one host), else None."""
+        if len(self.dones) != 1 or not isinstance(self.key, int):
+            return None
+        answer = self.dones[0].result()
+        if isinstance(answer, RunDone):
+            data = answer.values.get(self.key)
+            if data is not None:
+                return (
+                    data
+                    if not isinstance(data, KeyData)
+                    else jax.random.wrap_key_data(data.data, impl=data.impl)
+                )
+        return None
 
     def __del__(self) -> None:
         try:
@@ -1088,7 +1106,7 @@ class RayBackend:
             if lost is not None:
                 return lost
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
-        if status is None or isinstance(status, float):  # done (a host says in how much device time)
+        if status is None or isinstance(status, float | RunDone):  # done (in how much device time)
             return None
         if isinstance(status, Refused):  # the controller service refused the run: it touched nothing
             return refusal(status)

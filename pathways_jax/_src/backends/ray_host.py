@@ -168,6 +168,22 @@ class RunFailure(NamedTuple):
     peers: tuple[int, ...] = ()  # the hosts this run pulled values from
 
 
+class RunDone(NamedTuple):
+    """A host's part of a run completed: its device time, and its small kept values.
+
+    ``values``: each kept value of at most :data:`SMALL_BYTES` held whole on
+    this host, as the controller would fetch it (key -> numpy array or
+    :class:`KeyData`), so reading it costs no round trip.
+    """
+
+    device_s: float
+    values: dict[int, Any]
+
+
+# Kept values up to this size come back with the run's completion (a loss, a metric).
+SMALL_BYTES = 64
+
+
 class Refused(NamedTuple):
     """The controller service's answer to a message it would not forward (a handle not the sender's)."""
 
@@ -585,10 +601,14 @@ class Host:
             self._abandon(ops, step + 1 if step >= 0 else 0, base, message)
             self._answer(future, RunFailure("error", None, message, _trace(exc), tuple(sorted(peers))))
             return
+        small = []
         for slot, value_key in keep:
-            self.values[value_key] = env[slot]
-            made.append(env[slot])
-        self._done.put(("run", made, future, (tuple(sorted(peers)), enqueued)))
+            value = env[slot]
+            self.values[value_key] = value
+            made.append(value)
+            if _small(value):
+                small.append((value_key, value))
+        self._done.put(("run", made, future, (tuple(sorted(peers)), enqueued, small)))
 
     def _step(self, op: Op) -> Any:
         """``op`` as a function ``(env, base, made, peers)`` run for each run of its plan.
@@ -848,8 +868,8 @@ class Host:
                     result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
                 self._answer(future, result)
                 continue
-            peers, enqueued = peers
-            status: RunFailure | float | None = None
+            peers, enqueued, small = peers
+            status: RunFailure | RunDone | float | None = None
             try:
                 # Newest first: once it is done the older ones mostly are, so this
                 # thread wakes about once per run, not once per array.
@@ -869,8 +889,12 @@ class Host:
                 # Success is the run's device time here: from when its work was
                 # enqueued or the previous run ended, whichever is later, to its end.
                 now = time.monotonic()
-                status = now - max(enqueued, self._last_done)
+                device_s = now - max(enqueued, self._last_done)
+                status = device_s
                 self._last_done = now
+                if small:  # read later, by a fetch, if it cannot be read now (the fetch says why)
+                    with contextlib.suppress(Exception):
+                        status = RunDone(device_s, {key: _readable(value, np) for key, value in small})
             self._answer(future, status)
 
 
@@ -897,6 +921,14 @@ def _wrap_key(data: Any, impl: str) -> Any:
     import jax
 
     return jax.random.wrap_key_data(data, impl=impl)
+
+
+def _small(value: Any) -> bool:
+    """Whether a kept value comes back with its run's completion: small, and whole on this host."""
+    try:
+        return value.size * value.dtype.itemsize <= SMALL_BYTES and value.is_fully_addressable
+    except Exception:  # typed keys (no itemsize) and the like: fetched when asked for
+        return False
 
 
 def _readable(value: Any, np: Any) -> Any:

@@ -62,7 +62,7 @@ from absl import logging
 from pathways_jax._src import wire
 from pathways_jax._src.backends import channel_link
 from pathways_jax._src.backends import ray as ray_backend
-from pathways_jax._src.backends.ray_host import Refused, RunFailure
+from pathways_jax._src.backends.ray_host import Refused, RunDone, RunFailure
 from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
 from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import scheduler as scheduler_lib
@@ -664,12 +664,23 @@ class ServiceActor:
             start = max(sent, self.busy_until.get(first, 0.0))
             self.busy_until[first] = done
             # The hosts measure it (see ray_host's completer); a failed run: as seen from here.
-            measured = [a for a, (_h, kind, _a) in zip(answers, messages, strict=True) if kind == "run"]
+            measured = [
+                a.device_s if isinstance(a, RunDone) else a
+                for a, (_h, kind, _a) in zip(answers, messages, strict=True)
+                if kind == "run"
+            ]
             device_s = (
                 max(measured)
                 if measured and all(isinstance(a, float) for a in measured)
                 else max(done - start, 0.0)
             )
+            # Small values that came with the completion, in the client's keys.
+            answers = [
+                RunDone(a.device_s, {key - host_key(client.id, 0): v for key, v in a.values.items()})
+                if isinstance(a, RunDone)
+                else a
+                for a in answers
+            ]
             program = batch.run.program
             estimate = client.estimates.get(program, 0.0)
             # The policy was charged an estimate when the run went: now the difference.

@@ -370,7 +370,10 @@ class _Channel:
         delay = 20e-6
         while True:
             try:
-                self._send_sock.send_multipart(parts, zmq.NOBLOCK, copy=not buffers)
+                # Copied into ZeroMQ's own memory: a zero-copy frame's Python buffer can be
+                # freed under ZeroMQ's I/O thread at interpreter exit (libzmq then aborts the
+                # process: "Bad address (src/tcp.cpp)"), with a message to a host still queued.
+                self._send_sock.send_multipart(parts, zmq.NOBLOCK, copy=True)
                 break
             except zmq.Again:
                 why = "its queue is full (a slow or stopped reader)"

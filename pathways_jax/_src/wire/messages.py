@@ -138,10 +138,15 @@ class Peers(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class Done(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """The request numbered ``seq`` completed; ``value`` e.g. measured device seconds."""
+    """The request numbered ``seq`` completed; ``value`` e.g. measured device seconds.
+
+    ``values``: small results that ride along with the completion (pickled), so
+    that reading them costs no round trip.
+    """
 
     seq: int
     value: float | None = None
+    values: Blob | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True, array_like=True):
