@@ -518,6 +518,15 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         assert time.monotonic() - started < 15
     with pytest.raises(pw.errors.ClusterError, match="no controller service"):
         pw.service("test-dies")
+    # Started again under its name (a new channel, a new key): a client joins it and runs exactly.
+    again = pw.serve("test-dies", hosts=1)
+    try:
+        pw.init(backend="ray", address=again.address, service=again.name)
+        step = pw.jit(lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 1}))
+        np.testing.assert_array_equal(step(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) * 2 + 1)
+        pw.shutdown()
+    finally:
+        again.stop()
 
 
 def test_a_host_lost_under_the_service_fails_its_runs_and_the_next_call_moves(ray_cluster):

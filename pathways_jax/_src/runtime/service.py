@@ -84,6 +84,26 @@ def host_key(client: int, key: int) -> int:
 # --- the service (a detached Ray actor) -----------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    """A controller service's settings (``pw.serve``'s arguments, and the 64-bit mode it runs in)."""
+
+    name: str
+    hosts: int
+    devices_per_host: int
+    islands: int | None
+    platform: str
+    replace_lost_hosts: bool
+    scheduler: str
+    window: int
+    max_clients: int | None
+    memory_budget: int | None
+    backpressure_timeout: float | None
+    starvation_limit: int
+    max_in_flight: int
+    x64: bool
+
+
 @dataclasses.dataclass(eq=False)
 class _Batch:
     """A client's numbered batch: messages (host, kind, args) and what the scheduler needs."""
@@ -139,35 +159,35 @@ class _Client:
 class ServiceActor:
     """The controller service's actor (made with ``ray.remote`` by :func:`serve`)."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: ServiceConfig):
         import jax
 
         # A fresh worker process: the stand-in devices can still be set.
-        total = config["hosts"] * config["devices_per_host"]
+        total = config.hosts * config.devices_per_host
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", total)
-        jax.config.update("jax_enable_x64", bool(config["x64"]))
+        jax.config.update("jax_enable_x64", bool(config.x64))
         self.config = config
         standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
         self.backend = ray_backend.RayBackend(
             address=None,
-            hosts=config["hosts"],
-            devices_per_host=config["devices_per_host"],
+            hosts=config.hosts,
+            devices_per_host=config.devices_per_host,
             standins=standins[:total],
-            window=config["max_in_flight"],
+            window=config.max_in_flight,
             on_lost=None,
-            islands=config["islands"],
-            platform=config["platform"],
-            replace_lost=config["replace_lost_hosts"],
+            islands=config.islands,
+            platform=config.platform,
+            replace_lost=config.replace_lost_hosts,
         )
         self.layout = self.backend.layout
-        self.window = config["window"]
-        self.policy = config["scheduler"]
+        self.window = config.window
+        self.policy = config.scheduler
         # The in-process controller's policies (runtime/scheduler.py), keyed by client process.
-        self.chooser = scheduler_lib.make(self.policy, starvation_limit=config["starvation_limit"])
-        self.max_clients = config["max_clients"]
-        self.memory_budget = config["memory_budget"]
-        self.backpressure_timeout = config["backpressure_timeout"]
+        self.chooser = scheduler_lib.make(self.policy, starvation_limit=config.starvation_limit)
+        self.max_clients = config.max_clients
+        self.memory_budget = config.memory_budget
+        self.backpressure_timeout = config.backpressure_timeout
         self.clients: dict[int, _Client] = {}
         self.values: dict[int, _Value] = {}
         self.in_flight: collections.Counter[int] = collections.Counter()
@@ -194,12 +214,12 @@ class ServiceActor:
         """What a client needs to lower for the service's hosts."""
         backend = self.backend
         return {
-            "name": self.config["name"],
+            "name": self.config.name,
             "hosts": self.layout.hosts,
             "devices_per_host": self.layout.devices_per_host,
             "per_island": self.layout.per_island,
-            "platform": self.config["platform"],
-            "x64": self.config["x64"],
+            "platform": self.config.platform,
+            "x64": self.config.x64,
             "scheduler": self.policy,
             "window": self.window,
             "generations": list(backend._generation),
@@ -228,9 +248,9 @@ class ServiceActor:
                 "refused": f"a client process named {name!r} is connected already (pw.share names clients "
                 "by name): give this one another client_name"
             }
-        if bool(x64) != bool(self.config["x64"]):
+        if bool(x64) != bool(self.config.x64):
             return {
-                "refused": f"the service runs with jax_enable_x64={self.config['x64']}, this process with "
+                "refused": f"the service runs with jax_enable_x64={self.config.x64}, this process with "
                 f"{x64}: their computations would not match"
             }
         client = _Client(next(self._ids), name, pid, node, token, time.time())
@@ -733,7 +753,7 @@ class ServiceActor:
                 "slices": {k: list(v) for k, v in c.slices.items()},
             }
         return {
-            "name": self.config["name"],
+            "name": self.config.name,
             "elapsed_s": elapsed,
             "scheduler": self.policy,
             "window": self.window,
@@ -889,22 +909,22 @@ def serve(
             f"a controller service named {name!r} is already running in this Ray cluster; join it with "
             f"pw.init(backend='ray', service={name!r}), or stop it first (pw.service({name!r}).stop())."
         )
-    config = {
-        "name": name,
-        "hosts": hosts,
-        "devices_per_host": devices_per_host,
-        "islands": islands,
-        "platform": platform,
-        "replace_lost_hosts": replace_lost_hosts,
-        "scheduler": scheduler,
-        "window": window,
-        "max_clients": max_clients,
-        "memory_budget": memory_budget,
-        "backpressure_timeout": backpressure_timeout,
-        "starvation_limit": starvation_limit,
-        "max_in_flight": max_in_flight,
-        "x64": bool(jax.config.read("jax_enable_x64")),
-    }
+    config = ServiceConfig(
+        name=name,
+        hosts=hosts,
+        devices_per_host=devices_per_host,
+        islands=islands,
+        platform=platform,
+        replace_lost_hosts=replace_lost_hosts,
+        scheduler=scheduler,
+        window=window,
+        max_clients=max_clients,
+        memory_budget=memory_budget,
+        backpressure_timeout=backpressure_timeout,
+        starvation_limit=starvation_limit,
+        max_in_flight=max_in_flight,
+        x64=bool(jax.config.read("jax_enable_x64")),
+    )
     actor = (
         ray.remote(ServiceActor)
         .options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=10000)
