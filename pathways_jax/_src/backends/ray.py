@@ -346,8 +346,16 @@ class RemoteArray:
         return self._value
 
     def _small(self) -> Any:
-        """The value if it came back with its run's completion (small, on one host), else None."""
+        """The value if it came back with its run's completion (small, on one host), else None.
+
+        A value of a host since lost is read as any other is (it raises HostLostError): values
+        live on their hosts, and the copy that came along only saves the round trip.
+        """
         if len(self.dones) != 1 or not isinstance(self.key, int):
+            return None
+        backend = self.backend
+        island = backend.layout.island_of(self.hosts[0])
+        if island in backend.lost or backend._generation[island] != self.generation:
             return None
         answer = self.dones[0].result()
         if isinstance(answer, RunDone):
