@@ -420,8 +420,15 @@ class Host:
         """A message from the controller's channel (its receive thread), numbered in arrival order.
 
         The channel delivers one connection's messages in the order they were
-        sent, and refuses replayed ones: arrival order is the controller's.
+        sent, and refuses replayed ones: arrival order is the controller's. A
+        fetch of a value that is here and computed is answered at once, on the
+        channel's thread: nothing it could wait for in the queue changes it.
         """
+        if kind == "fetch":
+            value = self.values.get(args[0])
+            if value is not None and _ready(value):
+                self._answer(seq, self._read(value))
+                return
         with self._queue_cv:
             self._queue[self._next_arrival] = (kind, args, seq)
             self._next_arrival += 1
@@ -484,9 +491,21 @@ class Host:
             except BaseException as exc:  # the message fails, the host keeps serving
                 result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
             if kind == "fetch" and not isinstance(result, _Error):
-                self._done.put(("fetch", result, future, ()))
+                if _ready(result):  # answered here: no hand-off to the completer
+                    self._answer(future, self._read(result))
+                else:
+                    self._done.put(("fetch", result, future, ()))
             else:
                 self._answer(future, result)
+
+    def _read(self, value: Any) -> Any:
+        """A kept value as its fetch's answer (what cannot be read answers as an error)."""
+        import numpy as np
+
+        try:
+            return _readable(value, np)
+        except Exception as exc:
+            return _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
 
     def _peers(self, addresses: dict[int, str]) -> None:
         """The transfer server of every host (numbered: a new host's address comes in order).
@@ -862,11 +881,7 @@ class Host:
         while True:
             kind, what, future, peers = self._done.take()
             if kind == "fetch":
-                try:
-                    result: Any = _readable(what, np)
-                except Exception as exc:
-                    result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
-                self._answer(future, result)
+                self._answer(future, self._read(what))
                 continue
             peers, enqueued, small = peers
             status: RunFailure | RunDone | float | None = None
@@ -921,6 +936,14 @@ def _wrap_key(data: Any, impl: str) -> Any:
     import jax
 
     return jax.random.wrap_key_data(data, impl=impl)
+
+
+def _ready(value: Any) -> bool:
+    """Whether a value's computation is over (a value that cannot say is taken as not)."""
+    try:
+        return bool(value.is_ready())
+    except Exception:
+        return False
 
 
 def _small(value: Any) -> bool:
