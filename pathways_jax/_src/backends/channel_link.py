@@ -30,6 +30,9 @@ from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray_host import RunDone, RunFailure, _Error
 
 _SEND_TIMEOUT_S = 30.0  # a host that takes no message for this long is stuck (or gone)
+# A host heard from before that takes no message for this long is gone: its connection closed
+# (the controller's send holds the backend's lock: it must not wait long for a dead host).
+_CONNECTED_SEND_TIMEOUT_S = 2.0
 
 
 class Endpoint(NamedTuple):
@@ -153,6 +156,7 @@ class ChannelLink:
         # (identity, seq) -> the future of its answer; answers that came before their future
         self._owed: dict[tuple[bytes, int], concurrent.futures.Future] = {}
         self._early: dict[tuple[bytes, int], Any] = {}
+        self._gone: set[bytes] = set()  # identities of hosts lost or replaced
         self.messages = 0
         self.batches = 0
 
@@ -178,8 +182,16 @@ class ChannelLink:
         identity = self._identity[host]
         items = [encode(kind, args) for _seq, kind, args in messages]
         futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in items]
+        if identity in self._gone:
+            for future in futures:
+                future.set_exception(HostGone(host, "it was lost"))
+            return futures
+        # A host not heard from yet may still be connecting: it gets longer.
+        heard = self._server.last_heard(identity) is not None
         try:
-            first = self._server.send_many(identity, items)
+            first = self._server.send_many(
+                identity, items, timeout=_CONNECTED_SEND_TIMEOUT_S if heard else _SEND_TIMEOUT_S
+            )
         except wire.ChannelError as exc:
             for future in futures:
                 future.set_exception(HostGone(host, f"its channel refused the message: {exc}"))
@@ -221,6 +233,7 @@ class ChannelLink:
 
     def _fail(self, identity: bytes, exc: BaseException) -> None:
         with self._lock:
+            self._gone.add(identity)
             owed = [key for key in self._owed if key[0] == identity]
             futures = [self._owed.pop(key) for key in owed]
             for key in [key for key in self._early if key[0] == identity]:

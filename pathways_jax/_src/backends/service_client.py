@@ -39,7 +39,7 @@ from pathways_jax._src.core import errors, reentry
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
 _JOIN_TIMEOUT_S = 60.0
-_SEND_TIMEOUT_S = 30.0  # a service that takes no batch for this long is stuck (or gone)
+_SEND_TIMEOUT_S = 10.0  # a service that takes no batch for this long is stuck (or gone)
 
 
 def connect(address: str | None, *, start: bool = False) -> Any:
