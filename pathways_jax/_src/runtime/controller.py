@@ -177,6 +177,9 @@ class Controller:
             and (self._budget is None or threading.get_ident() != MAIN_THREAD)
             and self._dispatch.acquire(blocking=False)
         ):
+            if self._stopped:  # stop() ran between the check above and here: it no longer waits for us
+                self._dispatch.release()
+                raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
             inside = reentry.inside
             inside.depth += 1
             try:
