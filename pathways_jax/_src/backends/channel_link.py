@@ -199,17 +199,19 @@ class ChannelLink:
         self.messages += len(items)
         self.batches += 1
         with self._lock:
+            gone = identity in self._gone  # lost while this was being sent: nothing will answer
             for index, future in enumerate(futures):
                 key = (identity, first + index)
                 if key in self._early:
                     _settle(future, self._early.pop(key))
+                elif gone:
+                    future.set_exception(HostGone(host, "it was lost"))
                 else:
                     self._owed[key] = future
         return futures
 
     def _received(self, received: wire.Received) -> None:
         """An answer from a host (the channel's receive thread)."""
-        key = (received.peer, received.seq)
         match received.body:
             case wire.Done(seq) | wire.Failed(seq) | wire.Fetched(seq):
                 key = (received.peer, seq)

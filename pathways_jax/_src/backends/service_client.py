@@ -142,6 +142,7 @@ class ServiceBackend(ray_backend.RayBackend):
         self._batches = 0
         self._owed: dict[int, list[concurrent.futures.Future]] = {}  # batch -> its answers' futures
         self._owed_lock = threading.Lock()
+        self._gone: str | None = None  # why the service will answer nothing more
         endpoint = self.channel = joined["channel"]  # the service's channel, this process's identity there
         self._peer = wire.Peer(
             endpoint.address,
@@ -163,12 +164,24 @@ class ServiceBackend(ray_backend.RayBackend):
         self._batches += 1
         futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in batch]
         with self._owed_lock:
+            if self._gone is not None:  # nothing will answer
+                for future in futures:
+                    future.set_exception(
+                        HostGone(-1, f"the controller service {self.service_name!r}: {self._gone}")
+                    )
+                return futures
             self._owed[seq] = futures
         try:
             blob = wire.Blob(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
             self._peer.send(wire.Submit(seq, blob, run))
-        except wire.ChannelError as exc:
-            self._fail_owed(f"its channel refused the message: {exc}")
+        except wire.ChannelError as exc:  # this batch fails; the health monitor says if the service went
+            with self._owed_lock:
+                self._owed.pop(seq, None)
+            for future in futures:
+                if not future.done():
+                    future.set_exception(
+                        HostGone(-1, f"the controller service {self.service_name!r} took no message: {exc}")
+                    )
         return futures
 
     def _answered(self, received: wire.Received) -> None:
@@ -188,8 +201,9 @@ class ServiceBackend(ray_backend.RayBackend):
                         future.set_result(value)
 
     def _fail_owed(self, why: str) -> None:
-        """Every answer still owed fails: the service is gone (or this side closed)."""
+        """Every answer still owed fails, and every later one: the service is gone (or this side closed)."""
         with self._owed_lock:
+            self._gone = why
             owed = [f for futures in self._owed.values() for f in futures]
             self._owed.clear()
         for future in owed:
