@@ -383,3 +383,30 @@ def test_hosts_are_messaged_over_the_channel_and_a_small_result_needs_no_fetch(r
     assert_matches(large, x * 3)
     assert link.stats()["messages"] == sent + 1
     assert link.stats()["refused"] == {}
+
+
+def test_the_ray_call_link_still_serves_as_a_second_link(ray_cluster, monkeypatch):
+    # The backend reaches its hosts only through its Link: the one Ray actor call a message
+    # link (the transport before the channel) runs the same programs, exactly.
+    from pathways_jax._src.backends import host_link
+    from pathways_jax._src.backends import ray as ray_backend
+
+    monkeypatch.setattr(ray_backend, "make_link", lambda transport: host_link.RayCallLink())
+    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    assert cluster.remote.link.stats()["transport"] == "ray"
+    a = pw.devices(mesh={"x": 1}, island=0)
+    b = pw.devices(mesh={"x": 1}, island=1)
+
+    @pw.program
+    def step(x):
+        with a:
+            h = jnp.sin(x) * 2
+        with b:
+            return h.sum() + 1, h * 3
+
+    x = jnp.arange(8.0)
+    total, scaled = step(x)
+    want_total, want_scaled = jax.jit(lambda v: ((jnp.sin(v) * 2).sum() + 1, jnp.sin(v) * 6))(x)
+    assert_matches(total, want_total)
+    assert_matches(scaled, want_scaled)
+    assert cluster.remote.link.stats()["messages"] >= 4  # registrations and runs, one call each

@@ -6,8 +6,8 @@ controller service, which runs one) holds a link by composition and never
 touches its transport:
 
 - :class:`RayCallLink`: one Ray actor call per message (about 1 ms and
-  350-650 µs of CPU on each side here). Kept as the baseline the benchmarks
-  measure the channel against (``pw.init(..., transport="ray")``).
+  350-650 µs of CPU on each side here): the transport before the channel,
+  kept as a second implementation of the seam (tests run programs on it).
 - ``channel_link.ChannelLink``: ZeroMQ channels with signed, typed frames; the
   default.
 
