@@ -195,7 +195,11 @@ class ServiceBackend(ray_backend.RayBackend):
                 try:
                     values = pickle.loads(answers.view)
                 except Exception as exc:  # every message of the batch fails, saying why
-                    values = [Refused(f"the service's answer did not decode: {exc}", "gone")] * len(futures)
+                    values = [Refused(f"the service's answer did not decode: {exc}", "gone")]
+                if len(values) != len(futures):  # one answer for the whole batch (a refusal)
+                    values = [values[0] if values else Refused("the service answered nothing", "gone")] * len(
+                        futures
+                    )
                 for future, value in zip(futures, values, strict=True):
                     if not future.done():
                         future.set_result(value)
