@@ -1208,8 +1208,6 @@ class RayBackend:
                 return
             survivors = [h for h in range(self.hosts) if h not in self.lost_hosts]
         logging.warning("pathways_jax: island %d was lost: %s", island, self.lost[island])
-        for member in members:  # answers they still owe will not come
-            self.link.host_lost(member, self.lost[island])
         # An island runs as one: its other hosts' collectives would fail or hang.
         for member in members:
             if member != host:
@@ -1221,6 +1219,9 @@ class RayBackend:
                     self.actors[h].peer_lost.remote(member)
         if self.on_lost is not None:
             self.on_lost(island)
+        # Last: what waits on these hosts' answers wakes to a cluster that has moved on.
+        for member in members:
+            self.link.host_lost(member, self.lost.get(island) or why)
         if self.replace_lost:
             reentry.runtime_thread(
                 self._rebuild, args=(island,), name=f"pathways-ray-rebuild-{island}"
