@@ -25,16 +25,18 @@ import pickle
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from absl import logging
 
-from pathways_jax._src import wire
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray_host import Refused, RunFailure, sharding_of
 from pathways_jax._src.core import errors, reentry
+
+if TYPE_CHECKING:  # the channel needs the ray extra (pyzmq, msgspec): imported where used
+    from pathways_jax._src import wire
 
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
@@ -143,6 +145,8 @@ class ServiceBackend(ray_backend.RayBackend):
         self._owed: dict[int, list[concurrent.futures.Future]] = {}  # batch -> its answers' futures
         self._owed_lock = threading.Lock()
         self._gone: str | None = None  # why the service will answer nothing more
+        from pathways_jax._src import wire
+
         endpoint = self.channel = joined["channel"]  # the service's channel, this process's identity there
         self._peer = wire.Peer(
             endpoint.address,
@@ -160,6 +164,8 @@ class ServiceBackend(ray_backend.RayBackend):
 
     def _submit(self, batch: list, run: wire.RunMeta | None) -> list[concurrent.futures.Future]:
         """Sends a numbered batch to the service; one answer's future per message. Call with ``_lock`` held."""
+        from pathways_jax._src import wire
+
         seq = self._batches
         self._batches += 1
         futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in batch]
@@ -186,6 +192,8 @@ class ServiceBackend(ray_backend.RayBackend):
 
     def _answered(self, received: wire.Received) -> None:
         """The service's answers to a batch (the channel's receive thread)."""
+        from pathways_jax._src import wire
+
         match received.body:
             case wire.Answered(seq, answers):
                 with self._owed_lock:
@@ -225,6 +233,8 @@ class ServiceBackend(ray_backend.RayBackend):
                 for slot, key in args[4]:
                     aval = plan.slot_outputs[slot].aval
                     nbytes[key] = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+        from pathways_jax._src import wire
+
         client = run.client
         meta = wire.RunMeta(
             sorted(remote.islands),

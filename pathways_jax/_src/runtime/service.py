@@ -55,18 +55,19 @@ import os
 import pickle
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
-from pathways_jax._src import wire
-from pathways_jax._src.backends import channel_link
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.ray_host import Refused, RunDone, RunFailure
 from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
 from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.scheduler import Head
+
+if TYPE_CHECKING:  # the channels need the ray extra (pyzmq, msgspec): imported where used
+    from pathways_jax._src import wire
 
 DEFAULT_WINDOW = 4  # runs in flight per island on the service's hosts
 _KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
@@ -200,6 +201,9 @@ class ServiceActor:
         self._loop: Any = None  # the actor's event loop (set by its first async call)
         # Clients send their batches on this channel (signed with the service's key).
         self.key = secrets.token_bytes(32)
+        from pathways_jax._src import wire
+        from pathways_jax._src.backends import channel_link
+
         transport, ip = channel_link.listen_on()
         self.channel = wire.Server(
             self.key, transport=transport, host=ip, on_message=self._from_client, send_timeout=30.0
@@ -259,6 +263,8 @@ class ServiceActor:
         self._loop.create_task(self._watch(client))
         identity = f"client-{client.id}".encode()
         self._by_identity[identity] = client
+        from pathways_jax._src.backends import channel_link
+
         channel = channel_link.Endpoint(self.channel.address, self.key, identity)
         return {"client": client.id, "channel": channel, **self.info()}
 
@@ -341,6 +347,8 @@ class ServiceActor:
         self._loop.call_soon_threadsafe(self._client_message, received)
 
     def _client_message(self, received: wire.Received) -> None:
+        from pathways_jax._src import wire
+
         client = self._by_identity.get(received.peer)
         if client is None:  # signed with the key, but no client joined under that name
             self.refused_batches["unknown_client"] += 1
@@ -364,6 +372,8 @@ class ServiceActor:
 
     def _answer(self, peer: bytes, seq: int, answers: list) -> None:
         """Sends a client the answers to its batch ``seq`` (a client that went gets nothing)."""
+        from pathways_jax._src import wire
+
         if peer not in self._by_identity:
             return
         try:
