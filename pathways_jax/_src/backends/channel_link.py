@@ -46,6 +46,12 @@ class Endpoint(NamedTuple):
         """This host's end of the channel; ``deliver(kind, args, seq)`` takes each message."""
         return HostEnd(self, deliver)
 
+    def peer(self, on_message: Any, send_timeout: float) -> wire.Peer:
+        """A channel peer under this endpoint's identity, signed with its key."""
+        return wire.Peer(
+            self.address, self.key, identity=self.identity, on_message=on_message, send_timeout=send_timeout
+        )
+
 
 def _blob(value: Any) -> wire.Blob:
     return wire.Blob(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
@@ -274,14 +280,7 @@ class HostEnd:
 
     def __init__(self, endpoint: Endpoint, deliver: Any):
         self._deliver = deliver
-        self._peer = wire.Peer(
-            endpoint.address,
-            endpoint.key,
-            identity=endpoint.identity,
-            on_message=self._received,
-            send_timeout=_SEND_TIMEOUT_S,
-            heartbeat=1.0,
-        )
+        self._peer = endpoint.peer(self._received, _SEND_TIMEOUT_S)
 
     def _received(self, received: wire.Received) -> None:
         try:

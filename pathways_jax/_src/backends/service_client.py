@@ -145,16 +145,8 @@ class ServiceBackend(ray_backend.RayBackend):
         self._owed: dict[int, list[concurrent.futures.Future]] = {}  # batch -> its answers' futures
         self._owed_lock = threading.Lock()
         self._gone: str | None = None  # why the service will answer nothing more
-        from pathways_jax._src import wire
-
-        endpoint = self.channel = joined["channel"]  # the service's channel, this process's identity there
-        self._peer = wire.Peer(
-            endpoint.address,
-            endpoint.key,
-            identity=endpoint.identity,
-            on_message=self._answered,
-            send_timeout=_SEND_TIMEOUT_S,
-        )
+        self.channel = joined["channel"]  # the service's channel, this process's identity there
+        self._peer = self.channel.peer(self._answered, _SEND_TIMEOUT_S)
         self._threads = [
             reentry.runtime_thread(self._monitor, name="pathways-service-health"),
             reentry.runtime_thread(self._flush_loop, name="pathways-service-flush"),
