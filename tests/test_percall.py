@@ -176,3 +176,89 @@ def test_a_donating_program_traces_the_futures_signature():
     out = step(out)
     assert pw.counters()["traces"] == traced + 1
     np.testing.assert_allclose(np.asarray(out["w"]), (1.0 * 0.99 + 0.01) * 0.99 + 0.01, rtol=1e-6)
+
+
+def _live_values() -> int:
+    from pathways_jax._src.runtime import session
+
+    return session.cluster().store.live_count()
+
+
+def test_nnx_repeat_call_writes_states_back_without_futures():
+    # A repeat call runs the call before's plan and reads the states it writes back
+    # straight from the run: no future, and no store entry outliving the call, for them.
+    ours, reference = pw.program(train_step), nnx.jit(train_step)
+    model, optimizer = _make()
+    ref_model, ref_optimizer = _make()
+    batches = _batches(7)
+    for x, y in batches[:3]:  # the first call's arrays, then twice the types written back
+        ours(model, optimizer, x, y).result()
+        reference(ref_model, ref_optimizer, x, y)
+    inner = next(iter(ours._nnx_calls.values()))
+    assert inner._written is not None  # the third call took the repeat path
+    states = len(jax.tree.leaves(nnx.state((model, optimizer))))
+    before = _live_values()
+    losses = [ours(model, optimizer, x, y) for x, y in batches[3:]]
+    ref_losses = [reference(ref_model, ref_optimizer, x, y) for x, y in batches[3:]]
+    # Only the losses are held: the states' entries went when the call returned.
+    assert _live_values() - before <= len(losses) < states
+    assert all(isinstance(loss, pw.Future) for loss in losses)
+    for state in jax.tree.leaves(nnx.state((model, optimizer))):
+        assert isinstance(state, jax.Array) and not isinstance(state, pw.Future)
+    for loss, ref_loss in zip(losses, ref_losses, strict=True):
+        np.testing.assert_array_equal(np.asarray(loss), np.asarray(ref_loss))
+    _assert_same(nnx.state(model), nnx.state(ref_model))
+    _assert_same(nnx.state(optimizer), nnx.state(ref_optimizer))
+
+
+def test_nnx_repeat_path_retraces_when_the_graph_or_a_state_type_changes():
+    ours, reference = pw.program(train_step), nnx.jit(train_step)
+    model, optimizer = _make()
+    ref_model, ref_optimizer = _make()
+    (x, y), (x2, y2), (x3, y3), (x4, y4), (x5, y5) = _batches(5)
+    for step, m, o in ((ours, model, optimizer), (reference, ref_model, ref_optimizer)):
+        step(m, o, x, y)
+        step(m, o, x2, y2)
+        step(m, o, x5, y5)
+    assert next(iter(ours._nnx_calls.values()))._written is not None
+    traced = pw.counters()["traces"]
+    # Another structure: a new attribute holding a Variable, as nnx.jit retraces for.
+    for m in (model, ref_model):
+        m.extra = nnx.BatchStat(jnp.zeros(()))
+    loss = ours(model, optimizer, x3, y3)
+    ref_loss = reference(ref_model, ref_optimizer, x3, y3)
+    assert pw.counters()["traces"] == traced + 1
+    np.testing.assert_array_equal(np.asarray(loss), np.asarray(ref_loss))
+    # Another dtype of one state (same shape): traced again, as under nnx.jit.
+    for m in (model, ref_model):
+        m.extra.set_value(jnp.zeros((), jnp.int32))
+    loss = ours(model, optimizer, x4, y4)
+    ref_loss = reference(ref_model, ref_optimizer, x4, y4)
+    assert pw.counters()["traces"] == traced + 2
+    np.testing.assert_array_equal(np.asarray(loss), np.asarray(ref_loss))
+    assert model.extra.get_value().dtype == jnp.int32
+    _assert_same(nnx.state(model), nnx.state(ref_model))
+    _assert_same(nnx.state(optimizer), nnx.state(ref_optimizer))
+
+
+def test_nnx_repeat_path_keeps_returned_objects_and_outputs():
+    # A step that returns an NNX object and a tuple: the returned object's states are
+    # arrays (as after nnx.jit), the other outputs futures, on the repeat path as on the first.
+    def step(model: Tower, x: jax.Array) -> tuple:
+        out = model(x)
+        model.head.bias.set_value(model.head.bias.get_value() + 1.0)
+        return model, (out.sum(), out)
+
+    ours, reference = pw.program(step), nnx.jit(step)
+    model, ref_model = Tower(nnx.Rngs(0)), Tower(nnx.Rngs(0))
+    for batch, _ in _batches(4):
+        returned, (total, out) = ours(model, batch)
+        ref_returned, (ref_total, ref_out) = reference(ref_model, batch)
+        assert returned is model and ref_returned is ref_model
+        assert isinstance(total, pw.Future) and isinstance(out, pw.Future)
+        np.testing.assert_array_equal(np.asarray(total), np.asarray(ref_total))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+    assert next(iter(ours._nnx_calls.values()))._written is not None
+    bias = model.head.bias.get_value()
+    assert isinstance(bias, jax.Array) and not bias.committed
+    _assert_same(nnx.state(model), nnx.state(ref_model))

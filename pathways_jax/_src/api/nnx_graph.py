@@ -120,6 +120,8 @@ class _GraphCall:
         self.program = weakref.proxy(program)
         inner = compilation.JitFn(program._fun, None, None, None, self)
         self.inner = program.inner_program(inner)
+        # The last plan a repeat call ran, and which of its outputs are states written back.
+        self._written: tuple[Any, tuple[bool, ...]] | None = None
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         from flax.nnx import extract, graphlib
@@ -130,10 +132,17 @@ class _GraphCall:
                 self.program,
                 lambda: extract.to_tree((args, kwargs), split_fn=compilation._jit_split_fn, ctxtag=self),
             )
-            args_out, kwargs_out, user_out = _run(self.inner, pure_args, pure_kwargs, (args, kwargs))
             stores: set[Any] = set()
-            pure_out = (_arrays(args_out, stores), _arrays(kwargs_out, stores), _returned_arrays(user_out))
-            del args_out, kwargs_out, user_out, pure_args, pure_kwargs
+            pure_out = self._repeat(pure_args, pure_kwargs)
+            if pure_out is None:
+                args_out, kwargs_out, user_out = _run(self.inner, pure_args, pure_kwargs, (args, kwargs))
+                pure_out = (
+                    _arrays(args_out, stores),
+                    _arrays(kwargs_out, stores),
+                    _returned_arrays(user_out),
+                )
+                del args_out, kwargs_out, user_out
+            del pure_args, pure_kwargs
             _args_out, _kwargs_out, out = extract.from_tree(
                 pure_out, merge_fn=compilation._jit_merge_fn, is_inner=False, ctxtag=self
             )
@@ -143,6 +152,32 @@ class _GraphCall:
             # not at the next call, so that they die young (a train step makes hundreds).
             store.collect_dropped()
         return out
+
+    def _repeat(self, pure_args: tuple, pure_kwargs: dict) -> Any:
+        """The inner program's output of a repeat call, the states written back as arrays; None: not one.
+
+        A train step called again with states of the types of the call before
+        runs that call's plan (``Program.repeat_plan``) and reads the states it
+        writes back as ``jax.Array`` s straight from the run, as :func:`_arrays`
+        would from their futures, without making the futures
+        (``submission.submit_values``): what ``nnx.jit`` leaves in the
+        Variables, at a cost that is one pass over the outputs.
+        """
+        import jax
+
+        from pathways_jax._src.runtime import submission
+
+        repeat = self.inner.repeat_plan(pure_args, pure_kwargs)
+        if repeat is None:
+            return None
+        plan, leaves = repeat
+        written = self._written
+        if written is None or written[0] is not plan:
+            if not submission.takes_values(plan):
+                return None
+            written = self._written = (plan, _written_back(plan.graph.out_tree))
+        values = submission.submit_values(plan, leaves, written[1])
+        return jax.tree_util.tree_unflatten(plan.graph.out_tree, values)
 
     def graph(self, args: tuple, kwargs: dict) -> Any:
         from flax.nnx import extract, graphlib
@@ -224,6 +259,30 @@ def _arrays(states: Any, stores: set[Any] | None = None) -> Any:
             treedef, [next(values) if type(leaf) is Future else leaf for leaf in leaves]
         )
     return jax.tree_util.tree_unflatten(treedef, dispatched_all(futures))
+
+
+def _written_back(out_tree: Any) -> tuple[bool, ...]:
+    """Per output leaf of an inner program (``JitFn``'s (args, kwargs, output)): True for a state written back.
+
+    The leaves :func:`_arrays` and :func:`_returned_arrays` turn into arrays:
+    every leaf of the arguments' states, and those of the NNX objects the
+    output returns.
+    """
+    import jax
+    from flax.nnx import extract
+
+    def is_states(leaf: Any) -> bool:
+        return isinstance(leaf, extract.NodeStates)
+
+    wanted = [False] * out_tree.num_leaves
+    args_out, kwargs_out, user_out = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
+    for index in jax.tree_util.tree_leaves((args_out, kwargs_out)):
+        wanted[index] = True
+    for node in jax.tree_util.tree_leaves(user_out, is_leaf=is_states):
+        if is_states(node):
+            for index in jax.tree_util.tree_leaves(node):
+                wanted[index] = True
+    return tuple(wanted)
 
 
 def _returned_arrays(out: Any) -> Any:

@@ -1016,16 +1016,9 @@ class Program:
         if fast is not None and not self._static and not (kwargs and self._static_names):
             # Leaves of the same types as the call before (a train loop's): skip the signature.
             flat = jax.tree_util.tree_flatten((args, kwargs))
-            leaves = flat[0]
-            plan = fast.plan
-            if (
-                _same_types(leaves, fast.marks)
-                and flat[1] == fast.treedef
-                and (self._devices is not None or context.current_slice() is fast.ambient)
-                and plan.is_current()
-                and _trace_context() == fast.config
-            ):
-                return submission.submit(plan, leaves)
+            plan = self._repeated(fast, flat)
+            if plan is not None:
+                return submission.submit(plan, flat[0])
         try:
             key, inputs = self._split(args, kwargs, flat)
         except TracerArgument as exc:
@@ -1064,6 +1057,45 @@ class Program:
             if marks is not None:
                 self._last_leaves = _LastLeaves(inputs.treedef, marks, inputs.ambient, plan, key[-1])
         return submission.submit(plan, inputs.leaves)
+
+    def _repeated(self, fast: _LastLeaves, flat: tuple[list[Any], Any]) -> Any:
+        """``fast``'s plan if the flattened call ``flat`` has its leaf types, treedef and context; else None."""
+        leaves, treedef = flat
+        plan = fast.plan
+        if (
+            _same_types(leaves, fast.marks)
+            and treedef == fast.treedef
+            and (self._devices is not None or context.current_slice() is fast.ambient)
+            and plan.is_current()
+            and _trace_context() == fast.config
+        ):
+            return plan
+        return None
+
+    def repeat_plan(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]] | None:
+        """The plan and leaves of a call that repeats the one before (see :class:`_LastLeaves`), else None.
+
+        For ``nnx_graph``, which submits the plan itself and reads its outputs
+        as arrays without making futures. None wherever ``__call__`` would not
+        take its repeat-call path: inside a trace, a transformation, the
+        runtime's own work or ``jax.disable_jit``, with static arguments, or
+        leaves of other types (the caller then calls the program as usual).
+        """
+        fast = self._last_leaves
+        if (
+            fast is None
+            or self._static
+            or (kwargs and self._static_names)
+            or context.state.trace is not None
+            or reentry.inside.depth
+            or context.exiting
+            or (self._under_transforms and inside_jax_trace())
+            or jax.config.jax_disable_jit  # type: ignore[attr-defined]
+        ):
+            return None
+        flat = jax.tree_util.tree_flatten((args, kwargs))
+        plan = self._repeated(fast, flat)
+        return None if plan is None else (plan, flat[0])
 
     def _array_plan(self, key: tuple, inputs: TraceInputs) -> Any:
         """The plan of the call with each future's array in its place, if there is one that takes futures.

@@ -24,6 +24,7 @@ def _array_type() -> Any:
 
 
 _ArrayImpl: Any = _array_type()  # JAX's own constructor, private to JAX
+array_impl: Any = _ArrayImpl  # the type of every concrete ``jax.Array`` (None on another JAX)
 _new: Any = _ArrayImpl  # the same, called (a name no type test narrows)
 
 

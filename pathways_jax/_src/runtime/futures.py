@@ -621,6 +621,48 @@ def dispatched_all(futures: list[Future]) -> list[Any]:
     return out
 
 
+def dispatched_values(entries: list[Entry], store: ObjectStore, wanted: Sequence[bool]) -> list[Any]:
+    """A just-submitted run's outputs, those ``wanted`` as :func:`dispatched_all` gives them, made without futures.
+
+    ``entries`` are the run's, held by no future yet (``submission.submit_values``).
+    A wanted output that comes back as a ``jax.Array`` is read from its entry,
+    which then goes at once, as a future's would once dropped: no future, no
+    ready state outliving the call. Every other output, and every output when
+    the run cannot be waited for here (a thread inside the runtime's work),
+    comes back as a :class:`Future` of its entry.
+    """
+    if not entries:
+        return []
+    last = entries[-1]
+    if type(last.state) is Pending:  # the outputs of one run settle together (Controller._publish)
+        if reentry.inside.depth:  # a host callback on the controller's thread, a finalizer: see wait_settled
+            return [Future(entry, store) for entry in entries]
+        store.wait_settled(last, None)
+    out: list[Any] = []
+    append = out.append
+    taken: list[Entry] = []
+    known, loose, array_type, impl = _LOOSE, arrays.loose, jax.Array, arrays.array_impl
+    for entry, want in zip(entries, wanted, strict=True):
+        state = entry.state
+        if want and type(state) is Ready:
+            array = state.array
+            if type(array) is impl or isinstance(array, array_type):
+                signature = entry.signature
+                if signature is None or signature.committed:
+                    append(array)
+                else:  # as in dispatched_all
+                    held = known.get(id(signature))
+                    if held is not None and held[0] is signature and held[1] is array.aval:
+                        append(loose(array, *held[2]))
+                    else:
+                        append(loose(array, *_loose_type(signature, array)))
+                taken.append(entry)
+                continue
+        append(Future(entry, store))
+    store.forget(taken)
+    return out
+
+
 # (id of an output's FutureKey) -> (that key, the aval and sharding of its uncommitted
 # arrays): made once per program output, not once per value (a SingleDeviceSharding
 # made anew computes its XLA sharding again in every array made with it).

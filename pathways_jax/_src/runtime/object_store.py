@@ -175,6 +175,17 @@ class ObjectStore:
             live[entry.id] = entry  # one dict store each: atomic under the GIL
         return entries
 
+    def forget(self, entries: list[Entry]) -> None:
+        """Frees values read and held by no future (``futures.dispatched_values``); only with no budget.
+
+        As :meth:`collect` frees a dropped future's value: the store lets go of
+        its array, which lives on in whatever the reader made of it.
+        """
+        live = self._live
+        for entry in entries:
+            live.pop(entry.id, None)
+            entry.state = FREED
+
     def _collect_before_new(self) -> None:
         """Frees dropped values before new ones are made.
 

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -17,7 +18,7 @@ from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, reentry, timeline
 from pathways_jax._src.core.charges import Charge
 from pathways_jax._src.runtime import clients, context
-from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.futures import Future, dispatched_values
 from pathways_jax._src.runtime.object_store import ObjectStore, Owner
 
 if TYPE_CHECKING:
@@ -54,6 +55,60 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     """Queues one run with these argument leaves; returns the output pytree of futures."""
     rec = timeline.ACTIVE
     t0 = rec.now() if rec is not None else 0
+    run, cl = _run_of(plan, leaves)
+    store = cl.store
+    entries = run.outputs
+    futures: list[Any] = [Future(entry, store) for entry in entries]
+    for position, out in plan.special_outputs:
+        entry = entries[position]
+        if out.kind == "literal":
+            store.set_ready(entry, out.where)
+            if not isinstance(out.where, jax.Array):
+                # float0 (no device holds it): host data, as jax.jit returns it; the entry goes.
+                futures[position] = out.where
+        elif out.kind == "argument":
+            array = jnp.asarray(leaves[out.where])
+            entry.sharding = array.sharding
+            store.set_ready(entry, array)
+    counters.bump("runs")
+    cl.controller.submit(run)
+    if rec is not None:
+        rec.submitted(plan, run.id, t0, run.client.name)
+    return jax.tree_util.tree_unflatten(plan.graph.out_tree, futures)
+
+
+def takes_values(plan: Plan) -> bool:
+    """True when :func:`submit_values` may run ``plan``: every output is a node's, no memory budget."""
+    cl = plan.cluster
+    return cl is not None and not plan.special_outputs and cl.store.budget is None
+
+
+def submit_values(plan: Plan, leaves: list[Any], wanted: Sequence[bool]) -> list[Any]:
+    """Queues one run as :func:`submit`; returns its flat outputs, those ``wanted`` as arrays once dispatched.
+
+    For a caller that writes outputs back at once (``nnx_graph``: the
+    states of a step's NNX objects, as ``nnx.jit`` leaves ``jax.Array`` s in
+    them): no future is made for a wanted output that can be had as an array
+    (see ``futures.dispatched_values``); its store entry goes at once. The
+    other outputs are futures. Only for a plan :func:`takes_values` accepts.
+    """
+    rec = timeline.ACTIVE
+    t0 = rec.now() if rec is not None else 0
+    run, cl = _run_of(plan, leaves)
+    store = cl.store
+    counters.bump("runs")
+    try:
+        cl.controller.submit(run)
+    except BaseException:
+        store.free(list(run.outputs))  # no future holds them: the run's entries go with it
+        raise
+    if rec is not None:
+        rec.submitted(plan, run.id, t0, run.client.name)
+    return dispatched_values(run.outputs, store, wanted)
+
+
+def _run_of(plan: Plan, leaves: list[Any]) -> tuple[Run, Any]:
+    """The run of ``plan`` with these argument leaves, its outputs' entries made; and its cluster."""
     cl = plan.cluster
     if cl is None:  # a program that places nothing (it only returns literals)
         from pathways_jax._src.runtime import session as cluster_lib
@@ -98,23 +153,7 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     run_id = next(_runs)
     owner = Owner(client.name, run_id, client.key)
     entries = store.new_run(owner, plan.outputs, plan.signatures)
-    futures: list[Any] = [Future(entry, store) for entry in entries]
-    for position, out in plan.special_outputs:
-        entry = entries[position]
-        if out.kind == "literal":
-            store.set_ready(entry, out.where)
-            if not isinstance(out.where, jax.Array):
-                # float0 (no device holds it): host data, as jax.jit returns it; the entry goes.
-                futures[position] = out.where
-        elif out.kind == "argument":
-            array = jnp.asarray(leaves[out.where])
-            entry.sharding = array.sharding
-            store.set_ready(entry, array)
-    counters.bump("runs")
-    cl.controller.submit(Run(run_id, plan, env, future_inputs, entries, client=client, staged=ticket))
-    if rec is not None:
-        rec.submitted(plan, run_id, t0, owner.client)
-    return jax.tree_util.tree_unflatten(plan.graph.out_tree, futures)
+    return Run(run_id, plan, env, future_inputs, entries, client=client, staged=ticket), cl
 
 
 def _stage(cl: Any, plan: Plan, leaves: list[Any], env: list[Any]) -> StagedBytes | None:
@@ -296,4 +335,4 @@ def computed(tree: Any, origin: str, is_leaf: Any = None) -> Any:
     return jax.tree_util.tree_map(future, tree, is_leaf=is_leaf)
 
 
-__all__ = ["HostStaging", "Run", "computed", "host_staging", "submit"]
+__all__ = ["HostStaging", "Run", "computed", "host_staging", "submit", "submit_values", "takes_values"]
