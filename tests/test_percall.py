@@ -262,3 +262,44 @@ def test_nnx_repeat_path_keeps_returned_objects_and_outputs():
     bias = model.head.bias.get_value()
     assert isinstance(bias, jax.Array) and not bias.committed
     _assert_same(nnx.state(model), nnx.state(ref_model))
+
+
+def _scale(p, x):
+    return jax.tree.map(lambda v: v * 0.5 + x, p)
+
+
+def test_outputs_of_a_call_nothing_placed_come_uncommitted_from_the_executable():
+    # Compiled as jax.jit compiles such a call: the executable's own outputs are what
+    # jax.jit returns (uncommitted, no mesh in their type), so none is remade per call.
+    step = pw.program(_scale)
+    params = {"a": jnp.ones(3), "b": jnp.zeros((2, 2), jnp.bfloat16)}
+    out = step(params, jnp.float32(1.0))
+    for _ in range(3):
+        out = step(out, jnp.float32(1.0))
+    expected = params
+    for _ in range(4):
+        expected = jax.jit(_scale)(expected, jnp.float32(1.0))
+    for future, reference in zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True):
+        value = future.result()
+        assert value is future._entry.state.array  # the executable's output itself
+        assert not value.committed and value.committed == reference.committed
+        assert value.aval == reference.aval and value.sharding == reference.sharding
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(reference))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "python", "committed"])
+def test_loose_executables_take_host_and_committed_inputs_as_jax_jit(kind):
+    def f(x, y):
+        return x * 2 + y, 0.1 * y
+
+    x = {"numpy": np.arange(3.0, dtype=np.float32), "python": 2.0}.get(kind)
+    if x is None:
+        x = jax.device_put(jnp.arange(3.0), jax.devices()[0])
+    ours = pw.program(f)
+    for _ in range(2):  # the first call and the repeat
+        got = pw.results(ours(x, 1.5))
+        want = jax.jit(f)(x, 1.5)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert (a.shape, a.dtype, a.weak_type) == (b.shape, b.dtype, b.weak_type)
+            assert a.committed == b.committed
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

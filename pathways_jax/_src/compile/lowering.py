@@ -335,6 +335,7 @@ class Plan:
             out_shardings = tuple(
                 NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
             )
+            export = self.backend is not None and self.backend.exports
             executable, exported = _compile(
                 node,
                 mesh,
@@ -342,9 +343,10 @@ class Plan:
                 out_shardings,
                 tuple(donate),
                 cache,
-                export=self.backend is not None and self.backend.exports,
+                export=export,
                 platforms=getattr(self.backend, "export_platforms", None),
                 options=graph.compiler_options,
+                loose=_loose_device(graph, node, mesh) if not export else None,
             )
             produced = jax.tree_util.tree_leaves(executable.output_shardings)
             pinned = []
@@ -496,6 +498,31 @@ class Plan:
         return current
 
 
+def _loose_device(graph: Graph, node: Node, mesh: Any) -> jax.Device | None:
+    """The device of a node compiled as ``jax.jit`` compiles a call nothing placed, else None.
+
+    A node on the slice a program implies when nothing placed its call
+    (``Graph.uncommitted_slice``: one device) returns uncommitted outputs, as
+    ``jax.jit``'s are. Compiled with no shardings and no mesh on that device,
+    its executable returns them so itself: a call then remakes no array
+    (``futures.dispatched_values``), and the next call, with those outputs or
+    their futures, takes JAX's own fast path. Not for nodes with a placement
+    of their own (specs, a typed mesh), host callbacks (whose outputs the
+    compiler pins) or sub-byte inputs.
+    """
+    if graph.uncommitted_slice is None or node.slice.id != graph.uncommitted_slice or mesh.devices.size != 1:
+        return None
+    if any(spec is not None for spec in (*node.in_specs, *node.out_specs)):
+        return None
+    if _calls_host(node.jaxpr.jaxpr) or any(_sub_byte(aval.dtype) for aval in node.jaxpr.in_avals):
+        return None
+    for aval in (*node.jaxpr.in_avals, *node.jaxpr.out_avals):
+        typed = getattr(aval, "sharding", None)
+        if isinstance(typed, NamedSharding) and not typed.mesh.empty:
+            return None
+    return mesh.devices.flat[0]
+
+
 def _compile(
     node: Node,
     mesh: Any,
@@ -507,12 +534,15 @@ def _compile(
     export: bool = False,
     platforms: tuple[str, ...] | None = None,
     options: tuple[tuple[str, Any], ...] = (),
+    loose: jax.Device | None = None,
 ) -> tuple[Any, tuple[bytes, str] | None]:
     """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once.
 
     Returns the executable and, with ``export``, the node serialized with
     ``jax.export`` for remote hosts (bytes and their fingerprint), for
-    ``platforms`` (``None``: this process's).
+    ``platforms`` (``None``: this process's). With ``loose`` (see
+    :func:`_loose_device`), compiled for that device as ``jax.jit`` compiles
+    a call nothing placed: its outputs are uncommitted.
     """
     # Keyed by the function's text (and its constants' identities): JAX may
     # trace one Python function into distinct but identical jaxprs.
@@ -534,6 +564,7 @@ def _compile(
         export,
         platforms,
         options,
+        loose,
     )
     if cache is not None:
         hit = cache.get(key)
@@ -551,6 +582,18 @@ def _compile(
     ]
     t0 = timeline.now()
     exported = None
+    if loose is not None:
+        # No mesh at all (whatever the caller set) and no shardings, on that device.
+        plain = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in args]
+        with only_mesh(_NO_MESH, None), jax.default_device(loose):
+            made: Any = (
+                jax.jit(fun, donate_argnums=donate).lower(*plain).compile(dict(options) if options else None)
+            )
+        counters.bump("compiles")
+        timeline.compiled(node, t0)
+        if cache is not None:
+            cache.put(key, (made, None), consts)
+        return made, None
     # The slice's mesh alone, whatever mesh the caller set; works inside a trace too.
     with only_mesh(mesh.abstract_mesh, mesh):
         jitted = jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
@@ -569,6 +612,9 @@ def _compile(
     if cache is not None:
         cache.put(key, (compiled, exported), consts)
     return compiled, exported
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def _exported(node: Node, jitted: Any, args: list, platforms: tuple[str, ...] | None) -> bytes:

@@ -284,6 +284,8 @@ class Future:
 
         The same buffer: made once per future, not copied.
         """
+        if not getattr(array, "_committed", True):  # made so by its executable (lowering._loose_device)
+            return array
         loose = getattr(self, "_loose", None)
         if loose is None or loose[0] is not array:
             aval, sharding = _loose_type(self._entry.signature, array)
@@ -610,7 +612,7 @@ def dispatched_all(futures: list[Future]) -> list[Any]:
         signature = entry.signature
         if not isinstance(array, array_type):  # held by a backend's host: stays a future
             append(future)
-        elif signature is None or signature.committed:
+        elif signature is None or signature.committed or not getattr(array, "_committed", True):
             append(array)
         else:  # as Future._uncommitted, inlined: hundreds of outputs a call
             held = known.get(id(signature))
@@ -648,8 +650,8 @@ def dispatched_values(entries: list[Entry], store: ObjectStore, wanted: Sequence
             array = state.array
             if type(array) is impl or isinstance(array, array_type):
                 signature = entry.signature
-                if signature is None or signature.committed:
-                    append(array)
+                if signature is None or signature.committed or not getattr(array, "_committed", True):
+                    append(array)  # uncommitted already: its executable was compiled as jax.jit's
                 else:  # as in dispatched_all
                     held = known.get(id(signature))
                     if held is not None and held[0] is signature and held[1] is array.aval:
