@@ -142,11 +142,13 @@ class _GraphCall:
                     _returned_arrays(user_out),
                 )
                 del args_out, kwargs_out, user_out
-            del pure_args, pure_kwargs
+            # The call's input states (the step before's arrays) stay held until the new ones
+            # are written back, as under nnx.jit: then they go together, not one by one as each
+            # Variable lets go (measured: 0.5 ms a call less at 446 states).
             _args_out, _kwargs_out, out = extract.from_tree(
                 pure_out, merge_fn=compilation._jit_merge_fn, is_inner=False, ctxtag=self
             )
-        del pure_out, _args_out, _kwargs_out
+        del pure_out, _args_out, _kwargs_out, pure_args, pure_kwargs
         for store in stores:
             # The step's futures of the states written back are gone: their entries go now,
             # not at the next call, so that they die young (a train step makes hundreds).
