@@ -132,7 +132,7 @@ def test_runs_a_worker_thread_queued_before_it_ended_still_run(scheduler):
         np.testing.assert_allclose(np.asarray(out.result(timeout=60)), np.asarray(want), rtol=1e-5, atol=1e-6)
     # The controller keeps serving, and forgot the pool's clients once their runs were gone.
     np.testing.assert_allclose(np.asarray(step(w0).result(timeout=30)), np.asarray(reference(w0)), rtol=1e-6)
-    assert pw.cluster().controller._retiring == set()
+    assert pw.cluster().controller._admission.retiring == set()
     s.release()
 
 

@@ -74,6 +74,7 @@ from pathways_jax import errors
 from pathways_jax._src.backends.ray import CROSS_HOST_WINDOW
 from pathways_jax._src.backends.ray_host import PACE
 from pathways_jax._src.core.timeline import CONTROLLER_PID, TRANSFER_TID
+from pathways_jax._src.runtime import admission
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax.sim._cluster import Cluster
 from pathways_jax.sim._errors import import_simpy
@@ -271,8 +272,8 @@ class _Simulation:
         ]
         self.tracked_hosts = sorted({cluster.host_of(d) for d in self.tracked})
         self.events: list[dict] = []
-        self.policy = scheduler_lib.make(cluster.scheduler)
-        self.queues: list[collections.deque[_Run]] = [collections.deque() for _ in self.workloads]
+        # The runtime's admission core: a queue per client and the cluster's policy.
+        self.admission: admission.Queues[int, _Run] = admission.Queues(scheduler_lib.make(cluster.scheduler))
         self.wakeup = self.env.event()
         self.seq = 0
         self.runs: list[_Run] = []
@@ -348,9 +349,7 @@ class _Simulation:
             run = _Run(index, i, self.seq, self.env.now, prev if w.chained else None)
             self.seq += 1
             self.runs.append(run)
-            if not self.queues[index]:
-                self.policy.activate(index)
-            self.queues[index].append(run)
+            self.admission.push(index, run)
             if not self.wakeup.triggered:
                 self.wakeup.succeed()
             prev = run
@@ -358,27 +357,23 @@ class _Simulation:
 
     def _controller_loop(self) -> Any:
         while self.remaining:
-            live = [i for i, q in enumerate(self.queues) if q]
-            if not live:
+            if not self.admission:
                 self.wakeup = self.env.event()
                 yield self.wakeup
                 continue
+            live = self.admission.heads()
             heads = [
                 scheduler_lib.Head(
                     client=i,
-                    seq=self.queues[i][0].seq,
+                    seq=run.seq,
                     priority=self.workloads[i].priority,
                     weight=self.workloads[i].weight,
                     cost=self._cost(self.workloads[i].program),
                 )
-                for i in live
+                for i, run in live
             ]
-            pick = self.policy.pick(heads)
-            self.policy.picked(heads, pick)
-            client = live[pick]
-            run = self.queues[client].popleft()
-            if not self.queues[client]:
-                self.policy.deactivate(client)
+            client = live[self.admission.pick(heads)][0]
+            run = self.admission.pop(client)
             self.remaining -= 1
             yield from self._dispatch(run)
 
@@ -413,7 +408,7 @@ class _Simulation:
             hosts = self._hosts_of(step)
             window = self._local_window(step) if local else None
             if window is not None:
-                if window.count >= window.size:
+                if not admission.has_room(window.count, 1, window.size):
                     start = env.now
                     yield window.until(window.size // 2)
                     where = f"island {island}" if step.windowed else f"device {step.devices[0]}"
@@ -538,7 +533,7 @@ class _Simulation:
             for item in items:
                 if item.step.kind == "node":
                     bound = windowed if item.step.windowed else PACE
-                    if window.count >= bound:
+                    if not admission.has_room(window.count, 1, bound):
                         yield window.until(bound // 2)
                     window.count += 1
                 yield from self._work(cost.enqueue_s)

@@ -32,6 +32,7 @@ from typing import Any
 from absl import logging
 
 from pathways_jax._src.core import readiness, reentry
+from pathways_jax._src.runtime.admission import smoothed
 
 now = time.perf_counter_ns
 # The watcher is never woken per run (a wake-up per run costs the dispatching
@@ -45,7 +46,6 @@ _IDLE_POLL_S = 2e-3
 # GIL once per batch of short runs rather than once per run: end times are
 # known to about this granularity (exactly for runs longer than it).
 _BATCH_S = 4e-3
-_EMA = 0.1  # weight of a new measurement in a plan's cost estimate
 _STOP_TIMEOUT_S = 10.0  # how long stop() waits for the watcher unless told
 # The pw.stats() row summing every closed client (a name pw.client refuses).
 CLOSED_CLIENTS = "(closed clients)"
@@ -363,7 +363,7 @@ class Accounting:
             for totals in per_plan.values():
                 plan, ns, runs = totals.plan, totals.ns, totals.runs
                 seconds = ns / runs / 1e9
-                plan.cost = seconds if plan.cost == 0.0 else (1 - _EMA) * plan.cost + _EMA * seconds
+                plan.cost = smoothed(plan.cost, seconds)
                 if plan.key not in self._tracked:  # its figures go when it does
                     self._tracked.add(plan.key)
                     weakref.finalize(plan, self._gone.append, plan.key)

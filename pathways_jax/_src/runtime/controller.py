@@ -51,7 +51,7 @@ from absl import logging
 from pathways_jax._src.backends.base import Backend, StepFailed, device_window
 from pathways_jax._src.core import counts as counters
 from pathways_jax._src.core import errors, readiness, reentry, timeline
-from pathways_jax._src.runtime import scheduler
+from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
 from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, Pending, Ready
 
@@ -134,9 +134,7 @@ class Controller:
         # Callers waiting for their client's queue to drop below max_queued.
         self._room = threading.Condition(self._lock)
         self._room_waiters = 0
-        self._retiring: set[int] = set()  # ended clients with runs still queued (retire_client)
         self._sleeping = False  # the controller thread waits on _cv: a submission notifies it
-        self._queues: dict[int, collections.deque[Run]] = {}  # client key -> its queued runs
         # The run the controller thread took off the queues and is dispatching. No
         # run goes inline while a run is queued or picked: a thread never bypasses
         # the policy, and a client's runs keep their order.
@@ -146,6 +144,10 @@ class Controller:
         self._policy: scheduler.Policy = scheduler.make(
             cluster.scheduler, starvation_limit=cluster.starvation_limit
         )
+        # The clients' queues of runs and the policy (admission.py); the queues' dict is
+        # read bare on the inline path: empty when nothing is queued.
+        self._admission: admission.Queues[int, Run] = admission.Queues(self._policy)
+        self._queues = self._admission.queues
         self._budget = self._store.budget
         self._bp_timeout = cluster.backpressure_timeout
         if self._budget is not None:
@@ -207,11 +209,7 @@ class Controller:
             if not closed:
                 run.seq = next(self._seq)
                 run.head = self._head(run)
-                if queue is None:
-                    self._policy.activate(key)
-                    self._queues[key] = collections.deque((run,))
-                else:
-                    queue.append(run)
+                self._admission.push(key, run)
             if self._sleeping:
                 self._cv.notify()
         if closed:
@@ -412,19 +410,16 @@ class Controller:
             return _MEMORY
         for island, count in run.plan.windowed.items():
             window = self._window if island >= 0 else self._device_window
-            # A run with more executables on an island than half its window goes
-            # once half the window is free, and waits for the oldest as it goes.
-            count = min(count, max(1, window // 2))
             running = None if busy is None else busy.get(island)
             if running is None:
                 running = len(self._in_flight[island])
                 # Only a window that looks full is asked (every question is a call
                 # into XLA, or Ray): its settled executables leave first.
-                if running + count > window:
+                if not admission.has_room(running, count, window):
                     running = self._settle(island)
                 if busy is not None:
                     busy[island] = running
-            if running + count > window:
+            if not admission.has_room(running, count, window):
                 self._full = island  # which window the head waits for (read by _next)
                 return _NO_ROOM
         return _GO
@@ -499,8 +494,7 @@ class Controller:
                 broken: list[tuple[Run, BaseException]] = []
                 for key, queue in list(self._queues.items()):
                     if not queue:  # left empty by an interrupted submission
-                        del self._queues[key]
-                        self._policy.deactivate(key)
+                        self._admission.remove_empty(key)
                         continue
                     run = queue[0]
                     try:
@@ -532,17 +526,16 @@ class Controller:
                         self._internal_error(run, error)
                     continue
                 if go:
-                    heads = [run.head for run in go]
                     run = go[0]
                     try:
-                        index = self._policy.pick(heads)
+                        # At the costs known now: an estimate moves while a run waits.
+                        heads = [self._head(candidate) for candidate in go]
+                        index = self._admission.choose(heads)
                         run = go[index]
                         if not self._admit(run):  # memory went between the check and now
                             self._sleep(_BLOCKED_POLL_S)
                             continue
-                        # Charged at the cost known now: the estimate moves while a run waits.
-                        heads[index] = self._head(run)
-                        self._policy.picked(heads, index)
+                        self._admission.picked(heads, index)
                         run.estimate = heads[index].cost
                     except Exception as exc:  # the policy's bookkeeping: the picked run fails alone
                         self._drop(run)
@@ -574,32 +567,22 @@ class Controller:
 
     def _pop(self, run: Run) -> None:
         """Takes ``run``, its client's head, off the queue (lock held)."""
-        key = run.client.key
-        queue = self._queues[key]
-        queue.popleft()
-        if not queue:
-            del self._queues[key]
-            self._policy.deactivate(key)
-            if self._retiring and key in self._retiring:
-                self._retiring.discard(key)
-                self._policy.forget(key)
+        self._admission.pop(run.client.key)
         if self._room_waiters:
             self._room.notify_all()
 
     def _drop(self, run: Run) -> None:
         """Takes ``run`` off the queue without dispatching it (lock held): it fails."""
-        self._pop(run)
-        self._policy.discard(run.head)
+        self._admission.drop(run.client.key, run.head)
+        if self._room_waiters:
+            self._room.notify_all()
 
     def _expire(self, blocked: list[Run]) -> None:
         """Fails heads that waited for memory past the timeout (all of them once stopped)."""
         moment = time.monotonic()
         for run in blocked:
             since = run.blocked_since
-            if since is None:
-                if not self._stopped:
-                    continue
-            elif not self._stopped and (self._bp_timeout is None or moment - since < self._bp_timeout):
+            if not self._stopped and not admission.waited_too_long(since, moment, self._bp_timeout):
                 continue
             self._drop(run)
             if self._stopped or since is None:  # (not stopped: it waited, since is set)
@@ -692,17 +675,11 @@ class Controller:
     def close_client(self, client: Any) -> None:
         """Cancels ``client``'s queued runs and frees the values it owns."""
         with self._lock:
-            queue = self._queues.pop(client.key, None)
-            if queue:
-                for run in queue:
-                    self._policy.discard(run.head)
-                self._policy.deactivate(client.key)
-            self._policy.forget(client.key)
-            self._retiring.discard(client.key)
+            queue = self._admission.close(client.key, lambda run: run.head)
             self._cv.notify_all()
             if self._room_waiters:
                 self._room.notify_all()
-        for run in queue or ():
+        for run in queue:
             self._fail(
                 run,
                 f"program {run.plan.graph.name!r} run {run.id} was cancelled: client {client.name!r} was closed",
@@ -714,10 +691,7 @@ class Controller:
     def retire_client(self, client: Any) -> None:
         """``client`` submits nothing more: the policy forgets it once its queued runs are gone."""
         with self._lock:
-            if client.key in self._queues:
-                self._retiring.add(client.key)  # forgotten by _pop, after its last run
-            else:
-                self._policy.forget(client.key)
+            self._admission.retire(client.key)  # forgotten after its last queued run
 
     def wait_dispatched(self, timeout: float | None = None) -> bool:
         """Waits until every run queued (or being dispatched) now has been dispatched, or failed.

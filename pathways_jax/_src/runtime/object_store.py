@@ -20,6 +20,9 @@ import jax
 from pathways_jax._src.core import errors, reentry
 from pathways_jax._src.core.charges import Charge, charge_of
 
+if typing.TYPE_CHECKING:
+    from pathways_jax._src.runtime.admission import Budget
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pending:
@@ -58,52 +61,6 @@ class Owner(typing.NamedTuple):
 
 
 MAIN_THREAD = threading.main_thread().ident  # the only thread KeyboardInterrupt lands on
-
-
-class Budget:
-    """Per-device byte budgets and the bytes reserved against them.
-
-    The controller reserves a run's statically-known node output bytes before
-    dispatch (:meth:`try_reserve`); a run's intermediates are released when
-    the run completes, its outputs when their values are freed. Listeners
-    (the controller) are called after every release.
-    """
-
-    def __init__(self, limits: dict[int, int]):
-        self.limits = dict(limits)
-        self.used = dict.fromkeys(limits, 0)
-        self.lock = threading.Lock()
-        self.listeners: list[Any] = []
-
-    def fits(self, charge: Charge) -> bool:
-        used, limits = self.used, self.limits
-        return all(used.get(d, 0) + b <= limits.get(d, b) for d, b in charge)
-
-    def try_reserve(self, charge: Charge) -> bool:
-        """Reserves ``charge`` if it fits now; call with :attr:`lock` held."""
-        if not self.fits(charge):
-            return False
-        for d, b in charge:
-            self.used[d] = self.used.get(d, 0) + b
-        return True
-
-    def release(self, charge: Charge, *, locked: bool = False) -> None:
-        if not charge:
-            return
-        if locked:
-            self._sub(charge)
-        else:
-            with self.lock:
-                self._sub(charge)
-            self.notify()
-
-    def _sub(self, charge: Charge) -> None:
-        for d, b in charge:
-            self.used[d] = self.used.get(d, 0) - b
-
-    def notify(self) -> None:
-        for listener in list(self.listeners):
-            listener()
 
 
 class Entry:

@@ -54,6 +54,7 @@ import itertools
 import os
 import pickle
 import secrets
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,7 @@ from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.ray_host import Refused, RunDone, RunFailure
 from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
 from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import admission
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.scheduler import Head
 
@@ -71,6 +73,7 @@ if TYPE_CHECKING:  # the channels need the ray extra (pyzmq, msgspec): imported 
 
 DEFAULT_WINDOW = 4  # runs in flight per island on the service's hosts
 _KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
+_POOL = 0  # the service's memory budget is one pool of bytes for all its hosts
 _START_TIMEOUT_S = 180.0
 _DEPARTED_KEPT = 64  # clients that went, still listed in stats
 # How long an answer may wait for a client's channel (a client that stopped reading).
@@ -145,13 +148,13 @@ class _Client:
     why: str = ""
     next_seq: int = 0
     pending: dict = dataclasses.field(default_factory=dict)  # seq -> batch, until its turn
-    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    # Its batches other than runs, in arrival order (its runs queue in the service's admission).
+    others: collections.deque = dataclasses.field(default_factory=collections.deque)
     plans: dict = dataclasses.field(default_factory=dict)  # host plan key -> hosts
     runs: int = 0
     failures: int = 0
     refused: int = 0
     device_s: float = 0.0
-    active: bool = False  # has runs queued (the policy's activate / deactivate)
     by_name: dict = dataclasses.field(default_factory=dict)  # pw.client name -> device seconds
     estimates: dict = dataclasses.field(default_factory=dict)  # program -> seconds per run
     slices: dict = dataclasses.field(default_factory=dict)  # slice id -> device ids
@@ -184,8 +187,12 @@ class ServiceActor:
         self.layout = self.backend.layout
         self.window = config.window
         self.policy = config.scheduler
-        # The in-process controller's policies (runtime/scheduler.py), keyed by client process.
-        self.chooser = scheduler_lib.make(self.policy, starvation_limit=config.starvation_limit)
+        # The in-process controller's admission core (runtime/admission.py): a queue of runs per
+        # client process, its policies (runtime/scheduler.py), and one byte budget for the hosts.
+        self.admission: admission.Queues[int, _Batch] = admission.Queues(
+            scheduler_lib.make(self.policy, starvation_limit=config.starvation_limit)
+        )
+        self.budget = admission.Budget({_POOL: config.memory_budget or sys.maxsize})
         self.max_clients = config.max_clients
         self.memory_budget = config.memory_budget
         self.backpressure_timeout = config.backpressure_timeout
@@ -193,7 +200,6 @@ class ServiceActor:
         self.values: dict[int, _Value] = {}
         self.in_flight: collections.Counter[int] = collections.Counter()
         self.busy_until: dict[int, float] = {}
-        self.held = 0  # bytes of values on the hosts
         self.started = time.monotonic()
         self._ids = itertools.count(1)
         self._arrival = itertools.count()
@@ -291,15 +297,12 @@ class ServiceActor:
         self._by_identity.pop(identity, None)
         self.channel.forget(identity)
         refused = Refused(f"client {client.name!r} is gone: {why}", "gone")
-        if client.queue:  # the policy forgets the head it may have passed over
-            self.chooser.discard(Head(client.id, client.queue[0].arrival))
-        for batch in [*client.queue, *client.pending.values()]:
+        queued = self.admission.close(client.id, lambda batch: Head(client.id, batch.arrival))
+        for batch in [*queued, *client.others, *client.pending.values()]:
             if not batch.future.done():
                 batch.future.set_result([refused] * len(batch.messages))
-        client.queue.clear()
+        client.others.clear()
         client.pending.clear()
-        self.chooser.forget(client.id)
-        client.active = False
         frees: dict[int, list[int]] = collections.defaultdict(list)
         for key, value in list(self.values.items()):
             value.readers.discard(client.id)
@@ -398,10 +401,16 @@ class ServiceActor:
             if ready.run is not None:
                 ready.islands = tuple(ready.run.islands)
                 ready.nbytes = sum(ready.run.nbytes.values())
-            client.queue.append(ready)
-            self._activity(client)
+                self.admission.push(client.id, ready)
+            else:
+                client.others.append(ready)
         self._pump()
         return batch.future
+
+    @property
+    def held(self) -> int:
+        """Bytes of values on the hosts."""
+        return self.budget.used[_POOL]
 
     async def _tick(self) -> None:
         """Looks at the queues now and then: a run waiting for memory fails in time even when nothing else happens."""
@@ -415,66 +424,57 @@ class ServiceActor:
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
         while True:
-            heads = [(c, c.queue[0]) for c in self.clients.values() if c.alive and c.queue]
-            if not heads:
-                return
             # Everything but runs goes at once, ahead of the client's queued runs
             # unless it names what they read or make (a fetch of a queued run's
             # output waits for that run, a free for the runs reading the value).
             others = [(c, b) for c in self.clients.values() if c.alive for b in self._unblocked(c)]
             if others:
                 for client, batch in others:
-                    client.queue.remove(batch)
+                    client.others.remove(batch)
                     self._forward(client, batch)
                 continue
+            heads = [(self.clients[key], batch) for key, batch in self.admission.heads()]
+            if not heads:
+                return
             if any(self._over_budget(c, b) for c, b in heads):
                 continue  # a run failed for memory: look at the queues again
             runs = [(c, b) for c, b in heads if self._may_go(b)]
             if not runs:
                 return
-            choices = [
-                Head(
-                    c.id,
-                    b.arrival,
-                    b.run.priority if b.run else 0,
-                    b.run.weight if b.run else 1.0,
-                    c.estimates.get(b.run.program if b.run else "", 0.0),
-                )
-                for c, b in runs
-            ]
-            index = self.chooser.pick(choices)
-            self.chooser.picked(choices, index)
+            choices = [self._head(c, b) for c, b in runs]
+            index = self.admission.pick(choices)
             client, batch = runs[index]
             batch.charged = choices[index].cost
-            client.queue.popleft()
-            self._activity(client)
+            self.admission.pop(client.id)
             self._forward(client, batch)
 
-    def _activity(self, client: _Client) -> None:
-        """Tells the policy when a client's queue of runs fills or empties (fair: no banked credit)."""
-        has_runs = any(b.run is not None for b in client.queue)
-        if has_runs and not client.active:
-            self.chooser.activate(client.id)
-        elif client.active and not has_runs:
-            self.chooser.deactivate(client.id)
-        client.active = has_runs
+    @staticmethod
+    def _head(client: _Client, batch: _Batch) -> Head:
+        """A queued run as the policy sees it."""
+        run = batch.run
+        assert run is not None  # only runs queue for the policy
+        return Head(
+            client.id, batch.arrival, run.priority, run.weight, client.estimates.get(run.program, 0.0)
+        )
 
     def _unblocked(self, client: _Client) -> list[_Batch]:
-        """The client's queued batches other than runs that need none of its queued runs to go first."""
-        if not client.queue or all(b.run is not None for b in client.queue):
+        """The client's batches other than runs that need none of its earlier queued runs to go first."""
+        if not client.others:
             return []
+        runs = iter(self.admission.queues.get(client.id, ()))  # in arrival order
+        run = next(runs, None)
         reads: set = set()
         makes: set = set()
         plans: set = set()
         ready = []
-        for batch in client.queue:
-            if batch.run is not None:
-                for _host, kind, args in batch.messages:
+        for batch in client.others:
+            while run is not None and run.arrival < batch.arrival:
+                for _host, kind, args in run.messages:
                     if kind == "run":
                         plans.add(args[0])
                         reads.update(payload for _slot, feed, payload in args[3] if feed == "value")
                         makes.update(local for _slot, local in args[4])
-                continue
+                run = next(runs, None)
             blocked = False
             for _host, kind, args in batch.messages:
                 if kind == "fetch" or kind == "share":
@@ -488,33 +488,33 @@ class ServiceActor:
         return ready
 
     def _may_go(self, batch: _Batch) -> bool:
-        if any(self.in_flight[island] >= self.window for island in batch.islands):
+        if not all(admission.has_room(self.in_flight[island], 1, self.window) for island in batch.islands):
             return False
-        return self.memory_budget is None or self.held + batch.nbytes <= self.memory_budget
+        return self.budget.fits(((_POOL, batch.nbytes),))
 
     def _over_budget(self, client: _Client, batch: _Batch) -> bool:
         """Fails (and takes off the queue) a run that will never fit, or waited too long to; True if it did."""
-        budget = self.memory_budget
-        if budget is None or self.held + batch.nbytes <= budget:
+        charge = ((_POOL, batch.nbytes),)
+        if self.budget.fits(charge):
             return False
         waited = time.monotonic() - batch.queued_at
-        if batch.nbytes > budget or (
-            self.backpressure_timeout is not None and waited > self.backpressure_timeout
+        never = self.budget.exceeds(charge)
+        if not never and not admission.waited_too_long(
+            batch.queued_at, time.monotonic(), self.backpressure_timeout
         ):
-            # It can never fit, or waited too long: it fails, and the queue goes on.
-            client.queue.popleft()
-            self.chooser.discard(Head(client.id, batch.arrival))
-            self._activity(client)
-            why = (
-                f"its outputs ({batch.nbytes} bytes) exceed the service's whole memory budget ({budget} bytes)"
-                if batch.nbytes > budget
-                else f"it waited {waited:.1f}s for memory under the service's budget ({budget} bytes, "
-                f"{self.held} held)"
-            )
-            client.failures += 1
-            self._fail(client, batch, Refused(f"the run cannot be admitted: {why}", "memory"))
-            return True
-        return False
+            return False
+        # It can never fit, or waited too long: it fails, and the queue goes on.
+        self.admission.drop(client.id, Head(client.id, batch.arrival))
+        why = (
+            f"its outputs ({batch.nbytes} bytes) exceed the service's whole memory budget "
+            f"({self.memory_budget} bytes)"
+            if never
+            else f"it waited {waited:.1f}s for memory under the service's budget ({self.memory_budget} bytes, "
+            f"{self.held} held)"
+        )
+        client.failures += 1
+        self._fail(client, batch, Refused(f"the run cannot be admitted: {why}", "memory"))
+        return True
 
     def _fail(self, client: _Client, batch: _Batch, answer: Refused) -> None:
         """Answers a batch that will not run with ``answer``: nothing of it runs and no value is touched.
@@ -538,7 +538,7 @@ class ServiceActor:
 
     def _release(self, key: int, frees: dict[int, list[int]]) -> None:
         value = self.values.pop(key)
-        self.held -= value.nbytes
+        self.budget.release(((_POOL, value.nbytes),), locked=True)
         for host in value.hosts:
             frees[host].append(key)
 
@@ -627,7 +627,7 @@ class ServiceActor:
                     if value is None:
                         size = int(nbytes.get(local, 0))
                         self.values[hk] = _Value(cid, (host,), size)
-                        self.held += size
+                        self.budget.hold(((_POOL, size),))
                     elif host not in value.hosts:
                         value.hosts = (*value.hosts, host)
                 out.append((host, kind, (host_key(cid, key), run_id, base, feeds, kept, frees.pop(host, []))))
@@ -714,8 +714,8 @@ class ServiceActor:
             program = batch.run.program
             estimate = client.estimates.get(program, 0.0)
             # The policy was charged an estimate when the run went: now the difference.
-            self.chooser.charge(client.id, device_s - batch.charged, batch.run.weight)
-            client.estimates[program] = device_s if not estimate else 0.8 * estimate + 0.2 * device_s
+            self.admission.policy.charge(client.id, device_s - batch.charged, batch.run.weight)
+            client.estimates[program] = admission.smoothed(estimate, device_s)
             client.device_s += device_s
             name = batch.run.client or client.name
             client.by_name[name] = client.by_name.get(name, 0.0) + device_s
@@ -755,7 +755,7 @@ class ServiceActor:
                 "runs": c.runs,
                 "failures": c.failures,
                 "refused": c.refused,
-                "queued": len(c.queue),
+                "queued": self.admission.queued(c.id) + len(c.others),
                 "device_time_s": c.device_s,
                 "by_client": dict(c.by_name),
                 "bytes_held": owned[c.id],

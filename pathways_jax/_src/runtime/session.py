@@ -22,7 +22,8 @@ from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import checks, errors, host_memory
 from pathways_jax._src.runtime import context
 from pathways_jax._src.runtime import scheduler as scheduler_lib
-from pathways_jax._src.runtime.object_store import Budget, ObjectStore
+from pathways_jax._src.runtime.admission import Budget
+from pathways_jax._src.runtime.object_store import ObjectStore
 from pathways_jax._src.runtime.resources import Island, ResourceManager
 
 # How many executables may be in flight on one island before the controller
