@@ -155,7 +155,7 @@ def test_different_collectives_of_two_processes_on_overlapping_orders_never_hang
         assert clients.wait_state(side, "done")["round"] == rounds
 
 
-def test_sigkilled_client_is_cleaned_up_and_the_other_goes_on(clients):
+def test_sigkilled_client_with_runs_in_flight_is_cleaned_up_and_the_other_goes_on(clients):
     svc = clients.svc
     baseline = sum(h["values"] for h in svc.host_stats().values())
     victim = clients.start("victim", "hold", "20")
@@ -165,13 +165,21 @@ def test_sigkilled_client_is_cleaned_up_and_the_other_goes_on(clients):
     assert wait_for(lambda: sum(h["values"] for h in svc.host_stats().values()) >= baseline + 20, timeout=30)
     assert _client_rows(svc)["victim"]["bytes_held"] >= 20 * 256 * 4
     before = clients.report("survivor")["runs"]
+    # Killed with runs in flight on the hosts, and more queued at the service.
+    assert wait_for(lambda: _client_rows(svc)["victim"]["in_flight"] > 0, timeout=30), _client_rows(svc)
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait(timeout=10)
     killed_at = time.monotonic()
 
     def cleaned() -> bool:
         row = _client_rows(svc)["victim"]
-        return not row["alive"] and row["bytes_held"] == 0 and row["queued"] == 0 and row["slices"] == {}
+        return (
+            not row["alive"]
+            and row["bytes_held"] == 0
+            and row["queued"] == 0
+            and row["in_flight"] == 0
+            and row["slices"] == {}
+        )
 
     assert wait_for(cleaned, timeout=CLEANUP_BOUND_S), _client_rows(svc)["victim"]
     # The hosts' counts are back to the baseline, but for the survivor's own values.
@@ -552,4 +560,76 @@ def test_a_host_lost_under_the_service_fails_its_runs_and_the_next_call_moves(ra
         assert svc.stats()["lost"] == {}
     finally:
         pw.shutdown()
+        svc.stop()
+
+
+def test_a_client_that_stops_reading_waits_in_a_bounded_outbox_others_are_served_then_it_is_dropped(
+    ray_cluster,
+):
+    """A slow consumer: a client whose channel stops taking answers (its queue at the high-water
+    mark) never makes the service wait; its answers wait in its outbox, the other clients are
+    answered at once, and after ``stalled_client_timeout`` it is dropped as if it had died."""
+    import queue
+    import threading
+
+    import ray
+
+    from pathways_jax._src import wire
+    from pathways_jax._src.backends.service_client import NAMESPACE, Token
+
+    svc = pw.serve("test-slow-reader", hosts=1, devices_per_host=1, stalled_client_timeout=4.0)
+    actor = ray.get_actor(svc.name, namespace=NAMESPACE)
+    tokens: list = []
+    peers: list = []
+    stuck = threading.Event()
+    try:
+
+        def join(name: str, **kwargs) -> wire.Peer:
+            token = ray.remote(Token).options(num_cpus=0).remote()
+            tokens.append(token)
+            x64 = bool(jax.config.read("jax_enable_x64"))
+            end = ray.get(actor.join.remote(name, os.getpid(), "test", token, x64), timeout=60)["channel"]
+            peer = wire.Peer(end.address, end.key, identity=end.identity, heartbeat=None, **kwargs)
+            peers.append(peer)
+            return peer
+
+        def share(seq: int) -> wire.Submit:  # answered at once by the service (a Refused: no such value)
+            return wire.Submit(seq, wire.Blob(pickle.dumps([(0, "share", (seq, "nobody"))])), None)
+
+        # The slow reader's handler never returns: its channel stops reading, its socket fills.
+        slow = join("slow", on_message=lambda received: stuck.wait(), hwm=1, queue_size=1)
+        answers: queue.Queue = queue.Queue()
+        fast = join("fast", on_message=answers.put)
+        flood = 25_000  # more answers than the service's socket and the kernel buffer hold
+        for first in range(0, flood, 1000):
+            slow.send_many([share(seq) for seq in range(first, first + 1000)], timeout=30)
+
+        def waiting() -> int:
+            return _client_rows(svc)["slow"]["answers_waiting"]
+
+        assert wait_for(lambda: waiting() > 0, timeout=60), _client_rows(svc)["slow"]
+        # The loop never waits for the slow reader: the other client is answered at once.
+        latencies = []
+        for seq in range(20):
+            started = time.monotonic()
+            fast.send(share(seq))
+            got = answers.get(timeout=30)
+            latencies.append(time.monotonic() - started)
+            assert got.body.batch == seq
+            assert "not on the hosts" in str(pickle.loads(got.body.answers.view)[0])
+        assert max(latencies) < 1.0, latencies
+        assert waiting() <= flood  # bounded: what it owes, no more
+        # The slow reader is dropped once it took nothing for stalled_client_timeout.
+        assert wait_for(lambda: not _client_rows(svc)["slow"]["alive"], timeout=30), _client_rows(svc)["slow"]
+        row = _client_rows(svc)["slow"]
+        assert "stopped reading" in row["gone"] and row["answers_waiting"] == 0, row
+        fast.send(share(20))  # (a client's batches are numbered: the next one)
+        assert answers.get(timeout=30).body.batch == 20
+        assert _client_rows(svc)["fast"]["alive"]
+    finally:
+        stuck.set()
+        for peer in peers:
+            peer.close()
+        for token in tokens:
+            ray.kill(token)
         svc.stop()

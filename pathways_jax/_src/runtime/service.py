@@ -76,8 +76,11 @@ _KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
 _POOL = 0  # the service's memory budget is one pool of bytes for all its hosts
 _START_TIMEOUT_S = 180.0
 _DEPARTED_KEPT = 64  # clients that went, still listed in stats
-# How long an answer may wait for a client's channel (a client that stopped reading).
-_ANSWER_TIMEOUT_S = 5.0
+# A client's answers its channel cannot take now wait in its outbox, sent again after
+# _DRAIN_FIRST_S, doubling up to _DRAIN_MAX_S; past this many bytes the client is dropped.
+_DRAIN_FIRST_S = 0.002
+_DRAIN_MAX_S = 0.1
+_OUTBOX_BYTES = 256 * 2**20
 
 
 def host_key(client: int, key: int) -> int:
@@ -106,6 +109,7 @@ class ServiceConfig:
     starvation_limit: int
     max_in_flight: int
     x64: bool
+    stalled_client_timeout: float = 30.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -152,12 +156,17 @@ class _Client:
     others: collections.deque = dataclasses.field(default_factory=collections.deque)
     plans: dict = dataclasses.field(default_factory=dict)  # host plan key -> hosts
     runs: int = 0
+    in_flight: int = 0  # runs sent to the hosts and not completed
     failures: int = 0
     refused: int = 0
     device_s: float = 0.0
     by_name: dict = dataclasses.field(default_factory=dict)  # pw.client name -> device seconds
     estimates: dict = dataclasses.field(default_factory=dict)  # program -> seconds per run
     slices: dict = dataclasses.field(default_factory=dict)  # slice id -> device ids
+    # Answers its channel could not take yet (a slow reader), oldest first, and since when.
+    outbox: collections.deque = dataclasses.field(default_factory=collections.deque)
+    outbox_bytes: int = 0
+    stalled_since: float | None = None
 
 
 class ServiceActor:
@@ -303,6 +312,8 @@ class ServiceActor:
                 batch.future.set_result([refused] * len(batch.messages))
         client.others.clear()
         client.pending.clear()
+        client.outbox.clear()
+        client.outbox_bytes = 0
         frees: dict[int, list[int]] = collections.defaultdict(list)
         for key, value in list(self.values.items()):
             value.readers.discard(client.id)
@@ -374,16 +385,65 @@ class ServiceActor:
                 self.refused_batches["not_a_batch"] += 1  # clients send only batches
 
     def _answer(self, peer: bytes, seq: int, answers: list) -> None:
-        """Sends a client the answers to its batch ``seq`` (a client that went gets nothing)."""
+        """Sends a client the answers to its batch ``seq`` (a client that went gets nothing).
+
+        Never waits: the loop serves every client. An answer the client's
+        channel cannot take now (a slow or stopped reader: its queue is at the
+        high-water mark) waits in the client's outbox, behind which its later
+        answers queue, and is sent again from the loop (:meth:`_drain`).
+        """
         from pathways_jax._src import wire
 
-        if peer not in self._by_identity:
+        client = self._by_identity.get(peer)
+        if client is None:
             return
         try:
             blob = wire.Blob(pickle.dumps(answers, protocol=pickle.HIGHEST_PROTOCOL))
-            self.channel.post(peer, wire.Answered(seq, blob), timeout=_ANSWER_TIMEOUT_S)
-        except Exception as exc:
-            logging.warning("pathways_jax service: answering client %r failed: %s", peer, exc)
+        except Exception as exc:  # an answer that cannot be pickled still answers
+            refused = Refused(f"the service could not send the answer: {type(exc).__name__}: {exc}")
+            blob = wire.Blob(pickle.dumps([refused] * len(answers), protocol=pickle.HIGHEST_PROTOCOL))
+        message = wire.Answered(seq, blob)
+        if not client.outbox and self._send_now(peer, message):
+            return
+        client.outbox.append(message)
+        client.outbox_bytes += len(blob.view)
+        if client.stalled_since is None:
+            client.stalled_since = time.monotonic()
+            self._loop.call_later(_DRAIN_FIRST_S, self._drain, client, _DRAIN_FIRST_S)
+
+    def _send_now(self, peer: bytes, message: Any) -> bool:
+        """Sends ``message`` if the client's channel takes it at once; False if it is full."""
+        from pathways_jax._src import wire
+
+        try:
+            self.channel.send(peer, message, timeout=0)
+        except wire.ChannelFull:
+            return False
+        except wire.ChannelClosed:  # the service is stopping: nothing more goes out
+            pass
+        return True
+
+    def _drain(self, client: _Client, pause: float) -> None:
+        """Sends what waits in a client's outbox; a client that took nothing for too long is dropped."""
+        peer = f"client-{client.id}".encode()
+        while client.outbox and client.alive:
+            if not self._send_now(peer, client.outbox[0]):
+                break
+            client.outbox_bytes -= len(client.outbox.popleft().answers.view)
+            client.stalled_since = time.monotonic() if client.outbox else None
+        if not client.outbox or not client.alive:
+            client.stalled_since = None
+            return
+        stalled = time.monotonic() - (client.stalled_since or time.monotonic())
+        if stalled >= self.config.stalled_client_timeout or client.outbox_bytes > _OUTBOX_BYTES:
+            self._drop_client(
+                client,
+                f"it stopped reading its answers ({len(client.outbox)} answers, {client.outbox_bytes} bytes "
+                f"waited {stalled:.1f}s; stalled_client_timeout={self.config.stalled_client_timeout}s)",
+            )
+            return
+        pause = min(pause * 2, _DRAIN_MAX_S)
+        self._loop.call_later(pause, self._drain, client, pause)
 
     def _submit(self, client: _Client, seq: int, messages: list, run: wire.RunMeta | None) -> asyncio.Future:
         """A client's batch number ``seq``; its future is set to each message's answer once they are done."""
@@ -662,6 +722,7 @@ class ServiceActor:
             return
         for island in batch.islands:
             self.in_flight[island] += 1
+        client.in_flight += 1
         asyncio.get_running_loop().create_task(self._complete(client, batch, messages, refs, sent))
 
     async def _complete(
@@ -690,6 +751,7 @@ class ServiceActor:
             done = time.monotonic()
             for island in batch.islands:
                 self.in_flight[island] -= 1
+            client.in_flight -= 1
             first = min(batch.islands) if batch.islands else -1
             start = max(sent, self.busy_until.get(first, 0.0))
             self.busy_until[first] = done
@@ -756,6 +818,8 @@ class ServiceActor:
                 "failures": c.failures,
                 "refused": c.refused,
                 "queued": self.admission.queued(c.id) + len(c.others),
+                "in_flight": c.in_flight,
+                "answers_waiting": len(c.outbox),
                 "device_time_s": c.device_s,
                 "by_client": dict(c.by_name),
                 "bytes_held": owned[c.id],
@@ -850,6 +914,7 @@ def serve(
     max_in_flight: int = ray_backend.RUNS_IN_FLIGHT,
     platform: str = "cpu",
     replace_lost_hosts: bool = True,
+    stalled_client_timeout: float = 30.0,
 ) -> Service:
     """Starts a controller service: a named, detached Ray actor owning ``hosts`` host actors.
 
@@ -874,6 +939,10 @@ def serve(
       starvation_limit: under ``"priority"``, a run passed over more than
         this many times goes next.
       max_in_flight: executables each host keeps in flight.
+      stalled_client_timeout: seconds a client process may leave its answers
+        unread (its channel full: a stopped or stuck process) before the
+        service drops it as if it had died (its values freed). Meanwhile its
+        answers wait in a bounded outbox and the other clients are served.
 
     Returns:
       The :class:`Service`.
@@ -912,6 +981,14 @@ def serve(
         raise errors.ClusterError(
             f"memory_budget must be None or a number of bytes >= 1, got {memory_budget!r}."
         )
+    if (
+        isinstance(stalled_client_timeout, bool)
+        or not isinstance(stalled_client_timeout, int | float)
+        or not stalled_client_timeout > 0
+    ):
+        raise errors.ClusterError(
+            f"stalled_client_timeout must be a number of seconds > 0, got {stalled_client_timeout!r}."
+        )
     ray = connect(address, start=True)
     with contextlib.suppress(ValueError):
         ray.get_actor(name, namespace=NAMESPACE)
@@ -934,6 +1011,7 @@ def serve(
         starvation_limit=starvation_limit,
         max_in_flight=max_in_flight,
         x64=bool(jax.config.read("jax_enable_x64")),
+        stalled_client_timeout=float(stalled_client_timeout),
     )
     actor = (
         ray.remote(ServiceActor)
