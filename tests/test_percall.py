@@ -303,3 +303,26 @@ def test_loose_executables_take_host_and_committed_inputs_as_jax_jit(kind):
             assert (a.shape, a.dtype, a.weak_type) == (b.shape, b.dtype, b.weak_type)
             assert a.committed == b.committed
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_values_read_without_futures_are_freed_when_the_wait_is_interrupted(monkeypatch):
+    # No future holds a run's entries while submit_values waits for its dispatch: an
+    # interrupt there must free them, as dropping the futures would.
+    from pathways_jax._src.runtime import futures, object_store
+
+    store = object_store.ObjectStore()
+
+    class Out:
+        aval = sharding = slice = None
+        origin = "an output"
+
+    entries = store.new_run(object_store.Owner("client", 0), [Out(), Out()], [None, None])
+
+    def interrupted(entry, timeout):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "wait_settled", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        futures.dispatched_values(entries, store, [True, False])
+    assert store.live_count() == 0
+    assert all(type(entry.state) is object_store.Freed for entry in entries)

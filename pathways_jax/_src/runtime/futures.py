@@ -639,7 +639,11 @@ def dispatched_values(entries: list[Entry], store: ObjectStore, wanted: Sequence
     if type(last.state) is Pending:  # the outputs of one run settle together (Controller._publish)
         if reentry.inside.depth:  # a host callback on the controller's thread, a finalizer: see wait_settled
             return [Future(entry, store) for entry in entries]
-        store.wait_settled(last, None)
+        try:
+            store.wait_settled(last, None)
+        except BaseException:  # an interrupt: no future holds the entries, so they go here
+            store.free(entries)
+            raise
     out: list[Any] = []
     append = out.append
     taken: list[Entry] = []
