@@ -84,8 +84,8 @@ if TYPE_CHECKING:
 _PING_S = 0.25  # how often the monitor looks at every host
 _FLUSH_S = 0.05  # how often freed values are sent back to their hosts
 _START_TIMEOUT_S = 120.0
-_CALL_TIMEOUT_S = 120.0
-_CLOSE_TIMEOUT_S = 10.0  # how long close() waits for this side's threads unless told
+CALL_TIMEOUT_S = 120.0
+CLOSE_TIMEOUT_S = 10.0  # how long close() waits for this side's threads unless told
 _WAIT_STEP_S = 0.1  # a wait for a host's answer looks whether the cluster closed this often
 # A run failed on a host of an island of several hosts, or that pulled values
 # from other hosts: how long the controller waits for those hosts to answer a
@@ -112,7 +112,7 @@ CROSS_HOST_WINDOW = 16
 RUNS_IN_FLIGHT = 64
 
 
-def _import_ray() -> Any:
+def import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
@@ -355,7 +355,7 @@ class RemoteArray:
             return None
         backend = self.backend
         island = backend.layout.island_of(self.hosts[0])
-        if island in backend.lost or backend._generation[island] != self.generation:
+        if island in backend.lost or backend.generations[island] != self.generation:
             return None
         answer = self.dones[0].result()
         if isinstance(answer, RunDone):
@@ -657,7 +657,7 @@ class RayBackend:
         replace_lost: bool = True,
         transport: str = "channel",
     ):
-        ray = _import_ray()
+        ray = import_ray()
         self._common(
             ray, Layout(hosts, devices_per_host, hosts // (islands or hosts)), platform, standins, on_lost
         )
@@ -735,7 +735,7 @@ class RayBackend:
         self.lost: dict[int, str] = {}  # island -> why
         self.lost_hosts: dict[int, str] = {}  # host -> why (every host of a lost island)
         self._lost_before: dict[int, str] = {}  # island -> why it was lost last (rebuilt since or not)
-        self._generation = [0] * layout.islands  # bumped when an island is rebuilt
+        self.generations = [0] * layout.islands  # bumped when an island is rebuilt
         self.on_restored: Any = None  # set by the cluster: called with a rebuilt island
         self._closed = False
 
@@ -928,7 +928,7 @@ class RayBackend:
             for island in remote.islands:
                 if island in self.lost:
                     raise errors.HostLostError(self._lost_message(island, f"program {name!r}"))
-            generations = {island: self._generation[island] for island in remote.islands}
+            generations = {island: self.generations[island] for island in remote.islands}
             # Every host's inputs first: a run that fails here sends nothing, so no
             # host waits for a value from a host that never got its part.
             messages: dict[int, tuple[list, list]] = {}
@@ -988,8 +988,32 @@ class RayBackend:
             outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones, generation)
         return outputs, markers
 
+    def send_batch(self, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
+        """Sends messages ``(host, kind, args)`` numbered in this order, each host's in one batch.
+
+        For a caller that composes host messages itself (the controller
+        service). One future per message, in order, set to the host's answer;
+        a lost host's message is not sent and its future fails with ``HostGone``.
+        """
+        with self._lock:
+            live = [i for i, (host, _kind, _args) in enumerate(messages) if host not in self.lost_hosts]
+            sent = self._send_locked([messages[i] for i in live]) if live else []
+        futures: list[concurrent.futures.Future] = []
+        answers = dict(zip(live, sent, strict=True))
+        for index, (host, _kind, _args) in enumerate(messages):
+            future = answers.get(index)
+            if future is None:
+                future = concurrent.futures.Future()
+                future.set_exception(HostGone(host, "it was lost"))
+            futures.append(future)
+        return futures
+
     def _send_run(self, batch: list[tuple[int, str, tuple]], run: Any, remote: RemotePlan) -> list:
-        """Sends a run's messages (host, kind, args), each host's in one batch; their answers' futures.
+        """Sends a run's messages (host, kind, args); their answers' futures. Call with ``_lock`` held."""
+        return self._send_locked(batch)
+
+    def _send_locked(self, batch: list[tuple[int, str, tuple]]) -> list:
+        """Sends messages (host, kind, args), each host's in one batch; their answers' futures.
 
         Call with ``_lock`` held.
         """
@@ -1006,6 +1030,11 @@ class RayBackend:
             for index, answer in zip(indices, self.link.send_many(host, messages), strict=True):
                 answers[index] = answer
         return answers
+
+    def take_uuids(self, count: int) -> int:
+        """The first of ``count`` fresh transfer uuids (for a run the caller sends itself)."""
+        with self._lock:
+            return self._take_uuids(count)
 
     def _take_uuids(self, count: int) -> int:
         """The first of ``count`` fresh transfer uuids; call with ``_lock`` held."""
@@ -1067,13 +1096,13 @@ class RayBackend:
             raise errors.ClusterError(_CLOSED)
         island = self.layout.island_of(hosts[0])
         with self._lock:
-            if island in self.lost or generation != self._generation[island]:
+            if island in self.lost or generation != self.generations[island]:
                 raise errors.HostLostError(self._lost_message(island, "a value"))
             answers = [self._message(host, "fetch", key) for host in hosts]
         results: list[Any] = []
         for host, answer in zip(hosts, answers, strict=True):
             try:
-                result = self._fetched(host, answer.result(timeout=_CALL_TIMEOUT_S))
+                result = self._fetched(host, answer.result(timeout=CALL_TIMEOUT_S))
             except Exception as exc:
                 lost = self._loss(host, exc, generation, "a value")
                 if lost is not None:
@@ -1168,7 +1197,7 @@ class RayBackend:
                     return island_of(host)
         return None
 
-    def host_stats(self, timeout: float = _CALL_TIMEOUT_S) -> dict[int, dict]:
+    def host_stats(self, timeout: float = CALL_TIMEOUT_S) -> dict[int, dict]:
         """Each live host's counts: values kept, runs done, executables and plans cached, transfers."""
         live = [h for h in range(self.hosts) if h not in self.lost_hosts]
         stats = self.ray.get([self.actors[h].stats.remote() for h in live], timeout=timeout)
@@ -1200,7 +1229,7 @@ class RayBackend:
         island = self.layout.island_of(host)
         members = self.layout.members(island)
         with self._lock:
-            if self._closed or (generation is not None and generation != self._generation[island]):
+            if self._closed or (generation is not None and generation != self.generations[island]):
                 return
             if not self._record_lost(
                 island, f"host {host} died ({why.splitlines()[0] if why else 'no reason given'})"
@@ -1280,7 +1309,7 @@ class RayBackend:
                 if answer is not None:
                     raise errors.ClusterError(f"the new hosts could not reach the others: {answer}")
             with self._lock:
-                self._generation[island] += 1
+                self.generations[island] += 1
                 del self.lost[island]
                 for member in members:
                     del self.lost_hosts[member]
@@ -1329,7 +1358,7 @@ class RayBackend:
                 if not self._closed and is_lost_error(exc):
                     self.mark_lost(host, str(exc))
 
-    def close(self, timeout: float | None = _CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
         """Kills the host actors (their values go with them) and stops this side's threads.
 
         Never waits for a host: the actors are killed without waiting, and this

@@ -46,7 +46,7 @@ _SEND_TIMEOUT_S = 10.0  # a service that takes no batch for this long is stuck (
 
 def connect(address: str | None, *, start: bool = False) -> Any:
     """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a new one)."""
-    ray = ray_backend._import_ray()
+    ray = ray_backend.import_ray()
     if not ray.is_initialized():
         if address is None and start:
             logging.warning(
@@ -129,7 +129,7 @@ class ServiceBackend(ray_backend.RayBackend):
     """
 
     def __init__(self, *, actor: Any, token: Any, joined: dict, standins: list, on_lost: Any):
-        ray = ray_backend._import_ray()
+        ray = ray_backend.import_ray()
         layout = ray_backend.Layout(joined["hosts"], joined["devices_per_host"], joined["per_island"])
         self._common(ray, layout, joined["platform"], standins, on_lost)
         self.replace_lost = False  # the service rebuilds lost islands, not this process
@@ -138,7 +138,7 @@ class ServiceBackend(ray_backend.RayBackend):
         self.client_id = joined["client"]
         self.info = joined["info"]
         self._token = token
-        self._generation = list(joined["generations"])
+        self.generations = list(joined["generations"])
         for island, why in joined["lost"].items():
             self._mark(int(island), why)
         self._batches = 0
@@ -269,7 +269,7 @@ class ServiceBackend(ray_backend.RayBackend):
                 return self.layout.island_of(host)
         return None
 
-    def host_stats(self, timeout: float = ray_backend._CALL_TIMEOUT_S) -> dict[int, dict]:
+    def host_stats(self, timeout: float = ray_backend.CALL_TIMEOUT_S) -> dict[int, dict]:
         return self.ray.get(self.service.host_stats.remote(), timeout=timeout)
 
     def service_stats(self, timeout: float = 30.0) -> dict:
@@ -300,11 +300,11 @@ class ServiceBackend(ray_backend.RayBackend):
         for island, why in lost.items():
             self._mark(island, why)
         for island, generation in enumerate(health["generations"]):
-            if island in lost or (island not in self.lost and generation == self._generation[island]):
+            if island in lost or (island not in self.lost and generation == self.generations[island]):
                 continue
             with self._lock:
                 self.lost.pop(island, None)
-                self._generation[island] = generation
+                self.generations[island] = generation
                 for member in self.layout.members(island):
                     self.lost_hosts.pop(member, None)
                     self._known[member] = set()  # new hosts: plans go again
@@ -336,7 +336,7 @@ class ServiceBackend(ray_backend.RayBackend):
                 logging.warning("pathways_jax: asking the controller service about its hosts failed: %s", exc)
             time.sleep(_HEALTH_S)
 
-    def close(self, timeout: float | None = ray_backend._CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout: float | None = ray_backend.CLOSE_TIMEOUT_S) -> None:
         """Leaves the service (its values and plans are released there) and stops this side's threads."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._closed:

@@ -241,7 +241,7 @@ class ServiceActor:
             "x64": self.config.x64,
             "scheduler": self.policy,
             "window": self.window,
-            "generations": list(backend._generation),
+            "generations": list(backend.generations),
             "lost": dict(backend.lost),
             "info": backend.info,
             "pid": os.getpid(),
@@ -321,12 +321,10 @@ class ServiceActor:
                 value.owner_holds = False
             if not value.owner_holds and not value.readers:
                 self._release(key, frees)
-        with self.backend._lock:
-            for host, keys in frees.items():
-                self._send_host(host, "free", keys)
-            for plan, hosts in client.plans.items():
-                for host in hosts:
-                    self._send_host(host, "forget", plan)
+        self.backend.send_batch(
+            [(host, "free", (keys,)) for host, keys in frees.items()]
+            + [(host, "forget", (plan,)) for plan, hosts in client.plans.items() for host in hosts]
+        )
         client.plans.clear()
         client.slices.clear()
         # Stats keep the last clients that went; older ones are forgotten.
@@ -582,19 +580,14 @@ class ServiceActor:
         Its plans are still registered: the client counts them as sent, and a
         plan reads no value.
         """
-        with self.backend._lock:
-            for host, kind, args in batch.messages:
-                if kind == "register":
-                    plan = host_key(client.id, args[0])
-                    client.plans.setdefault(plan, set()).add(host)
-                    self._send_host(host, kind, plan, *args[1:])
+        registers = []
+        for host, kind, args in batch.messages:
+            if kind == "register":
+                plan = host_key(client.id, args[0])
+                client.plans.setdefault(plan, set()).add(host)
+                registers.append((host, kind, (plan, *args[1:])))
+        self.backend.send_batch(registers)
         batch.future.set_result([answer] * len(batch.messages))
-
-    def _send_host(self, host: int, kind: str, *args: Any) -> Any:
-        """Host ``host``'s next numbered message; call with the backend's lock held."""
-        if host in self.backend.lost_hosts:
-            return None
-        return self.backend._message(host, kind, *args)
 
     def _release(self, key: int, frees: dict[int, list[int]]) -> None:
         value = self.values.pop(key)
@@ -659,8 +652,7 @@ class ServiceActor:
         out: list[tuple[int, str, tuple]] = []
         base = 0
         if batch.run is not None:
-            with self.backend._lock:  # its uuid counter's lock
-                base = self.backend._take_uuids(batch.run.uuids)
+            base = self.backend.take_uuids(batch.run.uuids)
         nbytes = batch.run.nbytes if batch.run is not None else {}
         for host, kind, args in batch.messages:
             if kind == "register":
@@ -710,30 +702,30 @@ class ServiceActor:
             self._fail(client, batch, Refused(str(refused)))
             return
         sent = time.monotonic()
-        with self.backend._lock:
-            refs = [self._send_host(host, kind, *args) for host, kind, args in messages]
-            for host, keys in frees.items():
-                self._send_host(host, "free", keys)
+        generations = tuple(self.backend.generations)  # a loss seen later is of these islands
+        refs = self.backend.send_batch(messages + [(host, "free", (keys,)) for host, keys in frees.items()])
+        refs = refs[: len(messages)]
         if batch.run is None:
             if not any(kind == "fetch" for _host, kind, _args in messages):
                 batch.future.set_result([None] * len(messages))  # answered at once
             else:  # a fetch: with the host's answer
-                asyncio.get_running_loop().create_task(self._complete(client, batch, messages, refs, sent))
+                asyncio.get_running_loop().create_task(
+                    self._complete(client, batch, messages, refs, sent, generations)
+                )
             return
         for island in batch.islands:
             self.in_flight[island] += 1
         client.in_flight += 1
-        asyncio.get_running_loop().create_task(self._complete(client, batch, messages, refs, sent))
+        asyncio.get_running_loop().create_task(
+            self._complete(client, batch, messages, refs, sent, generations)
+        )
 
     async def _complete(
-        self, client: _Client, batch: _Batch, messages: list, refs: list, sent: float
+        self, client: _Client, batch: _Batch, messages: list, refs: list, sent: float, generations: tuple
     ) -> None:
         answers: list[Any] = []
         lost_host = None
         for (host, _kind, _args), ref in zip(messages, refs, strict=True):
-            if ref is None:
-                answers.append(RunFailure("lost", host, f"host {host} was lost", ""))
-                continue
             try:
                 answers.append(await asyncio.wrap_future(ref))
             except Exception as exc:
@@ -745,7 +737,7 @@ class ServiceActor:
         if lost_host is not None:
             island = self.layout.island_of(lost_host)
             await asyncio.get_running_loop().run_in_executor(
-                None, self.backend.mark_lost, lost_host, "its actor died", self.backend._generation[island]
+                None, self.backend.mark_lost, lost_host, "its actor died", generations[island]
             )
         if batch.run is not None:
             done = time.monotonic()
@@ -791,7 +783,7 @@ class ServiceActor:
     # --- reading ---------------------------------------------------------------------------
 
     async def health(self) -> dict:
-        return {"lost": dict(self.backend.lost), "generations": list(self.backend._generation)}
+        return {"lost": dict(self.backend.lost), "generations": list(self.backend.generations)}
 
     async def host_stats(self) -> dict:
         return await asyncio.get_running_loop().run_in_executor(None, self.backend.host_stats)
