@@ -404,3 +404,183 @@ def test_a_post_that_cannot_be_sent_in_time_is_dropped_and_counted():
     with Server(KEY, heartbeat=None) as server:
         server.post(b"nobody", Forget(plan=1), timeout=0.05)
         assert server.dropped == 1 and server.sent == 0
+
+
+# --- fan-out: one send, each peer its own part --------------------------------------------
+
+
+def _topic(kind: bytes, name: bytes) -> bytes:
+    return kind + struct.pack("<H", len(name)) + name
+
+
+def _sign_down(key, topic, seq, frames):
+    prefix = struct.pack("<HQ", len(frames) + 1, seq)
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    mac.update(b"d" + struct.pack("<Q", len(topic)) + topic + prefix)
+    for frame in frames:
+        mac.update(struct.pack("<Q", len(frame)) + bytes(frame))
+    return prefix + mac.digest()
+
+
+def _drain(peer, timeout=0.05):
+    got = []
+    while (received := peer.recv(timeout=timeout)) is not None:
+        got.append(received)
+    return got
+
+
+@pytest.mark.timeout(20)
+def test_a_broadcast_is_one_send_and_each_peer_gets_its_own_part_in_order_among_unicast():
+    server = Server(KEY, heartbeat=None)
+    names = [f"host-{i}".encode() for i in range(4)]
+    peers = [Peer(server.address, KEY, identity=n, groups=[b"island-0"], heartbeat=None) for n in names]
+    outsider = Peer(server.address, KEY, identity=b"host-9", groups=[b"island-1"], heartbeat=None)
+    try:
+        server.send(names[0], Free(keys=[-1]))  # waits for the subscription: no slow-joiner loss
+        sent = server.sent
+        firsts = server.broadcast(b"island-0", {n: [Forget(plan=i)] for i, n in enumerate(names)})
+        assert server.sent == sent + 1  # one send for four peers
+        server.send(names[1], Free(keys=[1]))
+        server.send(outsider.identity, Free(keys=[9]))
+        batch = {n: [Free(keys=[10 + i]), Forget(plan=20 + i)] for i, n in enumerate(names[1:], 1)}
+        seconds = server.broadcast(b"island-0", batch)  # host-0 has no part in this one
+        server.send(names[0], Free(keys=[0]))
+        got = {n: _drain(p) for n, p in zip(names, peers, strict=True)}
+        assert [(r.seq, r.body) for r in got[names[0]]] == [
+            (1, Free(keys=[-1])),
+            (2, Forget(plan=0)),
+            (3, Free(keys=[0])),
+        ]
+        assert [(r.seq, r.body) for r in got[names[1]]] == [
+            (1, Forget(plan=1)),
+            (2, Free(keys=[1])),
+            (3, Free(keys=[11])),
+            (4, Forget(plan=21)),
+        ]
+        for i, n in enumerate(names[2:], 2):
+            assert [(r.seq, r.body) for r in got[n]] == [
+                (1, Forget(plan=i)),
+                (2, Free(keys=[10 + i])),
+                (3, Forget(plan=20 + i)),
+            ]
+        assert firsts == {names[0]: 2, names[1]: 1, names[2]: 1, names[3]: 1}
+        assert seconds == {names[1]: 3, names[2]: 2, names[3]: 2}
+        assert [r.body for r in _drain(outsider)] == [Free(keys=[9])]  # another island's: nothing
+        assert all(p.refused == {} for p in [*peers, outsider])
+        # Blobs of every part share the frame's buffers; each peer reads its own exactly.
+        arrays = {n: np.arange(1000 + i, dtype=np.float32) for i, n in enumerate(names)}
+        server.broadcast(b"island-0", {n: [Fetched(seq=1, payload=Blob(a))] for n, a in arrays.items()})
+        for n, p in zip(names, peers, strict=True):
+            np.testing.assert_array_equal(
+                np.frombuffer(p.recv(timeout=5).body.payload.view, np.float32), arrays[n]
+            )
+        with pytest.raises(ValueError, match="at least one message"):
+            server.broadcast(b"island-0", {names[0]: []})
+    finally:
+        for peer in [*peers, outsider]:
+            peer.close()
+        server.close()
+
+
+@pytest.mark.timeout(20)
+def test_forged_and_replayed_broadcast_frames_are_refused_and_counted():
+    context = zmq.Context.instance()
+    raw = context.socket(zmq.XPUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    up = context.socket(zmq.ROUTER)
+    up.setsockopt(zmq.LINGER, 0)
+    up_port = up.bind_to_random_port("tcp://127.0.0.1")
+    address = Address(f"tcp://127.0.0.1:{up_port}", f"tcp://127.0.0.1:{port}")
+    peer = Peer(address, KEY, identity=b"host-0", groups=[b"g0"], heartbeat=None)
+    group, own = _topic(b"g", b"g0"), _topic(b"p", b"host-0")
+    try:
+        seen = set()
+        while own not in seen:  # its own topic comes last
+            raw.poll(5000)
+            seen.add(raw.recv()[1:])
+        assert group in seen
+
+        def fanout(parts):
+            return Codec().encode_fanout(parts)[0]
+
+        header = fanout({b"host-0": (1, Forget(plan=1)), b"host-1": (1, Forget(plan=2))})
+        good = [group, _sign_down(KEY, group, 1, [header]), header]
+        raw.send_multipart(good)
+        assert (peer.recv(timeout=5).body, peer.refused) == (Forget(plan=1), {})
+        raw.send_multipart(good)  # the frame replayed
+        again = [group, _sign_down(KEY, group, 2, [header]), header]
+        raw.send_multipart(again)  # renumbered and signed (a leaked key), but the part is old
+        raw.send_multipart([group, good[1], header + b"\x00"])  # altered
+        raw.send_multipart([group, _sign_down(b"x" * 32, group, 3, [header]), header])  # wrong key
+        raw.send_multipart([group, _sign_down(KEY, own, 4, [header]), header])  # signed for another topic
+        raw.send_multipart([group, _sign_down(KEY, group, 5, [header])])  # truncated
+        junk = b"\xc1\xff"
+        raw.send_multipart([group, _sign_down(KEY, group, 6, [junk]), junk])  # malformed
+        _until(lambda: sum(peer.refused.values()) == 7)
+        assert peer.refused == {"replayed": 2, "forged": 3, "truncated": 1, "malformed": 1}
+        fresh = fanout({b"host-0": (2, Free(keys=[7]))})
+        raw.send_multipart([group, _sign_down(KEY, group, 7, [fresh]), fresh])
+        got = peer.recv(timeout=5)
+        assert (got.seq, got.body) == (2, Free(keys=[7]))  # still serving
+        assert peer.recv(timeout=0.05) is None
+    finally:
+        peer.close()
+        raw.close()
+        up.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_stopped_subscriber_gives_the_broadcaster_channel_full_not_a_hang_or_a_drop():
+    server = Server(KEY, heartbeat=None, hwm=4)
+    reader = Peer(server.address, KEY, identity=b"reader", groups=[b"g"], heartbeat=None, hwm=4)
+    stopped = Peer(
+        server.address, KEY, identity=b"stopped", groups=[b"g"], heartbeat=None, hwm=4, queue_size=1
+    )
+    try:
+        sent = 0
+        with pytest.raises(ChannelFull, match="full"):
+            for i in range(100_000):
+                server.broadcast(
+                    b"g", {b"reader": [Free(keys=[i])], b"stopped": [Free(keys=[i])]}, timeout=0.2
+                )
+                sent += 1
+                _drain(reader, timeout=0)
+        assert sent < 100_000
+        got = _drain(reader, timeout=0.2)
+        # Nothing of the refused broadcast reached anyone: the reader has exactly what was sent.
+        assert [r.body for r in got][-1:] == [Free(keys=[sent - 1])]
+        assert server.refused == {} and reader.refused == {}
+        # The stopped peer got every broadcast sent, none dropped, in order.
+        taken = []
+        while (received := stopped.recv(timeout=0.2)) is not None:
+            taken.append(received.body.keys[0])
+        assert taken == list(range(sent))
+    finally:
+        reader.close()
+        stopped.close()
+        server.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_late_subscriber_gets_nothing_sent_before_it_joined_and_everything_after():
+    server = Server(KEY, heartbeat=None)
+    early = Peer(server.address, KEY, identity=b"early", groups=[b"g"], heartbeat=None)
+    late = None
+    try:
+        server.broadcast(b"g", {b"early": [Forget(plan=1)]})
+        with pytest.raises(ChannelFull, match="not connected"):
+            server.broadcast(b"g", {b"early": [Forget(plan=2)], b"late": [Forget(plan=2)]}, timeout=0.1)
+        late = Peer(server.address, KEY, identity=b"late", groups=[b"g"], heartbeat=None)
+        # Sent before "late" subscribed, it waits for it (the slow joiner loses nothing).
+        server.broadcast(b"g", {b"early": [Forget(plan=3)], b"late": [Forget(plan=3)]}, timeout=5)
+        server.broadcast(b"g", {b"early": [Forget(plan=4)]})
+        server.broadcast(b"g", {b"early": [Forget(plan=5)], b"late": [Forget(plan=5)]})
+        assert [(r.seq, r.body.plan) for r in _drain(early)] == [(1, 1), (2, 3), (3, 4), (4, 5)]
+        assert [(r.seq, r.body.plan) for r in _drain(late)] == [(1, 3), (2, 5)]
+        assert early.refused == {} and late.refused == {}
+    finally:
+        early.close()
+        if late is not None:
+            late.close()
+        server.close()

@@ -1,20 +1,33 @@
 """Authenticated ZeroMQ channels between a server (controller, service) and its peers.
 
-A :class:`Server` binds two ROUTER sockets (``Address.up``: peers send there;
-``Address.down``: peers receive from there); a :class:`Peer` connects one
-DEALER to each, under one routing identity. Each socket has one owner: the
-receive socket belongs to the channel's receive thread, the send socket to
-whichever thread holds the send lock. So a send runs in the caller's thread
-with no hand-off to an I/O thread (whose wake-up would wait for the GIL), and
-no socket is ever touched by two threads at once.
+A :class:`Server` binds a ROUTER (``Address.up``: peers send there) and one
+XPUB (``Address.down``: peers receive from there); a :class:`Peer` connects a
+DEALER to the first, under its routing identity, and a SUB to the second,
+subscribed to its own topic and to each of its groups' (an island's). Each
+socket has one owner: the receive socket belongs to the channel's receive
+thread, the send socket to whichever thread holds the send lock (which also
+reads the XPUB's subscriptions). So a send runs in the caller's thread with no
+hand-off to an I/O thread (whose wake-up would wait for the GIL), and no
+socket is ever touched by two threads at once.
 
-Frames of one message: ``[signature, header, *buffers]`` (a ROUTER adds the
-peer's identity in front). ``signature`` is ``<count:u16><seq:u64><hmac:32>``:
-the HMAC-SHA256, under the service key, of a direction byte, the peer's
-identity, ``count`` and ``seq``, and every later frame with its length. A
-receiver refuses, counts by reason and otherwise ignores what is truncated,
-forged, replayed (``seq`` not above the last accepted from that peer) or
-malformed; the receive loop never raises.
+Fan-out: :meth:`Server.broadcast` sends a group's peers their own messages as
+ONE signed send on the group's topic (a :class:`Fanout`); ZeroMQ's I/O thread
+copies it to every subscriber, so the sender's cost hardly grows with the
+peers. One XPUB socket means one ordered pipe per peer: unicast and broadcast
+messages reach a peer in the order they were sent, numbered in one sequence
+per peer. ``XPUB_NODROP``: a full pipe makes the send wait (then
+:class:`ChannelFull`), never drops. Nothing is sent to a peer, alone or in a
+group, before its subscription is seen (a peer subscribes its groups first,
+its own topic last, so its own topic's arrival says it hears them all).
+
+Frames of one message: ``[route, signature, header, *buffers]``; ``route`` is
+the sender's identity (peer -> server, added by the ROUTER) or the topic
+(server -> peer). ``signature`` is ``<count:u16><seq:u64><hmac:32>``: the
+HMAC-SHA256, under the service key, of a direction byte, the peer's identity
+(up) or the topic (down), ``count`` and ``seq``, and every later frame with
+its length. A receiver refuses, counts by reason and otherwise ignores what is
+truncated, forged, replayed (``seq``, or a fan-out part's, not above the last
+accepted from that peer or topic) or malformed; the receive loop never raises.
 """
 
 from __future__ import annotations
@@ -51,6 +64,9 @@ _PREFIX = struct.Struct("<HQ")
 _MAC_SIZE = hashlib.sha256().digest_size
 _SIGNATURE_SIZE = _PREFIX.size + _MAC_SIZE
 _LENGTH = struct.Struct("<Q")
+_NAME = struct.Struct("<H")
+_PEER_TOPIC = b"p"  # sorts after _GROUP_TOPIC: a SUB sends its subscriptions in byte order
+_GROUP_TOPIC = b"g"
 _UP = b"u"  # peer -> server
 _DOWN = b"d"  # server -> peer
 _REASONS = ("truncated", "forged", "replayed", "malformed")
@@ -166,6 +182,8 @@ class _Channel:
 
     def _socket(self, kind: int, identity: bytes | None = None) -> zmq.Socket:
         sock = self._context.socket(kind)
+        if kind == zmq.XPUB:
+            sock.setsockopt(zmq.XPUB_NODROP, 1)  # a full pipe: EAGAIN, then ChannelFull
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._hwm)
         sock.setsockopt(zmq.RCVHWM, self._hwm)
@@ -259,7 +277,7 @@ class _Channel:
         """One message's frames: the small leading ones as bytes, buffers as zero-copy frames."""
         sock = self._recv_sock
         parts: list[Any] = [sock.recv(zmq.NOBLOCK)]
-        small = 3 if self._router else 2
+        small = 3  # route, signature, header
         while sock.getsockopt(zmq.RCVMORE):
             parts.append(sock.recv(copy=len(parts) < small))
         return parts
@@ -267,14 +285,12 @@ class _Channel:
     def _accept(self, parts: list[Any]) -> None:
         """Checks one message's frames; delivers it, or counts why it was refused. Never raises."""
         try:
-            if self._router:
-                if not parts:
-                    self._refused["truncated"] += 1
-                    return
-                peer = bytes(parts[0])
-                parts = parts[1:]
-            else:
-                peer = SERVER
+            if not parts:
+                self._refused["truncated"] += 1
+                return
+            route = bytes(parts[0])
+            parts = parts[1:]
+            peer = self._sender(route)
             if len(parts) < 2:
                 self._refused["truncated"] += 1
                 return
@@ -287,17 +303,32 @@ class _Channel:
                 self._refused["truncated" if count > len(parts) else "malformed"] += 1
                 return
             frames = [memoryview(part) for part in parts[1:]]
-            mac = self._sign(self._in, peer, signature[: _PREFIX.size], frames)
+            if peer is None:  # a topic this peer did not subscribe to
+                self._refused["forged"] += 1
+                return
+            mac = self._sign(self._in, route, signature[: _PREFIX.size], frames)
             if not hmac.compare_digest(mac, signature[_PREFIX.size :]):
                 self._refused["forged"] += 1
                 return
-            if seq <= self._last_seq.get(peer, 0):
+            group = not self._router and route.startswith(_GROUP_TOPIC)
+            outer = route if group else peer  # a group's frames are numbered per topic
+            if seq <= self._last_seq.get(outer, 0):
                 self._refused["replayed"] += 1
                 return
             try:
-                body = self._recv_codec.decode(frames[0], frames[1:])
+                if group:
+                    self._last_seq[route] = seq
+                    part = self._recv_codec.decode_part(frames[0], frames[1:], self._own_name())
+                    if part is None:  # a broadcast to others of the group
+                        return
+                    seq, body = part.seq, part.body
+                    if seq <= self._last_seq.get(peer, 0):
+                        self._refused["replayed"] += 1
+                        return
+                else:
+                    body = self._recv_codec.decode(frames[0], frames[1:])
             except (msgspec.DecodeError, ValueError, TypeError):
-                self._last_seq[peer] = seq
+                self._last_seq[outer] = seq
                 self._refused["malformed"] += 1
                 return
             items: list[Item] = body.items if isinstance(body, Batch) else [body]
@@ -359,37 +390,60 @@ class _Channel:
             self._send_lock.release()
             raise ChannelClosed("the channel is closed: it sends nothing more")
 
+    def _route(self, to: bytes) -> bytes:
+        """The first frame of a message to ``to``, which its signature names too."""
+        raise NotImplementedError
+
     def _send_locked(self, to: bytes, body: Message, deadline: float) -> int:
         """Signs and sends ``body`` to ``to``; the send lock is held. Returns its seq."""
         seq = self._next_seq.get(to, 1)
         header, buffers = self._send_codec.encode(body)
-        frames = [header, *buffers]
-        prefix = _PREFIX.pack(len(frames) + 1, seq)
-        signature = prefix + self._sign(self._out, to, prefix, frames)
-        parts: list[Any] = [to, signature, *frames] if self._router else [signature, *frames]
-        delay = 20e-6
-        while True:
-            try:
-                # Copied into ZeroMQ's own memory: a zero-copy frame's Python buffer can be
-                # freed under ZeroMQ's I/O thread at interpreter exit (libzmq then aborts the
-                # process: "Bad address (src/tcp.cpp)"), with a message to a host still queued.
-                self._send_sock.send_multipart(parts, zmq.NOBLOCK, copy=True)
-                break
-            except zmq.Again:
-                why = "its queue is full (a slow or stopped reader)"
-            except zmq.ZMQError as error:
-                if error.errno != zmq.EHOSTUNREACH:
-                    raise ChannelClosed(f"the socket failed: {error}") from error
-                why = "it is not connected (yet, or any more)"
-            if time.monotonic() >= deadline:
-                raise ChannelFull(f"could not send to {_name(to)} before the timeout: {why}")
-            time.sleep(delay)
-            delay = min(delay * 2, 2e-3)
+        self._put(self._route(to), seq, [header, *buffers], deadline, [to])
         items = len(body.items) if isinstance(body, Batch) else 1
         self._next_seq[to] = seq + max(items, 1)
         self._last_sent[to] = time.monotonic()
         self.sent += 1
         return seq
+
+    def _put(self, route: bytes, seq: int, frames: list[Any], deadline: float, to: list[bytes]) -> None:
+        """Signs ``frames`` as message ``seq`` on ``route`` and sends them, waiting for room and
+        for the receivers ``to`` until ``deadline``; the send lock is held."""
+        prefix = _PREFIX.pack(len(frames) + 1, seq)
+        signature = prefix + self._sign(self._out, route, prefix, frames)
+        parts: list[Any] = [route, signature, *frames] if self._router else [signature, *frames]
+        delay = 20e-6
+        while True:
+            try:
+                absent = self._absent(to)
+                if not absent:
+                    # Copied into ZeroMQ's own memory: a zero-copy frame's Python buffer can be
+                    # freed under ZeroMQ's I/O thread at interpreter exit (libzmq then aborts the
+                    # process: "Bad address (src/tcp.cpp)"), with a message to a host still queued.
+                    self._send_sock.send_multipart(parts, zmq.NOBLOCK, copy=True)
+                    return
+                why = f"{_name(absent[0])} is not connected (yet, or any more)"
+            except zmq.Again:
+                why = "a queue is full (a slow or stopped reader)"
+            except zmq.ZMQError as error:
+                if error.errno != zmq.EHOSTUNREACH:
+                    raise ChannelClosed(f"the socket failed: {error}") from error
+                why = "it is not connected (yet, or any more)"
+            if time.monotonic() >= deadline:
+                names = _name(to[0]) if len(to) == 1 else f"{len(to)} peers"
+                raise ChannelFull(f"could not send to {names} before the timeout: {why}")
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
+    def _absent(self, to: list[bytes]) -> list[bytes]:
+        """Which of ``to`` cannot be sent to yet (a server: no subscription seen)."""
+        return []
+
+    def _sender(self, route: bytes) -> bytes | None:
+        """Who sent a message that came on ``route`` (None: nobody this channel hears)."""
+        raise NotImplementedError
+
+    def _own_name(self) -> bytes:
+        raise NotImplementedError
 
     def _send(self, to: bytes, body: Message, timeout: float | None) -> int:
         limit = self._timeout(timeout)
@@ -514,6 +568,11 @@ class _Channel:
         self.close()
 
 
+def _topic(kind: bytes, name: bytes) -> bytes:
+    """A subscription topic: length-prefixed, so that no name's topic is a prefix of another's."""
+    return kind + _NAME.pack(len(name)) + name
+
+
 def _name(peer: bytes) -> str:
     return "the server" if peer == SERVER else f"peer {peer!r}"
 
@@ -576,7 +635,8 @@ class Server(_Channel):
             max_pending=max_pending,
         )
         up = self._socket(zmq.ROUTER)
-        down = self._socket(zmq.ROUTER)
+        down = self._socket(zmq.XPUB)
+        self._joined: set[bytes] = set()  # the topics subscribed to, as the XPUB told them
         try:
             match transport:
                 case "ipc":
@@ -604,6 +664,73 @@ class Server(_Channel):
     def peers(self) -> list[bytes]:
         """The identities heard from (and not forgotten)."""
         return sorted(self._last_heard)
+
+    def broadcast(
+        self, group: bytes, parts: dict[bytes, list[Item]], *, timeout: float | None = None
+    ) -> dict[bytes, int]:
+        """Sends each peer of ``parts`` its own messages, all in ONE send to the peers of ``group``.
+
+        Each peer takes only its part, a :class:`Batch` when several, numbered in
+        its own sequence (as :meth:`send_many`): it reaches the peer in the order
+        sent among that peer's unicast messages. ZeroMQ's I/O thread copies the
+        frame to every subscriber of ``group``; the caller signs and sends once.
+        Every peer named must have joined ``group`` (``Peer(groups=...)``).
+
+        Returns:
+            Each peer's first seq.
+
+        Raises:
+            ChannelFull: a peer named had not subscribed, or a pipe stayed full, until
+                ``timeout``: nothing was sent to anyone.
+            ChannelClosed: the channel is closed.
+        """
+        if not parts or not all(parts.values()):
+            raise ValueError("broadcast needs at least one message for each peer it names")
+        limit = self._timeout(timeout)
+        deadline = time.monotonic() + limit
+        self._acquire(limit)
+        try:
+            self._flush_locked(deadline)
+            seqs = {to: self._next_seq.get(to, 1) for to in parts}
+            bodies = {
+                to: (seqs[to], items[0] if len(items) == 1 else Batch(items)) for to, items in parts.items()
+            }
+            header, buffers = self._send_codec.encode_fanout(bodies)
+            topic = _topic(_GROUP_TOPIC, group)
+            seq = self._next_seq.get(topic, 1)
+            self._put(topic, seq, [header, *buffers], deadline, list(parts))
+            self._next_seq[topic] = seq + 1
+            now = time.monotonic()
+            for to, items in parts.items():
+                self._next_seq[to] = seqs[to] + len(items)
+                self._last_sent[to] = now
+            self.sent += 1
+            return seqs
+        finally:
+            self._send_lock.release()
+            self._flush_again()
+
+    def _route(self, to: bytes) -> bytes:
+        return _topic(_PEER_TOPIC, to)
+
+    def _absent(self, to: list[bytes]) -> list[bytes]:
+        self._read_subscriptions()
+        return [peer for peer in to if _topic(_PEER_TOPIC, peer) not in self._joined]
+
+    def _read_subscriptions(self) -> None:
+        """What the XPUB says of its subscribers (``\\x01topic`` / ``\\x00topic``); the send lock is held."""
+        while True:
+            try:
+                event = self._send_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event[:1] == b"\x01":
+                self._joined.add(event[1:])
+            elif event[:1] == b"\x00":
+                self._joined.discard(event[1:])
+
+    def _sender(self, route: bytes) -> bytes | None:
+        return route
 
     def forget(self, peer: bytes) -> None:
         """Drops what the server keeps about ``peer``, a peer gone for good (a live one would
@@ -647,6 +774,7 @@ class Peer(_Channel):
         address: the server's :attr:`Server.address`.
         key: the server's key.
         identity: this peer's name at the server, unique per ``Peer`` (default: random).
+        groups: the groups whose broadcasts this peer hears (:meth:`Server.broadcast`).
         others: as :class:`Server`'s.
     """
 
@@ -660,6 +788,7 @@ class Peer(_Channel):
         key: bytes,
         *,
         identity: bytes | None = None,
+        groups: Iterable[bytes] = (),
         on_message: Handler | None = None,
         queue_size: int = 10_000,
         hwm: int = 10_000,
@@ -681,7 +810,13 @@ class Peer(_Channel):
         if not self.identity:
             raise ValueError("a peer's identity is a non-empty byte string")
         up = self._socket(zmq.DEALER, self.identity)
-        down = self._socket(zmq.DEALER, self.identity)
+        down = self._socket(zmq.SUB)
+        own = _topic(_PEER_TOPIC, self.identity)
+        self._topics = {own, *(_topic(_GROUP_TOPIC, group) for group in groups)}
+        # Its groups first, its own topic last: the server, seeing that one, knows it hears all.
+        for topic in sorted(self._topics - {own}):
+            down.setsockopt(zmq.SUBSCRIBE, topic)
+        down.setsockopt(zmq.SUBSCRIBE, own)
         up.connect(address.up)
         down.connect(address.down)
         self._last_heard[SERVER] = time.monotonic()
@@ -710,6 +845,11 @@ class Peer(_Channel):
     def _targets(self) -> list[bytes]:
         return [SERVER]
 
-    # The MAC of a peer's frames names the peer itself, both ways.
-    def _sign(self, direction: bytes, peer: bytes, prefix: Any, frames: Iterable[Any]) -> bytes:
-        return super()._sign(direction, self.identity, prefix, frames)
+    def _route(self, to: bytes) -> bytes:
+        return self.identity  # what the server's ROUTER puts in front, and checks the MAC with
+
+    def _sender(self, route: bytes) -> bytes | None:
+        return SERVER if route in self._topics else None
+
+    def _own_name(self) -> bytes:
+        return self.identity

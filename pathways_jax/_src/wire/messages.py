@@ -26,6 +26,7 @@ __all__ = [
     "Codec",
     "Done",
     "Failed",
+    "Fanout",
     "Fetch",
     "Fetched",
     "Forget",
@@ -33,6 +34,7 @@ __all__ = [
     "Heartbeat",
     "Item",
     "Message",
+    "Part",
     "Peers",
     "Register",
     "RunMeta",
@@ -230,6 +232,23 @@ class Batch(msgspec.Struct, frozen=True, tag=True, array_like=True):
 Message: TypeAlias = Item | Batch
 
 
+class Part(msgspec.Struct, frozen=True, array_like=True):
+    """One peer's share of a :class:`Fanout`: its message, numbered ``seq`` in that peer's order."""
+
+    seq: int
+    body: Message
+
+
+class Fanout(msgspec.Struct, frozen=True, array_like=True):
+    """One frame for several peers: each peer's encoded :class:`Part` under its identity.
+
+    A receiver decodes only its own part (the others stay undecoded ``Raw``);
+    blobs of every part share the frame's out-of-band buffers.
+    """
+
+    parts: dict[bytes, msgspec.Raw]
+
+
 def _encode_hook(frames: list[Any]) -> Any:
     def hook(obj: Any) -> Any:
         if isinstance(obj, Blob):
@@ -264,6 +283,9 @@ class Codec:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook(self._out))
         self._decoder = msgspec.msgpack.Decoder(Message, ext_hook=self._ext, dec_hook=self._dec)
 
+        self._fanout_decoder = msgspec.msgpack.Decoder(Fanout)
+        self._part_decoder = msgspec.msgpack.Decoder(Part, ext_hook=self._ext, dec_hook=self._dec)
+
     def encode(self, message: Message) -> tuple[bytes, list[Any]]:
         """The encoded struct and the out-of-band buffers it references, in order."""
         self._out.clear()
@@ -271,6 +293,32 @@ class Codec:
         frames = list(self._out)
         self._out.clear()
         return header, frames
+
+    def encode_fanout(self, parts: dict[bytes, tuple[int, Message]]) -> tuple[bytes, list[Any]]:
+        """A :class:`Fanout` of ``parts`` (peer -> ``(seq, message)``) and the buffers of all of them."""
+        self._out.clear()
+        raws = {
+            peer: msgspec.Raw(self._encoder.encode(Part(seq, body))) for peer, (seq, body) in parts.items()
+        }
+        header = self._encoder.encode(Fanout(raws))
+        frames = list(self._out)
+        self._out.clear()
+        return header, frames
+
+    def decode_part(self, header: Any, frames: Sequence[Any], peer: bytes) -> Part | None:
+        """Peer ``peer``'s part of the :class:`Fanout` in ``header`` (None: it has none).
+
+        Raises:
+            msgspec.DecodeError: as :meth:`decode`.
+        """
+        raw = self._fanout_decoder.decode(header).parts.get(peer)
+        if raw is None:
+            return None
+        self._in = frames
+        try:
+            return self._part_decoder.decode(raw)
+        finally:
+            self._in = ()
 
     def decode(self, header: Any, frames: Sequence[Any] = ()) -> Message:
         """The message in ``header``, its blobs viewing ``frames``.
