@@ -10,6 +10,13 @@ backend's monitor) fails what it owes here (:meth:`ChannelLink.host_lost`).
 
 Messages to a host go in the order the controller numbered them; a run's
 messages to one host (a plan's registration and the run) go as one batch.
+A run on several hosts of an island goes as ONE broadcast on the island's
+topic (:meth:`ChannelLink.send_group`, ``wire.Server.broadcast``): every
+host's part in one signed frame that ZeroMQ's I/O thread copies to the
+island's hosts, each host taking its own part in its one order of messages.
+So the controller's cost of a run hardly grows with its hosts. Parts whose
+blobs are large (a plan's registration, fed arrays) go host by host instead:
+every host of a broadcast receives every part.
 The host handles them strictly in arrival order, answering each with
 ``Done``, ``Failed`` or ``Fetched`` (answers posted while another is being
 sent go out together as one batch). Plan parts, fed values and fetched
@@ -33,6 +40,9 @@ _SEND_TIMEOUT_S = 30.0  # a host that takes no message for this long is stuck (o
 # A host heard from before that takes no message for this long is gone: its connection closed
 # (the controller's send holds the backend's lock: it must not wait long for a dead host).
 _CONNECTED_SEND_TIMEOUT_S = 2.0
+# A broadcast's parts whose blobs (in frames of their own) pass this go host by host: every host
+# of a broadcast receives every part.
+_FANOUT_BYTES = 64 * 1024
 
 
 class Endpoint(NamedTuple):
@@ -41,6 +51,7 @@ class Endpoint(NamedTuple):
     address: wire.Address
     key: bytes
     identity: bytes
+    groups: tuple[bytes, ...] = ()  # the broadcasts it hears: its island's
 
     def connect(self, deliver: Any) -> HostEnd:
         """This host's end of the channel; ``deliver(kind, args, seq)`` takes each message."""
@@ -49,8 +60,32 @@ class Endpoint(NamedTuple):
     def peer(self, on_message: Any, send_timeout: float) -> wire.Peer:
         """A channel peer under this endpoint's identity, signed with its key."""
         return wire.Peer(
-            self.address, self.key, identity=self.identity, on_message=on_message, send_timeout=send_timeout
+            self.address,
+            self.key,
+            identity=self.identity,
+            groups=self.groups,
+            on_message=on_message,
+            send_timeout=send_timeout,
         )
+
+
+def _group(island: int) -> bytes:
+    return b"island-%d" % island
+
+
+def _blob_bytes(items: list[wire.Item]) -> int:
+    """Bytes of the blobs of ``items``."""
+    total = 0
+    for item in items:
+        match item:
+            case wire.Run(feeds=feeds):
+                blobs = [feeds]
+            case wire.Register(ops=ops, constants=constants, blobs=extra):
+                blobs = [ops, constants, extra]
+            case _:
+                blobs = []
+        total += sum(len(blob) for blob in blobs)
+    return total
 
 
 def _blob(value: Any) -> wire.Blob:
@@ -165,12 +200,13 @@ class ChannelLink:
         self._gone: set[bytes] = set()  # identities of hosts lost or replaced
         self.messages = 0
         self.batches = 0
+        self.broadcasts = 0  # batches sent to several hosts in one send
 
     @property
     def address(self) -> wire.Address:
         return self._server.address
 
-    def attach(self, host: int, actor: Any) -> Endpoint:
+    def attach(self, host: int, actor: Any, group: int | None = None) -> Endpoint:
         with self._lock:
             self._incarnation += 1
             identity = f"host-{host}-{self._incarnation}".encode()
@@ -178,7 +214,8 @@ class ChannelLink:
             self._identity[host] = identity
         if old is not None:
             self._fail(old, HostGone(host, "replaced by a new host"))
-        return Endpoint(self._server.address, self._key, identity)
+        groups = () if group is None else (_group(group),)
+        return Endpoint(self._server.address, self._key, identity, groups)
 
     def send(self, host: int, seq: int, kind: str, args: tuple) -> concurrent.futures.Future:
         return self.send_many(host, [(seq, kind, args)])[0]
@@ -192,18 +229,69 @@ class ChannelLink:
             for future in futures:
                 future.set_exception(HostGone(host, "it was lost"))
             return futures
-        # A host not heard from yet may still be connecting: it gets longer.
-        heard = self._server.last_heard(identity) is not None
         try:
-            first = self._server.send_many(
-                identity, items, timeout=_CONNECTED_SEND_TIMEOUT_S if heard else _SEND_TIMEOUT_S
-            )
+            first = self._server.send_many(identity, items, timeout=self._send_timeout([identity]))
         except wire.ChannelError as exc:
             for future in futures:
                 future.set_exception(HostGone(host, f"its channel refused the message: {exc}"))
             return futures
         self.messages += len(items)
         self.batches += 1
+        self._owe(host, identity, first, futures)
+        return futures
+
+    def send_group(
+        self, group: int, messages: dict[int, list[tuple[int, str, tuple]]]
+    ) -> dict[int, list[concurrent.futures.Future]]:
+        """Sends hosts of island ``group`` their next messages in one broadcast; their answers' futures.
+
+        A host lost gets failed futures; parts with large blobs go host by host
+        (:meth:`send_many`), as does a group of one host.
+        """
+        out: dict[int, list[concurrent.futures.Future]] = {}
+        parts: dict[int, list[wire.Item]] = {}
+        for host, batch in messages.items():
+            items = [encode(kind, args) for _seq, kind, args in batch]
+            if len(messages) == 1 or self._identity[host] in self._gone or _blob_bytes(items) > _FANOUT_BYTES:
+                out[host] = self.send_many(host, batch)
+            else:
+                parts[host] = items
+        if len(parts) == 1:
+            ((host, _items),) = parts.items()
+            out[host] = self.send_many(host, messages[host])
+            return {host: out[host] for host in messages}
+        if parts:
+            self._broadcast(group, parts, out)
+        return {host: out[host] for host in messages}
+
+    def _broadcast(self, group: int, parts: dict[int, list[wire.Item]], out: dict) -> None:
+        identities = {host: self._identity[host] for host in parts}
+        for host, items in parts.items():
+            out[host] = [concurrent.futures.Future() for _ in items]
+        try:
+            firsts = self._server.broadcast(
+                _group(group),
+                {identities[host]: items for host, items in parts.items()},
+                timeout=self._send_timeout(list(identities.values())),
+            )
+        except wire.ChannelError as exc:
+            for host in parts:
+                for future in out[host]:
+                    future.set_exception(HostGone(host, f"its channel refused the message: {exc}"))
+            return
+        self.messages += sum(len(items) for items in parts.values())
+        self.batches += 1
+        self.broadcasts += 1
+        for host, identity in identities.items():
+            self._owe(host, identity, firsts[identity], out[host])
+
+    def _send_timeout(self, identities: list[bytes]) -> float:
+        """A host not heard from yet may still be connecting: it gets longer."""
+        heard = all(self._server.last_heard(identity) is not None for identity in identities)
+        return _CONNECTED_SEND_TIMEOUT_S if heard else _SEND_TIMEOUT_S
+
+    def _owe(self, host: int, identity: bytes, first: int, futures: list[concurrent.futures.Future]) -> None:
+        """Files the futures of messages ``first, first + 1, ...`` sent to ``identity``."""
         with self._lock:
             gone = identity in self._gone  # lost while this was being sent: nothing will answer
             for index, future in enumerate(futures):
@@ -214,7 +302,6 @@ class ChannelLink:
                     future.set_exception(HostGone(host, "it was lost"))
                 else:
                     self._owed[key] = future
-        return futures
 
     def _received(self, received: wire.Received) -> None:
         """An answer from a host (the channel's receive thread)."""
@@ -256,6 +343,7 @@ class ChannelLink:
             "transport": self.name,
             "messages": self.messages,
             "batches": self.batches,
+            "broadcasts": self.broadcasts,
             "refused": self._server.refused,
             "owed": len(self._owed),
         }

@@ -9,7 +9,9 @@ touches its transport:
   350-650 µs of CPU on each side here): the transport before the channel,
   kept as a second implementation of the seam (tests run programs on it).
 - ``channel_link.ChannelLink``: ZeroMQ channels with signed, typed frames; the
-  default.
+  default. A run on several hosts of an island goes to them all as one
+  broadcast (:meth:`Link.send_group`): one send from the controller, the
+  fan-out done by ZeroMQ's I/O thread.
 
 Ray keeps what it is good at either way: it starts, places and supervises
 the host actors and reports their deaths; the backend's monitor then calls
@@ -37,8 +39,9 @@ class Link(Protocol):
 
     name: str
 
-    def attach(self, host: int, actor: Any) -> Any:
-        """Makes ``actor`` host ``host``'s endpoint; returns what its ``setup`` needs (or None)."""
+    def attach(self, host: int, actor: Any, group: int | None = None) -> Any:
+        """Makes ``actor`` host ``host``'s endpoint, a member of ``group`` (its island) for
+        :meth:`send_group`; returns what its ``setup`` needs (or None)."""
         ...
 
     def send(self, host: int, seq: int, kind: str, args: tuple) -> concurrent.futures.Future:
@@ -47,6 +50,13 @@ class Link(Protocol):
 
     def send_many(self, host: int, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
         """Sends host ``host`` several messages ``(seq, kind, args)`` at once; their answers' futures."""
+        ...
+
+    def send_group(
+        self, group: int, messages: dict[int, list[tuple[int, str, tuple]]]
+    ) -> dict[int, list[concurrent.futures.Future]]:
+        """Sends hosts of ``group`` their messages ``host -> [(seq, kind, args)]`` at once (a
+        broadcast where the transport has one); each host's answers' futures, in order."""
         ...
 
     def host_lost(self, host: int, why: str) -> None:
@@ -61,7 +71,11 @@ class Link(Protocol):
 
 
 class RayCallLink:
-    """One Ray actor call (``Host.call``) per message; Ray's own future per answer."""
+    """One Ray actor call (``Host.call``) per message; Ray's own future per answer.
+
+    Its fan-out stays a loop: :meth:`send_group` makes one call per message,
+    host by host (Ray has no broadcast call).
+    """
 
     name = "ray"
 
@@ -70,7 +84,7 @@ class RayCallLink:
         self._lock = threading.Lock()
         self._messages = 0
 
-    def attach(self, host: int, actor: Any) -> Any:
+    def attach(self, host: int, actor: Any, group: int | None = None) -> Any:
         self._actors[host] = actor
         return None
 
@@ -80,6 +94,11 @@ class RayCallLink:
 
     def send_many(self, host: int, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
         return [self.send(host, seq, kind, args) for seq, kind, args in messages]
+
+    def send_group(
+        self, group: int, messages: dict[int, list[tuple[int, str, tuple]]]
+    ) -> dict[int, list[concurrent.futures.Future]]:
+        return {host: self.send_many(host, batch) for host, batch in messages.items()}
 
     def host_lost(self, host: int, why: str) -> None:
         pass  # Ray fails the calls of a dead actor by itself

@@ -22,6 +22,12 @@ host-to-host transfers), registered once per host, and each run sends each
 participating host ONE message. Values stay on the hosts; a future holds a
 :class:`RemoteArray` handle, and ``Future.result()`` fetches the value.
 
+**Fan-out.** A run's messages (and any batch of :meth:`RayBackend.send_batch`)
+are numbered per host, then each island's go in one call of the link
+(``Link.send_group``): over the channel, ONE broadcast that every host of
+the island reads its own part of, so the controller's cost of a run hardly
+grows with its hosts. Nothing waits to be batched: a lone run goes at once.
+
 **The data plane.** A value that moves between hosts (between islands, or
 between slices on different hosts of one island) goes from the source
 host's transfer server (``jax.experimental.transfer``) to the destination
@@ -774,7 +780,7 @@ class RayBackend:
         # All at once: joining an island blocks until every member has.
         info = ray.get(
             [
-                a.setup.remote(r, self.link.attach(h, a))
+                a.setup.remote(r, self.link.attach(h, a, self.layout.island_of(h)))
                 for h, (a, r) in enumerate(zip(self.actors, roles, strict=True))
             ],
             timeout=_START_TIMEOUT_S,
@@ -1013,22 +1019,27 @@ class RayBackend:
         return self._send_locked(batch)
 
     def _send_locked(self, batch: list[tuple[int, str, tuple]]) -> list:
-        """Sends messages (host, kind, args), each host's in one batch; their answers' futures.
+        """Sends messages (host, kind, args), each host's in one batch and each island's in one
+        send of the link (a broadcast over the channel); their answers' futures, in order.
 
         Call with ``_lock`` held.
         """
         by_host: dict[int, list[int]] = {}
         for index, (host, _kind, _args) in enumerate(batch):
             by_host.setdefault(host, []).append(index)
-        answers: list[Any] = [None] * len(batch)
+        by_island: dict[int, dict[int, list[tuple[int, str, tuple]]]] = {}
         for host, indices in by_host.items():
             messages = []
             for index in indices:
                 _host, kind, args = batch[index]
                 messages.append((self._seq[host], kind, args))
                 self._seq[host] += 1
-            for index, answer in zip(indices, self.link.send_many(host, messages), strict=True):
-                answers[index] = answer
+            by_island.setdefault(self.layout.island_of(host), {})[host] = messages
+        answers: list[Any] = [None] * len(batch)
+        for island, parts in by_island.items():
+            for host, futures in self.link.send_group(island, parts).items():
+                for index, answer in zip(by_host[host], futures, strict=True):
+                    answers[index] = answer
         return answers
 
     def take_uuids(self, count: int) -> int:
@@ -1287,7 +1298,7 @@ class RayBackend:
             ]
             info = ray.get(
                 [
-                    actor.setup.remote(role, self.link.attach(member, actor))
+                    actor.setup.remote(role, self.link.attach(member, actor, island))
                     for member, actor, role in zip(members, new, roles, strict=True)
                 ],
                 timeout=_REBUILD_TIMEOUT_S,
