@@ -280,6 +280,27 @@ def _run_count(svc: pw.Service) -> int:
     return sum(h["runs"] for h in svc.host_stats().values())
 
 
+def test_a_fetched_value_goes_straight_from_its_hosts_to_the_client(joined, island_service):
+    """The service checks the handle; the bytes go host -> client on the client's own channel. A
+    client channel that takes nothing in time gets the value through the service instead."""
+    s = pw.devices(mesh={"x": 4})
+    make = pw.jit(lambda x: jnp.sin(x) * 3, devices=s, in_specs=pw.P("x"), out_specs=pw.P("x"))
+    x = np.random.default_rng(0).standard_normal((4, 65536)).astype(np.float32)  # 1 MiB: no small value
+    want = np.asarray(jax.jit(lambda x: jnp.sin(x) * 3)(x))
+    before = island_service.stats()["fetches"]
+    np.testing.assert_array_equal(np.asarray(make(x).result(timeout=60)), want)
+    # One per host of the island (the hosts' word that the value went may come after it).
+    assert wait_for(lambda: island_service.stats()["fetches"]["direct"] >= before["direct"] + 2, timeout=30)
+    after = island_service.stats()["fetches"]
+    assert after["relayed"] == before["relayed"], (before, after)
+    # This process's channel closed: the hosts cannot send there, the service passes the value on.
+    joined.remote._inbox.close()
+    np.testing.assert_array_equal(
+        np.asarray(make(x * 2).result(timeout=60)), np.asarray(jax.jit(lambda x: jnp.sin(x) * 3)(x * 2))
+    )
+    assert island_service.stats()["fetches"]["relayed"] >= after["relayed"] + 2
+
+
 def test_client_in_process_matches_jax_and_appears_in_stats(joined, island_service):
     s = pw.devices(mesh={"x": 4})
 
@@ -518,6 +539,8 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         step = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 1}))
         assert float(step(jnp.float32(1)).result(timeout=60)) == 2.0
         ray_cluster.kill(svc.actor)  # the service and, with it, its hosts
+        with pytest.raises(ray_cluster.exceptions.RayActorError):  # gone (a kill is asynchronous)
+            ray_cluster.get(svc.actor.info.remote(), timeout=60)
         with pytest.raises(pw.errors.PathwaysError, match="controller service 'test-dies' is gone"):
             step(jnp.float32(1)).result(timeout=60)
     finally:

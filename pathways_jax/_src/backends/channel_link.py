@@ -25,6 +25,7 @@ values cross as pickled blobs; everything else is typed fields.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import pickle
 import secrets
@@ -43,6 +44,9 @@ _CONNECTED_SEND_TIMEOUT_S = 2.0
 # A broadcast's parts whose blobs (in frames of their own) pass this go host by host: every host
 # of a broadcast receives every part.
 _FANOUT_BYTES = 64 * 1024
+_CLIENTS_KEPT = 32  # a host's channels to clients that fetched values (the least recently used close)
+# A value a client's channel does not take within this long goes back through the service instead.
+_REPLY_TIMEOUT_S = 0.5
 
 
 class Endpoint(NamedTuple):
@@ -105,8 +109,8 @@ def encode(kind: str, args: tuple) -> wire.Item:
         case "register":
             key, ops, constants, blobs, *mode = args
             return wire.Register(key, _blob(ops), _blob(constants), _blob(blobs), mode[0] if mode else None)
-        case "fetch":
-            return wire.Fetch(args[0])
+        case "fetch":  # (key,), or (key, reply): the value goes straight to a client
+            return wire.Fetch(args[0], args[1] if len(args) > 1 else None)
         case "free":
             return wire.Free(list(args[0]))
         case "forget":
@@ -123,8 +127,10 @@ def decode(item: wire.Item) -> tuple[str, tuple]:
             return "run", (plan, run_id, base, _unblob(feeds), [tuple(k) for k in keep], frees)
         case wire.Register(plan, ops, constants, blobs, x64):
             return "register", (plan, _unblob(ops), _unblob(constants), _unblob(blobs), x64)
-        case wire.Fetch(key):
+        case wire.Fetch(key, None):
             return "fetch", (key,)
+        case wire.Fetch(key, reply):
+            return "fetch", (key, reply)
         case wire.Free(keys):
             return "free", (keys,)
         case wire.Forget(plan):
@@ -364,11 +370,19 @@ def _settle(future: concurrent.futures.Future, value: Any) -> None:
 
 
 class HostEnd:
-    """A host's end of the controller's channel: messages in arrival order, answers batched back."""
+    """A host's end of the controller's channel: messages in arrival order, answers batched back.
+
+    A fetch that names a client (``wire.Reply``) is answered to that client's
+    own channel, straight from here (:meth:`reply`): the controller service
+    that sent it gets only ``None`` once the value went.
+    """
 
     def __init__(self, endpoint: Endpoint, deliver: Any):
         self._deliver = deliver
         self._peer = endpoint.peer(self._received, _SEND_TIMEOUT_S)
+        # Channels to the clients fetched values went to, the most recently used last.
+        self._clients: collections.OrderedDict[tuple[str, str, bytes], wire.Peer] = collections.OrderedDict()
+        self._clients_lock = threading.Lock()
 
     def _received(self, received: wire.Received) -> None:
         try:
@@ -385,5 +399,33 @@ class HostEnd:
             message = wire.Failed(seq, "message", None, f"the answer could not be sent: {exc}")
         self._peer.post(message)
 
+    def reply(self, reply: wire.Reply, value: Any) -> bool:
+        """Sends a fetched value straight to the client ``reply`` names; False if its channel
+        took nothing within a short time (a slow or gone client: the caller answers its sender)."""
+        where = (reply.up, reply.down, reply.key)
+        with self._clients_lock:
+            peer = self._clients.pop(where, None)
+            if peer is None:
+                peer = wire.Peer(wire.Address(reply.up, reply.down), reply.key, heartbeat=None)
+            self._clients[where] = peer
+            evicted = []
+            while len(self._clients) > _CLIENTS_KEPT:
+                evicted.append(self._clients.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
+        try:
+            message = answer_message(reply.ticket, value)
+        except Exception as exc:  # an answer that cannot be pickled still answers
+            message = wire.Failed(reply.ticket, "message", None, f"the answer could not be sent: {exc}")
+        try:
+            peer.send(message, timeout=_REPLY_TIMEOUT_S)
+        except wire.ChannelError:
+            return False
+        return True
+
     def close(self) -> None:
         self._peer.close()
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), collections.OrderedDict()
+        for peer in clients:
+            peer.close()

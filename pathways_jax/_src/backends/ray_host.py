@@ -427,7 +427,7 @@ class Host:
         if kind == "fetch":
             value = self.values.get(args[0])
             if value is not None and _ready(value):
-                self._answer(seq, self._read(value))
+                self._reply(seq, self._read(value), args[1] if len(args) > 1 else None)
                 return
         with self._queue_cv:
             self._queue[self._next_arrival] = (kind, args, seq)
@@ -491,12 +491,22 @@ class Host:
             except BaseException as exc:  # the message fails, the host keeps serving
                 result = _Error(f"host {self.index}: {type(exc).__name__}: {exc}", _trace(exc))
             if kind == "fetch" and not isinstance(result, _Error):
+                reply = args[1] if len(args) > 1 else None
                 if _ready(result):  # answered here: no hand-off to the completer
-                    self._answer(future, self._read(result))
+                    self._reply(future, self._read(result), reply)
                 else:
-                    self._done.put(("fetch", result, future, ()))
+                    self._done.put(("fetch", result, future, reply))
             else:
                 self._answer(future, result)
+
+    def _reply(self, future: Any, value: Any, reply: Any) -> None:
+        """A fetch's answer: straight to the client ``reply`` names (its sender, the controller
+        service, then gets ``None``), or to the sender when it names none, or when that client's
+        channel does not take it in time (the service passes it on)."""
+        if reply is not None and self._channel is not None and self._channel.reply(reply, value):
+            self._answer(future, None)
+            return
+        self._answer(future, value)
 
     def _read(self, value: Any) -> Any:
         """A kept value as its fetch's answer (what cannot be read answers as an error)."""
@@ -571,7 +581,7 @@ class Host:
         for key in keys:
             self.values.pop(key, None)
 
-    def _fetch(self, key: int) -> Any:
+    def _fetch(self, key: int, reply: Any = None) -> Any:
         if key not in self.values:
             raise KeyError(f"value {key} is not on this host (freed, or its run failed)")
         return self.values[key]
@@ -881,7 +891,7 @@ class Host:
         while True:
             kind, what, future, peers = self._done.take()
             if kind == "fetch":
-                self._answer(future, self._read(what))
+                self._reply(future, self._read(what), peers)  # (a fetch's reply rides in that slot)
                 continue
             peers, enqueued, small = peers
             status: RunFailure | RunDone | float | None = None

@@ -147,6 +147,25 @@ class ServiceBackend(ray_backend.RayBackend):
         self._gone: str | None = None  # why the service will answer nothing more
         self.channel = joined["channel"]  # the service's channel, this process's identity there
         self._peer = self.channel.peer(self._answered, _SEND_TIMEOUT_S)
+        # This process's own channel: the hosts send the values it fetches straight here.
+        # Fetch batches whose value comes here: batch -> the host it comes from.
+        self._direct: dict[int, int] = {}
+        from pathways_jax._src import wire
+        from pathways_jax._src.backends import channel_link
+
+        transport, ip = channel_link.listen_on()
+        inbox_key = os.urandom(32)
+        self._inbox = wire.Server(inbox_key, transport=transport, host=ip, on_message=self._fetched_here)
+        try:
+            address = self._inbox.address
+            ray.get(
+                actor.inbox.remote(self.client_id, address.up, address.down, inbox_key),
+                timeout=_JOIN_TIMEOUT_S,
+            )
+        except Exception:
+            self._inbox.close()
+            self._peer.close()
+            raise
         self._threads = [
             reentry.runtime_thread(self._monitor, name="pathways-service-health"),
             reentry.runtime_thread(self._flush_loop, name="pathways-service-flush"),
@@ -169,6 +188,8 @@ class ServiceBackend(ray_backend.RayBackend):
                     )
                 return futures
             self._owed[seq] = futures
+            if len(batch) == 1 and batch[0][1] == "fetch":  # its value comes straight from the host
+                self._direct[seq] = batch[0][0]
         try:
             blob = wire.Blob(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
             self._peer.send(wire.Submit(seq, blob, run))
@@ -188,14 +209,17 @@ class ServiceBackend(ray_backend.RayBackend):
 
         match received.body:
             case wire.Answered(seq, answers):
-                with self._owed_lock:
-                    futures = self._owed.pop(seq, None)
-                if futures is None:
-                    return
                 try:
                     values = pickle.loads(answers.view)
                 except Exception as exc:  # every message of the batch fails, saying why
                     values = [Refused(f"the service's answer did not decode: {exc}", "gone")]
+                with self._owed_lock:
+                    if seq in self._direct and values == [None]:
+                        return  # the host sent the value here: fetched_here settles it
+                    futures = self._owed.pop(seq, None)
+                    self._direct.pop(seq, None)
+                if futures is None:
+                    return
                 if len(values) != len(futures):  # one answer for the whole batch (a refusal)
                     values = [values[0] if values else Refused("the service answered nothing", "gone")] * len(
                         futures
@@ -204,12 +228,47 @@ class ServiceBackend(ray_backend.RayBackend):
                     if not future.done():
                         future.set_result(value)
 
+    def _fetched_here(self, received: wire.Received) -> None:
+        """A value a host sent straight to this process (its channel's receive thread)."""
+        from pathways_jax._src import wire
+        from pathways_jax._src.backends import channel_link
+
+        match received.body:
+            case wire.Fetched(ticket) | wire.Failed(ticket):
+                pass
+            case _:
+                return  # hosts send this channel nothing else
+        try:
+            value: Any = channel_link.answer_value(received.body)
+        except Exception as exc:
+            value = Refused(f"a host's value did not decode: {type(exc).__name__}: {exc}", "gone")
+        with self._owed_lock:
+            if ticket not in self._direct:
+                return  # answered already (a failure the service saw first)
+            del self._direct[ticket]
+            futures = self._owed.pop(ticket, None)
+        if futures and not futures[0].done():
+            futures[0].set_result(value)
+
+    def _fail_direct(self, hosts: set[int], why: str) -> None:
+        """Fetches whose values were to come from ``hosts`` (lost) fail: nothing will come."""
+        with self._owed_lock:
+            tickets = [ticket for ticket, host in self._direct.items() if host in hosts]
+            futures: list[concurrent.futures.Future] = []
+            for ticket in tickets:
+                del self._direct[ticket]
+                futures.extend(self._owed.pop(ticket, ()))
+        for future in futures:
+            if not future.done():
+                future.set_result(RunFailure("lost", None, why, ""))
+
     def _fail_owed(self, why: str) -> None:
         """Every answer still owed fails, and every later one: the service is gone (or this side closed)."""
         with self._owed_lock:
             self._gone = why
             owed = [f for futures in self._owed.values() for f in futures]
             self._owed.clear()
+            self._direct.clear()
         for future in owed:
             if not future.done():
                 future.set_exception(HostGone(-1, f"the controller service {self.service_name!r}: {why}"))
@@ -299,6 +358,7 @@ class ServiceBackend(ray_backend.RayBackend):
         lost = {int(k): v for k, v in health["lost"].items()}
         for island, why in lost.items():
             self._mark(island, why)
+            self._fail_direct(set(self.layout.members(island)), f"island {island} was lost: {why}")
         for island, generation in enumerate(health["generations"]):
             if island in lost or (island not in self.lost and generation == self.generations[island]):
                 continue
@@ -347,6 +407,7 @@ class ServiceBackend(ray_backend.RayBackend):
                 self.ray.kill(self._token)
             self._fail_owed("this process left it")
             self._peer.close()
+            self._inbox.close()
         for thread in self._threads:
             if thread is threading.current_thread():
                 continue

@@ -120,6 +120,7 @@ class _Batch:
     messages: list
     run: wire.RunMeta | None  # set for a run
     future: asyncio.Future
+    seq: int = 0  # its number among its client's batches
     arrival: int = 0
     islands: tuple = ()
     nbytes: int = 0
@@ -163,6 +164,7 @@ class _Client:
     by_name: dict = dataclasses.field(default_factory=dict)  # pw.client name -> device seconds
     estimates: dict = dataclasses.field(default_factory=dict)  # program -> seconds per run
     slices: dict = dataclasses.field(default_factory=dict)  # slice id -> device ids
+    inbox: Any = None  # its own channel (a wire.Reply with no ticket): where fetched values go
     # Answers its channel could not take yet (a slow reader), oldest first, and since when.
     outbox: collections.deque = dataclasses.field(default_factory=collections.deque)
     outbox_bytes: int = 0
@@ -226,6 +228,7 @@ class ServiceActor:
         self._by_identity: dict[bytes, _Client] = {}
         # Signed messages refused all the same: from no joined client, or not a batch.
         self.refused_batches: collections.Counter[str] = collections.Counter()
+        self.fetches: collections.Counter[str] = collections.Counter({"direct": 0, "relayed": 0})
 
     # --- clients ---------------------------------------------------------------------------
 
@@ -333,6 +336,14 @@ class ServiceActor:
             del self.clients[old]
         logging.info("pathways_jax service: client %s (pid %d) is gone: %s", client.name, client.pid, why)
         self._pump()
+
+    async def inbox(self, client_id: int, up: str, down: str, key: bytes) -> None:
+        """The client's own channel: the hosts send the values it fetches there, not through here."""
+        from pathways_jax._src import wire
+
+        client = self.clients.get(client_id)
+        if client is not None and client.alive:
+            client.inbox = wire.Reply(up, down, key, 0)
 
     async def slices(self, client_id: int, slices: dict) -> None:
         """The client's slices now (slice id -> device ids), for stats."""
@@ -445,7 +456,7 @@ class ServiceActor:
 
     def _submit(self, client: _Client, seq: int, messages: list, run: wire.RunMeta | None) -> asyncio.Future:
         """A client's batch number ``seq``; its future is set to each message's answer once they are done."""
-        batch = _Batch(client.id, messages, run, self._loop.create_future())
+        batch = _Batch(client.id, messages, run, self._loop.create_future(), seq)
         if not client.alive:
             gone = Refused(f"client {client.name!r} is not connected to this service ({client.why})", "gone")
             batch.future.set_result([gone] * len(messages))
@@ -686,8 +697,15 @@ class ServiceActor:
             elif kind == "free":
                 self._frees(client, args[0], frees)
                 out.append((host, kind, (frees.pop(host, []),)))
-            else:  # fetch
-                out.append((host, kind, (self._readable(client, args[0]),)))
+            else:  # fetch: the host sends the value straight to the client's own channel, if it has one
+                reply = client.inbox
+                if reply is not None and self.backend.link.name == "channel":
+                    from pathways_jax._src import wire
+
+                    ticket = wire.Reply(reply.up, reply.down, reply.key, batch.seq)
+                    out.append((host, kind, (self._readable(client, args[0]), ticket)))
+                else:
+                    out.append((host, kind, (self._readable(client, args[0]),)))
         return out, frees
 
     def _forward(self, client: _Client, batch: _Batch) -> None:
@@ -734,6 +752,9 @@ class ServiceActor:
                     answers.append(RunFailure("lost", host, f"host {host} died: {exc}", ""))
                 else:
                     answers.append(RunFailure("error", None, f"host {host}: {type(exc).__name__}: {exc}", ""))
+        for (_host, kind, args), answer in zip(messages, answers, strict=True):
+            if kind == "fetch":  # its value went straight to the client, or through here
+                self.fetches["direct" if len(args) > 1 and answer is None else "relayed"] += 1
         if lost_host is not None:
             island = self.layout.island_of(lost_host)
             await asyncio.get_running_loop().run_in_executor(
@@ -831,6 +852,8 @@ class ServiceActor:
             "max_clients": self.max_clients,
             "lost": dict(self.backend.lost),
             "clients": clients,
+            # Fetched values the hosts sent straight to their clients, and those that came through here.
+            "fetches": dict(self.fetches),
             # Frames refused on the clients' channel (forged, replayed, truncated, malformed;
             # signed ones from no joined client, or not a batch), and on the hosts' channel.
             "refused": {

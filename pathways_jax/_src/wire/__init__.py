@@ -32,6 +32,7 @@ from pathways_jax._src.wire.messages import Item as Item
 from pathways_jax._src.wire.messages import Message as Message
 from pathways_jax._src.wire.messages import Peers as Peers
 from pathways_jax._src.wire.messages import Register as Register
+from pathways_jax._src.wire.messages import Reply as Reply
 from pathways_jax._src.wire.messages import Run as Run
 from pathways_jax._src.wire.messages import RunMeta as RunMeta
 from pathways_jax._src.wire.messages import Share as Share
@@ -50,6 +51,7 @@ __all__ = [
     "Done",
     "Failed",
     "Fetch",
+    "Reply",
     "Fetched",
     "Forget",
     "Free",

@@ -189,6 +189,10 @@ class _Channel:
         sock.setsockopt(zmq.RCVHWM, self._hwm)
         if identity is not None:
             sock.setsockopt(zmq.ROUTING_ID, identity)
+        if kind == zmq.DEALER:
+            # Queue only to a live connection: a send to a server not (or no longer) there
+            # gives ChannelFull in time, not a message kept for a reconnection that may not come.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)

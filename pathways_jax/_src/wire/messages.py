@@ -37,6 +37,7 @@ __all__ = [
     "Part",
     "Peers",
     "Register",
+    "Reply",
     "RunMeta",
     "Run",
     "Share",
@@ -107,11 +108,22 @@ class Run(msgspec.Struct, frozen=True, tag=True, array_like=True):
     frees: list[int] = []
 
 
+class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Where a fetched value goes straight to: a client's own channel (its :class:`Server`'s
+    ``up`` and ``down`` endpoints and key), answered as message ``ticket`` there."""
+
+    up: str
+    down: str
+    key: bytes
+    ticket: int
+
+
 class Fetch(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Ask for value ``key``; ``reply_to`` names the client that gets it directly (None: the sender)."""
+    """Ask for value ``key``; ``reply_to``: the client that gets it directly (None: the sender,
+    which then gets the value; else the sender gets ``Done`` once the value went)."""
 
     key: int
-    reply_to: bytes | None = None
+    reply_to: Reply | None = None
 
 
 class Free(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -240,13 +252,16 @@ class Part(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Fanout(msgspec.Struct, frozen=True, array_like=True):
-    """One frame for several peers: each peer's encoded :class:`Part` under its identity.
+    """One frame for several peers: ``parts`` maps a peer's identity to ``(seq, index)`` of its
+    message in ``bodies``, each distinct message encoded once (peers given the same message
+    object share it: an SPMD run's hosts usually get equal ones).
 
-    A receiver decodes only its own part (the others stay undecoded ``Raw``);
-    blobs of every part share the frame's out-of-band buffers.
+    A receiver decodes only its own body (the others stay undecoded ``Raw``);
+    blobs of every body share the frame's out-of-band buffers.
     """
 
-    parts: dict[bytes, msgspec.Raw]
+    bodies: list[msgspec.Raw]
+    parts: dict[bytes, tuple[int, int]]
 
 
 def _encode_hook(frames: list[Any]) -> Any:
@@ -282,9 +297,7 @@ class Codec:
         self._in: Sequence[Any] = ()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook(self._out))
         self._decoder = msgspec.msgpack.Decoder(Message, ext_hook=self._ext, dec_hook=self._dec)
-
         self._fanout_decoder = msgspec.msgpack.Decoder(Fanout)
-        self._part_decoder = msgspec.msgpack.Decoder(Part, ext_hook=self._ext, dec_hook=self._dec)
 
     def encode(self, message: Message) -> tuple[bytes, list[Any]]:
         """The encoded struct and the out-of-band buffers it references, in order."""
@@ -295,12 +308,19 @@ class Codec:
         return header, frames
 
     def encode_fanout(self, parts: dict[bytes, tuple[int, Message]]) -> tuple[bytes, list[Any]]:
-        """A :class:`Fanout` of ``parts`` (peer -> ``(seq, message)``) and the buffers of all of them."""
+        """A :class:`Fanout` of ``parts`` (peer -> ``(seq, message)``) and the buffers of all of them;
+        a message object given to several peers is encoded once."""
         self._out.clear()
-        raws = {
-            peer: msgspec.Raw(self._encoder.encode(Part(seq, body))) for peer, (seq, body) in parts.items()
-        }
-        header = self._encoder.encode(Fanout(raws))
+        index: dict[int, int] = {}  # id(message) -> its place in bodies
+        bodies: list[msgspec.Raw] = []
+        where: dict[bytes, tuple[int, int]] = {}
+        for peer, (seq, body) in parts.items():
+            at = index.get(id(body))
+            if at is None:
+                at = index[id(body)] = len(bodies)
+                bodies.append(msgspec.Raw(self._encoder.encode(body)))
+            where[peer] = (seq, at)
+        header = self._encoder.encode(Fanout(bodies, where))
         frames = list(self._out)
         self._out.clear()
         return header, frames
@@ -311,12 +331,16 @@ class Codec:
         Raises:
             msgspec.DecodeError: as :meth:`decode`.
         """
-        raw = self._fanout_decoder.decode(header).parts.get(peer)
-        if raw is None:
+        fanout = self._fanout_decoder.decode(header)
+        where = fanout.parts.get(peer)
+        if where is None:
             return None
+        seq, at = where
+        if not 0 <= at < len(fanout.bodies):
+            raise msgspec.DecodeError(f"part {at} referenced, {len(fanout.bodies)} carried")
         self._in = frames
         try:
-            return self._part_decoder.decode(raw)
+            return Part(seq, self._decoder.decode(fanout.bodies[at]))
         finally:
             self._in = ()
 
