@@ -1,5 +1,6 @@
 """Ray backend only: host loss, slow hosts, the hosts' life cycle and pw.init's checks."""
 
+import contextlib
 import gc
 import os
 import signal
@@ -410,3 +411,35 @@ def test_the_ray_call_link_still_serves_as_a_second_link(ray_cluster, monkeypatc
     assert_matches(total, want_total)
     assert_matches(scaled, want_scaled)
     assert cluster.remote.link.stats()["messages"] >= 4  # registrations and runs, one call each
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster):
+    """A stopped host process: Ray still sees its actor alive, but its channel's heartbeats stop.
+    Within HUNG_S and a few seconds its run fails with HostLostError; the next call is exact."""
+    from pathways_jax._src.backends.ray import HUNG_S
+
+    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    b = pw.devices(mesh={"x": 1}, island=1)
+    f = pw.jit(lambda v: v * 2 + 1, devices=b)
+    assert_matches(f(jnp.arange(4.0)), jnp.arange(4.0) * 2 + 1)
+    pid = cluster.remote.info[1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        with pytest.raises(pw.errors.HostLostError, match="hung"):
+            f(jnp.arange(4.0) + 1).result(timeout=HUNG_S + 30)
+        assert time.monotonic() - stopped <= HUNG_S + DETECTION_BOUND_S
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # (killed by then: nothing to resume)
+    assert wait_for(lambda: not _alive(pid), timeout=30), "the hung host was not killed"
+    assert_matches(f(jnp.arange(4.0) + 2), (jnp.arange(4.0) + 2) * 2 + 1)

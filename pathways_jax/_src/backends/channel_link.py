@@ -31,6 +31,7 @@ import pickle
 import secrets
 import socket
 import threading
+import time
 from typing import Any, Literal, NamedTuple
 
 from pathways_jax._src import wire
@@ -75,6 +76,24 @@ class Endpoint(NamedTuple):
 
 def _group(island: int) -> bytes:
     return b"island-%d" % island
+
+
+def _encoded(
+    batch: list[tuple[int, str, tuple]], seen: list[tuple[list[tuple[str, tuple]], list[wire.Item]]]
+) -> list[wire.Item]:
+    """``batch`` as wire messages: the very objects of an equal batch in ``seen`` (an SPMD run's
+    hosts get equal messages: encoded once, and sent once in the broadcast), else new ones."""
+    plain = [(kind, args) for _seq, kind, args in batch]
+    for other, items in seen:
+        try:
+            if other == plain:
+                return items
+        except (ValueError, TypeError):  # arrays compare elementwise: not the same message
+            continue
+    items = [encode(kind, args) for kind, args in plain]
+    if len(seen) < 4:  # a few distinct batches are compared with, no more
+        seen.append((plain, items))
+    return items
 
 
 def _blob_bytes(items: list[wire.Item]) -> int:
@@ -256,8 +275,9 @@ class ChannelLink:
         """
         out: dict[int, list[concurrent.futures.Future]] = {}
         parts: dict[int, list[wire.Item]] = {}
+        seen: list[tuple[list[tuple[str, tuple]], list[wire.Item]]] = []  # distinct batches, encoded
         for host, batch in messages.items():
-            items = [encode(kind, args) for _seq, kind, args in batch]
+            items = _encoded(batch, seen)
             if len(messages) == 1 or self._identity[host] in self._gone or _blob_bytes(items) > _FANOUT_BYTES:
                 out[host] = self.send_many(host, batch)
             else:
@@ -331,6 +351,13 @@ class ChannelLink:
         identity = self._identity.get(host)
         if identity is not None:
             self._fail(identity, HostGone(host, why))
+
+    def silent_for(self, host: int) -> float | None:
+        """Seconds since the host was last heard from: a host's channel beats every second while
+        it has nothing else to say, from a thread of its own, so a long silence is a hung host."""
+        identity = self._identity.get(host)
+        heard = None if identity is None else self._server.last_heard(identity)
+        return None if heard is None else time.monotonic() - heard
 
     def _fail(self, identity: bytes, exc: BaseException) -> None:
         with self._lock:

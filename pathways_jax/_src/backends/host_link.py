@@ -63,6 +63,10 @@ class Link(Protocol):
         """Fails every answer ``host`` still owes with :class:`HostGone`."""
         ...
 
+    def silent_for(self, host: int) -> float | None:
+        """Seconds since ``host`` last sent anything, heartbeats included (None: not known)."""
+        ...
+
     def stats(self) -> dict:
         """Counts of what went through the link (messages, batches, refused frames)."""
         ...
@@ -102,6 +106,9 @@ class RayCallLink:
 
     def host_lost(self, host: int, why: str) -> None:
         pass  # Ray fails the calls of a dead actor by itself
+
+    def silent_for(self, host: int) -> float | None:
+        return None  # no heartbeats: only Ray's word on a death
 
     def stats(self) -> dict:
         return {"transport": self.name, "messages": self._messages}

@@ -88,6 +88,9 @@ if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
 
 _PING_S = 0.25  # how often the monitor looks at every host
+# A host whose channel said nothing, not even a heartbeat (one a second), for this long is hung
+# (a stopped or wedged process: Ray still sees its actor alive): it is killed and counts as lost.
+HUNG_S = 10.0
 _FLUSH_S = 0.05  # how often freed values are sent back to their hosts
 _START_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 120.0
@@ -1354,6 +1357,14 @@ class RayBackend:
     def _look(self, ray: Any) -> None:
         for host in range(self.hosts):
             if host in self.lost_hosts or self._closed:
+                continue
+            silent = self.link.silent_for(host)
+            if silent is not None and silent > HUNG_S:
+                with contextlib.suppress(Exception):
+                    ray.kill(self.actors[host], no_restart=True)
+                self.mark_lost(
+                    host, f"it sent nothing, not even a heartbeat, for {silent:.0f}s: hung, and killed"
+                )
                 continue
             ref = self._pings.get(host)
             if ref is None:
