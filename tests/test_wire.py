@@ -585,3 +585,21 @@ def test_a_late_subscriber_gets_nothing_sent_before_it_joined_and_everything_aft
         if late is not None:
             late.close()
         server.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_message_given_to_many_peers_is_encoded_and_carried_once():
+    shared = Run(plan=7, run_id=1, base=0, feeds=Blob(b"f" * 5000), keep=[(1, 2)])
+    names = [f"host-{i}".encode() for i in range(64)]
+    one, frames_one = Codec().encode_fanout({n: (i + 1, shared) for i, n in enumerate(names)})
+    distinct = {
+        n: (i + 1, Run(plan=7, run_id=1, base=0, feeds=Blob(b"f" * 5000))) for i, n in enumerate(names)
+    }
+    many, frames_many = Codec().encode_fanout(distinct)
+    assert len(frames_one) == 1 and len(frames_many) == 64
+    assert len(one) < len(many)  # one body, not 64
+    codec = Codec()
+    for i, n in enumerate(names):
+        part = codec.decode_part(one, [bytes(f) for f in frames_one], n)
+        assert (part.seq, part.body) == (i + 1, shared)
+    assert codec.decode_part(one, frames_one, b"host-99") is None

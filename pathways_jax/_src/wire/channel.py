@@ -696,9 +696,13 @@ class Server(_Channel):
         try:
             self._flush_locked(deadline)
             seqs = {to: self._next_seq.get(to, 1) for to in parts}
-            bodies = {
-                to: (seqs[to], items[0] if len(items) == 1 else Batch(items)) for to, items in parts.items()
-            }
+            batches: dict[tuple[int, ...], Message] = {}  # peers given the same items share one body
+            bodies: dict[bytes, tuple[int, Message]] = {}
+            for to, items in parts.items():
+                body = (
+                    items[0] if len(items) == 1 else batches.setdefault(tuple(map(id, items)), Batch(items))
+                )
+                bodies[to] = (seqs[to], body)
             header, buffers = self._send_codec.encode_fanout(bodies)
             topic = _topic(_GROUP_TOPIC, group)
             seq = self._next_seq.get(topic, 1)
