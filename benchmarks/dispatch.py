@@ -30,6 +30,8 @@ Then (--ray, on by default) the same computation on a 1-device mesh, on Ray
   pw-ray-C    one @pw.program of --chain nodes alternating between host 0 and
               host 1 (every node's input crosses hosts, host to host through
               the transfer servers), called repeatedly
+  pw-ray-C16  the same chain moving to the other host every 16 nodes (a
+              cross-island hop every 16 nodes)
   pw-ray-C1   the same chain with every node on host 0 (no cross-host moves)
   xfer-C      the floor of pw-ray-C's data plane, without pathways_jax: two
               plain Ray actors run the same alternating chain by hand, each
@@ -77,7 +79,7 @@ _OUT = flags.DEFINE_string(
 )
 
 MODES = ("jax-O", "jax-F", "pw-O", "pw-C", "pw-C+fuse", "pw-F")
-RAY_MODES = ("ray-O", "pw-ray-O", "pw-ray-C", "pw-ray-C1", "xfer-C")
+RAY_MODES = ("ray-O", "pw-ray-O", "pw-ray-C", "pw-ray-C16", "pw-ray-C1", "xfer-C")
 RAY_TARGET = 5.0  # pw-ray-C throughput against ray-O: the target
 RAY_HOSTS = 2
 
@@ -394,6 +396,11 @@ def _ray_modes(ray, chain: int):
             x = (on_a if i % 2 == 0 else on_b)(x)  # every node's input comes from the other host
         return x
 
+    def hop_every_16(x):
+        for i in range(chain):
+            x = (on_a if (i // 16) % 2 == 0 else on_b)(x)
+        return x
+
     def host0_only(x):
         for _ in range(chain):
             x = on_a(x)
@@ -401,6 +408,7 @@ def _ray_modes(ray, chain: int):
 
     pw_chain = pw.program(alternating, name="ray_chain", fuse=False)
     pw_chain_one_host = pw.program(host0_only, name="ray_chain_one_host", fuse=False)
+    pw_chain_16 = pw.program(hop_every_16, name="ray_chain_hop_every_16", fuse=False)
     x0 = jnp.zeros((), jnp.float32)
 
     def ray_o(calls: int) -> float:
@@ -429,6 +437,7 @@ def _ray_modes(ray, chain: int):
         "ray-O": (ray_o, chain),
         "pw-ray-O": (_pw_loop(on_a, chain, x0), chain),
         "pw-ray-C": (_pw_loop(pw_chain, 1, x0), chain),
+        "pw-ray-C16": (_pw_loop(pw_chain_16, 1, x0), chain),
         "pw-ray-C1": (_pw_loop(pw_chain_one_host, 1, x0), chain),
         "xfer-C": (xfer_c, chain),
     }

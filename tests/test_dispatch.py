@@ -174,7 +174,7 @@ def test_dispatch_benchmark_runs_in_quick_mode(tmp_path):
     assert report["sweep"]
     # The Ray section (on by default) ran in the same process, after the local one.
     ray_modes = report["ray"]["computations_per_second"]
-    assert set(ray_modes) == {"ray-O", "pw-ray-O", "pw-ray-C", "pw-ray-C1", "xfer-C"}
+    assert set(ray_modes) == {"ray-O", "pw-ray-O", "pw-ray-C", "pw-ray-C16", "pw-ray-C1", "xfer-C"}
     assert report["ray"]["pw_ray_C_ratio_to_floor"] > 0
     assert all(v["median"] > 0 and v["ratio_to_ray_O"] > 0 for v in ray_modes.values())
     assert ray_modes["ray-O"]["ratio_to_ray_O"] == 1.0
