@@ -42,6 +42,8 @@ NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
 _JOIN_TIMEOUT_S = 60.0
 _SEND_TIMEOUT_S = 10.0  # a service that takes no batch for this long is stuck (or gone)
+# A value its host says it sent straight here fails if it has not come within this long.
+_DIRECT_TIMEOUT_S = 30.0
 
 
 def connect(address: str | None, *, start: bool = False) -> Any:
@@ -150,6 +152,8 @@ class ServiceBackend(ray_backend.RayBackend):
         # This process's own channel: the hosts send the values it fetches straight here.
         # Fetch batches whose value comes here: batch -> the host it comes from.
         self._direct: dict[int, int] = {}
+        # Those the host said it sent (the service's None): when, to fail one that never came.
+        self._sent_at: dict[int, float] = {}
         from pathways_jax._src import wire
         from pathways_jax._src.backends import channel_link
 
@@ -215,9 +219,11 @@ class ServiceBackend(ray_backend.RayBackend):
                     values = [Refused(f"the service's answer did not decode: {exc}", "gone")]
                 with self._owed_lock:
                     if seq in self._direct and values == [None]:
+                        self._sent_at[seq] = time.monotonic()
                         return  # the host sent the value here: fetched_here settles it
                     futures = self._owed.pop(seq, None)
                     self._direct.pop(seq, None)
+                    self._sent_at.pop(seq, None)
                 if futures is None:
                     return
                 if len(values) != len(futures):  # one answer for the whole batch (a refusal)
@@ -246,17 +252,25 @@ class ServiceBackend(ray_backend.RayBackend):
             if ticket not in self._direct:
                 return  # answered already (a failure the service saw first)
             del self._direct[ticket]
+            self._sent_at.pop(ticket, None)
             futures = self._owed.pop(ticket, None)
         if futures and not futures[0].done():
             futures[0].set_result(value)
 
-    def _fail_direct(self, hosts: set[int], why: str) -> None:
-        """Fetches whose values were to come from ``hosts`` (lost) fail: nothing will come."""
+    def _fail_direct(self, hosts: set[int], why: str, *, sent_before: float | None = None) -> None:
+        """Fetches whose values were to come from ``hosts`` (lost) fail: nothing will come. With
+        ``sent_before``: those the host said it sent before then (a value lost on its way)."""
         with self._owed_lock:
-            tickets = [ticket for ticket, host in self._direct.items() if host in hosts]
+            tickets = [
+                ticket
+                for ticket, host in self._direct.items()
+                if host in hosts
+                and (sent_before is None or self._sent_at.get(ticket, sent_before) < sent_before)
+            ]
             futures: list[concurrent.futures.Future] = []
             for ticket in tickets:
                 del self._direct[ticket]
+                self._sent_at.pop(ticket, None)
                 futures.extend(self._owed.pop(ticket, ()))
         for future in futures:
             if not future.done():
@@ -269,6 +283,7 @@ class ServiceBackend(ray_backend.RayBackend):
             owed = [f for futures in self._owed.values() for f in futures]
             self._owed.clear()
             self._direct.clear()
+            self._sent_at.clear()
         for future in owed:
             if not future.done():
                 future.set_exception(HostGone(-1, f"the controller service {self.service_name!r}: {why}"))
@@ -377,6 +392,12 @@ class ServiceBackend(ray_backend.RayBackend):
         while not self._closed:
             try:
                 self._apply(self.ray.get(self.service.health.remote(), timeout=10.0))
+                if self._sent_at:  # a value its host sent that never came (lost on its way)
+                    self._fail_direct(
+                        set(range(self.hosts)),
+                        f"a fetched value its host sent did not arrive within {_DIRECT_TIMEOUT_S:.0f}s",
+                        sent_before=time.monotonic() - _DIRECT_TIMEOUT_S,
+                    )
                 slices = self.slices_of() if self.slices_of is not None else {}
                 if slices != reported:  # for the service's stats
                     self.service.slices.remote(self.client_id, slices)
