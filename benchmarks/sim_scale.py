@@ -16,8 +16,11 @@ TPU v4 figures, this project's measured controller and host-message costs).
               Ray backend paid: a Python Ray actor call per host per run), and
               with the host message --channel_profile measured (its ZeroMQ
               channel's hosts.message_s), sent one after another ("serial", as
-              the runtime does) and down a tree (each sender forwards to
-              --fanout_degree hosts a round: pw.sim.Cluster(fanout="tree")).
+              the runtime did), down a tree (each sender forwards to
+              --fanout_degree hosts a round: pw.sim.Cluster(fanout="tree")) and
+              as one broadcast (the runtime now: hosts.broadcast_s once and
+              hosts.broadcast_host_s a host, benchmarks/fanout.py;
+              pw.sim.Cluster(fanout="broadcast")).
   pipeline    a GPipe step of a 3B-parameter model on 128 chips (32 hosts),
               4/8/16 stages and 16-512 microbatches, against SPMD on the same
               chips doing the same device work (paper: 16 stages 131.4k tokens/s
@@ -139,7 +142,10 @@ def amortisation_threshold(
                     break
             row[f"{level:.0%}"] = (launch + hi) * 1e3  # ms of device time per computation
         c, hc = profile.controller, profile.hosts
-        if cluster.dispatch == "hosts":
+        if cluster.dispatch == "hosts" and cluster.fanout == "broadcast":
+            messages = 1
+            per_run = c.run_s + hc.dispatch_s + hc.node_s + hc.broadcast_s + h * hc.broadcast_host_s
+        elif cluster.dispatch == "hosts":
             messages = len(sim.fanout_tree(range(h), cluster.fanout, cluster.fanout_degree)[-1])
             per_run = c.run_s + hc.dispatch_s + hc.node_s + messages * hc.message_s
         else:
@@ -309,6 +315,7 @@ def _plot(report: dict, path: pathlib.Path) -> None:
     for key, style, color, what in (
         ("threshold_channel", "-.", "C3", "serial"),
         ("threshold_channel_tree", "-.", "C4", f"tree of {report['config_fanout_degree']}"),
+        ("threshold_channel_broadcast", "-.", "C5", "one broadcast"),
     ):
         ax.plot(
             hosts, [report[key][str(h)]["95%"] for h in hosts], style, color=color,
@@ -366,17 +373,19 @@ def _tables(report: dict) -> str:
         "",
         "| hosts | pw-O at 95% of jax-O (ms) | at 99% (ms) | controller per run (ms) | "
         f"95% with {report['config_ray_message_ms']:g} ms messages (ms) | "
-        f"95%, channel {us:.0f} µs, serial (ms) | 95%, channel, tree of {k} (ms) | paper (ms) |",
+        f"95%, channel {us:.0f} µs, serial (ms) | 95%, channel, tree of {k} (ms) | "
+        "95%, channel, broadcast (ms) | paper (ms) |",
     ]
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for h, r in report["threshold"].items():
         paper = PAPER["threshold_ms"].get(int(h))
         ray = report["threshold_ray_message"][h]["95%"]
         serial = report["threshold_channel"][h]["95%"]
         tree = report["threshold_channel_tree"][h]["95%"]
+        broadcast = report["threshold_channel_broadcast"][h]["95%"]
         lines.append(
             f"| {h} | {r['95%']:.3f} | {r['99%']:.3f} | {r['controller_per_run_ms']:.3f} | {ray:.3g} | "
-            f"{serial:.3g} | {tree:.3g} | {paper if paper is not None else ''} |"
+            f"{serial:.3g} | {tree:.3g} | {broadcast:.3g} | {paper if paper is not None else ''} |"
         )
     lines += [
         "",
@@ -420,12 +429,21 @@ def main(argv: list[str]) -> None:
     report["config_ray_message_ms"] = _RAY_MESSAGE_MS.value
     channel = sim.load_profile(_CHANNEL_PROFILE.value)
     channel_like = dataclasses.replace(
-        profile, hosts=dataclasses.replace(profile.hosts, message_s=channel.hosts.message_s)
+        profile,
+        hosts=dataclasses.replace(
+            profile.hosts,
+            message_s=channel.hosts.message_s,
+            broadcast_s=channel.hosts.broadcast_s,
+            broadcast_host_s=channel.hosts.broadcast_host_s,
+        ),
     )
     degree = _FANOUT_DEGREE.value
     report["threshold_channel"] = amortisation_threshold(channel_like, hosts, levels=(0.95,))
     report["threshold_channel_tree"] = amortisation_threshold(
         channel_like, hosts, levels=(0.95,), fanout="tree", degree=degree
+    )
+    report["threshold_channel_broadcast"] = amortisation_threshold(
+        channel_like, hosts, levels=(0.95,), fanout="broadcast"
     )
     report["config_channel_message_us"] = channel.hosts.message_s * 1e6
     report["config_channel_profile"] = {

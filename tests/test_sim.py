@@ -343,6 +343,33 @@ def test_serial_messages_cost_the_controller_per_host_and_a_tree_per_round():
         sim.Cluster(hosts=1, fanout="tree")
 
 
+def test_a_broadcast_costs_the_controller_one_send_and_a_little_a_host():
+    # As the runtime's channel: one send for every host, broadcast_s + H broadcast_host_s on the
+    # controller, then every host has it latency_s later (no forwarding hop).
+    profile = sim.Profile(
+        controller=sim.ControllerCosts(run_s=1 * US, node_s=1 * US),
+        hosts=sim.HostCosts(
+            message_s=2 * US, latency_s=3 * US, enqueue_s=1 * US, node_s=1 * US,
+            broadcast_s=3 * US, broadcast_host_s=0.5 * US,
+        ),
+    )  # fmt: skip
+
+    def run(hosts, **fanout):
+        cluster = sim.Cluster(hosts=hosts, devices_per_host=1, profile=profile, **fanout)
+        result = sim.simulate(cluster, sim.spmd(cluster, 10 * US), record=False)
+        return result.controller_busy * result.makespan_s / US, result.makespan_s
+
+    for hosts in (2, 8, 80):
+        busy, _ = run(hosts, fanout="broadcast")
+        assert busy == pytest.approx(2 + 3 + 0.5 * hosts)
+        assert busy <= run(hosts)[0]  # equal at 2 hosts, less beyond
+    # 8 hosts: the send 2-9, every host has it at 12 and enqueues 12-13, the node runs 13-23.
+    assert run(8, fanout="broadcast")[1] == approx(23)
+    assert "fanout='broadcast'" in repr(sim.Cluster(hosts=2, fanout="broadcast"))
+    with pytest.raises(pw.errors.ResourceError, match="dispatch='local' the controller sends no messages"):
+        sim.Cluster(hosts=1, fanout="broadcast")
+
+
 def test_hosts_sending_runs_pay_their_own_per_run_and_per_node_costs():
     # Sending a run to hosts, the controller pays controller.run_s + hosts.dispatch_s a run and
     # hosts.node_s a node (not controller.node_s): run 1 + 5, 3 nodes x 2, one message 4: 16 µs.
@@ -649,6 +676,8 @@ def test_scale_benchmark_quick_mode_writes_every_figure(tmp_path):
     serial, tree = report["threshold_channel"]["16"], report["threshold_channel_tree"]["16"]
     assert serial["controller_messages"] == 16 > tree["controller_messages"]
     assert serial["95%"] > tree["95%"] > 0
+    broadcast = report["threshold_channel_broadcast"]["16"]
+    assert broadcast["controller_messages"] == 1 and serial["95%"] > broadcast["95%"] > 0
     for row in report["pipeline"]["rows"]:
         assert 0 < row["vs_spmd"] <= row["bubble_bound"] + 1e-9
     assert 0 < report["two_islands"]["rows"][0]["ratio"] < 1

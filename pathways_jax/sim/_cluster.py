@@ -60,14 +60,16 @@ class Cluster:
         host its message, one after another; ``"tree"``: the controller sends
         to ``fanout_degree`` hosts a round and every host reached forwards to
         as many more, so the controller's messages grow with
-        ``log(hosts)`` and each hop adds its latency (see
-        :mod:`pathways_jax.sim._fanout`).
+        ``log(hosts)`` and each hop adds its latency; ``"broadcast"`` (the
+        runtime's channel): ONE send carries every host's part, the
+        controller paying ``hosts.broadcast_s`` once and
+        ``hosts.broadcast_host_s`` a host (see :mod:`pathways_jax.sim._fanout`).
       fanout_degree: ``k`` of ``fanout="tree"``: messages each sender sends a round.
 
     Raises:
       ResourceError: a size is not a positive integer, ``islands`` does not divide
         ``hosts``, ``cores`` or ``fanout="tree"`` is given with ``dispatch="local"``,
-        or ``fanout`` is not one of ``"serial"``, ``"tree"``.
+        or ``fanout`` is not one of ``"serial"``, ``"tree"``, ``"broadcast"``.
       ProfileError: the profile cannot be found or read.
 
     Example:
@@ -139,9 +141,9 @@ class Cluster:
                 )
         if fanout not in FANOUTS:
             raise errors.ResourceError(f"pw.sim.Cluster: fanout must be one of {FANOUTS}, got {fanout!r}.")
-        if fanout == "tree" and mode == "local":
+        if fanout != "serial" and mode == "local":
             raise errors.ResourceError(
-                "pw.sim.Cluster: fanout='tree' is how a run's messages reach its hosts (dispatch='hosts'); "
+                f"pw.sim.Cluster: fanout={fanout!r} is how a run's messages reach its hosts (dispatch='hosts'); "
                 "with dispatch='local' the controller sends no messages."
             )
         for name, value in (
@@ -193,5 +195,7 @@ class Cluster:
             f"islands={self.islands}, profile={self.profile.name!r}, dispatch={self.dispatch!r}, "
             f"in_flight={self.in_flight}"
             + (f", cores={self.cores}" if self.cores else "")
-            + (f", fanout='tree', fanout_degree={self.fanout_degree})" if self.fanout == "tree" else ")")
+            + (f", fanout='tree', fanout_degree={self.fanout_degree})" if self.fanout == "tree" else "")
+            + (", fanout='broadcast')" if self.fanout == "broadcast" else "")
+            + (")" if self.fanout == "serial" else "")
         )

@@ -20,7 +20,9 @@ What is modelled (each charged from the cluster's :class:`Profile`):
   and ``hosts.enqueue_s`` per step. All hosts enqueue in parallel. With
   ``Cluster(fanout="tree")`` the controller sends to ``fanout_degree`` hosts
   a round and each host reached forwards the message (``hosts.message_s``
-  each, on its own thread, before its own part) to as many more a round
+  each, on its own thread, before its own part) to as many more a round;
+  with ``Cluster(fanout="broadcast")`` it sends ONE message for all
+  (``hosts.broadcast_s`` plus ``hosts.broadcast_host_s`` a host)
   (:mod:`pathways_jax.sim._fanout`).
 - **The in-flight window.** ``local``: at most ``in_flight`` windowed
   executables in flight per island, and ``device_window`` single-device
@@ -438,6 +440,14 @@ class _Simulation:
             )
         if not local:
             tree = fanout_tree(sorted(per_host), self.cluster.fanout, self.cluster.fanout_degree)
+            if self.cluster.fanout == "broadcast" and len(per_host) > 1:
+                start = env.now
+                cost_s = self.host_costs.broadcast_s + len(per_host) * self.host_costs.broadcast_host_s
+                yield from self._work(cost_s)
+                self._controller(f"send {program.name} to {len(per_host)} hosts", "dispatch", start, run)
+                for h in tree.get(CONTROLLER, ()):
+                    env.process(self._host(h, run, per_host, {}))
+                tree = {}
             for h in tree.get(CONTROLLER, ()):
                 start = env.now
                 yield from self._work(self.host_costs.message_s)

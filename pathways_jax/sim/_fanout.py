@@ -1,4 +1,4 @@
-"""How the controller's message of a run reaches the run's hosts: one after another, or a tree.
+"""How the controller's message of a run reaches the run's hosts: one after another, a tree, or a broadcast.
 
 ``"serial"`` (what the runtime does today): the controller's thread sends every
 host its message, one after another, ``hosts.message_s`` each: a run costs the
@@ -14,6 +14,12 @@ each hop adding ``hosts.latency_s`` and the sender's ``message_s`` per message
 sent before it. A forwarded message carries the parts of every host below it,
 charged as one message (a message's cost is its overhead, not its few bytes:
 ``benchmarks/wire.py``).
+
+``"broadcast"`` (what the runtime does over its channel, ``wire.Server.broadcast``):
+the controller sends ONE message carrying every host's part, paying
+``hosts.broadcast_s`` once and ``hosts.broadcast_host_s`` per host (encoding
+that host's part); ZeroMQ's I/O thread copies it to every host, each host
+``hosts.latency_s`` away, with no forwarding (``benchmarks/fanout.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-Fanout = Literal["serial", "tree"]
-FANOUTS: tuple[Fanout, ...] = ("serial", "tree")
+Fanout = Literal["serial", "tree", "broadcast"]
+FANOUTS: tuple[Fanout, ...] = ("serial", "tree", "broadcast")
 CONTROLLER = -1  # the sender that is not a host
 
 
@@ -39,7 +45,7 @@ def fanout_tree(hosts: Sequence[int], fanout: Fanout, degree: int) -> dict[int, 
       {-1: (0, 1, 2, 3), 0: (4, 5), 1: (6, 7)}
     """
     order = list(hosts)
-    if fanout == "serial":
+    if fanout in ("serial", "broadcast"):
         return {CONTROLLER: tuple(order)} if order else {}
     children: dict[int, list[int]] = {}
     holders, reached = [CONTROLLER], 0

@@ -77,6 +77,10 @@ class HostCosts:
         records, its hosts' answers).
       node_s: the controller's cost per node (and transfer) of a run it sends
         to hosts (instead of ``controller.node_s``/``transfer_s``).
+      broadcast_s: ``Cluster(fanout="broadcast")``: the controller's fixed cost of
+        the one send of a run's messages to all its hosts.
+      broadcast_host_s: ``Cluster(fanout="broadcast")``: the controller's cost per
+        host of that send (its part's encoding), instead of ``message_s``.
     """
 
     message_s: float = 0.0
@@ -85,6 +89,8 @@ class HostCosts:
     enqueue_s: float = 0.0
     dispatch_s: float = 0.0
     node_s: float = 0.0
+    broadcast_s: float = 0.0
+    broadcast_host_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
