@@ -79,6 +79,7 @@ _DEPARTED_KEPT = 64  # clients that went, still listed in stats
 # A client's answers its channel cannot take now wait in its outbox, sent again after
 # _DRAIN_FIRST_S, doubling up to _DRAIN_MAX_S; past this many bytes the client is dropped.
 _DRAIN_FIRST_S = 0.002
+_SEND_NOW_S = 0.002  # how long an answer's send may wait before it goes to the outbox
 _DRAIN_MAX_S = 0.1
 _OUTBOX_BYTES = 256 * 2**20
 
@@ -425,7 +426,8 @@ class ServiceActor:
         from pathways_jax._src import wire
 
         try:
-            self.channel.send(peer, message, timeout=0)
+            # A moment's wait: the channel's heartbeat thread may hold its send lock now.
+            self.channel.send(peer, message, timeout=_SEND_NOW_S)
         except wire.ChannelFull:
             return False
         except wire.ChannelClosed:  # the service is stopping: nothing more goes out
