@@ -399,7 +399,7 @@ def test_forged_replayed_truncated_and_malformed_frames_are_refused_and_counted(
         sock.send_multipart(frames)
         return sock
 
-    def peer(key: bytes, identity: bytes, blob: bytes, captured: list | None = None) -> wire.Peer:
+    def peer(key: bytes, identity: bytes, captured: list | None = None) -> wire.Peer:
         channel = wire.Peer(endpoint.address, key, identity=identity, heartbeat=None)
         if captured is not None:  # the frames as they go, to send them again
             send = channel._send_sock.send_multipart
@@ -409,20 +409,23 @@ def test_forged_replayed_truncated_and_malformed_frames_are_refused_and_counted(
                 return send(parts, *args, **kwargs)
 
             channel._send_sock.send_multipart = capture
-        channel.send(wire.Submit(0, wire.Blob(blob), None))
+        channel.send(wire.Submit(0, [], None))
         return channel
 
     refused("malformed", lambda: raw(b"garbage", [b"not a signature", b"junk"]))
     refused("truncated", lambda: raw(b"garbage", [b"x"]))
-    refused("forged", lambda: peer(secrets.token_bytes(32), b"forger", pickle.dumps([])))
+    refused("forged", lambda: peer(secrets.token_bytes(32), b"forger"))
     sent: list = []
     # The right key, but a name no client joined under; then the same frames again.
-    refused("unknown_client", lambda: peer(endpoint.key, b"stranger", pickle.dumps([]), sent))
+    refused("unknown_client", lambda: peer(endpoint.key, b"stranger", sent))
     refused("replayed", lambda: raw(b"stranger", sent[0]))
     context.term()
-    # This process's own channel, a batch that is not a pickled list.
+    # This process's own channel: a message that is not a batch; then a batch carrying a message
+    # that is not a request (typed: the frame does not decode, and is refused as malformed).
+    refused("not_a_batch", lambda: joined.remote._peer.send(wire.Done(0)) and None)
     refused(
-        "not_a_batch", lambda: joined.remote._peer.send(wire.Submit(10**6, wire.Blob(b"junk"), None)) and None
+        "malformed",
+        lambda: joined.remote._peer.send(wire.Submit(10**6, [wire.Routed(0, wire.Done(0))], None)) and None,  # type: ignore[arg-type]
     )
     # The service and this client go on as if nothing happened.
     np.testing.assert_array_equal(f(jnp.arange(6.0)).result(timeout=60), np.arange(6.0) * 2 + 1)
@@ -617,7 +620,7 @@ def test_a_client_that_stops_reading_waits_in_a_bounded_outbox_others_are_served
             return peer
 
         def share(seq: int) -> wire.Submit:  # answered at once by the service (a Refused: no such value)
-            return wire.Submit(seq, wire.Blob(pickle.dumps([(0, "share", (seq, "nobody"))])), None)
+            return wire.Submit(seq, [wire.Routed(-1, wire.Share(seq, "nobody"))], None)
 
         # The slow reader's handler never returns: its channel stops reading, its socket fills.
         slow = join("slow", on_message=lambda received: stuck.wait(), hwm=1, queue_size=1)

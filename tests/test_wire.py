@@ -27,6 +27,7 @@ from pathways_jax._src.wire import (
     Codec,
     Done,
     Failed,
+    Feed,
     Fetch,
     Fetched,
     Forget,
@@ -36,9 +37,11 @@ from pathways_jax._src.wire import (
     Received,
     Register,
     Reply,
+    Routed,
     Run,
     Server,
     Share,
+    Submit,
 )
 from pathways_jax.errors import PathwaysError
 
@@ -47,19 +50,33 @@ KEY = b"k" * 32
 EVERY_KIND = [
     Register(plan=7, ops=Blob(b"ops" * 500), constants=Blob(b"c"), blobs=Blob(b""), x64=True),
     Register(plan=8, ops=Blob(b"o"), constants=Blob(b"c"), blobs=Blob(b"b"), x64=None),
-    Run(plan=7, run_id=3, base=100, feeds=Blob(b"f" * 5000), keep=[(1, 2), (3, 4)], frees=[5, 6]),
+    Run(
+        plan=7,
+        run_id=3,
+        base=100,
+        feeds=[Feed(0, data=Blob(b"f" * 5000))],
+        keep=[(1, 2), (3, 4)],
+        frees=[5, 6],
+    ),
     Fetch(key=9, reply_to=Reply("ipc:///tmp/up", "ipc:///tmp/down", b"k" * 32, 7)),
     Fetch(key=9),
     Free(keys=[1, 2, 3]),
     Forget(plan=7),
     Share(key=9, reader="client-2"),
+    Submit(batch=3, messages=[Routed(0, Free(keys=[1, (2, 3)])), Routed(-1, Share(key=9, reader="b"))]),
     Done(seq=4, value=0.25),
     Done(seq=5, value=None),
     Failed(seq=6, kind="XlaRuntimeError", host=1, message="boom", trace="Traceback ...", peers=[0, 2]),
     Failed(seq=6, kind="HostLost", host=None, message="gone"),
     Fetched(seq=7, payload=Blob(np.arange(1000, dtype=np.float32))),
     Heartbeat(sent_at=123.5),
-    Batch(items=[Run(1, 2, 3, Blob(b"x")), Done(seq=1), Fetched(seq=2, payload=Blob(b"y" * 4096))]),
+    Batch(
+        items=[
+            Run(1, 2, 3, [Feed(0, data=Blob(b"x")), Feed(1, value=4), Feed(2, value=(1, 5))]),
+            Done(seq=1),
+            Fetched(seq=2, payload=Blob(b"y" * 4096)),
+        ]
+    ),
 ]
 
 
@@ -117,9 +134,9 @@ def test_numpy_buffers_travel_in_their_own_frames_exactly(pair, dtype):
     array = (np.arange(3 * 700) % 7).astype(dtype).reshape(3, 700)
     header, frames = Codec().encode(Fetched(seq=1, payload=Blob(array)))
     assert len(frames) == 1 and len(header) < 64  # the buffer is out of band
-    peer.send(Run(plan=1, run_id=1, base=0, feeds=Blob(array)))
+    peer.send(Run(plan=1, run_id=1, base=0, feeds=[Feed(0, data=Blob(array))]))
     feeds = server.recv(timeout=5).body.feeds
-    np.testing.assert_array_equal(np.frombuffer(feeds.view, dtype).reshape(array.shape), array)
+    np.testing.assert_array_equal(np.frombuffer(feeds[0].data.view, dtype).reshape(array.shape), array)
     server.send(b"host-0", Fetched(seq=1, payload=Blob(array)))
     payload = peer.recv(timeout=5).body.payload
     assert isinstance(payload.data, memoryview)  # a view of the received frame, not a copy
@@ -313,7 +330,7 @@ PEER_PROCESS = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from pathways_jax._src.wire import Address, Blob, Done, Fetch, Fetched, Peer, Run
+    from pathways_jax._src.wire import Address, Blob, Done, Feed, Fetch, Fetched, Peer, Run
     up, down, key = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
     with Peer(Address(up, down), key, identity=b"host-1", heartbeat=None) as peer:
         peer.send(Done(seq=0))
@@ -321,7 +338,7 @@ PEER_PROCESS = textwrap.dedent(
             received = peer.recv(timeout=20)
             match received.body:
                 case Run(run_id=run_id, feeds=feeds):
-                    total = float(np.frombuffer(feeds.view, np.float64).sum())
+                    total = float(np.frombuffer(feeds[0].data.view, np.float64).sum())
                     peer.post(Done(seq=received.seq, value=total))
                 case Fetch(key=key_):
                     peer.send(Fetched(seq=received.seq, payload=Blob(np.full(1000, key_, np.int32))))
@@ -344,7 +361,11 @@ def test_a_peer_in_another_process(transport):
         hello = server.recv(timeout=25)
         assert hello is not None and hello.peer == b"host-1" and hello.body == Done(seq=0)
         seqs = server.send_many(
-            b"host-1", [Run(plan=1, run_id=i, base=0, feeds=Blob(np.arange(i + 300.0))) for i in range(5)]
+            b"host-1",
+            [
+                Run(plan=1, run_id=i, base=0, feeds=[Feed(0, data=Blob(np.arange(i + 300.0)))])
+                for i in range(5)
+            ],
         )
         dones = [server.recv(timeout=5) for _ in range(5)]
         assert [d.body for d in dones] == [
@@ -589,11 +610,12 @@ def test_a_late_subscriber_gets_nothing_sent_before_it_joined_and_everything_aft
 
 @pytest.mark.timeout(10)
 def test_a_message_given_to_many_peers_is_encoded_and_carried_once():
-    shared = Run(plan=7, run_id=1, base=0, feeds=Blob(b"f" * 5000), keep=[(1, 2)])
+    shared = Run(plan=7, run_id=1, base=0, feeds=[Feed(0, data=Blob(b"f" * 5000))], keep=[(1, 2)])
     names = [f"host-{i}".encode() for i in range(64)]
     one, frames_one = Codec().encode_fanout({n: (i + 1, shared) for i, n in enumerate(names)})
     distinct = {
-        n: (i + 1, Run(plan=7, run_id=1, base=0, feeds=Blob(b"f" * 5000))) for i, n in enumerate(names)
+        n: (i + 1, Run(plan=7, run_id=1, base=0, feeds=[Feed(0, data=Blob(b"f" * 5000))]))
+        for i, n in enumerate(names)
     }
     many, frames_many = Codec().encode_fanout(distinct)
     assert len(frames_one) == 1 and len(frames_many) == 64

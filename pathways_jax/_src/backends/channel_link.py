@@ -102,7 +102,7 @@ def _blob_bytes(items: list[wire.Item]) -> int:
     for item in items:
         match item:
             case wire.Run(feeds=feeds):
-                blobs = [feeds]
+                blobs = [feed.data for feed in feeds if feed.data is not None]
             case wire.Register(ops=ops, constants=constants, blobs=extra):
                 blobs = [ops, constants, extra]
             case _:
@@ -119,12 +119,29 @@ def _unblob(blob: wire.Blob) -> Any:
     return pickle.loads(blob.view)
 
 
+def _feed(slot: int, kind: str, payload: Any) -> wire.Feed:
+    """A run's input ``(slot, kind, payload)`` as its wire form: a value's key, or a fed value."""
+    if kind == "value":
+        return wire.Feed(slot, value=payload)
+    return wire.Feed(slot, data=_blob(payload))
+
+
+def _unfeed(feed: wire.Feed) -> tuple[int, str, Any]:
+    if feed.data is None:
+        return feed.slot, "value", feed.value
+    return feed.slot, "data", _unblob(feed.data)
+
+
 def encode(kind: str, args: tuple) -> wire.Item:
     """A host message ``(kind, args)`` of the Ray backend as its typed wire message."""
     match kind:
         case "run":
             key, run_id, base, feeds, keep, frees = args
-            return wire.Run(key, run_id, base, _blob(feeds), list(keep), list(frees))
+            return wire.Run(key, run_id, base, [_feed(*feed) for feed in feeds], list(keep), list(frees))
+        case "share":  # (a client's message to its service)
+            return wire.Share(args[0], args[1])
+        case "wire":  # already a typed message (a controller service's, in the hosts' keys)
+            return args[0]
         case "register":
             key, ops, constants, blobs, *mode = args
             return wire.Register(key, _blob(ops), _blob(constants), _blob(blobs), mode[0] if mode else None)
@@ -143,7 +160,14 @@ def decode(item: wire.Item) -> tuple[str, tuple]:
     """A typed wire message as the host's ``(kind, args)``."""
     match item:
         case wire.Run(plan, run_id, base, feeds, keep, frees):
-            return "run", (plan, run_id, base, _unblob(feeds), [tuple(k) for k in keep], frees)
+            return "run", (
+                plan,
+                run_id,
+                base,
+                [_unfeed(feed) for feed in feeds],
+                [tuple(k) for k in keep],
+                frees,
+            )
         case wire.Register(plan, ops, constants, blobs, x64):
             return "register", (plan, _unblob(ops), _unblob(constants), _unblob(blobs), x64)
         case wire.Fetch(key, None):

@@ -997,6 +997,14 @@ class RayBackend:
             outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones, generation)
         return outputs, markers
 
+    def send_items(self, items: list[tuple[int, Any]]) -> list[concurrent.futures.Future]:
+        """:meth:`send_batch` for typed wire messages ``(host, item)`` (a controller service's)."""
+        from pathways_jax._src.backends.channel_link import decode
+
+        if self.link.name == "channel":  # they go as they are
+            return self.send_batch([(host, "wire", (item,)) for host, item in items])
+        return self.send_batch([(host, *decode(item)) for host, item in items])
+
     def send_batch(self, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
         """Sends messages ``(host, kind, args)`` numbered in this order, each host's in one batch.
 

@@ -25,7 +25,7 @@ import pickle
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from absl import logging
@@ -195,8 +195,12 @@ class ServiceBackend(ray_backend.RayBackend):
             if len(batch) == 1 and batch[0][1] == "fetch":  # its value comes straight from the host
                 self._direct[seq] = batch[0][0]
         try:
-            blob = wire.Blob(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
-            self._peer.send(wire.Submit(seq, blob, run))
+            from pathways_jax._src.backends.channel_link import encode
+
+            routed = [
+                wire.Routed(host, cast("wire.Request", encode(kind, args))) for host, kind, args in batch
+            ]
+            self._peer.send(wire.Submit(seq, routed, run))
         except wire.ChannelError as exc:  # this batch fails; the health monitor says if the service went
             with self._owed_lock:
                 self._owed.pop(seq, None)

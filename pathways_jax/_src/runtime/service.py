@@ -115,10 +115,10 @@ class ServiceConfig:
 
 @dataclasses.dataclass(eq=False)
 class _Batch:
-    """A client's numbered batch: messages (host, kind, args) and what the scheduler needs."""
+    """A client's numbered batch: its messages (``wire.Routed``) and what the scheduler needs."""
 
     client: int
-    messages: list
+    messages: list[wire.Routed]
     run: wire.RunMeta | None  # set for a run
     future: asyncio.Future
     seq: int = 0  # its number among its client's batches
@@ -379,16 +379,7 @@ class ServiceActor:
             return
         match received.body:
             case wire.Submit(seq, messages, run):
-                try:
-                    batch = pickle.loads(messages.view)
-                    if not isinstance(batch, list):
-                        raise TypeError(f"a batch is a list of messages, not a {type(batch).__name__}")
-                except Exception as exc:  # signed, but not a batch: refused, counted
-                    self.refused_batches["not_a_batch"] += 1
-                    answers: list = [Refused(f"the batch did not decode: {type(exc).__name__}: {exc}")]
-                    self._answer(received.peer, seq, answers)
-                    return
-                future = self._submit(client, seq, batch, run)
+                future = self._submit(client, seq, messages, run)
                 peer = received.peer
                 future.add_done_callback(lambda done: self._answer(peer, seq, done.result()))
             case _:
@@ -530,6 +521,8 @@ class ServiceActor:
 
     def _unblocked(self, client: _Client) -> list[_Batch]:
         """The client's batches other than runs that need none of its earlier queued runs to go first."""
+        from pathways_jax._src import wire
+
         if not client.others:
             return []
         runs = iter(self.admission.queues.get(client.id, ()))  # in arrival order
@@ -540,20 +533,22 @@ class ServiceActor:
         ready = []
         for batch in client.others:
             while run is not None and run.arrival < batch.arrival:
-                for _host, kind, args in run.messages:
-                    if kind == "run":
-                        plans.add(args[0])
-                        reads.update(payload for _slot, feed, payload in args[3] if feed == "value")
-                        makes.update(local for _slot, local in args[4])
+                for routed in run.messages:
+                    match routed.item:
+                        case wire.Run(plan=plan, feeds=feeds, keep=keep):
+                            plans.add(plan)
+                            reads.update(feed.value for feed in feeds if feed.value is not None)
+                            makes.update(local for _slot, local in keep)
                 run = next(runs, None)
             blocked = False
-            for _host, kind, args in batch.messages:
-                if kind == "fetch" or kind == "share":
-                    blocked |= args[0] in makes
-                elif kind == "free":
-                    blocked |= any(key in makes or key in reads for key in args[0])
-                elif kind == "forget":
-                    blocked |= args[0] in plans
+            for routed in batch.messages:
+                match routed.item:
+                    case wire.Fetch(key=key) | wire.Share(key=key):
+                        blocked |= key in makes
+                    case wire.Free(keys=keys):
+                        blocked |= any(key in makes or key in reads for key in keys)
+                    case wire.Forget(plan=plan):
+                        blocked |= plan in plans
             if not blocked:
                 ready.append(batch)
         return ready
@@ -593,13 +588,16 @@ class ServiceActor:
         Its plans are still registered: the client counts them as sent, and a
         plan reads no value.
         """
+        from pathways_jax._src import wire
+
         registers = []
-        for host, kind, args in batch.messages:
-            if kind == "register":
-                plan = host_key(client.id, args[0])
-                client.plans.setdefault(plan, set()).add(host)
-                registers.append((host, kind, (plan, *args[1:])))
-        self.backend.send_batch(registers)
+        for routed in batch.messages:
+            match routed.item:
+                case wire.Register(plan, ops, constants, blobs, x64):
+                    key = host_key(client.id, plan)
+                    client.plans.setdefault(key, set()).add(routed.host)
+                    registers.append((routed.host, wire.Register(key, ops, constants, blobs, x64)))
+        self.backend.send_items(registers)
         batch.future.set_result([answer] * len(batch.messages))
 
     def _release(self, key: int, frees: dict[int, list[int]]) -> None:
@@ -650,70 +648,93 @@ class ServiceActor:
                 self._release(hk, frees)
 
     def _translate(self, client: _Client, batch: _Batch) -> tuple[list, dict]:
-        """The batch in host keys, and the frees it makes; raises _Refuse before changing anything."""
+        """The batch in host keys, ``(host, item)``, and the frees it makes; raises _Refuse before
+        changing anything."""
+        from pathways_jax._src import wire
+
         cid = client.id
-        for _host, kind, args in batch.messages:  # every handle is checked first
-            if kind == "run":
-                for _slot, feed, payload in args[3]:
-                    if feed == "value":
-                        self._readable(client, payload)
-            elif kind == "fetch":
-                self._readable(client, args[0])
-            elif kind not in ("register", "forget", "free"):
-                raise _Refuse(f"a client may not send {kind!r} messages")
+        for routed in batch.messages:  # every handle is checked first
+            match routed.item:
+                case wire.Run(feeds=feeds):
+                    for feed in feeds:
+                        if feed.value is not None:
+                            self._readable(client, feed.value)
+                case wire.Fetch(key=key):
+                    self._readable(client, key)
+                case wire.Register() | wire.Forget() | wire.Free():
+                    pass
+                case other:
+                    raise _Refuse(
+                        f"a client may not send {type(other).__name__} messages in a batch of others"
+                    )
         frees: dict[int, list[int]] = collections.defaultdict(list)
-        out: list[tuple[int, str, tuple]] = []
+        out: list[tuple[int, wire.Item]] = []
         base = 0
         if batch.run is not None:
             base = self.backend.take_uuids(batch.run.uuids)
         nbytes = batch.run.nbytes if batch.run is not None else {}
-        for host, kind, args in batch.messages:
-            if kind == "register":
-                key, ops, constants, blobs, *mode = args  # mode: the client's 64-bit mode
-                plan = host_key(cid, key)
-                client.plans.setdefault(plan, set()).add(host)
-                out.append((host, kind, (plan, ops, constants, blobs, *mode)))
-            elif kind == "forget":
-                plan = host_key(cid, args[0])
-                client.plans.get(plan, set()).discard(host)
-                out.append((host, kind, (plan,)))
-            elif kind == "run":
-                key, run_id, _base, feeds, keep, drop = args
-                self._frees(client, drop, frees)
-                feeds = [
-                    (slot, feed, self._readable(client, payload) if feed == "value" else payload)
-                    for slot, feed, payload in feeds
-                ]
-                kept = []
-                for slot, local in keep:
-                    hk = host_key(cid, local)
-                    kept.append((slot, hk))
-                    value = self.values.get(hk)
-                    if value is None:
-                        size = int(nbytes.get(local, 0))
-                        self.values[hk] = _Value(cid, (host,), size)
-                        self.budget.hold(((_POOL, size),))
-                    elif host not in value.hosts:
-                        value.hosts = (*value.hosts, host)
-                out.append((host, kind, (host_key(cid, key), run_id, base, feeds, kept, frees.pop(host, []))))
-            elif kind == "free":
-                self._frees(client, args[0], frees)
-                out.append((host, kind, (frees.pop(host, []),)))
-            else:  # fetch: the host sends the value straight to the client's own channel, if it has one
-                reply = client.inbox
-                if reply is not None and self.backend.link.name == "channel":
-                    from pathways_jax._src import wire
-
-                    ticket = wire.Reply(reply.up, reply.down, reply.key, batch.seq)
-                    out.append((host, kind, (self._readable(client, args[0]), ticket)))
-                else:
-                    out.append((host, kind, (self._readable(client, args[0]),)))
+        for routed in batch.messages:
+            host = routed.host
+            match routed.item:
+                case wire.Register(plan, ops, constants, blobs, x64):
+                    key = host_key(cid, plan)
+                    client.plans.setdefault(key, set()).add(host)
+                    out.append((host, wire.Register(key, ops, constants, blobs, x64)))
+                case wire.Forget(plan):
+                    key = host_key(cid, plan)
+                    client.plans.get(key, set()).discard(host)
+                    out.append((host, wire.Forget(key)))
+                case wire.Run(plan, run_id, _base, feeds, keep, drop):
+                    self._frees(client, drop, frees)
+                    feeds = [
+                        feed
+                        if feed.value is None
+                        else wire.Feed(feed.slot, self._readable(client, feed.value))
+                        for feed in feeds
+                    ]
+                    kept = []
+                    for slot, local in keep:
+                        hk = host_key(cid, local)
+                        kept.append((slot, hk))
+                        value = self.values.get(hk)
+                        if value is None:
+                            size = int(nbytes.get(local, 0))
+                            self.values[hk] = _Value(cid, (host,), size)
+                            self.budget.hold(((_POOL, size),))
+                        elif host not in value.hosts:
+                            value.hosts = (*value.hosts, host)
+                    out.append(
+                        (
+                            host,
+                            wire.Run(
+                                host_key(cid, plan),
+                                run_id,
+                                base,
+                                feeds,
+                                kept,
+                                list[wire.Handle](frees.pop(host, [])),
+                            ),
+                        )
+                    )
+                case wire.Free(keys):
+                    self._frees(client, keys, frees)
+                    out.append((host, wire.Free(list[wire.Handle](frees.pop(host, [])))))
+                case wire.Fetch(key):
+                    # The host sends the value straight to the client's own channel, if it has one.
+                    inbox = client.inbox
+                    reply = None
+                    if inbox is not None and self.backend.link.name == "channel":
+                        reply = wire.Reply(inbox.up, inbox.down, inbox.key, batch.seq)
+                    out.append((host, wire.Fetch(self._readable(client, key), reply)))
         return out, frees
 
     def _forward(self, client: _Client, batch: _Batch) -> None:
         """Sends a batch to its hosts, all at once; its answers come back through :meth:`_complete`."""
-        if all(kind == "share" for _host, kind, _args in batch.messages):
-            batch.future.set_result([self._share(client.id, *args) for _host, _kind, args in batch.messages])
+        from pathways_jax._src import wire
+
+        shares = [routed.item for routed in batch.messages if isinstance(routed.item, wire.Share)]
+        if shares and len(shares) == len(batch.messages):
+            batch.future.set_result([self._share(client.id, share.key, share.reader) for share in shares])
             return
         try:
             messages, frees = self._translate(client, batch)
@@ -723,10 +744,12 @@ class ServiceActor:
             return
         sent = time.monotonic()
         generations = tuple(self.backend.generations)  # a loss seen later is of these islands
-        refs = self.backend.send_batch(messages + [(host, "free", (keys,)) for host, keys in frees.items()])
+        refs = self.backend.send_items(
+            messages + [(host, wire.Free(list[wire.Handle](keys))) for host, keys in frees.items()]
+        )
         refs = refs[: len(messages)]
         if batch.run is None:
-            if not any(kind == "fetch" for _host, kind, _args in messages):
+            if not any(isinstance(item, wire.Fetch) for _host, item in messages):
                 batch.future.set_result([None] * len(messages))  # answered at once
             else:  # a fetch: with the host's answer
                 asyncio.get_running_loop().create_task(
@@ -743,9 +766,11 @@ class ServiceActor:
     async def _complete(
         self, client: _Client, batch: _Batch, messages: list, refs: list, sent: float, generations: tuple
     ) -> None:
+        from pathways_jax._src import wire
+
         answers: list[Any] = []
         lost_host = None
-        for (host, _kind, _args), ref in zip(messages, refs, strict=True):
+        for (host, _item), ref in zip(messages, refs, strict=True):
             try:
                 answers.append(await asyncio.wrap_future(ref))
             except Exception as exc:
@@ -754,9 +779,9 @@ class ServiceActor:
                     answers.append(RunFailure("lost", host, f"host {host} died: {exc}", ""))
                 else:
                     answers.append(RunFailure("error", None, f"host {host}: {type(exc).__name__}: {exc}", ""))
-        for (_host, kind, args), answer in zip(messages, answers, strict=True):
-            if kind == "fetch":  # its value went straight to the client, or through here
-                self.fetches["direct" if len(args) > 1 and answer is None else "relayed"] += 1
+        for (_host, item), answer in zip(messages, answers, strict=True):
+            if isinstance(item, wire.Fetch):  # its value went straight to the client, or through here
+                self.fetches["direct" if item.reply_to is not None and answer is None else "relayed"] += 1
         if lost_host is not None:
             island = self.layout.island_of(lost_host)
             await asyncio.get_running_loop().run_in_executor(
@@ -773,8 +798,8 @@ class ServiceActor:
             # The hosts measure it (see ray_host's completer); a failed run: as seen from here.
             measured = [
                 a.device_s if isinstance(a, RunDone) else a
-                for a, (_h, kind, _a) in zip(answers, messages, strict=True)
-                if kind == "run"
+                for a, (_h, item) in zip(answers, messages, strict=True)
+                if isinstance(item, wire.Run)
             ]
             device_s = (
                 max(measured)

@@ -23,16 +23,20 @@ from pathways_jax._src.wire.messages import Blob as Blob
 from pathways_jax._src.wire.messages import Codec as Codec
 from pathways_jax._src.wire.messages import Done as Done
 from pathways_jax._src.wire.messages import Failed as Failed
+from pathways_jax._src.wire.messages import Feed as Feed
 from pathways_jax._src.wire.messages import Fetch as Fetch
 from pathways_jax._src.wire.messages import Fetched as Fetched
 from pathways_jax._src.wire.messages import Forget as Forget
 from pathways_jax._src.wire.messages import Free as Free
+from pathways_jax._src.wire.messages import Handle as Handle
 from pathways_jax._src.wire.messages import Heartbeat as Heartbeat
 from pathways_jax._src.wire.messages import Item as Item
 from pathways_jax._src.wire.messages import Message as Message
 from pathways_jax._src.wire.messages import Peers as Peers
 from pathways_jax._src.wire.messages import Register as Register
 from pathways_jax._src.wire.messages import Reply as Reply
+from pathways_jax._src.wire.messages import Request as Request
+from pathways_jax._src.wire.messages import Routed as Routed
 from pathways_jax._src.wire.messages import Run as Run
 from pathways_jax._src.wire.messages import RunMeta as RunMeta
 from pathways_jax._src.wire.messages import Share as Share
@@ -50,11 +54,15 @@ __all__ = [
     "Codec",
     "Done",
     "Failed",
+    "Feed",
     "Fetch",
     "Reply",
+    "Request",
+    "Routed",
     "Fetched",
     "Forget",
     "Free",
+    "Handle",
     "Heartbeat",
     "Item",
     "Message",

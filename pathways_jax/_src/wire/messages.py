@@ -36,8 +36,12 @@ __all__ = [
     "Message",
     "Part",
     "Peers",
+    "Feed",
+    "Handle",
     "Register",
     "Reply",
+    "Request",
+    "Routed",
     "RunMeta",
     "Run",
     "Share",
@@ -97,15 +101,27 @@ class Register(msgspec.Struct, frozen=True, tag=True, array_like=True):
     x64: bool | None = None
 
 
+# A value's key: its owner's own key, or (owner client, key) for a value another client shared.
+Handle: TypeAlias = int | tuple[int, int]
+
+
+class Feed(msgspec.Struct, frozen=True, array_like=True):
+    """An input of a run: a kept value by its key (``value``), or a fed value (``data``, pickled)."""
+
+    slot: int
+    value: Handle | None = None
+    data: Blob | None = None
+
+
 class Run(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Controller -> host: run plan ``plan`` as run ``run_id``; value keys from ``base``."""
 
     plan: int
     run_id: int
     base: int
-    feeds: Blob
+    feeds: list[Feed]
     keep: list[tuple[int, int]] = []
-    frees: list[int] = []
+    frees: list[Handle] = []
 
 
 class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -122,14 +138,14 @@ class Fetch(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Ask for value ``key``; ``reply_to``: the client that gets it directly (None: the sender,
     which then gets the value; else the sender gets ``Done`` once the value went)."""
 
-    key: int
+    key: Handle
     reply_to: Reply | None = None
 
 
 class Free(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Drop the values ``keys``."""
 
-    keys: list[int]
+    keys: list[Handle]
 
 
 class Forget(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -193,15 +209,26 @@ class RunMeta(msgspec.Struct, frozen=True, array_like=True):
     priority: int = 0
 
 
+# What a client asks of its controller service's hosts (a Share: of the service itself).
+Request: TypeAlias = "Register | Run | Fetch | Free | Forget | Share"
+
+
+class Routed(msgspec.Struct, frozen=True, array_like=True):
+    """A message for host ``host`` (-1: for the service itself, as a :class:`Share`)."""
+
+    host: int
+    item: Request
+
+
 class Submit(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Client -> service: the client's batch number ``batch`` of host messages.
 
-    ``messages``: pickled ``(host, kind, args)`` triples (the Ray backend's host
-    messages, in the client's keys); ``run``: set when the batch is a run.
+    ``messages``: the Ray backend's host messages, in the client's keys; ``run``:
+    set when the batch is a run.
     """
 
     batch: int
-    messages: Blob
+    messages: list[Routed]
     run: RunMeta | None = None
 
 
