@@ -528,13 +528,14 @@ class Controller:
                 if go:
                     run = go[0]
                     try:
-                        # At the costs known now: an estimate moves while a run waits.
-                        heads = [self._head(candidate) for candidate in go]
+                        heads = [candidate.head for candidate in go]
                         index = self._admission.choose(heads)
                         run = go[index]
                         if not self._admit(run):  # memory went between the check and now
                             self._sleep(_BLOCKED_POLL_S)
                             continue
+                        # Charged at the cost known now: the estimate moves while a run waits.
+                        heads[index] = self._head(run)
                         self._admission.picked(heads, index)
                         run.estimate = heads[index].cost
                     except Exception as exc:  # the policy's bookkeeping: the picked run fails alone
