@@ -11,7 +11,7 @@ import pytest
 from helpers import assert_matches
 
 import pathways_jax as pw
-from pathways_jax._src.backends import base
+from pathways_jax._src.backends import base, local, registry
 from pathways_jax._src.backends.local import LocalBackend
 from pathways_jax._src.backends.ray import RayBackend
 
@@ -20,7 +20,7 @@ SRC = pathlib.Path(pw.__file__).parent / "_src"
 
 def test_the_built_in_backends_implement_the_protocol():
     assert isinstance(LocalBackend(), base.Backend)
-    members = ["name", "window", "donates", "exports", "calls_back", "stages_inputs"]
+    members = ["name", "islands", "window", "donates", "exports", "calls_back", "stages_inputs"]
     members += ["prepare", "execute", "settle", "close"]
     missing = [m for m in members if not hasattr(RayBackend, m)]
     assert missing == []
@@ -51,8 +51,9 @@ class CountingBackend:
     calls_back = True
     stages_inputs = True
 
-    def __init__(self):
-        self.inner = LocalBackend()
+    def __init__(self, options):
+        self.inner = local.start(options)
+        self.islands = self.inner.islands
         self.lost: dict[int, str] = {}
         self.on_lost = None
         self.calls = collections.Counter()
@@ -87,12 +88,28 @@ class CountingBackend:
         self.calls["close"] += 1
 
 
+@pytest.fixture
+def counting_backend():
+    """A third backend registered under "counting"; the instance the cluster started, once it did."""
+    started = []
+
+    def start(options):
+        started.append(CountingBackend(options))
+        return started[-1]
+
+    registry.register("counting", start)
+    yield started
+    registry.unregister("counting")
+    pw.shutdown()
+
+
 @pytest.mark.timeout(120)
-def test_a_third_backend_plugs_in_without_touching_the_controller():
-    cluster = pw.init(num_cpu_devices=8, islands=2)
-    counting = CountingBackend()
+def test_a_third_backend_plugs_in_through_the_registry_alone(counting_backend):
+    cluster = pw.init(backend="counting", num_cpu_devices=8, islands=2)
+    (counting,) = counting_backend
     assert isinstance(counting, base.Backend)
-    cluster.executor = counting  # before the controller starts and any plan is lowered
+    assert cluster.executor is counting and cluster.backend == "counting"
+    assert [len(island.devices) for island in cluster.islands] == [4, 4]  # carved as pw.init asked
     s = pw.devices(mesh={"x": 2}, island=0)
     f = pw.jit(lambda v: jnp.tanh(v) + v.sum(), devices=s, in_specs=pw.P("x"))
     g = pw.jit(lambda v: v * 3 - 1, devices=s)
@@ -118,3 +135,44 @@ def test_a_third_backend_plugs_in_without_touching_the_controller():
     s.release()
     pw.shutdown()
     assert counting.calls["close"] == 1
+
+
+def test_the_registry_refuses_what_is_not_a_backend():
+    with pytest.raises(
+        pw.errors.ClusterError, match=r"backend='nowhere' is not a backend; use one of \['local', 'ray'"
+    ):
+        pw.init(backend="nowhere")
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register("local", local.start)
+    with pytest.raises(ValueError, match="callable"):
+        registry.register("broken", "not a function")
+    closed = []
+
+    class Half:  # a start function's result without the protocol: refused, and closed
+        def close(self, timeout):
+            closed.append(timeout)
+
+    registry.register("half", lambda options: Half())
+    try:
+        with pytest.raises(pw.errors.ClusterError, match=r"returned Half, which lacks \['name', 'islands'"):
+            pw.init(backend="half")
+    finally:
+        registry.unregister("half")
+    assert closed == [0.0]
+    assert pw.init().backend == "local"  # nothing of the refused starts is left behind
+    pw.shutdown()
+
+
+def test_optional_capabilities_are_protocols_not_classes():
+    """Callers look for a capability (isinstance of a protocol), never for a backend's class."""
+    from pathways_jax._src.backends.service_client import ServiceBackend
+
+    assert not isinstance(LocalBackend(), (base.HostFleet, base.Shares, base.ServiceView))
+    for name in ("place_of", "host_stats", "mark_lost"):
+        assert callable(getattr(RayBackend, name)), name
+    for name in ("share", "handle_of", "array_of", "service_stats"):
+        assert callable(getattr(ServiceBackend, name)), name
+    for module in ("api/sharing.py", "api/stats.py", "runtime/session.py"):
+        text = (SRC / module).read_text()
+        assert "ServiceBackend" not in text and "RayBackend" not in text, module
+        assert 'backend == "ray"' not in text and "backends import local" not in text, module

@@ -272,7 +272,7 @@ def test_the_exit_hook_and_a_shutdown_with_nothing_running_do_not_count(monkeypa
         ({"islands": [[0, True]]}, r"islands must be .*got \(\(0, True\),\)"),
         ({"islands": [[0.0, 1.0]]}, r"islands must be .*got \(\(0\.0, 1\.0\),\)"),
         ({"islands": "01"}, r"islands must be .*got '01'"),
-        ({"devices_per_host": True}, r"describe Ray hosts"),
+        ({"devices_per_host": True}, r"devices_per_host must be a positive int, got True"),
         ({"address": "auto"}, r"describe Ray hosts"),
         ({"backend": "ray", "hosts": True}, r"needs hosts=N, a positive int .*got True"),
         ({"backend": "ray", "hosts": 2.0}, r"needs hosts=N, a positive int .*got 2\.0"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from pathways_jax._src.backends.base import Shares
 from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import clients
 from pathways_jax._src.runtime.futures import Future
@@ -14,12 +15,11 @@ _SHARE_TIMEOUT_S = 60.0
 _received = itertools.count()
 
 
-def _service_backend(what: str) -> Any:
-    from pathways_jax._src.backends.service_client import ServiceBackend
+def _service_backend(what: str) -> Shares:
     from pathways_jax._src.runtime import session
 
-    backend = session.cluster().remote
-    if not isinstance(backend, ServiceBackend):
+    backend = session.cluster().executor
+    if not isinstance(backend, Shares):
         raise errors.ClusterError(
             f"{what} passes values between client processes of a controller service; this process "
             "did not join one. Start one with pw.serve(...) and join it with "
@@ -51,7 +51,6 @@ def share(future: Future, client: str | None = None, *, timeout: float | None = 
         no client process of that name is connected.
       TypeError: ``future`` is not a ``pw.Future``.
     """
-    from pathways_jax._src.backends import service_client as service_lib
 
     backend = _service_backend("pw.share")
     if not isinstance(future, Future):
@@ -73,7 +72,7 @@ def share(future: Future, client: str | None = None, *, timeout: float | None = 
         if not isinstance(array.key, int):
             raise errors.AccessError("pw.share: only a value's owner shares it; this process received it.")
         backend.share(array.key, client)
-    return service_lib.handle_of(backend, array)
+    return backend.handle_of(array)
 
 
 def receive(handle: Any) -> Future:
@@ -89,7 +88,7 @@ def receive(handle: Any) -> Future:
     backend = _service_backend("pw.receive")
     if not isinstance(handle, service_lib.Handle):
         raise TypeError(f"pw.receive takes a pw.Handle (from pw.share), got {type(handle).__name__}.")
-    array = service_lib.array_of(backend, handle)
+    array = backend.array_of(handle)
     client = clients.current()
     store = session.cluster().store
     origin = f"a value received from client {handle.owner} (key {handle.key})"

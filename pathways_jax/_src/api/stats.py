@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pathways_jax._src.backends.base import ServiceView
 from pathways_jax._src.core import errors
 from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
@@ -113,9 +114,9 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
         "islands": islands,
         "clients": clients,
     }
-    service_stats = getattr(cl.remote, "service_stats", None)
-    if service_stats is not None:  # a client process of a controller service: the service's view too
-        out["service"] = service_stats()
+    backend = cl.executor
+    if isinstance(backend, ServiceView):  # a client process of a controller service: the service's view too
+        out["service"] = backend.service_stats()
     return out
 
 

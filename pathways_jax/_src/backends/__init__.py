@@ -1,6 +1,10 @@
 """Backends: where the devices of a cluster live, behind one ``Backend`` protocol.
 
-``base`` defines the protocol the controller dispatches through; ``local``
+``base`` defines the protocol the controller dispatches through, the
+options a backend starts with and the optional capabilities callers look for
+(``HostFleet``, ``Shares``, ``ServiceView``); ``registry`` maps
+``pw.init(backend=...)``'s names to start functions (``ray_start`` starts the
+Ray backend's hosts or joins a service). ``local``
 runs steps on this process's JAX devices, ``ray`` sends each host its part
 of a run (``ray_host`` is the host side, importing nothing of pathways_jax
 until its ``setup``). ``host_link`` is how the Ray backend reaches its hosts

@@ -88,11 +88,14 @@ class Backend(Protocol):
       calls_back: nodes may call back into Python (``jax.pure_callback``).
       stages_inputs: under a memory budget, a queued run's host inputs stay on
         the host and :meth:`execute` puts them on devices once it is admitted.
+      islands: the devices, one group per island (placement carves slices
+        from them; on hosts, the stand-in devices of this process).
       lost: islands whose host died, with why (empty when nothing can die).
       on_lost: set by the cluster: called with an island whose host died.
     """
 
     name: str
+    islands: tuple[tuple[Any, ...], ...]
     window: int | None
     donates: bool
     exports: bool
@@ -130,4 +133,100 @@ class Backend(Protocol):
         ...
 
 
-__all__ = ["Backend", "StepFailed", "Window", "device_window"]
+class StartOptions(Protocol):
+    """What a backend's start function reads of ``pw.init``'s (checked) arguments.
+
+    Every ``pw.init`` argument is an attribute of the options a start
+    function gets (``registry.start``); these are the ones the built-in
+    backends read. A backend ignores those it has no use for.
+    """
+
+    @property
+    def num_cpu_devices(self) -> int | None: ...
+    @property
+    def islands(self) -> Any: ...
+    @property
+    def max_in_flight(self) -> int: ...
+    @property
+    def address(self) -> str | None: ...
+    @property
+    def hosts(self) -> int | None: ...
+    @property
+    def devices_per_host(self) -> int: ...
+    @property
+    def platform(self) -> str: ...
+    @property
+    def replace_lost_hosts(self) -> bool: ...
+    @property
+    def service(self) -> str | None: ...
+    @property
+    def client_name(self) -> str | None: ...
+
+
+# --- optional capabilities: a caller checks for one (isinstance), never for a backend's class ---
+
+
+@runtime_checkable
+class HostFleet(Protocol):
+    """A backend whose devices live on hosts it reaches over the network (the Ray backend).
+
+    Attributes set by the cluster once it exists:
+      collect: frees the store's values whose futures went (their handles
+        go, and the hosts hear of it, even when no program runs).
+      slices_of: the cluster's live slices' device ids, by slice id.
+      on_restored: called with an island that was rebuilt on new hosts.
+    """
+
+    collect: Callable[[], None] | None
+    slices_of: Callable[[], Any] | None
+    on_restored: Callable[[int], None] | None
+
+    def place_of(self, device: Any) -> tuple[int, int, int]:
+        """A stand-in device's island, position among the island's devices, and host."""
+        ...
+
+    def host_stats(self, timeout: float = ...) -> dict[int, dict]:
+        """Each live host's counters (values, plans, runs), by host."""
+        ...
+
+    def mark_lost(self, host: int, why: str, generation: int | None = None) -> None:
+        """Treats ``host`` as dead (its island is lost, then rebuilt where it can be)."""
+        ...
+
+
+@runtime_checkable
+class Shares(Protocol):
+    """A backend whose values other client processes may read (a controller service's client)."""
+
+    def share(self, key: int, reader: str) -> None:
+        """Lets client process ``reader`` read this process's value ``key``."""
+        ...
+
+    def handle_of(self, array: Any) -> Any:
+        """The picklable handle of a value this process holds (``pw.share``)."""
+        ...
+
+    def array_of(self, handle: Any) -> Any:
+        """This process's value for a handle another process made (``pw.receive``)."""
+        ...
+
+
+@runtime_checkable
+class ServiceView(Protocol):
+    """A backend that is a client of a controller service: the service's own statistics."""
+
+    def service_stats(self, timeout: float = ...) -> dict:
+        """The service's view: its clients, queues, hosts and refusals."""
+        ...
+
+
+__all__ = [
+    "Backend",
+    "HostFleet",
+    "ServiceView",
+    "Shares",
+    "StartOptions",
+    "StepFailed",
+    "Window",
+    "device_window",
+]

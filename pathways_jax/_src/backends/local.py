@@ -11,9 +11,9 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from pathways_jax._src.backends.base import StepFailed, Window, device_window
+from pathways_jax._src.backends.base import StartOptions, StepFailed, Window, device_window
 from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, readiness, source, timeline
+from pathways_jax._src.core import errors, host_memory, readiness, source, timeline
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -34,7 +34,8 @@ class LocalBackend:
     calls_back = True
     stages_inputs = True
 
-    def __init__(self) -> None:
+    def __init__(self, islands: tuple[tuple[jax.Device, ...], ...] = ()) -> None:
+        self.islands = islands
         self.lost: dict[int, str] = {}  # in-process devices do not die apart from this process
         self.on_lost: Callable[[int], None] | None = None
 
@@ -235,6 +236,34 @@ def _where(program: str, run_id: int, step: Any) -> str:
     if isinstance(step, MoveStep):
         return f"program {program!r} run {run_id} failed moving a value ({step.kind or 'reshard'})"
     return f"program {program!r} run {run_id} failed"
+
+
+def start(options: StartOptions) -> LocalBackend:
+    """The local backend of ``pw.init(backend="local", ...)`` (``registry``): this process's devices."""
+    if (
+        options.address is not None
+        or options.hosts is not None
+        or options.devices_per_host != 1
+        or isinstance(options.devices_per_host, bool)
+        or options.platform != "cpu"
+        or options.replace_lost_hosts is not True
+    ):
+        raise errors.ClusterError(
+            "address=, hosts=, devices_per_host=, platform= and replace_lost_hosts= describe Ray hosts; "
+            "pass backend='ray' with them, or leave them out for the local backend (it uses this "
+            "process's JAX devices)."
+        )
+    if options.service is not None:
+        raise errors.ClusterError(
+            f"service={options.service!r}: a controller service is joined with pw.init(backend='ray', "
+            "address=..., service='<name>'), its name a non-empty string."
+        )
+    if options.num_cpu_devices is not None:
+        set_cpu_device_count(options.num_cpu_devices)
+    carved = carve_islands(local_devices(), options.islands)
+    if all(d.platform == "cpu" for group in carved for d in group):
+        host_memory.release_large_buffers()  # CPU device buffers are host memory
+    return LocalBackend(carved)
 
 
 def _backend_started() -> bool:

@@ -350,6 +350,38 @@ class ServiceBackend(ray_backend.RayBackend):
     def host_stats(self, timeout: float = ray_backend.CALL_TIMEOUT_S) -> dict[int, dict]:
         return self.ray.get(self.service.host_stats.remote(), timeout=timeout)
 
+    def handle_of(self, array: Any) -> Handle:
+        """The handle of a value this process holds (its own or received)."""
+        owner, key = (self.client_id, array.key) if isinstance(array.key, int) else array.key
+        placed = self.where(array.sharding, "the shared value")
+        return Handle(
+            self.service_name,
+            owner,
+            key,
+            tuple(array.hosts),
+            placed.island,
+            placed.desc,
+            tuple(array.aval.shape),
+            str(array.aval.dtype),
+            array.generation,
+        )
+
+    def array_of(self, handle: Handle) -> Any:
+        """A RemoteArray of this process for ``handle`` (whether it may be read is the service's call)."""
+        import jax
+
+        if handle.service != self.service_name:
+            raise errors.AccessError(
+                f"the handle is of controller service {handle.service!r}; this process joined {self.service_name!r}."
+            )
+        devices = self.islands[handle.island]
+        sharding = sharding_of(handle.desc, list(devices))
+        aval = jax.core.ShapedArray(handle.shape, np.dtype(handle.dtype))
+        # Named (owner, key) even for this process's own value: dropping it frees nothing (the
+        # owner's own future does), and reading it after that is refused as stale.
+        key = (handle.owner, handle.key)
+        return ray_backend.RemoteArray(self, handle.hosts, key, aval, sharding, (), handle.generation)
+
     def service_stats(self, timeout: float = 30.0) -> dict:
         return self.ray.get(self.service.stats.remote(), timeout=timeout)
 
@@ -464,48 +496,12 @@ class Handle:
     generation: int
 
 
-def handle_of(backend: ServiceBackend, array: Any) -> Handle:
-    """The handle of a value this process holds (its own or received)."""
-    owner, key = (backend.client_id, array.key) if isinstance(array.key, int) else array.key
-    placed = backend.where(array.sharding, "the shared value")
-    return Handle(
-        backend.service_name,
-        owner,
-        key,
-        tuple(array.hosts),
-        placed.island,
-        placed.desc,
-        tuple(array.aval.shape),
-        str(array.aval.dtype),
-        array.generation,
-    )
-
-
-def array_of(backend: ServiceBackend, handle: Handle) -> Any:
-    """A RemoteArray of this process for ``handle`` (whether it may be read is the service's call)."""
-    import jax
-
-    if handle.service != backend.service_name:
-        raise errors.AccessError(
-            f"the handle is of controller service {handle.service!r}; this process joined {backend.service_name!r}."
-        )
-    devices = backend.islands[handle.island]
-    sharding = sharding_of(handle.desc, list(devices))
-    aval = jax.core.ShapedArray(handle.shape, np.dtype(handle.dtype))
-    # Named (owner, key) even for this process's own value: dropping it frees nothing (the
-    # owner's own future does), and reading it after that is refused as stale.
-    key = (handle.owner, handle.key)
-    return ray_backend.RemoteArray(backend, handle.hosts, key, aval, sharding, (), handle.generation)
-
-
 __all__ = [
     "NAMESPACE",
     "Handle",
     "ServiceBackend",
     "Token",
-    "array_of",
     "connect",
     "find",
-    "handle_of",
     "join",
 ]

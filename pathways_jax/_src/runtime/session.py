@@ -16,10 +16,10 @@ from typing import Any, Literal
 import jax
 from absl import logging
 
-from pathways_jax._src.backends import local
-from pathways_jax._src.backends.base import Backend
+from pathways_jax._src.backends import registry
+from pathways_jax._src.backends.base import Backend, HostFleet
 from pathways_jax._src.compile.executable_cache import ExecutableCache
-from pathways_jax._src.core import checks, errors, host_memory
+from pathways_jax._src.core import checks, errors
 from pathways_jax._src.runtime import context
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.admission import Budget
@@ -39,6 +39,8 @@ DEFAULT_IN_FLIGHT = 8
 # How many runs one client may have queued (submitted, not dispatched yet)
 # before a caller that would queue more waits.
 DEFAULT_MAX_QUEUED = 1024
+# How long a backend that started is given to close when the cluster cannot be made after all.
+_START_FAILED_CLOSE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,11 +67,14 @@ class InitArgs:
 
     def describe(self) -> str:
         """The arguments as a ``pw.init(...)`` call would spell them."""
+        hosts = (self.address, self.hosts, self.devices_per_host, self.platform, self.replace_lost_hosts)
         where = (
             f", address={self.address!r}, hosts={self.hosts!r}, devices_per_host={self.devices_per_host!r}, "
             f"platform={self.platform!r}, replace_lost_hosts={self.replace_lost_hosts!r}, "
             f"service={self.service!r}, client_name={self.client_name!r}"
-            if self.backend == "ray"
+            if hosts != (None, None, 1, "cpu", True)
+            or self.service is not None
+            or self.client_name is not None
             else ""
         )
         return (
@@ -91,7 +96,7 @@ class Cluster:
     def __init__(
         self,
         backend: str,
-        islands: tuple[tuple[jax.Device, ...], ...],
+        executor: Backend,
         init_args: InitArgs,
         in_flight: int,
         inline_dispatch: bool = True,
@@ -101,18 +106,15 @@ class Cluster:
         starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
         budget: dict[int, int] | None = None,
         backpressure_timeout: float | None = None,
-        remote: Any = None,
     ):
-        self.backend = backend
-        # The Ray backend's hosts (None on the local backend).
-        self.remote = remote
+        self.backend = backend  # the name it was started under (backends/registry)
         # What the controller dispatches through (backends/base.Backend).
-        self.executor: Backend = remote if remote is not None else local.LocalBackend()
-        self.executor.on_lost = self.host_lost
-        if remote is not None:
-            remote.on_restored = self.island_restored
+        self.executor: Backend = executor
+        # The same backend when its devices live on hosts (base.HostFleet), else None.
+        self.remote: Any = executor if isinstance(executor, HostFleet) else None
+        executor.on_lost = self.host_lost
         self.store = ObjectStore()
-        self.resources = ResourceManager(islands, reclaim=self._reclaim)
+        self.resources = ResourceManager(executor.islands, reclaim=self._reclaim)
         if budget is not None:
             self.store.budget = Budget(budget)
         self.in_flight = in_flight
@@ -138,6 +140,10 @@ class Cluster:
         # Live slices, for views (weak: a dropped slice leaves by itself).
         self._slices: weakref.WeakSet = weakref.WeakSet()
         self._slices_lock = threading.Lock()
+        if isinstance(executor, HostFleet):  # last: the hosts' threads may call these at once
+            executor.on_restored = self.island_restored
+            executor.collect = self.store.collect
+            executor.slices_of = self.slice_devices
 
     @property
     def islands(self) -> tuple[Island, ...]:
@@ -279,7 +285,7 @@ _SHUT_DOWN = (
 
 def init(
     *,
-    backend: Literal["local", "ray"] = "local",
+    backend: str = "local",
     num_cpu_devices: int | None = None,
     islands: int | Sequence[Sequence[int]] | None = None,
     max_in_flight: int = DEFAULT_IN_FLIGHT,
@@ -303,7 +309,9 @@ def init(
       backend: ``"local"``: this process's JAX devices. ``"ray"``: ``hosts``
         Ray actors, each owning ``devices_per_host`` devices of its own (on
         this machine or others), grouped into ``islands``. Needs
-        ``pip install pathways-jax[ray]``.
+        ``pip install pathways-jax[ray]``. Or the name of a backend added
+        with ``backends.registry.register(name, start)``: ``start`` gets
+        these arguments and returns a ``Backend``.
       num_cpu_devices: how many CPU devices JAX should expose. Must come before
         JAX's backend starts (or match the count it started with).
       islands: ``None`` (one island of all devices), an int (split the devices
@@ -404,25 +412,15 @@ def init(
                 f"pw.init{_current._init_args.describe()} is running. Call "
                 "pw.shutdown() first to start one with other arguments."
             )
-        remote = None
-        if args.backend == "ray":
-            remote = _start_ray(args)
-            carved = remote.islands
-        else:
-            if args.num_cpu_devices is not None:
-                local.set_cpu_device_count(args.num_cpu_devices)
-            carved = local.carve_islands(local.local_devices(), islands)
-            if all(d.platform == "cpu" for group in carved for d in group):
-                host_memory.release_large_buffers()  # CPU device buffers are host memory
+        executor = registry.start(args.backend, args)
         try:
-            budget = _budget([d for group in carved for d in group], args.memory_budget)
+            budget = _budget([d for group in executor.islands for d in group], args.memory_budget)
         except errors.ClusterError:
-            if remote is not None:
-                remote.close()
+            executor.close(_START_FAILED_CLOSE_S)
             raise
         _current = Cluster(
             args.backend,
-            carved,
+            executor,
             args,
             args.max_in_flight,
             args.inline_dispatch,
@@ -431,12 +429,9 @@ def init(
             starvation_limit=args.starvation_limit,
             budget=budget,
             backpressure_timeout=args.backpressure_timeout,
-            remote=remote,
         )
         _shut_down = False
-        if remote is not None:
-            remote.collect = _current.store.collect
-            remote.slices_of = _current.slice_devices
+        if isinstance(executor, HostFleet):
             # Ray registered its own exit hook when it started; exit hooks run last
             # first, so this one stops the controller and the hosts while Ray still runs.
             atexit.register(_shutdown_at_exit)
@@ -467,8 +462,10 @@ def _seconds(name: str, value: object) -> float | None:
 
 def _checked(args: InitArgs) -> InitArgs:
     """Checks every ``pw.init`` argument's type and range; returns them normalised (plain ints, floats)."""
-    if not isinstance(args.backend, str) or args.backend not in ("local", "ray"):
-        raise errors.ClusterError(f"backend={args.backend!r} is not a backend; use 'local' or 'ray'.")
+    if not isinstance(args.backend, str) or args.backend not in registry.names():
+        raise errors.ClusterError(
+            f"backend={args.backend!r} is not a backend; use one of {list(registry.names())}."
+        )
     if not isinstance(args.scheduler, str) or args.scheduler not in scheduler_lib.POLICIES:
         raise errors.ClusterError(
             f"scheduler={args.scheduler!r} is not a scheduling policy; use one of {scheduler_lib.POLICIES}."
@@ -479,26 +476,6 @@ def _checked(args: InitArgs) -> InitArgs:
         raise errors.ClusterError(f"address must be None or a Ray address string, got {args.address!r}.")
     _check_islands(args.islands)
     _check_budget(args.memory_budget)
-    if args.backend == "local" and (
-        args.address is not None
-        or args.hosts is not None
-        or args.devices_per_host != 1
-        or isinstance(args.devices_per_host, bool)
-        or args.platform != "cpu"
-        or args.replace_lost_hosts is not True
-    ):
-        raise errors.ClusterError(
-            "address=, hosts=, devices_per_host=, platform= and replace_lost_hosts= describe Ray hosts; "
-            "pass backend='ray' with them, or leave them out for the local backend (it uses this "
-            "process's JAX devices)."
-        )
-    if args.service is not None and (
-        args.backend != "ray" or not isinstance(args.service, str) or not args.service
-    ):
-        raise errors.ClusterError(
-            f"service={args.service!r}: a controller service is joined with pw.init(backend='ray', "
-            "address=..., service='<name>'), its name a non-empty string."
-        )
     if args.client_name is not None and (
         args.service is None or not isinstance(args.client_name, str) or not args.client_name
     ):
@@ -512,13 +489,11 @@ def _checked(args: InitArgs) -> InitArgs:
         raise errors.ClusterError(
             f"replace_lost_hosts must be True or False, got {args.replace_lost_hosts!r}."
         )
-    if (
-        args.backend == "ray"
-        and (args.service is None or args.hosts is not None)
-        and (isinstance(args.hosts, bool) or not isinstance(args.hosts, numbers.Integral) or args.hosts < 1)
+    if args.hosts is not None and (
+        isinstance(args.hosts, bool) or not isinstance(args.hosts, numbers.Integral) or args.hosts < 1
     ):
         raise errors.ClusterError(
-            f"pw.init(backend='ray') needs hosts=N, a positive int (one host actor per island); "
+            f"pw.init(backend={args.backend!r}) needs hosts=N, a positive int (one host actor per island); "
             f"got {args.hosts!r}."
         )
     if (
@@ -567,88 +542,6 @@ def _check_budget(memory_budget: object) -> None:
             raise errors.ClusterError(f"memory_budget must be > 0 bytes, got {memory_budget!r}.")
     elif not 0 < memory_budget <= 1:  # NaN too
         raise errors.ClusterError(f"a fractional memory_budget must be in (0, 1], got {memory_budget!r}.")
-
-
-def _join_service(args: InitArgs) -> Any:
-    """Joins the controller service ``args.service``: its hosts, seen through stand-in devices here."""
-    from pathways_jax._src.backends import service_client as service_lib
-
-    actor, token, joined = service_lib.join(args.service or "", args.address, args.client_name)
-    hosts, per_host, per_island = joined["hosts"], joined["devices_per_host"], joined["per_island"]
-    asked = {"hosts": args.hosts, "islands": args.islands}
-    has = {"hosts": hosts, "islands": hosts // per_island}
-    wrong = [f"{k}={asked[k]!r} (the service has {has[k]})" for k in asked if asked[k] not in (None, has[k])]
-    if args.devices_per_host not in (1, per_host):
-        wrong.append(f"devices_per_host={args.devices_per_host!r} (the service has {per_host})")
-    try:
-        if wrong:
-            raise errors.ClusterError(
-                f"pw.init(service={args.service!r}): {', '.join(wrong)}. Leave them out to take the service's."
-            )
-        standins = _standins(
-            hosts * per_host,
-            args.num_cpu_devices,
-            f"joining service {args.service!r} ({hosts} hosts x {per_host} devices)",
-        )
-        return service_lib.ServiceBackend(
-            actor=actor, token=token, joined=joined, standins=standins, on_lost=None
-        )
-    except BaseException:
-        import ray
-
-        ray.get(actor.leave.remote(joined["client"]), timeout=10)
-        ray.kill(token)
-        raise
-
-
-def _standins(total: int, num_cpu_devices: int | None, what: str) -> list:
-    """``total`` CPU devices of this process standing in for the hosts' devices."""
-    if num_cpu_devices is not None and num_cpu_devices < total:
-        raise errors.ClusterError(
-            f"num_cpu_devices={num_cpu_devices} is fewer than the {total} stand-in devices that {what} "
-            "needs in this process."
-        )
-    if not local._backend_started():
-        # Never fewer CPU devices than the process already asked JAX for.
-        configured = getattr(jax.config, "jax_num_cpu_devices", -1) or -1
-        local.set_cpu_device_count(num_cpu_devices or max(total, configured))
-    standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
-    if len(standins) < total:
-        raise errors.ClusterError(
-            f"{what} needs {total} CPU devices in this process to stand in for the hosts' devices, but JAX started with "
-            f"{len(standins)}. Call pw.init before any JAX computation, or set "
-            f"jax.config.update('jax_num_cpu_devices', {total}) first."
-        )
-    return standins[:total]
-
-
-def _start_ray(args: InitArgs) -> Any:
-    """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
-    if args.service is not None:
-        return _join_service(args)
-    devices_per_host, islands, num_cpu_devices = args.devices_per_host, args.islands, args.num_cpu_devices
-    hosts = args.hosts or 0  # an int >= 1 (checked)
-    if islands is not None and (not isinstance(islands, int) or islands < 1 or hosts % islands):
-        raise errors.ClusterError(
-            f"on the Ray backend islands= is None (each host is an island) or a number of islands "
-            f"that divides hosts={hosts} (islands of hosts/islands hosts each); got islands={islands!r}."
-        )
-    standins = _standins(
-        hosts * devices_per_host, num_cpu_devices, f"hosts={hosts} x devices_per_host={devices_per_host}"
-    )
-    from pathways_jax._src.backends import ray as ray_backend
-
-    return ray_backend.RayBackend(
-        address=args.address,
-        hosts=hosts,
-        devices_per_host=devices_per_host,
-        standins=standins,
-        window=args.max_in_flight,
-        on_lost=None,
-        islands=islands,
-        platform=args.platform,
-        replace_lost=bool(args.replace_lost_hosts),
-    )
 
 
 def _budget(devices: list[jax.Device], memory_budget: int | float | None) -> dict[int, int] | None:
