@@ -11,6 +11,7 @@ are not counted.
 
 import ast
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -128,6 +129,19 @@ def test_every_layer_is_a_package_that_says_what_it_owns_and_may_import():
         init = PACKAGE / "_src" / name / "__init__.py"
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and "import" in doc, f"{init} needs a docstring saying what it owns and may import"
+
+
+@pytest.mark.parametrize("name", (*ORDER, "views", "pipeline"))
+def test_every_package_docstring_names_its_modules(name):
+    """A package's docstring is current: it names every module the package has, and no other."""
+    folder = PACKAGE / "_src" / name
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    listed = doc.partition("Modules:")[2]
+    modules = {path.stem for path in folder.glob("*.py") if path.stem != "__init__"}
+    named = {m for m in modules if f"``{m}``" in listed}
+    assert named == modules, f"{folder}/__init__.py does not name {sorted(modules - named)} under Modules:"
+    stale = [word for word in re.findall(r"``(\w+)`` \(", listed) if word not in modules]
+    assert stale == [], f"{folder}/__init__.py names modules that do not exist: {stale}"
 
 
 @pytest.mark.parametrize(

@@ -4,4 +4,9 @@
 ``pw.jit`` (a jitted function placed on a slice), graph building from
 jaxprs, NNX objects run as ``nnx.jit`` runs them, and ``pw.stats()``.
 May import: every layer but ``views``.
+
+Modules: ``tracing`` (``@pw.program``: tracing a function into a graph, its plans and calls);
+``placed_jit`` (``pw.jit`` on a slice); ``graph_builder`` (a jaxpr becomes a graph);
+``jit_shardings`` (``in_shardings``/``out_shardings``); ``nnx_graph`` (NNX objects as
+arguments); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``).
 """

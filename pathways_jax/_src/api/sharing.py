@@ -7,7 +7,7 @@ from typing import Any
 
 from pathways_jax._src.backends.base import Shares
 from pathways_jax._src.core import errors
-from pathways_jax._src.runtime import clients
+from pathways_jax._src.runtime import clients, session
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.object_store import Failed, Owner, Ready
 
@@ -16,8 +16,6 @@ _received = itertools.count()
 
 
 def _service_backend(what: str) -> Shares:
-    from pathways_jax._src.runtime import session
-
     backend = session.cluster().executor
     if not isinstance(backend, Shares):
         raise errors.ClusterError(
@@ -83,7 +81,6 @@ def receive(handle: Any) -> Future:
     ``result()`` that reads it, with ``AccessError``, touching nothing.
     """
     from pathways_jax._src.backends import service_client as service_lib
-    from pathways_jax._src.runtime import session
 
     backend = _service_backend("pw.receive")
     if not isinstance(handle, service_lib.Handle):

@@ -7,6 +7,7 @@ from typing import Any
 
 from pathways_jax._src.backends.base import ServiceView
 from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import session
 from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
 
@@ -56,13 +57,11 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
       True
       >>> s.release()
     """
-    from pathways_jax._src.runtime import session as cluster_lib
-
     if not isinstance(reset, bool):  # reset="no" would reset
         raise errors.ClusterError(
             f"pw.stats(reset=...) takes True or False, got {reset!r} ({type(reset).__name__})."
         )
-    cl = cluster_lib.cluster()
+    cl = session.cluster()
     controller = cl.controller
     # Values whose futures were dropped by now are no longer in use.
     deadline = time.monotonic() + 1.0

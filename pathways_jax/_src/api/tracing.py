@@ -20,15 +20,14 @@ from jax.sharding import PartitionSpec
 from pathways_jax._src.api import graph_builder, nnx_graph
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
 from pathways_jax._src.api.jit_shardings import jit_with_shardings
-from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, reentry, source, timeline
+from pathways_jax._src.core import counts, errors, reentry, source, timeline
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.graph import Graph
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
-from pathways_jax._src.runtime import checkpoint_hooks, context, submission
+from pathways_jax._src.runtime import checkpoint_hooks, context, slices, submission
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
 
@@ -238,15 +237,13 @@ def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> Virtual
     ``jax.set_mesh`` mesh), of any size, wins; then the mesh of the first array
     argument sharded over several devices.
     """
-    from pathways_jax._src.runtime import slices as devices_lib
-
     meshes = [hint, *(getattr(key.sharding, "mesh", None) for key in signature if key.kind == "array")]
     for mesh in meshes:
         several = mesh is hint or getattr(mesh, "size", 0) > 1  # a 1-device array is on its device
         if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and several:
             ids = tuple(d.id for d in mesh.devices.flat)
             shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-            return devices_lib.implied(ids, shape, tuple(mesh.axis_types))
+            return slices.implied(ids, shape, tuple(mesh.axis_types))
     return None
 
 
@@ -287,16 +284,14 @@ def _device_slice(signature: Signature) -> VirtualSlice:
     As ``jax.jit``: an array no one put on a device (a ``jnp`` result) follows
     the others, or JAX's default device (``jax.default_device``).
     """
-    from pathways_jax._src.runtime import slices as devices_lib
-
     for key in signature:
         committed = isinstance(key, ArrayKey) and key.committed
         placed = getattr(key.sharding, "device_set", None) if committed else None  # type: ignore[union-attr]
         if placed and len(placed) == 1:
-            return devices_lib.implied((next(iter(placed)).id,), {"x": 1})
+            return slices.implied((next(iter(placed)).id,), {"x": 1})
     default = getattr(jax.config, "jax_default_device", None)
     device = default if isinstance(default, jax.Device) else jax.devices()[0]
-    return devices_lib.implied((device.id,), {"x": 1})
+    return slices.implied((device.id,), {"x": 1})
 
 
 def _abstract(key: ArgKey, default: VirtualSlice | None = None) -> jax.ShapeDtypeStruct:
@@ -858,9 +853,7 @@ class Program:
         implied = None
         uncommitted = False
         if default is None and self._device is not None:  # jax.jit's device=
-            from pathways_jax._src.runtime import slices as devices_lib
-
-            implied = devices_lib.implied((self._device.id,), {"x": 1})
+            implied = slices.implied((self._device.id,), {"x": 1})
             on_device: VirtualSlice = implied
             state.implied = lambda: on_device
         elif default is None:
@@ -931,7 +924,7 @@ class Program:
         finally:
             context.state.trace = outer
         self._refuse_leaked_tracers(closed)
-        counters.bump("traces")
+        counts.bump("traces")
         if default is None and implied is None and hint is None:
             # Nothing placed it, but the function names a mesh itself (a sharding constraint
             # or an inner jax.jit's shardings): as jax.jit, it runs on that mesh.

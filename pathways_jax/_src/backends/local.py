@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathways_jax._src.backends.base import StartOptions, StepFailed, Window, device_window
-from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, host_memory, readiness, source, timeline
+from pathways_jax._src.core import counts, errors, host_memory, readiness, source, timeline
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -117,13 +116,13 @@ class LocalBackend:
                             f"moving a value ({step.kind or 'reshard'}) onto {step.sharding} failed: {exc}"
                         ) from exc
                     if step.kind is not None:
-                        counters.bump(f"transfers_{step.kind}")
+                        counts.bump(f"transfers_{step.kind}")
                     if rec is not None:
                         rec.moved(run, step, env[step.src], env[step.dst], t0)
         except Exception as exc:  # a user error fails its run only
             raise StepFailed(_where(plan.graph.name, run.id, step), exc) from exc
         finally:
-            counters.bump("dispatches", dispatched)
+            counts.bump("dispatches", dispatched)
         last = tuple([env[slot] for _, slot, _ in plan.acct_groups])
         # A plan that places nothing (it returns literals or its arguments) was
         # prepared by no backend: it has no lanes, nor anything to dispatch.

@@ -81,8 +81,7 @@ from pathways_jax._src.backends.ray_host import (
     Shards,
     SingleDesc,
 )
-from pathways_jax._src.core import arrays, errors, reentry, timeline
-from pathways_jax._src.core import counts as counters
+from pathways_jax._src.core import arrays, counts, errors, reentry, timeline
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -347,7 +346,7 @@ class RemoteArray:
             data = self._small()
             if data is None:
                 data = self.backend.fetch(self.hosts, self.key, self.generation)
-            counters.bump("fetches")
+            counts.bump("fetches")
             value = jax.device_put(data, self.sharding)
             if getattr(self.aval, "weak_type", False):  # as the host's array was: weakly typed
                 value = arrays.remade(value, aval=value.aval.update(weak_type=True))
@@ -888,11 +887,11 @@ class RayBackend:
             raise StepFailed(
                 f"program {plan.graph.name!r} run {run.id} could not be sent to its hosts", exc
             ) from exc
-        counters.bump("dispatches", len(markers))
+        counts.bump("dispatches", len(markers))
         for kind, count in remote.transfers.items():
-            counters.bump(f"transfers_{kind}", count)
+            counts.bump(f"transfers_{kind}", count)
         if remote.pulls:
-            counters.bump("host_pulls", remote.pulls)
+            counts.bump("host_pulls", remote.pulls)
         island_of = self.layout.island_of
         for host, marker in markers.items():
             window.in_flight(island_of(host), marker, run)

@@ -22,8 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import charges as charges_lib
-from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, timeline
+from pathways_jax._src.core import counts, errors, timeline
 from pathways_jax._src.core.charges import Charge, charge_of
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
@@ -589,7 +588,7 @@ def _compile(
             made: Any = (
                 jax.jit(fun, donate_argnums=donate).lower(*plain).compile(dict(options) if options else None)
             )
-        counters.bump("compiles")
+        counts.bump("compiles")
         timeline.compiled(node, t0)
         if cache is not None:
             cache.put(key, (made, None), consts)
@@ -607,7 +606,7 @@ def _compile(
                 node, jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings), args, platforms
             )
             exported = (blob, hashlib.sha256(blob).hexdigest())
-    counters.bump("compiles")
+    counts.bump("compiles")
     timeline.compiled(node, t0)
     if cache is not None:
         cache.put(key, (compiled, exported), consts)
@@ -736,7 +735,7 @@ def lower(graph: Graph, signature: Signature, donated: frozenset[int] = frozense
     """
     t0 = timeline.now()
     plan = Plan(graph, signature, donated)
-    counters.bump("lowerings")
+    counts.bump("lowerings")
     timeline.lowered(plan, t0)
     return plan
 

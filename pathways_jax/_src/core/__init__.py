@@ -4,4 +4,10 @@ Errors, counters, the user's source lines, readiness of arrays, text
 formatting, memory charges, mesh helpers, and the timeline recorder (the
 hooks that record a trace, when one is on). May import: nothing of
 pathways_jax outside ``core``.
+
+Modules: ``errors`` (the error types); ``counts`` (``pw.counters()``); ``checks`` (checks of
+user arguments); ``source`` (the user's line); ``readiness`` (is a value computed); ``arrays``
+(arrays over another's buffers); ``charges`` (bytes per device); ``formatting`` (text for
+people); ``host_memory`` (the C allocator and CPU buffers); ``jax_context`` (JAX's trace state);
+``meshes`` (mesh helpers); ``reentry`` (the runtime's own threads); ``timeline`` (trace events).
 """

@@ -2,4 +2,7 @@
 
 A graph names only virtual slices; nothing here knows physical devices,
 plans or the runtime. May import: ``core``.
+
+Modules: ``graph`` (the graph); ``fusion`` (fusing its nodes); ``signatures`` (argument
+signatures).
 """

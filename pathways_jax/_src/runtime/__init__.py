@@ -5,6 +5,14 @@ becomes a run and futures), the single controller, its admission core
 (queues, windows, budget: shared with the controller service and the
 simulator) and scheduling policies, the object store and futures,
 accounting, the controller service, and the cluster that holds them and
-picks the backend. May import: ``backends``, ``compile``,
+starts its backend by name (``backends.registry``). May import: ``backends``, ``compile``,
 ``ir``, ``core``.
+
+Modules: ``session`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``slices`` (virtual slices,
+``pw.devices``); ``resources`` (the resource manager); ``context`` (per-thread context);
+``clients`` (clients); ``submission`` (a call becomes a run and futures); ``controller`` (the
+single controller); ``admission`` (the admission core); ``scheduler`` (scheduling policies);
+``object_store`` (the object store); ``futures`` (``pw.Future``); ``accounting`` (busy time and
+usage); ``checkpoint_hooks`` (Flax and Orbax take futures); ``service`` (the controller
+service).
 """

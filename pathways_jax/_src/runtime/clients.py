@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import session
 from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
 _ids = itertools.count(1)
@@ -70,9 +71,7 @@ class Client:
             if self.closed:
                 return
             self.closed = True
-        from pathways_jax._src.runtime import session as cluster_lib
-
-        current = cluster_lib.running()
+        current = session.running()
         if current is not None:
             current.close_client(self)
 
@@ -82,9 +81,7 @@ class Client:
             if self.closed or self.ended:
                 return
             self.ended = True
-        from pathways_jax._src.runtime import session as cluster_lib
-
-        current = cluster_lib.running()
+        current = session.running()
         if current is not None:
             current.retire_client(self)
 

@@ -49,8 +49,7 @@ from typing import TYPE_CHECKING, Any
 from absl import logging
 
 from pathways_jax._src.backends.base import Backend, StepFailed, device_window
-from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, readiness, reentry, timeline
+from pathways_jax._src.core import counts, errors, readiness, reentry, timeline
 from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
 from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, Pending, Ready
@@ -660,7 +659,7 @@ class Controller:
             self._release(run)
         if error is not None and not run.failed:
             run.failed = True
-            counters.bump("failed_runs")
+            counts.bump("failed_runs")
             message = f"program {run.plan.graph.name!r} run {run.id} failed while executing"
             timeline.failed(run, f"{message}: {type(error).__name__}: {error}")
             for entry in run.outputs:
@@ -726,10 +725,10 @@ class Controller:
     def queued_by_island(self) -> dict[int, int]:
         with self._lock:
             runs = [run for queue in self._queues.values() for run in queue]
-        counts: collections.Counter[int] = collections.Counter()
+        by_island: collections.Counter[int] = collections.Counter()
         for run in runs:
-            counts.update(run.plan.islands)
-        return dict(counts)
+            by_island.update(run.plan.islands)
+        return dict(by_island)
 
     def queued_by_client_name(self) -> dict[str, int]:
         counts: collections.Counter[str] = collections.Counter()
@@ -878,7 +877,7 @@ class Controller:
         """Fails every output of ``run`` and frees what it holds; other runs are not touched."""
         run.failed = True
         if count:
-            counters.bump("failed_runs")
+            counts.bump("failed_runs")
             self.accounting.failed(run)
         detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None else message
         timeline.failed(run, detail)

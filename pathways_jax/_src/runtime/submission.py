@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from pathways_jax._src.core import counts as counters
-from pathways_jax._src.core import errors, reentry, timeline
+from pathways_jax._src.core import counts, errors, reentry, timeline
 from pathways_jax._src.core.charges import Charge
-from pathways_jax._src.runtime import clients, context
+from pathways_jax._src.runtime import clients, context, session
 from pathways_jax._src.runtime.futures import Future, dispatched_values
 from pathways_jax._src.runtime.object_store import ObjectStore, Owner
 
@@ -70,7 +69,7 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
             array = jnp.asarray(leaves[out.where])
             entry.sharding = array.sharding
             store.set_ready(entry, array)
-    counters.bump("runs")
+    counts.bump("runs")
     cl.controller.submit(run)
     if rec is not None:
         rec.submitted(plan, run.id, t0, run.client.name)
@@ -96,7 +95,7 @@ def submit_values(plan: Plan, leaves: list[Any], wanted: Sequence[bool]) -> list
     t0 = rec.now() if rec is not None else 0
     run, cl = _run_of(plan, leaves)
     store = cl.store
-    counters.bump("runs")
+    counts.bump("runs")
     try:
         cl.controller.submit(run)
     except BaseException:
@@ -111,9 +110,7 @@ def _run_of(plan: Plan, leaves: list[Any]) -> tuple[Run, Any]:
     """The run of ``plan`` with these argument leaves, its outputs' entries made; and its cluster."""
     cl = plan.cluster
     if cl is None:  # a program that places nothing (it only returns literals)
-        from pathways_jax._src.runtime import session as cluster_lib
-
-        cl = cluster_lib.cluster()
+        cl = session.cluster()
     store = cl.store
     env = list(plan.template)
     shipped = plan.shipped_feeds
@@ -314,11 +311,9 @@ def computed(tree: Any, origin: str, is_leaf: Any = None) -> Any:
     does; its outputs are still returned as futures, so code that reads them with
     ``result()`` works unchanged.
     """
-    from pathways_jax._src.runtime import session as cluster_lib
-
-    running = cluster_lib.running()
+    running = session.running()
     if running is not None or not context.exiting:
-        store = cluster_lib.cluster().store
+        store = session.cluster().store
     else:  # after the exit hook: no cluster to start; the futures keep their own store
         store = _AFTER_EXIT.setdefault("store", ObjectStore())
     client = clients.current()

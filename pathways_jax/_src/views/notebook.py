@@ -52,11 +52,11 @@ def _stats(cluster: Any) -> Mapping | None:
     """
     try:
         import pathways_jax
-        from pathways_jax._src.runtime import session as cluster_lib
+        from pathways_jax._src.runtime import session
 
         fn = getattr(pathways_jax, "stats", None)
-        running = getattr(cluster_lib, "running", None)
-        current = running() if callable(running) else cluster_lib._current
+        running = getattr(session, "running", None)
+        current = running() if callable(running) else session._current
         if (
             not callable(fn)
             or current is None

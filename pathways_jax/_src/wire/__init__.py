@@ -7,6 +7,8 @@ back-pressure, batching and heartbeats between a :class:`Server` (controller,
 service) and its :class:`Peer`\\ s (hosts, clients). May import: the standard
 library, ``zmq``, ``msgspec``, and nothing of pathways_jax but
 ``pathways_jax._src.core.errors``.
+
+Modules: ``messages`` (the typed messages and their frames); ``channel`` (signed ZeroMQ channels).
 """
 
 from pathways_jax._src.wire.channel import SERVER as SERVER
