@@ -11,6 +11,8 @@ Example:
   >>> s.release()
 """
 
+from typing import TYPE_CHECKING
+
 from jax.sharding import PartitionSpec as P
 
 from pathways_jax import errors as errors
@@ -43,7 +45,9 @@ from pathways_jax._src.runtime.session import init as init
 from pathways_jax._src.runtime.session import shutdown as shutdown
 from pathways_jax._src.runtime.slices import VirtualSlice as VirtualSlice
 from pathways_jax._src.runtime.slices import devices as devices
-from pathways_jax._src.views.plotting import plot_timeline as plot_timeline
+
+if TYPE_CHECKING:  # imported on first use (__getattr__ below); named here for type checkers
+    from pathways_jax._src.views.plotting import plot_timeline as plot_timeline
 
 __version__ = "0.1.0"
 
@@ -84,9 +88,18 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # pw.sim, the simulator, is imported on first use: `import pathways_jax` never loads it.
+    # pw.sim, the simulator, and pw.plot_timeline (a view: matplotlib) are imported on first
+    # use: `import pathways_jax` loads neither.
     if name == "sim":
         import importlib
 
         return importlib.import_module("pathways_jax.sim")
+    if name == "plot_timeline":
+        from pathways_jax._src.views.plotting import plot_timeline
+
+        return plot_timeline
     raise AttributeError(f"module 'pathways_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*(name for name in globals() if name != "TYPE_CHECKING"), *__all__, "sim"})
