@@ -24,6 +24,7 @@ from pathways_jax._src.api.stats import stats as stats
 from pathways_jax._src.api.tracing import Program as Program
 from pathways_jax._src.api.tracing import program as program
 from pathways_jax._src.backends.service_client import Handle as Handle
+from pathways_jax._src.compat import install as _install_compat
 from pathways_jax._src.core.counts import counters as counters
 from pathways_jax._src.core.counts import reset_counters as reset_counters
 from pathways_jax._src.core.timeline import start_trace as start_trace
@@ -45,6 +46,8 @@ from pathways_jax._src.runtime.session import init as init
 from pathways_jax._src.runtime.session import shutdown as shutdown
 from pathways_jax._src.runtime.slices import VirtualSlice as VirtualSlice
 from pathways_jax._src.runtime.slices import devices as devices
+
+_install_compat()  # jax.jit and jnp take futures (the one patch made at import)
 
 if TYPE_CHECKING:  # imported on first use (__getattr__ below); named here for type checkers
     from pathways_jax._src.views.plotting import plot_timeline as plot_timeline

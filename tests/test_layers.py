@@ -1,6 +1,6 @@
 """The import-layer contract of ``pathways_jax/_src`` (see its ``__init__`` docstring).
 
-Imports run one way: api -> runtime -> backends -> compile -> ir -> wire -> core. A
+Imports run one way: api -> compat -> runtime -> backends -> compile -> ir -> wire -> core. A
 module may import its own layer and those below, never above; no import
 cycle exists, lazy (function-level) imports included. ``views`` may import
 anything, and is imported only lazily inside ``_repr_*`` methods (and
@@ -20,7 +20,7 @@ import pytest
 
 import pathways_jax
 
-ORDER = ("core", "wire", "ir", "compile", "backends", "runtime", "api")
+ORDER = ("core", "wire", "ir", "compile", "backends", "runtime", "compat", "api")
 PACKAGE = pathlib.Path(pathways_jax.__file__).parent
 # Functions that may import a view lazily: notebook hooks, and Graph.to_dot.
 VIEW_ENTRIES = ("_repr_",)

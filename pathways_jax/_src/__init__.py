@@ -6,6 +6,8 @@ checks it, lazy imports included):
 
 - ``api``: what the user calls: programs and ``pw.jit`` (tracing), graph
   building, NNX objects, ``pw.stats()``.
+- ``compat``: every patch of JAX, Flax and Orbax (futures where they take
+  arrays), installed explicitly.
 - ``runtime``: slices, clients, submission, the controller, the scheduler, the
   object store and futures, accounting, the resource manager and the cluster.
 - ``backends``: the ``Backend`` protocol and where devices live (local, Ray).

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from pathways_jax._src import compat
 from pathways_jax._src.api import graph_builder, nnx_graph
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
 from pathways_jax._src.api.jit_shardings import jit_with_shardings
@@ -27,7 +28,7 @@ from pathways_jax._src.core.meshes import only_mesh
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.graph import Graph
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
-from pathways_jax._src.runtime import checkpoint_hooks, context, slices, submission
+from pathways_jax._src.runtime import context, slices, submission
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
 
@@ -844,7 +845,7 @@ class Program:
             return kept
 
     def _trace(self, inputs: TraceInputs, hint: jax.sharding.Mesh | None = None) -> Graph:
-        checkpoint_hooks.register()  # once: Flax's and orbax's checkpoints then take the futures it returns
+        compat.install_checkpoints()  # once: Flax's and orbax's checkpoints then take the futures it returns
         treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
         default = self._devices if self._devices is not None else inputs.ambient
         if default is not None:

@@ -13,6 +13,6 @@ Modules: ``session`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``slices`` 
 ``clients`` (clients); ``submission`` (a call becomes a run and futures); ``controller`` (the
 single controller); ``admission`` (the admission core); ``scheduler`` (scheduling policies);
 ``object_store`` (the object store); ``futures`` (``pw.Future``); ``accounting`` (busy time and
-usage); ``checkpoint_hooks`` (Flax and Orbax take futures); ``service`` (the controller
+usage); ``service`` (the controller
 service).
 """

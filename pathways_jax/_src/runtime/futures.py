@@ -117,7 +117,7 @@ class Future:
     future itself to the function; abstract evaluation (``jax.eval_shape``,
     tracing under ``jax.jit``) waits for the value too; and ``jax.jit`` and
     ``jnp`` take futures through private JAX hooks registered at import
-    (``_register_with_jax``): on a JAX without them, call :meth:`result`
+    (``compat.jax_futures``): on a JAX without them, call :meth:`result`
     first. Futures of different slices combine as arrays on different devices
     do: JAX raises unless they are moved (``jax.device_put``). JAX's own
     indexing takes only its arrays as indices: ``array[future]`` needs
@@ -718,104 +718,3 @@ def _index_values(index: Any) -> Any:
     if type(index) is tuple and any(type(part) is Future for part in index):
         return tuple(part.result() if type(part) is Future else part for part in index)
     return index
-
-
-def _register_with_jax() -> bool:
-    """Lets ``jax.jit`` and ``jnp`` functions take a future where they take a ``jax.Array``.
-
-    JAX 0.10 no longer calls ``__jax_array__`` when it abstracts an argument
-    ("Triggering __jax_array__() during abstractification is no longer
-    supported"), so ``jax.jit(g)(future)`` and ``jnp.mean(future)`` need the
-    hooks JAX's own array-like types (``PRNGKeyArray``, ``EArray``) use. All
-    three are private to JAX:
-
-    - ``jax._src.core.pytype_aval_mappings``: the abstract value tracing sees
-      (that of the computed value, so weak types and shardings match exactly);
-    - ``jax._src.dtypes.canonicalize_value_handlers``: the concrete value a
-      compiled call receives, the ``jax.Array`` itself;
-    - ``jax._src.interpreters.pxla.shard_arg_handlers``: for calls that skip
-      canonicalization, the same array moved to the argument's sharding.
-
-    Each waits through :meth:`Future.result`. A JAX without these hooks keeps
-    working, but then ``jax.jit`` and ``jnp`` need ``future.result()``.
-
-    Returns:
-      True if the hooks were registered.
-    """
-    try:
-        from jax._src import core, dtypes
-        from jax._src.interpreters import pxla
-
-        avals = core.pytype_aval_mappings
-        canonical = dtypes.canonicalize_value_handlers
-        shard_args = pxla.shard_args
-        handlers = pxla.shard_arg_handlers
-    except (ImportError, AttributeError):  # pragma: no cover - another JAX
-        return False
-
-    def shard_futures(
-        futures: Sequence[Future],
-        shardings: Sequence[Any],
-        layouts: Sequence[Any],
-        copy_semantics: Sequence[Any],
-    ) -> Sequence[Any]:
-        return shard_args(shardings, layouts, copy_semantics, [f.result() for f in futures])
-
-    try:
-        canonical[Future] = Future.result  # first: the one that calls into jaxlib
-    except TypeError:  # pragma: no cover - another JAX
-        return False
-    avals[Future] = lambda future: jax.typeof(future.result())
-    handlers[Future] = shard_futures
-    _let_jax_checks_take_futures()
-    return True
-
-
-def _let_jax_checks_take_futures() -> None:
-    """``jax.random.split(key)``, ``jax.device_get(state)`` and ``array[future]`` take futures.
-
-    Each asks ``isinstance(value, jax.Array)`` (a C++ type no other class can
-    join) in a private function: every ``jax.random`` function checks its key
-    with ``jax._src.random.core._check_prng_key``, which otherwise reads the key
-    as raw ``uint32`` key data (a future of ``jax.random.key(0)`` that a program
-    returned fails with "invalid PRNG key data"); ``jax.device_get`` asks in
-    ``jax._src.api._device_get`` before it copies a key's data, and otherwise
-    calls ``__array__``, which a key refuses; ``x[...]`` and ``x.at[...]`` read
-    their indices with ``NDIndexer.from_raw_indices``, which refuses other
-    array indices. Each is wrapped so that it sees the future's array. Another
-    JAX without them keeps working; there these need ``future.result()``.
-    """
-    try:
-        from jax._src import api
-        from jax._src.numpy import indexing
-        from jax._src.random import core as random_core
-    except ImportError:  # pragma: no cover - another JAX
-        return
-    _see_futures(random_core, "_check_prng_key", 1, _value_of)
-    _see_futures(api, "_device_get", 0, _value_of)
-    _see_futures(getattr(indexing, "NDIndexer", None), "from_raw_indices", 1, _index_values)  # after cls
-
-
-def _value_of(value: Any) -> Any:
-    return value.result() if type(value) is Future else value
-
-
-def _see_futures(owner: Any, name: str, position: int, convert: Callable[[Any], Any]) -> None:
-    """Wraps function (or classmethod) ``owner.name`` so that its argument ``position`` passes through ``convert``."""
-    raw: Any = vars(owner).get(name) if owner is not None else None
-    method = isinstance(raw, classmethod)
-    original = raw.__func__ if method else raw
-    if not callable(original) or getattr(original, "_takes_futures", False):
-        return
-
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if len(args) > position:
-            args = (*args[:position], convert(args[position]), *args[position + 1 :])
-        return original(*args, **kwargs)
-
-    wrapper._takes_futures = True  # type: ignore[attr-defined]
-    setattr(owner, name, classmethod(wrapper) if method else wrapper)
-
-
-_JAX_TAKES_FUTURES = _register_with_jax()

@@ -600,13 +600,13 @@ def running() -> Cluster | None:
     return _current
 
 
-def effects_barrier() -> None:
-    """``jax.effects_barrier()``, waiting first for the programs submitted so far to finish.
+def wait_for_programs() -> None:
+    """Waits until the programs submitted so far were dispatched and finished on their devices.
 
-    A program whose computation calls back into Python (``jax.debug.print``,
-    ``io_callback``) may still be queued for the controller when the caller
-    asks JAX to wait for every callback: its callbacks have not run yet.
-    ``jax.effects_barrier`` is this function once pathways_jax is imported.
+    What ``jax.effects_barrier()`` waits for first (``compat.jax_effects``): a
+    program whose computation calls back into Python (``jax.debug.print``,
+    ``io_callback``) may still be queued for the controller, and JAX's own
+    barrier knows neither it nor the runs dispatched here.
     """
     current = _current
     if current is not None and current._controller is not None:
@@ -614,12 +614,6 @@ def effects_barrier() -> None:
         # JAX's barrier does not know the runs dispatched here either: their callbacks may not
         # have run (the first call of a program gave back no callback at all before this).
         current._controller.wait_settled()
-    _jax_effects_barrier()
-
-
-# JAX's barrier knows the computations JAX dispatched, not the runs still queued here.
-_jax_effects_barrier = jax.effects_barrier
-jax.effects_barrier = effects_barrier
 
 
 def shutdown(timeout: float = 60.0) -> None:

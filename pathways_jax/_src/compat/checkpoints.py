@@ -1,4 +1,4 @@
-"""Flax's and orbax's checkpoints take futures: registered with them when a program is traced.
+"""Flax's and orbax's checkpoints take futures: registered with them when a program is traced (``compat.install_checkpoints``).
 
 ``flax.serialization`` packs only NumPy and JAX arrays, and orbax picks a type
 handler by a leaf's type (and builds restore arguments from a target's), so a

@@ -1,0 +1,44 @@
+"""Compat: every patch of JAX, Flax or Orbax, in one place, installed explicitly.
+
+Futures stand where ``jax.Array`` s do, and JAX, Flax and Orbax ask for
+arrays in private places: ``jax_futures`` hooks JAX's registries of array-like
+types and wraps three of its private checks, and ``jax_effects`` makes
+``jax.effects_barrier`` wait for queued programs (both :func:`install`, when
+``pathways_jax`` is imported); ``checkpoints`` registers futures with Flax's
+serialization and Orbax's type handlers (:func:`install_checkpoints`, at a
+program's first trace, or as Orbax finishes importing). Each was written for
+the versions in ``WRITTEN_FOR``; ``tests/test_compat.py`` checks that those
+are the ones installed and that every patch is in place, so an upgrade is
+reviewed, not discovered. May import: ``runtime`` and the layers below.
+
+Modules: ``jax_futures`` (JAX takes futures); ``jax_effects`` (``jax.effects_barrier``);
+``checkpoints`` (Flax and Orbax take futures).
+"""
+
+from __future__ import annotations
+
+# The (major, minor) versions the patches were written and tested against.
+WRITTEN_FOR = {"jax": (0, 10), "flax": (0, 12), "orbax-checkpoint": (0, 12)}
+
+
+def install() -> bool:
+    """Lets ``jax.jit``, ``jnp`` and JAX's checks take futures, and JAX's barrier wait for programs (once).
+
+    True if JAX has the hooks futures need.
+    """
+    from pathways_jax._src.compat import jax_effects, jax_futures
+
+    if not jax_futures.HOOKS:
+        jax_futures.install()
+    jax_effects.install()
+    return bool(jax_futures.HOOKS)
+
+
+def install_checkpoints() -> None:
+    """Lets Flax's serialization and Orbax's checkpointers take futures (once; Orbax when it is imported)."""
+    from pathways_jax._src.compat import checkpoints
+
+    checkpoints.register()
+
+
+__all__ = ["WRITTEN_FOR", "install", "install_checkpoints"]
