@@ -44,7 +44,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from absl import logging
 
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 _now = time.perf_counter_ns
 # What keeps a queued head from going now (in order of preference).
 _GO, _NO_ROOM, _INPUT, _MEMORY = 0, 1, 2, 3
+_GOES, _WAITS_FOR_INPUT, _WAITS_FOR_MEMORY = (_GO, 0), (_INPUT, 0), (_MEMORY, 0)  # _blocker's answers
 _BLOCKED_POLL_S = 0.002  # how often a blocked head is looked at again
 # While every head that could go waits for room in a window, the windows'
 # oldest executables are looked at again after this long, doubling up to
@@ -83,6 +84,12 @@ _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 # now starts after at most this many: measured in docs/DESIGN.md (Schedule).
 DEVICE_WINDOW = 4
 _FLIGHTS_KEPT = 256  # what windows keep of runs, made once per plan and client (in_flight)
+
+
+class Drain(NamedTuple):
+    """What ``Controller._next`` picks when every head waits for a window of short runs."""
+
+    window: int  # the key of the window to drain (an island's, or a device's)
 
 
 class Forked(Exception):
@@ -138,7 +145,6 @@ class Controller:
         # run goes inline while a run is queued or picked: a thread never bypasses
         # the policy, and a client's runs keep their order.
         self._picked: Run | None = None
-        self._full = 0  # the island of the window the last head found full
         self._seq = itertools.count()
         self._policy: scheduler.Policy = scheduler.make(
             cluster.scheduler, starvation_limit=cluster.starvation_limit
@@ -335,8 +341,8 @@ class Controller:
                 continue
             if run is None:
                 return
-            if isinstance(run, int):  # every head waits for a window of short runs: drain it
-                self._drain(run)
+            if isinstance(run, Drain):  # every head waits for a window of short runs: drain it
+                self._drain(run.window)
                 continue
             try:
                 with self._dispatch:
@@ -394,8 +400,11 @@ class Controller:
             if not (client.closed or client.ended):
                 self._policy.charge(client.key, cost, client.weight)
 
-    def _blocker(self, run: Run, busy: dict[int, int] | None = None) -> int:
-        """What keeps ``run`` from being dispatched now (``_GO``: nothing).
+    def _blocker(self, run: Run, busy: dict[int, int] | None = None) -> tuple[int, int]:
+        """What keeps ``run`` from being dispatched now (``_GO``: nothing), and the full window's key.
+
+        The key is that of the window without room when the answer is
+        ``_NO_ROOM``, else 0.
 
         ``busy``: executables in flight per island, filled as islands are
         looked at, so that one pass over the clients' heads asks each island
@@ -403,10 +412,10 @@ class Controller:
         """
         for _, future in run.future_inputs:
             if type(future._entry.state) is Pending:
-                return _INPUT
+                return _WAITS_FOR_INPUT
         budget = self._budget
         if budget is not None and not budget.fits(run.plan.admit_charge):
-            return _MEMORY
+            return _WAITS_FOR_MEMORY
         for island, count in run.plan.windowed.items():
             window = self._window if island >= 0 else self._device_window
             running = None if busy is None else busy.get(island)
@@ -419,9 +428,8 @@ class Controller:
                 if busy is not None:
                     busy[island] = running
             if not admission.has_room(running, count, window):
-                self._full = island  # which window the head waits for (read by _next)
-                return _NO_ROOM
-        return _GO
+                return _NO_ROOM, island
+        return _GOES
 
     def _settle(self, island: int) -> int:
         """Drops the settled executables at the front of ``island``'s window; how many are left.
@@ -459,11 +467,11 @@ class Controller:
             with contextlib.suppress(Exception):  # its error reaches the run's futures
                 readiness.block(oldest)
 
-    def _next(self) -> Run | int | None:
+    def _next(self) -> Run | Drain | None:
         """Waits for a run the policy picks among the heads that can go now; None once stopped.
 
-        An island (an int) instead when every head waits for room and the
-        shortest of them runs under ``_SHORT_RUN_S``: the caller drains its window.
+        A :class:`Drain` of a window instead when every head waits for room and
+        the shortest of them runs under ``_SHORT_RUN_S``: the caller drains it.
 
         A head that waits for room in a window is otherwise looked at again
         about when a quarter of such a run is done (``_ROOM_POLL_S`` doubling
@@ -498,11 +506,11 @@ class Controller:
                     run = queue[0]
                     try:
                         if run.future_inputs:
-                            why, waits_on = self._blocker(run, busy), self._full
+                            why, waits_on = self._blocker(run, busy)
                         else:
                             verdict = verdicts.get(id(run.plan))
                             if verdict is None:
-                                verdict = verdicts[id(run.plan)] = (self._blocker(run, busy), self._full)
+                                verdict = verdicts[id(run.plan)] = self._blocker(run, busy)
                             why, waits_on = verdict
                     except Exception as exc:
                         broken.append((run, exc))
@@ -557,7 +565,7 @@ class Controller:
                 self._expire(blocked)
                 if no_room:
                     if expected and expected <= _SHORT_RUN_S and not blocked and self._short_oldest(full):
-                        return full
+                        return Drain(full)
                     if expected:  # look again about when a quarter of such a run is done
                         pause = min(max(expected / 4, _ROOM_POLL_S / 2), pause)
                     self._sleep(pause)
@@ -756,7 +764,7 @@ class Controller:
 
     def _ready_now(self, run: Run) -> bool:
         """True if ``run`` may be dispatched on the caller's thread: nothing would wait."""
-        return run.plan.inline_ok and self._blocker(run) == _GO
+        return run.plan.inline_ok and self._blocker(run)[0] == _GO
 
     def make_room(self, island: int) -> None:
         """Makes room for one more executable on ``island``, waiting for the oldest if need be.
