@@ -288,3 +288,37 @@ def test_trace_timeline_example_runs_and_draws(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "pathways-jax[viz]" in out
+
+
+def test_the_simulator_lays_out_its_trace_as_pw_trace_does():
+    """One trace format (core.trace_format): the same metadata events and track names in both traces."""
+    from pathways_jax import sim
+
+    pw.init(num_cpu_devices=8, islands=2)
+    a, b, step = _two_island_program()
+    with pw.trace() as rec:
+        step(jnp.arange(16.0)).result()
+    real = rec.to_json()
+    cluster = sim.Cluster(hosts=2, devices_per_host=4, islands=2)
+    simulated = sim.simulate(cluster, sim.chain(cluster, 2, compute_s=1e-5)).trace
+
+    def layout(data):
+        _check_trace_event_json(data)
+        meta = [e for e in data["traceEvents"] if e["ph"] == "M"]
+        processes = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+        sorted_ = {e["pid"] for e in meta if e["name"] == "process_sort_index"}
+        threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+        return processes, sorted_, threads, data["displayTimeUnit"]
+
+    for processes, sorted_, threads, unit in (layout(real), layout(simulated)):
+        assert processes[1] == "island 0" and processes[2] == "island 1"
+        assert processes[timeline.CONTROLLER_PID].startswith("controller")
+        assert sorted_ == set(processes)  # every process ordered by its pid
+        assert threads[(1, timeline.TRANSFER_TID)] == "transfers into island 0"
+        assert threads[(1, 0)].startswith("device 0 (")
+        assert unit == "ms"
+    s_real = next(e for e in real["traceEvents"] if e["ph"] == "X")
+    s_sim = next(e for e in simulated["traceEvents"] if e["ph"] == "X")
+    assert set(s_real) == set(s_sim)  # spans carry the same fields
+    a.release()
+    b.release()

@@ -75,7 +75,8 @@ import numpy as np
 from pathways_jax import errors
 from pathways_jax._src.backends.ray import CROSS_HOST_WINDOW
 from pathways_jax._src.backends.ray_host import PACE
-from pathways_jax._src.core.timeline import CONTROLLER_PID, TRANSFER_TID
+from pathways_jax._src.core import trace_format
+from pathways_jax._src.core.trace_format import CONTROLLER_PID, TRANSFER_TID
 from pathways_jax._src.runtime import admission
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax.sim._cluster import Cluster
@@ -314,18 +315,7 @@ class _Simulation:
 
     def _span(self, name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict) -> None:
         if self.record:
-            self.events.append(
-                {
-                    "name": name,
-                    "cat": cat,
-                    "ph": "X",
-                    "ts": start * 1e6,
-                    "dur": (end - start) * 1e6,
-                    "pid": pid,
-                    "tid": tid,
-                    "args": args,
-                }
-            )
+            self.events.append(trace_format.span(name, cat, start * 1e6, (end - start) * 1e6, pid, tid, args))
 
     def _controller(
         self, name: str, cat: str, start: float, run: _Run, *, exempt: float = 0.0, **args: Any
@@ -708,66 +698,29 @@ class _Simulation:
 
     def _trace(self) -> dict:
         c = self.cluster
-        meta: list[dict] = [
-            {
-                "name": "process_name",
-                "ph": "M",
-                "pid": CONTROLLER_PID,
-                "tid": 0,
-                "args": {"name": "controller (simulated)"},
-            },
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": CONTROLLER_PID,
-                "tid": CONTROLLER_TID,
-                "args": {"name": "controller"},
-            },
-        ]
+        processes = {CONTROLLER_PID: "controller (simulated)"}
+        threads = {(CONTROLLER_PID, CONTROLLER_TID): "controller"}
         devices = []
         for island in range(c.islands):
-            meta.append(
-                {
-                    "name": "process_name",
-                    "ph": "M",
-                    "pid": 1 + island,
-                    "tid": 0,
-                    "args": {"name": f"island {island}"},
-                }
-            )
-            meta.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": 1 + island,
-                    "tid": TRANSFER_TID,
-                    "args": {"name": f"transfers into island {island}"},
-                }
-            )
+            processes[1 + island] = f"island {island}"
+            threads[(1 + island, TRANSFER_TID)] = f"transfers into island {island}"
         for d in self.tracked:
             island, host = c.island_of(d), c.host_of(d)
             devices.append({"id": d, "island": island, "kind": "sim", "host": host})
-            meta.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": 1 + island,
-                    "tid": d,
-                    "args": {"name": f"device {d} (sim, host {host})"},
-                }
-            )
-        return {
-            "traceEvents": meta + self.events,
-            "displayTimeUnit": "ms",
-            "otherData": {
-                "producer": "pathways_jax.sim",
-                "cluster": repr(c),
-                "profile": c.profile.name,
-                "clients": sorted({w.client for w in self.workloads}),
-                "devices": devices,
-                "devices_not_drawn": c.devices - len(self.tracked),
-            },
+            threads[(1 + island, d)] = f"device {d} (sim, host {host})"
+        for event in self.events:  # the hosts' own tracks (enqueueing their parts of runs)
+            pid, tid = event["pid"], event["tid"]
+            if tid >= HOST_TID and (pid, tid) not in threads:
+                threads[(pid, tid)] = f"host {tid - HOST_TID} (sim)"
+        other = {
+            "producer": "pathways_jax.sim",
+            "cluster": repr(c),
+            "profile": c.profile.name,
+            "clients": sorted({w.client for w in self.workloads}),
+            "devices": devices,
+            "devices_not_drawn": c.devices - len(self.tracked),
         }
+        return trace_format.document(self.events, processes, threads, other)
 
 
 def simulate(

@@ -39,7 +39,7 @@ from typing import Any
 
 from absl import logging
 
-from pathways_jax._src.core import errors, readiness, reentry
+from pathways_jax._src.core import errors, readiness, reentry, trace_format
 from pathways_jax._src.core.formatting import aval_text
 
 __all__ = ["ACTIVE", "Recorder", "start_trace", "stop_trace", "trace"]
@@ -49,8 +49,8 @@ ACTIVE: Recorder | None = None
 _active_lock = threading.Lock()
 
 DEFAULT_CLIENT = "default"
-CONTROLLER_PID = 0
-TRANSFER_TID = 1_000_000  # the transfers-in track of each island process
+CONTROLLER_PID = trace_format.CONTROLLER_PID
+TRANSFER_TID = trace_format.TRANSFER_TID
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
 _STOP = object()
@@ -380,16 +380,9 @@ class Recorder:
             self._busy_until[key] = end
             event_args = dict(args, device=key[1]) if work.cat == "execution" else args
             self.events.append(
-                {
-                    "name": name,
-                    "cat": work.cat,
-                    "ph": "X",
-                    "ts": self._us(start),
-                    "dur": (end - start) / 1e3,
-                    "pid": key[0],
-                    "tid": key[1],
-                    "args": event_args,
-                }
+                trace_format.span(
+                    name, work.cat, self._us(start), (end - start) / 1e3, key[0], key[1], event_args
+                )
             )
 
     def _watch(self) -> None:
@@ -474,27 +467,14 @@ class Recorder:
 
     def to_json(self) -> dict:
         """The trace-event JSON object of the events so far (with track names)."""
-        meta: list[dict] = []
-        for pid, name in sorted(self._processes.items()):
-            meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
-            meta.append(
-                {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
-            )
-        for tid, name in self._threads.values():
-            meta.append(
-                {"name": "thread_name", "ph": "M", "pid": CONTROLLER_PID, "tid": tid, "args": {"name": name}}
-            )
-        for (pid, tid), name in sorted(self._tracks.items()):
-            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-        return {
-            "traceEvents": meta + list(self.events),
-            "displayTimeUnit": "ms",
-            "otherData": {
-                "producer": "pathways_jax",
-                "clients": sorted(self._clients),
-                "devices": [self._devices[k] for k in sorted(self._devices)],
-            },
+        threads = {(CONTROLLER_PID, tid): name for tid, name in self._threads.values()}
+        threads.update(sorted(self._tracks.items()))
+        other = {
+            "producer": "pathways_jax",
+            "clients": sorted(self._clients),
+            "devices": [self._devices[k] for k in sorted(self._devices)],
         }
+        return trace_format.document(list(self.events), self._processes, threads, other)
 
 
 def start_trace(path: str | os.PathLike | None = None, *, drain_timeout: float = 60.0) -> Recorder:
