@@ -20,6 +20,7 @@ from pathways_jax._src.api.tracing import (
     Program,
     TracerArgument,
     _resolve_statics,
+    active_trace,
     argnames,
     argnums,
     name_of,
@@ -130,7 +131,7 @@ class JitFunction:
 
     def _slice(self) -> VirtualSlice | None:
         """The slice it runs on now; ``None``: nothing places it, so it runs where ``jax.jit`` would."""
-        trace = context.state.trace
+        trace = active_trace()
         chosen = self._devices or context.current_slice() or (trace.default if trace else None)
         if chosen is None:
             if self._in_specs is None and self._out_specs is None:
@@ -211,7 +212,7 @@ class JitFunction:
         return types.MethodType(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        trace = context.state.trace
+        trace = active_trace()
         if trace is None and jax.config.jax_disable_jit:  # type: ignore[attr-defined]
             # As jax.jit under jax.disable_jit(): op by op, in the caller; futures of its results.
             out = self._fun(*args, **kwargs)

@@ -11,7 +11,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple, cast, overload
 
 import jax
 import numpy as np
@@ -74,6 +74,11 @@ class TraceState:
         self.note_slice(call.slice)
         self.jit_calls.append(call)
         return len(self.jit_calls) - 1
+
+
+def active_trace() -> TraceState | None:
+    """The ``TraceState`` of the program being traced on this thread, if any."""
+    return cast("TraceState | None", context.state.trace)
 
 
 class TracerArgument(Exception):

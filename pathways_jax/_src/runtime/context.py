@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pathways_jax._src.runtime.slices import VirtualSlice
 
 
+class ActiveTrace(Protocol):
+    """What the runtime asks of the ``@pw.program`` being traced on a thread (the API's ``TraceState``)."""
+
+    def note_slice(self, slice_: VirtualSlice) -> None:
+        """``with slice_:`` was entered inside the traced function: the program uses that slice."""
+        ...
+
+
 class _State(threading.local):
     def __init__(self) -> None:
         self.slices: list[VirtualSlice] = []
-        # The trace state of the @pw.program being traced on this thread, if any.
-        self.trace: Any = None
+        # The trace of the @pw.program being traced on this thread, if any (set by the API).
+        self.trace: ActiveTrace | None = None
 
 
 state = _State()
