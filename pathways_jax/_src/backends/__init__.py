@@ -13,7 +13,7 @@ until its ``setup``). ``host_link`` is how the Ray backend reaches its hosts
 May import: ``compile``, ``ir``, ``wire``, ``core`` (and Ray, lazily, in ``ray``).
 
 Modules: ``base`` (the protocol, start options, capabilities); ``registry`` (backends by name);
-``local`` (this process's devices); ``ray`` (the Ray backend); ``ray_start`` (starting it);
+``local`` (this process's devices); ``ray`` (the Ray backend); ``ray_plan`` (a plan split per host); ``ray_values`` (values on hosts); ``ray_start`` (starting it);
 ``ray_host`` (a host actor); ``host_link`` (how hosts are reached); ``channel_link`` (over
 ZeroMQ); ``service_client`` (a service's client process).
 """

@@ -33,6 +33,7 @@ from absl import logging
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray_host import Refused, RunFailure, sharding_of
+from pathways_jax._src.backends.ray_values import RemoteArray
 from pathways_jax._src.core import errors, reentry
 
 if TYPE_CHECKING:  # the channel needs the ray extra (pyzmq, msgspec): imported where used
@@ -380,7 +381,7 @@ class ServiceBackend(ray_backend.RayBackend):
         # Named (owner, key) even for this process's own value: dropping it frees nothing (the
         # owner's own future does), and reading it after that is refused as stale.
         key = (handle.owner, handle.key)
-        return ray_backend.RemoteArray(self, handle.hosts, key, aval, sharding, (), handle.generation)
+        return RemoteArray(self, handle.hosts, key, aval, sharding, (), handle.generation)
 
     def service_stats(self, timeout: float = 30.0) -> dict:
         return self.ray.get(self.service.stats.remote(), timeout=timeout)
