@@ -265,7 +265,9 @@ def test_fair_charges_the_cost_estimate_known_when_a_run_is_picked():
         (queue,) = [q for key, q in controller._queues.items() if key == a.key]
         assert len(queue) == 4  # the controller is plugged: nothing of "a" was picked yet
         seen["queued_with"] = queue[0].head.cost
-        queue[0].plan.cost = 100.0  # the estimate moves while the runs wait (far above any measure)
+        controller.accounting.costs[queue[0].plan.key] = (
+            100.0  # the estimate moves while the runs wait (far above any measure)
+        )
         seen["vtime"] = controller._policy.vtime[a.key]
         seen["controller"] = controller
         return outs

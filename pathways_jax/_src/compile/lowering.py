@@ -463,7 +463,6 @@ class Plan:
         self.acct_groups = tuple(groups.values())
         self.devices = frozenset(d for key in groups for d in key)
         self.islands = frozenset(islands)
-        self.cost = 0.0  # an EMA of the measured device-seconds of a run (0: not known yet)
 
     def check_budget(self, budget: Any) -> None:
         """Raises ``ResourceError`` if this plan's outputs can never fit ``budget``."""

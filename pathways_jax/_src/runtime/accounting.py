@@ -131,6 +131,9 @@ class Accounting:
         # (a finaliser only appends: it may run at any allocation, lock held or not).
         self._tracked: set[int] = set()
         self._gone: collections.deque[int] = collections.deque()
+        # Each live plan's cost estimate: a smoothed mean of a run's measured device-seconds
+        # (admission.smoothed), by plan key; absent: not measured yet. Not cleared by reset().
+        self.costs: dict[int, float] = {}
         self._open_lock = threading.Lock()
         self._stopping = False
         self.reset()
@@ -144,6 +147,10 @@ class Accounting:
             self.plan_ns: collections.Counter[int] = collections.Counter()
             self.plan_runs: collections.Counter[int] = collections.Counter()
 
+    def cost(self, plan: Any) -> float:
+        """``plan``'s estimated device-seconds a run (0.0: none measured yet)."""
+        return self.costs.get(plan.key, 0.0)
+
     def _settle_gone(self) -> None:
         """Moves the figures of plans that were garbage-collected into their clients' rows (lock held).
 
@@ -153,6 +160,7 @@ class Accounting:
         while self._gone:
             key = self._gone.popleft()
             self._tracked.discard(key)
+            self.costs.pop(key, None)
             ns, runs = self.plan_ns.pop(key, 0), self.plan_runs.pop(key, 0)
             for usage in (*self.usage.values(), self.closed_usage):
                 mine = usage.runs.pop(key, 0)
@@ -363,7 +371,7 @@ class Accounting:
             for totals in per_plan.values():
                 plan, ns, runs = totals.plan, totals.ns, totals.runs
                 seconds = ns / runs / 1e9
-                plan.cost = smoothed(plan.cost, seconds)
+                self.costs[plan.key] = smoothed(self.costs.get(plan.key, 0.0), seconds)
                 if plan.key not in self._tracked:  # its figures go when it does
                     self._tracked.add(plan.key)
                     weakref.finalize(plan, self._gone.append, plan.key)

@@ -387,14 +387,16 @@ class Controller:
     def _head(self, run: Run) -> scheduler.Head:
         client = run.client
         plan = run.plan
-        cost = plan.cost or _DEFAULT_COST_S * max(1, len(plan.acct_groups))
+        cost = self.accounting.costs.get(plan.key) or _DEFAULT_COST_S * max(1, len(plan.acct_groups))
         return scheduler.Head(client.key, run.seq, client.priority, client.weight, cost)
 
     def _charge(self, run: Run) -> None:
         """Charges an inline dispatch (one the policy did not pick) to its client."""
         client = run.client
         plan = run.plan
-        cost = run.estimate = plan.cost or _DEFAULT_COST_S * max(1, len(plan.acct_groups))
+        cost = run.estimate = self.accounting.costs.get(plan.key) or _DEFAULT_COST_S * max(
+            1, len(plan.acct_groups)
+        )
         with self._lock:
             # A client closed meanwhile was forgotten by the policy: charging it would bring it back.
             if not (client.closed or client.ended):
@@ -453,7 +455,7 @@ class Controller:
         if not items:
             return False
         plan = items[0][1].plan()
-        cost = plan.cost if plan is not None else 0.0
+        cost = self.accounting.cost(plan) if plan is not None else 0.0
         return 0.0 < cost <= _SHORT_RUN_S
 
     def _drain(self, island: int) -> None:
@@ -519,7 +521,7 @@ class Controller:
                         go.append(run)
                     elif why == _NO_ROOM:
                         no_room = True
-                        cost = run.plan.cost  # the run's device time, measured (0: not yet)
+                        cost = self.accounting.cost(run.plan)  # the run's device time, measured (0: not yet)
                         if cost and (expected == 0.0 or cost < expected):
                             expected, full = cost, waits_on
                     else:
