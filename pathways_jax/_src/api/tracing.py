@@ -741,7 +741,7 @@ class Program:
     def _lowered(
         self, lower: Callable[..., Any], graph: Graph, signature: Signature, donated: frozenset
     ) -> Any:
-        """``lower(graph, ...)``; what JAX refuses only when compiling raises as a ``pw.errors`` type.
+        """``lower(graph, ...)``, prepared by its backend; what JAX refuses only when compiling raises as a ``pw.errors`` type.
 
         JAX finds some errors only at lowering (a ``jvp`` of a ``custom_vjp``,
         devices that do not fit together), XLA some when compiling (an unknown
@@ -749,7 +749,10 @@ class Program:
         ``ValueError`` is also a ``PlacementError``, anything else a ``ProgramTraceError``.
         """
         try:
-            return lower(graph, signature, donated)
+            plan = lower(graph, signature, donated)
+            if plan.backend is not None:  # the compiler calls no backend: its part is made here
+                plan.backend.prepare(plan)
+            return plan
         except (errors.PathwaysError, Warning):  # a warning raised as an error stays itself
             raise
         except Exception as exc:  # also of the original's class (XLA's JaxRuntimeError: a bad option)

@@ -210,9 +210,7 @@ class Plan:
         self.windowed: dict[int, int] = collections.Counter(
             step.island for step in self.steps if isinstance(step, ExecStep) and step.windowed
         )
-        self.reports = 0  # dispatch reports a run makes to a trace (set by the backend)
-        if self.backend is not None:
-            self.backend.prepare(self)
+        self.reports = 0  # dispatch reports a run makes to a trace (set by the backend's prepare)
 
     def _new_slot(self, value: Any = None) -> int:
         self.template.append(value)
