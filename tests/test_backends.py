@@ -398,6 +398,18 @@ def test_trace_shows_each_island_s_work(backend, tmp_path):
     assert {e["args"]["island"] for e in executions} == {0, 1}
     assert not [e for e in executions if e["args"].get("unfinished") or e["args"].get("error")]
     assert len({e["args"]["run"] for e in executions}) == 3
+    # Each device's track names the host that owns it: on hosts, the one the backend placed it on.
+    cluster = pw.cluster()
+    remote = cluster.remote
+    want = {
+        d.id: remote.place_of(d)[2] if remote is not None else d.process_index
+        for island in cluster.islands
+        for d in island.devices
+    }
+    drawn = {d["id"]: d["host"] for d in recorder.to_json()["otherData"]["devices"]}
+    assert drawn and all(drawn[i] == want[i] for i in drawn)
+    if backend != "local":
+        assert len(set(drawn.values())) > 1  # the two islands' devices live on different hosts
 
 
 # --- helpers built on the public API: pipelines and multi-island data parallel -----------------

@@ -159,19 +159,23 @@ class Recorder:
         return known[0]
 
     def _learn_cluster(self, cluster: Any) -> None:
+        """Names the tracks of ``cluster``'s devices, from the plain places it gives (``device_places``)."""
         if cluster is None or cluster is self._cluster:
             return
         self._cluster = cluster
-        for island in cluster.islands:
-            self._processes.setdefault(1 + island.index, f"island {island.index}")
-            for d in island.devices:
-                if d.id in self._island_of:
-                    continue
-                self._island_of[d.id] = island.index
-                remote = getattr(cluster, "remote", None)  # Ray: the host owning the stand-in
-                host = remote.place_of(d)[2] if remote is not None else getattr(d, "process_index", 0)
-                self._devices[d.id] = {"id": d.id, "island": island.index, "kind": d.platform, "host": host}
-                self._tracks[(1 + island.index, d.id)] = f"device {d.id} ({d.platform}, host {host})"
+        for place in cluster.device_places():
+            island = place.island
+            self._processes.setdefault(1 + island, f"island {island}")
+            if place.id in self._island_of:
+                continue
+            self._island_of[place.id] = island
+            self._devices[place.id] = {
+                "id": place.id,
+                "island": island,
+                "kind": place.kind,
+                "host": place.host,
+            }
+            self._tracks[(1 + island, place.id)] = f"device {place.id} ({place.kind}, host {place.host})"
 
     # --- controller-side events ------------------------------------------------------
 

@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 from absl import logging
@@ -86,6 +86,15 @@ class InitArgs:
         )
 
 
+class DevicePlace(NamedTuple):
+    """A device of the cluster: its id, island, platform, and the host that owns it (a process index)."""
+
+    id: int
+    island: int
+    kind: str
+    host: int
+
+
 class Cluster:
     """The devices a process uses, grouped into islands, and the runtime serving them.
 
@@ -152,6 +161,21 @@ class Cluster:
     @property
     def devices(self) -> tuple[jax.Device, ...]:
         return tuple(d for isl in self.islands for d in isl.devices)
+
+    def device_places(self) -> tuple[DevicePlace, ...]:
+        """Where each device is, as plain values (what a trace names its tracks by)."""
+        backend = self.executor
+        fleet = backend if isinstance(backend, HostFleet) else None
+        return tuple(
+            DevicePlace(
+                d.id,
+                island.index,
+                d.platform,
+                fleet.place_of(d)[2] if fleet is not None else getattr(d, "process_index", 0),
+            )
+            for island in self.islands
+            for d in island.devices
+        )
 
     @property
     def closed(self) -> bool:
