@@ -5,8 +5,10 @@ module may import its own layer and those below, never above; no import
 cycle exists, lazy (function-level) imports included. ``views`` may import
 anything, and is imported only lazily inside ``_repr_*`` methods (and
 ``Graph.to_dot``, the DOT text of the picture). ``pipeline`` sits on the public
-API. Imports under ``if TYPE_CHECKING:`` are annotations, not imports: they
-are not counted.
+API. Imports under ``if TYPE_CHECKING:`` (annotations) count for the layers
+too: a type named from a layer above is a dependency on it, refused but for
+the known ones in ``KNOWN_UPWARD_ANNOTATIONS``. They are not counted for
+cycles: a module and its caller may name each other's types.
 """
 
 import ast
@@ -25,19 +27,31 @@ PACKAGE = pathlib.Path(pathways_jax.__file__).parent
 # Functions that may import a view lazily: notebook hooks, and Graph.to_dot.
 VIEW_ENTRIES = ("_repr_",)
 VIEW_METHODS = {("ir.graph", "to_dot")}
+# Annotation imports from a layer above that remain (the IR and the compiler name the runtime's
+# VirtualSlice): the debt the pure compiler pays off. The list may only shrink.
+KNOWN_UPWARD_ANNOTATIONS = {("ir.graph", "runtime.slices"), ("compile.lowering", "runtime.slices")}
 
 
-def _imports(path: pathlib.Path):
-    """(imported module, enclosing function or None, line) for every pathways_jax import."""
+def _imports(path: pathlib.Path, annotations: bool = False):
+    """(imported module, enclosing function or None, line) for every pathways_jax import.
+
+    ``annotations``: the imports under ``if TYPE_CHECKING:`` instead, and those alone.
+    """
     found = []
 
-    def visit(node, function):
+    def visit(node, function, typing):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for body in child.body:
+                    visit_node(body, function, True)
                 for orelse in child.orelse:
-                    visit(orelse, function)
+                    visit_node(orelse, function, typing)
                 continue
-            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            visit_node(child, function, typing)
+
+    def visit_node(child, function, typing):
+        inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+        if typing == annotations:
             if isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
                 if child.module.startswith("pathways_jax"):
                     for alias in child.names:
@@ -46,9 +60,9 @@ def _imports(path: pathlib.Path):
                 for alias in child.names:
                     if alias.name.startswith("pathways_jax"):
                         found.append((alias.name, alias.name, inner, child.lineno))
-            visit(child, inner)
+        visit(child, inner, typing)
 
-    visit(ast.parse(path.read_text()), None)
+    visit(ast.parse(path.read_text()), None, False)
     return found
 
 
@@ -98,6 +112,31 @@ def violations(package: pathlib.Path) -> list[str]:
                 continue
             if theirs == "pipeline" or (theirs in ORDER and ORDER.index(theirs) > ORDER.index(mine)):
                 problems.append(f"{where}: {name} ({mine}) imports {target} ({theirs}), a layer above it")
+    # Annotations (imports under `if TYPE_CHECKING:`) count for the layers too: a type named
+    # from a layer above is a dependency on it. The ones below are known and go with the pure
+    # compiler (ir.SliceRef in place of the runtime's VirtualSlice); no other may be added.
+    for name, path in sorted(modules.items()):
+        if not name:
+            continue
+        mine = layer(name)
+        for full, module, _function, line in _imports(path, annotations=True):
+            target = next(
+                (
+                    c[len("pathways_jax._src.") :]
+                    for c in (full, module)
+                    if c.startswith("pathways_jax._src.") and c[len("pathways_jax._src.") :] in modules
+                ),
+                None,
+            )
+            if target is None or mine in ("views", "pipeline"):
+                continue
+            theirs = layer(target)
+            upward = theirs == "pipeline" or (theirs in ORDER and ORDER.index(theirs) > ORDER.index(mine))
+            if upward and (name, target) not in KNOWN_UPWARD_ANNOTATIONS:
+                where = f"_src/{path.relative_to(src)}:{line}"
+                problems.append(
+                    f"{where}: {name} ({mine}) imports {target} ({theirs}) for annotations, a layer above it"
+                )
     # Cycles, over every counted edge (lazy ones too).
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -151,6 +190,7 @@ def test_every_package_docstring_names_its_modules(name):
         ("ir/graph.py", "from pathways_jax._src.compile.lowering import Plan", "a layer above it"),
         ("compile/lowering.py", "from pathways_jax._src.views import render", "outside a _repr_* method"),
         ("core/counts.py", "from pathways_jax._src.core import readiness", "import cycle"),
+        ("backends/base.py", "from pathways_jax._src.runtime.submission import Run", "for annotations"),
     ],
 )
 def test_the_check_fails_on_a_bad_import_in_a_scratch_copy(tmp_path, module, line, expected):
@@ -158,7 +198,9 @@ def test_the_check_fails_on_a_bad_import_in_a_scratch_copy(tmp_path, module, lin
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     target = copy / "_src" / module
     text = target.read_text()
-    if expected == "import cycle":
+    if expected == "for annotations":  # under `if TYPE_CHECKING:`, where it was before RunView
+        target.write_text(text + f"\n\nif TYPE_CHECKING:\n    {line}\n")
+    elif expected == "import cycle":
         # readiness importing counts, and counts importing readiness (lazily).
         (copy / "_src/core/readiness.py").write_text(
             (copy / "_src/core/readiness.py").read_text()

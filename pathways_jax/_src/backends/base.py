@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
-    from pathways_jax._src.runtime.submission import Run
 
 
 class StepFailed(Exception):
@@ -30,6 +29,26 @@ class StepFailed(Exception):
         super().__init__(where)
         self.where = where
         self.cause = cause
+
+
+class RunView(Protocol):
+    """What a backend reads of a run it dispatches: the runtime's ``submission.Run`` (read only).
+
+    ``env`` holds the run's inputs by slot (the backend may add its values to
+    it); ``staged`` what holds its host inputs' copies until it is admitted
+    (``None``: nothing), released by the backend once they are on devices.
+    """
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def plan(self) -> Plan: ...
+    @property
+    def env(self) -> list[Any]: ...
+    @property
+    def staged(self) -> Any: ...
+    @property
+    def client(self) -> Any: ...
 
 
 def device_window(device_id: int) -> int:
@@ -59,7 +78,7 @@ class Window(Protocol):
         """Returns once window ``island`` has room for one more executable (or host message)."""
         ...
 
-    def in_flight(self, island: int, marker: Any, run: Run) -> None:
+    def in_flight(self, island: int, marker: Any, run: RunView) -> None:
         """``marker`` (an output, or a host's completion marker) settles when the dispatched work does."""
         ...
 
@@ -114,7 +133,7 @@ class Backend(Protocol):
         """
         ...
 
-    def execute(self, run: Run, window: Window) -> tuple[Any, tuple]:
+    def execute(self, run: RunView, window: Window) -> tuple[Any, tuple]:
         """Dispatches ``run`` (its inputs are in ``run.env``); never waits for results.
 
         Returns the values by slot (``values[slot]`` for each output slot) and,
@@ -223,6 +242,7 @@ class ServiceView(Protocol):
 __all__ = [
     "Backend",
     "HostFleet",
+    "RunView",
     "ServiceView",
     "Shares",
     "StartOptions",

@@ -11,12 +11,11 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from pathways_jax._src.backends.base import StartOptions, StepFailed, Window, device_window
+from pathways_jax._src.backends.base import RunView, StartOptions, StepFailed, Window, device_window
 from pathways_jax._src.core import counts, errors, host_memory, readiness, source, timeline
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
-    from pathways_jax._src.runtime.submission import Run
 
 
 class LocalBackend:
@@ -61,7 +60,7 @@ class LocalBackend:
         if lanes:
             plan.windowed = {**plan.windowed, **dict.fromkeys((key for key, _ in lanes), 1)}
 
-    def execute(self, run: Run, window: Window) -> tuple[Any, tuple]:
+    def execute(self, run: RunView, window: Window) -> tuple[Any, tuple]:
         from pathways_jax._src.compile.lowering import ExecStep
 
         plan = run.plan

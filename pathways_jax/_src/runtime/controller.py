@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from absl import logging
 
-from pathways_jax._src.backends.base import Backend, StepFailed, device_window
+from pathways_jax._src.backends.base import Backend, RunView, StepFailed, device_window
 from pathways_jax._src.core import counts, errors, readiness, reentry, timeline
 from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
@@ -835,7 +835,7 @@ class Controller:
 
     # --- the in-flight windows, as backends see them (base.Window; make_room above) --------
 
-    def in_flight(self, island: int, marker: Any, run: Run) -> None:
+    def in_flight(self, island: int, marker: Any, run: RunView) -> None:
         # What a window keeps of a run is the same for every run of a plan and client: made
         # once (on a single device this is once per run, and making it cost about 2 µs of a
         # pw.jit call's 30). Bounded: throw-away programs or clients do not pile up here.
@@ -909,6 +909,6 @@ class _Flight:
 
     __slots__ = ("client", "plan")
 
-    def __init__(self, run: Run):
+    def __init__(self, run: RunView):
         self.plan = weakref.ref(run.plan)
         self.client = timeline.client_of(run)
