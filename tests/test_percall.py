@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import pathways_jax as pw
-from pathways_jax._src.api import tracing
+from pathways_jax._src.api import arguments
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,9 +128,9 @@ def test_fast_path_misses_on_another_type_and_traces_it():
 
 
 def test_marks_take_only_arrays_and_futures():
-    assert tracing._marks([jnp.ones(2)]) is not None
-    assert tracing._marks([np.ones(2)]) is None  # numpy: put on devices per call, by the slow path
-    assert tracing._marks([1.0]) is None
+    assert arguments._marks([jnp.ones(2)]) is not None
+    assert arguments._marks([np.ones(2)]) is None  # numpy: put on devices per call, by the slow path
+    assert arguments._marks([1.0]) is None
 
 
 def _decay(p):

@@ -16,10 +16,11 @@ import pytest
 from jax import core
 
 import pathways_jax as pw
-from pathways_jax._src.api import tracing
+from pathways_jax._src.api import arguments
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import formatting
+from pathways_jax._src.ir import signatures
 from pathways_jax._src.ir.signatures import FutureKey
 from pathways_jax._src.runtime import accounting
 from pathways_jax._src.views import notebook, render
@@ -39,7 +40,7 @@ def test_the_future_key_made_by_lowering_and_by_tracing_is_one_record():
 
     fut._entry.signature = None  # as for a value whose sharding was not known when it was made
     try:
-        computed = tracing._leaf_signature(fut, 0, "p")  # tracing builds the key itself
+        computed = arguments._leaf_signature(fut, 0, "p")  # tracing builds the key itself
     finally:
         fut._entry.signature = made
     assert type(computed) is FutureKey and computed is not made
@@ -70,20 +71,20 @@ def test_argument_signatures_have_named_fields_and_stay_cache_keys():
     args = (jnp.zeros((2, 3), jnp.bfloat16), np.ones(4), 1.5, True)
     key, inputs = prog._split(args, {"k": 7})
     array, numpy_, scalar, boolean = inputs.signature
-    assert isinstance(inputs, tracing.TraceInputs)
+    assert isinstance(inputs, arguments.TraceInputs)
     assert inputs.statics == (("k", 7),) and inputs.ambient is None and len(inputs.leaves) == 4
-    assert isinstance(array, tracing.ArrayKey)
+    assert isinstance(array, signatures.ArrayKey)
     assert (array.kind, array.shape, array.dtype, array.weak_type) == ("array", (2, 3), jnp.bfloat16, False)
     assert array.sharding == args[0].sharding
-    assert isinstance(numpy_, tracing.NumpyKey)
+    assert isinstance(numpy_, signatures.NumpyKey)
     assert (numpy_.kind, numpy_.shape, numpy_.dtype) == ("numpy", (4,), jnp.float32)  # canonical
-    assert isinstance(scalar, tracing.ScalarKey) and (scalar.kind, scalar.python_type) == ("scalar", float)
+    assert isinstance(scalar, signatures.ScalarKey) and (scalar.kind, scalar.python_type) == ("scalar", float)
     assert boolean.python_type is bool
     # Same arguments: an equal, hashable key; another kind of leaf: never equal.
     again, _ = prog._split(args, {"k": 7})
     assert again == key and hash(again) == hash(key)
-    assert tracing.ScalarKey(int) != tracing.ScalarKey(float)
-    assert tracing.NumpyKey((4,), jnp.float32) != tracing.ArrayKey((4,), jnp.float32, False, None)
+    assert signatures.ScalarKey(int) != signatures.ScalarKey(float)
+    assert signatures.NumpyKey((4,), jnp.float32) != signatures.ArrayKey((4,), jnp.float32, False, None)
     s.release()
 
 

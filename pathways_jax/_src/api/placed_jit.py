@@ -14,18 +14,10 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import nnx_graph
+from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE
-from pathways_jax._src.api.tracing import (
-    JitCall,
-    Program,
-    TracerArgument,
-    _resolve_statics,
-    active_trace,
-    argnames,
-    argnums,
-    name_of,
-    with_jits_statics,
-)
+from pathways_jax._src.api.jit_options import _resolve_statics, argnames, argnums, name_of, with_jits_statics
+from pathways_jax._src.api.tracing import JitCall, Program, active_trace
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh, spec_parts

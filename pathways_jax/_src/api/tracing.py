@@ -5,44 +5,59 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import re
 import threading
 import types
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast, overload
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from pathways_jax._src import compat
 from pathways_jax._src.api import graph_builder, nnx_graph
+from pathways_jax._src.api.arguments import (
+    TraceInputs,
+    TracerArgument,
+    _abstract,
+    _as_array_key,
+    _key_fault,
+    _marks,
+    _same_types,
+    _short_repr,
+    _signed,
+)
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
+from pathways_jax._src.api.jit_options import (
+    _check_argnums_as_jax_jit,
+    _parameters,
+    _positions_of,
+    _resolve_statics,
+    argnames,
+    argnums,
+    name_of,
+    with_jits_statics,
+)
 from pathways_jax._src.api.jit_shardings import jit_with_shardings
+from pathways_jax._src.api.placement import (
+    _device_slice,
+    _mesh_mismatch_hint,
+    _mesh_of,
+    _mesh_slice,
+    _named_mesh,
+    _single_device_of,
+    _user_mesh,
+)
 from pathways_jax._src.core import counts, errors, reentry, source, timeline
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.graph import Graph
-from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
+from pathways_jax._src.ir.signatures import FutureKey, Signature
 from pathways_jax._src.runtime import context, slices, submission
 from pathways_jax._src.runtime.futures import Future
-from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice, explicit_view
-
-
-def _user_mesh() -> jax.sharding.Mesh | None:
-    """The caller's ``jax.set_mesh`` mesh, if any (outside a JAX trace)."""
-    try:
-        mesh = jax.sharding.get_mesh()
-    except ValueError:  # inside a JAX trace: only the abstract mesh is known
-        return None
-    return None if mesh.empty else mesh
-
-
-_SCALARS = (bool, int, float, complex)
+from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,253 +96,6 @@ def active_trace() -> TraceState | None:
     return cast("TraceState | None", context.state.trace)
 
 
-class TracerArgument(Exception):
-    """Raised when a program is called with JAX tracers (inside a transformation)."""
-
-
-class _StaleFuture(Exception):
-    """A future of a released slice (or a cluster shut down since) among a call's arguments."""
-
-
-def _stale(leaf: Future) -> bool:
-    """True for a future whose slice is gone (released, or its cluster shut down)."""
-    slice_ = leaf._entry.slice
-    return slice_ is not None and slice_.released
-
-
-class _WideValue(Exception):
-    """A 64-bit value made under ``jax_enable_x64`` among the arguments of a call made without it."""
-
-
-def _check_width(dtype: Any) -> None:
-    """Raises ``_WideValue`` for a 64-bit dtype JAX's configuration narrows (the callers test the size)."""
-    if isinstance(dtype, np.dtype) and jax.dtypes.canonicalize_dtype(dtype) != dtype:
-        raise _WideValue
-
-
-def _narrowed(leaf: Any) -> Any:
-    """``leaf`` in the dtype JAX's configuration makes of it (float64 as float32 without x64), as jax.jit takes it."""
-    value = leaf.result() if type(leaf) is Future else leaf
-    if isinstance(value, jax.Array) and isinstance(value.dtype, np.dtype):
-        canonical = jax.dtypes.canonicalize_dtype(value.dtype)
-        if canonical != value.dtype:
-            warnings.warn(  # as jax.jit warns for it
-                f"An argument of dtype {value.dtype} (made under jax_enable_x64) is not available "
-                f"without it, and will be truncated to dtype {canonical}.",
-                UserWarning,
-                stacklevel=5,
-            )
-            return value.astype(canonical)
-    return leaf
-
-
-def _future_key(leaf: Future) -> FutureKey:
-    if _stale(leaf):
-        raise _StaleFuture
-    entry = leaf._entry
-    key = entry.signature or FutureKey.of(entry.aval, entry.sharding, entry.slice)
-    if key.dtype.itemsize == 8:
-        _check_width(key.dtype)
-    return key
-
-
-def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
-    """The signature of a call's argument leaves.
-
-    A future whose slice is gone (released, or its cluster shut down: after
-    ``pw.shutdown()`` and ``pw.init()``) stands for its computed array, which is
-    still readable: it is passed as that array (``leaves`` is updated), as
-    ``jax.jit`` would take it.
-    """
-    try:
-        return tuple([_leaf_signature(leaf, i, program) for i, leaf in enumerate(leaves)])
-    except _StaleFuture:
-        leaves[:] = [leaf.result() if type(leaf) is Future and _stale(leaf) else leaf for leaf in leaves]
-        return _signed(leaves, program)
-    except _WideValue:  # made under jax_enable_x64, passed without it: narrowed, as jax.jit does
-        leaves[:] = [_narrowed(leaf) for leaf in leaves]
-        return _signed(leaves, program)
-
-
-def _as_array_key(key: FutureKey) -> ArrayKey | None:
-    """The key of the ``jax.Array`` a future of ``key`` stands for (as ``result()`` gives it), or None."""
-    sharding = key.sharding
-    if not key.committed:  # as jax.jit's outputs of uncommitted arguments: on their one device, uncommitted
-        devices = sharding.device_set
-        if len(devices) != 1:
-            return None
-        sharding = _one_device(next(iter(devices)))
-    return ArrayKey(key.shape, key.dtype, key.weak_type, sharding, key.committed)
-
-
-@functools.lru_cache(maxsize=256)
-def _one_device(device: Any) -> jax.sharding.SingleDeviceSharding:
-    return jax.sharding.SingleDeviceSharding(device)
-
-
-def _array_key(leaf: jax.Array) -> ArrayKey:
-    aval = leaf.aval  # an attribute: shape, dtype and weak_type are properties reading it
-    dtype = aval.dtype
-    if dtype.itemsize == 8:
-        _check_width(dtype)
-    return ArrayKey(aval.shape, dtype, aval.weak_type, leaf.sharding, leaf.committed)
-
-
-# Exact-type fast path of the signature (the common argument kinds).
-_KEYS: dict[type, Callable[[Any], ArgKey]] = {Future: _future_key}
-
-
-def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
-    fast = _KEYS.get(type(leaf))
-    if fast is not None:
-        return fast(leaf)
-    if isinstance(leaf, Future):
-        return _future_key(leaf)
-    if isinstance(leaf, jax.core.Tracer):
-        raise TracerArgument(position)
-    if isinstance(leaf, jax.Array):
-        if isinstance(getattr(leaf, "aval", None), jax.core.ShapedArray):
-            _KEYS.setdefault(type(leaf), _array_key)
-            return _array_key(leaf)
-        return ArrayKey(
-            leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding, getattr(leaf, "committed", True)
-        )
-    if isinstance(leaf, np.ndarray | np.generic):
-        return NumpyKey(leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
-    if isinstance(leaf, _SCALARS):
-        # A subclass (an IntEnum, a bool-like flag) traces as the scalar it is, as under jax.jit.
-        return ScalarKey(next(t for t in _SCALARS if isinstance(leaf, t)))
-    if nnx_graph.is_graph_leaf(leaf):
-        raise nnx_graph.GraphArgument(position)
-    if hasattr(leaf, "__jax_array__"):  # jax.jit refuses it with a ValueError too
-        raise errors.also(errors.ProgramTraceError, ValueError)(
-            f"program {program!r} got argument leaf {position} of type {type(leaf).__name__}, which "
-            "has __jax_array__: JAX no longer converts such objects when it abstracts an argument. "
-            "Convert it before the call (jnp.asarray(value)), or register its type as a pytree."
-        )
-    raise errors.ProgramTraceError(
-        f"program {program!r} got argument leaf {position} of type "
-        f"{type(leaf).__name__}; expected a jax.Array, numpy array, Python "
-        "scalar or pw.Future (or a pytree of them). Pass other values through "
-        "static_argnums."
-    )
-
-
-def _mesh_mismatch_hint(exc: Exception, slice_: VirtualSlice | None) -> str:
-    """What to do when the function names a mesh of its own inside a slice (JAX refuses that).
-
-    ``slice_``: the slice the function was traced on (None: none, or not known here).
-    """
-    text = str(exc)
-    if slice_ is not None and "should match the mesh passed to" in text:
-        return (
-            f". A function placed on slice {slice_!r} is traced against the slice's abstract mesh, "
-            "not a physical one of yours: give shard_map mesh=slice.mesh (or "
-            "jax.sharding.get_abstract_mesh()), and the slice the axis types your code expects "
-            "(pw.devices(mesh=..., axis_types=...); jax.make_mesh makes Explicit axes by default)"
-        )
-    if "incompatible devices for jitted computation" in text and "context mesh" in text:
-        return (
-            ". A function placed on a slice runs on the devices the slice is mapped to, not on "
-            "those of a mesh of yours: name the slice's mesh in shardings inside it (slice.mesh, or "
-            "bare PartitionSpecs), or map the slice onto your mesh's devices "
-            "(pw.devices(..., device_ids=[...]))"
-        )
-    return ""
-
-
-def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
-    """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
-
-    ``hint`` (the mesh of the program's own ``in_shardings``, else the caller's
-    ``jax.set_mesh`` mesh), of any size, wins; then the mesh of the first array
-    argument sharded over several devices.
-    """
-    meshes = [hint, *(getattr(key.sharding, "mesh", None) for key in signature if key.kind == "array")]
-    for mesh in meshes:
-        several = mesh is hint or getattr(mesh, "size", 0) > 1  # a 1-device array is on its device
-        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and several:
-            ids = tuple(d.id for d in mesh.devices.flat)
-            shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-            return slices.implied(ids, shape, tuple(mesh.axis_types))
-    return None
-
-
-def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
-    """The first mesh of several devices a traced function names in its shardings, if any.
-
-    A ``shard_map``'s ``mesh=``, sharding constraints, inner ``jax.jit``
-    shardings and ``jax.device_put`` targets, nested jaxprs included:
-    the mesh ``jax.jit`` would run a function on when no argument is on a mesh.
-    """
-    for eqn in jaxpr.eqns:
-        mesh = eqn.params.get("mesh")  # a shard_map's own mesh=
-        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
-            return mesh
-        named = [eqn.params.get("sharding")]
-        named += list(eqn.params.get("in_shardings", ()) or ()) + list(
-            eqn.params.get("out_shardings", ()) or ()
-        )
-        if eqn.primitive.name == "device_put":  # jax.device_put(x, NamedSharding(...)) inside
-            named += list(eqn.params.get("devices", ()) or ())
-        for sharding in named:
-            mesh = getattr(sharding, "mesh", None)
-            if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
-                return mesh
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple | list) else (value,):
-                sub = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-                if hasattr(sub, "eqns"):
-                    mesh = _named_mesh(sub)
-                    if mesh is not None:
-                        return mesh
-    return None
-
-
-def _device_slice(signature: Signature) -> VirtualSlice:
-    """With no argument on a mesh: the first committed array argument's device, else JAX's default device.
-
-    As ``jax.jit``: an array no one put on a device (a ``jnp`` result) follows
-    the others, or JAX's default device (``jax.default_device``).
-    """
-    for key in signature:
-        committed = isinstance(key, ArrayKey) and key.committed
-        placed = getattr(key.sharding, "device_set", None) if committed else None  # type: ignore[union-attr]
-        if placed and len(placed) == 1:
-            return slices.implied((next(iter(placed)).id,), {"x": 1})
-    default = getattr(jax.config, "jax_default_device", None)
-    device = default if isinstance(default, jax.Device) else jax.devices()[0]
-    return slices.implied((device.id,), {"x": 1})
-
-
-def _abstract(key: ArgKey, default: VirtualSlice | None = None) -> jax.ShapeDtypeStruct:
-    # On a slice with Explicit axes the trace sees each input as the slice holds
-    # it (its spec if it fits the slice, else replicated), whatever mesh it came on.
-    match key:
-        case FutureKey(shape=shape, dtype=dtype, sharding=sharding, weak_type=weak):
-            view = explicit_view(default, sharding, shape)
-            return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=view)
-        case ArrayKey(shape=shape, dtype=dtype, weak_type=weak, sharding=sharding):
-            view = explicit_view(default, sharding, shape)
-            return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=view)
-        case NumpyKey(shape=shape, dtype=dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=explicit_view(default, None, shape))
-        case ScalarKey(python_type=python_type):
-            dtype = jax.dtypes.canonicalize_dtype(np.dtype(python_type))
-            return jax.ShapeDtypeStruct((), dtype, weak_type=python_type is not bool)
-    raise AssertionError(key)  # pragma: no cover
-
-
-class TraceInputs(NamedTuple):
-    """What tracing and lowering a call need of its arguments (made per call by ``Program._split``)."""
-
-    treedef: Any  # of the dynamic arguments: (positional tuple, keyword dict)
-    statics: tuple[tuple[int | str, Any], ...]  # (position or keyword name, value), in position order
-    signature: Signature  # one key per dynamic leaf
-    ambient: VirtualSlice | None  # the enclosing ``with slice:`` (None: none, or the program has devices)
-    leaves: list[Any]  # the dynamic leaves themselves
-
-
 class _LastCall(NamedTuple):
     """The last call whose arguments were all futures: the next such call may skip its lookups."""
 
@@ -351,220 +119,6 @@ class _LastLeaves(NamedTuple):
     ambient: VirtualSlice | None
     plan: Any  # lowering.Plan
     config: tuple  # JAX's trace context of that call
-
-
-def _array_type() -> Any:
-    """The type of every concrete ``jax.Array`` (private to JAX; None on another JAX: no fast path)."""
-    try:
-        from jax._src.array import ArrayImpl
-    except ImportError:  # pragma: no cover - another JAX
-        return None
-    return ArrayImpl
-
-
-_ArrayImpl: Any = _array_type()
-
-
-def _marks(leaves: list[Any]) -> tuple[Any, ...] | None:
-    """What identifies each leaf's type for :class:`_LastLeaves` (None: a leaf of another kind)."""
-    marks: list[Any] = []
-    for leaf in leaves:
-        kind = type(leaf)
-        if kind is Future:
-            signature = leaf._entry.signature
-            if signature is None:
-                return None
-            marks.append(signature)
-        elif kind is _ArrayImpl:
-            marks.append((leaf.aval, leaf.sharding, leaf._committed))
-        else:
-            return None
-    return tuple(marks)
-
-
-def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
-    """True when each leaf has the type (by identity) its mark recorded; see :class:`_LastLeaves`."""
-    if len(leaves) != len(marks):
-        return False
-    future, array = Future, _ArrayImpl
-    for leaf, mark in zip(leaves, marks, strict=True):
-        kind = type(leaf)
-        if kind is future:
-            if leaf._entry.signature is not mark:
-                return False
-        elif kind is not array or type(mark) is not tuple:
-            return False
-        else:
-            aval, sharding, committed = mark
-            if leaf.aval is not aval or leaf.sharding is not sharding or leaf._committed is not committed:
-                return False
-    return True
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _KeyFault:
-    """Why a static argument cannot be part of a program's cache key."""
-
-    path: str  # where the part at fault sits in the argument (``[1][0]``); "" for the argument itself
-    part: Any
-    reason: str
-    cause: BaseException | None = None
-    unhashable: bool = False  # hash() raised TypeError: the value is of an unhashable type
-
-
-def _key_fault(value: Any, path: str = "") -> _KeyFault | None:
-    """Why ``value`` cannot be part of a cache key, or None if it can.
-
-    A key must hash and equal itself. Tuples and frozensets are searched part by
-    part: a tuple equals itself whatever it holds (its comparison checks identity
-    first), but a NaN inside it never equals the NaN of the next call.
-    """
-    try:
-        hash(value)
-    except Exception as exc:
-        reason = f"hashing it raised {type(exc).__name__}: {exc}"
-        return _KeyFault(path, value, reason, exc, unhashable=isinstance(exc, TypeError))
-    try:
-        same = bool(value == value)
-    except Exception as exc:
-        return _KeyFault(path, value, f"comparing it with itself raised {type(exc).__name__}: {exc}", exc)
-    if not same:
-        reason = "it is not equal to itself (no NaN is), so every call would miss the cache and trace again"
-        return _KeyFault(path, value, reason)
-    if isinstance(value, tuple | frozenset):
-        parts = enumerate(value) if isinstance(value, tuple) else ((None, v) for v in value)
-        for index, item in parts:
-            fault = _key_fault(item, path if index is None else f"{path}[{index}]")
-            if fault is not None:
-                return fault
-    return None
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for messages; never raises."""
-    try:
-        text = repr(value)
-    except Exception:
-        return f"<{type(value).__name__} object>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def argnums(
-    fun: Callable[..., Any], nums: int | Sequence[int] | None, what: str = "static_argnums"
-) -> tuple[int, ...]:
-    """Argument positions as ``jax.jit`` reads them: None is none, a negative one counts from the end.
-
-    Negative positions count from the end of ``fun``'s positional parameters.
-    """
-    if nums is None:
-        return ()
-    given = (nums,) if isinstance(nums, int) else tuple(nums)
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
-        raise errors.ProgramTraceError(f"{what} must be ints, got {nums!r}.")
-    if any(n < 0 for n in given):
-        params = _parameters(fun)
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        count = sum(p.kind in positional for p in params)
-        if not params or any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
-            raise errors.ProgramTraceError(
-                f"{what}={nums!r} counts from the end of the positional parameters, but "
-                f"{getattr(fun, '__name__', fun)!r} has *args or no signature to count; give "
-                "non-negative positions."
-            )
-        given = tuple(n + count if n < 0 else n for n in given)
-        if any(n < 0 for n in given):
-            raise errors.ProgramTraceError(
-                f"{what}={nums!r} reaches before the first of the {count} positional parameters of "
-                f"{getattr(fun, '__name__', fun)!r}."
-            )
-    return tuple(sorted(set(given)))
-
-
-def argnames(names: str | Sequence[str] | None, what: str = "static_argnames") -> tuple[str, ...]:
-    """Argument names as ``jax.jit`` reads them: one string, several, or None (none)."""
-    if names is None:
-        return ()
-    given = (names,) if isinstance(names, str) else tuple(names)
-    if not all(isinstance(n, str) for n in given):
-        raise errors.ProgramTraceError(f"{what} must be strings, got {names!r}.")
-    return given
-
-
-def _check_argnums_as_jax_jit(
-    fun: Callable[..., Any],
-    static_argnums: Any,
-    static_argnames: Any,
-    donate_argnums: Any,
-    donate_argnames: Any,
-) -> None:
-    """Refuses, when the program is made, the argument positions and names ``jax.jit`` refuses then.
-
-    Positions past the function's positional parameters, names it does not
-    take, an argument both static and donated: ``jax.jit`` checks them against
-    the function's signature itself, so its own check is used.
-
-    Raises:
-      ProgramTraceError: also a ``ValueError``, as ``jax.jit``'s.
-    """
-    try:
-        jax.jit(  # no names given are None to jax.jit: it then infers them from the positions
-            fun,
-            static_argnums=static_argnums,
-            static_argnames=static_argnames or None,
-            donate_argnums=donate_argnums,
-            donate_argnames=donate_argnames or None,
-        )
-    except ValueError as exc:
-        raise errors.also(errors.ProgramTraceError, ValueError)(
-            f"pw.program({name_of(fun)!r}) ({source.of_function(fun)}): {exc}"
-        ) from exc
-
-
-def name_of(fun: Any) -> str:
-    """A function's name for graphs and errors; a ``functools.partial``'s is its function's."""
-    while isinstance(fun, functools.partial):
-        fun = fun.func
-    return getattr(fun, "__name__", None) or type(fun).__name__
-
-
-def _parameters(fun: Callable[..., Any]) -> list[inspect.Parameter]:
-    try:
-        return list(inspect.signature(fun).parameters.values())
-    except (TypeError, ValueError):
-        return []
-
-
-def _mesh_of(*shardings: Any) -> jax.sharding.Mesh | None:
-    """The first concrete mesh named by a pytree of shardings (``in_shardings``/``out_shardings``)."""
-    for leaf in jax.tree_util.tree_leaves(shardings):
-        mesh = getattr(leaf, "mesh", None)
-        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
-            return mesh
-    return None
-
-
-def _single_device_of(*shardings: Any) -> jax.Device | None:
-    """The device of the first ``SingleDeviceSharding`` in pytrees of shardings, if any."""
-    for leaf in jax.tree_util.tree_leaves(shardings):
-        if isinstance(leaf, jax.sharding.SingleDeviceSharding):
-            return next(iter(leaf.device_set))
-    return None
-
-
-def _positions_of(fun: Callable[..., Any], names: Sequence[str]) -> list[int]:
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [i for i, p in enumerate(_parameters(fun)) if p.kind in positional and p.name in names]
-
-
-def _resolve_statics(
-    fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Static positions and names, each completed from the other as ``jax.jit`` does."""
-    params = _parameters(fun)
-    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    more_names = [params[n].name for n in nums if n < len(params) and params[n].kind in by_keyword]
-    all_names = tuple(dict.fromkeys((*names, *more_names)))
-    return tuple(sorted({*nums, *_positions_of(fun, names)})), all_names
 
 
 class Program:
@@ -1236,26 +790,6 @@ class Program:
 
     def __repr__(self) -> str:
         return f"pw.program({self.name}, {self.source_info})"
-
-
-def with_jits_statics(
-    fun: Any, statics: tuple[int, ...], names: tuple[str, ...]
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``statics`` and ``names``, and those of ``fun`` itself if it is a ``jax.jit`` function.
-
-    ``pw.program(jax.jit(step, static_argnames="train"))`` then takes ``train``
-    as ``jax.jit(step, ...)`` does: a static argument of the inner function
-    cannot arrive traced. (Donation needs nothing: the inner function donates.)
-    """
-    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
-    inner = tuple(getattr(info, "static_argnums", ()) or ())
-    inner_names = tuple(getattr(info, "static_argnames", ()) or ())
-    if not inner and not inner_names:
-        return statics, names
-    return (
-        tuple(sorted({*statics, *inner})),
-        tuple(dict.fromkeys((*names, *inner_names))),
-    )
 
 
 @overload

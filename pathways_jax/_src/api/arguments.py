@@ -1,0 +1,276 @@
+"""A program call's arguments: their signature (the plan cache's key), checks and repeat-call marks."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from pathways_jax._src.api import nnx_graph
+from pathways_jax._src.core import errors
+from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
+from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.slices import VirtualSlice, explicit_view
+
+_SCALARS = (bool, int, float, complex)
+
+
+class TracerArgument(Exception):
+    """Raised when a program is called with JAX tracers (inside a transformation)."""
+
+
+class _StaleFuture(Exception):
+    """A future of a released slice (or a cluster shut down since) among a call's arguments."""
+
+
+def _stale(leaf: Future) -> bool:
+    """True for a future whose slice is gone (released, or its cluster shut down)."""
+    slice_ = leaf._entry.slice
+    return slice_ is not None and slice_.released
+
+
+class _WideValue(Exception):
+    """A 64-bit value made under ``jax_enable_x64`` among the arguments of a call made without it."""
+
+
+def _check_width(dtype: Any) -> None:
+    """Raises ``_WideValue`` for a 64-bit dtype JAX's configuration narrows (the callers test the size)."""
+    if isinstance(dtype, np.dtype) and jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise _WideValue
+
+
+def _narrowed(leaf: Any) -> Any:
+    """``leaf`` in the dtype JAX's configuration makes of it (float64 as float32 without x64), as jax.jit takes it."""
+    value = leaf.result() if type(leaf) is Future else leaf
+    if isinstance(value, jax.Array) and isinstance(value.dtype, np.dtype):
+        canonical = jax.dtypes.canonicalize_dtype(value.dtype)
+        if canonical != value.dtype:
+            warnings.warn(  # as jax.jit warns for it
+                f"An argument of dtype {value.dtype} (made under jax_enable_x64) is not available "
+                f"without it, and will be truncated to dtype {canonical}.",
+                UserWarning,
+                stacklevel=5,
+            )
+            return value.astype(canonical)
+    return leaf
+
+
+def _future_key(leaf: Future) -> FutureKey:
+    if _stale(leaf):
+        raise _StaleFuture
+    entry = leaf._entry
+    key = entry.signature or FutureKey.of(entry.aval, entry.sharding, entry.slice)
+    if key.dtype.itemsize == 8:
+        _check_width(key.dtype)
+    return key
+
+
+# Exact-type fast path of the signature (the common argument kinds).
+_KEYS: dict[type, Callable[[Any], ArgKey]] = {Future: _future_key}
+
+
+def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
+    """The signature of a call's argument leaves.
+
+    A future whose slice is gone (released, or its cluster shut down: after
+    ``pw.shutdown()`` and ``pw.init()``) stands for its computed array, which is
+    still readable: it is passed as that array (``leaves`` is updated), as
+    ``jax.jit`` would take it.
+    """
+    try:
+        return tuple([_leaf_signature(leaf, i, program) for i, leaf in enumerate(leaves)])
+    except _StaleFuture:
+        leaves[:] = [leaf.result() if type(leaf) is Future and _stale(leaf) else leaf for leaf in leaves]
+        return _signed(leaves, program)
+    except _WideValue:  # made under jax_enable_x64, passed without it: narrowed, as jax.jit does
+        leaves[:] = [_narrowed(leaf) for leaf in leaves]
+        return _signed(leaves, program)
+
+
+def _as_array_key(key: FutureKey) -> ArrayKey | None:
+    """The key of the ``jax.Array`` a future of ``key`` stands for (as ``result()`` gives it), or None."""
+    sharding = key.sharding
+    if not key.committed:  # as jax.jit's outputs of uncommitted arguments: on their one device, uncommitted
+        devices = sharding.device_set
+        if len(devices) != 1:
+            return None
+        sharding = _one_device(next(iter(devices)))
+    return ArrayKey(key.shape, key.dtype, key.weak_type, sharding, key.committed)
+
+
+@functools.lru_cache(maxsize=256)
+def _one_device(device: Any) -> jax.sharding.SingleDeviceSharding:
+    return jax.sharding.SingleDeviceSharding(device)
+
+
+def _array_key(leaf: jax.Array) -> ArrayKey:
+    aval = leaf.aval  # an attribute: shape, dtype and weak_type are properties reading it
+    dtype = aval.dtype
+    if dtype.itemsize == 8:
+        _check_width(dtype)
+    return ArrayKey(aval.shape, dtype, aval.weak_type, leaf.sharding, leaf.committed)
+
+
+def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
+    fast = _KEYS.get(type(leaf))
+    if fast is not None:
+        return fast(leaf)
+    if isinstance(leaf, Future):
+        return _future_key(leaf)
+    if isinstance(leaf, jax.core.Tracer):
+        raise TracerArgument(position)
+    if isinstance(leaf, jax.Array):
+        if isinstance(getattr(leaf, "aval", None), jax.core.ShapedArray):
+            _KEYS.setdefault(type(leaf), _array_key)
+            return _array_key(leaf)
+        return ArrayKey(
+            leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding, getattr(leaf, "committed", True)
+        )
+    if isinstance(leaf, np.ndarray | np.generic):
+        return NumpyKey(leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
+    if isinstance(leaf, _SCALARS):
+        # A subclass (an IntEnum, a bool-like flag) traces as the scalar it is, as under jax.jit.
+        return ScalarKey(next(t for t in _SCALARS if isinstance(leaf, t)))
+    if nnx_graph.is_graph_leaf(leaf):
+        raise nnx_graph.GraphArgument(position)
+    if hasattr(leaf, "__jax_array__"):  # jax.jit refuses it with a ValueError too
+        raise errors.also(errors.ProgramTraceError, ValueError)(
+            f"program {program!r} got argument leaf {position} of type {type(leaf).__name__}, which "
+            "has __jax_array__: JAX no longer converts such objects when it abstracts an argument. "
+            "Convert it before the call (jnp.asarray(value)), or register its type as a pytree."
+        )
+    raise errors.ProgramTraceError(
+        f"program {program!r} got argument leaf {position} of type "
+        f"{type(leaf).__name__}; expected a jax.Array, numpy array, Python "
+        "scalar or pw.Future (or a pytree of them). Pass other values through "
+        "static_argnums."
+    )
+
+
+def _abstract(key: ArgKey, default: VirtualSlice | None = None) -> jax.ShapeDtypeStruct:
+    # On a slice with Explicit axes the trace sees each input as the slice holds
+    # it (its spec if it fits the slice, else replicated), whatever mesh it came on.
+    match key:
+        case FutureKey(shape=shape, dtype=dtype, sharding=sharding, weak_type=weak):
+            view = explicit_view(default, sharding, shape)
+            return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=view)
+        case ArrayKey(shape=shape, dtype=dtype, weak_type=weak, sharding=sharding):
+            view = explicit_view(default, sharding, shape)
+            return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=view)
+        case NumpyKey(shape=shape, dtype=dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=explicit_view(default, None, shape))
+        case ScalarKey(python_type=python_type):
+            dtype = jax.dtypes.canonicalize_dtype(np.dtype(python_type))
+            return jax.ShapeDtypeStruct((), dtype, weak_type=python_type is not bool)
+    raise AssertionError(key)  # pragma: no cover
+
+
+class TraceInputs(NamedTuple):
+    """What tracing and lowering a call need of its arguments (made per call by ``Program._split``)."""
+
+    treedef: Any  # of the dynamic arguments: (positional tuple, keyword dict)
+    statics: tuple[tuple[int | str, Any], ...]  # (position or keyword name, value), in position order
+    signature: Signature  # one key per dynamic leaf
+    ambient: VirtualSlice | None  # the enclosing ``with slice:`` (None: none, or the program has devices)
+    leaves: list[Any]  # the dynamic leaves themselves
+
+
+def _array_type() -> Any:
+    """The type of every concrete ``jax.Array`` (private to JAX; None on another JAX: no fast path)."""
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # pragma: no cover - another JAX
+        return None
+    return ArrayImpl
+
+
+_ArrayImpl: Any = _array_type()
+
+
+def _marks(leaves: list[Any]) -> tuple[Any, ...] | None:
+    """What identifies each leaf's type for :class:`_LastLeaves` (None: a leaf of another kind)."""
+    marks: list[Any] = []
+    for leaf in leaves:
+        kind = type(leaf)
+        if kind is Future:
+            signature = leaf._entry.signature
+            if signature is None:
+                return None
+            marks.append(signature)
+        elif kind is _ArrayImpl:
+            marks.append((leaf.aval, leaf.sharding, leaf._committed))
+        else:
+            return None
+    return tuple(marks)
+
+
+def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
+    """True when each leaf has the type (by identity) its mark recorded; see :class:`_LastLeaves`."""
+    if len(leaves) != len(marks):
+        return False
+    future, array = Future, _ArrayImpl
+    for leaf, mark in zip(leaves, marks, strict=True):
+        kind = type(leaf)
+        if kind is future:
+            if leaf._entry.signature is not mark:
+                return False
+        elif kind is not array or type(mark) is not tuple:
+            return False
+        else:
+            aval, sharding, committed = mark
+            if leaf.aval is not aval or leaf.sharding is not sharding or leaf._committed is not committed:
+                return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _KeyFault:
+    """Why a static argument cannot be part of a program's cache key."""
+
+    path: str  # where the part at fault sits in the argument (``[1][0]``); "" for the argument itself
+    part: Any
+    reason: str
+    cause: BaseException | None = None
+    unhashable: bool = False  # hash() raised TypeError: the value is of an unhashable type
+
+
+def _key_fault(value: Any, path: str = "") -> _KeyFault | None:
+    """Why ``value`` cannot be part of a cache key, or None if it can.
+
+    A key must hash and equal itself. Tuples and frozensets are searched part by
+    part: a tuple equals itself whatever it holds (its comparison checks identity
+    first), but a NaN inside it never equals the NaN of the next call.
+    """
+    try:
+        hash(value)
+    except Exception as exc:
+        reason = f"hashing it raised {type(exc).__name__}: {exc}"
+        return _KeyFault(path, value, reason, exc, unhashable=isinstance(exc, TypeError))
+    try:
+        same = bool(value == value)
+    except Exception as exc:
+        return _KeyFault(path, value, f"comparing it with itself raised {type(exc).__name__}: {exc}", exc)
+    if not same:
+        reason = "it is not equal to itself (no NaN is), so every call would miss the cache and trace again"
+        return _KeyFault(path, value, reason)
+    if isinstance(value, tuple | frozenset):
+        parts = enumerate(value) if isinstance(value, tuple) else ((None, v) for v in value)
+        for index, item in parts:
+            fault = _key_fault(item, path if index is None else f"{path}[{index}]")
+            if fault is not None:
+                return fault
+    return None
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages; never raises."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

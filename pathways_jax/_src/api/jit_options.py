@@ -1,0 +1,133 @@
+"""``jax.jit``'s options as a program takes them: static and donated positions and names, checked as ``jax.jit`` does."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from pathways_jax._src.core import errors, source
+
+
+def argnums(
+    fun: Callable[..., Any], nums: int | Sequence[int] | None, what: str = "static_argnums"
+) -> tuple[int, ...]:
+    """Argument positions as ``jax.jit`` reads them: None is none, a negative one counts from the end.
+
+    Negative positions count from the end of ``fun``'s positional parameters.
+    """
+    if nums is None:
+        return ()
+    given = (nums,) if isinstance(nums, int) else tuple(nums)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
+        raise errors.ProgramTraceError(f"{what} must be ints, got {nums!r}.")
+    if any(n < 0 for n in given):
+        params = _parameters(fun)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        count = sum(p.kind in positional for p in params)
+        if not params or any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+            raise errors.ProgramTraceError(
+                f"{what}={nums!r} counts from the end of the positional parameters, but "
+                f"{getattr(fun, '__name__', fun)!r} has *args or no signature to count; give "
+                "non-negative positions."
+            )
+        given = tuple(n + count if n < 0 else n for n in given)
+        if any(n < 0 for n in given):
+            raise errors.ProgramTraceError(
+                f"{what}={nums!r} reaches before the first of the {count} positional parameters of "
+                f"{getattr(fun, '__name__', fun)!r}."
+            )
+    return tuple(sorted(set(given)))
+
+
+def argnames(names: str | Sequence[str] | None, what: str = "static_argnames") -> tuple[str, ...]:
+    """Argument names as ``jax.jit`` reads them: one string, several, or None (none)."""
+    if names is None:
+        return ()
+    given = (names,) if isinstance(names, str) else tuple(names)
+    if not all(isinstance(n, str) for n in given):
+        raise errors.ProgramTraceError(f"{what} must be strings, got {names!r}.")
+    return given
+
+
+def _check_argnums_as_jax_jit(
+    fun: Callable[..., Any],
+    static_argnums: Any,
+    static_argnames: Any,
+    donate_argnums: Any,
+    donate_argnames: Any,
+) -> None:
+    """Refuses, when the program is made, the argument positions and names ``jax.jit`` refuses then.
+
+    Positions past the function's positional parameters, names it does not
+    take, an argument both static and donated: ``jax.jit`` checks them against
+    the function's signature itself, so its own check is used.
+
+    Raises:
+      ProgramTraceError: also a ``ValueError``, as ``jax.jit``'s.
+    """
+    try:
+        jax.jit(  # no names given are None to jax.jit: it then infers them from the positions
+            fun,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames or None,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames or None,
+        )
+    except ValueError as exc:
+        raise errors.also(errors.ProgramTraceError, ValueError)(
+            f"pw.program({name_of(fun)!r}) ({source.of_function(fun)}): {exc}"
+        ) from exc
+
+
+def name_of(fun: Any) -> str:
+    """A function's name for graphs and errors; a ``functools.partial``'s is its function's."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    return getattr(fun, "__name__", None) or type(fun).__name__
+
+
+def _parameters(fun: Callable[..., Any]) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def _positions_of(fun: Callable[..., Any], names: Sequence[str]) -> list[int]:
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [i for i, p in enumerate(_parameters(fun)) if p.kind in positional and p.name in names]
+
+
+def _resolve_statics(
+    fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Static positions and names, each completed from the other as ``jax.jit`` does."""
+    params = _parameters(fun)
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    more_names = [params[n].name for n in nums if n < len(params) and params[n].kind in by_keyword]
+    all_names = tuple(dict.fromkeys((*names, *more_names)))
+    return tuple(sorted({*nums, *_positions_of(fun, names)})), all_names
+
+
+def with_jits_statics(
+    fun: Any, statics: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``statics`` and ``names``, and those of ``fun`` itself if it is a ``jax.jit`` function.
+
+    ``pw.program(jax.jit(step, static_argnames="train"))`` then takes ``train``
+    as ``jax.jit(step, ...)`` does: a static argument of the inner function
+    cannot arrive traced. (Donation needs nothing: the inner function donates.)
+    """
+    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+    inner = tuple(getattr(info, "static_argnums", ()) or ())
+    inner_names = tuple(getattr(info, "static_argnames", ()) or ())
+    if not inner and not inner_names:
+        return statics, names
+    return (
+        tuple(sorted({*statics, *inner})),
+        tuple(dict.fromkeys((*names, *inner_names))),
+    )

@@ -1,0 +1,124 @@
+"""Where a program nothing places runs: the mesh or device ``jax.jit`` would pick, as a slice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from pathways_jax._src.ir.signatures import ArrayKey, Signature
+from pathways_jax._src.runtime import slices
+from pathways_jax._src.runtime.slices import VirtualSlice
+
+
+def _user_mesh() -> jax.sharding.Mesh | None:
+    """The caller's ``jax.set_mesh`` mesh, if any (outside a JAX trace)."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside a JAX trace: only the abstract mesh is known
+        return None
+    return None if mesh.empty else mesh
+
+
+def _mesh_mismatch_hint(exc: Exception, slice_: VirtualSlice | None) -> str:
+    """What to do when the function names a mesh of its own inside a slice (JAX refuses that).
+
+    ``slice_``: the slice the function was traced on (None: none, or not known here).
+    """
+    text = str(exc)
+    if slice_ is not None and "should match the mesh passed to" in text:
+        return (
+            f". A function placed on slice {slice_!r} is traced against the slice's abstract mesh, "
+            "not a physical one of yours: give shard_map mesh=slice.mesh (or "
+            "jax.sharding.get_abstract_mesh()), and the slice the axis types your code expects "
+            "(pw.devices(mesh=..., axis_types=...); jax.make_mesh makes Explicit axes by default)"
+        )
+    if "incompatible devices for jitted computation" in text and "context mesh" in text:
+        return (
+            ". A function placed on a slice runs on the devices the slice is mapped to, not on "
+            "those of a mesh of yours: name the slice's mesh in shardings inside it (slice.mesh, or "
+            "bare PartitionSpecs), or map the slice onto your mesh's devices "
+            "(pw.devices(..., device_ids=[...]))"
+        )
+    return ""
+
+
+def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
+    """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
+
+    ``hint`` (the mesh of the program's own ``in_shardings``, else the caller's
+    ``jax.set_mesh`` mesh), of any size, wins; then the mesh of the first array
+    argument sharded over several devices.
+    """
+    meshes = [hint, *(getattr(key.sharding, "mesh", None) for key in signature if key.kind == "array")]
+    for mesh in meshes:
+        several = mesh is hint or getattr(mesh, "size", 0) > 1  # a 1-device array is on its device
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and several:
+            ids = tuple(d.id for d in mesh.devices.flat)
+            shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+            return slices.implied(ids, shape, tuple(mesh.axis_types))
+    return None
+
+
+def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
+    """The first mesh of several devices a traced function names in its shardings, if any.
+
+    A ``shard_map``'s ``mesh=``, sharding constraints, inner ``jax.jit``
+    shardings and ``jax.device_put`` targets, nested jaxprs included:
+    the mesh ``jax.jit`` would run a function on when no argument is on a mesh.
+    """
+    for eqn in jaxpr.eqns:
+        mesh = eqn.params.get("mesh")  # a shard_map's own mesh=
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+            return mesh
+        named = [eqn.params.get("sharding")]
+        named += list(eqn.params.get("in_shardings", ()) or ()) + list(
+            eqn.params.get("out_shardings", ()) or ()
+        )
+        if eqn.primitive.name == "device_put":  # jax.device_put(x, NamedSharding(...)) inside
+            named += list(eqn.params.get("devices", ()) or ())
+        for sharding in named:
+            mesh = getattr(sharding, "mesh", None)
+            if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+                return mesh
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(sub, "eqns"):
+                    mesh = _named_mesh(sub)
+                    if mesh is not None:
+                        return mesh
+    return None
+
+
+def _device_slice(signature: Signature) -> VirtualSlice:
+    """With no argument on a mesh: the first committed array argument's device, else JAX's default device.
+
+    As ``jax.jit``: an array no one put on a device (a ``jnp`` result) follows
+    the others, or JAX's default device (``jax.default_device``).
+    """
+    for key in signature:
+        committed = isinstance(key, ArrayKey) and key.committed
+        placed = getattr(key.sharding, "device_set", None) if committed else None  # type: ignore[union-attr]
+        if placed and len(placed) == 1:
+            return slices.implied((next(iter(placed)).id,), {"x": 1})
+    default = getattr(jax.config, "jax_default_device", None)
+    device = default if isinstance(default, jax.Device) else jax.devices()[0]
+    return slices.implied((device.id,), {"x": 1})
+
+
+def _mesh_of(*shardings: Any) -> jax.sharding.Mesh | None:
+    """The first concrete mesh named by a pytree of shardings (``in_shardings``/``out_shardings``)."""
+    for leaf in jax.tree_util.tree_leaves(shardings):
+        mesh = getattr(leaf, "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
+            return mesh
+    return None
+
+
+def _single_device_of(*shardings: Any) -> jax.Device | None:
+    """The device of the first ``SingleDeviceSharding`` in pytrees of shardings, if any."""
+    for leaf in jax.tree_util.tree_leaves(shardings):
+        if isinstance(leaf, jax.sharding.SingleDeviceSharding):
+            return next(iter(leaf.device_set))
+    return None
