@@ -13,6 +13,9 @@ Modes:
                       split) under pw.client(NAME, weight=WEIGHT, priority=PRIO),
                       8 runs in flight, until stopped
   hold K              K values kept, then runs queued without end (to be killed)
+  pause K             K values kept; once DIR/resume appears (the test stops and
+                      resumes this process meanwhile), one more program, whose
+                      error is reported
   share READER        a value shared with READER and one not shared: their
                       handles pickled to DIR/NAME.handles
   read OWNER          receives OWNER's handles: the unshared one must be
@@ -64,6 +67,8 @@ def main() -> None:
             busy(name, float(args[0]), priority, int(args[2]) if len(args) > 2 else 1, say, stopped)
         elif mode == "hold":
             hold(int(args[0]), say, stopped)
+        elif mode == "pause":
+            pause(int(args[0]), out / "resume", say)
         elif mode == "share":
             share(args[0], out / f"{name}.handles", say, stopped)
         elif mode == "read":
@@ -189,6 +194,24 @@ def hold(k: int, say, stopped) -> None:
         if len(kept) > k + 64:
             kept[k].block_until_ready()
             del kept[k]
+
+
+def pause(k: int, resume: pathlib.Path, say) -> None:
+    s = pw.devices(mesh={"x": 1})
+    make = pw.jit(lambda i: jnp.full((256,), i, jnp.float32), devices=s)
+    kept = [make(jnp.float32(i)) for i in range(k)]
+    for f in kept:
+        f.block_until_ready()
+    say(state="holding", values=k)
+    while not resume.exists():
+        time.sleep(0.05)
+    started = time.monotonic()
+    try:
+        make(jnp.float32(k)).result()
+    except Exception as exc:  # what a process the service dropped meets
+        say(state="refused", error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - started)
+    else:
+        say(state="served")
 
 
 def share(reader: str, path: pathlib.Path, say, stopped) -> None:

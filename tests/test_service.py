@@ -445,6 +445,11 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
         pw.init(backend="ray", address=island_service.address, service=island_service.name, hosts=3)
     with pytest.raises(pw.errors.ClusterError, match="already running"):
         pw.serve(island_service.name, hosts=1)
+    for bad in (0, -1.0, True, "30"):
+        with pytest.raises(
+            pw.errors.ClusterError, match=rf"silent_client_timeout must be None or .* got {bad!r}"
+        ):
+            pw.serve("never-started", hosts=1, silent_client_timeout=bad)
     pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="me")
     out = _join_in_subprocess(island_service, "me")  # names are how pw.share finds a client
     assert "REFUSED" in out and "named 'me' is connected already" in out, out
@@ -665,4 +670,60 @@ def test_a_client_that_stops_reading_waits_in_a_bounded_outbox_others_are_served
             peer.close()
         for token in tokens:
             ray.kill(token)
+        svc.stop()
+
+
+def test_a_stopped_client_is_dropped_by_its_silence_and_then_told_so_a_quiet_one_stays(ray_cluster, tmp_path):
+    """A client process stopped by SIGSTOP (its Ray token actor lives on: Ray sees nothing) is
+    found by its channel's silence and dropped, its values freed; resumed, its next program
+    fails with a named error saying so instead of waiting forever. A client that only
+    heartbeats is kept."""
+    import ray
+
+    from pathways_jax._src import wire
+    from pathways_jax._src.backends.service_client import NAMESPACE, Token
+
+    svc = pw.serve("test-silent", hosts=1, devices_per_host=1, silent_client_timeout=2.0)
+    group = Clients(svc, tmp_path)
+    actor = ray.get_actor(svc.name, namespace=NAMESPACE)
+    token = ray.remote(Token).options(num_cpus=0).remote()
+    quiet = None
+    try:
+        x64 = bool(jax.config.read("jax_enable_x64"))
+        end = ray.get(actor.join.remote("quiet", os.getpid(), "test", token, x64), timeout=60)["channel"]
+        # Says nothing but its heartbeat (as every client's channel does, from its own thread).
+        quiet = wire.Peer(end.address, end.key, identity=end.identity, heartbeat=0.3)
+        proc = group.start("sleeper", "pause", "4")
+        group.wait_state("sleeper", "holding")
+        assert _client_rows(svc)["sleeper"]["bytes_held"] >= 4 * 256 * 4
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            assert wait_for(lambda: not _client_rows(svc)["sleeper"]["alive"], timeout=30), _client_rows(svc)
+            found_in = time.monotonic() - stopped_at
+            row = _client_rows(svc)["sleeper"]
+            assert "not even a heartbeat" in row["gone"] and row["bytes_held"] == 0, row
+            assert wait_for(lambda: sum(h["values"] for h in svc.host_stats().values()) == 0, timeout=15)
+            # Silence counts from the last heartbeat, up to a second (and a tick) before the stop.
+            assert 0.5 <= found_in < 10.0, found_in
+        finally:
+            (tmp_path / "resume").write_text("")
+            os.kill(proc.pid, signal.SIGCONT)
+        got = group.wait_state("sleeper", "refused", "served", timeout=60)
+        assert got["state"] == "refused", got
+        assert got["error"] == "ProgramFailedError", got
+        assert "dropped this process: its channel sent nothing" in got["message"], got
+        assert "is gone" not in got["message"], got  # the service runs on
+        assert got["seconds"] < 10.0, got
+        # The quiet client outlived several timeouts by its heartbeats alone, and is still served.
+        row = _client_rows(svc)["quiet"]
+        assert row["alive"], row
+        quiet.send(wire.Submit(0, [wire.Routed(-1, wire.Share(0, "nobody"))], None))
+        answer = quiet.recv(timeout=30)
+        assert answer is not None and answer.body.batch == 0
+    finally:
+        if quiet is not None:
+            quiet.close()
+        group.close()
+        ray.kill(token)
         svc.stop()

@@ -148,6 +148,7 @@ class ServiceBackend(ray_backend.RayBackend):
         self._owed: dict[int, list[concurrent.futures.Future]] = {}  # batch -> its answers' futures
         self._owed_lock = threading.Lock()
         self._gone: str | None = None  # why the service will answer nothing more
+        self._dropped_why: str | None = None  # why the service dropped this process (it runs on)
         self.channel = joined["channel"]  # the service's channel, this process's identity there
         self._peer = self.channel.peer(self._answered, _SEND_TIMEOUT_S)
         # This process's own channel: the hosts send the values it fetches straight here.
@@ -335,6 +336,11 @@ class ServiceBackend(ray_backend.RayBackend):
     def _loss(self, host: int, exc: BaseException, generation: int, what: str) -> BaseException | None:
         if not ray_backend.is_lost_error(exc):
             return None
+        if self._dropped_why is not None:
+            return errors.ClusterError(
+                f"{what} could not be read: the controller service {self.service_name!r} dropped this "
+                f"process: {self._dropped_why}. Call pw.shutdown() and pw.init(...) to join it again."
+            )
         return errors.ClusterError(
             f"{what} could not be read: the controller service {self.service_name!r} is gone ({exc}). "
             "Call pw.shutdown(), start the service again and pw.init(...) to join it."
@@ -428,7 +434,18 @@ class ServiceBackend(ray_backend.RayBackend):
         reported: dict = {}
         while not self._closed:
             try:
-                self._apply(self.ray.get(self.service.health.remote(), timeout=10.0))
+                health = self.ray.get(self.service.health.remote(self.client_id), timeout=10.0)
+                self._apply(health)
+                if "dropped" in health:  # it answers this process nothing more: said once
+                    self._dropped_why = health["dropped"]
+                    self._fail_owed(f"it dropped this process: {health['dropped']}")
+                    logging.warning(
+                        "pathways_jax: the controller service %r dropped this process (%s); its programs "
+                        "fail until pw.shutdown() and pw.init(...) join again.",
+                        self.service_name,
+                        health["dropped"],
+                    )
+                    return
                 if self._sent_at:  # a value its host sent that never came (lost on its way)
                     self._fail_direct(
                         set(range(self.hosts)),

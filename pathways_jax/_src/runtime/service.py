@@ -111,6 +111,7 @@ class ServiceConfig:
     max_in_flight: int
     x64: bool
     stalled_client_timeout: float = 30.0
+    silent_client_timeout: float | None = 30.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -170,6 +171,8 @@ class _Client:
     outbox: collections.deque = dataclasses.field(default_factory=collections.deque)
     outbox_bytes: int = 0
     stalled_since: float | None = None
+    # time.monotonic() at its join: its silence counts from there until its channel is heard.
+    joined_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class ServiceActor:
@@ -280,6 +283,8 @@ class ServiceActor:
         self.clients[client.id] = client
         self._loop = asyncio.get_running_loop()
         self._loop.create_task(self._watch(client))
+        if self._ticker is None:
+            self._ticker = self._loop.create_task(self._tick())
         identity = f"client-{client.id}".encode()
         self._by_identity[identity] = client
         from pathways_jax._src.backends import channel_link
@@ -475,11 +480,35 @@ class ServiceActor:
         return self.budget.used[_POOL]
 
     async def _tick(self) -> None:
-        """Looks at the queues now and then: a run waiting for memory fails in time even when nothing else happens."""
+        """Looks at the queues and the clients now and then: a run waiting for memory fails in
+        time even when nothing else happens, and a silent client is dropped."""
         while True:
             await asyncio.sleep(0.5)
             with contextlib.suppress(Exception):
+                self._drop_silent()
+            with contextlib.suppress(Exception):
                 self._pump()
+
+    def _drop_silent(self) -> None:
+        """Drops every client whose channel sent nothing, not even a heartbeat, for too long.
+
+        A client's channel heartbeats once a second of quiet from a thread of its own, so
+        silence means a stopped or hung process (or a lost network): its Ray token actor,
+        a process of its own, lives on and says nothing.
+        """
+        timeout = self.config.silent_client_timeout
+        if timeout is None:
+            return
+        now = time.monotonic()
+        for identity, client in list(self._by_identity.items()):
+            heard = self.channel.last_heard(identity)
+            silent = now - max(client.joined_at, heard or client.joined_at)
+            if client.alive and silent > timeout:
+                self._drop_client(
+                    client,
+                    f"its channel sent nothing, not even a heartbeat, for {silent:.1f}s: a stopped or hung "
+                    f"process (silent_client_timeout={timeout}s)",
+                )
 
     def _pump(self) -> None:
         """Sends queue heads while the policy finds one that may go."""
@@ -830,8 +859,14 @@ class ServiceActor:
 
     # --- reading ---------------------------------------------------------------------------
 
-    async def health(self) -> dict:
-        return {"lost": dict(self.backend.lost), "generations": list(self.backend.generations)}
+    async def health(self, client_id: int | None = None) -> dict:
+        """Lost islands and generations; with ``client_id``, why that client was dropped (if it was)."""
+        health: dict = {"lost": dict(self.backend.lost), "generations": list(self.backend.generations)}
+        if client_id is not None:
+            client = self.clients.get(client_id)
+            if client is None or not client.alive:
+                health["dropped"] = client.why if client is not None else "it is not joined (any more)"
+        return health
 
     async def host_stats(self) -> dict:
         return await asyncio.get_running_loop().run_in_executor(None, self.backend.host_stats)
@@ -957,6 +992,7 @@ def serve(
     platform: str = "cpu",
     replace_lost_hosts: bool = True,
     stalled_client_timeout: float = 30.0,
+    silent_client_timeout: float | None = 30.0,
 ) -> Service:
     """Starts a controller service: a named, detached Ray actor owning ``hosts`` host actors.
 
@@ -985,6 +1021,11 @@ def serve(
         unread (its channel full: a stopped or stuck process) before the
         service drops it as if it had died (its values freed). Meanwhile its
         answers wait in a bounded outbox and the other clients are served.
+      silent_client_timeout: seconds a joined client process's channel may
+        send nothing, not even its heartbeat (one a second of quiet, from a
+        thread of its own), before the service drops it as if it had died: a
+        stopped (``SIGSTOP``, Ctrl-Z), hung or unreachable process, which
+        Ray's supervision does not see. ``None``: never.
 
     Returns:
       The :class:`Service`.
@@ -1031,6 +1072,14 @@ def serve(
         raise errors.ClusterError(
             f"stalled_client_timeout must be a number of seconds > 0, got {stalled_client_timeout!r}."
         )
+    if silent_client_timeout is not None and (
+        isinstance(silent_client_timeout, bool)
+        or not isinstance(silent_client_timeout, int | float)
+        or not silent_client_timeout > 0
+    ):
+        raise errors.ClusterError(
+            f"silent_client_timeout must be None or a number of seconds > 0, got {silent_client_timeout!r}."
+        )
     ray = connect(address, start=True)
     with contextlib.suppress(ValueError):
         ray.get_actor(name, namespace=NAMESPACE)
@@ -1054,6 +1103,7 @@ def serve(
         max_in_flight=max_in_flight,
         x64=bool(jax.config.read("jax_enable_x64")),
         stalled_client_timeout=float(stalled_client_timeout),
+        silent_client_timeout=None if silent_client_timeout is None else float(silent_client_timeout),
     )
     actor = (
         ray.remote(ServiceActor)
