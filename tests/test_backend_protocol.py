@@ -62,7 +62,9 @@ class CountingBackend:
 
     def prepare(self, plan):
         self.calls["prepare"] += 1
-        self.inner.prepare(plan)
+        prepared = self.inner.prepare(plan)
+        self.calls[type(prepared).__name__] += 1
+        return prepared
 
     def execute(self, run, window):
         self.calls["execute"] += 1
@@ -78,7 +80,9 @@ class CountingBackend:
                     count = len(pw.cluster().controller._in_flight[island])
                     backend.most_in_flight = max(backend.most_in_flight, count)
 
-        return self.inner.execute(run, Watched())
+        dispatched = self.inner.execute(run, Watched())
+        self.calls[type(dispatched).__name__] += 1
+        return dispatched
 
     def settle(self, in_flight):
         self.calls["settle"] += 1
@@ -128,13 +132,26 @@ def test_a_third_backend_plugs_in_through_the_registry_alone(counting_backend):
     for out in outs:
         expected = want(expected)
         assert_matches(out, expected, rtol=1e-5, atol=1e-5)
-    assert counting.calls["prepare"] == 2  # one plan for array arguments, one for futures
-    assert counting.calls["execute"] == 40
+    assert counting.calls["prepare"] == counting.calls["Prepared"] == 2  # for arrays, then for futures
+    assert counting.calls["execute"] == counting.calls["Dispatched"] == 40  # typed records, not tuples
     assert counting.calls["settle"] >= 1  # the controller asked it which executables settled
     assert 1 <= counting.most_in_flight <= counting.window  # its own window, not max_in_flight
     s.release()
     pw.shutdown()
     assert counting.calls["close"] == 1
+
+
+def test_a_backend_whose_prepare_returns_no_prepared_record_is_named_in_a_clear_error(counting_backend):
+    pw.init(backend="counting", num_cpu_devices=8)
+    (counting,) = counting_backend
+    counting.prepare = lambda plan: None  # an old-style backend that changed the plan in place
+    f = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 2}))
+    with pytest.raises(
+        pw.errors.ClusterError, match=r"backend 'counting'.*prepare returned NoneType.*Prepared"
+    ):
+        f(jnp.ones(4))
+    counting.prepare = lambda plan: CountingBackend.prepare(counting, plan)
+    assert_matches(f(jnp.ones(4)), jnp.full(4, 2.0))  # the program is not left half compiled
 
 
 def test_the_registry_refuses_what_is_not_a_backend():

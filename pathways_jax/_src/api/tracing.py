@@ -48,6 +48,7 @@ from pathways_jax._src.api.placement import (
     _single_device_of,
     _user_mesh,
 )
+from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import counts, errors, reentry, source, timeline
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
@@ -304,9 +305,17 @@ class Program:
         """
         try:
             plan = lower(graph, signature, donated)
-            if plan.backend is not None:  # the compiler calls no backend: its part is made here
-                plan.backend.prepare(plan)
-            return plan
+            if plan.backend is None:  # it places nothing: no backend's part
+                return plan
+            # The compiler calls no backend: the backend's part is made here, a copy holds it.
+            prepared = plan.backend.prepare(plan)
+            if not isinstance(prepared, lowering.Prepared):
+                raise errors.ClusterError(
+                    f"backend {plan.backend.name!r}: its prepare returned {type(prepared).__name__}, not a "
+                    "Prepared record (pathways_jax._src.backends.base.Prepared: the windows, islands, "
+                    "reports and the backend's own part of the plan); fix the backend"
+                )
+            return plan.with_prepared(prepared)
         except (errors.PathwaysError, Warning):  # a warning raised as an error stays itself
             raise
         except Exception as exc:  # also of the original's class (XLA's JaxRuntimeError: a bad option)
@@ -684,7 +693,6 @@ class Program:
 
     def _plan_for(self, key: Any, inputs: TraceInputs, args: tuple, kwargs: dict) -> Any:
         """The plan of this signature: traced (once) and lowered (once per mapping)."""
-        from pathways_jax._src.compile import lowering
 
         graph = self._graph_for(key, inputs)
         donated = self._donated_leaves(args, kwargs)

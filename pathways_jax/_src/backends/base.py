@@ -11,11 +11,28 @@ protocol (see ``local.py`` and ``ray.py``), not by touching the controller.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from pathways_jax._src.compile.lowering import Prepared
+
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Dispatched:
+    """What :meth:`Backend.execute` gives back for a run it dispatched.
+
+    Attributes:
+      values: the run's values by slot (``values[slot]`` for each output slot).
+      markers: for each of the plan's accounting groups, the array (or host
+        completion) whose readiness says the group's devices are done.
+    """
+
+    values: Any
+    markers: tuple = ()
 
 
 class StepFailed(Exception):
@@ -123,23 +140,21 @@ class Backend(Protocol):
     lost: dict[int, str]
     on_lost: Callable[[int], None] | None
 
-    def prepare(self, plan: Plan) -> None:
-        """Finishes lowering ``plan`` for these devices.
+    def prepare(self, plan: Plan) -> Prepared:
+        """Finishes lowering ``plan`` for these devices; ``plan`` is not changed.
 
-        Sets ``plan.windowed`` (executables or messages per window key, an
-        island or a :func:`device_window`, that count against the windows),
-        ``plan.islands`` and ``plan.reports`` (how many dispatch reports a run
-        makes to a trace).
+        Returns its part of the plan: executables or messages per window key
+        (an island or a :func:`device_window`) that count against the windows,
+        the islands a run goes to, how many dispatch reports a run makes to a
+        trace, and a part of the backend's own. The runtime runs
+        ``plan.with_prepared(...)`` of it.
         """
         ...
 
-    def execute(self, run: RunView, window: Window) -> tuple[Any, tuple]:
+    def execute(self, run: RunView, window: Window) -> Dispatched:
         """Dispatches ``run`` (its inputs are in ``run.env``); never waits for results.
 
-        Returns the values by slot (``values[slot]`` for each output slot) and,
-        for each of the plan's accounting groups, the array whose readiness
-        says the group's devices are done. Raises :class:`StepFailed` for a
-        failure of the run's own.
+        Raises :class:`StepFailed` for a failure of the run's own.
         """
         ...
 
@@ -241,7 +256,9 @@ class ServiceView(Protocol):
 
 __all__ = [
     "Backend",
+    "Dispatched",
     "HostFleet",
+    "Prepared",
     "RunView",
     "ServiceView",
     "Shares",

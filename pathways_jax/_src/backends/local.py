@@ -11,7 +11,15 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from pathways_jax._src.backends.base import RunView, StartOptions, StepFailed, Window, device_window
+from pathways_jax._src.backends.base import (
+    Dispatched,
+    Prepared,
+    RunView,
+    StartOptions,
+    StepFailed,
+    Window,
+    device_window,
+)
 from pathways_jax._src.core import counts, errors, host_memory, readiness, source, timeline
 
 if TYPE_CHECKING:
@@ -37,10 +45,10 @@ class LocalBackend:
         self.lost: dict[int, str] = {}  # in-process devices do not die apart from this process
         self.on_lost: Callable[[int], None] | None = None
 
-    def prepare(self, plan: Plan) -> None:
+    def prepare(self, plan: Plan) -> Prepared:
         from pathways_jax._src.compile.lowering import ExecStep, MoveStep
 
-        plan.reports = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
+        reports = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
         # A run counts once in the window of each device its single-device
         # executables run on, by the output of its last one there (its
         # accounting group's): that bounds the runs queued on the device, so
@@ -56,11 +64,10 @@ class LocalBackend:
             _donated_positions(step.executable, len(step.in_slots)) if isinstance(step, ExecStep) else ()
             for step in plan.steps
         )
-        plan.remote = _LocalPart(lanes, donors if any(donors) else None)
-        if lanes:
-            plan.windowed = {**plan.windowed, **dict.fromkeys((key for key, _ in lanes), 1)}
+        windowed = {**plan.windowed, **dict.fromkeys((key for key, _ in lanes), 1)}
+        return Prepared(windowed, plan.islands, reports, _LocalPart(lanes, donors if any(donors) else None))
 
-    def execute(self, run: RunView, window: Window) -> tuple[Any, tuple]:
+    def execute(self, run: RunView, window: Window) -> Dispatched:
         from pathways_jax._src.compile.lowering import ExecStep
 
         plan = run.plan
@@ -68,7 +75,7 @@ class LocalBackend:
         rec = timeline.ACTIVE
         step: Any = None
         dispatched = 0
-        part: _LocalPart | None = plan.remote
+        part: _LocalPart | None = plan.prepared.part
         donors = part.donors if part is not None and part.donors is not None else ()
         hand_on = getattr(window, "handed_on", None) if donors else None
         try:
@@ -127,7 +134,7 @@ class LocalBackend:
         # prepared by no backend: it has no lanes, nor anything to dispatch.
         for key, group in part.lanes if part is not None else ():
             window.in_flight(key, last[group], run)
-        return env, last
+        return Dispatched(env, last)
 
     def settle(self, in_flight: collections.deque) -> None:
         # Oldest first, up to the first one still running (every look is a call into XLA).
@@ -139,7 +146,7 @@ class LocalBackend:
 
 
 class _LocalPart(NamedTuple):
-    """What the local backend adds to a plan (``plan.remote``)."""
+    """What the local backend adds to a plan (``Prepared.part``)."""
 
     # (device window key, accounting group) for each single-device group: the
     # run counts once in that device's window, by the group's last output.

@@ -61,7 +61,7 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends import ray_host
-from pathways_jax._src.backends.base import StepFailed, Window
+from pathways_jax._src.backends.base import Dispatched, Prepared, StepFailed, Window
 from pathways_jax._src.backends.host_link import HostGone, Link, RayCallLink
 from pathways_jax._src.backends.ray_host import (
     KeyData,
@@ -481,27 +481,25 @@ class RayBackend:
         self._seq[host] = seq + 1
         return self.link.send(host, seq, kind, args)
 
-    def prepare(self, plan: Plan) -> None:
+    def prepare(self, plan: Plan) -> Prepared:
         """Splits ``plan`` into one part per host; a run then makes one message (and report) per host."""
         remote = RemotePlan(self, plan)
         for island in remote.islands:
             if island in self.lost:
                 raise errors.HostLostError(self._lost_message(island, f"program {plan.graph.name!r}"))
-        weakref.finalize(plan, self._forget, remote.key, remote.hosts)
-        plan.remote = remote
-        plan.windowed = dict(remote.windowed)
-        plan.islands = remote.islands
-        plan.reports = len(remote.hosts)
+        # The hosts keep their parts as long as the prepared plan holds this one.
+        weakref.finalize(remote, self._forget, remote.key, remote.hosts)
+        return Prepared(dict(remote.windowed), remote.islands, len(remote.hosts), remote)
 
-    def execute(self, run: Any, window: Window) -> tuple[Any, tuple]:
+    def execute(self, run: Any, window: Window) -> Dispatched:
         """Sends each host of ``run`` its one message; the hosts do the rest."""
         plan = run.plan
-        remote: RemotePlan | None = plan.remote
+        remote: RemotePlan | None = plan.prepared.part
         if remote is None:
             # A plan that places nothing (it returns literals or its arguments)
             # was prepared by no backend: no host takes part, its values are here.
-            return run.env, ()
-        for island in plan.windowed:
+            return Dispatched(run.env)
+        for island in plan.prepared.windowed:
             window.make_room(island)
         rec = timeline.ACTIVE
         t0 = rec.now() if rec is not None else 0
@@ -526,7 +524,7 @@ class RayBackend:
                 )
                 rec.sent(run, host, island_of(host), ids, marker, t0)
         slot_hosts = remote.slot_hosts
-        return outputs, tuple([markers[slot_hosts[group.slot][0]] for group in plan.acct_groups])
+        return Dispatched(outputs, tuple([markers[slot_hosts[group.slot][0]] for group in plan.acct_groups]))
 
     def settle(self, in_flight: collections.deque) -> None:
         self.retire_ready(in_flight)
@@ -551,7 +549,7 @@ class RayBackend:
     def dispatch(self, run: Any) -> tuple[dict[int, RemoteArray], dict[int, RemoteArray]]:
         """Sends each host of ``run`` its one message; returns output handles and one marker per host."""
         plan = run.plan
-        remote: RemotePlan = plan.remote
+        remote: RemotePlan = plan.prepared.part
         env = run.env
         markers: dict[int, RemoteArray] = {}
         keys = {slot: next(self._keys) for part in remote.parts.values() for slot in part.keep}

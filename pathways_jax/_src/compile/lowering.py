@@ -7,6 +7,8 @@ between slices, and compiled executables, all decided once per mapping.
 from __future__ import annotations
 
 import collections
+import collections.abc
+import copy
 import dataclasses
 import hashlib
 import itertools
@@ -151,8 +153,39 @@ def _same(a: Any, b: Any, ndim: int) -> bool:
         return False
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prepared:
+    """What a backend adds to a compiled plan: ``Backend.prepare``'s answer.
+
+    Attributes:
+      windowed: executables (or host messages) a run puts in each window: its
+        key is an island, or a device's window (``backends.base.device_window``).
+      islands: the islands a run's work goes to.
+      reports: dispatch reports a run makes to a trace.
+      part: the backend's own part of the plan (the local backend's lanes,
+        the Ray hosts' parts), read by that backend alone.
+    """
+
+    windowed: collections.abc.Mapping[int, int]
+    islands: frozenset[int] = frozenset()
+    reports: int = 0
+    part: Any = None
+
+
 class Plan:
-    """A graph bound to physical devices: what the controller executes per run."""
+    """A graph bound to physical devices: what the controller executes per run.
+
+    Frozen once compiled: nothing sets an attribute of a plan after its
+    construction. Its backend's part comes as a copy (:meth:`with_prepared`).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"a Plan is frozen once compiled; cannot set {name!r} (a backend's part goes in "
+                "Plan.with_prepared)"
+            )
+        object.__setattr__(self, name, value)
 
     def __init__(self, graph: Graph, signature: Signature, donated: frozenset[int] = frozenset()):
         self.graph = graph
@@ -166,7 +199,6 @@ class Plan:
         self.template: list[Any] = []
         # Where the plan runs (a literal-only plan, with no cluster: nowhere).
         self.backend = self.cluster.executor if self.cluster is not None else None
-        self.remote: Any = None  # a backend's own part of the plan (the Ray hosts' parts)
         self.host_feeds: list[tuple[int, int, Any]] = []  # (arg index, slot, sharding)
         self.input_charges: list[Charge] = []  # bytes of each host feed on its devices
         self.array_feeds: list[tuple[int, int]] = []  # (arg index, slot): taken as is
@@ -210,7 +242,15 @@ class Plan:
         self.windowed: dict[int, int] = collections.Counter(
             step.island for step in self.steps if isinstance(step, ExecStep) and step.windowed
         )
-        self.reports = 0  # dispatch reports a run makes to a trace (set by the backend's prepare)
+        # Until its backend prepares it (a plan that places nothing never is): no part of a backend's.
+        self.prepared = Prepared(self.windowed, self.islands)
+        self._frozen = True
+
+    def with_prepared(self, prepared: Prepared) -> Plan:
+        """This plan with its backend's part: a copy holding ``prepared`` (this one is unchanged)."""
+        plan = copy.copy(self)
+        object.__setattr__(plan, "prepared", prepared)
+        return plan
 
     def _new_slot(self, value: Any = None) -> int:
         self.template.append(value)
@@ -490,7 +530,7 @@ class Plan:
             return True  # nothing was released or remapped since the last check
         current = all(s._devices is devices and not s.released for s, devices in self.mapping)
         if current and cluster is not None:
-            self._epoch = cluster.mapping_epoch
+            object.__setattr__(self, "_epoch", cluster.mapping_epoch)  # a memo, not the plan's content
         return current
 
 

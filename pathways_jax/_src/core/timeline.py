@@ -248,7 +248,7 @@ class Recorder:
         """A run was queued: records the submit span and expects its dispatches."""
         name = plan.graph.name
         self.complete(f"submit {name}", "submit", start, client=client, program=name, run=run_id)
-        steps = plan.reports  # the run's dispatch reports (dispatched / moved / sent)
+        steps = plan.prepared.reports  # the run's dispatch reports (dispatched / moved / sent)
         with self._cond:
             if self._closed or self._draining or steps == 0:
                 return

@@ -418,7 +418,7 @@ class Controller:
         budget = self._budget
         if budget is not None and not budget.fits(run.plan.admit_charge):
             return _WAITS_FOR_MEMORY
-        for island, count in run.plan.windowed.items():
+        for island, count in run.plan.prepared.windowed.items():
             window = self._window if island >= 0 else self._device_window
             running = None if busy is None else busy.get(island)
             if running is None:
@@ -559,7 +559,7 @@ class Controller:
                             rec.waited(
                                 run.blocked_ns,
                                 client=run.client.name,
-                                island=min(run.plan.islands, default=None),
+                                island=min(run.plan.prepared.islands, default=None),
                                 reason="back-pressure",
                                 bytes=sum(b for _, b in run.plan.admit_charge),
                             )
@@ -737,7 +737,7 @@ class Controller:
             runs = [run for queue in self._queues.values() for run in queue]
         by_island: collections.Counter[int] = collections.Counter()
         for run in runs:
-            by_island.update(run.plan.islands)
+            by_island.update(run.plan.prepared.islands)
         return dict(by_island)
 
     def queued_by_client_name(self) -> dict[str, int]:
@@ -823,7 +823,8 @@ class Controller:
                     self._fail(run, f"program {graph.name!r} run {run.id} got an input that was freed", None)
                     return
         try:
-            values, last = self._backend.execute(run, self)
+            dispatched = self._backend.execute(run, self)
+            values, last = dispatched.values, dispatched.markers
             if run.plan.consumed_feeds:
                 self._spend(run)
         except StepFailed as failed:  # the run's own failure: it fails alone
