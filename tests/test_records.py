@@ -130,6 +130,35 @@ def test_accounting_groups_are_named_and_still_unpack():
         ) and node_count == 1
 
 
+def test_a_compiled_plan_is_frozen_and_its_backends_part_comes_in_a_copy():
+    import dataclasses
+
+    from pathways_jax._src.backends import base
+
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 1}, island=1)
+    f = pw.jit(lambda v: v * 2, devices=a)
+    g = pw.jit(lambda v: v.sum(), devices=b)
+    step = pw.program(lambda v: g(f(v)), fuse=False)
+    np.testing.assert_allclose(step(jnp.ones(8)).result(), jax.jit(lambda v: (v * 2).sum())(jnp.ones(8)))
+    plan = next(iter(step._plans.values()))
+    with pytest.raises(dataclasses.FrozenInstanceError, match="frozen once compiled"):
+        plan.steps = []
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.prepared.reports = 0
+    prepared = plan.prepared
+    assert isinstance(prepared, base.Prepared) and prepared.part is not None
+    assert prepared.reports == len(plan.steps) and prepared.islands == {0, 1}
+    # The local backend adds the window of b's one device (a single-device executable) to the compiler's.
+    assert prepared.windowed == {**plan.windowed, base.device_window(b.devices[0].id): 1}
+    # A backend's part comes in a copy sharing the plan's content; the plan is left as it was.
+    other = base.Prepared({}, frozenset(), 0, None)
+    again = plan.with_prepared(other)
+    assert again is not plan and again.prepared is other and again.steps is plan.steps
+    assert plan.prepared is prepared and again.key == plan.key
+
+
 class _Run:
     def __init__(self, plan_key, client_key, transient=()):
         self.plan = type("P", (), {"key": plan_key})()
@@ -230,3 +259,29 @@ def test_names_with_html_characters_are_escaped_in_pictures_and_views():
         assert name not in text
         assert not re.search(r"<b&c>", text)
     s.release()
+
+
+def test_a_transfers_kind_follows_where_its_slices_are_now_not_where_they_were_traced():
+    """A slice moved off a lost island (here: island 1 lost by hand) makes its program lower
+    again; a move that crossed islands when traced now stays in one, and is counted as such."""
+    cluster = pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 1}, island=1)
+    f = pw.jit(lambda v: v * 2, devices=a)
+    g = pw.jit(lambda v: v.sum(), devices=b)
+    step = pw.program(lambda v: g(f(v)), fuse=False)
+    want = jax.jit(lambda v: (v * 2).sum())(jnp.arange(8.0))
+    before = pw.counters()
+    np.testing.assert_allclose(step(jnp.arange(8.0)).result(), want)
+    assert pw.counters()["transfers_dcn"] - before["transfers_dcn"] == 1
+    cluster.host_lost(1)  # b moves to island 0, where a's neighbours are free
+    assert b.island == 0
+    before = pw.counters()
+    np.testing.assert_allclose(step(jnp.arange(8.0)).result(), want)
+    after = pw.counters()
+    assert (
+        after["transfers_ici"] - before["transfers_ici"],
+        after["transfers_dcn"] - before["transfers_dcn"],
+    ) == (1, 0)
+    plan = next(p for p in step._plans.values() if p.is_current())
+    assert [s.kind for s in plan.steps if isinstance(s, lowering.MoveStep) and s.kind] == ["ici"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax.extend.core as jex
 
 from pathways_jax._src.core import errors, source
-from pathways_jax._src.ir.graph import Const, Graph, Input, Node, Output, Step, Transfer, TransferKind, Value
+from pathways_jax._src.ir.graph import Const, Graph, Input, Node, Output, Step, Transfer, Value
 from pathways_jax._src.runtime.slices import SCOPE_PREFIX
 
 if TYPE_CHECKING:
@@ -281,9 +281,8 @@ def build(
             return vid
         key = (vid, slice_.id)
         if key not in moved:
-            kind: TransferKind = "ici" if held.island == slice_.island else "dcn"
             out = new_value(values[vid].aval, slice_, values[vid].origin)
-            transfers.append(Transfer(vid, out, held, slice_, kind))
+            transfers.append(Transfer(vid, out, held, slice_))
             steps.append(("transfer", len(transfers) - 1))
             moved[key] = out
         return moved[key]
