@@ -32,21 +32,6 @@ class GraphOutput(Exception):
     """Raised while a program is traced when its output holds NNX objects: it runs as ``nnx.jit`` runs it."""
 
 
-class _Route:
-    """Marks a program cache key whose arguments hold NNX objects (see ``Program.__call__``)."""
-
-    __slots__ = ()
-
-    def is_current(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "nnx_graph.ROUTE"
-
-
-ROUTE = _Route()
-
-
 def _nnx() -> Any:
     """``flax.nnx`` if it is imported, else None: no NNX object can exist without it."""
     return sys.modules.get("flax.nnx")

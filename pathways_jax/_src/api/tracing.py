@@ -170,6 +170,8 @@ class Program:
         self._lock = threading.RLock()
         self._graphs: dict[Any, Graph] = {}
         self._plans: dict[Any, Any] = {}
+        # Call keys whose arguments or outputs hold NNX objects (pytrees): run as nnx.jit runs them.
+        self._routed: set[Any] = set()
         self._last: _LastCall | None = None
         self._last_leaves: _LastLeaves | None = None
         # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
@@ -374,7 +376,7 @@ class Program:
             if not nnx_graph.routes(self, (args, kwargs)):
                 raise
             return nnx_graph.graph(self, args, kwargs)  # names the NNX state at fault
-        if nnx_graph.routes(self, (args, kwargs)) or self._plans.get(key) is nnx_graph.ROUTE:
+        if nnx_graph.routes(self, (args, kwargs)) or key in self._routed:
             return nnx_graph.graph(self, args, kwargs)
         try:
             return self._graph_for(key, inputs)
@@ -600,19 +602,19 @@ class Program:
             if not nnx_graph.routes(self, (args, kwargs)):
                 raise
             return nnx_graph.call(self, args, kwargs)  # names the NNX state at fault
-        plan = self._plans.get(key)
-        if plan is nnx_graph.ROUTE:  # NNX objects that are pytrees: run as nnx.jit does
+        if key in self._routed:  # NNX objects that are pytrees: run as nnx.jit does
             return nnx_graph.call(self, args, kwargs)
+        plan = self._plans.get(key)
         if plan is None:
             plan = self._array_plan(key, inputs)
         if plan is None or not plan.is_current():
             if nnx_graph.routes(self, (args, kwargs)):
-                self._plans[key] = nnx_graph.ROUTE
+                self._routed.add(key)
                 return nnx_graph.call(self, args, kwargs)
             try:
                 plan = self._plan_for(key, inputs, args, kwargs)
             except nnx_graph.GraphOutput:  # it returns NNX objects: as nnx.jit runs it
-                self._plans[key] = nnx_graph.ROUTE
+                self._routed.add(key)
                 return nnx_graph.call(self, args, kwargs)
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
@@ -683,7 +685,7 @@ class Program:
         if None in arrays:
             return None
         plan = self._plans.get((key[0], arrays, *key[2:]))
-        if plan is None or plan is nnx_graph.ROUTE or plan.donated_args or plan.shipped_feeds:
+        if plan is None or plan.donated_args or plan.shipped_feeds:
             return None
         if plan.special_outputs or (plan.cluster is not None and plan.cluster.store.budget is not None):
             return None
@@ -737,6 +739,7 @@ class Program:
         with self._lock:
             self._graphs.clear()
             self._plans.clear()
+            self._routed.clear()
             self._last = None
             self._last_leaves = None
             jitted = self._jitted
@@ -763,14 +766,14 @@ class Program:
             key, inputs = self._split(args, kwargs)
         except (TracerArgument, nnx_graph.GraphArgument):
             return  # under a transformation, or NNX objects: prepared by their first call
-        if nnx_graph.routes(self, (args, kwargs)) or self._plans.get(key) is nnx_graph.ROUTE:
+        if nnx_graph.routes(self, (args, kwargs)) or key in self._routed:
             return
         plan = self._plans.get(key)
         if plan is None or not plan.is_current():
             try:
                 self._plan_for(key, inputs, args, kwargs)
             except nnx_graph.GraphOutput:  # NNX objects returned: prepared by the first call
-                self._plans[key] = nnx_graph.ROUTE
+                self._routed.add(key)
 
     def inner_program(self, inner_fun: Callable[..., Any]) -> Program:
         """A program with this one's options over ``inner_fun``, taking NNX pytrees as plain pytrees.
