@@ -16,7 +16,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest  # noqa: E402
 
 import pathways_jax as pw  # noqa: E402
-from pathways_jax._src.runtime import session as cluster_lib  # noqa: E402
+from pathways_jax._src.runtime import clusters as cluster_lib  # noqa: E402
 
 
 def _shutdown_as_a_fresh_process() -> None:

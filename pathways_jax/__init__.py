@@ -35,15 +35,15 @@ from pathways_jax._src.ir.graph import Node as Node
 from pathways_jax._src.ir.graph import Transfer as Transfer
 from pathways_jax._src.runtime.clients import Client as Client
 from pathways_jax._src.runtime.clients import client as client
+from pathways_jax._src.runtime.clusters import Cluster as Cluster
+from pathways_jax._src.runtime.clusters import cluster as cluster
+from pathways_jax._src.runtime.clusters import init as init
+from pathways_jax._src.runtime.clusters import shutdown as shutdown
 from pathways_jax._src.runtime.futures import Future as Future
 from pathways_jax._src.runtime.futures import results as results
 from pathways_jax._src.runtime.service import Service as Service
 from pathways_jax._src.runtime.service import serve as serve
 from pathways_jax._src.runtime.service import service as service
-from pathways_jax._src.runtime.session import Cluster as Cluster
-from pathways_jax._src.runtime.session import cluster as cluster
-from pathways_jax._src.runtime.session import init as init
-from pathways_jax._src.runtime.session import shutdown as shutdown
 from pathways_jax._src.runtime.slices import VirtualSlice as VirtualSlice
 from pathways_jax._src.runtime.slices import devices as devices
 

@@ -189,7 +189,7 @@ def test_optional_capabilities_are_protocols_not_classes():
         assert callable(getattr(RayBackend, name)), name
     for name in ("share", "handle_of", "array_of", "service_stats"):
         assert callable(getattr(ServiceBackend, name)), name
-    for module in ("api/sharing.py", "api/stats.py", "runtime/session.py"):
+    for module in ("api/sharing.py", "api/stats.py", "runtime/clusters.py"):
         text = (SRC / module).read_text()
         assert "ServiceBackend" not in text and "RayBackend" not in text, module
         assert 'backend == "ray"' not in text and "backends import local" not in text, module

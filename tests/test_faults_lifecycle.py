@@ -15,8 +15,8 @@ import pytest
 import pathways_jax as pw
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.runtime import accounting as accounting_lib
+from pathways_jax._src.runtime import clusters as cluster_lib
 from pathways_jax._src.runtime import context as context_lib
-from pathways_jax._src.runtime import session as cluster_lib
 
 CLOSED = accounting_lib.CLOSED_CLIENTS
 

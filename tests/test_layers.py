@@ -186,7 +186,7 @@ def test_every_package_docstring_names_its_modules(name):
 @pytest.mark.parametrize(
     ("module", "line", "expected"),
     [
-        ("core/errors.py", "from pathways_jax._src.runtime import session", "a layer above it"),
+        ("core/errors.py", "from pathways_jax._src.runtime import clusters", "a layer above it"),
         ("ir/graph.py", "from pathways_jax._src.compile.lowering import Plan", "a layer above it"),
         ("compile/lowering.py", "from pathways_jax._src.views import render", "outside a _repr_* method"),
         ("core/counts.py", "from pathways_jax._src.core import readiness", "import cycle"),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pathways_jax as pw
-from pathways_jax._src.runtime import session as cluster_lib
+from pathways_jax._src.runtime import clusters as cluster_lib
 
 
 def _parse(page: str) -> tuple[ET.Element, str]:

@@ -179,9 +179,9 @@ def test_a_donating_program_traces_the_futures_signature():
 
 
 def _live_values() -> int:
-    from pathways_jax._src.runtime import session
+    from pathways_jax._src.runtime import clusters
 
-    return session.cluster().store.live_count()
+    return clusters.cluster().store.live_count()
 
 
 def test_nnx_repeat_call_writes_states_back_without_futures():

@@ -7,7 +7,7 @@ from typing import Any
 
 from pathways_jax._src.backends.base import Shares
 from pathways_jax._src.core import errors
-from pathways_jax._src.runtime import clients, session
+from pathways_jax._src.runtime import clients, clusters
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.object_store import Failed, Owner, Ready
 
@@ -16,7 +16,7 @@ _received = itertools.count()
 
 
 def _service_backend(what: str) -> Shares:
-    backend = session.cluster().executor
+    backend = clusters.cluster().executor
     if not isinstance(backend, Shares):
         raise errors.ClusterError(
             f"{what} passes values between client processes of a controller service; this process "
@@ -87,7 +87,7 @@ def receive(handle: Any) -> Future:
         raise TypeError(f"pw.receive takes a pw.Handle (from pw.share), got {type(handle).__name__}.")
     array = backend.array_of(handle)
     client = clients.current()
-    store = session.cluster().store
+    store = clusters.cluster().store
     origin = f"a value received from client {handle.owner} (key {handle.key})"
     entry = store.new(
         Owner(client.name, -1 - next(_received), client.key), array.aval, array.sharding, None, origin

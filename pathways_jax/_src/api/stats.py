@@ -7,7 +7,7 @@ from typing import Any
 
 from pathways_jax._src.backends.base import ServiceView
 from pathways_jax._src.core import errors
-from pathways_jax._src.runtime import session
+from pathways_jax._src.runtime import clusters
 from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
 
@@ -61,7 +61,7 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
         raise errors.ClusterError(
             f"pw.stats(reset=...) takes True or False, got {reset!r} ({type(reset).__name__})."
         )
-    cl = session.cluster()
+    cl = clusters.cluster()
     controller = cl.controller
     # Values whose futures were dropped by now are no longer in use.
     deadline = time.monotonic() + 1.0

@@ -3,7 +3,7 @@
 JAX's barrier knows the computations JAX dispatched, not the runs still
 queued for the controller (whose host callbacks have not run yet) nor those
 the controller dispatched: ``jax.effects_barrier`` is wrapped to wait for
-them first (``session.wait_for_programs``). Written against jax 0.10.
+them first (``clusters.wait_for_programs``). Written against jax 0.10.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from pathways_jax._src.runtime import session
+from pathways_jax._src.runtime import clusters
 
 
 def install() -> bool:
@@ -23,7 +23,7 @@ def install() -> bool:
 
     @functools.wraps(original)
     def effects_barrier() -> None:
-        session.wait_for_programs()
+        clusters.wait_for_programs()
         original()
 
     effects_barrier._waits_for_programs = True  # type: ignore[attr-defined]

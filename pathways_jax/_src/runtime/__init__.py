@@ -8,7 +8,7 @@ accounting, the controller service, and the cluster that holds them and
 starts its backend by name (``backends.registry``). May import: ``backends``, ``compile``,
 ``ir``, ``core``.
 
-Modules: ``session`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``slices`` (virtual slices,
+Modules: ``clusters`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``slices`` (virtual slices,
 ``pw.devices``); ``resources`` (the resource manager); ``context`` (per-thread context);
 ``clients`` (clients); ``submission`` (a call becomes a run and futures); ``controller`` (the
 single controller); ``admission`` (the admission core); ``scheduler`` (scheduling policies);

@@ -17,7 +17,7 @@ import weakref
 from typing import Any
 
 from pathways_jax._src.core import errors
-from pathways_jax._src.runtime import session
+from pathways_jax._src.runtime import clusters
 from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
 _ids = itertools.count(1)
@@ -71,7 +71,7 @@ class Client:
             if self.closed:
                 return
             self.closed = True
-        current = session.running()
+        current = clusters.running()
         if current is not None:
             current.close_client(self)
 
@@ -81,7 +81,7 @@ class Client:
             if self.closed or self.ended:
                 return
             self.ended = True
-        current = session.running()
+        current = clusters.running()
         if current is not None:
             current.retire_client(self)
 

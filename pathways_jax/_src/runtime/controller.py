@@ -57,7 +57,7 @@ from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, P
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from pathways_jax._src.runtime.session import Cluster
+    from pathways_jax._src.runtime.clusters import Cluster
     from pathways_jax._src.runtime.submission import Run
 
 _now = time.perf_counter_ns

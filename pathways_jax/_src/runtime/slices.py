@@ -15,10 +15,10 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from pathways_jax._src.core import checks, errors
 from pathways_jax._src.core.meshes import fitting_spec, only_mesh
-from pathways_jax._src.runtime import context, session
+from pathways_jax._src.runtime import clusters, context
 
 if TYPE_CHECKING:
-    from pathways_jax._src.runtime.session import Cluster
+    from pathways_jax._src.runtime.clusters import Cluster
 
 _ids = itertools.count()
 _DEFAULT_AXIS_NAMES = ("x", "y", "z")
@@ -323,7 +323,7 @@ def devices(
             f"timeout must be None or a number >= 0, got {timeout!r} ({type(timeout).__name__}); give a "
             "finite number of seconds, or None to wait as long as it takes."
         )
-    cl = session.cluster()
+    cl = clusters.cluster()
     size = int(np.prod(shape))
     island_index, physical = cl.resources.acquire(size, island, exclusive, timeout, device_ids)
     return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive, types)
@@ -337,7 +337,7 @@ def implied(
     One slice per devices, mesh and axis types for the life of the cluster, so
     every call of such a program finds the same slice (and its cached plan).
     """
-    cl = session.cluster()
+    cl = clusters.cluster()
     key = (device_ids, tuple(mesh.items()), axis_types)
     with cl.implied_lock:
         found = cl.implied_slices.get(key)

@@ -16,7 +16,7 @@ from absl import logging
 
 from pathways_jax._src.core import counts, errors, reentry, timeline
 from pathways_jax._src.core.charges import Charge
-from pathways_jax._src.runtime import clients, context, session
+from pathways_jax._src.runtime import clients, clusters, context
 from pathways_jax._src.runtime.futures import Future, dispatched_values
 from pathways_jax._src.runtime.object_store import ObjectStore, Owner
 
@@ -110,7 +110,7 @@ def _run_of(plan: Plan, leaves: list[Any]) -> tuple[Run, Any]:
     """The run of ``plan`` with these argument leaves, its outputs' entries made; and its cluster."""
     cl = plan.cluster
     if cl is None:  # a program that places nothing (it only returns literals)
-        cl = session.cluster()
+        cl = clusters.cluster()
     store = cl.store
     env = list(plan.template)
     shipped = plan.shipped_feeds
@@ -311,9 +311,9 @@ def computed(tree: Any, origin: str, is_leaf: Any = None) -> Any:
     does; its outputs are still returned as futures, so code that reads them with
     ``result()`` works unchanged.
     """
-    running = session.running()
+    running = clusters.running()
     if running is not None or not context.exiting:
-        store = session.cluster().store
+        store = clusters.cluster().store
     else:  # after the exit hook: no cluster to start; the futures keep their own store
         store = _AFTER_EXIT.setdefault("store", ObjectStore())
     client = clients.current()

@@ -52,11 +52,11 @@ def _stats(cluster: Any) -> Mapping | None:
     """
     try:
         import pathways_jax
-        from pathways_jax._src.runtime import session
+        from pathways_jax._src.runtime import clusters
 
         fn = getattr(pathways_jax, "stats", None)
-        running = getattr(session, "running", None)
-        current = running() if callable(running) else session._current
+        running = getattr(clusters, "running", None)
+        current = running() if callable(running) else clusters._current
         if (
             not callable(fn)
             or current is None
