@@ -20,19 +20,25 @@ every host of a broadcast receives every part.
 The host handles them strictly in arrival order, answering each with
 ``Done``, ``Failed`` or ``Fetched`` (answers posted while another is being
 sent go out together as one batch). Plan parts, fed values and fetched
-values cross as pickled blobs; everything else is typed fields.
+values cross as blobs: pickled, but a fetched numpy array of a built-in
+numeric dtype as its bytes behind a small header (:func:`_array_blob`);
+everything else is typed fields.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import pickle
 import secrets
 import socket
+import struct
 import threading
 import time
 from typing import Any, Literal, NamedTuple
+
+import numpy as np
 
 from pathways_jax._src import wire
 from pathways_jax._src.backends.host_link import HostGone
@@ -119,6 +125,46 @@ def _unblob(blob: wire.Blob) -> Any:
     return pickle.loads(blob.view)
 
 
+# A fetched array's blob: a header (this first byte, where a pickle's is 0x80; the length of its
+# dtype's ``str``, e.g. ``<f4``; its number of dimensions), that ``str``, its shape, then its bytes
+# in C order. Pickling would run numpy's reduce machinery on both sides.
+_ARRAY = 0
+_ARRAY_HEAD = struct.Struct("<BBB")
+
+
+@functools.cache
+def _shape_struct(ndim: int) -> struct.Struct:
+    return struct.Struct(f"<{ndim}q")
+
+
+@functools.cache
+def _dtype(code: bytes) -> np.dtype:
+    return np.dtype(code.decode())
+
+
+def _array_blob(value: np.ndarray) -> wire.Blob:
+    """A fetched array as a blob: its raw bytes for a built-in numeric dtype, else pickled."""
+    dtype = value.dtype
+    if dtype.isbuiltin != 1 or dtype.kind not in "biufc":  # bfloat16, strings, objects, ...: pickled
+        return _blob(value)
+    code = dtype.str.encode()
+    shape = _shape_struct(value.ndim).pack(*value.shape)
+    head = _ARRAY_HEAD.pack(_ARRAY, len(code), value.ndim)
+    return wire.Blob(b"".join((head, code, shape, np.ascontiguousarray(value).data)))
+
+
+def _fetched_value(blob: wire.Blob) -> Any:
+    """What :func:`_array_blob` made (a writable array of its own), or a pickled value."""
+    view = blob.view
+    if not view or view[0] != _ARRAY:
+        return pickle.loads(view)
+    _, length, ndim = _ARRAY_HEAD.unpack_from(view)
+    at = _ARRAY_HEAD.size + length
+    shape = _shape_struct(ndim).unpack_from(view, at)
+    data = bytearray(view[at + 8 * ndim :])  # off the frame, whose memory is read-only
+    return np.frombuffer(data, _dtype(bytes(view[_ARRAY_HEAD.size : at]))).reshape(shape)
+
+
 def _feed(slot: int, kind: str, payload: Any) -> wire.Feed:
     """A run's input ``(slot, kind, payload)`` as its wire form: a value's key, or a fed value."""
     if kind == "value":
@@ -185,6 +231,8 @@ def decode(item: wire.Item) -> tuple[str, tuple]:
 
 def answer_message(seq: int, value: Any) -> wire.Item:
     """A host's answer to message ``seq`` as its wire message."""
+    if type(value) is np.ndarray:  # a fetched value, the most frequent answer with a payload
+        return wire.Fetched(seq, _array_blob(value))
     match value:
         case None | float():
             return wire.Done(seq, value)
@@ -209,7 +257,7 @@ def answer_value(item: wire.Item) -> Any:
         case wire.Failed(_, kind, peer, message, trace, peers):
             return RunFailure(kind, peer, message, trace, tuple(peers))  # type: ignore[arg-type]
         case wire.Fetched(_, payload):
-            return _unblob(payload)
+            return _fetched_value(payload)
     raise ValueError(f"not an answer: {type(item).__name__}")
 
 

@@ -969,10 +969,11 @@ def _readable(value: Any, np: Any) -> Any:
 
     Typed keys go as :class:`KeyData` around their raw data's.
     """
-    import jax
+    if not isinstance(value.dtype, np.dtype):  # (an extended dtype is no numpy dtype)
+        import jax
 
-    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
-        return KeyData(_readable(jax.random.key_data(value), np), str(jax.random.key_impl(value)))
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+            return KeyData(_readable(jax.random.key_data(value), np), str(jax.random.key_impl(value)))
     if value.is_fully_addressable:
         return np.asarray(value)
     return Shards(
