@@ -6,9 +6,8 @@ cycle exists, lazy (function-level) imports included. ``views`` may import
 anything, and is imported only lazily inside ``_repr_*`` methods (and
 ``Graph.to_dot``, the DOT text of the picture). ``pipeline`` sits on the public
 API. Imports under ``if TYPE_CHECKING:`` (annotations) count for the layers
-too: a type named from a layer above is a dependency on it, refused but for
-the known ones in ``KNOWN_UPWARD_ANNOTATIONS``. They are not counted for
-cycles: a module and its caller may name each other's types.
+too: a type named from a layer above is a dependency on it. They are not
+(yet) counted for cycles.
 """
 
 import ast
@@ -27,9 +26,6 @@ PACKAGE = pathlib.Path(pathways_jax.__file__).parent
 # Functions that may import a view lazily: notebook hooks, and Graph.to_dot.
 VIEW_ENTRIES = ("_repr_",)
 VIEW_METHODS = {("ir.graph", "to_dot")}
-# Annotation imports from a layer above that remain (the IR and the compiler name the runtime's
-# VirtualSlice): the debt the pure compiler pays off. The list may only shrink.
-KNOWN_UPWARD_ANNOTATIONS = {("ir.graph", "runtime.slices"), ("compile.lowering", "runtime.slices")}
 
 
 def _imports(path: pathlib.Path, annotations: bool = False):
@@ -113,8 +109,7 @@ def violations(package: pathlib.Path) -> list[str]:
             if theirs == "pipeline" or (theirs in ORDER and ORDER.index(theirs) > ORDER.index(mine)):
                 problems.append(f"{where}: {name} ({mine}) imports {target} ({theirs}), a layer above it")
     # Annotations (imports under `if TYPE_CHECKING:`) count for the layers too: a type named
-    # from a layer above is a dependency on it. The ones below are known and go with the pure
-    # compiler (ir.SliceRef in place of the runtime's VirtualSlice); no other may be added.
+    # from a layer above is a dependency on it.
     for name, path in sorted(modules.items()):
         if not name:
             continue
@@ -128,11 +123,11 @@ def violations(package: pathlib.Path) -> list[str]:
                 ),
                 None,
             )
-            if target is None or mine in ("views", "pipeline"):
+            if target is None or target == name or layer(target) == name or mine in ("views", "pipeline"):
                 continue
             theirs = layer(target)
             upward = theirs == "pipeline" or (theirs in ORDER and ORDER.index(theirs) > ORDER.index(mine))
-            if upward and (name, target) not in KNOWN_UPWARD_ANNOTATIONS:
+            if upward:
                 where = f"_src/{path.relative_to(src)}:{line}"
                 problems.append(
                     f"{where}: {name} ({mine}) imports {target} ({theirs}) for annotations, a layer above it"

@@ -285,3 +285,47 @@ def test_a_transfers_kind_follows_where_its_slices_are_now_not_where_they_were_t
     ) == (1, 0)
     plan = next(p for p in step._plans.values() if p.is_current())
     assert [s.kind for s in plan.steps if isinstance(s, lowering.MoveStep) and s.kind] == ["ici"]
+
+
+def test_lowering_reads_where_slices_are_from_the_placement_it_is_given_and_nothing_else():
+    """The compiler is a function of plain data: given a placement that puts the graph's slices
+    on other devices and islands than they have now, it compiles for those, and derives each
+    transfer's kind from that placement; the live slices are not read (nor changed)."""
+    import dataclasses
+
+    from jax.sharding import Mesh
+
+    from pathways_jax._src.compile import placement as placement_lib
+    from pathways_jax._src.runtime import slices as slices_lib
+
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    f = pw.jit(lambda v: v * 2, devices=a)
+    g = pw.jit(lambda v: v + 1, devices=b)
+    step = pw.program(lambda v: g(f(v)), fuse=False)
+    x = jnp.arange(4.0)
+    np.testing.assert_allclose(step(x).result(), jax.jit(lambda v: v * 2 + 1)(x))
+    graph = step.graph(x)
+    _, inputs = step._split((x,), {})
+    live = slices_lib.placement_of(graph.slices)
+    assert live.kind(a.id, b.id) == "dcn"
+    # Elsewhere: a on devices 6 and 7, b beside it on 4 and 5, one island.
+    devices = {d.id: d for d in jax.devices()}
+    elsewhere = dataclasses.replace(
+        live,
+        slices={
+            a.id: placement_lib.Placed(a.ref, Mesh(np.array([devices[6], devices[7]]), ("x",)), 1),
+            b.id: placement_lib.Placed(b.ref, Mesh(np.array([devices[4], devices[5]]), ("x",)), 1),
+        },
+    )
+    plan = lowering.lower(graph, inputs.signature, elsewhere)
+    execs = [s for s in plan.steps if isinstance(s, lowering.ExecStep)]
+    placed_on = [sorted(d.id for d in s.executable.output_shardings[0].device_set) for s in execs]
+    assert placed_on == [[6, 7], [4, 5]]
+    assert [s.island for s in execs] == [1, 1]
+    assert [s.kind for s in plan.steps if isinstance(s, lowering.MoveStep) and s.kind] == ["ici"]
+    assert plan.placement is elsewhere and plan.cluster is live.owner
+    # The slices themselves are where they were, and a call still runs there, exactly.
+    assert (a.island, b.island) == (0, 1) and [d.id for d in a.devices] != [6, 7]
+    np.testing.assert_allclose(step(x).result(), jax.jit(lambda v: v * 2 + 1)(x))

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax.extend.core as jex
 import numpy as np
@@ -24,6 +24,7 @@ from pathways_jax._src.api.placed_jit import JitFunction
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.api.tracing import program as make_program
 from pathways_jax._src.ir.graph import Graph, Node
+from pathways_jax._src.runtime.slices import VirtualSlice
 from pathways_jax.sim._cluster import Cluster
 from pathways_jax.sim._engine import SimResult, Workload, simulate
 from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step
@@ -88,7 +89,7 @@ def estimate_node_time(node: Node, cluster: Cluster, devices: int) -> float:
 def _placement(graph: Graph, cluster: Cluster, mode: str) -> dict[int, tuple[int, int]]:
     """Each slice's ``[start, stop)`` devices on the simulated cluster, packed per island."""
     placed: dict[int, tuple[int, int]] = {}
-    for s in graph.slices:
+    for s in cast("tuple[VirtualSlice, ...]", graph.slices):  # a traced graph's: the runtime's own
         island = s.island % cluster.islands
         lo, hi = cluster.island_devices(island)
         if mode == "scale":

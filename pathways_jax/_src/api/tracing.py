@@ -97,6 +97,11 @@ def active_trace() -> TraceState | None:
     return cast("TraceState | None", context.state.trace)
 
 
+def _live(graph: Graph) -> tuple[VirtualSlice, ...]:
+    """A traced graph's slices: the runtime's own (the IR names them by what it reads, ``ir.graph.Slice``)."""
+    return cast("tuple[VirtualSlice, ...]", graph.slices)
+
+
 class _LastCall(NamedTuple):
     """The last call whose arguments were all futures: the next such call may skip its lookups."""
 
@@ -306,7 +311,7 @@ class Program:
         ``ValueError`` is also a ``PlacementError``, anything else a ``ProgramTraceError``.
         """
         try:
-            plan = lower(graph, signature, donated)
+            plan = lower(graph, signature, slices.placement_of(_live(graph)), donated)
             if plan.backend is None:  # it places nothing: no backend's part
                 return plan
             # The compiler calls no backend: the backend's part is made here, a copy holds it.
@@ -401,7 +406,7 @@ class Program:
         # A graph on a slice that is gone is traced again: the slices a program
         # with no placement implied belonged to a cluster that was shut down, and
         # those the user named raise their own clear error when traced.
-        if graph is not None and not any(s.released for s in graph.slices):
+        if graph is not None and not any(s.released for s in _live(graph)):
             return graph
         # Traced with no lock held: the trace runs the user's code, which may
         # call this program from a thread it then joins. Threads tracing one
@@ -413,7 +418,7 @@ class Program:
             graph = dataclasses.replace(graph, compiler_options=self._compiler_options)
         with self._lock:
             kept = self._graphs.get(key)
-            if kept is None or any(s.released for s in kept.slices):
+            if kept is None or any(s.released for s in _live(kept)):
                 kept = self._graphs[key] = graph
             return kept
 

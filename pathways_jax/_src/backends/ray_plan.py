@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.ray_host import ExecOp, Op, Piece, PostOp, PullOp, PutOp, ShardingDesc
@@ -120,13 +121,12 @@ class RemotePlan:
             if isinstance(step, ExecStep):
                 node = step.node
                 what = f"node {node.name!r} ({node.source_info})"
-                hosts = where(node.slice.sharding(), what).hosts
+                whole = NamedSharding(plan.placement.slices[node.slice.id].mesh, PartitionSpec())
+                hosts = where(whole, what).hosts
                 executable = step.executable
                 # An input the executable does not read (dead code: flax's init(key, dummy) input)
                 # has no sharding of its own: the hosts get it on the node's devices.
-                in_shardings = [
-                    s if s is not None else node.slice.sharding() for s in executable.input_shardings[0]
-                ]
+                in_shardings = [s if s is not None else whole for s in executable.input_shardings[0]]
                 out_shardings = jax.tree_util.tree_leaves(executable.output_shardings)
                 for slot, sharding in zip(step.in_slots, in_shardings, strict=True):
                     if locate(slot, sharding) != hosts:

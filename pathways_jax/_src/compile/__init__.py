@@ -1,10 +1,12 @@
 """Compile: lowering a graph to a plan for physical devices, and the compiled executables.
 
-Binds each node to its slice's current devices, compiles it (cached,
-bounded), and lays out steps, transfers and byte counts. It submits
-nothing and never looks the cluster up: a plan is data the runtime runs.
+Binds each node to the devices a placement gives its slice, compiles it
+(cached, bounded), and lays out steps, transfers and byte counts. It
+submits nothing and reads no slice, cluster or backend: it is given a
+placement of plain data, and a plan is data the runtime runs.
 May import: ``ir``, ``core``.
 
-Modules: ``lowering`` (a graph and the slices' devices become a plan); ``executable_cache`` (the
-compiled executables plans share).
+Modules: ``lowering`` (a graph and a placement become a plan); ``placement`` (where a graph's
+slices are, and what runs them, as plain data); ``executable_cache`` (the compiled executables
+plans share).
 """

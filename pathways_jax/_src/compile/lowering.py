@@ -23,17 +23,17 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.compile.executable_cache import ExecutableCache
+from pathways_jax._src.compile.placement import NOWHERE, Placement
 from pathways_jax._src.core import charges as charges_lib
 from pathways_jax._src.core import counts, errors, timeline
 from pathways_jax._src.core.charges import Charge, charge_of
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
-from pathways_jax._src.ir.graph import Graph, Node
+from pathways_jax._src.ir.graph import Graph, Node, Slice
 from pathways_jax._src.ir.signatures import FutureKey
 
 if TYPE_CHECKING:
     from pathways_jax._src.ir.signatures import Signature
-    from pathways_jax._src.runtime.slices import VirtualSlice
 
 _plans = itertools.count()
 
@@ -75,7 +75,7 @@ class OutputSlot:
     where: Any
     aval: Any
     sharding: Any
-    slice: VirtualSlice | None
+    slice: Slice | None
     origin: str
     committed: bool = True  # False: an uncommitted one-device output, as jax.jit's (Graph.uncommitted_slice)
 
@@ -187,18 +187,22 @@ class Plan:
             )
         object.__setattr__(self, name, value)
 
-    def __init__(self, graph: Graph, signature: Signature, donated: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        graph: Graph,
+        signature: Signature,
+        placement: Placement = NOWHERE,
+        donated: frozenset[int] = frozenset(),
+    ):
         self.graph = graph
         self.key = next(_plans)  # never reused, unlike id(): accounting keys its figures by it
         self.donated_args = donated  # argument leaves the caller donated (donate_argnums)
         # Future feed slots whose buffer an executable consumes: their futures are spent.
         self.consumed_feeds: frozenset[int] = frozenset()
-        self.slices = graph.slices
-        self.mapping = tuple((s, s.devices) for s in self.slices)
-        self.cluster = self.slices[0].cluster if self.slices else None
+        # Where the graph's slices are and what runs them: all lowering reads of the runtime.
+        self.placement = placement
         self.template: list[Any] = []
-        # Where the plan runs (a literal-only plan, with no cluster: nowhere).
-        self.backend = self.cluster.executor if self.cluster is not None else None
+        target = placement.target
         self.host_feeds: list[tuple[int, int, Any]] = []  # (arg index, slot, sharding)
         self.input_charges: list[Charge] = []  # bytes of each host feed on its devices
         self.array_feeds: list[tuple[int, int]] = []  # (arg index, slot): taken as is
@@ -209,24 +213,22 @@ class Plan:
         # Static bytes of what each step makes, by slot: reserved under a memory budget.
         self.slot_charge: dict[int, Charge] = {}
         self.step_charge: list[tuple[str, Charge]] = []  # (what, bytes per device) per step
-        self._epoch = self.cluster.mapping_epoch if self.cluster is not None else 0
         self._lower(signature)
         self._account()
-        if self.consumed_feeds and self.backend is not None and not self.backend.donates:
+        if self.consumed_feeds and target is not None and not target.donates:
             self.consumed_feeds = frozenset()  # compiled without donation there
-        budget = self.cluster.store.budget if self.cluster is not None else None
-        if budget is not None:
-            self.check_budget(budget)
+        if placement.limits is not None:
+            self.check_budget(placement.limits)
         # Under a budget, a queued run holds its host inputs on the host: the
         # controller puts them on devices when it admits the run.
         self.staged_feeds = (
-            budget is not None
-            and self.backend is not None
-            and self.backend.stages_inputs
+            placement.limits is not None
+            and target is not None
+            and target.stages_inputs
             and bool(self.host_feeds)
         )
         # A backend that does not stage inputs ships them with the run's message.
-        self.shipped_feeds = self.backend is not None and not self.backend.stages_inputs
+        self.shipped_feeds = target is not None and not target.stages_inputs
         self.signatures = [out.signature for out in self.outputs]
         # Outputs submission makes ready itself (literals, arguments returned as they are).
         self.special_outputs = [(i, out) for i, out in enumerate(self.outputs) if out.kind != "slot"]
@@ -307,9 +309,10 @@ class Plan:
                     slot = materialise(t.value, target, ndim)
                 else:
                     slot = self._new_slot()
-                    self.steps.append(MoveStep(src_slot, slot, target, t.kind, values[vid].aval))
+                    kind = self.placement.kind(t.src.id, t.dst.id)  # where the slices are now
+                    self.steps.append(MoveStep(src_slot, slot, target, kind, values[vid].aval))
                     self._note_bytes(
-                        f"{t.kind} transfer of {values[vid].origin}", [slot], [values[vid].aval], [target]
+                        f"{kind} transfer of {values[vid].origin}", [slot], [values[vid].aval], [target]
                     )
                     made_here.add(vid)
                 home[vid] = (slot, target)
@@ -334,17 +337,19 @@ class Plan:
             placed[key] = slot
             return slot
 
-        cache = self.cluster.executables if self.cluster is not None else None
+        where = self.placement.slices
+        backend = self.placement.target
+        cache = self.placement.executables
         consumed: set[int] = set()
         for kind, index in graph.steps:
             if kind == "transfer":
                 continue  # materialised where a node first reads the moved value
             node = graph.nodes[index]
-            mesh = node.slice.physical_mesh
-            if self.backend is not None and not self.backend.calls_back and _calls_host(node.jaxpr.jaxpr):
+            mesh = where[node.slice.id].mesh
+            if backend is not None and not backend.calls_back and _calls_host(node.jaxpr.jaxpr):
                 raise errors.PlacementError(
                     f"node {node.name!r} ({node.source_info}) calls back into Python on the host "
-                    f"(pure_callback, io_callback or debug printing); the {self.backend.name!r} backend "
+                    f"(pure_callback, io_callback or debug printing); the {backend.name!r} backend "
                     "ships computations with jax.export, which cannot carry a Python callback to another "
                     "process. Move the callback out of the program, or use backend='local'."
                 )
@@ -372,7 +377,7 @@ class Plan:
             out_shardings = tuple(
                 NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
             )
-            export = self.backend is not None and self.backend.exports
+            export = backend is not None and backend.exports
             executable, exported = _compile(
                 node,
                 mesh,
@@ -381,7 +386,7 @@ class Plan:
                 tuple(donate),
                 cache,
                 export=export,
-                platforms=getattr(self.backend, "export_platforms", None),
+                platforms=backend.export_platforms if backend is not None else None,
                 options=graph.compiler_options,
                 loose=_loose_device(graph, node, mesh) if not export else None,
             )
@@ -407,7 +412,7 @@ class Plan:
                     tuple(in_slots),
                     tuple(out_slots),
                     node,
-                    node.slice.island,
+                    where[node.slice.id].island,
                     tuple(pinned),
                     windowed=mesh.devices.size > 1 or _calls_host(node.jaxpr.jaxpr),
                     exported=exported,
@@ -495,16 +500,15 @@ class Plan:
                 islands.add(step.island)
                 if not step.out_slots:
                     continue
-                key = tuple(sorted(d.id for d in step.node.slice.physical_mesh.devices.flat))
+                key = tuple(sorted(self.placement.device_ids(step.node.slice.id)))
                 count = groups[key].node_count + 1 if key in groups else 1
                 groups[key] = AccountingGroup(key, step.out_slots[0], count)
         self.acct_groups = tuple(groups.values())
         self.devices = frozenset(d for key in groups for d in key)
         self.islands = frozenset(islands)
 
-    def check_budget(self, budget: Any) -> None:
-        """Raises ``ResourceError`` if this plan's outputs can never fit ``budget``."""
-        limits = budget.limits
+    def check_budget(self, limits: collections.abc.Mapping[int, int]) -> None:
+        """Raises ``ResourceError`` if this plan's outputs can never fit a budget of ``limits`` (bytes by device id)."""
         for what, charge in self.step_charge:
             for d, b in charge:
                 if b > limits.get(d, b):
@@ -525,13 +529,18 @@ class Plan:
 
     def is_current(self) -> bool:
         """False when a slice was released or remapped, so the plan must be lowered again."""
-        cluster = self.cluster
-        if cluster is not None and cluster.mapping_epoch == self._epoch:
-            return True  # nothing was released or remapped since the last check
-        current = all(s._devices is devices and not s.released for s, devices in self.mapping)
-        if current and cluster is not None:
-            object.__setattr__(self, "_epoch", cluster.mapping_epoch)  # a memo, not the plan's content
-        return current
+        return self.placement.current()
+
+    @property
+    def cluster(self) -> Any:
+        """The runtime's cluster the plan runs on (None: it places nothing); lowering never reads it."""
+        return self.placement.owner
+
+    @property
+    def backend(self) -> Any:
+        """The cluster's backend (None: the plan places nothing)."""
+        owner = self.placement.owner
+        return owner.executor if owner is not None else None
 
 
 def _loose_device(graph: Graph, node: Node, mesh: Any) -> jax.Device | None:
@@ -765,13 +774,15 @@ def _warn_donation(graph: Graph, node: Node, leaf: int) -> None:
     )
 
 
-def lower(graph: Graph, signature: Signature, donated: frozenset[int] = frozenset()) -> Plan:
-    """Binds ``graph`` to the slices' current devices and compiles its nodes.
+def lower(
+    graph: Graph, signature: Signature, placement: Placement, donated: frozenset[int] = frozenset()
+) -> Plan:
+    """Binds ``graph`` to the devices ``placement`` gives its slices and compiles its nodes.
 
     ``donated``: argument leaves whose buffers the program may consume.
     """
     t0 = timeline.now()
-    plan = Plan(graph, signature, donated)
+    plan = Plan(graph, signature, placement, donated)
     counts.bump("lowerings")
     timeline.lowered(plan, t0)
     return plan

@@ -283,8 +283,7 @@ class Recorder:
         plan = run.plan
         self._learn_cluster(plan.cluster)
         node = step.node
-        devices = next((devs for s, devs in plan.mapping if s is node.slice), ())
-        ids = tuple(d.id for d in devices)
+        ids = plan.placement.device_ids(node.slice.id)
         info = (
             f"{plan.graph.name}/{node.name}",
             (1 + step.island, ids),
@@ -586,7 +585,7 @@ _last_plans: dict[int, weakref.ref] = {}
 
 
 def _mapping(plan: Any) -> dict[int, tuple[int, ...]]:
-    return {s.id: tuple(d.id for d in devices) for s, devices in plan.mapping}
+    return {slice_id: plan.placement.device_ids(slice_id) for slice_id in plan.placement.slices}
 
 
 def lowered(plan: Any, start: int) -> None:

@@ -6,17 +6,47 @@ A graph names only virtual slices; lowering binds it to physical devices.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, Protocol
 
-from jax.sharding import PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from pathways_jax._src.core import errors
 from pathways_jax._src.core.formatting import aval_text
 
-if TYPE_CHECKING:
-    from pathways_jax._src.runtime.slices import VirtualSlice
-
 TransferKind = Literal["ici", "dcn"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SliceRef:
+    """A virtual slice as plain, frozen data: what it is, not where it is.
+
+    The runtime's ``VirtualSlice`` wraps one (``.ref``), as JAX's ``Mesh``
+    has an ``AbstractMesh``; which devices and island it has now is the
+    placement lowering is given (``compile.placement``).
+    """
+
+    id: int
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    axis_types: tuple[AxisType, ...]
+    mesh: AbstractMesh
+
+
+class Slice(Protocol):
+    """What the graph reads of the slices its values and nodes are on (``VirtualSlice``)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def ref(self) -> SliceRef: ...
+    @property
+    def island(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def axis_names(self) -> tuple[str, ...]: ...
+    @property
+    def mesh(self) -> AbstractMesh: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,7 +55,7 @@ class Value:
 
     id: int
     aval: Any
-    slice: VirtualSlice | None
+    slice: Slice | None
     origin: str
 
 
@@ -52,7 +82,7 @@ class Node:
 
     name: str
     kind: Literal["jit", "glue", "fused"]
-    slice: VirtualSlice
+    slice: Slice
     jaxpr: Any
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
@@ -76,8 +106,8 @@ class Transfer:
 
     value: int
     output: int
-    src: VirtualSlice
-    dst: VirtualSlice
+    src: Slice
+    dst: Slice
 
     @property
     def kind(self) -> TransferKind:
@@ -140,9 +170,9 @@ class Graph:
     uncommitted_slice: int | None = None
 
     @property
-    def slices(self) -> tuple[VirtualSlice, ...]:
+    def slices(self) -> tuple[Slice, ...]:
         """The distinct slices the graph places work on, in order of first use."""
-        seen: dict[int, VirtualSlice] = {}
+        seen: dict[int, Slice] = {}
         for node in self.nodes:
             seen.setdefault(node.slice.id, node.slice)
         for transfer in self.transfers:

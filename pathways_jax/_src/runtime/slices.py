@@ -13,8 +13,10 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from pathways_jax._src.compile.placement import NOWHERE, Placed, Placement, Target
 from pathways_jax._src.core import checks, errors
 from pathways_jax._src.core.meshes import fitting_spec, only_mesh
+from pathways_jax._src.ir.graph import SliceRef
 from pathways_jax._src.runtime import clusters, context
 
 if TYPE_CHECKING:
@@ -121,6 +123,8 @@ class VirtualSlice:
         # on it lowers for the physical mesh, whose abstract mesh it is.
         grid = np.array(devices, dtype=object).reshape(shape)
         self.mesh: AbstractMesh = Mesh(grid, axis_names, axis_types=self.axis_types).abstract_mesh
+        # What the slice is, as the IR names it; where it is (devices, island) may change.
+        self.ref = SliceRef(self.id, tuple(shape), tuple(axis_names), tuple(self.axis_types), self.mesh)
         self.island = island
         self.exclusive = exclusive
         self._devices = devices
@@ -228,6 +232,39 @@ class VirtualSlice:
             f"VirtualSlice#{self.id}(mesh={{{axes}}}{types}, island={self.island}, "
             f"devices=[{ids}], {kind}{state})"
         )
+
+
+def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
+    """Where ``slices`` (a graph's) are now, as the plain data lowering is given.
+
+    Its ``current()`` says whether it still holds: no slice released or moved
+    since (asked on every call of a plan: an unchanged mapping epoch answers it).
+    """
+    if not slices:
+        return NOWHERE
+    cluster = slices[0].cluster
+    mapping = tuple((s, s.devices) for s in slices)
+    where = {s.id: Placed(s.ref, s.physical_mesh, s.island) for s in slices}
+    budget = cluster.store.budget
+    epoch = cluster.mapping_epoch
+
+    def current() -> bool:
+        nonlocal epoch
+        if cluster.mapping_epoch == epoch:
+            return True  # nothing was released or remapped since the last look
+        held = all(s._devices is devices and not s.released for s, devices in mapping)
+        if held:
+            epoch = cluster.mapping_epoch
+        return held
+
+    return Placement(
+        where,
+        Target.of(cluster.executor),
+        dict(budget.limits) if budget is not None else None,
+        cluster.executables,
+        current,
+        cluster,
+    )
 
 
 def explicit_view(
