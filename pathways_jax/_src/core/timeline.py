@@ -581,7 +581,7 @@ def trace(path: str | os.PathLike | None = None, *, drain_timeout: float = 60.0)
 
 # --- hooks of the cold path: they log, and record when tracing ---------------------------
 
-_last_plans: dict[int, weakref.ref] = {}
+_last_plans: dict[int, tuple[weakref.ref, dict[int, tuple[int, ...]]]] = {}  # id(graph) -> placement, mapping
 
 
 def _mapping(plan: Any) -> dict[int, tuple[int, ...]]:
@@ -592,16 +592,18 @@ def lowered(plan: Any, start: int) -> None:
     """``lowering.lower`` made ``plan``: logs it (and a remap), records a ``lower`` span."""
     graph = plan.graph
     key = id(graph)
+    # The plan's placement, not the plan: a plan is copied once its backend prepares it (the
+    # copy shares the placement), and a graph's plans all live while its placement does.
     previous = _last_plans.get(key)
-    old = previous() if previous is not None else None
-    _last_plans[key] = weakref.ref(plan)
-    if len(_last_plans) > 256:
-        for k in [k for k, ref in _last_plans.items() if ref() is None]:
-            del _last_plans[k]
+    old = previous[0]() if previous is not None else None
     mapping = _mapping(plan)
+    _last_plans[key] = (weakref.ref(plan.placement), mapping)
+    if len(_last_plans) > 256:
+        for k in [k for k, (ref, _) in _last_plans.items() if ref() is None]:
+            del _last_plans[k]
     rec = ACTIVE
-    if old is not None and old.graph is graph:
-        before = _mapping(old)
+    if old is not None and previous is not None:
+        before = previous[1]
         moved = {sid: (before.get(sid), devs) for sid, devs in mapping.items() if before.get(sid) != devs}
         logging.vlog(
             1,
