@@ -3,24 +3,60 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import jax.extend.core as jex
+from jax.sharding import PartitionSpec
 
 from pathways_jax._src.core import errors, source
-from pathways_jax._src.ir.graph import Const, Graph, Input, Node, Output, Step, Transfer, Value
-from pathways_jax._src.runtime.slices import SCOPE_PREFIX
-
-if TYPE_CHECKING:
-    from pathways_jax._src.api.tracing import TraceState
-    from pathways_jax._src.runtime.slices import VirtualSlice
+from pathways_jax._src.ir.graph import Const, Graph, Input, Node, Output, Slice, Step, Transfer, Value
+from pathways_jax._src.runtime import context
+from pathways_jax._src.runtime.slices import SCOPE_PREFIX, VirtualSlice
 
 # Named scopes the tracer wraps placed code in: a slice's ``with`` block, the
 # program's default slice, and each pw.jit call (numbered).
 JIT_SCOPE = "pw_jit"
 DEFAULT_SCOPE = "pw_default"
 _SCOPE_RE = re.compile(rf"^({SCOPE_PREFIX}|{DEFAULT_SCOPE}|{JIT_SCOPE})(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JitCall:
+    """What a ``pw.jit`` call inside a program trace records about its node."""
+
+    slice: VirtualSlice
+    in_specs: tuple[PartitionSpec | None, ...]
+    out_specs: tuple[PartitionSpec | None, ...] | None
+
+
+class TraceState:
+    """Side tables of one program trace, found again through named scopes."""
+
+    def __init__(self, default: VirtualSlice | None):
+        self.default = default
+        # Where code no slice, scope or input places runs (a program with no
+        # placement at all): the slice jax.jit would pick, made on first need.
+        self.implied: Callable[[], VirtualSlice] | None = None
+        self.slices: dict[int, VirtualSlice] = {}
+        self.jit_calls: list[JitCall] = []
+        if default is not None:
+            self.note_slice(default)
+
+    def note_slice(self, slice_: Slice) -> None:
+        self.slices[slice_.id] = cast(VirtualSlice, slice_)  # slices of this runtime alone are entered
+
+    def record_jit(self, call: JitCall) -> int:
+        self.note_slice(call.slice)
+        self.jit_calls.append(call)
+        return len(self.jit_calls) - 1
+
+
+def active_trace() -> TraceState | None:
+    """The ``TraceState`` of the program being traced on this thread, if any."""
+    return cast("TraceState | None", context.state.trace)
 
 
 def _jit_specs(shardings: Any, slice_: Any, count: int) -> tuple:

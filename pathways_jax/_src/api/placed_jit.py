@@ -15,13 +15,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
-from pathways_jax._src.api.graph_builder import JIT_SCOPE
+from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import _resolve_statics, argnames, argnums, name_of, with_jits_statics
-from pathways_jax._src.api.tracing import JitCall, Program, active_trace
+from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
-from pathways_jax._src.runtime import context, submission
+from pathways_jax._src.runtime import slices, submission
 from pathways_jax._src.runtime.slices import VirtualSlice, check_spec
 
 Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
@@ -124,7 +124,7 @@ class JitFunction:
     def _slice(self) -> VirtualSlice | None:
         """The slice it runs on now; ``None``: nothing places it, so it runs where ``jax.jit`` would."""
         trace = active_trace()
-        chosen = self._devices or context.current_slice() or (trace.default if trace else None)
+        chosen = self._devices or slices.current_slice() or (trace.default if trace else None)
         if chosen is None:
             if self._in_specs is None and self._out_specs is None:
                 return None

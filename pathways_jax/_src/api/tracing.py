@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast, overload
 
 import jax
-from jax.sharding import PartitionSpec
 
 from pathways_jax._src import compat
 from pathways_jax._src.api import graph_builder, nnx_graph
@@ -27,7 +26,7 @@ from pathways_jax._src.api.arguments import (
     _short_repr,
     _signed,
 )
-from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE
+from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE, TraceState
 from pathways_jax._src.api.jit_options import (
     _check_argnums_as_jax_jit,
     _parameters,
@@ -59,42 +58,6 @@ from pathways_jax._src.ir.signatures import FutureKey, Signature
 from pathways_jax._src.runtime import context, slices, submission
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class JitCall:
-    """What a ``pw.jit`` call inside a program trace records about its node."""
-
-    slice: VirtualSlice
-    in_specs: tuple[PartitionSpec | None, ...]
-    out_specs: tuple[PartitionSpec | None, ...] | None
-
-
-class TraceState:
-    """Side tables of one program trace, found again through named scopes."""
-
-    def __init__(self, default: VirtualSlice | None):
-        self.default = default
-        # Where code no slice, scope or input places runs (a program with no
-        # placement at all): the slice jax.jit would pick, made on first need.
-        self.implied: Callable[[], VirtualSlice] | None = None
-        self.slices: dict[int, VirtualSlice] = {}
-        self.jit_calls: list[JitCall] = []
-        if default is not None:
-            self.note_slice(default)
-
-    def note_slice(self, slice_: VirtualSlice) -> None:
-        self.slices[slice_.id] = slice_
-
-    def record_jit(self, call: JitCall) -> int:
-        self.note_slice(call.slice)
-        self.jit_calls.append(call)
-        return len(self.jit_calls) - 1
-
-
-def active_trace() -> TraceState | None:
-    """The ``TraceState`` of the program being traced on this thread, if any."""
-    return cast("TraceState | None", context.state.trace)
 
 
 def _live(graph: Graph) -> tuple[VirtualSlice, ...]:
@@ -186,7 +149,7 @@ class Program:
         """The cache key of a call and what tracing it needs (``flat``: its leaves and treedef, if known)."""
         if not self._static and not (kwargs and self._static_names):
             leaves, treedef = flat if flat is not None else jax.tree_util.tree_flatten((args, kwargs))
-            ambient = context.current_slice() if self._devices is None else None
+            ambient = slices.current_slice() if self._devices is None else None
             signature = _signed(leaves, self.name)
             # As jax.jit's, the key holds the configuration the trace depends on.
             key: tuple = (
@@ -217,7 +180,7 @@ class Program:
         for where, value in statics:
             self._check_static(where, value)
         leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
-        ambient = context.current_slice() if self._devices is None else None
+        ambient = slices.current_slice() if self._devices is None else None
         signature = _signed(leaves, self.name)
         key = (
             treedef,
@@ -572,7 +535,7 @@ class Program:
                     type(a) is Future and a._entry.signature is sig
                     for a, sig in zip(args, last.signatures, strict=True)
                 )
-                and (self._devices is not None or context.current_slice() is last.ambient)
+                and (self._devices is not None or slices.current_slice() is last.ambient)
                 and plan.is_current()
                 and _trace_context() == last.config
             ):
@@ -637,7 +600,7 @@ class Program:
         if (
             _same_types(leaves, fast.marks)
             and treedef == fast.treedef
-            and (self._devices is not None or context.current_slice() is fast.ambient)
+            and (self._devices is not None or slices.current_slice() is fast.ambient)
             and plan.is_current()
             and _trace_context() == fast.config
         ):

@@ -49,7 +49,7 @@ class StepFailed(Exception):
 
 
 class RunView(Protocol):
-    """What a backend reads of a run it dispatches: the runtime's ``submission.Run`` (read only).
+    """What a backend reads of a run it dispatches: the runtime's ``runs.Run`` (read only).
 
     ``env`` holds the run's inputs by slot (the backend may add its values to
     it); ``staged`` what holds its host inputs' copies until it is admitted

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -21,7 +21,6 @@ from pathways_jax._src.backends.ray_host import ExecOp, Op, Piece, PostOp, PullO
 from pathways_jax._src.core import errors
 
 if TYPE_CHECKING:
-    from pathways_jax._src.backends.ray import RayBackend
     from pathways_jax._src.compile.lowering import Plan
 
 
@@ -31,6 +30,27 @@ class Placed(NamedTuple):
     island: int
     hosts: tuple[int, ...]
     desc: ShardingDesc
+
+
+class Islands(Protocol):
+    """Which island a host is in (``ray.Layout``)."""
+
+    def island_of(self, host: int) -> int: ...
+
+
+class Fleet(Protocol):
+    """What splitting a plan by host reads of the Ray backend (``ray.RayBackend``)."""
+
+    @property
+    def layout(self) -> Islands: ...
+
+    def where(self, sharding: Any, what: str) -> Placed:
+        """Where a stand-in sharding lives (island, hosts, descriptor); ``what`` names it in errors."""
+        ...
+
+    def place_of(self, device: Any) -> tuple[int, int, int]:
+        """A stand-in device's island, position on its host, and host."""
+        ...
 
 
 class HostPlan:
@@ -58,7 +78,7 @@ class RemotePlan:
 
     _keys = itertools.count()
 
-    def __init__(self, backend: RayBackend, plan: Plan):
+    def __init__(self, backend: Fleet, plan: Plan):
         from pathways_jax._src.compile.lowering import ExecStep
 
         self.key = next(self._keys)
@@ -185,9 +205,7 @@ class RemotePlan:
         # One message per host per run, each counting once in its island's window.
         self.windowed = collections.Counter(backend.layout.island_of(h) for h in self.hosts)
 
-    def _move(
-        self, backend: RayBackend, step: Any, src_sharding: Any, dst: Placed, part: Any, name: str
-    ) -> None:
+    def _move(self, backend: Fleet, step: Any, src_sharding: Any, dst: Placed, part: Any, name: str) -> None:
         """Each destination host gathers what its shards need: pieces it holds locally, the rest pulled.
 
         A source piece goes to a destination host if it overlaps one of that

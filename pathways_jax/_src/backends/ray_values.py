@@ -8,7 +8,7 @@ that say when it is computed; ``fetch`` brings the value here.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
@@ -16,7 +16,32 @@ from pathways_jax._src.backends.ray_host import KeyData, RunDone
 from pathways_jax._src.core import arrays, counts, errors
 
 if TYPE_CHECKING:
-    from pathways_jax._src.backends.ray import RayBackend
+    from pathways_jax._src.backends.ray_plan import Islands
+
+
+class Holder(Protocol):
+    """What a value on hosts asks of the Ray backend that holds it (``ray.RayBackend``)."""
+
+    @property
+    def layout(self) -> Islands: ...
+    @property
+    def generations(self) -> list[int]: ...
+    @property
+    def lost(self) -> dict[int, str]: ...
+    @property
+    def closed(self) -> bool: ...
+
+    def outcome(self, host: int, done: Any, generation: int) -> BaseException | None:
+        """A host's answer to the run that makes a value: None if it went well, else the error."""
+        ...
+
+    def fetch(self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int) -> Any:
+        """The value under ``key`` on ``hosts``, brought here."""
+        ...
+
+    def drop(self, host: int, key: int | tuple[int, int]) -> None:
+        """A handle went: its value is freed on its host."""
+        ...
 
 
 _UNSETTLED = object()
@@ -48,7 +73,7 @@ class RemoteArray:
 
     def __init__(
         self,
-        backend: RayBackend,
+        backend: Holder,
         hosts: tuple[int, ...],
         key: int | tuple[int, int] | None,  # (owner, key): a value another client process shared
         aval: Any,

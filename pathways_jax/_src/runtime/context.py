@@ -6,20 +6,20 @@ import threading
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from pathways_jax._src.runtime.slices import VirtualSlice
+    from pathways_jax._src.ir.graph import Slice
 
 
 class ActiveTrace(Protocol):
     """What the runtime asks of the ``@pw.program`` being traced on a thread (the API's ``TraceState``)."""
 
-    def note_slice(self, slice_: VirtualSlice) -> None:
+    def note_slice(self, slice_: Slice) -> None:
         """``with slice_:`` was entered inside the traced function: the program uses that slice."""
         ...
 
 
 class _State(threading.local):
     def __init__(self) -> None:
-        self.slices: list[VirtualSlice] = []
+        self.slices: list[Slice] = []  # the runtime's VirtualSlices (slices.current_slice)
         # The trace of the @pw.program being traced on this thread, if any (set by the API).
         self.trace: ActiveTrace | None = None
 
@@ -50,6 +50,7 @@ def park_at_exit() -> None:
         _never.wait(EXIT_PARK_S)
 
 
-def current_slice() -> VirtualSlice | None:
-    """The innermost slice entered with ``with slice:`` on this thread, if any."""
+def current_slice() -> Slice | None:
+    """The innermost slice entered with ``with slice:`` on this thread, if any (as a
+    ``VirtualSlice``: ``slices.current_slice``)."""
     return state.slices[-1] if state.slices else None

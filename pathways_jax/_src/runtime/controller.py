@@ -44,7 +44,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from absl import logging
 
@@ -57,8 +57,11 @@ from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, P
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from pathways_jax._src.runtime.clusters import Cluster
-    from pathways_jax._src.runtime.submission import Run
+    import jax
+
+    from pathways_jax._src.runtime.object_store import ObjectStore
+    from pathways_jax._src.runtime.resources import Island
+    from pathways_jax._src.runtime.runs import Run
 
 _now = time.perf_counter_ns
 # What keeps a queued head from going now (in order of preference).
@@ -108,11 +111,35 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class Settings(Protocol):
+    """What a controller reads of its cluster when it is made (``clusters.Cluster``)."""
+
+    @property
+    def store(self) -> ObjectStore: ...
+    @property
+    def executor(self) -> Backend: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def islands(self) -> tuple[Island, ...]: ...
+    @property
+    def devices(self) -> tuple[jax.Device, ...]: ...
+    @property
+    def inline_dispatch(self) -> bool: ...
+    @property
+    def max_queued(self) -> int: ...
+    @property
+    def scheduler(self) -> str: ...
+    @property
+    def starvation_limit(self) -> int: ...
+    @property
+    def backpressure_timeout(self) -> float | None: ...
+
+
 class Controller:
     """Owns the dispatch lock, the queue and the background thread of a cluster."""
 
-    def __init__(self, cluster: Cluster):
-        self._cluster = cluster
+    def __init__(self, cluster: Settings):
         self._store = cluster.store
         self._backend: Backend = cluster.executor
         # Executables (or host messages) in flight per island before dispatch there waits.

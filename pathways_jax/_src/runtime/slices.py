@@ -7,7 +7,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import jax
 import numpy as np
@@ -232,6 +232,11 @@ class VirtualSlice:
             f"VirtualSlice#{self.id}(mesh={{{axes}}}{types}, island={self.island}, "
             f"devices=[{ids}], {kind}{state})"
         )
+
+
+def current_slice() -> VirtualSlice | None:
+    """The innermost slice entered with ``with slice:`` on this thread, if any."""
+    return cast("VirtualSlice | None", context.current_slice())  # only VirtualSlices enter
 
 
 def placement_of(slices: Sequence[VirtualSlice]) -> Placement:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import weakref
@@ -15,39 +14,15 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.core import counts, errors, reentry, timeline
-from pathways_jax._src.core.charges import Charge
 from pathways_jax._src.runtime import clients, clusters, context
 from pathways_jax._src.runtime.futures import Future, dispatched_values
 from pathways_jax._src.runtime.object_store import ObjectStore, Owner
+from pathways_jax._src.runtime.runs import Run
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
 
 _runs = itertools.count()
-
-
-@dataclasses.dataclass(slots=True)
-class Run:
-    """One call of a program, queued for the controller."""
-
-    id: int
-    plan: Plan
-    env: list[Any]
-    future_inputs: list[tuple[int, Future]]
-    outputs: list[Any]
-    failed: bool = False
-    # The client that submitted the run, its place in the submission order,
-    # and what the scheduler and the memory budget know of it.
-    client: Any = None
-    seq: int = 0
-    estimate: float = 0.0  # device-seconds charged to the client at dispatch
-    transient: Charge = ()  # reserved bytes released when the run completes
-    blocked_since: float | None = None  # when it first waited for memory
-    blocked_ns: int = 0
-    staged: StagedBytes | None = None  # host-input bytes held until admission (under a budget)
-    head: Any = (
-        None  # how the scheduling policy sees it once queued (a scheduler.Head; cost refreshed when picked)
-    )
 
 
 def submit(plan: Plan, leaves: list[Any]) -> Any:
