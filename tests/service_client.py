@@ -181,13 +181,19 @@ def busy(name: str, weight: float, priority: int, size: int, say, stopped) -> No
     say(state="done", runs=runs, exact=exact)
 
 
-def hold(k: int, say, stopped) -> None:
+def _holding(k: int, say) -> tuple:
+    """``k`` values made and kept on a 1-device slice (said once they are); the slice, its maker, the values."""
     s = pw.devices(mesh={"x": 1})
     make = pw.jit(lambda i: jnp.full((256,), i, jnp.float32), devices=s)
     kept = [make(jnp.float32(i)) for i in range(k)]
     for f in kept:
         f.block_until_ready()
     say(state="holding", values=k)
+    return s, make, kept
+
+
+def hold(k: int, say, stopped) -> None:
+    s, _, kept = _holding(k, say)
     slow = pw.jit(lambda v: jax.lax.fori_loop(0, 200, lambda i, u: jnp.sin(u) + 1.0, v), devices=s)
     while not stopped():  # queued runs without end, until the process is killed
         kept.append(slow(kept[-1]))
@@ -197,12 +203,7 @@ def hold(k: int, say, stopped) -> None:
 
 
 def pause(k: int, resume: pathlib.Path, say) -> None:
-    s = pw.devices(mesh={"x": 1})
-    make = pw.jit(lambda i: jnp.full((256,), i, jnp.float32), devices=s)
-    kept = [make(jnp.float32(i)) for i in range(k)]
-    for f in kept:
-        f.block_until_ready()
-    say(state="holding", values=k)
+    _, make, _ = _holding(k, say)
     while not resume.exists():
         time.sleep(0.05)
     started = time.monotonic()

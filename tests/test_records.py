@@ -107,14 +107,21 @@ def test_programs_trace_from_the_named_signature():
 # --- plans and accounting -------------------------------------------------------------------
 
 
-def test_accounting_groups_are_named_and_still_unpack():
+def _two_island_step(b_size: int):
+    """Slices a (2 devices, island 0) and b (``b_size``, island 1), and a program doubling on a
+    and summing on b, unfused; it has run once, checked against jax.jit."""
     pw.init(num_cpu_devices=8, islands=2)
     a = pw.devices(mesh={"x": 2}, island=0)
-    b = pw.devices(mesh={"x": 4}, island=1)
+    b = pw.devices(mesh={"x": b_size}, island=1)
     f = pw.jit(lambda v: v * 2, devices=a)
     g = pw.jit(lambda v: v.sum(), devices=b)
     step = pw.program(lambda v: g(f(v)), fuse=False)
-    step(jnp.ones(8)).result()
+    np.testing.assert_allclose(step(jnp.ones(8)).result(), jax.jit(lambda v: (v * 2).sum())(jnp.ones(8)))
+    return a, b, step
+
+
+def test_accounting_groups_are_named_and_still_unpack():
+    a, b, step = _two_island_step(4)
     plan = next(iter(step._plans.values()))
     groups = plan.acct_groups
     assert all(isinstance(group, lowering.AccountingGroup) for group in groups)
@@ -135,13 +142,7 @@ def test_a_compiled_plan_is_frozen_and_its_backends_part_comes_in_a_copy():
 
     from pathways_jax._src.backends import base
 
-    pw.init(num_cpu_devices=8, islands=2)
-    a = pw.devices(mesh={"x": 2}, island=0)
-    b = pw.devices(mesh={"x": 1}, island=1)
-    f = pw.jit(lambda v: v * 2, devices=a)
-    g = pw.jit(lambda v: v.sum(), devices=b)
-    step = pw.program(lambda v: g(f(v)), fuse=False)
-    np.testing.assert_allclose(step(jnp.ones(8)).result(), jax.jit(lambda v: (v * 2).sum())(jnp.ones(8)))
+    _, b, step = _two_island_step(1)
     plan = next(iter(step._plans.values()))
     with pytest.raises(dataclasses.FrozenInstanceError, match="frozen once compiled"):
         plan.steps = []
@@ -264,12 +265,8 @@ def test_names_with_html_characters_are_escaped_in_pictures_and_views():
 def test_a_transfers_kind_follows_where_its_slices_are_now_not_where_they_were_traced():
     """A slice moved off a lost island (here: island 1 lost by hand) makes its program lower
     again; a move that crossed islands when traced now stays in one, and is counted as such."""
-    cluster = pw.init(num_cpu_devices=8, islands=2)
-    a = pw.devices(mesh={"x": 2}, island=0)
-    b = pw.devices(mesh={"x": 1}, island=1)
-    f = pw.jit(lambda v: v * 2, devices=a)
-    g = pw.jit(lambda v: v.sum(), devices=b)
-    step = pw.program(lambda v: g(f(v)), fuse=False)
+    _, b, step = _two_island_step(1)
+    cluster = pw.cluster()
     want = jax.jit(lambda v: (v * 2).sum())(jnp.arange(8.0))
     before = pw.counters()
     np.testing.assert_allclose(step(jnp.arange(8.0)).result(), want)
