@@ -15,7 +15,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from pathways_jax._src.compile.executable_cache import ExecutableCache
-from pathways_jax._src.ir.graph import SliceRef, TransferKind
+from pathways_jax._src.ir.graph import SliceRef, TransferKind, transfer_kind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ class Placement:
 
     def kind(self, src: int, dst: int) -> TransferKind:
         """The kind of a transfer between two slices (by id): within an island or across."""
-        return "ici" if self.slices[src].island == self.slices[dst].island else "dcn"
+        return transfer_kind(self.slices[src].island, self.slices[dst].island)
 
     def device_ids(self, slice_id: int) -> tuple[int, ...]:
         """The ids of a slice's devices, in mesh order."""

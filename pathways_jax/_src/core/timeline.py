@@ -595,14 +595,13 @@ def lowered(plan: Any, start: int) -> None:
     # The plan's placement, not the plan: a plan is copied once its backend prepares it (the
     # copy shares the placement), and a graph's plans all live while its placement does.
     previous = _last_plans.get(key)
-    old = previous[0]() if previous is not None else None
     mapping = _mapping(plan)
     _last_plans[key] = (weakref.ref(plan.placement), mapping)
     if len(_last_plans) > 256:
         for k in [k for k, (ref, _) in _last_plans.items() if ref() is None]:
             del _last_plans[k]
     rec = ACTIVE
-    if old is not None and previous is not None:
+    if previous is not None and previous[0]() is not None:  # that graph's placement still lives
         before = previous[1]
         moved = {sid: (before.get(sid), devs) for sid, devs in mapping.items() if before.get(sid) != devs}
         logging.vlog(

@@ -16,6 +16,11 @@ from pathways_jax._src.core.formatting import aval_text
 TransferKind = Literal["ici", "dcn"]
 
 
+def transfer_kind(src_island: int, dst_island: int) -> TransferKind:
+    """A move between two islands' devices: ``"ici"`` within one island, ``"dcn"`` across."""
+    return "ici" if src_island == dst_island else "dcn"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SliceRef:
     """A virtual slice as plain, frozen data: what it is, not where it is.
@@ -113,7 +118,7 @@ class Transfer:
     def kind(self) -> TransferKind:
         """``"ici"`` within an island, ``"dcn"`` across islands: where the slices are *now*
         (a slice moved off a lost island makes the same transfer another kind)."""
-        return "ici" if self.src.island == self.dst.island else "dcn"
+        return transfer_kind(self.src.island, self.dst.island)
 
     def __repr__(self) -> str:
         return (
