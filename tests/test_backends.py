@@ -22,6 +22,7 @@ import pytest
 from helpers import assert_matches, wait_for
 
 import pathways_jax as pw
+from pathways_jax._src.backends.base import HostFleet
 
 pytestmark = pytest.mark.timeout(180)
 RAY_CPUS = 8  # the service's 4 hosts and a test's own 4 (one logical CPU each)
@@ -59,7 +60,7 @@ def _live_values(backend: str) -> int:
     cluster = pw.cluster()
     count = cluster.store.live_count()
     if backend != "local":
-        count += sum(s["values"] for s in cluster.remote.host_stats().values())
+        count += sum(s["values"] for s in cluster.backend.host_stats().values())
     return count
 
 
@@ -400,9 +401,9 @@ def test_trace_shows_each_island_s_work(backend, tmp_path):
     assert len({e["args"]["run"] for e in executions}) == 3
     # Each device's track names the host that owns it: on hosts, the one the backend placed it on.
     cluster = pw.cluster()
-    remote = cluster.remote
+    fleet = cluster.backend
     want = {
-        d.id: remote.place_of(d)[2] if remote is not None else d.process_index
+        d.id: fleet.place_of(d)[2] if isinstance(fleet, HostFleet) else d.process_index
         for island in cluster.islands
         for d in island.devices
     }

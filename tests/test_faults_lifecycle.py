@@ -15,7 +15,7 @@ import pytest
 import pathways_jax as pw
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.runtime import accounting as accounting_lib
-from pathways_jax._src.runtime import clusters as cluster_lib
+from pathways_jax._src.runtime import clusters
 from pathways_jax._src.runtime import context as context_lib
 
 CLOSED = accounting_lib.CLOSED_CLIENTS
@@ -219,7 +219,7 @@ def test_after_shutdown_uses_raise_until_init():
         with pytest.raises(pw.errors.ClusterError, match=r"shut down.*pw\.init") as info:
             call()
         assert isinstance(info.value, RuntimeError), what
-        assert cluster_lib.running() is None, f"{what} started a cluster"
+        assert clusters.running() is None, f"{what} started a cluster"
     # pw.init starts the next one, with any arguments.
     cl = pw.init(num_cpu_devices=8, islands=2)
     assert pw.cluster() is cl and "clients" in pw.stats()
@@ -231,7 +231,7 @@ def test_the_exit_hook_and_a_shutdown_with_nothing_running_do_not_count(monkeypa
     first = pw.cluster()
     # The hook marks the process as exiting; the test process goes on, so the mark is undone after.
     monkeypatch.setattr(context_lib, "exiting", False)
-    cluster_lib._shutdown_at_exit()
+    clusters._shutdown_at_exit()
     assert first.closed and context_lib.exiting
     context_lib.exiting = False
     assert pw.cluster() is not first  # the exit hook is not a user's pw.shutdown()
@@ -293,12 +293,12 @@ def test_the_exit_hook_and_a_shutdown_with_nothing_running_do_not_count(monkeypa
 def test_init_refuses_bad_arguments(kwargs, pattern):
     with pytest.raises(pw.errors.ClusterError, match=pattern):
         pw.init(**kwargs)
-    assert cluster_lib.running() is None  # nothing half-started
+    assert clusters.running() is None  # nothing half-started
 
 
 def test_init_takes_max_queued():
-    assert cluster_lib.DEFAULT_MAX_QUEUED == 1024
-    assert pw.init(num_cpu_devices=8).max_queued == cluster_lib.DEFAULT_MAX_QUEUED
+    assert clusters.DEFAULT_MAX_QUEUED == 1024
+    assert pw.init(num_cpu_devices=8).max_queued == clusters.DEFAULT_MAX_QUEUED
     with pytest.raises(pw.errors.ClusterError, match=r"max_queued=4.*max_queued=1024.*is running"):
         pw.init(num_cpu_devices=8, max_queued=4)
     pw.shutdown()

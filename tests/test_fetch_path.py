@@ -112,7 +112,7 @@ def test_a_fetch_of_a_computed_value_is_not_held_behind_one_still_being_computed
     small.block_until_ready()  # computed; not brought to the controller
     ready = _handle(small)
     busy = _handle(slow(x))
-    backend = cluster.remote
+    backend = cluster.backend
     with backend._lock:  # a message answered once the host's executor is past the run
         past = backend._message(0, "free", [])
     past.result(timeout=60)  # so the run's value is on the host, not computed yet
@@ -144,7 +144,7 @@ def test_values_of_other_dtypes_and_typed_keys_come_back_from_the_host(one_host)
 def test_a_host_lost_while_a_fetch_waits_fails_it_with_host_lost(one_host):
     cluster, s, _slow_fn, x, m = one_host
     out = _handle(pw.jit(lambda v: _slow(v, m, 20 * STEPS), devices=s)(x))  # the fetch waits behind it
-    killer = threading.Timer(0.5, os.kill, (cluster.remote.info[0]["pid"], signal.SIGKILL))
+    killer = threading.Timer(0.5, os.kill, (cluster.backend.info[0]["pid"], signal.SIGKILL))
     killer.start()
     try:
         with pytest.raises(pw.errors.HostLostError, match="host 0"):

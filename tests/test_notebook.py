@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pathways_jax as pw
-from pathways_jax._src.runtime import clusters as cluster_lib
+from pathways_jax._src.runtime import clusters
 
 
 def _parse(page: str) -> tuple[ET.Element, str]:
@@ -65,7 +65,7 @@ def test_cluster_view_shows_islands_devices_and_live_slices(monkeypatch):
     monkeypatch.undo()
     pw.shutdown()
     assert "utilisation" not in _parse(cl._repr_html_())[1]  # a closed cluster: no stats, none started
-    assert cluster_lib._current is None
+    assert clusters._current is None
 
 
 @pytest.mark.timeout(60)

@@ -38,7 +38,7 @@ CLIENT = textwrap.dedent(
     x = jnp.arange(8.0)
     got = step(x).result(timeout=120)
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(lambda v: (jnp.sin(v) * 3).sum())(x)), rtol=1e-6)
-    pids = sorted({info["pid"] for info in cluster.remote.info})
+    pids = sorted({info["pid"] for info in cluster.backend.info})
     print("joined", len(pids), "hosts; result matches jax.jit")
     """
 )

@@ -52,7 +52,7 @@ def test_killed_host_fails_its_futures_and_the_next_run_moves(ray_cluster):
     slow_out, _ = step(x, 2.0)  # seconds of work on host 1
     time.sleep(0.5)
     assert not slow_out.done()
-    os.kill(cluster.remote.info[1]["pid"], signal.SIGKILL)
+    os.kill(cluster.backend.info[1]["pid"], signal.SIGKILL)
     killed = time.monotonic()
     with pytest.raises(pw.errors.HostLostError, match="host 1") as caught:
         slow_out.result(timeout=30)
@@ -92,13 +92,13 @@ def test_a_slow_host_is_not_declared_lost(ray_cluster):
     # The monitor looked at the host every 0.25 s meanwhile: busy is not lost.
     assert busy > 1.0, f"the slow node took only {busy:.1f}s; the test needs a longer one"
     assert_matches(value, jax.jit(lambda v: _slow(v, m, 16000))(x), rtol=1e-4)
-    assert cluster.remote.lost == {}
+    assert cluster.backend.lost == {}
     assert all(not isl_lost for isl_lost in [i in cluster.resources.lost for i in range(2)])
 
 
 def test_shutdown_stops_the_host_actors(ray_cluster):
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
-    actors = list(cluster.remote.actors)
+    actors = list(cluster.backend.actors)
     assert ray_cluster.get([h.ping.remote() for h in actors], timeout=60) == [0, 1]
     pw.shutdown()
     deadline = time.monotonic() + 20
@@ -113,7 +113,7 @@ def test_shutdown_stops_the_host_actors(ray_cluster):
         time.sleep(0.1)
     assert dead == len(actors)
     # Ray itself keeps running for the next cluster.
-    assert pw.init(backend="ray", hosts=1, devices_per_host=2).remote.info[0]["devices"] == 2
+    assert pw.init(backend="ray", hosts=1, devices_per_host=2).backend.info[0]["devices"] == 2
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_gpu_hosts_on_a_cluster_without_gpus_are_refused_at_once(ray_cluster):
         pw.init(backend="ray", hosts=2, devices_per_host=1, platform="gpu")
     assert time.monotonic() - start < 10  # placement would have waited its 120 s
     # Nothing was started: CPU hosts come up next.
-    assert pw.init(backend="ray", hosts=1, devices_per_host=1).remote.info[0]["platform"] == "cpu"
+    assert pw.init(backend="ray", hosts=1, devices_per_host=1).backend.info[0]["platform"] == "cpu"
 
 
 def test_hosts_follow_the_controller_s_64_bit_mode(ray_cluster):
@@ -300,15 +300,15 @@ def test_dropped_programs_are_forgotten_on_their_hosts(ray_cluster):
     # on a thread holding the backend's lock); the next flush sends it.
     cluster = pw.init(backend="ray", hosts=1)
     s = pw.devices(mesh={"x": 1})
-    baseline = cluster.remote.host_stats()[0]["plans"]
+    baseline = cluster.backend.host_stats()[0]["plans"]
     programs = [pw.jit(lambda v, i=i: v + i, devices=s) for i in range(3)]
     for i, program in enumerate(programs):
         np.testing.assert_array_equal(program(jnp.ones(2)).result(timeout=60), np.ones(2) + i)
-    assert cluster.remote.host_stats()[0]["plans"] == baseline + 3
+    assert cluster.backend.host_stats()[0]["plans"] == baseline + 3
     del programs, program
     gc.collect()
-    assert wait_for(lambda: cluster.remote.host_stats()[0]["plans"] == baseline, timeout=10), (
-        cluster.remote.host_stats()
+    assert wait_for(lambda: cluster.backend.host_stats()[0]["plans"] == baseline, timeout=10), (
+        cluster.backend.host_stats()
     )
     pw.shutdown()
 
@@ -317,7 +317,7 @@ def test_host_stats_report_each_host_process_and_its_cpu_seconds(ray_cluster):
     # The simulator's calibration charges each host its own process's CPU seconds (pw.sim).
     cluster = pw.init(backend="ray", hosts=2)
     s = pw.devices(mesh={"x": 1}, island=1)
-    before = cluster.remote.host_stats()
+    before = cluster.backend.host_stats()
     assert {before[0]["pid"], before[1]["pid"]}.isdisjoint({os.getpid()})
     assert before[0]["pid"] != before[1]["pid"]
     step = pw.jit(lambda v: jnp.tanh(v @ v.T).sum(axis=0), devices=s)
@@ -325,7 +325,7 @@ def test_host_stats_report_each_host_process_and_its_cpu_seconds(ray_cluster):
     for _ in range(50):
         out = step(x)
     assert_matches(out, jax.jit(lambda v: jnp.tanh(v @ v.T).sum(axis=0))(x), rtol=1e-5, atol=1e-6)
-    after = cluster.remote.host_stats()
+    after = cluster.backend.host_stats()
     assert after[1]["cpu_s"] > before[1]["cpu_s"]  # host 1 ran the programs
     assert after[1]["cpu_s"] - before[1]["cpu_s"] > after[0]["cpu_s"] - before[0]["cpu_s"]
     pw.shutdown()
@@ -341,7 +341,7 @@ def test_a_full_window_is_looked_at_without_asking_ray(ray_cluster, monkeypatch)
     x = step(jnp.ones((128, 128)))
     x.result(timeout=120)  # compiled, registered
     asked = []
-    wait = cluster.remote.ray.wait
+    wait = cluster.backend.ray.wait
 
     def counted(refs, *args, **kwargs):
         # (The host monitor's pings, every second, are asked so too: not counted.)
@@ -349,7 +349,7 @@ def test_a_full_window_is_looked_at_without_asking_ray(ray_cluster, monkeypatch)
             asked.append(threading.current_thread().name)
         return wait(refs, *args, **kwargs)
 
-    monkeypatch.setattr(cluster.remote.ray, "wait", counted)
+    monkeypatch.setattr(cluster.backend.ray, "wait", counted)
     for _ in range(12):  # more runs than the window holds: the controller waits for room
         x = step(x)
     got = x.result(timeout=120)
@@ -365,7 +365,7 @@ def test_hosts_are_messaged_over_the_channel_and_a_small_result_needs_no_fetch(r
     # Messages go over the controller's signed ZeroMQ channel, not a Ray actor call each; a small
     # kept value comes back with its run's completion, so reading it sends the host nothing more.
     cluster = pw.init(backend="ray", hosts=1, devices_per_host=2)
-    link = cluster.remote.link
+    link = cluster.backend.link
     assert link.stats()["transport"] == "channel"
     s = pw.devices(mesh={"x": 2})
     loss = pw.jit(lambda v: jnp.mean(v * v), devices=s)
@@ -394,7 +394,7 @@ def test_the_ray_call_link_still_serves_as_a_second_link(ray_cluster, monkeypatc
 
     monkeypatch.setattr(ray_backend, "make_link", lambda transport: host_link.RayCallLink())
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
-    assert cluster.remote.link.stats()["transport"] == "ray"
+    assert cluster.backend.link.stats()["transport"] == "ray"
     a = pw.devices(mesh={"x": 1}, island=0)
     b = pw.devices(mesh={"x": 1}, island=1)
 
@@ -410,7 +410,7 @@ def test_the_ray_call_link_still_serves_as_a_second_link(ray_cluster, monkeypatc
     want_total, want_scaled = jax.jit(lambda v: ((jnp.sin(v) * 2).sum() + 1, jnp.sin(v) * 6))(x)
     assert_matches(total, want_total)
     assert_matches(scaled, want_scaled)
-    assert cluster.remote.link.stats()["messages"] >= 4  # registrations and runs, one call each
+    assert cluster.backend.link.stats()["messages"] >= 4  # registrations and runs, one call each
 
 
 def _alive(pid: int) -> bool:
@@ -431,7 +431,7 @@ def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster):
     b = pw.devices(mesh={"x": 1}, island=1)
     f = pw.jit(lambda v: v * 2 + 1, devices=b)
     assert_matches(f(jnp.arange(4.0)), jnp.arange(4.0) * 2 + 1)
-    pid = cluster.remote.info[1]["pid"]
+    pid = cluster.backend.info[1]["pid"]
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:

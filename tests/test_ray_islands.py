@@ -85,7 +85,7 @@ def test_two_clients_collectives_in_opposite_device_orders_are_exact(ray_cluster
         np.testing.assert_array_equal(results["sums"][j], np.asarray(want_sum(jnp.arange(8.0) + j)))
         np.testing.assert_array_equal(results["maxes"][j], np.asarray(want_max(jnp.arange(8.0) + j)))
     # Both hosts ran every program: 2 x 200 runs each (collectives need both).
-    stats = cluster.remote.host_stats()
+    stats = cluster.backend.host_stats()
     assert stats[0]["runs"] >= 2 * n and stats[1]["runs"] >= 2 * n, stats
 
 
@@ -114,7 +114,7 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     kept_on_island1 = pw.jit(lambda v: v * 2, devices=b)(jnp.arange(4.0))
     assert wait_for(kept_on_island1.done, 60)
     before = pw.counters()
-    pids = [info["pid"] for info in cluster.remote.info]
+    pids = [info["pid"] for info in cluster.backend.info]
 
     slow_out, slow_sum = step(x, 2.0)  # seconds of work on island 1 (hosts 2 and 3)
     time.sleep(0.5)
@@ -131,7 +131,7 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     # The island went as a unit: its other member was stopped too.
     assert wait_for(lambda: _gone(pids[2]), DETECTION_BOUND_S), "the lost island's other host still runs"
     assert not _gone(pids[0]) and not _gone(pids[1])
-    assert cluster.remote.lost.keys() == {1}
+    assert cluster.backend.lost.keys() == {1}
     assert_matches(kept_on_island0, jnp.arange(4.0) * 3)  # island 0's values are untouched
 
     # The slice moved to the surviving island; the program lowers again, no re-trace.
@@ -144,8 +144,8 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     assert after["lowerings"] - before["lowerings"] == 1
 
     # Ray has room (the lost hosts' bundles): the island is rebuilt on two new hosts.
-    assert wait_for(lambda: not cluster.remote.lost and 1 not in cluster.resources.lost, 90), "not rebuilt"
-    new_pids = [info["pid"] for info in cluster.remote.info]
+    assert wait_for(lambda: not cluster.backend.lost and 1 not in cluster.resources.lost, 90), "not rebuilt"
+    new_pids = [info["pid"] for info in cluster.backend.info]
     assert new_pids[:2] == pids[:2] and not set(new_pids[2:]) & set(pids)
     c = pw.devices(mesh={"x": 2}, island=1)
     spread_sum = pw.jit(lambda v: v - v.mean(), devices=c, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
@@ -172,12 +172,12 @@ def test_values_cross_hosts_through_the_transfer_servers(ray_cluster):
     x = jnp.linspace(-1, 1, 16)
     want = jax.jit(lambda v: jnp.tanh(jnp.cos(v) * 2) + (jnp.cos(v) * 2).sum())(x)
     two_islands(x).result(timeout=120)
-    before, stats_before = pw.counters(), cluster.remote.host_stats()
+    before, stats_before = pw.counters(), cluster.backend.host_stats()
     runs = 10
     outs = [two_islands(x) for _ in range(runs)]
     for out in outs:
         assert_matches(out, want, rtol=1e-5, atol=1e-6)
-    after, stats_after = pw.counters(), cluster.remote.host_stats()
+    after, stats_after = pw.counters(), cluster.backend.host_stats()
 
     def delta(key: str, hosts) -> int:
         return sum(stats_after[h][key] - stats_before[h][key] for h in hosts)
@@ -218,7 +218,7 @@ def test_source_killed_mid_transfer_fails_the_run_cleanly(ray_cluster):
     x = jnp.ones((256, 256))
     produce_then_consume(x).result(timeout=180)
     island1_alone = pw.jit(lambda v: v * 5 + 1, devices=b)
-    pids = [info["pid"] for info in cluster.remote.info]
+    pids = [info["pid"] for info in cluster.backend.info]
 
     out = produce_then_consume(x * 0.5)
     time.sleep(0.5)
@@ -230,8 +230,8 @@ def test_source_killed_mid_transfer_fails_the_run_cleanly(ray_cluster):
     assert time.monotonic() - killed <= DETECTION_BOUND_S
     # Island 1's hosts did not hang on the pull: they serve the next program.
     assert_matches(island1_alone(jnp.arange(6.0)), jnp.arange(6.0) * 5 + 1)
-    assert cluster.remote.lost.keys() == {0}
-    assert set(cluster.remote.host_stats()) == {2, 3}
+    assert cluster.backend.lost.keys() == {0}
+    assert set(cluster.backend.host_stats()) == {2, 3}
     # Not to be rebuilt: the island stays out of placement.
     time.sleep(1.0)
     with pytest.raises(pw.errors.ResourceError, match=r"island 0.*lost"):
@@ -249,4 +249,4 @@ def test_init_checks_the_island_layout(ray_cluster):
     spread = pw.jit(lambda v: v * 3, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
     x = jnp.arange(12.0).reshape(4, 3)
     assert_matches(spread(x), x * 3)
-    assert [info["island_devices"] for info in cluster.remote.info] == [4, 4]
+    assert [info["island_devices"] for info in cluster.backend.info] == [4, 4]

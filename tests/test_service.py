@@ -294,7 +294,7 @@ def test_a_fetched_value_goes_straight_from_its_hosts_to_the_client(joined, isla
     after = island_service.stats()["fetches"]
     assert after["relayed"] == before["relayed"], (before, after)
     # This process's channel closed: the hosts cannot send there, the service passes the value on.
-    joined.remote._inbox.close()
+    joined.backend._inbox.close()
     np.testing.assert_array_equal(
         np.asarray(make(x * 2).result(timeout=60)), np.asarray(jax.jit(lambda x: jnp.sin(x) * 3)(x * 2))
     )
@@ -374,7 +374,7 @@ def test_forged_replayed_truncated_and_malformed_frames_are_refused_and_counted(
 
     from pathways_jax._src import wire
 
-    endpoint = joined.remote.channel  # the service's channel, as this process joined it
+    endpoint = joined.backend.channel  # the service's channel, as this process joined it
     f = pw.jit(lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 2}))
     np.testing.assert_array_equal(f(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) * 2 + 1)
     context = zmq.Context()
@@ -422,10 +422,10 @@ def test_forged_replayed_truncated_and_malformed_frames_are_refused_and_counted(
     context.term()
     # This process's own channel: a message that is not a batch; then a batch carrying a message
     # that is not a request (typed: the frame does not decode, and is refused as malformed).
-    refused("not_a_batch", lambda: joined.remote._peer.send(wire.Done(0)) and None)
+    refused("not_a_batch", lambda: joined.backend._peer.send(wire.Done(0)) and None)
     refused(
         "malformed",
-        lambda: joined.remote._peer.send(wire.Submit(10**6, [wire.Routed(0, wire.Done(0))], None)) and None,  # type: ignore[arg-type]
+        lambda: joined.backend._peer.send(wire.Submit(10**6, [wire.Routed(0, wire.Done(0))], None)) and None,  # type: ignore[arg-type]
     )
     # The service and this client go on as if nothing happened.
     np.testing.assert_array_equal(f(jnp.arange(6.0)).result(timeout=60), np.arange(6.0) * 2 + 1)
@@ -584,7 +584,7 @@ def test_a_host_lost_under_the_service_fails_its_runs_and_the_next_call_moves(ra
         want = jax.jit(lambda v: jax.lax.fori_loop(0, 3000, lambda i, u: jnp.sin(u) + 1.0, v))(jnp.ones(256))
         np.testing.assert_allclose(slow(jnp.ones(256)).result(timeout=60), want, rtol=1e-5)
         pending = [slow(jnp.ones(256)) for _ in range(8)]
-        os.kill(cluster.remote.info[0]["pid"], signal.SIGKILL)
+        os.kill(cluster.backend.info[0]["pid"], signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(pw.errors.HostLostError, match="host 0"):
             for f in pending:
@@ -594,7 +594,7 @@ def test_a_host_lost_under_the_service_fails_its_runs_and_the_next_call_moves(ra
         assert wait_for(lambda: s.island == 1, timeout=10)
         np.testing.assert_allclose(slow(jnp.ones(256)).result(timeout=60), want, rtol=1e-5)
         # The service rebuilds island 0 on a new host, and this process hears of it.
-        assert wait_for(lambda: 0 not in cluster.remote.lost, timeout=60)
+        assert wait_for(lambda: 0 not in cluster.backend.lost, timeout=60)
         assert svc.stats()["lost"] == {}
     finally:
         pw.shutdown()

@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from pathways_jax import errors
 from pathways_jax._src.runtime.clusters import DEFAULT_IN_FLIGHT
 from pathways_jax.sim._profile import ControllerCosts, DeviceCosts, HostCosts, LinkCosts, Profile
 
@@ -147,9 +148,14 @@ def cpu_timer(loop: Loop, target_s: float) -> Callable[[], dict[str, float]]:
     its stats, read outside the timed calls).
     """
     import pathways_jax as pw
+    from pathways_jax._src.backends.base import HostFleet
 
     calls = _calls(loop, target_s)
-    remote = pw.cluster().remote
+    remote = pw.cluster().backend
+    if not isinstance(remote, HostFleet):
+        raise errors.ClusterError(
+            f"cpu_timer reads the hosts' CPU time: it needs hosts, not the {remote.name!r} backend."
+        )
 
     def timed() -> dict[str, float]:
         hosts = remote.host_stats()

@@ -16,7 +16,7 @@ _received = itertools.count()
 
 
 def _service_backend(what: str) -> Shares:
-    backend = clusters.cluster().executor
+    backend = clusters.cluster().backend
     if not isinstance(backend, Shares):
         raise errors.ClusterError(
             f"{what} passes values between client processes of a controller service; this process "

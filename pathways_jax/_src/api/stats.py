@@ -113,7 +113,7 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
         "islands": islands,
         "clients": clients,
     }
-    backend = cl.executor
+    backend = cl.backend
     if isinstance(backend, ServiceView):  # a client process of a controller service: the service's view too
         out["service"] = backend.service_stats()
     return out

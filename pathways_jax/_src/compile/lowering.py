@@ -259,209 +259,13 @@ class Plan:
         return len(self.template) - 1
 
     def _lower(self, signature: Signature) -> None:
-        graph = self.graph
-        values = graph.values
-        home: dict[int, tuple[int, Any]] = {}  # vid -> (slot, sharding) on devices
-        host_arg: dict[int, int] = {}  # vid -> argument index (numpy/scalar)
-        const_data: dict[int, Any] = {c.value: c.data for c in graph.consts}
-        placed: dict[tuple[int, Any], int] = {}  # (vid, sharding) -> slot
-        transfer_of = {t.output: t for t in graph.transfers}
-
-        donated_values: set[int] = set()  # program inputs the caller gave up
-        input_values: dict[int, int] = {}  # vid -> argument leaf index
-        for inp in graph.inputs:
-            input_values[inp.value] = inp.index
-            if inp.index in self.donated_args:
-                donated_values.add(inp.value)
-            key = signature[inp.index]
-            if key.kind == "future":
-                slot = self._new_slot()
-                self.future_feeds.append((inp.index, slot))
-                self.feed_shardings[slot] = key.sharding
-                home[inp.value] = (slot, key.sharding)
-            elif key.kind == "array":
-                slot = self._new_slot()
-                self.array_feeds.append((inp.index, slot))
-                home[inp.value] = (slot, key.sharding)
-            else:  # a numpy array or Python scalar: put on devices per run
-                host_arg[inp.value] = inp.index
-
-        readers: collections.Counter[int] = collections.Counter()
-        for node in graph.nodes:
-            readers.update(node.inputs)
-        for t in graph.transfers:
-            readers[t.value] += 1
-        computations = collections.Counter(readers)  # readers other than the program's outputs
-        for out in graph.outputs:
-            if out.value is not None:
-                readers[out.value] += 2  # never donate what the program returns
-        made_here: set[int] = set()
-
-        def materialise(vid: int, target: NamedSharding, ndim: int) -> int:
-            """A slot holding value ``vid`` with sharding ``target``, adding steps as needed."""
-            key = (vid, target)
-            if key in placed:
-                return placed[key]
-            if vid in transfer_of and vid not in home:
-                t = transfer_of[vid]
-                src_slot, _ = home.get(t.value, (None, None))
-                if src_slot is None:  # a host value moved between slices: feed it directly
-                    slot = materialise(t.value, target, ndim)
-                else:
-                    slot = self._new_slot()
-                    kind = self.placement.kind(t.src.id, t.dst.id)  # where the slices are now
-                    self.steps.append(MoveStep(src_slot, slot, target, kind, values[vid].aval))
-                    self._note_bytes(
-                        f"{kind} transfer of {values[vid].origin}", [slot], [values[vid].aval], [target]
-                    )
-                    made_here.add(vid)
-                home[vid] = (slot, target)
-                placed[key] = slot
-                return slot
-            if vid in home:
-                slot, current = home[vid]
-                if _same(current, target, ndim):
-                    placed[key] = slot
-                    return slot
-                out = self._new_slot()
-                self.steps.append(MoveStep(slot, out, target, None, values[vid].aval))
-                self._note_bytes(f"reshard of {values[vid].origin}", [out], [values[vid].aval], [target])
-                placed[key] = out
-                return out
-            slot = self._new_slot()
-            if vid in host_arg:
-                self.host_feeds.append((host_arg[vid], slot, target))
-                self.input_charges.append(charge_of(values[vid].aval, target))
-            else:
-                self.template[slot] = jax.device_put(const_data[vid], target)
-            placed[key] = slot
-            return slot
-
-        where = self.placement.slices
-        backend = self.placement.target
-        cache = self.placement.executables
-        consumed: set[int] = set()
-        for kind, index in graph.steps:
-            if kind == "transfer":
-                continue  # materialised where a node first reads the moved value
-            node = graph.nodes[index]
-            mesh = where[node.slice.id].mesh
-            if backend is not None and not backend.calls_back and _calls_host(node.jaxpr.jaxpr):
-                raise errors.PlacementError(
-                    f"node {node.name!r} ({node.source_info}) calls back into Python on the host "
-                    f"(pure_callback, io_callback or debug printing); the {backend.name!r} backend "
-                    "ships computations with jax.export, which cannot carry a Python callback to another "
-                    "process. Move the callback out of the program, or use backend='local'."
-                )
-            in_slots, shardings, donate = [], [], []
-            for position, (vid, spec) in enumerate(zip(node.inputs, node.in_specs, strict=True)):
-                aval = values[vid].aval
-                current = None
-                if vid in home:
-                    current = home[vid][1]
-                elif vid in transfer_of and transfer_of[vid].value in home:
-                    current = home[transfer_of[vid].value][1]
-                target = _target(spec, current, mesh, aval)
-                in_slots.append(materialise(vid, target, len(aval.shape)))
-                shardings.append(target)
-                wants = node.donated[position] or vid in donated_values
-                if wants and readers[vid] == 1 and (vid in made_here or vid in input_values):
-                    donate.append(position)
-                    if vid in input_values and vid in home and home[vid][0] == in_slots[-1]:
-                        consumed.add(in_slots[-1])  # the caller's own buffer goes
-                elif wants and vid in input_values and computations[vid] > 1:
-                    # Read by several computations: the donation cannot be honoured. A value this
-                    # node alone reads and the program also returns (a TrainState's key) is kept
-                    # without a word: the caller gets that buffer back, as jax.jit's aliasing would.
-                    _warn_donation(graph, node, input_values[vid])
-            out_shardings = tuple(
-                NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
-            )
-            export = backend is not None and backend.exports
-            executable, exported = _compile(
-                node,
-                mesh,
-                tuple(shardings),
-                out_shardings,
-                tuple(donate),
-                cache,
-                export=export,
-                platforms=backend.export_platforms if backend is not None else None,
-                options=graph.compiler_options,
-                loose=_loose_device(graph, node, mesh) if not export else None,
-            )
-            produced = jax.tree_util.tree_leaves(executable.output_shardings)
-            pinned = []
-            for position, sharding in enumerate(produced):
-                device = _pinned_device(sharding)
-                if device is not None:
-                    # The compiler pinned this output to one device (host callbacks
-                    # do). Its other shards hold garbage, so the value is the one
-                    # shard: consumers move it from that device like any other.
-                    pinned.append((position, device))
-                    produced[position] = jax.sharding.SingleDeviceSharding(device)
-            out_slots = []
-            for vid, sharding in zip(node.outputs, produced, strict=True):
-                slot = self._new_slot()
-                home[vid] = (slot, sharding)
-                made_here.add(vid)
-                out_slots.append(slot)
-            self.steps.append(
-                ExecStep(
-                    executable,
-                    tuple(in_slots),
-                    tuple(out_slots),
-                    node,
-                    where[node.slice.id].island,
-                    tuple(pinned),
-                    windowed=mesh.devices.size > 1 or _calls_host(node.jaxpr.jaxpr),
-                    exported=exported,
-                )
-            )
-            self._note_bytes(
-                f"node {node.name!r} ({node.source_info})",
-                out_slots,
-                [values[vid].aval for vid in node.outputs],
-                produced,
-            )
-
-        self.consumed_feeds = frozenset(slot for _, slot in self.future_feeds if slot in consumed)
-        for out in graph.outputs:
-            if out.value is None:
-                literal = jnp.asarray(out.literal)
-                if isinstance(literal, jax.Array):
-                    aval, sharding = literal.aval, literal.sharding
-                else:  # float0 (the gradient of an integer input): host data, as jax.jit returns it
-                    aval, sharding = jax.core.ShapedArray(np.shape(literal), literal.dtype), None
-                self.outputs.append(
-                    OutputSlot("literal", literal, aval, sharding, None, f"{graph.name}: literal")
-                )
-                continue
-            value = values[out.value]
-            if value.aval.dtype == jax.dtypes.float0:
-                # Computed float0 (a gradient of an integer input): no data, so host zeros, as jax.jit gives.
-                zeros = jnp.asarray(np.zeros(value.aval.shape, jax.dtypes.float0))
-                self.outputs.append(OutputSlot("literal", zeros, value.aval, None, None, value.origin))
-                continue
-            if out.value in home:
-                slot, sharding = home[out.value]
-                committed = not (
-                    value.slice is not None
-                    and value.slice.id == graph.uncommitted_slice
-                    and len(sharding.device_set) == 1
-                )
-                self.outputs.append(
-                    OutputSlot("slot", slot, value.aval, sharding, value.slice, value.origin, committed)
-                )
-            elif out.value in host_arg:
-                self.outputs.append(
-                    OutputSlot("argument", host_arg[out.value], value.aval, None, None, value.origin)
-                )
-            else:
-                slot = self._new_slot(jax.device_put(const_data[out.value]))
-                self.outputs.append(
-                    OutputSlot("slot", slot, value.aval, self.template[slot].sharding, None, value.origin)
-                )
+        lowering = _Lowering(self, signature)
+        for kind, index in self.graph.steps:
+            if kind == "node":  # a transfer is materialised where a node first reads the moved value
+                lowering.node(self.graph.nodes[index])
+        self.consumed_feeds = frozenset(slot for _, slot in self.future_feeds if slot in lowering.consumed)
+        for out in self.graph.outputs:
+            self.outputs.append(lowering.output(out))
 
     def _note_bytes(self, what: str, slots: list[int], avals: list[Any], shardings: list[Any]) -> None:
         total: dict[int, int] = {}
@@ -540,7 +344,222 @@ class Plan:
     def backend(self) -> Any:
         """The cluster's backend (None: the plan places nothing)."""
         owner = self.placement.owner
-        return owner.executor if owner is not None else None
+        return owner.backend if owner is not None else None
+
+
+class _Lowering:
+    """Lowering one graph into its plan's steps: which slot holds each value, with which sharding.
+
+    Made per plan and dropped after. It reads the plan's placement and
+    donated arguments and appends to the plan's template, feeds and steps.
+    """
+
+    def __init__(self, plan: Plan, signature: Signature):
+        self.plan = plan
+        graph = plan.graph
+        self.graph = graph
+        self.values = graph.values
+        self.home: dict[int, tuple[int, Any]] = {}  # vid -> (slot, sharding) on devices
+        self.host_arg: dict[int, int] = {}  # vid -> argument index (numpy/scalar)
+        self.const_data: dict[int, Any] = {c.value: c.data for c in graph.consts}
+        self.placed: dict[tuple[int, Any], int] = {}  # (vid, sharding) -> slot
+        self.transfer_of = {t.output: t for t in graph.transfers}
+        self.donated_values: set[int] = set()  # program inputs the caller gave up
+        self.input_values: dict[int, int] = {}  # vid -> argument leaf index
+        self.made_here: set[int] = set()  # values a step of this plan makes
+        self.consumed: set[int] = set()  # future feed slots whose buffer an executable takes
+        self._feed(signature)
+        self.readers: collections.Counter[int] = collections.Counter()
+        for node in graph.nodes:
+            self.readers.update(node.inputs)
+        for t in graph.transfers:
+            self.readers[t.value] += 1
+        self.computations = collections.Counter(self.readers)  # readers other than the program's outputs
+        for out in graph.outputs:
+            if out.value is not None:
+                self.readers[out.value] += 2  # never donate what the program returns
+
+    def _feed(self, signature: Signature) -> None:
+        """A slot (or a host argument) for each program input, by its kind in ``signature``."""
+        plan = self.plan
+        for inp in self.graph.inputs:
+            self.input_values[inp.value] = inp.index
+            if inp.index in plan.donated_args:
+                self.donated_values.add(inp.value)
+            key = signature[inp.index]
+            if key.kind == "future":
+                slot = plan._new_slot()
+                plan.future_feeds.append((inp.index, slot))
+                plan.feed_shardings[slot] = key.sharding
+                self.home[inp.value] = (slot, key.sharding)
+            elif key.kind == "array":
+                slot = plan._new_slot()
+                plan.array_feeds.append((inp.index, slot))
+                self.home[inp.value] = (slot, key.sharding)
+            else:  # a numpy array or Python scalar: put on devices per run
+                self.host_arg[inp.value] = inp.index
+
+    def materialise(self, vid: int, target: NamedSharding, ndim: int) -> int:
+        """A slot holding value ``vid`` with sharding ``target``, adding steps as needed."""
+        plan, values, home, placed = self.plan, self.values, self.home, self.placed
+        key = (vid, target)
+        if key in placed:
+            return placed[key]
+        if vid in self.transfer_of and vid not in home:
+            t = self.transfer_of[vid]
+            src_slot, _ = home.get(t.value, (None, None))
+            if src_slot is None:  # a host value moved between slices: feed it directly
+                slot = self.materialise(t.value, target, ndim)
+            else:
+                slot = plan._new_slot()
+                kind = plan.placement.kind(t.src.id, t.dst.id)  # where the slices are now
+                plan.steps.append(MoveStep(src_slot, slot, target, kind, values[vid].aval))
+                plan._note_bytes(
+                    f"{kind} transfer of {values[vid].origin}", [slot], [values[vid].aval], [target]
+                )
+                self.made_here.add(vid)
+            home[vid] = (slot, target)
+            placed[key] = slot
+            return slot
+        if vid in home:
+            slot, current = home[vid]
+            if _same(current, target, ndim):
+                placed[key] = slot
+                return slot
+            out = plan._new_slot()
+            plan.steps.append(MoveStep(slot, out, target, None, values[vid].aval))
+            plan._note_bytes(f"reshard of {values[vid].origin}", [out], [values[vid].aval], [target])
+            placed[key] = out
+            return out
+        slot = plan._new_slot()
+        if vid in self.host_arg:
+            plan.host_feeds.append((self.host_arg[vid], slot, target))
+            plan.input_charges.append(charge_of(values[vid].aval, target))
+        else:
+            plan.template[slot] = jax.device_put(self.const_data[vid], target)
+        placed[key] = slot
+        return slot
+
+    def _inputs(self, node: Node, mesh: Any) -> tuple[list[int], list[NamedSharding], list[int]]:
+        """The slots a node reads, their shardings, and the positions it may donate."""
+        in_slots: list[int] = []
+        shardings: list[NamedSharding] = []
+        donate: list[int] = []
+        home, transfer_of = self.home, self.transfer_of
+        for position, (vid, spec) in enumerate(zip(node.inputs, node.in_specs, strict=True)):
+            aval = self.values[vid].aval
+            current = None
+            if vid in home:
+                current = home[vid][1]
+            elif vid in transfer_of and transfer_of[vid].value in home:
+                current = home[transfer_of[vid].value][1]
+            target = _target(spec, current, mesh, aval)
+            in_slots.append(self.materialise(vid, target, len(aval.shape)))
+            shardings.append(target)
+            wants = node.donated[position] or vid in self.donated_values
+            if wants and self.readers[vid] == 1 and (vid in self.made_here or vid in self.input_values):
+                donate.append(position)
+                if vid in self.input_values and vid in home and home[vid][0] == in_slots[-1]:
+                    self.consumed.add(in_slots[-1])  # the caller's own buffer goes
+            elif wants and vid in self.input_values and self.computations[vid] > 1:
+                # Read by several computations: the donation cannot be honoured. A value this
+                # node alone reads and the program also returns (a TrainState's key) is kept
+                # without a word: the caller gets that buffer back, as jax.jit's aliasing would.
+                _warn_donation(self.graph, node, self.input_values[vid])
+        return in_slots, shardings, donate
+
+    def node(self, node: Node) -> None:
+        """The step that runs ``node``: its inputs materialised, its executable compiled."""
+        plan, graph = self.plan, self.graph
+        placed_on = plan.placement.slices[node.slice.id]
+        mesh = placed_on.mesh
+        target = plan.placement.target
+        if target is not None and not target.calls_back and _calls_host(node.jaxpr.jaxpr):
+            raise errors.PlacementError(
+                f"node {node.name!r} ({node.source_info}) calls back into Python on the host "
+                f"(pure_callback, io_callback or debug printing); the {target.name!r} backend "
+                "ships computations with jax.export, which cannot carry a Python callback to another "
+                "process. Move the callback out of the program, or use backend='local'."
+            )
+        in_slots, shardings, donate = self._inputs(node, mesh)
+        out_shardings = tuple(
+            NamedSharding(mesh, spec) if spec is not None else None for spec in node.out_specs
+        )
+        export = target is not None and target.exports
+        executable, exported = _compile(
+            node,
+            mesh,
+            tuple(shardings),
+            out_shardings,
+            tuple(donate),
+            plan.placement.executables,
+            export=export,
+            platforms=target.export_platforms if target is not None else None,
+            options=graph.compiler_options,
+            loose=_loose_device(graph, node, mesh) if not export else None,
+        )
+        produced = jax.tree_util.tree_leaves(executable.output_shardings)
+        pinned = []
+        for position, sharding in enumerate(produced):
+            device = _pinned_device(sharding)
+            if device is not None:
+                # The compiler pinned this output to one device (host callbacks
+                # do). Its other shards hold garbage, so the value is the one
+                # shard: consumers move it from that device like any other.
+                pinned.append((position, device))
+                produced[position] = jax.sharding.SingleDeviceSharding(device)
+        out_slots = []
+        for vid, sharding in zip(node.outputs, produced, strict=True):
+            slot = plan._new_slot()
+            self.home[vid] = (slot, sharding)
+            self.made_here.add(vid)
+            out_slots.append(slot)
+        plan.steps.append(
+            ExecStep(
+                executable,
+                tuple(in_slots),
+                tuple(out_slots),
+                node,
+                placed_on.island,
+                tuple(pinned),
+                windowed=mesh.devices.size > 1 or _calls_host(node.jaxpr.jaxpr),
+                exported=exported,
+            )
+        )
+        plan._note_bytes(
+            f"node {node.name!r} ({node.source_info})",
+            out_slots,
+            [self.values[vid].aval for vid in node.outputs],
+            produced,
+        )
+
+    def output(self, out: Any) -> OutputSlot:
+        """Where a run finds program output ``out``: a slot, a literal or an argument."""
+        graph, plan = self.graph, self.plan
+        if out.value is None:
+            literal = jnp.asarray(out.literal)
+            if isinstance(literal, jax.Array):
+                aval, sharding = literal.aval, literal.sharding
+            else:  # float0 (the gradient of an integer input): host data, as jax.jit returns it
+                aval, sharding = jax.core.ShapedArray(np.shape(literal), literal.dtype), None
+            return OutputSlot("literal", literal, aval, sharding, None, f"{graph.name}: literal")
+        value = self.values[out.value]
+        if value.aval.dtype == jax.dtypes.float0:
+            # Computed float0 (a gradient of an integer input): no data, so host zeros, as jax.jit gives.
+            zeros = jnp.asarray(np.zeros(value.aval.shape, jax.dtypes.float0))
+            return OutputSlot("literal", zeros, value.aval, None, None, value.origin)
+        if out.value in self.home:
+            slot, sharding = self.home[out.value]
+            committed = not (
+                value.slice is not None
+                and value.slice.id == graph.uncommitted_slice
+                and len(sharding.device_set) == 1
+            )
+            return OutputSlot("slot", slot, value.aval, sharding, value.slice, value.origin, committed)
+        if out.value in self.host_arg:
+            return OutputSlot("argument", self.host_arg[out.value], value.aval, None, None, value.origin)
+        slot = plan._new_slot(jax.device_put(self.const_data[out.value]))
+        return OutputSlot("slot", slot, value.aval, plan.template[slot].sharding, None, value.origin)
 
 
 def _loose_device(graph: Graph, node: Node, mesh: Any) -> jax.Device | None:

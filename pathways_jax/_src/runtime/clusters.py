@@ -104,8 +104,7 @@ class Cluster:
 
     def __init__(
         self,
-        backend: str,
-        executor: Backend,
+        backend: Backend,
         init_args: InitArgs,
         in_flight: int,
         inline_dispatch: bool = True,
@@ -116,14 +115,12 @@ class Cluster:
         budget: dict[int, int] | None = None,
         backpressure_timeout: float | None = None,
     ):
-        self.backend = backend  # the name it was started under (backends/registry)
-        # What the controller dispatches through (backends/base.Backend).
-        self.executor: Backend = executor
-        # The same backend when its devices live on hosts (base.HostFleet), else None.
-        self.remote: Any = executor if isinstance(executor, HostFleet) else None
-        executor.on_lost = self.host_lost
+        # What the controller dispatches through (backends/base.Backend); its
+        # ``name`` is the one it was started under (backends/registry).
+        self.backend: Backend = backend
+        backend.on_lost = self.host_lost
         self.store = ObjectStore()
-        self.resources = ResourceManager(executor.islands, reclaim=self._reclaim)
+        self.resources = ResourceManager(backend.islands, reclaim=self._reclaim)
         if budget is not None:
             self.store.budget = Budget(budget)
         self.in_flight = in_flight
@@ -149,10 +146,10 @@ class Cluster:
         # Live slices, for views (weak: a dropped slice leaves by itself).
         self._slices: weakref.WeakSet = weakref.WeakSet()
         self._slices_lock = threading.Lock()
-        if isinstance(executor, HostFleet):  # last: the hosts' threads may call these at once
-            executor.on_restored = self.island_restored
-            executor.collect = self.store.collect
-            executor.slices_of = self.slice_devices
+        if isinstance(backend, HostFleet):  # last: the hosts' threads may call these at once
+            backend.on_restored = self.island_restored
+            backend.collect = self.store.collect
+            backend.slices_of = self.slice_devices
 
     @property
     def islands(self) -> tuple[Island, ...]:
@@ -164,7 +161,7 @@ class Cluster:
 
     def device_places(self) -> tuple[DevicePlace, ...]:
         """Where each device is, as plain values (what a trace names its tracks by)."""
-        backend = self.executor
+        backend = self.backend
         fleet = backend if isinstance(backend, HostFleet) else None
         return tuple(
             DevicePlace(
@@ -207,7 +204,7 @@ class Cluster:
             controller, self._controller = self._controller, None
         if controller is not None:
             controller.stop(timeout)
-        self.executor.close(max(0.0, deadline - time.monotonic()))
+        self.backend.close(max(0.0, deadline - time.monotonic()))
 
     def _reclaim(self) -> None:
         """Frees what nothing holds any more, so that the slices only it held are released.
@@ -227,7 +224,7 @@ class Cluster:
         again). A slice that fits nowhere stays on the lost island and its
         programs fail with ``HostLostError``.
         """
-        self.resources.lose(island, self.executor.lost.get(island, "it died"))
+        self.resources.lose(island, self.backend.lost.get(island, "it died"))
         for slice_ in self.live_slices():
             if slice_.island != island:
                 continue
@@ -288,7 +285,7 @@ class Cluster:
         return sorted((s for s in slices if not s.released), key=lambda s: s.id)
 
     def __repr__(self) -> str:
-        return f"Cluster(backend={self.backend!r}, {self.resources.describe()})"
+        return f"Cluster(backend={self.backend.name!r}, {self.resources.describe()})"
 
     def _repr_html_(self) -> str:
         from pathways_jax._src.views import notebook
@@ -402,7 +399,7 @@ def init(
 
     Example:
       >>> import pathways_jax as pw
-      >>> pw.cluster().backend
+      >>> pw.cluster().backend.name
       'local'
     """
     global _current, _shut_down
@@ -436,15 +433,14 @@ def init(
                 f"pw.init{_current._init_args.describe()} is running. Call "
                 "pw.shutdown() first to start one with other arguments."
             )
-        executor = registry.start(args.backend, args)
+        started = registry.start(args.backend, args)
         try:
-            budget = _budget([d for group in executor.islands for d in group], args.memory_budget)
+            budget = _budget([d for group in started.islands for d in group], args.memory_budget)
         except errors.ClusterError:
-            executor.close(_START_FAILED_CLOSE_S)
+            started.close(_START_FAILED_CLOSE_S)
             raise
         _current = Cluster(
-            args.backend,
-            executor,
+            started,
             args,
             args.max_in_flight,
             args.inline_dispatch,
@@ -455,7 +451,7 @@ def init(
             backpressure_timeout=args.backpressure_timeout,
         )
         _shut_down = False
-        if isinstance(executor, HostFleet):
+        if isinstance(started, HostFleet):
             # Ray registered its own exit hook when it started; exit hooks run last
             # first, so this one stops the controller and the hosts while Ray still runs.
             atexit.register(_shutdown_at_exit)

@@ -117,7 +117,7 @@ class Settings(Protocol):
     @property
     def store(self) -> ObjectStore: ...
     @property
-    def executor(self) -> Backend: ...
+    def backend(self) -> Backend: ...
     @property
     def in_flight(self) -> int: ...
     @property
@@ -141,7 +141,7 @@ class Controller:
 
     def __init__(self, cluster: Settings):
         self._store = cluster.store
-        self._backend: Backend = cluster.executor
+        self._backend: Backend = cluster.backend
         # Executables (or host messages) in flight per island before dispatch there waits.
         self._window = self._backend.window or cluster.in_flight
         self._device_window = DEVICE_WINDOW  # runs queued per device (keys < 0)

@@ -264,7 +264,7 @@ def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
 
     return Placement(
         where,
-        Target.of(cluster.executor),
+        Target.of(cluster.backend),
         dict(budget.limits) if budget is not None else None,
         cluster.executables,
         current,

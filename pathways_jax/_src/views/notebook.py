@@ -112,7 +112,7 @@ def cluster_html(cluster: Any) -> str:
     n_devices = sum(len(isl.devices) for isl in cluster.islands)
     parts = [
         f'<div class="pw-cluster" {_BOX}>',
-        f"<div><b>Cluster</b> ({escape(cluster.backend)} backend, {state}): {len(cluster.islands)} islands, "
+        f"<div><b>Cluster</b> ({escape(cluster.backend.name)} backend, {state}): {len(cluster.islands)} islands, "
         f"{n_devices} devices, {len(slices)} live slices</div>",
     ]
     header = ["device", "kind", "host", "slices", "load", "memory"] + (["utilisation"] if has_util else [])
