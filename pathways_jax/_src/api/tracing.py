@@ -507,55 +507,65 @@ class Program:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if context.state.trace is not None or reentry.inside.depth or context.exiting:
+            return self._call_within(args, kwargs)
+        if self._under_transforms and inside_jax_trace():
+            # Traced by JAX (checkify, make_jaxpr) with concrete arguments: as jax.jit, traced in.
+            return self._transformed(args, kwargs)
+        plan = self._repeated_futures(args) if not kwargs else None
+        if plan is not None:
+            return submission.submit(plan, list(args))
+        if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
+            # As jax.jit under jax.disable_jit(): op by op, in the caller.
+            out = self._fun(*args, **kwargs)
+            return submission.computed(out, f"program {self.name!r} run op by op", nnx_graph.is_graph_leaf)
+        return self._call_planned(args, kwargs)
+
+    def _call_within(self, args: tuple, kwargs: dict) -> Any:
+        """A call made inside another program's trace, the runtime's own work, or an exit hook."""
         if context.state.trace is not None:
             # Called while another program is traced: its nodes join that program.
             if self._devices is None:
                 return self._fun(*args, **kwargs)
             with self._devices:
                 return self._fun(*args, **kwargs)
-        if reentry.inside.depth or context.exiting:
-            # Called by Python code run inside the controller's own work (a garbage-collector
-            # finalizer, a signal handler, a host callback), or by an exit hook that runs
-            # after pathways_jax's: as jax.jit, in place (a daemon thread is held first).
-            if context.exiting and not reentry.inside.depth:
-                context.park_at_exit()
-            out = self._as_jax_jit()(*args, **kwargs)
-            how = "at exit" if context.exiting else "in place"
-            return submission.computed(out, f"program {self.name!r} run {how}", nnx_graph.is_graph_leaf)
-        if self._under_transforms and inside_jax_trace():
-            # Traced by JAX (checkify, make_jaxpr) with concrete arguments: as jax.jit, traced in.
-            return self._transformed(args, kwargs)
+        # Called by Python code run inside the controller's own work (a garbage-collector
+        # finalizer, a signal handler, a host callback), or by an exit hook that runs
+        # after pathways_jax's: as jax.jit, in place (a daemon thread is held first).
+        if context.exiting and not reentry.inside.depth:
+            context.park_at_exit()
+        out = self._as_jax_jit()(*args, **kwargs)
+        how = "at exit" if context.exiting else "in place"
+        return submission.computed(out, f"program {self.name!r} run {how}", nnx_graph.is_graph_leaf)
+
+    def _repeated_futures(self, args: tuple) -> Any:
+        """The plan of the call before if this one passes futures of its signatures in its context; else None.
+
+        Signatures are shared objects, so the check is by identity: no signing
+        and no lookup.
+        """
         last = self._last
-        if last is not None and not kwargs and len(args) == len(last.signatures):
-            # The call before had the same future arguments (signatures are shared
-            # objects) and the same ambient slice: skip the signature and lookups.
-            plan = last.plan
-            if (
-                all(
-                    type(a) is Future and a._entry.signature is sig
-                    for a, sig in zip(args, last.signatures, strict=True)
-                )
-                and (self._devices is not None or slices.current_slice() is last.ambient)
-                and plan.is_current()
-                and _trace_context() == last.config
-            ):
-                return submission.submit(plan, list(args))
-        # As jax.jit under jax.disable_jit(): op by op, in the caller.
-        if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
-            out = self._fun(*args, **kwargs)
-            return submission.computed(out, f"program {self.name!r} run op by op", nnx_graph.is_graph_leaf)
+        if last is None or len(args) != len(last.signatures):
+            return None
+        plan = last.plan
+        if (
+            all(
+                type(a) is Future and a._entry.signature is sig
+                for a, sig in zip(args, last.signatures, strict=True)
+            )
+            and (self._devices is not None or slices.current_slice() is last.ambient)
+            and plan.is_current()
+            and _trace_context() == last.config
+        ):
+            return plan
+        return None
+
+    def _call_planned(self, args: tuple, kwargs: dict) -> Any:
+        """The call submitted with its plan (traced and lowered if new), or run as ``nnx.jit`` would."""
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
             return nnx_graph.call(self, args, kwargs)
-        flat = None
-        fast = self._last_leaves
-        if fast is not None and not self._static and not (kwargs and self._static_names):
-            # Leaves of the same types as the call before (a train loop's): skip the signature.
-            flat = jax.tree_util.tree_flatten((args, kwargs))
-            plan = self._repeated(fast, flat)
-            if plan is not None:
-                return submission.submit(plan, flat[0])
         try:
-            key, inputs = self._split(args, kwargs, flat)
+            planned = self._planned(args, kwargs)
         except TracerArgument as exc:
             if self._under_transforms:
                 return self._transformed(args, kwargs)
@@ -564,26 +574,47 @@ class Program:
                 f"argument leaf {exc.args[0]}: a program cannot run inside jax.jit, vmap or "
                 "grad. Call it from Python, or call the jitted functions it uses directly."
             ) from None
-        except nnx_graph.GraphArgument:
+        if planned is None:  # NNX objects in the arguments or outputs: as nnx.jit runs it
             return nnx_graph.call(self, args, kwargs)
+        return submission.submit(*planned)
+
+    def _planned(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]] | None:
+        """The call's plan and argument leaves, or None where NNX objects route it to ``nnx_graph``."""
+        flat = None
+        fast = self._last_leaves
+        if fast is not None and not self._static and not (kwargs and self._static_names):
+            # Leaves of the same types as the call before (a train loop's): skip the signature.
+            flat = jax.tree_util.tree_flatten((args, kwargs))
+            plan = self._repeated(fast, flat)
+            if plan is not None:
+                return plan, flat[0]
+        try:
+            key, inputs = self._split(args, kwargs, flat)
+        except nnx_graph.GraphArgument:
+            return None
         except errors.ProgramTraceError:
             if not nnx_graph.routes(self, (args, kwargs)):
                 raise
-            return nnx_graph.call(self, args, kwargs)  # names the NNX state at fault
+            return None  # nnx_graph names the NNX state at fault
         if key in self._routed:  # NNX objects that are pytrees: run as nnx.jit does
-            return nnx_graph.call(self, args, kwargs)
+            return None
         plan = self._plans.get(key)
         if plan is None:
             plan = self._array_plan(key, inputs)
         if plan is None or not plan.is_current():
             if nnx_graph.routes(self, (args, kwargs)):
                 self._routed.add(key)
-                return nnx_graph.call(self, args, kwargs)
+                return None
             try:
                 plan = self._plan_for(key, inputs, args, kwargs)
             except nnx_graph.GraphOutput:  # it returns NNX objects: as nnx.jit runs it
                 self._routed.add(key)
-                return nnx_graph.call(self, args, kwargs)
+                return None
+        self._remember(key, inputs, args, kwargs, plan)
+        return plan, inputs.leaves
+
+    def _remember(self, key: tuple, inputs: TraceInputs, args: tuple, kwargs: dict, plan: Any) -> None:
+        """Keeps what lets the next call with the same types skip signing: its futures' signatures, or its leaf types."""
         futures_only = not kwargs and not self._static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
             self._last = _LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan, key[-1])
@@ -591,7 +622,6 @@ class Program:
             marks = _marks(inputs.leaves)
             if marks is not None:
                 self._last_leaves = _LastLeaves(inputs.treedef, marks, inputs.ambient, plan, key[-1])
-        return submission.submit(plan, inputs.leaves)
 
     def _repeated(self, fast: _LastLeaves, flat: tuple[list[Any], Any]) -> Any:
         """``fast``'s plan if the flattened call ``flat`` has its leaf types, treedef and context; else None."""
