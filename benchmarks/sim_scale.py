@@ -17,10 +17,10 @@ TPU v4 figures, this project's measured controller and host-message costs).
               with the host message --channel_profile measured (its ZeroMQ
               channel's hosts.message_s), sent one after another ("serial", as
               the runtime did), down a tree (each sender forwards to
-              --fanout_degree hosts a round: pw.sim.Cluster(fanout="tree")) and
+              --fanout_degree hosts a round: pw.sim.SimCluster(fanout="tree")) and
               as one broadcast (the runtime now: hosts.broadcast_s once and
               hosts.broadcast_host_s a host, benchmarks/fanout.py;
-              pw.sim.Cluster(fanout="broadcast")).
+              pw.sim.SimCluster(fanout="broadcast")).
   pipeline    a GPipe step of a 3B-parameter model on 128 chips (32 hosts),
               4/8/16 stages and 16-512 microbatches, against SPMD on the same
               chips doing the same device work (paper: 16 stages 131.4k tokens/s
@@ -83,7 +83,7 @@ def dispatch_scale(profile, hosts: list[int], chain: int) -> dict:
 
     out = {}
     for h in hosts:
-        cluster = sim.Cluster(hosts=h, profile=profile)
+        cluster = sim.SimCluster(hosts=h, profile=profile)
         n = cluster.devices
         device_one = profile.device.launch(n) + profile.device.computation(n)
         device_fused = profile.device.launch(n) + chain * profile.device.computation(n)
@@ -116,7 +116,7 @@ def amortisation_threshold(
     out = {}
     for h in hosts:
         tree = {"fanout": fanout, "fanout_degree": degree} if h > 1 else {}
-        cluster = sim.Cluster(hosts=h, profile=profile, **tree)
+        cluster = sim.SimCluster(hosts=h, profile=profile, **tree)
         n = cluster.devices
         launch = profile.device.launch(n)
 
@@ -172,7 +172,7 @@ def pipeline_vs_spmd(profile, stage_counts: list[int], microbatches: list[int], 
     from pathways_jax import sim
 
     hosts, params, tokens, d_model = 32, 3e9, 1 << 20, 2560
-    cluster = sim.Cluster(hosts=hosts, profile=profile)
+    cluster = sim.SimCluster(hosts=hosts, profile=profile)
     chips = cluster.devices
     work = _step_time(profile, params, tokens, chips, mfu)
     spmd = sim.simulate(cluster, sim.spmd(cluster, work), runs=8, record=False)
@@ -224,8 +224,8 @@ def two_islands(profile, hosts_per_island: int, mfu: float, step_scales: list[fl
 
     params, tokens = 64e9, 1 << 20
     grad_bytes = int(params * 2)  # bf16
-    one = sim.Cluster(hosts=2 * hosts_per_island, profile=profile)
-    two = sim.Cluster(hosts=2 * hosts_per_island, profile=profile, islands=2)
+    one = sim.SimCluster(hosts=2 * hosts_per_island, profile=profile)
+    two = sim.SimCluster(hosts=2 * hosts_per_island, profile=profile, islands=2)
     chips = one.devices
     work = _step_time(profile, params, tokens, chips, mfu)  # per chip: the same in both layouts
     shard = grad_bytes // (chips // 2)  # each chip's share of one replica's gradients

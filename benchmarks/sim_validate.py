@@ -153,7 +153,7 @@ def run_local(devices: list[int], repeats: int, chain: int, target_s: float) -> 
         in_flight = pw.cluster().in_flight
 
         def simulate(profile, n=n, in_flight=in_flight) -> dict:
-            cluster = sim.Cluster(hosts=1, devices_per_host=n, profile=profile, in_flight=in_flight)
+            cluster = sim.SimCluster(hosts=1, devices_per_host=n, profile=profile, in_flight=in_flight)
             return {name: _simulate(cluster, mode, chain, "island") for mode, name in LOCAL_MODES.items()}
 
         names = list(LOCAL_MODES.values())
@@ -274,7 +274,7 @@ def run_ray(base, host_counts: list[int], repeats: int, chain: int, target_s: fl
 
             def simulate(profile, h=h) -> dict:
                 # The hosts, the controller and Ray share this machine's cores.
-                cluster = sim.Cluster(
+                cluster = sim.SimCluster(
                     hosts=h, devices_per_host=1, islands=h, profile=profile, dispatch="hosts", cores=cores
                 )
                 # An elementwise op on 1 device a host: no collective, launch and a tiny computation.

@@ -46,7 +46,7 @@ print("runs here:", float(step(w, x).result()))
 
 print("\nestimated from the jaxpr (tiny matmuls: the controller's costs show):")
 for hosts in (8, 64, 512):
-    cluster = pw.sim.Cluster(hosts=hosts, islands=2, profile="tpu_v4")
+    cluster = pw.sim.SimCluster(hosts=hosts, islands=2, profile="tpu_v4")
     pred = pw.sim.predict(step, w, x, cluster=cluster, runs=16)
     print(f"  {hosts:4d} hosts ({cluster.devices:5d} TPU v4 chips): predicted step {pred.step_time_s * 1e3:8.3f} ms, "
           f"device utilisation {pred.utilisation:6.1%}")  # fmt: skip
@@ -55,7 +55,7 @@ print(f"\nwith the layer taking {args.layer_ms} ms per step (node_times):")
 names = [n.name for n in step.graph(w, x).nodes]
 times = {names[0]: args.layer_ms * 1e-3}
 for hosts in (8, 64, 512):
-    cluster = pw.sim.Cluster(hosts=hosts, islands=2, profile="tpu_v4")
+    cluster = pw.sim.SimCluster(hosts=hosts, islands=2, profile="tpu_v4")
     pred = pw.sim.predict(step, w, x, cluster=cluster, runs=16, node_times=times)
     print(f"  {hosts:4d} hosts: predicted step {pred.step_time_s * 1e3:8.3f} ms, "
           f"device utilisation {pred.utilisation:6.1%}")  # fmt: skip

@@ -42,7 +42,7 @@ def test_a_chain_of_three_nodes():
     # Controller: the run 0-5, each node 2 µs: n0 enqueued at 7, n1 at 9, n2 at 11.
     # Device: n0 7-17, n1 waits for n0: 17-27, n2 27-37.
     profile = sim.Profile(controller=sim.ControllerCosts(run_s=5 * US, node_s=2 * US))
-    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile)
     result = sim.simulate(cluster, sim.chain(cluster, 3, compute_s=10 * US))
     assert result.makespan_s == approx(37)
     assert result.runs[0].dispatch_end == approx(11)
@@ -61,7 +61,7 @@ def test_a_dcn_transfer_between_two_islands_on_two_hosts():
         hosts=sim.HostCosts(message_s=2 * US, latency_s=3 * US, enqueue_s=1 * US, node_s=1 * US),
         dcn=sim.LinkCosts(latency_s=5 * US, bytes_per_s=1e9),
     )
-    cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
+    cluster = sim.SimCluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
     assert cluster.dispatch == "hosts"
     transfer_s = profile.dcn.transfer(4000)
     assert transfer_s == approx(9)
@@ -95,7 +95,7 @@ def test_a_host_paces_its_executables_as_the_runtime_s_hosts_do():
     # the chain of 30 ends at 301. (Unpaced, the host would be done enqueueing at 30.)
     assert sim_engine.PACE == 24
     profile = sim.Profile(hosts=sim.HostCosts(enqueue_s=1 * US))
-    cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
+    cluster = sim.SimCluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
     steps = tuple(
         sim.Step("node", f"n{i}", (0, 1), 10 * US, inputs=(i - 1,) if i else (), windowed=False)
         for i in range(30)
@@ -111,7 +111,7 @@ def test_two_clients_interleave_in_submission_order():
     # 3 µs each (run 2 + node 1): enqueued at 3, 6, 9, 12. The device runs them back to back, 10 µs
     # each: a0 3-13, b0 13-23, a1 23-33, b1 33-43.
     profile = sim.Profile(controller=sim.ControllerCosts(run_s=2 * US, node_s=1 * US))
-    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile)
     a = sim.chain(cluster, 1, compute_s=10 * US, name="a_step")
     b = sim.chain(cluster, 1, compute_s=10 * US, name="b_step")
     result = sim.simulate(cluster, [sim.Workload(a, runs=2, client="a"), sim.Workload(b, runs=2, client="b")])
@@ -136,7 +136,7 @@ def test_a_full_in_flight_window_holds_the_controller_until_it_drains_to_half():
     # 1 (n0 done at 11): n2 11-12, full again; waits for n1 (11-21): n3 21-22.
     # Devices: n0 1-11, n1 11-21, n2 21-31, n3 31-41.
     profile = sim.Profile(controller=sim.ControllerCosts(node_s=1 * US))
-    cluster = sim.Cluster(hosts=1, devices_per_host=2, profile=profile, in_flight=2)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=2, profile=profile, in_flight=2)
     result = sim.simulate(cluster, sim.chain(cluster, 4, compute_s=10 * US))
     waits = executions(result, "wait")
     assert [(start, end) for _, start, end in waits] == [(2, 11), (12, 21)]
@@ -145,7 +145,7 @@ def test_a_full_in_flight_window_holds_the_controller_until_it_drains_to_half():
     assert result.makespan_s == approx(41)
     # A window of 8 never fills: dispatch is done at 4 µs, the devices finish at the same 41 µs.
     roomy = sim.simulate(
-        sim.Cluster(hosts=1, devices_per_host=2, profile=profile, in_flight=8),
+        sim.SimCluster(hosts=1, devices_per_host=2, profile=profile, in_flight=8),
         sim.chain(cluster, 4, compute_s=10 * US),
     )
     assert roomy.runs[0].dispatch_end == approx(4)
@@ -158,13 +158,29 @@ def test_single_device_runs_fill_their_device_window():
     # r1 1-2: full. The controller waits until it drains to 1 (r0 done at 11): r2 11-12; full again,
     # waits for r1 (done at 21): r3 21-22. Device: r0 1-11, r1 11-21, r2 21-31, r3 31-41.
     profile = sim.Profile(controller=sim.ControllerCosts(node_s=1 * US))
-    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile, device_window=2)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile, device_in_flight=2)
     result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=4)
     waits = executions(result, "wait")
     assert [(start, end) for _, start, end in waits] == [(2, 11), (12, 21)]
     assert waits[0][0] == "wait: in-flight window (device 0)"
     assert [round(r.dispatch_end / US, 6) for r in result.runs] == [1, 2, 12, 22]
     assert result.makespan_s == approx(41)
+
+
+def test_the_former_names_still_work_and_warn():
+    # pw.sim.Cluster is SimCluster now (pw.Cluster is the running cluster); device_window= is device_in_flight=.
+    with pytest.warns(DeprecationWarning, match="SimCluster"):
+        old = sim.Cluster
+    assert old is sim.SimCluster
+    with pytest.warns(DeprecationWarning, match="device_in_flight"):
+        cluster = old(hosts=1, devices_per_host=1, device_window=3)
+    assert cluster.device_in_flight == 3 and cluster == sim.SimCluster(
+        hosts=1, devices_per_host=1, device_in_flight=3
+    )
+    with pytest.warns(DeprecationWarning, match="device_in_flight"):
+        assert cluster.device_window == 3
+    with pytest.raises(AttributeError, match="Clusters"):
+        sim.Clusters  # noqa: B018
 
 
 def test_inline_execution_keeps_the_controller_in_the_call():
@@ -177,14 +193,14 @@ def test_inline_execution_keeps_the_controller_in_the_call():
         controller=sim.ControllerCosts(run_s=5 * US, node_s=1 * US),
         device=sim.DeviceCosts(launch_s={1: 2 * US}, computation_s={1: 1 * US}, inline={1: 1.0}),
     )
-    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile)
     result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=3)
     assert [r.done / US for r in result.runs] == [pytest.approx(18), pytest.approx(33), pytest.approx(48)]
     assert result.runs[0].dispatch_end == approx(15)
     assert result.step_time_s == approx(15)
     # Without inline execution the device sets the pace: 12 µs a run.
     plain = dataclasses.replace(profile, device=dataclasses.replace(profile.device, inline={1: 0.0}))
-    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=plain)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=plain)
     assert sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=3).step_time_s == approx(12)
 
 
@@ -197,11 +213,11 @@ def test_shared_cores_charge_the_controllers_work_to_the_devices():
         hosts=sim.HostCosts(node_s=4 * US),
         device=sim.DeviceCosts(shared_cpu={1: 1.0}),
     )
-    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile)
     result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US), runs=2)
     assert executions(result) == [("chain/n0", 4, 14), ("chain/n0", 14, 28)]
     # Remote hosts run their own devices: no charge there (free messages: r0 4-14, r1 14-24).
-    hosts = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
+    hosts = sim.SimCluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
     result = sim.simulate(hosts, sim.chain(hosts, 1, compute_s=10 * US, devices=(0, 1)), runs=2)
     assert [round(r.done / US, 6) for r in result.runs] == [14, 24]
 
@@ -218,15 +234,15 @@ def test_the_controllers_costs_by_device_count_and_jax_s_own_call_exempt_from_th
         ),
         device=sim.DeviceCosts(shared_cpu={1: 0.0, 2: 1.0}, launch_cpu_s={2: 3 * US}),
     )
-    cluster = sim.Cluster(hosts=1, devices_per_host=2, profile=profile)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=2, profile=profile)
     result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US, devices=(0, 2)), runs=3)
     assert executions(result) == [("chain/n0", 14, 24), ("chain/n0", 28, 45), ("chain/n0", 45, 66)]
     # Without the exemption r1 owes 6 + 4 (28-48), r2 all 14 (48-72); the scalars serve 1 device.
     owed = dataclasses.replace(profile, device=dataclasses.replace(profile.device, launch_cpu_s={}))
-    cluster = sim.Cluster(hosts=1, devices_per_host=2, profile=owed)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=2, profile=owed)
     result = sim.simulate(cluster, sim.chain(cluster, 1, compute_s=10 * US, devices=(0, 2)), runs=3)
     assert executions(result)[1:] == [("chain/n0", 28, 48), ("chain/n0", 48, 72)]
-    one = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    one = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile)
     assert sim.simulate(one, sim.chain(one, 1, compute_s=10 * US), runs=1).makespan_s == approx(12)
     # The tables go through a profile's JSON and back; absent tables stay absent.
     data = profile.to_json()
@@ -304,7 +320,7 @@ def test_host_messages_grow_with_hosts_and_gang_nodes_wait_for_the_last_host():
         hosts=sim.HostCosts(message_s=2 * US, enqueue_s=1 * US, node_s=1 * US),
     )
     for hosts in (4, 64):
-        cluster = sim.Cluster(hosts=hosts, devices_per_host=4, profile=profile)
+        cluster = sim.SimCluster(hosts=hosts, devices_per_host=4, profile=profile)
         result = sim.simulate(cluster, sim.spmd(cluster, 10 * US), record=False)
         assert result.makespan_s == approx(2 + 2 * hosts + 1 + 10)
 
@@ -320,7 +336,7 @@ def test_serial_messages_cost_the_controller_per_host_and_a_tree_per_round():
     )
 
     def busy_us(hosts, **fanout):
-        cluster = sim.Cluster(hosts=hosts, devices_per_host=1, profile=profile, **fanout)
+        cluster = sim.SimCluster(hosts=hosts, devices_per_host=1, profile=profile, **fanout)
         result = sim.simulate(cluster, sim.spmd(cluster, 10 * US), record=False)
         return result.controller_busy * result.makespan_s / US, result.makespan_s
 
@@ -338,9 +354,9 @@ def test_serial_messages_cost_the_controller_per_host_and_a_tree_per_round():
     assert busy_us(8, fanout="tree", fanout_degree=2)[1] == approx(27)
     assert sim._fanout.fanout_tree(range(8), "tree", 2) == {-1: (0, 1, 2, 3), 0: (4, 5), 1: (6, 7)}
     with pytest.raises(pw.errors.ResourceError, match="fanout must be one of"):
-        sim.Cluster(hosts=2, fanout="star")
+        sim.SimCluster(hosts=2, fanout="star")
     with pytest.raises(pw.errors.ResourceError, match="dispatch='local' the controller sends no messages"):
-        sim.Cluster(hosts=1, fanout="tree")
+        sim.SimCluster(hosts=1, fanout="tree")
 
 
 def test_a_broadcast_costs_the_controller_one_send_and_a_little_a_host():
@@ -355,7 +371,7 @@ def test_a_broadcast_costs_the_controller_one_send_and_a_little_a_host():
     )  # fmt: skip
 
     def run(hosts, **fanout):
-        cluster = sim.Cluster(hosts=hosts, devices_per_host=1, profile=profile, **fanout)
+        cluster = sim.SimCluster(hosts=hosts, devices_per_host=1, profile=profile, **fanout)
         result = sim.simulate(cluster, sim.spmd(cluster, 10 * US), record=False)
         return result.controller_busy * result.makespan_s / US, result.makespan_s
 
@@ -365,9 +381,9 @@ def test_a_broadcast_costs_the_controller_one_send_and_a_little_a_host():
         assert busy <= run(hosts)[0]  # equal at 2 hosts, less beyond
     # 8 hosts: the send 2-9, every host has it at 12 and enqueues 12-13, the node runs 13-23.
     assert run(8, fanout="broadcast")[1] == approx(23)
-    assert "fanout='broadcast'" in repr(sim.Cluster(hosts=2, fanout="broadcast"))
+    assert "fanout='broadcast'" in repr(sim.SimCluster(hosts=2, fanout="broadcast"))
     with pytest.raises(pw.errors.ResourceError, match="dispatch='local' the controller sends no messages"):
-        sim.Cluster(hosts=1, fanout="broadcast")
+        sim.SimCluster(hosts=1, fanout="broadcast")
 
 
 def test_hosts_sending_runs_pay_their_own_per_run_and_per_node_costs():
@@ -377,7 +393,7 @@ def test_hosts_sending_runs_pay_their_own_per_run_and_per_node_costs():
         controller=sim.ControllerCosts(run_s=1 * US, node_s=100 * US),
         hosts=sim.HostCosts(dispatch_s=5 * US, node_s=2 * US, message_s=4 * US),
     )
-    cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
+    cluster = sim.SimCluster(hosts=2, devices_per_host=1, islands=2, profile=profile)
     result = sim.simulate(cluster, sim.chain(cluster, 3, compute_s=10 * US, devices=(0, 1)), record=False)
     assert result.runs[0].dispatch_end == approx(16)
     assert result.makespan_s == approx(16 + 3 * 10)
@@ -399,7 +415,7 @@ def test_hosts_sharing_a_machines_cores_take_turns_on_them():
     )
 
     def makespan(cores):
-        cluster = sim.Cluster(hosts=2, devices_per_host=1, islands=2, profile=profile, cores=cores)
+        cluster = sim.SimCluster(hosts=2, devices_per_host=1, islands=2, profile=profile, cores=cores)
         return sim.simulate(cluster, program, record=False).makespan_s
 
     # Cores of their own: host 0 has its message at 7: run 7-11, enqueue 11-12, A 12-22; host 1 at
@@ -411,9 +427,9 @@ def test_hosts_sharing_a_machines_cores_take_turns_on_them():
     # As many cores as threads: nothing waits, as with cores of their own.
     assert makespan(8) == approx(25)
     with pytest.raises(pw.errors.ResourceError, match="cores= models hosts"):
-        sim.Cluster(hosts=1, devices_per_host=2, cores=2)
+        sim.SimCluster(hosts=1, devices_per_host=2, cores=2)
     with pytest.raises(pw.errors.ResourceError, match="cores must be an integer >= 1"):
-        sim.Cluster(hosts=2, devices_per_host=1, cores=0)
+        sim.SimCluster(hosts=2, devices_per_host=1, cores=0)
 
 
 def test_hosts_crowding_a_machines_cores_pay_towards_the_costs_measured_with_none_idle():
@@ -430,7 +446,7 @@ def test_hosts_crowding_a_machines_cores_pay_towards_the_costs_measured_with_non
     program = sim.SimProgram("one", (sim.Step("node", "A", (0, 1), 10 * US, inputs=(), windowed=False),))
 
     def makespan(hosts, cores, profile=profile):
-        cluster = sim.Cluster(hosts=hosts, devices_per_host=1, islands=hosts, profile=profile, cores=cores)
+        cluster = sim.SimCluster(hosts=hosts, devices_per_host=1, islands=hosts, profile=profile, cores=cores)
         return sim.simulate(cluster, program, record=False).makespan_s
 
     assert makespan(2, None) == approx(6 + 4 + 1 + 10)  # cores of their own: never crowded
@@ -504,7 +520,7 @@ def test_host_costs_come_from_each_processs_cpu_seconds():
 
 def test_fair_scheduler_shares_by_weight():
     profile = sim.Profile(controller=sim.ControllerCosts(run_s=1 * US))
-    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile, scheduler="fair")
+    cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile, scheduler="fair")
     a = sim.chain(cluster, 1, compute_s=10 * US, name="a")
     b = sim.chain(cluster, 1, compute_s=10 * US, name="b")
     result = sim.simulate(
@@ -527,7 +543,7 @@ def test_predict_a_traced_program_and_draw_its_timeline(tmp_path):
         return total(dense(w, x))
 
     w, x = jnp.ones((64, 64)), jnp.ones((32, 64))
-    cluster = sim.Cluster(hosts=2, profile="tpu_v4")
+    cluster = sim.SimCluster(hosts=2, profile="tpu_v4")
     pred = pw.sim.predict(step, w, x, cluster=cluster, runs=4)
     assert pred.step_time_s > 0
     assert 0 < pred.utilisation <= 1
@@ -549,7 +565,7 @@ def test_predict_names_the_node_times_it_is_given():
     f = pw.jit(lambda v: v + 1, devices=s)
     prog = pw.program(lambda v: f(f(v)), name="two", fuse=False)
     profile = sim.Profile(controller=sim.ControllerCosts(run_s=4 * US, node_s=1 * US))
-    cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile)
     names = [n.name for n in prog.graph(jnp.zeros(3)).nodes]
     # Run 0-4, nodes dispatched at 5 and 6; 100 µs each: 5-105, 105-205; the next run's first node
     # waits for 205, so the steady step is 200 µs.
@@ -561,16 +577,16 @@ def test_predict_names_the_node_times_it_is_given():
 
 def test_errors_are_named_types():
     with pytest.raises(pw.errors.ResourceError, match="no profile named 'nope'"):
-        sim.Cluster(hosts=2, profile="nope")
+        sim.SimCluster(hosts=2, profile="nope")
     with pytest.raises(sim.ProfileError):
         sim.load_profile({"controller": {"run_s": -1}})
     with pytest.raises(sim.ProfileError, match="unknown fields"):
         sim.load_profile({"controller": {"runs": 1}})
     with pytest.raises(pw.errors.ResourceError, match="hosts must be an integer >= 1"):
-        sim.Cluster(hosts=0)
+        sim.SimCluster(hosts=0)
     with pytest.raises(pw.errors.ResourceError, match="cannot split 3 hosts"):
-        sim.Cluster(hosts=3, islands=2)
-    cluster = sim.Cluster(hosts=1, devices_per_host=2, profile=sim.Profile())
+        sim.SimCluster(hosts=3, islands=2)
+    cluster = sim.SimCluster(hosts=1, devices_per_host=2, profile=sim.Profile())
     bad = sim.SimProgram("bad", (sim.Step("node", "n", (0, 4), 1.0),))
     with pytest.raises(pw.errors.ResourceError, match=r"devices \[0, 4\); the cluster has 2"):
         sim.simulate(cluster, bad)
@@ -625,7 +641,7 @@ def test_without_simpy_the_package_imports_and_the_simulator_says_which_extra():
         "sys.modules['simpy'] = None\n"
         "import pathways_jax as pw\n"
         "assert 'pathways_jax.sim' not in sys.modules\n"
-        "c = pw.sim.Cluster(hosts=2, profile='tpu_v4')\n"
+        "c = pw.sim.SimCluster(hosts=2, profile='tpu_v4')\n"
         "try:\n"
         "    pw.sim.simulate(c, pw.sim.spmd(c, 1e-3))\n"
         "except pw.errors.ClusterError as exc:\n"

@@ -299,7 +299,7 @@ def test_the_simulator_lays_out_its_trace_as_pw_trace_does():
     with pw.trace() as rec:
         step(jnp.arange(16.0)).result()
     real = rec.to_json()
-    cluster = sim.Cluster(hosts=2, devices_per_host=4, islands=2)
+    cluster = sim.SimCluster(hosts=2, devices_per_host=4, islands=2)
     simulated = sim.simulate(cluster, sim.chain(cluster, 2, compute_s=1e-5)).trace
 
     def layout(data):

@@ -13,7 +13,7 @@ Example:
   >>> @pw.program(devices=s)
   ... def step(v):
   ...     return v * 2
-  >>> pred = pw.sim.predict(step, jnp.ones(8), cluster=pw.sim.Cluster(hosts=4, profile="tpu_v4"))
+  >>> pred = pw.sim.predict(step, jnp.ones(8), cluster=pw.sim.SimCluster(hosts=4, profile="tpu_v4"))
   >>> pred.step_time_s > 0 and 0 <= pred.utilisation <= 1
   True
   >>> s.release()
@@ -21,7 +21,7 @@ Example:
 ``python -m pathways_jax.sim calibrate`` measures this machine into a profile.
 """
 
-from pathways_jax.sim._cluster import Cluster as Cluster
+from pathways_jax.sim._cluster import SimCluster as SimCluster
 from pathways_jax.sim._engine import ClientStats as ClientStats
 from pathways_jax.sim._engine import RunRecord as RunRecord
 from pathways_jax.sim._engine import SimResult as SimResult
@@ -53,7 +53,6 @@ from pathways_jax.sim._workload import two_islands as two_islands
 __all__ = [
     "PREVIOUS_RUN",
     "ClientStats",
-    "Cluster",
     "ControllerCosts",
     "DeviceCosts",
     "HostCosts",
@@ -62,6 +61,7 @@ __all__ = [
     "Profile",
     "ProfileError",
     "RunRecord",
+    "SimCluster",
     "SimProgram",
     "SimResult",
     "SimulatorUnavailable",
@@ -80,3 +80,18 @@ __all__ = [
     "spmd",
     "two_islands",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # pw.sim.Cluster was renamed SimCluster so that one name, pw.Cluster, means the running cluster.
+    if name == "Cluster":
+        import warnings
+
+        warnings.warn(
+            "pw.sim.Cluster is now pw.sim.SimCluster (pw.Cluster is the running cluster); the old name "
+            "goes in a later release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return SimCluster
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

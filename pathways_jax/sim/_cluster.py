@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Literal
 
@@ -18,12 +19,12 @@ Dispatch = Literal["local", "hosts"]
 
 def _count(name: str, value: object, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise errors.ResourceError(f"pw.sim.Cluster: {name} must be an integer >= {low}, got {value!r}.")
+        raise errors.ResourceError(f"pw.sim.SimCluster: {name} must be an integer >= {low}, got {value!r}.")
     return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
-class Cluster:
+class SimCluster:
     """The cluster a simulation runs on.
 
     Devices are numbered ``0 .. hosts * devices_per_host - 1``; host ``h`` owns
@@ -42,8 +43,9 @@ class Cluster:
         local for one host, hosts otherwise.
       in_flight: executables in flight per island (local) or per host (hosts)
         before dispatch waits; default: the profile's.
-      device_window: single-device executables in flight per device (local)
-        before dispatch waits; default: the runtime's (4).
+      device_in_flight: single-device executables in flight per device (local)
+        before dispatch waits; default: the runtime's (4). (``device_window``,
+        its former name, still works and warns.)
       scheduler: the controller's policy among clients (``"fifo"``, ``"fair"``, ``"priority"``).
       cores: the controller and every host share one machine of this many CPU
         cores (several Ray hosts on one workstation), and their devices are
@@ -74,7 +76,7 @@ class Cluster:
 
     Example:
       >>> from pathways_jax import sim
-      >>> sim.Cluster(hosts=16, profile="tpu_v4").devices
+      >>> sim.SimCluster(hosts=16, profile="tpu_v4").devices
       64
     """
 
@@ -85,7 +87,7 @@ class Cluster:
     dispatch: Dispatch
     in_flight: int
     scheduler: str
-    device_window: int
+    device_in_flight: int
     cores: int | None
     fanout: Fanout
     fanout_degree: int
@@ -100,11 +102,21 @@ class Cluster:
         dispatch: Dispatch | None = None,
         in_flight: int | None = None,
         scheduler: Literal["fifo", "fair", "priority"] = "fifo",
-        device_window: int | None = None,
+        device_in_flight: int | None = None,
         cores: int | None = None,
         fanout: Fanout = "serial",
         fanout_degree: int = 4,
+        device_window: int | None = None,
     ):
+        if device_window is not None:
+            warnings.warn(
+                "pw.sim.SimCluster(device_window=...) is now device_in_flight=...; the old name goes in a "
+                "later release.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if device_in_flight is None:
+                device_in_flight = device_window
         prof = load_profile(profile)
         hosts = _count("hosts", hosts)
         per_host = _count(
@@ -113,15 +125,17 @@ class Cluster:
         islands = _count("islands", islands)
         if hosts % islands:
             raise errors.ResourceError(
-                f"pw.sim.Cluster: {islands} islands cannot split {hosts} hosts evenly; "
+                f"pw.sim.SimCluster: {islands} islands cannot split {hosts} hosts evenly; "
                 "pass an island count that divides the host count."
             )
         mode = dispatch if dispatch is not None else ("local" if hosts == 1 else "hosts")
         if mode not in ("local", "hosts"):
-            raise errors.ResourceError(f"pw.sim.Cluster: dispatch must be 'local' or 'hosts', got {mode!r}.")
+            raise errors.ResourceError(
+                f"pw.sim.SimCluster: dispatch must be 'local' or 'hosts', got {mode!r}."
+            )
         if mode == "local" and hosts > 1:
             raise errors.ResourceError(
-                f"pw.sim.Cluster: dispatch='local' drives the devices of one host, got hosts={hosts}."
+                f"pw.sim.SimCluster: dispatch='local' drives the devices of one host, got hosts={hosts}."
             )
         window = (
             in_flight
@@ -130,20 +144,20 @@ class Cluster:
         )
         if scheduler not in scheduler_lib.POLICIES:
             raise errors.ResourceError(
-                f"pw.sim.Cluster: scheduler must be one of {scheduler_lib.POLICIES}, got {scheduler!r}."
+                f"pw.sim.SimCluster: scheduler must be one of {scheduler_lib.POLICIES}, got {scheduler!r}."
             )
         if cores is not None:
             cores = _count("cores", cores)
             if mode == "local":
                 raise errors.ResourceError(
-                    "pw.sim.Cluster: cores= models hosts that share one machine (dispatch='hosts'); "
+                    "pw.sim.SimCluster: cores= models hosts that share one machine (dispatch='hosts'); "
                     "with dispatch='local' the profile's device.shared_cpu models the shared cores."
                 )
         if fanout not in FANOUTS:
-            raise errors.ResourceError(f"pw.sim.Cluster: fanout must be one of {FANOUTS}, got {fanout!r}.")
+            raise errors.ResourceError(f"pw.sim.SimCluster: fanout must be one of {FANOUTS}, got {fanout!r}.")
         if fanout != "serial" and mode == "local":
             raise errors.ResourceError(
-                f"pw.sim.Cluster: fanout={fanout!r} is how a run's messages reach its hosts (dispatch='hosts'); "
+                f"pw.sim.SimCluster: fanout={fanout!r} is how a run's messages reach its hosts (dispatch='hosts'); "
                 "with dispatch='local' the controller sends no messages."
             )
         for name, value in (
@@ -155,14 +169,20 @@ class Cluster:
             ("in_flight", _count("in_flight", window)),
             ("scheduler", scheduler),
             (
-                "device_window",
-                _count("device_window", DEVICE_WINDOW if device_window is None else device_window),
+                "device_in_flight",
+                _count("device_in_flight", DEVICE_WINDOW if device_in_flight is None else device_in_flight),
             ),
             ("cores", cores),
             ("fanout", fanout),
             ("fanout_degree", _count("fanout_degree", fanout_degree)),
         ):
             object.__setattr__(self, name, value)
+
+    @property
+    def device_window(self) -> int:
+        """The former name of :attr:`device_in_flight`."""
+        warnings.warn("SimCluster.device_window is now device_in_flight.", DeprecationWarning, stacklevel=2)
+        return self.device_in_flight
 
     @property
     def devices(self) -> int:
@@ -186,12 +206,12 @@ class Cluster:
     def island_devices(self, island: int) -> tuple[int, int]:
         """The ``[start, stop)`` device range of ``island``."""
         if not 0 <= island < self.islands:
-            raise errors.ResourceError(f"pw.sim.Cluster has islands 0..{self.islands - 1}, not {island}.")
+            raise errors.ResourceError(f"pw.sim.SimCluster has islands 0..{self.islands - 1}, not {island}.")
         return island * self.devices_per_island, (island + 1) * self.devices_per_island
 
     def __repr__(self) -> str:
         return (
-            f"sim.Cluster(hosts={self.hosts}, devices_per_host={self.devices_per_host}, "
+            f"sim.SimCluster(hosts={self.hosts}, devices_per_host={self.devices_per_host}, "
             f"islands={self.islands}, profile={self.profile.name!r}, dispatch={self.dispatch!r}, "
             f"in_flight={self.in_flight}"
             + (f", cores={self.cores}" if self.cores else "")

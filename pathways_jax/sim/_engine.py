@@ -18,14 +18,14 @@ What is modelled (each charged from the cluster's :class:`Profile`):
   message (``hosts.message_s`` each, one after another); it reaches the host
   ``hosts.latency_s`` later, and the host's own thread pays ``hosts.run_s``
   and ``hosts.enqueue_s`` per step. All hosts enqueue in parallel. With
-  ``Cluster(fanout="tree")`` the controller sends to ``fanout_degree`` hosts
+  ``SimCluster(fanout="tree")`` the controller sends to ``fanout_degree`` hosts
   a round and each host reached forwards the message (``hosts.message_s``
   each, on its own thread, before its own part) to as many more a round;
-  with ``Cluster(fanout="broadcast")`` it sends ONE message for all
+  with ``SimCluster(fanout="broadcast")`` it sends ONE message for all
   (``hosts.broadcast_s`` plus ``hosts.broadcast_host_s`` a host)
   (:mod:`pathways_jax.sim._fanout`).
 - **The in-flight window.** ``local``: at most ``in_flight`` windowed
-  executables in flight per island, and ``device_window`` single-device
+  executables in flight per island, and ``device_in_flight`` single-device
   executables per device; the controller waits when a window is full until it
   has drained to half (as the runtime does). ``hosts``: each host bounds its
   own executables as the runtime's hosts do: every one counts, at most
@@ -48,7 +48,7 @@ What is modelled (each charged from the cluster's :class:`Profile`):
   a node on ``k`` devices, ``device.launch_cpu(k)`` is exempt: ``jax.jit``'s
   own call spends it too, and ``device.launch_s`` was measured with it.
   Zero for accelerators.
-- **Shared cores** (``Cluster(cores=n)``: hosts on one machine): the
+- **Shared cores** (``SimCluster(cores=n)``: hosts on one machine): the
   controller's work, every host's and every node's device time each hold
   one of ``n`` cores while they run (first come, first served), so that
   together they never use more than the machine has. Where the profile has
@@ -79,7 +79,7 @@ from pathways_jax._src.core import trace_format
 from pathways_jax._src.core.trace_format import CONTROLLER_PID, TRANSFER_TID
 from pathways_jax._src.runtime import admission
 from pathways_jax._src.runtime import scheduler as scheduler_lib
-from pathways_jax.sim._cluster import Cluster
+from pathways_jax.sim._cluster import SimCluster
 from pathways_jax.sim._errors import import_simpy
 from pathways_jax.sim._fanout import CONTROLLER, fanout_tree
 from pathways_jax.sim._profile import HostCosts, Profile
@@ -234,7 +234,7 @@ class _Run:
         self.done: Any = None
 
 
-def _host_costs(profile: Profile, cluster: Cluster) -> HostCosts:
+def _host_costs(profile: Profile, cluster: SimCluster) -> HostCosts:
     """The hosts' costs on ``cluster``: ``hosts``, or towards ``hosts_busy`` on a crowded machine.
 
     A process's CPU seconds per unit of work move with the load: calibration
@@ -260,7 +260,7 @@ def _host_costs(profile: Profile, cluster: Cluster) -> HostCosts:
 
 
 class _Simulation:
-    def __init__(self, cluster: Cluster, workloads: Sequence[Workload], record: bool, max_tracks: int):
+    def __init__(self, cluster: SimCluster, workloads: Sequence[Workload], record: bool, max_tracks: int):
         simpy = import_simpy()
         self.simpy = simpy
         self.env = simpy.Environment()
@@ -290,7 +290,7 @@ class _Simulation:
             cluster.in_flight, PACE, CROSS_HOST_WINDOW if cluster.hosts_per_island > 1 else PACE
         )
         self.device_windows = (
-            [_Window(self.env, cluster.device_window) for _ in range(cluster.devices)]
+            [_Window(self.env, cluster.device_in_flight) for _ in range(cluster.devices)]
             if per == "island"
             else []
         )
@@ -724,7 +724,7 @@ class _Simulation:
 
 
 def simulate(
-    cluster: Cluster,
+    cluster: SimCluster,
     workloads: Workload | SimProgram | Sequence[Workload],
     *,
     runs: int = 1,
@@ -750,7 +750,7 @@ def simulate(
     Example:
       >>> from pathways_jax import sim
       >>> profile = sim.Profile(controller=sim.ControllerCosts(run_s=1e-6, node_s=1e-6))
-      >>> cluster = sim.Cluster(hosts=1, devices_per_host=1, profile=profile)
+      >>> cluster = sim.SimCluster(hosts=1, devices_per_host=1, profile=profile)
       >>> program = sim.chain(cluster, 3, compute_s=10e-6)
       >>> round(sim.simulate(cluster, program).makespan_s * 1e6, 6)  # 1 + 1 + 3 x 10
       32.0

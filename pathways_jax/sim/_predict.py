@@ -25,7 +25,7 @@ from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.api.tracing import program as make_program
 from pathways_jax._src.ir.graph import Graph, Node
 from pathways_jax._src.runtime.slices import VirtualSlice
-from pathways_jax.sim._cluster import Cluster
+from pathways_jax.sim._cluster import SimCluster
 from pathways_jax.sim._engine import SimResult, Workload, simulate
 from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step
 
@@ -70,7 +70,7 @@ def _walk(jaxpr: Any, work: _Work) -> None:
             _walk(sub, work)
 
 
-def estimate_node_time(node: Node, cluster: Cluster, devices: int) -> float:
+def estimate_node_time(node: Node, cluster: SimCluster, devices: int) -> float:
     """Device time of a graph node on ``devices`` devices, from its jaxpr and the profile.
 
     ``launch + max(flops, bytes over the rates) / devices + ICI all-reduce per collective``:
@@ -86,7 +86,7 @@ def estimate_node_time(node: Node, cluster: Cluster, devices: int) -> float:
     return prof.device.launch(devices) + compute + collectives
 
 
-def _placement(graph: Graph, cluster: Cluster, mode: str) -> dict[int, tuple[int, int]]:
+def _placement(graph: Graph, cluster: SimCluster, mode: str) -> dict[int, tuple[int, int]]:
     """Each slice's ``[start, stop)`` devices on the simulated cluster, packed per island."""
     placed: dict[int, tuple[int, int]] = {}
     for s in cast("tuple[VirtualSlice, ...]", graph.slices):  # a traced graph's: the runtime's own
@@ -103,7 +103,7 @@ def _placement(graph: Graph, cluster: Cluster, mode: str) -> dict[int, tuple[int
         if size > hi - lo:
             raise errors.ResourceError(
                 f"slice #{s.id} of {s.size} devices does not fit island {island} of the simulated cluster "
-                f"({hi - lo} devices); use placement='scale' or a bigger pw.sim.Cluster."
+                f"({hi - lo} devices); use placement='scale' or a bigger pw.sim.SimCluster."
             )
         # Slices share the island from its start (as pw.devices hands them out, here without exclusivity).
         placed[s.id] = (lo, lo + size)
@@ -112,7 +112,7 @@ def _placement(graph: Graph, cluster: Cluster, mode: str) -> dict[int, tuple[int
 
 def from_graph(
     graph: Graph,
-    cluster: Cluster,
+    cluster: SimCluster,
     *,
     node_times: Mapping[str, float] | Callable[[Node, int], float] | None = None,
     placement: Literal["scale", "keep"] = "scale",
@@ -205,7 +205,7 @@ class Prediction:
     throughput: float
     timeline: dict
     program: SimProgram
-    cluster: Cluster
+    cluster: SimCluster
     result: SimResult
 
     def save_timeline(self, path: str | os.PathLike) -> None:
@@ -230,7 +230,7 @@ class Prediction:
 def predict(
     program: Program | JitFunction | Graph | SimProgram,
     *args: Any,
-    cluster: Cluster,
+    cluster: SimCluster,
     runs: int = 8,
     node_times: Mapping[str, float] | Callable[[Node, int], float] | None = None,
     placement: Literal["scale", "keep"] = "scale",
@@ -248,7 +248,7 @@ def predict(
       program: a ``@pw.program``, a ``pw.jit`` function, a traced ``pw.Graph``
         or a :class:`SimProgram`.
       *args: the program's arguments (arrays, or ``jax.ShapeDtypeStruct``-like values it accepts).
-      cluster: the simulated :class:`Cluster`.
+      cluster: the simulated :class:`SimCluster`.
       runs: calls to simulate (the steady state is measured after the first quarter).
       node_times: device seconds per node (see :func:`from_graph`).
       placement: how slices map onto the cluster (see :func:`from_graph`).
@@ -263,9 +263,9 @@ def predict(
       ProgramTraceError: ``program`` is not something that can be traced.
       ResourceError: a slice does not fit the cluster, or ``runs`` < 1.
     """
-    if not isinstance(cluster, Cluster):
+    if not isinstance(cluster, SimCluster):
         raise errors.ResourceError(
-            f"predict needs cluster=pw.sim.Cluster(...), got {type(cluster).__name__}."
+            f"predict needs cluster=pw.sim.SimCluster(...), got {type(cluster).__name__}."
         )
     if isinstance(program, JitFunction):
         fn = program

@@ -67,7 +67,7 @@ class HostCosts:
     Attributes:
       message_s: the controller's cost of sending one host its part of a run
         (serialisation, the send, its answer's share): paid once per host per
-        run, one after another (``Cluster(fanout="tree")``: once per message
+        run, one after another (``SimCluster(fanout="tree")``: once per message
         the controller sends, and by each host per message it forwards).
       latency_s: one-way latency of that message to the host.
       run_s: the host's cost of receiving a run's message.
@@ -77,9 +77,9 @@ class HostCosts:
         records, its hosts' answers).
       node_s: the controller's cost per node (and transfer) of a run it sends
         to hosts (instead of ``controller.node_s``/``transfer_s``).
-      broadcast_s: ``Cluster(fanout="broadcast")``: the controller's fixed cost of
+      broadcast_s: ``SimCluster(fanout="broadcast")``: the controller's fixed cost of
         the one send of a run's messages to all its hosts.
-      broadcast_host_s: ``Cluster(fanout="broadcast")``: the controller's cost per
+      broadcast_host_s: ``SimCluster(fanout="broadcast")``: the controller's cost per
         host of that send (its part's encoding), instead of ``message_s``.
     """
 
@@ -181,7 +181,7 @@ class Profile:
       controller, hosts, device, ici, dcn: the costs of each part.
       hosts_busy: the ``hosts`` costs measured with no idle core, or None
         (then ``hosts`` everywhere). Hosts that share one machine
-        (``Cluster(cores=n)``) pay ``hosts`` while they and the controller fit
+        (``SimCluster(cores=n)``) pay ``hosts`` while they and the controller fit
         its cores and these from twice as many processes as cores, in
         proportion in between: a process's CPU seconds per unit of work move
         with the load (on the machine that built ``cpu_2core``, over the

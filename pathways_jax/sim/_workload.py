@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from pathways_jax import errors
-from pathways_jax.sim._cluster import Cluster
+from pathways_jax.sim._cluster import SimCluster
 
 PREVIOUS_RUN = -1  # an input that is the previous run's output (futures chained run to run)
 
@@ -65,7 +65,7 @@ class SimProgram:
     computations: int = 1
     output: int = -1
 
-    def check(self, cluster: Cluster) -> SimProgram:
+    def check(self, cluster: SimCluster) -> SimProgram:
         """Validates the steps against ``cluster``.
 
         Raises:
@@ -92,7 +92,7 @@ class SimProgram:
 
 
 def node_time(
-    cluster: Cluster, devices: int, *, computations: int = 1, compute_s: float | None = None
+    cluster: SimCluster, devices: int, *, computations: int = 1, compute_s: float | None = None
 ) -> float:
     """Device time of one node on ``devices`` devices: launch, then its computations.
 
@@ -104,12 +104,12 @@ def node_time(
     return device.launch(devices) + computations * per
 
 
-def _range(cluster: Cluster, devices: tuple[int, int] | None) -> tuple[int, int]:
+def _range(cluster: SimCluster, devices: tuple[int, int] | None) -> tuple[int, int]:
     return (0, cluster.devices_per_island) if devices is None else devices
 
 
 def chain(
-    cluster: Cluster,
+    cluster: SimCluster,
     nodes: int,
     *,
     compute_s: float | None = None,
@@ -136,7 +136,7 @@ def chain(
 
 
 def dispatch_mode(
-    cluster: Cluster,
+    cluster: SimCluster,
     mode: Literal["O", "C", "F"],
     *,
     chain_length: int = 128,
@@ -178,7 +178,7 @@ def dispatch_mode(
 
 
 def spmd(
-    cluster: Cluster,
+    cluster: SimCluster,
     compute_s: float,
     *,
     all_reduce_bytes: int = 0,
@@ -196,7 +196,7 @@ def spmd(
 
 
 def pipeline(
-    cluster: Cluster,
+    cluster: SimCluster,
     stages: int,
     microbatches: int,
     stage_s: float,
@@ -261,7 +261,7 @@ def pipeline(
 
 
 def two_islands(
-    cluster: Cluster,
+    cluster: SimCluster,
     compute_s: float,
     gradient_bytes: int,
     *,
