@@ -1,0 +1,764 @@
+"""The controller service's actor: one order to the hosts, isolation, and scheduling among clients.
+
+**One order.** The service is the only sender to the hosts: every host
+gets its messages from one asyncio loop, numbered, so collective programs
+of different client processes on overlapping slices meet in the same order
+on every host of an island.
+
+**Isolation.** Client keys are namespaced by client in the service (the
+``ledger``). A run or fetch may name only values its client owns and still
+holds, or that another client shared with it (``pw.share``); otherwise the
+whole batch is refused (``Refused``, raised as ``AccessError``) and nothing
+is forwarded. A client process that dies (its token actor dies with it) has
+its queued runs dropped, its values freed on the hosts (unless shared with a
+live client) and its plans and slices forgotten, within seconds.
+
+**Scheduling.** Each client process has a FIFO queue (its own order, which
+its own controller chose among its threads, is kept). The service sends
+the head of one queue at a time, when every island the run touches has
+fewer than ``window`` runs in flight, choosing by the policy: ``fifo``
+(arrival), ``priority`` (the head's ``pw.client`` priority) or ``fair``
+(device time charged per client process, in proportion to the head's
+``pw.client`` weight): the in-process controller's admission core and
+policies (``runtime/admission.py``, ``runtime/scheduler.py``), keyed by
+client process, charged with the device time each host measures. Other
+batches (fetch, free, forget, share) go at once, ahead of the client's
+queued runs unless they name a value one of those makes or reads; a fetch
+is answered with the host's own answer, so values come from the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import os
+import pickle
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from absl import logging
+
+from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends.ray_host import Refused, RunDone, RunFailure
+from pathways_jax._src.runtime import admission
+from pathways_jax._src.runtime import scheduler as scheduler_lib
+from pathways_jax._src.runtime.scheduler import Head
+from pathways_jax._src.runtime.serving.config import ServiceConfig, host_key
+from pathways_jax._src.runtime.serving.ledger import Ledger, Refuse
+from pathways_jax._src.runtime.serving.records import Batch, ClientProcess
+
+if TYPE_CHECKING:  # the channels need the ray extra (pyzmq, msgspec): imported where used
+    from pathways_jax._src import wire
+
+_DEPARTED_KEPT = 64  # clients that went, still listed in stats
+# A client's answers its channel cannot take now wait in its outbox, sent again after
+# _DRAIN_FIRST_S, doubling up to _DRAIN_MAX_S; past this many bytes the client is dropped.
+_DRAIN_FIRST_S = 0.002
+_SEND_NOW_S = 0.002  # how long an answer's send may wait before it goes to the outbox
+_DRAIN_MAX_S = 0.1
+_OUTBOX_BYTES = 256 * 2**20
+
+
+class ServiceActor:
+    """The controller service's actor (made with ``ray.remote`` by :func:`serve`)."""
+
+    def __init__(self, config: ServiceConfig):
+        import jax
+
+        # A fresh worker process: the stand-in devices can still be set.
+        total = config.hosts * config.devices_per_host
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", total)
+        jax.config.update("jax_enable_x64", bool(config.x64))
+        self.config = config
+        standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
+        self.backend = ray_backend.RayBackend(
+            address=None,
+            hosts=config.hosts,
+            devices_per_host=config.devices_per_host,
+            standins=standins[:total],
+            window=config.max_in_flight,
+            on_lost=None,
+            islands=config.islands,
+            platform=config.platform,
+            replace_lost=config.replace_lost_hosts,
+        )
+        self.layout = self.backend.layout
+        self.window = config.window
+        self.policy = config.scheduler
+        # The in-process controller's admission core (runtime/admission.py): a queue of runs per
+        # client process, its policies (runtime/scheduler.py), and one byte budget for the hosts.
+        self.admission: admission.Queues[int, Batch] = admission.Queues(
+            scheduler_lib.make(self.policy, starvation_limit=config.starvation_limit)
+        )
+        self.ledger = Ledger(config.memory_budget)  # the values on the hosts, under the byte budget
+        self.max_clients = config.max_clients
+        self.memory_budget = config.memory_budget
+        self.backpressure_timeout = config.backpressure_timeout
+        self.clients: dict[int, ClientProcess] = {}
+        self.in_flight: collections.Counter[int] = collections.Counter()
+        self.busy_until: dict[int, float] = {}
+        self.started = time.monotonic()
+        self._ids = itertools.count(1)
+        self._arrival = itertools.count()
+        self._ticker: Any = None
+        self._loop: Any = None  # the actor's event loop (set by its first async call)
+        # Clients send their batches on this channel (signed with the service's key).
+        self.key = secrets.token_bytes(32)
+        from pathways_jax._src import wire
+        from pathways_jax._src.backends import channel_link
+
+        transport, ip = channel_link.listen_on()
+        self.channel = wire.Server(
+            self.key, transport=transport, host=ip, on_message=self._from_client, send_timeout=30.0
+        )
+        self._by_identity: dict[bytes, ClientProcess] = {}
+        # Signed messages refused all the same: from no joined client, or not a batch.
+        self.refused_batches: collections.Counter[str] = collections.Counter()
+        self.fetches: collections.Counter[str] = collections.Counter({"direct": 0, "relayed": 0})
+
+    # --- clients ---------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        """What a client needs to lower for the service's hosts."""
+        backend = self.backend
+        return {
+            "name": self.config.name,
+            "hosts": self.layout.hosts,
+            "devices_per_host": self.layout.devices_per_host,
+            "per_island": self.layout.per_island,
+            "platform": self.config.platform,
+            "x64": self.config.x64,
+            "scheduler": self.policy,
+            "window": self.window,
+            "generations": list(backend.generations),
+            "lost": dict(backend.lost),
+            "info": backend.info,
+            "pid": os.getpid(),
+        }
+
+    async def ready(self) -> dict:
+        self._loop = asyncio.get_running_loop()
+        return self.info()
+
+    async def join(self, name: str, pid: int, node: str, token: Any, x64: bool) -> dict:
+        """Admits a client process (or refuses it, saying why); its id and the cluster's shape."""
+        live = [c for c in self.clients.values() if c.alive]
+        if self.max_clients is not None and len(live) >= self.max_clients:
+            who = ", ".join(f"{c.name} (pid {c.pid})" for c in live)
+            return {"refused": f"the service admits {self.max_clients} client processes and has them: {who}"}
+        if self.memory_budget is not None and self.ledger.held >= self.memory_budget:
+            return {
+                "refused": f"the service's hosts hold {self.ledger.held} bytes of values, its whole memory budget "
+                f"({self.memory_budget} bytes)"
+            }
+        if any(c.name == name for c in live):
+            return {
+                "refused": f"a client process named {name!r} is connected already (pw.share names clients "
+                "by name): give this one another client_name"
+            }
+        if bool(x64) != bool(self.config.x64):
+            return {
+                "refused": f"the service runs with jax_enable_x64={self.config.x64}, this process with "
+                f"{x64}: their computations would not match"
+            }
+        client = ClientProcess(next(self._ids), name, pid, node, token, time.time())
+        self.clients[client.id] = client
+        self._loop = asyncio.get_running_loop()
+        self._loop.create_task(self._watch(client))
+        if self._ticker is None:
+            self._ticker = self._loop.create_task(self._tick())
+        identity = f"client-{client.id}".encode()
+        self._by_identity[identity] = client
+        from pathways_jax._src.backends import channel_link
+
+        channel = channel_link.Endpoint(self.channel.address, self.key, identity)
+        return {"client": client.id, "channel": channel, **self.info()}
+
+    async def _watch(self, client: ClientProcess) -> None:
+        """Waits on the client's token actor: it dies with the client's process."""
+        try:
+            await client.token.hold.remote()
+            why = "it left"
+        except Exception as exc:
+            why = f"its process died ({type(exc).__name__})"
+        if client.alive:
+            self._drop_client(client, why)
+
+    async def leave(self, client_id: int) -> None:
+        client = self.clients.get(client_id)
+        if client is not None and client.alive:
+            self._drop_client(client, "it left")
+
+    def _drop_client(self, client: ClientProcess, why: str) -> None:
+        """A client went: its queued runs are dropped, its values, plans and slices released."""
+        client.alive = False
+        client.why = why
+        identity = f"client-{client.id}".encode()
+        self._by_identity.pop(identity, None)
+        self.channel.forget(identity)
+        refused = Refused(f"client {client.name!r} is gone: {why}", "gone")
+        queued = self.admission.close(client.id, lambda batch: Head(client.id, batch.arrival))
+        for batch in [*queued, *client.others, *client.pending.values()]:
+            if not batch.future.done():
+                batch.future.set_result([refused] * len(batch.messages))
+        client.others.clear()
+        client.pending.clear()
+        client.outbox.clear()
+        client.outbox_bytes = 0
+        frees: dict[int, list[int]] = collections.defaultdict(list)
+        self.ledger.forget_client(client.id, frees)
+        self.backend.send_batch(
+            [(host, "free", (keys,)) for host, keys in frees.items()]
+            + [(host, "forget", (plan,)) for plan, hosts in client.plans.items() for host in hosts]
+        )
+        client.plans.clear()
+        client.slices.clear()
+        # Stats keep the last clients that went; older ones are forgotten.
+        gone = [c.id for c in self.clients.values() if not c.alive]
+        for old in gone[: max(0, len(gone) - _DEPARTED_KEPT)]:
+            del self.clients[old]
+        logging.info("pathways_jax service: client %s (pid %d) is gone: %s", client.name, client.pid, why)
+        self._pump()
+
+    async def inbox(self, client_id: int, up: str, down: str, key: bytes) -> None:
+        """The client's own channel: the hosts send the values it fetches there, not through here."""
+        from pathways_jax._src import wire
+
+        client = self.clients.get(client_id)
+        if client is not None and client.alive:
+            client.inbox = wire.Reply(up, down, key, 0)
+
+    async def slices(self, client_id: int, slices: dict) -> None:
+        """The client's slices now (slice id -> device ids), for stats."""
+        client = self.clients.get(client_id)
+        if client is not None and client.alive:
+            client.slices = dict(slices)
+
+    def _share(self, client_id: int, key: int, reader: str) -> Any:
+        """Lets the client named ``reader`` read a value of client ``client_id``; None or a Refused."""
+        value = self.ledger.values.get(host_key(client_id, key))
+        if value is None or value.owner != client_id or not value.owner_holds:
+            return Refused(f"value {key} of this client is not on the hosts (freed, or never made)")
+        readers = [c for c in self.clients.values() if c.alive and (c.name == reader or str(c.id) == reader)]
+        if not readers:
+            names = sorted(c.name for c in self.clients.values() if c.alive)
+            return Refused(f"no client process named {reader!r} is connected (connected: {names})")
+        value.readers.update(c.id for c in readers)
+        return None
+
+    # --- batches ---------------------------------------------------------------------------
+
+    def _from_client(self, received: wire.Received) -> None:
+        """A message on the service's channel (its receive thread): handled on the actor's loop."""
+        self._loop.call_soon_threadsafe(self._client_message, received)
+
+    def _client_message(self, received: wire.Received) -> None:
+        from pathways_jax._src import wire
+
+        client = self._by_identity.get(received.peer)
+        if client is None:  # signed with the key, but no client joined under that name
+            self.refused_batches["unknown_client"] += 1
+            return
+        match received.body:
+            case wire.Submit(seq, messages, run):
+                future = self._submit(client, seq, messages, run)
+                peer = received.peer
+                future.add_done_callback(lambda done: self._answer(peer, seq, done.result()))
+            case _:
+                self.refused_batches["not_a_batch"] += 1  # clients send only batches
+
+    def _answer(self, peer: bytes, seq: int, answers: list) -> None:
+        """Sends a client the answers to its batch ``seq`` (a client that went gets nothing).
+
+        Never waits: the loop serves every client. An answer the client's
+        channel cannot take now (a slow or stopped reader: its queue is at the
+        high-water mark) waits in the client's outbox, behind which its later
+        answers queue, and is sent again from the loop (:meth:`_drain`).
+        """
+        from pathways_jax._src import wire
+
+        client = self._by_identity.get(peer)
+        if client is None:
+            return
+        try:
+            blob = wire.Blob(pickle.dumps(answers, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception as exc:  # an answer that cannot be pickled still answers
+            refused = Refused(f"the service could not send the answer: {type(exc).__name__}: {exc}")
+            blob = wire.Blob(pickle.dumps([refused] * len(answers), protocol=pickle.HIGHEST_PROTOCOL))
+        message = wire.Answered(seq, blob)
+        if not client.outbox and self._send_now(peer, message):
+            return
+        client.outbox.append(message)
+        client.outbox_bytes += len(blob.view)
+        if client.stalled_since is None:
+            client.stalled_since = time.monotonic()
+            self._loop.call_later(_DRAIN_FIRST_S, self._drain, client, _DRAIN_FIRST_S)
+
+    def _send_now(self, peer: bytes, message: Any) -> bool:
+        """Sends ``message`` if the client's channel takes it at once; False if it is full."""
+        from pathways_jax._src import wire
+
+        try:
+            # A moment's wait: the channel's heartbeat thread may hold its send lock now.
+            self.channel.send(peer, message, timeout=_SEND_NOW_S)
+        except wire.ChannelFull:
+            return False
+        except wire.ChannelClosed:  # the service is stopping: nothing more goes out
+            pass
+        return True
+
+    def _drain(self, client: ClientProcess, pause: float) -> None:
+        """Sends what waits in a client's outbox; a client that took nothing for too long is dropped."""
+        peer = f"client-{client.id}".encode()
+        while client.outbox and client.alive:
+            if not self._send_now(peer, client.outbox[0]):
+                break
+            client.outbox_bytes -= len(client.outbox.popleft().answers.view)
+            client.stalled_since = time.monotonic() if client.outbox else None
+        if not client.outbox or not client.alive:
+            client.stalled_since = None
+            return
+        stalled = time.monotonic() - (client.stalled_since or time.monotonic())
+        if stalled >= self.config.stalled_client_timeout or client.outbox_bytes > _OUTBOX_BYTES:
+            self._drop_client(
+                client,
+                f"it stopped reading its answers ({len(client.outbox)} answers, {client.outbox_bytes} bytes "
+                f"waited {stalled:.1f}s; stalled_client_timeout={self.config.stalled_client_timeout}s)",
+            )
+            return
+        pause = min(pause * 2, _DRAIN_MAX_S)
+        self._loop.call_later(pause, self._drain, client, pause)
+
+    def _submit(
+        self, client: ClientProcess, seq: int, messages: list, run: wire.RunMeta | None
+    ) -> asyncio.Future:
+        """A client's batch number ``seq``; its future is set to each message's answer once they are done."""
+        batch = Batch(client.id, messages, run, self._loop.create_future(), seq)
+        if not client.alive:
+            gone = Refused(f"client {client.name!r} is not connected to this service ({client.why})", "gone")
+            batch.future.set_result([gone] * len(messages))
+            return batch.future
+        client.pending[seq] = batch
+        while client.next_seq in client.pending:
+            ready = client.pending.pop(client.next_seq)
+            client.next_seq += 1
+            ready.arrival = next(self._arrival)
+            ready.queued_at = time.monotonic()
+            if ready.run is not None:
+                ready.islands = tuple(ready.run.islands)
+                ready.nbytes = sum(ready.run.nbytes.values())
+                self.admission.push(client.id, ready)
+            else:
+                client.others.append(ready)
+        self._pump()
+        return batch.future
+
+    async def _tick(self) -> None:
+        """Looks at the queues and the clients now and then: a run waiting for memory fails in
+        time even when nothing else happens, and a silent client is dropped."""
+        while True:
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(Exception):
+                self._drop_silent()
+            with contextlib.suppress(Exception):
+                self._pump()
+
+    def _drop_silent(self) -> None:
+        """Drops every client whose channel sent nothing, not even a heartbeat, for too long.
+
+        A client's channel heartbeats once a second of quiet from a thread of its own, so
+        silence means a stopped or hung process (or a lost network): its Ray token actor,
+        a process of its own, lives on and says nothing.
+        """
+        timeout = self.config.silent_client_timeout
+        if timeout is None:
+            return
+        now = time.monotonic()
+        for identity, client in list(self._by_identity.items()):
+            heard = self.channel.last_heard(identity)
+            silent = now - max(client.joined_at, heard or client.joined_at)
+            if client.alive and silent > timeout:
+                self._drop_client(
+                    client,
+                    f"its channel sent nothing, not even a heartbeat, for {silent:.1f}s: a stopped or hung "
+                    f"process (silent_client_timeout={timeout}s)",
+                )
+
+    def _pump(self) -> None:
+        """Sends queue heads while the policy finds one that may go."""
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        while True:
+            # Everything but runs goes at once, ahead of the client's queued runs
+            # unless it names what they read or make (a fetch of a queued run's
+            # output waits for that run, a free for the runs reading the value).
+            others = [(c, b) for c in self.clients.values() if c.alive for b in self._unblocked(c)]
+            if others:
+                for client, batch in others:
+                    client.others.remove(batch)
+                    self._forward(client, batch)
+                continue
+            heads = [(self.clients[key], batch) for key, batch in self.admission.heads()]
+            if not heads:
+                return
+            if any(self._over_budget(c, b) for c, b in heads):
+                continue  # a run failed for memory: look at the queues again
+            runs = [(c, b) for c, b in heads if self._may_go(b)]
+            if not runs:
+                return
+            choices = [self._head(c, b) for c, b in runs]
+            index = self.admission.pick(choices)
+            client, batch = runs[index]
+            batch.charged = choices[index].cost
+            self.admission.pop(client.id)
+            self._forward(client, batch)
+
+    @staticmethod
+    def _head(client: ClientProcess, batch: Batch) -> Head:
+        """A queued run as the policy sees it."""
+        run = batch.run
+        assert run is not None  # only runs queue for the policy
+        return Head(
+            client.id, batch.arrival, run.priority, run.weight, client.estimates.get(run.program, 0.0)
+        )
+
+    def _unblocked(self, client: ClientProcess) -> list[Batch]:
+        """The client's batches other than runs that need none of its earlier queued runs to go first."""
+        from pathways_jax._src import wire
+
+        if not client.others:
+            return []
+        runs = iter(self.admission.queues.get(client.id, ()))  # in arrival order
+        run = next(runs, None)
+        reads: set = set()
+        makes: set = set()
+        plans: set = set()
+        ready = []
+        for batch in client.others:
+            while run is not None and run.arrival < batch.arrival:
+                for routed in run.messages:
+                    match routed.item:
+                        case wire.Run(plan=plan, feeds=feeds, keep=keep):
+                            plans.add(plan)
+                            reads.update(feed.value for feed in feeds if feed.value is not None)
+                            makes.update(local for _slot, local in keep)
+                run = next(runs, None)
+            blocked = False
+            for routed in batch.messages:
+                match routed.item:
+                    case wire.Fetch(key=key) | wire.Share(key=key):
+                        blocked |= key in makes
+                    case wire.Free(keys=keys):
+                        blocked |= any(key in makes or key in reads for key in keys)
+                    case wire.Forget(plan=plan):
+                        blocked |= plan in plans
+            if not blocked:
+                ready.append(batch)
+        return ready
+
+    def _may_go(self, batch: Batch) -> bool:
+        if not all(admission.has_room(self.in_flight[island], 1, self.window) for island in batch.islands):
+            return False
+        return self.ledger.fits(batch.nbytes)
+
+    def _over_budget(self, client: ClientProcess, batch: Batch) -> bool:
+        """Fails (and takes off the queue) a run that will never fit, or waited too long to; True if it did."""
+        if self.ledger.fits(batch.nbytes):
+            return False
+        waited = time.monotonic() - batch.queued_at
+        never = self.ledger.exceeds(batch.nbytes)
+        if not never and not admission.waited_too_long(
+            batch.queued_at, time.monotonic(), self.backpressure_timeout
+        ):
+            return False
+        # It can never fit, or waited too long: it fails, and the queue goes on.
+        self.admission.drop(client.id, Head(client.id, batch.arrival))
+        why = (
+            f"its outputs ({batch.nbytes} bytes) exceed the service's whole memory budget "
+            f"({self.memory_budget} bytes)"
+            if never
+            else f"it waited {waited:.1f}s for memory under the service's budget ({self.memory_budget} bytes, "
+            f"{self.ledger.held} held)"
+        )
+        client.failures += 1
+        self._fail(client, batch, Refused(f"the run cannot be admitted: {why}", "memory"))
+        return True
+
+    def _fail(self, client: ClientProcess, batch: Batch, answer: Refused) -> None:
+        """Answers a batch that will not run with ``answer``: nothing of it runs and no value is touched.
+
+        Its plans are still registered: the client counts them as sent, and a
+        plan reads no value.
+        """
+        from pathways_jax._src import wire
+
+        registers = []
+        for routed in batch.messages:
+            match routed.item:
+                case wire.Register(plan, ops, constants, blobs, x64):
+                    key = host_key(client.id, plan)
+                    client.plans.setdefault(key, set()).add(routed.host)
+                    registers.append((routed.host, wire.Register(key, ops, constants, blobs, x64)))
+        self.backend.send_items(registers)
+        batch.future.set_result([answer] * len(batch.messages))
+
+    def _check(self, client: ClientProcess, batch: Batch) -> None:
+        """Raises :class:`Refuse` if the batch names a value its client may not read, or a message
+        a client may not send; changes nothing."""
+        from pathways_jax._src import wire
+
+        for routed in batch.messages:
+            match routed.item:
+                case wire.Run(feeds=feeds):
+                    for feed in feeds:
+                        if feed.value is not None:
+                            self.ledger.readable(client.id, feed.value)
+                case wire.Fetch(key=key):
+                    self.ledger.readable(client.id, key)
+                case wire.Register() | wire.Forget() | wire.Free():
+                    pass
+                case other:
+                    raise Refuse(
+                        f"a client may not send {type(other).__name__} messages in a batch of others"
+                    )
+
+    def _translate(self, client: ClientProcess, batch: Batch) -> tuple[list, dict]:
+        """The batch in host keys, ``(host, item)``, and the frees it makes; raises :class:`Refuse`
+        before changing anything."""
+        from pathways_jax._src import wire
+
+        self._check(client, batch)  # every handle is checked first
+        cid = client.id
+        frees: dict[int, list[int]] = collections.defaultdict(list)
+        out: list[tuple[int, wire.Item]] = []
+        base = 0
+        if batch.run is not None:
+            base = self.backend.take_uuids(batch.run.uuids)
+        nbytes = batch.run.nbytes if batch.run is not None else {}
+        for routed in batch.messages:
+            host = routed.host
+            match routed.item:
+                case wire.Register(plan, ops, constants, blobs, x64):
+                    key = host_key(cid, plan)
+                    client.plans.setdefault(key, set()).add(host)
+                    out.append((host, wire.Register(key, ops, constants, blobs, x64)))
+                case wire.Forget(plan):
+                    key = host_key(cid, plan)
+                    client.plans.get(key, set()).discard(host)
+                    out.append((host, wire.Forget(key)))
+                case wire.Run(plan, run_id, _base, feeds, keep, drop):
+                    self.ledger.drop(cid, drop, frees)
+                    feeds = [
+                        feed
+                        if feed.value is None
+                        else wire.Feed(feed.slot, self.ledger.readable(cid, feed.value))
+                        for feed in feeds
+                    ]
+                    kept = []
+                    for slot, local in keep:
+                        hk = host_key(cid, local)
+                        kept.append((slot, hk))
+                        self.ledger.keep(cid, hk, host, int(nbytes.get(local, 0)))
+                    out.append(
+                        (
+                            host,
+                            wire.Run(
+                                host_key(cid, plan),
+                                run_id,
+                                base,
+                                feeds,
+                                kept,
+                                list[wire.Handle](frees.pop(host, [])),
+                            ),
+                        )
+                    )
+                case wire.Free(keys):
+                    self.ledger.drop(cid, keys, frees)
+                    out.append((host, wire.Free(list[wire.Handle](frees.pop(host, [])))))
+                case wire.Fetch(key):
+                    # The host sends the value straight to the client's own channel, if it has one.
+                    inbox = client.inbox
+                    reply = None
+                    if inbox is not None and self.backend.link.name == "channel":
+                        reply = wire.Reply(inbox.up, inbox.down, inbox.key, batch.seq)
+                    out.append((host, wire.Fetch(self.ledger.readable(cid, key), reply)))
+        return out, frees
+
+    def _forward(self, client: ClientProcess, batch: Batch) -> None:
+        """Sends a batch to its hosts, all at once; its answers come back through :meth:`_complete`."""
+        from pathways_jax._src import wire
+
+        shares = [routed.item for routed in batch.messages if isinstance(routed.item, wire.Share)]
+        if shares and len(shares) == len(batch.messages):
+            batch.future.set_result([self._share(client.id, share.key, share.reader) for share in shares])
+            return
+        try:
+            messages, frees = self._translate(client, batch)
+        except Refuse as refused:
+            client.refused += 1
+            self._fail(client, batch, Refused(str(refused)))
+            return
+        sent = time.monotonic()
+        generations = tuple(self.backend.generations)  # a loss seen later is of these islands
+        refs = self.backend.send_items(
+            messages + [(host, wire.Free(list[wire.Handle](keys))) for host, keys in frees.items()]
+        )
+        refs = refs[: len(messages)]
+        if batch.run is None:
+            if not any(isinstance(item, wire.Fetch) for _host, item in messages):
+                batch.future.set_result([None] * len(messages))  # answered at once
+            else:  # a fetch: with the host's answer
+                asyncio.get_running_loop().create_task(
+                    self._complete(client, batch, messages, refs, sent, generations)
+                )
+            return
+        for island in batch.islands:
+            self.in_flight[island] += 1
+        client.in_flight += 1
+        asyncio.get_running_loop().create_task(
+            self._complete(client, batch, messages, refs, sent, generations)
+        )
+
+    async def _complete(
+        self, client: ClientProcess, batch: Batch, messages: list, refs: list, sent: float, generations: tuple
+    ) -> None:
+        from pathways_jax._src import wire
+
+        answers: list[Any] = []
+        lost_host = None
+        for (host, _item), ref in zip(messages, refs, strict=True):
+            try:
+                answers.append(await asyncio.wrap_future(ref))
+            except Exception as exc:
+                if ray_backend.is_lost_error(exc):
+                    lost_host = host
+                    answers.append(RunFailure("lost", host, f"host {host} died: {exc}", ""))
+                else:
+                    answers.append(RunFailure("error", None, f"host {host}: {type(exc).__name__}: {exc}", ""))
+        for (_host, item), answer in zip(messages, answers, strict=True):
+            if isinstance(item, wire.Fetch):  # its value went straight to the client, or through here
+                self.fetches["direct" if item.reply_to is not None and answer is None else "relayed"] += 1
+        if lost_host is not None:
+            island = self.layout.island_of(lost_host)
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.backend.mark_lost, lost_host, "its actor died", generations[island]
+            )
+        if batch.run is not None:
+            done = time.monotonic()
+            for island in batch.islands:
+                self.in_flight[island] -= 1
+            client.in_flight -= 1
+            first = min(batch.islands) if batch.islands else -1
+            start = max(sent, self.busy_until.get(first, 0.0))
+            self.busy_until[first] = done
+            # The hosts measure it (see ray_host.actor's completer); a failed run: as seen from here.
+            measured = [
+                a.device_s if isinstance(a, RunDone) else a
+                for a, (_h, item) in zip(answers, messages, strict=True)
+                if isinstance(item, wire.Run)
+            ]
+            device_s = (
+                max(measured)
+                if measured and all(isinstance(a, float) for a in measured)
+                else max(done - start, 0.0)
+            )
+            # Small values that came with the completion, in the client's keys.
+            answers = [
+                RunDone(a.device_s, {key - host_key(client.id, 0): v for key, v in a.values.items()})
+                if isinstance(a, RunDone)
+                else a
+                for a in answers
+            ]
+            program = batch.run.program
+            estimate = client.estimates.get(program, 0.0)
+            # The policy was charged an estimate when the run went: now the difference.
+            self.admission.policy.charge(client.id, device_s - batch.charged, batch.run.weight)
+            client.estimates[program] = admission.smoothed(estimate, device_s)
+            client.device_s += device_s
+            name = batch.run.client or client.name
+            client.by_name[name] = client.by_name.get(name, 0.0) + device_s
+            client.runs += 1
+            if any(isinstance(a, RunFailure) for a in answers):
+                client.failures += 1
+        if not batch.future.done():
+            batch.future.set_result(answers)
+        self._pump()
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def health(self, client_id: int | None = None) -> dict:
+        """Lost islands and generations; with ``client_id``, why that client was dropped (if it was)."""
+        health: dict = {"lost": dict(self.backend.lost), "generations": list(self.backend.generations)}
+        if client_id is not None:
+            client = self.clients.get(client_id)
+            if client is None or not client.alive:
+                health["dropped"] = client.why if client is not None else "it is not joined (any more)"
+        return health
+
+    async def host_stats(self) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(None, self.backend.host_stats)
+
+    async def stats(self) -> dict:
+        """Every client process: programs, device time, bytes held, failures, slices; and the service's state."""
+        elapsed = time.monotonic() - self.started
+        owned: collections.Counter[int] = collections.Counter()
+        count: collections.Counter[int] = collections.Counter()
+        for value in self.ledger.values.values():
+            if value.owner_holds:
+                owned[value.owner] += value.nbytes
+                count[value.owner] += 1
+        clients = {}
+        for c in self.clients.values():
+            clients[c.id] = {
+                "name": c.name,
+                "pid": c.pid,
+                "node": c.node,
+                "alive": c.alive,
+                "gone": c.why,
+                "programs": len(c.plans),
+                "runs": c.runs,
+                "failures": c.failures,
+                "refused": c.refused,
+                "queued": self.admission.queued(c.id) + len(c.others),
+                "in_flight": c.in_flight,
+                "answers_waiting": len(c.outbox),
+                "device_time_s": c.device_s,
+                "by_client": dict(c.by_name),
+                "bytes_held": owned[c.id],
+                "values": count[c.id],
+                "slices": {k: list(v) for k, v in c.slices.items()},
+            }
+        return {
+            "name": self.config.name,
+            "elapsed_s": elapsed,
+            "scheduler": self.policy,
+            "window": self.window,
+            "hosts": self.layout.hosts,
+            "islands": self.layout.islands,
+            "in_flight": dict(self.in_flight),
+            "bytes_held": self.ledger.held,
+            "memory_budget": self.memory_budget,
+            "max_clients": self.max_clients,
+            "lost": dict(self.backend.lost),
+            "clients": clients,
+            # Fetched values the hosts sent straight to their clients, and those that came through here.
+            "fetches": dict(self.fetches),
+            # Frames refused on the clients' channel (forged, replayed, truncated, malformed;
+            # signed ones from no joined client, or not a batch), and on the hosts' channel.
+            "refused": {
+                "clients": {**self.channel.refused, **self.refused_batches},
+                "hosts": self.backend.link.stats().get("refused", {}),
+            },
+        }
+
+    async def stop(self) -> None:
+        """Kills the hosts and ends the service (clients' later calls fail with ClusterError)."""
+        for client in self.clients.values():
+            if client.alive:
+                self._drop_client(client, "the service stopped")
+        await asyncio.get_running_loop().run_in_executor(None, self.backend.close, 5.0)
+        self.channel.close()
