@@ -41,9 +41,9 @@ from pathways_jax._src.runtime.clusters import init as init
 from pathways_jax._src.runtime.clusters import shutdown as shutdown
 from pathways_jax._src.runtime.futures import Future as Future
 from pathways_jax._src.runtime.futures import results as results
-from pathways_jax._src.runtime.service import Service as Service
-from pathways_jax._src.runtime.service import serve as serve
-from pathways_jax._src.runtime.service import service as service
+from pathways_jax._src.runtime.serving import Service as Service
+from pathways_jax._src.runtime.serving import serve as serve
+from pathways_jax._src.runtime.serving import service as service
 from pathways_jax._src.runtime.slices import VirtualSlice as VirtualSlice
 from pathways_jax._src.runtime.slices import devices as devices
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import pathways_jax as pw
-    from pathways_jax._src.runtime import service as service_lib
+    from pathways_jax._src.runtime import serving
 
     try:
         if args.command == "serve":
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                 islands=args.islands,
                 address=args.address,
                 scheduler=args.scheduler,
-                window=args.window or service_lib.DEFAULT_WINDOW,
+                window=args.window or serving.DEFAULT_WINDOW,
                 max_clients=args.max_clients,
                 memory_budget=args.memory_budget,
                 platform=args.platform,

@@ -13,7 +13,7 @@ from helpers import wait_for
 
 import pathways_jax as pw
 from pathways_jax._src.backends import channel_link
-from pathways_jax._src.backends.ray_host import KeyData, _Error
+from pathways_jax._src.backends.ray_host import KeyData, MessageFailed
 from pathways_jax._src.runtime.object_store import Ready
 from pathways_jax._src.wire.messages import Codec
 
@@ -59,8 +59,10 @@ def test_the_other_answers_of_a_fetch_still_cross_pickled():
     got = _crossed(keys)
     assert isinstance(got, KeyData) and got.impl == "threefry2x32"
     np.testing.assert_array_equal(got.data, keys.data)
-    error = _crossed(_Error("host 0: KeyError: 5", "trace"))
-    assert isinstance(error, _Error) and error.message == "host 0: KeyError: 5" and error.trace == "trace"
+    error = _crossed(MessageFailed("host 0: KeyError: 5", "trace"))
+    assert (
+        isinstance(error, MessageFailed) and error.message == "host 0: KeyError: 5" and error.trace == "trace"
+    )
 
 
 def _slow(v, m, steps=STEPS):

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from pathways_jax._src.backends import ray_host
+from pathways_jax._src.backends.ray_host import steps
 
 
 class _Pending:
@@ -20,19 +20,14 @@ class _Pending:
         return self
 
 
-class _HostState:
-    def __init__(self):
-        self._in_flight = collections.deque()
-
-
-@pytest.mark.parametrize("bound", [1, 2, 16, ray_host.PACE])
+@pytest.mark.parametrize("bound", [1, 2, 16, steps.PACE])
 def test_a_host_keeps_at_most_its_bound_in_flight_and_waits_for_half_at_once(bound):
-    host, waited = _HostState(), []
+    in_flight, waited = collections.deque(), []
     peak, drains = 0, 0
     for i in range(10 * bound):
         before = len(waited)
-        ray_host.Host._pace(host, _Pending(waited, i), bound)
-        peak = max(peak, len(host._in_flight))
+        steps.pace(in_flight, _Pending(waited, i), bound)
+        peak = max(peak, len(in_flight))
         drains += len(waited) > before
     assert peak <= bound
     # Waited for in the order they were made, each once, the newest never.
@@ -44,13 +39,13 @@ def test_a_host_keeps_at_most_its_bound_in_flight_and_waits_for_half_at_once(bou
 
 def test_the_pace_stays_below_xla_s_own_bound_per_device():
     # XLA:CPU blocks the dispatching thread at 32 executions in flight per device.
-    assert 2 <= ray_host.PACE < 32
+    assert 2 <= steps.PACE < 32
 
 
 def test_a_failed_output_of_an_earlier_run_does_not_fail_the_run_that_waits_for_it():
-    host, waited = _HostState(), []
+    in_flight, waited = collections.deque(), []
     bound = 4
     for i in range(bound):
-        ray_host.Host._pace(host, _Pending(waited, i, fails=i == 0), bound)  # no exception
+        steps.pace(in_flight, _Pending(waited, i, fails=i == 0), bound)  # no exception
     assert waited == [0, 1]
-    assert len(host._in_flight) == bound // 2
+    assert len(in_flight) == bound // 2

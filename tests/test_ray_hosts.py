@@ -259,7 +259,7 @@ def test_a_host_failure_reaches_the_user_with_the_host_s_traceback(ray_cluster, 
     (note,) = [n for n in notes if n.startswith("remote traceback (host 1):")]
     # Where on the host it failed: the host's own frames, down to the deserialization.
     assert "Traceback (most recent call last)" in note
-    assert "ray_host.py" in note and "_compile_plan" in note
+    assert "ray_host/actor.py" in note and "_compile_plan" in note
     assert "deserialize" in note
 
 

@@ -6,6 +6,7 @@ host operations; aval text and HTML escaping, each made in one place.
 
 import ast
 import inspect
+import pathlib
 import pickle
 import re
 
@@ -18,6 +19,7 @@ from jax import core
 import pathways_jax as pw
 from pathways_jax._src.api import arguments
 from pathways_jax._src.backends import ray_host
+from pathways_jax._src.backends.ray_host import answers
 from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import formatting
 from pathways_jax._src.ir import signatures
@@ -201,18 +203,32 @@ def test_ray_host_operations_are_named_and_pickle():
     named = ray_host.sharding_of(desc, devices)
     assert list(named.mesh.devices.flat) == [devices[1], devices[0]] and named.spec == desc.spec
     assert (
-        ray_host._describe(ValueError("boom"), ops, 0) == "run failed in node 'f' (a.py:1): ValueError: boom"
+        answers.describe_failure(ValueError("boom"), ops, 0)
+        == "run failed in node 'f' (a.py:1): ValueError: boom"
     )
-    assert ray_host._describe(ValueError("boom"), ops, 2) == "run failed in a post step: ValueError: boom"
+    assert (
+        answers.describe_failure(ValueError("boom"), ops, 2) == "run failed in a post step: ValueError: boom"
+    )
     failure = ray_host.RunFailure("lost", 1, "host 0: gone", "")
     assert pickle.loads(pickle.dumps(failure)) == failure and failure.peer == 1
 
 
-def test_ray_host_imports_nothing_of_pathways_jax_nor_ray():
-    tree = ast.parse(inspect.getsource(ray_host))
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert not {name for name in imported if name.split(".")[0] in ("pathways_jax", "ray")}, imported
+def test_ray_host_imports_nothing_of_pathways_jax_but_itself_nor_ray():
+    folder = pathlib.Path(inspect.getfile(ray_host)).parent
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        }
+        imported |= {
+            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+        }
+        outside = {
+            name
+            for name in imported
+            if name.split(".")[0] in ("pathways_jax", "ray") and not name.startswith(ray_host.__name__)
+        }
+        assert not outside, (path.name, outside)
 
 
 # --- formatting -----------------------------------------------------------------------------

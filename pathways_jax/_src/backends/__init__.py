@@ -6,14 +6,15 @@ options a backend starts with and the optional capabilities callers look for
 ``pw.init(backend=...)``'s names to start functions (``ray_start`` starts the
 Ray backend's hosts or joins a service). ``local``
 runs steps on this process's JAX devices, ``ray`` sends each host its part
-of a run (``ray_host`` is the host side, importing nothing of pathways_jax
-until its ``setup``). ``host_link`` is how the Ray backend reaches its hosts
+of a run (``ray_host`` is the host side, a package importing nothing else
+of pathways_jax). ``host_link`` is how the Ray backend reaches its hosts
 (``channel_link``: signed ZeroMQ channels; or one Ray actor call a message);
 ``service_client`` is a client process's side of a controller service.
 May import: ``compile``, ``ir``, ``wire``, ``core`` (and Ray, lazily, in ``ray``).
 
 Modules: ``base`` (the protocol, start options, capabilities); ``registry`` (backends by name);
-``local`` (this process's devices); ``ray`` (the Ray backend); ``ray_plan`` (a plan split per host); ``ray_values`` (values on hosts); ``ray_start`` (starting it);
-``ray_host`` (a host actor); ``host_link`` (how hosts are reached); ``channel_link`` (over
-ZeroMQ); ``service_client`` (a service's client process).
+``local`` (this process's devices); ``ray`` (the Ray backend); ``ray_plan`` (a plan split per
+host); ``ray_values`` (values on hosts); ``ray_start`` (starting it); ``ray_host`` (the host
+side: its records, values, data plane, steps and actor); ``host_link`` (how hosts are
+reached); ``channel_link`` (over ZeroMQ); ``service_client`` (a service's client process).
 """

@@ -42,7 +42,7 @@ import numpy as np
 
 from pathways_jax._src import wire
 from pathways_jax._src.backends.host_link import HostGone
-from pathways_jax._src.backends.ray_host import RunDone, RunFailure, _Error
+from pathways_jax._src.backends.ray_host import MessageFailed, RunDone, RunFailure
 
 _SEND_TIMEOUT_S = 30.0  # a host that takes no message for this long is stuck (or gone)
 # A host heard from before that takes no message for this long is gone: its connection closed
@@ -240,7 +240,7 @@ def answer_message(seq: int, value: Any) -> wire.Item:
             return wire.Done(seq, device_s, _blob(values))
         case RunFailure(kind, peer, message, trace, peers):
             return wire.Failed(seq, kind, peer, message, trace, list(peers))
-        case _Error():
+        case MessageFailed():
             return wire.Failed(seq, "message", None, value.message, value.trace)
     return wire.Fetched(seq, _blob(value))
 
@@ -253,7 +253,7 @@ def answer_value(item: wire.Item) -> Any:
         case wire.Done(_, float() as value, wire.Blob() as values):
             return RunDone(value, _unblob(values))
         case wire.Failed(_, "message", _, message, trace):
-            return _Error(message, trace)
+            return MessageFailed(message, trace)
         case wire.Failed(_, kind, peer, message, trace, peers):
             return RunFailure(kind, peer, message, trace, tuple(peers))  # type: ignore[arg-type]
         case wire.Fetched(_, payload):
@@ -411,7 +411,7 @@ class ChannelLink:
         try:
             value: Any = answer_value(received.body)
         except Exception as exc:  # an answer that does not decode fails its message
-            value = _Error(f"host {received.peer!r} sent an answer that did not decode: {exc}")
+            value = MessageFailed(f"host {received.peer!r} sent an answer that did not decode: {exc}")
         with self._lock:
             future = self._owed.pop(key, None)
             if future is None:
@@ -487,7 +487,9 @@ class HostEnd:
         try:
             kind, args = decode(received.body)
         except Exception as exc:  # the message fails; the host keeps serving
-            self.answer(received.seq, _Error(f"the message did not decode: {type(exc).__name__}: {exc}"))
+            self.answer(
+                received.seq, MessageFailed(f"the message did not decode: {type(exc).__name__}: {exc}")
+            )
             return
         self._deliver(kind, args, received.seq)
 

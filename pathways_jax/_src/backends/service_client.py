@@ -1,6 +1,6 @@
 """A client process's side of a controller service (``pw.init(backend="ray", service=...)``).
 
-The service itself (``pw.serve``) is ``runtime/service.py``: a named, detached
+The service itself (``pw.serve``) is ``runtime/serving/``: a named, detached
 Ray actor owning the hosts. A client process joins it (:func:`join`: a
 token actor that dies with the process tells the service when it went) and
 keeps the whole API: it traces and lowers locally, against stand-in CPU

@@ -1,33 +1,17 @@
-"""The controller service: one long-lived controller on Ray that many client processes share.
-
-``pw.serve(name, hosts=H, ...)`` starts a :class:`ServiceActor`, a named,
-detached Ray actor. It owns the host actors (a :class:`RayBackend` of its
-own: placement group, islands, the transfer servers, loss and rebuild), the
-record of every value the hosts keep and who may read it, and the scheduler
-that decides which client's run goes to the hosts next.
-
-A client process joins with ``pw.init(backend="ray", address=..., service=name)``
-and keeps the whole API: it traces and lowers locally, against stand-in CPU
-devices, as on the plain Ray backend, and its :class:`ServiceBackend` sends
-what that backend would send to the hosts to the service instead, one
-numbered batch per run (every host's message of the run, so that the hosts
-of an island see the run at the same place in their order). Plans go once
-per host (``jax.export`` blobs), a run is its plan key, input handles and
-fed arguments; values stay on the hosts and the client holds handles.
+"""The controller service's actor: one order to the hosts, isolation, and scheduling among clients.
 
 **One order.** The service is the only sender to the hosts: every host
 gets its messages from one asyncio loop, numbered, so collective programs
 of different client processes on overlapping slices meet in the same order
 on every host of an island.
 
-**Isolation.** Client keys are namespaced by client in the service (a host
-key is ``client * 2**40 + key``). A run or fetch may name only values its
-client owns and still holds, or that another client shared with it
-(``pw.share``); otherwise the whole batch is refused (:class:`Refused`,
-raised as ``AccessError``) and nothing is forwarded. A client process that
-dies (its token actor dies with it) has its queued runs dropped, its values
-freed on the hosts (unless shared with a live client) and its plans and
-slices forgotten, within seconds.
+**Isolation.** Client keys are namespaced by client in the service (the
+``ledger``). A run or fetch may name only values its client owns and still
+holds, or that another client shared with it (``pw.share``); otherwise the
+whole batch is refused (``Refused``, raised as ``AccessError``) and nothing
+is forwarded. A client process that dies (its token actor dies with it) has
+its queued runs dropped, its values freed on the hosts (unless shared with a
+live client) and its plans and slices forgotten, within seconds.
 
 **Scheduling.** Each client process has a FIFO queue (its own order, which
 its own controller chose among its threads, is kept). The service sends
@@ -35,10 +19,9 @@ the head of one queue at a time, when every island the run touches has
 fewer than ``window`` runs in flight, choosing by the policy: ``fifo``
 (arrival), ``priority`` (the head's ``pw.client`` priority) or ``fair``
 (device time charged per client process, in proportion to the head's
-``pw.client`` weight): the in-process controller's policy objects
-(``runtime/scheduler.py``), keyed by client process, charged with the
-device time each host measures. The small window is what lets the policy
-choose: the hosts never hold more than ``window`` runs per island. Other
+``pw.client`` weight): the in-process controller's admission core and
+policies (``runtime/admission.py``, ``runtime/scheduler.py``), keyed by
+client process, charged with the device time each host measures. Other
 batches (fetch, free, forget, share) go at once, ahead of the client's
 queued runs unless they name a value one of those makes or reads; a fetch
 is answered with the host's own answer, so values come from the host.
@@ -49,12 +32,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import itertools
 import os
 import pickle
 import secrets
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -62,19 +43,16 @@ from absl import logging
 
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.ray_host import Refused, RunDone, RunFailure
-from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
-from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import admission
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.scheduler import Head
+from pathways_jax._src.runtime.serving.config import ServiceConfig, host_key
+from pathways_jax._src.runtime.serving.ledger import Ledger, Refuse
+from pathways_jax._src.runtime.serving.records import Batch, ClientProcess
 
 if TYPE_CHECKING:  # the channels need the ray extra (pyzmq, msgspec): imported where used
     from pathways_jax._src import wire
 
-DEFAULT_WINDOW = 4  # runs in flight per island on the service's hosts
-_KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
-_POOL = 0  # the service's memory budget is one pool of bytes for all its hosts
-_START_TIMEOUT_S = 180.0
 _DEPARTED_KEPT = 64  # clients that went, still listed in stats
 # A client's answers its channel cannot take now wait in its outbox, sent again after
 # _DRAIN_FIRST_S, doubling up to _DRAIN_MAX_S; past this many bytes the client is dropped.
@@ -82,97 +60,6 @@ _DRAIN_FIRST_S = 0.002
 _SEND_NOW_S = 0.002  # how long an answer's send may wait before it goes to the outbox
 _DRAIN_MAX_S = 0.1
 _OUTBOX_BYTES = 256 * 2**20
-
-
-def host_key(client: int, key: int) -> int:
-    """The key the hosts know a client's value or plan by."""
-    return client * _KEY_SPACE + key
-
-
-# --- the service (a detached Ray actor) -----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceConfig:
-    """A controller service's settings (``pw.serve``'s arguments, and the 64-bit mode it runs in)."""
-
-    name: str
-    hosts: int
-    devices_per_host: int
-    islands: int | None
-    platform: str
-    replace_lost_hosts: bool
-    scheduler: str
-    window: int
-    max_clients: int | None
-    memory_budget: int | None
-    backpressure_timeout: float | None
-    starvation_limit: int
-    max_in_flight: int
-    x64: bool
-    stalled_client_timeout: float = 30.0
-    silent_client_timeout: float | None = 30.0
-
-
-@dataclasses.dataclass(eq=False)
-class _Batch:
-    """A client's numbered batch: its messages (``wire.Routed``) and what the scheduler needs."""
-
-    client: int
-    messages: list[wire.Routed]
-    run: wire.RunMeta | None  # set for a run
-    future: asyncio.Future
-    seq: int = 0  # its number among its client's batches
-    arrival: int = 0
-    islands: tuple = ()
-    nbytes: int = 0
-    queued_at: float = 0.0
-    charged: float = 0.0  # the estimate the policy was charged when it went
-
-
-@dataclasses.dataclass(eq=False)
-class _Value:
-    """A value kept on the hosts: whose, where, how big, and who else may read it."""
-
-    owner: int
-    hosts: tuple
-    nbytes: int
-    readers: set = dataclasses.field(default_factory=set)
-    owner_holds: bool = True
-
-
-@dataclasses.dataclass(eq=False)
-class _Client:
-    """A client process of the service."""
-
-    id: int
-    name: str
-    pid: int
-    node: str
-    token: Any
-    joined: float
-    alive: bool = True
-    why: str = ""
-    next_seq: int = 0
-    pending: dict = dataclasses.field(default_factory=dict)  # seq -> batch, until its turn
-    # Its batches other than runs, in arrival order (its runs queue in the service's admission).
-    others: collections.deque = dataclasses.field(default_factory=collections.deque)
-    plans: dict = dataclasses.field(default_factory=dict)  # host plan key -> hosts
-    runs: int = 0
-    in_flight: int = 0  # runs sent to the hosts and not completed
-    failures: int = 0
-    refused: int = 0
-    device_s: float = 0.0
-    by_name: dict = dataclasses.field(default_factory=dict)  # pw.client name -> device seconds
-    estimates: dict = dataclasses.field(default_factory=dict)  # program -> seconds per run
-    slices: dict = dataclasses.field(default_factory=dict)  # slice id -> device ids
-    inbox: Any = None  # its own channel (a wire.Reply with no ticket): where fetched values go
-    # Answers its channel could not take yet (a slow reader), oldest first, and since when.
-    outbox: collections.deque = dataclasses.field(default_factory=collections.deque)
-    outbox_bytes: int = 0
-    stalled_since: float | None = None
-    # time.monotonic() at its join: its silence counts from there until its channel is heard.
-    joined_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class ServiceActor:
@@ -204,15 +91,14 @@ class ServiceActor:
         self.policy = config.scheduler
         # The in-process controller's admission core (runtime/admission.py): a queue of runs per
         # client process, its policies (runtime/scheduler.py), and one byte budget for the hosts.
-        self.admission: admission.Queues[int, _Batch] = admission.Queues(
+        self.admission: admission.Queues[int, Batch] = admission.Queues(
             scheduler_lib.make(self.policy, starvation_limit=config.starvation_limit)
         )
-        self.budget = admission.Budget({_POOL: config.memory_budget or sys.maxsize})
+        self.ledger = Ledger(config.memory_budget)  # the values on the hosts, under the byte budget
         self.max_clients = config.max_clients
         self.memory_budget = config.memory_budget
         self.backpressure_timeout = config.backpressure_timeout
-        self.clients: dict[int, _Client] = {}
-        self.values: dict[int, _Value] = {}
+        self.clients: dict[int, ClientProcess] = {}
         self.in_flight: collections.Counter[int] = collections.Counter()
         self.busy_until: dict[int, float] = {}
         self.started = time.monotonic()
@@ -229,7 +115,7 @@ class ServiceActor:
         self.channel = wire.Server(
             self.key, transport=transport, host=ip, on_message=self._from_client, send_timeout=30.0
         )
-        self._by_identity: dict[bytes, _Client] = {}
+        self._by_identity: dict[bytes, ClientProcess] = {}
         # Signed messages refused all the same: from no joined client, or not a batch.
         self.refused_batches: collections.Counter[str] = collections.Counter()
         self.fetches: collections.Counter[str] = collections.Counter({"direct": 0, "relayed": 0})
@@ -264,9 +150,9 @@ class ServiceActor:
         if self.max_clients is not None and len(live) >= self.max_clients:
             who = ", ".join(f"{c.name} (pid {c.pid})" for c in live)
             return {"refused": f"the service admits {self.max_clients} client processes and has them: {who}"}
-        if self.memory_budget is not None and self.held >= self.memory_budget:
+        if self.memory_budget is not None and self.ledger.held >= self.memory_budget:
             return {
-                "refused": f"the service's hosts hold {self.held} bytes of values, its whole memory budget "
+                "refused": f"the service's hosts hold {self.ledger.held} bytes of values, its whole memory budget "
                 f"({self.memory_budget} bytes)"
             }
         if any(c.name == name for c in live):
@@ -279,7 +165,7 @@ class ServiceActor:
                 "refused": f"the service runs with jax_enable_x64={self.config.x64}, this process with "
                 f"{x64}: their computations would not match"
             }
-        client = _Client(next(self._ids), name, pid, node, token, time.time())
+        client = ClientProcess(next(self._ids), name, pid, node, token, time.time())
         self.clients[client.id] = client
         self._loop = asyncio.get_running_loop()
         self._loop.create_task(self._watch(client))
@@ -292,7 +178,7 @@ class ServiceActor:
         channel = channel_link.Endpoint(self.channel.address, self.key, identity)
         return {"client": client.id, "channel": channel, **self.info()}
 
-    async def _watch(self, client: _Client) -> None:
+    async def _watch(self, client: ClientProcess) -> None:
         """Waits on the client's token actor: it dies with the client's process."""
         try:
             await client.token.hold.remote()
@@ -307,7 +193,7 @@ class ServiceActor:
         if client is not None and client.alive:
             self._drop_client(client, "it left")
 
-    def _drop_client(self, client: _Client, why: str) -> None:
+    def _drop_client(self, client: ClientProcess, why: str) -> None:
         """A client went: its queued runs are dropped, its values, plans and slices released."""
         client.alive = False
         client.why = why
@@ -324,12 +210,7 @@ class ServiceActor:
         client.outbox.clear()
         client.outbox_bytes = 0
         frees: dict[int, list[int]] = collections.defaultdict(list)
-        for key, value in list(self.values.items()):
-            value.readers.discard(client.id)
-            if value.owner == client.id:
-                value.owner_holds = False
-            if not value.owner_holds and not value.readers:
-                self._release(key, frees)
+        self.ledger.forget_client(client.id, frees)
         self.backend.send_batch(
             [(host, "free", (keys,)) for host, keys in frees.items()]
             + [(host, "forget", (plan,)) for plan, hosts in client.plans.items() for host in hosts]
@@ -359,7 +240,7 @@ class ServiceActor:
 
     def _share(self, client_id: int, key: int, reader: str) -> Any:
         """Lets the client named ``reader`` read a value of client ``client_id``; None or a Refused."""
-        value = self.values.get(host_key(client_id, key))
+        value = self.ledger.values.get(host_key(client_id, key))
         if value is None or value.owner != client_id or not value.owner_holds:
             return Refused(f"value {key} of this client is not on the hosts (freed, or never made)")
         readers = [c for c in self.clients.values() if c.alive and (c.name == reader or str(c.id) == reader)]
@@ -430,7 +311,7 @@ class ServiceActor:
             pass
         return True
 
-    def _drain(self, client: _Client, pause: float) -> None:
+    def _drain(self, client: ClientProcess, pause: float) -> None:
         """Sends what waits in a client's outbox; a client that took nothing for too long is dropped."""
         peer = f"client-{client.id}".encode()
         while client.outbox and client.alive:
@@ -452,9 +333,11 @@ class ServiceActor:
         pause = min(pause * 2, _DRAIN_MAX_S)
         self._loop.call_later(pause, self._drain, client, pause)
 
-    def _submit(self, client: _Client, seq: int, messages: list, run: wire.RunMeta | None) -> asyncio.Future:
+    def _submit(
+        self, client: ClientProcess, seq: int, messages: list, run: wire.RunMeta | None
+    ) -> asyncio.Future:
         """A client's batch number ``seq``; its future is set to each message's answer once they are done."""
-        batch = _Batch(client.id, messages, run, self._loop.create_future(), seq)
+        batch = Batch(client.id, messages, run, self._loop.create_future(), seq)
         if not client.alive:
             gone = Refused(f"client {client.name!r} is not connected to this service ({client.why})", "gone")
             batch.future.set_result([gone] * len(messages))
@@ -473,11 +356,6 @@ class ServiceActor:
                 client.others.append(ready)
         self._pump()
         return batch.future
-
-    @property
-    def held(self) -> int:
-        """Bytes of values on the hosts."""
-        return self.budget.used[_POOL]
 
     async def _tick(self) -> None:
         """Looks at the queues and the clients now and then: a run waiting for memory fails in
@@ -540,7 +418,7 @@ class ServiceActor:
             self._forward(client, batch)
 
     @staticmethod
-    def _head(client: _Client, batch: _Batch) -> Head:
+    def _head(client: ClientProcess, batch: Batch) -> Head:
         """A queued run as the policy sees it."""
         run = batch.run
         assert run is not None  # only runs queue for the policy
@@ -548,7 +426,7 @@ class ServiceActor:
             client.id, batch.arrival, run.priority, run.weight, client.estimates.get(run.program, 0.0)
         )
 
-    def _unblocked(self, client: _Client) -> list[_Batch]:
+    def _unblocked(self, client: ClientProcess) -> list[Batch]:
         """The client's batches other than runs that need none of its earlier queued runs to go first."""
         from pathways_jax._src import wire
 
@@ -582,18 +460,17 @@ class ServiceActor:
                 ready.append(batch)
         return ready
 
-    def _may_go(self, batch: _Batch) -> bool:
+    def _may_go(self, batch: Batch) -> bool:
         if not all(admission.has_room(self.in_flight[island], 1, self.window) for island in batch.islands):
             return False
-        return self.budget.fits(((_POOL, batch.nbytes),))
+        return self.ledger.fits(batch.nbytes)
 
-    def _over_budget(self, client: _Client, batch: _Batch) -> bool:
+    def _over_budget(self, client: ClientProcess, batch: Batch) -> bool:
         """Fails (and takes off the queue) a run that will never fit, or waited too long to; True if it did."""
-        charge = ((_POOL, batch.nbytes),)
-        if self.budget.fits(charge):
+        if self.ledger.fits(batch.nbytes):
             return False
         waited = time.monotonic() - batch.queued_at
-        never = self.budget.exceeds(charge)
+        never = self.ledger.exceeds(batch.nbytes)
         if not never and not admission.waited_too_long(
             batch.queued_at, time.monotonic(), self.backpressure_timeout
         ):
@@ -605,13 +482,13 @@ class ServiceActor:
             f"({self.memory_budget} bytes)"
             if never
             else f"it waited {waited:.1f}s for memory under the service's budget ({self.memory_budget} bytes, "
-            f"{self.held} held)"
+            f"{self.ledger.held} held)"
         )
         client.failures += 1
         self._fail(client, batch, Refused(f"the run cannot be admitted: {why}", "memory"))
         return True
 
-    def _fail(self, client: _Client, batch: _Batch, answer: Refused) -> None:
+    def _fail(self, client: ClientProcess, batch: Batch, answer: Refused) -> None:
         """Answers a batch that will not run with ``answer``: nothing of it runs and no value is touched.
 
         Its plans are still registered: the client counts them as sent, and a
@@ -629,73 +506,33 @@ class ServiceActor:
         self.backend.send_items(registers)
         batch.future.set_result([answer] * len(batch.messages))
 
-    def _release(self, key: int, frees: dict[int, list[int]]) -> None:
-        value = self.values.pop(key)
-        self.budget.release(((_POOL, value.nbytes),), locked=True)
-        for host in value.hosts:
-            frees[host].append(key)
-
-    def _readable(self, client: _Client, key: Any) -> int:
-        """The host key of a value ``client`` names (its own, or ``(owner, key)``), if it may read it."""
-        owner, local = (client.id, key) if isinstance(key, int) else key
-        hk = host_key(owner, local)
-        value = self.values.get(hk)
-        if value is None:
-            raise _Refuse(
-                f"the value handle (client {owner}, key {local}) names no value on the hosts: freed, or "
-                "never made"
-            )
-        if owner == client.id and value.owner_holds:
-            return hk
-        if client.id in value.readers:
-            return hk
-        if owner == client.id:
-            raise _Refuse(f"value {local} of this client was freed (a stale handle)")
-        raise _Refuse(
-            f"the value handle (client {owner}, key {local}) belongs to another client process and was not "
-            "shared with this one (pw.share(future, client=...) in its owner)"
-        )
-
-    def _frees(self, client: _Client, keys: list, frees: dict[int, list[int]]) -> None:
-        """``client`` dropped its handles ``keys``: values nobody holds any more are freed."""
-        for key in keys:
-            if isinstance(key, int):
-                owner, local, owned = client.id, key, True
-            else:  # a received handle (pw.receive), of another process or of this one
-                (owner, local), owned = key, False
-                if owner == client.id:
-                    continue  # the owner's own future frees it
-            hk = host_key(owner, local)
-            value = self.values.get(hk)
-            if value is None:
-                continue
-            if owned:
-                value.owner_holds = False
-            else:
-                value.readers.discard(client.id)
-            if not value.owner_holds and not value.readers:
-                self._release(hk, frees)
-
-    def _translate(self, client: _Client, batch: _Batch) -> tuple[list, dict]:
-        """The batch in host keys, ``(host, item)``, and the frees it makes; raises _Refuse before
-        changing anything."""
+    def _check(self, client: ClientProcess, batch: Batch) -> None:
+        """Raises :class:`Refuse` if the batch names a value its client may not read, or a message
+        a client may not send; changes nothing."""
         from pathways_jax._src import wire
 
-        cid = client.id
-        for routed in batch.messages:  # every handle is checked first
+        for routed in batch.messages:
             match routed.item:
                 case wire.Run(feeds=feeds):
                     for feed in feeds:
                         if feed.value is not None:
-                            self._readable(client, feed.value)
+                            self.ledger.readable(client.id, feed.value)
                 case wire.Fetch(key=key):
-                    self._readable(client, key)
+                    self.ledger.readable(client.id, key)
                 case wire.Register() | wire.Forget() | wire.Free():
                     pass
                 case other:
-                    raise _Refuse(
+                    raise Refuse(
                         f"a client may not send {type(other).__name__} messages in a batch of others"
                     )
+
+    def _translate(self, client: ClientProcess, batch: Batch) -> tuple[list, dict]:
+        """The batch in host keys, ``(host, item)``, and the frees it makes; raises :class:`Refuse`
+        before changing anything."""
+        from pathways_jax._src import wire
+
+        self._check(client, batch)  # every handle is checked first
+        cid = client.id
         frees: dict[int, list[int]] = collections.defaultdict(list)
         out: list[tuple[int, wire.Item]] = []
         base = 0
@@ -714,24 +551,18 @@ class ServiceActor:
                     client.plans.get(key, set()).discard(host)
                     out.append((host, wire.Forget(key)))
                 case wire.Run(plan, run_id, _base, feeds, keep, drop):
-                    self._frees(client, drop, frees)
+                    self.ledger.drop(cid, drop, frees)
                     feeds = [
                         feed
                         if feed.value is None
-                        else wire.Feed(feed.slot, self._readable(client, feed.value))
+                        else wire.Feed(feed.slot, self.ledger.readable(cid, feed.value))
                         for feed in feeds
                     ]
                     kept = []
                     for slot, local in keep:
                         hk = host_key(cid, local)
                         kept.append((slot, hk))
-                        value = self.values.get(hk)
-                        if value is None:
-                            size = int(nbytes.get(local, 0))
-                            self.values[hk] = _Value(cid, (host,), size)
-                            self.budget.hold(((_POOL, size),))
-                        elif host not in value.hosts:
-                            value.hosts = (*value.hosts, host)
+                        self.ledger.keep(cid, hk, host, int(nbytes.get(local, 0)))
                     out.append(
                         (
                             host,
@@ -746,7 +577,7 @@ class ServiceActor:
                         )
                     )
                 case wire.Free(keys):
-                    self._frees(client, keys, frees)
+                    self.ledger.drop(cid, keys, frees)
                     out.append((host, wire.Free(list[wire.Handle](frees.pop(host, [])))))
                 case wire.Fetch(key):
                     # The host sends the value straight to the client's own channel, if it has one.
@@ -754,10 +585,10 @@ class ServiceActor:
                     reply = None
                     if inbox is not None and self.backend.link.name == "channel":
                         reply = wire.Reply(inbox.up, inbox.down, inbox.key, batch.seq)
-                    out.append((host, wire.Fetch(self._readable(client, key), reply)))
+                    out.append((host, wire.Fetch(self.ledger.readable(cid, key), reply)))
         return out, frees
 
-    def _forward(self, client: _Client, batch: _Batch) -> None:
+    def _forward(self, client: ClientProcess, batch: Batch) -> None:
         """Sends a batch to its hosts, all at once; its answers come back through :meth:`_complete`."""
         from pathways_jax._src import wire
 
@@ -767,7 +598,7 @@ class ServiceActor:
             return
         try:
             messages, frees = self._translate(client, batch)
-        except _Refuse as refused:
+        except Refuse as refused:
             client.refused += 1
             self._fail(client, batch, Refused(str(refused)))
             return
@@ -793,7 +624,7 @@ class ServiceActor:
         )
 
     async def _complete(
-        self, client: _Client, batch: _Batch, messages: list, refs: list, sent: float, generations: tuple
+        self, client: ClientProcess, batch: Batch, messages: list, refs: list, sent: float, generations: tuple
     ) -> None:
         from pathways_jax._src import wire
 
@@ -824,7 +655,7 @@ class ServiceActor:
             first = min(batch.islands) if batch.islands else -1
             start = max(sent, self.busy_until.get(first, 0.0))
             self.busy_until[first] = done
-            # The hosts measure it (see ray_host's completer); a failed run: as seen from here.
+            # The hosts measure it (see ray_host.actor's completer); a failed run: as seen from here.
             measured = [
                 a.device_s if isinstance(a, RunDone) else a
                 for a, (_h, item) in zip(answers, messages, strict=True)
@@ -876,7 +707,7 @@ class ServiceActor:
         elapsed = time.monotonic() - self.started
         owned: collections.Counter[int] = collections.Counter()
         count: collections.Counter[int] = collections.Counter()
-        for value in self.values.values():
+        for value in self.ledger.values.values():
             if value.owner_holds:
                 owned[value.owner] += value.nbytes
                 count[value.owner] += 1
@@ -909,7 +740,7 @@ class ServiceActor:
             "hosts": self.layout.hosts,
             "islands": self.layout.islands,
             "in_flight": dict(self.in_flight),
-            "bytes_held": self.held,
+            "bytes_held": self.ledger.held,
             "memory_budget": self.memory_budget,
             "max_clients": self.max_clients,
             "lost": dict(self.backend.lost),
@@ -931,198 +762,3 @@ class ServiceActor:
                 self._drop_client(client, "the service stopped")
         await asyncio.get_running_loop().run_in_executor(None, self.backend.close, 5.0)
         self.channel.close()
-
-
-class _Refuse(Exception):
-    """A batch names a value its client may not use: it is refused whole."""
-
-
-# --- starting and stopping a service -----------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Service:
-    """A running controller service (``pw.serve`` returns one; ``pw.service(name)`` finds one).
-
-    Attributes:
-      name: the name clients join with (``pw.init(backend="ray", service=name)``).
-      address: the Ray cluster's address (the GCS address) clients pass as ``address=``.
-    """
-
-    name: str
-    address: str
-    actor: Any = dataclasses.field(repr=False, compare=False)
-
-    def stats(self, timeout: float = 30.0) -> dict:
-        """The service's ``stats``: every client process with its runs, device time, bytes held, failures."""
-        import ray
-
-        return ray.get(self.actor.stats.remote(), timeout=timeout)
-
-    def host_stats(self, timeout: float = 30.0) -> dict:
-        """Each host's counts (values kept, runs done, executables, plans, transfers)."""
-        import ray
-
-        return ray.get(self.actor.host_stats.remote(), timeout=timeout)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stops the service: its hosts are killed, its clients' values go, the actor ends."""
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.get(self.actor.stop.remote(), timeout=timeout)
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor)
-
-
-def serve(
-    name: str = "pathways",
-    *,
-    hosts: int,
-    devices_per_host: int = 1,
-    islands: int | None = None,
-    address: str | None = None,
-    scheduler: str = "fifo",
-    window: int = DEFAULT_WINDOW,
-    max_clients: int | None = None,
-    memory_budget: int | None = None,
-    backpressure_timeout: float | None = 60.0,
-    starvation_limit: int = scheduler_lib.DEFAULT_STARVATION_LIMIT,
-    max_in_flight: int = ray_backend.RUNS_IN_FLIGHT,
-    platform: str = "cpu",
-    replace_lost_hosts: bool = True,
-    stalled_client_timeout: float = 30.0,
-    silent_client_timeout: float | None = 30.0,
-) -> Service:
-    """Starts a controller service: a named, detached Ray actor owning ``hosts`` host actors.
-
-    Client processes join it with ``pw.init(backend="ray", address=...,
-    service=name)``. The service outlives the process that started it; stop
-    it with :meth:`Service.stop` (or ``python -m pathways_jax.serve --stop``).
-
-    Args:
-      name: the service's name in the Ray cluster (namespace ``"pathways_jax"``).
-      hosts, devices_per_host, islands, platform, replace_lost_hosts: the hosts,
-        as for ``pw.init(backend="ray", ...)``.
-      address: the Ray cluster (``"auto"``: the one ``ray start`` started on
-        this machine). ``None``: this process's Ray session, else ``"auto"``.
-      scheduler: ``"fifo"``, ``"priority"`` or ``"fair"``: how the service picks
-        the next run among client processes.
-      window: runs in flight per island on the hosts; small, so the policy decides.
-      max_clients: client processes admitted at once (``None``: no limit).
-      memory_budget: bytes of values the hosts may hold for all clients
-        together; a run whose outputs do not fit waits (at most
-        ``backpressure_timeout`` seconds), a client is not admitted while it is full.
-      backpressure_timeout: seconds a run may wait for memory before it fails.
-      starvation_limit: under ``"priority"``, a run passed over more than
-        this many times goes next.
-      max_in_flight: executables each host keeps in flight.
-      stalled_client_timeout: seconds a client process may leave its answers
-        unread (its channel full: a stopped or stuck process) before the
-        service drops it as if it had died (its values freed). Meanwhile its
-        answers wait in a bounded outbox and the other clients are served.
-      silent_client_timeout: seconds a joined client process's channel may
-        send nothing, not even its heartbeat (one a second of quiet, from a
-        thread of its own), before the service drops it as if it had died: a
-        stopped (``SIGSTOP``, Ctrl-Z), hung or unreachable process, which
-        Ray's supervision does not see. ``None``: never.
-
-    Returns:
-      The :class:`Service`.
-
-    Raises:
-      ClusterError: bad arguments, a service of that name exists, or Ray could not start the hosts.
-    """
-    import jax
-
-    if not isinstance(name, str) or not name:
-        raise errors.ClusterError(f"a service's name must be a non-empty string, got {name!r}.")
-    for label, value, low in (
-        ("hosts", hosts, 1),
-        ("devices_per_host", devices_per_host, 1),
-        ("window", window, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise errors.ClusterError(f"{label} must be an int >= {low}, got {value!r}.")
-    if islands is not None and (
-        isinstance(islands, bool) or not isinstance(islands, int) or islands < 1 or hosts % islands
-    ):
-        raise errors.ClusterError(
-            f"islands must be None or a number of islands dividing hosts={hosts}, got {islands!r}."
-        )
-    if scheduler not in scheduler_lib.POLICIES:
-        raise errors.ClusterError(
-            f"scheduler={scheduler!r} is not a policy; use one of {scheduler_lib.POLICIES}."
-        )
-    if max_clients is not None and (
-        isinstance(max_clients, bool) or not isinstance(max_clients, int) or max_clients < 1
-    ):
-        raise errors.ClusterError(f"max_clients must be None or an int >= 1, got {max_clients!r}.")
-    if memory_budget is not None and (
-        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1
-    ):
-        raise errors.ClusterError(
-            f"memory_budget must be None or a number of bytes >= 1, got {memory_budget!r}."
-        )
-    if (
-        isinstance(stalled_client_timeout, bool)
-        or not isinstance(stalled_client_timeout, int | float)
-        or not stalled_client_timeout > 0
-    ):
-        raise errors.ClusterError(
-            f"stalled_client_timeout must be a number of seconds > 0, got {stalled_client_timeout!r}."
-        )
-    if silent_client_timeout is not None and (
-        isinstance(silent_client_timeout, bool)
-        or not isinstance(silent_client_timeout, int | float)
-        or not silent_client_timeout > 0
-    ):
-        raise errors.ClusterError(
-            f"silent_client_timeout must be None or a number of seconds > 0, got {silent_client_timeout!r}."
-        )
-    ray = connect(address, start=True)
-    with contextlib.suppress(ValueError):
-        ray.get_actor(name, namespace=NAMESPACE)
-        raise errors.ClusterError(
-            f"a controller service named {name!r} is already running in this Ray cluster; join it with "
-            f"pw.init(backend='ray', service={name!r}), or stop it first (pw.service({name!r}).stop())."
-        )
-    config = ServiceConfig(
-        name=name,
-        hosts=hosts,
-        devices_per_host=devices_per_host,
-        islands=islands,
-        platform=platform,
-        replace_lost_hosts=replace_lost_hosts,
-        scheduler=scheduler,
-        window=window,
-        max_clients=max_clients,
-        memory_budget=memory_budget,
-        backpressure_timeout=backpressure_timeout,
-        starvation_limit=starvation_limit,
-        max_in_flight=max_in_flight,
-        x64=bool(jax.config.read("jax_enable_x64")),
-        stalled_client_timeout=float(stalled_client_timeout),
-        silent_client_timeout=None if silent_client_timeout is None else float(silent_client_timeout),
-    )
-    actor = (
-        ray.remote(ServiceActor)
-        .options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=10000)
-        .remote(config)
-    )
-    try:
-        ray.get(actor.ready.remote(), timeout=_START_TIMEOUT_S)
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            ray.kill(actor)
-        raise errors.ClusterError(f"the controller service {name!r} did not start: {exc}") from exc
-    return Service(name, ray.get_runtime_context().gcs_address, actor)
-
-
-def service(name: str = "pathways", *, address: str | None = None) -> Service:
-    """The running controller service named ``name`` (ClusterError if there is none)."""
-    ray = connect(address)
-    return Service(name, ray.get_runtime_context().gcs_address, find(ray, name, f"pw.service({name!r})"))
-
-
-__all__ = ["DEFAULT_WINDOW", "Service", "ServiceActor", "host_key", "serve", "service"]
