@@ -9,6 +9,6 @@ Modules: ``errors`` (the error types); ``counts`` (``pw.counters()``); ``checks`
 user arguments); ``source`` (the user's line); ``readiness`` (is a value computed); ``arrays``
 (arrays over another's buffers); ``charges`` (bytes per device); ``formatting`` (text for
 people); ``host_memory`` (the C allocator and CPU buffers); ``jax_context`` (JAX's trace state);
-``meshes`` (mesh helpers); ``reentry`` (the runtime's own threads); ``timeline`` (the recorder); ``events`` (trace events and
+``meshes`` (mesh helpers); ``reentry`` (the runtime's own threads); ``events`` (trace events and
 their sink); ``trace_format`` (the trace layout ``pw.sim`` shares).
 """
