@@ -1,9 +1,9 @@
 """Trace events: what the runtime did, as records of plain values, and the one sink they go to.
 
-Each layer that does something worth a trace (tracing, lowering, submission,
-the controller, the backends) builds an event from its own objects and hands
-it to :data:`SINK`, the recorder listening (``api.recording``), when there is
-one::
+Each part that does something worth a trace (tracing, lowering, submission,
+the controller, the backends, the cluster as it starts) builds an event from
+its own objects and hands it to :data:`SINK`, the recorder listening
+(``api.recording``), when there is one::
 
     sink = events.SINK
     if sink is not None:
