@@ -18,6 +18,9 @@ from jax.sharding import PartitionSpec as P
 from pathways_jax import errors as errors
 from pathways_jax._src.api.placed_jit import JitFunction as JitFunction
 from pathways_jax._src.api.placed_jit import jit as jit
+from pathways_jax._src.api.recording import start_trace as start_trace
+from pathways_jax._src.api.recording import stop_trace as stop_trace
+from pathways_jax._src.api.recording import trace as trace
 from pathways_jax._src.api.sharing import receive as receive
 from pathways_jax._src.api.sharing import share as share
 from pathways_jax._src.api.stats import stats as stats
@@ -27,9 +30,6 @@ from pathways_jax._src.backends.service_client import Handle as Handle
 from pathways_jax._src.compat import install as _install_compat
 from pathways_jax._src.core.counts import counters as counters
 from pathways_jax._src.core.counts import reset_counters as reset_counters
-from pathways_jax._src.core.timeline import start_trace as start_trace
-from pathways_jax._src.core.timeline import stop_trace as stop_trace
-from pathways_jax._src.core.timeline import trace as trace
 from pathways_jax._src.ir.graph import Graph as Graph
 from pathways_jax._src.ir.graph import Node as Node
 from pathways_jax._src.ir.graph import Transfer as Transfer

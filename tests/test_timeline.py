@@ -13,14 +13,15 @@ from absl import logging as absl_logging
 from helpers import run_script
 
 import pathways_jax as pw
+from pathways_jax._src.api import recording
 from pathways_jax._src.backends import local as local_backend
-from pathways_jax._src.core import timeline
+from pathways_jax._src.core import events, trace_format
 
 
 @pytest.fixture(autouse=True)
 def _no_trace_left_running():
     yield
-    if timeline.ACTIVE is not None:  # a failed test must not leak its recorder
+    if recording.ACTIVE is not None:  # a failed test must not leak its recorder
         pw.stop_trace(timeout=5)
 
 
@@ -67,7 +68,7 @@ def _check_trace_event_json(data: dict) -> list[dict]:
             assert (e["pid"], e["tid"]) in names["thread_name"], e
             spans[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["cat"]))
     for track, items in spans.items():
-        if track[0] == timeline.CONTROLLER_PID:
+        if track[0] == trace_format.CONTROLLER_PID:
             continue  # controller spans nest (lower holds compiles)
         items.sort()
         for (_, end, _), (start, _, _) in itertools.pairwise(items):
@@ -83,7 +84,7 @@ def test_trace_file_matches_what_ran(tmp_path):
     pw.reset_counters()
     with pw.trace(path) as rec:
         outs = [step(jnp.arange(16.0)) for _ in range(3)]
-    assert timeline.ACTIVE is None
+    assert recording.ACTIVE is None
     counts = pw.counters()
     assert all(o.done() for o in outs)  # the trace waited for the work it recorded
     with open(path) as f:
@@ -141,21 +142,20 @@ def test_tracing_off_records_nothing(monkeypatch):
     pw.init(num_cpu_devices=8, islands=2)
     _, _, step = _two_island_program()
     calls = collections.Counter()
-    for method in ("complete", "instant", "submitted", "dispatched", "moved", "waited"):
-        original = getattr(timeline.Recorder, method)
+    original = recording.Recorder.record
 
-        def counting(self, *args, _name=method, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(self, *args, **kwargs)
+    def counting(self, event):
+        calls[type(event).__name__] += 1
+        return original(self, event)
 
-        monkeypatch.setattr(timeline.Recorder, method, counting)
-    assert timeline.ACTIVE is None
+    monkeypatch.setattr(recording.Recorder, "record", counting)
+    assert recording.ACTIVE is None and events.SINK is None
     step(jnp.arange(16.0)).result(timeout=30)  # traces, lowers, compiles, runs: all untraced
     assert calls == {}
 
     with pw.trace() as rec:
         step(jnp.arange(16.0)).result(timeout=30)
-    assert calls["submitted"] == 1 and calls["dispatched"] == 2 and calls["moved"] >= 1
+    assert calls["Submitted"] == 1 and calls["Dispatched"] == 2 and calls["Moved"] >= 1
     recorded = len(rec.events)
     calls.clear()
     step(jnp.arange(16.0)).result(timeout=30)  # after the trace: nothing more
@@ -172,14 +172,14 @@ def test_traces_do_not_nest_and_stop_needs_a_start(tmp_path):
     with pytest.raises(pw.errors.TimelineError, match="does not exist") as info:
         pw.start_trace(tmp_path / "missing" / "run.json")
     assert isinstance(info.value, RuntimeError)
-    assert timeline.ACTIVE is None
+    assert recording.ACTIVE is None
 
 
 def test_recorder_takes_clients_and_back_pressure_waits():
     rec = pw.start_trace()
     start = rec.now()
-    rec.waited(start, start + 2_000_000, client="alice", island=1, reason="back-pressure", bytes=1024)
-    rec.waited(start, start + 1_000, client="bob")  # too short to be worth a slice
+    rec.record(events.Waited("back-pressure", "alice", 1, start, start + 2_000_000, bytes=1024))
+    rec.record(events.Waited("back-pressure", "bob", None, start, start + 1_000))  # too short for a slice
     trace = pw.stop_trace()
     waits = [e for e in trace["traceEvents"] if e.get("cat") == "wait"]
     assert len(waits) == 1
@@ -312,9 +312,9 @@ def test_the_simulator_lays_out_its_trace_as_pw_trace_does():
 
     for processes, sorted_, threads, unit in (layout(real), layout(simulated)):
         assert processes[1] == "island 0" and processes[2] == "island 1"
-        assert processes[timeline.CONTROLLER_PID].startswith("controller")
+        assert processes[trace_format.CONTROLLER_PID].startswith("controller")
         assert sorted_ == set(processes)  # every process ordered by its pid
-        assert threads[(1, timeline.TRANSFER_TID)] == "transfers into island 0"
+        assert threads[(1, trace_format.TRANSFER_TID)] == "transfers into island 0"
         assert threads[(1, 0)].startswith("device 0 (")
         assert unit == "ms"
     s_real = next(e for e in real["traceEvents"] if e["ph"] == "X")

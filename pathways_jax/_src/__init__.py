@@ -5,7 +5,7 @@ those below it, never above, and no import cycle exists; ``tests/test_layers.py`
 checks it, lazy imports included):
 
 - ``api``: what the user calls: programs and ``pw.jit`` (tracing), graph
-  building, NNX objects, ``pw.stats()``.
+  building, NNX objects, ``pw.stats()``, ``pw.trace()`` (the recorder).
 - ``compat``: every patch of JAX, Flax and Orbax (futures where they take
   arrays), installed explicitly.
 - ``runtime``: slices, clients, submission, the controller, the scheduler, the
@@ -16,7 +16,7 @@ checks it, lazy imports included):
 - ``wire``: the control plane's typed messages and the signed ZeroMQ channels
   that carry them between processes.
 - ``core``: errors, counters, source lines, readiness, formatting, memory
-  charges, meshes, the timeline recorder.
+  charges, meshes, trace events.
 
 ``views`` (pictures, notebook HTML, plots) may import anything; nothing imports
 it except lazily inside ``_repr_*`` methods (and ``Graph.to_dot``, the DOT text

@@ -2,11 +2,13 @@
 
 ``@pw.program`` (tracing a function into a graph and calling its plan),
 ``pw.jit`` (a jitted function placed on a slice), graph building from
-jaxprs, NNX objects run as ``nnx.jit`` runs them, and ``pw.stats()``.
+jaxprs, NNX objects run as ``nnx.jit`` runs them, ``pw.stats()``, and
+``pw.trace()`` (recording the runtime's events as a timeline).
 May import: every layer but ``views``.
 
 Modules: ``tracing`` (``@pw.program``: tracing a function into a graph, its plans and calls); ``arguments`` (a call's signature and checks); ``placement`` (where an unplaced program runs); ``jit_options`` (``jax.jit``'s options as a program takes them);
 ``placed_jit`` (``pw.jit`` on a slice); ``graph_builder`` (a jaxpr becomes a graph);
 ``jit_shardings`` (``in_shardings``/``out_shardings``); ``nnx_graph`` (NNX objects as
-arguments); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``).
+arguments); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``);
+``recording`` (``pw.trace``: the runtime's events laid out as a trace).
 """

@@ -48,7 +48,7 @@ from pathways_jax._src.api.placement import (
     _user_mesh,
 )
 from pathways_jax._src.compile import lowering
-from pathways_jax._src.core import counts, errors, reentry, source, timeline
+from pathways_jax._src.core import counts, errors, events, reentry, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh
@@ -433,8 +433,8 @@ class Program:
             out_trees.append(tree)
             return flat
 
-        rec = timeline.ACTIVE
-        t0 = rec.now() if rec is not None else 0
+        sink = events.SINK
+        t0 = events.now() if sink is not None else 0
         outer, context.state.trace = context.state.trace, state
         try:
             # The caller's own mesh (jax.set_mesh, of any size) is set aside: the
@@ -483,8 +483,8 @@ class Program:
         )
         if uncommitted and state.implied is not None:
             graph = dataclasses.replace(graph, uncommitted_slice=state.implied().id)
-        if rec is not None:
-            rec.complete(f"trace {self.name}", "trace", t0, program=self.name, source=self.source_info)
+        if sink is not None:
+            sink(events.Traced(self.name, self.source_info, t0, events.now()))
         return graph.check()
 
     def _refuse_leaked_tracers(self, closed: Any) -> None:

@@ -20,10 +20,11 @@ from pathways_jax._src.backends.base import (
     Window,
     device_window,
 )
-from pathways_jax._src.core import counts, errors, host_memory, readiness, source, timeline
+from pathways_jax._src.core import counts, errors, events, host_memory, readiness, source
+from pathways_jax._src.core.formatting import aval_text
 
 if TYPE_CHECKING:
-    from pathways_jax._src.compile.lowering import Plan
+    from pathways_jax._src.compile.lowering import ExecStep, MoveStep, Plan
 
 
 class LocalBackend:
@@ -72,7 +73,7 @@ class LocalBackend:
 
         plan = run.plan
         env = run.env
-        rec = timeline.ACTIVE
+        sink = events.SINK
         step: Any = None
         dispatched = 0
         part: _LocalPart | None = plan.prepared.part
@@ -88,8 +89,8 @@ class LocalBackend:
                 if isinstance(step, ExecStep):
                     if step.windowed:
                         window.make_room(step.island)
-                    if rec is not None:
-                        t0 = rec.now()
+                    if sink is not None:
+                        t0 = events.now()
                     args = [env[s] for s in step.in_slots]
                     try:
                         outs = step.executable(*args)
@@ -110,11 +111,11 @@ class LocalBackend:
                     if outs and step.windowed:
                         window.in_flight(step.island, outs[0], run)
                     dispatched += 1
-                    if rec is not None:
-                        rec.dispatched(run, step, outs, t0)
+                    if sink is not None:
+                        sink(_ran(run, step, outs, t0))
                 else:
-                    if rec is not None:
-                        t0 = rec.now()
+                    if sink is not None:
+                        t0 = events.now()
                     try:
                         env[step.dst] = jax.device_put(env[step.src], step.sharding)
                     except Exception as exc:
@@ -123,8 +124,8 @@ class LocalBackend:
                         ) from exc
                     if step.kind is not None:
                         counts.bump(f"transfers_{step.kind}")
-                    if rec is not None:
-                        rec.moved(run, step, env[step.src], env[step.dst], t0)
+                    if sink is not None:
+                        sink(_moved(run, step, env[step.src], env[step.dst], t0))
         except Exception as exc:  # a user error fails its run only
             raise StepFailed(_where(plan.graph.name, run.id, step), exc) from exc
         finally:
@@ -230,6 +231,49 @@ def _first_invalid(closed: Any, args: Sequence[Any]) -> tuple[Any, str] | None:
                 return eqn, f"invalid value (inf) encountered in {eqn.primitive.name}"
         env.update(zip(eqn.outvars, outs, strict=True))
     return None
+
+
+def _ran(run: RunView, step: ExecStep, outs: Sequence[Any], start: int) -> events.Dispatched:
+    """The trace event of ``step`` of ``run``, dispatched from ``start`` until now."""
+    plan, node = run.plan, step.node
+    return events.Dispatched(
+        run.id,
+        run.client.name,
+        plan.graph.name,
+        node.name,
+        node.kind,
+        node.source_info,
+        node.slice.id,
+        step.island,
+        plan.placement.device_ids(node.slice.id),
+        start,
+        events.now(),
+        tuple(outs),
+    )
+
+
+def _moved(run: RunView, step: MoveStep, src: Any, dst: Any, start: int) -> events.Moved:
+    """The trace event of ``step`` of ``run`` (``src`` moving to ``dst``), dispatched from ``start``."""
+    return events.Moved(
+        run.id,
+        run.client.name,
+        run.plan.graph.name,
+        step.kind or "reshard",
+        int(getattr(src, "nbytes", 0)),
+        aval_text(getattr(src, "aval", None)),
+        _device_ids(getattr(src, "sharding", None)),
+        _device_ids(step.sharding),
+        start,
+        events.now(),
+        (dst,),
+    )
+
+
+def _device_ids(sharding: Any) -> tuple[int, ...]:
+    try:
+        return tuple(sorted(d.id for d in sharding.device_set))
+    except Exception:
+        return ()
 
 
 def _where(program: str, run_id: int, step: Any) -> str:

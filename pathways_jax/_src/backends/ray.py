@@ -75,7 +75,7 @@ from pathways_jax._src.backends.ray_host import (
 )
 from pathways_jax._src.backends.ray_plan import Placed, RemotePlan
 from pathways_jax._src.backends.ray_values import RemoteArray
-from pathways_jax._src.core import counts, errors, reentry, timeline
+from pathways_jax._src.core import counts, errors, events, reentry
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -501,8 +501,8 @@ class RayBackend:
             return Dispatched(run.env)
         for island in plan.prepared.windowed:
             window.make_room(island)
-        rec = timeline.ACTIVE
-        t0 = rec.now() if rec is not None else 0
+        sink = events.SINK
+        t0 = events.now() if sink is not None else 0
         try:
             outputs, markers = self.dispatch(run)
         except Exception as exc:
@@ -517,12 +517,15 @@ class RayBackend:
         island_of = self.layout.island_of
         for host, marker in markers.items():
             window.in_flight(island_of(host), marker, run)
-            if rec is not None:
+            if sink is not None:
                 ids = tuple(
                     d.id
                     for d in self.standins[host * self.devices_per_host : (host + 1) * self.devices_per_host]
                 )
-                rec.sent(run, host, island_of(host), ids, marker, t0)
+                name, island = plan.graph.name, island_of(host)
+                sink(
+                    events.Sent(run.id, run.client.name, name, host, island, ids, t0, events.now(), (marker,))
+                )
         slot_hosts = remote.slot_hosts
         return Dispatched(outputs, tuple([markers[slot_hosts[group.slot][0]] for group in plan.acct_groups]))
 

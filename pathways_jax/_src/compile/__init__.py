@@ -8,5 +8,5 @@ May import: ``ir``, ``core``.
 
 Modules: ``lowering`` (a graph and a placement become a plan); ``placement`` (where a graph's
 slices are, and what runs them, as plain data); ``executable_cache`` (the compiled executables
-plans share).
+plans share); ``lowering_log`` (compiles, lowerings and remaps, logged and sent to the trace).
 """

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from pathways_jax._src.compile import lowering_log
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.compile.placement import NOWHERE, Placement
 from pathways_jax._src.core import charges as charges_lib
-from pathways_jax._src.core import counts, errors, timeline
+from pathways_jax._src.core import counts, errors, events
 from pathways_jax._src.core.charges import Charge, charge_of
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
@@ -644,7 +645,7 @@ def _compile(
         jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=s, weak_type=getattr(aval, "weak_type", False))
         for aval, s in zip(node.jaxpr.in_avals, in_shardings, strict=True)
     ]
-    t0 = timeline.now()
+    t0 = events.now()
     exported = None
     if loose is not None:
         # No mesh at all (whatever the caller set) and no shardings, on that device.
@@ -654,7 +655,7 @@ def _compile(
                 jax.jit(fun, donate_argnums=donate).lower(*plain).compile(dict(options) if options else None)
             )
         counts.bump("compiles")
-        timeline.compiled(node, t0)
+        lowering_log.compiled(node, t0)
         if cache is not None:
             cache.put(key, (made, None), consts)
         return made, None
@@ -672,7 +673,7 @@ def _compile(
             )
             exported = (blob, hashlib.sha256(blob).hexdigest())
     counts.bump("compiles")
-    timeline.compiled(node, t0)
+    lowering_log.compiled(node, t0)
     if cache is not None:
         cache.put(key, (compiled, exported), consts)
     return compiled, exported
@@ -800,10 +801,10 @@ def lower(
 
     ``donated``: argument leaves whose buffers the program may consume.
     """
-    t0 = timeline.now()
+    t0 = events.now()
     plan = Plan(graph, signature, placement, donated)
     counts.bump("lowerings")
-    timeline.lowered(plan, t0)
+    lowering_log.lowered(graph, placement, t0)
     return plan
 
 

@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 from absl import logging
@@ -19,7 +19,7 @@ from absl import logging
 from pathways_jax._src.backends import registry
 from pathways_jax._src.backends.base import Backend, HostFleet
 from pathways_jax._src.compile.executable_cache import ExecutableCache
-from pathways_jax._src.core import checks, errors
+from pathways_jax._src.core import checks, errors, events
 from pathways_jax._src.runtime import context
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.admission import Budget
@@ -86,15 +86,6 @@ class InitArgs:
         )
 
 
-class DevicePlace(NamedTuple):
-    """A device of the cluster: its id, island, platform, and the host that owns it (a process index)."""
-
-    id: int
-    island: int
-    kind: str
-    host: int
-
-
 class Cluster:
     """The devices a process uses, grouped into islands, and the runtime serving them.
 
@@ -159,12 +150,12 @@ class Cluster:
     def devices(self) -> tuple[jax.Device, ...]:
         return tuple(d for isl in self.islands for d in isl.devices)
 
-    def device_places(self) -> tuple[DevicePlace, ...]:
+    def device_places(self) -> tuple[events.Device, ...]:
         """Where each device is, as plain values (what a trace names its tracks by)."""
         backend = self.backend
         fleet = backend if isinstance(backend, HostFleet) else None
         return tuple(
-            DevicePlace(
+            events.Device(
                 d.id,
                 island.index,
                 d.platform,
@@ -451,6 +442,9 @@ def init(
             backpressure_timeout=args.backpressure_timeout,
         )
         _shut_down = False
+        sink = events.SINK
+        if sink is not None:
+            sink(events.Devices(_current.device_places()))
         if isinstance(started, HostFleet):
             # Ray registered its own exit hook when it started; exit hooks run last
             # first, so this one stops the controller and the hosts while Ray still runs.

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from absl import logging
 
 from pathways_jax._src.backends.base import Backend, RunView, StepFailed, device_window
-from pathways_jax._src.core import counts, errors, readiness, reentry, timeline
+from pathways_jax._src.core import counts, errors, events, readiness, reentry
 from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
 from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, Pending, Ready
@@ -581,14 +581,17 @@ class Controller:
                     self._picked = run
                     self._pop(run)
                     if run.blocked_since is not None:
-                        rec = timeline.ACTIVE
-                        if rec is not None:
-                            rec.waited(
-                                run.blocked_ns,
-                                client=run.client.name,
-                                island=min(run.plan.prepared.islands, default=None),
-                                reason="back-pressure",
-                                bytes=sum(b for _, b in run.plan.admit_charge),
+                        sink = events.SINK
+                        if sink is not None:
+                            sink(
+                                events.Waited(
+                                    reason="back-pressure",
+                                    client=run.client.name,
+                                    island=min(run.plan.prepared.islands, default=None),
+                                    start=run.blocked_ns,
+                                    end=events.now(),
+                                    bytes=sum(b for _, b in run.plan.admit_charge),
+                                )
                             )
                     return run
                 self._expire(blocked)
@@ -698,7 +701,7 @@ class Controller:
             run.failed = True
             counts.bump("failed_runs")
             message = f"program {run.plan.graph.name!r} run {run.id} failed while executing"
-            timeline.failed(run, f"{message}: {type(error).__name__}: {error}")
+            events.run_failed(run.id, run.client.name, f"{message}: {type(error).__name__}: {error}")
             for entry in run.outputs:
                 cause: BaseException = error
                 match entry.state:
@@ -808,8 +811,8 @@ class Controller:
         window = self._bound(island)
         if len(self._in_flight[island]) < window or self._settle(island) < window:
             return
-        rec = timeline.ACTIVE
-        t0 = rec.now() if rec is not None else 0
+        sink = events.SINK
+        t0 = events.now() if sink is not None else 0
         flight = None
         low = window // 2
         while self._settle(island) > low:
@@ -817,12 +820,15 @@ class Controller:
             # Its error reaches the run's futures, and the watcher counts the run.
             with contextlib.suppress(Exception):
                 readiness.block(oldest)
-        if rec is not None and flight is not None:
-            rec.waited(
-                t0,
-                client=flight.client,
-                island=self._island_of.get(island, island),
-                reason="in-flight window",
+        if sink is not None and flight is not None:
+            sink(
+                events.Waited(
+                    reason="in-flight window",
+                    client=flight.client,
+                    island=self._island_of.get(island, island),
+                    start=t0,
+                    end=events.now(),
+                )
             )
 
     def _execute(self, run: Run) -> None:
@@ -918,7 +924,7 @@ class Controller:
             counts.bump("failed_runs")
             self.accounting.failed(run)
         detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None else message
-        timeline.failed(run, detail)
+        events.run_failed(run.id, run.client.name, detail)
         if run.transient:
             self._release(run)
         self._store.free(list(run.outputs), failure=(detail, cause))
@@ -939,4 +945,4 @@ class _Flight:
 
     def __init__(self, run: RunView):
         self.plan = weakref.ref(run.plan)
-        self.client = timeline.client_of(run)
+        self.client: str = run.client.name

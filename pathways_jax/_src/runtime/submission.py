@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from pathways_jax._src.core import counts, errors, reentry, timeline
+from pathways_jax._src.core import counts, errors, events, reentry
 from pathways_jax._src.runtime import clients, clusters, context
 from pathways_jax._src.runtime.futures import Future, dispatched_values
 from pathways_jax._src.runtime.object_store import ObjectStore, Owner
@@ -27,8 +27,8 @@ _runs = itertools.count()
 
 def submit(plan: Plan, leaves: list[Any]) -> Any:
     """Queues one run with these argument leaves; returns the output pytree of futures."""
-    rec = timeline.ACTIVE
-    t0 = rec.now() if rec is not None else 0
+    sink = events.SINK
+    t0 = events.now() if sink is not None else 0
     run, cl = _run_of(plan, leaves)
     store = cl.store
     entries = run.outputs
@@ -46,8 +46,8 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
             store.set_ready(entry, array)
     counts.bump("runs")
     cl.controller.submit(run)
-    if rec is not None:
-        rec.submitted(plan, run.id, t0, run.client.name)
+    if sink is not None:
+        sink(_submitted(plan, run, t0))
     return jax.tree_util.tree_unflatten(plan.graph.out_tree, futures)
 
 
@@ -66,8 +66,8 @@ def submit_values(plan: Plan, leaves: list[Any], wanted: Sequence[bool]) -> list
     (see ``futures.dispatched_values``); its store entry goes at once. The
     other outputs are futures. Only for a plan :func:`takes_values` accepts.
     """
-    rec = timeline.ACTIVE
-    t0 = rec.now() if rec is not None else 0
+    sink = events.SINK
+    t0 = events.now() if sink is not None else 0
     run, cl = _run_of(plan, leaves)
     store = cl.store
     counts.bump("runs")
@@ -76,9 +76,16 @@ def submit_values(plan: Plan, leaves: list[Any], wanted: Sequence[bool]) -> list
     except BaseException:
         store.free(list(run.outputs))  # no future holds them: the run's entries go with it
         raise
-    if rec is not None:
-        rec.submitted(plan, run.id, t0, run.client.name)
+    if sink is not None:
+        sink(_submitted(plan, run, t0))
     return dispatched_values(run.outputs, store, wanted)
+
+
+def _submitted(plan: Plan, run: Run, start: int) -> events.Submitted:
+    """The trace event of ``run`` (of ``plan``), submitted from ``start`` until now."""
+    return events.Submitted(
+        run.id, plan.graph.name, run.client.name, plan.prepared.reports, start, events.now()
+    )
 
 
 def _run_of(plan: Plan, leaves: list[Any]) -> tuple[Run, Any]:

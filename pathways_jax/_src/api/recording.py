@@ -5,10 +5,12 @@ compile, submit, dispatch), each node's execution on each device, transfers
 (ICI or DCN, with bytes), waits, failures and the client each run belongs to,
 then writes the trace-event JSON that ui.perfetto.dev and chrome://tracing open.
 
-The hot path reads :data:`ACTIVE` once and calls the recorder only when it is
-set, so tracing off costs one global load and one comparison. End times of
-device work come from a watcher thread that polls the outputs' readiness: the
-controller thread never waits for the recorder.
+The runtime tells what it does as typed events of plain values
+(``core.events``); while a trace is recorded the :class:`Recorder` is their
+sink, and lays them out with ``core.trace_format`` (the layout ``pw.sim``
+shares). Tracing off costs the hot path one global load and one comparison.
+End times of device work come from a watcher thread that polls the outputs'
+readiness: the controller thread never waits for the recorder.
 
 Layout of the trace: process 0 is the controller (one track per Python thread
 that traced, lowered, submitted or dispatched); process ``1 + k`` is island
@@ -16,11 +18,6 @@ that traced, lowered, submitted or dispatched); process ``1 + k`` is island
 A node's execution on a device spans from its dispatch (or from the end of the
 previous work on that device, whichever is later: a device runs one thing at a
 time) until its outputs are ready; ``args.dispatched_us`` keeps the dispatch time.
-
-This module also logs, through ``absl.logging``, what is worth a line whether or
-not a trace is recorded: compiles and lowerings (INFO), remaps (INFO) and failed
-runs (WARNING). INFO is hidden by default (``absl.logging.set_verbosity("info")``
-shows it).
 """
 
 from __future__ import annotations
@@ -33,18 +30,17 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from absl import logging
 
-from pathways_jax._src.core import errors, readiness, reentry, trace_format
-from pathways_jax._src.core.formatting import aval_text
+from pathways_jax._src.core import errors, events, readiness, reentry, trace_format
+from pathways_jax._src.runtime import clusters
 
 __all__ = ["ACTIVE", "Recorder", "start_trace", "stop_trace", "trace"]
 
-# The recorder in use, or None. Read (never written) by the hot path.
+# The recorder in use, or None; its record method is events.SINK meanwhile.
 ACTIVE: Recorder | None = None
 _active_lock = threading.Lock()
 
@@ -56,36 +52,19 @@ _POLL_MAX_S = 1e-3
 _STOP = object()
 _ENDED = 1 << 62  # a run's dispatched-steps count once it can dispatch no more
 
-now = time.perf_counter_ns
-
-
-def client_of(run: Any) -> str:
-    """The client a run belongs to: ``run.client``'s name, else its outputs' owner, else "default"."""
-    client = getattr(run, "client", None)
-    client = getattr(client, "name", client)
-    if client is None:
-        outputs = getattr(run, "outputs", None)
-        owner = getattr(outputs[0], "owner", None) if outputs else None
-        client = getattr(owner, "client", None)
-    return client if client is not None else DEFAULT_CLIENT
-
-
-def _device_ids(sharding: Any) -> tuple[int, ...]:
-    try:
-        return tuple(sorted(d.id for d in sharding.device_set))
-    except Exception:
-        return ()
-
 
 class _Work:
     """A dispatched node or transfer the watcher waits on."""
 
     __slots__ = ("args", "arrays", "cat", "end", "name", "pid", "start", "tids")
 
-    def __init__(self, name: str, cat: str, pid_tids: tuple, arrays: list, start: int, args: dict):
+    def __init__(
+        self, name: str, cat: str, pid: int, tids: tuple[int, ...], arrays: list, start: int, args: dict
+    ):
         self.name = name
         self.cat = cat
-        self.pid, self.tids = pid_tids
+        self.pid = pid
+        self.tids = tids
         self.arrays = arrays
         self.start = start
         self.end: int | None = None
@@ -104,23 +83,24 @@ class _Work:
 
 
 class Recorder:
-    """Collects trace events from the controller, the watcher and user threads.
+    """Lays out the runtime's events (``core.events``) as a trace, with a watcher thread for device work.
 
-    Made by :func:`start_trace` / :func:`trace`; hooks in the runtime call its
-    methods while it is :data:`ACTIVE`. Methods that take a ``client`` record it
-    on the event (``"default"`` until clients exist), and :meth:`waited` records
-    back-pressure waits, so later work only has to call them.
+    Made by :func:`start_trace` / :func:`trace`; its :meth:`record` is the
+    events' sink while it is :data:`ACTIVE`.
 
     Attributes:
       path: where :meth:`stop` writes the JSON (``None``: kept in memory only).
       events: the trace events recorded so far.
     """
 
+    now = staticmethod(events.now)
+    MIN_WAIT_NS = 20_000  # shorter waits are not worth a slice
+
     def __init__(self, path: str | os.PathLike | None = None, *, drain_timeout: float = 60.0):
         self.path = None if path is None else os.fspath(path)
         self.events: list[dict] = []
         self._drain_timeout = drain_timeout
-        self._t0 = now()
+        self._t0 = events.now()
         self._cond = threading.Condition()
         self._closed = False
         self._draining = False
@@ -128,13 +108,12 @@ class Recorder:
         self._seen: collections.Counter[int] = collections.Counter()
         self._threads: dict[int, tuple[int, str]] = {}  # ident -> (tid, name)
         self._tids = itertools.count(1)
-        self._cluster: Any = None
+        self._table: tuple[events.Device, ...] | None = None  # a cluster's devices, not yet drawn
         self._tracks: dict[tuple[int, int], str] = {}
         self._processes: dict[int, str] = {CONTROLLER_PID: "controller"}
         self._devices: dict[int, dict] = {}
         self._island_of: dict[int, int] = {}
         self._clients: set[str] = set()
-        self._steps: dict[int, tuple[Any, Any]] = {}  # id(step) -> (step, cached info)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._busy_until: dict[tuple[int, int], int] = {}
         self._deadline: float | None = None
@@ -142,10 +121,46 @@ class Recorder:
         self._watcher = reentry.runtime_thread(self._watch, name="pathways-trace-watcher")
         self._watcher.start()
 
-    # --- time and tracks -------------------------------------------------------------
+    def record(self, event: events.Event) -> None:
+        """Records one event of the runtime (called on the thread that emitted it)."""
+        if self._closed:
+            return
+        match event:
+            case events.Dispatched():
+                self._dispatched(event)
+            case events.Moved():
+                self._moved(event)
+            case events.Sent():
+                self._sent(event)
+            case events.Submitted(run, program, client, reports, start, end):
+                self._span(
+                    f"submit {program}", "submit", start, end, client, {"program": program, "run": run}
+                )
+                self._expect(run, reports)
+            case events.Traced(program, source, start, end):
+                self._span(
+                    f"trace {program}", "trace", start, end, None, {"program": program, "source": source}
+                )
+            case events.Lowered(program, nodes, start, end):
+                self._span(
+                    f"lower {program}", "lower", start, end, None, {"program": program, "nodes": nodes}
+                )
+            case events.Compiled(node, source, slice_id, start, end):
+                args = {"node": node, "source": source, "slice": slice_id}
+                self._span(f"compile {node}", "compile", start, end, None, args)
+            case events.Remapped(program, moved, at):
+                self._instant(
+                    f"remap {program}", "remap", at, None, {"program": program, "moved": str(moved)}
+                )
+            case events.Waited():
+                self._waited(event)
+            case events.RunFailed(run, client, message, at):
+                self._instant("run failed", "failure", at, client, {"run": run, "message": message})
+                self._run_ended(run)
+            case events.Devices(devices):
+                self._table = devices
 
-    now = staticmethod(now)
-    MIN_WAIT_NS = 20_000
+    # --- time and tracks -------------------------------------------------------------
 
     def _us(self, t: int) -> float:
         return (t - self._t0) / 1e3
@@ -158,50 +173,36 @@ class Recorder:
             self._threads[ident] = known
         return known[0]
 
-    def _learn_cluster(self, cluster: Any) -> None:
-        """Names the tracks of ``cluster``'s devices, from the plain places it gives (``device_places``)."""
-        if cluster is None or cluster is self._cluster:
-            return
-        self._cluster = cluster
-        for place in cluster.device_places():
-            island = place.island
+    def _learn_devices(self) -> None:
+        """Names the tracks of the devices of the cluster that runs the work (once something runs)."""
+        table, self._table = self._table, None
+        for device in table or ():
+            island = device.island
             self._processes.setdefault(1 + island, f"island {island}")
-            if place.id in self._island_of:
+            if device.id in self._island_of:
                 continue
-            self._island_of[place.id] = island
-            self._devices[place.id] = {
-                "id": place.id,
+            self._island_of[device.id] = island
+            self._devices[device.id] = {
+                "id": device.id,
                 "island": island,
-                "kind": place.kind,
-                "host": place.host,
+                "kind": device.kind,
+                "host": device.host,
             }
-            self._tracks[(1 + island, place.id)] = f"device {place.id} ({place.kind}, host {place.host})"
+            self._tracks[(1 + island, device.id)] = f"device {device.id} ({device.kind}, host {device.host})"
 
     # --- controller-side events ------------------------------------------------------
 
-    def complete(
-        self,
-        name: str,
-        cat: str,
-        start: int,
-        end: int | None = None,
-        *,
-        client: str | None = None,
-        **args: Any,
-    ) -> None:
-        """Records a span on the calling thread's controller track, from ``start`` to ``end`` (now)."""
-        end = now() if end is None else end
+    def _span(self, name: str, cat: str, start: int, end: int, client: str | None, args: dict) -> None:
+        """A span on the calling thread's controller track, from ``start`` to ``end``."""
         self._controller_event(
             name, cat, client, args, ph="X", ts=self._us(start), dur=max(end - start, 0) / 1e3
         )
 
-    def instant(self, name: str, cat: str, *, client: str | None = None, **args: Any) -> None:
-        """Records a point in time on the calling thread's controller track."""
-        self._controller_event(name, cat, client, args, ph="i", s="t", ts=self._us(now()))
+    def _instant(self, name: str, cat: str, at: int, client: str | None, args: dict) -> None:
+        """A point in time on the calling thread's controller track."""
+        self._controller_event(name, cat, client, args, ph="i", s="t", ts=self._us(at))
 
     def _controller_event(self, name: str, cat: str, client: str | None, args: dict, **fields: Any) -> None:
-        if self._closed:
-            return
         if client is not None:
             args["client"] = client
             self._clients.add(client)
@@ -216,39 +217,21 @@ class Recorder:
             }
         )
 
-    def waited(
-        self,
-        start: int,
-        end: int | None = None,
-        *,
-        client: str = DEFAULT_CLIENT,
-        island: int | None = None,
-        reason: str = "back-pressure",
-        **args: Any,
-    ) -> None:
-        """Records a wait of the calling thread: back-pressure, an in-flight window, ...
-
-        Waits shorter than ``MIN_WAIT_NS`` (20 µs) are not worth a slice and are dropped.
-
-        Args:
-          start: when the wait began (``Recorder.now()``).
-          end: when it ended (default: now).
-          client: the client whose work waited.
-          island: the island whose resources were awaited, if any.
-          reason: what was awaited, e.g. ``"back-pressure"`` (memory budget).
-          **args: more detail for the event's ``args``.
-        """
-        end = now() if end is None else end
-        if end - start < self.MIN_WAIT_NS:
+    def _waited(self, event: events.Waited) -> None:
+        """A wait of the calling thread; waits shorter than ``MIN_WAIT_NS`` (20 µs) are dropped."""
+        if event.end - event.start < self.MIN_WAIT_NS:
             return
+        island = event.island
         where = f" (island {island})" if island is not None else ""
-        self.complete(f"wait: {reason}{where}", "wait", start, end, client=client, island=island, **args)
+        args: dict[str, Any] = {"island": island}
+        if event.bytes is not None:
+            args["bytes"] = event.bytes
+        self._span(f"wait: {event.reason}{where}", "wait", event.start, event.end, event.client, args)
 
-    def submitted(self, plan: Any, run_id: int, start: int, client: str = DEFAULT_CLIENT) -> None:
-        """A run was queued: records the submit span and expects its dispatches."""
-        name = plan.graph.name
-        self.complete(f"submit {name}", "submit", start, client=client, program=name, run=run_id)
-        steps = plan.prepared.reports  # the run's dispatch reports (dispatched / moved / sent)
+    # --- runs: the dispatches the trace waits for -----------------------------------------
+
+    def _expect(self, run_id: int, steps: int) -> None:
+        """A run was queued: its ``steps`` dispatches are waited for before the trace is written."""
         with self._cond:
             if self._closed or self._draining or steps == 0:
                 return
@@ -268,107 +251,83 @@ class Recorder:
             else:
                 self._expected[run_id] = left - 1
 
-    def run_ended(self, run_id: int) -> None:
+    def _run_ended(self, run_id: int) -> None:
         """The controller will dispatch nothing more of this run (it failed)."""
         with self._cond:
             if self._expected.pop(run_id, None) is not None:
                 self._cond.notify_all()
-            else:  # it may fail (inline) before it is submitted(): expect nothing then
+            else:  # it may fail (inline) before it is submitted: expect nothing then
                 self._seen[run_id] = _ENDED
 
-    def _exec_info(self, run: Any, step: Any) -> tuple:
-        cached = self._steps.get(id(step))
-        if cached is not None and cached[0] is step:
-            return cached[1]
-        plan = run.plan
-        self._learn_cluster(plan.cluster)
-        node = step.node
-        ids = plan.placement.device_ids(node.slice.id)
-        info = (
-            f"{plan.graph.name}/{node.name}",
-            (1 + step.island, ids),
-            {
-                "program": plan.graph.name,
-                "node": node.name,
-                "kind": node.kind,
-                "source": node.source_info,
-                "slice": node.slice.id,
-                "island": step.island,
-            },
-        )
-        self._steps[id(step)] = (step, info)
-        return info
+    # --- device work -----------------------------------------------------------------
 
-    def dispatched(self, run: Any, step: Any, outs: Any, start: int) -> None:
-        """The controller dispatched a node (``step``) of ``run`` from ``start`` until now."""
-        if self._closed:
-            return
-        end = now()
-        name, pid_tids, static = self._exec_info(run, step)
-        client = client_of(run)
-        self.complete(f"dispatch {name}", "dispatch", start, end, client=client, run=run.id)
-        args = dict(static, run=run.id, client=client, dispatched_us=self._us(start))
-        self._inbox.put(_Work(name, "execution", pid_tids, list(outs), start, args))
-        self._dispatched_step(run.id)
+    def _dispatch(self, name: str, event: events.Dispatched | events.Sent | events.Moved) -> None:
+        """The controller-track span of dispatching ``event``'s work."""
+        self._span(f"dispatch {name}", "dispatch", event.start, event.end, event.client, {"run": event.run})
 
-    def sent(self, run: Any, host: int, island: int, ids: tuple[int, ...], marker: Any, start: int) -> None:
-        """Ray backend: the controller sent ``host`` (of ``island``, devices ``ids``) its part of ``run``.
-
-        ``marker`` is ready when the host's part is done.
-        """
-        if self._closed:
-            return
-        end = now()
-        plan = run.plan
-        self._learn_cluster(plan.cluster)
-        client = client_of(run)
-        name = f"{plan.graph.name} on host {host}"
-        self.complete(f"dispatch {name}", "dispatch", start, end, client=client, run=run.id)
+    def _dispatched(self, event: events.Dispatched) -> None:
+        self._learn_devices()
+        name = f"{event.program}/{event.node}"
+        self._dispatch(name, event)
         args = {
-            "program": plan.graph.name,
-            "run": run.id,
-            "client": client,
-            "host": host,
-            "island": island,
-            "dispatched_us": self._us(start),
+            "program": event.program,
+            "node": event.node,
+            "kind": event.kind,
+            "source": event.source,
+            "slice": event.slice,
+            "island": event.island,
+            "run": event.run,
+            "client": event.client,
+            "dispatched_us": self._us(event.start),
         }
-        self._inbox.put(_Work(name, "execution", (1 + island, ids), [marker], start, args))
-        self._dispatched_step(run.id)
+        pid = 1 + event.island
+        self._inbox.put(_Work(name, "execution", pid, event.devices, list(event.watch), event.start, args))
+        self._dispatched_step(event.run)
 
-    def moved(self, run: Any, step: Any, src: Any, dst: Any, start: int) -> None:
-        """The controller started moving ``src`` to ``dst`` (a transfer or reshard) of ``run``."""
-        if self._closed:
-            return
-        end = now()
-        plan = run.plan
-        self._learn_cluster(plan.cluster)
-        kind = step.kind or "reshard"
-        client = client_of(run)
-        dst_ids = _device_ids(step.sharding)
-        island = self._island_of.get(dst_ids[0], 0) if dst_ids else 0
-        nbytes = int(getattr(src, "nbytes", 0))
-        self.complete(f"dispatch {kind} transfer", "dispatch", start, end, client=client, run=run.id)
+    def _sent(self, event: events.Sent) -> None:
+        self._learn_devices()
+        name = f"{event.program} on host {event.host}"
+        self._dispatch(name, event)
         args = {
-            "program": plan.graph.name,
-            "run": run.id,
-            "client": client,
+            "program": event.program,
+            "run": event.run,
+            "client": event.client,
+            "host": event.host,
+            "island": event.island,
+            "dispatched_us": self._us(event.start),
+        }
+        pid = 1 + event.island
+        self._inbox.put(_Work(name, "execution", pid, event.devices, list(event.watch), event.start, args))
+        self._dispatched_step(event.run)
+
+    def _moved(self, event: events.Moved) -> None:
+        self._learn_devices()
+        kind = event.kind
+        dst = event.dst_devices
+        island = self._island_of.get(dst[0], 0) if dst else 0
+        self._dispatch(f"{kind} transfer", event)
+        args = {
+            "program": event.program,
+            "run": event.run,
+            "client": event.client,
             "kind": kind,
-            "bytes": nbytes,
-            "value": aval_text(getattr(src, "aval", None)),
-            "src_devices": list(_device_ids(getattr(src, "sharding", None))),
-            "dst_devices": list(dst_ids),
-            "dispatched_us": self._us(start),
+            "bytes": event.bytes,
+            "value": event.value,
+            "src_devices": list(event.src_devices),
+            "dst_devices": list(dst),
+            "dispatched_us": self._us(event.start),
         }
         self._processes.setdefault(1 + island, f"island {island}")
         self._tracks[(1 + island, TRANSFER_TID)] = f"transfers into island {island}"
-        name = f"{kind} {nbytes} B"
-        self._inbox.put(_Work(name, "transfer", (1 + island, (TRANSFER_TID,)), [dst], start, args))
-        self._dispatched_step(run.id)
+        name = f"{kind} {event.bytes} B"
+        work = _Work(name, "transfer", 1 + island, (TRANSFER_TID,), list(event.watch), event.start, args)
+        self._inbox.put(work)
+        self._dispatched_step(event.run)
 
     # --- the watcher -----------------------------------------------------------------
 
     def _emit(self, work: _Work, unfinished: bool = False) -> None:
-        end = work.end if work.end is not None else now()
+        end = work.end if work.end is not None else events.now()
         keys = [(work.pid, tid) for tid in work.tids]
         start = max([work.start, *(self._busy_until.get(k, 0) for k in keys)])
         end = max(end, start)
@@ -411,7 +370,7 @@ class Recorder:
             except queue.Empty:
                 pass
             progressed = False
-            t = now()
+            t = events.now()
             for work in pending:
                 if work.end is None and work.ready():
                     work.end = t
@@ -519,8 +478,13 @@ def start_trace(path: str | os.PathLike | None = None, *, drain_timeout: float =
                 f"a trace is already being recorded (to {where}); call pw.stop_trace() "
                 "before starting another one. Traces do not nest."
             )
-        ACTIVE = Recorder(path, drain_timeout=drain_timeout)
-        return ACTIVE
+        rec = ACTIVE = Recorder(path, drain_timeout=drain_timeout)
+        events.SINK = rec.record
+    # A cluster that starts from now on tells its devices itself; one running already is read.
+    running = clusters.running()
+    if running is not None:
+        rec.record(events.Devices(running.device_places()))
+    return rec
 
 
 def stop_trace(timeout: float | None = None) -> dict:
@@ -547,6 +511,7 @@ def stop_trace(timeout: float | None = None) -> dict:
         return rec.stop(timeout)
     finally:
         with _active_lock:
+            events.SINK = None
             ACTIVE = None
 
 
@@ -577,80 +542,3 @@ def trace(path: str | os.PathLike | None = None, *, drain_timeout: float = 60.0)
         yield rec
     finally:
         stop_trace()
-
-
-# --- hooks of the cold path: they log, and record when tracing ---------------------------
-
-_last_plans: dict[int, tuple[weakref.ref, dict[int, tuple[int, ...]]]] = {}  # id(graph) -> placement, mapping
-
-
-def _mapping(plan: Any) -> dict[int, tuple[int, ...]]:
-    return {slice_id: plan.placement.device_ids(slice_id) for slice_id in plan.placement.slices}
-
-
-def lowered(plan: Any, start: int) -> None:
-    """``lowering.lower`` made ``plan``: logs it (and a remap), records a ``lower`` span."""
-    graph = plan.graph
-    key = id(graph)
-    # The plan's placement, not the plan: a plan is copied once its backend prepares it (the
-    # copy shares the placement), and a graph's plans all live while its placement does.
-    previous = _last_plans.get(key)
-    mapping = _mapping(plan)
-    _last_plans[key] = (weakref.ref(plan.placement), mapping)
-    if len(_last_plans) > 256:
-        for k in [k for k, (ref, _) in _last_plans.items() if ref() is None]:
-            del _last_plans[k]
-    rec = ACTIVE
-    if previous is not None and previous[0]() is not None:  # that graph's placement still lives
-        before = previous[1]
-        moved = {sid: (before.get(sid), devs) for sid, devs in mapping.items() if before.get(sid) != devs}
-        logging.vlog(
-            1,
-            "program %r (%s) re-lowered after a remap: %s",
-            graph.name,
-            graph.source_info,
-            "; ".join(f"slice #{sid} {a} -> {b}" for sid, (a, b) in moved.items()) or "no change",
-        )
-        if rec is not None:
-            rec.instant(f"remap {graph.name}", "remap", program=graph.name, moved=str(moved))
-    else:
-        logging.vlog(
-            1,
-            "program %r (%s): lowered %d nodes onto devices %s in %.1f ms",
-            graph.name,
-            graph.source_info,
-            len(graph.nodes),
-            mapping,
-            (now() - start) / 1e6,
-        )
-    if rec is not None:
-        rec.complete(f"lower {graph.name}", "lower", start, program=graph.name, nodes=len(graph.nodes))
-
-
-def compiled(node: Any, start: int) -> None:
-    """``lowering`` compiled ``node``: logs it, records a ``compile`` span."""
-    ms = (now() - start) / 1e6
-    # vlog(1): shown with absl's --v=1 (or set_verbosity(DEBUG)); absl programs
-    # print INFO by default and compiles are not news worth that.
-    logging.vlog(
-        1, "compiled node %r (%s) for slice #%d in %.1f ms", node.name, node.source_info, node.slice.id, ms
-    )
-    rec = ACTIVE
-    if rec is not None:
-        rec.complete(
-            f"compile {node.name}",
-            "compile",
-            start,
-            node=node.name,
-            source=node.source_info,
-            slice=node.slice.id,
-        )
-
-
-def failed(run: Any, message: str) -> None:
-    """The controller failed ``run``: logs a warning, records a ``failure`` marker."""
-    logging.warning("%s", message)
-    rec = ACTIVE
-    if rec is not None:
-        rec.instant("run failed", "failure", client=client_of(run), run=run.id, message=message)
-        rec.run_ended(run.id)
