@@ -20,7 +20,7 @@ SRC = pathlib.Path(pw.__file__).parent / "_src"
 
 def test_the_built_in_backends_implement_the_protocol():
     assert isinstance(LocalBackend(), base.Backend)
-    members = ["name", "islands", "window", "donates", "exports", "calls_back", "stages_inputs"]
+    members = ["name", "islands", "window_size", "donates", "exports", "calls_back", "stages_inputs"]
     members += ["prepare", "execute", "settle", "close"]
     missing = [m for m in members if not hasattr(RayBackend, m)]
     assert missing == []
@@ -45,7 +45,7 @@ class CountingBackend:
     """A third backend, by composition: local devices, a window of its own, every call counted."""
 
     name = "counting"
-    window = 2
+    window_size = 2
     donates = True
     exports = False
     calls_back = True
@@ -66,18 +66,18 @@ class CountingBackend:
         self.calls[type(prepared).__name__] += 1
         return prepared
 
-    def execute(self, run, window):
+    def execute(self, run, windows):
         self.calls["execute"] += 1
         backend = self
 
         class Watched:
-            def make_room(self, island):
-                window.make_room(island)
+            def make_room(self, key):
+                windows.make_room(key)
 
-            def in_flight(self, island, marker, run):
-                window.in_flight(island, marker, run)
+            def in_flight(self, key, marker, run):
+                windows.in_flight(key, marker, run)
                 with backend.lock:
-                    count = len(pw.cluster().controller._in_flight[island])
+                    count = len(pw.cluster().controller._in_flight[key])
                     backend.most_in_flight = max(backend.most_in_flight, count)
 
         dispatched = self.inner.execute(run, Watched())
@@ -135,7 +135,7 @@ def test_a_third_backend_plugs_in_through_the_registry_alone(counting_backend):
     assert counting.calls["prepare"] == counting.calls["Prepared"] == 2  # for arrays, then for futures
     assert counting.calls["execute"] == counting.calls["Dispatched"] == 40  # typed records, not tuples
     assert counting.calls["settle"] >= 1  # the controller asked it which executables settled
-    assert 1 <= counting.most_in_flight <= counting.window  # its own window, not max_in_flight
+    assert 1 <= counting.most_in_flight <= counting.window_size  # its own window, not max_in_flight
     s.release()
     pw.shutdown()
     assert counting.calls["close"] == 1

@@ -154,7 +154,7 @@ def test_a_compiled_plan_is_frozen_and_its_backends_part_comes_in_a_copy():
     assert isinstance(prepared, base.Prepared) and prepared.part is not None
     assert prepared.reports == len(plan.steps) and prepared.islands == {0, 1}
     # The local backend adds the window of b's one device (a single-device executable) to the compiler's.
-    assert prepared.windowed == {**plan.windowed, base.device_window(b.devices[0].id): 1}
+    assert prepared.windowed == {**plan.windowed, base.device_window_key(b.devices[0].id): 1}
     # A backend's part comes in a copy sharing the plan's content; the plan is left as it was.
     other = base.Prepared({}, frozenset(), 0, None)
     again = plan.with_prepared(other)

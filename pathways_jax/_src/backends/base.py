@@ -68,8 +68,8 @@ class RunView(Protocol):
     def client(self) -> Any: ...
 
 
-def device_window(device_id: int) -> int:
-    """The key of the window of runs queued on one device (``plan.windowed``, :class:`Window`).
+def device_window_key(device_id: int) -> int:
+    """The key of the window of runs queued on one device (``plan.windowed``, :class:`Windows`).
 
     An island's window has the island's index as its key (>= 0): it bounds the
     executables over several devices (or calling back into Python) in flight
@@ -79,23 +79,23 @@ def device_window(device_id: int) -> int:
     once, and the scheduling policy would never choose among them.
 
     Example:
-      >>> device_window(0), device_window(5)
+      >>> device_window_key(0), device_window_key(5)
       (-1, -6)
     """
     return -1 - device_id
 
 
-class Window(Protocol):
+class Windows(Protocol):
     """What a backend asks of the controller while it dispatches a run: the in-flight windows.
 
-    A window's key is an island's index, or :func:`device_window` of a device.
+    A window's key is an island's index, or :func:`device_window_key` of a device.
     """
 
-    def make_room(self, island: int) -> None:
-        """Returns once window ``island`` has room for one more executable (or host message)."""
+    def make_room(self, key: int) -> None:
+        """Returns once window ``key`` has room for one more executable (or host message)."""
         ...
 
-    def in_flight(self, island: int, marker: Any, run: RunView) -> None:
+    def in_flight(self, key: int, marker: Any, run: RunView) -> None:
         """``marker`` (an output, or a host's completion marker) settles when the dispatched work does."""
         ...
 
@@ -117,7 +117,7 @@ class Backend(Protocol):
 
     Attributes:
       name: ``pw.init(backend=...)``'s name for it.
-      window: executables (or host messages) in flight per island the
+      window_size: executables (or host messages) in flight per island the
         controller allows; ``None``: ``pw.init(max_in_flight=...)``.
       donates: compiled executables may consume donated buffers.
       exports: nodes are also serialized with ``jax.export`` (hosts compile them).
@@ -132,7 +132,7 @@ class Backend(Protocol):
 
     name: str
     islands: tuple[tuple[Any, ...], ...]
-    window: int | None
+    window_size: int | None
     donates: bool
     exports: bool
     calls_back: bool
@@ -144,14 +144,14 @@ class Backend(Protocol):
         """Finishes lowering ``plan`` for these devices; ``plan`` is not changed.
 
         Returns its part of the plan: executables or messages per window key
-        (an island or a :func:`device_window`) that count against the windows,
+        (an island or a :func:`device_window_key`) that count against the windows,
         the islands a run goes to, how many dispatch reports a run makes to a
         trace, and a part of the backend's own. The runtime runs
         ``plan.with_prepared(...)`` of it.
         """
         ...
 
-    def execute(self, run: RunView, window: Window) -> Dispatched:
+    def execute(self, run: RunView, windows: Windows) -> Dispatched:
         """Dispatches ``run`` (its inputs are in ``run.env``); never waits for results.
 
         Raises :class:`StepFailed` for a failure of the run's own.
@@ -264,6 +264,6 @@ __all__ = [
     "Shares",
     "StartOptions",
     "StepFailed",
-    "Window",
-    "device_window",
+    "Windows",
+    "device_window_key",
 ]

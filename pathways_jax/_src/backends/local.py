@@ -17,8 +17,8 @@ from pathways_jax._src.backends.base import (
     RunView,
     StartOptions,
     StepFailed,
-    Window,
-    device_window,
+    Windows,
+    device_window_key,
 )
 from pathways_jax._src.core import counts, errors, events, host_memory, readiness, source
 from pathways_jax._src.core.formatting import aval_text
@@ -35,7 +35,7 @@ class LocalBackend:
     """
 
     name = "local"
-    window: int | None = None  # the controller counts executables: pw.init(max_in_flight=...)
+    window_size: int | None = None  # the controller counts executables: pw.init(max_in_flight=...)
     donates = True
     exports = False
     calls_back = True
@@ -56,11 +56,11 @@ class LocalBackend:
         # that the scheduling policy chooses their order. Executables over
         # several devices count in their island's window, one by one (lowering).
         lanes = tuple(
-            (device_window(group.devices[0]), index)
+            (device_window_key(group.devices[0]), index)
             for index, group in enumerate(plan.acct_groups)
             if len(group.devices) == 1
         )
-        # Per step, the arguments its executable consumes (donation): see Window.handed_on.
+        # Per step, the arguments its executable consumes (donation): see Windows.handed_on.
         donors = tuple(
             _donated_positions(step.executable, len(step.in_slots)) if isinstance(step, ExecStep) else ()
             for step in plan.steps
@@ -68,7 +68,7 @@ class LocalBackend:
         windowed = {**plan.windowed, **dict.fromkeys((key for key, _ in lanes), 1)}
         return Prepared(windowed, plan.islands, reports, _LocalPart(lanes, donors if any(donors) else None))
 
-    def execute(self, run: RunView, window: Window) -> Dispatched:
+    def execute(self, run: RunView, windows: Windows) -> Dispatched:
         from pathways_jax._src.compile.lowering import ExecStep
 
         plan = run.plan
@@ -78,7 +78,7 @@ class LocalBackend:
         dispatched = 0
         part: _LocalPart | None = plan.prepared.part
         donors = part.donors if part is not None and part.donors is not None else ()
-        hand_on = getattr(window, "handed_on", None) if donors else None
+        hand_on = getattr(windows, "handed_on", None) if donors else None
         try:
             if plan.staged_feeds:  # under a memory budget: host inputs go on devices once admitted
                 for _, slot, sharding in plan.host_feeds:
@@ -88,7 +88,7 @@ class LocalBackend:
             for index, step in enumerate(plan.steps):
                 if isinstance(step, ExecStep):
                     if step.windowed:
-                        window.make_room(step.island)
+                        windows.make_room(step.island)
                     if sink is not None:
                         t0 = events.now()
                     args = [env[s] for s in step.in_slots]
@@ -109,7 +109,7 @@ class LocalBackend:
                     if hand_on is not None and outs and donors[index]:
                         hand_on([args[position] for position in donors[index]], outs[0])
                     if outs and step.windowed:
-                        window.in_flight(step.island, outs[0], run)
+                        windows.in_flight(step.island, outs[0], run)
                     dispatched += 1
                     if sink is not None:
                         sink(_ran(run, step, outs, t0))
@@ -134,7 +134,7 @@ class LocalBackend:
         # A plan that places nothing (it returns literals or its arguments) was
         # prepared by no backend: it has no lanes, nor anything to dispatch.
         for key, group in part.lanes if part is not None else ():
-            window.in_flight(key, last[group], run)
+            windows.in_flight(key, last[group], run)
         return Dispatched(env, last)
 
     def settle(self, in_flight: collections.deque) -> None:

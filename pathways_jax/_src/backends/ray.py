@@ -61,7 +61,7 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends import ray_host
-from pathways_jax._src.backends.base import Dispatched, Prepared, StepFailed, Window
+from pathways_jax._src.backends.base import Dispatched, Prepared, StepFailed, Windows
 from pathways_jax._src.backends.host_link import HostGone, Link, RayCallLink
 from pathways_jax._src.backends.ray_host import (
     KeyData,
@@ -269,7 +269,7 @@ class RayBackend:
     """
 
     name = "ray"
-    window: int | None = RUNS_IN_FLIGHT
+    window_size: int | None = RUNS_IN_FLIGHT
     donates = False  # hosts compile the exported nodes without donation
     exports = True
     calls_back = False
@@ -282,7 +282,7 @@ class RayBackend:
         hosts: int,
         devices_per_host: int,
         standins: list[jax.Device],
-        window: int,
+        window_size: int,
         on_lost: Any,
         islands: int | None = None,
         platform: str = "cpu",
@@ -314,7 +314,9 @@ class RayBackend:
                 "Ask for fewer hosts, or add nodes to the Ray cluster."
             ) from exc
         # Each host of an island of several bounds its executables in flight lower.
-        self._host_window = window if self.layout.per_island == 1 else min(window, CROSS_HOST_WINDOW)
+        self._host_window_size = (
+            window_size if self.layout.per_island == 1 else min(window_size, CROSS_HOST_WINDOW)
+        )
         self._x64 = bool(jax.config.read("jax_enable_x64"))
         self._strategy = PlacementGroupSchedulingStrategy
         self._actor_class = ray.remote(ray_host.Host)
@@ -379,7 +381,7 @@ class RayBackend:
             max_restarts=0,
             max_concurrency=1000,
             scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=host),
-        ).remote(host, self.devices_per_host, self._host_window, self._x64, self.platform)
+        ).remote(host, self.devices_per_host, self._host_window_size, self._x64, self.platform)
 
     def _start(self, ray: Any) -> list[dict]:
         """Joins each island's hosts into one ``jax.distributed`` system and connects every transfer server."""
@@ -491,7 +493,7 @@ class RayBackend:
         weakref.finalize(remote, self._forget, remote.key, remote.hosts)
         return Prepared(dict(remote.windowed), remote.islands, len(remote.hosts), remote)
 
-    def execute(self, run: Any, window: Window) -> Dispatched:
+    def execute(self, run: Any, windows: Windows) -> Dispatched:
         """Sends each host of ``run`` its one message; the hosts do the rest."""
         plan = run.plan
         remote: RemotePlan | None = plan.prepared.part
@@ -500,7 +502,7 @@ class RayBackend:
             # was prepared by no backend: no host takes part, its values are here.
             return Dispatched(run.env)
         for island in plan.prepared.windowed:
-            window.make_room(island)
+            windows.make_room(island)
         sink = events.SINK
         t0 = events.now() if sink is not None else 0
         try:
@@ -516,7 +518,7 @@ class RayBackend:
             counts.bump("host_pulls", remote.pulls)
         island_of = self.layout.island_of
         for host, marker in markers.items():
-            window.in_flight(island_of(host), marker, run)
+            windows.in_flight(island_of(host), marker, run)
             if sink is not None:
                 ids = tuple(
                     d.id

@@ -107,7 +107,7 @@ def _start_hosts(args: StartOptions) -> Any:
         hosts=hosts,
         devices_per_host=devices_per_host,
         standins=standins,
-        window=args.max_in_flight,
+        window_size=args.max_in_flight,
         on_lost=None,
         islands=islands,
         platform=args.platform,

@@ -97,7 +97,7 @@ def _start_local(options: StartOptions) -> Backend:
 _MEMBERS = (
     "name",
     "islands",
-    "window",
+    "window_size",
     "donates",
     "exports",
     "calls_back",

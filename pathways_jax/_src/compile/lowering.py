@@ -160,7 +160,7 @@ class Prepared:
 
     Attributes:
       windowed: executables (or host messages) a run puts in each window: its
-        key is an island, or a device's window (``backends.base.device_window``).
+        key is an island, or a device's window (``backends.base.device_window_key``).
       islands: the islands a run's work goes to.
       reports: dispatch reports a run makes to a trace.
       part: the backend's own part of the plan (the local backend's lanes,

@@ -47,14 +47,14 @@ def smoothed(estimate: float, measured: float) -> float:
     return (1.0 - ESTIMATE_WEIGHT) * estimate + ESTIMATE_WEIGHT * measured
 
 
-def has_room(running: int, count: int, window: int) -> bool:
-    """Whether ``count`` more executables fit in a window of ``window`` with ``running`` in it.
+def has_room(running: int, count: int, size: int) -> bool:
+    """Whether ``count`` more executables fit in a window of ``size`` with ``running`` in it.
 
     A run with more executables than half the window counts as half of it: it
     goes once half the window is free (it waits for the oldest as it goes),
     so that no run waits forever for a window smaller than itself.
     """
-    return running + min(count, max(1, window // 2)) <= window
+    return running + min(count, max(1, size // 2)) <= size
 
 
 def waited_too_long(since: float | None, now: float, timeout: float | None) -> bool:

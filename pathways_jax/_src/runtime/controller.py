@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from absl import logging
 
-from pathways_jax._src.backends.base import Backend, RunView, StepFailed, device_window
+from pathways_jax._src.backends.base import Backend, RunView, StepFailed, device_window_key
 from pathways_jax._src.core import counts, errors, events, readiness, reentry
 from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
@@ -80,7 +80,7 @@ _ROOM_POLL_S = 5e-5
 _SHORT_RUN_S = 5e-4
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 # Runs queued on one device by its single-device executables (a device's
-# window, base.device_window) before more of them wait in the controller's
+# window, base.device_window_key) before more of them wait in the controller's
 # queues, where the policy orders them. Deep enough that the device never
 # idles while the controller refills it (it wakes when half is done, and then
 # has the other half of the runs to do it in), shallow enough that a run picked
@@ -92,7 +92,7 @@ _FLIGHTS_KEPT = 256  # what windows keep of runs, made once per plan and client 
 class Drain(NamedTuple):
     """What ``Controller._next`` picks when every head waits for a window of short runs."""
 
-    window: int  # the key of the window to drain (an island's, or a device's)
+    key: int  # the key of the window to drain (an island's, or a device's)
 
 
 class Forked(Exception):
@@ -143,11 +143,11 @@ class Controller:
         self._store = cluster.store
         self._backend: Backend = cluster.backend
         # Executables (or host messages) in flight per island before dispatch there waits.
-        self._window = self._backend.window or cluster.in_flight
-        self._device_window = DEVICE_WINDOW  # runs queued per device (keys < 0)
+        self._island_window_size = self._backend.window_size or cluster.in_flight
+        self._device_window_size = DEVICE_WINDOW  # runs queued per device (keys < 0)
         # The island of each device's window, for pw.stats().
         self._island_of = {
-            device_window(d.id): island.index for island in cluster.islands for d in island.devices
+            device_window_key(d.id): island.index for island in cluster.islands for d in island.devices
         }
         self._inline = cluster.inline_dispatch
         self._max_queued = cluster.max_queued
@@ -369,7 +369,7 @@ class Controller:
             if run is None:
                 return
             if isinstance(run, Drain):  # every head waits for a window of short runs: drain it
-                self._drain(run.window)
+                self._drain(run.key)
                 continue
             try:
                 with self._dispatch:
@@ -446,17 +446,17 @@ class Controller:
         if budget is not None and not budget.fits(run.plan.admit_charge):
             return _WAITS_FOR_MEMORY
         for island, count in run.plan.prepared.windowed.items():
-            window = self._window if island >= 0 else self._device_window
+            size = self._island_window_size if island >= 0 else self._device_window_size
             running = None if busy is None else busy.get(island)
             if running is None:
                 running = len(self._in_flight[island])
                 # Only a window that looks full is asked (every question is a call
                 # into XLA, or Ray): its settled executables leave first.
-                if not admission.has_room(running, count, window):
+                if not admission.has_room(running, count, size):
                     running = self._settle(island)
                 if busy is not None:
                     busy[island] = running
-            if not admission.has_room(running, count, window):
+            if not admission.has_room(running, count, size):
                 return _NO_ROOM, island
         return _GOES
 
@@ -792,31 +792,31 @@ class Controller:
 
     def _bound(self, key: int) -> int:
         """How many entries window ``key`` holds: an island's executables, or a device's runs."""
-        return self._window if key >= 0 else self._device_window
+        return self._island_window_size if key >= 0 else self._device_window_size
 
     def _ready_now(self, run: Run) -> bool:
         """True if ``run`` may be dispatched on the caller's thread: nothing would wait."""
         return run.plan.inline_ok and self._blocker(run)[0] == _GO
 
-    def make_room(self, island: int) -> None:
-        """Makes room for one more executable on ``island``, waiting for the oldest if need be.
+    def make_room(self, key: int) -> None:
+        """Makes room for one more executable in window ``key``, waiting for the oldest if need be.
 
-        The controller dispatches a run only once its windows have room
-        (:meth:`_blocker`), so this waits only for a run with more executables
-        on the island than the window holds (for its own oldest ones), or when
+        ``key`` is an island's index, or a device's window key. The controller
+        dispatches a run only once its windows have room (:meth:`_blocker`), so
+        this waits only for a run with more executables there than the window holds (for its own oldest ones), or when
         a dispatch on another thread filled the window in between. A full
         window is drained to half: the dispatching thread then wakes once per
         half window of executables, not once per executable.
         """
-        window = self._bound(island)
-        if len(self._in_flight[island]) < window or self._settle(island) < window:
+        size = self._bound(key)
+        if len(self._in_flight[key]) < size or self._settle(key) < size:
             return
         sink = events.SINK
         t0 = events.now() if sink is not None else 0
         flight = None
-        low = window // 2
-        while self._settle(island) > low:
-            oldest, flight = self._in_flight[island][0]
+        low = size // 2
+        while self._settle(key) > low:
+            oldest, flight = self._in_flight[key][0]
             # Its error reaches the run's futures, and the watcher counts the run.
             with contextlib.suppress(Exception):
                 readiness.block(oldest)
@@ -825,7 +825,7 @@ class Controller:
                 events.Waited(
                     reason="in-flight window",
                     client=flight.client,
-                    island=self._island_of.get(island, island),
+                    island=self._island_of.get(key, key),
                     start=t0,
                     end=events.now(),
                 )
@@ -867,19 +867,19 @@ class Controller:
             run.future_inputs = []
         self._publish(run, started, values, last)
 
-    # --- the in-flight windows, as backends see them (base.Window; make_room above) --------
+    # --- the in-flight windows, as backends see them (base.Windows; make_room above) --------
 
-    def in_flight(self, island: int, marker: Any, run: RunView) -> None:
+    def in_flight(self, key: int, marker: Any, run: RunView) -> None:
         # What a window keeps of a run is the same for every run of a plan and client: made
         # once (on a single device this is once per run, and making it cost about 2 µs of a
         # pw.jit call's 30). Bounded: throw-away programs or clients do not pile up here.
-        key = (run.plan.key, run.client.name)
-        flight = self._flights.get(key)
+        kept = (run.plan.key, run.client.name)
+        flight = self._flights.get(kept)
         if flight is None:
             if len(self._flights) >= _FLIGHTS_KEPT:
                 self._flights.clear()
-            flight = self._flights[key] = _Flight(run)
-        self._in_flight[island].append((marker, flight))
+            flight = self._flights[kept] = _Flight(run)
+        self._in_flight[key].append((marker, flight))
 
     def handed_on(self, consumed: Sequence[Any], marker: Any) -> None:
         # Donation deletes an entry's marker when the next executable takes its buffer (a

@@ -57,7 +57,9 @@ from pathways_jax._src.backends.ray_host.values import from_wire, is_ready, is_s
 class Host:
     """A host: its devices, the values it keeps, compiled computations and registered plans."""
 
-    def __init__(self, index: int, num_devices: int, window: int, x64: bool = False, platform: str = "cpu"):
+    def __init__(
+        self, index: int, num_devices: int, window_size: int, x64: bool = False, platform: str = "cpu"
+    ):
         import jax
 
         # The process is fresh: JAX's backend has not started, so the device
@@ -74,12 +76,12 @@ class Host:
         self.index = index
         self.platform = platform
         self.num_devices = num_devices
-        self.window = window
+        self.window_size = window_size
         self.role = Role(index, 0, 1, None)
         self.plane = DataPlane(index)
         self.values: dict[int, Any] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
-        self.steps = Steps(self.plane, self.executables, window)
+        self.steps = Steps(self.plane, self.executables, window_size)
         # plan key -> (ops, constants, steps, the 64-bit mode it runs under: None for the process's)
         self.plans: dict[int, tuple[list[Op], dict, list, bool | None]] = {}
         # plan key -> (why its registration failed, the host's traceback, its ops)

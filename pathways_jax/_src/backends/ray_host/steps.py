@@ -48,10 +48,10 @@ def pace(in_flight: collections.deque, out: Any, bound: int) -> None:
 class Steps:
     """Makes a host's steps: over its data plane, its compiled executables and its window."""
 
-    def __init__(self, plane: DataPlane, executables: dict[str, Any], window: int):
+    def __init__(self, plane: DataPlane, executables: dict[str, Any], window_size: int):
         self.plane = plane
         self.executables = executables  # fingerprint -> jitted callable
-        self.window = window
+        self.window_size = window_size
         self.in_flight: collections.deque = collections.deque()  # executables' outputs, oldest first
 
     def make(self, op: Op) -> Step:
@@ -97,7 +97,7 @@ class Steps:
         ins, outs_at = op.in_slots, op.out_slots
         # Windowed executables count against the host's bound (cross-process
         # collectives deadlock beyond it); the others against XLA's own.
-        bound = min(self.window, PACE) if op.windowed else PACE
+        bound = min(self.window_size, PACE) if op.windowed else PACE
         in_flight = self.in_flight
         if len(ins) == 1 and len(outs_at) == 1:  # the common node: one value in, one out
             (one_in,), (one_out,) = ins, outs_at

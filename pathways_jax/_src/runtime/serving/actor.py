@@ -80,14 +80,14 @@ class ServiceActor:
             hosts=config.hosts,
             devices_per_host=config.devices_per_host,
             standins=standins[:total],
-            window=config.max_in_flight,
+            window_size=config.max_in_flight,
             on_lost=None,
             islands=config.islands,
             platform=config.platform,
             replace_lost=config.replace_lost_hosts,
         )
         self.layout = self.backend.layout
-        self.window = config.window
+        self.window_size = config.window
         self.policy = config.scheduler
         # The in-process controller's admission core (runtime/admission.py): a queue of runs per
         # client process, its policies (runtime/scheduler.py), and one byte budget for the hosts.
@@ -133,7 +133,7 @@ class ServiceActor:
             "platform": self.config.platform,
             "x64": self.config.x64,
             "scheduler": self.policy,
-            "window": self.window,
+            "window": self.window_size,
             "generations": list(backend.generations),
             "lost": dict(backend.lost),
             "info": backend.info,
@@ -461,7 +461,9 @@ class ServiceActor:
         return ready
 
     def _may_go(self, batch: Batch) -> bool:
-        if not all(admission.has_room(self.in_flight[island], 1, self.window) for island in batch.islands):
+        if not all(
+            admission.has_room(self.in_flight[island], 1, self.window_size) for island in batch.islands
+        ):
             return False
         return self.ledger.fits(batch.nbytes)
 
@@ -736,7 +738,7 @@ class ServiceActor:
             "name": self.config.name,
             "elapsed_s": elapsed,
             "scheduler": self.policy,
-            "window": self.window,
+            "window": self.window_size,
             "hosts": self.layout.hosts,
             "islands": self.layout.islands,
             "in_flight": dict(self.in_flight),
