@@ -77,7 +77,7 @@ class CountingBackend:
             def in_flight(self, key, marker, run):
                 windows.in_flight(key, marker, run)
                 with backend.lock:
-                    count = len(pw.cluster().controller._in_flight[key])
+                    count = len(pw.cluster().controller.windows.entries[key])
                     backend.most_in_flight = max(backend.most_in_flight, count)
 
         dispatched = self.inner.execute(run, Watched())

@@ -48,15 +48,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from absl import logging
 
-from pathways_jax._src.backends.base import Backend, RunView, StepFailed, device_window_key
+from pathways_jax._src.backends.base import Backend, StepFailed, device_window_key
 from pathways_jax._src.core import counts, errors, events, readiness, reentry
 from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
 from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, Pending, Ready
+from pathways_jax._src.runtime.windows import InFlightWindows
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     import jax
 
     from pathways_jax._src.runtime.object_store import ObjectStore
@@ -86,7 +85,6 @@ _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 # has the other half of the runs to do it in), shallow enough that a run picked
 # now starts after at most this many: measured in docs/DESIGN.md (Schedule).
 DEVICE_WINDOW = 4
-_FLIGHTS_KEPT = 256  # what windows keep of runs, made once per plan and client (in_flight)
 
 
 class Drain(NamedTuple):
@@ -142,21 +140,8 @@ class Controller:
     def __init__(self, cluster: Settings):
         self._store = cluster.store
         self._backend: Backend = cluster.backend
-        # Executables (or host messages) in flight per island before dispatch there waits.
-        self._island_window_size = self._backend.window_size or cluster.in_flight
-        self._device_window_size = DEVICE_WINDOW  # runs queued per device (keys < 0)
-        # The island of each device's window, for pw.stats().
-        self._island_of = {
-            device_window_key(d.id): island.index for island in cluster.islands for d in island.devices
-        }
         self._inline = cluster.inline_dispatch
         self._max_queued = cluster.max_queued
-        # Per window key: (an output of an executable dispatched there, a _Flight
-        # of its run), oldest first. Appended under _dispatch; the settled ones at the front leave under
-        # _settle_lock (see _settle), from whichever thread looks.
-        self._in_flight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        self._flights: dict[tuple[int, str], _Flight] = {}  # by plan and client (see in_flight)
-        self._settle_lock = threading.Lock()
         self._dispatch = threading.Lock()  # held while a run is dispatched
         # Guards the per-client queues and the policy; reentrant because a
         # budget release (which notifies it) may happen on a thread holding it.
@@ -185,6 +170,15 @@ class Controller:
         if self._budget is not None:
             self._budget.listeners.append(self._wake)
         self.accounting = Accounting([d.id for d in cluster.devices], self._run_done)
+        # What is in flight per window key, appended under _dispatch (windows.py): executables
+        # (or host messages) per island, before dispatch there waits; runs queued per device.
+        self.windows = InFlightWindows(
+            self._backend,
+            self._backend.window_size or cluster.in_flight,
+            DEVICE_WINDOW,
+            {device_window_key(d.id): island.index for island in cluster.islands for d in island.devices},
+            self.accounting.cost,
+        )
         self._stopped = False
         self._dead: BaseException | None = None  # why the controller thread ended, if it did
         self._thread = reentry.runtime_thread(self._serve, name="pathways-controller")
@@ -334,12 +328,11 @@ class Controller:
         if threading.get_ident() == self._thread.ident or reentry.inside.depth:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        # Appended under _dispatch, dropped under _settle_lock (taken in that order): a snapshot.
+        # Appended under _dispatch, dropped under the windows' lock (taken in that order): a snapshot.
         if not self._dispatch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False  # a dispatch in progress did not end in time
         try:
-            with self._settle_lock:
-                markers = [marker for window in list(self._in_flight.values()) for marker, _ in window]
+            markers = self.windows.markers()
         finally:
             self._dispatch.release()
         readiness.poll(markers, lambda: deadline is not None and time.monotonic() >= deadline)
@@ -369,7 +362,7 @@ class Controller:
             if run is None:
                 return
             if isinstance(run, Drain):  # every head waits for a window of short runs: drain it
-                self._drain(run.key)
+                self.windows.drain(run.key, _SHORT_RUN_S)
                 continue
             try:
                 with self._dispatch:
@@ -445,56 +438,21 @@ class Controller:
         budget = self._budget
         if budget is not None and not budget.fits(run.plan.admit_charge):
             return _WAITS_FOR_MEMORY
+        windows = self.windows
         for island, count in run.plan.prepared.windowed.items():
-            size = self._island_window_size if island >= 0 else self._device_window_size
+            size = windows.island_size if island >= 0 else windows.device_size
             running = None if busy is None else busy.get(island)
             if running is None:
-                running = len(self._in_flight[island])
+                running = len(windows.entries[island])
                 # Only a window that looks full is asked (every question is a call
                 # into XLA, or Ray): its settled executables leave first.
                 if not admission.has_room(running, count, size):
-                    running = self._settle(island)
+                    running = windows.settle(island)
                 if busy is not None:
                     busy[island] = running
             if not admission.has_room(running, count, size):
                 return _NO_ROOM, island
         return _GOES
-
-    def _settle(self, island: int) -> int:
-        """Drops the settled executables at the front of ``island``'s window; how many are left.
-
-        Oldest first, up to the first one still running: those behind it
-        count as running, which at worst makes a run wait for the next look.
-        """
-        in_flight = self._in_flight[island]
-        inside = reentry.inside
-        inside.depth += 1
-        try:
-            with self._settle_lock:
-                self._backend.settle(in_flight)
-                return len(in_flight)
-        finally:
-            inside.depth -= 1
-
-    def _short_oldest(self, island: int) -> bool:
-        """True if the oldest executable in ``island``'s window is of a run known to be short."""
-        items = self._in_flight[island]
-        if not items:
-            return False
-        plan = items[0][1].plan()
-        cost = self.accounting.cost(plan) if plan is not None else 0.0
-        return 0.0 < cost <= _SHORT_RUN_S
-
-    def _drain(self, island: int) -> None:
-        """Waits (inside XLA, no lock held) until ``island``'s window is at most half full.
-
-        Only on short runs: it stops at an executable of a run not known to be short.
-        """
-        low = self._bound(island) // 2
-        while self._settle(island) > low and self._short_oldest(island):
-            oldest, _ = self._in_flight[island][0]
-            with contextlib.suppress(Exception):  # its error reaches the run's futures
-                readiness.block(oldest)
 
     def _next(self) -> Run | Drain | None:
         """Waits for a run the policy picks among the heads that can go now; None once stopped.
@@ -596,7 +554,12 @@ class Controller:
                     return run
                 self._expire(blocked)
                 if no_room:
-                    if expected and expected <= _SHORT_RUN_S and not blocked and self._short_oldest(full):
+                    if (
+                        expected
+                        and expected <= _SHORT_RUN_S
+                        and not blocked
+                        and self.windows.short_oldest(full, _SHORT_RUN_S)
+                    ):
                         return Drain(full)
                     if expected:  # look again about when a quarter of such a run is done
                         pause = min(max(expected / 4, _ROOM_POLL_S / 2), pause)
@@ -779,57 +742,12 @@ class Controller:
         return dict(counts)
 
     def in_flight_by_island(self) -> dict[int, int]:
-        """Executables (or host messages) in an island's window, dispatched and not settled, per island.
-
-        What ``max_in_flight`` bounds. The devices' windows (keys < 0) count
-        runs, not executables, under another bound: they are not added in.
-        """
-        return {
-            island: sum(1 for item in list(items) if not readiness.settled(item[0]))
-            for island, items in list(self._in_flight.items())
-            if island >= 0
-        }
-
-    def _bound(self, key: int) -> int:
-        """How many entries window ``key`` holds: an island's executables, or a device's runs."""
-        return self._island_window_size if key >= 0 else self._device_window_size
+        """Executables (or host messages) in an island's window, dispatched and not settled, per island."""
+        return self.windows.by_island()
 
     def _ready_now(self, run: Run) -> bool:
         """True if ``run`` may be dispatched on the caller's thread: nothing would wait."""
         return run.plan.inline_ok and self._blocker(run)[0] == _GO
-
-    def make_room(self, key: int) -> None:
-        """Makes room for one more executable in window ``key``, waiting for the oldest if need be.
-
-        ``key`` is an island's index, or a device's window key. The controller
-        dispatches a run only once its windows have room (:meth:`_blocker`), so
-        this waits only for a run with more executables there than the window holds (for its own oldest ones), or when
-        a dispatch on another thread filled the window in between. A full
-        window is drained to half: the dispatching thread then wakes once per
-        half window of executables, not once per executable.
-        """
-        size = self._bound(key)
-        if len(self._in_flight[key]) < size or self._settle(key) < size:
-            return
-        sink = events.SINK
-        t0 = events.now() if sink is not None else 0
-        flight = None
-        low = size // 2
-        while self._settle(key) > low:
-            oldest, flight = self._in_flight[key][0]
-            # Its error reaches the run's futures, and the watcher counts the run.
-            with contextlib.suppress(Exception):
-                readiness.block(oldest)
-        if sink is not None and flight is not None:
-            sink(
-                events.Waited(
-                    reason="in-flight window",
-                    client=flight.client,
-                    island=self._island_of.get(key, key),
-                    start=t0,
-                    end=events.now(),
-                )
-            )
 
     def _execute(self, run: Run) -> None:
         started = _now()
@@ -856,7 +774,7 @@ class Controller:
                     self._fail(run, f"program {graph.name!r} run {run.id} got an input that was freed", None)
                     return
         try:
-            dispatched = self._backend.execute(run, self)
+            dispatched = self._backend.execute(run, self.windows)
             values, last = dispatched.values, dispatched.markers
             if run.plan.consumed_feeds:
                 self._spend(run)
@@ -866,33 +784,6 @@ class Controller:
         finally:
             run.future_inputs = []
         self._publish(run, started, values, last)
-
-    # --- the in-flight windows, as backends see them (base.Windows; make_room above) --------
-
-    def in_flight(self, key: int, marker: Any, run: RunView) -> None:
-        # What a window keeps of a run is the same for every run of a plan and client: made
-        # once (on a single device this is once per run, and making it cost about 2 µs of a
-        # pw.jit call's 30). Bounded: throw-away programs or clients do not pile up here.
-        kept = (run.plan.key, run.client.name)
-        flight = self._flights.get(kept)
-        if flight is None:
-            if len(self._flights) >= _FLIGHTS_KEPT:
-                self._flights.clear()
-            flight = self._flights[kept] = _Flight(run)
-        self._in_flight[key].append((marker, flight))
-
-    def handed_on(self, consumed: Sequence[Any], marker: Any) -> None:
-        # Donation deletes an entry's marker when the next executable takes its buffer (a
-        # train step's parameters): deleted reads as settled, and the window would stop
-        # bounding collectives in flight (DESIGN, "Donation and the in-flight window").
-        # The taker runs after the maker, so its output marks both. Under _settle_lock, as
-        # entries leave under it; one that a look between the call and here saw deleted has
-        # left already, which at worst lets one more executable in for a moment.
-        ids = {id(array) for array in consumed}
-        with self._settle_lock:
-            for window in list(self._in_flight.values()):
-                for index in [i for i, (old, _) in enumerate(window) if id(old) in ids]:
-                    window[index] = (marker, window[index][1])
 
     def _spend(self, run: Run) -> None:
         """Futures whose buffers the run's executables consumed (donated) cannot be read again."""
@@ -930,19 +821,3 @@ class Controller:
         self._store.free(list(run.outputs), failure=(detail, cause))
         run.future_inputs = []
         run.env = []
-
-
-class _Flight:
-    """What a window keeps of a dispatched run until its entry settles.
-
-    Not the run: a window's entries leave only when the window is next looked
-    at, and the run's plan holds its executables and the constants they close
-    over, which a dropped program must let go (``Invariants``: nothing grows).
-    The plan is only needed while it lives (its measured cost, ``_short_oldest``).
-    """
-
-    __slots__ = ("client", "plan")
-
-    def __init__(self, run: RunView):
-        self.plan = weakref.ref(run.plan)
-        self.client: str = run.client.name
