@@ -265,10 +265,16 @@ class Recorder:
         """The controller-track span of dispatching ``event``'s work."""
         self._span(f"dispatch {name}", "dispatch", event.start, event.end, event.client, {"run": event.run})
 
-    def _dispatched(self, event: events.Dispatched) -> None:
+    def _executed(self, name: str, event: events.Dispatched | events.Sent, args: dict) -> None:
+        """``event``'s execution on its island's devices, watched until its outputs are ready."""
         self._learn_devices()
-        name = f"{event.program}/{event.node}"
         self._dispatch(name, event)
+        args["dispatched_us"] = self._us(event.start)
+        pid = 1 + event.island
+        self._inbox.put(_Work(name, "execution", pid, event.devices, list(event.watch), event.start, args))
+        self._dispatched_step(event.run)
+
+    def _dispatched(self, event: events.Dispatched) -> None:
         args = {
             "program": event.program,
             "node": event.node,
@@ -278,27 +284,18 @@ class Recorder:
             "island": event.island,
             "run": event.run,
             "client": event.client,
-            "dispatched_us": self._us(event.start),
         }
-        pid = 1 + event.island
-        self._inbox.put(_Work(name, "execution", pid, event.devices, list(event.watch), event.start, args))
-        self._dispatched_step(event.run)
+        self._executed(f"{event.program}/{event.node}", event, args)
 
     def _sent(self, event: events.Sent) -> None:
-        self._learn_devices()
-        name = f"{event.program} on host {event.host}"
-        self._dispatch(name, event)
         args = {
             "program": event.program,
             "run": event.run,
             "client": event.client,
             "host": event.host,
             "island": event.island,
-            "dispatched_us": self._us(event.start),
         }
-        pid = 1 + event.island
-        self._inbox.put(_Work(name, "execution", pid, event.devices, list(event.watch), event.start, args))
-        self._dispatched_step(event.run)
+        self._executed(f"{event.program} on host {event.host}", event, args)
 
     def _moved(self, event: events.Moved) -> None:
         self._learn_devices()
