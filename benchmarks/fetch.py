@@ -47,7 +47,7 @@ def _reads(n: int) -> list[float]:
 
     value = pw.jit(lambda: jnp.arange(64, dtype=jnp.float32) * 2.0, devices=pw.devices(mesh={"x": 1}))()
     value.block_until_ready()
-    remote = value._entry.state.array  # the RemoteArray: the handle of the value on its host
+    remote = value._entry.array  # the RemoteArray: the handle of the value on its host
     backend = pw.cluster().backend
     times = []
     for _ in range(n):

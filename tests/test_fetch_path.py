@@ -72,7 +72,7 @@ def _slow(v, m, steps=STEPS):
 def _handle(future):
     """The future's value on its host (the backend's handle), once the controller dispatched it."""
     assert wait_for(lambda: isinstance(future._entry.state, Ready), timeout=60)
-    return future._entry.state.array
+    return future._entry.array
 
 
 def _fetch(handle):

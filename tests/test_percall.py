@@ -281,7 +281,7 @@ def test_outputs_of_a_call_nothing_placed_come_uncommitted_from_the_executable()
         expected = jax.jit(_scale)(expected, jnp.float32(1.0))
     for future, reference in zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True):
         value = future.result()
-        assert value is future._entry.state.array  # the executable's output itself
+        assert value is future._entry.array  # the executable's output itself
         assert not value.committed and value.committed == reference.committed
         assert value.aval == reference.aval and value.sharding == reference.sharding
         np.testing.assert_array_equal(np.asarray(value), np.asarray(reference))

@@ -58,12 +58,13 @@ def share(future: Future, client: str | None = None, *, timeout: float | None = 
         raise errors.FutureTimeoutError(
             f"pw.share: {entry.origin} was not sent to the hosts within {timeout}s."
         )
+    array: Any = entry.array  # read before the state: a ready state then has its array
     state = entry.state
     if isinstance(state, Failed):
         raise errors.ProgramFailedError(f"pw.share: {entry.origin} failed: {state.message}") from state.cause
-    if not isinstance(state, Ready) or not isinstance(getattr(state.array, "key", None), int | tuple):
+    if not isinstance(state, Ready) or not isinstance(getattr(array, "key", None), int | tuple):
         raise errors.AccessError(f"pw.share: {entry.origin} is not a value on the service's hosts.")
-    array: Any = state.array  # a RemoteArray (checked above)
+    # array: a RemoteArray (checked above)
     if client is not None:
         if not isinstance(client, str) or not client:
             raise errors.AccessError(f"pw.share: client must be a client process's name, got {client!r}.")

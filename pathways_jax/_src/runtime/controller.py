@@ -52,7 +52,7 @@ from pathways_jax._src.backends.base import Backend, StepFailed, device_window_k
 from pathways_jax._src.core import counts, errors, events, readiness, reentry
 from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
-from pathways_jax._src.runtime.object_store import MAIN_THREAD, Failed, Freed, Pending, Ready
+from pathways_jax._src.runtime.object_store import MAIN_THREAD, READY, Failed, Freed, Pending, Ready
 from pathways_jax._src.runtime.windows import InFlightWindows
 
 if TYPE_CHECKING:
@@ -667,12 +667,12 @@ class Controller:
             events.run_failed(run.id, run.client.name, f"{message}: {type(error).__name__}: {error}")
             for entry in run.outputs:
                 cause: BaseException = error
-                match entry.state:
-                    case Ready(array):
-                        try:
-                            array.block_until_ready()
-                        except Exception as exc:
-                            cause = exc
+                array = entry.array
+                if type(entry.state) is Ready and array is not None:
+                    try:
+                        array.block_until_ready()
+                    except Exception as exc:
+                        cause = exc
                 self._store.free([entry], failure=(f"{entry.origin} failed while executing: {cause}", cause))
 
     def close_client(self, client: Any) -> None:
@@ -755,14 +755,14 @@ class Controller:
         graph = run.plan.graph
         for slot, future in run.future_inputs:
             entry = future._entry
-            state = entry.state
-            if type(state) is Ready:
-                env[slot] = state.array
+            array = entry.array  # read before the state: a ready state then has its array
+            if type(entry.state) is Ready and array is not None:
+                env[slot] = array
                 continue
             self._store.wait_settled(entry, None)
             match entry.state:
-                case Ready(array):
-                    env[slot] = array
+                case Ready():
+                    env[slot] = entry.array
                 case Failed(message, cause):
                     self._fail(
                         run,
@@ -803,7 +803,8 @@ class Controller:
         # ObjectStore.set_ready for each output a node made, inlined (once per output leaf).
         for out, entry in zip(run.plan.outputs, run.outputs, strict=True):
             if out.kind == "slot" and type(entry.state) is not Freed:
-                entry.state = Ready(values[out.where])
+                entry.array = values[out.where]  # before the state: a ready state has its array
+                entry.state = READY
         self._store.wake()
         self.accounting.note(run, started, last)
         run.env = []

@@ -208,19 +208,23 @@ class Future:
 
     def is_deleted(self) -> bool:
         """True once the value was freed (or its buffers deleted or donated); never waits."""
-        state = self._entry.state
+        entry = self._entry
+        array = entry.array  # read before the state: a ready state then has its array
+        state = entry.state
         if type(state) is Freed:
             return True
-        if type(state) is Ready:
-            return readiness.is_deleted(state.array)
+        if type(state) is Ready and array is not None:
+            return readiness.is_deleted(array)
         return False
 
     def delete(self) -> None:
         """Frees the value now, as ``jax.Array.delete()``: reading it (or a run taking it) then raises."""
-        state = self._entry.state
-        self._store.free([self._entry])
-        if type(state) is Ready and isinstance(state.array, jax.Array):
-            state.array.delete()
+        entry = self._entry
+        array = entry.array
+        ready = type(entry.state) is Ready
+        self._store.free([entry])
+        if ready and isinstance(array, jax.Array):
+            array.delete()
 
     def copy_to_host_async(self) -> None:
         """Starts copying the value to the host, as ``jax.Array.copy_to_host_async()``.
@@ -243,10 +247,11 @@ class Future:
     def done(self) -> bool:
         """True once the value is computed (or its run failed)."""
         entry = self._entry
+        array = entry.array  # read before the state: a ready state then has its array
         match entry.state:
             case Pending():
                 return False
-            case Ready(array):
+            case Ready() if array is not None:
                 return readiness.settled(array)
             case _:
                 return True
@@ -301,8 +306,9 @@ class Future:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._store.wait_settled(entry, timeout):
             raise self._timeout(timeout)
+        array = entry.array  # read before the state: a ready state then has its array
         match entry.state:
-            case Ready(array):
+            case Ready() if array is not None:
                 try:
                     ready = _wait_ready(array, deadline)
                 except _KEPT_TYPES as exc:  # kept as they are: what went wrong is not the program's doing
@@ -323,7 +329,7 @@ class Future:
                 if isinstance(cause, _KEPT_TYPES):
                     raise type(cause)(message) from cause
                 raise _failure_class(cause)(message) from cause
-            case Freed():
+            case Freed() | Ready():  # Ready with no array: freed since it was read
                 raise errors.PathwaysError(f"the value of {entry.origin} was freed.")
             case Pending():
                 raise self._timeout(timeout)
@@ -575,11 +581,11 @@ def dispatched(future: Future) -> Any:
         if reentry.inside.depth:  # a host callback on the controller's thread, a finalizer: see wait_settled
             return future
         store.wait_settled(entry, None)
-    state = entry.state
-    if type(state) is Ready and isinstance(state.array, jax.Array):
+    array = entry.array  # read before the state: a ready state then has its array
+    if type(entry.state) is Ready and isinstance(array, jax.Array):
         if _uncommitted_output(entry):
-            return future._uncommitted(state.array)
-        return state.array
+            return future._uncommitted(array)
+        return array
     return future
 
 
@@ -604,11 +610,10 @@ def dispatched_all(futures: list[Future]) -> list[Any]:
     known, loose, array_type = _LOOSE, arrays.loose, jax.Array
     for future in futures:
         entry = future._entry
-        state = entry.state
-        if type(state) is not Ready:
+        array = entry.array  # read before the state: a ready state then has its array
+        if type(entry.state) is not Ready or array is None:
             append(dispatched(future))
             continue
-        array = state.array
         signature = entry.signature
         if not isinstance(array, array_type):  # held by a backend's host: stays a future
             append(future)
@@ -649,10 +654,9 @@ def dispatched_values(entries: list[Entry], store: ObjectStore, wanted: Sequence
     taken: list[Entry] = []
     known, loose, array_type, impl = _LOOSE, arrays.loose, jax.Array, arrays.array_impl
     for entry, want in zip(entries, wanted, strict=True):
-        state = entry.state
-        if want and type(state) is Ready:
-            array = state.array
-            if type(array) is impl or isinstance(array, array_type):
+        array = entry.array  # read before the state: a ready state then has its array
+        ready = want and type(entry.state) is Ready and array is not None
+        if ready and (type(array) is impl or isinstance(array, array_type)):
                 signature = entry.signature
                 if signature is None or signature.committed or not getattr(array, "_committed", True):
                     append(array)  # uncommitted already: its executable was compiled as jax.jit's

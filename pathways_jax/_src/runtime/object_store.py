@@ -1,9 +1,9 @@
 """The object store: every value a program produces, reference-counted and owned.
 
 A value's life is a small tagged union: ``Pending`` until the controller has
-dispatched the node that makes it, then ``Ready`` (holding the ``jax.Array``,
-which may still be computing) or ``Failed``, and ``Freed`` once its last
-reference is gone.
+dispatched the node that makes it, then ``Ready`` (its entry then holds the
+``jax.Array``, which may still be computing) or ``Failed``, and ``Freed`` once
+its last reference is gone.
 """
 
 from __future__ import annotations
@@ -29,13 +29,18 @@ class Pending:
     pass
 
 
-# Ready and Failed are made once per value on the dispatch path: plain slotted
-# dataclasses (a frozen one pays for object.__setattr__ on every field).
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Ready:
-    array: jax.Array
+    """The value is dispatched: its entry's ``array`` holds it (one marker for every value).
+
+    Not an object per value: a run of many outputs would make one more object
+    per output that the garbage collector tracks and, while the futures live,
+    traverses; the array sits on the entry instead.
+    """
 
 
+# Made once per failed value: a plain slotted dataclass (a frozen one pays for
+# object.__setattr__ on every field).
 @dataclasses.dataclass(slots=True)
 class Failed:
     message: str
@@ -49,6 +54,7 @@ class Freed:
 
 State = Pending | Ready | Failed | Freed
 PENDING = Pending()
+READY = Ready()
 FREED = Freed()
 
 
@@ -71,13 +77,25 @@ class Entry:
     dispatched) are counted by Python's own reference count of the future.
     """
 
-    __slots__ = ("aval", "charge", "id", "origin", "owner", "sharding", "signature", "slice", "state")
+    __slots__ = (
+        "array",
+        "aval",
+        "charge",
+        "id",
+        "origin",
+        "owner",
+        "sharding",
+        "signature",
+        "slice",
+        "state",
+    )
 
     def __init__(
         self, entry_id: int, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any
     ):
         self.id = entry_id
         self.state: State = PENDING
+        self.array: Any = None  # the value once it is Ready (dropped when it is freed or failed)
         self.owner = owner
         self.aval = aval
         self.sharding = sharding
@@ -142,6 +160,7 @@ class ObjectStore:
         for entry in entries:
             live.pop(entry.id, None)
             entry.state = FREED
+            entry.array = None
 
     def _collect_before_new(self) -> None:
         """Frees dropped values before new ones are made.
@@ -172,6 +191,7 @@ class ObjectStore:
                     break
                 live.pop(entry.id, None)
                 entry.state = FREED
+                entry.array = None
             return
         released = False
         while self._dropped:
@@ -184,9 +204,11 @@ class ObjectStore:
             # else (a queued computation, an array the user took) holds it.
             if budget is None:
                 entry.state = FREED
+                entry.array = None
                 continue
             with budget.lock:
                 entry.state = FREED
+                entry.array = None
                 charge, entry.charge = entry.charge, None
                 if charge:
                     budget.release(charge, locked=True)
@@ -208,10 +230,12 @@ class ObjectStore:
             if budget is None:
                 if not isinstance(entry.state, Freed):
                     entry.state = state
+                    entry.array = None
                 continue
             with budget.lock:
                 if not isinstance(entry.state, Freed):
                     entry.state = state
+                    entry.array = None
                 charge, entry.charge = entry.charge, None
                 budget.release(charge or (), locked=True)
         if budget is not None:
@@ -236,13 +260,15 @@ class ObjectStore:
     def set_ready(entry: Entry, array: jax.Array) -> None:
         """Marks a value ready; call :meth:`wake` once the run's values are all set."""
         if not isinstance(entry.state, Freed):
-            entry.state = Ready(array)
+            entry.array = array
+            entry.state = READY
 
     @staticmethod
     def set_failed(entry: Entry, message: str, cause: BaseException | None) -> None:
         """Marks a value failed; call :meth:`wake` once the run's values are all set."""
         if not isinstance(entry.state, Freed):
             entry.state = Failed(message, cause)
+            entry.array = None
 
     def wake(self) -> None:
         """Wakes the threads waiting for values that are no longer pending."""

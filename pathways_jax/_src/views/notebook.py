@@ -212,10 +212,11 @@ def program_html(program: Any) -> str:
 
 def _future_state(future: Any) -> tuple[str, str]:
     """(state, detail) of a future, without waiting."""
+    array = future._entry.array  # read before the state: a ready state then has its array
     match future._entry.state:
         case Pending():
             return "pending", "not dispatched yet"
-        case Ready(array):
+        case Ready() if array is not None:
             try:
                 if not readiness.is_ready(array):
                     return "pending", "dispatched, computing"
@@ -230,7 +231,7 @@ def _future_state(future: Any) -> tuple[str, str]:
             return "ready", ""
         case Failed(message, _):
             return "failed", message
-        case Freed():
+        case Freed() | Ready():  # Ready with no array: freed since it was read
             return "freed", "its value was freed"
     return "unknown", ""  # pragma: no cover
 
