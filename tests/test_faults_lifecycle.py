@@ -179,7 +179,8 @@ def test_the_ray_backend_s_close_never_waits_past_its_timeout():
     backend = object.__new__(ray_backend.RayBackend)
     backend.ray = _FakeRay()
     backend.fleet = fleet = object.__new__(ray_fleet.HostActors)
-    fleet.ray, fleet.actors, fleet.pg, fleet.remove_pg = backend.ray, ["host0", "host1"], None, lambda pg: None
+    fleet.ray, fleet.actors = backend.ray, ["host0", "host1"]
+    fleet.pg, fleet.remove_pg = None, lambda pg: None
     release = threading.Event()
     backend._threads = [threading.Thread(target=release.wait, args=(30,), daemon=True)]
     backend._threads[0].start()
