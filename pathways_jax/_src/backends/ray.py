@@ -79,6 +79,7 @@ from pathways_jax._src.backends.ray_host import (
     SingleDesc,
 )
 from pathways_jax._src.backends.ray_plan import Placed, RemotePlan
+from pathways_jax._src.backends.ray_send import Sender
 from pathways_jax._src.backends.ray_values import RemoteArray
 from pathways_jax._src.core import counts, errors, events, reentry
 
@@ -185,7 +186,7 @@ class RayBackend:
         """The state every controller side keeps, whether it starts the hosts or a service owns them."""
         self.ray = ray
         self.layout = layout
-        hosts = self.hosts = layout.hosts
+        self.hosts = layout.hosts
         devices_per_host = self.devices_per_host = layout.devices_per_host
         self.platform = platform
         # Computations are exported for the hosts' platform (the controller lowers on CPU).
@@ -203,13 +204,8 @@ class RayBackend:
         self.collect: Any = None
         self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
         self._lock = threading.Lock()  # message numbering and sending
-        self._seq = [0] * hosts
-        self._known: list[set] = [set() for _ in range(hosts)]  # plan keys each host has
-        self._fingerprints: list[set] = [set() for _ in range(hosts)]
-        self._dropped: list[collections.deque] = [collections.deque() for _ in range(hosts)]
-        self._forgotten: collections.deque = collections.deque()  # (plan key, hosts) whose plan went
+        self.sender = Sender(layout)  # message numbers, what each host has and is to free
         self._keys = itertools.count()
-        self._next_uuid = 0  # transfer uuids, handed out per run
         self.lost: dict[int, str] = {}  # island -> why
         self.lost_hosts: dict[int, str] = {}  # host -> why (every host of a lost island)
         self._lost_before: dict[int, str] = {}  # island -> why it was lost last (rebuilt since or not)
@@ -282,9 +278,7 @@ class RayBackend:
 
     def _message(self, host: int, kind: str, *args: Any) -> Any:
         """Sends host ``host`` its next numbered message; call with ``_lock`` held."""
-        seq = self._seq[host]
-        self._seq[host] = seq + 1
-        return self.link.send(host, seq, kind, args)
+        return self.sender.send(self.link, host, kind, args)
 
     def prepare(self, plan: Plan) -> Prepared:
         """Splits ``plan`` into one part per host; a run then makes one message (and report) per host."""
@@ -293,7 +287,7 @@ class RayBackend:
             if island in self.lost:
                 raise errors.HostLostError(self._lost_message(island, f"program {plan.graph.name!r}"))
         # The hosts keep their parts as long as the prepared plan holds this one.
-        weakref.finalize(remote, self._forget, remote.key, remote.hosts)
+        weakref.finalize(remote, self.sender.forget, remote.key, remote.hosts)
         return Prepared(dict(remote.windowed), remote.islands, len(remote.hosts), remote)
 
     def execute(self, run: Any, windows: Windows) -> Dispatched:
@@ -337,22 +331,10 @@ class RayBackend:
     def settle(self, in_flight: collections.deque) -> None:
         self.retire_ready(in_flight)
 
-    def _forget(self, key: int, hosts: tuple[int, ...]) -> None:
-        """A plan went (its finaliser): its hosts forget it with the next flush.
-
-        Only queued here: a finaliser may run inside any allocation, on a
-        thread that holds ``_lock`` already.
-        """
-        self._forgotten.append((key, hosts))
-
     def _send_forgets(self) -> None:
         """Tells hosts to forget the plans that went; call with ``_lock`` held."""
-        while self._forgotten:
-            key, hosts = self._forgotten.popleft()
-            for host in hosts:
-                if key in self._known[host] and host not in self.lost_hosts:
-                    self._known[host].discard(key)
-                    self._message(host, "forget", key)
+        for host, key in self.sender.take_forgotten(self.lost_hosts):
+            self._message(host, "forget", key)
 
     def dispatch(self, run: Any) -> tuple[dict[int, RemoteArray], dict[int, RemoteArray]]:
         """Sends each host of ``run`` its one message; returns output handles and one marker per host."""
@@ -402,15 +384,16 @@ class RayBackend:
             # all see them at the same place in their order.
             batch: list[tuple[int, str, tuple]] = []
             runs: dict[int, int] = {}  # host -> index of its run message in the batch
+            sender = self.sender
             for host, (feeds, keep) in messages.items():
                 hp = remote.parts[host]
-                if remote.key not in self._known[host]:
-                    have = self._fingerprints[host]
+                if remote.key not in sender.known[host]:
+                    have = sender.fingerprints[host]
                     blobs = {f: b for f, b in hp.blobs.items() if f not in have}
                     batch.append((host, "register", (remote.key, hp.ops, hp.constants, blobs, remote.x64)))
                     have.update(blobs)
-                    self._known[host].add(remote.key)
-                frees = self._take_dropped(host)
+                    sender.known[host].add(remote.key)
+                frees = sender.take_dropped(host)
                 runs[host] = len(batch)
                 batch.append((host, "run", (remote.key, run.id, base, feeds, keep, frees)))
             answers = self._send_run(batch, run, remote)
@@ -443,7 +426,7 @@ class RayBackend:
         """
         with self._lock:
             live = [i for i, (host, _kind, _args) in enumerate(messages) if host not in self.lost_hosts]
-            sent = self._send_locked([messages[i] for i in live]) if live else []
+            sent = self.sender.send_all(self.link, [messages[i] for i in live]) if live else []
         futures: list[concurrent.futures.Future] = []
         answers = dict(zip(live, sent, strict=True))
         for index, (host, _kind, _args) in enumerate(messages):
@@ -456,31 +439,7 @@ class RayBackend:
 
     def _send_run(self, batch: list[tuple[int, str, tuple]], run: Any, remote: RemotePlan) -> list:
         """Sends a run's messages (host, kind, args); their answers' futures. Call with ``_lock`` held."""
-        return self._send_locked(batch)
-
-    def _send_locked(self, batch: list[tuple[int, str, tuple]]) -> list:
-        """Sends messages (host, kind, args), each host's in one batch and each island's in one
-        send of the link (a broadcast over the channel); their answers' futures, in order.
-
-        Call with ``_lock`` held.
-        """
-        by_host: dict[int, list[int]] = {}
-        for index, (host, _kind, _args) in enumerate(batch):
-            by_host.setdefault(host, []).append(index)
-        by_island: dict[int, dict[int, list[tuple[int, str, tuple]]]] = {}
-        for host, indices in by_host.items():
-            messages = []
-            for index in indices:
-                _host, kind, args = batch[index]
-                messages.append((self._seq[host], kind, args))
-                self._seq[host] += 1
-            by_island.setdefault(self.layout.island_of(host), {})[host] = messages
-        answers: list[Any] = [None] * len(batch)
-        for island, parts in by_island.items():
-            for host, futures in self.link.send_group(island, parts).items():
-                for index, answer in zip(by_host[host], futures, strict=True):
-                    answers[index] = answer
-        return answers
+        return self.sender.send_all(self.link, batch)
 
     def take_uuids(self, count: int) -> int:
         """The first of ``count`` fresh transfer uuids (for a run the caller sends itself)."""
@@ -489,9 +448,7 @@ class RayBackend:
 
     def _take_uuids(self, count: int) -> int:
         """The first of ``count`` fresh transfer uuids; call with ``_lock`` held."""
-        base = self._next_uuid
-        self._next_uuid += count
-        return base
+        return self.sender.take_uuids(count)
 
     def retire_ready(self, in_flight: collections.deque) -> None:
         """Drops the completed head of an island's in-flight deque.
@@ -508,19 +465,9 @@ class RayBackend:
                 marker._ready = True
             in_flight.popleft()
 
-    def _take_dropped(self, host: int) -> list[int]:
-        dropped = self._dropped[host]
-        keys = []
-        while dropped:
-            try:
-                keys.append(dropped.popleft())
-            except IndexError:
-                break
-        return keys
-
     def drop(self, host: int, key: int | tuple[int, int]) -> None:
         """A handle went: its value is freed on its host with the next message there."""
-        self._dropped[host].append(key)
+        self.sender.dropped[host].append(key)
 
     def _flush_loop(self) -> None:
         while not self._closed:
@@ -528,14 +475,15 @@ class RayBackend:
             try:
                 if self.collect is not None:
                     self.collect()
-                if not any(self._dropped) and not self._forgotten:
+                sender = self.sender
+                if not any(sender.dropped) and not sender.forgotten:
                     continue
                 with self._lock:
                     if not self._closed:
                         self._send_forgets()
                     for host in range(self.hosts):
-                        if self._dropped[host] and host not in self.lost_hosts and not self._closed:
-                            self._message(host, "free", self._take_dropped(host))
+                        if sender.dropped[host] and host not in self.lost_hosts and not self._closed:
+                            self._message(host, "free", sender.take_dropped(host))
             except Exception as exc:  # Ray itself went away (process exit): stop
                 if self._closed or not self.ray.is_initialized():
                     return
@@ -719,10 +667,7 @@ class RayBackend:
                     raise errors.ClusterError("the cluster closed")
                 fleet.install(members, new, info)
                 for member in members:
-                    self._seq[member] = 0
-                    self._known[member] = set()
-                    self._fingerprints[member] = set()
-                    self._dropped[member].clear()
+                    self.sender.renew(member)
                 serving = [h for h in range(self.hosts) if h not in self.lost_hosts or h in members]
                 addresses = {h: self.info[h]["transfer"] for h in serving}
                 answers = [self._message(h, "peers", addresses) for h in serving]
