@@ -127,10 +127,12 @@ def _assemble(results: list) -> Any:
 
 
 class RayBackend:
-    """The controller's side of the Ray backend: host actors, messages, values and health.
+    """The controller's side of the Ray backend: dispatch, fetches, and what a lost host means.
 
     Implements :class:`~pathways_jax._src.backends.base.Backend`: a run is one
     message per host, and each host dispatches its part of the plan itself.
+    It holds its host actors (``fleet``, a :class:`~.ray_fleet.HostActors`) and
+    what it sent each host (``sender``, a :class:`~.ray_send.Sender`).
     ``lost`` is keyed by island (an island is lost as a unit).
     """
 
@@ -203,7 +205,7 @@ class RayBackend:
         # their handles go and the hosts hear of it even when no program runs.
         self.collect: Any = None
         self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
-        self._lock = threading.Lock()  # message numbering and sending
+        self._lock = threading.Lock()  # message numbering and sending, losses
         self.sender = Sender(layout)  # message numbers, what each host has and is to free
         self._keys = itertools.count()
         self.lost: dict[int, str] = {}  # island -> why
