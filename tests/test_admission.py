@@ -167,7 +167,7 @@ def test_no_module_but_the_core_keeps_queues_for_a_policy():
     policy that a queue filled or emptied itself (they re-implemented it, with drifting rules)."""
     users = {
         "controller": PACKAGE / "_src/runtime/controller.py",
-        "service": PACKAGE / "_src/runtime/serving/actor.py",
+        "service": PACKAGE / "_src/runtime/serving/gate.py",
         "simulator": PACKAGE / "sim/_engine.py",
     }
     for name, path in users.items():

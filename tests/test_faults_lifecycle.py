@@ -14,6 +14,7 @@ import pytest
 
 import pathways_jax as pw
 from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends import ray_fleet
 from pathways_jax._src.runtime import accounting as accounting_lib
 from pathways_jax._src.runtime import clusters
 from pathways_jax._src.runtime import context as context_lib
@@ -177,9 +178,9 @@ class _FakeRay:
 def test_the_ray_backend_s_close_never_waits_past_its_timeout():
     backend = object.__new__(ray_backend.RayBackend)
     backend.ray = _FakeRay()
-    backend.actors = ["host0", "host1"]
-    backend.pg = None
-    backend._remove_pg = lambda pg: None
+    backend.fleet = fleet = object.__new__(ray_fleet.HostActors)
+    fleet.ray, fleet.actors = backend.ray, ["host0", "host1"]
+    fleet.pg, fleet.remove_pg = None, lambda pg: None
     release = threading.Event()
     backend._threads = [threading.Thread(target=release.wait, args=(30,), daemon=True)]
     backend._threads[0].start()

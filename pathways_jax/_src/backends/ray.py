@@ -40,60 +40,56 @@ its other hosts are killed, its pending runs fail with ``HostLostError``
 naming the host, the other hosts stop waiting for values from it, and the
 cluster moves its slices to surviving islands.
 
-Ray is imported only here, lazily: ``pip install pathways-jax[ray]``.
+Ray is imported lazily (``ray_boot.import_ray``): ``pip install pathways-jax[ray]``.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import itertools
-import os
 import threading
 import time
-import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from absl import logging
 
-from pathways_jax._src.backends import ray_host
+from pathways_jax._src.backends import ray_fleet, ray_host
 from pathways_jax._src.backends.base import Dispatched, Prepared, StepFailed, Windows
-from pathways_jax._src.backends.host_link import HostGone, Link, RayCallLink
+from pathways_jax._src.backends.host_link import HostGone, Link
+from pathways_jax._src.backends.ray_boot import Layout as Layout
+from pathways_jax._src.backends.ray_boot import import_ray as import_ray
+from pathways_jax._src.backends.ray_boot import join_ray
+from pathways_jax._src.backends.ray_boot import make_link as make_link
+from pathways_jax._src.backends.ray_failures import is_lost_error as is_lost_error
+from pathways_jax._src.backends.ray_failures import refusal as refusal
+from pathways_jax._src.backends.ray_failures import with_remote_traceback as with_remote_traceback
+from pathways_jax._src.backends.ray_fleet import HUNG_S as HUNG_S
+from pathways_jax._src.backends.ray_fleet import HostActors, results
 from pathways_jax._src.backends.ray_host import (
     KeyData,
     NamedDesc,
     Refused,
-    Role,
     RunDone,
     RunFailure,
     Shards,
     SingleDesc,
 )
 from pathways_jax._src.backends.ray_plan import Placed, RemotePlan
+from pathways_jax._src.backends.ray_send import Sender
 from pathways_jax._src.backends.ray_values import RemoteArray
 from pathways_jax._src.core import counts, errors, events, reentry
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
 
-_PING_S = 0.25  # how often the monitor looks at every host
-# A host whose channel said nothing, not even a heartbeat (one a second), for this long is hung
-# (a stopped or wedged process: Ray still sees its actor alive): it is killed and counts as lost.
-HUNG_S = 10.0
 _FLUSH_S = 0.05  # how often freed values are sent back to their hosts
-_START_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 120.0
 CLOSE_TIMEOUT_S = 10.0  # how long close() waits for this side's threads unless told
 _WAIT_STEP_S = 0.1  # a wait for a host's answer looks whether the cluster closed this often
-# A run failed on a host of an island of several hosts, or that pulled values
-# from other hosts: how long the controller waits for those hosts to answer a
-# ping before it takes the failure as the run's own (a dead host answers with
-# an error at once; a busy one answers later, on its event loop).
-_HEALTH_CHECK_S = 3.0
 _REBUILD_TIMEOUT_S = 60.0  # how long new hosts for a lost island may take to start
 _CLOSED = (
     "the cluster was shut down and its Ray hosts with it; values that lived on them are gone. "
@@ -114,136 +110,6 @@ CROSS_HOST_WINDOW = 16
 RUNS_IN_FLIGHT = 64
 
 
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise errors.ClusterError(
-            "pw.init(backend='ray') needs Ray, which is not installed. Install it with "
-            "`pip install pathways-jax[ray]` (Ray and flatbuffers), or use backend='local'."
-        ) from exc
-    try:
-        import flatbuffers  # noqa: F401  (jax.export serialization needs it)
-    except ImportError as exc:
-        raise errors.ClusterError(
-            "pw.init(backend='ray') ships computations with jax.export, whose serialization "
-            "needs the flatbuffers package. Install it with `pip install pathways-jax[ray]`."
-        ) from exc
-    return ray
-
-
-def _check_gpus(ray: Any, hosts: int, devices_per_host: int) -> None:
-    """Refuses at once GPU hosts a Ray cluster has no GPUs for (its placement would wait in vain)."""
-    wanted = hosts * devices_per_host
-    have = ray.cluster_resources().get("GPU", 0)
-    if have < wanted:
-        raise errors.ClusterError(
-            f"platform='gpu' asks Ray for {hosts} hosts x {devices_per_host} GPUs = {wanted} GPUs, but the "
-            f"Ray cluster has {have:g}. Start the Ray nodes that have the GPUs first (Ray must see them: "
-            "`ray status` lists them), ask for fewer hosts or devices_per_host, or use platform='cpu'."
-        )
-
-
-# The local Ray session pathways_jax started itself, by its node id (none: none or the user's).
-_OWN_SESSION: dict[str, Any] = {}
-
-
-def _join_ray(ray: Any, address: str | None, hosts: int) -> None:
-    """Joins the Ray session ``address`` names, the one this process has, or starts a local one.
-
-    A local session is sized for the hosts asked for (a logical CPU each); a
-    later ``pw.init`` asking for more than a session pathways_jax started has
-    gets a new one (placement would wait in vain), and one asking for more than
-    a session of the user's has is refused at once.
-    """
-    if ray.is_initialized():
-        have = int(ray.cluster_resources().get("CPU", 0))
-        if have >= hosts or address is not None:
-            return
-        if _OWN_SESSION.get("node") != ray.get_runtime_context().get_node_id():
-            raise errors.ClusterError(
-                f"pw.init asks for {hosts} hosts (a Ray CPU each), but this process's Ray session has "
-                f"{have} CPUs. Start Ray with more (ray.init(num_cpus={hosts})) or ask for fewer hosts."
-            )
-        ray.shutdown()  # the local session pathways_jax started for fewer hosts: a larger one
-    with warnings.catch_warnings():
-        # Ray starts its own processes with fork + exec; JAX's fork hook
-        # warns about forking a multithreaded process, which matters only
-        # when the child goes on running Python.
-        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-        ray.init(
-            # None: a new local cluster, never one a stale `ray start` file names.
-            address=address or "local",
-            include_dashboard=False,
-            log_to_driver=False,
-            num_cpus=None if address else max(hosts, os.cpu_count() or 1),
-            configure_logging=False,
-        )
-    if address is None:
-        _OWN_SESSION["node"] = ray.get_runtime_context().get_node_id()
-
-
-def with_remote_traceback(exc: BaseException, host: int, trace: str) -> BaseException:
-    """Attaches the traceback a host sent with a failure (if any) to ``exc`` as a note."""
-    if trace:
-        exc.add_note(f"remote traceback (host {host}):\n{trace.rstrip()}")
-    return exc
-
-
-def refusal(refused: Refused) -> BaseException:
-    """The error a controller service's refusal raises here."""
-    if refused.kind == "memory":
-        return errors.BackPressureTimeout(refused.message)
-    if refused.kind == "gone":
-        return errors.ClusterError(refused.message)
-    return errors.AccessError(refused.message)
-
-
-def is_lost_error(exc: BaseException) -> bool:
-    """True if ``exc`` is Ray's way of saying the actor (the host) is gone."""
-    import ray.exceptions as rex
-
-    return isinstance(exc, HostGone | rex.RayActorError | rex.ActorDiedError | rex.ActorUnavailableError)
-
-
-class Layout(NamedTuple):
-    """Which hosts make which island: ``hosts`` hosts of ``devices_per_host``, ``per_island`` each."""
-
-    hosts: int
-    devices_per_host: int
-    per_island: int
-
-    @property
-    def islands(self) -> int:
-        return self.hosts // self.per_island
-
-    def island_of(self, host: int) -> int:
-        return host // self.per_island
-
-    def members(self, island: int) -> tuple[int, ...]:
-        return tuple(range(island * self.per_island, (island + 1) * self.per_island))
-
-    def rank(self, host: int) -> int:
-        return host % self.per_island
-
-
-def make_link(transport: str) -> Link:
-    """The link to the hosts for ``transport``: ``"channel"`` (ZeroMQ) or ``"ray"`` (actor calls)."""
-    if transport == "ray":
-        return RayCallLink()
-    if transport == "channel":
-        from pathways_jax._src.backends.channel_link import ChannelLink
-
-        return ChannelLink()
-    raise errors.ClusterError(f"transport must be 'channel' or 'ray', not {transport!r}.")
-
-
-def _results(answers: list[concurrent.futures.Future], timeout: float) -> list:
-    """The hosts' answers, waiting up to ``timeout`` seconds in all."""
-    deadline = time.monotonic() + timeout
-    return [answer.result(timeout=max(0.0, deadline - time.monotonic())) for answer in answers]
-
-
 def _assemble(results: list) -> Any:
     """One numpy array from the hosts' answers: one host's whole array, or every host's shards."""
     for result in results:
@@ -261,10 +127,12 @@ def _assemble(results: list) -> Any:
 
 
 class RayBackend:
-    """The controller's side of the Ray backend: host actors, messages, values and health.
+    """The controller's side of the Ray backend: dispatch, fetches, and what a lost host means.
 
     Implements :class:`~pathways_jax._src.backends.base.Backend`: a run is one
     message per host, and each host dispatches its part of the plan itself.
+    It holds its host actors (``fleet``, a :class:`~.ray_fleet.HostActors`) and
+    what it sent each host (``sender``, a :class:`~.ray_send.Sender`).
     ``lost`` is keyed by island (an island is lost as a unit).
     """
 
@@ -295,43 +163,22 @@ class RayBackend:
         )
         # A lost island is rebuilt on new hosts (in the same bundles) when Ray has room.
         self.replace_lost = replace_lost
-        _join_ray(ray, address, hosts)
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        self._remove_pg = remove_placement_group
-        bundle: dict[str, float] = {"CPU": 1}
-        if platform != "cpu":
-            bundle["GPU"] = devices_per_host
-            _check_gpus(ray, hosts, devices_per_host)
-        self.pg = placement_group([bundle] * hosts, strategy="SPREAD")
-        try:
-            ray.get(self.pg.ready(), timeout=_START_TIMEOUT_S)
-        except Exception as exc:
-            remove_placement_group(self.pg)
-            raise errors.ClusterError(
-                f"Ray could not place {hosts} hosts ({bundle} each) within {_START_TIMEOUT_S}s: {exc}. "
-                "Ask for fewer hosts, or add nodes to the Ray cluster."
-            ) from exc
+        join_ray(ray, address, hosts)
         # Each host of an island of several bounds its executables in flight lower.
-        self._host_window_size = (
-            window_size if self.layout.per_island == 1 else min(window_size, CROSS_HOST_WINDOW)
-        )
-        self._x64 = bool(jax.config.read("jax_enable_x64"))
-        self._strategy = PlacementGroupSchedulingStrategy
-        self._actor_class = ray.remote(ray_host.Host)
+        host_window_size = window_size if self.layout.per_island == 1 else min(window_size, CROSS_HOST_WINDOW)
+        self.fleet = HostActors(ray, self.layout, platform, host_window_size)
         self.link: Link = make_link(transport)
-        self.actors = [self._new_actor(h) for h in range(hosts)]
+        self.fleet.launch(self.link)
         try:
-            self.info = self._start(ray)
+            self.info = self.fleet.start()
+            self._connect()
         except Exception as exc:
             self.close()
             if isinstance(exc, errors.ClusterError):
                 raise
             raise errors.ClusterError(f"the Ray host actors did not start: {exc}") from exc
-        self._pings: dict[int, Any] = {}
         self._threads = [
-            reentry.runtime_thread(self._monitor, name="pathways-ray-monitor"),
+            reentry.runtime_thread(self.fleet.monitor, args=(self,), name="pathways-ray-monitor"),
             reentry.runtime_thread(self._flush_loop, name="pathways-ray-flush"),
         ]
         for thread in self._threads:
@@ -341,7 +188,7 @@ class RayBackend:
         """The state every controller side keeps, whether it starts the hosts or a service owns them."""
         self.ray = ray
         self.layout = layout
-        hosts = self.hosts = layout.hosts
+        self.hosts = layout.hosts
         devices_per_host = self.devices_per_host = layout.devices_per_host
         self.platform = platform
         # Computations are exported for the hosts' platform (the controller lowers on CPU).
@@ -358,14 +205,9 @@ class RayBackend:
         # their handles go and the hosts hear of it even when no program runs.
         self.collect: Any = None
         self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
-        self._lock = threading.Lock()  # message numbering and sending
-        self._seq = [0] * hosts
-        self._known: list[set] = [set() for _ in range(hosts)]  # plan keys each host has
-        self._fingerprints: list[set] = [set() for _ in range(hosts)]
-        self._dropped: list[collections.deque] = [collections.deque() for _ in range(hosts)]
-        self._forgotten: collections.deque = collections.deque()  # (plan key, hosts) whose plan went
+        self._lock = threading.Lock()  # message numbering and sending, losses
+        self.sender = Sender(layout)  # message numbers, what each host has and is to free
         self._keys = itertools.count()
-        self._next_uuid = 0  # transfer uuids, handed out per run
         self.lost: dict[int, str] = {}  # island -> why
         self.lost_hosts: dict[int, str] = {}  # host -> why (every host of a lost island)
         self._lost_before: dict[int, str] = {}  # island -> why it was lost last (rebuilt since or not)
@@ -373,62 +215,21 @@ class RayBackend:
         self.on_restored: Any = None  # set by the cluster: called with a rebuilt island
         self._closed = False
 
-    def _new_actor(self, host: int) -> Any:
-        """A host actor for host ``host``, in its bundle of the placement group."""
-        return self._actor_class.options(
-            num_cpus=1,
-            num_gpus=0 if self.platform == "cpu" else self.devices_per_host,
-            max_restarts=0,
-            max_concurrency=1000,
-            scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=host),
-        ).remote(host, self.devices_per_host, self._host_window_size, self._x64, self.platform)
-
-    def _start(self, ray: Any) -> list[dict]:
-        """Joins each island's hosts into one ``jax.distributed`` system and connects every transfer server."""
-        layout = self.layout
-        # Every host reaches the Ray cluster's address: its route names the host's own.
-        reach = ray.get_runtime_context().gcs_address
-        coordinators: dict[int, str | None] = {}
-        for island in range(layout.islands):
-            first = layout.members(island)[0]
-            many = layout.per_island > 1
-            coordinators[island] = (
-                ray.get(self.actors[first].address.remote(reach), timeout=_START_TIMEOUT_S) if many else None
-            )
-        roles = [
-            Role(
-                layout.island_of(h),
-                layout.rank(h),
-                layout.per_island,
-                coordinators[layout.island_of(h)],
-                reach,
-            )
-            for h in range(self.hosts)
-        ]
-        # All at once: joining an island blocks until every member has.
-        info = ray.get(
-            [
-                a.setup.remote(r, self.link.attach(h, a, self.layout.island_of(h)))
-                for h, (a, r) in enumerate(zip(self.actors, roles, strict=True))
-            ],
-            timeout=_START_TIMEOUT_S,
-        )
-        want = layout.per_island * self.devices_per_host
-        for h, host_info in enumerate(info):
-            if host_info["devices"] != self.devices_per_host or host_info["island_devices"] != want:
-                raise errors.ClusterError(
-                    f"host {h} exposes {host_info['devices']} devices ({host_info['island_devices']} in its "
-                    f"island), not devices_per_host={self.devices_per_host} ({want} per island)."
-                )
-        addresses = {h: host_info["transfer"] for h, host_info in enumerate(info)}
+    def _connect(self) -> None:
+        """Tells every host where the others' transfer servers are."""
+        addresses = {h: host_info["transfer"] for h, host_info in enumerate(self.info)}
         with self._lock:
             answers = [self._message(h, "peers", addresses) for h in range(self.hosts)]
-        for h, answer in enumerate(_results(answers, _START_TIMEOUT_S)):
+        for h, answer in enumerate(results(answers, ray_fleet.START_TIMEOUT_S)):
             if answer is not None:
                 raise errors.ClusterError(
                     f"host {h} could not reach the other hosts' transfer servers: {answer}"
                 )
-        return info
+
+    @property
+    def actors(self) -> list[Any]:
+        """The host actors, by host (replaced in place when an island is rebuilt)."""
+        return self.fleet.actors
 
     @property
     def closed(self) -> bool:
@@ -479,9 +280,7 @@ class RayBackend:
 
     def _message(self, host: int, kind: str, *args: Any) -> Any:
         """Sends host ``host`` its next numbered message; call with ``_lock`` held."""
-        seq = self._seq[host]
-        self._seq[host] = seq + 1
-        return self.link.send(host, seq, kind, args)
+        return self.sender.send(self.link, host, kind, args)
 
     def prepare(self, plan: Plan) -> Prepared:
         """Splits ``plan`` into one part per host; a run then makes one message (and report) per host."""
@@ -490,7 +289,7 @@ class RayBackend:
             if island in self.lost:
                 raise errors.HostLostError(self._lost_message(island, f"program {plan.graph.name!r}"))
         # The hosts keep their parts as long as the prepared plan holds this one.
-        weakref.finalize(remote, self._forget, remote.key, remote.hosts)
+        weakref.finalize(remote, self.sender.forget, remote.key, remote.hosts)
         return Prepared(dict(remote.windowed), remote.islands, len(remote.hosts), remote)
 
     def execute(self, run: Any, windows: Windows) -> Dispatched:
@@ -534,22 +333,10 @@ class RayBackend:
     def settle(self, in_flight: collections.deque) -> None:
         self.retire_ready(in_flight)
 
-    def _forget(self, key: int, hosts: tuple[int, ...]) -> None:
-        """A plan went (its finaliser): its hosts forget it with the next flush.
-
-        Only queued here: a finaliser may run inside any allocation, on a
-        thread that holds ``_lock`` already.
-        """
-        self._forgotten.append((key, hosts))
-
     def _send_forgets(self) -> None:
         """Tells hosts to forget the plans that went; call with ``_lock`` held."""
-        while self._forgotten:
-            key, hosts = self._forgotten.popleft()
-            for host in hosts:
-                if key in self._known[host] and host not in self.lost_hosts:
-                    self._known[host].discard(key)
-                    self._message(host, "forget", key)
+        for host, key in self.sender.take_forgotten(self.lost_hosts):
+            self._message(host, "forget", key)
 
     def dispatch(self, run: Any) -> tuple[dict[int, RemoteArray], dict[int, RemoteArray]]:
         """Sends each host of ``run`` its one message; returns output handles and one marker per host."""
@@ -599,15 +386,16 @@ class RayBackend:
             # all see them at the same place in their order.
             batch: list[tuple[int, str, tuple]] = []
             runs: dict[int, int] = {}  # host -> index of its run message in the batch
+            sender = self.sender
             for host, (feeds, keep) in messages.items():
                 hp = remote.parts[host]
-                if remote.key not in self._known[host]:
-                    have = self._fingerprints[host]
+                if remote.key not in sender.known[host]:
+                    have = sender.fingerprints[host]
                     blobs = {f: b for f, b in hp.blobs.items() if f not in have}
                     batch.append((host, "register", (remote.key, hp.ops, hp.constants, blobs, remote.x64)))
                     have.update(blobs)
-                    self._known[host].add(remote.key)
-                frees = self._take_dropped(host)
+                    sender.known[host].add(remote.key)
+                frees = sender.take_dropped(host)
                 runs[host] = len(batch)
                 batch.append((host, "run", (remote.key, run.id, base, feeds, keep, frees)))
             answers = self._send_run(batch, run, remote)
@@ -640,7 +428,7 @@ class RayBackend:
         """
         with self._lock:
             live = [i for i, (host, _kind, _args) in enumerate(messages) if host not in self.lost_hosts]
-            sent = self._send_locked([messages[i] for i in live]) if live else []
+            sent = self.sender.send_all(self.link, [messages[i] for i in live]) if live else []
         futures: list[concurrent.futures.Future] = []
         answers = dict(zip(live, sent, strict=True))
         for index, (host, _kind, _args) in enumerate(messages):
@@ -653,31 +441,7 @@ class RayBackend:
 
     def _send_run(self, batch: list[tuple[int, str, tuple]], run: Any, remote: RemotePlan) -> list:
         """Sends a run's messages (host, kind, args); their answers' futures. Call with ``_lock`` held."""
-        return self._send_locked(batch)
-
-    def _send_locked(self, batch: list[tuple[int, str, tuple]]) -> list:
-        """Sends messages (host, kind, args), each host's in one batch and each island's in one
-        send of the link (a broadcast over the channel); their answers' futures, in order.
-
-        Call with ``_lock`` held.
-        """
-        by_host: dict[int, list[int]] = {}
-        for index, (host, _kind, _args) in enumerate(batch):
-            by_host.setdefault(host, []).append(index)
-        by_island: dict[int, dict[int, list[tuple[int, str, tuple]]]] = {}
-        for host, indices in by_host.items():
-            messages = []
-            for index in indices:
-                _host, kind, args = batch[index]
-                messages.append((self._seq[host], kind, args))
-                self._seq[host] += 1
-            by_island.setdefault(self.layout.island_of(host), {})[host] = messages
-        answers: list[Any] = [None] * len(batch)
-        for island, parts in by_island.items():
-            for host, futures in self.link.send_group(island, parts).items():
-                for index, answer in zip(by_host[host], futures, strict=True):
-                    answers[index] = answer
-        return answers
+        return self.sender.send_all(self.link, batch)
 
     def take_uuids(self, count: int) -> int:
         """The first of ``count`` fresh transfer uuids (for a run the caller sends itself)."""
@@ -686,9 +450,7 @@ class RayBackend:
 
     def _take_uuids(self, count: int) -> int:
         """The first of ``count`` fresh transfer uuids; call with ``_lock`` held."""
-        base = self._next_uuid
-        self._next_uuid += count
-        return base
+        return self.sender.take_uuids(count)
 
     def retire_ready(self, in_flight: collections.deque) -> None:
         """Drops the completed head of an island's in-flight deque.
@@ -705,19 +467,9 @@ class RayBackend:
                 marker._ready = True
             in_flight.popleft()
 
-    def _take_dropped(self, host: int) -> list[int]:
-        dropped = self._dropped[host]
-        keys = []
-        while dropped:
-            try:
-                keys.append(dropped.popleft())
-            except IndexError:
-                break
-        return keys
-
     def drop(self, host: int, key: int | tuple[int, int]) -> None:
         """A handle went: its value is freed on its host with the next message there."""
-        self._dropped[host].append(key)
+        self.sender.dropped[host].append(key)
 
     def _flush_loop(self) -> None:
         while not self._closed:
@@ -725,14 +477,15 @@ class RayBackend:
             try:
                 if self.collect is not None:
                     self.collect()
-                if not any(self._dropped) and not self._forgotten:
+                sender = self.sender
+                if not any(sender.dropped) and not sender.forgotten:
                     continue
                 with self._lock:
                     if not self._closed:
                         self._send_forgets()
                     for host in range(self.hosts):
-                        if self._dropped[host] and host not in self.lost_hosts and not self._closed:
-                            self._message(host, "free", self._take_dropped(host))
+                        if sender.dropped[host] and host not in self.lost_hosts and not self._closed:
+                            self._message(host, "free", sender.take_dropped(host))
             except Exception as exc:  # Ray itself went away (process exit): stop
                 if self._closed or not self.ray.is_initialized():
                     return
@@ -833,17 +586,12 @@ class RayBackend:
         live = sorted(h for h in hosts if h not in self.lost_hosts)
         if not live:
             return None
-        pings = {self.actors[h].ping.remote(): h for h in live}
-        ready, _ = self.ray.wait(list(pings), num_returns=len(pings), timeout=_HEALTH_CHECK_S)
-        for ref in ready:
-            try:
-                self.ray.get(ref)
-            except Exception as exc:
-                if is_lost_error(exc):
-                    host = pings[ref]
-                    self.mark_lost(host, str(exc))
-                    return island_of(host)
-        return None
+        dead = self.fleet.first_dead(live)
+        if dead is None:
+            return None
+        host, exc = dead
+        self.mark_lost(host, str(exc))
+        return island_of(host)
 
     def host_stats(self, timeout: float = CALL_TIMEOUT_S) -> dict[int, dict]:
         """Each live host's counts: values kept, runs done, executables and plans cached, transfers."""
@@ -885,15 +633,7 @@ class RayBackend:
                 return
             survivors = [h for h in range(self.hosts) if h not in self.lost_hosts]
         logging.warning("pathways_jax: island %d was lost: %s", island, self.lost[island])
-        # An island runs as one: its other hosts' collectives would fail or hang.
-        for member in members:
-            if member != host:
-                with contextlib.suppress(Exception):
-                    self.ray.kill(self.actors[member], no_restart=True)
-        for h in survivors:
-            for member in members:
-                with contextlib.suppress(Exception):
-                    self.actors[h].peer_lost.remote(member)
+        self.fleet.isolate(host, survivors)
         if self.on_lost is not None:
             self.on_lost(island)
         # Last: what waits on these hosts' answers wakes to a cluster that has moved on.
@@ -919,41 +659,21 @@ class RayBackend:
         If Ray has no room for them within ``_REBUILD_TIMEOUT_S`` (a node went
         with the hosts), the island stays out of placement.
         """
-        ray = self.ray
+        fleet = self.fleet
         members = self.layout.members(island)
         new: list[Any] = []
         try:
-            for member in members:  # their bundles are free once the old processes are gone
-                with contextlib.suppress(Exception):
-                    ray.kill(self.actors[member], no_restart=True)
-            new = [self._new_actor(member) for member in members]
-            reach = ray.get_runtime_context().gcs_address
-            many = self.layout.per_island > 1
-            coordinator = ray.get(new[0].address.remote(reach), timeout=_REBUILD_TIMEOUT_S) if many else None
-            roles = [
-                Role(island, self.layout.rank(m), self.layout.per_island, coordinator, reach) for m in members
-            ]
-            info = ray.get(
-                [
-                    actor.setup.remote(role, self.link.attach(member, actor, island))
-                    for member, actor, role in zip(members, new, roles, strict=True)
-                ],
-                timeout=_REBUILD_TIMEOUT_S,
-            )
+            new, info = fleet.replace(island, _REBUILD_TIMEOUT_S)
             with self._lock:
                 if self._closed:
                     raise errors.ClusterError("the cluster closed")
-                for member, actor, host_info in zip(members, new, info, strict=True):
-                    self.actors[member], self.info[member] = actor, host_info
-                    self._seq[member] = 0
-                    self._known[member] = set()
-                    self._fingerprints[member] = set()
-                    self._dropped[member].clear()
-                    self._pings.pop(member, None)
+                fleet.install(members, new, info)
+                for member in members:
+                    self.sender.renew(member)
                 serving = [h for h in range(self.hosts) if h not in self.lost_hosts or h in members]
                 addresses = {h: self.info[h]["transfer"] for h in serving}
                 answers = [self._message(h, "peers", addresses) for h in serving]
-            for answer in _results(answers, _REBUILD_TIMEOUT_S):
+            for answer in results(answers, _REBUILD_TIMEOUT_S):
                 if answer is not None:
                     raise errors.ClusterError(f"the new hosts could not reach the others: {answer}")
             with self._lock:
@@ -962,9 +682,7 @@ class RayBackend:
                 for member in members:
                     del self.lost_hosts[member]
         except Exception as exc:
-            for actor in new:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
+            fleet.kill(new)
             if not self._closed:
                 logging.warning(
                     "pathways_jax: island %d could not be rebuilt on new hosts (%s); it stays out of placement.",
@@ -976,44 +694,6 @@ class RayBackend:
         if self.on_restored is not None:
             self.on_restored(island)
 
-    def _monitor(self) -> None:
-        """Pings every host; a host whose actor died is lost. A slow host is only slow."""
-        ray = self.ray
-        while not self._closed:
-            try:
-                self._look(ray)
-            except Exception as exc:  # Ray itself went away (process exit): stop looking
-                if self._closed or not ray.is_initialized():
-                    return
-                logging.warning("pathways_jax: the Ray host monitor failed once: %s", exc)
-            time.sleep(_PING_S)
-
-    def _look(self, ray: Any) -> None:
-        for host in range(self.hosts):
-            if host in self.lost_hosts or self._closed:
-                continue
-            silent = self.link.silent_for(host)
-            if silent is not None and silent > HUNG_S:
-                with contextlib.suppress(Exception):
-                    ray.kill(self.actors[host], no_restart=True)
-                self.mark_lost(
-                    host, f"it sent nothing, not even a heartbeat, for {silent:.0f}s: hung, and killed"
-                )
-                continue
-            ref = self._pings.get(host)
-            if ref is None:
-                self._pings[host] = self.actors[host].ping.remote()
-                continue
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
-                continue  # still busy: slow is not lost
-            del self._pings[host]
-            try:
-                ray.get(ref)
-            except Exception as exc:
-                if not self._closed and is_lost_error(exc):
-                    self.mark_lost(host, str(exc))
-
     def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
         """Kills the host actors (their values go with them) and stops this side's threads.
 
@@ -1024,14 +704,9 @@ class RayBackend:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
-        for actor in getattr(self, "actors", []):
-            with contextlib.suppress(Exception):
-                self.ray.kill(actor)
-        link = getattr(self, "link", None)
-        if link is not None:
-            link.close()
-        with contextlib.suppress(Exception):
-            self._remove_pg(self.pg)
+        fleet = getattr(self, "fleet", None)
+        if fleet is not None:
+            fleet.close()
         for thread in getattr(self, "_threads", []):
             if thread is threading.current_thread():
                 continue

@@ -425,8 +425,8 @@ class ServiceBackend(ray_backend.RayBackend):
                 self.generations[island] = generation
                 for member in self.layout.members(island):
                     self.lost_hosts.pop(member, None)
-                    self._known[member] = set()  # new hosts: plans go again
-                    self._fingerprints[member] = set()
+                    self.sender.known[member] = set()  # new hosts: plans go again
+                    self.sender.fingerprints[member] = set()
             if self.on_restored is not None:
                 self.on_restored(island)
 

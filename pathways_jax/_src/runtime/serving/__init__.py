@@ -17,8 +17,10 @@ fed arguments; values stay on the hosts and the client holds handles.
 
 Modules: ``config`` (``ServiceConfig``, host keys); ``records`` (a client process, a
 batch); ``ledger`` (the values on the hosts: owners, readers, bytes under the budget);
-``actor`` (the ``ServiceActor``: clients, batches, scheduling, stats); ``handle``
-(``pw.serve``, ``pw.service`` and the ``Service`` handle).
+``gate`` (admission: batches in each client's order, queued runs, windows, the budget);
+``outbox`` (answers to clients, queued for a slow reader); ``actor`` (the ``ServiceActor``:
+clients, forwarding and completing batches, stats); ``handle`` (``pw.serve``, ``pw.service``
+and the ``Service`` handle).
 """
 
 from pathways_jax._src.runtime.serving.actor import ServiceActor as ServiceActor

@@ -34,7 +34,6 @@ import collections
 import contextlib
 import itertools
 import os
-import pickle
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,19 +46,15 @@ from pathways_jax._src.runtime import admission
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.scheduler import Head
 from pathways_jax._src.runtime.serving.config import ServiceConfig, host_key
+from pathways_jax._src.runtime.serving.gate import Gate
 from pathways_jax._src.runtime.serving.ledger import Ledger, Refuse
+from pathways_jax._src.runtime.serving.outbox import Outbox
 from pathways_jax._src.runtime.serving.records import Batch, ClientProcess
 
 if TYPE_CHECKING:  # the channels need the ray extra (pyzmq, msgspec): imported where used
     from pathways_jax._src import wire
 
 _DEPARTED_KEPT = 64  # clients that went, still listed in stats
-# A client's answers its channel cannot take now wait in its outbox, sent again after
-# _DRAIN_FIRST_S, doubling up to _DRAIN_MAX_S; past this many bytes the client is dropped.
-_DRAIN_FIRST_S = 0.002
-_SEND_NOW_S = 0.002  # how long an answer's send may wait before it goes to the outbox
-_DRAIN_MAX_S = 0.1
-_OUTBOX_BYTES = 256 * 2**20
 
 
 class ServiceActor:
@@ -89,21 +84,25 @@ class ServiceActor:
         self.layout = self.backend.layout
         self.window_size = config.window
         self.policy = config.scheduler
-        # The in-process controller's admission core (runtime/admission.py): a queue of runs per
-        # client process, its policies (runtime/scheduler.py), and one byte budget for the hosts.
-        self.admission: admission.Queues[int, Batch] = admission.Queues(
-            scheduler_lib.make(self.policy, starvation_limit=config.starvation_limit)
-        )
         self.ledger = Ledger(config.memory_budget)  # the values on the hosts, under the byte budget
         self.max_clients = config.max_clients
         self.memory_budget = config.memory_budget
-        self.backpressure_timeout = config.backpressure_timeout
         self.clients: dict[int, ClientProcess] = {}
-        self.in_flight: collections.Counter[int] = collections.Counter()
+        # Which client's run goes next: the in-process controller's admission core
+        # (runtime/admission.py, runtime/scheduler.py), the windows and the byte budget.
+        self.gate = Gate(
+            scheduler_lib.make(self.policy, starvation_limit=config.starvation_limit),
+            self.clients,
+            self.ledger,
+            window_size=config.window,
+            memory_budget=config.memory_budget,
+            backpressure_timeout=config.backpressure_timeout,
+            forward=self._forward,
+            fail=self._fail,
+        )
         self.busy_until: dict[int, float] = {}
         self.started = time.monotonic()
         self._ids = itertools.count(1)
-        self._arrival = itertools.count()
         self._ticker: Any = None
         self._loop: Any = None  # the actor's event loop (set by its first async call)
         # Clients send their batches on this channel (signed with the service's key).
@@ -116,6 +115,9 @@ class ServiceActor:
             self.key, transport=transport, host=ip, on_message=self._from_client, send_timeout=30.0
         )
         self._by_identity: dict[bytes, ClientProcess] = {}
+        self.outbox = Outbox(
+            self.channel, self._by_identity, config.stalled_client_timeout, self._drop_client
+        )
         # Signed messages refused all the same: from no joined client, or not a batch.
         self.refused_batches: collections.Counter[str] = collections.Counter()
         self.fetches: collections.Counter[str] = collections.Counter({"direct": 0, "relayed": 0})
@@ -201,7 +203,7 @@ class ServiceActor:
         self._by_identity.pop(identity, None)
         self.channel.forget(identity)
         refused = Refused(f"client {client.name!r} is gone: {why}", "gone")
-        queued = self.admission.close(client.id, lambda batch: Head(client.id, batch.arrival))
+        queued = self.gate.admission.close(client.id, lambda batch: Head(client.id, batch.arrival))
         for batch in [*queued, *client.others, *client.pending.values()]:
             if not batch.future.done():
                 batch.future.set_result([refused] * len(batch.messages))
@@ -222,7 +224,7 @@ class ServiceActor:
         for old in gone[: max(0, len(gone) - _DEPARTED_KEPT)]:
             del self.clients[old]
         logging.info("pathways_jax service: client %s (pid %d) is gone: %s", client.name, client.pid, why)
-        self._pump()
+        self.gate.pump()
 
     async def inbox(self, client_id: int, up: str, down: str, key: bytes) -> None:
         """The client's own channel: the hosts send the values it fetches there, not through here."""
@@ -265,97 +267,11 @@ class ServiceActor:
             return
         match received.body:
             case wire.Submit(seq, messages, run):
-                future = self._submit(client, seq, messages, run)
+                future = self.gate.submit(client, seq, messages, run)
                 peer = received.peer
-                future.add_done_callback(lambda done: self._answer(peer, seq, done.result()))
+                future.add_done_callback(lambda done: self.outbox.answer(peer, seq, done.result()))
             case _:
                 self.refused_batches["not_a_batch"] += 1  # clients send only batches
-
-    def _answer(self, peer: bytes, seq: int, answers: list) -> None:
-        """Sends a client the answers to its batch ``seq`` (a client that went gets nothing).
-
-        Never waits: the loop serves every client. An answer the client's
-        channel cannot take now (a slow or stopped reader: its queue is at the
-        high-water mark) waits in the client's outbox, behind which its later
-        answers queue, and is sent again from the loop (:meth:`_drain`).
-        """
-        from pathways_jax._src import wire
-
-        client = self._by_identity.get(peer)
-        if client is None:
-            return
-        try:
-            blob = wire.Blob(pickle.dumps(answers, protocol=pickle.HIGHEST_PROTOCOL))
-        except Exception as exc:  # an answer that cannot be pickled still answers
-            refused = Refused(f"the service could not send the answer: {type(exc).__name__}: {exc}")
-            blob = wire.Blob(pickle.dumps([refused] * len(answers), protocol=pickle.HIGHEST_PROTOCOL))
-        message = wire.Answered(seq, blob)
-        if not client.outbox and self._send_now(peer, message):
-            return
-        client.outbox.append(message)
-        client.outbox_bytes += len(blob.view)
-        if client.stalled_since is None:
-            client.stalled_since = time.monotonic()
-            self._loop.call_later(_DRAIN_FIRST_S, self._drain, client, _DRAIN_FIRST_S)
-
-    def _send_now(self, peer: bytes, message: Any) -> bool:
-        """Sends ``message`` if the client's channel takes it at once; False if it is full."""
-        from pathways_jax._src import wire
-
-        try:
-            # A moment's wait: the channel's heartbeat thread may hold its send lock now.
-            self.channel.send(peer, message, timeout=_SEND_NOW_S)
-        except wire.ChannelFull:
-            return False
-        except wire.ChannelClosed:  # the service is stopping: nothing more goes out
-            pass
-        return True
-
-    def _drain(self, client: ClientProcess, pause: float) -> None:
-        """Sends what waits in a client's outbox; a client that took nothing for too long is dropped."""
-        peer = f"client-{client.id}".encode()
-        while client.outbox and client.alive:
-            if not self._send_now(peer, client.outbox[0]):
-                break
-            client.outbox_bytes -= len(client.outbox.popleft().answers.view)
-            client.stalled_since = time.monotonic() if client.outbox else None
-        if not client.outbox or not client.alive:
-            client.stalled_since = None
-            return
-        stalled = time.monotonic() - (client.stalled_since or time.monotonic())
-        if stalled >= self.config.stalled_client_timeout or client.outbox_bytes > _OUTBOX_BYTES:
-            self._drop_client(
-                client,
-                f"it stopped reading its answers ({len(client.outbox)} answers, {client.outbox_bytes} bytes "
-                f"waited {stalled:.1f}s; stalled_client_timeout={self.config.stalled_client_timeout}s)",
-            )
-            return
-        pause = min(pause * 2, _DRAIN_MAX_S)
-        self._loop.call_later(pause, self._drain, client, pause)
-
-    def _submit(
-        self, client: ClientProcess, seq: int, messages: list, run: wire.RunMeta | None
-    ) -> asyncio.Future:
-        """A client's batch number ``seq``; its future is set to each message's answer once they are done."""
-        batch = Batch(client.id, messages, run, self._loop.create_future(), seq)
-        if not client.alive:
-            gone = Refused(f"client {client.name!r} is not connected to this service ({client.why})", "gone")
-            batch.future.set_result([gone] * len(messages))
-            return batch.future
-        client.pending[seq] = batch
-        while client.next_seq in client.pending:
-            ready = client.pending.pop(client.next_seq)
-            client.next_seq += 1
-            ready.arrival = next(self._arrival)
-            ready.queued_at = time.monotonic()
-            if ready.run is not None:
-                ready.islands = tuple(ready.run.islands)
-                ready.nbytes = sum(ready.run.nbytes.values())
-                self.admission.push(client.id, ready)
-            else:
-                client.others.append(ready)
-        self._pump()
-        return batch.future
 
     async def _tick(self) -> None:
         """Looks at the queues and the clients now and then: a run waiting for memory fails in
@@ -365,7 +281,7 @@ class ServiceActor:
             with contextlib.suppress(Exception):
                 self._drop_silent()
             with contextlib.suppress(Exception):
-                self._pump()
+                self.gate.pump()
 
     def _drop_silent(self) -> None:
         """Drops every client whose channel sent nothing, not even a heartbeat, for too long.
@@ -387,108 +303,6 @@ class ServiceActor:
                     f"its channel sent nothing, not even a heartbeat, for {silent:.1f}s: a stopped or hung "
                     f"process (silent_client_timeout={timeout}s)",
                 )
-
-    def _pump(self) -> None:
-        """Sends queue heads while the policy finds one that may go."""
-        if self._ticker is None:
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
-        while True:
-            # Everything but runs goes at once, ahead of the client's queued runs
-            # unless it names what they read or make (a fetch of a queued run's
-            # output waits for that run, a free for the runs reading the value).
-            others = [(c, b) for c in self.clients.values() if c.alive for b in self._unblocked(c)]
-            if others:
-                for client, batch in others:
-                    client.others.remove(batch)
-                    self._forward(client, batch)
-                continue
-            heads = [(self.clients[key], batch) for key, batch in self.admission.heads()]
-            if not heads:
-                return
-            if any(self._over_budget(c, b) for c, b in heads):
-                continue  # a run failed for memory: look at the queues again
-            runs = [(c, b) for c, b in heads if self._may_go(b)]
-            if not runs:
-                return
-            choices = [self._head(c, b) for c, b in runs]
-            index = self.admission.pick(choices)
-            client, batch = runs[index]
-            batch.charged = choices[index].cost
-            self.admission.pop(client.id)
-            self._forward(client, batch)
-
-    @staticmethod
-    def _head(client: ClientProcess, batch: Batch) -> Head:
-        """A queued run as the policy sees it."""
-        run = batch.run
-        assert run is not None  # only runs queue for the policy
-        return Head(
-            client.id, batch.arrival, run.priority, run.weight, client.estimates.get(run.program, 0.0)
-        )
-
-    def _unblocked(self, client: ClientProcess) -> list[Batch]:
-        """The client's batches other than runs that need none of its earlier queued runs to go first."""
-        from pathways_jax._src import wire
-
-        if not client.others:
-            return []
-        runs = iter(self.admission.queues.get(client.id, ()))  # in arrival order
-        run = next(runs, None)
-        reads: set = set()
-        makes: set = set()
-        plans: set = set()
-        ready = []
-        for batch in client.others:
-            while run is not None and run.arrival < batch.arrival:
-                for routed in run.messages:
-                    match routed.item:
-                        case wire.Run(plan=plan, feeds=feeds, keep=keep):
-                            plans.add(plan)
-                            reads.update(feed.value for feed in feeds if feed.value is not None)
-                            makes.update(local for _slot, local in keep)
-                run = next(runs, None)
-            blocked = False
-            for routed in batch.messages:
-                match routed.item:
-                    case wire.Fetch(key=key) | wire.Share(key=key):
-                        blocked |= key in makes
-                    case wire.Free(keys=keys):
-                        blocked |= any(key in makes or key in reads for key in keys)
-                    case wire.Forget(plan=plan):
-                        blocked |= plan in plans
-            if not blocked:
-                ready.append(batch)
-        return ready
-
-    def _may_go(self, batch: Batch) -> bool:
-        if not all(
-            admission.has_room(self.in_flight[island], 1, self.window_size) for island in batch.islands
-        ):
-            return False
-        return self.ledger.fits(batch.nbytes)
-
-    def _over_budget(self, client: ClientProcess, batch: Batch) -> bool:
-        """Fails (and takes off the queue) a run that will never fit, or waited too long to; True if it did."""
-        if self.ledger.fits(batch.nbytes):
-            return False
-        waited = time.monotonic() - batch.queued_at
-        never = self.ledger.exceeds(batch.nbytes)
-        if not never and not admission.waited_too_long(
-            batch.queued_at, time.monotonic(), self.backpressure_timeout
-        ):
-            return False
-        # It can never fit, or waited too long: it fails, and the queue goes on.
-        self.admission.drop(client.id, Head(client.id, batch.arrival))
-        why = (
-            f"its outputs ({batch.nbytes} bytes) exceed the service's whole memory budget "
-            f"({self.memory_budget} bytes)"
-            if never
-            else f"it waited {waited:.1f}s for memory under the service's budget ({self.memory_budget} bytes, "
-            f"{self.ledger.held} held)"
-        )
-        client.failures += 1
-        self._fail(client, batch, Refused(f"the run cannot be admitted: {why}", "memory"))
-        return True
 
     def _fail(self, client: ClientProcess, batch: Batch, answer: Refused) -> None:
         """Answers a batch that will not run with ``answer``: nothing of it runs and no value is touched.
@@ -618,8 +432,9 @@ class ServiceActor:
                     self._complete(client, batch, messages, refs, sent, generations)
                 )
             return
+        in_flight = self.gate.in_flight
         for island in batch.islands:
-            self.in_flight[island] += 1
+            in_flight[island] += 1
         client.in_flight += 1
         asyncio.get_running_loop().create_task(
             self._complete(client, batch, messages, refs, sent, generations)
@@ -651,8 +466,9 @@ class ServiceActor:
             )
         if batch.run is not None:
             done = time.monotonic()
+            in_flight = self.gate.in_flight
             for island in batch.islands:
-                self.in_flight[island] -= 1
+                in_flight[island] -= 1
             client.in_flight -= 1
             first = min(batch.islands) if batch.islands else -1
             start = max(sent, self.busy_until.get(first, 0.0))
@@ -678,7 +494,7 @@ class ServiceActor:
             program = batch.run.program
             estimate = client.estimates.get(program, 0.0)
             # The policy was charged an estimate when the run went: now the difference.
-            self.admission.policy.charge(client.id, device_s - batch.charged, batch.run.weight)
+            self.gate.admission.policy.charge(client.id, device_s - batch.charged, batch.run.weight)
             client.estimates[program] = admission.smoothed(estimate, device_s)
             client.device_s += device_s
             name = batch.run.client or client.name
@@ -688,7 +504,7 @@ class ServiceActor:
                 client.failures += 1
         if not batch.future.done():
             batch.future.set_result(answers)
-        self._pump()
+        self.gate.pump()
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -725,7 +541,7 @@ class ServiceActor:
                 "runs": c.runs,
                 "failures": c.failures,
                 "refused": c.refused,
-                "queued": self.admission.queued(c.id) + len(c.others),
+                "queued": self.gate.admission.queued(c.id) + len(c.others),
                 "in_flight": c.in_flight,
                 "answers_waiting": len(c.outbox),
                 "device_time_s": c.device_s,
@@ -741,7 +557,7 @@ class ServiceActor:
             "window": self.window_size,
             "hosts": self.layout.hosts,
             "islands": self.layout.islands,
-            "in_flight": dict(self.in_flight),
+            "in_flight": dict(self.gate.in_flight),
             "bytes_held": self.ledger.held,
             "memory_budget": self.memory_budget,
             "max_clients": self.max_clients,

@@ -1,0 +1,114 @@
+"""Starting the Ray side: Ray imported and joined, GPUs checked, the hosts' layout and link.
+
+Ray is imported only through :func:`import_ray`, lazily: ``pip install pathways-jax[ray]``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, NamedTuple
+
+from pathways_jax._src.backends.host_link import Link, RayCallLink
+from pathways_jax._src.core import errors
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise errors.ClusterError(
+            "pw.init(backend='ray') needs Ray, which is not installed. Install it with "
+            "`pip install pathways-jax[ray]` (Ray and flatbuffers), or use backend='local'."
+        ) from exc
+    try:
+        import flatbuffers  # noqa: F401  (jax.export serialization needs it)
+    except ImportError as exc:
+        raise errors.ClusterError(
+            "pw.init(backend='ray') ships computations with jax.export, whose serialization "
+            "needs the flatbuffers package. Install it with `pip install pathways-jax[ray]`."
+        ) from exc
+    return ray
+
+
+def check_gpus(ray: Any, hosts: int, devices_per_host: int) -> None:
+    """Refuses at once GPU hosts a Ray cluster has no GPUs for (its placement would wait in vain)."""
+    wanted = hosts * devices_per_host
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < wanted:
+        raise errors.ClusterError(
+            f"platform='gpu' asks Ray for {hosts} hosts x {devices_per_host} GPUs = {wanted} GPUs, but the "
+            f"Ray cluster has {have:g}. Start the Ray nodes that have the GPUs first (Ray must see them: "
+            "`ray status` lists them), ask for fewer hosts or devices_per_host, or use platform='cpu'."
+        )
+
+
+# The local Ray session pathways_jax started itself, by its node id (none: none or the user's).
+_OWN_SESSION: dict[str, Any] = {}
+
+
+def join_ray(ray: Any, address: str | None, hosts: int) -> None:
+    """Joins the Ray session ``address`` names, the one this process has, or starts a local one.
+
+    A local session is sized for the hosts asked for (a logical CPU each); a
+    later ``pw.init`` asking for more than a session pathways_jax started has
+    gets a new one (placement would wait in vain), and one asking for more than
+    a session of the user's has is refused at once.
+    """
+    if ray.is_initialized():
+        have = int(ray.cluster_resources().get("CPU", 0))
+        if have >= hosts or address is not None:
+            return
+        if _OWN_SESSION.get("node") != ray.get_runtime_context().get_node_id():
+            raise errors.ClusterError(
+                f"pw.init asks for {hosts} hosts (a Ray CPU each), but this process's Ray session has "
+                f"{have} CPUs. Start Ray with more (ray.init(num_cpus={hosts})) or ask for fewer hosts."
+            )
+        ray.shutdown()  # the local session pathways_jax started for fewer hosts: a larger one
+    with warnings.catch_warnings():
+        # Ray starts its own processes with fork + exec; JAX's fork hook
+        # warns about forking a multithreaded process, which matters only
+        # when the child goes on running Python.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        ray.init(
+            # None: a new local cluster, never one a stale `ray start` file names.
+            address=address or "local",
+            include_dashboard=False,
+            log_to_driver=False,
+            num_cpus=None if address else max(hosts, os.cpu_count() or 1),
+            configure_logging=False,
+        )
+    if address is None:
+        _OWN_SESSION["node"] = ray.get_runtime_context().get_node_id()
+
+
+class Layout(NamedTuple):
+    """Which hosts make which island: ``hosts`` hosts of ``devices_per_host``, ``per_island`` each."""
+
+    hosts: int
+    devices_per_host: int
+    per_island: int
+
+    @property
+    def islands(self) -> int:
+        return self.hosts // self.per_island
+
+    def island_of(self, host: int) -> int:
+        return host // self.per_island
+
+    def members(self, island: int) -> tuple[int, ...]:
+        return tuple(range(island * self.per_island, (island + 1) * self.per_island))
+
+    def rank(self, host: int) -> int:
+        return host % self.per_island
+
+
+def make_link(transport: str) -> Link:
+    """The link to the hosts for ``transport``: ``"channel"`` (ZeroMQ) or ``"ray"`` (actor calls)."""
+    if transport == "ray":
+        return RayCallLink()
+    if transport == "channel":
+        from pathways_jax._src.backends.channel_link import ChannelLink
+
+        return ChannelLink()
+    raise errors.ClusterError(f"transport must be 'channel' or 'ray', not {transport!r}.")

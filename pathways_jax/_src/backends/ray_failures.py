@@ -1,0 +1,30 @@
+"""What the Ray hosts' failures raise on the controller's side: refusals, lost hosts, remote tracebacks."""
+
+from __future__ import annotations
+
+from pathways_jax._src.backends.host_link import HostGone
+from pathways_jax._src.backends.ray_host import Refused
+from pathways_jax._src.core import errors
+
+
+def with_remote_traceback(exc: BaseException, host: int, trace: str) -> BaseException:
+    """Attaches the traceback a host sent with a failure (if any) to ``exc`` as a note."""
+    if trace:
+        exc.add_note(f"remote traceback (host {host}):\n{trace.rstrip()}")
+    return exc
+
+
+def refusal(refused: Refused) -> BaseException:
+    """The error a controller service's refusal raises here."""
+    if refused.kind == "memory":
+        return errors.BackPressureTimeout(refused.message)
+    if refused.kind == "gone":
+        return errors.ClusterError(refused.message)
+    return errors.AccessError(refused.message)
+
+
+def is_lost_error(exc: BaseException) -> bool:
+    """True if ``exc`` is Ray's way of saying the actor (the host) is gone."""
+    import ray.exceptions as rex
+
+    return isinstance(exc, HostGone | rex.RayActorError | rex.ActorDiedError | rex.ActorUnavailableError)

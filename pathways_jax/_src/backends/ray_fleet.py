@@ -1,0 +1,265 @@
+"""The Ray backend's host actors: placed one a bundle, started, watched, replaced and killed.
+
+:class:`HostActors` owns the actors and their placement group; the backend
+that holds it decides what a dead or hung host means (``RayBackend.mark_lost``)
+and numbers the messages they are sent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import time
+from typing import Any, Protocol
+
+import jax
+from absl import logging
+
+from pathways_jax._src.backends import ray_host
+from pathways_jax._src.backends.host_link import Link
+from pathways_jax._src.backends.ray_boot import Layout, check_gpus
+from pathways_jax._src.backends.ray_failures import is_lost_error
+from pathways_jax._src.backends.ray_host import Role
+from pathways_jax._src.core import errors
+
+_PING_S = 0.25  # how often the monitor looks at every host
+# A host whose channel said nothing, not even a heartbeat (one a second), for this long is hung
+# (a stopped or wedged process: Ray still sees its actor alive): it is killed and counts as lost.
+HUNG_S = 10.0
+START_TIMEOUT_S = 120.0
+# A run failed on a host of an island of several hosts, or that pulled values
+# from other hosts: how long the controller waits for those hosts to answer a
+# ping before it takes the failure as the run's own (a dead host answers with
+# an error at once; a busy one answers later, on its event loop).
+_HEALTH_CHECK_S = 3.0
+
+
+class Watcher(Protocol):
+    """What the actors' monitor reads of the backend that holds them (``ray.RayBackend``)."""
+
+    @property
+    def lost_hosts(self) -> dict[int, str]: ...
+    @property
+    def closed(self) -> bool: ...
+
+    def mark_lost(self, host: int, why: str, generation: int | None = None) -> None:
+        """Host ``host`` died (or hung and was killed): its island is lost."""
+        ...
+
+
+def results(answers: list[concurrent.futures.Future], timeout: float) -> list:
+    """The hosts' answers, waiting up to ``timeout`` seconds in all."""
+    deadline = time.monotonic() + timeout
+    return [answer.result(timeout=max(0.0, deadline - time.monotonic())) for answer in answers]
+
+
+class HostActors:
+    """One ``ray_host.Host`` actor a host, each in its bundle of one placement group.
+
+    ``actors[h]`` and ``info[h]`` (what host ``h`` said when it started) are
+    replaced in place when a lost island is rebuilt.
+    """
+
+    link: Link  # how the hosts are reached (set by launch)
+
+    def __init__(self, ray: Any, layout: Layout, platform: str, window_size: int) -> None:
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray = ray
+        self.layout = layout
+        self.platform = platform
+        self.remove_pg = remove_placement_group
+        hosts, devices_per_host = layout.hosts, layout.devices_per_host
+        bundle: dict[str, float] = {"CPU": 1}
+        if platform != "cpu":
+            bundle["GPU"] = devices_per_host
+            check_gpus(ray, hosts, devices_per_host)
+        self.pg = placement_group([bundle] * hosts, strategy="SPREAD")
+        try:
+            ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
+        except Exception as exc:
+            remove_placement_group(self.pg)
+            raise errors.ClusterError(
+                f"Ray could not place {hosts} hosts ({bundle} each) within {START_TIMEOUT_S}s: {exc}. "
+                "Ask for fewer hosts, or add nodes to the Ray cluster."
+            ) from exc
+        self.window_size = window_size  # each host's executables in flight at most
+        self._x64 = bool(jax.config.read("jax_enable_x64"))
+        self._strategy = PlacementGroupSchedulingStrategy
+        self._actor_class = ray.remote(ray_host.Host)
+        self.actors: list[Any] = []
+        self.info: list[dict] = []
+        self._pings: dict[int, Any] = {}
+
+    def new_actor(self, host: int) -> Any:
+        """A host actor for host ``host``, in its bundle of the placement group."""
+        return self._actor_class.options(
+            num_cpus=1,
+            num_gpus=0 if self.platform == "cpu" else self.layout.devices_per_host,
+            max_restarts=0,
+            max_concurrency=1000,
+            scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=host),
+        ).remote(host, self.layout.devices_per_host, self.window_size, self._x64, self.platform)
+
+    def launch(self, link: Link) -> None:
+        """Starts every host's actor, reached over ``link``; :meth:`start` sets them up."""
+        self.link = link
+        self.actors = [self.new_actor(h) for h in range(self.layout.hosts)]
+
+    def start(self) -> list[dict]:
+        """Joins each island's hosts into one ``jax.distributed`` system; what each host said."""
+        layout = self.layout
+        # Every host reaches the Ray cluster's address: its route names the host's own.
+        reach = self.ray.get_runtime_context().gcs_address
+        coordinators: dict[int, str | None] = {}
+        for island in range(layout.islands):
+            first = layout.members(island)[0]
+            many = layout.per_island > 1
+            coordinators[island] = (
+                self.ray.get(self.actors[first].address.remote(reach), timeout=START_TIMEOUT_S)
+                if many
+                else None
+            )
+        roles = [
+            Role(
+                layout.island_of(h),
+                layout.rank(h),
+                layout.per_island,
+                coordinators[layout.island_of(h)],
+                reach,
+            )
+            for h in range(layout.hosts)
+        ]
+        # All at once: joining an island blocks until every member has.
+        info = self._setup(range(layout.hosts), self.actors, roles, START_TIMEOUT_S)
+        want = layout.per_island * layout.devices_per_host
+        for h, host_info in enumerate(info):
+            if host_info["devices"] != layout.devices_per_host or host_info["island_devices"] != want:
+                raise errors.ClusterError(
+                    f"host {h} exposes {host_info['devices']} devices ({host_info['island_devices']} in its "
+                    f"island), not devices_per_host={layout.devices_per_host} ({want} per island)."
+                )
+        self.info = info
+        return info
+
+    def _setup(self, hosts: Any, actors: list, roles: list[Role], timeout: float) -> list[dict]:
+        link, island_of = self.link, self.layout.island_of
+        return self.ray.get(
+            [
+                actor.setup.remote(role, link.attach(h, actor, island_of(h)))
+                for h, actor, role in zip(hosts, actors, roles, strict=True)
+            ],
+            timeout=timeout,
+        )
+
+    def replace(self, island: int, timeout: float) -> tuple[list, list[dict]]:
+        """New actors for a lost island's hosts, in their bundles, set up: (actors, what each said).
+
+        The old ones are killed first (their bundles are free once their
+        processes are gone). The new ones serve once :meth:`install` puts them in.
+        """
+        ray = self.ray
+        members = self.layout.members(island)
+        for member in members:
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[member], no_restart=True)
+        new = [self.new_actor(member) for member in members]
+        try:
+            reach = ray.get_runtime_context().gcs_address
+            many = self.layout.per_island > 1
+            coordinator = ray.get(new[0].address.remote(reach), timeout=timeout) if many else None
+            roles = [
+                Role(island, self.layout.rank(m), self.layout.per_island, coordinator, reach) for m in members
+            ]
+            return new, self._setup(members, new, roles, timeout)
+        except Exception:
+            self.kill(new)
+            raise
+
+    def install(self, members: tuple[int, ...], actors: list, info: list[dict]) -> None:
+        """Puts the actors :meth:`replace` made in their hosts' places."""
+        for member, actor, host_info in zip(members, actors, info, strict=True):
+            self.actors[member], self.info[member] = actor, host_info
+            self._pings.pop(member, None)
+
+    def kill(self, actors: list) -> None:
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor)
+
+    def isolate(self, host: int, survivors: list[int]) -> None:
+        """Host ``host`` died: its island's other hosts are killed, and ``survivors`` stop waiting on them."""
+        members = self.layout.members(self.layout.island_of(host))
+        # An island runs as one: its other hosts' collectives would fail or hang.
+        for member in members:
+            if member != host:
+                with contextlib.suppress(Exception):
+                    self.ray.kill(self.actors[member], no_restart=True)
+        for h in survivors:
+            for member in members:
+                with contextlib.suppress(Exception):
+                    self.actors[h].peer_lost.remote(member)
+
+    def first_dead(self, hosts: list[int]) -> tuple[int, BaseException] | None:
+        """The first of ``hosts`` whose actor answers a ping saying it died, and how; None if all
+        answer or are busy (up to ``_HEALTH_CHECK_S``)."""
+        pings = {self.actors[h].ping.remote(): h for h in hosts}
+        ready, _ = self.ray.wait(list(pings), num_returns=len(pings), timeout=_HEALTH_CHECK_S)
+        for ref in ready:
+            try:
+                self.ray.get(ref)
+            except Exception as exc:
+                if is_lost_error(exc):
+                    return pings[ref], exc
+        return None
+
+    def monitor(self, watcher: Watcher) -> None:
+        """Pings every host; a host whose actor died is lost. A slow host is only slow."""
+        ray = self.ray
+        while not watcher.closed:
+            try:
+                self._look(watcher)
+            except Exception as exc:  # Ray itself went away (process exit): stop looking
+                if watcher.closed or not ray.is_initialized():
+                    return
+                logging.warning("pathways_jax: the Ray host monitor failed once: %s", exc)
+            time.sleep(_PING_S)
+
+    def _look(self, watcher: Watcher) -> None:
+        ray = self.ray
+        for host in range(self.layout.hosts):
+            if host in watcher.lost_hosts or watcher.closed:
+                continue
+            silent = self.link.silent_for(host)
+            if silent is not None and silent > HUNG_S:
+                with contextlib.suppress(Exception):
+                    ray.kill(self.actors[host], no_restart=True)
+                watcher.mark_lost(
+                    host, f"it sent nothing, not even a heartbeat, for {silent:.0f}s: hung, and killed"
+                )
+                continue
+            ref = self._pings.get(host)
+            if ref is None:
+                self._pings[host] = self.actors[host].ping.remote()
+                continue
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue  # still busy: slow is not lost
+            del self._pings[host]
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                if not watcher.closed and is_lost_error(exc):
+                    watcher.mark_lost(host, str(exc))
+
+    def close(self) -> None:
+        """Kills the actors without waiting (their values go with them), closes the link, frees the bundles."""
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor)
+        link = getattr(self, "link", None)
+        if link is not None:
+            link.close()
+        with contextlib.suppress(Exception):
+            self.remove_pg(self.pg)
