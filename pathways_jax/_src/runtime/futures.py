@@ -657,17 +657,17 @@ def dispatched_values(entries: list[Entry], store: ObjectStore, wanted: Sequence
         array = entry.array  # read before the state: a ready state then has its array
         ready = want and type(entry.state) is Ready and array is not None
         if ready and (type(array) is impl or isinstance(array, array_type)):
-                signature = entry.signature
-                if signature is None or signature.committed or not getattr(array, "_committed", True):
-                    append(array)  # uncommitted already: its executable was compiled as jax.jit's
-                else:  # as in dispatched_all
-                    held = known.get(id(signature))
-                    if held is not None and held[0] is signature and held[1] is array.aval:
-                        append(loose(array, *held[2]))
-                    else:
-                        append(loose(array, *_loose_type(signature, array)))
-                taken.append(entry)
-                continue
+            signature = entry.signature
+            if signature is None or signature.committed or not getattr(array, "_committed", True):
+                append(array)  # uncommitted already: its executable was compiled as jax.jit's
+            else:  # as in dispatched_all
+                held = known.get(id(signature))
+                if held is not None and held[0] is signature and held[1] is array.aval:
+                    append(loose(array, *held[2]))
+                else:
+                    append(loose(array, *_loose_type(signature, array)))
+            taken.append(entry)
+            continue
         append(Future(entry, store))
     store.forget(taken)
     return out
