@@ -13,7 +13,8 @@ from typing import Any
 
 import jax
 
-from pathways_jax._src.runtime.futures import Future, _index_values
+from pathways_jax._src.runtime.array_like import index_values
+from pathways_jax._src.runtime.futures import Future
 
 HOOKS: dict[str, bool] = {}  # what install() put in place, by name (read by tests and pw.counters users)
 
@@ -94,7 +95,7 @@ def _let_jax_checks_take_futures() -> None:
         return
     _see_futures(random_core, "_check_prng_key", 1, _value_of)
     _see_futures(api, "_device_get", 0, _value_of)
-    _see_futures(getattr(indexing, "NDIndexer", None), "from_raw_indices", 1, _index_values)  # after cls
+    _see_futures(getattr(indexing, "NDIndexer", None), "from_raw_indices", 1, index_values)  # after cls
 
 
 def _value_of(value: Any) -> Any:

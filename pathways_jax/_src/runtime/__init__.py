@@ -14,6 +14,7 @@ Modules: ``clusters`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``slices``
 and futures); ``controller`` (the single controller); ``windows`` (its in-flight windows, what a backend
 is handed while it dispatches); ``admission`` (the admission core);
 ``scheduler`` (scheduling policies); ``object_store`` (the object store); ``futures``
-(``pw.Future``); ``accounting`` (busy time and usage); ``serving`` (the controller service:
+(``pw.Future``); ``accounting`` (busy time and usage); ``array_like`` (what a future
+answers as the array it stands for); ``serving`` (the controller service:
 its config, records, ledger, actor and ``pw.serve``).
 """
