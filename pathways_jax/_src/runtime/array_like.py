@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -60,16 +60,15 @@ class ArrayLike:
 
     __slots__ = ()
 
-    def result(self, timeout: float | None = None) -> jax.Array:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # what the class using the mixin gives (pw.Future)
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        raise NotImplementedError
+        def result(self, timeout: float | None = None) -> jax.Array: ...
 
-    @property
-    def dtype(self) -> np.dtype:
-        raise NotImplementedError
+        @property
+        def shape(self) -> tuple[int, ...]: ...
+
+        @property
+        def dtype(self) -> np.dtype: ...
 
     __array_priority__ = 100  # as jax.Array: NumPy's operators defer to ours
     # As jax.Array: == compares elementwise. (typeshed has object.__hash__ always callable.)
