@@ -440,7 +440,7 @@ class Controller:
             return _WAITS_FOR_MEMORY
         windows = self.windows
         for island, count in run.plan.prepared.windowed.items():
-            size = windows.island_size if island >= 0 else windows.device_size
+            size = windows.island_size if island >= 0 else windows.device_size  # .size(island), inlined
             running = None if busy is None else busy.get(island)
             if running is None:
                 running = len(windows.entries[island])

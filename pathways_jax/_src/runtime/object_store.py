@@ -202,10 +202,6 @@ class ObjectStore:
             self._live.pop(entry.id, None)
             # Dropping the store's reference lets JAX free the buffer once nothing
             # else (a queued computation, an array the user took) holds it.
-            if budget is None:
-                entry.state = FREED
-                entry.array = None
-                continue
             with budget.lock:
                 entry.state = FREED
                 entry.array = None
@@ -213,7 +209,7 @@ class ObjectStore:
                 if charge:
                     budget.release(charge, locked=True)
                     released = True
-        if released and budget is not None:
+        if released:
             budget.notify()
 
     def free(self, entries: list[Entry], failure: tuple[str, BaseException | None] | None = None) -> int:
