@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from jax.sharding import PartitionSpec as P
 
 from pathways_jax import errors as errors
+from pathways_jax import faults as faults
 from pathways_jax._src.api.placed_jit import JitFunction as JitFunction
 from pathways_jax._src.api.placed_jit import jit as jit
 from pathways_jax._src.api.recording import start_trace as start_trace
@@ -72,6 +73,7 @@ __all__ = [
     "counters",
     "devices",
     "errors",
+    "faults",
     "init",
     "jit",
     "plot_timeline",

@@ -49,15 +49,15 @@ def test_killed_host_fails_its_futures_and_the_next_run_moves(ray_cluster):
     kept_on_host0 = pw.jit(lambda v: v * 3, devices=a)(jnp.arange(4.0))
     before = pw.counters()
 
+    pid = cluster.backend.info[1]["pid"]
+    pw.faults.kill_host(1, at_run=1)  # host 1 dies in the middle of its next run
     slow_out, _ = step(x, 2.0)  # seconds of work on host 1
-    time.sleep(0.5)
-    assert not slow_out.done()
-    os.kill(cluster.backend.info[1]["pid"], signal.SIGKILL)
     killed = time.monotonic()
     with pytest.raises(pw.errors.HostLostError, match="host 1") as caught:
         slow_out.result(timeout=30)
     assert time.monotonic() - killed <= DETECTION_BOUND_S, "host loss took too long to surface"
     assert isinstance(caught.value, pw.errors.ProgramFailedError)
+    assert not _alive(pid)
     with pytest.raises(pw.errors.HostLostError, match="host 1"):
         kept_on_host1.result(timeout=30)
     assert_matches(kept_on_host0, jnp.arange(4.0) * 3)  # host 0's values are untouched
@@ -413,13 +413,21 @@ def test_the_ray_call_link_still_serves_as_a_second_link(ray_cluster, monkeypatc
     assert cluster.backend.link.stats()["messages"] >= 4  # registrations and runs, one call each
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str | None:
+    """The process's state letter in /proc (R, S, T: stopped, Z: zombie); None once it is gone."""
     try:
-        os.kill(pid, 0)
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+            return stat.read().split(")")[-1].split()[0]
     except (ProcessLookupError, FileNotFoundError):
-        return False
+        return None
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in (None, "Z", "X")  # a zombie is dead
+
+
+def _stopped(pid: int) -> bool:
+    return _state(pid) in ("T", "t")
 
 
 def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster):
@@ -432,14 +440,54 @@ def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster):
     f = pw.jit(lambda v: v * 2 + 1, devices=b)
     assert_matches(f(jnp.arange(4.0)), jnp.arange(4.0) * 2 + 1)
     pid = cluster.backend.info[1]["pid"]
-    os.kill(pid, signal.SIGSTOP)
+    pw.faults.hang_host(1, at_run=1)  # host 1 stops (SIGSTOP) in the middle of its next run
+    hung = f(jnp.arange(4.0) + 1)
     stopped = time.monotonic()
     try:
+        assert wait_for(lambda: _stopped(pid), timeout=30), "the host did not stop in its run"
         with pytest.raises(pw.errors.HostLostError, match="hung"):
-            f(jnp.arange(4.0) + 1).result(timeout=HUNG_S + 30)
+            hung.result(timeout=HUNG_S + 30)
         assert time.monotonic() - stopped <= HUNG_S + DETECTION_BOUND_S
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)  # (killed by then: nothing to resume)
     assert wait_for(lambda: not _alive(pid), timeout=30), "the hung host was not killed"
     assert_matches(f(jnp.arange(4.0) + 2), (jnp.arange(4.0) + 2) * 2 + 1)
+
+
+def test_pw_faults_kills_a_host_now_and_refuses_what_it_cannot_do(ray_cluster):
+    """``pw.faults.kill_host(h)`` returns once the host is dead; its island is lost and rebuilt,
+    and the next call is exact. Bad arguments and a lost host are refused by name."""
+    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    b = pw.devices(mesh={"x": 1}, island=1)
+    f = pw.jit(lambda v: jnp.sin(v) * 2, devices=b)
+    x = jnp.arange(4.0)
+    assert_matches(f(x), jax.jit(lambda v: jnp.sin(v) * 2)(x))
+    for bad, match in (
+        (dict(host=2), r"host must be a host's number, 0 to 1 \(pw.init\(hosts=2\)\); got 2"),
+        (dict(host=True), "host must be"),
+        (dict(host=1, at_run=-1), "at_run must be an int >= 0"),
+        (dict(host=1, at_run=1.5), "at_run must be"),
+        (dict(host=1, timeout=0), "timeout must be seconds > 0"),
+    ):
+        with pytest.raises(pw.errors.ResourceError, match=match) as caught:
+            pw.faults.kill_host(**bad)
+        assert "test_ray_hosts.py" in str(caught.value)  # the user's line
+    pid = cluster.backend.info[1]["pid"]
+    pw.faults.kill_host(1)
+    assert not _alive(pid)
+    assert wait_for(lambda: 1 in cluster.backend.lost_hosts, DETECTION_BOUND_S), "the controller missed it"
+    with pytest.raises(pw.errors.ClusterError, match="host 1 is lost already"):
+        pw.faults.hang_host(1)
+    assert wait_for(lambda: not cluster.backend.lost, 90), "island 1 was not rebuilt"
+    assert cluster.backend.info[1]["pid"] != pid
+    assert_matches(f(x + 1), jax.jit(lambda v: jnp.sin(v) * 2)(x + 1))
+
+
+def test_pw_faults_needs_hosts_of_its_own():
+    pw.init()
+    with pytest.raises(pw.errors.ClusterError, match="'local' backend has no hosts to fail") as caught:
+        pw.faults.kill_host(0)
+    assert "test_ray_hosts.py" in str(caught.value)
+    with pytest.raises(pw.errors.ClusterError, match="no hosts to fail"):
+        pw.faults.hang_host(0, at_run=1)

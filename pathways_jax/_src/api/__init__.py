@@ -10,5 +10,6 @@ Modules: ``tracing`` (``@pw.program``: tracing a function into a graph, its plan
 ``placed_jit`` (``pw.jit`` on a slice); ``graph_builder`` (a jaxpr becomes a graph);
 ``jit_shardings`` (``in_shardings``/``out_shardings``); ``nnx_graph`` (NNX objects as
 arguments); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``);
-``recording`` (``pw.trace``: the runtime's events laid out as a trace).
+``recording`` (``pw.trace``: the runtime's events laid out as a trace); ``faults``
+(``pw.faults``: a Ray host killed or hung on purpose).
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pathways_jax._src.compile.lowering import Prepared
 
@@ -245,6 +245,24 @@ class Shares(Protocol):
         ...
 
 
+FaultKind = Literal["kill", "hang"]
+
+
+@runtime_checkable
+class Strikes(Protocol):
+    """A backend whose hosts fail on purpose when told (``pw.faults``): rehearsals of a lost or hung host."""
+
+    @property
+    def hosts(self) -> int:
+        """How many hosts there are, numbered from 0."""
+        ...
+
+    def strike(self, host: int, kind: FaultKind, at_run: int, timeout: float = ...) -> None:
+        """Has ``host`` kill (SIGKILL) or stop (SIGSTOP) its own process: now (``at_run`` 0; a kill
+        returns once the host is dead), or during the ``at_run``-th run it starts from now."""
+        ...
+
+
 @runtime_checkable
 class ServiceView(Protocol):
     """A backend that is a client of a controller service: the service's own statistics."""
@@ -264,6 +282,7 @@ __all__ = [
     "Shares",
     "StartOptions",
     "StepFailed",
+    "Strikes",
     "Windows",
     "device_window_key",
 ]

@@ -58,7 +58,7 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends import ray_fleet, ray_host
-from pathways_jax._src.backends.base import Dispatched, Prepared, StepFailed, Windows
+from pathways_jax._src.backends.base import Dispatched, FaultKind, Prepared, StepFailed, Windows
 from pathways_jax._src.backends.host_link import HostGone, Link
 from pathways_jax._src.backends.ray_boot import Layout as Layout
 from pathways_jax._src.backends.ray_boot import import_ray as import_ray
@@ -598,6 +598,13 @@ class RayBackend:
         live = [h for h in range(self.hosts) if h not in self.lost_hosts]
         stats = self.ray.get([self.actors[h].stats.remote() for h in live], timeout=timeout)
         return dict(zip(live, stats, strict=True))
+
+    def strike(self, host: int, kind: FaultKind, at_run: int, timeout: float = CALL_TIMEOUT_S) -> None:
+        """Has host ``host`` strike a fault on itself (``base.Strikes``); ClusterError if it is lost."""
+        why = self.lost_hosts.get(host)
+        if why is not None:
+            raise errors.ClusterError(f"host {host} is lost already ({why}): no fault was injected.")
+        self.fleet.strike(host, ray_host.Fault(kind, at_run), timeout)
 
     # --- health ------------------------------------------------------------------------
 

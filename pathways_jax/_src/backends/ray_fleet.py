@@ -27,6 +27,7 @@ _PING_S = 0.25  # how often the monitor looks at every host
 # (a stopped or wedged process: Ray still sees its actor alive): it is killed and counts as lost.
 HUNG_S = 10.0
 START_TIMEOUT_S = 120.0
+_STRIKE_POLL_S = 0.01  # how often a host told to kill itself is asked whether it is dead
 # A run failed on a host of an island of several hosts, or that pulled values
 # from other hosts: how long the controller waits for those hosts to answer a
 # ping before it takes the failure as the run's own (a dead host answers with
@@ -187,6 +188,39 @@ class HostActors:
         for actor in actors:
             with contextlib.suppress(Exception):
                 self.ray.kill(actor)
+
+    def strike(self, host: int, fault: ray_host.Fault, timeout: float) -> None:
+        """Has host ``host`` strike ``fault`` on itself (``pw.faults``).
+
+        Returns once the host holds it; a kill asked for now returns once Ray
+        sees the actor dead. Raises ``ClusterError`` if the host does not
+        answer within ``timeout`` seconds, or is already dead.
+        """
+        ray = self.ray
+        actor = self.actors[host]
+        deadline = time.monotonic() + timeout
+        try:
+            ray.get(actor.arm.remote(fault), timeout=timeout)
+        except Exception as exc:
+            why = "is already dead" if is_lost_error(exc) else f"did not answer ({type(exc).__name__}: {exc})"
+            raise errors.ClusterError(f"host {host} {why}: no fault was injected.") from exc
+        if fault.kind != "kill" or fault.at_run > 0:
+            return
+        while time.monotonic() < deadline:  # it strikes just after answering: wait for Ray to see it dead
+            ref = actor.ping.remote()
+            ready, _ = ray.wait([ref], timeout=max(0.0, min(_PING_S, deadline - time.monotonic())))
+            if not ready:
+                continue
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                if is_lost_error(exc):
+                    return
+                raise
+            time.sleep(
+                _STRIKE_POLL_S
+            )  # alive still: it strikes ray_host.faults.STRIKE_DELAY_S after answering
+        raise errors.ClusterError(f"host {host} was told to kill itself and still answers after {timeout}s.")
 
     def isolate(self, host: int, survivors: list[int]) -> None:
         """Host ``host`` died: its island's other hosts are killed, and ``survivors`` stop waiting on them."""

@@ -8,7 +8,8 @@ Modules: ``ops`` (a plan's part for a host: sharding descriptors, operations);
 ``answers`` (a host's role, what it answers, failures described); ``values``
 (values to and from the wire, typed keys, placing, fetch reads); ``plane``
 (the data plane: shardings, the transfer server, host to host); ``steps``
-(operations made into steps, executables paced); ``actor`` (the ``Host``
+(operations made into steps, executables paced); ``faults`` (a
+fault the host strikes on itself when asked: ``pw.faults``); ``actor`` (the ``Host``
 actor: messages in order, the executor, the completer).
 """
 
@@ -18,6 +19,7 @@ from pathways_jax._src.backends.ray_host.answers import Refused as Refused
 from pathways_jax._src.backends.ray_host.answers import Role as Role
 from pathways_jax._src.backends.ray_host.answers import RunDone as RunDone
 from pathways_jax._src.backends.ray_host.answers import RunFailure as RunFailure
+from pathways_jax._src.backends.ray_host.faults import Fault as Fault
 from pathways_jax._src.backends.ray_host.ops import ExecOp as ExecOp
 from pathways_jax._src.backends.ray_host.ops import NamedDesc as NamedDesc
 from pathways_jax._src.backends.ray_host.ops import Op as Op
@@ -38,6 +40,7 @@ from pathways_jax._src.backends.ray_host.values import to_wire as to_wire
 __all__ = [
     "PACE",
     "ExecOp",
+    "Fault",
     "Host",
     "KeyData",
     "MessageFailed",

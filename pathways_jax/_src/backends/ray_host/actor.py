@@ -48,6 +48,7 @@ from pathways_jax._src.backends.ray_host.answers import (
     describe_failure,
     trace_of,
 )
+from pathways_jax._src.backends.ray_host.faults import Armed, Fault
 from pathways_jax._src.backends.ray_host.ops import Op, sharding_of
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
 from pathways_jax._src.backends.ray_host.steps import Steps
@@ -88,6 +89,7 @@ class Host:
         self.broken: dict[int, tuple[str, str, list[Op]]] = {}
         self.runs_done = 0
         self.fed = 0  # values that came with a run's message (arguments)
+        self.faults = Armed()  # a fault pw.faults asked this host to strike (faults.py)
         self._queue: dict[int, tuple] = {}
         self._next_seq = 0
         self._next_arrival = 0  # the number the next message from the channel takes
@@ -175,6 +177,10 @@ class Host:
 
     async def ping(self) -> int:
         return self.index
+
+    async def arm(self, fault: Fault) -> None:
+        """Holds ``fault`` until the run it strikes in (``pw.faults``); one for now strikes just after this answer."""
+        self.faults.arm(fault)
 
     async def stats(self) -> dict:
         return {
@@ -340,6 +346,7 @@ class Host:
             for index, run_step in enumerate(steps):
                 step = index
                 run_step(env, base, made, peers)
+            self.faults.run_enqueued()
         except BaseException as exc:
             # Peers waiting for this run's values get errors in their place, and
             # what peers posted for it is taken off their servers: nothing waits.
