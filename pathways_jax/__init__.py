@@ -93,12 +93,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # pw.sim, the simulator, and pw.plot_timeline (a view: matplotlib) are imported on first
+    # pw.sim, the simulator, pw.elastic (Flax and Optax) and pw.plot_timeline (a view: matplotlib) are imported on first
     # use: `import pathways_jax` loads neither.
     if name == "sim":
         import importlib
 
         return importlib.import_module("pathways_jax.sim")
+    if name == "elastic":  # the pipeline extra (Flax, Optax)
+        import importlib
+
+        return importlib.import_module("pathways_jax.elastic")
     if name == "plot_timeline":
         from pathways_jax._src.views.plotting import plot_timeline
 
@@ -107,4 +111,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*(name for name in globals() if name != "TYPE_CHECKING"), *__all__, "sim"})
+    return sorted({*(name for name in globals() if name != "TYPE_CHECKING"), *__all__, "sim", "elastic"})

@@ -3,5 +3,5 @@
 Modules: ``pipelined`` (``Pipeline``); ``data_parallel`` (``DataParallel``); ``stages`` (stages
 in one form); ``nodes`` (a stage's ``pw.jit`` nodes); ``schedules`` (pipeline schedules);
 ``optimizers`` (what counts as an optimizer); ``rngs`` (RNG streams); ``flags`` (the ``train``
-flag a stage takes).
+flag a stage takes); ``elastic`` (``pw.elastic``: data parallelism through lost islands).
 """

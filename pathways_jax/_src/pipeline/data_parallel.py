@@ -119,17 +119,29 @@ class DataParallel:
             spec == pw.P() for spec in jax.tree.leaves(pspecs, is_leaf=lambda s: isinstance(s, pw.P))
         )
         self._ospecs = ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
-        self._update_nodes = []
-        self._params: list[Any] = []
-        self._opt_states: list[Any] = []
+        self._update_by_slice: dict[int, pw.JitFunction] = {}
+        self._grad_by_slice: dict[tuple[Mode, int], pw.JitFunction] = {}
+        params, opt_states = [], []
         for slice_ in self.slices:
-            self._update_nodes.append(
-                pw.jit(self._average_and_update, devices=slice_, out_specs=(pspecs, ospecs))
-            )
             init = pw.jit(lambda p: (p, tx.init(p)), devices=slice_, out_specs=(pspecs, ospecs))
-            params, opt_state = init(stage.params)
-            self._params.append(params)
-            self._opt_states.append(opt_state)
+            p, o = init(stage.params)
+            params.append(p)
+            opt_states.append(o)
+        self._set_replicas(self.slices, params, opt_states)
+
+    def _set_replicas(
+        self, slices: Sequence[pw.VirtualSlice], params: Sequence[Any], opt_states: Sequence[Any]
+    ) -> None:
+        """The replicas from now on: their slices, parameters and optimizer states, in order.
+
+        ``pw.elastic.Manager`` drops the replicas of a lost island and adds
+        one back when the island returns; the step's program is traced again
+        for the new count (a slice's own nodes are kept).
+        """
+        self.slices = list(slices)
+        self._params = list(params)
+        self._opt_states = list(opt_states)
+        self._update_nodes = [self._update_node(slice_) for slice_ in self.slices]
         count = len(self.slices)
 
         def mean(*losses: jax.Array) -> jax.Array:
@@ -139,6 +151,14 @@ class DataParallel:
         self._checked: set[Any] = set()
         self._grad_nodes_by_mode: dict[Mode, list[pw.JitFunction]] = {}
         self._programs: dict[Mode, Any] = {}
+
+    def _update_node(self, slice_: pw.VirtualSlice) -> pw.JitFunction:
+        node = self._update_by_slice.get(slice_.id)
+        if node is None:
+            node = self._update_by_slice[slice_.id] = pw.jit(
+                self._average_and_update, devices=slice_, out_specs=(self._pspecs, self._ospecs)
+            )
+        return node
 
     def _average_and_update(self, p: Any, o: Any, *grads: Any) -> tuple[Any, Any]:
         total = grads[0]
@@ -164,12 +184,15 @@ class DataParallel:
 
         nodes = []
         for slice_ in self.slices:
-            act = stages_lib.activation_spec(slice_, self.data_axis)
-            kspec = (None,) if mode.keyed else ()
-            out = pw.P() if flat else (pw.P(), self._pspecs)
-            nodes.append(
-                pw.jit(loss_and_grads, devices=slice_, in_specs=(None, act, act, *kspec), out_specs=out)
-            )
+            node = self._grad_by_slice.get((mode, slice_.id))
+            if node is None:
+                act = stages_lib.activation_spec(slice_, self.data_axis)
+                kspec = (None,) if mode.keyed else ()
+                out = pw.P() if flat else (pw.P(), self._pspecs)
+                node = self._grad_by_slice[(mode, slice_.id)] = pw.jit(
+                    loss_and_grads, devices=slice_, in_specs=(None, act, act, *kspec), out_specs=out
+                )
+            nodes.append(node)
         self._grad_nodes_by_mode[mode] = nodes
         return nodes
 

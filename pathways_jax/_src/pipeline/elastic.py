@@ -1,0 +1,489 @@
+"""``pw.elastic``: data-parallel training that goes on when an island is lost, and takes it back.
+
+A :class:`Manager` drives a :class:`~pathways_jax.pipeline.DataParallel`
+model, one replica per island. When an island's host dies mid-training, the
+steps it spoiled are run again on the surviving replicas, from their own
+copies of the state (no checkpoint, no step lost), with the same global
+batch cut into fewer, larger shards; the user's loop does not see it. When
+the island is rebuilt, a replica joins it again at a step boundary, its
+state copied from a survivor over the transfer servers.
+
+Semantics:
+
+- **Steps.** Every call of :meth:`Manager.train_step` is one step, applied
+  exactly once to the state, in order. A step whose run failed because a
+  replica's island was lost is run again, with the same batch, on the
+  replicas left; the loss it returns (a :class:`Loss`) reads the step's
+  value from whichever run completed it.
+- **Arithmetic.** With K replicas a step averages K shard gradients; with
+  K - 1 it averages K - 1 larger shards. Both are the mean gradient of the
+  whole batch, in another order of additions: a run that lost an island
+  equals the uninterrupted one within float rounding (about 1e-6 relative
+  in float32 per step, compounding), not bit for bit. Replicas hold
+  bit-identical parameters at every step, before and after, and a replica
+  that rejoins starts from a bit-identical copy.
+- **Memory.** The state before each step not yet known complete is kept, so
+  that a step can be run again: at most ``window`` steps (``window + 1``
+  copies of the parameters and optimizer state per replica).
+- **Batch.** The global batch must split evenly over every replica count
+  the run may have, from ``minimum_islands`` to all of them (checked at the
+  first step).
+
+The shape follows ``pathwaysutils.elastic.Manager``: :meth:`Manager.elastic_retry`
+wraps a function to run it again after a failure the manager could not
+absorb (fewer than ``minimum_islands`` replicas left, or a host lost under
+the user's own programs), once enough islands are up.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+import pathways_jax as pw
+from pathways_jax._src.pipeline.data_parallel import DataParallel
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+RetryPolicy = Callable[[int, BaseException], bool]
+_POLL_S = 0.05  # how often the manager looks at the islands while it waits for them
+# A run failed with HostLostError: how long the manager waits for the cluster to take that
+# island out (its slices moved) before it treats the failure as the step's own.
+_LOSS_SEEN_S = 10.0
+
+
+class Event(NamedTuple):
+    """Something the manager did: a replica lost (``"lost"``) or one back (``"rejoined"``).
+
+    ``step``: the first step it affected; ``islands``: the replicas' islands
+    after it; ``seconds``: how long the manager took over it (for a loss: from
+    when it found the failure until the steps it spoiled were dispatched again).
+    """
+
+    step: int
+    kind: Literal["lost", "rejoined"]
+    islands: tuple[int, ...]
+    seconds: float
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """A dispatched step not yet known complete: what it needs to run again."""
+
+    index: int
+    x: Any
+    y: Any
+    options: dict[str, Any]
+    params: list[Any]  # the state it started from, one entry per replica
+    opt_states: list[Any]
+    islands: tuple[int, ...]  # each replica's island when it was dispatched
+    loss: Any = None  # its loss future (replaced when the step runs again)
+    done_marks: tuple[Any, ...] = ()  # one output of each replica's update: all done = step done
+
+
+class Loss:
+    """The loss of one step of a :class:`Manager`: read it as a ``pw.Future``'s ``result()``.
+
+    If the run that computed it failed because an island was lost, reading it
+    lets the manager run the step again on the surviving replicas, and gives
+    that run's value.
+    """
+
+    __slots__ = ("_manager", "_step")
+
+    def __init__(self, manager: Manager, step: _Step):
+        self._manager = manager
+        self._step = step
+
+    @property
+    def step(self) -> int:
+        """The step's number (0 for the first call of ``train_step``)."""
+        return self._step.index
+
+    def done(self) -> bool:
+        """True once the current run of the step has finished (or failed); never waits."""
+        return bool(self._step.loss.done())
+
+    def result(self, timeout: float | None = None) -> jax.Array:
+        """The step's mean loss, as ``pw.Future.result`` (a lost island's failure is absorbed)."""
+        return self._manager._result(self._step, timeout)
+
+    def block_until_ready(self) -> Loss:
+        self.result()
+        return self
+
+    def __float__(self) -> float:
+        return float(self.result())
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.result(), dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"pw.elastic.Loss(step={self.step}, done={self.done()})"
+
+
+class Manager:
+    """Trains a :class:`~pathways_jax.pipeline.DataParallel` model through the loss of islands.
+
+    Args:
+      model: the data-parallel model, one replica per island (its slices on
+        distinct islands of a Ray cluster; the local backend loses none).
+      minimum_islands: the fewest replicas training goes on with. A loss that
+        leaves fewer raises ``HostLostError`` from ``train_step`` (or a loss's
+        ``result``): :meth:`elastic_retry` waits for islands then.
+      window: steps dispatched and not known complete at most; the state before
+        each is kept to run it again. ``train_step`` waits for the oldest once
+        this many are outstanding.
+      rejoin: when a lost island is rebuilt, a replica joins it again at the
+        next step boundary (its state copied from the first replica).
+
+    Raises:
+      PlacementError: ``model`` is not a ``DataParallel``, two of its replicas
+        share an island, or an argument is out of range.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, pathways_jax as pw
+      >>> from pathways_jax.pipeline import DataParallel
+      >>> _ = pw.init(islands=2)
+      >>> a, b = pw.devices(mesh={"data": 1}, island=0), pw.devices(mesh={"data": 1}, island=1)
+      >>> dp = DataParallel((jnp.ones(2), lambda p, x: x * p), [a, b],
+      ...                   loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+      ...                   optimizer=optax.sgd(0.5))
+      >>> manager = pw.elastic.Manager(dp)
+      >>> loss = manager.train_step(np.ones((2, 2)), np.zeros((2, 2)))
+      >>> float(loss), manager.step, manager.islands
+      (1.0, 1, (0, 1))
+      >>> pw.shutdown()
+    """
+
+    def __init__(
+        self, model: DataParallel, *, minimum_islands: int = 1, window: int = 2, rejoin: bool = True
+    ):
+        if not isinstance(model, DataParallel):
+            raise pw.errors.PlacementError(
+                f"pw.elastic.Manager drives a pathways_jax.pipeline.DataParallel model; got {type(model).__name__}."
+            )
+        count = len(model.slices)
+        if not _is_int(minimum_islands) or not 1 <= minimum_islands <= count:
+            raise pw.errors.PlacementError(
+                f"minimum_islands must be an int from 1 to the model's {count} replicas; got {minimum_islands!r}."
+            )
+        if not _is_int(window) or window < 1:
+            raise pw.errors.PlacementError(f"window must be an int >= 1; got {window!r}.")
+        islands = [s.island for s in model.slices]
+        if len(set(islands)) != len(islands):
+            raise pw.errors.PlacementError(
+                f"pw.elastic.Manager: the model's replicas are on islands {islands}; each must have an "
+                "island of its own (an island lost takes every replica on it). Place them with "
+                "pw.devices(..., island=i)."
+            )
+        self.model = model
+        self.minimum_islands = minimum_islands
+        self.window = window
+        self.rejoin = rejoin
+        self._homes = tuple(islands)  # each replica's own island, in the model's order
+        first = model.slices[0]
+        self._mesh = dict(zip(first.axis_names, first.shape, strict=True))
+        self._axis_types = first.axis_types
+        self._exclusive = first.exclusive
+        self._pending: collections.deque[_Step] = collections.deque()
+        self._step = 0
+        self._checked_batches: set[int] = set()
+        self.events: list[Event] = []
+
+    @property
+    def step(self) -> int:
+        """How many steps were taken (calls of :meth:`train_step`)."""
+        return self._step
+
+    @property
+    def islands(self) -> tuple[int, ...]:
+        """The islands of the replicas training now, in order."""
+        return tuple(s.island for s in self.model.slices)
+
+    def train_step(self, x: Any, y: Any, **options: Any) -> Loss:
+        """Runs one step on the replicas there are (as ``DataParallel.train_step``); returns its loss.
+
+        Keyword options (``rngs``, ``train``, ``train_kw``) are passed on. At
+        this step boundary, first: steps known complete are let go, a lost
+        island's spoiled steps are run again on the survivors, and a rebuilt
+        island gets its replica back.
+
+        Raises:
+          HostLostError: fewer than ``minimum_islands`` replicas are left.
+          PlacementError: the batch does not split evenly over every replica
+            count from ``minimum_islands`` to all of them.
+        """
+        self._check_batch(x)
+        self._settle(wait=len(self._pending) >= self.window)
+        if self.rejoin:
+            self._rejoin()
+        step = _Step(self._step, x, y, options, [], [], ())
+        self._dispatch(step)
+        self._pending.append(step)
+        self._step += 1
+        return Loss(self, step)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits until every step taken is complete (running spoiled ones again as needed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending:
+            self._result(
+                self._pending[-1], None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+            self._settle(wait=False)
+
+    def elastic_retry(
+        self,
+        *,
+        max_retries: int | None = None,
+        minimum_islands: int | None = None,
+        timeout: float | None = None,
+        on_elastic_event_callback: Callable[[], Any] | None = None,
+        retry_policy: RetryPolicy | None = None,
+    ) -> Callable[[_F], _F]:
+        """Runs the decorated function again after a host loss the manager could not absorb.
+
+        Shaped as ``pathwaysutils.elastic.Manager.elastic_retry``. The manager's
+        state survives the failure: a loop written as ``for step in
+        range(manager.step, total)`` goes on from the first step not taken.
+
+        Args:
+          max_retries: retries at most (``None``: as ``retry_policy`` says, else
+            unlimited). Not with ``retry_policy``.
+          minimum_islands: replicas to wait for before each retry (default:
+            the manager's ``minimum_islands``).
+          timeout: seconds to wait for them before each retry (``None``: no limit).
+          on_elastic_event_callback: called after each failure, before waiting.
+          retry_policy: ``(attempt, error) -> bool``: whether to retry.
+
+        Raises:
+          ValueError: both ``max_retries`` and ``retry_policy``, or a bad count.
+        """
+        if max_retries is not None and retry_policy is not None:
+            raise ValueError("pass max_retries or retry_policy, not both.")
+        if max_retries is not None:
+            if not _is_int(max_retries) or max_retries < 1:
+                raise ValueError(f"max_retries must be an int >= 1; got {max_retries!r}.")
+            limit = max_retries
+            retry_policy = lambda attempt, error: attempt <= limit  # noqa: E731
+        policy: RetryPolicy = retry_policy or (lambda attempt, error: True)
+        wanted = self.minimum_islands if minimum_islands is None else minimum_islands
+
+        def decorator(function: _F) -> _F:
+            @functools.wraps(function)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                attempt = 0
+                while True:
+                    try:
+                        return function(*args, **kwargs)
+                    except pw.errors.HostLostError as error:
+                        attempt += 1
+                        logging.warning("pw.elastic: attempt %d failed: %s", attempt, error)
+                        if on_elastic_event_callback is not None:
+                            on_elastic_event_callback()
+                        if not policy(attempt, error):
+                            raise
+                        self._wait_for_islands(wanted, timeout)
+
+            return wrapper  # type: ignore[return-value]
+
+        return decorator
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def _dispatch(self, step: _Step) -> None:
+        """Runs ``step`` on the model's replicas as they are, from their current state."""
+        model = self.model
+        step.params, step.opt_states = list(model._params), list(model._opt_states)
+        step.islands = self.islands
+        step.loss = model.train_step(step.x, step.y, **step.options)
+        step.done_marks = tuple(jax.tree.leaves(p)[0] for p in model._params)
+
+    def _settle(self, wait: bool) -> None:
+        """Lets go of the steps known complete, oldest first; waits for the oldest if ``wait``."""
+        while self._pending:
+            step = self._pending[0]
+            if not wait and not (step.loss.done() and all(m.done() for m in step.done_marks)):
+                return
+            wait = False
+            try:
+                step.loss.block_until_ready()
+                for mark in step.done_marks:
+                    mark.block_until_ready()
+            except pw.errors.ProgramFailedError as error:
+                self._recover(error)
+                continue
+            self._pending.popleft()
+
+    def _result(self, step: _Step, timeout: float | None) -> jax.Array:
+        while True:
+            loss = step.loss
+            try:
+                return loss.result(timeout)
+            except pw.errors.FutureTimeoutError:
+                raise
+            except pw.errors.ProgramFailedError as error:
+                if step not in self._pending:
+                    raise
+                self._recover(error)
+                if step.loss is loss:  # not run again: not a lost island's doing
+                    raise
+
+    def _recover(self, error: BaseException) -> None:
+        """A pending step failed: if an island of a replica was lost, run the pending steps again without it."""
+        start = time.monotonic()
+        first = self._pending[0]
+        keep = self._survivors(first)
+        if len(keep) == len(first.islands) and _host_lost(error):
+            # The run failed of a lost host before the cluster moved that island's slices.
+            deadline = start + _LOSS_SEEN_S
+            while len(keep) == len(first.islands) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+                keep = self._survivors(first)
+        slices = self.model.slices
+        lost = sorted(pw.cluster().resources.lost)
+        if len(keep) == len(slices):
+            raise error  # no replica was lost: the step's own failure
+        if len(keep) < self.minimum_islands:
+            raise pw.errors.HostLostError(
+                f"pw.elastic: {len(keep)} of {len(slices)} replicas survive the loss of islands "
+                f"{lost}, fewer than minimum_islands={self.minimum_islands}: training cannot go "
+                f"on from step {first.index}. Wait for islands to return (Manager.elastic_retry does), "
+                "or restore the state from a checkpoint."
+            ) from error
+        for i, slice_ in enumerate(slices):
+            if i not in keep:
+                slice_.release()
+        self.model._set_replicas(
+            [slices[i] for i in keep], [first.params[i] for i in keep], [first.opt_states[i] for i in keep]
+        )
+        gone = sorted(set(first.islands) - set(self.islands))
+        for step in self._pending:  # in order: each from the state the one before leaves
+            self._dispatch(step)
+        self.events.append(Event(first.index, "lost", self.islands, time.monotonic() - start))
+        logging.warning(
+            "pw.elastic: the replicas of islands %s were lost; steps %d-%d run again on islands %s",
+            gone,
+            first.index,
+            self._pending[-1].index,
+            self.islands,
+        )
+
+    def _survivors(self, step: _Step) -> list[int]:
+        """The replicas whose state before ``step`` is still there.
+
+        A replica survives if its slice is where the step found it, on an island
+        not lost: a lost island's slices move (or stay on it, still lost), and
+        its values went with its hosts.
+        """
+        lost = pw.cluster().resources.lost
+        return [
+            i
+            for i, (slice_, island) in enumerate(zip(self.model.slices, step.islands, strict=True))
+            if slice_.island == island and island not in lost
+        ]
+
+    # --- islands coming back ----------------------------------------------------------------
+
+    def _rejoin(self) -> None:
+        """At a step boundary: a replica for each home island that is up again and has none."""
+        cluster = pw.cluster()
+        lost = cluster.resources.lost
+        here = set(self.islands)
+        back = [island for island in self._homes if island not in here and island not in lost]
+        if not back:
+            return
+        start = time.monotonic()
+        model = self.model
+        source_p, source_o = model._params[0], model._opt_states[0]
+        replicas = dict(
+            zip(self.islands, zip(model.slices, model._params, model._opt_states, strict=True), strict=True)
+        )
+        for island in back:
+            try:
+                slice_ = pw.devices(
+                    mesh=self._mesh,
+                    island=island,
+                    exclusive=self._exclusive,
+                    axis_types=self._axis_types,
+                    timeout=0,
+                )
+            except pw.errors.ResourceError as exc:  # lost again, or taken: try at a later step
+                logging.warning(
+                    "pw.elastic: island %d is up but cannot take its replica yet: %s", island, exc
+                )
+                continue
+            copy = pw.jit(
+                lambda p, o: jax.tree.map(jnp.copy, (p, o)),
+                devices=slice_,
+                out_specs=(model._pspecs, model._ospecs),
+            )
+            replicas[island] = (slice_, *copy(source_p, source_o))
+        if len(replicas) == len(here):
+            return
+        order = [island for island in self._homes if island in replicas]  # the model's first order
+        model._set_replicas(*(list(part) for part in zip(*(replicas[i] for i in order), strict=True)))
+        self.events.append(Event(self._step, "rejoined", self.islands, time.monotonic() - start))
+        logging.warning("pw.elastic: replicas on islands %s from step %d", self.islands, self._step)
+
+    def _wait_for_islands(self, count: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cluster = pw.cluster()
+        while sum(1 for island in self._homes if island not in cluster.resources.lost) < count:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise pw.errors.HostLostError(
+                    f"pw.elastic: fewer than {count} of the replicas' islands {list(self._homes)} were up "
+                    f"within {timeout}s."
+                )
+            time.sleep(_POLL_S)
+        self._rejoin()
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def _check_batch(self, x: Any) -> None:
+        batch = np.shape(x)[0] if np.ndim(x) else 0
+        if batch in self._checked_batches:
+            return
+        counts = range(self.minimum_islands, len(self._homes) + 1)
+        need = math.lcm(*counts)
+        if not batch or batch % need:
+            raise pw.errors.PlacementError(
+                f"pw.elastic: the global batch has {batch} examples; it must split evenly over every "
+                f"replica count training may have ({list(counts)}), so use a multiple of {need} "
+                "(or raise minimum_islands)."
+            )
+        self._checked_batches.add(batch)
+
+    def __repr__(self) -> str:
+        return (
+            f"pw.elastic.Manager(step={self._step}, islands={self.islands}, homes={self._homes}, "
+            f"minimum_islands={self.minimum_islands})"
+        )
+
+
+def _host_lost(error: BaseException | None) -> bool:
+    """True if ``error`` or an error it was raised from is a ``HostLostError``."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, pw.errors.HostLostError):
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+__all__ = ["Event", "Loss", "Manager"]

@@ -1,0 +1,207 @@
+"""pw.elastic: data-parallel training that goes on through a lost island, and takes it back."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import wait_for
+
+import pathways_jax as pw
+from pathways_jax.pipeline import DataParallel
+
+pytestmark = pytest.mark.timeout(240)
+
+BATCH = 12  # splits evenly over 1, 2 and 3 replicas
+
+
+def _apply(p, x):
+    return jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def _loss(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def _params():
+    return {
+        "w1": jax.random.normal(jax.random.key(0), (8, 16)) * 0.3,
+        "w2": jax.random.normal(jax.random.key(1), (16, 2)) * 0.3,
+    }
+
+
+def _data(steps):
+    rng = np.random.default_rng(0)
+    return (
+        rng.normal(size=(steps, BATCH, 8)).astype(np.float32),
+        rng.normal(size=(steps, BATCH, 2)).astype(np.float32),
+    )
+
+
+def _reference(xs, ys, counts):
+    """Plain jax.jit: step s averages the gradients of counts[s] equal shards, as DataParallel does."""
+    tx = optax.adam(1e-2)
+
+    @functools.partial(jax.jit, static_argnums=4)
+    def step(p, o, x, y, k):
+        results = [
+            jax.value_and_grad(lambda p, xi=xi, yi=yi: _loss(_apply(p, xi), yi))(p)
+            for xi, yi in zip(jnp.split(x, k), jnp.split(y, k), strict=True)
+        ]
+        total = results[0][1]
+        for _, g in results[1:]:
+            total = jax.tree.map(jnp.add, total, g)
+        updates, o = tx.update(jax.tree.map(lambda g: g / k, total), o, p)
+        losses = [loss for loss, _ in results]
+        return optax.apply_updates(p, updates), o, sum(losses[1:], losses[0]) / k
+
+    p = _params()
+    o = tx.init(p)
+    losses = []
+    for x, y, k in zip(xs, ys, counts, strict=True):
+        p, o, loss = step(p, o, x, y, k)
+        losses.append(float(loss))
+    return p, losses
+
+
+def _replica_params(dp):
+    return [jax.tree.map(lambda f: np.asarray(f.result(timeout=60)), p) for p in dp.params_per_island]
+
+
+def _counts(manager, steps, full):
+    """How many replicas ran each step, from the manager's events."""
+    counts = [full] * steps
+    for event in manager.events:
+        for s in range(event.step, steps):
+            counts[s] = len(event.islands)
+    return counts
+
+
+def test_a_lost_island_costs_no_step_and_its_replica_rejoins_when_it_is_rebuilt(ray_cluster):
+    """A host killed in the middle of a step: the steps it spoiled run again on the two surviving
+    replicas, with the same global batch; every step's loss is readable and equals plain JAX run
+    with the same replica counts; once the island is rebuilt a replica joins it again from a
+    bit-identical copy, and training goes on on three."""
+    cluster = pw.init(backend="ray", hosts=3, devices_per_host=1)
+    slices = [pw.devices(mesh={"data": 1}, island=i) for i in range(3)]
+    dp = DataParallel((_params(), _apply), slices, loss_fn=_loss, optimizer=optax.adam(1e-2))
+    manager = pw.elastic.Manager(dp, minimum_islands=2, window=2)
+    steps = 14
+    xs, ys = _data(steps)
+    losses = []
+    for step in range(10):
+        if step == 4:
+            pw.faults.kill_host(2, at_run=1)  # host 2 dies in the middle of its next run
+        losses.append(manager.train_step(xs[step], ys[step]))
+    manager.wait(timeout=120)
+    assert [e.kind for e in manager.events] == ["lost"], manager.events
+    assert manager.islands == (0, 1) and manager.step == 10
+    assert [loss.step for loss in losses] == list(range(10))
+    first = _replica_params(dp)
+    for other in first[1:]:
+        jax.tree.map(np.testing.assert_array_equal, first[0], other)  # replicas stay bit-identical
+
+    assert wait_for(lambda: 2 not in cluster.resources.lost, 90), "island 2 was not rebuilt"
+    for step in range(10, steps):
+        losses.append(manager.train_step(xs[step], ys[step]))
+    manager.wait(timeout=120)
+    assert [e.kind for e in manager.events] == ["lost", "rejoined"]
+    assert manager.events[1].step == 10 and manager.islands == (0, 1, 2)
+    replicas = _replica_params(dp)
+    assert len(replicas) == 3
+    for other in replicas[1:]:
+        jax.tree.map(np.testing.assert_array_equal, replicas[0], other)
+
+    counts = _counts(manager, steps, 3)
+    assert 2 in counts and counts[-1] == 3
+    want_params, want_losses = _reference(xs, ys, counts)
+    np.testing.assert_allclose([float(loss) for loss in losses], want_losses, rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), replicas[0], want_params
+    )
+
+
+@pytest.fixture
+def two_islands():
+    pw.init(islands=2)
+    yield
+    pw.shutdown()
+
+
+def _dp(islands=(0, 1)):
+    slices = [pw.devices(mesh={"data": 1}, island=i) for i in islands]
+    return DataParallel((_params(), _apply), slices, loss_fn=_loss, optimizer=optax.adam(1e-2))
+
+
+def test_without_a_loss_the_manager_trains_as_its_model_does_bit_for_bit(two_islands):
+    xs, ys = _data(6)
+    plain, managed = _dp(), _dp()
+    manager = pw.elastic.Manager(managed, window=1)
+    want = [plain.train_step(x, y) for x, y in zip(xs, ys, strict=True)]
+    got = [manager.train_step(x, y) for x, y in zip(xs, ys, strict=True)]
+    assert [float(g) for g in got] == [float(w.result()) for w in want]
+    assert got[2].step == 2 and manager.step == 6 and manager.events == []
+    assert np.asarray(got[-1]).shape == () and got[-1].done()
+    jax.tree.map(np.testing.assert_array_equal, _replica_params(managed)[1], _replica_params(plain)[1])
+    _, ref_losses = _reference(xs, ys, [2] * 6)
+    np.testing.assert_allclose([float(g) for g in got], ref_losses, rtol=1e-5)
+
+
+def test_the_manager_refuses_what_it_cannot_keep_going_with(two_islands):
+    dp = _dp()
+    with pytest.raises(pw.errors.PlacementError, match=r"drives a pathways_jax\.pipeline\.DataParallel"):
+        pw.elastic.Manager(object())
+    for bad in (0, 3, True, 1.0):
+        with pytest.raises(pw.errors.PlacementError, match="minimum_islands must be an int from 1 to"):
+            pw.elastic.Manager(dp, minimum_islands=bad)
+    with pytest.raises(pw.errors.PlacementError, match="window must be an int >= 1"):
+        pw.elastic.Manager(dp, window=0)
+    with pytest.raises(pw.errors.PlacementError, match=r"replicas are on islands \[0, 0\]"):
+        pw.elastic.Manager(_dp((0, 0)))
+    manager = pw.elastic.Manager(dp)
+    x, y = np.ones((4, 8), np.float32), np.ones((4, 2), np.float32)
+    with pytest.raises(pw.errors.PlacementError, match=r"over every replica count .*\[1, 2\].*multiple of 2"):
+        manager.train_step(x[:3], y[:3])
+    assert manager.step == 0  # nothing was taken
+    float(manager.train_step(x, y))
+    with pytest.raises(ValueError, match="max_retries or retry_policy, not both"):
+        manager.elastic_retry(max_retries=1, retry_policy=lambda attempt, error: True)
+    with pytest.raises(ValueError, match="max_retries must be an int >= 1"):
+        manager.elastic_retry(max_retries=0)
+
+
+def test_elastic_retry_runs_the_function_again_from_the_managers_step(two_islands):
+    """Shaped as pathwaysutils' elastic_retry: a HostLostError the manager could not absorb runs
+    the function again (the callback first), from the step the manager has reached; other
+    errors, and failures past max_retries, reach the caller."""
+    manager = pw.elastic.Manager(_dp())
+    xs, ys = _data(6)
+    calls, callbacks = [], []
+
+    @manager.elastic_retry(max_retries=2, on_elastic_event_callback=lambda: callbacks.append(manager.step))
+    def train(total):
+        calls.append(manager.step)
+        for step in range(manager.step, total):
+            manager.train_step(xs[step], ys[step])
+            if step == 2 and len(calls) == 1:
+                raise pw.errors.HostLostError("island 1 was lost (raised by the test)")
+        return manager.step
+
+    assert train(6) == 6
+    assert calls == [0, 3] and callbacks == [3]
+
+    @manager.elastic_retry(max_retries=1)
+    def always_lost():
+        raise pw.errors.HostLostError("lost again")
+
+    with pytest.raises(pw.errors.HostLostError, match="lost again"):
+        always_lost()
+
+    @manager.elastic_retry()
+    def broken():
+        raise ValueError("not a lost host")
+
+    with pytest.raises(ValueError, match="not a lost host"):
+        broken()
