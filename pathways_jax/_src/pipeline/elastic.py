@@ -22,9 +22,11 @@ Semantics:
   in float32 per step, compounding), not bit for bit. Replicas hold
   bit-identical parameters at every step, before and after, and a replica
   that rejoins starts from a bit-identical copy.
-- **Memory.** The state before each step not yet known complete is kept, so
-  that a step can be run again: at most ``window`` steps (``window + 1``
-  copies of the parameters and optimizer state per replica).
+- **Memory.** So that steps can be run again, the state before every
+  ``window``-th step is kept until a later one is known complete, with the
+  batches since: at most two copies of the parameters and optimizer state
+  per replica beside the live one, and ``2 * window`` batches. A failure runs
+  again at most the ``2 * window`` steps since the older copy.
 - **Batch.** The global batch must split evenly over every replica count
   the run may have, from ``minimum_islands`` to all of them (checked at the
   first step).
@@ -83,11 +85,12 @@ class _Step:
     x: Any
     y: Any
     options: dict[str, Any]
-    params: list[Any]  # the state it started from, one entry per replica
-    opt_states: list[Any]
+    params: list[Any] | None  # the state it started from, one entry per replica; None: not kept
+    opt_states: list[Any] | None
     islands: tuple[int, ...]  # each replica's island when it was dispatched
     loss: Any = None  # its loss future (replaced when the step runs again)
     done_marks: tuple[Any, ...] = ()  # one output of each replica's update: all done = step done
+    complete: bool = False  # known complete: its loss and every replica's state computed
 
 
 class Loss:
@@ -140,9 +143,9 @@ class Manager:
       minimum_islands: the fewest replicas training goes on with. A loss that
         leaves fewer raises ``HostLostError`` from ``train_step`` (or a loss's
         ``result``): :meth:`elastic_retry` waits for islands then.
-      window: steps dispatched and not known complete at most; the state before
-        each is kept to run it again. ``train_step`` waits for the oldest once
-        this many are outstanding.
+      window: the state before every ``window``-th step is kept to run steps
+        again from; ``train_step`` waits for the oldest step not known
+        complete once ``2 * window`` are outstanding.
       rejoin: when a lost island is rebuilt, a replica joins it again at the
         next step boundary (its state copied from the first replica).
 
@@ -166,7 +169,7 @@ class Manager:
     """
 
     def __init__(
-        self, model: DataParallel, *, minimum_islands: int = 1, window: int = 2, rejoin: bool = True
+        self, model: DataParallel, *, minimum_islands: int = 1, window: int = 4, rejoin: bool = True
     ):
         if not isinstance(model, DataParallel):
             raise pw.errors.PlacementError(
@@ -224,23 +227,26 @@ class Manager:
             count from ``minimum_islands`` to all of them.
         """
         self._check_batch(x)
-        self._settle(wait=len(self._pending) >= self.window)
+        self._settle(wait=False)
+        while len(self._pending) >= 2 * self.window:  # the oldest steps complete, a kept state goes
+            self._settle(wait=True)
         if self.rejoin:
             self._rejoin()
-        step = _Step(self._step, x, y, options, [], [], ())
-        self._dispatch(step)
+        step = _Step(self._step, x, y, options, None, None, ())
+        self._dispatch(step, keep=not self._pending or self._step % self.window == 0)
         self._pending.append(step)
         self._step += 1
         return Loss(self, step)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Waits until every step taken is complete (running spoiled ones again as needed)."""
+        """Waits until every step taken is complete, running spoiled ones again as needed.
+
+        Raises:
+          FutureTimeoutError: not complete within ``timeout`` seconds.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._pending:
-            self._result(
-                self._pending[-1], None if deadline is None else max(0.0, deadline - time.monotonic())
-            )
-            self._settle(wait=False)
+            self._settle(wait=True, deadline=deadline)
 
     def elastic_retry(
         self,
@@ -301,29 +307,44 @@ class Manager:
 
     # --- steps ------------------------------------------------------------------------------
 
-    def _dispatch(self, step: _Step) -> None:
-        """Runs ``step`` on the model's replicas as they are, from their current state."""
+    def _dispatch(self, step: _Step, keep: bool) -> None:
+        """Runs ``step`` on the model's replicas as they are, from their current state (kept if ``keep``)."""
         model = self.model
-        step.params, step.opt_states = list(model._params), list(model._opt_states)
+        if keep:
+            step.params, step.opt_states = list(model._params), list(model._opt_states)
+        else:
+            step.params = step.opt_states = None
         step.islands = self.islands
+        step.complete = False
         step.loss = model.train_step(step.x, step.y, **step.options)
         step.done_marks = tuple(jax.tree.leaves(p)[0] for p in model._params)
 
-    def _settle(self, wait: bool) -> None:
-        """Lets go of the steps known complete, oldest first; waits for the oldest if ``wait``."""
-        while self._pending:
-            step = self._pending[0]
+    def _settle(self, wait: bool, deadline: float | None = None) -> None:
+        """Notes the steps known complete, oldest first (waiting for the oldest not known if ``wait``),
+        and lets go of what no step may need to run again from."""
+        pending = self._pending
+        for step in list(pending):
+            if step.complete:
+                continue
             if not wait and not (step.loss.done() and all(m.done() for m in step.done_marks)):
-                return
+                break
             wait = False
             try:
-                step.loss.block_until_ready()
-                for mark in step.done_marks:
-                    mark.block_until_ready()
+                for future in (step.loss, *step.done_marks):
+                    _block(future, deadline)
             except pw.errors.ProgramFailedError as error:
                 self._recover(error)
-                continue
-            self._pending.popleft()
+                return
+            step.complete = True
+        # Steps run again from the latest kept state at or before the first step not known
+        # complete; what comes before it goes. All complete: everything goes (the next step
+        # dispatched keeps the state it starts from).
+        first_open = next((i for i, step in enumerate(pending) if not step.complete), len(pending))
+        restart = first_open
+        if first_open < len(pending):
+            restart = max(i for i in range(first_open + 1) if pending[i].params is not None)
+        for _ in range(restart):
+            pending.popleft()
 
     def _result(self, step: _Step, timeout: float | None) -> jax.Array:
         while True:
@@ -342,7 +363,7 @@ class Manager:
     def _recover(self, error: BaseException) -> None:
         """A pending step failed: if an island of a replica was lost, run the pending steps again without it."""
         start = time.monotonic()
-        first = self._pending[0]
+        first = self._pending[0]  # it holds the state it started from (see _settle)
         keep = self._survivors(first)
         if len(keep) == len(first.islands) and _host_lost(error):
             # The run failed of a lost host before the cluster moved that island's slices.
@@ -364,12 +385,14 @@ class Manager:
         for i, slice_ in enumerate(slices):
             if i not in keep:
                 slice_.release()
+        params, opt_states = first.params, first.opt_states
+        assert params is not None and opt_states is not None  # the oldest step keeps its state (_settle)
         self.model._set_replicas(
-            [slices[i] for i in keep], [first.params[i] for i in keep], [first.opt_states[i] for i in keep]
+            [slices[i] for i in keep], [params[i] for i in keep], [opt_states[i] for i in keep]
         )
         gone = sorted(set(first.islands) - set(self.islands))
-        for step in self._pending:  # in order: each from the state the one before leaves
-            self._dispatch(step)
+        for index, step in enumerate(self._pending):  # in order: each from the state the one before leaves
+            self._dispatch(step, keep=index == 0 or step.index % self.window == 0)
         self.events.append(Event(first.index, "lost", self.islands, time.monotonic() - start))
         logging.warning(
             "pw.elastic: the replicas of islands %s were lost; steps %d-%d run again on islands %s",
@@ -469,6 +492,18 @@ class Manager:
             f"pw.elastic.Manager(step={self._step}, islands={self.islands}, homes={self._homes}, "
             f"minimum_islands={self.minimum_islands})"
         )
+
+
+def _block(future: Any, deadline: float | None) -> None:
+    """Waits for ``future`` (raising as ``block_until_ready``), until ``deadline`` if one is given."""
+    if deadline is not None:
+        while not future.done():
+            if time.monotonic() >= deadline:
+                raise pw.errors.FutureTimeoutError(
+                    f"pw.elastic: a step was not complete in time ({future!r})."
+                )
+            time.sleep(_POLL_S / 10)
+    future.block_until_ready()
 
 
 def _host_lost(error: BaseException | None) -> bool:
