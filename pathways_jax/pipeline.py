@@ -12,6 +12,8 @@ Built only on the public API (``pw.devices``, ``pw.jit``, ``@pw.program``):
   on its own shard of the batch; gradients cross islands over DCN, are
   averaged, and every island applies the same update. One call per step.
   ``param_specs`` shards the parameters over each slice's mesh.
+- :class:`DiLoCo`: the same islands exchanging parameters every ``sync_every``
+  steps instead of gradients every step (for slow links between islands).
 
 Every call takes keyword-only ``rngs={"dropout": key}`` and ``train=True/False``
 (Flax style: a Linen stage gets ``train`` and ``rngs`` as in ``module.apply``);
@@ -43,6 +45,7 @@ except ImportError as _missing:  # pragma: no cover - the suite installs the ext
     ) from _missing
 
 from pathways_jax._src.pipeline.data_parallel import DataParallel as DataParallel
+from pathways_jax._src.pipeline.diloco import DiLoCo as DiLoCo
 from pathways_jax._src.pipeline.pipelined import Pipeline as Pipeline
 from pathways_jax._src.pipeline.rngs import derive_rngs as derive_rngs
 from pathways_jax._src.pipeline.schedules import SCHEDULES as SCHEDULES
@@ -56,6 +59,7 @@ from pathways_jax._src.pipeline.stages import sequential as sequential
 __all__ = [
     "SCHEDULES",
     "DataParallel",
+    "DiLoCo",
     "Pipeline",
     "Schedule",
     "Stage",

@@ -118,12 +118,13 @@ class DataParallel:
         self._flat = all(
             spec == pw.P() for spec in jax.tree.leaves(pspecs, is_leaf=lambda s: isinstance(s, pw.P))
         )
-        self._ospecs = ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
+        self._ospecs = ospecs = self._state_specs(stage.params, pspecs)
+        self._steps = 0  # train steps taken (pw.elastic sets it back when it runs steps again)
         self._update_by_slice: dict[int, pw.JitFunction] = {}
         self._grad_by_slice: dict[tuple[Mode, int], pw.JitFunction] = {}
         params, opt_states = [], []
         for slice_ in self.slices:
-            init = pw.jit(lambda p: (p, tx.init(p)), devices=slice_, out_specs=(pspecs, ospecs))
+            init = pw.jit(lambda p: (p, self._init_state(p)), devices=slice_, out_specs=(pspecs, ospecs))
             p, o = init(stage.params)
             params.append(p)
             opt_states.append(o)
@@ -150,7 +151,15 @@ class DataParallel:
         self._mean = pw.jit(mean, devices=self.slices[0], out_specs=pw.P())
         self._checked: set[Any] = set()
         self._grad_nodes_by_mode: dict[Mode, list[pw.JitFunction]] = {}
-        self._programs: dict[Mode, Any] = {}
+        self._programs: dict[Any, Any] = {}  # by mode (and, for DiLoCo, whether it syncs)
+
+    def _state_specs(self, params: Any, pspecs: Any) -> Any:
+        """The specs of a replica's optimizer state (``_init_state``'s)."""
+        return stages_lib.opt_state_specs(self._tx, params, pspecs)
+
+    def _init_state(self, params: Any) -> Any:
+        """A replica's optimizer state for ``params`` (traced on its slice)."""
+        return self._tx.init(params)
 
     def _update_node(self, slice_: pw.VirtualSlice) -> pw.JitFunction:
         node = self._update_by_slice.get(slice_.id)
@@ -296,6 +305,7 @@ class DataParallel:
             tuple(self._params), tuple(self._opt_states), xs, ys, *keys
         )
         self._params, self._opt_states = list(params), list(opt_states)
+        self._steps += 1
         return loss
 
     def graph(

@@ -91,6 +91,7 @@ class _Step:
     loss: Any = None  # its loss future (replaced when the step runs again)
     done_marks: tuple[Any, ...] = ()  # one output of each replica's update: all done = step done
     complete: bool = False  # known complete: its loss and every replica's state computed
+    count: int | None = None  # the model's steps before it (DiLoCo syncs by it): the same when run again
 
 
 class Loss:
@@ -316,6 +317,9 @@ class Manager:
             step.params = step.opt_states = None
         step.islands = self.islands
         step.complete = False
+        if step.count is None:
+            step.count = model._steps
+        model._steps = step.count
         step.loss = model.train_step(step.x, step.y, **step.options)
         step.done_marks = tuple(jax.tree.leaves(p)[0] for p in model._params)
 
