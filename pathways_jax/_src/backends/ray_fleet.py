@@ -48,6 +48,11 @@ class Watcher(Protocol):
         ...
 
 
+def _unanswered(exc: BaseException) -> str:
+    """Why a host did not answer, said of it."""
+    return "is already dead" if is_lost_error(exc) else f"did not answer ({type(exc).__name__}: {exc})"
+
+
 def results(answers: list[concurrent.futures.Future], timeout: float) -> list:
     """The hosts' answers, waiting up to ``timeout`` seconds in all."""
     deadline = time.monotonic() + timeout
@@ -91,7 +96,7 @@ class HostActors:
         self._actor_class = ray.remote(ray_host.Host)
         self.actors: list[Any] = []
         self.info: list[dict] = []
-        self._pings: dict[int, Any] = {}
+        self._pings: dict[int, tuple[Any, Any]] = {}  # host -> (its ping in flight, the actor pinged)
 
     def new_actor(self, host: int) -> Any:
         """A host actor for host ``host``, in its bundle of the placement group."""
@@ -192,18 +197,24 @@ class HostActors:
     def strike(self, host: int, fault: ray_host.Fault, timeout: float) -> None:
         """Has host ``host`` strike ``fault`` on itself (``pw.faults``).
 
-        Returns once the host holds it; a kill asked for now returns once Ray
-        sees the actor dead. Raises ``ClusterError`` if the host does not
-        answer within ``timeout`` seconds, or is already dead.
+        Returns once the host holds it (or, armed for its next run, struck
+        before its answer left); a kill asked for now returns once Ray sees
+        the actor dead. Raises ``ClusterError`` if the host does not answer
+        within ``timeout`` seconds, or is already dead.
         """
         ray = self.ray
         actor = self.actors[host]
         deadline = time.monotonic() + timeout
-        try:
-            ray.get(actor.arm.remote(fault), timeout=timeout)
+        try:  # dead already (and not yet found so): nothing to inject
+            ray.get(actor.ping.remote(), timeout=timeout)
         except Exception as exc:
-            why = "is already dead" if is_lost_error(exc) else f"did not answer ({type(exc).__name__}: {exc})"
-            raise errors.ClusterError(f"host {host} {why}: no fault was injected.") from exc
+            raise errors.ClusterError(f"host {host} {_unanswered(exc)}: no fault was injected.") from exc
+        try:
+            ray.get(actor.arm.remote(fault), timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as exc:
+            if not is_lost_error(exc):
+                raise errors.ClusterError(f"host {host} {_unanswered(exc)}: no fault was injected.") from exc
+            return  # alive a moment ago, armed for its next run: it struck before its answer left
         if fault.kind != "kill" or fault.at_run > 0:
             return
         while time.monotonic() < deadline:  # it strikes just after answering: wait for Ray to see it dead
@@ -217,9 +228,8 @@ class HostActors:
                 if is_lost_error(exc):
                     return
                 raise
-            time.sleep(
-                _STRIKE_POLL_S
-            )  # alive still: it strikes ray_host.faults.STRIKE_DELAY_S after answering
+            # Alive still: it strikes ray_host.faults.STRIKE_DELAY_S after answering.
+            time.sleep(_STRIKE_POLL_S)
         raise errors.ClusterError(f"host {host} was told to kill itself and still answers after {timeout}s.")
 
     def isolate(self, host: int, survivors: list[int]) -> None:
@@ -273,18 +283,22 @@ class HostActors:
                     host, f"it sent nothing, not even a heartbeat, for {silent:.0f}s: hung, and killed"
                 )
                 continue
-            ref = self._pings.get(host)
-            if ref is None:
-                self._pings[host] = self.actors[host].ping.remote()
+            sent = self._pings.get(host)
+            if sent is None:
+                actor = self.actors[host]
+                self._pings[host] = (actor.ping.remote(), actor)
                 continue
+            ref, actor = sent
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
                 continue  # still busy: slow is not lost
-            del self._pings[host]
+            self._pings.pop(host, None)
             try:
                 ray.get(ref)
             except Exception as exc:
-                if not watcher.closed and is_lost_error(exc):
+                # Only the actor that serves the host now: a ping to one that died and was
+                # replaced since (the island rebuilt meanwhile) says nothing of its successor.
+                if not watcher.closed and is_lost_error(exc) and actor is self.actors[host]:
                     watcher.mark_lost(host, str(exc))
 
     def close(self) -> None:
