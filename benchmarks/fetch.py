@@ -14,8 +14,8 @@ Side by side in one run (one local Ray cluster, ``ray.init(num_cpus=4)``), a
     the service checks the handle and the host sends the value straight to the
     client's channel (client -> service -> host -> client).
 
-Each read is the backend's ``fetch`` of the value's handle, as ``.result()``
-does the first time (``.result()`` keeps the value it read). Results to
+Each read is the ``fetch`` of the value's handle by what holds it (the
+backend's dispatcher), as ``.result()`` does the first time (``.result()`` keeps the value it read). Results to
 ``benchmarks/results/fetch.json`` and ``fetch.png``; ratios to ``ray-get`` printed.
 
   python benchmarks/fetch.py            # about a minute, most of it Ray's start
