@@ -138,12 +138,9 @@ class RayBackend:
         self.hosts = hosts
         self.places = Places(layout, standins, platform)
         self.export_platforms = self.places.export_platforms
-        self.losses = Losses(layout)
-        self.lost, self.lost_hosts, self.generations = (
-            self.losses.lost,
-            self.losses.lost_hosts,
-            self.losses.generations,
-        )
+        losses = self.losses = Losses(layout)
+        # The losses' own: Backend.lost, what the host monitor and the service's actor read.
+        self.lost, self.lost_hosts, self.generations = losses.lost, losses.lost_hosts, losses.generations
         self.on_lost = on_lost  # set by the cluster: called with a lost island
         self.on_restored: Any = None  # set by the cluster: called with a rebuilt island
         # Set by the cluster: frees the store's values whose futures went, so that
@@ -158,8 +155,8 @@ class RayBackend:
         host_window_size = window_size if layout.per_island == 1 else min(window_size, CROSS_HOST_WINDOW)
         self.fleet = HostActors(ray, layout, platform, host_window_size)
         self.link: Link = make_link(transport)
-        self.route = DirectRoute(self.sender, self.link, self.losses, self.fleet, self)
-        self.dispatcher = Dispatcher(ray, self.places, self.losses, self.sender, self.route)
+        self.route = DirectRoute(self.sender, self.link, losses, self.fleet, self)
+        self.dispatcher = Dispatcher(ray, self.places, losses, self.sender, self.route)
         self.fleet.launch(self.link)
         try:
             self.info = self.fleet.start()
