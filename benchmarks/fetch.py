@@ -14,8 +14,8 @@ Side by side in one run (one local Ray cluster, ``ray.init(num_cpus=4)``), a
     the service checks the handle and the host sends the value straight to the
     client's channel (client -> service -> host -> client).
 
-Each read is the backend's ``fetch`` of the value's handle, as ``.result()``
-does the first time (``.result()`` keeps the value it read). Results to
+Each read is the ``fetch`` of the value's handle by what holds it (the
+backend's dispatcher), as ``.result()`` does the first time (``.result()`` keeps the value it read). Results to
 ``benchmarks/results/fetch.json`` and ``fetch.png``; ratios to ``ray-get`` printed.
 
   python benchmarks/fetch.py            # about a minute, most of it Ray's start
@@ -48,11 +48,11 @@ def _reads(n: int) -> list[float]:
     value = pw.jit(lambda: jnp.arange(64, dtype=jnp.float32) * 2.0, devices=pw.devices(mesh={"x": 1}))()
     value.block_until_ready()
     remote = value._entry.array  # the RemoteArray: the handle of the value on its host
-    backend = pw.cluster().backend
+    holder = remote.backend  # what holds the value on the hosts and fetches it
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        got = backend.fetch(remote.hosts, remote.key, remote.generation)
+        got = holder.fetch(remote.hosts, remote.key, remote.generation)
         times.append(time.perf_counter() - start)
     assert np.array_equal(np.asarray(got), np.arange(64, dtype=np.float32) * 2.0)
     return times

@@ -193,3 +193,37 @@ def test_optional_capabilities_are_protocols_not_classes():
         text = (SRC / module).read_text()
         assert "ServiceBackend" not in text and "RayBackend" not in text, module
         assert 'backend == "ray"' not in text and "backends import local" not in text, module
+
+
+def test_the_ray_backend_and_the_service_client_share_parts_by_composition():
+    """Neither Ray-side backend subclasses the other: each holds a ray_dispatch.Dispatcher, given a
+    route of its own, and no private hook of one is there for the other to override."""
+    from pathways_jax._src.backends.service_client import ServiceBackend
+
+    for backend in (RayBackend, ServiceBackend):
+        assert backend.__mro__ == (backend, object), backend.__mro__  # no base class of behaviour
+        assert isinstance(backend.__dict__.get("closed"), property) and callable(backend.__dict__["execute"])
+
+    def private(cls):
+        return {n for n in vars(cls) if n.startswith("_") and not n.startswith("__")}
+
+    assert private(RayBackend) & private(ServiceBackend) == set()
+    # The hooks the service's client used to override are gone from the Ray backend.
+    hooks = ("_submit", "_message", "_send_run", "_take_uuids", "_fetched", "_value_lost", "_loss")
+    hooks += ("_health_check", "_mark", "_apply", "_common")
+    assert [h for h in hooks if hasattr(RayBackend, h)] == []
+    # The dispatcher reaches the hosts only through its Route, which both routes implement.
+    from pathways_jax._src.backends import ray_dispatch, ray_route, service_route
+
+    route = {n for n in vars(ray_dispatch.Route) if not n.startswith("_")}
+    tree = ast.parse((SRC / "backends/ray_dispatch.py").read_text())
+    called = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "route"
+    }
+    assert called and called <= route, called - route
+    for implementation in (ray_route.DirectRoute, service_route.ServiceRoute):
+        assert [n for n in route if not callable(getattr(implementation, n, None))] == [], implementation

@@ -14,7 +14,7 @@ import pytest
 
 import pathways_jax as pw
 from pathways_jax._src.backends import ray as ray_backend
-from pathways_jax._src.backends import ray_fleet
+from pathways_jax._src.backends import ray_dispatch, ray_fleet, ray_losses
 from pathways_jax._src.runtime import accounting as accounting_lib
 from pathways_jax._src.runtime import clusters
 from pathways_jax._src.runtime import context as context_lib
@@ -178,6 +178,7 @@ class _FakeRay:
 def test_the_ray_backend_s_close_never_waits_past_its_timeout():
     backend = object.__new__(ray_backend.RayBackend)
     backend.ray = _FakeRay()
+    backend.dispatcher = object.__new__(ray_dispatch.Dispatcher)
     backend.fleet = fleet = object.__new__(ray_fleet.HostActors)
     fleet.ray, fleet.actors = backend.ray, ["host0", "host1"]
     fleet.pg, fleet.remove_pg = None, lambda pg: None
@@ -360,15 +361,13 @@ def test_client_refuses_bad_arguments(args, kwargs, pattern):
 
 
 def test_host_lost_message_says_when_no_host_survives():
-    backend = object.__new__(ray_backend.RayBackend)
-    backend.layout = ray_backend.Layout(hosts=4, devices_per_host=1, per_island=2)
-    backend.lost = {0: "host 1 died (the actor died)"}
-    backend._lost_before = dict(backend.lost)
-    some = backend._lost_message(0, "program 'step'")
+    losses = ray_losses.Losses(ray_backend.Layout(hosts=4, devices_per_host=1, per_island=2))
+    losses.record(0, "host 1 died (the actor died)")
+    some = losses.message(0, "program 'step'")
     assert "program 'step' needed island 0 (hosts 0-1), which was lost: host 1 died" in some
     assert "moved to surviving islands" in some and "no island survives" not in some
-    backend.lost[1] = "host 2 died (the actor died)"
-    none = backend._lost_message(1, "program 'step'")
+    losses.record(1, "host 2 died (the actor died)")
+    none = losses.message(1, "program 'step'")
     assert "program 'step' needed island 1 (hosts 2-3), which was lost: host 2 died" in none
     assert "no island survives" in none and "surviving islands" not in none
     assert "pw.shutdown()" in none and "pw.init(" in none

@@ -115,8 +115,8 @@ def test_a_fetch_of_a_computed_value_is_not_held_behind_one_still_being_computed
     ready = _handle(small)
     busy = _handle(slow(x))
     backend = cluster.backend
-    with backend._lock:  # a message answered once the host's executor is past the run
-        past = backend._message(0, "free", [])
+    with backend.dispatcher.lock:  # a message answered once the host's executor is past the run
+        past = backend.route.message(0, "free", ([],))
     past.result(timeout=60)  # so the run's value is on the host, not computed yet
     assert not busy.dones[0].done(), "the run was over before the fetches were sent: the test shows nothing"
     link = backend.link

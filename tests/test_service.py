@@ -293,7 +293,7 @@ def test_a_fetched_value_goes_straight_from_its_hosts_to_the_client(joined, isla
     after = island_service.stats()["fetches"]
     assert after["relayed"] == before["relayed"], (before, after)
     # This process's channel closed: the hosts cannot send there, the service passes the value on.
-    joined.backend._inbox.close()
+    joined.backend.route.inbox.close()
     np.testing.assert_array_equal(
         np.asarray(make(x * 2).result(timeout=60)), np.asarray(jax.jit(lambda x: jnp.sin(x) * 3)(x * 2))
     )
@@ -421,11 +421,9 @@ def test_forged_replayed_truncated_and_malformed_frames_are_refused_and_counted(
     context.term()
     # This process's own channel: a message that is not a batch; then a batch carrying a message
     # that is not a request (typed: the frame does not decode, and is refused as malformed).
-    refused("not_a_batch", lambda: joined.backend._peer.send(wire.Done(0)) and None)
-    refused(
-        "malformed",
-        lambda: joined.backend._peer.send(wire.Submit(10**6, [wire.Routed(0, wire.Done(0))], None)) and None,  # type: ignore[arg-type]
-    )
+    refused("not_a_batch", lambda: joined.backend.route.peer.send(wire.Done(0)) and None)
+    not_a_request = wire.Submit(10**6, [wire.Routed(0, wire.Done(0))], None)  # type: ignore[arg-type]
+    refused("malformed", lambda: joined.backend.route.peer.send(not_a_request) and None)
     # The service and this client go on as if nothing happened.
     np.testing.assert_array_equal(f(jnp.arange(6.0)).result(timeout=60), np.arange(6.0) * 2 + 1)
 

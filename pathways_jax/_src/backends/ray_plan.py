@@ -39,7 +39,7 @@ class Islands(Protocol):
 
 
 class Fleet(Protocol):
-    """What splitting a plan by host reads of the Ray backend (``ray.RayBackend``)."""
+    """What splitting a plan by host reads of where the hosts' devices are (``ray_places.Places``)."""
 
     @property
     def layout(self) -> Islands: ...

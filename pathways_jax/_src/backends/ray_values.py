@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class Holder(Protocol):
-    """What a value on hosts asks of the Ray backend that holds it (``ray.RayBackend``)."""
+    """What a value on hosts asks of what holds it (``ray_dispatch.Dispatcher``, of either Ray backend)."""
 
     @property
     def layout(self) -> Islands: ...

@@ -17,39 +17,42 @@ client process shared with this one (``pw.share``) is named by a
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import contextlib
 import dataclasses
 import os
-import pickle
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from absl import logging
 
-from pathways_jax._src.backends import ray as ray_backend
-from pathways_jax._src.backends.host_link import HostGone
-from pathways_jax._src.backends.ray_host import Refused, RunFailure, sharding_of
+from pathways_jax._src.backends.base import Dispatched, Prepared, Windows
+from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
+from pathways_jax._src.backends.ray_boot import Layout, import_ray
+from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
+from pathways_jax._src.backends.ray_failures import is_lost_error
+from pathways_jax._src.backends.ray_host import Refused, sharding_of
+from pathways_jax._src.backends.ray_losses import Losses
+from pathways_jax._src.backends.ray_places import Places
+from pathways_jax._src.backends.ray_send import Sender
 from pathways_jax._src.backends.ray_values import RemoteArray
+from pathways_jax._src.backends.service_route import ServiceRoute
 from pathways_jax._src.core import errors, reentry
 
-if TYPE_CHECKING:  # the channel needs the ray extra (pyzmq, msgspec): imported where used
-    from pathways_jax._src import wire
+if TYPE_CHECKING:
+    from pathways_jax._src.compile.lowering import Plan
 
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
 _JOIN_TIMEOUT_S = 60.0
-_SEND_TIMEOUT_S = 10.0  # a service that takes no batch for this long is stuck (or gone)
-# A value its host says it sent straight here fails if it has not come within this long.
-_DIRECT_TIMEOUT_S = 30.0
 
 
 def connect(address: str | None, *, start: bool = False) -> Any:
     """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a new one)."""
-    ray = ray_backend.import_ray()
+    ray = import_ray()
     if not ray.is_initialized():
         if address is None and start:
             logging.warning(
@@ -123,244 +126,96 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
     return actor, token, joined
 
 
-class ServiceBackend(ray_backend.RayBackend):
-    """A client process's side of a controller service: the Ray backend, sending to the service.
+class ServiceBackend:
+    """A client process's side of a controller service: the Ray backend's dispatch, sent to the service.
 
-    Lowering, plans, handles and fetches are the Ray backend's; every message
-    goes to the service instead of a host, in numbered batches (a run's
-    messages in one), and the service answers for the hosts.
+    Implements :class:`~pathways_jax._src.backends.base.Backend` (and the
+    ``HostFleet``, ``Shares`` and ``ServiceView`` capabilities). Lowering,
+    plans, handles and fetches are a :class:`~.ray_dispatch.Dispatcher`'s, as
+    on the Ray backend, given a :class:`~.service_route.ServiceRoute`: every
+    message goes to the service instead of a host, in numbered batches (a
+    run's messages in one), and the service answers for the hosts. Lost and
+    rebuilt islands are the service's word, applied here (``losses``).
     """
 
+    name = "ray"
+    window_size: int | None = RUNS_IN_FLIGHT
+    donates = False  # hosts compile the exported nodes without donation
+    exports = True
+    calls_back = False
+    stages_inputs = False  # host inputs travel with the run's message
+
     def __init__(self, *, actor: Any, token: Any, joined: dict, standins: list, on_lost: Any):
-        ray = ray_backend.import_ray()
-        layout = ray_backend.Layout(joined["hosts"], joined["devices_per_host"], joined["per_island"])
-        self._common(ray, layout, joined["platform"], standins, on_lost)
-        self.replace_lost = False  # the service rebuilds lost islands, not this process
+        ray = self.ray = import_ray()
+        layout = self.layout = Layout(joined["hosts"], joined["devices_per_host"], joined["per_island"])
+        self.places = Places(layout, standins, joined["platform"])
+        self.export_platforms = self.places.export_platforms
+        self.losses = Losses(layout)
+        self.lost = self.losses.lost
+        self.losses.generations[:] = joined["generations"]
+        for island, why in joined["lost"].items():
+            self.losses.record(int(island), why)
+        self.on_lost = on_lost  # set by the cluster: called with a lost island
+        self.on_restored: Any = None  # set by the cluster: called with a rebuilt island
+        self.collect: Any = None  # set by the cluster: frees the store's values whose futures went
+        self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
         self.service = actor
         self.service_name = joined["name"]
         self.client_id = joined["client"]
         self.info = joined["info"]
         self._token = token
-        self.generations = list(joined["generations"])
-        for island, why in joined["lost"].items():
-            self._mark(int(island), why)
-        self._batches = 0
-        self._owed: dict[int, list[concurrent.futures.Future]] = {}  # batch -> its answers' futures
-        self._owed_lock = threading.Lock()
-        self._gone: str | None = None  # why the service will answer nothing more
-        self._dropped_why: str | None = None  # why the service dropped this process (it runs on)
         self.channel = joined["channel"]  # the service's channel, this process's identity there
-        self._peer = self.channel.peer(self._answered, _SEND_TIMEOUT_S)
-        # This process's own channel: the hosts send the values it fetches straight here.
-        # Fetch batches whose value comes here: batch -> the host it comes from.
-        self._direct: dict[int, int] = {}
-        # Those the host said it sent (the service's None): when, to fail one that never came.
-        self._sent_at: dict[int, float] = {}
-        from pathways_jax._src import wire
-        from pathways_jax._src.backends import channel_link
-
-        transport, ip = channel_link.listen_on()
-        inbox_key = os.urandom(32)
-        self._inbox = wire.Server(inbox_key, transport=transport, host=ip, on_message=self._fetched_here)
+        self.sender = Sender(layout)  # what each host has and is to free (the service numbers)
+        self.route = ServiceRoute(self.service_name, self.channel, self.losses, self.refresh)
+        self.dispatcher = Dispatcher(ray, self.places, self.losses, self.sender, self.route)
         try:
-            address = self._inbox.address
+            address = self.route.inbox.address
             ray.get(
-                actor.inbox.remote(self.client_id, address.up, address.down, inbox_key),
+                actor.inbox.remote(self.client_id, address.up, address.down, self.route.inbox_key),
                 timeout=_JOIN_TIMEOUT_S,
             )
         except Exception:
-            self._inbox.close()
-            self._peer.close()
+            self.route.close()
             raise
         self._threads = [
             reentry.runtime_thread(self._monitor, name="pathways-service-health"),
-            reentry.runtime_thread(self._flush_loop, name="pathways-service-flush"),
+            reentry.runtime_thread(self.dispatcher.flush_loop, args=(self,), name="pathways-service-flush"),
         ]
         for thread in self._threads:
             thread.start()
 
-    def _submit(self, batch: list, run: wire.RunMeta | None) -> list[concurrent.futures.Future]:
-        """Sends a numbered batch to the service; one answer's future per message. Call with ``_lock`` held."""
-        from pathways_jax._src import wire
+    @property
+    def closed(self) -> bool:
+        return self.dispatcher.closed
 
-        seq = self._batches
-        self._batches += 1
-        futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in batch]
-        with self._owed_lock:
-            if self._gone is not None:  # nothing will answer
-                for future in futures:
-                    future.set_exception(
-                        HostGone(-1, f"the controller service {self.service_name!r}: {self._gone}")
-                    )
-                return futures
-            self._owed[seq] = futures
-            if len(batch) == 1 and batch[0][1] == "fetch":  # its value comes straight from the host
-                self._direct[seq] = batch[0][0]
-        try:
-            from pathways_jax._src.backends.channel_link import encode
+    # --- the Backend protocol: the dispatcher's ------------------------------------------------
 
-            routed = [
-                wire.Routed(host, cast("wire.Request", encode(kind, args))) for host, kind, args in batch
-            ]
-            self._peer.send(wire.Submit(seq, routed, run))
-        except wire.ChannelError as exc:  # this batch fails; the health monitor says if the service went
-            with self._owed_lock:
-                self._owed.pop(seq, None)
-            for future in futures:
-                if not future.done():
-                    future.set_exception(
-                        HostGone(-1, f"the controller service {self.service_name!r} took no message: {exc}")
-                    )
-        return futures
+    @property
+    def islands(self) -> tuple[tuple[Any, ...], ...]:
+        return self.places.islands
 
-    def _answered(self, received: wire.Received) -> None:
-        """The service's answers to a batch (the channel's receive thread)."""
-        from pathways_jax._src import wire
+    def place_of(self, device: Any) -> tuple[int, int, int]:
+        """A stand-in device's island, position among the island's devices, and host."""
+        return self.places.place_of(device)
 
-        match received.body:
-            case wire.Answered(seq, answers):
-                try:
-                    values = pickle.loads(answers.view)
-                except Exception as exc:  # every message of the batch fails, saying why
-                    values = [Refused(f"the service's answer did not decode: {exc}", "gone")]
-                with self._owed_lock:
-                    if seq in self._direct and values == [None]:
-                        self._sent_at[seq] = time.monotonic()
-                        return  # the host sent the value here: fetched_here settles it
-                    futures = self._owed.pop(seq, None)
-                    self._direct.pop(seq, None)
-                    self._sent_at.pop(seq, None)
-                if futures is None:
-                    return
-                if len(values) != len(futures):  # one answer for the whole batch (a refusal)
-                    values = [values[0] if values else Refused("the service answered nothing", "gone")] * len(
-                        futures
-                    )
-                for future, value in zip(futures, values, strict=True):
-                    if not future.done():
-                        future.set_result(value)
+    def prepare(self, plan: Plan) -> Prepared:
+        return self.dispatcher.prepare(plan)
 
-    def _fetched_here(self, received: wire.Received) -> None:
-        """A value a host sent straight to this process (its channel's receive thread)."""
-        from pathways_jax._src import wire
-        from pathways_jax._src.backends import channel_link
+    def execute(self, run: Any, windows: Windows) -> Dispatched:
+        return self.dispatcher.execute(run, windows)
 
-        match received.body:
-            case wire.Fetched(ticket) | wire.Failed(ticket):
-                pass
-            case _:
-                return  # hosts send this channel nothing else
-        try:
-            value: Any = channel_link.answer_value(received.body)
-        except Exception as exc:
-            value = Refused(f"a host's value did not decode: {type(exc).__name__}: {exc}", "gone")
-        with self._owed_lock:
-            if ticket not in self._direct:
-                return  # answered already (a failure the service saw first)
-            del self._direct[ticket]
-            self._sent_at.pop(ticket, None)
-            futures = self._owed.pop(ticket, None)
-        if futures and not futures[0].done():
-            futures[0].set_result(value)
+    def settle(self, in_flight: collections.deque) -> None:
+        self.dispatcher.settle(in_flight)
 
-    def _fail_direct(self, hosts: set[int], why: str, *, sent_before: float | None = None) -> None:
-        """Fetches whose values were to come from ``hosts`` (lost) fail: nothing will come. With
-        ``sent_before``: those the host said it sent before then (a value lost on its way)."""
-        with self._owed_lock:
-            tickets = [
-                ticket
-                for ticket, host in self._direct.items()
-                if host in hosts
-                and (sent_before is None or self._sent_at.get(ticket, sent_before) < sent_before)
-            ]
-            futures: list[concurrent.futures.Future] = []
-            for ticket in tickets:
-                del self._direct[ticket]
-                self._sent_at.pop(ticket, None)
-                futures.extend(self._owed.pop(ticket, ()))
-        for future in futures:
-            if not future.done():
-                future.set_result(RunFailure("lost", None, why, ""))
+    # --- the service's own -------------------------------------------------------------------------
 
-    def _fail_owed(self, why: str) -> None:
-        """Every answer still owed fails, and every later one: the service is gone (or this side closed)."""
-        with self._owed_lock:
-            self._gone = why
-            owed = [f for futures in self._owed.values() for f in futures]
-            self._owed.clear()
-            self._direct.clear()
-            self._sent_at.clear()
-        for future in owed:
-            if not future.done():
-                future.set_exception(HostGone(-1, f"the controller service {self.service_name!r}: {why}"))
-
-    def _message(self, host: int, kind: str, *args: Any) -> Any:
-        return self._submit([(host, kind, args)], None)[0]
-
-    def _send_run(self, batch: list, run: Any, remote: Any) -> list:
-        plan = run.plan
-        nbytes = {}
-        for _host, kind, args in batch:
-            if kind == "run":
-                for slot, key in args[4]:
-                    aval = plan.slot_outputs[slot].aval
-                    nbytes[key] = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-        from pathways_jax._src import wire
-
-        client = run.client
-        meta = wire.RunMeta(
-            sorted(remote.islands),
-            remote.uuids,
-            nbytes,
-            plan.graph.name,
-            getattr(client, "name", ""),
-            float(getattr(client, "weight", 1.0)),
-            int(getattr(client, "priority", 0)),
-        )
-        return self._submit(batch, meta)
-
-    def _take_uuids(self, count: int) -> int:
-        return 0  # the service numbers every run's transfers
-
-    def _fetched(self, host: int, answer: Any) -> Any:
-        """The service answers a fetch with the host's answer, or says the host was lost."""
-        if isinstance(answer, RunFailure) and answer.kind == "lost":
-            raise self._value_lost(host)
-        return answer
-
-    def _value_lost(self, host: int) -> errors.HostLostError:
-        """The error of a fetch whose host was lost, once the health check has marked its island."""
-        self._health_check({host})
-        return errors.HostLostError(self._lost_message(self.layout.island_of(host), "a value"))
-
-    def _loss(self, host: int, exc: BaseException, generation: int, what: str) -> BaseException | None:
-        if not ray_backend.is_lost_error(exc):
-            return None
-        if self._dropped_why is not None:
-            return errors.ClusterError(
-                f"{what} could not be read: the controller service {self.service_name!r} dropped this "
-                f"process: {self._dropped_why}. Call pw.shutdown() and pw.init(...) to join it again."
-            )
-        return errors.ClusterError(
-            f"{what} could not be read: the controller service {self.service_name!r} is gone ({exc}). "
-            "Call pw.shutdown(), start the service again and pw.init(...) to join it."
-        )
-
-    def _health_check(self, hosts: set[int]) -> int | None:
-        with contextlib.suppress(Exception):
-            self._apply(self.ray.get(self.service.health.remote(), timeout=3.0))
-        for host in sorted(hosts):
-            if self.layout.island_of(host) in self.lost:
-                return self.layout.island_of(host)
-        return None
-
-    def host_stats(self, timeout: float = ray_backend.CALL_TIMEOUT_S) -> dict[int, dict]:
+    def host_stats(self, timeout: float = CALL_TIMEOUT_S) -> dict[int, dict]:
         return self.ray.get(self.service.host_stats.remote(), timeout=timeout)
 
     def handle_of(self, array: Any) -> Handle:
         """The handle of a value this process holds (its own or received)."""
         owner, key = (self.client_id, array.key) if isinstance(array.key, int) else array.key
-        placed = self.where(array.sharding, "the shared value")
+        placed = self.places.where(array.sharding, "the shared value")
         return Handle(
             self.service_name,
             owner,
@@ -387,26 +242,33 @@ class ServiceBackend(ray_backend.RayBackend):
         # Named (owner, key) even for this process's own value: dropping it frees nothing (the
         # owner's own future does), and reading it after that is refused as stale.
         key = (handle.owner, handle.key)
-        return RemoteArray(self, handle.hosts, key, aval, sharding, (), handle.generation)
+        return RemoteArray(self.dispatcher, handle.hosts, key, aval, sharding, (), handle.generation)
 
     def service_stats(self, timeout: float = 30.0) -> dict:
         return self.ray.get(self.service.stats.remote(), timeout=timeout)
 
     def share(self, key: int, reader: str) -> None:
         """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
-        with self._lock:  # in this process's order: after the run that makes the value
-            future = self._submit([(-1, "share", (key, reader))], None)[0]
+        with self.dispatcher.lock:  # in this process's order: after the run that makes the value
+            future = self.route.submit([(-1, "share", (key, reader))], None)[0]
         answer = future.result(timeout=60.0)
         if isinstance(answer, Refused):
             raise errors.AccessError(f"pw.share: {answer.message}.")
 
+    # --- health: the service's word --------------------------------------------------------------
+
     def mark_lost(self, host: int, why: str, generation: int | None = None) -> None:
         # The service sees its hosts die and says so (health, run answers).
-        self._health_check({host})
+        self.route.health_check({host})
+
+    def refresh(self) -> None:
+        """Asks the service which islands are lost now, and applies its word (if it answers)."""
+        with contextlib.suppress(Exception):
+            self._apply(self.ray.get(self.service.health.remote(), timeout=3.0))
 
     def _mark(self, island: int, why: str) -> None:
-        with self._lock:
-            if not self._record_lost(island, why):
+        with self.dispatcher.lock:
+            if not self.losses.record(island, why):
                 return
         if self.on_lost is not None:
             self.on_lost(island)
@@ -416,15 +278,14 @@ class ServiceBackend(ray_backend.RayBackend):
         lost = {int(k): v for k, v in health["lost"].items()}
         for island, why in lost.items():
             self._mark(island, why)
-            self._fail_direct(set(self.layout.members(island)), f"island {island} was lost: {why}")
+            self.route.fail_direct(set(self.layout.members(island)), f"island {island} was lost: {why}")
+        generations = self.losses.generations
         for island, generation in enumerate(health["generations"]):
-            if island in lost or (island not in self.lost and generation == self.generations[island]):
+            if island in lost or (island not in self.lost and generation == generations[island]):
                 continue
-            with self._lock:
-                self.lost.pop(island, None)
-                self.generations[island] = generation
+            with self.dispatcher.lock:
+                self.losses.restore(island, generation)
                 for member in self.layout.members(island):
-                    self.lost_hosts.pop(member, None)
                     self.sender.known[member] = set()  # new hosts: plans go again
                     self.sender.fingerprints[member] = set()
             if self.on_restored is not None:
@@ -432,13 +293,12 @@ class ServiceBackend(ray_backend.RayBackend):
 
     def _monitor(self) -> None:
         reported: dict = {}
-        while not self._closed:
+        while not self.closed:
             try:
                 health = self.ray.get(self.service.health.remote(self.client_id), timeout=10.0)
                 self._apply(health)
                 if "dropped" in health:  # it answers this process nothing more: said once
-                    self._dropped_why = health["dropped"]
-                    self._fail_owed(f"it dropped this process: {health['dropped']}")
+                    self.route.dropped(health["dropped"])
                     logging.warning(
                         "pathways_jax: the controller service %r dropped this process (%s); its programs "
                         "fail until pw.shutdown() and pw.init(...) join again.",
@@ -446,21 +306,16 @@ class ServiceBackend(ray_backend.RayBackend):
                         health["dropped"],
                     )
                     return
-                if self._sent_at:  # a value its host sent that never came (lost on its way)
-                    self._fail_direct(
-                        set(range(self.hosts)),
-                        f"a fetched value its host sent did not arrive within {_DIRECT_TIMEOUT_S:.0f}s",
-                        sent_before=time.monotonic() - _DIRECT_TIMEOUT_S,
-                    )
+                self.route.fail_late()  # a value its host sent that never came (lost on its way)
                 slices = self.slices_of() if self.slices_of is not None else {}
                 if slices != reported:  # for the service's stats
                     self.service.slices.remote(self.client_id, slices)
                     reported = slices
             except Exception as exc:
-                if self._closed or not self.ray.is_initialized():
+                if self.closed or not self.ray.is_initialized():
                     return
-                if ray_backend.is_lost_error(exc):  # said once: every later call fails saying so too
-                    self._fail_owed("it is gone")
+                if is_lost_error(exc):  # said once: every later call fails saying so too
+                    self.route.fail_owed("it is gone")
                     logging.warning(
                         "pathways_jax: the controller service %r is gone (%s); this process's programs "
                         "fail until pw.shutdown() and pw.init(...) join a running one.",
@@ -471,18 +326,16 @@ class ServiceBackend(ray_backend.RayBackend):
                 logging.warning("pathways_jax: asking the controller service about its hosts failed: %s", exc)
             time.sleep(_HEALTH_S)
 
-    def close(self, timeout: float | None = ray_backend.CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
         """Leaves the service (its values and plans are released there) and stops this side's threads."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._closed:
-            self._closed = True
+        if not self.closed:
+            self.dispatcher.closed = True
             with contextlib.suppress(Exception):
                 self.ray.get(self.service.leave.remote(self.client_id), timeout=min(timeout or 5.0, 5.0))
             with contextlib.suppress(Exception):
                 self.ray.kill(self._token)
-            self._fail_owed("this process left it")
-            self._peer.close()
-            self._inbox.close()
+            self.route.close()
         for thread in self._threads:
             if thread is threading.current_thread():
                 continue

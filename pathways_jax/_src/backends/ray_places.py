@@ -1,0 +1,80 @@
+"""Where the hosts' devices are, as this process sees them: stand-in devices by island and host.
+
+The controller process lowers against CPU devices of its own that stand in
+for the hosts' devices (host ``h`` owns stand-ins ``h*D .. h*D+D-1``).
+:class:`Places` says which island, host and position a stand-in is, and
+where a stand-in sharding lives; the Ray backend and a controller service's
+client each hold one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from pathways_jax._src.backends.ray_boot import Layout
+from pathways_jax._src.backends.ray_host import NamedDesc, SingleDesc
+from pathways_jax._src.backends.ray_plan import Placed
+from pathways_jax._src.core import errors
+
+
+class Places:
+    """The stand-in devices of ``layout``'s hosts, by island; implements ``ray_plan.Fleet``.
+
+    Attributes:
+      layout: which hosts make which island.
+      standins: this process's devices standing in for the hosts' devices, by host.
+      islands: the stand-ins, one group per island (``Backend.islands``).
+      export_platforms: the platforms computations are exported for (the hosts').
+    """
+
+    def __init__(self, layout: Layout, standins: list[jax.Device], platform: str) -> None:
+        self.layout = layout
+        self.standins = standins
+        # Computations are exported for the hosts' platform (the controller lowers on CPU).
+        self.export_platforms = ("cpu",) if platform == "cpu" else ("cpu", "cuda")
+        per, devices_per_host = layout.per_island, layout.devices_per_host
+        n = per * devices_per_host
+        self.islands = tuple(tuple(standins[i * n : (i + 1) * n]) for i in range(layout.islands))
+        # stand-in id -> (island, position among the island's devices, host)
+        self._where = {d.id: (i // n, i % n, i // devices_per_host) for i, d in enumerate(standins)}
+
+    def place_of(self, device: Any) -> tuple[int, int, int]:
+        """A stand-in device's island, position among the island's devices, and host."""
+        return self._where[device.id]
+
+    def host_devices(self, host: int) -> list[jax.Device]:
+        """The stand-ins of host ``host``'s devices."""
+        d = self.layout.devices_per_host
+        return self.standins[host * d : (host + 1) * d]
+
+    def where(self, sharding: Any, what: str) -> Placed:
+        """The island, hosts and island-local descriptor of a stand-in sharding."""
+        if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            device: Any  # a jax.Device; its stub type does not resolve here
+            (device,) = sharding.device_set
+            island, position, host = self._where[device.id]
+            return Placed(island, (host,), SingleDesc(position))
+        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
+            places = [self._where[d.id] for d in sharding.mesh.devices.flat]
+            islands = sorted({island for island, _, _ in places})
+            if len(islands) != 1:
+                raise errors.PlacementError(
+                    f"{what} is sharded over devices of islands {islands}; a value lives on one island. "
+                    "Give each island's part its own slice and move values between them."
+                )
+            return Placed(
+                islands[0],
+                tuple(sorted({host for _, _, host in places})),
+                NamedDesc(
+                    tuple(position for _, position, _ in places),
+                    sharding.mesh.devices.shape,
+                    sharding.mesh.axis_names,
+                    sharding.spec,
+                ),
+            )
+        raise errors.PlacementError(
+            f"{what} has sharding {sharding!r}; the Ray backend ships NamedSharding and "
+            "SingleDeviceSharding values only. Give the value a pw.P(...) spec on its slice."
+        )
