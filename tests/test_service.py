@@ -324,6 +324,9 @@ def test_client_in_process_matches_jax_and_appears_in_stats(joined, island_servi
     assert len(mine) == 1
     assert mine[0]["runs"] >= 2 and mine[0]["programs"] >= 1 and mine[0]["failures"] == 0
     assert mine[0]["bytes_held"] >= total.nbytes + h.nbytes
+    # The service's hosts serve every client: one of them cannot fail them (pw.faults).
+    with pytest.raises(pw.errors.ClusterError, match="client of a controller service"):
+        pw.faults.kill_host(0)
 
     def my_slices() -> list:
         rows = island_service.stats()["clients"].values()
