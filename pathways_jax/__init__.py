@@ -17,6 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from pathways_jax import errors as errors
 from pathways_jax import faults as faults
+from pathways_jax._src.api.graph_view import GraphView as Graph
+from pathways_jax._src.api.graph_view import NodeView as Node
+from pathways_jax._src.api.graph_view import TransferView as Transfer
 from pathways_jax._src.api.placed_jit import JitFunction as JitFunction
 from pathways_jax._src.api.placed_jit import jit as jit
 from pathways_jax._src.api.recording import start_trace as start_trace
@@ -31,9 +34,6 @@ from pathways_jax._src.backends.service_client import Handle as Handle
 from pathways_jax._src.compat import install as _install_compat
 from pathways_jax._src.core.counts import counters as counters
 from pathways_jax._src.core.counts import reset_counters as reset_counters
-from pathways_jax._src.ir.graph import Graph as Graph
-from pathways_jax._src.ir.graph import Node as Node
-from pathways_jax._src.ir.graph import Transfer as Transfer
 from pathways_jax._src.runtime.clients import Client as Client
 from pathways_jax._src.runtime.clients import client as client
 from pathways_jax._src.runtime.clusters import Cluster as Cluster

@@ -4,7 +4,7 @@ Imports run one way: api -> compat -> runtime -> backends -> compile -> ir -> wi
 module may import its own layer and those below, never above; no import
 cycle exists, lazy (function-level) imports included. ``views`` may import
 anything, and is imported only lazily inside ``_repr_*`` methods (and
-``Graph.to_dot``, the DOT text of the picture). ``pipeline`` sits on the public
+``GraphView.to_dot``, the DOT text of the picture). ``pipeline`` sits on the public
 API. Imports under ``if TYPE_CHECKING:`` (annotations) count too, for the
 layers and for cycles: a type named from a layer above is a dependency on it,
 and two modules that name each other's types are one concept, or need a
@@ -24,9 +24,9 @@ import pathways_jax
 
 ORDER = ("core", "wire", "ir", "compile", "backends", "runtime", "compat", "api")
 PACKAGE = pathlib.Path(pathways_jax.__file__).parent
-# Functions that may import a view lazily: notebook hooks, and Graph.to_dot.
+# Functions that may import a view lazily: notebook hooks, and GraphView.to_dot.
 VIEW_ENTRIES = ("_repr_",)
-VIEW_METHODS = {("ir.graph", "to_dot")}
+VIEW_METHODS = {("api.graph_view", "to_dot")}
 
 
 def _imports(path: pathlib.Path, annotations: bool = False):

@@ -313,10 +313,10 @@ def test_values_read_without_futures_are_freed_when_the_wait_is_interrupted(monk
     store = object_store.ObjectStore()
 
     class Out:
-        aval = sharding = slice = None
+        aval = sharding = None
         origin = "an output"
 
-    entries = store.new_run(object_store.Owner("client", 0), [Out(), Out()], [None, None])
+    entries = store.new_run(object_store.Owner("client", 0), [Out(), Out()], [None, None], [None, None])
 
     def interrupted(entry, timeout):
         raise KeyboardInterrupt

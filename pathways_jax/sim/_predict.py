@@ -14,17 +14,16 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import jax.extend.core as jex
 import numpy as np
 
 from pathways_jax import errors
+from pathways_jax._src.api.graph_view import GraphView, NodeView
 from pathways_jax._src.api.placed_jit import JitFunction
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.api.tracing import program as make_program
-from pathways_jax._src.ir.graph import Graph, Node
-from pathways_jax._src.runtime.slices import VirtualSlice
 from pathways_jax.sim._cluster import SimCluster
 from pathways_jax.sim._engine import SimResult, Workload, simulate
 from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step
@@ -70,7 +69,7 @@ def _walk(jaxpr: Any, work: _Work) -> None:
             _walk(sub, work)
 
 
-def estimate_node_time(node: Node, cluster: SimCluster, devices: int) -> float:
+def estimate_node_time(node: NodeView, cluster: SimCluster, devices: int) -> float:
     """Device time of a graph node on ``devices`` devices, from its jaxpr and the profile.
 
     ``launch + max(flops, bytes over the rates) / devices + ICI all-reduce per collective``:
@@ -86,10 +85,10 @@ def estimate_node_time(node: Node, cluster: SimCluster, devices: int) -> float:
     return prof.device.launch(devices) + compute + collectives
 
 
-def _placement(graph: Graph, cluster: SimCluster, mode: str) -> dict[int, tuple[int, int]]:
+def _placement(graph: GraphView, cluster: SimCluster, mode: str) -> dict[int, tuple[int, int]]:
     """Each slice's ``[start, stop)`` devices on the simulated cluster, packed per island."""
     placed: dict[int, tuple[int, int]] = {}
-    for s in cast("tuple[VirtualSlice, ...]", graph.slices):  # a traced graph's: the runtime's own
+    for s in graph.slices:  # the runtime's, where they are now
         island = s.island % cluster.islands
         lo, hi = cluster.island_devices(island)
         if mode == "scale":
@@ -111,10 +110,10 @@ def _placement(graph: Graph, cluster: SimCluster, mode: str) -> dict[int, tuple[
 
 
 def from_graph(
-    graph: Graph,
+    graph: GraphView,
     cluster: SimCluster,
     *,
-    node_times: Mapping[str, float] | Callable[[Node, int], float] | None = None,
+    node_times: Mapping[str, float] | Callable[[NodeView, int], float] | None = None,
     placement: Literal["scale", "keep"] = "scale",
 ) -> SimProgram:
     """A traced ``pw.Graph`` as a :class:`SimProgram` on ``cluster``.
@@ -228,11 +227,11 @@ class Prediction:
 
 
 def predict(
-    program: Program | JitFunction | Graph | SimProgram,
+    program: Program | JitFunction | GraphView | SimProgram,
     *args: Any,
     cluster: SimCluster,
     runs: int = 8,
-    node_times: Mapping[str, float] | Callable[[Node, int], float] | None = None,
+    node_times: Mapping[str, float] | Callable[[NodeView, int], float] | None = None,
     placement: Literal["scale", "keep"] = "scale",
     chained: bool = True,
     max_tracks: int = 16,
@@ -274,7 +273,7 @@ def predict(
         sim_program = from_graph(
             program.graph(*args, **kwargs), cluster, node_times=node_times, placement=placement
         )
-    elif isinstance(program, Graph):
+    elif isinstance(program, GraphView):
         sim_program = from_graph(program, cluster, node_times=node_times, placement=placement)
     elif isinstance(program, SimProgram):
         sim_program = program.check(cluster)

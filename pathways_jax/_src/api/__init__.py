@@ -8,6 +8,7 @@ May import: every layer but ``views``.
 
 Modules: ``tracing`` (``@pw.program``: tracing a function into a graph, its plans and calls); ``arguments`` (a call's signature and checks); ``placement`` (where an unplaced program runs); ``jit_options`` (``jax.jit``'s options as a program takes them);
 ``placed_jit`` (``pw.jit`` on a slice); ``graph_builder`` (a jaxpr becomes a graph);
+``graph_view`` (``pw.Graph``: a traced graph with its slices where they are now);
 ``jit_shardings`` (``in_shardings``/``out_shardings``); ``nnx_graph`` (NNX objects as
 arguments); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``);
 ``recording`` (``pw.trace``: the runtime's events laid out as a trace); ``faults``

@@ -12,7 +12,7 @@ import jax.extend.core as jex
 from jax.sharding import PartitionSpec
 
 from pathways_jax._src.core import errors, source
-from pathways_jax._src.ir.graph import Const, Graph, Input, Node, Output, Slice, Step, Transfer, Value
+from pathways_jax._src.ir.graph import Const, Graph, Input, Node, Output, Step, Transfer, Value
 from pathways_jax._src.runtime import context
 from pathways_jax._src.runtime.slices import SCOPE_PREFIX, VirtualSlice
 
@@ -45,7 +45,7 @@ class TraceState:
         if default is not None:
             self.note_slice(default)
 
-    def note_slice(self, slice_: Slice) -> None:
+    def note_slice(self, slice_: context.Slice) -> None:
         self.slices[slice_.id] = cast(VirtualSlice, slice_)  # slices of this runtime alone are entered
 
     def record_jit(self, call: JitCall) -> int:
@@ -261,14 +261,22 @@ def build(
     input_slices: tuple[VirtualSlice | None, ...],
     state: TraceState,
     out_tree: Any,
-) -> Graph:
+) -> tuple[Graph, dict[int, VirtualSlice]]:
+    """The graph of a traced program, and the runtime's slice of each slice it names, by id.
 
+    The graph names its slices by their frozen ``SliceRef`` alone.
+    """
     jaxpr = closed.jaxpr
     values: list[Value] = []
     var_value: dict[Any, int] = {}
+    held: dict[int, VirtualSlice] = {}
 
     def new_value(aval: Any, slice_: VirtualSlice | None, origin: str) -> int:
-        values.append(Value(len(values), aval, slice_, origin))
+        ref = None
+        if slice_ is not None:
+            held.setdefault(slice_.id, slice_)
+            ref = slice_.ref
+        values.append(Value(len(values), aval, ref, origin))
         return len(values) - 1
 
     inputs = []
@@ -312,13 +320,13 @@ def build(
     names: collections.Counter[str] = collections.Counter()
 
     def on_slice(vid: int, slice_: VirtualSlice) -> int:
-        held = values[vid].slice
-        if held is None or held is slice_:
+        now = values[vid].slice
+        if now is None or now.id == slice_.id:
             return vid
         key = (vid, slice_.id)
         if key not in moved:
             out = new_value(values[vid].aval, slice_, values[vid].origin)
-            transfers.append(Transfer(vid, out, held, slice_))
+            transfers.append(Transfer(vid, out, now, slice_.ref))
             steps.append(("transfer", len(transfers) - 1))
             moved[key] = out
         return moved[key]
@@ -328,6 +336,7 @@ def build(
         return base if names[base] == 1 else f"{base}_{names[base] - 1}"
 
     for number, (kind, slice_, members) in enumerate(groups):
+        held.setdefault(slice_.id, slice_)
         if kind == "jit":
             eqn = jaxpr.eqns[members[0]]
             # Literals and constants passed in stay constants of the node's computation.
@@ -365,7 +374,7 @@ def build(
                 Node(
                     name=node_name,
                     kind="jit",
-                    slice=slice_,
+                    slice=slice_.ref,
                     jaxpr=node_jaxpr,
                     inputs=tuple(in_ids),
                     outputs=tuple(out_ids),
@@ -422,7 +431,7 @@ def build(
                 Node(
                     name=node_name,
                     kind="glue",
-                    slice=slice_,
+                    slice=slice_.ref,
                     jaxpr=glue,
                     inputs=tuple(in_ids),
                     outputs=tuple(out_ids),
@@ -438,7 +447,7 @@ def build(
         Output(const_value(v) if v in const_data else var_value[v]) if _is_var(v) else Output(None, v.val)
         for v in jaxpr.outvars
     )
-    return Graph(
+    graph = Graph(
         name=name,
         source_info=source_info,
         values=tuple(values),
@@ -450,3 +459,4 @@ def build(
         outputs=outputs,
         out_tree=out_tree,
     )
+    return graph, held

@@ -9,7 +9,7 @@ import re
 import threading
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast, overload
+from typing import Any, NamedTuple, overload
 
 import jax
 
@@ -27,6 +27,7 @@ from pathways_jax._src.api.arguments import (
     _signed,
 )
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE, TraceState
+from pathways_jax._src.api.graph_view import GraphView
 from pathways_jax._src.api.jit_options import (
     _check_argnums_as_jax_jit,
     _parameters,
@@ -53,16 +54,10 @@ from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh
 from pathways_jax._src.ir import fusion
-from pathways_jax._src.ir.graph import Graph
 from pathways_jax._src.ir.signatures import FutureKey, Signature
 from pathways_jax._src.runtime import context, slices, submission
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
-
-
-def _live(graph: Graph) -> tuple[VirtualSlice, ...]:
-    """A traced graph's slices: the runtime's own (the IR names them by what it reads, ``ir.graph.Slice``)."""
-    return cast("tuple[VirtualSlice, ...]", graph.slices)
 
 
 class _LastCall(NamedTuple):
@@ -136,7 +131,7 @@ class Program:
         self.source_info = source.of_function(fun)
         # Guards the caches of graphs and plans; never held while user code runs.
         self._lock = threading.RLock()
-        self._graphs: dict[Any, Graph] = {}
+        self._graphs: dict[Any, GraphView] = {}
         self._plans: dict[Any, Any] = {}
         # Call keys whose arguments or outputs hold NNX objects (pytrees): run as nnx.jit runs them.
         self._routed: set[Any] = set()
@@ -264,7 +259,7 @@ class Program:
         return frozenset(donated)
 
     def _lowered(
-        self, lower: Callable[..., Any], graph: Graph, signature: Signature, donated: frozenset
+        self, lower: Callable[..., Any], graph: GraphView, signature: Signature, donated: frozenset
     ) -> Any:
         """``lower(graph, ...)``, prepared by its backend; what JAX refuses only when compiling raises as a ``pw.errors`` type.
 
@@ -274,7 +269,8 @@ class Program:
         ``ValueError`` is also a ``PlacementError``, anything else a ``ProgramTraceError``.
         """
         try:
-            plan = lower(graph, signature, slices.placement_of(_live(graph)), donated)
+            # The graph is plain data; where its slices are now is the placement's.
+            plan = lower(graph.ir, signature, slices.placement_of(tuple(graph.held.values())), donated)
             if plan.backend is None:  # it places nothing: no backend's part
                 return plan
             # The compiler calls no backend: the backend's part is made here, a copy holds it.
@@ -325,8 +321,13 @@ class Program:
             return self
         return types.MethodType(self, instance)
 
-    def graph(self, *args: Any, **kwargs: Any) -> Graph:
+    def graph(self, *args: Any, **kwargs: Any) -> GraphView:
         """The dataflow graph this program traces into for these arguments.
+
+        The graph (``.ir``) is plain data naming virtual slices; the view
+        returned shows it with its slices where they are now (a node's
+        ``slice`` is the ``VirtualSlice``, a transfer's ``kind`` is ICI or DCN
+        as the slices are placed when it is read).
 
         Example:
           >>> import jax.numpy as jnp, pathways_jax as pw
@@ -364,28 +365,30 @@ class Program:
             context.state.trace = outer
         return _named_mesh(closed.jaxpr)
 
-    def _graph_for(self, key: Any, inputs: TraceInputs) -> Graph:
+    def _graph_for(self, key: Any, inputs: TraceInputs) -> GraphView:
         graph = self._graphs.get(key)
         # A graph on a slice that is gone is traced again: the slices a program
         # with no placement implied belonged to a cluster that was shut down, and
         # those the user named raise their own clear error when traced.
-        if graph is not None and not any(s.released for s in _live(graph)):
+        if graph is not None and not any(s.released for s in graph.held.values()):
             return graph
         # Traced with no lock held: the trace runs the user's code, which may
         # call this program from a thread it then joins. Threads tracing one
         # signature at once each finish; the first graph stored is kept.
-        graph = self._trace(inputs)
+        traced = self._trace(inputs)
+        ir = traced.ir
         if self._fuse:
-            graph = fusion.fuse(graph)
+            ir = fusion.fuse(ir)
         if self._compiler_options:
-            graph = dataclasses.replace(graph, compiler_options=self._compiler_options)
+            ir = dataclasses.replace(ir, compiler_options=self._compiler_options)
+        graph = GraphView(ir, traced.held) if ir is not traced.ir else traced
         with self._lock:
             kept = self._graphs.get(key)
-            if kept is None or any(s.released for s in _live(kept)):
+            if kept is None or any(s.released for s in kept.held.values()):
                 kept = self._graphs[key] = graph
             return kept
 
-    def _trace(self, inputs: TraceInputs, hint: jax.sharding.Mesh | None = None) -> Graph:
+    def _trace(self, inputs: TraceInputs, hint: jax.sharding.Mesh | None = None) -> GraphView:
         compat.install_checkpoints()  # once: Flax's and orbax's checkpoints then take the futures it returns
         treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
         default = self._devices if self._devices is not None else inputs.ambient
@@ -473,7 +476,7 @@ class Program:
             named = _named_mesh(closed.jaxpr)
             if named is not None:
                 return self._trace(inputs, named)
-        graph = graph_builder.build(
+        graph, held = graph_builder.build(
             name=self.name,
             source_info=self.source_info,
             closed=closed,
@@ -482,10 +485,14 @@ class Program:
             out_tree=out_trees[-1],
         )
         if uncommitted and state.implied is not None:
-            graph = dataclasses.replace(graph, uncommitted_slice=state.implied().id)
+            implied_id = state.implied().id
+            # Only a slice the graph names has outputs to leave uncommitted; naming another
+            # (made for nothing, and a new one each trace) would make equal traces unequal graphs.
+            if implied_id in held:
+                graph = dataclasses.replace(graph, uncommitted_slice=implied_id)
         if sink is not None:
             sink(events.Traced(self.name, self.source_info, t0, events.now()))
-        return graph.check()
+        return GraphView(graph.check(), held)
 
     def _refuse_leaked_tracers(self, closed: Any) -> None:
         """Raises jax.jit's ``UnexpectedTracerError`` for a tracer the function read from an ended trace.

@@ -30,7 +30,7 @@ from pathways_jax._src.core import counts, errors, events
 from pathways_jax._src.core.charges import Charge, charge_of
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
-from pathways_jax._src.ir.graph import Graph, Node, Slice
+from pathways_jax._src.ir.graph import Graph, Node, SliceRef
 from pathways_jax._src.ir.signatures import FutureKey
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class OutputSlot:
     where: Any
     aval: Any
     sharding: Any
-    slice: Slice | None
+    slice: SliceRef | None
     origin: str
     committed: bool = True  # False: an uncommitted one-device output, as jax.jit's (Graph.uncommitted_slice)
 
@@ -231,6 +231,11 @@ class Plan:
         # A backend that does not stage inputs ships them with the run's message.
         self.shipped_feeds = target is not None and not target.stages_inputs
         self.signatures = [out.signature for out in self.outputs]
+        # The runtime's own slice of each output, as its placement holds it (``Placed.held``),
+        # for the futures a run makes: looked up once here, not per call.
+        self.output_slices = [
+            placement.slices[out.slice.id].held if out.slice is not None else None for out in self.outputs
+        ]
         # Outputs submission makes ready itself (literals, arguments returned as they are).
         self.special_outputs = [(i, out) for i, out in enumerate(self.outputs) if out.kind != "slot"]
         self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}

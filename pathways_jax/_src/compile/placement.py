@@ -54,11 +54,21 @@ class Target:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Placed:
-    """One slice of a graph where it is now: its physical mesh and island."""
+    """One slice of a graph where it is now: its physical mesh and island.
+
+    Attributes:
+      ref: the slice, as the graph names it.
+      mesh: its devices now.
+      island: its island now.
+      held: the runtime's own object for the slice (a ``VirtualSlice``), which
+        the futures of a plan's outputs on it name; lowering never reads it,
+        a plan only hands it on (``Plan.output_slices``). None: none.
+    """
 
     ref: SliceRef
     mesh: Mesh
     island: int
+    held: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, weakref_slot=True)

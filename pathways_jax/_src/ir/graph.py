@@ -1,12 +1,18 @@
 """The dataflow graph a ``@pw.program`` traces into: immutable data, virtual placement.
 
-A graph names only virtual slices; lowering binds it to physical devices.
+A graph names only virtual slices, as plain frozen :class:`SliceRef` records:
+what each slice is (its id, shape and axes), never where it is. Where a slice
+is now (its devices, its island, so what kind each transfer is) is a
+placement's (``compile.placement``); lowering binds the graph to it. The same
+program traced twice names the same slices, and a slice that moves islands
+leaves every graph naming it unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NoReturn, Protocol
+from collections.abc import Mapping
+from typing import Any, Literal, NoReturn
 
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
@@ -27,7 +33,8 @@ class SliceRef:
 
     The runtime's ``VirtualSlice`` wraps one (``.ref``), as JAX's ``Mesh``
     has an ``AbstractMesh``; which devices and island it has now is the
-    placement lowering is given (``compile.placement``).
+    placement lowering is given (``compile.placement``). Graphs name their
+    slices by these alone.
     """
 
     id: int
@@ -37,30 +44,13 @@ class SliceRef:
     mesh: AbstractMesh
 
 
-class Slice(Protocol):
-    """What the graph reads of the slices its values and nodes are on (``VirtualSlice``)."""
-
-    @property
-    def id(self) -> int: ...
-    @property
-    def ref(self) -> SliceRef: ...
-    @property
-    def island(self) -> int: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def axis_names(self) -> tuple[str, ...]: ...
-    @property
-    def mesh(self) -> AbstractMesh: ...
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Value:
     """A value flowing through the graph. ``slice`` is None for values fed from the host."""
 
     id: int
     aval: Any
-    slice: Slice | None
+    slice: SliceRef | None
     origin: str
 
 
@@ -87,7 +77,7 @@ class Node:
 
     name: str
     kind: Literal["jit", "glue", "fused"]
-    slice: Slice
+    slice: SliceRef
     jaxpr: Any
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
@@ -107,24 +97,34 @@ class Node:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Transfer:
-    """A value moving from the slice that made it to the slice that uses it."""
+    """A value moving from the slice that made it to the slice that uses it.
+
+    Its kind (ICI within an island, DCN across) is not the graph's: it is where
+    the slices are when the graph is lowered (``Placement.kind``, or
+    :meth:`kind_in` given the slices' islands).
+    """
 
     value: int
     output: int
-    src: Slice
-    dst: Slice
+    src: SliceRef
+    dst: SliceRef
 
-    @property
-    def kind(self) -> TransferKind:
-        """``"ici"`` within an island, ``"dcn"`` across islands: where the slices are *now*
-        (a slice moved off a lost island makes the same transfer another kind)."""
-        return transfer_kind(self.src.island, self.dst.island)
+    def kind_in(self, islands: Mapping[int, int]) -> TransferKind:
+        """``"ici"`` or ``"dcn"`` with the slices on ``islands`` (island by slice id)."""
+        return transfer_kind(islands[self.src.id], islands[self.dst.id])
+
+    def describe(self, islands: Mapping[int, int] | None = None) -> str:
+        """The transfer in one line; with ``islands`` (island by slice id), its kind and islands too."""
+        if islands is None:
+            return f"Transfer(v{self.value} -> v{self.output}, #{self.src.id} -> #{self.dst.id})"
+        src, dst = islands[self.src.id], islands[self.dst.id]
+        return (
+            f"Transfer(v{self.value} -> v{self.output}, {transfer_kind(src, dst)}, "
+            f"#{self.src.id} (island {src}) -> #{self.dst.id} (island {dst}))"
+        )
 
     def __repr__(self) -> str:
-        return (
-            f"Transfer(v{self.value} -> v{self.output}, {self.kind}, "
-            f"#{self.src.id} (island {self.src.island}) -> #{self.dst.id} (island {self.dst.island}))"
-        )
+        return self.describe()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,8 +149,8 @@ class Graph:
       inputs: the program's dynamic argument leaves.
       consts: constants closed over by the program.
       nodes: sharded computation nodes, in dispatch order.
-      transfers: values crossing slices: ``kind`` is ``"ici"`` within an island,
-        ``"dcn"`` across islands, as the slices are placed when it is read.
+      transfers: values crossing slices (their kind is where the slices are
+        when the graph is lowered: ``Placement.kind``).
       steps: the run order, as ``("node", i)`` / ``("transfer", i)`` pairs.
       outputs: one per output leaf of the program.
       out_tree: the output pytree structure.
@@ -175,9 +175,9 @@ class Graph:
     uncommitted_slice: int | None = None
 
     @property
-    def slices(self) -> tuple[Slice, ...]:
+    def slices(self) -> tuple[SliceRef, ...]:
         """The distinct slices the graph places work on, in order of first use."""
-        seen: dict[int, Slice] = {}
+        seen: dict[int, SliceRef] = {}
         for node in self.nodes:
             seen.setdefault(node.slice.id, node.slice)
         for transfer in self.transfers:
@@ -200,9 +200,9 @@ class Graph:
                     self._fail(f"{t!r} reads v{t.value} before it exists")
                 src = self.values[t.value]
                 dst = self.values[t.output]
-                if src.slice is not t.src:
+                if src.slice != t.src:
                     self._fail(f"{t!r} does not start where v{t.value} lives")
-                if dst.slice is not t.dst:
+                if dst.slice != t.dst:
                     self._fail(f"{t!r} does not end where v{t.output} lives")
                 if not (src.aval.shape == dst.aval.shape and src.aval.dtype == dst.aval.dtype):
                     self._fail(f"{t!r} changes shape or dtype")
@@ -223,7 +223,7 @@ class Graph:
                     self._fail(
                         f"{node!r} input {position} expects {aval_text(aval)} but v{vid} is {aval_text(value.aval)}"
                     )
-                if not (value.slice is None or value.slice is node.slice):
+                if not (value.slice is None or value.slice == node.slice):
                     self._fail(
                         f"{node!r} reads v{vid} on slice #{value.slice.id if value.slice else None} without a transfer"
                     )
@@ -234,7 +234,7 @@ class Graph:
                     self._fail(f"{node!r} spec {spec} has more entries than {aval_text(aval)} has dims")
             for vid, aval in zip(node.outputs, out_avals, strict=True):
                 value = self.values[vid]
-                if value.slice is not node.slice:
+                if value.slice != node.slice:
                     self._fail(f"{node!r} output v{vid} is not placed on its slice")
                 if not (value.aval.shape == aval.shape and value.aval.dtype == aval.dtype):
                     self._fail(f"{node!r} output v{vid} does not match its function's output")
@@ -251,7 +251,14 @@ class Graph:
             f"graph of program {self.name!r} ({self.source_info}) is inconsistent: {what}."
         )
 
-    def __repr__(self) -> str:
+    def describe(self, islands: Mapping[int, int] | None = None) -> str:
+        """The graph as text: inputs, steps in run order, outputs.
+
+        Args:
+          islands: the island of each slice by id, where a placement puts
+            them; with it, each node says its island and each transfer its
+            kind (``program.graph(x)`` prints it so, its slices where they are now).
+        """
         lines = [f"Graph({self.name!r}, {len(self.nodes)} nodes, {len(self.transfers)} transfers)"]
         for inp in self.inputs:
             v = self.values[inp.value]
@@ -259,44 +266,21 @@ class Graph:
             lines.append(f"  input  v{v.id}: {aval_text(v.aval)}{where}")
         for kind, index in self.steps:
             if kind == "transfer":
-                lines.append(f"  {self.transfers[index]!r}")
+                lines.append(f"  {self.transfers[index].describe(islands)}")
                 continue
             node = self.nodes[index]
             ins = ", ".join(f"v{i}" for i in node.inputs)
             outs = ", ".join(f"v{i}: {aval_text(self.values[i].aval)}" for i in node.outputs)
             s = node.slice
             mesh = dict(zip(s.axis_names, s.shape, strict=True))
+            island = f" island {islands[s.id]}" if islands is not None else ""
             lines.append(
-                f"  node   {node.name} [{node.kind}] on #{s.id} {mesh} island {s.island}: "
+                f"  node   {node.name} [{node.kind}] on #{s.id} {mesh}{island}: "
                 f"({ins}) -> ({outs})  @ {node.source_info}"
             )
         outs = ", ".join(f"v{o.value}" if o.value is not None else repr(o.literal) for o in self.outputs)
         lines.append(f"  output ({outs})")
         return "\n".join(lines)
 
-    def to_dot(self) -> str:
-        """The graph in Graphviz DOT: nodes grouped by island and slice, ICI and DCN transfers distinct.
-
-        Example:
-          >>> import jax.numpy as jnp, pathways_jax as pw
-          >>> s = pw.devices(mesh={"x": 1})
-          >>> dot = pw.program(lambda v: v + 1, devices=s).graph(jnp.zeros(2)).to_dot()
-          >>> dot.startswith("digraph") and "cluster_island_0" in dot
-          True
-          >>> s.release()
-        """
-        from pathways_jax._src.views import render
-
-        return render.to_dot(self)
-
-    def _repr_svg_(self) -> str:
-        """An SVG picture (Graphviz's ``dot`` when installed, else a built-in layout)."""
-        from pathways_jax._src.views import render
-
-        return render.to_svg(self)
-
-    def _repr_html_(self) -> str:
-        """The notebook view: picture, a note when Graphviz is missing, the steps as a table."""
-        from pathways_jax._src.views import render
-
-        return render.to_html(self)
+    def __repr__(self) -> str:
+        return self.describe()

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from pathways_jax._src.ir.graph import Slice
+
+class Slice(Protocol):
+    """A slice entered with ``with slice:`` (a ``VirtualSlice``, which imports this module)."""
+
+    @property
+    def id(self) -> int: ...
 
 
 class ActiveTrace(Protocol):

@@ -137,13 +137,19 @@ class ObjectStore:
         self._live[entry.id] = entry  # one dict store: atomic under the GIL
         return entry
 
-    def new_run(self, owner: Owner, outputs: list[Any], signatures: list[Any]) -> list[Entry]:
-        """One entry per output of a run (``outputs``: its plan's output slots), as :meth:`new` each."""
+    def new_run(
+        self, owner: Owner, outputs: list[Any], signatures: list[Any], slices: list[Any]
+    ) -> list[Entry]:
+        """One entry per output of a run, as :meth:`new` each.
+
+        ``outputs``, ``signatures``, ``slices``: its plan's output slots, their
+        keys, and the slice (``VirtualSlice``) each is on (``Plan.output_slices``).
+        """
         self._collect_before_new()
         ids = self._ids
         entries = [
-            Entry(next(ids), owner, out.aval, out.sharding, out.slice, out.origin, signature)
-            for out, signature in zip(outputs, signatures, strict=True)
+            Entry(next(ids), owner, out.aval, out.sharding, slice_, out.origin, signature)
+            for out, signature, slice_ in zip(outputs, signatures, slices, strict=True)
         ]
         live = self._live
         for entry in entries:

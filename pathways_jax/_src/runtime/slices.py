@@ -240,7 +240,7 @@ def current_slice() -> VirtualSlice | None:
 
 
 def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
-    """Where ``slices`` (a graph's) are now, as the plain data lowering is given.
+    """Where ``slices`` (every slice a graph names) are now, as the plain data lowering is given.
 
     Its ``current()`` says whether it still holds: no slice released or moved
     since (asked on every call of a plan: an unchanged mapping epoch answers it).
@@ -249,7 +249,7 @@ def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
         return NOWHERE
     cluster = slices[0].cluster
     mapping = tuple((s, s.devices) for s in slices)
-    where = {s.id: Placed(s.ref, s.physical_mesh, s.island) for s in slices}
+    where = {s.id: Placed(s.ref, s.physical_mesh, s.island, s) for s in slices}
     budget = cluster.store.budget
     epoch = cluster.mapping_epoch
 

@@ -131,7 +131,7 @@ def _run_of(plan: Plan, leaves: list[Any]) -> tuple[Run, Any]:
         raise errors.ClusterError(f"{client!r} is closed; programs cannot be submitted for it.")
     run_id = next(_runs)
     owner = Owner(client.name, run_id, client.key)
-    entries = store.new_run(owner, plan.outputs, plan.signatures)
+    entries = store.new_run(owner, plan.outputs, plan.signatures, plan.output_slices)
     return Run(run_id, plan, env, future_inputs, entries, client=client, staged=ticket), cl
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pathways_jax._src.core.formatting import aval_text, escape
 
 if TYPE_CHECKING:
-    from pathways_jax._src.ir.graph import Graph
+    from pathways_jax._src.api.graph_view import GraphView
 
 __all__ = ["find_dot", "to_dot", "to_html", "to_svg"]
 
@@ -60,7 +60,7 @@ def _slice_label(s: Any) -> str:
 class _Layout:
     """Who produces and who reads each value, and where every graph element sits."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: GraphView):
         self.graph = graph
         self.producer: dict[int, str] = {}
         for j, inp in enumerate(graph.inputs):
@@ -110,7 +110,7 @@ def _attrs(**attrs: Any) -> str:
     return "[" + ", ".join(f"{k}={_q(str(v))}" for k, v in attrs.items() if v is not None) + "]"
 
 
-def to_dot(graph: Graph) -> str:
+def to_dot(graph: GraphView) -> str:
     """The graph in Graphviz DOT: clusters per island and slice, transfers distinct.
 
     Example:
@@ -220,7 +220,7 @@ def _run_dot(source: str, program: str) -> str:
     return _PROLOG.sub("", proc.stdout, count=1)
 
 
-def _svg_via_dot(graph: Graph) -> tuple[str | None, str | None]:
+def _svg_via_dot(graph: GraphView) -> tuple[str | None, str | None]:
     """(svg, None) from Graphviz, or (None, why not)."""
     program = find_dot()
     if program is None:
@@ -231,7 +231,7 @@ def _svg_via_dot(graph: Graph) -> tuple[str | None, str | None]:
         return None, f"Graphviz's dot failed ({exc}); showing a simple built-in layout instead."
 
 
-def to_svg(graph: Graph) -> str:
+def to_svg(graph: GraphView) -> str:
     """An SVG picture of the graph: Graphviz's when ``dot`` is installed, else a built-in layout."""
     svg, _ = _svg_via_dot(graph)
     return svg if svg is not None else builtin_svg(graph)
@@ -245,7 +245,7 @@ def _fit(line: str) -> str:
     return line if len(line) <= _FIT else line[: _FIT - 1] + "…"
 
 
-def builtin_svg(graph: Graph) -> str:
+def builtin_svg(graph: GraphView) -> str:
     """A simple SVG of the graph, drawn without Graphviz: a column per slice, a row per step."""
     lay = _Layout(graph)
     columns: dict[int | None, int] = {None: 0}  # slice id (None: host) -> column
@@ -401,7 +401,7 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table {_TABLE}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def steps_table(graph: Graph) -> str:
+def steps_table(graph: GraphView) -> str:
     """Every node and transfer of the graph, in run order, as an HTML table."""
     rows = []
     for kind, index in graph.steps:
@@ -431,7 +431,7 @@ def steps_table(graph: Graph) -> str:
     return table(["step", "island", "slice", "values", "source"], rows)
 
 
-def to_html(graph: Graph) -> str:
+def to_html(graph: GraphView) -> str:
     """The graph for a notebook: its picture, a note when Graphviz is missing, and a table."""
     svg, note = _svg_via_dot(graph)
     if svg is None:
