@@ -91,3 +91,29 @@ def gated(slice_, plus=0.0):
         lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + plus, devices=slice_
     )
     return program, gate, entered
+
+
+def mlp_apply(p, x):
+    """A tiny MLP's forward pass (the data-parallel tests' model, as ``(params, apply)``)."""
+    return jax.numpy.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def mse(out, y):
+    return jax.numpy.mean((out - y) ** 2)
+
+
+def mlp_params():
+    """The tiny MLP's parameters: 8 -> 16 -> 2."""
+    return {
+        "w1": jax.random.normal(jax.random.key(0), (8, 16)) * 0.3,
+        "w2": jax.random.normal(jax.random.key(1), (16, 2)) * 0.3,
+    }
+
+
+def mlp_batches(steps, batch, seed=0):
+    """``steps`` batches of ``batch`` examples for the tiny MLP: inputs and targets, float32."""
+    rng = np.random.default_rng(seed)
+    return (
+        rng.normal(size=(steps, batch, 8)).astype(np.float32),
+        rng.normal(size=(steps, batch, 2)).astype(np.float32),
+    )

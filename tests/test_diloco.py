@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import mlp_apply, mlp_batches, mlp_params, mse
 
 import pathways_jax as pw
 from pathways_jax.pipeline import DataParallel, DiLoCo
@@ -15,36 +16,13 @@ K = 4
 BATCH = 12
 
 
-def _apply(p, x):
-    return jnp.tanh(x @ p["w1"]) @ p["w2"]
-
-
-def _loss(out, y):
-    return jnp.mean((out - y) ** 2)
-
-
-def _params():
-    return {
-        "w1": jax.random.normal(jax.random.key(0), (8, 16)) * 0.3,
-        "w2": jax.random.normal(jax.random.key(1), (16, 2)) * 0.3,
-    }
-
-
-def _data(steps):
-    rng = np.random.default_rng(1)
-    return (
-        rng.normal(size=(steps, BATCH, 8)).astype(np.float32),
-        rng.normal(size=(steps, BATCH, 2)).astype(np.float32),
-    )
-
-
 def _diloco_reference(xs, ys, sync_every, inner, outer, counts=None):
     """DiLoCo in plain jax.jit: replica i steps on shard i; every sync_every-th step, the global
     parameters take the outer step on the mean of (global - local), and every replica restarts there."""
 
     @jax.jit
     def local(p, o, x, y):
-        loss, grads = jax.value_and_grad(lambda p: _loss(_apply(p, x), y))(p)
+        loss, grads = jax.value_and_grad(lambda p: mse(mlp_apply(p, x), y))(p)
         updates, o = inner.update(grads, o, p)
         return loss, optax.apply_updates(p, updates), o
 
@@ -57,7 +35,7 @@ def _diloco_reference(xs, ys, sync_every, inner, outer, counts=None):
         updates, outer_state = outer.update(pseudo, outer_state, start)
         return optax.apply_updates(start, updates), outer_state
 
-    start = _params()
+    start = mlp_params()
     replicas = [(start, inner.init(start)) for _ in range(K)]
     outer_state = outer.init(start)
     losses = []
@@ -90,8 +68,8 @@ def _fetch(tree):
 
 def test_diloco_matches_plain_jax_and_its_replicas_meet_at_every_sync(islands):
     inner, outer = optax.adam(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True)
-    model = DiLoCo((_params(), _apply), islands, loss_fn=_loss, optimizer=inner, sync_every=3)
-    xs, ys = _data(7)
+    model = DiLoCo((mlp_params(), mlp_apply), islands, loss_fn=mse, optimizer=inner, sync_every=3)
+    xs, ys = mlp_batches(7, BATCH, seed=1)
     losses = [model.train_step(x, y) for x, y in zip(xs[:6], ys[:6], strict=True)]
     after_sync = [_fetch(p) for p in model.params_per_island]
     for other in after_sync[1:]:  # step 6 synced: every replica at the new global parameters
@@ -107,9 +85,9 @@ def test_diloco_matches_plain_jax_and_its_replicas_meet_at_every_sync(islands):
 
 
 def test_only_a_sync_step_moves_parameters_between_islands(islands):
-    model = DiLoCo((_params(), _apply), islands, loss_fn=_loss, optimizer=optax.sgd(0.1), sync_every=2)
-    x, y = _data(1)
-    shapes = {p.shape for p in jax.tree.leaves(_params())}
+    model = DiLoCo((mlp_params(), mlp_apply), islands, loss_fn=mse, optimizer=optax.sgd(0.1), sync_every=2)
+    x, y = mlp_batches(1, BATCH, seed=1)
+    shapes = {p.shape for p in jax.tree.leaves(mlp_params())}
     for sync in (False, True):
         graph = model.graph(x[0], y[0])
         moved = [t for t in graph.transfers if t.kind == "dcn"]
@@ -122,16 +100,16 @@ def test_only_a_sync_step_moves_parameters_between_islands(islands):
 
 
 def test_diloco_syncing_every_step_with_plain_sgd_is_data_parallel(islands):
-    xs, ys = _data(4)
+    xs, ys = mlp_batches(4, BATCH, seed=1)
     diloco = DiLoCo(
-        (_params(), _apply),
+        (mlp_params(), mlp_apply),
         islands,
-        loss_fn=_loss,
+        loss_fn=mse,
         optimizer=optax.sgd(0.1),
         sync_every=1,
         outer_optimizer=optax.sgd(1.0),
     )
-    dp = DataParallel((_params(), _apply), islands, loss_fn=_loss, optimizer=optax.sgd(0.1))
+    dp = DataParallel((mlp_params(), mlp_apply), islands, loss_fn=mse, optimizer=optax.sgd(0.1))
     for x, y in zip(xs, ys, strict=True):
         a, b = diloco.train_step(x, y), dp.train_step(x, y)
         np.testing.assert_allclose(float(a.result()), float(b.result()), rtol=1e-6)
@@ -145,12 +123,12 @@ def test_diloco_syncing_every_step_with_plain_sgd_is_data_parallel(islands):
 def test_diloco_refuses_bad_options(islands):
     for bad in (0, True, 1.5):
         with pytest.raises(pw.errors.ProgramTraceError, match="sync_every must be an int >= 1"):
-            DiLoCo((_params(), _apply), islands, loss_fn=_loss, optimizer=optax.sgd(0.1), sync_every=bad)
+            DiLoCo((mlp_params(), mlp_apply), islands, loss_fn=mse, optimizer=optax.sgd(0.1), sync_every=bad)
     with pytest.raises(pw.errors.ProgramTraceError, match="outer_optimizer"):
         DiLoCo(
-            (_params(), _apply),
+            (mlp_params(), mlp_apply),
             islands,
-            loss_fn=_loss,
+            loss_fn=mse,
             optimizer=optax.sgd(0.1),
             sync_every=2,
             outer_optimizer="sgd",
@@ -163,9 +141,9 @@ def test_the_manager_runs_a_lost_replicas_steps_again_on_the_survivors_diloco_sy
     survivors from the state kept, DiLoCo keeps its sync schedule, and the result equals plain
     JAX with 4 replicas, then 3."""
     inner, outer = optax.sgd(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True)
-    model = DiLoCo((_params(), _apply), islands, loss_fn=_loss, optimizer=inner, sync_every=2)
+    model = DiLoCo((mlp_params(), mlp_apply), islands, loss_fn=mse, optimizer=inner, sync_every=2)
     manager = pw.elastic.Manager(model, minimum_islands=2, window=2)
-    xs, ys = _data(8)
+    xs, ys = mlp_batches(8, BATCH, seed=1)
     losses = [manager.train_step(xs[s], ys[s]) for s in range(3)]
     manager.wait(timeout=60)
     losses += [manager.train_step(xs[s], ys[s]) for s in range(3, 5)]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import wait_for
+from helpers import mlp_apply, mlp_batches, mlp_params, mse, wait_for
 
 import pathways_jax as pw
 from pathways_jax.pipeline import DataParallel
@@ -17,29 +17,6 @@ pytestmark = pytest.mark.timeout(240)
 BATCH = 12  # splits evenly over 1, 2 and 3 replicas
 
 
-def _apply(p, x):
-    return jnp.tanh(x @ p["w1"]) @ p["w2"]
-
-
-def _loss(out, y):
-    return jnp.mean((out - y) ** 2)
-
-
-def _params():
-    return {
-        "w1": jax.random.normal(jax.random.key(0), (8, 16)) * 0.3,
-        "w2": jax.random.normal(jax.random.key(1), (16, 2)) * 0.3,
-    }
-
-
-def _data(steps):
-    rng = np.random.default_rng(0)
-    return (
-        rng.normal(size=(steps, BATCH, 8)).astype(np.float32),
-        rng.normal(size=(steps, BATCH, 2)).astype(np.float32),
-    )
-
-
 def _reference(xs, ys, counts):
     """Plain jax.jit: step s averages the gradients of counts[s] equal shards, as DataParallel does."""
     tx = optax.adam(1e-2)
@@ -47,7 +24,7 @@ def _reference(xs, ys, counts):
     @functools.partial(jax.jit, static_argnums=4)
     def step(p, o, x, y, k):
         results = [
-            jax.value_and_grad(lambda p, xi=xi, yi=yi: _loss(_apply(p, xi), yi))(p)
+            jax.value_and_grad(lambda p, xi=xi, yi=yi: mse(mlp_apply(p, xi), yi))(p)
             for xi, yi in zip(jnp.split(x, k), jnp.split(y, k), strict=True)
         ]
         total = results[0][1]
@@ -57,7 +34,7 @@ def _reference(xs, ys, counts):
         losses = [loss for loss, _ in results]
         return optax.apply_updates(p, updates), o, sum(losses[1:], losses[0]) / k
 
-    p = _params()
+    p = mlp_params()
     o = tx.init(p)
     losses = []
     for x, y, k in zip(xs, ys, counts, strict=True):
@@ -86,10 +63,10 @@ def test_a_lost_island_costs_no_step_and_its_replica_rejoins_when_it_is_rebuilt(
     boundary) from a bit-identical copy, and training goes on on three."""
     cluster = pw.init(backend="ray", hosts=3, devices_per_host=1)
     slices = [pw.devices(mesh={"data": 1}, island=i) for i in range(3)]
-    dp = DataParallel((_params(), _apply), slices, loss_fn=_loss, optimizer=optax.adam(1e-2))
+    dp = DataParallel((mlp_params(), mlp_apply), slices, loss_fn=mse, optimizer=optax.adam(1e-2))
     manager = pw.elastic.Manager(dp, minimum_islands=2, window=2)
     steps = 14
-    xs, ys = _data(steps)
+    xs, ys = mlp_batches(steps, BATCH, seed=0)
     losses = [manager.train_step(xs[step], ys[step]) for step in range(4)]
     manager.wait(timeout=120)  # so that host 2's next run is step 4's
     pw.faults.kill_host(2, at_run=1)  # host 2 dies in the middle of its next run
@@ -129,11 +106,11 @@ def two_islands():
 
 def _dp(islands=(0, 1)):
     slices = [pw.devices(mesh={"data": 1}, island=i) for i in islands]
-    return DataParallel((_params(), _apply), slices, loss_fn=_loss, optimizer=optax.adam(1e-2))
+    return DataParallel((mlp_params(), mlp_apply), slices, loss_fn=mse, optimizer=optax.adam(1e-2))
 
 
 def test_without_a_loss_the_manager_trains_as_its_model_does_bit_for_bit(two_islands):
-    xs, ys = _data(6)
+    xs, ys = mlp_batches(6, BATCH, seed=0)
     plain, managed = _dp(), _dp()
     manager = pw.elastic.Manager(managed, window=2)
     want = [plain.train_step(x, y) for x, y in zip(xs, ys, strict=True)]
@@ -179,7 +156,7 @@ def test_elastic_retry_runs_the_function_again_from_the_managers_step(two_island
     the function again (the callback first), from the step the manager has reached; other
     errors, and failures past max_retries, reach the caller."""
     manager = pw.elastic.Manager(_dp())
-    xs, ys = _data(6)
+    xs, ys = mlp_batches(6, BATCH, seed=0)
     calls, callbacks = [], []
 
     @manager.elastic_retry(max_retries=2, on_elastic_event_callback=lambda: callbacks.append(manager.step))

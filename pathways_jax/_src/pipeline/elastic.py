@@ -5,8 +5,9 @@ model, one replica per island. When an island's host dies mid-training, the
 steps it spoiled are run again on the surviving replicas, from their own
 copies of the state (no checkpoint, no step lost), with the same global
 batch cut into fewer, larger shards; the user's loop does not see it. When
-the island is rebuilt, a replica joins it again at a step boundary, its
-state copied from a survivor over the transfer servers.
+the island is rebuilt, a replica joins it again at a step boundary (once the
+steps in flight are complete), its state copied from a survivor over the
+transfer servers.
 
 Semantics:
 
@@ -424,13 +425,15 @@ class Manager:
 
     def _rejoin(self) -> None:
         """At a step boundary: a replica for each home island that is up again and has none."""
-        cluster = pw.cluster()
-        lost = cluster.resources.lost
-        here = set(self.islands)
-        back = [island for island in self._homes if island not in here and island not in lost]
-        if not back:
+        lost = pw.cluster().resources.lost
+        if not [island for island in self._homes if island not in self.islands and island not in lost]:
             return
         start = time.monotonic()
+        # The steps in flight complete first: every step kept to run again then has the
+        # replicas it ran on, and the new one starts from a state known good.
+        self.wait()
+        here = set(self.islands)
+        back = [island for island in self._homes if island not in here and island not in lost]
         model = self.model
         source_p, source_o = model._params[0], model._opt_states[0]
         replicas = dict(
