@@ -18,7 +18,7 @@ import optax
 import pathways_jax as pw
 from pathways_jax._src.pipeline import stages as stages_lib
 from pathways_jax._src.pipeline.data_parallel import DataParallel, LossFn
-from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.optimizers import OptaxLike, as_optimizer
 from pathways_jax._src.pipeline.rngs import Mode
 
 
@@ -91,9 +91,7 @@ class DiLoCo(DataParallel):
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise pw.errors.ProgramTraceError(f"DiLoCo: sync_every must be an int >= 1; got {sync_every!r}.")
         outer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
-        (checked,) = stages_lib.check_optimizers(outer, 1, "DiLoCo outer_optimizer")
-        assert checked is not None  # outer is not None, so check_optimizers made one
-        self._outer: OptaxLike = checked
+        self._outer: OptaxLike = as_optimizer(outer, "DiLoCo: outer_optimizer")
         self.sync_every = sync_every
         self._local_by_slice: dict[tuple[Mode, int], pw.JitFunction] = {}
         self._sync_by_slice: dict[int, pw.JitFunction] = {}

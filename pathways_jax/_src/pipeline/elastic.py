@@ -391,7 +391,11 @@ class Manager:
             if i not in keep:
                 slice_.release()
         params, opt_states = first.params, first.opt_states
-        assert params is not None and opt_states is not None  # the oldest step keeps its state (_settle)
+        if params is None or opt_states is None:  # _settle keeps the oldest step's state: never
+            raise pw.errors.PathwaysError(
+                f"pw.elastic: step {first.index} kept no state to run again from; this is a bug of "
+                "pathways_jax: please report it."
+            ) from error
         self.model._set_replicas(
             [slices[i] for i in keep], [params[i] for i in keep], [opt_states[i] for i in keep]
         )
