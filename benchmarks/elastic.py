@@ -46,7 +46,7 @@ _HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden width of the MLP.")
 _TIMEOUT_S = flags.DEFINE_float(
     "timeout_s", 180.0, "Longest any wait may take before the run fails (a hang)."
 )
-_WINDOW = flags.DEFINE_integer("window", 2, "The manager's window: steps in flight not known complete.")
+_WINDOW = flags.DEFINE_integer("window", 8, "The manager's window (pw.elastic.Manager(window=...)).")
 _QUICK = flags.DEFINE_bool("quick", False, "One kill, few steps.")
 _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).resolve().parent / "results"), "Result folder.")
 

@@ -171,7 +171,7 @@ class Manager:
     """
 
     def __init__(
-        self, model: DataParallel, *, minimum_islands: int = 1, window: int = 4, rejoin: bool = True
+        self, model: DataParallel, *, minimum_islands: int = 1, window: int = 8, rejoin: bool = True
     ):
         if not isinstance(model, DataParallel):
             raise pw.errors.PlacementError(
