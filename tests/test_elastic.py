@@ -184,3 +184,46 @@ def test_elastic_retry_runs_the_function_again_from_the_managers_step(two_island
 
     with pytest.raises(ValueError, match="not a lost host"):
         broken()
+
+
+def test_below_minimum_islands_training_waits_with_the_survivors_state_and_goes_on_when_islands_return(
+    two_islands,
+):
+    """One of two replicas lost with minimum_islands=2 (island 1 taken out by hand, as a lost
+    host's island is, and the manager told a step failed): train_step refuses with a named
+    error and takes no step; elastic_retry waits for the island, a replica rejoins it from the
+    survivor's kept state, the open steps run again on both, and the whole run equals the same
+    model trained without the loss, bit for bit."""
+    import threading
+
+    xs, ys = mlp_batches(8, BATCH)
+    plain = _dp()
+    want = [float(plain.train_step(x, y).result()) for x, y in zip(xs, ys, strict=True)]
+    manager = pw.elastic.Manager(_dp(), minimum_islands=2, window=2)
+    losses = [manager.train_step(xs[s], ys[s]) for s in range(3)]
+    manager.wait(timeout=60)
+    losses += [manager.train_step(xs[s], ys[s]) for s in range(3, 5)]
+    cluster = pw.cluster()
+    cluster.host_lost(1)  # the local backend keeps the values; the manager must not use them
+    with pytest.raises(pw.errors.HostLostError, match="fewer than minimum_islands=2"):
+        manager._recover(pw.errors.HostLostError("island 1 was lost (by the test)"))
+    with pytest.raises(pw.errors.HostLostError, match=r"1 replicas are left \(islands \[0\]\)"):
+        manager.train_step(xs[5], ys[5])
+    assert manager.step == 5
+    with pytest.raises(pw.errors.HostLostError, match="fewer than minimum_islands"):
+        manager.wait(timeout=60)
+
+    attempts = []
+
+    @manager.elastic_retry(timeout=60, on_elastic_event_callback=lambda: attempts.append(manager.step))
+    def train(total):
+        for step in range(manager.step, total):
+            losses.append(manager.train_step(xs[step], ys[step]))
+        return manager.step
+
+    threading.Timer(0.3, cluster.island_restored, (1,)).start()
+    assert train(8) == 8
+    assert attempts == [5]
+    assert [e.kind for e in manager.events] == ["lost", "rejoined"] and manager.islands == (0, 1)
+    assert [float(loss) for loss in losses] == want
+    jax.tree.map(np.testing.assert_array_equal, _replica_params(manager.model)[1], _replica_params(plain)[0])

@@ -143,8 +143,10 @@ class Manager:
       model: the data-parallel model, one replica per island (its slices on
         distinct islands of a Ray cluster; the local backend loses none).
       minimum_islands: the fewest replicas training goes on with. A loss that
-        leaves fewer raises ``HostLostError`` from ``train_step`` (or a loss's
-        ``result``): :meth:`elastic_retry` waits for islands then.
+        leaves fewer (but one or more) stalls it: the survivors keep the state,
+        ``train_step`` raises ``HostLostError`` and takes no step until islands
+        come back, then replicas rejoin and the open steps run again on all of
+        them. :meth:`elastic_retry` does the waiting.
       window: the state before every ``window``-th step is kept to run steps
         again from; ``train_step`` waits for the oldest step not known
         complete once ``2 * window`` are outstanding.
@@ -203,6 +205,7 @@ class Manager:
         self._pending: collections.deque[_Step] = collections.deque()
         self._step = 0
         self._checked_batches: set[int] = set()
+        self._stalled = False  # fewer replicas than minimum_islands: the open steps wait for islands
         self.events: list[Event] = []
 
     @property
@@ -229,6 +232,10 @@ class Manager:
             count from ``minimum_islands`` to all of them.
         """
         self._check_batch(x)
+        if self._stalled:
+            self._rejoin()
+            if self._stalled:
+                raise pw.errors.HostLostError(self._stalled_message())
         self._settle(wait=False)
         while len(self._pending) >= 2 * self.window:  # the oldest steps complete, a kept state goes
             self._settle(wait=True)
@@ -327,6 +334,8 @@ class Manager:
     def _settle(self, wait: bool, deadline: float | None = None) -> None:
         """Notes the steps known complete, oldest first (waiting for the oldest not known if ``wait``),
         and lets go of what no step may need to run again from."""
+        if self._stalled:
+            raise pw.errors.HostLostError(self._stalled_message())
         pending = self._pending
         for step in list(pending):
             if step.complete:
@@ -361,6 +370,8 @@ class Manager:
             except pw.errors.ProgramFailedError as error:
                 if step not in self._pending:
                     raise
+                if self._stalled:
+                    raise pw.errors.HostLostError(self._stalled_message()) from error
                 self._recover(error)
                 if step.loss is loss:  # not run again: not a lost island's doing
                     raise
@@ -380,25 +391,29 @@ class Manager:
         lost = sorted(pw.cluster().resources.lost)
         if len(keep) == len(slices):
             raise error  # no replica was lost: the step's own failure
-        if len(keep) < self.minimum_islands:
-            raise pw.errors.HostLostError(
-                f"pw.elastic: {len(keep)} of {len(slices)} replicas survive the loss of islands "
-                f"{lost}, fewer than minimum_islands={self.minimum_islands}: training cannot go "
-                f"on from step {first.index}. Wait for islands to return (Manager.elastic_retry does), "
-                "or restore the state from a checkpoint."
-            ) from error
-        for i, slice_ in enumerate(slices):
-            if i not in keep:
-                slice_.release()
         params, opt_states = first.params, first.opt_states
         if params is None or opt_states is None:  # _settle keeps the oldest step's state: never
             raise pw.errors.PathwaysError(
                 f"pw.elastic: step {first.index} kept no state to run again from; this is a bug of "
                 "pathways_jax: please report it."
             ) from error
+        if not keep:
+            raise pw.errors.HostLostError(
+                f"pw.elastic: no replica survives the loss of islands {lost}: the state since step "
+                f"{first.index} is gone. Restore it from a checkpoint."
+            ) from error
+        for i, slice_ in enumerate(slices):
+            if i not in keep:
+                slice_.release()
         self.model._set_replicas(
             [slices[i] for i in keep], [params[i] for i in keep], [opt_states[i] for i in keep]
         )
+        if len(keep) < self.minimum_islands:
+            # The survivors hold the state the open steps start from; they run again once
+            # islands have come back (_rejoin), not on fewer replicas than asked.
+            self._stalled = True
+            self.events.append(Event(first.index, "lost", self.islands, time.monotonic() - start))
+            raise pw.errors.HostLostError(self._stalled_message()) from error
         gone = sorted(set(first.islands) - set(self.islands))
         for index, step in enumerate(self._pending):  # in order: each from the state the one before leaves
             self._dispatch(step, keep=index == 0 or step.index % self.window == 0)
@@ -409,6 +424,14 @@ class Manager:
             first.index,
             self._pending[-1].index,
             self.islands,
+        )
+
+    def _stalled_message(self) -> str:
+        return (
+            f"pw.elastic: {len(self.model.slices)} replicas are left (islands {list(self.islands)}), fewer "
+            f"than minimum_islands={self.minimum_islands}: training waits for islands to come back from "
+            f"step {self._pending[0].index if self._pending else self._step}, with the survivors' state. "
+            "Call train_step again once they are (Manager.elastic_retry waits for them)."
         )
 
     def _survivors(self, step: _Step) -> list[int]:
@@ -434,8 +457,10 @@ class Manager:
             return
         start = time.monotonic()
         # The steps in flight complete first: every step kept to run again then has the
-        # replicas it ran on, and the new one starts from a state known good.
-        self.wait()
+        # replicas it ran on, and the new one starts from a state known good. (Stalled, the
+        # open steps have not run on these replicas: they run again once it has joined.)
+        if not self._stalled:
+            self.wait()
         here = set(self.islands)
         back = [island for island in self._homes if island not in here and island not in lost]
         model = self.model
@@ -467,6 +492,10 @@ class Manager:
             return
         order = [island for island in self._homes if island in replicas]  # the model's first order
         model._set_replicas(*(list(part) for part in zip(*(replicas[i] for i in order), strict=True)))
+        if self._stalled and len(order) >= self.minimum_islands:
+            self._stalled = False
+            for index, step in enumerate(self._pending):  # from the survivors' state, on every replica
+                self._dispatch(step, keep=index == 0 or step.index % self.window == 0)
         self.events.append(Event(self._step, "rejoined", self.islands, time.monotonic() - start))
         logging.warning("pw.elastic: replicas on islands %s from step %d", self.islands, self._step)
 
