@@ -19,8 +19,10 @@ Semantics:
 - **Arithmetic.** With K replicas a step averages K shard gradients; with
   K - 1 it averages K - 1 larger shards. Both are the mean gradient of the
   whole batch, in another order of additions: a run that lost an island
-  equals the uninterrupted one within float rounding (about 1e-6 relative
-  in float32 per step, compounding), not bit for bit. Replicas hold
+  equals the uninterrupted one within float rounding, not bit for bit (in
+  ``benchmarks/elastic.py``, float32, every loss of 566 steps through 100
+  losses and rejoins within 2.2e-7 of plain JAX run with the same replica
+  counts). Replicas hold
   bit-identical parameters at every step, before and after, and a replica
   that rejoins starts from a bit-identical copy.
 - **Memory.** So that steps can be run again, the state before every
