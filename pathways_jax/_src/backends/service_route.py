@@ -205,11 +205,9 @@ class ServiceRoute:
         from pathways_jax._src import wire
         from pathways_jax._src.backends import channel_link
 
-        match received.body:
-            case wire.Fetched(ticket) | wire.Failed(ticket):
-                pass
-            case _:
-                return  # hosts send this channel nothing else
+        if not isinstance(received.body, wire.Fetched | wire.Failed):
+            return  # hosts send this channel nothing else
+        ticket = received.body.seq  # the fetch's ticket
         try:
             value: Any = channel_link.answer_value(received.body)
         except Exception as exc:
