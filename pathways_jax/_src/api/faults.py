@@ -17,7 +17,7 @@ from pathways_jax._src.runtime import clusters
 _TIMEOUT_S = 30.0
 
 
-def kill_host(host: int, *, at_run: int = 0, timeout: float = _TIMEOUT_S) -> None:
+def kill_host(host: int, *, at_run: int = 0, at_save: int = 0, timeout: float = _TIMEOUT_S) -> None:
     """Kills Ray host ``host`` as a lost machine dies: its actor's process sends itself SIGKILL.
 
     The controller finds it as it finds any dead host: the runs it held fail
@@ -33,6 +33,9 @@ def kill_host(host: int, *, at_run: int = 0, timeout: float = _TIMEOUT_S) -> Non
         arms it: it dies during the ``n``-th run it starts from now, once that
         run's work is on its devices and before the run is answered (a
         failure in the middle of a step); returns once the host holds it.
+      at_save: ``n`` >= 1 arms it to die as the ``n``-th checkpoint save
+        from now starts writing on it (an Orbax save of futures, written by
+        the hosts: ``pw.checkpoints``); give ``at_run`` or ``at_save``, not both.
       timeout: seconds to wait for the host's answer (and, now, its death).
 
     Raises:
@@ -49,10 +52,10 @@ def kill_host(host: int, *, at_run: int = 0, timeout: float = _TIMEOUT_S) -> Non
       ...         pw.faults.kill_host(1, at_run=1)  # dies in the middle of step 40
       ...     state, loss = train_step(state, batch)
     """
-    _strike("kill", host, at_run, timeout, "pw.faults.kill_host")
+    _strike("kill", host, at_run, at_save, timeout, "pw.faults.kill_host")
 
 
-def hang_host(host: int, *, at_run: int = 0, timeout: float = _TIMEOUT_S) -> None:
+def hang_host(host: int, *, at_run: int = 0, at_save: int = 0, timeout: float = _TIMEOUT_S) -> None:
     """Hangs Ray host ``host``: its actor's process sends itself SIGSTOP.
 
     Ray still sees the actor alive; its channel to the controller falls
@@ -64,16 +67,17 @@ def hang_host(host: int, *, at_run: int = 0, timeout: float = _TIMEOUT_S) -> Non
       host: the host's number (see :func:`kill_host`).
       at_run: 0 hangs it now (within about 50 ms of returning); ``n`` >= 1:
         during the ``n``-th run it starts from now, as :func:`kill_host`.
+      at_save: as :func:`kill_host`.
       timeout: seconds to wait for the host's answer.
 
     Raises:
       ClusterError: as :func:`kill_host`.
       ResourceError: as :func:`kill_host`.
     """
-    _strike("hang", host, at_run, timeout, "pw.faults.hang_host")
+    _strike("hang", host, at_run, at_save, timeout, "pw.faults.hang_host")
 
 
-def _strike(kind: FaultKind, host: int, at_run: int, timeout: float, what: str) -> None:
+def _strike(kind: FaultKind, host: int, at_run: int, at_save: int, timeout: float, what: str) -> None:
     backend = clusters.cluster().backend
     if not isinstance(backend, Strikes) or isinstance(backend, ServiceView):
         served = isinstance(backend, ServiceView)
@@ -99,11 +103,17 @@ def _strike(kind: FaultKind, host: int, at_run: int, timeout: float, what: str) 
             f"{what} (at {source.of_caller()}): at_run must be an int >= 0 (0: now; n: during the "
             f"n-th run the host starts from now); got {at_run!r}."
         )
+    if not _is_count(at_save) or at_save < 0 or (at_save and at_run):
+        raise errors.ResourceError(
+            f"{what} (at {source.of_caller()}): at_save must be an int >= 0 (n: as the n-th checkpoint "
+            f"save from now starts writing on the host), and at_run 0 with it; got at_run={at_run!r}, "
+            f"at_save={at_save!r}."
+        )
     if not checks.is_seconds(timeout) or timeout == 0:
         raise errors.ResourceError(
             f"{what} (at {source.of_caller()}): timeout must be seconds > 0; got {timeout!r}."
         )
-    backend.strike(int(host), kind, int(at_run), float(timeout))
+    backend.strike(int(host), kind, int(at_run), float(timeout), at_save=int(at_save))
 
 
 def _is_count(value: object) -> bool:

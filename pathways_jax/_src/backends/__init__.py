@@ -2,7 +2,7 @@
 
 ``base`` defines the protocol the controller dispatches through, the
 options a backend starts with and the optional capabilities callers look for
-(``HostFleet``, ``Shares``, ``ServiceView``); ``registry`` maps
+(``HostFleet``, ``Shares``, ``ServiceView``, ``Strikes``, ``HostWrites``); ``registry`` maps
 ``pw.init(backend=...)``'s names to start functions (``ray_start`` starts the
 Ray backend's hosts or joins a service). ``local``
 runs steps on this process's JAX devices, ``ray`` sends each host its part
@@ -21,7 +21,8 @@ split, runs sent, values fetched, through a route); ``ray_route`` (the Ray backe
 hosts); ``ray_places`` (where the stand-in devices are); ``ray_losses`` (lost islands, generations,
 the lost message); ``ray_failures`` (what hosts' failures raise); ``ray_fleet`` (the host actors: started, watched, replaced, killed);
 ``ray_send`` (messages out: numbered, grouped per island; what each host has and is to free);
-``ray_plan`` (a plan split per host); ``ray_values`` (values on hosts); ``ray_start`` (starting
+``ray_plan`` (a plan split per host); ``ray_values`` (values on hosts); ``ray_checkpoints``
+(checkpoints the hosts write and read: the controller's messages); ``ray_start`` (starting
 it); ``ray_host`` (the host side: its records, values, data plane, steps and actor);
 ``host_link`` (how hosts are reached); ``channel_link`` (over ZeroMQ); ``service_client`` (a
 service's client process); ``service_route`` (its route: batches to the service).

@@ -257,9 +257,29 @@ class Strikes(Protocol):
         """How many hosts there are, numbered from 0."""
         ...
 
-    def strike(self, host: int, kind: FaultKind, at_run: int, timeout: float = ...) -> None:
-        """Has ``host`` kill (SIGKILL) or stop (SIGSTOP) its own process: now (``at_run`` 0; a kill
-        returns once the host is dead), or during the ``at_run``-th run it starts from now."""
+    def strike(self, host: int, kind: FaultKind, at_run: int, timeout: float = ..., at_save: int = 0) -> None:
+        """Has ``host`` kill (SIGKILL) or stop (SIGSTOP) its own process: now (``at_run`` and
+        ``at_save`` 0; a kill returns once the host is dead), during the ``at_run``-th run it
+        starts from now, or as the ``at_save``-th checkpoint save from now starts writing there."""
+        ...
+
+
+@runtime_checkable
+class HostWrites(Protocol):
+    """A backend whose hosts write and read their own shards of a checkpoint (``compat.host_checkpoints``).
+
+    ``checkpoints`` (``ray_checkpoints.HostCheckpoints``) sends the hosts the
+    small messages; the bytes never come to this process.
+    """
+
+    checkpoints: Any
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` (a future's array) is a value this backend's hosts keep."""
+        ...
+
+    def where(self, sharding: Any) -> Any:
+        """Where a sharding over this backend's devices lives on its hosts (``ray_plan.Placed``), or None."""
         ...
 
 

@@ -199,6 +199,12 @@ def encode(kind: str, args: tuple) -> wire.Item:
             return wire.Forget(args[0])
         case "peers":
             return wire.Peers({int(h): str(a) for h, a in args[0].items()})
+        case "stash":
+            return wire.Stash(args[0], _blob(args[1]), args[2])
+        case "store":
+            return wire.Store(args[0], args[1])
+        case "load":
+            return wire.Load(_blob(args[0]))
     raise ValueError(f"no wire message for a host message of kind {kind!r}")
 
 
@@ -226,6 +232,12 @@ def decode(item: wire.Item) -> tuple[str, tuple]:
             return "forget", (plan,)
         case wire.Peers(addresses):
             return "peers", (addresses,)
+        case wire.Stash(ticket, writes, ocdbt):
+            return "stash", (ticket, _unblob(writes), ocdbt)
+        case wire.Store(ticket, write):
+            return "store", (ticket, write)
+        case wire.Load(reads):
+            return "load", (_unblob(reads),)
     raise ValueError(f"a host takes no {type(item).__name__} message")
 
 

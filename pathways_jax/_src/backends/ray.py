@@ -67,6 +67,7 @@ from pathways_jax._src.backends.ray_boot import Layout as Layout
 from pathways_jax._src.backends.ray_boot import import_ray as import_ray
 from pathways_jax._src.backends.ray_boot import join_ray
 from pathways_jax._src.backends.ray_boot import make_link as make_link
+from pathways_jax._src.backends.ray_checkpoints import HostCheckpoints
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S as CALL_TIMEOUT_S
 from pathways_jax._src.backends.ray_dispatch import Dispatcher
 from pathways_jax._src.backends.ray_failures import is_lost_error as is_lost_error
@@ -76,8 +77,10 @@ from pathways_jax._src.backends.ray_fleet import HUNG_S as HUNG_S
 from pathways_jax._src.backends.ray_fleet import HostActors, results
 from pathways_jax._src.backends.ray_losses import Losses
 from pathways_jax._src.backends.ray_places import Places
+from pathways_jax._src.backends.ray_plan import Placed
 from pathways_jax._src.backends.ray_route import DirectRoute
 from pathways_jax._src.backends.ray_send import Sender
+from pathways_jax._src.backends.ray_values import RemoteArray
 from pathways_jax._src.core import errors, reentry
 
 if TYPE_CHECKING:
@@ -157,6 +160,9 @@ class RayBackend:
         self.link: Link = make_link(transport)
         self.route = DirectRoute(self.sender, self.link, losses, self.fleet, self)
         self.dispatcher = Dispatcher(ray, self.places, losses, self.sender, self.route)
+        self.checkpoints = HostCheckpoints(
+            self.dispatcher
+        )  # saves and restores the hosts write (base.HostWrites)
         self.fleet.launch(self.link)
         try:
             self.info = self.fleet.start()
@@ -212,6 +218,22 @@ class RayBackend:
     def settle(self, in_flight: collections.deque) -> None:
         self.dispatcher.settle(in_flight)
 
+    # --- checkpoints the hosts write (base.HostWrites) ------------------------------------------
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` (a future's array) is a value these hosts keep."""
+        return isinstance(value, RemoteArray) and value.backend is self.dispatcher and value.key is not None
+
+    def where(self, sharding: Any) -> Placed | None:
+        """The island, hosts and descriptor of a sharding over these hosts' stand-ins; None if it is not."""
+        try:
+            devices = sharding.device_set
+        except (AttributeError, ValueError):  # no sharding, or one over an abstract mesh
+            return None
+        if not devices or not all(self.places.owns(device) for device in devices):
+            return None
+        return self.places.where(sharding, "a restored value")
+
     # --- messages a controller service composes itself -------------------------------------------
 
     def send_items(self, items: list[tuple[int, Any]]) -> list[concurrent.futures.Future]:
@@ -253,12 +275,14 @@ class RayBackend:
         stats = self.ray.get([self.actors[h].stats.remote() for h in live], timeout=timeout)
         return dict(zip(live, stats, strict=True))
 
-    def strike(self, host: int, kind: FaultKind, at_run: int, timeout: float = CALL_TIMEOUT_S) -> None:
+    def strike(
+        self, host: int, kind: FaultKind, at_run: int, timeout: float = CALL_TIMEOUT_S, at_save: int = 0
+    ) -> None:
         """Has host ``host`` strike a fault on itself (``base.Strikes``); ClusterError if it is lost."""
         why = self.lost_hosts.get(host)
         if why is not None:
             raise errors.ClusterError(f"host {host} is lost already ({why}): no fault was injected.")
-        self.fleet.strike(host, ray_host.Fault(kind, at_run), timeout)
+        self.fleet.strike(host, ray_host.Fault(kind, at_run, at_save), timeout)
 
     # --- health ------------------------------------------------------------------------
 

@@ -256,6 +256,10 @@ class Dispatcher:
             outputs[slot] = RemoteArray(self, hosts, key, out.aval, out.sharding, dones, generation)
         return outputs, markers
 
+    def fresh_keys(self, count: int) -> list[int]:
+        """``count`` value keys no host uses yet (for values made by messages other than runs)."""
+        return [next(self._keys) for _ in range(count)]
+
     def settle(self, in_flight: collections.deque) -> None:
         """Drops the completed head of an island's in-flight deque.
 

@@ -215,7 +215,7 @@ class HostActors:
             if not is_lost_error(exc):
                 raise errors.ClusterError(f"host {host} {_unanswered(exc)}: no fault was injected.") from exc
             return  # alive a moment ago, armed for its next run: it struck before its answer left
-        if fault.kind != "kill" or fault.at_run > 0:
+        if fault.kind != "kill" or fault.at_run > 0 or fault.at_save > 0:
             return
         while time.monotonic() < deadline:  # it strikes just after answering: wait for Ray to see it dead
             ref = actor.ping.remote()

@@ -44,6 +44,10 @@ class Places:
         """A stand-in device's island, position among the island's devices, and host."""
         return self._where[device.id]
 
+    def owns(self, device: Any) -> bool:
+        """Whether ``device`` is one of the stand-ins."""
+        return device.id in self._where and device.platform == self.standins[0].platform
+
     def host_devices(self, host: int) -> list[jax.Device]:
         """The stand-ins of host ``host``'s devices."""
         d = self.layout.devices_per_host

@@ -12,7 +12,8 @@ are the ones installed and that every patch is in place, so an upgrade is
 reviewed, not discovered. May import: ``runtime`` and the layers below.
 
 Modules: ``jax_futures`` (JAX takes futures); ``jax_effects`` (``jax.effects_barrier``);
-``checkpoints`` (Flax and Orbax take futures).
+``checkpoints`` (Flax and Orbax take futures);
+``host_checkpoints`` (Orbax's handler for arrays and futures: Ray hosts write and read their own shards).
 """
 
 from __future__ import annotations

@@ -145,20 +145,16 @@ def _register_with_orbax() -> None:
     except ImportError:  # pragma: no cover - an orbax without its type handlers
         return
 
-    # The handler orbax uses for jax.Array (with its options: the array metadata store),
-    # given the arrays the futures stand for.
-    arrays_handler = type_handlers.get_type_handler(jax.Array)
-    base = type(arrays_handler)
+    try:  # one handler for jax.Array and futures: the Ray hosts write and read their own shards
+        from pathways_jax._src.compat import host_checkpoints
 
-    async def serialize(self: Any, values: Any, infos: Any, args: Any = None) -> Any:
-        arrays = [v.result() if isinstance(v, Future) else v for v in values]
-        return await base.serialize(self, arrays, infos, args)
-
-    handler = copy.copy(arrays_handler)
-    handler.__class__ = type("FutureHandler", (base,), {"serialize": serialize, "__module__": __name__})
-    # Orbax warns that the handler's type name is jax.Array's: that is the point (it restores as one).
-    with _absl_warnings_off():
-        type_handlers.register_type_handler(Future, handler, override=True)
+        with _absl_warnings_off():
+            host_checkpoints.install(type_handlers)
+        hosts_write = True
+    except (ImportError, AttributeError) as exc:  # an orbax whose internals differ: saves go through here
+        logging.getLogger(__name__).info("pathways_jax: hosts will not write checkpoints: %r", exc)
+        hosts_write = False
+        _futures_saved_as_arrays(type_handlers)
 
     # Restore arguments made from a target (flax's restore_checkpoint, orbax_utils.restore_args_from_target)
     # take futures as the arrays they stand for: their shape, dtype and sharding, without waiting.
@@ -176,14 +172,34 @@ def _register_with_orbax() -> None:
 
     construct_restore_args._takes_futures = True  # type: ignore[attr-defined]
     checkpoint_utils.construct_restore_args = construct_restore_args
-    _standard_checkpoints_take_futures()
+    _standard_checkpoints_take_futures(hosts_write)
 
 
-def _standard_checkpoints_take_futures() -> None:
-    """``StandardCheckpointer`` saves futures as the arrays they stand for and restores into them.
+def _futures_saved_as_arrays(type_handlers: Any) -> None:
+    """Registers a handler saving a future as the ``jax.Array`` it stands for (it waits for it, here)."""
+    # The handler orbax uses for jax.Array (with its options: the array metadata store),
+    # given the arrays the futures stand for.
+    arrays_handler = type_handlers.get_type_handler(jax.Array)
+    base = type(arrays_handler)
 
-    Its handler turned a future into a NumPy array (through ``__array__``)
-    when saving, and refused one in a restore target.
+    async def serialize(self: Any, values: Any, infos: Any, args: Any = None) -> Any:
+        arrays = [v.result() if isinstance(v, Future) else v for v in values]
+        return await base.serialize(self, arrays, infos, args)
+
+    handler = copy.copy(arrays_handler)
+    handler.__class__ = type("FutureHandler", (base,), {"serialize": serialize, "__module__": __name__})
+    # Orbax warns that the handler's type name is jax.Array's: that is the point (it restores as one).
+    with _absl_warnings_off():
+        type_handlers.register_type_handler(Future, handler, override=True)
+
+
+def _standard_checkpoints_take_futures(hosts_write: bool) -> None:
+    """``StandardCheckpointer`` saves futures and restores into them.
+
+    Its check of a saved tree turned a future into a NumPy array (through
+    ``__array__``, bringing its bytes here), and it refused a future in a
+    restore target. Futures now pass its check as they are (``hosts_write``:
+    their hosts write them) or as their arrays.
     """
     try:
         from orbax.checkpoint import StandardCheckpointHandler as handler
@@ -195,7 +211,13 @@ def _standard_checkpoints_take_futures() -> None:
 
     @functools.wraps(validate)
     def validate_save_state(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
-        return validate(self, jax.tree_util.tree_map(_array_of_future, item), *args, **kwargs)
+        if not hosts_write:
+            return validate(self, jax.tree_util.tree_map(_array_of_future, item), *args, **kwargs)
+        # Each future is checked as a one-element array of its dtype and kept as it is.
+        checked = validate(self, jax.tree_util.tree_map(_stand_in_of_future, item), *args, **kwargs)
+        return jax.tree_util.tree_map(
+            lambda leaf, kept: leaf if type(leaf) is Future else kept, item, checked
+        )
 
     @functools.wraps(restore)
     def restore_into(self: Any, directory: Any, item: Any = None, args: Any = None) -> Any:
@@ -208,7 +230,8 @@ def _standard_checkpoints_take_futures() -> None:
     restore_into._takes_futures = True  # type: ignore[attr-defined]
     handler._validate_save_state = validate_save_state
     handler.restore = restore_into
-    _pytree_saves_take_futures()
+    if not hosts_write:  # one handler for both types otherwise: nothing races
+        _pytree_saves_take_futures()
 
 
 def _pytree_saves_take_futures() -> None:
@@ -243,6 +266,14 @@ def _pytree_saves_take_futures() -> None:
 
 def _array_of_future(leaf: Any) -> Any:
     return leaf.result() if type(leaf) is Future else leaf
+
+
+def _stand_in_of_future(leaf: Any) -> Any:
+    return (
+        np.zeros((), leaf.dtype if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended) else np.uint32)
+        if type(leaf) is Future
+        else leaf
+    )
 
 
 def _abstract_future(leaf: Any) -> Any:

@@ -33,6 +33,7 @@ from pathways_jax._src.wire.messages import Free as Free
 from pathways_jax._src.wire.messages import Handle as Handle
 from pathways_jax._src.wire.messages import Heartbeat as Heartbeat
 from pathways_jax._src.wire.messages import Item as Item
+from pathways_jax._src.wire.messages import Load as Load
 from pathways_jax._src.wire.messages import Message as Message
 from pathways_jax._src.wire.messages import Peers as Peers
 from pathways_jax._src.wire.messages import Register as Register
@@ -42,6 +43,8 @@ from pathways_jax._src.wire.messages import Routed as Routed
 from pathways_jax._src.wire.messages import Run as Run
 from pathways_jax._src.wire.messages import RunMeta as RunMeta
 from pathways_jax._src.wire.messages import Share as Share
+from pathways_jax._src.wire.messages import Stash as Stash
+from pathways_jax._src.wire.messages import Store as Store
 from pathways_jax._src.wire.messages import Submit as Submit
 
 __all__ = [
@@ -76,5 +79,8 @@ __all__ = [
     "RunMeta",
     "Server",
     "Share",
+    "Stash",
+    "Store",
+    "Load",
     "Submit",
 ]

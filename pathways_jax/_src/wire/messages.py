@@ -45,6 +45,9 @@ __all__ = [
     "RunMeta",
     "Run",
     "Share",
+    "Stash",
+    "Store",
+    "Load",
     "Submit",
 ]
 
@@ -161,6 +164,29 @@ class Share(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reader: str
 
 
+class Stash(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Controller -> host: copy the values a checkpoint saves (``writes``: pickled
+    ``ray_host.checkpoint.Write`` list), kept as save ``ticket`` until a :class:`Store`."""
+
+    ticket: int
+    writes: Blob
+    ocdbt: bool
+
+
+class Store(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Controller -> host: write save ``ticket``'s copies (answered once on storage), or drop them."""
+
+    ticket: int
+    write: bool = True
+
+
+class Load(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Controller -> host: read values of a checkpoint onto this host's devices (``reads``: pickled
+    ``ray_host.checkpoint.Read`` list, each kept under its key)."""
+
+    reads: Blob
+
+
 class Peers(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Controller -> host: the transfer server address of every host (the data plane's peers)."""
 
@@ -252,6 +278,9 @@ Item: TypeAlias = (
     | Free
     | Forget
     | Share
+    | Stash
+    | Store
+    | Load
     | Peers
     | Done
     | Failed

@@ -8,7 +8,8 @@ Modules: ``ops`` (a plan's part for a host: sharding descriptors, operations);
 ``answers`` (a host's role, what it answers, failures described); ``values``
 (values to and from the wire, typed keys, placing, fetch reads); ``plane``
 (the data plane: shardings, the transfer server, host to host); ``steps``
-(operations made into steps, executables paced); ``faults`` (a
+(operations made into steps, executables paced); ``checkpoint`` (the shards of
+a checkpoint this host writes and reads itself); ``faults`` (a
 fault the host strikes on itself when asked: ``pw.faults``); ``actor`` (the ``Host``
 actor: messages in order, the executor, the completer).
 """

@@ -34,12 +34,15 @@ over ZeroMQ in the controller's order and answers go back batched. The
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
+import functools
 import os
 import threading
 import time
 from typing import Any
 
+from pathways_jax._src.backends.ray_host import checkpoint
 from pathways_jax._src.backends.ray_host.answers import (
     MessageFailed,
     Role,
@@ -90,6 +93,8 @@ class Host:
         self.runs_done = 0
         self.fed = 0  # values that came with a run's message (arguments)
         self.faults = Armed()  # a fault pw.faults asked this host to strike (faults.py)
+        self.saves: dict[int, checkpoint.Stashed] = {}  # checkpoint saves' copies, by ticket
+        self.writer = checkpoint.Writer()  # writes them to storage
         self._queue: dict[int, tuple] = {}
         self._next_seq = 0
         self._next_arrival = 0  # the number the next message from the channel takes
@@ -230,8 +235,19 @@ class Host:
                     self._reply(future, self._read(result), reply)
                 else:
                     self._done.put(("fetch", result, future, reply))
+            elif isinstance(result, concurrent.futures.Future):  # answered once done (a checkpoint's write)
+                result.add_done_callback(functools.partial(self._answer_when_done, future))
             else:
                 self._answer(future, result)
+
+    def _answer_when_done(self, future: Any, done: concurrent.futures.Future) -> None:
+        exc = done.exception()
+        if exc is None:
+            self._answer(future, done.result())
+        else:
+            self._answer(
+                future, MessageFailed(f"host {self.index}: {type(exc).__name__}: {exc}", trace_of(exc))
+            )
 
     def _reply(self, future: Any, value: Any, reply: Any) -> None:
         """A fetch's answer: straight to the client ``reply`` names (its sender, the controller
@@ -303,6 +319,24 @@ class Host:
     def _free(self, keys: list[int]) -> None:
         for key in keys:
             self.values.pop(key, None)
+
+    def _stash(self, ticket: int, writes: list[checkpoint.Write], ocdbt: bool) -> None:
+        """Copies the values a checkpoint saves (``checkpoint.stash``): later runs may free them."""
+        self.saves[ticket] = checkpoint.stash(self.values, writes, ocdbt)
+
+    def _store(self, ticket: int, write: bool) -> concurrent.futures.Future | None:
+        """Writes save ``ticket``'s copies to storage in the background (or drops them)."""
+        stashed = self.saves.pop(ticket, None)
+        if not write:
+            return None
+        if stashed is None:
+            raise KeyError(f"checkpoint save {ticket} has no copies on this host")
+        self.faults.save_started()
+        return self.writer.store(stashed)
+
+    def _load(self, reads: list[checkpoint.Read]) -> None:
+        """Reads checkpointed values onto this host's devices, each kept under its key."""
+        self.values.update(checkpoint.load(reads, self.plane.island_devices, sharding_of))
 
     def _fetch(self, key: int, reply: Any = None) -> Any:
         if key not in self.values:

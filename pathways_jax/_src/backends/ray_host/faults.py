@@ -28,11 +28,13 @@ class Fault(NamedTuple):
     ``at_run``: 0 strikes now; ``n`` strikes during the ``n``-th run this
     host starts from now, once that run's work is enqueued on its devices
     and before its answer is sent (mid-step: the run was acknowledged and
-    will not complete).
+    will not complete). ``at_save``: ``n`` strikes as the ``n``-th checkpoint
+    save from now starts writing on this host (``at_run`` is then 0).
     """
 
     kind: FaultKind
     at_run: int
+    at_save: int = 0
 
 
 def strike(kind: FaultKind) -> None:
@@ -48,7 +50,7 @@ def strike_soon(kind: FaultKind) -> None:
 
 
 class Armed:
-    """The fault a host holds, counting the runs it starts down to the one it strikes in."""
+    """The fault a host holds, counting the runs (or checkpoint writes) it starts down to the one it strikes in."""
 
     __slots__ = ("fault", "left")
 
@@ -58,17 +60,27 @@ class Armed:
 
     def arm(self, fault: Fault) -> None:
         """Holds ``fault`` (replacing one held); one asked for now strikes at once (soon)."""
-        if fault.at_run <= 0:
+        if fault.at_run <= 0 and fault.at_save <= 0:
             self.fault = None
             strike_soon(fault.kind)
             return
-        self.fault, self.left = fault, fault.at_run
+        self.fault, self.left = fault, max(fault.at_run, fault.at_save)
+
+    def save_started(self) -> None:
+        """A checkpoint save starts writing: strikes if this is the save the fault waits for."""
+        fault = self.fault
+        if fault is None or fault.at_save <= 0:
+            return
+        self._count(fault)
 
     def run_enqueued(self) -> None:
         """A run's work is on the devices: strikes if this is the run the fault waits for."""
         fault = self.fault
-        if fault is None:
+        if fault is None or fault.at_run <= 0:
             return
+        self._count(fault)
+
+    def _count(self, fault: Fault) -> None:
         self.left -= 1
         if self.left <= 0:
             self.fault = None
