@@ -165,7 +165,11 @@ async def _read_one(read: Read, devices: list, sharding_of: Any, context: Any) -
 
 
 def _is_ocdbt(spec: dict) -> bool:
-    return spec.get("kvstore", {}).get("driver") == "ocdbt"
+    """Whether a TensorStore spec reads an OCDBT store (under a cast's ``base``, if any)."""
+    while "kvstore" not in spec and isinstance(spec.get("base"), dict):
+        spec = spec["base"]
+    kvstore = spec.get("kvstore")
+    return isinstance(kvstore, dict) and kvstore.get("driver") == "ocdbt"
 
 
 def _context(ocdbt: bool) -> Any:
