@@ -93,7 +93,7 @@ def test_the_hosts_write_a_training_state_and_read_it_back_bit_for_bit_on_any_me
         state = train(state, jnp.float32(i))
     saved, later = _plain(3, 2)
 
-    before = pw.counters()["fetches"]
+    before, counted = pw.counters()["fetches"], pw.counters()
     manager = ocp.CheckpointManager(tmp_path)
     manager.save(3, args=ocp.args.StandardSave(state))
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
@@ -102,6 +102,7 @@ def test_the_hosts_write_a_training_state_and_read_it_back_bit_for_bit_on_any_me
     manager.wait_until_finished()
     assert pw.counters()["fetches"] == before  # no value came to the controller
     assert manager.all_steps() == [3]
+    assert pw.counters()["host_saves"] - counted["host_saves"] == 1
     written = {p.name for p in (tmp_path / "3" / "default").iterdir()}
     assert {"ocdbt.process_pwhost0", "ocdbt.process_pwhost1"} <= written, written
     _assert_same(state, later)  # (fetches the values)
@@ -110,6 +111,7 @@ def test_the_hosts_write_a_training_state_and_read_it_back_bit_for_bit_on_any_me
     restored = manager.restore(3, args=ocp.args.StandardRestore(abstract))
     assert all(isinstance(leaf, pw.Future) for leaf in jax.tree.leaves(restored))
     assert pw.counters()["fetches"] == before
+    assert pw.counters()["host_restores"] - counted["host_restores"] == 5
     # The restored futures feed a program directly, on their hosts.
     continued = restored
     for i in range(3, 5):
@@ -174,6 +176,7 @@ def test_a_host_killed_while_it_writes_fails_that_save_and_the_next_one_is_whole
         error = error.__cause__ or error.__context__
     assert any(isinstance(e, pw.errors.HostLostError) for e in chain), chain
     assert manager.all_steps() == []
+    assert pw.counters()["host_save_failures"] >= 1
     assert wait_for(lambda: 1 not in cluster.backend.lost, timeout=60)
 
     s = pw.devices(mesh={"x": 1}, island=1)

@@ -15,7 +15,9 @@ from typing import NamedTuple
 from pathways_jax._src.backends.ray_dispatch import Dispatcher
 from pathways_jax._src.backends.ray_host.checkpoint import Read, Write
 from pathways_jax._src.backends.ray_values import RemoteArray
-from pathways_jax._src.core import errors
+from absl import logging
+
+from pathways_jax._src.core import counts, errors
 
 
 class Stash(NamedTuple):
@@ -60,10 +62,20 @@ class HostCheckpoints:
         write. The copies of hosts that did not write are dropped.
         """
         d = self.dispatcher
-        self._check(stash, stash.answers)
-        with d.lock:
-            answers = {host: d.route.message(host, "store", (stash.ticket, True)) for host in stash.answers}
-        self._check(stash, answers)
+        try:
+            self._check(stash, stash.answers)
+            with d.lock:
+                answers = {
+                    host: d.route.message(host, "store", (stash.ticket, True)) for host in stash.answers
+                }
+            self._check(stash, answers)
+        except Exception as exc:
+            counts.bump("host_save_failures")
+            logging.warning(
+                "pathways_jax: a checkpoint save on hosts %s failed: %s", sorted(stash.answers), exc
+            )
+            raise
+        counts.bump("host_saves")
 
     def drop(self, stash: Stash) -> None:
         """Frees a stash that will not be written (its save failed elsewhere)."""
@@ -95,6 +107,7 @@ class HostCheckpoints:
                 raise errors.HostLostError(d.losses.message(island, "a restore"))
             generation = d.generations[island]
             answers = tuple(d.route.message(host, "load", (items,)) for host in hosts)
+        counts.bump("host_restores", len(items))
         return [
             RemoteArray(d, hosts, key, aval, sharding, answers, generation)
             for key, (_, aval, sharding) in zip(keys, reads, strict=True)

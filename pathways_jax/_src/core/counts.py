@@ -16,6 +16,9 @@ _NAMES = (
     "failed_runs",
     "fetches",  # values brought from a remote host to the controller (Ray backend)
     "host_pulls",  # values pulled host to host through the transfer servers (Ray backend)
+    "host_saves",  # checkpoint saves written by the hosts (compat.host_checkpoints), completed
+    "host_save_failures",  # ... that failed (a host lost, a write that failed)
+    "host_restores",  # values read from a checkpoint by the hosts
 )
 
 # Each thread counts into its own Counter (no lock on the hot path); reads sum
