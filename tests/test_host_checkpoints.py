@@ -133,14 +133,17 @@ def test_the_hosts_write_a_training_state_and_read_it_back_bit_for_bit_on_any_me
 
 
 def test_a_checkpoint_restores_onto_fewer_islands_and_trains_on(ray_cluster, tmp_path):
-    """Saved from the second of two islands, restored into a cluster of one island with another mesh."""
+    """Saved from the second of two islands, with leaves here beside it (an array, numpy, a scalar:
+    one handler writes the tree's metadata once), restored into a cluster of one island with
+    another mesh; the restored state trains on as plain jax.jit's does."""
     pw.init(backend="ray", hosts=2, devices_per_host=2, islands=2)
     s = pw.devices(mesh={"x": 2}, island=1)
     state = pw.jit(_init_state, devices=s, out_specs=_specs("x"))(jax.random.key(0))
     state = pw.jit(_train, devices=s, out_specs=_specs("x"))(state, jnp.float32(0))
     abstract = jax.tree.map(lambda f: jax.ShapeDtypeStruct(f.shape, f.dtype), state)
+    tree = {"state": state, "here": jnp.arange(5.0), "numpy": np.arange(3), "lr": 0.5}
     with ocp.CheckpointManager(tmp_path) as manager:
-        manager.save(1, args=ocp.args.StandardSave(state))
+        manager.save(1, args=ocp.args.StandardSave(tree))
     pw.shutdown()
     saved, later = _plain(1, 1)
 
@@ -152,11 +155,19 @@ def test_a_checkpoint_restores_onto_fewer_islands_and_trains_on(ray_cluster, tmp
         )
         for k, v in abstract.items()
     }
+    extras = {
+        "here": jax.ShapeDtypeStruct((5,), jnp.float32, sharding=one.sharding()),
+        "numpy": np.arange(3),
+        "lr": 0.0,
+    }
     with ocp.CheckpointManager(tmp_path) as manager:
-        restored = manager.restore(1, args=ocp.args.StandardRestore(target))
+        restored = manager.restore(1, args=ocp.args.StandardRestore({"state": target, **extras}))
     step = pw.jit(_train, devices=one)
-    _assert_same(restored, saved)
-    _assert_same(step(restored, jnp.float32(1)), later)
+    _assert_same(restored["state"], saved)
+    _assert_same(step(restored["state"], jnp.float32(1)), later)
+    np.testing.assert_array_equal(np.asarray(restored["here"]), np.arange(5.0))
+    np.testing.assert_array_equal(restored["numpy"], np.arange(3))
+    assert restored["lr"] == 0.5
 
 
 def test_a_host_killed_while_it_writes_fails_that_save_and_the_next_one_is_whole(ray_cluster, tmp_path):
@@ -187,24 +198,6 @@ def test_a_host_killed_while_it_writes_fails_that_save_and_the_next_one_is_whole
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     _assert_same(manager.restore(1, args=ocp.args.StandardRestore(abstract)), _plain(0)[0])
     manager.close()
-
-
-def test_a_tree_of_futures_arrays_numpy_and_scalars_saves_once_and_restores(ray_cluster, tmp_path):
-    """Leaves on the hosts and leaves here in one save: one handler writes their metadata once."""
-    pw.init(backend="ray", hosts=2, devices_per_host=1)
-    s = pw.devices(mesh={"x": 1}, island=1)
-    state = pw.jit(_init_state, devices=s, out_specs=_specs(None))(jax.random.key(0))
-    tree = {"state": state, "here": jnp.arange(5.0), "numpy": np.arange(3), "lr": 0.5}
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "ckpt", tree)
-    checkpointer.wait_until_finished()
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-    restored = checkpointer.restore(tmp_path / "ckpt", abstract)
-    _assert_same(restored["state"], _plain(0)[0])
-    np.testing.assert_array_equal(np.asarray(restored["here"]), np.arange(5.0))
-    np.testing.assert_array_equal(restored["numpy"], np.arange(3))
-    assert restored["lr"] == 0.5
-    checkpointer.close()
 
 
 def test_the_local_backend_saves_and_restores_futures_with_a_checkpoint_manager(tmp_path):
