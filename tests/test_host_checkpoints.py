@@ -129,6 +129,13 @@ def test_the_hosts_write_a_training_state_and_read_it_back_bit_for_bit_on_any_me
     for key, leaf in resharded.items():
         assert leaf.sharding == other[key].sharding, key
     _assert_same(resharded, saved)
+
+    # A target of another shape is refused before anything is read, pointing at the caller.
+    wrong = dict(
+        abstract, w=jax.ShapeDtypeStruct((2 * ROWS, 256), jnp.float32, sharding=abstract["w"].sharding)
+    )
+    with pytest.raises(pw.errors.PlacementError, match=r"test_host_checkpoints.py.*holds shape \(64, 256\)"):
+        manager.restore(3, args=ocp.args.StandardRestore(wrong))
     manager.close()
 
 

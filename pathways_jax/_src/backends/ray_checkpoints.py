@@ -12,11 +12,11 @@ import concurrent.futures
 import itertools
 from typing import NamedTuple
 
+from absl import logging
+
 from pathways_jax._src.backends.ray_dispatch import Dispatcher
 from pathways_jax._src.backends.ray_host.checkpoint import Read, Write
 from pathways_jax._src.backends.ray_values import RemoteArray
-from absl import logging
-
 from pathways_jax._src.core import counts, errors
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pathways_jax._src.core import source
 from pathways_jax._src.runtime.futures import Future
 
 _FLAX_TAKES_FUTURES = False
@@ -225,6 +226,10 @@ def _standard_checkpoints_take_futures(hosts_write: bool) -> None:
             item = jax.tree_util.tree_map(_abstract_future, item)
         if args is not None and getattr(args, "item", None) is not None:
             args = dataclasses.replace(args, item=jax.tree_util.tree_map(_abstract_future, args.item))
+        if hosts_write:  # Orbax reads on a thread of its own: an error there names this line
+            from pathways_jax._src.compat import host_checkpoints
+
+            host_checkpoints.RESTORE_CALLER[0] = source.of_caller()
         return restore(self, directory, item, args)
 
     restore_into._takes_futures = True  # type: ignore[attr-defined]

@@ -40,11 +40,14 @@ import numpy as np
 
 from pathways_jax._src.backends.base import HostWrites
 from pathways_jax._src.backends.ray_host import checkpoint as host_checkpoint
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import errors, source
 from pathways_jax._src.runtime import clients, clusters
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.object_store import Failed, Owner
 
+# Where the user's restore was called (set by compat.checkpoints' patch of StandardCheckpointHandler.restore,
+# on the caller's thread): Orbax reads on a thread of its own, whose stack holds no line of the user's.
+RESTORE_CALLER = ["<unknown>"]
 _DISPATCH_TIMEOUT_S = 600.0  # a saved future's run is sent to its hosts within this
 _restored = itertools.count()
 
@@ -197,7 +200,7 @@ def _save_on_hosts(self: Any, backend: HostWrites, values: Any, held: list, info
         metadatas.append(write_spec.metadata)
 
     stash = backend.checkpoints.stash(dict(writes), generations, ocdbt)
-    local = host_checkpoint.stash(local_values, local_writes, ocdbt) if local_writes else None
+    local = host_checkpoint.stash(local_values.__getitem__, local_writes, ocdbt) if local_writes else None
 
     async def commit() -> None:
         try:
@@ -227,7 +230,7 @@ def _save_on_hosts(self: Any, backend: HostWrites, values: Any, held: list, info
     return [future.CommitFutureAwaitingContractedSignals(commit(), name="pathways_host_checkpoint")]
 
 
-_LOCAL_WRITER = host_checkpoint.Writer()
+_LOCAL_WRITER = host_checkpoint.Worker("pathways-ckpt-write")
 
 
 class _Layout(NamedTuple):
@@ -290,10 +293,7 @@ async def _restore_on_hosts(self: Any, backend: HostWrites, infos: list, args: l
                 impl = (meta.ext_metadata or {}).get(array_metadata_lib.RANDOM_KEY_IMPL)
                 if impl:
                     stored_impls[meta.param_name] = impl
-    if any(getattr(arg, "global_shape", None) is None or getattr(arg, "dtype", None) is None for arg in args):
-        metadatas = await self.metadata(infos)
-    else:
-        metadatas = [None] * len(infos)
+    metadatas = await self.metadata(infos)  # small files: each array's stored shape and dtype
     groups: dict[tuple, list] = defaultdict(list)
     for index, (info, arg, where, meta) in enumerate(zip(infos, args, placed, metadatas, strict=True)):
         sharding = _target_sharding(arg)
@@ -313,6 +313,13 @@ async def _restore_on_hosts(self: Any, backend: HostWrites, infos: list, args: l
             shape, dtype, impl = _physical(logical_shape, logical_dtype)
         else:
             logical_shape, logical_dtype = shape, dtype
+        if tuple(meta.shape) != shape:
+            raise errors.PlacementError(
+                f"restoring {info.name!r} (at {_caller()}): the checkpoint holds shape "
+                f"{tuple(meta.shape)}, the target asks for {shape}"
+                + (" (a typed key's raw data)" if impl is not None else "")
+                + ". Give the target the saved shape (ocp.utils.to_shape_dtype_struct of the saved state)."
+            )
         read_spec = ts_utils.build_array_read_spec(
             info,
             use_ocdbt=bool(info.is_ocdbt_checkpoint),
@@ -329,6 +336,11 @@ async def _restore_on_hosts(self: Any, backend: HostWrites, infos: list, args: l
         for (index, (_, aval, sharding)), array in zip(members, arrays, strict=True):
             results[index] = _future_of(array, aval, sharding, infos[index].name)
     return results
+
+
+def _caller() -> str:
+    here = source.of_caller()
+    return RESTORE_CALLER[0] if here.startswith(("<unknown>", "events.py", "threading.py")) else here
 
 
 def _future_of(array: Any, aval: Any, sharding: Any, name: str) -> Future:

@@ -38,9 +38,12 @@ def _library_dirs() -> tuple[str, ...]:
     """Directories of the libraries of ``_LIBRARIES`` that are imported."""
     dirs = []
     for name in _LIBRARIES:
-        file_name = getattr(sys.modules.get(name), "__file__", None)
+        module = sys.modules.get(name)
+        file_name = getattr(module, "__file__", None)
         if file_name:
             dirs.append(os.path.dirname(os.path.abspath(file_name)) + os.sep)
+        else:  # a namespace package (orbax): its folders
+            dirs.extend(os.path.abspath(path) + os.sep for path in getattr(module, "__path__", ()))
     return tuple(dirs)
 
 

@@ -94,7 +94,8 @@ class Host:
         self.fed = 0  # values that came with a run's message (arguments)
         self.faults = Armed()  # a fault pw.faults asked this host to strike (faults.py)
         self.saves: dict[int, checkpoint.Stashed] = {}  # checkpoint saves' copies, by ticket
-        self.writer = checkpoint.Writer()  # writes them to storage
+        self.writer = checkpoint.Worker("pathways-ckpt-write")  # writes them to storage
+        self.reader = checkpoint.Worker("pathways-ckpt-read")  # reads restored values
         self._queue: dict[int, tuple] = {}
         self._next_seq = 0
         self._next_arrival = 0  # the number the next message from the channel takes
@@ -168,7 +169,7 @@ class Host:
         """
         if kind == "fetch":
             value = self.values.get(args[0])
-            if value is not None and is_ready(value):
+            if value is not None and not isinstance(value, checkpoint.Pending) and is_ready(value):
                 self._reply(seq, self._read(value), args[1] if len(args) > 1 else None)
                 return
         with self._queue_cv:
@@ -322,7 +323,7 @@ class Host:
 
     def _stash(self, ticket: int, writes: list[checkpoint.Write], ocdbt: bool) -> None:
         """Copies the values a checkpoint saves (``checkpoint.stash``): later runs may free them."""
-        self.saves[ticket] = checkpoint.stash(self.values, writes, ocdbt)
+        self.saves[ticket] = checkpoint.stash(self._kept, writes, ocdbt)
 
     def _store(self, ticket: int, write: bool) -> concurrent.futures.Future | None:
         """Writes save ``ticket``'s copies to storage in the background (or drops them)."""
@@ -334,14 +335,30 @@ class Host:
         self.faults.save_started()
         return self.writer.store(stashed)
 
-    def _load(self, reads: list[checkpoint.Read]) -> None:
-        """Reads checkpointed values onto this host's devices, each kept under its key."""
-        self.values.update(checkpoint.load(reads, self.plane.island_devices, sharding_of))
+    def _load(self, reads: list[checkpoint.Read]) -> concurrent.futures.Future:
+        """Reads checkpointed values onto this host's devices, each kept under its key.
+
+        The reads go on in the background (answered once done); meanwhile each value is
+        :class:`checkpoint.Pending`, which :meth:`_kept` waits for.
+        """
+        reading = self.reader.load(reads, self.plane.island_devices, sharding_of)
+        for read in reads:
+            self.values[read.key] = checkpoint.Pending(reading, read.key)
+        return checkpoint.finished(reading)
+
+    def _kept(self, key: int) -> Any:
+        """The value kept under ``key`` (a restored one once read: on the executor only)."""
+        if key not in self.values:
+            raise KeyError(f"value {key} is not on host {self.index} (freed, or its run failed)")
+        value = self.values[key]
+        if isinstance(value, checkpoint.Pending):
+            value = value.value()
+            if self.values.get(key) is not None:
+                self.values[key] = value
+        return value
 
     def _fetch(self, key: int, reply: Any = None) -> Any:
-        if key not in self.values:
-            raise KeyError(f"value {key} is not on this host (freed, or its run failed)")
-        return self.values[key]
+        return self._kept(key)
 
     def _run(
         self, future: Any, key: int, run_id: int, base: int, feeds: list, keep: list, frees: list
@@ -368,11 +385,7 @@ class Host:
         try:
             for slot, kind, payload in feeds:
                 if kind == "value":
-                    if payload not in self.values:
-                        raise KeyError(
-                            f"input value {payload} is not on host {self.index} (freed, or its run failed)"
-                        )
-                    env[slot] = self.values[payload]
+                    env[slot] = self._kept(payload)
                 else:
                     data, desc = payload
                     env[slot] = place(from_wire(data), self.plane.sharding(desc))

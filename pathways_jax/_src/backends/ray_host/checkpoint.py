@@ -17,7 +17,10 @@ side). A save has two steps, so that training never waits for the storage:
 A ``load`` reads, for each value, the part of every device of this host
 under the target sharding (any sharding: the reshard is the read's own
 index domain), places it, and keeps the global array under the key the
-controller gave. JAX, NumPy, TensorStore and Orbax are imported where used.
+controller gave. The reads run on a thread of their own: the host goes on
+with its next messages (the first step's compilation, most often) and keeps
+a :class:`Pending` value, which the first run or fetch that needs it waits
+for. JAX, NumPy, TensorStore and Orbax are imported where used.
 """
 
 from __future__ import annotations
@@ -68,34 +71,68 @@ class Stashed(NamedTuple):
     ocdbt: bool
 
 
-def stash(values: dict[int, Any], writes: list[Write], ocdbt: bool) -> Stashed:
-    """Copies each written value on its devices (enqueued, not waited for)."""
+def stash(kept: Any, writes: list[Write], ocdbt: bool) -> Stashed:
+    """Copies each written value (``kept(key)`` gives it) on its devices (enqueued, not waited for)."""
     import jax
 
     copies = []
     for write in writes:
-        if write.key not in values:
-            raise KeyError(f"value {write.key} is not on this host (freed, or its run failed)")
-        value = values[write.key]
+        value = kept(write.key)
         if write.key_data:
             value = jax.random.key_data(value)
         copies.append(jax.device_put(value, value.sharding, may_alias=False))
     return Stashed(writes, copies, ocdbt)
 
 
-class Writer:
-    """One thread writing stashed saves to storage, each answered by its own future."""
+class Worker:
+    """One thread doing a checkpoint's input and output in the background, started when first used."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self._name = name
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def store(self, stashed: Stashed) -> concurrent.futures.Future:
-        """Writes ``stashed`` in the background; the future completes when it is on storage."""
+    def _submit(self, work: Any) -> concurrent.futures.Future:
         with self._lock:
             if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pathways-ckpt")
-        return self._pool.submit(lambda: asyncio.run(_write(stashed)))
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self._name)
+        return self._pool.submit(work)
+
+    def store(self, stashed: Stashed) -> concurrent.futures.Future:
+        """Writes ``stashed``; the future completes when it is on storage."""
+        return self._submit(lambda: asyncio.run(_write(stashed)))
+
+    def load(self, reads: list[Read], devices: list, sharding_of: Any) -> concurrent.futures.Future:
+        """Reads ``reads``; the future's result maps each read's key to its global array."""
+        return self._submit(lambda: asyncio.run(_load(reads, devices, sharding_of)))
+
+
+def finished(work: concurrent.futures.Future) -> concurrent.futures.Future:
+    """A future completing with None when ``work`` completes (with its exception, if it raised)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def settle(work: concurrent.futures.Future) -> None:
+        exc = work.exception()
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    work.add_done_callback(settle)
+    return done
+
+
+class Pending:
+    """A value a load is still reading: :meth:`value` waits for it (and raises what the read raised)."""
+
+    __slots__ = ("key", "reading")
+
+    def __init__(self, reading: concurrent.futures.Future, key: int) -> None:
+        self.reading = reading
+        self.key = key
+
+    def value(self) -> Any:
+        return self.reading.result()[self.key]
 
 
 async def _write(stashed: Stashed) -> None:
@@ -127,11 +164,6 @@ async def _write_one(write: Write, array: Any, context: Any, transaction: Any) -
         if shard.replica_id == 0
     ]
     await asyncio.gather(*pending)
-
-
-def load(reads: list[Read], devices: list, sharding_of: Any) -> dict[int, Any]:
-    """Each read's value on this host's devices, as one global array per key."""
-    return asyncio.run(_load(reads, devices, sharding_of))
 
 
 async def _load(reads: list[Read], devices: list, sharding_of: Any) -> dict[int, Any]:
