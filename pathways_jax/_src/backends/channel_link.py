@@ -199,6 +199,9 @@ def encode(kind: str, args: tuple) -> wire.Item:
             return wire.Forget(args[0])
         case "peers":
             return wire.Peers({int(h): str(a) for h, a in args[0].items()})
+        case "colocated":
+            order, feeds = args
+            return wire.Colocated(_blob(order), [_feed(*feed) for feed in feeds])
     raise ValueError(f"no wire message for a host message of kind {kind!r}")
 
 
@@ -226,6 +229,8 @@ def decode(item: wire.Item) -> tuple[str, tuple]:
             return "forget", (plan,)
         case wire.Peers(addresses):
             return "peers", (addresses,)
+        case wire.Colocated(order, feeds):
+            return "colocated", (_unblob(order), [_unfeed(feed) for feed in feeds])
     raise ValueError(f"a host takes no {type(item).__name__} message")
 
 

@@ -16,7 +16,8 @@ Message kinds, in the order the controller numbered them:
   ``RunDone`` with its small kept values, or a ``RunFailure``.
 - ``"fetch"``: a kept value as a numpy array (or this host's shards of one
   spanning hosts). ``"free"``: drop kept values. ``"forget"``: drop a plan.
-  ``"peers"``: the other hosts' transfer server addresses.
+  ``"peers"``: the other hosts' transfer server addresses. ``"colocated"``: a
+  ``colocated_python`` call, run here in this order (``colocated.py``).
 
 **Islands of several hosts.** The hosts of an island form one
 ``jax.distributed`` system (``setup``): each sees the island's devices as one
@@ -48,6 +49,7 @@ from pathways_jax._src.backends.ray_host.answers import (
     describe_failure,
     trace_of,
 )
+from pathways_jax._src.backends.ray_host.colocated import Colocated
 from pathways_jax._src.backends.ray_host.faults import Armed, Fault
 from pathways_jax._src.backends.ray_host.ops import Op, sharding_of
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
@@ -90,6 +92,7 @@ class Host:
         self.runs_done = 0
         self.fed = 0  # values that came with a run's message (arguments)
         self.faults = Armed()  # a fault pw.faults asked this host to strike (faults.py)
+        self.colocated = Colocated(index)  # colocated_python functions and objects (colocated.py)
         self._queue: dict[int, tuple] = {}
         self._next_seq = 0
         self._next_arrival = 0  # the number the next message from the channel takes
@@ -303,6 +306,11 @@ class Host:
     def _free(self, keys: list[int]) -> None:
         for key in keys:
             self.values.pop(key, None)
+            self.colocated.free(key)
+
+    def _colocated(self, order: Any, feeds: list) -> Any:
+        """A colocated_python call (or its outputs adopted): see ``colocated.py``."""
+        return self.colocated.handle(order, feeds, self.values, self.plane.island_devices)
 
     def _fetch(self, key: int, reply: Any = None) -> Any:
         if key not in self.values:
