@@ -11,9 +11,13 @@ from pathways_jax._src.api.colocated import ColocatedFunction as ColocatedFuncti
 from pathways_jax._src.api.colocated import colocated_cpu_devices as colocated_cpu_devices
 from pathways_jax._src.api.colocated import colocated_python as colocated_python
 from pathways_jax._src.api.colocated_class import colocated_python_class as colocated_python_class
+from pathways_jax._src.api.host_input import HostIterator as HostIterator
+from pathways_jax._src.api.host_input import Shard as Shard
 
 __all__ = [
     "ColocatedFunction",
+    "HostIterator",
+    "Shard",
     "colocated_cpu_devices",
     "colocated_python",
     "colocated_python_class",

@@ -128,7 +128,17 @@ class Specialized:
     Held by its function's cache; the hosts keep its pickled function until it goes.
     """
 
-    __slots__ = ("__weakref__", "devices", "fn", "in_specs", "in_tree", "lock", "name", "out_specs", "out_tree")
+    __slots__ = (
+        "__weakref__",
+        "devices",
+        "fn",
+        "in_specs",
+        "in_tree",
+        "lock",
+        "name",
+        "out_specs",
+        "out_tree",
+    )
 
     def __init__(self, fn: Any, name: str, in_tree: Any, in_specs: tuple, devices: tuple) -> None:
         self.fn = fn
@@ -436,7 +446,9 @@ def _settled(x: Any, index: int, what: str) -> Any:
     array = entry.array  # read before the state: a ready state then has its array
     state = entry.state
     if isinstance(state, Failed):
-        kind = type(state.cause) if isinstance(state.cause, errors.HostLostError) else errors.ProgramFailedError
+        kind = (
+            type(state.cause) if isinstance(state.cause, errors.HostLostError) else errors.ProgramFailedError
+        )
         raise kind(f"input {index} of {what}: {state.message}") from state.cause
     if not isinstance(state, Ready) or array is None:
         raise errors.PathwaysError(f"input {index} of {what} ({entry.origin}) was freed.")

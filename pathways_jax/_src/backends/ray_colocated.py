@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import sys
+import sysconfig
 import time
+import types
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -237,7 +240,9 @@ class RayColocated:
             ) from exc
         return buffer.getvalue()
 
-    def _kept(self, target: Target, host: int, keys: list[int], out: list[tuple[Any, Any]]) -> tuple[Kept, ...]:
+    def _kept(
+        self, target: Target, host: int, keys: list[int], out: list[tuple[Any, Any]]
+    ) -> tuple[Kept, ...]:
         kept = []
         for key, (aval, sharding) in zip(keys, out, strict=True):
             placed = self.places.where(sharding, "an output")
@@ -260,7 +265,9 @@ class RayColocated:
             handles.append(RemoteArray(self.dispatcher, hosts, key, aval, sharding, dones, generation))
         return handles
 
-    def failure(self, host: int, answer: concurrent.futures.Future, generation: int, what: str) -> BaseException | None:
+    def failure(
+        self, host: int, answer: concurrent.futures.Future, generation: int, what: str
+    ) -> BaseException | None:
         """The error of a call's answer that came (None: it went well); for calls with no outputs."""
         try:
             self._answer(host, answer, generation, what)
@@ -321,9 +328,12 @@ class _DevicePickler:
             def reducer_override(self, obj: Any) -> Any:
                 if isinstance(obj, jax.Device):
                     return outer.reduce_device(obj)
+                if isinstance(obj, types.FunctionType | type):
+                    outer.by_value(obj)
                 return super().reducer_override(obj)
 
         self._pickler = Pickler(file)
+        self._by_value: list[Any] = []  # modules registered to go by value during this dump
         self.places = places
         self.island = island
         self.name = name
@@ -341,5 +351,40 @@ class _DevicePickler:
             )
         return device_at, (position,)
 
-    def dump(self, obj: Any) -> None:
-        self._pickler.dump(obj)
+    def by_value(self, obj: Any) -> None:
+        """Has the module of function or class ``obj`` go by value if the hosts cannot import it."""
+        from ray import cloudpickle
+
+        module = sys.modules.get(getattr(obj, "__module__", "") or "")
+        if module is None or module.__name__ == "__main__" or module in self._by_value:
+            return
+        if not _importable_anywhere(module):
+            cloudpickle.register_pickle_by_value(module)
+            self._by_value.append(module)
+
+    def dump(self, code: Any) -> None:
+        """Pickles ``code``: the user's modules go by value unless the hosts can import them too."""
+        from ray import cloudpickle
+
+        try:
+            self._pickler.dump(code)
+        finally:
+            for module in self._by_value:
+                cloudpickle.unregister_pickle_by_value(module)
+            self._by_value.clear()
+
+
+def _importable_anywhere(module: Any) -> bool:
+    """Whether a host process imports ``module`` as this one did: built in, of the standard
+    library or an installed package, or ours.
+
+    A test module or a script's helper module (found through a path this process
+    added) is not: its functions and classes travel by value.
+    """
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py") or module.__name__.split(".")[0] == "pathways_jax":
+        return True
+    return path.startswith(_INSTALLED)
+
+
+_INSTALLED = tuple({sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")})

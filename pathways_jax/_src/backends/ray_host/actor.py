@@ -194,6 +194,7 @@ class Host:
             "pulls": self.plane.pulls,
             "posts": self.plane.posts,
             "fed": self.fed,
+            "colocated": self.colocated.stats(),
             "pid": os.getpid(),
             # The whole process's CPU seconds (every thread: the executor, Ray's, XLA's):
             # what the simulator's calibration charges a host.

@@ -116,6 +116,10 @@ class Colocated:
         self.stashed: dict[int, list] = {}
         self.calls = 0
 
+    def stats(self) -> dict:
+        """Calls run here, and functions and objects kept."""
+        return {"calls": self.calls, "functions": len(self.functions), "objects": len(self.objects)}
+
     def free(self, key: Any) -> None:
         """A key the controller freed: a function or object kept under it goes."""
         self.functions.pop(key, None)
@@ -171,7 +175,9 @@ class Colocated:
         code = self.functions.get(call.function)
         if code is None:
             if call.code is None:
-                raise KeyError(f"colocated_python function {call.function} was never sent to host {self.index}")
+                raise KeyError(
+                    f"colocated_python function {call.function} was never sent to host {self.index}"
+                )
             import pickle  # (a cloudpickle's pickle names what it needs to load itself)
 
             _unpickling.devices = devices
