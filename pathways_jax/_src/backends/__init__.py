@@ -21,7 +21,8 @@ split, runs sent, values fetched, through a route); ``ray_route`` (the Ray backe
 hosts); ``ray_places`` (where the stand-in devices are); ``ray_losses`` (lost islands, generations,
 the lost message); ``ray_failures`` (what hosts' failures raise); ``ray_fleet`` (the host actors: started, watched, replaced, killed);
 ``ray_send`` (messages out: numbered, grouped per island; what each host has and is to free);
-``ray_plan`` (a plan split per host); ``ray_values`` (values on hosts); ``ray_start`` (starting
+``ray_plan`` (a plan split per host); ``ray_values`` (values on hosts); ``ray_colocated``
+(``colocated_python`` calls sent to the hosts, their outputs' handles); ``ray_start`` (starting
 it); ``ray_host`` (the host side: its records, values, data plane, steps and actor);
 ``host_link`` (how hosts are reached); ``channel_link`` (over ZeroMQ); ``service_client`` (a
 service's client process); ``service_route`` (its route: batches to the service).
