@@ -329,3 +329,16 @@ def test_a_numpy_argument_is_refused_with_jax_s_message():
         match=r"^colocated_python only supports jax.Array as input and output, but got <class 'numpy.ndarray'>.$",
     ):
         colocated.colocated_python(lambda x: x)(np.ones(2))
+
+
+def test_the_ray_call_link_carries_colocated_calls_too(ray_cluster, monkeypatch):
+    from pathways_jax._src.backends import host_link
+    from pathways_jax._src.backends import ray as ray_backend
+
+    monkeypatch.setattr(ray_backend, "make_link", lambda transport: host_link.RayCallLink())
+    cluster = pw.init(backend="ray", hosts=1, devices_per_host=1)
+    assert cluster.backend.link.stats()["transport"] == "ray"
+    s = pw.devices(mesh={"x": 1})
+    x = pw.jit(lambda v: v * 2, devices=s)(jnp.arange(3.0))
+    out = colocated.colocated_python(lambda v: {"y": v + 1})(x)
+    assert_matches(out, {"y": jnp.arange(3.0) * 2 + 1})
