@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from jax.sharding import PartitionSpec as P
 
+from pathways_jax import colocated_python as colocated_python
 from pathways_jax import errors as errors
 from pathways_jax import faults as faults
 from pathways_jax._src.api.graph_view import GraphView as Graph
@@ -70,6 +71,7 @@ __all__ = [
     "VirtualSlice",
     "client",
     "cluster",
+    "colocated_python",
     "counters",
     "devices",
     "errors",

@@ -10,6 +10,7 @@ from pathways_jax._src.core.errors import PlacementError as PlacementError
 from pathways_jax._src.core.errors import ProgramFailedError as ProgramFailedError
 from pathways_jax._src.core.errors import ProgramTraceError as ProgramTraceError
 from pathways_jax._src.core.errors import ResourceError as ResourceError
+from pathways_jax._src.core.errors import SpecializationError as SpecializationError
 from pathways_jax._src.core.errors import TimelineError as TimelineError
 from pathways_jax._src.core.errors import TransferError as TransferError
 
@@ -24,6 +25,7 @@ __all__ = [
     "ProgramFailedError",
     "ProgramTraceError",
     "ResourceError",
+    "SpecializationError",
     "TimelineError",
     "TransferError",
 ]

@@ -12,5 +12,8 @@ Modules: ``tracing`` (``@pw.program``: tracing a function into a graph, its plan
 ``jit_shardings`` (``in_shardings``/``out_shardings``); ``nnx_graph`` (NNX objects as
 arguments); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``);
 ``recording`` (``pw.trace``: the runtime's events laid out as a trace); ``faults``
-(``pw.faults``: a Ray host killed or hung on purpose).
+(``pw.faults``: a Ray host killed or hung on purpose); ``colocated``
+(``pw.colocated_python``: Python run on the hosts that own devices); ``colocated_class``
+(``colocated_python_class``: objects living on the hosts); ``host_input``
+(``HostIterator``: batches made by an iterator on each host).
 """

@@ -22,7 +22,8 @@ hosts); ``ray_places`` (where the stand-in devices are); ``ray_losses`` (lost is
 the lost message); ``ray_failures`` (what hosts' failures raise); ``ray_fleet`` (the host actors: started, watched, replaced, killed);
 ``ray_send`` (messages out: numbered, grouped per island; what each host has and is to free);
 ``ray_plan`` (a plan split per host); ``ray_values`` (values on hosts); ``ray_checkpoints``
-(checkpoints the hosts write and read: the controller's messages); ``ray_start`` (starting
+(checkpoints the hosts write and read: the controller's messages); ``ray_colocated``
+(``colocated_python`` calls sent to the hosts, their outputs' handles); ``ray_start`` (starting
 it); ``ray_host`` (the host side: its records, values, data plane, steps and actor);
 ``host_link`` (how hosts are reached); ``channel_link`` (over ZeroMQ); ``service_client`` (a
 service's client process); ``service_route`` (its route: batches to the service).

@@ -205,6 +205,9 @@ def encode(kind: str, args: tuple) -> wire.Item:
             return wire.Store(args[0], args[1])
         case "load":
             return wire.Load(_blob(args[0]))
+        case "colocated":
+            order, feeds = args
+            return wire.Colocated(_blob(order), [_feed(*feed) for feed in feeds])
     raise ValueError(f"no wire message for a host message of kind {kind!r}")
 
 
@@ -238,6 +241,8 @@ def decode(item: wire.Item) -> tuple[str, tuple]:
             return "store", (ticket, write)
         case wire.Load(reads):
             return "load", (_unblob(reads),)
+        case wire.Colocated(order, feeds):
+            return "colocated", (_unblob(order), [_unfeed(feed) for feed in feeds])
     raise ValueError(f"a host takes no {type(item).__name__} message")
 
 

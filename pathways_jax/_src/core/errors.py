@@ -100,6 +100,12 @@ class HostLostError(ProgramFailedError):
     """
 
 
+class SpecializationError(PathwaysError, ValueError):
+    """A ``colocated_python`` function was specialised twice in one respect, or called with
+    arguments its specialisation cannot take; the message is the one JAX's own
+    ``jax.experimental.colocated_python`` gives, so ``except ValueError`` catches both."""
+
+
 class AccessError(PathwaysError, PermissionError):
     """A client process used a value handle that is not its own (nor shared with it), or one freed since.
 

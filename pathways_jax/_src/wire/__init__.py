@@ -23,6 +23,7 @@ from pathways_jax._src.wire.messages import Answered as Answered
 from pathways_jax._src.wire.messages import Batch as Batch
 from pathways_jax._src.wire.messages import Blob as Blob
 from pathways_jax._src.wire.messages import Codec as Codec
+from pathways_jax._src.wire.messages import Colocated as Colocated
 from pathways_jax._src.wire.messages import Done as Done
 from pathways_jax._src.wire.messages import Failed as Failed
 from pathways_jax._src.wire.messages import Feed as Feed
@@ -57,6 +58,7 @@ __all__ = [
     "ChannelError",
     "ChannelFull",
     "Codec",
+    "Colocated",
     "Done",
     "Failed",
     "Feed",

@@ -24,6 +24,7 @@ __all__ = [
     "Batch",
     "Blob",
     "Codec",
+    "Colocated",
     "Done",
     "Failed",
     "Fanout",
@@ -125,6 +126,14 @@ class Run(msgspec.Struct, frozen=True, tag=True, array_like=True):
     feeds: list[Feed]
     keep: list[tuple[int, int]] = []
     frees: list[Handle] = []
+
+
+class Colocated(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Controller -> host: a ``colocated_python`` call (``order``: a pickled ``ray_host.colocated``
+    record) on its inputs ``feeds``, in the host's order of messages."""
+
+    order: Blob
+    feeds: list[Feed] = []
 
 
 class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -282,6 +291,7 @@ Item: TypeAlias = (
     | Store
     | Load
     | Peers
+    | Colocated
     | Done
     | Failed
     | Fetched

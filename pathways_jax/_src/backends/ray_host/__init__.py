@@ -10,7 +10,8 @@ Modules: ``ops`` (a plan's part for a host: sharding descriptors, operations);
 (the data plane: shardings, the transfer server, host to host); ``steps``
 (operations made into steps, executables paced); ``checkpoint`` (the shards of
 a checkpoint this host writes and reads itself); ``faults`` (a
-fault the host strikes on itself when asked: ``pw.faults``); ``actor`` (the ``Host``
+fault the host strikes on itself when asked: ``pw.faults``); ``colocated``
+(``colocated_python`` functions and objects run on the host, in its order); ``actor`` (the ``Host``
 actor: messages in order, the executor, the completer).
 """
 

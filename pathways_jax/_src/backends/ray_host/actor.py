@@ -16,7 +16,8 @@ Message kinds, in the order the controller numbered them:
   ``RunDone`` with its small kept values, or a ``RunFailure``.
 - ``"fetch"``: a kept value as a numpy array (or this host's shards of one
   spanning hosts). ``"free"``: drop kept values. ``"forget"``: drop a plan.
-  ``"peers"``: the other hosts' transfer server addresses.
+  ``"peers"``: the other hosts' transfer server addresses. ``"colocated"``: a
+  ``colocated_python`` call, run here in this order (``colocated.py``).
 
 **Islands of several hosts.** The hosts of an island form one
 ``jax.distributed`` system (``setup``): each sees the island's devices as one
@@ -51,6 +52,7 @@ from pathways_jax._src.backends.ray_host.answers import (
     describe_failure,
     trace_of,
 )
+from pathways_jax._src.backends.ray_host.colocated import Colocated
 from pathways_jax._src.backends.ray_host.faults import Armed, Fault
 from pathways_jax._src.backends.ray_host.ops import Op, sharding_of
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
@@ -96,6 +98,7 @@ class Host:
         self.saves: dict[int, checkpoint.Stashed] = {}  # checkpoint saves' copies, by ticket
         self.writer = checkpoint.Worker("pathways-ckpt-write")  # writes them to storage
         self.reader = checkpoint.Worker("pathways-ckpt-read")  # reads restored values
+        self.colocated = Colocated(index)  # colocated_python functions and objects (colocated.py)
         self._queue: dict[int, tuple] = {}
         self._next_seq = 0
         self._next_arrival = 0  # the number the next message from the channel takes
@@ -197,6 +200,7 @@ class Host:
             "pulls": self.plane.pulls,
             "posts": self.plane.posts,
             "fed": self.fed,
+            "colocated": self.colocated.stats(),
             "pid": os.getpid(),
             # The whole process's CPU seconds (every thread: the executor, Ray's, XLA's):
             # what the simulator's calibration charges a host.
@@ -320,6 +324,11 @@ class Host:
     def _free(self, keys: list[int]) -> None:
         for key in keys:
             self.values.pop(key, None)
+            self.colocated.free(key)
+
+    def _colocated(self, order: Any, feeds: list) -> Any:
+        """A colocated_python call (or its outputs adopted): see ``colocated.py``."""
+        return self.colocated.handle(order, feeds, self.values, self.plane.island_devices)
 
     def _stash(self, ticket: int, writes: list[checkpoint.Write], ocdbt: bool) -> None:
         """Copies the values a checkpoint saves (``checkpoint.stash``): later runs may free them."""
