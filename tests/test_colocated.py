@@ -2,7 +2,6 @@
 
 import gc
 import os
-import pickle
 import signal
 import time
 
@@ -200,7 +199,11 @@ def _global_batch(step):
     return np.stack([rows + 10 * step, -rows], axis=1)
 
 
-def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(ray_cluster):
+def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(ray_cluster, tmp_path):
+    """The iterators' position is checkpointed with the training state by Orbax (the state written by
+    the hosts), and both are restored onto the rebuilt island's new hosts."""
+    import orbax.checkpoint as ocp
+
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1, islands=1)
     s = pw.devices(mesh={"x": 2})  # one device on each host of the island
     batch = {"x": jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))}
@@ -211,15 +214,30 @@ def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(r
         assert_matches(step(next(batches)), (_global_batch(i) * 2).sum(axis=1))
     assert {h: _host_stats(cluster, h)["fed"] for h in (0, 1)} == fed  # no batch went from here
 
-    saved = pickle.loads(pickle.dumps(batches.get_state()))  # as a checkpoint holds it
-    assert saved == [{"taken": 3}, {"taken": 3}]
-    assert_matches(next(batches)["x"], _global_batch(3))
+    state = step(next(batches))  # the training state, as far as this test goes
+    assert batches.get_state() == [{"taken": 4}, {"taken": 4}]
+    manager = ocp.CheckpointManager(tmp_path)
+    manager.save(
+        4,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"y": state}), data=ocp.args.JsonSave(batches.get_state())
+        ),
+    )
+    manager.wait_until_finished()
+    abstract = {"y": ocp.utils.to_shape_dtype_struct(state)}
+    assert_matches(next(batches)["x"], _global_batch(4))
     generation = cluster.backend.generations[0]
     pw.faults.kill_host(1)  # the island is lost, then rebuilt on new hosts
     assert wait_for(lambda: cluster.backend.generations[0] > generation and not cluster.backend.lost, 60)
-    batches.set_state(saved)  # the new hosts made their iterators anew: put them back at step 3
-    assert_matches(next(batches)["x"], _global_batch(3))
-    assert_matches(step(next(batches)), (_global_batch(4) * 2).sum(axis=1))
+    restored = manager.restore(
+        4, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
+    )
+    manager.close()
+    assert_matches(restored.state["y"], (_global_batch(3) * 2).sum(axis=1))  # read by the new hosts
+    assert restored.data == [{"taken": 4}, {"taken": 4}]
+    batches.set_state(restored.data)  # the new hosts made their iterators anew: put them back at step 4
+    assert_matches(next(batches)["x"], _global_batch(4))
+    assert_matches(step(next(batches)), (_global_batch(5) * 2).sum(axis=1))
 
 
 # --- the local backend ------------------------------------------------------------------------
