@@ -97,6 +97,46 @@ def test_a_lost_island_costs_no_step_and_its_replica_rejoins_when_it_is_rebuilt(
     )
 
 
+def test_two_losses_in_a_row_one_of_them_a_hang_leave_one_replica_training_and_both_rejoin(ray_cluster):
+    """Host 2 killed in the middle of a step, then, with its island not yet back, host 1 hung in
+    the middle of the next one (found hung after ``HUNG_S``): training goes on, on one replica,
+    with no step lost; both islands rejoin once rebuilt, and every step's loss equals plain JAX
+    run with the same replica counts."""
+    cluster = pw.init(backend="ray", hosts=3, devices_per_host=1)
+    slices = [pw.devices(mesh={"data": 1}, island=i) for i in range(3)]
+    dp = DataParallel((mlp_params(), mlp_apply), slices, loss_fn=mse, optimizer=optax.adam(1e-2))
+    manager = pw.elastic.Manager(dp, minimum_islands=1, window=2)
+    steps = 12
+    xs, ys = mlp_batches(steps, BATCH, seed=1)
+    losses = [manager.train_step(xs[step], ys[step]) for step in range(3)]
+    manager.wait(timeout=120)
+    pw.faults.kill_host(2, at_run=1)
+    losses.append(manager.train_step(xs[3], ys[3]))
+    manager.wait(timeout=120)  # step 3 ran again on islands 0 and 1
+    assert manager.islands == (0, 1), manager.events
+    pw.faults.hang_host(1, at_run=1)
+    losses += [manager.train_step(xs[step], ys[step]) for step in range(4, 7)]
+    manager.wait(timeout=120)
+    assert [e.kind for e in manager.events] == ["lost", "lost"] and manager.islands == (0,), manager.events
+    assert "hung" in str(cluster.backend.lost_hosts.get(1, "")) or manager.events[1].step >= 4
+
+    assert wait_for(lambda: not cluster.resources.lost, 120), "the islands were not rebuilt"
+    losses += [manager.train_step(xs[step], ys[step]) for step in range(7, steps)]
+    manager.wait(timeout=120)
+    assert manager.islands == (0, 1, 2) and manager.step == steps, manager.events
+    assert [loss.step for loss in losses] == list(range(steps))
+    replicas = _replica_params(dp)
+    for other in replicas[1:]:
+        jax.tree.map(np.testing.assert_array_equal, replicas[0], other)
+    counts = _counts(manager, steps, 3)
+    assert min(counts) == 1 and counts[:3] == [3, 3, 3] and counts[-1] == 3, counts
+    want_params, want_losses = _reference(xs, ys, counts)
+    np.testing.assert_allclose([float(loss) for loss in losses], want_losses, rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), replicas[0], want_params
+    )
+
+
 @pytest.fixture
 def two_islands():
     pw.init(islands=2)

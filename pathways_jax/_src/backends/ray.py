@@ -88,6 +88,8 @@ if TYPE_CHECKING:
 
 CLOSE_TIMEOUT_S = 10.0  # how long close() waits for this side's threads unless told
 _REBUILD_TIMEOUT_S = 60.0  # how long new hosts for a lost island may take to start
+_REBUILD_RETRY_S = 5.0  # a rebuild that failed is tried again this much later, then twice as late ...
+_REBUILD_RETRY_MAX_S = 120.0  # ... up to this
 
 # Executables each host of an island of several hosts keeps in flight at most
 # (pw.init(max_in_flight=...) may lower it). Cross-process collective programs
@@ -317,9 +319,26 @@ class RayBackend:
     def _rebuild(self, island: int) -> None:
         """Starts new hosts for a lost island in its bundles; once they serve, the island is placed on again.
 
-        If Ray has no room for them within ``_REBUILD_TIMEOUT_S`` (a node went
-        with the hosts), the island stays out of placement.
+        A try that fails (Ray had no room for them within ``_REBUILD_TIMEOUT_S``:
+        a node went with the hosts) is tried again, ``_REBUILD_RETRY_S`` later
+        and then less often, until it succeeds or the cluster closes: a
+        week-long job gets its island back without anyone restarting it.
         """
+        wait = _REBUILD_RETRY_S
+        while not self._rebuild_once(island):
+            if self.closed:
+                return
+            logging.warning("pathways_jax: island %d will be rebuilt again in %.0f s", island, wait)
+            time.sleep(wait)
+            wait = min(2 * wait, _REBUILD_RETRY_MAX_S)
+            if self.closed:
+                return
+        logging.warning("pathways_jax: island %d was rebuilt on new hosts", island)
+        if self.on_restored is not None:
+            self.on_restored(island)
+
+    def _rebuild_once(self, island: int) -> bool:
+        """One try at :meth:`_rebuild`: True once the island serves again."""
         fleet = self.fleet
         members = self.layout.members(island)
         new: list[Any] = []
@@ -335,23 +354,29 @@ class RayBackend:
                 serving = [h for h in range(self.hosts) if h not in self.lost_hosts or h in members]
                 addresses = {h: self.info[h]["transfer"] for h in serving}
                 answers = [self.route.message(h, "peers", (addresses,)) for h in serving]
-            for answer in results(answers, _REBUILD_TIMEOUT_S):
-                if answer is not None:
-                    raise errors.ClusterError(f"the new hosts could not reach the others: {answer}")
+            deadline = time.monotonic() + _REBUILD_TIMEOUT_S
+            for host, answer in zip(serving, answers, strict=True):
+                try:
+                    told = answer.result(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:
+                    if host not in members and host in self.lost_hosts:
+                        continue  # lost meanwhile (its own rebuild tells its new hosts): not this island's
+                    raise
+                if told is not None:
+                    raise errors.ClusterError(f"the new hosts could not reach the others: {told}")
             with lock:
                 self.losses.restore(island, self.generations[island] + 1)
         except Exception as exc:
             fleet.kill(new)
             if not self.closed:
                 logging.warning(
-                    "pathways_jax: island %d could not be rebuilt on new hosts (%s); it stays out of placement.",
+                    "pathways_jax: island %d could not be rebuilt on new hosts (%s); it stays out of placement "
+                    "meanwhile.",
                     island,
                     exc,
                 )
-            return
-        logging.warning("pathways_jax: island %d was rebuilt on new hosts", island)
-        if self.on_restored is not None:
-            self.on_restored(island)
+            return False
+        return True
 
     def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
         """Kills the host actors (their values go with them) and stops this side's threads.
