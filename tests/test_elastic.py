@@ -118,7 +118,6 @@ def test_two_losses_in_a_row_one_of_them_a_hang_leave_one_replica_training_and_b
     losses += [manager.train_step(xs[step], ys[step]) for step in range(4, 7)]
     manager.wait(timeout=120)
     assert [e.kind for e in manager.events] == ["lost", "lost"] and manager.islands == (0,), manager.events
-    assert "hung" in str(cluster.backend.lost_hosts.get(1, "")) or manager.events[1].step >= 4
 
     assert wait_for(lambda: not cluster.resources.lost, 120), "the islands were not rebuilt"
     losses += [manager.train_step(xs[step], ys[step]) for step in range(7, steps)]
