@@ -51,9 +51,9 @@ import numpy as np
 from pathways_jax._src.backends import ray_colocated
 from pathways_jax._src.backends.ray_host.colocated import Code, Method
 from pathways_jax._src.core import errors
-from pathways_jax._src.runtime import clients, clusters
+from pathways_jax._src.runtime import clients, clusters, futures
 from pathways_jax._src.runtime.futures import Future
-from pathways_jax._src.runtime.object_store import Failed, Owner, Ready
+from pathways_jax._src.runtime.object_store import Owner
 
 _SETTLE_TIMEOUT_S = 120.0  # the longest a call waits for an input's run to be dispatched
 _outputs = itertools.count()
@@ -438,35 +438,22 @@ def _settled(x: Any, index: int, what: str) -> Any:
     """An input once its run is dispatched: a handle on the hosts, or an array here."""
     if not isinstance(x, Future):
         return x
-    entry, store = x._entry, x._store
-    if not store.wait_settled(entry, _SETTLE_TIMEOUT_S):
-        raise errors.FutureTimeoutError(
-            f"input {index} of {what} ({entry.origin}) was not dispatched within {_SETTLE_TIMEOUT_S:.0f}s."
-        )
-    array = entry.array  # read before the state: a ready state then has its array
-    state = entry.state
-    if isinstance(state, Failed):
-        kind = (
-            type(state.cause) if isinstance(state.cause, errors.HostLostError) else errors.ProgramFailedError
-        )
-        raise kind(f"input {index} of {what}: {state.message}") from state.cause
-    if not isinstance(state, Ready) or array is None:
-        raise errors.PathwaysError(f"input {index} of {what} ({entry.origin}) was freed.")
-    return array
+    return futures.sent(x, _SETTLE_TIMEOUT_S, f"input {index} of {what}")
 
 
 def _futures(handles: list, name: str) -> list[Future]:
     """Futures of a call's outputs: values on the hosts, held by this process's current client."""
     client = clients.current()
     store = clusters.cluster().store
-    out = []
-    for index, handle in enumerate(handles):
-        owner = Owner(client.name, -1 - next(_outputs), client.key)
-        origin = f"output {index} of colocated_python function {name!r}"
-        entry = store.new(owner, handle.aval, handle.sharding, None, origin)
-        store.set_ready(entry, handle)
-        out.append(Future(entry, store))
-    return out
+    return [
+        futures.adopted(
+            store,
+            Owner(client.name, -1 - next(_outputs), client.key),
+            handle,
+            f"output {index} of colocated_python function {name!r}",
+        )
+        for index, handle in enumerate(handles)
+    ]
 
 
 __all__ = ["ColocatedFunction", "colocated_cpu_devices", "colocated_python"]

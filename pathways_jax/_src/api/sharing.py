@@ -7,9 +7,9 @@ from typing import Any
 
 from pathways_jax._src.backends.base import Shares
 from pathways_jax._src.core import errors
-from pathways_jax._src.runtime import clients, clusters
+from pathways_jax._src.runtime import clients, clusters, futures
 from pathways_jax._src.runtime.futures import Future
-from pathways_jax._src.runtime.object_store import Failed, Owner, Ready
+from pathways_jax._src.runtime.object_store import Owner
 
 _SHARE_TIMEOUT_S = 60.0
 _received = itertools.count()
@@ -53,17 +53,9 @@ def share(future: Future, client: str | None = None, *, timeout: float | None = 
     backend = _service_backend("pw.share")
     if not isinstance(future, Future):
         raise TypeError(f"pw.share takes a pw.Future, got {type(future).__name__}.")
-    entry = future._entry
-    if not future._store.wait_settled(entry, timeout):
-        raise errors.FutureTimeoutError(
-            f"pw.share: {entry.origin} was not sent to the hosts within {timeout}s."
-        )
-    array: Any = entry.array  # read before the state: a ready state then has its array
-    state = entry.state
-    if isinstance(state, Failed):
-        raise errors.ProgramFailedError(f"pw.share: {entry.origin} failed: {state.message}") from state.cause
-    if not isinstance(state, Ready) or not isinstance(getattr(array, "key", None), int | tuple):
-        raise errors.AccessError(f"pw.share: {entry.origin} is not a value on the service's hosts.")
+    array: Any = futures.sent(future, timeout, "pw.share")
+    if not isinstance(getattr(array, "key", None), int | tuple):
+        raise errors.AccessError(f"pw.share: {future._entry.origin} is not a value on the service's hosts.")
     # array: a RemoteArray (checked above)
     if client is not None:
         if not isinstance(client, str) or not client:
@@ -88,13 +80,9 @@ def receive(handle: Any) -> Future:
         raise TypeError(f"pw.receive takes a pw.Handle (from pw.share), got {type(handle).__name__}.")
     array = backend.array_of(handle)
     client = clients.current()
-    store = clusters.cluster().store
+    owner = Owner(client.name, -1 - next(_received), client.key)
     origin = f"a value received from client {handle.owner} (key {handle.key})"
-    entry = store.new(
-        Owner(client.name, -1 - next(_received), client.key), array.aval, array.sharding, None, origin
-    )
-    store.set_ready(entry, array)
-    return Future(entry, store)
+    return futures.adopted(clusters.cluster().store, owner, array, origin)
 
 
 __all__ = ["receive", "share"]

@@ -41,9 +41,9 @@ import numpy as np
 from pathways_jax._src.backends.base import HostWrites
 from pathways_jax._src.backends.ray_host import checkpoint as host_checkpoint
 from pathways_jax._src.core import errors, source
-from pathways_jax._src.runtime import clients, clusters
+from pathways_jax._src.runtime import clients, clusters, futures
 from pathways_jax._src.runtime.futures import Future
-from pathways_jax._src.runtime.object_store import Failed, Owner
+from pathways_jax._src.runtime.object_store import Owner
 
 # Where the user's restore was called (set by compat.checkpoints' patch of StandardCheckpointHandler.restore,
 # on the caller's thread): Orbax reads on a thread of its own, whose stack holds no line of the user's.
@@ -130,17 +130,7 @@ def _held(value: Any, backend: HostWrites) -> Any:
     """The handle of a future's value on ``backend``'s hosts (once its run was sent), else None."""
     if type(value) is not Future:
         return None
-    entry = value._entry
-    if not value._store.wait_settled(entry, _DISPATCH_TIMEOUT_S):
-        raise errors.FutureTimeoutError(
-            f"saving a checkpoint: {entry.origin} was not sent to its hosts within {_DISPATCH_TIMEOUT_S}s."
-        )
-    array: Any = entry.array  # read before the state: a ready state then has its array
-    state = entry.state
-    if isinstance(state, Failed):
-        raise errors.ProgramFailedError(
-            f"saving a checkpoint: {entry.origin} failed: {state.message}"
-        ) from state.cause
+    array = futures.sent(value, _DISPATCH_TIMEOUT_S, "saving a checkpoint")
     return array if backend.holds(array) else None
 
 
@@ -346,13 +336,5 @@ def _caller() -> str:
 def _future_of(array: Any, aval: Any, sharding: Any, name: str) -> Future:
     """A future of this process for a value a restore put on the hosts."""
     client = clients.current()
-    store = clusters.cluster().store
-    entry = store.new(
-        Owner(client.name, -1 - next(_restored), client.key),
-        aval,
-        sharding,
-        None,
-        f"{name!r} restored from a checkpoint",
-    )
-    store.set_ready(entry, array)
-    return Future(entry, store)
+    owner = Owner(client.name, -1 - next(_restored), client.key)
+    return futures.adopted(clusters.cluster().store, owner, array, f"{name!r} restored from a checkpoint")

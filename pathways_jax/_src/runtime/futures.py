@@ -14,7 +14,7 @@ import numpy as np
 
 from pathways_jax._src.core import arrays, checks, errors, readiness, reentry
 from pathways_jax._src.runtime.array_like import ArrayLike
-from pathways_jax._src.runtime.object_store import Entry, Failed, Freed, ObjectStore, Pending, Ready
+from pathways_jax._src.runtime.object_store import Entry, Failed, Freed, ObjectStore, Owner, Pending, Ready
 
 
 def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
@@ -353,6 +353,39 @@ def results(tree: Any, timeout: float | None = None) -> Any:
       As :meth:`Future.result`.
     """
     return jax.tree.map(lambda v: v.result(timeout) if isinstance(v, Future) else v, tree)
+
+
+def sent(future: Future, timeout: float | None, what: str) -> Any:
+    """What ``future``'s value is once its run was sent (not computed): a handle on hosts, or an array.
+
+    Raises ``FutureTimeoutError`` if the run is not sent within ``timeout``
+    seconds, and the run's own error (``HostLostError`` kept as it is, else
+    ``ProgramFailedError``) if it failed; ``what`` (the caller's operation)
+    opens the message.
+    """
+    entry = future._entry
+    if not future._store.wait_settled(entry, timeout):
+        raise errors.FutureTimeoutError(
+            f"{what}: {entry.origin} was not sent to its devices within {timeout:.0f}s."
+        )
+    array = entry.array  # read before the state: a ready state then has its array
+    state = entry.state
+    if isinstance(state, Failed):
+        kind = (
+            type(state.cause) if isinstance(state.cause, errors.HostLostError) else errors.ProgramFailedError
+        )
+        raise kind(f"{what}: {entry.origin} failed: {state.message}") from state.cause
+    if not isinstance(state, Ready) or array is None:
+        raise errors.PathwaysError(f"{what}: {entry.origin} was freed.")
+    return array
+
+
+def adopted(store: ObjectStore, owner: Owner, value: Any, origin: str) -> Future:
+    """A future, ready at once, of ``value`` made outside a run (a handle on hosts, with ``aval`` and
+    ``sharding``): a value a restore, a colocated call or another client process made."""
+    entry = store.new(owner, value.aval, value.sharding, None, origin)
+    store.set_ready(entry, value)
+    return Future(entry, store)
 
 
 def dispatched(future: Future) -> Any:
