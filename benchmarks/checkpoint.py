@@ -45,7 +45,7 @@ _MIB = flags.DEFINE_integer("mib", 256, "Bytes of the training state, in MiB (pa
 _WIDTH = flags.DEFINE_integer(
     "width", 1024, "Columns of the parameters; the step multiplies by a square of it."
 )
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Matrix products per step (sets the step time).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Matrix products per step (sets the step time).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Steady steps timed per side.")
 _QUICK = flags.DEFINE_bool("quick", False, "A 32 MiB state and a short step.")
 _DIR = flags.DEFINE_string("dir", "", "Checkpoint folder (default: a temporary one, removed after).")
