@@ -42,10 +42,12 @@ def test_results_equal_the_in_process_run_and_stay_on_the_host(ray_cluster):
         return _scale_and_count(a, b), jnp.full((1,), os.getpid(), jnp.int32)
 
     out, pid = on_host(x, b=y)
-    # The same function run in-process on the same values (what JAX's colocated_python does on
-    # plain PJRT; its own copy would need cloudpickle installed apart from Ray's).
-    want = _scale_and_count(x.result(), y)
+    # JAX's own colocated_python on the same values: on plain PJRT it runs in this process.
+    from jax.experimental import colocated_python as jax_colocated
+
+    want = jax_colocated.colocated_python(_scale_and_count)(x.result(), y)
     assert_matches(out, want)
+    assert_matches(out, _scale_and_count(x.result(), y))
     assert int(pid.result()[0]) == cluster.backend.info[1]["pid"]  # it ran on host 1, not here
 
     # A second call goes at once (the function is on the host already); a program reads its
@@ -194,20 +196,31 @@ def _rows(shard):
         yield {"x": np.stack([rows + 10 * step, -rows], axis=1)}
 
 
+def _grain_rows(shard):
+    """``_rows`` as a Grain pipeline: its iterator's own ``get_state``/``set_state`` are the position."""
+    import grain
+
+    n = 4 // shard.count
+    rows = np.arange(shard.index * n, (shard.index + 1) * n, dtype=np.float32)
+    steps = grain.MapDataset.range(1000).map(lambda step: {"x": np.stack([rows + 10 * step, -rows], axis=1)})
+    return iter(steps.to_iter_dataset())
+
+
 def _global_batch(step):
     rows = np.arange(4, dtype=np.float32)
     return np.stack([rows + 10 * step, -rows], axis=1)
 
 
 def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(ray_cluster, tmp_path):
-    """The iterators' position is checkpointed with the training state by Orbax (the state written by
-    the hosts), and both are restored onto the rebuilt island's new hosts."""
+    """Grain iterators on the hosts feed a program; their positions (Grain's own iterator state) are
+    checkpointed with the training state by Orbax (the state written by the hosts), and both are
+    restored onto the rebuilt island's new hosts."""
     import orbax.checkpoint as ocp
 
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1, islands=1)
     s = pw.devices(mesh={"x": 2})  # one device on each host of the island
     batch = {"x": jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))}
-    batches = colocated.HostIterator(_rows, batch)
+    batches = colocated.HostIterator(_grain_rows, batch)
     step = pw.jit(lambda b: (b["x"] * 2).sum(axis=1), devices=s, out_specs=pw.P("x"))
     fed = {h: _host_stats(cluster, h)["fed"] for h in (0, 1)}
     for i in range(3):
@@ -215,7 +228,7 @@ def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(r
     assert {h: _host_stats(cluster, h)["fed"] for h in (0, 1)} == fed  # no batch went from here
 
     state = step(next(batches))  # the training state, as far as this test goes
-    assert batches.get_state() == [{"taken": 4}, {"taken": 4}]
+    assert batches.get_state() == [{"iterator": {"next_index": 4}}] * 2
     manager = ocp.CheckpointManager(tmp_path)
     manager.save(
         4,
@@ -234,7 +247,7 @@ def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(r
     )
     manager.close()
     assert_matches(restored.state["y"], (_global_batch(3) * 2).sum(axis=1))  # read by the new hosts
-    assert restored.data == [{"taken": 4}, {"taken": 4}]
+    assert restored.data == [{"iterator": {"next_index": 4}}] * 2
     batches.set_state(restored.data)  # the new hosts made their iterators anew: put them back at step 4
     assert_matches(next(batches)["x"], _global_batch(4))
     assert_matches(step(next(batches)), (_global_batch(5) * 2).sum(axis=1))
