@@ -63,7 +63,11 @@ class HostCheckpoints:
         """
         d = self.dispatcher
         try:
-            self._check(stash, stash.answers)
+            try:
+                self._check(stash, stash.answers)
+            except Exception:  # a host could not copy its values: the others' copies go
+                self.drop(stash)
+                raise
             with d.lock:
                 answers = {
                     host: d.route.message(host, "store", (stash.ticket, True)) for host in stash.answers

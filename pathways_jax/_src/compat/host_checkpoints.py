@@ -193,11 +193,12 @@ def _save_on_hosts(self: Any, backend: HostWrites, values: Any, held: list, info
     local = host_checkpoint.stash(local_values.__getitem__, local_writes, ocdbt) if local_writes else None
 
     async def commit() -> None:
+        storing = False  # once the hosts are told to write, each drops its copies itself
         try:
             for info in infos:
                 await info.await_path_creation()
-            stored = asyncio.to_thread(backend.checkpoints.store, stash)
-            pending: list[Any] = [stored]
+            storing = True
+            pending: list[Any] = [asyncio.to_thread(backend.checkpoints.store, stash)]
             if local is not None:
                 pending.append(asyncio.wrap_future(_LOCAL_WRITER.store(local)))
             if self._enable_write_sharding_file:
@@ -214,7 +215,8 @@ def _save_on_hosts(self: Any, backend: HostWrites, values: Any, held: list, info
                 )
             await asyncio.gather(*pending)
         except BaseException:
-            backend.checkpoints.drop(stash)
+            if not storing:
+                backend.checkpoints.drop(stash)
             raise
 
     return [future.CommitFutureAwaitingContractedSignals(commit(), name="pathways_host_checkpoint")]
