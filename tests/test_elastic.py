@@ -209,6 +209,7 @@ def test_below_minimum_islands_training_waits_with_the_survivors_state_and_goes_
     losses += [manager.train_step(xs[s], ys[s]) for s in range(3, 5)]
     cluster = pw.cluster()
     cluster.host_lost(1)  # the local backend keeps the values; the manager must not use them
+    assert pw.stats()["islands"][1]["lost"] and pw.stats()["islands"][0]["lost"] is None
     with pytest.raises(pw.errors.HostLostError, match="fewer than minimum_islands=2"):
         manager._recover(pw.errors.HostLostError("island 1 was lost (by the test)"))
     with pytest.raises(pw.errors.HostLostError, match=r"1 replicas are left \(islands \[0\]\)"):
@@ -227,6 +228,7 @@ def test_below_minimum_islands_training_waits_with_the_survivors_state_and_goes_
 
     threading.Timer(0.3, cluster.island_restored, (1,)).start()
     assert train(8) == 8
+    assert pw.stats()["islands"][1]["lost"] is None
     assert attempts == [5]
     assert [e.kind for e in manager.events] == ["lost", "rejoined"] and manager.islands == (0, 1)
     assert [float(loss) for loss in losses] == want

@@ -24,8 +24,9 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
         was running dispatched programs), ``utilisation`` (``busy_s /
         elapsed_s``), ``bytes_in_use`` (reserved under the memory budget, or
         held by live values when there is none) and ``budget`` (bytes or None).
-      - ``islands``: per island, ``queued`` (runs waiting that touch it) and
-        ``in_flight`` (executables dispatched and not finished).
+      - ``islands``: per island, ``queued`` (runs waiting that touch it),
+        ``in_flight`` (executables dispatched and not finished) and ``lost``
+        (why its host was lost, until it is rebuilt; else None).
       - ``clients``: per client name, ``device_time_s`` (device-seconds its
         programs ran), ``programs`` (runs completed), ``failures`` and
         ``queued``. Closed clients (``Client.close()``, or a thread's default
@@ -91,8 +92,13 @@ def stats(*, reset: bool = False) -> dict[str, Any]:
             }
     queued = controller.queued_by_island()
     in_flight = controller.in_flight_by_island()
+    lost = dict(cl.resources.lost)
     islands = {
-        island.index: {"queued": queued.get(island.index, 0), "in_flight": in_flight.get(island.index, 0)}
+        island.index: {
+            "queued": queued.get(island.index, 0),
+            "in_flight": in_flight.get(island.index, 0),
+            "lost": lost.get(island.index),
+        }
         for island in cl.islands
     }
     clients: dict[str, dict[str, Any]] = {}
