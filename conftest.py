@@ -33,11 +33,19 @@ def _fresh_cluster():
     _shutdown_as_a_fresh_process()
 
 
+# The local Ray cluster this test session started, and its logical CPUs: kept for the next module.
+_RAY_CPUS: list[int] = []
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(request):
-    """A local Ray cluster for one test module (``ray.init`` costs seconds: once per module).
+    """A local Ray cluster for the test modules that ask for one (``ray.init`` costs seconds).
 
     Its logical CPUs (one per host actor) are 4, or the module's ``RAY_CPUS``.
+    The cluster outlives the module and serves the next one that asks for the
+    same size, if every CPU of it is free again (nothing leaked: a leftover
+    actor or placement group would take its hosts' room); otherwise a fresh
+    one starts. The session's end shuts it down.
 
     Ray is a dependency of the test suite (``pip install -e '.[test,ray]'``): a
     missing Ray fails the tests that use it rather than skipping them.
@@ -45,20 +53,45 @@ def ray_cluster(request):
     import ray
 
     _shutdown_as_a_fresh_process()
-    if ray.is_initialized():
+    cpus = getattr(request.module, "RAY_CPUS", 4)
+    if ray.is_initialized() and not (cpus in _RAY_CPUS and _all_free(ray, cpus)):
         ray.shutdown()
-    with warnings.catch_warnings():
-        # Ray starts its processes with fork + exec (see _src/backends/ray.py).
-        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-        ray.init(
-            address="local",
-            num_cpus=getattr(request.module, "RAY_CPUS", 4),
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+    if not ray.is_initialized():
+        _RAY_CPUS[:] = [cpus]
+        with warnings.catch_warnings():
+            # Ray starts its processes with fork + exec (see _src/backends/ray.py).
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            ray.init(
+                address="local",
+                num_cpus=cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
     try:
         yield ray
     finally:
         _shutdown_as_a_fresh_process()
+
+
+def _all_free(ray, cpus: int, timeout: float = 10.0) -> bool:
+    """Whether all ``cpus`` of the running cluster are free (a killed actor's return within seconds)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = [g for g in ray.util.placement_group_table().values() if g.get("state") != "REMOVED"]
+        if ray.available_resources().get("CPU", 0) == cpus and not live:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_shut_at_the_end():
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
