@@ -292,19 +292,8 @@ async def _restore_on_hosts(self: Any, backend: HostWrites, infos: list, args: l
         given = getattr(arg, "global_shape", None)
         shape = tuple(given) if given is not None else tuple(meta.shape)  # the metadata's: the stored shape
         dtype = arg.dtype if getattr(arg, "dtype", None) is not None else meta.dtype
-        impl = None
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or info.name in stored_impls:
-            if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-                logical_dtype = dtype
-            else:  # saved as typed keys, asked for as their raw data: restored as the keys
-                logical_dtype = jax.random.key(0, impl=stored_impls[info.name]).dtype
-            trailing = len(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), logical_dtype)).shape)
-            logical_shape = (
-                shape if given is not None and logical_dtype is dtype else shape[: len(shape) - trailing]
-            )
-            shape, dtype, impl = _physical(logical_shape, logical_dtype)
-        else:
-            logical_shape, logical_dtype = shape, dtype
+        logical_shape, logical_dtype = _logical(shape, dtype, given is not None, stored_impls.get(info.name))
+        shape, dtype, impl = _physical(logical_shape, logical_dtype)
         if tuple(meta.shape) != shape:
             raise errors.PlacementError(
                 f"restoring {info.name!r} (at {_caller()}): the checkpoint holds shape "
@@ -325,9 +314,24 @@ async def _restore_on_hosts(self: Any, backend: HostWrites, infos: list, args: l
     results: list[Any] = [None] * len(infos)
     for (island, hosts), members in groups.items():
         arrays = backend.checkpoints.load(island, hosts, [item for _, item in members])
-        for (index, (_, aval, sharding)), array in zip(members, arrays, strict=True):
-            results[index] = _future_of(array, aval, sharding, infos[index].name)
+        for (index, _), array in zip(members, arrays, strict=True):
+            results[index] = _future_of(array, infos[index].name)
     return results
+
+
+def _logical(shape: tuple, dtype: Any, shape_given: bool, stored_impl: str | None) -> tuple[tuple, Any]:
+    """The shape and dtype a restored value has: typed keys where the target asks for them, or where
+    they were saved as keys and the target names their raw data (whose trailing dimensions go)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        logical_dtype = dtype
+        if shape_given:  # the target's own (logical) shape
+            return shape, dtype
+    elif stored_impl is not None:
+        logical_dtype = jax.random.key(0, impl=stored_impl).dtype
+    else:
+        return shape, dtype
+    trailing = len(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), logical_dtype)).shape)
+    return shape[: len(shape) - trailing], logical_dtype
 
 
 def _caller() -> str:
@@ -335,7 +339,7 @@ def _caller() -> str:
     return RESTORE_CALLER[0] if here.startswith(("<unknown>", "events.py", "threading.py")) else here
 
 
-def _future_of(array: Any, aval: Any, sharding: Any, name: str) -> Future:
+def _future_of(array: Any, name: str) -> Future:
     """A future of this process for a value a restore put on the hosts."""
     client = clients.current()
     owner = Owner(client.name, -1 - next(_restored), client.key)

@@ -233,7 +233,7 @@ class Host:
                     continue
                 result = getattr(self, f"_{kind}")(*args)
             except BaseException as exc:  # the message fails, the host keeps serving
-                result = MessageFailed(f"host {self.index}: {type(exc).__name__}: {exc}", trace_of(exc))
+                result = self._failed(exc)
             if kind == "fetch" and not isinstance(result, MessageFailed):
                 reply = args[1] if len(args) > 1 else None
                 if is_ready(result):  # answered here: no hand-off to the completer
@@ -245,14 +245,16 @@ class Host:
             else:
                 self._answer(future, result)
 
+    def _failed(self, exc: BaseException) -> MessageFailed:
+        """A message's failure as its answer: the error, this host, and its traceback."""
+        return MessageFailed(f"host {self.index}: {type(exc).__name__}: {exc}", trace_of(exc))
+
     def _answer_when_done(self, future: Any, done: concurrent.futures.Future) -> None:
         exc = done.exception()
         if exc is None:
             self._answer(future, done.result())
         else:
-            self._answer(
-                future, MessageFailed(f"host {self.index}: {type(exc).__name__}: {exc}", trace_of(exc))
-            )
+            self._answer(future, self._failed(exc))
 
     def _reply(self, future: Any, value: Any, reply: Any) -> None:
         """A fetch's answer: straight to the client ``reply`` names (its sender, the controller
@@ -270,7 +272,7 @@ class Host:
         try:
             return readable(value, np)
         except Exception as exc:
-            return MessageFailed(f"host {self.index}: {type(exc).__name__}: {exc}", trace_of(exc))
+            return self._failed(exc)
 
     def _peers(self, addresses: dict[int, str]) -> None:
         """The transfer server of every host: see :meth:`DataPlane.connect`."""
