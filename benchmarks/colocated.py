@@ -7,7 +7,10 @@ forming one island, ``ray.init(num_cpus=4)``):
     (``examples/host_input.py``: 4 shards of a global batch) as a
     ``pw.colocated_python.HostIterator`` on the 4 hosts (each batch a global
     array on the hosts' devices, the last one waited for) against the same
-    iterator run here for all 4 shards (numpy only);
+    iterator run here for all 4 shards, numpy only (the target's figure), and
+    with each shard put on one of this process's devices as a local loop
+    would; steady state (the iterators made and started first), rounds
+    alternated, the median ratio;
   * ``call``: one colocated call with a small input (a 16-float array on one
     host), round trip (call, then wait for its output on the host), median of
     ``--n`` calls, against a plain Ray actor call of the same function
@@ -70,22 +73,50 @@ class _FedBytes:
         channel_link._feed = counted
 
 
-def _iterator(batch: int, n: int, spec) -> dict:
-    import jax.numpy as jnp  # noqa: F401
-
+def _iterator(batch: int, n: int, rounds: int, spec) -> dict:
+    """Steady-state batches/s of the host iterators and of the same iterators here, rounds alternated."""
     batches = pw.colocated_python.HostIterator(lambda shard: Batches(shard, batch), spec)
-    jax.block_until_ready(next(batches))
-    start = time.perf_counter()
-    for _ in range(n):
-        last = next(batches)
-    jax.tree.map(lambda f: f.block_until_ready(), last)
-    hosts = n / (time.perf_counter() - start)
+    jax.block_until_ready(next(batches))  # the hosts' objects made, the iterators started
     shards = [Batches(pw.colocated_python.Shard(h, 4), batch) for h in range(4)]
-    start = time.perf_counter()
-    for _ in range(n):
-        [next(shard) for shard in shards]
-    here = n / (time.perf_counter() - start)
-    return {"hosts_batches_per_s": hosts, "here_batches_per_s": here, "ratio": hosts / here}
+    devices = jax.local_devices()[:4]  # this process's own 4 CPU devices, for a local loop's batches
+
+    def on_devices(parts: list[dict]) -> dict:
+        """The global batch on this process's devices, one shard each (what a local loop feeds)."""
+        out = {}
+        for name in ("x", "y"):
+            shape = (batch, *parts[0][name].shape[1:])
+            sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)), jax.P("d"))
+            pieces = [jax.device_put(p[name], d) for p, d in zip(parts, devices, strict=True)]
+            out[name] = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+        return out
+
+    hosts, here, here_put = [], [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            last = next(batches)
+        jax.tree.map(lambda f: f.block_until_ready(), last)
+        hosts.append(n / (time.perf_counter() - start))
+        start = time.perf_counter()
+        for _ in range(n):
+            [next(shard) for shard in shards]
+        here.append(n / (time.perf_counter() - start))
+        start = time.perf_counter()
+        for _ in range(n):
+            local = on_devices([next(shard) for shard in shards])
+        jax.block_until_ready(local)
+        here_put.append(n / (time.perf_counter() - start))
+    ratios = [h / m for h, m in zip(hosts, here, strict=True)]
+    ratios_put = [h / m for h, m in zip(hosts, here_put, strict=True)]
+    return {
+        "hosts_batches_per_s": statistics.median(hosts),
+        "here_batches_per_s": statistics.median(here),
+        "here_on_devices_batches_per_s": statistics.median(here_put),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "ratio_to_here_on_devices": statistics.median(ratios_put),
+        "batches_per_round": n,
+    }
 
 
 def _call(n: int, s) -> dict:
@@ -190,7 +221,7 @@ def main() -> None:
         "machine": common.machine(),
         "batch_rows": args.batch,
         "batch_bytes": args.batch * (FEATURES + 1) * 4,
-        "iterator": _iterator(args.batch, n // 5, spec),
+        "iterator": _iterator(args.batch, n // 2, 3 if args.quick else 5, spec),
         "step": _steps(args.batch, steps, s, spec, fed),
     }
     s.release()

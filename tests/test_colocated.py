@@ -253,6 +253,64 @@ def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(r
     assert_matches(step(next(batches)), (_global_batch(5) * 2).sum(axis=1))
 
 
+def _three_rows(shard):
+    """``_rows``' first three batches, then the end (a finite dataset)."""
+    rows = _rows(shard)
+    for _ in range(3):
+        yield next(rows)
+
+
+def _rows_then_fail(shard):
+    rows = _rows(shard)
+    yield next(rows)
+    yield next(rows)
+    raise OSError("shard file unreadable")
+
+
+def _sum_loop(batches, s):
+    """A training loop over ``batches`` that ends when they do: the running sum of every batch."""
+    step = pw.jit(lambda acc, b: acc + b["x"].sum(), devices=s, out_specs=pw.P())
+    acc = np.float32(0)
+    taken = 0
+    for batch in batches:
+        acc = step(acc, batch)
+        taken += 1
+        if taken > 10:  # an iterator that does not end: the caller's count says so
+            break
+    return acc, taken
+
+
+def test_a_finite_host_iterator_ends_the_loop_and_one_that_raises_raises_at_next(ray_cluster):
+    """Batches are made ahead (prefetch) on the hosts, yet the loop ends after exactly the batches the
+    hosts' iterators gave, no program sees a batch that was not made, and the position is the loop's."""
+    pw.init(backend="ray", hosts=2, devices_per_host=1, islands=1)
+    s = pw.devices(mesh={"x": 2})
+    batch = {"x": jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))}
+    batches = colocated.HostIterator(_three_rows, batch, prefetch=2)
+    first = next(batches)
+    assert batches.get_state() == [{"taken": 1}] * 2  # not the batches made ahead
+    acc, taken = _sum_loop(batches, s)
+    assert taken == 2
+    want = jax.jit(lambda: sum(jnp.asarray(_global_batch(i)).sum() for i in (1, 2)))()
+    assert_matches(acc, want)  # the state trained on: no batch of the end reached it
+    assert_matches(first["x"], _global_batch(0))
+    with pytest.raises(StopIteration):
+        next(batches)  # and again
+    assert batches.get_state() == [{"taken": 3}] * 2
+
+    failing = colocated.HostIterator(_rows_then_fail, batch)
+    assert_matches(next(failing)["x"], _global_batch(0))
+    assert_matches(next(failing)["x"], _global_batch(1))
+    with pytest.raises(pw.errors.ProgramFailedError, match="OSError: shard file unreadable") as caught:
+        next(failing)
+    notes = []
+    exc = caught.value
+    while exc is not None:
+        notes += getattr(exc, "__notes__", [])
+        exc = exc.__cause__
+    assert any("_rows_then_fail" in n and 'raise OSError("shard file unreadable")' in n for n in notes)
+
+
 # --- the local backend ------------------------------------------------------------------------
 
 
@@ -286,6 +344,9 @@ def test_locally_it_runs_in_process_as_jax_does():
     assert_matches(next(batches)["x"], _global_batch(1))
     batches.set_state(state)
     assert_matches(next(batches)["x"], _global_batch(1))
+    assert _sum_loop(colocated.HostIterator(_three_rows, batches.batch), s)[1] == 3  # a loop ends
+    with pytest.raises(TypeError, match="prefetch is a number of batches"):
+        colocated.HostIterator(_rows, batches.batch, prefetch=-1)
 
 
 # --- specialisation: the same errors as JAX's -------------------------------------------------

@@ -2,28 +2,43 @@
 
 The pattern (MaxText's ``RemoteIterator`` on Pathways, with this module's
 names): an object of a ``colocated_python_class`` lives on each host of the
-batch's devices and holds that host's data iterator. Each call of
-``next(iterator)`` is one colocated call: every host takes its next local
-batch (its own shard of the global batch: rows ``index * n / count`` to
-``(index + 1) * n / count`` of each leaf) and puts it on its own devices as
-its part of one global array; the futures that come back are values on the
-hosts, which a ``pw.program`` or ``pw.jit`` on those devices takes as input
-with no hop through this process. Only the call (a few hundred bytes) goes
-from here; no input data does.
+batch's devices and holds that host's data iterator. Each batch is one
+colocated call: every host takes its next local batch (its own shard of the
+global batch: rows ``index * n / count`` to ``(index + 1) * n / count`` of
+each leaf) and puts it on its own devices as its part of one global array;
+the futures that come back are values on the hosts, which a ``pw.program``
+or ``pw.jit`` on those devices takes as input with no hop through this
+process. Only the call (a few hundred bytes) goes from here; no input data
+does.
 
-The iterator's position is :meth:`HostIterator.get_state`: each host's
-iterator's own ``get_state()`` where it has one (Grain's ``DatasetIterator``
-does), else the number of batches it gave (restored by making the iterator
-anew and skipping as many). It is small and picklable: save it with the
-training state, and give it back with :meth:`HostIterator.set_state` (after
-a host was lost and its island rebuilt, say: the new host makes its iterator
-anew, then takes the saved position).
+**Ahead of the program.** On each host the iterator runs on a thread of its
+own, ``prefetch`` batches ahead of the calls (as Grain's thread prefetch
+does), so making the next batch overlaps the host's programs; and this side
+keeps ``prefetch`` calls in flight beyond the batch it returns. ``next``
+returns a batch once its hosts have answered its call (they made it): a host
+whose iterator ran out answers that it did (``StopIteration``, carried as
+such), so a finite iterator ends the loop with ``StopIteration``, and an
+iterator that raises raises at the ``next`` that asked for its batch. A batch
+that was not made never reaches a program.
+
+The iterator's position is :meth:`HostIterator.get_state`: for each host, its
+iterator's own ``get_state()`` (Grain's ``DatasetIterator`` has one) after the
+last batch ``next`` returned, else the number of batches taken (restored by
+making the iterator anew and skipping as many). Batches made ahead are not
+counted: the position is the program's. It is small and picklable: save it
+with the training state, and give it back with :meth:`HostIterator.set_state`
+(after a host was lost and its island rebuilt, say: the new host makes its
+iterator anew, then takes the saved position).
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import pickle
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +47,10 @@ import numpy as np
 
 from pathways_jax._src.api.colocated import _device_list
 from pathways_jax._src.api.colocated_class import colocated_python_class
+from pathways_jax._src.backends import ray_failures
 from pathways_jax._src.core import errors
+
+_KEPT_POSITIONS = 64  # positions a host keeps, by batch number: far more than the calls in flight
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,48 +61,134 @@ class Shard:
     count: int
 
 
-class _Feeder:
-    """The object on each host: its iterator, and what it gave (made there from the constructor's arguments)."""
+# What a host's iterator gave: a batch, its end, or the exception it raised.
+_BATCH, _END, _FAILED = "batch", "end", "failed"
 
-    def __init__(self, make_iterator: Callable[[Shard], Iterator], batch: Any) -> None:
+
+def _position(iterator: Iterator, taken: int) -> dict:
+    """Where ``iterator`` is, having given ``taken`` batches since it was made."""
+    get_state = getattr(iterator, "get_state", None)
+    if callable(get_state):
+        return {"iterator": copy.deepcopy(get_state())}
+    return {"taken": taken}
+
+
+class _Ahead:
+    """A host's iterator run ``size`` batches ahead on a thread of its own (0: made when taken).
+
+    Each item is ``(kind, batch or exception, position after it)``; once the
+    iterator ended or raised, that last item is given again at every take.
+    """
+
+    def __init__(self, iterator: Iterator, taken: int, size: int) -> None:
+        self._iterator = iterator
+        self._taken = taken
+        self._size = size
+        self.start = _position(iterator, taken)
+        self._last: tuple | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(size, 1))
+        if size:
+            threading.Thread(target=self._loop, name="pathways-host-iterator", daemon=True).start()
+
+    def _make(self) -> tuple:
+        try:
+            local = next(self._iterator)
+        except StopIteration:
+            return (_END, None, _position(self._iterator, self._taken))
+        except BaseException as exc:  # given to the call that takes it: the user's error, on that line
+            return (_FAILED, exc, None)
+        self._taken += 1
+        return (_BATCH, local, _position(self._iterator, self._taken))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            item = self._make()
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] != _BATCH:
+                return
+
+    def take(self) -> tuple:
+        if self._last is not None:
+            return self._last
+        item = self._queue.get() if self._size else self._make()
+        if item[0] != _BATCH:
+            self._last = item
+        return item
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class _Feeder:
+    """The object on each host: its iterator (run ahead), and the positions after the batches it gave."""
+
+    def __init__(self, make_iterator: Callable[[Shard], Iterator], batch: Any, prefetch: int) -> None:
         self.make_iterator = make_iterator
-        self.batch = batch  # the global batch's ShapeDtypeStructs (shardings over this host's devices)
-        self.shard = _shard_of(jax.tree_util.tree_leaves(batch))
-        self.iterator = make_iterator(self.shard)
-        self.taken = 0
+        self.specs, self.tree = jax.tree_util.tree_flatten(batch)  # shardings over this host's devices
+        self.prefetch = prefetch
+        self.shard = _shard_of(self.specs)
+        self._start(make_iterator(self.shard), 0)
+
+    def _start(self, iterator: Iterator, taken: int) -> None:
+        self.ahead = _Ahead(iterator, taken, self.prefetch)
+        self.given = 0  # batches given since the iterator was (re)started
+        self.positions = {-1: self.ahead.start}  # batch number -> the position after it
+
+    def __del__(self) -> None:
+        ahead = getattr(self, "ahead", None)
+        if ahead is not None:
+            ahead.stop()
 
     def next(self) -> Any:
-        local = next(self.iterator)
-        self.taken += 1
-        specs, tree = jax.tree_util.tree_flatten(self.batch)
+        kind, local, position = self.ahead.take()
+        if kind == _FAILED:
+            raise local
+        if kind == _END:
+            raise StopIteration  # the call's answer says so (at every call from now on)
+        number, self.given = self.given, self.given + 1
+        self.positions[number] = position
+        self.positions.pop(number - _KEPT_POSITIONS, None)
         leaves, got = jax.tree_util.tree_flatten(local)
-        if got != tree:  # type: ignore[operator]  # jaxlib has no PyTreeDef stubs
+        if got != self.tree:  # type: ignore[operator]  # jaxlib has no PyTreeDef stubs
             raise ValueError(
                 f"the iterator on host {jax.process_index()} gave a batch of structure {got}; the "
-                f"HostIterator's batch is {tree}. Yield this host's part of each leaf of batch."
+                f"HostIterator's batch is {self.tree}. Yield this host's part of each leaf of batch."
             )
         arrays = [
             jax.make_array_from_process_local_data(spec.sharding, np.asarray(leaf, spec.dtype), spec.shape)
-            for spec, leaf in zip(specs, leaves, strict=True)
+            for spec, leaf in zip(self.specs, leaves, strict=True)
         ]
-        return jax.tree_util.tree_unflatten(tree, arrays)
+        return jax.tree_util.tree_unflatten(self.tree, arrays)
 
-    def state(self) -> Any:
-        get_state = getattr(self.iterator, "get_state", None)
-        if callable(get_state):
-            return {"iterator": get_state()}
-        return {"taken": self.taken}
+    def state(self, consumed: jax.Array) -> Any:
+        number = int(np.asarray(consumed.addressable_data(0))) - 1
+        if number not in self.positions:
+            raise ValueError(
+                f"the position after batch {number} is not known on host {jax.process_index()}: it has "
+                f"given {self.given} batches since its iterator was made (a host rebuilt since takes "
+                "its position from set_state first)."
+            )
+        return self.positions[number]
 
     def restore(self, saved: jax.Array) -> None:
         states = pickle.loads(np.asarray(saved.addressable_data(0)).tobytes())
         state = states[self.shard.index]
-        self.iterator = self.make_iterator(self.shard)
+        self.ahead.stop()
+        iterator = self.make_iterator(self.shard)
+        taken = 0
         if "iterator" in state:
-            self.iterator.set_state(state["iterator"])  # type: ignore[attr-defined]
-            return
-        for _ in range(state["taken"]):
-            next(self.iterator)
-        self.taken = state["taken"]
+            iterator.set_state(state["iterator"])  # type: ignore[attr-defined]
+        else:
+            taken = state["taken"]
+            for _ in range(taken):
+                next(iterator)
+        self._start(iterator, taken)
 
 
 def _shard_of(specs: list) -> Shard:
@@ -104,10 +208,19 @@ class HostIterator:
         host's :class:`Shard`; returns an iterator of that host's part of each
         batch: a pytree like ``batch`` of arrays whose first dimension is the
         global one divided by ``shard.count``. A Grain ``DatasetIterator``, a
-        generator, any Python iterator.
+        generator, any Python iterator. When it ends, so does this iterator.
       batch: the global batch: a pytree of ``jax.ShapeDtypeStruct`` with
         shardings over the devices the batches are for (a slice's
         ``s.sharding("x")``), all on one island.
+      prefetch: batches each host makes ahead of the calls, on a thread of its
+        own, and calls kept in flight beyond the batch ``next`` returns
+        (0: each batch is made when called for, and ``next`` waits for it).
+
+    Raises (at ``next``):
+      StopIteration: a host's iterator ended (every later ``next`` too).
+      ProgramFailedError: a host's iterator raised (with its traceback).
+      HostLostError: a host was lost; after its island is rebuilt, ``set_state``
+        puts the new host's iterator back where a checkpoint had it.
 
     Example:
       >>> import jax, numpy as np, pathways_jax as pw
@@ -115,7 +228,7 @@ class HostIterator:
       >>> spec = jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))
       >>> def rows(shard):
       ...     n = 4 // shard.count
-      ...     for step in range(100):
+      ...     for step in range(4):
       ...         yield np.full((n, 2), step, np.float32)
       >>> batches = pw.colocated_python.HostIterator(rows, spec)
       >>> float(next(batches).sum()), float(next(batches).sum())
@@ -124,16 +237,18 @@ class HostIterator:
       >>> float(next(batches).sum())
       16.0
       >>> batches.set_state(state)
-      >>> float(next(batches).sum())
-      16.0
+      >>> [float(b.sum()) for b in batches]
+      [16.0, 24.0]
       >>> s.release()
     """
 
-    def __init__(self, make_iterator: Callable[[Shard], Iterator], batch: Any) -> None:
+    def __init__(self, make_iterator: Callable[[Shard], Iterator], batch: Any, *, prefetch: int = 2) -> None:
         if not callable(make_iterator):
             raise TypeError(
                 f"HostIterator takes a function making each host's iterator, got {type(make_iterator).__name__}."
             )
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise TypeError(f"HostIterator's prefetch is a number of batches (0 or more), got {prefetch!r}.")
         leaves = jax.tree_util.tree_leaves(batch)
         if not leaves or any(getattr(x, "sharding", None) is None for x in leaves):
             raise errors.SpecializationError(
@@ -147,22 +262,49 @@ class HostIterator:
         self._replicated = jax.sharding.NamedSharding(
             jax.sharding.Mesh(np.array(devices), ("d",)), jax.sharding.PartitionSpec()
         )
-        self._feeder = _HostFeeder(make_iterator, batch)
+        self._feeder = _HostFeeder(make_iterator, batch, prefetch)
         specialized = {"devices": tuple(devices)}
         self._next = self._feeder.next.specialize(out_specs_fn=lambda: batch, **specialized)
         self._state = self._feeder.state.specialize(**specialized)
         self._restore = self._feeder.restore.specialize(**specialized)
+        self._depth = prefetch
+        self._calls: collections.deque = collections.deque()  # the batches of calls sent, oldest first
+        self._returned = 0  # batches next() returned since the iterators were (re)started
+        self._ended = False  # an iterator ran out: no more calls
+        self._last_call = False  # a call here (the local backend) raised StopIteration: none after it
 
     def __iter__(self) -> HostIterator:
         return self
 
     def __next__(self) -> Any:
-        """The next global batch: futures of values on the hosts (at once)."""
-        return self._next()
+        """The next global batch, futures of values on the hosts, once the hosts made it."""
+        if self._ended:
+            raise StopIteration
+        while len(self._calls) <= self._depth and not self._last_call:
+            try:
+                self._calls.append(self._next())
+            except StopIteration:  # run here, at once: the batches before it stand
+                self._last_call = True
+        if not self._calls:
+            self._ended = True
+            raise StopIteration
+        batch = self._calls.popleft()
+        try:
+            for leaf in jax.tree_util.tree_leaves(batch):
+                leaf.block_until_ready()  # the hosts' answers: made, ran out, or failed
+        except errors.PathwaysError as exc:
+            self._calls.clear()  # calls after a failure: a later next() calls anew
+            if not ray_failures.ended(exc):
+                raise
+            self._ended = True
+            raise StopIteration from None
+        self._returned += 1
+        return batch
 
     def get_state(self) -> list:
-        """Each host's iterator position, in host order (small, picklable); waits for the calls before it."""
-        return self._state.reply()
+        """Each host's iterator position after the last batch returned, in host order (small, picklable)."""
+        returned = jax.device_put(np.int32(self._returned), self._replicated)
+        return self._state.reply(returned)
 
     def set_state(self, state: list) -> None:
         """Puts each host's iterator where :meth:`get_state` found it; later batches continue from there."""
@@ -172,7 +314,10 @@ class HostIterator:
                 f"got {type(state).__name__}."
             )
         saved = np.frombuffer(pickle.dumps(state), np.uint8)  # to every host, with the call
+        self._calls.clear()  # batches of the old position
         self._restore.reply(jax.device_put(saved, self._replicated))
+        self._returned = 0
+        self._ended = self._last_call = False
 
 
 __all__ = ["HostIterator", "Shard"]

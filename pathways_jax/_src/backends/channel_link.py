@@ -258,7 +258,7 @@ def answer_message(seq: int, value: Any) -> wire.Item:
         case RunFailure(kind, peer, message, trace, peers):
             return wire.Failed(seq, kind, peer, message, trace, list(peers))
         case MessageFailed():
-            return wire.Failed(seq, "message", None, value.message, value.trace)
+            return wire.Failed(seq, "ended" if value.ended else "message", None, value.message, value.trace)
     return wire.Fetched(seq, _blob(value))
 
 
@@ -269,8 +269,8 @@ def answer_value(item: wire.Item) -> Any:
             return value
         case wire.Done(_, float() as value, wire.Blob() as values):
             return RunDone(value, _unblob(values))
-        case wire.Failed(_, "message", _, message, trace):
-            return MessageFailed(message, trace)
+        case wire.Failed(_, "message" | "ended" as kind, _, message, trace):
+            return MessageFailed(message, trace, ended=kind == "ended")
         case wire.Failed(_, kind, peer, message, trace, peers):
             return RunFailure(kind, peer, message, trace, tuple(peers))  # type: ignore[arg-type]
         case wire.Fetched(_, payload):

@@ -32,7 +32,7 @@ from absl import logging
 
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.base import Dispatched, Prepared, StepFailed, Windows
-from pathways_jax._src.backends.ray_failures import refusal, with_remote_traceback
+from pathways_jax._src.backends.ray_failures import IteratorEnded, refusal, with_remote_traceback
 from pathways_jax._src.backends.ray_host import KeyData, Refused, RunDone, RunFailure, Shards
 from pathways_jax._src.backends.ray_losses import Losses
 from pathways_jax._src.backends.ray_places import Places
@@ -359,8 +359,9 @@ class Dispatcher:
         if isinstance(status, Refused):  # the controller service refused the run: it touched nothing
             return refusal(status)
         if not isinstance(status, RunFailure):  # a message that failed before its run began
+            failed = IteratorEnded if getattr(status, "ended", False) else errors.ProgramFailedError
             return with_remote_traceback(
-                errors.ProgramFailedError(f"host {host} failed: {getattr(status, 'message', status)}"),
+                failed(f"host {host} failed: {getattr(status, 'message', status)}"),
                 host,
                 getattr(status, "trace", ""),
             )

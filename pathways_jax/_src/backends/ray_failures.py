@@ -14,6 +14,19 @@ def with_remote_traceback(exc: BaseException, host: int, trace: str) -> BaseExce
     return exc
 
 
+class IteratorEnded(errors.ProgramFailedError):
+    """A colocated function raised ``StopIteration`` on a host (its input iterator ran out)."""
+
+
+def ended(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) says a host's colocated function raised ``StopIteration``."""
+    while exc is not None:
+        if isinstance(exc, IteratorEnded):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def refusal(refused: Refused) -> BaseException:
     """The error a controller service's refusal raises here."""
     if refused.kind == "memory":

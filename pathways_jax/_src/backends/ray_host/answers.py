@@ -66,11 +66,13 @@ class MessageFailed:
     """A failed message's answer (an exception would lose its type crossing Ray).
 
     ``trace``: the host's formatted traceback, for the controller to attach.
+    ``ended``: a colocated function raised ``StopIteration`` (an input iterator ran out).
     """
 
-    def __init__(self, message: str, trace: str = ""):
+    def __init__(self, message: str, trace: str = "", ended: bool = False):
         self.message = message
         self.trace = trace
+        self.ended = ended
 
     def __repr__(self) -> str:
         return f"MessageFailed({self.message!r})"

@@ -163,6 +163,7 @@ class Colocated:
                 f"host {self.index}: colocated_python function {code.name!r} raised "
                 f"{type(exc).__name__}: {exc}",
                 trace_of(exc),
+                ended=isinstance(exc, StopIteration),
             )
         if order.reply:
             return result
