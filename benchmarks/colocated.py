@@ -10,7 +10,9 @@ forming one island, ``ray.init(num_cpus=4)``):
     iterator run here for all 4 shards, numpy only (the target's figure), and
     with each shard put on one of this process's devices as a local loop
     would; steady state (the iterators made and started first), rounds
-    alternated, the median ratio;
+    alternated, the median ratio; with the CPU each side spends per batch
+    (the hosts' processes, this one) and the batches/s that CPU allows the
+    hosts' side on this machine's cores (its bound where all share them);
   * ``call``: one colocated call with a small input (a 16-float array on one
     host), round trip (call, then wait for its output on the host), median of
     ``--n`` calls, against a plain Ray actor call of the same function
@@ -73,8 +75,22 @@ class _FedBytes:
         channel_link._feed = counted
 
 
-def _iterator(batch: int, n: int, rounds: int, spec) -> dict:
-    """Steady-state batches/s of the host iterators and of the same iterators here, rounds alternated."""
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+def _iterator(batch: int, n: int, rounds: int, spec, host_pids: list[int]) -> dict:
+    """Steady-state batches/s of the host iterators and of the same iterators here, rounds alternated.
+
+    Also the CPU each side spends per batch (the hosts', this process's), and so the most batches/s
+    the machine's cores allow the hosts' side: its bound on a machine its processes share.
+    """
     batches = pw.colocated_python.HostIterator(lambda shard: Batches(shard, batch), spec)
     jax.block_until_ready(next(batches))  # the hosts' objects made, the iterators started
     shards = [Batches(pw.colocated_python.Shard(h, 4), batch) for h in range(4)]
@@ -91,16 +107,20 @@ def _iterator(batch: int, n: int, rounds: int, spec) -> dict:
         return out
 
     hosts, here, here_put = [], [], []
+    cpu = {"hosts": 0.0, "controller": 0.0, "here": 0.0}
     for _ in range(rounds):
-        start = time.perf_counter()
+        start, hosts_cpu, own_cpu = time.perf_counter(), _cpu_s(host_pids), time.process_time()
         for _ in range(n):
             last = next(batches)
         jax.tree.map(lambda f: f.block_until_ready(), last)
         hosts.append(n / (time.perf_counter() - start))
-        start = time.perf_counter()
+        cpu["hosts"] += _cpu_s(host_pids) - hosts_cpu
+        cpu["controller"] += time.process_time() - own_cpu
+        start, own_cpu = time.perf_counter(), time.process_time()
         for _ in range(n):
             [next(shard) for shard in shards]
         here.append(n / (time.perf_counter() - start))
+        cpu["here"] += time.process_time() - own_cpu
         start = time.perf_counter()
         for _ in range(n):
             local = on_devices([next(shard) for shard in shards])
@@ -108,7 +128,13 @@ def _iterator(batch: int, n: int, rounds: int, spec) -> dict:
         here_put.append(n / (time.perf_counter() - start))
     ratios = [h / m for h, m in zip(hosts, here, strict=True)]
     ratios_put = [h / m for h, m in zip(hosts, here_put, strict=True)]
+    per_batch = {side: seconds / (n * rounds) * 1e3 for side, seconds in cpu.items()}
+    cores = os.cpu_count() or 1
+    bound = cores / ((per_batch["hosts"] + per_batch["controller"]) / 1e3)  # all cores busy, nothing else
     return {
+        "cpu_ms_per_batch": per_batch,
+        "hosts_bound_batches_per_s": bound,
+        "hosts_share_of_bound": statistics.median(hosts) / bound,
         "hosts_batches_per_s": statistics.median(hosts),
         "here_batches_per_s": statistics.median(here),
         "here_on_devices_batches_per_s": statistics.median(here_put),
@@ -211,7 +237,8 @@ def main() -> None:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     fed = _FedBytes()
-    pw.init(backend="ray", hosts=4, devices_per_host=1, islands=1)
+    cluster = pw.init(backend="ray", hosts=4, devices_per_host=1, islands=1)
+    host_pids = [cluster.backend.info[h]["pid"] for h in range(4)]
     s = pw.devices(mesh={"data": 4})
     spec = {
         "x": jax.ShapeDtypeStruct((args.batch, FEATURES), np.float32, sharding=s.sharding("data")),
@@ -221,7 +248,7 @@ def main() -> None:
         "machine": common.machine(),
         "batch_rows": args.batch,
         "batch_bytes": args.batch * (FEATURES + 1) * 4,
-        "iterator": _iterator(args.batch, n // 2, 3 if args.quick else 5, spec),
+        "iterator": _iterator(args.batch, n // 2, 3 if args.quick else 5, spec, host_pids),
         "step": _steps(args.batch, steps, s, spec, fed),
     }
     s.release()
