@@ -136,6 +136,7 @@ class Specialized:
         "in_tree",
         "lock",
         "name",
+        "out",
         "out_specs",
         "out_tree",
     )
@@ -148,6 +149,7 @@ class Specialized:
         self.devices = devices
         self.out_tree: Any = None
         self.out_specs: tuple[jax.ShapeDtypeStruct, ...] | None = None
+        self.out: list[tuple[Any, Any]] | None = None  # (aval, sharding) per output, once known
         self.lock = threading.Lock()  # held while the first call finds the outputs
 
     def code(self) -> Code:
@@ -277,15 +279,19 @@ class ColocatedFunction:
         with spec.lock:
             if spec.out_specs is None:  # the first call: learns the outputs, then keeps them
                 found, adopt = runner.call(spec, target, settled, None)
-                out = [
+                found_out: list[tuple[Any, Any]] = [
                     (jax.core.ShapedArray(shape, np.dtype(dtype)), runner.sharding(target.island, desc))
                     for shape, dtype, desc in found.leaves
                 ]
                 spec.out_tree = found.out_tree
-                spec.out_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in out)
-                sent = adopt(out)
+                spec.out_specs = tuple(
+                    jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in found_out
+                )
+                sent = adopt(found_out)
                 return jax.tree_util.tree_unflatten(spec.out_tree, _futures(sent.handles, self._name))
-        out = [(jax.core.ShapedArray(s.shape, s.dtype), s.sharding) for s in spec.out_specs]
+        if spec.out is None:
+            spec.out = [(jax.core.ShapedArray(s.shape, s.dtype), s.sharding) for s in spec.out_specs]
+        out = spec.out
         sent = runner.call(spec, target, settled, out)
         if not out:
             self._owner.pending_call(runner, sent, what)

@@ -83,10 +83,14 @@ class RayColocated:
     """
 
     def __init__(self, dispatcher: Dispatcher) -> None:
+        assert isinstance(dispatcher.route, DirectRoute)  # (runner_of makes runners for those only)
         self.dispatcher = dispatcher
+        self.route: DirectRoute = dispatcher.route
         self.places = dispatcher.places
         # id(specialisation) -> (its key, the pickled function, the (host, generation)s that have it)
         self._functions: dict[int, tuple[int, bytes, set[tuple[int, int]]]] = {}
+        # id(specialisation) -> (its outputs, where they go: _Outputs), made at its first call with them
+        self._outputs: dict[int, tuple[list, _Outputs]] = {}
         self.calls = 0
         self.fed = 0  # inputs that went from this process with a call (arrays here, not on hosts)
 
@@ -139,15 +143,18 @@ class RayColocated:
         key, code, sent = self._function(spec, target.island)
         keys = [] if out is None else [next(d._keys) for _ in out]
         stash = next(d._keys) if out is None and not reply else 0
+        outputs = None if out is None else self._outputs_of(spec, target, out)
         with d.lock:
             generation = self._check(target, what)
-            answers: dict[int, concurrent.futures.Future] = {}
+            batch = []
             for host in target.hosts:
                 first = (host, generation) not in sent
-                keep = None if out is None else self._kept(target, host, keys, out)
+                keep = None if outputs is None else outputs.kept(host, keys)
                 order = Call(key, code if first else None, keep, stash, reply)
-                answers[host] = d.route.message(host, "colocated", (order, feeds[host]))
+                batch.append((host, "colocated", (order, feeds[host])))
                 sent.add((host, generation))
+            # Equal messages (an SPMD call's, mostly) are encoded once and broadcast to the island.
+            answers = dict(zip(target.hosts, self.route.send_all(batch), strict=True))
         self.calls += 1
         if reply:
             return {host: self._answer(host, answers[host], generation, what) for host in target.hosts}
@@ -157,20 +164,26 @@ class RayColocated:
 
             def adopt(out: list[tuple[Any, Any]]) -> Sent:
                 keys = [next(d._keys) for _ in out]
+                outputs = _Outputs(self.places, target, out)
                 with d.lock:
                     generation = self._check(target, what)
-                    adopted = {
-                        host: d.route.message(
-                            host,
-                            "colocated",
-                            (Adopt(stash, self._kept(target, host, keys, out)), []),
-                        )
+                    batch: list[tuple[int, str, tuple]] = [
+                        (host, "colocated", (Adopt(stash, outputs.kept(host, keys)), []))
                         for host in target.hosts
-                    }
-                return Sent(self._handles(target, keys, out, adopted, generation), adopted, generation)
+                    ]
+                    adopted = dict(zip(target.hosts, self.route.send_all(batch), strict=True))
+                return Sent(self._handles(outputs, keys, out, adopted, generation), adopted, generation)
 
             return specs, adopt
-        return Sent(self._handles(target, keys, out, answers, generation), answers, generation)
+        assert outputs is not None
+        return Sent(self._handles(outputs, keys, out, answers, generation), answers, generation)
+
+    def _outputs_of(self, spec: Any, target: Target, out: list[tuple[Any, Any]]) -> _Outputs:
+        """Where ``spec``'s outputs go on each host (worked out once per specialisation and outputs)."""
+        known = self._outputs.get(id(spec))
+        if known is None or known[0] is not out or known[1].hosts != target.hosts:
+            known = self._outputs[id(spec)] = (out, _Outputs(self.places, target, out))
+        return known[1]
 
     def _check(self, target: Target, what: str) -> int:
         """The island's generation; raises if it is lost (call with the lock held)."""
@@ -221,6 +234,7 @@ class RayColocated:
 
     def _forget(self, spec_id: int, key: int) -> None:
         """A specialisation went: its hosts drop its function (with their next freed values)."""
+        self._outputs.pop(spec_id, None)
         entry = self._functions.pop(spec_id, None)
         if entry is None:
             return
@@ -240,27 +254,16 @@ class RayColocated:
             ) from exc
         return buffer.getvalue()
 
-    def _kept(
-        self, target: Target, host: int, keys: list[int], out: list[tuple[Any, Any]]
-    ) -> tuple[Kept, ...]:
-        kept = []
-        for key, (aval, sharding) in zip(keys, out, strict=True):
-            placed = self.places.where(sharding, "an output")
-            desc = placed.desc if host in placed.hosts else None
-            kept.append(Kept(key, desc, tuple(aval.shape), str(aval.dtype)))
-        return tuple(kept)
-
     def _handles(
         self,
-        target: Target,
+        outputs: _Outputs,
         keys: list[int],
         out: list[tuple[Any, Any]],
         answers: dict[int, concurrent.futures.Future],
         generation: int,
     ) -> list[RemoteArray]:
         handles = []
-        for key, (aval, sharding) in zip(keys, out, strict=True):
-            hosts = self.places.where(sharding, "an output").hosts
+        for key, (aval, sharding), hosts in zip(keys, out, outputs.holders, strict=True):
             dones = tuple(answers[host] for host in hosts)
             handles.append(RemoteArray(self.dispatcher, hosts, key, aval, sharding, dones, generation))
         return handles
@@ -299,6 +302,28 @@ class RayColocated:
             failed = IteratorEnded if value.ended else errors.ProgramFailedError
             raise with_remote_traceback(failed(value.message), host, value.trace)
         return value
+
+
+class _Outputs:
+    """Where a call's outputs go: for each host, each output's sharding descriptor there (None: not
+    there), shape and dtype; and the hosts that hold each output."""
+
+    __slots__ = ("holders", "hosts", "per_host")
+
+    def __init__(self, places: Any, target: Target, out: list[tuple[Any, Any]]) -> None:
+        self.hosts = target.hosts
+        self.per_host: dict[int, list[tuple[Any, tuple[int, ...], str]]] = {host: [] for host in target.hosts}
+        self.holders: list[tuple[int, ...]] = []
+        for aval, sharding in out:
+            placed = places.where(sharding, "an output")
+            self.holders.append(placed.hosts)
+            for host in target.hosts:
+                desc = placed.desc if host in placed.hosts else None
+                self.per_host[host].append((desc, tuple(aval.shape), str(aval.dtype)))
+
+    def kept(self, host: int, keys: list[int]) -> tuple[Kept, ...]:
+        """What host ``host`` keeps of the outputs, under ``keys``."""
+        return tuple(Kept(key, *where) for key, where in zip(keys, self.per_host[host], strict=True))
 
 
 def _agreed(found: dict[int, Any], what: str) -> Specs:

@@ -36,6 +36,10 @@ class DirectRoute:
         return self.sender.send(self.link, host, kind, args)
 
     def send_run(self, batch: list[tuple[int, str, tuple]], run: Any, remote: Any) -> list:
+        return self.send_all(batch)
+
+    def send_all(self, batch: list[tuple[int, str, tuple]]) -> list:
+        """Messages ``(host, kind, args)``, each island's in one broadcast; their answers' futures."""
         return self.sender.send_all(self.link, batch)
 
     def take_uuids(self, count: int) -> int:

@@ -116,6 +116,7 @@ class Colocated:
         self.objects: dict[int, Any] = {}
         self.stashed: dict[int, list] = {}
         self.calls = 0
+        self._shardings: dict[Any, tuple[list, Any]] = {}  # descriptor -> (the devices, its sharding)
 
     def stats(self) -> dict:
         """Calls run here, and functions and objects kept."""
@@ -205,6 +206,14 @@ class Colocated:
             return getattr(obj, fn.name)(*args, **kwargs)
         return fn(*args, **kwargs)
 
+    def _sharding(self, desc: ShardingDesc, devices: list) -> Any:
+        """The sharding ``desc`` names over ``devices`` (made once: every call of a function keeps its
+        outputs with the same shardings)."""
+        known = self._shardings.get(desc)
+        if known is None or known[0] is not devices:  # (a host's island devices are set once)
+            known = self._shardings[desc] = (devices, sharding_of(desc, devices))
+        return known[1]
+
     def _keep(self, out: list, keep: tuple[Kept, ...], values: dict, devices: list, what: str) -> Any:
         import jax
         import numpy as np
@@ -224,7 +233,7 @@ class Colocated:
                 )
             if kept.desc is None:
                 continue
-            sharding = sharding_of(kept.desc, devices)
+            sharding = self._sharding(kept.desc, devices)
             if not isinstance(leaf, jax.Array | np.ndarray):
                 leaf = np.asarray(leaf)
             value = place(leaf, sharding)
