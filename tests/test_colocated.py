@@ -345,6 +345,11 @@ def test_locally_it_runs_in_process_as_jax_does():
     batches.set_state(state)
     assert_matches(next(batches)["x"], _global_batch(1))
     assert _sum_loop(colocated.HostIterator(_three_rows, batches.batch), s)[1] == 3  # a loop ends
+    failing = colocated.HostIterator(_rows_then_fail, batches.batch)
+    for i in range(2):  # the batches made before the error
+        assert_matches(next(failing)["x"], _global_batch(i))
+    with pytest.raises(OSError, match="shard file unreadable"):
+        next(failing)
     with pytest.raises(TypeError, match="prefetch is a number of batches"):
         colocated.HostIterator(_rows, batches.batch, prefetch=-1)
 

@@ -76,7 +76,7 @@ def _position(iterator: Iterator, taken: int) -> dict:
 class _Ahead:
     """A host's iterator run ``size`` batches ahead on a thread of its own (0: made when taken).
 
-    Each item is ``(kind, batch or exception, position after it)``; once the
+    Each item is ``(kind, batch or exception, position after a batch)``; once the
     iterator ended or raised, that last item is given again at every take.
     """
 
@@ -95,7 +95,7 @@ class _Ahead:
         try:
             local = next(self._iterator)
         except StopIteration:
-            return (_END, None, _position(self._iterator, self._taken))
+            return (_END, None, None)
         except BaseException as exc:  # given to the call that takes it: the user's error, on that line
             return (_FAILED, exc, None)
         self._taken += 1
@@ -271,7 +271,9 @@ class HostIterator:
         self._calls: collections.deque = collections.deque()  # the batches of calls sent, oldest first
         self._returned = 0  # batches next() returned since the iterators were (re)started
         self._ended = False  # an iterator ran out: no more calls
-        self._last_call = False  # a call here (the local backend) raised StopIteration: none after it
+        # What a call raised as it was made (the local backend runs it at once): raised (or the
+        # end, for StopIteration) once the batches of the calls before it are taken.
+        self._stopped: Exception | None = None
 
     def __iter__(self) -> HostIterator:
         return self
@@ -280,14 +282,17 @@ class HostIterator:
         """The next global batch, futures of values on the hosts, once the hosts made it."""
         if self._ended:
             raise StopIteration
-        while len(self._calls) <= self._depth and not self._last_call:
+        while len(self._calls) <= self._depth and self._stopped is None:
             try:
                 self._calls.append(self._next())
-            except StopIteration:  # run here, at once: the batches before it stand
-                self._last_call = True
+            except Exception as exc:  # the batches of the calls before it stand
+                self._stopped = exc
         if not self._calls:
-            self._ended = True
-            raise StopIteration
+            stopped, self._stopped = self._stopped, None
+            if isinstance(stopped, StopIteration):
+                self._ended = True
+                raise StopIteration
+            raise stopped  # type: ignore[misc]  # (not None: no call was kept, so one raised)
         batch = self._calls.popleft()
         try:
             for leaf in jax.tree_util.tree_leaves(batch):
@@ -317,7 +322,8 @@ class HostIterator:
         self._calls.clear()  # batches of the old position
         self._restore.reply(jax.device_put(saved, self._replicated))
         self._returned = 0
-        self._ended = self._last_call = False
+        self._ended = False
+        self._stopped = None
 
 
 __all__ = ["HostIterator", "Shard"]
