@@ -25,7 +25,7 @@ import sysconfig
 import time
 import types
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import jax
 
@@ -83,9 +83,8 @@ class RayColocated:
     """
 
     def __init__(self, dispatcher: Dispatcher) -> None:
-        assert isinstance(dispatcher.route, DirectRoute)  # (runner_of makes runners for those only)
         self.dispatcher = dispatcher
-        self.route: DirectRoute = dispatcher.route
+        self.route = cast(DirectRoute, dispatcher.route)  # (runner_of makes runners for those only)
         self.places = dispatcher.places
         # id(specialisation) -> (its key, the pickled function, the (host, generation)s that have it)
         self._functions: dict[int, tuple[int, bytes, set[tuple[int, int]]]] = {}
@@ -175,8 +174,9 @@ class RayColocated:
                 return Sent(self._handles(outputs, keys, out, adopted, generation), adopted, generation)
 
             return specs, adopt
-        assert outputs is not None
-        return Sent(self._handles(outputs, keys, out, answers, generation), answers, generation)
+        return Sent(
+            self._handles(cast(_Outputs, outputs), keys, out, answers, generation), answers, generation
+        )
 
     def _outputs_of(self, spec: Any, target: Target, out: list[tuple[Any, Any]]) -> _Outputs:
         """Where ``spec``'s outputs go on each host (worked out once per specialisation and outputs)."""
