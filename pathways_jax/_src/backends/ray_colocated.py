@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import jax
 
 from pathways_jax._src.backends import ray_host
-from pathways_jax._src.backends.ray_failures import IteratorEnded, with_remote_traceback
+from pathways_jax._src.backends.ray_failures import message_failure
 from pathways_jax._src.backends.ray_host import MessageFailed, sharding_of
 from pathways_jax._src.backends.ray_host.colocated import Adopt, Call, Kept, Specs, device_at
 from pathways_jax._src.backends.ray_route import DirectRoute
@@ -299,8 +299,7 @@ class RayColocated:
                 raise lost from exc
             raise errors.ProgramFailedError(f"{what} failed on host {host}: {exc}") from exc
         if isinstance(value, MessageFailed):
-            failed = IteratorEnded if value.ended else errors.ProgramFailedError
-            raise with_remote_traceback(failed(value.message), host, value.trace)
+            raise message_failure(value, host, value.message)
         return value
 
 

@@ -32,7 +32,7 @@ from absl import logging
 
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.base import Dispatched, Prepared, StepFailed, Windows
-from pathways_jax._src.backends.ray_failures import IteratorEnded, refusal, with_remote_traceback
+from pathways_jax._src.backends.ray_failures import message_failure, refusal, with_remote_traceback
 from pathways_jax._src.backends.ray_host import KeyData, Refused, RunDone, RunFailure, Shards
 from pathways_jax._src.backends.ray_losses import Losses
 from pathways_jax._src.backends.ray_places import Places
@@ -359,12 +359,7 @@ class Dispatcher:
         if isinstance(status, Refused):  # the controller service refused the run: it touched nothing
             return refusal(status)
         if not isinstance(status, RunFailure):  # a message that failed before its run began
-            failed = IteratorEnded if getattr(status, "ended", False) else errors.ProgramFailedError
-            return with_remote_traceback(
-                failed(f"host {host} failed: {getattr(status, 'message', status)}"),
-                host,
-                getattr(status, "trace", ""),
-            )
+            return message_failure(status, host, f"host {host} failed: {getattr(status, 'message', status)}")
         if status.kind == "lost" and status.peer is not None:
             return errors.HostLostError(
                 self.losses.message(self.layout.island_of(status.peer), f"a run on host {host}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray_host import Refused
 from pathways_jax._src.core import errors
@@ -16,6 +18,14 @@ def with_remote_traceback(exc: BaseException, host: int, trace: str) -> BaseExce
 
 class IteratorEnded(errors.ProgramFailedError):
     """A colocated function raised ``StopIteration`` on a host (its input iterator ran out)."""
+
+
+def message_failure(answer: Any, host: int, message: str) -> BaseException:
+    """The error of a host's failed-message answer (``MessageFailed``), saying ``message``:
+    ``IteratorEnded`` where the host's function raised ``StopIteration``; the host's traceback
+    as a note."""
+    failed = IteratorEnded if getattr(answer, "ended", False) else errors.ProgramFailedError
+    return with_remote_traceback(failed(message), host, getattr(answer, "trace", ""))
 
 
 def ended(exc: BaseException | None) -> bool:
