@@ -83,9 +83,11 @@ def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
         assert address, "the Ray head did not report its address:\n" + "".join(seen)
         client = tmp_path / "client.py"
         client.write_text(CLIENT)
-        # The head uses Ray's token authentication (its default); a driver joining by
-        # address says so, and finds the token Ray saved for this user.
-        client_env = dict(env, RAY_AUTH_MODE="token")
+        # The head uses Ray's token authentication (its default), and a driver joining by
+        # address sends the token Ray saved for this user only in token mode: pw.init turns
+        # it on when the process has not chosen (an earlier ray.init of this suite sets it).
+        client_env = dict(env)
+        client_env.pop("RAY_AUTH_MODE", None)
         proc = subprocess.run(
             [sys.executable, str(client), address],
             capture_output=True,

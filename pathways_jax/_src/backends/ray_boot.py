@@ -6,6 +6,7 @@ Ray is imported only through :func:`import_ray`, lazily: ``pip install pathways-
 from __future__ import annotations
 
 import os
+import pathlib
 import warnings
 from typing import Any, NamedTuple
 
@@ -43,6 +44,29 @@ def check_gpus(ray: Any, hosts: int, devices_per_host: int) -> None:
         )
 
 
+def send_saved_token() -> None:
+    """Joining a running Ray cluster: sends the token Ray saved, unless this process chose a mode.
+
+    ``ray start`` turns on Ray's token authentication by default (Ray 2.59 and
+    later) and saves the token for the user (``~/.ray/auth_token``), but a
+    driver that joins by address sends it only with ``RAY_AUTH_MODE=token``:
+    without it, ``ray.init`` retries for 20 s and fails. As Ray's own commands
+    do: if ``RAY_AUTH_MODE`` is unset and a token is at hand (``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or the saved file), token mode is turned on for
+    this process (a cluster without authentication ignores the token).
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return  # the user's choice
+    try:
+        from ray._private.authentication import authentication_token_setup as setup
+
+        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    except (ImportError, AttributeError, TypeError):  # another Ray: its documented variables
+        saved = pathlib.Path.home() / ".ray" / "auth_token"
+        if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or saved.is_file():
+            os.environ["RAY_AUTH_MODE"] = "token"
+
+
 # The local Ray session pathways_jax started itself, by its node id (none: none or the user's).
 _OWN_SESSION: dict[str, Any] = {}
 
@@ -65,6 +89,8 @@ def join_ray(ray: Any, address: str | None, hosts: int) -> None:
                 f"{have} CPUs. Start Ray with more (ray.init(num_cpus={hosts})) or ask for fewer hosts."
             )
         ray.shutdown()  # the local session pathways_jax started for fewer hosts: a larger one
+    if address is not None:
+        send_saved_token()
     with warnings.catch_warnings():
         # Ray starts its own processes with fork + exec; JAX's fork hook
         # warns about forking a multithreaded process, which matters only
