@@ -11,6 +11,7 @@ from helpers import assert_matches
 import pathways_jax as pw
 
 P = pw.P
+Explicit = jax.sharding.AxisType.Explicit
 
 
 def _sin2(x):
@@ -361,6 +362,28 @@ def test_out_specs_for_outputs_that_are_lists():
     got = pair([jnp.arange(4.0), jnp.ones(2)])
     assert got[0].sharding.spec == P("x") and got[1].sharding.spec == P()
     assert_matches(got, [jnp.arange(4.0) * 2.0, jnp.ones(2) + 1.0])
+
+
+def test_in_specs_are_pytree_prefixes_of_each_argument_as_shard_map_s():
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 4}, axis_types=(Explicit,))
+    seen = []
+
+    def body(t, w):
+        seen.append({k: jax.typeof(v).sharding.spec for k, v in t.items()})
+        return t["a"] * w, t["b"] + w
+
+    f = pw.jit(body, devices=s, in_specs=({"a": P("x"), "b": None}, P()), out_specs=(P("x"), P()))
+    t = {"a": jnp.arange(8.0), "b": jnp.ones(3)}
+    got = f(t, 3.0)
+    assert seen == [{"a": P("x"), "b": P(None)}]
+    assert got[0].sharding.spec == P("x") and got[1].sharding.is_fully_replicated
+    assert_matches(got, jax.jit(lambda t, w: (t["a"] * w, t["b"] + w))(t, 3.0), rtol=0, atol=0)
+    # A prefix that does not match the argument, or a leaf that is not a spec: named errors.
+    with pytest.raises(pw.errors.PlacementError, match=r"in_specs\[0\].*does not match the structure"):
+        f({"a": jnp.arange(8.0), "c": jnp.ones(3)}, 3.0)
+    with pytest.raises(pw.errors.PlacementError, match=r"must hold pw\.P"):
+        pw.jit(body, devices=s, in_specs=({"a": "x", "b": None}, P()))
 
 
 def test_a_replicated_output_of_one_slice_feeds_a_program_on_a_slice_of_another_size():

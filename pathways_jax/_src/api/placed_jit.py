@@ -24,11 +24,21 @@ from pathways_jax._src.core.meshes import only_mesh, spec_parts
 from pathways_jax._src.runtime import slices, submission
 from pathways_jax._src.runtime.slices import VirtualSlice, check_spec
 
-Specs = PartitionSpec | Sequence[PartitionSpec | None] | None
+# One spec for every argument, or one pytree prefix of specs per non-static positional argument.
+Specs = PartitionSpec | Sequence[Any] | None
 
 
 def _is_spec_leaf(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec)
+
+
+def _spec_leaf(spec: Any, what: str) -> PartitionSpec | None:
+    """``spec`` if it is a leaf of a specs prefix (a ``pw.P`` or None); else a PlacementError."""
+    if not _is_spec_leaf(spec):
+        raise errors.PlacementError(
+            f"{what} must hold pw.P(...) or None at its leaves, got {spec!r} ({type(spec).__name__})."
+        )
+    return spec
 
 
 def _check_fits(spec: PartitionSpec | None, aval: Any, slice_: VirtualSlice, what: str) -> None:
@@ -138,51 +148,66 @@ class JitFunction:
         chosen.check_usable()
         return chosen
 
+    def _per_arg_specs(self, count: int) -> list[Any]:
+        """One spec prefix per non-static positional argument (``count`` of them)."""
+        if self._in_specs is None or isinstance(self._in_specs, PartitionSpec):
+            return [self._in_specs] * count
+        per_arg = list(self._in_specs)
+        if len(per_arg) != count:
+            raise errors.PlacementError(
+                f"pw.jit function {self.__name__!r} ({self.source_info}) has "
+                f"{len(per_arg)} in_specs but was called with {count} "
+                "non-static positional arguments; give one spec (or None) per argument."
+            )
+        return per_arg
+
     def _leaf_in_specs(self, args: tuple, kwargs: dict, slice_: VirtualSlice) -> tuple:
         dynamic = [a for i, a in enumerate(args) if i not in self._static]
-        if self._in_specs is None or isinstance(self._in_specs, PartitionSpec):
-            per_arg = [self._in_specs] * len(dynamic)
-        else:
-            per_arg = list(self._in_specs)
-            if len(per_arg) != len(dynamic):
-                raise errors.PlacementError(
-                    f"pw.jit function {self.__name__!r} ({self.source_info}) has "
-                    f"{len(per_arg)} in_specs but was called with {len(dynamic)} "
-                    "non-static positional arguments; give one spec (or None) per argument."
-                )
         specs: list[PartitionSpec | None] = []
-        for position, (arg, spec) in enumerate(zip(dynamic, per_arg, strict=True)):
-            if not _is_spec_leaf(spec):
-                raise errors.PlacementError(
-                    f"in_specs[{position}] of {self.__name__!r} must be pw.P(...) or None, got {spec!r}."
-                )
-            for leaf in jax.tree_util.tree_leaves(arg):
-                _check_fits(spec, leaf, slice_, f"in_specs[{position}] of {self.__name__!r}")
+        for position, (arg, prefix) in enumerate(
+            zip(dynamic, self._per_arg_specs(len(dynamic)), strict=True)
+        ):
+            what = f"in_specs[{position}] of {self.__name__!r}"
+            for spec, leaf in zip(
+                self._spread(prefix, arg, what), jax.tree_util.tree_leaves(arg), strict=True
+            ):
+                _check_fits(spec, leaf, slice_, what)
                 specs.append(spec)
         dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
         specs.extend([None] * len(jax.tree_util.tree_leaves(dynamic_kwargs)))
         return tuple(specs)
 
-    def _leaf_out_specs(self, out: Any, slice_: VirtualSlice) -> tuple:
-        if self._out_specs is None:
-            return (None,) * len(jax.tree_util.tree_leaves(out))
+    def _spread(self, prefix: Any, tree: Any, what: str) -> list[PartitionSpec | None]:
+        """The spec of each leaf of ``tree``, from ``prefix``: a pytree prefix of it with spec leaves.
+
+        As ``jax.jit``'s shardings and ``shard_map``'s specs: one ``pw.P``
+        (or ``None``) stands for every leaf below it.
+        """
+        if _is_spec_leaf(prefix):
+            return [prefix] * len(jax.tree_util.tree_leaves(tree))
         try:
             spread = jax.tree_util.tree_map(
-                lambda spec, sub: _Group([spec] * len(jax.tree_util.tree_leaves(sub))),
-                self._out_specs,
-                out,
+                lambda spec, sub: _Group([_spec_leaf(spec, what)] * len(jax.tree_util.tree_leaves(sub))),
+                prefix,
+                tree,
                 is_leaf=_is_spec_leaf,
             )
+        except errors.PlacementError:
+            raise  # a leaf that is not a spec (_spec_leaf)
         except (ValueError, TypeError) as exc:
             raise errors.PlacementError(
-                f"out_specs {self._out_specs!r} of {self.__name__!r} ({self.source_info}) "
-                f"do not match its output structure {jax.tree_util.tree_structure(out)}; "
-                "give one pw.P(...) for all outputs or a matching tuple."
+                f"{what} ({self.source_info}) is {prefix!r}, which does not match the structure "
+                f"{jax.tree_util.tree_structure(tree)}; give one pw.P(...) (or None) for all of it, or a "
+                "pytree prefix of it with a pw.P(...) or None at each leaf."
             ) from exc
         # _Group is not a pytree, so the user's own lists are not mistaken for it.
-        specs = [s for group in jax.tree_util.tree_leaves(spread) for s in group.specs]
+        return [spec for group in jax.tree_util.tree_leaves(spread) for spec in group.specs]
+
+    def _leaf_out_specs(self, out: Any, slice_: VirtualSlice) -> tuple:
+        what = f"out_specs of {self.__name__!r}"
+        specs = self._spread(self._out_specs, out, what)
         for spec, leaf in zip(specs, jax.tree_util.tree_leaves(out), strict=True):
-            _check_fits(spec, leaf, slice_, f"out_specs of {self.__name__!r}")
+            _check_fits(spec, leaf, slice_, what)
         return tuple(specs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
@@ -298,15 +323,15 @@ class JitFunction:
         if self._in_specs is None:
             return args
         dynamic = [i for i in range(len(args)) if i not in self._static]
-        per_arg: list[PartitionSpec | None]
-        if isinstance(self._in_specs, PartitionSpec):
-            per_arg = [self._in_specs] * len(dynamic)
-        else:
-            per_arg = list(self._in_specs)  # its length was checked by _leaf_in_specs
         out = list(args)
-        for position, spec in zip(dynamic, per_arg, strict=True):
-            if spec is not None:
-                out[position] = jax.tree_util.tree_map(lambda leaf, s=spec: _retype(leaf, s), args[position])
+        for number, (position, prefix) in enumerate(
+            zip(dynamic, self._per_arg_specs(len(dynamic)), strict=True)
+        ):
+            if prefix is not None:
+                leaves, tree = jax.tree_util.tree_flatten(args[position])
+                specs = self._spread(prefix, args[position], f"in_specs[{number}] of {self.__name__!r}")
+                retyped = [_retype(leaf, spec) for leaf, spec in zip(leaves, specs, strict=True)]
+                out[position] = jax.tree_util.tree_unflatten(tree, retyped)
         return tuple(out)
 
     @contextlib.contextmanager
@@ -413,8 +438,10 @@ def jit(
       devices: the slice to run on; ``None`` uses the enclosing ``with slice:``
         or the program's default slice at call time, and with neither (and no
         specs) runs where ``jax.jit`` would: on its arguments' devices or mesh.
-      in_specs: ``pw.P(...)`` for every argument, or one ``pw.P``/``None`` per
-        non-static positional argument, over the slice's axis names.
+      in_specs: ``pw.P(...)`` for every argument, or one entry per non-static
+        positional argument: a ``pw.P``/``None``, or a pytree prefix of that
+        argument with a ``pw.P``/``None`` at each leaf (as ``shard_map``'s
+        ``in_specs``), over the slice's axis names.
       out_specs: ``pw.P(...)`` for every output, or a pytree prefix of the
         output with one ``pw.P``/``None`` per part.
       static_argnums: positional arguments that are Python values (negative
@@ -469,8 +496,8 @@ def jit(
         if isinstance(in_specs, PartitionSpec):
             check_spec(in_specs, devices, what="in_specs")
         elif in_specs is not None:
-            for spec in in_specs:
-                if spec is not None:
+            for spec in jax.tree_util.tree_leaves(in_specs, is_leaf=_is_spec_leaf):
+                if _spec_leaf(spec, "in_specs") is not None:
                     check_spec(spec, devices, what="in_specs")
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
     donated, donated_names = _with_jits_donations(
