@@ -339,7 +339,7 @@ class Program:
         plan = self._plans.get((key[0], arrays, *key[2:]))
         if plan is None or plan.donated_args or plan.shipped_feeds:
             return None
-        if plan.special_outputs or (plan.cluster is not None and plan.cluster.store.budget is not None):
+        if plan.special_outputs or plan.placement.limits is not None:  # under a memory budget
             return None
         with self._lock:
             self._plans.setdefault(key, plan)
