@@ -113,7 +113,7 @@ def test_a_graph_does_not_change_when_its_slice_moves_islands():
     assert graph == copy and hash(graph) == digest and repr(graph) == text
     assert graph.transfers[0].src == a.ref and graph.transfers[0].dst == b.ref
     # Lowered with where the slices are now, the transfer stays on one island.
-    _, inputs = step._split((x,), {})
+    _, inputs = step._info.split((x,), {})
     placement = slices_lib.placement_of(tuple(view.held.values()))
     assert placement.kind(a.id, b.id) == "ici"
     assert graph.transfers[0].kind_in({a.id: a.island, b.id: b.island}) == "ici"

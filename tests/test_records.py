@@ -56,7 +56,7 @@ def test_a_call_with_the_same_futures_compares_their_keys_by_identity():
     inc = pw.program(lambda v: v + 1, devices=s)
     fut = inc(jnp.zeros(3))
     inc(fut).result()
-    last = inc._last
+    last = inc._repeats.last
     assert last is not None and last.signatures[0] is fut._entry.signature and last.ambient is None
     before = pw.counters()
     assert inc(fut).result().tolist() == [2.0, 2.0, 2.0]
@@ -72,7 +72,7 @@ def test_argument_signatures_have_named_fields_and_stay_cache_keys():
     s = pw.devices(mesh={"x": 1})
     prog = pw.program(lambda a, b, c, d, k: (a, b, c, d, k), devices=s, static_argnames="k")
     args = (jnp.zeros((2, 3), jnp.bfloat16), np.ones(4), 1.5, True)
-    key, inputs = prog._split(args, {"k": 7})
+    key, inputs = prog._info.split(args, {"k": 7})
     array, numpy_, scalar, boolean = inputs.signature
     assert isinstance(inputs, arguments.TraceInputs)
     assert inputs.statics == (("k", 7),) and inputs.ambient is None and len(inputs.leaves) == 4
@@ -84,7 +84,7 @@ def test_argument_signatures_have_named_fields_and_stay_cache_keys():
     assert isinstance(scalar, signatures.ScalarKey) and (scalar.kind, scalar.python_type) == ("scalar", float)
     assert boolean.python_type is bool
     # Same arguments: an equal, hashable key; another kind of leaf: never equal.
-    again, _ = prog._split(args, {"k": 7})
+    again, _ = prog._info.split(args, {"k": 7})
     assert again == key and hash(again) == hash(key)
     assert signatures.ScalarKey(int) != signatures.ScalarKey(float)
     assert signatures.NumpyKey((4,), jnp.float32) != signatures.ArrayKey((4,), jnp.float32, False, None)
@@ -321,7 +321,7 @@ def test_lowering_reads_where_slices_are_from_the_placement_it_is_given_and_noth
     x = jnp.arange(4.0)
     np.testing.assert_allclose(step(x).result(), jax.jit(lambda v: v * 2 + 1)(x))
     graph = step.graph(x)
-    _, inputs = step._split((x,), {})
+    _, inputs = step._info.split((x,), {})
     live = slices_lib.placement_of(graph.slices)
     assert live.kind(a.id, b.id) == "dcn"
     # Elsewhere: a on devices 6 and 7, b beside it on 4 and 5, one island.
