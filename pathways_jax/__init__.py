@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from pathways_jax import colocated_python as colocated_python
 from pathways_jax import errors as errors
 from pathways_jax import faults as faults
+from pathways_jax._src.api.decorator import program as program
 from pathways_jax._src.api.graph_view import GraphView as Graph
 from pathways_jax._src.api.graph_view import NodeView as Node
 from pathways_jax._src.api.graph_view import TransferView as Transfer
@@ -30,7 +31,6 @@ from pathways_jax._src.api.sharing import receive as receive
 from pathways_jax._src.api.sharing import share as share
 from pathways_jax._src.api.stats import stats as stats
 from pathways_jax._src.api.tracing import Program as Program
-from pathways_jax._src.api.tracing import program as program
 from pathways_jax._src.backends.service_client import Handle as Handle
 from pathways_jax._src.compat import install as _install_compat
 from pathways_jax._src.core.counts import counters as counters

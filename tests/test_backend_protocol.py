@@ -195,6 +195,19 @@ def test_optional_capabilities_are_protocols_not_classes():
         assert 'backend == "ray"' not in text and "backends import local" not in text, module
 
 
+def test_a_value_held_on_hosts_is_a_typed_capability():
+    """The runtime waits for and fetches a value a backend holds elsewhere through a protocol
+    (core.readiness.RemoteValue), never through attributes looked up by name."""
+    import jax.numpy as jnp
+
+    from pathways_jax._src.backends.ray_values import RemoteArray
+    from pathways_jax._src.core import readiness
+
+    assert issubclass(RemoteArray, readiness.RemoteValue)
+    assert not isinstance(jnp.ones(2), readiness.RemoteValue)
+    assert 'getattr(waiting, "wait_ready"' not in (SRC / "core/readiness.py").read_text()
+
+
 def test_the_ray_backend_and_the_service_client_share_parts_by_composition():
     """Neither Ray-side backend subclasses the other: each holds a ray_dispatch.Dispatcher, given a
     route of its own, and no private hook of one is there for the other to override."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pathways_jax as pw
-from pathways_jax._src.compile import lowering
+from pathways_jax._src.compile import lowering, steps
 from pathways_jax._src.ir import graph as ir_graph
 from pathways_jax._src.runtime import slices as slices_lib
 
@@ -113,12 +113,12 @@ def test_a_graph_does_not_change_when_its_slice_moves_islands():
     assert graph == copy and hash(graph) == digest and repr(graph) == text
     assert graph.transfers[0].src == a.ref and graph.transfers[0].dst == b.ref
     # Lowered with where the slices are now, the transfer stays on one island.
-    _, inputs = step._split((x,), {})
+    _, inputs = step._info.split((x,), {})
     placement = slices_lib.placement_of(tuple(view.held.values()))
     assert placement.kind(a.id, b.id) == "ici"
     assert graph.transfers[0].kind_in({a.id: a.island, b.id: b.island}) == "ici"
     plan = lowering.lower(graph, inputs.signature, placement)
-    assert [s.kind for s in plan.steps if isinstance(s, lowering.MoveStep) and s.kind] == ["ici"]
+    assert [s.kind for s in plan.steps if isinstance(s, steps.MoveStep) and s.kind] == ["ici"]
     # The public view reads the slices now: the same transfer, another kind.
     assert [t.kind for t in view.transfers] == ["ici"]
     assert "island 1" not in repr(view) and "ici" in repr(view)

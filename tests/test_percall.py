@@ -100,7 +100,7 @@ def test_repeat_call_with_arrays_of_the_same_types_takes_the_fast_path():
     step = pw.program(lambda p, x: jax.tree.map(lambda v: v * 0.5 + x, p))
     params = {"a": jnp.ones(3), "b": jnp.zeros((2, 2))}
     arrays = pw.results(step(params, jnp.float32(1.0)))
-    assert step._last_leaves is not None  # the call's leaves were all arrays
+    assert step._repeats.last_leaves is not None  # the call's leaves were all arrays
     before = pw.counters()
     out = arrays
     for _ in range(3):

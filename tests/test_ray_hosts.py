@@ -214,17 +214,17 @@ def test_a_program_with_a_python_callback_is_refused_at_the_call_naming_its_line
 
 
 def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypatch):
-    from pathways_jax._src.compile import lowering
+    from pathways_jax._src.compile import node_compiler
 
     pw.init(backend="ray", hosts=2, devices_per_host=1)
     a = pw.devices(mesh={"x": 1}, island=0)
-    real_compile = lowering._compile
+    real_compile = node_compiler.compile_node
 
     def corrupt_export(*args, **kwargs):
         compiled, _ = real_compile(*args, **kwargs)
         return compiled, (b"not a serialized computation", "corrupt")
 
-    monkeypatch.setattr(lowering, "_compile", corrupt_export)
+    monkeypatch.setattr(node_compiler, "compile_node", corrupt_export)
     broken = pw.jit(lambda v: v * 5, devices=a)
     out = broken(jnp.ones(3))
     monkeypatch.undo()
@@ -235,17 +235,17 @@ def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypa
 
 
 def test_a_host_failure_reaches_the_user_with_the_host_s_traceback(ray_cluster, monkeypatch):
-    from pathways_jax._src.compile import lowering
+    from pathways_jax._src.compile import node_compiler
 
     pw.init(backend="ray", hosts=2, devices_per_host=1)
     a = pw.devices(mesh={"x": 1}, island=1)
-    real_compile = lowering._compile
+    real_compile = node_compiler.compile_node
 
     def corrupt_export(*args, **kwargs):
         compiled, _ = real_compile(*args, **kwargs)
         return compiled, (b"not a serialized computation", "corrupt-traceback")
 
-    monkeypatch.setattr(lowering, "_compile", corrupt_export)
+    monkeypatch.setattr(node_compiler, "compile_node", corrupt_export)
     broken = pw.jit(lambda v: v * 7, devices=a)
     out = broken(jnp.ones(3))
     monkeypatch.undo()

@@ -20,7 +20,7 @@ import pathways_jax as pw
 from pathways_jax._src.api import arguments
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.ray_host import answers
-from pathways_jax._src.compile import lowering
+from pathways_jax._src.compile import lowering, steps
 from pathways_jax._src.core import formatting
 from pathways_jax._src.ir import graph as ir_graph
 from pathways_jax._src.ir import signatures
@@ -35,7 +35,7 @@ def test_the_future_key_made_by_lowering_and_by_tracing_is_one_record():
     s = pw.devices(mesh={"x": 2})
     double = pw.jit(lambda v: v * 2, devices=s)
     fut = double(jnp.arange(4.0))
-    made = fut._entry.signature  # by the plan (lowering.OutputSlot.signature), shared by its runs
+    made = fut._entry.signature  # by the plan (steps.OutputSlot.signature), shared by its runs
     assert type(made) is FutureKey
     assert (made.kind, made.shape, made.dtype, made.slice_id) == ("future", (4,), jnp.float32, s.id)
     assert made.sharding == fut.sharding
@@ -56,7 +56,7 @@ def test_a_call_with_the_same_futures_compares_their_keys_by_identity():
     inc = pw.program(lambda v: v + 1, devices=s)
     fut = inc(jnp.zeros(3))
     inc(fut).result()
-    last = inc._last
+    last = inc._repeats.last
     assert last is not None and last.signatures[0] is fut._entry.signature and last.ambient is None
     before = pw.counters()
     assert inc(fut).result().tolist() == [2.0, 2.0, 2.0]
@@ -72,7 +72,7 @@ def test_argument_signatures_have_named_fields_and_stay_cache_keys():
     s = pw.devices(mesh={"x": 1})
     prog = pw.program(lambda a, b, c, d, k: (a, b, c, d, k), devices=s, static_argnames="k")
     args = (jnp.zeros((2, 3), jnp.bfloat16), np.ones(4), 1.5, True)
-    key, inputs = prog._split(args, {"k": 7})
+    key, inputs = prog._info.split(args, {"k": 7})
     array, numpy_, scalar, boolean = inputs.signature
     assert isinstance(inputs, arguments.TraceInputs)
     assert inputs.statics == (("k", 7),) and inputs.ambient is None and len(inputs.leaves) == 4
@@ -84,7 +84,7 @@ def test_argument_signatures_have_named_fields_and_stay_cache_keys():
     assert isinstance(scalar, signatures.ScalarKey) and (scalar.kind, scalar.python_type) == ("scalar", float)
     assert boolean.python_type is bool
     # Same arguments: an equal, hashable key; another kind of leaf: never equal.
-    again, _ = prog._split(args, {"k": 7})
+    again, _ = prog._info.split(args, {"k": 7})
     assert again == key and hash(again) == hash(key)
     assert signatures.ScalarKey(int) != signatures.ScalarKey(float)
     assert signatures.NumpyKey((4,), jnp.float32) != signatures.ArrayKey((4,), jnp.float32, False, None)
@@ -127,7 +127,7 @@ def test_accounting_groups_are_named_and_still_unpack():
     a, b, step = _two_island_step(4)
     plan = next(iter(step._plans.values()))
     groups = plan.acct_groups
-    assert all(isinstance(group, lowering.AccountingGroup) for group in groups)
+    assert all(isinstance(group, steps.AccountingGroup) for group in groups)
     assert sorted(group.devices for group in groups) == sorted(
         [tuple(sorted(d.id for d in a.devices)), tuple(sorted(d.id for d in b.devices))]
     )
@@ -298,7 +298,7 @@ def test_a_transfers_kind_follows_where_its_slices_are_now_not_where_they_were_t
         after["transfers_dcn"] - before["transfers_dcn"],
     ) == (1, 0)
     plan = next(p for p in step._plans.values() if p.is_current())
-    assert [s.kind for s in plan.steps if isinstance(s, lowering.MoveStep) and s.kind] == ["ici"]
+    assert [s.kind for s in plan.steps if isinstance(s, steps.MoveStep) and s.kind] == ["ici"]
 
 
 def test_lowering_reads_where_slices_are_from_the_placement_it_is_given_and_nothing_else():
@@ -321,7 +321,7 @@ def test_lowering_reads_where_slices_are_from_the_placement_it_is_given_and_noth
     x = jnp.arange(4.0)
     np.testing.assert_allclose(step(x).result(), jax.jit(lambda v: v * 2 + 1)(x))
     graph = step.graph(x)
-    _, inputs = step._split((x,), {})
+    _, inputs = step._info.split((x,), {})
     live = slices_lib.placement_of(graph.slices)
     assert live.kind(a.id, b.id) == "dcn"
     # Elsewhere: a on devices 6 and 7, b beside it on 4 and 5, one island.
@@ -336,11 +336,11 @@ def test_lowering_reads_where_slices_are_from_the_placement_it_is_given_and_noth
     # The graph lowered names its slices by their frozen refs alone: no island, no devices to read.
     assert all(type(n.slice) is ir_graph.SliceRef and not hasattr(n.slice, "island") for n in graph.ir.nodes)
     plan = lowering.lower(graph.ir, inputs.signature, elsewhere)
-    execs = [s for s in plan.steps if isinstance(s, lowering.ExecStep)]
+    execs = [s for s in plan.steps if isinstance(s, steps.ExecStep)]
     placed_on = [sorted(d.id for d in s.executable.output_shardings[0].device_set) for s in execs]
     assert placed_on == [[6, 7], [4, 5]]
     assert [s.island for s in execs] == [1, 1]
-    assert [s.kind for s in plan.steps if isinstance(s, lowering.MoveStep) and s.kind] == ["ici"]
+    assert [s.kind for s in plan.steps if isinstance(s, steps.MoveStep) and s.kind] == ["ici"]
     assert plan.placement is elsewhere and plan.cluster is live.owner
     # The slices themselves are where they were, and a call still runs there, exactly.
     assert (a.island, b.island) == (0, 1) and [d.id for d in a.devices] != [6, 7]

@@ -20,10 +20,10 @@ import jax.extend.core as jex
 import numpy as np
 
 from pathways_jax import errors
+from pathways_jax._src.api.decorator import program as make_program
 from pathways_jax._src.api.graph_view import GraphView, NodeView
 from pathways_jax._src.api.placed_jit import JitFunction
 from pathways_jax._src.api.tracing import Program
-from pathways_jax._src.api.tracing import program as make_program
 from pathways_jax.sim._cluster import SimCluster
 from pathways_jax.sim._engine import SimResult, Workload, simulate
 from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step

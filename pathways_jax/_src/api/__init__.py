@@ -6,7 +6,12 @@ jaxprs, NNX objects run as ``nnx.jit`` runs them, ``pw.stats()``, and
 ``pw.trace()`` (recording the runtime's events as a timeline).
 May import: every layer but ``views``.
 
-Modules: ``tracing`` (``@pw.program``: tracing a function into a graph, its plans and calls); ``arguments`` (a call's signature and checks); ``placement`` (where an unplaced program runs); ``jit_options`` (``jax.jit``'s options as a program takes them);
+Modules: ``decorator`` (``@pw.program``, its options checked as ``jax.jit`` checks them);
+``tracing`` (``pw.Program``: its graphs and plans by signature, and its calls); ``program_info``
+(a program's configuration as one record: a call's key, static and donated arguments);
+``function_trace`` (a function traced into a graph); ``repeat_calls`` (a repeated call takes the
+plan of the one before); ``arguments`` (a call's signature and checks); ``placement`` (where an
+unplaced program runs); ``jit_options`` (``jax.jit``'s options as a program takes them);
 ``placed_jit`` (``pw.jit`` on a slice); ``graph_builder`` (a jaxpr becomes a graph);
 ``graph_view`` (``pw.Graph``: a traced graph with its slices where they are now);
 ``jit_shardings`` (``in_shardings``/``out_shardings``); ``nnx_graph`` (NNX objects as

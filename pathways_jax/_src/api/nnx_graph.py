@@ -103,7 +103,7 @@ class _GraphCall:
         from flax.nnx.transforms import compilation
 
         self.program = weakref.proxy(program)
-        inner = compilation.JitFn(program._fun, None, None, None, self)
+        inner = compilation.JitFn(program._info.fun, None, None, None, self)
         self.inner = program.inner_program(inner)
         # The last plan a repeat call ran, and which of its outputs are states written back.
         self._written: tuple[Any, tuple[bool, ...]] | None = None
@@ -191,7 +191,7 @@ class _TreeCall:
         self.program = weakref.proxy(program)
         self.graph_mode = graph
         inner = compilation.SimpleJitFn(
-            program._fun, None, None, frozenset(getattr(program, "_donate", ())), frozenset(), graph, (None,)
+            program._info.fun, None, None, frozenset(program._info.donate), frozenset(), graph, (None,)
         )
         self.inner = program.inner_program(inner)
 

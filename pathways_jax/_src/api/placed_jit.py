@@ -260,9 +260,9 @@ class JitFunction:
                     static_argnames=self._static_names,
                     name=self.__name__,
                     compiler_options=self._compiler_options,
+                    source_info=self.source_info,
+                    under_transforms=False,  # a tracer argument comes back here (_transformed)
                 )
-                prog.source_info = self.source_info
-                prog._under_transforms = False  # a tracer argument comes back here (_transformed)
                 # Threads making their first calls at once share one program (and its caches).
                 prog = self._programs.setdefault(key, prog)
             try:

@@ -20,11 +20,12 @@ from pathways_jax._src.backends.base import (
     Windows,
     device_window_key,
 )
+from pathways_jax._src.compile.steps import ExecStep, MoveStep
 from pathways_jax._src.core import counts, errors, events, host_memory, readiness, source
 from pathways_jax._src.core.formatting import aval_text
 
 if TYPE_CHECKING:
-    from pathways_jax._src.compile.lowering import ExecStep, MoveStep, Plan
+    from pathways_jax._src.compile.lowering import Plan
 
 
 class LocalBackend:
@@ -47,8 +48,6 @@ class LocalBackend:
         self.on_lost: Callable[[int], None] | None = None
 
     def prepare(self, plan: Plan) -> Prepared:
-        from pathways_jax._src.compile.lowering import ExecStep, MoveStep
-
         reports = sum(isinstance(step, ExecStep | MoveStep) for step in plan.steps)
         # A run counts once in the window of each device its single-device
         # executables run on, by the output of its last one there (its
@@ -69,8 +68,6 @@ class LocalBackend:
         return Prepared(windowed, plan.islands, reports, _LocalPart(lanes, donors if any(donors) else None))
 
     def execute(self, run: RunView, windows: Windows) -> Dispatched:
-        from pathways_jax._src.compile.lowering import ExecStep
-
         plan = run.plan
         env = run.env
         sink = events.SINK
@@ -278,8 +275,6 @@ def _device_ids(sharding: Any) -> tuple[int, ...]:
 
 def _where(program: str, run_id: int, step: Any) -> str:
     """Which program, run and step failed, in the user's words."""
-    from pathways_jax._src.compile.lowering import ExecStep, MoveStep
-
     if isinstance(step, ExecStep):
         return f"program {program!r} run {run_id} failed in node {step.node.name!r} ({step.node.source_info})"
     if isinstance(step, MoveStep):

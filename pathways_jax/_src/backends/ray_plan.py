@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.ray_host import ExecOp, Op, Piece, PostOp, PullOp, PutOp, ShardingDesc
+from pathways_jax._src.compile.steps import ExecStep
 from pathways_jax._src.core import errors
 
 if TYPE_CHECKING:
@@ -79,8 +80,6 @@ class RemotePlan:
     _keys = itertools.count()
 
     def __init__(self, backend: Fleet, plan: Plan):
-        from pathways_jax._src.compile.lowering import ExecStep
-
         self.key = next(self._keys)
         # The 64-bit mode it was lowered in (this thread's, as jax.jit reads it): its hosts run it so.
         self.x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]

@@ -11,7 +11,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class RemoteValue(Protocol):
+    """A value a backend holds away from this process (``ray_values.RemoteArray``): a capability.
+
+    The runtime checks for it (``isinstance``), never for a backend's class.
+    """
+
+    def is_ready(self) -> bool:
+        """True once the value is computed (or failed); never waits."""
+        ...
+
+    def wait_ready(self, timeout: float) -> None:
+        """Returns once the value is ready or after ``timeout`` seconds."""
+        ...
+
+    def fetch(self) -> Any:
+        """The value brought to this process as a ``jax.Array``."""
+        ...
 
 
 def _probe(array: Any) -> Any:
@@ -105,9 +125,8 @@ def poll(
         waiting = next((array for array in arrays if not settled(array)), None)
         if waiting is None or stopping():
             return
-        wait_ready = getattr(waiting, "wait_ready", None)
-        if wait_ready is not None:
-            wait_ready(blocking_s)
+        if isinstance(waiting, RemoteValue):
+            waiting.wait_ready(blocking_s)
             continue
         time.sleep(pause)
         pause = min(pause * 2, longest_s)

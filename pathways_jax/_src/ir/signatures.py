@@ -12,7 +12,7 @@ from typing import Any, Literal, NamedTuple
 class FutureKey(NamedTuple):
     """The cache key of a future passed to a program: what its trace and plan depend on.
 
-    Made once per program output (see ``lowering.OutputSlot.signature``) and
+    Made once per program output (see ``compile.steps.OutputSlot.signature``) and
     shared by every future of that output, so a call with the same futures as
     the call before can compare keys by identity. Equal exactly when shape,
     dtype, sharding and slice are.

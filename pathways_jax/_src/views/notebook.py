@@ -189,7 +189,7 @@ def program_html(program: Any) -> str:
     """A program: where it is defined, its default slice, and the graphs traced so far."""
     graphs = list(getattr(program, "_graphs", {}).values())
     plans = getattr(program, "_plans", {})
-    devices = getattr(program, "_devices", None)
+    devices = program._info.devices
     default = f"slice #{devices.id} {_mesh(devices)}" if devices is not None else "none"
     parts = [
         f'<div class="pw-program" {_BOX}>',

@@ -1,0 +1,219 @@
+"""``pw.program``: the decorator, bare or with options, checked as ``jax.jit`` checks them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, overload
+
+import jax
+
+from pathways_jax._src.api.jit_options import (
+    _check_argnums_as_jax_jit,
+    _positions_of,
+    argnames,
+    argnums,
+    with_jits_statics,
+)
+from pathways_jax._src.api.jit_shardings import jit_with_shardings
+from pathways_jax._src.api.placement import _mesh_of, _single_device_of
+from pathways_jax._src.api.tracing import Program
+from pathways_jax._src.core import errors
+from pathways_jax._src.runtime.slices import VirtualSlice
+
+
+@overload
+def program(
+    fun: Callable[..., Any],
+    *,
+    devices: VirtualSlice | None = None,
+    static_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
+    name: str | None = None,
+    fuse: bool = True,
+    donate_argnums: int | Sequence[int] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
+) -> Program: ...
+
+
+@overload
+def program(
+    fun: None = None,
+    *,
+    devices: VirtualSlice | None = None,
+    static_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
+    name: str | None = None,
+    fuse: bool = True,
+    donate_argnums: int | Sequence[int] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
+) -> Callable[[Callable[..., Any]], Program]: ...
+
+
+def program(
+    fun: Callable[..., Any] | None = None,
+    *,
+    devices: VirtualSlice | None = None,
+    static_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
+    name: str | None = None,
+    fuse: bool = True,
+    donate_argnums: int | Sequence[int] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
+) -> Program | Callable[[Callable[..., Any]], Program]:
+    """Turns a function into ONE dataflow program over virtual slices.
+
+    Usable bare (``@pw.program``) or with options (``@pw.program(devices=s)``).
+    Every ``pw.jit`` function called inside becomes one node; plain
+    ``jax.jit`` functions become nodes on the enclosing ``with slice:`` (or the
+    program's ``devices``); operations between them are grouped into small
+    nodes placed with their inputs; values crossing slices get transfers
+    (``"ici"`` within an island, ``"dcn"`` across islands).
+
+    Args:
+      fun: the function to trace.
+      devices: the default slice for code not placed otherwise.
+      static_argnums: positional arguments that are Python values, not arrays.
+      static_argnames: arguments, by name, that are Python values, as in
+        ``jax.jit``: static whether passed by keyword or by position (each of
+        ``static_argnums`` and ``static_argnames`` completes the other).
+      name: the program's name in graphs and errors (default: ``fun.__name__``).
+      fuse: compile each chain of consecutive nodes on one slice into a single
+        executable (fewer dispatches; identical results), split where another
+        slice reads a value. On by default; ``fuse=False`` keeps one node per
+        jitted function (``graph()`` then shows each of them).
+      donate_argnums: positional arguments whose buffers the program may reuse
+        for its outputs, as in ``jax.jit``: a donated ``jax.Array`` is deleted
+        and a donated :class:`Future` cannot be read again once the run is
+        dispatched. An argument read by more than one computation of the
+        program is kept (with a warning, once).
+      donate_argnames: the same, by parameter name.
+      in_shardings: as in ``jax.jit``: the function is compiled with these
+        argument shardings (a pytree prefix of the positional arguments), and
+        a program with no slice runs on their mesh.
+      out_shardings: as in ``jax.jit``, for the outputs.
+      keep_unused: accepted as ``jax.jit`` accepts it; unused arguments are
+        never transferred or read, kept or not.
+      inline: accepted as ``jax.jit`` accepts it (an inlining hint for an
+        enclosing trace); no effect on a program's results.
+      compiler_options: XLA options every node of the program is compiled
+        with, as in ``jax.jit`` (local backend; Ray hosts compile with theirs).
+      device: as ``jax.jit``'s (deprecated there): a program with no slice runs
+        on this device.
+      backend: as ``jax.jit``'s (deprecated there): a program with no slice
+        runs on the first device of this platform (``"cpu"``).
+
+    Returns:
+      A :class:`Program`; calling it returns a pytree of :class:`Future`.
+
+    Example:
+      >>> import jax.numpy as jnp, pathways_jax as pw
+      >>> s = pw.devices(mesh={"x": 1})
+      >>> @pw.program(devices=s)
+      ... def step(v):
+      ...     return v * 2 + 1
+      >>> step(jnp.arange(3.0)).result().tolist()
+      [1.0, 3.0, 5.0]
+      >>> s.release()
+    """
+    if fun is None:
+        return functools.partial(
+            program,
+            devices=devices,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            name=name,
+            fuse=fuse,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            keep_unused=keep_unused,
+            inline=inline,
+            compiler_options=compiler_options,
+            device=device,
+            backend=backend,
+        )
+    if not callable(fun):
+        raise errors.ProgramTraceError(f"pw.program expects a function, got {type(fun).__name__}: {fun!r}.")
+    if devices is not None and not isinstance(devices, VirtualSlice):
+        raise errors.PlacementError(
+            f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
+        )
+    statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
+    donate = argnums(fun, donate_argnums, "donate_argnums")
+    donate_names = argnames(donate_argnames, "donate_argnames")
+    _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames)
+    donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
+    del keep_unused, inline  # hints with no effect on a program's results (see Args)
+    if device is None and backend is not None:
+        try:
+            device = jax.devices(backend)[0]
+        except RuntimeError as exc:
+            raise errors.PlacementError(
+                f"pw.program(backend={backend!r}): this process has no such platform ({exc}); "
+                f"its devices are {jax.devices()[0].platform}."
+            ) from exc
+    if device is None and (in_shardings is not None or out_shardings is not None):
+        # As jax.jit: shardings on one device (SingleDeviceSharding) run the function there.
+        device = _single_device_of(in_shardings, out_shardings)
+    if device is not None and not isinstance(device, jax.Device):
+        raise errors.PlacementError(f"pw.program(device=...) expects a jax.Device, got {device!r}.")
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise errors.ProgramTraceError(
+            f"pw.program(compiler_options=...) expects a dict of XLA options, got {compiler_options!r}."
+        )
+    mesh_hint = None
+    if in_shardings is not None or out_shardings is not None:
+        # As jax.jit: the function is compiled with these shardings (one node),
+        # and a program with no slice runs on their mesh.
+        mesh_hint = _mesh_of(in_shardings, out_shardings)
+        fun = jit_with_shardings(
+            fun,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            static_argnums=statics,
+            static_argnames=static_names,
+        )
+    if set(donate) & set(statics):
+        raise errors.ProgramTraceError(
+            f"pw.program({getattr(fun, '__name__', fun)!r}): arguments {sorted(set(donate) & set(statics))} "
+            "are both static and donated; a static argument is a Python value with no buffer to donate."
+        )
+    return Program(
+        fun,
+        devices=devices,
+        static_argnums=statics,
+        static_argnames=static_names,
+        name=name,
+        fuse=fuse,
+        donate_argnums=donate,
+        donate_argnames=donate_names,
+        mesh_hint=mesh_hint,
+        device=device,
+        compiler_options=tuple(sorted((compiler_options or {}).items())),
+    )
+
+
+__all__ = ["program"]

@@ -1,0 +1,186 @@
+"""A program's function traced into a graph: JAX's jaxpr of it, its nodes placed on slices.
+
+The function is traced with ``jax.make_jaxpr`` on its default slice (or the
+slice its arguments, mesh or device imply, as ``jax.jit`` would place it);
+``graph_builder`` turns the jaxpr into a :class:`~pathways_jax._src.ir.graph.Graph`.
+Errors name the user's function and arguments, not the library's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from pathways_jax._src import compat
+from pathways_jax._src.api import graph_builder, nnx_graph
+from pathways_jax._src.api.arguments import TraceInputs, _abstract
+from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE, TraceState
+from pathways_jax._src.api.graph_view import GraphView
+from pathways_jax._src.api.placement import (
+    _device_slice,
+    _mesh_mismatch_hint,
+    _mesh_slice,
+    _named_mesh,
+    _user_mesh,
+)
+from pathways_jax._src.api.program_info import ProgramInfo
+from pathways_jax._src.core import counts, errors, events, source
+from pathways_jax._src.core.jax_context import inside_jax_trace
+from pathways_jax._src.core.meshes import only_mesh
+from pathways_jax._src.ir.signatures import Signature
+from pathways_jax._src.runtime import context, slices
+from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
+
+
+def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None = None) -> GraphView:
+    """``info``'s function traced for a call's ``inputs`` into a graph, with the slices it names.
+
+    Traced on the program's default slice, else the call's ambient one; with
+    neither, where ``jax.jit`` would run it: the mesh of committed arguments or
+    shardings (``hint``: a mesh the function names itself), else one device.
+    """
+    compat.install_checkpoints()  # once: Flax's and orbax's checkpoints then take the futures it returns
+    treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
+    default = info.devices if info.devices is not None else inputs.ambient
+    if default is not None:
+        default.check_usable()
+    state = TraceState(default)
+    implied = None
+    uncommitted = False
+    if default is None and info.device is not None:  # jax.jit's device=
+        implied = slices.implied((info.device.id,), {"x": 1})
+        on_device: VirtualSlice = implied
+        state.implied = lambda: on_device
+    elif default is None:
+        # Code nothing places runs where jax.jit would run it. Arguments on a
+        # mesh of yours: the program is traced on that mesh, as jax.jit does.
+        with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
+            implied = _mesh_slice(signature, hint or info.mesh_hint or _user_mesh())
+        if implied is not None:
+            on_mesh: VirtualSlice = implied
+            state.implied = lambda: on_mesh
+        else:
+            state.implied = functools.cache(lambda: _device_slice(signature))
+            # Nothing committed placed it: as jax.jit's, its outputs there are uncommitted.
+            uncommitted = not any(getattr(key, "committed", False) for key in signature)
+    out_trees: list[Any] = []
+
+    def flat_fun(*dynamic_leaves: Any) -> list[Any]:
+        dynamic, kwargs = jax.tree_util.tree_unflatten(treedef, dynamic_leaves)
+        full = list(dynamic)
+        for position, value in statics:
+            if isinstance(position, str):
+                kwargs = {**kwargs, position: value}
+            else:
+                full.insert(position, value)
+        with contextlib.ExitStack() as stack:
+            # Scopes entered here, inside the trace, are recorded on every equation.
+            if default is not None:
+                stack.enter_context(jax.named_scope(f"{DEFAULT_SCOPE}{default.id}"))
+            out = info.fun(*full, **kwargs)
+        if not info.nnx_inner and nnx_graph.has_graph_nodes(out):
+            # New NNX objects (a model made inside): returned as nnx.jit returns them,
+            # sharing between them kept, which flattening them as pytrees loses.
+            raise nnx_graph.GraphOutput
+        flat, tree = jax.tree_util.tree_flatten(out)
+        out_trees.append(tree)
+        return flat
+
+    sink = events.SINK
+    t0 = events.now() if sink is not None else 0
+    outer, context.state.trace = context.state.trace, state
+    try:
+        # The caller's own mesh (jax.set_mesh, of any size) is set aside: the
+        # program sees its default slice's mesh, or none.
+        target = default or implied
+        # A program with no slice sees its mesh as jax.jit sees the caller's (bare
+        # PartitionSpecs in an inner jax.jit's shardings name it); a slice's is abstract.
+        concrete = implied.physical_mesh if default is None and implied is not None else None
+        with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH, concrete):
+            closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))
+    except (errors.PathwaysError, nnx_graph.GraphOutput):
+        raise
+    except Exception as exc:
+        if implied is not None and default is None and hint is None and info.mesh_hint is None:
+            # Traced on its arguments' mesh, the function failed: a mesh it names itself
+            # (a shard_map's or pmap's over other axes) wins, as under jax.jit.
+            named = _mesh_named_without_context(signature, state, flat_fun)
+            if named is not None:
+                return trace(info, inputs, named)
+        # No line of the function failed (it was called with arguments it does not take):
+        # the user's call did.
+        where = source.of_exception(exc, info.fun) or f"the call ({source.of_caller()})"
+        # Also of the original's class: `except ValueError` written for jax.jit still catches it.
+        raise errors.also(errors.ProgramTraceError, type(exc))(
+            f"tracing program {info.name!r} ({info.source_info}) failed at "
+            f"{where}: {type(exc).__name__}: "
+            f"{info.in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}"
+        ) from exc
+    finally:
+        context.state.trace = outer
+    _refuse_leaked_tracers(info, closed)
+    counts.bump("traces")
+    if default is None and implied is None and hint is None:
+        # Nothing placed it, but the function names a mesh itself (a sharding constraint
+        # or an inner jax.jit's shardings): as jax.jit, it runs on that mesh.
+        named = _named_mesh(closed.jaxpr)
+        if named is not None:
+            return trace(info, inputs, named)
+    graph, held = graph_builder.build(
+        name=info.name,
+        source_info=info.source_info,
+        closed=closed,
+        input_slices=tuple(leaf.slice if isinstance(leaf, Future) else None for leaf in inputs.leaves),
+        state=state,
+        out_tree=out_trees[-1],
+    )
+    if uncommitted and state.implied is not None:
+        implied_id = state.implied().id
+        # Only a slice the graph names has outputs to leave uncommitted; naming another
+        # (made for nothing, and a new one each trace) would make equal traces unequal graphs.
+        if implied_id in held:
+            graph = dataclasses.replace(graph, uncommitted_slice=implied_id)
+    if sink is not None:
+        sink(events.Traced(info.name, info.source_info, t0, events.now()))
+    return GraphView(graph.check(), held)
+
+
+def _mesh_named_without_context(signature: Signature, state: TraceState, flat_fun: Any) -> Any:
+    """The mesh the function names itself, traced with no mesh set (None if that fails too)."""
+    outer, context.state.trace = context.state.trace, state
+    try:
+        with only_mesh(NO_ABSTRACT_MESH):
+            closed = jax.make_jaxpr(flat_fun)(*(_abstract(s) for s in signature))
+    except Exception:
+        return None
+    finally:
+        context.state.trace = outer
+    return _named_mesh(closed.jaxpr)
+
+
+def _refuse_leaked_tracers(info: ProgramInfo, closed: Any) -> None:
+    """Raises jax.jit's ``UnexpectedTracerError`` for a tracer the function read from an ended trace.
+
+    ``jax.make_jaxpr`` keeps such a tracer (an earlier trace's value saved
+    to a global or a list) as a constant, where ``jax.jit`` refuses it;
+    programs are traced only outside JAX's transformations, so no constant
+    can be a tracer of a live one.
+    """
+    leaked = [c for c in closed.consts if isinstance(c, jax.core.Tracer)]
+    if not leaked or inside_jax_trace():
+        return
+    raise errors.also(errors.ProgramTraceError, jax.errors.UnexpectedTracerError)(
+        f"tracing program {info.name!r} ({info.source_info}) read an intermediate value of another "
+        f"trace ({leaked[0].aval.str_short()} in a {type(leaked[0]).__name__}) that escaped it: "
+        "a function traced by JAX (a program, jax.jit, grad, ...) saved it to global state or a "
+        "list instead of returning it. Return the value from that function and pass it to this "
+        "program as an argument. To find where it leaked, run under jax.checking_leaks()."
+    )
+
+
+__all__ = ["trace"]

@@ -1,0 +1,120 @@
+"""A program's repeated calls: the plan of the call before, taken again without signing the arguments.
+
+A train loop calls a program with the outputs of its call before: futures
+whose signatures are shared objects, or arrays whose types are. The next
+call compares those by identity and runs the same plan, skipping the
+signature and the cache lookups.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from pathways_jax._src.api.arguments import TraceInputs, _marks, _same_types
+from pathways_jax._src.api.program_info import ProgramInfo
+from pathways_jax._src.core.jax_context import trace_context as _trace_context
+from pathways_jax._src.ir.signatures import FutureKey
+from pathways_jax._src.runtime import slices
+from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.slices import VirtualSlice
+
+
+class LastCall(NamedTuple):
+    """The last call whose arguments were all futures: the next such call may skip its lookups."""
+
+    signatures: tuple[FutureKey, ...]  # the futures' keys (shared objects: compared by identity)
+    ambient: VirtualSlice | None
+    plan: Any  # lowering.Plan
+    config: tuple  # JAX's trace context of that call
+
+
+class LastLeaves(NamedTuple):
+    """The last call with no static arguments whose leaves were all ``jax.Array`` s or futures.
+
+    The next call whose leaves have the same types, compared by identity (an
+    array's ``aval`` and ``sharding`` objects, a future's shared signature),
+    skips its signature and cache lookups: a train loop feeds each step the
+    outputs of the one before, whose types are the same objects every step.
+    """
+
+    treedef: Any
+    marks: tuple[Any, ...]  # per leaf: a future's signature, or an array's (aval, sharding, committed)
+    ambient: VirtualSlice | None
+    plan: Any  # lowering.Plan
+    config: tuple  # JAX's trace context of that call
+
+
+class RepeatCalls:
+    """What one program keeps of its last calls: a :class:`LastCall` and a :class:`LastLeaves`."""
+
+    __slots__ = ("info", "last", "last_leaves")
+
+    def __init__(self, info: ProgramInfo) -> None:
+        self.info = info
+        self.last: LastCall | None = None
+        self.last_leaves: LastLeaves | None = None
+
+    def clear(self) -> None:
+        self.last = None
+        self.last_leaves = None
+
+    def _keyed_by_leaves(self, kwargs: dict) -> bool:
+        """True when a call with these keyword arguments has no static argument: its leaves key it."""
+        return not self.info.static and not (kwargs and self.info.static_names)
+
+    def _in_context(self, ambient: VirtualSlice | None, plan: Any, config: tuple) -> bool:
+        """True when a plan made in that context still runs a call made now."""
+        return (
+            (self.info.devices is not None or slices.current_slice() is ambient)
+            and plan.is_current()
+            and _trace_context() == config
+        )
+
+    def by_futures(self, args: tuple) -> Any:
+        """The plan of the call before if this one passes futures of its signatures in its context; else None.
+
+        Signatures are shared objects, so the check is by identity: no signing
+        and no lookup.
+        """
+        last = self.last
+        if last is None or len(args) != len(last.signatures):
+            return None
+        plan = last.plan
+        if all(
+            type(a) is Future and a._entry.signature is sig
+            for a, sig in zip(args, last.signatures, strict=True)
+        ) and self._in_context(last.ambient, plan, last.config):
+            return plan
+        return None
+
+    def by_leaves(self, args: tuple, kwargs: dict) -> tuple[Any, tuple[list[Any], Any] | None]:
+        """The plan of the call before if this one's leaves have its types, treedef and context (else None),
+        and the call flattened if it was (else None: it has static arguments, or no call was kept)."""
+        fast = self.last_leaves
+        if fast is None or not self._keyed_by_leaves(kwargs):
+            return None, None
+        flat = jax.tree_util.tree_flatten((args, kwargs))
+        leaves, treedef = flat
+        plan = fast.plan
+        if (
+            _same_types(leaves, fast.marks)
+            and treedef == fast.treedef
+            and self._in_context(fast.ambient, plan, fast.config)
+        ):
+            return plan, flat
+        return None, flat
+
+    def remember(self, key: tuple, inputs: TraceInputs, args: tuple, kwargs: dict, plan: Any) -> None:
+        """Keeps what lets the next call with the same types skip signing: its futures' signatures, or its leaf types."""
+        futures_only = not kwargs and not self.info.static and all(type(a) is Future for a in args)
+        if futures_only and all(a._entry.signature is not None for a in args):
+            self.last = LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan, key[-1])
+        elif self._keyed_by_leaves(kwargs):
+            marks = _marks(inputs.leaves)
+            if marks is not None:
+                self.last_leaves = LastLeaves(inputs.treedef, marks, inputs.ambient, plan, key[-1])
+
+
+__all__ = ["LastCall", "LastLeaves", "RepeatCalls"]

@@ -1,0 +1,254 @@
+"""One node compiled for a mesh: its executable (shared through the cache), and its export for hosts."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from pathways_jax._src.compile import lowering_log
+from pathways_jax._src.compile.executable_cache import ExecutableCache
+from pathways_jax._src.core import counts, errors, events
+from pathways_jax._src.core.jax_context import trace_context as _trace_context
+from pathways_jax._src.core.meshes import only_mesh
+from pathways_jax._src.ir.graph import Graph, Node
+
+
+def calls_host(jaxpr: Any) -> bool:
+    """True if a jaxpr (or one nested in it) calls back into Python on the host."""
+    for eqn in jaxpr.eqns:
+        if "callback" in eqn.primitive.name:
+            return True
+        for sub in jex.jaxprs_in_params(eqn.params):
+            if calls_host(sub):
+                return True
+    return False
+
+
+def loose_device(graph: Graph, node: Node, mesh: Any) -> jax.Device | None:
+    """The device of a node compiled as ``jax.jit`` compiles a call nothing placed, else None.
+
+    A node on the slice a program implies when nothing placed its call
+    (``Graph.uncommitted_slice``: one device) returns uncommitted outputs, as
+    ``jax.jit``'s are. Compiled with no shardings and no mesh on that device,
+    its executable returns them so itself: a call then remakes no array
+    (``futures.dispatched_values``), and the next call, with those outputs or
+    their futures, takes JAX's own fast path. Not for nodes with a placement
+    of their own (specs, a typed mesh), host callbacks (whose outputs the
+    compiler pins) or sub-byte inputs.
+    """
+    if graph.uncommitted_slice is None or node.slice.id != graph.uncommitted_slice or mesh.devices.size != 1:
+        return None
+    if any(spec is not None for spec in (*node.in_specs, *node.out_specs)):
+        return None
+    if calls_host(node.jaxpr.jaxpr) or any(_sub_byte(aval.dtype) for aval in node.jaxpr.in_avals):
+        return None
+    for aval in (*node.jaxpr.in_avals, *node.jaxpr.out_avals):
+        typed = getattr(aval, "sharding", None)
+        if isinstance(typed, NamedSharding) and not typed.mesh.empty:
+            return None
+    return mesh.devices.flat[0]
+
+
+def compile_node(
+    node: Node,
+    mesh: Any,
+    in_shardings: tuple,
+    out_shardings: tuple,
+    donate: tuple,
+    cache: ExecutableCache | None,
+    *,
+    export: bool = False,
+    platforms: tuple[str, ...] | None = None,
+    options: tuple[tuple[str, Any], ...] = (),
+    loose: jax.Device | None = None,
+) -> tuple[Any, tuple[bytes, str] | None]:
+    """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once.
+
+    Returns the executable and, with ``export``, the node serialized with
+    ``jax.export`` for remote hosts (bytes and their fingerprint), for
+    ``platforms`` (``None``: this process's). With ``loose`` (see
+    :func:`loose_device`), compiled for that device as ``jax.jit`` compiles
+    a call nothing placed: its outputs are uncommitted.
+    """
+    # Keyed by the function's text (and its constants' identities): JAX may
+    # trace one Python function into distinct but identical jaxprs.
+    consts = tuple(node.jaxpr.consts)
+    key = (
+        _function_text(node.jaxpr.jaxpr),
+        # The text does not show weak types, which the executable's outputs carry.
+        tuple(getattr(aval, "weak_type", False) for aval in (*node.jaxpr.in_avals, *node.jaxpr.out_avals)),
+        # Nor the configuration lowering depends on (jax_threefry_partitionable, precision).
+        _trace_context(),
+        tuple(map(id, consts)),
+        # Nor which Python functions its host callbacks call: two lambdas of one
+        # factory print alike, and sharing an executable would run the wrong one.
+        _host_functions(node.jaxpr.jaxpr),
+        mesh,
+        in_shardings,
+        out_shardings,
+        donate,
+        export,
+        platforms,
+        options,
+        loose,
+    )
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    body = jex.jaxpr_as_fun(node.jaxpr)
+
+    def fun(*args: Any) -> tuple:
+        return tuple(body(*args))
+
+    fun.__name__ = node.name
+    args = [
+        jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=s, weak_type=getattr(aval, "weak_type", False))
+        for aval, s in zip(node.jaxpr.in_avals, in_shardings, strict=True)
+    ]
+    t0 = events.now()
+    exported = None
+    if loose is not None:
+        # No mesh at all (whatever the caller set) and no shardings, on that device.
+        plain = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in args]
+        with only_mesh(_NO_MESH, None), jax.default_device(loose):
+            made: Any = (
+                jax.jit(fun, donate_argnums=donate).lower(*plain).compile(dict(options) if options else None)
+            )
+        counts.bump("compiles")
+        lowering_log.compiled(node, t0)
+        if cache is not None:
+            cache.put(key, (made, None), consts)
+        return made, None
+    # The slice's mesh alone, whatever mesh the caller set; works inside a trace too.
+    with only_mesh(mesh.abstract_mesh, mesh):
+        jitted = jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
+        # XLA options (jax.jit's compiler_options) apply here; remote hosts compile with their own.
+        compiled: Any = jitted.lower(*args).compile(dict(options) if options else None)
+        if any(_sub_byte(aval.dtype) for aval in node.jaxpr.in_avals):
+            compiled = _SubByteInputs(compiled, jitted, mesh)
+        if export:
+            # Hosts compile for themselves; donation is a local optimisation left out.
+            blob = _exported(
+                node, jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings), args, platforms
+            )
+            exported = (blob, hashlib.sha256(blob).hexdigest())
+    counts.bump("compiles")
+    lowering_log.compiled(node, t0)
+    if cache is not None:
+        cache.put(key, (compiled, exported), consts)
+    return compiled, exported
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _exported(node: Node, jitted: Any, args: list, platforms: tuple[str, ...] | None) -> bytes:
+    """The node serialized with ``jax.export`` for remote hosts; what cannot be raises ``PlacementError``."""
+    try:
+        return bytes(jax.export.export(jitted, platforms=platforms)(*args).serialize())
+    except Exception as exc:
+        if "host_callback" in str(exc):
+            what = (
+                "calls back into Python (jax.debug.print, jax.debug.callback, pure_callback or "
+                "io_callback), and remote hosts cannot call into this process"
+            )
+            fix = "Take the callback out of the program (print its result after .result()), or use the local backend."
+        else:
+            what = f"cannot be serialized for remote hosts with jax.export ({type(exc).__name__}: {exc})"
+            fix = "Write the computation with operations jax.export supports, or use the local backend."
+        raise errors.PlacementError(
+            f"node {node.name!r} ({node.source_info}) {what}; programs on the Ray backend run in host "
+            f"processes from exported computations. {fix}"
+        ) from exc
+
+
+# A float literal in a jaxpr's text: its value and dtype ("0.99:f32[]").
+_FLOAT_LITERAL = re.compile(r"(?<![\w.])(-?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)):(bf16|f16|f32|f64)\[\]")
+_FLOAT_TYPES = {"bf16": jnp.bfloat16, "f16": np.float16, "f32": np.float32, "f64": np.float64}
+
+
+def _function_text(jaxpr: Any) -> str:
+    """A jaxpr's text with each float literal written as the value its dtype holds.
+
+    Two traces of one function may write one literal two ways (a Python float
+    ``0.99`` in one, the float32 it becomes, ``0.9900000095367432``, in the
+    other: a program's first call with arrays and its next with futures), which
+    made the executable cache miss and compile the same computation again.
+    """
+    return _FLOAT_LITERAL.sub(
+        lambda m: f"{float(_FLOAT_TYPES[m.group(2)](float(m.group(1))))!r}:{m.group(2)}[]", str(jaxpr)
+    )
+
+
+def _sub_byte(dtype: Any) -> bool:
+    """int4, uint4, int2, float4: dtypes packed several to a byte."""
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jax.dtypes.itemsize_bits(dtype) < 8
+
+
+class _SubByteInputs:
+    """An executable whose inputs include a sub-byte dtype, called through its ``jax.jit``.
+
+    ``jax.device_put`` onto several devices gives int4 and int2 arrays a layout
+    whose element size reads 0 bits while the compiled executable asks for 4 or
+    2, and a compiled call refuses the mismatch (jax.jit's own call does not):
+    ``ValueError: Computation was compiled for input layouts that disagree``.
+    """
+
+    def __init__(self, compiled: Any, jitted: Any, mesh: Any) -> None:
+        self._jitted, self._mesh = jitted, mesh
+        self.input_shardings, self.output_shardings = compiled.input_shardings, compiled.output_shardings
+
+    def __call__(self, *args: Any) -> Any:
+        with only_mesh(self._mesh.abstract_mesh, self._mesh):
+            return self._jitted(*args)
+
+
+class _Same:
+    """An object as a cache-key part that equals only itself (and keeps it alive while keyed)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+def _host_functions(jaxpr: Any) -> tuple[_Same, ...]:
+    """The Python callables that ``jaxpr``'s host callbacks (``pure_callback``,
+    ``io_callback``, ``jax.debug``) call, in order, nested jaxprs included."""
+    found: list[_Same] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, jex.ClosedJaxpr):
+            value = value.jaxpr
+        if isinstance(value, jex.Jaxpr):
+            for eqn in value.eqns:
+                host = "callback" in eqn.primitive.name
+                for param in eqn.params.values():
+                    if host and callable(param) and not isinstance(param, jex.Jaxpr | jex.ClosedJaxpr):
+                        # pure_callback and io_callback wrap the user's function anew at each trace.
+                        found.append(_Same(getattr(param, "callback_func", param)))
+                    else:
+                        walk(param)
+        elif isinstance(value, tuple | list):
+            for item in value:
+                walk(item)
+
+    walk(jaxpr)
+    return tuple(found)
+
+
+__all__ = ["calls_host", "compile_node", "loose_device"]
