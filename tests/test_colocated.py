@@ -267,6 +267,26 @@ def _rows_then_fail(shard):
     raise OSError("shard file unreadable")
 
 
+def _keyed_rows(shard):
+    """``_rows``' first two batches, each with a typed PRNG key (the same on every host)."""
+    rows = _rows(shard)
+    for i in range(2):
+        yield {**next(rows), "k": jax.random.key(i)}
+
+
+def _draw(b):
+    return b["x"].sum() + jax.random.uniform(b["k"])
+
+
+def _check_keyed(batch, s):
+    """A HostIterator whose batches hold typed keys: the program draws what jax.jit draws."""
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=s.sharding())
+    keyed = colocated.HostIterator(_keyed_rows, {**batch, "k": key})
+    got = [pw.jit(_draw, devices=s)(b) for b in keyed]
+    want = [jax.jit(_draw)({"x": _global_batch(i), "k": jax.random.key(i)}) for i in range(2)]
+    assert_matches(got, want, rtol=0, atol=0)
+
+
 def _sum_loop(batches, s):
     """A training loop over ``batches`` that ends when they do: the running sum of every batch."""
     step = pw.jit(lambda acc, b: acc + b["x"].sum(), devices=s, out_specs=pw.P())
@@ -297,6 +317,7 @@ def test_a_finite_host_iterator_ends_the_loop_and_one_that_raises_raises_at_next
     with pytest.raises(StopIteration):
         next(batches)  # and again
     assert batches.get_state() == [{"taken": 3}] * 2
+    _check_keyed(batch, s)
 
     failing = colocated.HostIterator(_rows_then_fail, batch)
     assert_matches(next(failing)["x"], _global_batch(0))
@@ -345,6 +366,7 @@ def test_locally_it_runs_in_process_as_jax_does():
     batches.set_state(state)
     assert_matches(next(batches)["x"], _global_batch(1))
     assert _sum_loop(colocated.HostIterator(_three_rows, batches.batch), s)[1] == 3  # a loop ends
+    _check_keyed(batches.batch, s)
     failing = colocated.HostIterator(_rows_then_fail, batches.batch)
     for i in range(2):  # the batches made before the error
         assert_matches(next(failing)["x"], _global_batch(i))

@@ -160,10 +160,7 @@ class _Feeder:
                 f"the iterator on host {jax.process_index()} gave a batch of structure {got}; the "
                 f"HostIterator's batch is {self.tree}. Yield this host's part of each leaf of batch."
             )
-        arrays = [
-            jax.make_array_from_process_local_data(spec.sharding, np.asarray(leaf, spec.dtype), spec.shape)
-            for spec, leaf in zip(self.specs, leaves, strict=True)
-        ]
+        arrays = [_global(spec, leaf) for spec, leaf in zip(self.specs, leaves, strict=True)]
         return jax.tree_util.tree_unflatten(self.tree, arrays)
 
     def state(self, consumed: jax.Array) -> Any:
@@ -189,6 +186,25 @@ class _Feeder:
             for _ in range(taken):
                 next(iterator)
         self._start(iterator, taken)
+
+
+def _global(spec: jax.ShapeDtypeStruct, leaf: Any) -> jax.Array:
+    """The global array of ``spec`` from this host's part of it (``leaf``).
+
+    A typed PRNG key leaf (``jax.random.key``) travels as its key data and is
+    wrapped again, with its own implementation (NumPy holds no key types).
+    """
+    if not jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
+        return jax.make_array_from_process_local_data(spec.sharding, np.asarray(leaf, spec.dtype), spec.shape)
+    if not (isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
+        raise TypeError(
+            f"the iterator on host {jax.process_index()} gave a {type(leaf).__name__} for a leaf of type "
+            f"{spec.dtype}; yield typed keys there (jax.random.key(...)), as the batch says."
+        )
+    data = np.asarray(jax.random.key_data(leaf))
+    trailing = data.shape[leaf.ndim :]  # the key's own words
+    global_data = jax.make_array_from_process_local_data(spec.sharding, data, (*spec.shape, *trailing))
+    return jax.random.wrap_key_data(global_data, impl=jax.random.key_impl(leaf))
 
 
 def _shard_of(specs: list) -> Shard:
