@@ -5,15 +5,20 @@ change when a slice moves, and lowering it with the new placement gives the
 new transfer kinds. ``program.graph(x)`` shows users the slices where they are now.
 """
 
+import contextlib
 import dataclasses
+import functools
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pathways_jax as pw
+from pathways_jax._src.backends import base as backends_base
 from pathways_jax._src.compile import lowering, steps
 from pathways_jax._src.ir import graph as ir_graph
+from pathways_jax._src.runtime import clusters as clusters_lib
 from pathways_jax._src.runtime import slices as slices_lib
 
 
@@ -73,12 +78,85 @@ def test_no_virtual_slice_is_reachable_from_a_traced_graph():
     assert not [o for o in reached if isinstance(o, pw.VirtualSlice)]
     refs = {o for o in reached if isinstance(o, ir_graph.SliceRef)}
     assert refs == {a.ref, b.ref}
-    plan = next(iter(step._plans.values()))
+    plan = next(iter(step._plans.values())).plan
     assert plan.graph is graph
     assert not [o for o in _reachable(plan.outputs) if isinstance(o, pw.VirtualSlice)]
     # What users read is the runtime's slices, where they are now.
     assert [n.slice for n in view.nodes][-1] is b and view.transfers[0].src is a
     assert step(x, y).slice is b
+
+
+def _runtime_objects(root):
+    """The runtime objects (a ``Cluster``, a ``VirtualSlice``, a backend, anything of the runtime's
+    modules) reachable from ``root``: through dataclass fields, attributes and slots of the
+    library's objects, tuples, lists, sets, dicts, and the closures and bound ``self`` of functions."""
+    seen, stack, found = set(), [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, str | int | float | bool | type):
+            continue
+        seen.add(id(obj))
+        module = type(obj).__module__ or ""
+        if isinstance(
+            obj, clusters_lib.Cluster | pw.VirtualSlice | backends_base.Backend
+        ) or module.startswith("pathways_jax._src.runtime"):
+            found.append(obj)
+            continue
+        if isinstance(obj, tuple | list | set | frozenset):
+            stack.extend(obj)
+        elif isinstance(obj, dict | types.MappingProxyType):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, types.FunctionType | types.MethodType | functools.partial):
+            stack.append(getattr(obj, "__self__", None))
+            for cell in getattr(obj, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    stack.append(cell.cell_contents)
+            if isinstance(obj, functools.partial):
+                stack.extend((obj.func, obj.args, obj.keywords))
+        elif module.startswith("pathways_jax"):  # the library's own records: their fields and attributes
+            if dataclasses.is_dataclass(obj):
+                stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+            stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+            for klass in type(obj).__mro__:
+                for name in getattr(klass, "__slots__", ()):
+                    stack.append(getattr(obj, name, None))
+    return found
+
+
+def test_nothing_of_the_runtime_is_reachable_from_a_compiled_plan():
+    """A plan is plain data: neither the plan lowering returns nor the one a program runs (its
+    backend's part included) reaches the cluster, a ``VirtualSlice`` or the backend. The runtime
+    keeps those beside the plan, once per plan: the program's cache holds them together."""
+    pw.init(num_cpu_devices=8, islands=2)
+    a = pw.devices(mesh={"x": 2}, island=0)
+    b = pw.devices(mesh={"x": 2}, island=1)
+    f = pw.jit(lambda v: v * 2, devices=a)
+    g = pw.jit(lambda v: v.sum(), devices=b)
+
+    @pw.program(fuse=False)
+    def step(x, y):
+        with b:
+            z = jnp.sin(y) + 1  # glue on b, reading a future of b
+        return g(f(x) + 1), z.sum(), x  # an argument returned as it is, too
+
+    y = pw.program(lambda v: v + 1, devices=b)(jnp.ones(4))
+    x = jnp.arange(4.0)
+    out = step(x, y)
+    np.testing.assert_allclose(out[0].result(), (x * 2 + 1).sum())
+    (kept,) = step._plans.values()
+    run = getattr(kept, "plan", kept)  # the plan a call runs, its backend's part in
+    assert run.prepared.part is not None and run.steps
+    view = step.graph(x, y)
+    _, inputs = step._info.split((x, y), {})
+    lowered = lowering.lower(view.ir, inputs.signature, slices_lib.placement_of(view.slices))
+    for plan in (lowered, run):
+        assert _runtime_objects(plan) == []
+        assert not [name for name in ("cluster", "backend", "output_slices") if hasattr(plan, name)]
+    # What a call runs with is the runtime's, kept with the plan once: the cluster and the slices
+    # its outputs' futures name.
+    assert kept.cluster is pw.cluster() and kept.output_slices == (b, b, None)
+    assert (out[0].slice, out[1].slice) == (b, b)
 
 
 def test_two_traces_of_a_program_give_equal_graphs():

@@ -125,7 +125,7 @@ def _two_island_step(b_size: int):
 
 def test_accounting_groups_are_named_and_still_unpack():
     a, b, step = _two_island_step(4)
-    plan = next(iter(step._plans.values()))
+    plan = next(iter(step._plans.values())).plan
     groups = plan.acct_groups
     assert all(isinstance(group, steps.AccountingGroup) for group in groups)
     assert sorted(group.devices for group in groups) == sorted(
@@ -146,7 +146,7 @@ def test_a_compiled_plan_is_frozen_and_its_backends_part_comes_in_a_copy():
     from pathways_jax._src.backends import base
 
     _, b, step = _two_island_step(1)
-    plan = next(iter(step._plans.values()))
+    plan = next(iter(step._plans.values())).plan
     with pytest.raises(dataclasses.FrozenInstanceError, match="frozen once compiled"):
         plan.steps = []
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -297,7 +297,7 @@ def test_a_transfers_kind_follows_where_its_slices_are_now_not_where_they_were_t
         after["transfers_ici"] - before["transfers_ici"],
         after["transfers_dcn"] - before["transfers_dcn"],
     ) == (1, 0)
-    plan = next(p for p in step._plans.values() if p.is_current())
+    plan = next(r.plan for r in step._plans.values() if r.is_current())
     assert [s.kind for s in plan.steps if isinstance(s, steps.MoveStep) and s.kind] == ["ici"]
 
 
@@ -310,6 +310,7 @@ def test_lowering_reads_where_slices_are_from_the_placement_it_is_given_and_noth
     from jax.sharding import Mesh
 
     from pathways_jax._src.compile import placement as placement_lib
+    from pathways_jax._src.runtime import runnable as runnable_lib
     from pathways_jax._src.runtime import slices as slices_lib
 
     pw.init(num_cpu_devices=8, islands=2)
@@ -341,7 +342,17 @@ def test_lowering_reads_where_slices_are_from_the_placement_it_is_given_and_noth
     assert placed_on == [[6, 7], [4, 5]]
     assert [s.island for s in execs] == [1, 1]
     assert [s.kind for s in plan.steps if isinstance(s, steps.MoveStep) and s.kind] == ["ici"]
-    assert plan.placement is elsewhere and plan.cluster is live.owner
+    assert plan.placement is elsewhere and not hasattr(plan, "cluster")
+    # The runtime keeps what the plan runs with beside it: the live cluster, and the slices its
+    # outputs' futures name, as they were when it was lowered (whatever placement it was given).
+    kept = runnable_lib.lowered(
+        lambda g, sig, _, donated: lowering.lower(g, sig, elsewhere, donated),
+        graph.ir,
+        inputs.signature,
+        graph.slices,
+        frozenset(),
+    )
+    assert kept.plan.placement is elsewhere and kept.cluster is a.cluster and kept.output_slices == (b,)
     # The slices themselves are where they were, and a call still runs there, exactly.
     assert (a.island, b.island) == (0, 1) and [d.id for d in a.devices] != [6, 7]
     np.testing.assert_allclose(step(x).result(), jax.jit(lambda v: v * 2 + 1)(x))

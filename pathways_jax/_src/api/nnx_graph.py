@@ -105,8 +105,8 @@ class _GraphCall:
         self.program = weakref.proxy(program)
         inner = compilation.JitFn(program._info.fun, None, None, None, self)
         self.inner = program.inner_program(inner)
-        # The last plan a repeat call ran, and which of its outputs are states written back.
-        self._written: tuple[Any, tuple[bool, ...]] | None = None
+        # The last plan a repeat call ran, which of its outputs are states written back, its output tree.
+        self._written: tuple[Any, tuple[bool, ...], Any] | None = None
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         from flax.nnx import extract, graphlib
@@ -157,14 +157,15 @@ class _GraphCall:
         repeat = self.inner.repeat_plan(pure_args, pure_kwargs)
         if repeat is None:
             return None
-        plan, leaves = repeat
+        runnable, leaves = repeat
         written = self._written
-        if written is None or written[0] is not plan:
-            if not submission.takes_values(plan):
+        if written is None or written[0] is not runnable:
+            if not submission.takes_values(runnable):
                 return None
-            written = self._written = (plan, _written_back(plan.graph.out_tree))
-        values = submission.submit_values(plan, leaves, written[1])
-        return jax.tree_util.tree_unflatten(plan.graph.out_tree, values)
+            out_tree = runnable.plan.graph.out_tree
+            written = self._written = (runnable, _written_back(out_tree), out_tree)
+        values = submission.submit_values(runnable, leaves, written[1])
+        return jax.tree_util.tree_unflatten(written[2], values)
 
     def graph(self, args: tuple, kwargs: dict) -> Any:
         from flax.nnx import extract, graphlib

@@ -18,6 +18,7 @@ from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.ir.signatures import FutureKey
 from pathways_jax._src.runtime import slices
 from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.runnable import Runnable
 from pathways_jax._src.runtime.slices import VirtualSlice
 
 
@@ -26,7 +27,7 @@ class LastCall(NamedTuple):
 
     signatures: tuple[FutureKey, ...]  # the futures' keys (shared objects: compared by identity)
     ambient: VirtualSlice | None
-    plan: Any  # lowering.Plan
+    plan: Runnable
     config: tuple  # JAX's trace context of that call
 
 
@@ -42,7 +43,7 @@ class LastLeaves(NamedTuple):
     treedef: Any
     marks: tuple[Any, ...]  # per leaf: a future's signature, or an array's (aval, sharding, committed)
     ambient: VirtualSlice | None
-    plan: Any  # lowering.Plan
+    plan: Runnable
     config: tuple  # JAX's trace context of that call
 
 
@@ -64,7 +65,7 @@ class RepeatCalls:
         """True when a call with these keyword arguments has no static argument: its leaves key it."""
         return not self.info.static and not (kwargs and self.info.static_names)
 
-    def _in_context(self, ambient: VirtualSlice | None, plan: Any, config: tuple) -> bool:
+    def _in_context(self, ambient: VirtualSlice | None, plan: Runnable, config: tuple) -> bool:
         """True when a plan made in that context still runs a call made now."""
         return (
             (self.info.devices is not None or slices.current_slice() is ambient)
@@ -72,7 +73,7 @@ class RepeatCalls:
             and _trace_context() == config
         )
 
-    def by_futures(self, args: tuple) -> Any:
+    def by_futures(self, args: tuple) -> Runnable | None:
         """The plan of the call before if this one passes futures of its signatures in its context; else None.
 
         Signatures are shared objects, so the check is by identity: no signing
@@ -89,7 +90,7 @@ class RepeatCalls:
             return plan
         return None
 
-    def by_leaves(self, args: tuple, kwargs: dict) -> tuple[Any, tuple[list[Any], Any] | None]:
+    def by_leaves(self, args: tuple, kwargs: dict) -> tuple[Runnable | None, tuple[list[Any], Any] | None]:
         """The plan of the call before if this one's leaves have its types, treedef and context (else None),
         and the call flattened if it was (else None: it has static arguments, or no call was kept)."""
         fast = self.last_leaves
@@ -106,7 +107,7 @@ class RepeatCalls:
             return plan, flat
         return None, flat
 
-    def remember(self, key: tuple, inputs: TraceInputs, args: tuple, kwargs: dict, plan: Any) -> None:
+    def remember(self, key: tuple, inputs: TraceInputs, args: tuple, kwargs: dict, plan: Runnable) -> None:
         """Keeps what lets the next call with the same types skip signing: its futures' signatures, or its leaf types."""
         futures_only = not kwargs and not self.info.static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):

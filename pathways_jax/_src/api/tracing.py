@@ -1,7 +1,8 @@
 """``pw.Program``: a function's graphs and plans, cached by call signature, and its calls.
 
 A :class:`Program` keeps, per call signature, the traced graph
-(``function_trace``) and its lowered plan, and submits each call's run;
+(``function_trace``) and its lowered plan (a ``runtime.runnable.Runnable``:
+the plan with the cluster and slices it runs on), and submits each call's run;
 ``program_info`` makes a call's key and ``repeat_calls`` lets a repeated
 call skip it. ``decorator`` (``pw.program``) makes programs.
 """
@@ -29,7 +30,8 @@ from pathways_jax._src.core import errors, reentry, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import FutureKey, Signature
-from pathways_jax._src.runtime import context, slices, submission
+from pathways_jax._src.runtime import context, runnable, submission
+from pathways_jax._src.runtime.runnable import Runnable
 from pathways_jax._src.runtime.slices import VirtualSlice
 
 
@@ -80,7 +82,7 @@ class Program:
         # Guards the caches of graphs and plans; never held while user code runs.
         self._lock = threading.RLock()
         self._graphs: dict[Any, GraphView] = {}
-        self._plans: dict[Any, Any] = {}
+        self._plans: dict[Any, Runnable] = {}  # call key -> its plan, as the runtime runs it
         # Call keys whose arguments or outputs hold NNX objects (pytrees): run as nnx.jit runs them.
         self._routed: set[Any] = set()
         self._repeats = RepeatCalls(info)
@@ -100,8 +102,8 @@ class Program:
 
     def _lowered(
         self, lower: Callable[..., Any], graph: GraphView, signature: Signature, donated: frozenset
-    ) -> Any:
-        """``lower(graph, ...)``, prepared by its backend; what JAX refuses only when compiling raises as a ``pw.errors`` type.
+    ) -> Runnable:
+        """``lower(graph, ...)``, prepared by its backend (``runnable.lowered``); what JAX refuses only when compiling raises as a ``pw.errors`` type.
 
         JAX finds some errors only at lowering (a ``jvp`` of a ``custom_vjp``,
         devices that do not fit together), XLA some when compiling (an unknown
@@ -110,18 +112,7 @@ class Program:
         """
         try:
             # The graph is plain data; where its slices are now is the placement's.
-            plan = lower(graph.ir, signature, slices.placement_of(tuple(graph.held.values())), donated)
-            if plan.backend is None:  # it places nothing: no backend's part
-                return plan
-            # The compiler calls no backend: the backend's part is made here, a copy holds it.
-            prepared = plan.backend.prepare(plan)
-            if not isinstance(prepared, lowering.Prepared):
-                raise errors.ClusterError(
-                    f"backend {plan.backend.name!r}: its prepare returned {type(prepared).__name__}, not a "
-                    "Prepared record (pathways_jax._src.backends.base.Prepared: the windows, islands, "
-                    "reports and the backend's own part of the plan); fix the backend"
-                )
-            return plan.with_prepared(prepared)
+            return runnable.lowered(lower, graph.ir, signature, tuple(graph.held.values()), donated)
         except (errors.PathwaysError, Warning):  # a warning raised as an error stays itself
             raise
         except Exception as exc:  # also of the original's class (XLA's JaxRuntimeError: a bad option)
@@ -221,9 +212,9 @@ class Program:
         if self._info.under_transforms and inside_jax_trace():
             # Traced by JAX (checkify, make_jaxpr) with concrete arguments: as jax.jit, traced in.
             return self._transformed(args, kwargs)
-        plan = self._repeats.by_futures(args) if not kwargs else None
-        if plan is not None:
-            return submission.submit(plan, list(args))
+        repeat = self._repeats.by_futures(args) if not kwargs else None
+        if repeat is not None:
+            return submission.submit(repeat, list(args))
         if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
             # As jax.jit under jax.disable_jit(): op by op, in the caller.
             out = self._info.fun(*args, **kwargs)
@@ -265,7 +256,7 @@ class Program:
             return nnx_graph.call(self, args, kwargs)
         return submission.submit(*planned)
 
-    def _planned(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]] | None:
+    def _planned(self, args: tuple, kwargs: dict) -> tuple[Runnable, list[Any]] | None:
         """The call's plan and argument leaves, or None where NNX objects route it to ``nnx_graph``."""
         # Leaves of the same types as the call before (a train loop's): skip the signature.
         plan, flat = self._repeats.by_leaves(args, kwargs)
@@ -296,7 +287,7 @@ class Program:
         self._repeats.remember(key, inputs, args, kwargs, plan)
         return plan, inputs.leaves
 
-    def repeat_plan(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any]] | None:
+    def repeat_plan(self, args: tuple, kwargs: dict) -> tuple[Runnable, list[Any]] | None:
         """The plan and leaves of a call that repeats the one before (see ``repeat_calls.LastLeaves``), else None.
 
         For ``nnx_graph``, which submits the plan itself and reads its outputs
@@ -316,7 +307,7 @@ class Program:
         plan, flat = self._repeats.by_leaves(args, kwargs)
         return None if plan is None or flat is None else (plan, flat[0])
 
-    def _array_plan(self, key: tuple, inputs: TraceInputs) -> Any:
+    def _array_plan(self, key: tuple, inputs: TraceInputs) -> Runnable | None:
         """The plan of the call with each future's array in its place, if there is one that takes futures.
 
         A train loop calls a program first with arrays, then with the futures
@@ -336,16 +327,19 @@ class Program:
         arrays = tuple(_as_array_key(k) if type(k) is FutureKey else k for k in signature)
         if None in arrays:
             return None
-        plan = self._plans.get((key[0], arrays, *key[2:]))
-        if plan is None or plan.donated_args or plan.shipped_feeds:
+        kept = self._plans.get((key[0], arrays, *key[2:]))
+        if kept is None:
+            return None
+        plan = kept.plan
+        if plan.donated_args or plan.shipped_feeds:
             return None
         if plan.special_outputs or plan.placement.limits is not None:  # under a memory budget
             return None
         with self._lock:
-            self._plans.setdefault(key, plan)
-        return plan
+            self._plans.setdefault(key, kept)
+        return kept
 
-    def _plan_for(self, key: Any, inputs: TraceInputs, args: tuple, kwargs: dict) -> Any:
+    def _plan_for(self, key: Any, inputs: TraceInputs, args: tuple, kwargs: dict) -> Runnable:
         """The plan of this signature: traced (once) and lowered (once per mapping)."""
 
         graph = self._graph_for(key, inputs)

@@ -53,6 +53,9 @@ class Plan:
 
     Frozen once compiled: nothing sets an attribute of a plan after its
     construction. Its backend's part comes as a copy (:meth:`with_prepared`).
+    It is plain data: it holds no cluster, backend or runtime slice. The
+    runtime keeps those beside it (``runtime.runnable.Runnable``), with the
+    check that says whether its placement still holds.
     """
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -106,11 +109,6 @@ class Plan:
         # A backend that does not stage inputs ships them with the run's message.
         self.shipped_feeds = target is not None and not target.stages_inputs
         self.signatures = [out.signature for out in self.outputs]
-        # The runtime's own slice of each output, as its placement holds it (``Placed.held``),
-        # for the futures a run makes: looked up once here, not per call.
-        self.output_slices = [
-            placement.slices[out.slice.id].held if out.slice is not None else None for out in self.outputs
-        ]
         # Outputs submission makes ready itself (literals, arguments returned as they are).
         self.special_outputs = [(i, out) for i, out in enumerate(self.outputs) if out.kind != "slot"]
         self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}
@@ -190,21 +188,6 @@ class Plan:
                     f"{limits[d]} bytes; a run can never be admitted. Split the program, or raise "
                     "pw.init(memory_budget=...)."
                 )
-
-    def is_current(self) -> bool:
-        """False when a slice was released or remapped, so the plan must be lowered again."""
-        return self.placement.current()
-
-    @property
-    def cluster(self) -> Any:
-        """The runtime's cluster the plan runs on (None: it places nothing); lowering never reads it."""
-        return self.placement.owner
-
-    @property
-    def backend(self) -> Any:
-        """The cluster's backend (None: the plan places nothing)."""
-        owner = self.placement.owner
-        return owner.backend if owner is not None else None
 
 
 def lower(

@@ -9,7 +9,7 @@ backend itself, so the same graph and placement lower to the same plan.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from jax.sharding import Mesh
@@ -60,15 +60,11 @@ class Placed:
       ref: the slice, as the graph names it.
       mesh: its devices now.
       island: its island now.
-      held: the runtime's own object for the slice (a ``VirtualSlice``), which
-        the futures of a plan's outputs on it name; lowering never reads it,
-        a plan only hands it on (``Plan.output_slices``). None: none.
     """
 
     ref: SliceRef
     mesh: Mesh
     island: int
-    held: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, weakref_slot=True)
@@ -80,17 +76,16 @@ class Placement:
       target: the backend (None: a graph that places nothing runs nowhere).
       limits: the memory budget, bytes per device id (None: no budget).
       executables: the compiled executables plans of this cluster share.
-      current: whether this placement still holds (no slice released or
-        moved since); made by the runtime, which alone can tell.
-      owner: the runtime's cluster the placement is of; lowering never reads it.
+
+    Whether a placement still holds (no slice released or moved since) only
+    the runtime can tell: it keeps that check beside the plan it lowers
+    (``runtime.runnable.Runnable``), as it keeps the cluster and slices.
     """
 
     slices: Mapping[int, Placed]
     target: Target | None = None
     limits: Mapping[int, int] | None = None
     executables: ExecutableCache | None = None
-    current: Callable[[], bool] = lambda: True
-    owner: Any = None
 
     def kind(self, src: int, dst: int) -> TransferKind:
         """The kind of a transfer between two slices (by id): within an island or across."""

@@ -10,8 +10,8 @@ starts its backend by name (``backends.registry``). May import: ``backends``, ``
 
 Modules: ``clusters`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``slices`` (virtual slices,
 ``pw.devices``); ``resources`` (the resource manager); ``context`` (per-thread context);
-``clients`` (clients); ``runs`` (a run: one call queued); ``submission`` (a call becomes a run
-and futures); ``controller`` (the single controller); ``windows`` (its in-flight windows, what a backend
+``clients`` (clients); ``runnable`` (a lowered plan with the cluster and slices it runs on);
+``runs`` (a run: one call queued); ``submission`` (a call becomes a run and futures); ``controller`` (the single controller); ``windows`` (its in-flight windows, what a backend
 is handed while it dispatches); ``admission`` (the admission core);
 ``scheduler`` (scheduling policies); ``object_store`` (the object store); ``futures``
 (``pw.Future``); ``accounting`` (busy time and usage); ``array_like`` (what a future

@@ -234,8 +234,14 @@ class Future(ArrayLike):
             handle that is not this process's (nor shared with it), or one freed.
         """
         array = self._computed(timeout)
-        if not isinstance(array, jax.Array):  # held by a backend's host (a handle): bring it here
-            try:
+        if not isinstance(array, jax.Array):
+            if not isinstance(array, readiness.RemoteValue):
+                raise errors.ProgramFailedError(
+                    f"fetching {self._entry.origin} failed: its value is a {type(array).__name__}, "
+                    "neither a jax.Array nor a value a backend holds (core.readiness.RemoteValue); "
+                    "the backend that made it must return one of those"
+                )
+            try:  # held by a backend's host (a handle): bring it here
                 array = array.fetch()
             except errors.PathwaysError:
                 raise
@@ -250,7 +256,7 @@ class Future(ArrayLike):
 
         The same buffer: made once per future, not copied.
         """
-        if not getattr(array, "_committed", True):  # made so by its executable (lowering._loose_device)
+        if not getattr(array, "_committed", True):  # made so by its executable (node_compiler.loose_device)
             return array
         loose = getattr(self, "_loose", None)
         if loose is None or loose[0] is not array:

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import threading
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -138,12 +139,12 @@ class ObjectStore:
         return entry
 
     def new_run(
-        self, owner: Owner, outputs: list[Any], signatures: list[Any], slices: list[Any]
+        self, owner: Owner, outputs: list[Any], signatures: list[Any], slices: Sequence[Any]
     ) -> list[Entry]:
         """One entry per output of a run, as :meth:`new` each.
 
         ``outputs``, ``signatures``, ``slices``: its plan's output slots, their
-        keys, and the slice (``VirtualSlice``) each is on (``Plan.output_slices``).
+        keys, and the slice (``VirtualSlice``) each is on (``Runnable.output_slices``).
         """
         self._collect_before_new()
         ids = self._ids

@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 import jax
@@ -240,17 +240,31 @@ def current_slice() -> VirtualSlice | None:
 
 
 def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
-    """Where ``slices`` (every slice a graph names) are now, as the plain data lowering is given.
-
-    Its ``current()`` says whether it still holds: no slice released or moved
-    since (asked on every call of a plan: an unchanged mapping epoch answers it).
-    """
+    """Where ``slices`` (every slice a graph names) are now, as the plain data lowering is given."""
     if not slices:
         return NOWHERE
     cluster = slices[0].cluster
-    mapping = tuple((s, s.devices) for s in slices)
-    where = {s.id: Placed(s.ref, s.physical_mesh, s.island, s) for s in slices}
+    where = {s.id: Placed(s.ref, s.physical_mesh, s.island) for s in slices}
     budget = cluster.store.budget
+    return Placement(
+        where,
+        Target.of(cluster.backend),
+        dict(budget.limits) if budget is not None else None,
+        cluster.executables,
+    )
+
+
+def still_placed(slices: Sequence[VirtualSlice]) -> Callable[[], bool]:
+    """A check that ``slices`` are where they are now: none released or moved since.
+
+    Made before their placement is read, so that a move in between makes the
+    check fail, never pass. Asked on every call of a plan: an unchanged
+    mapping epoch answers it.
+    """
+    if not slices:
+        return _always
+    cluster = slices[0].cluster
+    mapping = tuple((s, s.devices) for s in slices)
     epoch = cluster.mapping_epoch
 
     def current() -> bool:
@@ -262,14 +276,11 @@ def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
             epoch = cluster.mapping_epoch
         return held
 
-    return Placement(
-        where,
-        Target.of(cluster.backend),
-        dict(budget.limits) if budget is not None else None,
-        cluster.executables,
-        current,
-        cluster,
-    )
+    return current
+
+
+def _always() -> bool:
+    return True
 
 
 def explicit_view(

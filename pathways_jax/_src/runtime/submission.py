@@ -21,15 +21,17 @@ from pathways_jax._src.runtime.runs import Run
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
+    from pathways_jax._src.runtime.runnable import Runnable
 
 _runs = itertools.count()
 
 
-def submit(plan: Plan, leaves: list[Any]) -> Any:
-    """Queues one run with these argument leaves; returns the output pytree of futures."""
+def submit(runnable: Runnable, leaves: list[Any]) -> Any:
+    """Queues one run of ``runnable`` with these argument leaves; returns the output pytree of futures."""
     sink = events.SINK
     t0 = events.now() if sink is not None else 0
-    run, cl = _run_of(plan, leaves)
+    run, cl = _run_of(runnable, leaves)
+    plan = run.plan
     store = cl.store
     entries = run.outputs
     futures: list[Any] = [Future(entry, store) for entry in entries]
@@ -51,13 +53,13 @@ def submit(plan: Plan, leaves: list[Any]) -> Any:
     return jax.tree_util.tree_unflatten(plan.graph.out_tree, futures)
 
 
-def takes_values(plan: Plan) -> bool:
-    """True when :func:`submit_values` may run ``plan``: every output is a node's, no memory budget."""
-    cl = plan.cluster
-    return cl is not None and not plan.special_outputs and cl.store.budget is None
+def takes_values(runnable: Runnable) -> bool:
+    """True when :func:`submit_values` may run ``runnable``: every output is a node's, no memory budget."""
+    cl = runnable.cluster
+    return cl is not None and not runnable.plan.special_outputs and cl.store.budget is None
 
 
-def submit_values(plan: Plan, leaves: list[Any], wanted: Sequence[bool]) -> list[Any]:
+def submit_values(runnable: Runnable, leaves: list[Any], wanted: Sequence[bool]) -> list[Any]:
     """Queues one run as :func:`submit`; returns its flat outputs, those ``wanted`` as arrays once dispatched.
 
     For a caller that writes outputs back at once (``nnx_graph``: the
@@ -68,7 +70,7 @@ def submit_values(plan: Plan, leaves: list[Any], wanted: Sequence[bool]) -> list
     """
     sink = events.SINK
     t0 = events.now() if sink is not None else 0
-    run, cl = _run_of(plan, leaves)
+    run, cl = _run_of(runnable, leaves)
     store = cl.store
     counts.bump("runs")
     try:
@@ -77,7 +79,7 @@ def submit_values(plan: Plan, leaves: list[Any], wanted: Sequence[bool]) -> list
         store.free(list(run.outputs))  # no future holds them: the run's entries go with it
         raise
     if sink is not None:
-        sink(_submitted(plan, run, t0))
+        sink(_submitted(run.plan, run, t0))
     return dispatched_values(run.outputs, store, wanted)
 
 
@@ -88,9 +90,10 @@ def _submitted(plan: Plan, run: Run, start: int) -> events.Submitted:
     )
 
 
-def _run_of(plan: Plan, leaves: list[Any]) -> tuple[Run, Any]:
-    """The run of ``plan`` with these argument leaves, its outputs' entries made; and its cluster."""
-    cl = plan.cluster
+def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
+    """The run of ``runnable`` with these argument leaves, its outputs' entries made; and its cluster."""
+    plan = runnable.plan
+    cl = runnable.cluster
     if cl is None:  # a program that places nothing (it only returns literals)
         cl = clusters.cluster()
     store = cl.store
@@ -131,7 +134,7 @@ def _run_of(plan: Plan, leaves: list[Any]) -> tuple[Run, Any]:
         raise errors.ClusterError(f"{client!r} is closed; programs cannot be submitted for it.")
     run_id = next(_runs)
     owner = Owner(client.name, run_id, client.key)
-    entries = store.new_run(owner, plan.outputs, plan.signatures, plan.output_slices)
+    entries = store.new_run(owner, plan.outputs, plan.signatures, runnable.output_slices)
     return Run(run_id, plan, env, future_inputs, entries, client=client, staged=ticket), cl
 
 
