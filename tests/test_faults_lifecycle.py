@@ -16,7 +16,7 @@ import pathways_jax as pw
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends import ray_dispatch, ray_fleet, ray_losses
 from pathways_jax._src.runtime import accounting as accounting_lib
-from pathways_jax._src.runtime import clusters
+from pathways_jax._src.runtime import clusters, init_args
 from pathways_jax._src.runtime import context as context_lib
 
 CLOSED = accounting_lib.CLOSED_CLIENTS
@@ -299,8 +299,8 @@ def test_init_refuses_bad_arguments(kwargs, pattern):
 
 
 def test_init_takes_max_queued():
-    assert clusters.DEFAULT_MAX_QUEUED == 1024
-    assert pw.init(num_cpu_devices=8).max_queued == clusters.DEFAULT_MAX_QUEUED
+    assert init_args.DEFAULT_MAX_QUEUED == 1024
+    assert pw.init(num_cpu_devices=8).max_queued == init_args.DEFAULT_MAX_QUEUED
     with pytest.raises(pw.errors.ClusterError, match=r"max_queued=4.*max_queued=1024.*is running"):
         pw.init(num_cpu_devices=8, max_queued=4)
     pw.shutdown()

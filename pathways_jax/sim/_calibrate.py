@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pathways_jax import errors
-from pathways_jax._src.runtime.clusters import DEFAULT_IN_FLIGHT
+from pathways_jax._src.runtime.init_args import DEFAULT_IN_FLIGHT
 from pathways_jax.sim._profile import ControllerCosts, DeviceCosts, HostCosts, LinkCosts, Profile
 
 _L = 16  # nodes of the chained programs

@@ -8,7 +8,8 @@ accounting, the controller service, and the cluster that holds them and
 starts its backend by name (``backends.registry``). May import: ``backends``, ``compile``,
 ``ir``, ``core``.
 
-Modules: ``clusters`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``slices`` (virtual slices,
+Modules: ``clusters`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``init_args``
+(``pw.init``'s arguments, their defaults and checks); ``slices`` (virtual slices,
 ``pw.devices``); ``resources`` (the resource manager); ``context`` (per-thread context);
 ``clients`` (clients); ``runnable`` (a lowered plan with the cluster and slices it runs on);
 ``runs`` (a run: one call queued); ``submission`` (a call becomes a run and futures); ``controller`` (the single controller); ``windows`` (its in-flight windows, what a backend
