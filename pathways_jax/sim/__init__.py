@@ -19,13 +19,17 @@ Example:
   >>> s.release()
 
 ``python -m pathways_jax.sim calibrate`` measures this machine into a profile.
+
+Modules: ``_cluster`` (``SimCluster``); ``_profile`` (what everything costs); ``_calibrate``
+(measuring a profile); ``_workload`` (programs of steps, their builders, ``Workload``);
+``_predict`` (a traced program as a ``SimProgram``, ``predict``); ``_engine`` (the
+discrete-event model, ``simulate``); ``_state`` (runs, dispatched steps, in-flight windows);
+``_fanout`` (how a run's message reaches its hosts); ``_host_load`` (hosts' costs on a shared
+machine); ``_timeline`` (trace events); ``_results`` (``SimResult`` and the figures in it);
+``_errors`` (its errors).
 """
 
 from pathways_jax.sim._cluster import SimCluster as SimCluster
-from pathways_jax.sim._engine import ClientStats as ClientStats
-from pathways_jax.sim._engine import RunRecord as RunRecord
-from pathways_jax.sim._engine import SimResult as SimResult
-from pathways_jax.sim._engine import Workload as Workload
 from pathways_jax.sim._engine import simulate as simulate
 from pathways_jax.sim._errors import ProfileError as ProfileError
 from pathways_jax.sim._errors import SimulatorUnavailable as SimulatorUnavailable
@@ -40,9 +44,13 @@ from pathways_jax.sim._profile import LinkCosts as LinkCosts
 from pathways_jax.sim._profile import Profile as Profile
 from pathways_jax.sim._profile import builtin_profiles as builtin_profiles
 from pathways_jax.sim._profile import load_profile as load_profile
+from pathways_jax.sim._results import ClientStats as ClientStats
+from pathways_jax.sim._results import RunRecord as RunRecord
+from pathways_jax.sim._results import SimResult as SimResult
 from pathways_jax.sim._workload import PREVIOUS_RUN as PREVIOUS_RUN
 from pathways_jax.sim._workload import SimProgram as SimProgram
 from pathways_jax.sim._workload import Step as Step
+from pathways_jax.sim._workload import Workload as Workload
 from pathways_jax.sim._workload import chain as chain
 from pathways_jax.sim._workload import concat as concat
 from pathways_jax.sim._workload import dispatch_mode as dispatch_mode

@@ -55,7 +55,7 @@ What is modelled (each charged from the cluster's :class:`Profile`):
   ``hosts_busy`` (the hosts' costs measured with no idle core), the hosts'
   costs go from ``hosts`` to it as the processes (the hosts and the
   controller) go from as many as the cores to twice as many (linearly; see
-  :func:`_host_costs`).
+  :func:`_host_load.host_costs`).
 - **Transfers** (ICI or DCN) start when their source is ready and they are
   enqueued; a DCN link between two islands carries one transfer at a time in
   each direction. Transfers do not occupy the devices' compute streams.
@@ -65,8 +65,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,188 +73,16 @@ import numpy as np
 from pathways_jax import errors
 from pathways_jax._src.backends.ray import CROSS_HOST_WINDOW
 from pathways_jax._src.backends.ray_host import PACE
-from pathways_jax._src.core import trace_format
-from pathways_jax._src.core.trace_format import CONTROLLER_PID, TRANSFER_TID
 from pathways_jax._src.runtime import admission
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax.sim._cluster import SimCluster
 from pathways_jax.sim._errors import import_simpy
 from pathways_jax.sim._fanout import CONTROLLER, fanout_tree
-from pathways_jax.sim._profile import HostCosts, Profile
-from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step
-
-CONTROLLER_TID = 1
-HOST_TID = 2_000_000  # host threads' tracks, in their island's process
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Workload:
-    """One client's stream of runs of one program.
-
-    Attributes:
-      program: what each run runs.
-      runs: how many runs the client submits.
-      client: the client's name (the timeline colours by it).
-      interval_s: seconds between the client's submissions (0: all at once,
-        interleaved with other clients' submissions at the same instant).
-      chained: each run's first steps read the previous run's output.
-      weight: the client's share under the ``"fair"`` scheduler.
-      priority: the client's priority under the ``"priority"`` scheduler.
-    """
-
-    program: SimProgram
-    runs: int = 1
-    client: str = "default"
-    interval_s: float = 0.0
-    chained: bool = True
-    weight: float = 1.0
-    priority: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RunRecord:
-    """When one simulated run was submitted, dispatched and done (seconds)."""
-
-    client: str
-    program: str
-    index: int
-    submitted: float
-    dispatch_start: float
-    dispatch_end: float
-    done: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClientStats:
-    """One client's steady state: time per run and computations per second."""
-
-    client: str
-    runs: int
-    step_time_s: float
-    throughput: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SimResult:
-    """What a simulation predicts.
-
-    Attributes:
-      makespan_s: from the first submission until the last step is done.
-      step_time_s: time per run in the steady state (the mean gap between
-        runs done after the first quarter; the whole time for a single run),
-        of the first client.
-      throughput: computations per second of all clients together in the steady state.
-      utilisation: the fraction of device time busy, over all the cluster's
-        devices, in the steady state.
-      controller_busy: the fraction of the time the controller's thread is busy.
-      clients: per-client figures.
-      runs: every run's record.
-      trace: the timeline as trace-event JSON (what ``pw.trace`` writes), or
-        ``None`` if not recorded.
-    """
-
-    makespan_s: float
-    step_time_s: float
-    throughput: float
-    utilisation: float
-    controller_busy: float
-    clients: tuple[ClientStats, ...]
-    runs: tuple[RunRecord, ...]
-    trace: dict | None
-
-
-class _Window:
-    """A bound on executables in flight; waiters ask for the count to fall to a level."""
-
-    def __init__(self, env: Any, size: int):
-        self.env = env
-        self.size = size
-        self.count = 0
-        self._waiters: list[tuple[int, Any]] = []
-
-    def until(self, level: int) -> Any:
-        event = self.env.event()
-        if self.count <= level:
-            event.succeed()
-        else:
-            self._waiters.append((level, event))
-        return event
-
-    def release(self) -> None:
-        self.count -= 1
-        still = []
-        for level, event in self._waiters:
-            if self.count <= level:
-                event.succeed()
-            else:
-                still.append((level, event))
-        self._waiters = still
-
-
-class _Item:
-    """One step of one run, once dispatched."""
-
-    __slots__ = ("done", "end", "enqueued", "hosts_left", "index", "run", "start", "step")
-
-    def __init__(self, env: Any, run: _Run, index: int, step: Step, hosts: int):
-        self.run = run
-        self.index = index
-        self.step = step
-        self.done = env.event()
-        self.enqueued = env.event()
-        self.hosts_left = hosts
-        self.start = math.nan
-        self.end = math.nan
-
-
-class _Run:
-    __slots__ = (
-        "client",
-        "dispatch_end",
-        "dispatch_start",
-        "done",
-        "index",
-        "items",
-        "prev",
-        "seq",
-        "submitted",
-    )
-
-    def __init__(self, client: int, index: int, seq: int, submitted: float, prev: _Run | None):
-        self.client = client
-        self.index = index
-        self.seq = seq
-        self.submitted = submitted
-        self.prev = prev
-        self.items: list[_Item] = []
-        self.dispatch_start = math.nan
-        self.dispatch_end = math.nan
-        self.done: Any = None
-
-
-def _host_costs(profile: Profile, cluster: SimCluster) -> HostCosts:
-    """The hosts' costs on ``cluster``: ``hosts``, or towards ``hosts_busy`` on a crowded machine.
-
-    A process's CPU seconds per unit of work move with the load: calibration
-    measures them with cores to spare (``hosts``) and with none idle
-    (``hosts_busy``). Hosts sharing ``cores`` with the controller pay
-    ``hosts`` while the processes fit the cores and ``hosts_busy`` from twice
-    as many processes as cores, in proportion in between. The linear form and
-    its ends are a choice, not a measurement: on the 2-core machine of
-    ``cpu_2core`` it puts 2 hosts (3 processes) halfway, and 2-host chains fall
-    between the two measured states there (``benchmarks/README.md``, Simulator).
-    """
-    busy = profile.hosts_busy
-    if cluster.cores is None or busy is None:
-        return profile.hosts
-    share = min(max((cluster.hosts + 1 - cluster.cores) / cluster.cores, 0.0), 1.0)
-    idle = profile.hosts
-    return HostCosts(
-        **{
-            f.name: (1 - share) * getattr(idle, f.name) + share * getattr(busy, f.name)
-            for f in dataclasses.fields(HostCosts)
-        }
-    )
+from pathways_jax.sim._host_load import host_costs
+from pathways_jax.sim._results import SimResult, summarise
+from pathways_jax.sim._state import Item, Run, Window
+from pathways_jax.sim._timeline import Timeline
+from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step, Workload
 
 
 class _Simulation:
@@ -267,30 +93,23 @@ class _Simulation:
         self.cluster = cluster
         self.profile = cluster.profile
         self.workloads = list(workloads)
-        self.record = record
-        # The devices the timeline draws: the first ones of every island, max_tracks in all.
-        per_island = max(1, min(max_tracks // cluster.islands, cluster.devices_per_island))
-        self.tracked = [
-            d for i in range(cluster.islands) for d in range(*cluster.island_devices(i))[:per_island]
-        ]
-        self.tracked_hosts = sorted({cluster.host_of(d) for d in self.tracked})
-        self.events: list[dict] = []
+        self.timeline = Timeline(cluster, self.workloads, record=record, max_tracks=max_tracks)
         # The runtime's admission core: a queue per client and the cluster's policy.
-        self.admission: admission.Queues[int, _Run] = admission.Queues(scheduler_lib.make(cluster.scheduler))
+        self.admission: admission.Queues[int, Run] = admission.Queues(scheduler_lib.make(cluster.scheduler))
         self.wakeup = self.env.event()
         self.seq = 0
-        self.runs: list[_Run] = []
+        self.runs: list[Run] = []
         self.tail = np.full(cluster.devices, -1, dtype=np.int64)  # last item on each device
-        self.items: list[_Item] = []
+        self.items: list[Item] = []
         per = "island" if cluster.dispatch == "local" else "host"
         count = cluster.islands if per == "island" else cluster.hosts
-        self.windows = [_Window(self.env, cluster.in_flight) for _ in range(count)]
+        self.windows = [Window(self.env, cluster.in_flight) for _ in range(count)]
         # A host's bound for windowed executables (the runtime's hosts: ray.py, ray_host.py).
         self._host_bound = min(
             cluster.in_flight, PACE, CROSS_HOST_WINDOW if cluster.hosts_per_island > 1 else PACE
         )
         self.device_windows = (
-            [_Window(self.env, cluster.device_in_flight) for _ in range(cluster.devices)]
+            [Window(self.env, cluster.device_in_flight) for _ in range(cluster.devices)]
             if per == "island"
             else []
         )
@@ -299,7 +118,7 @@ class _Simulation:
         )
         self.links: dict[tuple[int, int], Any] = {}
         self.cores = simpy.Container(self.env, cluster.cores, init=cluster.cores) if cluster.cores else None
-        self.host_costs = _host_costs(self.profile, cluster)
+        self.host_costs = host_costs(self.profile, cluster)
         self.controller_busy = 0.0
         self.spans: list[tuple[float, float, int, int]] = []  # node (start, end, lo, hi)
         self.remaining = sum(w.runs for w in self.workloads)
@@ -311,14 +130,10 @@ class _Simulation:
         self.busy_marks = [0.0]  # times at which ``running`` changed ...
         self.busy_before = [0.0]  # ... and the time some node ran before each of them
 
-    # --- trace events ------------------------------------------------------------------
-
-    def _span(self, name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict) -> None:
-        if self.record:
-            self.events.append(trace_format.span(name, cat, start * 1e6, (end - start) * 1e6, pid, tid, args))
+    # --- the controller's time ------------------------------------------------------------
 
     def _controller(
-        self, name: str, cat: str, start: float, run: _Run, *, exempt: float = 0.0, **args: Any
+        self, name: str, cat: str, start: float, run: Run, *, exempt: float = 0.0, **args: Any
     ) -> None:
         """The controller's span from ``start`` to now; ``exempt``: of it, seconds the devices'
         own figures already hold (``device.launch_cpu``), which they do not lose again."""
@@ -327,10 +142,7 @@ class _Simulation:
             self.controller_busy += now - start
             if self.shared_cpu:
                 self.device_debt += max(self._busy(now) - self._busy(start) - exempt, 0.0)
-        if self.record:
-            w = self.workloads[run.client]
-            args.update(client=w.client, program=w.program.name, run=run.seq)
-            self._span(name, cat, start, now, CONTROLLER_PID, CONTROLLER_TID, args)
+        self.timeline.controller(name, cat, start, now, run, args)
 
     # --- clients and the scheduler -------------------------------------------------------
 
@@ -338,7 +150,7 @@ class _Simulation:
         w = self.workloads[index]
         prev = None
         for i in range(w.runs):
-            run = _Run(index, i, self.seq, self.env.now, prev if w.chained else None)
+            run = Run(index, i, self.seq, self.env.now, prev if w.chained else None)
             self.seq += 1
             self.runs.append(run)
             self.admission.push(index, run)
@@ -382,7 +194,7 @@ class _Simulation:
             hosts |= set(range(step.src[0] // d, (step.src[1] - 1) // d + 1))
         return sorted(hosts)
 
-    def _dispatch(self, run: _Run) -> Any:
+    def _dispatch(self, run: Run) -> Any:
         env, cost = self.env, self.profile.controller
         program = self.workloads[run.client].program
         run.dispatch_start = env.now
@@ -394,7 +206,7 @@ class _Simulation:
         else:
             yield from self._work(cost.run_s + self.host_costs.dispatch_s)
         self._controller(f"dispatch {program.name}", "dispatch", start, run, what="run")
-        per_host: dict[int, list[_Item]] = collections.defaultdict(list)
+        per_host: dict[int, list[Item]] = collections.defaultdict(list)
         for index, step in enumerate(program.steps):
             island = self.cluster.island_of(step.devices[0])
             hosts = self._hosts_of(step)
@@ -484,7 +296,7 @@ class _Simulation:
             return self.busy_before[i] + (t - self.busy_marks[i] if nxt > 0 else 0.0)
         return self.busy_before[i] + (t - self.busy_marks[i] if running else 0.0)
 
-    def _local_window(self, step: Step) -> _Window | None:
+    def _local_window(self, step: Step) -> Window | None:
         """The window a node counts against on the local backend: its island's, or its device's."""
         if step.kind != "node":
             return None
@@ -494,8 +306,8 @@ class _Simulation:
             return self.device_windows[step.devices[0]]
         return None
 
-    def _new_item(self, run: _Run, index: int, step: Step, hosts: int) -> _Item:
-        item = _Item(self.env, run, index, step, hosts)
+    def _new_item(self, run: Run, index: int, step: Step, hosts: int) -> Item:
+        item = Item(self.env, run, index, step, hosts)
         run.items.append(item)
         waits = [item.enqueued]
         for j in step.inputs:
@@ -516,7 +328,7 @@ class _Simulation:
         return item
 
     def _host(
-        self, host: int, run: _Run, per_host: dict[int, list[_Item]], tree: dict[int, tuple[int, ...]]
+        self, host: int, run: Run, per_host: dict[int, list[Item]], tree: dict[int, tuple[int, ...]]
     ) -> Any:
         """Host ``host`` receives ``run``'s message, forwards it down ``tree``, then enqueues its items."""
         env, cost = self.env, self.host_costs
@@ -540,13 +352,7 @@ class _Simulation:
                 item.hosts_left -= 1
                 if item.hosts_left == 0:
                     item.enqueued.succeed()
-            if self.record and host in self.tracked_hosts:
-                island = host // self.cluster.hosts_per_island
-                w = self.workloads[run.client]
-                self._span(
-                    f"host {host}: enqueue {w.program.name}", "enqueue", start, env.now, 1 + island,
-                    HOST_TID + host, {"client": w.client, "program": w.program.name, "run": run.seq, "host": host},
-                )  # fmt: skip
+            self.timeline.host(host, run, start, env.now)
 
     # --- devices and links ---------------------------------------------------------------
 
@@ -557,7 +363,7 @@ class _Simulation:
             self.links[key] = self.simpy.Resource(self.env, 1)
         return self.links[key]
 
-    def _execute(self, item: _Item, waits: list) -> Any:
+    def _execute(self, item: Item, waits: list) -> Any:
         env, step = self.env, item.step
         pending = [e for e in waits if not e.processed]
         if pending:
@@ -595,47 +401,8 @@ class _Simulation:
             else:
                 for h in self._hosts_of(step):
                     self.windows[h].release()
-        self._record_item(item)
+        self.timeline.item(item)
         item.done.succeed()
-
-    def _tracked_in(self, devices: tuple[int, int]) -> list[int]:
-        lo, hi = devices
-        return [d for d in self.tracked if lo <= d < hi]
-
-    def _record_item(self, item: _Item) -> None:
-        if not self.record:
-            return
-        step, run = item.step, item.run
-        w = self.workloads[run.client]
-        island = self.cluster.island_of(step.devices[0])
-        tracked = self._tracked_in(step.devices)
-        base = {"program": w.program.name, "client": w.client, "run": run.seq, "island": island}
-        if step.kind == "node":
-            for d in tracked:
-                args = dict(
-                    base, node=step.name, kind="jit", device=d, dispatched_us=run.dispatch_start * 1e6
-                )
-                self._span(
-                    f"{w.program.name}/{step.name}", "execution", item.start, item.end, 1 + island, d, args
-                )
-        elif tracked:
-            assert step.src is not None
-            args = dict(
-                base,
-                kind=step.link,
-                bytes=step.nbytes,
-                src_devices=self._tracked_in(step.src),
-                dst_devices=list(tracked),
-            )
-            self._span(
-                f"{step.link} {step.nbytes} B",
-                "transfer",
-                item.start,
-                item.end,
-                1 + island,
-                TRANSFER_TID,
-                args,
-            )
 
     # --- running and results -------------------------------------------------------------
 
@@ -648,79 +415,15 @@ class _Simulation:
         return self._result()
 
     def _result(self) -> SimResult:
-        runs = tuple(
-            RunRecord(
-                self.workloads[r.client].client,
-                self.workloads[r.client].program.name,
-                r.index,
-                r.submitted,
-                r.dispatch_start,
-                r.dispatch_end,
-                float(r.items[self.workloads[r.client].program.output].end),
-            )
-            for r in self.runs
+        return summarise(
+            self.workloads,
+            self.runs,
+            self.items,
+            self.spans,
+            devices=self.cluster.devices,
+            controller_busy=self.controller_busy,
+            trace=self.timeline.document() if self.timeline.record else None,
         )
-        makespan = max(max(r.done for r in runs), max(r.end for r in self.items))
-        stats = []
-        windows = []
-        total_computations = 0.0
-        for i, w in enumerate(self.workloads):
-            done = sorted(rec.done for rec, r in zip(runs, self.runs, strict=True) if r.client == i)
-            first = len(done) // 4
-            if len(done) >= 2 and done[-1] > done[first]:
-                step = (done[-1] - done[first]) / (len(done) - 1 - first)
-                windows.append((done[first], done[-1]))
-            else:
-                step = done[-1] if done else 0.0
-                windows.append((0.0, done[-1] if done else 0.0))
-            rate = w.program.computations / step if step > 0 else math.inf
-            total_computations += rate
-            stats.append(ClientStats(w.client, w.runs, step, rate))
-        a = min(lo for lo, _ in windows)
-        b = max(hi for _, hi in windows)
-        if b <= a:
-            a, b = 0.0, makespan
-        busy = 0.0
-        for start, end, lo, hi in self.spans:
-            busy += max(0.0, min(end, b) - max(start, a)) * (hi - lo)
-        utilisation = busy / (self.cluster.devices * (b - a)) if b > a else 0.0
-        trace = self._trace() if self.record else None
-        return SimResult(
-            makespan_s=makespan,
-            step_time_s=stats[0].step_time_s,
-            throughput=total_computations,
-            utilisation=utilisation,
-            controller_busy=self.controller_busy / makespan if makespan > 0 else 0.0,
-            clients=tuple(stats),
-            runs=runs,
-            trace=trace,
-        )
-
-    def _trace(self) -> dict:
-        c = self.cluster
-        processes = {CONTROLLER_PID: "controller (simulated)"}
-        threads = {(CONTROLLER_PID, CONTROLLER_TID): "controller"}
-        devices = []
-        for island in range(c.islands):
-            processes[1 + island] = f"island {island}"
-            threads[(1 + island, TRANSFER_TID)] = f"transfers into island {island}"
-        for d in self.tracked:
-            island, host = c.island_of(d), c.host_of(d)
-            devices.append({"id": d, "island": island, "kind": "sim", "host": host})
-            threads[(1 + island, d)] = f"device {d} (sim, host {host})"
-        for event in self.events:  # the hosts' own tracks (enqueueing their parts of runs)
-            pid, tid = event["pid"], event["tid"]
-            if tid >= HOST_TID and (pid, tid) not in threads:
-                threads[(pid, tid)] = f"host {tid - HOST_TID} (sim)"
-        other = {
-            "producer": "pathways_jax.sim",
-            "cluster": repr(c),
-            "profile": c.profile.name,
-            "clients": sorted({w.client for w in self.workloads}),
-            "devices": devices,
-            "devices_not_drawn": c.devices - len(self.tracked),
-        }
-        return trace_format.document(self.events, processes, threads, other)
 
 
 def simulate(

@@ -25,8 +25,9 @@ from pathways_jax._src.api.graph_view import GraphView, NodeView
 from pathways_jax._src.api.placed_jit import JitFunction
 from pathways_jax._src.api.tracing import Program
 from pathways_jax.sim._cluster import SimCluster
-from pathways_jax.sim._engine import SimResult, Workload, simulate
-from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step
+from pathways_jax.sim._engine import simulate
+from pathways_jax.sim._results import SimResult
+from pathways_jax.sim._workload import PREVIOUS_RUN, SimProgram, Step, Workload
 
 _COLLECTIVES = (
     "psum",

@@ -1,10 +1,11 @@
-"""What the simulator runs: programs of steps (nodes and transfers) on device ranges.
+"""What the simulator runs: programs of steps (nodes and transfers) on device ranges, and workloads.
 
 A :class:`SimProgram` is the simulator's form of a lowered plan: its steps in
 dispatch order, each on a ``[start, stop)`` range of the cluster's devices with
 its device time already worked out from the profile. :func:`from_graph` builds
 one from a traced ``pw.Graph``; the other builders make the synthetic workloads
-of the scale study (the dispatch benchmark, SPMD, pipelines, two islands).
+of the scale study (the dispatch benchmark, SPMD, pipelines, two islands). A
+:class:`Workload` is one client's stream of runs of a program.
 """
 
 from __future__ import annotations
@@ -89,6 +90,30 @@ class SimProgram:
                         f"sim program {self.name!r} step {i} ({step.name}) reads step {j}, not an earlier one."
                     )
         return self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    """One client's stream of runs of one program.
+
+    Attributes:
+      program: what each run runs.
+      runs: how many runs the client submits.
+      client: the client's name (the timeline colours by it).
+      interval_s: seconds between the client's submissions (0: all at once,
+        interleaved with other clients' submissions at the same instant).
+      chained: each run's first steps read the previous run's output.
+      weight: the client's share under the ``"fair"`` scheduler.
+      priority: the client's priority under the ``"priority"`` scheduler.
+    """
+
+    program: SimProgram
+    runs: int = 1
+    client: str = "default"
+    interval_s: float = 0.0
+    chained: bool = True
+    weight: float = 1.0
+    priority: int = 0
 
 
 def node_time(
