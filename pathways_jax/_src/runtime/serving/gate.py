@@ -11,7 +11,6 @@ queued runs makes or reads.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import time
@@ -59,14 +58,19 @@ class Gate:
         self._arrival = itertools.count()
 
     def submit(
-        self, client: ClientProcess, seq: int, messages: list, run: wire.RunMeta | None
-    ) -> asyncio.Future:
-        """A client's batch number ``seq``; its future is set to each message's answer once they are done."""
-        batch = Batch(client.id, messages, run, asyncio.get_running_loop().create_future(), seq)
+        self,
+        client: ClientProcess,
+        seq: int,
+        messages: list,
+        run: wire.RunMeta | None,
+        reply: Callable[[list], None],
+    ) -> None:
+        """A client's batch number ``seq``; ``reply`` gets each message's answer once they are done."""
+        batch = Batch(client.id, messages, run, reply, seq)
         if not client.alive:
             gone = Refused(f"client {client.name!r} is not connected to this service ({client.why})", "gone")
-            batch.future.set_result([gone] * len(messages))
-            return batch.future
+            batch.answer([gone] * len(messages))
+            return
         client.pending[seq] = batch
         while client.next_seq in client.pending:
             ready = client.pending.pop(client.next_seq)
@@ -80,7 +84,6 @@ class Gate:
             else:
                 client.others.append(ready)
         self.pump()
-        return batch.future
 
     def pump(self) -> None:
         """Sends queue heads while the policy finds one that may go."""
