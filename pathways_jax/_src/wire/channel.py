@@ -45,7 +45,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Self, cast
 
 import msgspec
@@ -72,7 +72,32 @@ _DOWN = b"d"  # server -> peer
 _REASONS = ("truncated", "forged", "replayed", "malformed")
 # Plain ints: pyzmq's enum flags cost a microsecond or more an operation, on every frame.
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
-_NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+
+
+class _Socket(zmq.Socket):
+    """A ZeroMQ socket whose ``send_multipart`` sends its frames as they are, with plain int flags.
+
+    pyzmq's checks each frame's type and combines its enum flags per frame: five
+    times the cost of the send itself for a message of a few frames. A
+    message's frames still go all or none (ZeroMQ's own guarantee).
+    """
+
+    def send_multipart(
+        self, msg_parts: Sequence[Any], flags: int = 0, copy: bool = True, track: bool = False, **kwargs: Any
+    ) -> zmq.MessageTracker | None:
+        if track or kwargs:
+            return super().send_multipart(msg_parts, flags, copy, track, **kwargs)
+        flags = int(flags)
+        more = flags | _SNDMORE
+        last = len(msg_parts) - 1
+        for frame in msg_parts[:last]:
+            self.send(frame, more, copy=copy)
+        return self.send(msg_parts[last], flags, copy=copy)
+
+
+class _Context(zmq.Context[_Socket]):
+    _socket_class = _Socket
 
 
 class ChannelError(PathwaysError, RuntimeError):
@@ -159,7 +184,7 @@ class _Channel:
         self._send_timeout = send_timeout
         self._heartbeat = heartbeat
         self._max_pending = max_pending
-        self._context = zmq.Context(io_threads=1)
+        self._context = _Context(io_threads=1)
         self._send_lock = threading.Lock()
         self._send_codec = Codec()
         self._recv_codec = Codec()
@@ -436,7 +461,7 @@ class _Channel:
                     # Copied into ZeroMQ's own memory: a zero-copy frame's Python buffer can be
                     # freed under ZeroMQ's I/O thread at interpreter exit (libzmq then aborts the
                     # process: "Bad address (src/tcp.cpp)"), with a message to a host still queued.
-                    _send_frames(self._send_sock, parts)
+                    self._send_sock.send_multipart(parts, _NOBLOCK, copy=True)
                     return
                 why = f"{_name(absent[0])} is not connected (yet, or any more)"
             except zmq.Again:
@@ -588,18 +613,6 @@ class _Channel:
 def _waiting(sock: zmq.Socket) -> bool:
     """Whether a message waits on ``sock``: asked, not tried (a read that finds none raises, a few µs)."""
     return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
-
-
-def _send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
-    """Sends ``frames`` as one message without waiting (``zmq.Again`` if it cannot go now).
-
-    ``send_multipart`` less its per-frame type checks and enum flags (five times
-    the cost for a message of a few frames); a message's frames go all or none.
-    """
-    last = len(frames) - 1
-    for frame in frames[:last]:
-        sock.send(frame, _MORE, copy=True)
-    sock.send(frames[last], _NOBLOCK, copy=True)
 
 
 def _topic(kind: bytes, name: bytes) -> bytes:
