@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import itertools
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -51,6 +49,7 @@ from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.scheduler import Head
 from pathways_jax._src.runtime.serving.config import ServiceConfig, host_key
 from pathways_jax._src.runtime.serving.gate import Gate
+from pathways_jax._src.runtime.serving.handoff import Handoff
 from pathways_jax._src.runtime.serving.ledger import Ledger, Refuse
 from pathways_jax._src.runtime.serving.outbox import Outbox
 from pathways_jax._src.runtime.serving.records import Batch, ClientProcess
@@ -109,6 +108,7 @@ class ServiceActor:
         self._ids = itertools.count(1)
         self._ticker: Any = None
         self._loop: Any = None  # the actor's event loop (set by its first async call)
+        self._handoff: Any = None  # what the channels' threads hand that loop (made with it)
         # Clients send their batches on this channel (signed with the service's key).
         self.key = secrets.token_bytes(32)
         from pathways_jax._src import wire
@@ -147,8 +147,14 @@ class ServiceActor:
         }
 
     async def ready(self) -> dict:
-        self._loop = asyncio.get_running_loop()
+        self._set_loop()
         return self.info()
+
+    def _set_loop(self) -> None:
+        """Notes the actor's event loop (called on it): the channels' threads hand it their messages."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._handoff = Handoff(self._loop)
 
     async def join(self, name: str, pid: int, node: str, token: Any, x64: bool) -> dict:
         """Admits a client process (or refuses it, saying why); its id and the cluster's shape."""
@@ -173,7 +179,7 @@ class ServiceActor:
             }
         client = ClientProcess(next(self._ids), name, pid, node, token, time.time())
         self.clients[client.id] = client
-        self._loop = asyncio.get_running_loop()
+        self._set_loop()
         self._loop.create_task(self._watch(client))
         if self._ticker is None:
             self._ticker = self._loop.create_task(self._tick())
@@ -259,7 +265,7 @@ class ServiceActor:
 
     def _from_client(self, received: wire.Received) -> None:
         """A message on the service's channel (its receive thread): handled on the actor's loop."""
-        self._loop.call_soon_threadsafe(self._client_message, received)
+        self._handoff.post(self._client_message, received)
 
     def _client_message(self, received: wire.Received) -> None:
         from pathways_jax._src import wire
@@ -433,13 +439,13 @@ class ServiceActor:
             if not any(isinstance(item, wire.Fetch) for _host, item in messages):
                 batch.answer([None] * len(messages))  # answered at once
             else:  # a fetch: with the host's answer
-                _when_done(asyncio.get_running_loop(), refs, complete)
+                self._handoff.when_done(refs, complete)
             return
         in_flight = self.gate.in_flight
         for island in batch.islands:
             in_flight[island] += 1
         client.in_flight += 1
-        _when_done(asyncio.get_running_loop(), refs, complete)
+        self._handoff.when_done(refs, complete)
 
     def _complete(
         self, client: ClientProcess, batch: Batch, messages: list, refs: list, sent: float, generations: tuple
@@ -595,25 +601,3 @@ class ServiceActor:
                 self._drop_client(client, "the service stopped")
         await asyncio.get_running_loop().run_in_executor(None, self.backend.close, 5.0)
         self.channel.close()
-
-
-def _when_done(
-    loop: asyncio.AbstractEventLoop, futures: list[concurrent.futures.Future], then: Callable[[], None]
-) -> None:
-    """Calls ``then()`` on ``loop`` once every one of ``futures`` is done: one hop to the loop for
-    them all, from the thread that settles the last (no task, no asyncio future per answer)."""
-    if not futures:
-        loop.call_soon(then)
-        return
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_future: concurrent.futures.Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            loop.call_soon_threadsafe(then)
-
-    for future in futures:
-        future.add_done_callback(one_done)
