@@ -342,8 +342,11 @@ class ChannelLink:
 
     def send_many(self, host: int, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
         """Sends host ``host`` its next messages as one batch; the futures of their answers."""
+        return self._send_items(host, [encode(kind, args) for _seq, kind, args in messages])
+
+    def _send_items(self, host: int, items: list[wire.Item]) -> list[concurrent.futures.Future]:
+        """:meth:`send_many` of messages already encoded."""
         identity = self._identity[host]
-        items = [encode(kind, args) for _seq, kind, args in messages]
         futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in items]
         if identity in self._gone:
             for future in futures:
@@ -368,18 +371,21 @@ class ChannelLink:
         A host lost gets failed futures; parts with large blobs go host by host
         (:meth:`send_many`), as does a group of one host.
         """
+        if len(messages) == 1:
+            ((host, batch),) = messages.items()
+            return {host: self.send_many(host, batch)}
         out: dict[int, list[concurrent.futures.Future]] = {}
         parts: dict[int, list[wire.Item]] = {}
         seen: list[tuple[list[tuple[str, tuple]], list[wire.Item]]] = []  # distinct batches, encoded
         for host, batch in messages.items():
             items = _encoded(batch, seen)
-            if len(messages) == 1 or self._identity[host] in self._gone or _blob_bytes(items) > _FANOUT_BYTES:
-                out[host] = self.send_many(host, batch)
+            if self._identity[host] in self._gone or _blob_bytes(items) > _FANOUT_BYTES:
+                out[host] = self._send_items(host, items)  # (encoded once: a plan is pickled once)
             else:
                 parts[host] = items
         if len(parts) == 1:
-            ((host, _items),) = parts.items()
-            out[host] = self.send_many(host, messages[host])
+            ((host, items),) = parts.items()
+            out[host] = self._send_items(host, items)
             return {host: out[host] for host in messages}
         if parts:
             self._broadcast(group, parts, out)
