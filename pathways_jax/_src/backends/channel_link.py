@@ -153,6 +153,11 @@ def _array_blob(value: np.ndarray) -> wire.Blob:
     return wire.Blob(b"".join((head, code, shape, np.ascontiguousarray(value).data)))
 
 
+def _value_blob(value: Any) -> wire.Blob:
+    """A value as a :class:`wire.Fetched` payload: an array's raw bytes, anything else pickled."""
+    return _array_blob(value) if type(value) is np.ndarray else _blob(value)
+
+
 def _fetched_value(blob: wire.Blob) -> Any:
     """What :func:`_array_blob` made (a writable array of its own), or a pickled value."""
     view = blob.view
@@ -246,15 +251,16 @@ def decode(item: wire.Item) -> tuple[str, tuple]:
     raise ValueError(f"a host takes no {type(item).__name__} message")
 
 
-def answer_message(seq: int, value: Any) -> wire.Item:
-    """A host's answer to message ``seq`` as its wire message."""
+def answer_message(seq: int, value: Any) -> wire.Done | wire.Failed | wire.Fetched:
+    """A host's answer to message ``seq`` as its wire message (a controller service's answers to a
+    client's batch too: what else it answers, a ``Refused``, crosses pickled as a fetched value)."""
     if type(value) is np.ndarray:  # a fetched value, the most frequent answer with a payload
         return wire.Fetched(seq, _array_blob(value))
     match value:
         case None | float():
             return wire.Done(seq, value)
         case RunDone(device_s, values):
-            return wire.Done(seq, device_s, _blob(values))
+            return wire.Done(seq, device_s, [(key, _value_blob(small)) for key, small in values.items()])
         case RunFailure(kind, peer, message, trace, peers):
             return wire.Failed(seq, kind, peer, message, trace, list(peers))
         case MessageFailed():
@@ -267,8 +273,8 @@ def answer_value(item: wire.Item) -> Any:
     match item:
         case wire.Done(_, value, None):
             return value
-        case wire.Done(_, float() as value, wire.Blob() as values):
-            return RunDone(value, _unblob(values))
+        case wire.Done(_, float() as value, list() as values):
+            return RunDone(value, {key: _fetched_value(blob) for key, blob in values})
         case wire.Failed(_, "message" | "ended" as kind, _, message, trace):
             return MessageFailed(message, trace, ended=kind == "ended")
         case wire.Failed(_, kind, peer, message, trace, peers):
@@ -336,8 +342,11 @@ class ChannelLink:
 
     def send_many(self, host: int, messages: list[tuple[int, str, tuple]]) -> list[concurrent.futures.Future]:
         """Sends host ``host`` its next messages as one batch; the futures of their answers."""
+        return self._send_items(host, [encode(kind, args) for _seq, kind, args in messages])
+
+    def _send_items(self, host: int, items: list[wire.Item]) -> list[concurrent.futures.Future]:
+        """:meth:`send_many` of messages already encoded."""
         identity = self._identity[host]
-        items = [encode(kind, args) for _seq, kind, args in messages]
         futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in items]
         if identity in self._gone:
             for future in futures:
@@ -362,18 +371,21 @@ class ChannelLink:
         A host lost gets failed futures; parts with large blobs go host by host
         (:meth:`send_many`), as does a group of one host.
         """
+        if len(messages) == 1:
+            ((host, batch),) = messages.items()
+            return {host: self.send_many(host, batch)}
         out: dict[int, list[concurrent.futures.Future]] = {}
         parts: dict[int, list[wire.Item]] = {}
         seen: list[tuple[list[tuple[str, tuple]], list[wire.Item]]] = []  # distinct batches, encoded
         for host, batch in messages.items():
             items = _encoded(batch, seen)
-            if len(messages) == 1 or self._identity[host] in self._gone or _blob_bytes(items) > _FANOUT_BYTES:
-                out[host] = self.send_many(host, batch)
+            if self._identity[host] in self._gone or _blob_bytes(items) > _FANOUT_BYTES:
+                out[host] = self._send_items(host, items)  # (encoded once: a plan is pickled once)
             else:
                 parts[host] = items
         if len(parts) == 1:
-            ((host, _items),) = parts.items()
-            out[host] = self.send_many(host, messages[host])
+            ((host, items),) = parts.items()
+            out[host] = self._send_items(host, items)
             return {host: out[host] for host in messages}
         if parts:
             self._broadcast(group, parts, out)

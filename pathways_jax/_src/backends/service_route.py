@@ -13,14 +13,12 @@ it so. A host's death is the service's word: a health check asks it.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
-
-import numpy as np
 
 from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray_failures import is_lost_error
@@ -85,7 +83,7 @@ class ServiceRoute:
             if kind == "run":
                 for slot, key in args[4]:
                     aval = plan.slot_outputs[slot].aval
-                    nbytes[key] = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+                    nbytes[key] = math.prod(aval.shape) * aval.dtype.itemsize
         from pathways_jax._src import wire
 
         client = run.client
@@ -176,15 +174,16 @@ class ServiceRoute:
     def _answered(self, received: wire.Received) -> None:
         """The service's answers to a batch (the channel's receive thread)."""
         from pathways_jax._src import wire
+        from pathways_jax._src.backends.channel_link import answer_value
 
         match received.body:
             case wire.Answered(seq, answers):
                 try:
-                    values = pickle.loads(answers.view)
+                    values = [answer_value(item) for item in answers]
                 except Exception as exc:  # every message of the batch fails, saying why
                     values = [Refused(f"the service's answer did not decode: {exc}", "gone")]
                 with self._owed_lock:
-                    if seq in self._direct and values == [None]:
+                    if seq in self._direct and len(values) == 1 and values[0] is None:
                         self._sent_at[seq] = time.monotonic()
                         return  # the host sent the value here: fetched_here settles it
                     futures = self._owed.pop(seq, None)

@@ -45,7 +45,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Self, cast
 
 import msgspec
@@ -70,7 +70,34 @@ _GROUP_TOPIC = b"g"
 _UP = b"u"  # peer -> server
 _DOWN = b"d"  # server -> peer
 _REASONS = ("truncated", "forged", "replayed", "malformed")
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+# Plain ints: pyzmq's enum flags cost a microsecond or more an operation, on every frame.
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+
+
+class _Socket(zmq.Socket):
+    """A ZeroMQ socket whose ``send_multipart`` sends its frames as they are, with plain int flags.
+
+    pyzmq's checks each frame's type and combines its enum flags per frame: five
+    times the cost of the send itself for a message of a few frames. A
+    message's frames still go all or none (ZeroMQ's own guarantee).
+    """
+
+    def send_multipart(
+        self, msg_parts: Sequence[Any], flags: int = 0, copy: bool = True, track: bool = False, **kwargs: Any
+    ) -> zmq.MessageTracker | None:
+        if track or kwargs:
+            return super().send_multipart(msg_parts, flags, copy, track, **kwargs)
+        flags = int(flags)
+        more = flags | _SNDMORE
+        last = len(msg_parts) - 1
+        for frame in msg_parts[:last]:
+            self.send(frame, more, copy=copy)
+        return self.send(msg_parts[last], flags, copy=copy)
+
+
+class _Context(zmq.Context[_Socket]):
+    _socket_class = _Socket
 
 
 class ChannelError(PathwaysError, RuntimeError):
@@ -157,7 +184,7 @@ class _Channel:
         self._send_timeout = send_timeout
         self._heartbeat = heartbeat
         self._max_pending = max_pending
-        self._context = zmq.Context(io_threads=1)
+        self._context = _Context(io_threads=1)
         self._send_lock = threading.Lock()
         self._send_codec = Codec()
         self._recv_codec = Codec()
@@ -291,9 +318,9 @@ class _Channel:
     def _read(self) -> list[Any]:
         """One message's frames: the small leading ones as bytes, buffers as zero-copy frames."""
         sock = self._recv_sock
-        parts: list[Any] = [sock.recv(zmq.NOBLOCK)]
+        parts: list[Any] = [sock.recv(_NOBLOCK)]
         small = 3  # route, signature, header
-        while sock.getsockopt(zmq.RCVMORE):
+        while sock.getsockopt(_RCVMORE):
             parts.append(sock.recv(copy=len(parts) < small))
         return parts
 
@@ -434,7 +461,7 @@ class _Channel:
                     # Copied into ZeroMQ's own memory: a zero-copy frame's Python buffer can be
                     # freed under ZeroMQ's I/O thread at interpreter exit (libzmq then aborts the
                     # process: "Bad address (src/tcp.cpp)"), with a message to a host still queued.
-                    self._send_sock.send_multipart(parts, zmq.NOBLOCK, copy=True)
+                    self._send_sock.send_multipart(parts, _NOBLOCK, copy=True)
                     return
                 why = f"{_name(absent[0])} is not connected (yet, or any more)"
             except zmq.Again:
@@ -746,7 +773,7 @@ class Server(_Channel):
         sock = self._send_sock
         while _waiting(sock):  # (every send of the server comes here)
             try:
-                event = sock.recv(zmq.NOBLOCK)
+                event = sock.recv(_NOBLOCK)
             except zmq.Again:
                 return
             if event[:1] == b"\x01":

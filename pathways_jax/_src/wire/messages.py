@@ -205,13 +205,14 @@ class Peers(msgspec.Struct, frozen=True, tag=True, array_like=True):
 class Done(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """The request numbered ``seq`` completed; ``value`` e.g. measured device seconds.
 
-    ``values``: small results that ride along with the completion (pickled), so
-    that reading them costs no round trip.
+    ``values``: small results that ride along with the completion, ``(key, blob)``
+    each (the blob as a :class:`Fetched` payload), so that reading them costs no
+    round trip.
     """
 
     seq: int
     value: float | None = None
-    values: Blob | None = None
+    values: list[tuple[int, Blob]] | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -268,10 +269,11 @@ class Submit(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class Answered(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Service -> client: the answers to batch ``batch``, one per message (pickled list)."""
+    """Service -> client: the answers to batch ``batch``, one per message, each as a host's answer
+    numbered by its message's place in the batch."""
 
     batch: int
-    answers: Blob
+    answers: list[Done | Failed | Fetched]
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, array_like=True):

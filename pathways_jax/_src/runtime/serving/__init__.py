@@ -18,7 +18,8 @@ fed arguments; values stay on the hosts and the client holds handles.
 Modules: ``config`` (``ServiceConfig``, host keys); ``records`` (a client process, a
 batch); ``ledger`` (the values on the hosts: owners, readers, bytes under the budget);
 ``gate`` (admission: batches in each client's order, queued runs, windows, the budget);
-``outbox`` (answers to clients, queued for a slow reader); ``actor`` (the ``ServiceActor``:
+``outbox`` (answers to clients, queued for a slow reader); ``handoff`` (what the channels'
+threads hand the service's loop: one wake-up for a burst); ``actor`` (the ``ServiceActor``:
 clients, forwarding and completing batches, stats); ``handle`` (``pw.serve``, ``pw.service``
 and the ``Service`` handle).
 """

@@ -32,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from absl import logging
@@ -47,6 +49,7 @@ from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.scheduler import Head
 from pathways_jax._src.runtime.serving.config import ServiceConfig, host_key
 from pathways_jax._src.runtime.serving.gate import Gate
+from pathways_jax._src.runtime.serving.handoff import Handoff
 from pathways_jax._src.runtime.serving.ledger import Ledger, Refuse
 from pathways_jax._src.runtime.serving.outbox import Outbox
 from pathways_jax._src.runtime.serving.records import Batch, ClientProcess
@@ -105,6 +108,7 @@ class ServiceActor:
         self._ids = itertools.count(1)
         self._ticker: Any = None
         self._loop: Any = None  # the actor's event loop (set by its first async call)
+        self._handoff: Any = None  # what the channels' threads hand that loop (made with it)
         # Clients send their batches on this channel (signed with the service's key).
         self.key = secrets.token_bytes(32)
         from pathways_jax._src import wire
@@ -143,8 +147,14 @@ class ServiceActor:
         }
 
     async def ready(self) -> dict:
-        self._loop = asyncio.get_running_loop()
+        self._set_loop()
         return self.info()
+
+    def _set_loop(self) -> None:
+        """Notes the actor's event loop (called on it): the channels' threads hand it their messages."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._handoff = Handoff(self._loop)
 
     async def join(self, name: str, pid: int, node: str, token: Any, x64: bool) -> dict:
         """Admits a client process (or refuses it, saying why); its id and the cluster's shape."""
@@ -169,7 +179,7 @@ class ServiceActor:
             }
         client = ClientProcess(next(self._ids), name, pid, node, token, time.time())
         self.clients[client.id] = client
-        self._loop = asyncio.get_running_loop()
+        self._set_loop()
         self._loop.create_task(self._watch(client))
         if self._ticker is None:
             self._ticker = self._loop.create_task(self._tick())
@@ -205,8 +215,7 @@ class ServiceActor:
         refused = Refused(f"client {client.name!r} is gone: {why}", "gone")
         queued = self.gate.admission.close(client.id, lambda batch: Head(client.id, batch.arrival))
         for batch in [*queued, *client.others, *client.pending.values()]:
-            if not batch.future.done():
-                batch.future.set_result([refused] * len(batch.messages))
+            batch.answer([refused] * len(batch.messages))
         client.others.clear()
         client.pending.clear()
         client.outbox.clear()
@@ -256,7 +265,7 @@ class ServiceActor:
 
     def _from_client(self, received: wire.Received) -> None:
         """A message on the service's channel (its receive thread): handled on the actor's loop."""
-        self._loop.call_soon_threadsafe(self._client_message, received)
+        self._handoff.post(self._client_message, received)
 
     def _client_message(self, received: wire.Received) -> None:
         from pathways_jax._src import wire
@@ -267,9 +276,9 @@ class ServiceActor:
             return
         match received.body:
             case wire.Submit(seq, messages, run):
-                future = self.gate.submit(client, seq, messages, run)
-                peer = received.peer
-                future.add_done_callback(lambda done: self.outbox.answer(peer, seq, done.result()))
+                self.gate.submit(
+                    client, seq, messages, run, functools.partial(self.outbox.answer, received.peer, seq)
+                )
             case _:
                 self.refused_batches["not_a_batch"] += 1  # clients send only batches
 
@@ -320,7 +329,7 @@ class ServiceActor:
                     client.plans.setdefault(key, set()).add(routed.host)
                     registers.append((routed.host, wire.Register(key, ops, constants, blobs, x64)))
         self.backend.send_items(registers)
-        batch.future.set_result([answer] * len(batch.messages))
+        batch.answer([answer] * len(batch.messages))
 
     def _check(self, client: ClientProcess, batch: Batch) -> None:
         """Raises :class:`Refuse` if the batch names a value its client may not read, or a message
@@ -405,12 +414,13 @@ class ServiceActor:
         return out, frees
 
     def _forward(self, client: ClientProcess, batch: Batch) -> None:
-        """Sends a batch to its hosts, all at once; its answers come back through :meth:`_complete`."""
+        """Sends a batch to its hosts, all at once; its answers come back through :meth:`_complete`,
+        called on the loop once the hosts answered every message."""
         from pathways_jax._src import wire
 
         shares = [routed.item for routed in batch.messages if isinstance(routed.item, wire.Share)]
         if shares and len(shares) == len(batch.messages):
-            batch.future.set_result([self._share(client.id, share.key, share.reader) for share in shares])
+            batch.answer([self._share(client.id, share.key, share.reader) for share in shares])
             return
         try:
             messages, frees = self._translate(client, batch)
@@ -424,32 +434,30 @@ class ServiceActor:
             messages + [(host, wire.Free(list[wire.Handle](keys))) for host, keys in frees.items()]
         )
         refs = refs[: len(messages)]
+        complete = functools.partial(self._complete, client, batch, messages, refs, sent, generations)
         if batch.run is None:
             if not any(isinstance(item, wire.Fetch) for _host, item in messages):
-                batch.future.set_result([None] * len(messages))  # answered at once
+                batch.answer([None] * len(messages))  # answered at once
             else:  # a fetch: with the host's answer
-                asyncio.get_running_loop().create_task(
-                    self._complete(client, batch, messages, refs, sent, generations)
-                )
+                self._handoff.when_done(refs, complete)
             return
         in_flight = self.gate.in_flight
         for island in batch.islands:
             in_flight[island] += 1
         client.in_flight += 1
-        asyncio.get_running_loop().create_task(
-            self._complete(client, batch, messages, refs, sent, generations)
-        )
+        self._handoff.when_done(refs, complete)
 
-    async def _complete(
+    def _complete(
         self, client: ClientProcess, batch: Batch, messages: list, refs: list, sent: float, generations: tuple
     ) -> None:
+        """A batch the hosts answered (every future of ``refs`` is done): its accounting, then its answer."""
         from pathways_jax._src import wire
 
         answers: list[Any] = []
         lost_host = None
         for (host, _item), ref in zip(messages, refs, strict=True):
             try:
-                answers.append(await asyncio.wrap_future(ref))
+                answers.append(ref.result())
             except Exception as exc:
                 if ray_backend.is_lost_error(exc):
                     lost_host = host
@@ -459,11 +467,25 @@ class ServiceActor:
         for (_host, item), answer in zip(messages, answers, strict=True):
             if isinstance(item, wire.Fetch):  # its value went straight to the client, or through here
                 self.fetches["direct" if item.reply_to is not None and answer is None else "relayed"] += 1
-        if lost_host is not None:
-            island = self.layout.island_of(lost_host)
-            await asyncio.get_running_loop().run_in_executor(
-                None, self.backend.mark_lost, lost_host, "its actor died", generations[island]
-            )
+        finish = functools.partial(self._finish, client, batch, messages, answers, sent)
+        if lost_host is not None:  # its island is marked lost (off the loop) before the batch is answered
+            generation = generations[self.layout.island_of(lost_host)]
+            asyncio.get_running_loop().create_task(self._lost(lost_host, generation, finish))
+            return
+        finish()
+
+    async def _lost(self, host: int, generation: int, then: Callable[[], None]) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.backend.mark_lost, host, "its actor died", generation
+        )
+        then()
+
+    def _finish(
+        self, client: ClientProcess, batch: Batch, messages: list, answers: list, sent: float
+    ) -> None:
+        """Charges a completed run to its client and policy, and answers the batch."""
+        from pathways_jax._src import wire
+
         if batch.run is not None:
             done = time.monotonic()
             in_flight = self.gate.in_flight
@@ -502,8 +524,7 @@ class ServiceActor:
             client.runs += 1
             if any(isinstance(a, RunFailure) for a in answers):
                 client.failures += 1
-        if not batch.future.done():
-            batch.future.set_result(answers)
+        batch.answer(answers)
         self.gate.pump()
 
     # --- reading ---------------------------------------------------------------------------

@@ -11,7 +11,6 @@ queued runs makes or reads.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import time
@@ -52,6 +51,8 @@ class Gate:
         self.ledger = ledger
         self.window_size = window_size
         self.memory_budget = memory_budget
+        # No budget (None or 0): every run fits, and the queues need not be asked so at each pump.
+        self._budgeted = bool(memory_budget)
         self.backpressure_timeout = backpressure_timeout
         self.forward = forward
         self.fail = fail
@@ -59,14 +60,19 @@ class Gate:
         self._arrival = itertools.count()
 
     def submit(
-        self, client: ClientProcess, seq: int, messages: list, run: wire.RunMeta | None
-    ) -> asyncio.Future:
-        """A client's batch number ``seq``; its future is set to each message's answer once they are done."""
-        batch = Batch(client.id, messages, run, asyncio.get_running_loop().create_future(), seq)
+        self,
+        client: ClientProcess,
+        seq: int,
+        messages: list,
+        run: wire.RunMeta | None,
+        reply: Callable[[list], None],
+    ) -> None:
+        """A client's batch number ``seq``; ``reply`` gets each message's answer once they are done."""
+        batch = Batch(client.id, messages, run, reply, seq)
         if not client.alive:
             gone = Refused(f"client {client.name!r} is not connected to this service ({client.why})", "gone")
-            batch.future.set_result([gone] * len(messages))
-            return batch.future
+            batch.answer([gone] * len(messages))
+            return
         client.pending[seq] = batch
         while client.next_seq in client.pending:
             ready = client.pending.pop(client.next_seq)
@@ -80,7 +86,6 @@ class Gate:
             else:
                 client.others.append(ready)
         self.pump()
-        return batch.future
 
     def pump(self) -> None:
         """Sends queue heads while the policy finds one that may go."""
@@ -88,18 +93,21 @@ class Gate:
             # Everything but runs goes at once, ahead of the client's queued runs
             # unless it names what they read or make (a fetch of a queued run's
             # output waits for that run, a free for the runs reading the value).
-            others = [(c, b) for c in self.clients.values() if c.alive for b in self._unblocked(c)]
+            others = [
+                (c, b) for c in self.clients.values() if c.others and c.alive for b in self._unblocked(c)
+            ]
             if others:
                 for client, batch in others:
                     client.others.remove(batch)
                     self.forward(client, batch)
                 continue
-            heads = [(self.clients[key], batch) for key, batch in self.admission.heads()]
+            heads = self.admission.heads()
             if not heads:
                 return
-            if any(self._over_budget(c, b) for c, b in heads):
+            clients = self.clients
+            if self._budgeted and any(self._over_budget(clients[key], batch) for key, batch in heads):
                 continue  # a run failed for memory: look at the queues again
-            runs = [(c, b) for c, b in heads if self._may_go(b)]
+            runs = [(clients[key], batch) for key, batch in heads if self._may_go(batch)]
             if not runs:
                 return
             choices = [self._head(c, b) for c, b in runs]
@@ -153,11 +161,11 @@ class Gate:
         return ready
 
     def _may_go(self, batch: Batch) -> bool:
-        if not all(
-            admission.has_room(self.in_flight[island], 1, self.window_size) for island in batch.islands
-        ):
-            return False
-        return self.ledger.fits(batch.nbytes)
+        in_flight, size = self.in_flight, self.window_size
+        for island in batch.islands:
+            if not admission.has_room(in_flight[island], 1, size):
+                return False
+        return not self._budgeted or self.ledger.fits(batch.nbytes)
 
     def _over_budget(self, client: ClientProcess, batch: Batch) -> bool:
         """Fails (and takes off the queue) a run that will never fit, or waited too long to; True if it did."""

@@ -9,7 +9,6 @@ a client that takes nothing for too long is dropped.
 from __future__ import annotations
 
 import asyncio
-import pickle
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -56,20 +55,21 @@ class Outbox:
         answers queue, and is sent again from the loop (:meth:`drain`).
         """
         from pathways_jax._src import wire
+        from pathways_jax._src.backends.channel_link import answer_message
 
         client = self.by_identity.get(peer)
         if client is None:
             return
-        try:
-            blob = wire.Blob(pickle.dumps(answers, protocol=pickle.HIGHEST_PROTOCOL))
+        try:  # each as the hosts answer (typed; what is not, a Refused, pickled)
+            items = [answer_message(index, answer) for index, answer in enumerate(answers)]
         except Exception as exc:  # an answer that cannot be pickled still answers
             refused = Refused(f"the service could not send the answer: {type(exc).__name__}: {exc}")
-            blob = wire.Blob(pickle.dumps([refused] * len(answers), protocol=pickle.HIGHEST_PROTOCOL))
-        message = wire.Answered(seq, blob)
+            items = [answer_message(index, refused) for index in range(len(answers))]
+        message = wire.Answered(seq, items)
         if not client.outbox and self.send_now(peer, message):
             return
         client.outbox.append(message)
-        client.outbox_bytes += len(blob.view)
+        client.outbox_bytes += _nbytes(message)
         if client.stalled_since is None:
             client.stalled_since = time.monotonic()
             asyncio.get_running_loop().call_later(_DRAIN_FIRST_S, self.drain, client, _DRAIN_FIRST_S)
@@ -93,7 +93,7 @@ class Outbox:
         while client.outbox and client.alive:
             if not self.send_now(peer, client.outbox[0]):
                 break
-            client.outbox_bytes -= len(client.outbox.popleft().answers.view)
+            client.outbox_bytes -= _nbytes(client.outbox.popleft())
             client.stalled_since = time.monotonic() if client.outbox else None
         if not client.outbox or not client.alive:
             client.stalled_since = None
@@ -108,3 +108,19 @@ class Outbox:
             return
         pause = min(pause * 2, _DRAIN_MAX_S)
         asyncio.get_running_loop().call_later(pause, self.drain, client, pause)
+
+
+def _nbytes(message: wire.Answered) -> int:
+    """Bytes of the payloads an answer carries (what a client's outbox counts)."""
+    from pathways_jax._src import wire
+
+    total = 0
+    for item in message.answers:
+        match item:
+            case wire.Fetched(payload=payload):
+                total += len(payload)
+            case wire.Done(values=values) if values:
+                total += sum(len(blob) for _key, blob in values)
+            case wire.Failed(message=text, trace=trace):
+                total += len(text) + len(trace)
+    return total

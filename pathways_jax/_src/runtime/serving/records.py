@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the channels need the ray extra (pyzmq, msgspec): imported where used
@@ -14,18 +14,29 @@ if TYPE_CHECKING:  # the channels need the ray extra (pyzmq, msgspec): imported 
 
 @dataclasses.dataclass(eq=False)
 class Batch:
-    """A client's numbered batch: its messages (``wire.Routed``) and what the scheduler needs."""
+    """A client's numbered batch: its messages (``wire.Routed``) and what the scheduler needs.
+
+    ``reply(answers)`` sends its client the answers, one per message: called
+    once, by :meth:`answer`, the first time the batch is answered.
+    """
 
     client: int
     messages: list[wire.Routed]
     run: wire.RunMeta | None  # set for a run
-    future: asyncio.Future
+    reply: Callable[[list], None]
     seq: int = 0  # its number among its client's batches
     arrival: int = 0
     islands: tuple = ()
     nbytes: int = 0
     queued_at: float = 0.0
     charged: float = 0.0  # the estimate the policy was charged when it went
+    answered: bool = False
+
+    def answer(self, answers: list) -> None:
+        """Answers the batch with ``answers`` unless it was answered already."""
+        if not self.answered:
+            self.answered = True
+            self.reply(answers)
 
 
 @dataclasses.dataclass(eq=False)
