@@ -6,12 +6,16 @@ four hosts of two devices grouped in islands of two hosts (``"ray-2host"``:
 each island is one ``jax.distributed`` system, its slices span both hosts
 and values cross hosts through the transfer servers), and once more as a
 client process of a controller service with that topology (``"service"``:
-``pw.serve``, started once for the module). The Ray cluster is started once
-for this module; each test starts (and ``pw.shutdown`` stops) its hosts, or
-joins (and leaves) the service.
+``pw.serve``, started once for the module). Each backend's cluster (its hosts,
+or this process joined to the service) is started once and serves every test
+of the module, backend after backend: starting hosts costs seconds, and the
+tests here are about what programs compute, not about a cluster's start and
+end (test_ray_hosts.py, test_faults_*.py and test_service.py own those).
+Between two tests every value the first made must be freed, on the hosts too.
 Every result is compared with plain ``jax.jit`` on the same inputs.
 """
 
+import gc
 import threading
 import time
 
@@ -23,6 +27,7 @@ from helpers import assert_matches, wait_for
 
 import pathways_jax as pw
 from pathways_jax._src.backends.base import HostFleet
+from pathways_jax._src.runtime import clusters as cluster_lib
 
 pytestmark = pytest.mark.timeout(180)
 RAY_CPUS = 8  # the service's 4 hosts and a test's own 4 (one logical CPU each)
@@ -38,21 +43,48 @@ def shared_service(ray_cluster):
         svc.stop()
 
 
-@pytest.fixture(params=["local", "ray", "ray-2host", "service"])
+def _end_cluster() -> None:
+    pw.shutdown()
+    cluster_lib._forget_shutdown()
+
+
+@pytest.fixture(scope="module", params=["local", "ray", "ray-2host", "service"])
 def backend(request):
+    """One backend's cluster, started once for every test of the module (pytest groups them by backend)."""
+    if request.param != "local":  # started (or taken over) before this cluster: it ends no cluster of ours
+        request.getfixturevalue("shared_service" if request.param == "service" else "ray_cluster")
+    _end_cluster()
     if request.param == "local":
         pw.init(num_cpu_devices=8, islands=2)
     elif request.param == "ray":
-        request.getfixturevalue("ray_cluster")
         pw.init(backend="ray", hosts=2, devices_per_host=4)
     elif request.param == "service":
         svc = request.getfixturevalue("shared_service")
         pw.init(backend="ray", address=svc.address, service=svc.name)
     else:
-        request.getfixturevalue("ray_cluster")
         pw.init(backend="ray", hosts=4, devices_per_host=2, islands=2)
     assert [len(isl.devices) for isl in pw.cluster().islands] == [4, 4]
-    return request.param
+    try:
+        yield request.param
+    finally:
+        _end_cluster()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cluster(backend):
+    """Replaces the suite's cluster per test (conftest.py) by the module's, with nothing left behind.
+
+    After each test, every value it made is freed (the store's and the
+    hosts'): the next test starts from the same count, and a leak fails the
+    test that left it.
+    """
+    gc.collect()
+    before = _live_values(backend)
+    yield
+    gc.collect()
+    assert wait_for(lambda: _live_values(backend) == before, timeout=30), (
+        f"values left alive by this test: {_live_values(backend) - before}"
+    )
 
 
 def _live_values(backend: str) -> int:
