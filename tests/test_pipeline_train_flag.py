@@ -232,3 +232,56 @@ def test_a_stage_class_signature_is_read_once(monkeypatch):
     for seed in range(3):
         pipeline.as_stage(TrainingBlock(DIN, DOUT, seed))
     assert reads == [TrainingBlock.__call__]
+
+
+class NormBlock(nnx.Module):
+    """Linear then BatchNorm: running statistics that training updates."""
+
+    def __init__(self, din, dout, seed):
+        self.linear = nnx.Linear(din, dout, rngs=nnx.Rngs(seed))
+        self.norm = nnx.BatchNorm(dout, rngs=nnx.Rngs(seed))
+
+    def __call__(self, x, train: bool = False):
+        return jnp.tanh(self.norm(self.linear(x), use_running_average=not train))
+
+
+def test_running_statistics_a_step_would_hold_fixed_are_a_named_error_and_evaluation_runs():
+    from flax import linen
+
+    slices = island_slices(2)
+    blocks = [NormBlock(DIN, HIDDEN, 0), NormBlock(HIDDEN, DOUT, 1)]
+    x, y = make_data(7)
+    pipe = pipeline.Pipeline(blocks, slices, loss_fn=mse, optimizer=optax.sgd(0.1), num_microbatches=MICRO)
+    before = pw.counters()
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"train=True was asked") as info:
+        pipe.train_step(x, y, train=True)
+    message = str(info.value)
+    assert "stage 0 (nnx NormBlock)" in message and "norm.mean, norm.var" in message
+    assert "train=False" in message and "nnx.LayerNorm" in message
+    # No flag, with a BatchNorm in training mode by its own attribute (NNX's default): the same.
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"use_running_average=False"):
+        pipe.forward(x)
+    assert pw.counters()["runs"] == before["runs"]  # refused before anything ran
+    dp = pipeline.DataParallel(blocks, slices, loss_fn=mse, optimizer=optax.sgd(0.1))
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"DataParallel.train_step: train=True"):
+        dp.train_step(x, y, train=True)
+
+    # Evaluation reads the running statistics as they are, as the plain model does.
+    want = reference(blocks, x, None, {"train": False}, micro=1, derive=None)[0]
+    assert_tree_close(pipe.forward(x, train=False), want)
+    for block in blocks:
+        block.eval()
+    assert_tree_close(pipeline.Pipeline(blocks, slices, num_microbatches=MICRO).forward(x), want)
+
+    # Linen's batch_stats collection: refused alike, rather than Linen's error from inside the trace.
+    class LinenNorm(linen.Module):
+        @linen.compact
+        def __call__(self, x, train: bool = False):
+            return linen.BatchNorm(use_running_average=not train)(linen.Dense(DOUT)(x))
+
+    module = LinenNorm()
+    dp = pipeline.DataParallel(
+        (module, module.init(jax.random.key(0), x)), slices, loss_fn=mse, optimizer=optax.sgd(0.1)
+    )
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"batch_stats\['BatchNorm_0'\]\['mean'\]"):
+        dp.train_step(x, y, train=True)

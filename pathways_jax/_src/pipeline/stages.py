@@ -34,6 +34,9 @@ class Stage:
     ``call(params, x, rngs, train, train_kw)`` runs the stage with RNG streams
     and a training flag (see :func:`as_stage`); ``None`` means the stage takes
     neither and ``apply`` is used. ``flag`` says how the stage takes ``train``.
+    ``running``: the running statistics (BatchNorm's) that the stage's forward
+    updates in training, which a step would hold fixed instead; ``trains_untold``:
+    a layer keeping them is in training mode by its own attribute.
     """
 
     params: Any
@@ -42,9 +45,32 @@ class Stage:
     description: str
     call: Call | None = None
     flag: TrainFlag | None = None
+    running: tuple[str, ...] = ()
+    trains_untold: bool = False
 
     def check_train(self, train: bool | None, train_kw: str | None, index: int, what: str) -> None:
-        """Raises ``ProgramTraceError`` if ``train=True`` cannot reach this stage (see :func:`as_stage`)."""
+        """Raises ``ProgramTraceError`` if ``train=True`` cannot reach this stage (see :func:`as_stage`).
+
+        Also if the step would update running statistics of the stage, which it
+        would hold fixed: training with them would differ from the plain model's
+        silently (its evaluation would use their initial values).
+        """
+        if self.running and (train is True or (train is None and self.trains_untold)):
+            shown = ", ".join(self.running[:4]) + (", ..." if len(self.running) > 4 else "")
+            asked = (
+                "train=True was asked"
+                if train is True
+                else "no train= was given and a layer is in training mode (use_running_average=False)"
+            )
+            raise pw.errors.ProgramTraceError(
+                f"{what}: {asked}, but stage {index} ({self.description}) keeps running statistics "
+                f"that training updates ({shown}: BatchNorm's), and pipelines train only parameters: "
+                "those would stay at their initial values, and evaluation would use them. Use a "
+                "normalisation without running statistics in pipelined stages (nnx.LayerNorm, "
+                "nnx.GroupNorm, nnx.RMSNorm), or train the model as one program (@pw.program where "
+                "nnx.jit or jax.jit stood), which updates them as nnx.jit does. To evaluate with the "
+                "running statistics as they are, pass train=False."
+            )
         if self.flag is not None:
             self.flag.check(train, train_kw, index=index, description=self.description, what=what)
         elif train is True and self.call is None:
@@ -80,6 +106,23 @@ def _nnx_flag(model: nnx.Module) -> TrainFlag:
             random = True
     random = random or signature.takes("rngs")
     return TrainFlag(signature, switched=switched, inert=not (switched or random))
+
+
+def _running_statistics(model: nnx.Module) -> tuple[tuple[str, ...], bool]:
+    """An NNX module's running statistics (``nnx.BatchStat`` paths), and whether a layer keeping them trains.
+
+    A layer trains them when its ``use_running_average`` is False (nnx.BatchNorm's default).
+    """
+    names = tuple(
+        ".".join(str(part) for part in path)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.BatchStat)
+    )
+    trains = any(
+        isinstance(node, nnx.Module) and getattr(node, "use_running_average", True) is False
+        for _, node in nnx.iter_graph(model)
+    )
+    return names, trains
 
 
 def as_stage(model: Any, index: int = 0) -> Stage:
@@ -132,6 +175,7 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         params = nnx.as_pure(params)
         nnx_flag = _nnx_flag(model)
         takes_rngs = "rngs" in nnx_flag.signature.names
+        running, trains_untold = _running_statistics(model)
 
         def apply_nnx(p: Any, x: Any) -> Any:
             return nnx.merge(graphdef, p, rest)(x)
@@ -152,7 +196,16 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                 nnx.reseed(module, **streams)
             return module(x, **kwargs)
 
-        return Stage(params, apply_nnx, "nnx", f"nnx {type(model).__name__}", call_nnx, nnx_flag)
+        return Stage(
+            params,
+            apply_nnx,
+            "nnx",
+            f"nnx {type(model).__name__}",
+            call_nnx,
+            nnx_flag,
+            running,
+            trains_untold,
+        )
     if isinstance(model, tuple | list) and len(model) == 2:
         first, second = model
         if isinstance(first, linen.Module):
@@ -176,7 +229,13 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                 return first.apply({"params": p, **variables}, x, rngs=dict(rngs) if rngs else None, **kwargs)
 
             description = f"linen {type(first).__name__}"
-            return Stage(params, apply_linen, "linen", description, call_linen, linen_flag)
+            # Linen's own collection of running statistics (nn.BatchNorm's), held fixed here.
+            stats = variables.get("batch_stats")
+            running = tuple(
+                "batch_stats" + jax.tree_util.keystr(path)
+                for path, _ in jax.tree_util.tree_leaves_with_path(stats if stats is not None else {})
+            )
+            return Stage(params, apply_linen, "linen", description, call_linen, linen_flag, running)
         if callable(second) and not callable(first):
             fn_flag = TrainFlag(signature_of(second))
             fn_signature = fn_flag.signature
