@@ -11,6 +11,12 @@ leaf:
   second    the call that follows, fed the first call's outputs (pathways_jax:
             futures, a second signature, traced once more)
   steady    per call, a loop of --calls calls each fed the one before
+  steady_nogc
+            the same loop with Python's cyclic garbage collector paused, on both
+            sides: the difference to ``steady`` is what the collector costs each
+            side (every object a call makes and its user keeps to the next call
+            counts towards the collector's full collections, which scan every
+            live object of the process)
 
 Modes: ``jax`` and ``pw``, in rounds whose order rotates; each figure is the
 median over rounds, and ``ratio`` is pw / jax (time: above 1 is slower).
@@ -22,6 +28,7 @@ Results: benchmarks/results/many_leaves.json and .png.
 
 from __future__ import annotations
 
+import gc
 import json
 import pathlib
 import statistics
@@ -36,7 +43,7 @@ _CALLS = flags.DEFINE_integer("calls", 20, "Calls in the steady-state loop.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny run that only checks the benchmark works.")
 _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).resolve().parent / "results"), "Result folder.")
 
-PHASES = ("first", "second", "steady")
+PHASES = ("first", "second", "steady", "steady_nogc")
 
 
 def _params(leaves: int):
@@ -66,7 +73,20 @@ def _measure(make, params, calls: int) -> dict[str, float]:
     for _ in range(calls):
         out = make(out)
     _ready(out)
-    return {"first": first, "second": second, "steady": (time.perf_counter() - start) / calls}
+    steady = (time.perf_counter() - start) / calls
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = make(out)
+        _ready(out)
+        paused = (time.perf_counter() - start) / calls
+    finally:
+        if collecting:
+            gc.enable()
+    return {"first": first, "second": second, "steady": steady, "steady_nogc": paused}
 
 
 def run(leaf_counts: list[int], rounds: int, calls: int) -> dict:
@@ -114,9 +134,9 @@ def _plot(results: dict, path: pathlib.Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.4))
     sizes = sorted(results, key=int)
-    width = 0.25
+    width = 0.2
     for k, phase in enumerate(PHASES):
-        xs = [i + (k - 1) * width for i in range(len(sizes))]
+        xs = [i + (k - 1.5) * width for i in range(len(sizes))]
         ax.bar(xs, [results[s]["ratio"][phase] for s in sizes], width, label=phase)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(sizes)), [f"{s} leaves" for s in sizes])

@@ -17,7 +17,7 @@ def test_many_leaves_benchmark_quick_mode_reports_every_phase(tmp_path):
     assert result["rounds"] == 2 and list(result["sizes"]) == ["20"]
     entry = result["sizes"]["20"]
     for mode in ("jax", "pw"):
-        assert set(entry[mode]) == {"first", "second", "steady"}
+        assert set(entry[mode]) == {"first", "second", "steady", "steady_nogc"}
         assert all(seconds > 0 for seconds in entry[mode].values()), mode
     assert all(ratio > 0 for ratio in entry["ratio"].values())
     assert (tmp_path / "many_leaves.png").stat().st_size > 0
