@@ -90,6 +90,41 @@ def test_a_train_loop_of_futures_stays_uncommitted_and_traces_twice():
     np.testing.assert_allclose(w.result(), ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "arg",
+    [jnp.arange(3.0), np.arange(3.0, dtype=np.float32), 1.5, jax.random.key(0)],
+    ids=["jnp-array", "numpy", "python-scalar", "typed-key"],
+)
+def test_an_argument_or_a_constant_returned_as_it_is_stays_uncommitted_as_jax_jit_s(arg):
+    # They came back committed on the default device: `out + other` raised "incompatible devices".
+    def f(v):
+        return v, (v, 7)
+
+    other = jax.device_put(jnp.ones(3), jax.devices()[2])
+    expected = jax.jit(f)(arg)
+    got = pw.program(f)(arg)
+    for want, future in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        assert future.committed is want.committed is False
+        assert _placement(future.result()) == _placement(want)
+        if not jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(jax.jit(jnp.add)(future, other), jax.jit(jnp.add)(want, other))
+
+
+def test_a_train_state_returning_its_key_as_it_is_traces_twice():
+    # The key came back committed, so the next call's outputs were committed: a third signature.
+    def step(count, key):
+        return count + 1, key, jax.random.fold_in(key, count)
+
+    program = pw.program(step)
+    count, key = 0, jax.random.key(3)
+    before = pw.counters()["traces"]
+    for _ in range(4):
+        count, key, _ = program(count, key)
+    assert pw.counters()["traces"] - before == 2  # arrays, then futures
+    assert count.committed is False and key.committed is False
+    assert int(count) == 4
+
+
 def test_under_jax_default_device_outputs_are_uncommitted_there():
     device = jax.devices()[3]
     with jax.default_device(device):

@@ -107,6 +107,7 @@ class Binding:
         self.input_values: dict[int, int] = {}  # vid -> argument leaf index
         self.made_here: set[int] = set()  # values a step of this plan makes
         self.consumed: set[int] = set()  # future feed slots whose buffer an executable takes
+        self.fed_committed: dict[int, bool] = {}  # vid -> committed, of array and future inputs
         self._feed(signature)
         self.readers: collections.Counter[int] = collections.Counter()
         for node in graph.nodes:
@@ -144,10 +145,12 @@ class Binding:
                 self.future_feeds.append((inp.index, slot))
                 self.feed_shardings[slot] = key.sharding
                 self.home[inp.value] = (slot, key.sharding)
+                self.fed_committed[inp.value] = key.committed
             elif key.kind == "array":
                 slot = self.new_slot()
                 self.array_feeds.append((inp.index, slot))
                 self.home[inp.value] = (slot, key.sharding)
+                self.fed_committed[inp.value] = key.committed
             else:  # a numpy array or Python scalar: put on devices per run
                 self.host_arg[inp.value] = inp.index
 
@@ -294,7 +297,10 @@ class Binding:
                 aval, sharding = literal.aval, literal.sharding
             else:  # float0 (the gradient of an integer input): host data, as jax.jit returns it
                 aval, sharding = jax.core.ShapedArray(np.shape(literal), literal.dtype), None
-            return OutputSlot("literal", literal, aval, sharding, None, f"{graph.name}: literal")
+            # jnp.asarray's array: uncommitted on JAX's default device, as jax.jit's constant output.
+            return OutputSlot(
+                "literal", literal, aval, sharding, None, f"{graph.name}: literal", committed=False
+            )
         value = self.values[out.value]
         if value.aval.dtype == jax.dtypes.float0:
             # Computed float0 (a gradient of an integer input): no data, so host zeros, as jax.jit gives.
@@ -302,11 +308,17 @@ class Binding:
             return OutputSlot("literal", zeros, value.aval, None, None, value.origin)
         if out.value in self.home:
             slot, sharding = self.home[out.value]
-            committed = not (
-                value.slice is not None
-                and value.slice.id == graph.uncommitted_slice
-                and len(sharding.device_set) == 1
-            )
+            if out.value in self.fed_committed:
+                # An argument returned as it is stays where it came, so it stays as committed
+                # as it came: committed there, an uncommitted array on JAX's default device
+                # would refuse arrays committed elsewhere, where jax.jit's output takes them.
+                committed = self.fed_committed[out.value]
+            else:
+                committed = not (
+                    value.slice is not None
+                    and value.slice.id == graph.uncommitted_slice
+                    and len(sharding.device_set) == 1
+                )
             return OutputSlot("slot", slot, value.aval, sharding, value.slice, value.origin, committed)
         if out.value in self.host_arg:
             return OutputSlot("argument", self.host_arg[out.value], value.aval, None, None, value.origin)

@@ -14,6 +14,7 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.core import counts, errors, events, reentry
+from pathways_jax._src.ir.signatures import FutureKey
 from pathways_jax._src.runtime import clients, clusters, context
 from pathways_jax._src.runtime.futures import Future, dispatched_values
 from pathways_jax._src.runtime.object_store import ObjectStore, Owner
@@ -45,6 +46,9 @@ def submit(runnable: Runnable, leaves: list[Any]) -> Any:
         elif out.kind == "argument":
             array = jnp.asarray(leaves[out.where])
             entry.sharding = array.sharding
+            # Host data returned as it is lands where jnp.asarray puts it, uncommitted (as jax.jit's
+            # output of it is): a future saying otherwise would refuse arrays committed elsewhere.
+            entry.signature = FutureKey.of(array.aval, array.sharding, None, committed=False)
             store.set_ready(entry, array)
     counts.bump("runs")
     cl.controller.submit(run)
