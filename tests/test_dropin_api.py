@@ -480,6 +480,66 @@ def test_flax_s_sharded_init_recipe_with_a_train_state_made_anew_in_each_call():
     assert got_spec == expected_spec == P(None, "model")
 
 
+def _explicit_mesh():
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["program-option", "wrapped-jax-jit"])
+def test_out_shardings_on_explicit_axes_shard_the_outputs_as_jax_jit_does(wrapped):
+    # On Explicit axes (jax.make_mesh's default) the outputs kept their computation's type:
+    # out_shardings=P("model") came back P("data", "model").
+    from jax.sharding import NamedSharding
+
+    mesh = _explicit_mesh()
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
+    out_shardings = (NamedSharding(mesh, P("model")), NamedSharding(mesh, P(None, "model")))
+
+    def f(v):
+        return v * 2, v.sum(axis=0, keepdims=True)
+
+    expected = jax.jit(f, out_shardings=out_shardings)(x)
+    program = (
+        pw.program(jax.jit(f, out_shardings=out_shardings))
+        if wrapped
+        else pw.program(f, out_shardings=out_shardings)
+    )
+    got = pw.results(program(x))
+    for want, have in zip(expected, got, strict=True):
+        assert jax.typeof(have) == jax.typeof(want)
+        assert have.sharding.is_equivalent_to(want.sharding, want.ndim)
+        if not wrapped:  # the very spec, not P("model", None)
+            assert have.sharding == want.sharding
+        np.testing.assert_array_equal(have, want)
+
+
+def test_out_shardings_on_explicit_axes_from_an_eval_shape_of_an_init_made_anew():
+    # A TrainState whose apply_fn differs at each trace takes its out_shardings loosely, as
+    # constraints: on Explicit axes a constraint is an assertion, which failed the trace.
+    nn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+    from flax.training.train_state import TrainState
+    from jax.sharding import NamedSharding
+
+    mesh = _explicit_mesh()
+
+    def init(key, x):
+        dense = nn.Dense(8)
+        return TrainState.create(
+            apply_fn=dense.apply, params=dense.init(key, x)["params"], tx=optax.adam(1e-2)
+        )
+
+    x = jnp.ones((8, 4))
+    abstract = jax.eval_shape(init, jax.random.key(0), x)
+    shardings = jax.tree.map(
+        lambda a: NamedSharding(mesh, P(*[None] * (a.ndim - 1), "model") if a.ndim else P()), abstract
+    )
+    expected = jax.jit(init, out_shardings=shardings)(jax.random.key(0), x).params["kernel"]
+    got = pw.program(init, out_shardings=shardings)(jax.random.key(0), x).params["kernel"].result()
+    assert jax.typeof(got) == jax.typeof(expected)
+    assert got.sharding == expected.sharding
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_out_shardings_that_do_not_fit_the_outputs_are_refused_as_by_jax_jit():
     sharding = jax.sharding.NamedSharding(jax.make_mesh((2,), ("x",)), P())
     wrong = {"a": sharding, "b": sharding}  # the outputs are a tuple

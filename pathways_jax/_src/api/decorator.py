@@ -15,7 +15,7 @@ from pathways_jax._src.api.jit_options import (
     argnums,
     with_jits_statics,
 )
-from pathways_jax._src.api.jit_shardings import jit_with_shardings
+from pathways_jax._src.api.jit_shardings import jit_with_shardings, with_jits_out_shardings
 from pathways_jax._src.api.placement import _mesh_of, _single_device_of
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors
@@ -184,6 +184,8 @@ def program(
         raise errors.ProgramTraceError(
             f"pw.program(compiler_options=...) expects a dict of XLA options, got {compiler_options!r}."
         )
+    # A jax.jit function given out_shardings returns values sharded so, on Explicit axes too.
+    fun = with_jits_out_shardings(fun)
     mesh_hint = None
     if in_shardings is not None or out_shardings is not None:
         # As jax.jit: the function is compiled with these shardings (one node),

@@ -109,9 +109,19 @@ def _typed_specs(atoms: Any, specs: tuple, slice_: Any) -> tuple:
         sharding = getattr(getattr(atom, "aval", None), "sharding", None)
         if not isinstance(sharding, NamedSharding) or AxisType.Explicit not in sharding.mesh.axis_types:
             continue
-        if dict(sharding.mesh.shape) == sizes:
+        if dict(sharding.mesh.shape) == sizes and not _same_spec(
+            specs[i], sharding.spec, len(atom.aval.shape)
+        ):
             out[i] = sharding.spec
     return tuple(out)
+
+
+def _same_spec(spec: Any, typed: Any, ndim: int) -> bool:
+    """True when the call's own ``spec`` places as the type's ``typed`` does: the call's is then kept
+    (``jax.jit``'s ``out_shardings=P("x")`` gives ``P("x")``, where the type says ``P("x", None)``)."""
+    if spec is None:
+        return False
+    return tuple(spec) + (None,) * (ndim - len(spec)) == tuple(typed) + (None,) * (ndim - len(typed))
 
 
 def parse_scopes(name_stack: Any) -> list[tuple[str, int]]:

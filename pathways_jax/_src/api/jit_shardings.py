@@ -11,6 +11,13 @@ strict match fails only on such metadata, the shardings are applied to the
 outputs as sharding constraints instead (the same placements), and outputs
 the shardings cover whole take the shardings' metadata, as ``jax.jit``'s do
 (its trace of the ``jax.eval_shape`` is reused, outputs and all).
+
+On Explicit axes (``jax.make_mesh``'s default) a sharding is part of a value's
+type, and the program is traced on its mesh, where an inner ``jax.jit``'s
+outputs keep the types of their computation whatever its ``out_shardings``
+say. ``jax.jit`` called as it is gives its outputs its ``out_shardings``; so
+the program reshards its outputs to them (a program's own, or those of the
+``jax.jit`` function it wraps).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec, Sharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 # Containers whose metadata is their structure (dict keys, a namedtuple's
 # class): these must match exactly; other nodes' metadata (static fields) may differ.
@@ -37,7 +44,9 @@ def jit_with_shardings(
 ) -> Callable:
     """``jax.jit(fun, in_shardings=..., out_shardings=...)``, matching ``out_shardings`` as ``jax.jit`` does without a mesh."""
     strict = jax.jit(
-        fun,
+        # Typed inside the computation, its outputs' types are its out_shardings: the node
+        # then keeps their very specs (P("x"), where a reshard outside it types P("x", None)).
+        with_output_types(fun, out_shardings),
         in_shardings=in_shardings,
         out_shardings=out_shardings,
         static_argnums=static_argnums,
@@ -63,16 +72,76 @@ def jit_with_shardings(
         if matched is None:  # not only metadata: jax.jit's own error says what
             raise failure
         shardings = matched[0]
-        placed = [
-            leaf if sharding is None else jax.lax.with_sharding_constraint(leaf, sharding)
-            for leaf, sharding in zip(leaves, shardings, strict=True)
-        ]
+        placed = [_placed(leaf, sharding) for leaf, sharding in zip(leaves, shardings, strict=True)]
         # The outputs' nodes take the shardings' metadata, as jax.jit's do when its trace of the
         # jax.eval_shape they came from is reused: the same shardings then match them as
         # in_shardings of the next program.
         return _with_metadata_of(out_shardings, jax.tree_util.tree_unflatten(tree, placed))
 
     return compiled
+
+
+def with_output_types(fun: Callable, out_shardings: Any) -> Callable:
+    """``fun`` whose outputs that ``out_shardings`` put on Explicit axes are typed (resharded) so.
+
+    ``out_shardings`` is a pytree prefix of ``fun``'s outputs; its other
+    leaves (None, shardings on Auto axes, ``jax.jit``'s unspecified) leave
+    their outputs as the computation makes them.
+    """
+    if not any(_explicit(s) for s in jax.tree_util.tree_leaves(out_shardings, is_leaf=_is_leaf)):
+        return fun
+
+    @functools.wraps(fun)
+    def typed(*args: Any, **kwargs: Any) -> Any:
+        out = fun(*args, **kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        matched = broadcast_prefix(out_shardings, tree)
+        if matched is None:  # not a prefix: jax.jit's own check said so already, or takes it loosely
+            return out
+        retyped = [
+            _retyped(leaf, sharding) if _explicit(sharding) else leaf
+            for leaf, sharding in zip(leaves, matched[0], strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(tree, retyped)
+
+    return typed
+
+
+def with_jits_out_shardings(fun: Callable) -> Callable:
+    """``fun``, and if it is a ``jax.jit`` function given ``out_shardings``, one whose outputs take them as types."""
+    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+    leaves = getattr(info, "out_shardings_leaves", None)
+    if info is None or leaves is None:
+        return fun
+    return with_output_types(fun, jax.tree_util.tree_unflatten(info.out_shardings_treedef, leaves))
+
+
+def _explicit(sharding: Any) -> bool:
+    return isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
+
+
+def _retyped(leaf: Any, sharding: NamedSharding) -> Any:
+    """``leaf`` resharded to ``sharding``'s spec on the mesh it is traced on, unless its type has it."""
+    typed = getattr(jax.typeof(leaf), "sharding", None)
+    if not isinstance(typed, NamedSharding) or typed.mesh.shape_tuple != sharding.mesh.shape_tuple:
+        return leaf  # traced on another mesh (a slice's): placement there is the slice's
+    ndim = len(leaf.shape)
+    if _padded(typed.spec, ndim) == _padded(sharding.spec, ndim):
+        return leaf
+    return jax.sharding.reshard(leaf, sharding.spec)
+
+
+def _placed(leaf: Any, sharding: Any) -> Any:
+    """``leaf`` placed by ``sharding``: a reshard on Explicit axes (a constraint there is an assertion), else a constraint."""
+    if sharding is None:
+        return leaf
+    if _explicit(sharding):
+        return _retyped(leaf, sharding)
+    return jax.lax.with_sharding_constraint(leaf, sharding)
+
+
+def _padded(spec: PartitionSpec, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 def _with_metadata_of(prefix: Any, value: Any) -> Any:
