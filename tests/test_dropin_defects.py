@@ -237,3 +237,42 @@ def test_queued_host_inputs_under_a_memory_budget_stay_within_a_byte_bound():
         assert (value.shape, value.dtype) == (w.shape, w.dtype)
         assert int(value) == int(w)
     assert staging().held == 0  # every run was admitted: its copies left the bound then
+
+
+# --- 6. Deleting a future that runs read ----------------------------------------------------
+
+
+_DELETE_WHILE_READ = """
+import json, time
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import numpy as np
+import pathways_jax as pw
+
+def slow(v):
+    time.sleep(0.2)
+    return v
+
+def double(x):
+    return jax.pure_callback(slow, jax.ShapeDtypeStruct(x.shape, x.dtype), x) * 2
+
+value = pw.program(lambda: jnp.arange(4.0) + 1)()
+value.result()
+outs = [pw.program(double)(value) for _ in range(3)]  # one running its callback, two queued
+value.delete()
+print(json.dumps({
+    "outs": [np.asarray(o).tolist() for o in outs],
+    "expected": np.asarray(jax.jit(double)(jnp.arange(4.0) + 1)).tolist(),
+    "deleted": value.is_deleted(),
+}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_deleting_a_future_that_runs_read_lets_them_finish_as_jax_array_delete_does():
+    # delete() hung: it deleted the buffer inside XLA, holding the interpreter lock, while a
+    # run's host callback that reads it waited for that lock; and queued runs then failed.
+    result = json.loads(_run_python(_DELETE_WHILE_READ, timeout=60).stdout.strip().splitlines()[-1])
+    assert result["outs"] == [result["expected"]] * 3
+    assert result["deleted"] is True

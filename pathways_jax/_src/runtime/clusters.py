@@ -66,6 +66,7 @@ class Cluster:
         self.backend: Backend = backend
         backend.on_lost = self.host_lost
         self.store = ObjectStore()
+        self.store.wait_for_readers = self.wait_for_readers
         self.resources = ResourceManager(backend.islands, reclaim=self._reclaim)
         if budget is not None:
             self.store.budget = Budget(budget)
@@ -214,6 +215,17 @@ class Cluster:
         if controller is not None:
             controller.retire_client(client)
             controller.accounting.forget(client)
+
+    def wait_for_readers(self, queued: bool) -> None:
+        """Waits for the runs submitted so far (``queued``: also those still queued) to finish on their devices.
+
+        What ``Future.delete()`` waits for before it deletes a buffer those runs may read.
+        """
+        controller = self._controller
+        if controller is not None:
+            if queued:
+                controller.wait_dispatched()
+            controller.wait_settled()
 
     def add_slice(self, slice_) -> None:
         """Registers a new slice for :meth:`live_slices` (weakly)."""

@@ -179,11 +179,29 @@ class Future(ArrayLike):
         return False
 
     def delete(self) -> None:
-        """Frees the value now, as ``jax.Array.delete()``: reading it (or a run taking it) then raises."""
-        entry = self._entry
+        """Frees the value, as ``jax.Array.delete()``: reading it (or a run taking it later) then raises.
+
+        As ``jax.Array.delete()`` waits for the computations enqueued before it
+        that read the buffer, this waits for the runs submitted before it to be
+        dispatched (they take the value) and to finish on their devices: a run
+        whose host callback reads the value would otherwise wait for ever for
+        the interpreter lock the deleting thread holds inside XLA. Under a
+        memory budget a queued run may wait for the bytes this frees: only the
+        runs dispatched are waited for there.
+        """
+        entry, store = self._entry, self._store
+        wait = store.wait_for_readers
+        # Not inside the runtime's work (a host callback, a finalizer): the runs may wait for this thread.
+        if (
+            wait is not None
+            and not reentry.inside.depth
+            and type(entry.state) is Ready
+            and isinstance(entry.array, jax.Array)
+        ):
+            wait(store.budget is None)
         array = entry.array
         ready = type(entry.state) is Ready
-        self._store.free([entry])
+        store.free([entry])
         if ready and isinstance(array, jax.Array):
             array.delete()
 

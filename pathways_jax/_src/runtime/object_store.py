@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import threading
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -129,6 +129,9 @@ class ObjectStore:
         self._waiting: dict[int, tuple[Entry, Any]] = {}
         # Per-device memory budget (None: no budget; nothing is reserved).
         self.budget: Budget | None = None
+        # Waits for the runs submitted so far (True: queued ones too) to finish on their
+        # devices: set by the cluster whose store this is (its controller runs them).
+        self.wait_for_readers: Callable[[bool], None] | None = None
 
     def new(
         self, owner: Owner, aval: Any, sharding: Any, slice_: Any, origin: str, signature: Any = None
