@@ -10,13 +10,17 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_matches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+import pathways_jax as pw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -276,3 +280,41 @@ def test_deleting_a_future_that_runs_read_lets_them_finish_as_jax_array_delete_d
     result = json.loads(_run_python(_DELETE_WHILE_READ, timeout=60).stdout.strip().splitlines()[-1])
     assert result["outs"] == [result["expected"]] * 3
     assert result["deleted"] is True
+
+
+# --- 7. A jax.Array deleted or donated before its queued run was dispatched ------------------
+
+
+@pytest.mark.timeout(60)
+def test_an_argument_deleted_before_its_queued_run_is_dispatched_fails_that_run_saying_why():
+    # A queued run reads the caller's arrays at dispatch (jax.jit's call holds them from the
+    # call on): donating one to a jax.jit call in between fails the run, with an error that
+    # says so, and the controller keeps serving.
+    gate = threading.Event()
+
+    def held(x):
+        jax.debug.callback(lambda v: gate.wait(30), x)  # the controller's thread waits here
+        return x + 1
+
+    def evaluate(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    update = jax.jit(lambda w, x: w - 0.01 * (x.T @ jnp.tanh(x @ w)), donate_argnums=0)
+    x, w = jnp.ones((8, 4)), jnp.full((4, 4), 0.1)
+    want = float(jax.jit(evaluate)(w, x))
+    first = pw.program(held)(jnp.zeros(2))  # dispatched by the controller's thread, which waits
+    loss = pw.program(evaluate)(w, x)  # queued behind it
+    w = update(w, x)  # donates the array the queued run reads
+    gate.set()
+    with pytest.raises(
+        pw.errors.ProgramFailedError, match=r"argument 0 of the call \(float32\[4,4\]\)"
+    ) as info:
+        loss.result(timeout=30)
+    assert isinstance(info.value, RuntimeError) and "deleted or donated" in str(info.value)
+    assert_matches(first, jnp.ones(2))
+    # Kept until the run is done, the array is read as it was.
+    w = jnp.full((4, 4), 0.1)
+    loss = pw.program(evaluate)(w, x)
+    jax.block_until_ready(loss)
+    w = update(w, x)
+    assert float(loss) == want

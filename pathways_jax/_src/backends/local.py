@@ -124,7 +124,10 @@ class LocalBackend:
                     if sink is not None:
                         sink(_moved(run, step, env[step.src], env[step.dst], t0))
         except Exception as exc:  # a user error fails its run only
-            raise StepFailed(_where(plan.graph.name, run.id, step), exc) from exc
+            cause = _deleted_argument(plan, env)
+            if cause is not None:
+                cause.__cause__ = exc
+            raise StepFailed(_where(plan.graph.name, run.id, step), cause or exc) from exc
         finally:
             counts.bump("dispatches", dispatched)
         last = tuple([env[slot] for _, slot, _ in plan.acct_groups])
@@ -271,6 +274,26 @@ def _device_ids(sharding: Any) -> tuple[int, ...]:
         return tuple(sorted(d.id for d in sharding.device_set))
     except Exception:
         return ()
+
+
+def _deleted_argument(plan: Any, env: list[Any]) -> RuntimeError | None:
+    """Why a run failed if a ``jax.Array`` the caller passed was deleted before its dispatch; else None.
+
+    A queued run reads its arguments when it is dispatched, where a ``jax.jit``
+    call has XLA hold them from the call on: deleting an argument, or donating
+    it to another call, in between leaves the run nothing to read.
+    """
+    for index, slot in plan.array_feeds:
+        value = env[slot]
+        if isinstance(value, jax.Array) and value.is_deleted():
+            return RuntimeError(
+                f"argument {index} of the call ({value.aval.str_short()}), a jax.Array, was deleted "
+                "or donated to another call after this call returned and before its run was "
+                "dispatched: a queued run reads its arguments when it is dispatched. Keep the array "
+                "until the run's result is ready (read it, or jax.block_until_ready(out)) before "
+                "deleting or donating it, or pass a copy (jnp.copy(x))."
+            )
+    return None
 
 
 def _where(program: str, run_id: int, step: Any) -> str:
