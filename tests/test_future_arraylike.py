@@ -569,6 +569,9 @@ def test_future_passed_to_a_program_is_not_waited_on(one):
         # Metadata and repr come without waiting either.
         assert (pending.shape, pending.ndim, pending.size, len(pending)) == ((4,), 1, 4, 4)
         assert repr(pending).startswith("Future(program ")
+        # The held run is inside its dispatch (its callback waits); the next one is queued.
+        assert repr(pending).endswith("pending: queued, or being dispatched)"), repr(pending)
+        assert repr(out).endswith("pending: queued, or being dispatched)"), repr(out)
         assert not pending.done()
         release.set()
         _same(out.result(timeout=30), jax.jit(lambda v: v * 3 * 2 + 1)(x))
@@ -615,3 +618,16 @@ def test_reading_a_future_whose_buffer_a_jax_jit_donation_consumed_raises_as_jax
         fut.result()
     assert isinstance(info.value, pw.errors.PathwaysError)
     assert not isinstance(info.value, pw.errors.ProgramFailedError)  # the program did not fail
+
+
+def test_repr_of_a_future_whose_run_failed_on_its_devices_says_failed(one):
+    # The run's array exists (its store state is ready) but raises when read: repr said "ready".
+    def boom(v):
+        raise ValueError("no value here")
+
+    fails = pw.jit(lambda v: jax.pure_callback(boom, jax.ShapeDtypeStruct(v.shape, v.dtype), v), devices=one)
+    out = fails(jnp.ones(3))
+    with pytest.raises(pw.errors.ProgramFailedError):
+        out.result(timeout=30)
+    assert ", failed: " in repr(out) and "\n" not in repr(out), repr(out)
+    assert repr(pw.jit(lambda v: v + 1, devices=one)(jnp.ones(3))).endswith(("ready)", "computing)"))

@@ -355,8 +355,37 @@ class Future(ArrayLike):
         return notebook.future_html(self)
 
     def __repr__(self) -> str:
-        state = type(self._entry.state).__name__.lower()
-        return f"Future({self._entry.origin}, shape={self.shape}, dtype={self.dtype}, {state})"
+        state, detail = state_of(self)
+        first = detail.splitlines()[0] if detail else ""
+        shown = state if state in ("ready", "freed") else f"{state}: {first:.100}"
+        return f"Future({self._entry.origin}, shape={self.shape}, dtype={self.dtype}, {shown})"
+
+
+def state_of(future: Future) -> tuple[str, str]:
+    """(state, detail) of a future, without waiting: pending, ready, failed or freed.
+
+    A run that failed on its devices leaves an array that raises when read: it
+    is "failed" here once computed, as a dispatched run still computing is
+    "pending". What ``repr`` and the notebook view show.
+    """
+    entry = future._entry
+    array = entry.array  # read before the state: a ready state then has its array
+    match entry.state:
+        case Pending():
+            return "pending", "queued, or being dispatched"
+        case Ready() if array is not None:
+            try:
+                if not readiness.is_ready(array):
+                    return "pending", "dispatched, computing"
+                array.block_until_ready()  # computed: returns at once, or raises its error
+            except Exception as exc:
+                return "failed", f"{type(exc).__name__}: {exc}"
+            return "ready", ""
+        case Failed(message, _):
+            return "failed", message
+        case Freed() | Ready():  # Ready with no array: freed since it was read
+            return "freed", "its value was freed"
+    return "unknown", ""  # pragma: no cover
 
 
 def results(tree: Any, timeout: float | None = None) -> Any:

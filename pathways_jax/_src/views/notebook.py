@@ -12,9 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from pathways_jax._src.core import readiness
 from pathways_jax._src.core.formatting import escape
-from pathways_jax._src.runtime.object_store import Failed, Freed, Pending, Ready
+from pathways_jax._src.runtime import futures
 from pathways_jax._src.views import render
 
 __all__ = ["cluster_html", "future_html", "program_html", "slice_html"]
@@ -211,29 +210,15 @@ def program_html(program: Any) -> str:
 
 
 def _future_state(future: Any) -> tuple[str, str]:
-    """(state, detail) of a future, without waiting."""
-    array = future._entry.array  # read before the state: a ready state then has its array
-    match future._entry.state:
-        case Pending():
-            return "pending", "not dispatched yet"
-        case Ready() if array is not None:
-            try:
-                if not readiness.is_ready(array):
-                    return "pending", "dispatched, computing"
-                array.block_until_ready()  # ready: returns at once, or raises its error
-            except Exception as exc:
-                return "failed", f"{type(exc).__name__}: {exc}"
-            if array.size <= 16:
-                try:
-                    return "ready", np.array2string(np.asarray(array), threshold=16)
-                except Exception:
-                    return "ready", ""
+    """(state, detail) of a future, without waiting: a small ready value shows itself."""
+    state, detail = futures.state_of(future)
+    array = future._entry.array
+    if state == "ready" and array is not None and array.size <= 16:
+        try:
+            return "ready", np.array2string(np.asarray(array), threshold=16)
+        except Exception:
             return "ready", ""
-        case Failed(message, _):
-            return "failed", message
-        case Freed() | Ready():  # Ready with no array: freed since it was read
-            return "freed", "its value was freed"
-    return "unknown", ""  # pragma: no cover
+    return state, detail
 
 
 def future_html(future: Any) -> str:
