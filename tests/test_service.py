@@ -209,6 +209,13 @@ def test_a_handle_is_refused_unless_shared(clients):
     assert len(got["refused"]) == 2, got["refused"]
     assert all("not shared" in why or "another client" in why for why in got["refused"])
     assert _client_rows(clients.svc)["reader"]["refused"] >= 2
+    # A second pw.receive of the handle outlives the first future's drop, and the owner's death.
+    np.testing.assert_array_equal(got["again"], want * 2)
+    clients.procs["owner"].kill()
+    clients.procs["owner"].wait(timeout=30)
+    assert wait_for(lambda: not _client_rows(clients.svc)["owner"]["alive"], timeout=CLEANUP_BOUND_S)
+    (clients.folder / "owner-gone").write_text("")
+    np.testing.assert_array_equal(clients.wait_state("reader", "after", timeout=60)["after"], want)
 
 
 def _shares(svc: pw.Service, names: tuple[str, ...], seconds: float) -> dict[str, float]:

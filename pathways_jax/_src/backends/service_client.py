@@ -244,6 +244,8 @@ class ServiceBackend:
         # Named (owner, key) even for this process's own value: dropping it frees nothing (the
         # owner's own future does), and reading it after that is refused as stale.
         key = (handle.owner, handle.key)
+        with self.dispatcher.lock:  # its free goes when the last such handle here went
+            self.sender.receive(handle.hosts, key)
         return RemoteArray(self.dispatcher, handle.hosts, key, aval, sharding, (), handle.generation)
 
     def service_stats(self, timeout: float = 30.0) -> dict:
