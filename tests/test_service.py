@@ -457,6 +457,22 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
             pw.errors.ClusterError, match=rf"silent_client_timeout must be None or .* got {bad!r}"
         ):
             pw.serve("never-started", hosts=1, silent_client_timeout=bad)
+    started = time.monotonic()
+    for option, bad, said in (
+        ("backpressure_timeout", "x", "backpressure_timeout must be None"),
+        ("max_in_flight", 0, "max_in_flight must be an int >= 1"),
+        ("starvation_limit", -1, "starvation_limit must be an int >= 0"),
+        ("platform", "tpu", "platform must be 'cpu' or 'gpu'"),
+        ("replace_lost_hosts", "no", "replace_lost_hosts must be True or False"),
+        ("address", 10001, "address must be None or a Ray address string"),
+    ):
+        with pytest.raises(pw.errors.ClusterError, match=said):
+            pw.serve("never-started", hosts=1, **{option: bad})
+    # More hosts than the Ray cluster has CPUs for: refused at once, not after placement's timeout.
+    cpus = int(ray_cluster.cluster_resources()["CPU"])
+    with pytest.raises(pw.errors.ClusterError, match=rf"{cpus + 1} hosts ask Ray for a logical CPU each"):
+        pw.serve("never-started", hosts=cpus + 1)
+    assert time.monotonic() - started < 10
     pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="me")
     out = _join_in_subprocess(island_service, "me")  # names are how pw.share finds a client
     assert "REFUSED" in out and "named 'me' is connected already" in out, out
@@ -464,6 +480,25 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
     pw.init()  # the local backend
     with pytest.raises(pw.errors.ClusterError, match="controller service"):
         pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))
+
+
+def test_a_service_started_without_ray_sizes_its_local_cluster_for_its_hosts(monkeypatch):
+    """pw.serve with no Ray session starts one with a logical CPU for each host (the machine's count
+    could not place more hosts: placement would wait for minutes and fail)."""
+    from pathways_jax._src.backends import service_client
+
+    started = {}
+
+    class NoRay:
+        def is_initialized(self) -> bool:
+            return False
+
+        def init(self, **kwargs) -> None:
+            started.update(kwargs)
+
+    monkeypatch.setattr(service_client, "import_ray", NoRay)
+    service_client.connect(None, start=True, hosts=(os.cpu_count() or 1) + 3)
+    assert started["address"] == "local" and started["num_cpus"] == (os.cpu_count() or 1) + 3
 
 
 def _join_in_subprocess(svc: pw.Service, name: str | None = None) -> str:
@@ -565,6 +600,9 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         assert wait_for(gone, timeout=60)
         with pytest.raises(pw.errors.PathwaysError, match="controller service 'test-dies' is gone"):
             step(jnp.float32(1)).result(timeout=60)
+        for ask in (svc.stats, svc.host_stats):  # its handle says so too, not Ray's exception
+            with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):
+                ask()
     finally:
         started = time.monotonic()
         pw.shutdown()

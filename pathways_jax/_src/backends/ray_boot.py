@@ -44,6 +44,17 @@ def check_gpus(ray: Any, hosts: int, devices_per_host: int) -> None:
         )
 
 
+def check_cpus(ray: Any, hosts: int) -> None:
+    """Refuses at once CPU hosts a Ray cluster has too few logical CPUs for (its placement would wait in vain)."""
+    have = ray.cluster_resources().get("CPU", 0)
+    if have < hosts:
+        raise errors.ClusterError(
+            f"{hosts} hosts ask Ray for a logical CPU each, but the Ray cluster has {have:g}. Start Ray "
+            f"with more (`ray start --head --num-cpus={hosts}`, ray.init(num_cpus={hosts})) or add nodes, "
+            "or ask for fewer hosts."
+        )
+
+
 def send_saved_token() -> None:
     """Joining a running Ray cluster: sends the token Ray saved, unless this process chose a mode.
 

@@ -50,8 +50,9 @@ _HEALTH_S = 0.25  # how often a client asks the service about lost islands
 _JOIN_TIMEOUT_S = 60.0
 
 
-def connect(address: str | None, *, start: bool = False) -> Any:
-    """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a new one)."""
+def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
+    """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a
+    new one, with a logical CPU for each of ``hosts`` host actors at least)."""
     ray = import_ray()
     if not ray.is_initialized():
         if address is None and start:
@@ -69,6 +70,7 @@ def connect(address: str | None, *, start: bool = False) -> Any:
                 include_dashboard=False,
                 log_to_driver=False,
                 configure_logging=False,
+                num_cpus=max(hosts, os.cpu_count() or 1) if where == "local" else None,
             )
         except Exception as exc:
             raise errors.ClusterError(
