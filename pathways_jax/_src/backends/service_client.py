@@ -31,7 +31,7 @@ from absl import logging
 
 from pathways_jax._src.backends.base import Dispatched, Prepared, Windows
 from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
-from pathways_jax._src.backends.ray_boot import Layout, import_ray, send_saved_token
+from pathways_jax._src.backends.ray_boot import Layout, check_reachable, import_ray, send_saved_token
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
 from pathways_jax._src.backends.ray_failures import is_lost_error
 from pathways_jax._src.backends.ray_host import Refused, sharding_of
@@ -62,6 +62,7 @@ def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
             )
         where = address or ("local" if start else "auto")
         if where != "local":
+            check_reachable(where)
             send_saved_token()
         try:
             ray.init(
