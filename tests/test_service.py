@@ -349,6 +349,15 @@ def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_s
     handle = pw.share(kept)
     assert pickle.loads(pickle.dumps(handle)) == handle
     np.testing.assert_array_equal(pw.receive(handle).result(timeout=60), np.arange(4.0) + 1)
+    # A pytree of futures (a program's outputs) shares as the same pytree of handles.
+    outputs = {"a": kept, "b": [make(jnp.ones(2)), 3]}  # held: a handle does not keep its value
+    tree = pickle.loads(pickle.dumps(pw.share(outputs)))
+    got = pw.results(pw.receive(tree))
+    assert got["b"][1] == 3
+    np.testing.assert_array_equal(got["a"], np.arange(4.0) + 1)
+    np.testing.assert_array_equal(got["b"][0], np.ones(2) + 1)
+    with pytest.raises(TypeError, match="holding no pw.Future"):
+        pw.share({"a": 1})
     runs = _run_count(island_service)
     forged = [
         dataclasses.replace(handle, key=handle.key + 10_000),
