@@ -356,7 +356,7 @@ def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_s
     assert got["b"][1] == 3
     np.testing.assert_array_equal(got["a"], np.arange(4.0) + 1)
     np.testing.assert_array_equal(got["b"][0], np.ones(2) + 1)
-    with pytest.raises(TypeError, match="holding no pw.Future"):
+    with pytest.raises(TypeError, match=r"holding no pw\.Future"):
         pw.share({"a": 1})
     runs = _run_count(island_service)
     forged = [
