@@ -591,6 +591,13 @@ def test_command_line_starts_reports_and_stops_a_service(ray_cluster):
     assert again.returncode == 1 and "no controller service named 'test-cli'" in again.stderr
 
 
+def test_command_line_arguments_out_of_range_are_refused_not_replaced(capsys):
+    from pathways_jax.__main__ import main
+
+    assert main(["--name", "never-started", "serve", "--hosts", "1", "--window", "0"]) == 1
+    assert "window must be an int >= 1, got 0" in capsys.readouterr().err
+
+
 def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluster):
     svc = pw.serve("test-dies", hosts=1)
     pw.init(backend="ray", address=svc.address, service=svc.name)
