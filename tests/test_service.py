@@ -332,8 +332,11 @@ def test_client_in_process_matches_jax_and_appears_in_stats(joined, island_servi
     assert mine[0]["runs"] >= 2 and mine[0]["programs"] >= 1 and mine[0]["failures"] == 0
     assert mine[0]["bytes_held"] >= total.nbytes + h.nbytes
     # The service's hosts serve every client: one of them cannot fail them (pw.faults).
-    with pytest.raises(pw.errors.ClusterError, match="client of a controller service"):
+    with pytest.raises(pw.errors.ClusterError, match="client of a controller service") as refused:
         pw.faults.kill_host(0)
+    # What it says to do can be done: the service's hosts' processes, by pid.
+    assert "host_stats()[h]['pid']" in str(refused.value)
+    assert all(row["pid"] > 0 for row in island_service.host_stats().values())
 
     def my_slices() -> list:
         rows = island_service.stats()["clients"].values()
