@@ -19,7 +19,9 @@ Modes:
   share READER        a value shared with READER and one not shared: their
                       handles pickled to DIR/NAME.handles
   read OWNER          receives OWNER's handles: the unshared one must be
-                      refused, the shared one read and checked
+                      refused, the shared one read and checked, received again
+                      (the first future dropped) and read; once DIR/owner-gone
+                      appears (the test kills OWNER), read again
   orders              one function on the island's 4 devices in order
                       [0, 1, 2, 3], then in order [3, 2, 1, 0], each
                       result checked against numpy
@@ -31,6 +33,7 @@ Modes:
 
 from __future__ import annotations
 
+import gc
 import json
 import pathlib
 import pickle
@@ -257,7 +260,21 @@ def read(path: pathlib.Path, say) -> None:
         refused.append(f"run: {exc}")
     got_shared = np.asarray(shared.result(timeout=60)).tolist()
     doubled = np.asarray(double(shared).result(timeout=60)).tolist()
-    say(state="done", refused=refused, shared=got_shared, doubled=doubled)
+    # Received again, the first future dropped (its free sent): the second still reads.
+    again = pw.receive(handles["shared"])
+    del shared
+    gc.collect()
+    pw.stats()  # collects dropped futures; their frees go out within 50 ms
+    time.sleep(0.5)
+    got_again = np.asarray(double(again).result(timeout=60)).tolist()
+    say(state="done", refused=refused, shared=got_shared, doubled=doubled, again=got_again)
+    deadline = time.monotonic() + 120
+    while not (path.parent / "owner-gone").exists():  # the test kills the owner meanwhile
+        if time.monotonic() > deadline:
+            raise TimeoutError("the owner was not killed")
+        time.sleep(0.05)
+    after = np.asarray(again.result(timeout=60)).tolist()  # a receiver's future keeps the value
+    say(state="after", after=after)
 
 
 if __name__ == "__main__":

@@ -156,3 +156,35 @@ def test_a_later_init_for_more_hosts_gets_a_larger_local_session(tmp_path: pathl
         "refused: pw.init asks for 2 hosts (a Ray CPU each), but this process's Ray session has 1 CPUs"
         in (done.stdout)
     )
+
+
+def test_an_address_where_no_ray_cluster_listens_is_refused_within_seconds():
+    """ray.init retries a refused address for minutes; pw.init and pw.serve say so at once."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = textwrap.dedent(
+        f"""
+        import time
+        import pathways_jax as pw
+
+        for call in (
+            lambda: pw.init(backend="ray", address="127.0.0.1:{port}", hosts=1),
+            lambda: pw.init(backend="ray", address="ray://127.0.0.1:{port}", service="pathways"),
+            lambda: pw.serve("pathways", hosts=1, address="127.0.0.1:{port}"),
+        ):
+            started = time.monotonic()
+            try:
+                call()
+            except pw.errors.ClusterError as exc:
+                print("REFUSED", round(time.monotonic() - started, 1), exc)
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    refusals = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refusals) == 3, (done.stdout, done.stderr[-3000:])
+    for _, seconds, message in refusals:
+        assert float(seconds) < 10 and f"127.0.0.1:{port}" in message and "could not reach" in message

@@ -213,7 +213,9 @@ def test_a_program_with_a_python_callback_is_refused_at_the_call_naming_its_line
     assert_matches(pw.program(lambda v: v + 1)(jnp.ones(3)), jnp.ones(3) + 1)
 
 
-def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypatch):
+def test_a_plan_a_host_cannot_load_fails_its_own_runs_only_and_their_readers_say_why(
+    ray_cluster, monkeypatch
+):
     from pathways_jax._src.compile import node_compiler
 
     pw.init(backend="ray", hosts=2, devices_per_host=1)
@@ -228,8 +230,23 @@ def test_a_plan_a_host_cannot_load_fails_its_own_runs_only(ray_cluster, monkeypa
     broken = pw.jit(lambda v: v * 5, devices=a)
     out = broken(jnp.ones(3))
     monkeypatch.undo()
+    plus = pw.jit(lambda v: v + 1, devices=a)
+    after = plus(out)  # sent before its input's failure is known here
     with pytest.raises(pw.errors.ProgramFailedError, match="registering the plan failed"):
         out.result(timeout=60)
+    # A run that read the failed run's output says why that input is missing (the host says so if
+    # the run went to it before the failure was known here).
+    never = "(was never made|got an input from a failed run): "
+    with pytest.raises(pw.errors.ProgramFailedError, match=never + ".*registering the plan failed"):
+        after.result(timeout=60)
+    # A run that fails on the host as it starts (far more memory than any host has), and its reader.
+    huge = pw.jit(lambda v: jnp.ones((1 << 20, 1 << 20), jnp.float32) * v, devices=a)(jnp.float32(2))
+    reader = pw.jit(lambda v: v[:2, 0] + 1, devices=a)(huge)
+    with pytest.raises(pw.errors.ProgramFailedError, match="RESOURCE_EXHAUSTED") as caught:
+        huge.result(timeout=60)
+    assert "node node" not in str(caught.value)
+    with pytest.raises(pw.errors.ProgramFailedError, match=never + ".*RESOURCE_EXHAUSTED"):
+        reader.result(timeout=60)
     # The host keeps serving other programs.
     assert_matches(pw.jit(lambda v: v - 5, devices=a)(jnp.ones(3)), jnp.ones(3) - 5)
 

@@ -209,6 +209,13 @@ def test_a_handle_is_refused_unless_shared(clients):
     assert len(got["refused"]) == 2, got["refused"]
     assert all("not shared" in why or "another client" in why for why in got["refused"])
     assert _client_rows(clients.svc)["reader"]["refused"] >= 2
+    # A second pw.receive of the handle outlives the first future's drop, and the owner's death.
+    np.testing.assert_array_equal(got["again"], want * 2)
+    clients.procs["owner"].kill()
+    clients.procs["owner"].wait(timeout=30)
+    assert wait_for(lambda: not _client_rows(clients.svc)["owner"]["alive"], timeout=CLEANUP_BOUND_S)
+    (clients.folder / "owner-gone").write_text("")
+    np.testing.assert_array_equal(clients.wait_state("reader", "after", timeout=60)["after"], want)
 
 
 def _shares(svc: pw.Service, names: tuple[str, ...], seconds: float) -> dict[str, float]:
@@ -325,8 +332,11 @@ def test_client_in_process_matches_jax_and_appears_in_stats(joined, island_servi
     assert mine[0]["runs"] >= 2 and mine[0]["programs"] >= 1 and mine[0]["failures"] == 0
     assert mine[0]["bytes_held"] >= total.nbytes + h.nbytes
     # The service's hosts serve every client: one of them cannot fail them (pw.faults).
-    with pytest.raises(pw.errors.ClusterError, match="client of a controller service"):
+    with pytest.raises(pw.errors.ClusterError, match="client of a controller service") as refused:
         pw.faults.kill_host(0)
+    # What it says to do can be done: the service's hosts' processes, by pid.
+    assert "host_stats()[h]['pid']" in str(refused.value)
+    assert all(row["pid"] > 0 for row in island_service.host_stats().values())
 
     def my_slices() -> list:
         rows = island_service.stats()["clients"].values()
@@ -342,6 +352,15 @@ def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_s
     handle = pw.share(kept)
     assert pickle.loads(pickle.dumps(handle)) == handle
     np.testing.assert_array_equal(pw.receive(handle).result(timeout=60), np.arange(4.0) + 1)
+    # A pytree of futures (a program's outputs) shares as the same pytree of handles.
+    outputs = {"a": kept, "b": [make(jnp.ones(2)), 3]}  # held: a handle does not keep its value
+    tree = pickle.loads(pickle.dumps(pw.share(outputs)))
+    got = pw.results(pw.receive(tree))
+    assert got["b"][1] == 3
+    np.testing.assert_array_equal(got["a"], np.arange(4.0) + 1)
+    np.testing.assert_array_equal(got["b"][0], np.ones(2) + 1)
+    with pytest.raises(TypeError, match=r"holding no pw\.Future"):
+        pw.share({"a": 1})
     runs = _run_count(island_service)
     forged = [
         dataclasses.replace(handle, key=handle.key + 10_000),
@@ -450,6 +469,22 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
             pw.errors.ClusterError, match=rf"silent_client_timeout must be None or .* got {bad!r}"
         ):
             pw.serve("never-started", hosts=1, silent_client_timeout=bad)
+    started = time.monotonic()
+    for option, bad, said in (
+        ("backpressure_timeout", "x", "backpressure_timeout must be None"),
+        ("max_in_flight", 0, "max_in_flight must be an int >= 1"),
+        ("starvation_limit", -1, "starvation_limit must be an int >= 0"),
+        ("platform", "tpu", "platform must be 'cpu' or 'gpu'"),
+        ("replace_lost_hosts", "no", "replace_lost_hosts must be True or False"),
+        ("address", 10001, "address must be None or a Ray address string"),
+    ):
+        with pytest.raises(pw.errors.ClusterError, match=said):
+            pw.serve("never-started", hosts=1, **{option: bad})
+    # More hosts than the Ray cluster has CPUs for: refused at once, not after placement's timeout.
+    cpus = int(ray_cluster.cluster_resources()["CPU"])
+    with pytest.raises(pw.errors.ClusterError, match=rf"{cpus + 1} hosts ask Ray for a logical CPU each"):
+        pw.serve("never-started", hosts=cpus + 1)
+    assert time.monotonic() - started < 10
     pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="me")
     out = _join_in_subprocess(island_service, "me")  # names are how pw.share finds a client
     assert "REFUSED" in out and "named 'me' is connected already" in out, out
@@ -457,6 +492,25 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
     pw.init()  # the local backend
     with pytest.raises(pw.errors.ClusterError, match="controller service"):
         pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))
+
+
+def test_a_service_started_without_ray_sizes_its_local_cluster_for_its_hosts(monkeypatch):
+    """pw.serve with no Ray session starts one with a logical CPU for each host (the machine's count
+    could not place more hosts: placement would wait for minutes and fail)."""
+    from pathways_jax._src.backends import service_client
+
+    started = {}
+
+    class NoRay:
+        def is_initialized(self) -> bool:
+            return False
+
+        def init(self, **kwargs) -> None:
+            started.update(kwargs)
+
+    monkeypatch.setattr(service_client, "import_ray", NoRay)
+    service_client.connect(None, start=True, hosts=(os.cpu_count() or 1) + 3)
+    assert started["address"] == "local" and started["num_cpus"] == (os.cpu_count() or 1) + 3
 
 
 def _join_in_subprocess(svc: pw.Service, name: str | None = None) -> str:
@@ -540,6 +594,13 @@ def test_command_line_starts_reports_and_stops_a_service(ray_cluster):
     assert again.returncode == 1 and "no controller service named 'test-cli'" in again.stderr
 
 
+def test_command_line_arguments_out_of_range_are_refused_not_replaced(capsys):
+    from pathways_jax.__main__ import main
+
+    assert main(["--name", "never-started", "serve", "--hosts", "1", "--window", "0"]) == 1
+    assert "window must be an int >= 1, got 0" in capsys.readouterr().err
+
+
 def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluster):
     svc = pw.serve("test-dies", hosts=1)
     pw.init(backend="ray", address=svc.address, service=svc.name)
@@ -558,6 +619,9 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         assert wait_for(gone, timeout=60)
         with pytest.raises(pw.errors.PathwaysError, match="controller service 'test-dies' is gone"):
             step(jnp.float32(1)).result(timeout=60)
+        for ask in (svc.stats, svc.host_stats):  # its handle says so too, not Ray's exception
+            with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):
+                ask()
     finally:
         started = time.monotonic()
         pw.shutdown()

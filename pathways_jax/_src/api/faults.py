@@ -85,8 +85,9 @@ def _strike(kind: FaultKind, host: int, at_run: int, at_save: int, timeout: floa
             f"{what} (at {source.of_caller()}): "
             + (
                 "this process is a client of a controller service, whose hosts serve other clients "
-                "too; inject faults from the service's own process (the one that ran pw.serve), "
-                "or start hosts of your own with pw.init(backend='ray', hosts=...)."
+                "too, and pw.faults fails only hosts of your own: start them with "
+                "pw.init(backend='ray', hosts=...). To rehearse a loss of the service's host h, kill "
+                "its process yourself (os.kill(pw.service(name).host_stats()[h]['pid'], signal.SIGKILL))."
                 if served
                 else f"the {backend.name!r} backend has no hosts to fail: every device is in this "
                 "process. Start hosts with pw.init(backend='ray', hosts=..., devices_per_host=...)."

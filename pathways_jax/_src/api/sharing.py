@@ -26,11 +26,13 @@ def _service_backend(what: str) -> Shares:
     return backend
 
 
-def share(future: Future, client: str | None = None, *, timeout: float | None = _SHARE_TIMEOUT_S) -> Any:
+def share(future: Any, client: str | None = None, *, timeout: float | None = _SHARE_TIMEOUT_S) -> Any:
     """A handle to ``future``'s value that another client process of the service may use.
 
     Args:
-      future: a future of this process (of a program run on the service's hosts).
+      future: a future of this process (of a program run on the service's hosts),
+        or a pytree of them (a program's outputs): each future is shared, and
+        the same pytree of handles comes back (other leaves as they are).
       client: the client process allowed to read it: its ``client_name``
         (``pw.init(..., client_name=...)``) or its id in the service's stats.
         ``None``: nobody else (the handle names the value, and only this
@@ -39,20 +41,29 @@ def share(future: Future, client: str | None = None, *, timeout: float | None = 
         the hosts.
 
     Returns:
-      A picklable :class:`pw.Handle`; the other process calls
-      ``pw.receive(handle)``. The value lives while this process's future or
+      A picklable :class:`pw.Handle` (a pytree of them for a pytree); the
+      other process calls ``pw.receive(handle)``. The value lives while this process's future or
       the receiver's does.
 
     Raises:
       ClusterError: this process did not join a controller service.
       AccessError: the value is not on the hosts (freed, or its run failed), or
         no client process of that name is connected.
-      TypeError: ``future`` is not a ``pw.Future``.
+      TypeError: ``future`` holds no ``pw.Future``.
     """
+    import jax
 
     backend = _service_backend("pw.share")
     if not isinstance(future, Future):
-        raise TypeError(f"pw.share takes a pw.Future, got {type(future).__name__}.")
+        leaves = jax.tree.leaves(future)
+        if not any(isinstance(leaf, Future) for leaf in leaves):
+            raise TypeError(
+                f"pw.share takes a pw.Future or a pytree of them (a program's outputs), got "
+                f"{type(future).__name__} holding no pw.Future."
+            )
+        return jax.tree.map(
+            lambda leaf: share(leaf, client, timeout=timeout) if isinstance(leaf, Future) else leaf, future
+        )
     array: Any = futures.sent(future, timeout, "pw.share")
     if not isinstance(getattr(array, "key", None), int | tuple):
         raise errors.AccessError(f"pw.share: {future._entry.origin} is not a value on the service's hosts.")
@@ -66,18 +77,29 @@ def share(future: Future, client: str | None = None, *, timeout: float | None = 
     return backend.handle_of(array)
 
 
-def receive(handle: Any) -> Future:
+def receive(handle: Any) -> Any:
     """A future of this process for a value another client process shared (``pw.share``).
 
-    Nothing is asked of the service here: a handle that was not shared with
-    this process (or whose value was freed) fails the first program or
-    ``result()`` that reads it, with ``AccessError``, touching nothing.
+    A pytree of handles (``pw.share`` of a pytree) gives the same pytree of
+    futures. Nothing is asked of the service here: a handle that was not
+    shared with this process (or whose value was freed) fails the first
+    program or ``result()`` that reads it, with ``AccessError``, touching nothing.
     """
+    import jax
+
     from pathways_jax._src.backends import service_client as service_lib
 
     backend = _service_backend("pw.receive")
     if not isinstance(handle, service_lib.Handle):
-        raise TypeError(f"pw.receive takes a pw.Handle (from pw.share), got {type(handle).__name__}.")
+        is_handle = lambda leaf: isinstance(leaf, service_lib.Handle)  # noqa: E731
+        if not any(is_handle(leaf) for leaf in jax.tree.leaves(handle, is_leaf=is_handle)):
+            raise TypeError(
+                f"pw.receive takes a pw.Handle (from pw.share) or a pytree of them, got "
+                f"{type(handle).__name__} holding none."
+            )
+        return jax.tree.map(
+            lambda leaf: receive(leaf) if is_handle(leaf) else leaf, handle, is_leaf=is_handle
+        )
     array = backend.array_of(handle)
     client = clients.current()
     owner = Owner(client.name, -1 - next(_received), client.key)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import warnings
 from typing import Any, NamedTuple
 
@@ -42,6 +43,41 @@ def check_gpus(ray: Any, hosts: int, devices_per_host: int) -> None:
             f"Ray cluster has {have:g}. Start the Ray nodes that have the GPUs first (Ray must see them: "
             "`ray status` lists them), ask for fewer hosts or devices_per_host, or use platform='cpu'."
         )
+
+
+def check_cpus(ray: Any, hosts: int) -> None:
+    """Refuses at once CPU hosts a Ray cluster has too few logical CPUs for (its placement would wait in vain)."""
+    have = ray.cluster_resources().get("CPU", 0)
+    if have < hosts:
+        raise errors.ClusterError(
+            f"{hosts} hosts ask Ray for a logical CPU each, but the Ray cluster has {have:g}. Start Ray "
+            f"with more (`ray start --head --num-cpus={hosts}`, ray.init(num_cpus={hosts})) or add nodes, "
+            "or ask for fewer hosts."
+        )
+
+
+_REACH_TIMEOUT_S = 5.0  # a Ray address whose port takes no connection in this long is refused
+
+
+def check_reachable(address: str) -> None:
+    """Refuses at once a ``host:port`` (or ``ray://host:port``) address where nothing takes a connection.
+
+    ``ray.init`` retries such an address for minutes; ``"auto"``, ``"local"``
+    and other forms are left to Ray.
+    """
+    where = address.removeprefix("ray://")
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit() or "/" in where:
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise errors.ClusterError(
+            f"could not reach the Ray cluster at {address!r}: nothing took a connection there within "
+            f"{_REACH_TIMEOUT_S:g}s ({exc}). Check the address (the head's `ray start` prints it; a "
+            "controller service's is pw.Service.address), or start a cluster with `ray start --head`."
+        ) from exc
 
 
 def send_saved_token() -> None:
@@ -90,20 +126,27 @@ def join_ray(ray: Any, address: str | None, hosts: int) -> None:
             )
         ray.shutdown()  # the local session pathways_jax started for fewer hosts: a larger one
     if address is not None:
+        check_reachable(address)
         send_saved_token()
     with warnings.catch_warnings():
         # Ray starts its own processes with fork + exec; JAX's fork hook
         # warns about forking a multithreaded process, which matters only
         # when the child goes on running Python.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-        ray.init(
-            # None: a new local cluster, never one a stale `ray start` file names.
-            address=address or "local",
-            include_dashboard=False,
-            log_to_driver=False,
-            num_cpus=None if address else max(hosts, os.cpu_count() or 1),
-            configure_logging=False,
-        )
+        try:
+            ray.init(
+                # None: a new local cluster, never one a stale `ray start` file names.
+                address=address or "local",
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=None if address else max(hosts, os.cpu_count() or 1),
+                configure_logging=False,
+            )
+        except ConnectionError as exc:
+            raise errors.ClusterError(
+                f"could not reach the Ray cluster at {address!r}: {exc}. Check the address, or start a "
+                "cluster with `ray start --head`."
+            ) from exc
     if address is None:
         _OWN_SESSION["node"] = ray.get_runtime_context().get_node_id()
 

@@ -17,7 +17,7 @@ from absl import logging
 
 from pathways_jax._src.backends import ray_host
 from pathways_jax._src.backends.host_link import Link
-from pathways_jax._src.backends.ray_boot import Layout, check_gpus
+from pathways_jax._src.backends.ray_boot import Layout, check_cpus, check_gpus
 from pathways_jax._src.backends.ray_failures import is_lost_error
 from pathways_jax._src.backends.ray_host import Role
 from pathways_jax._src.core import errors
@@ -78,6 +78,7 @@ class HostActors:
         self.remove_pg = remove_placement_group
         hosts, devices_per_host = layout.hosts, layout.devices_per_host
         bundle: dict[str, float] = {"CPU": 1}
+        check_cpus(ray, hosts)
         if platform != "cpu":
             bundle["GPU"] = devices_per_host
             check_gpus(ray, hosts, devices_per_host)

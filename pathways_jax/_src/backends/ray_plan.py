@@ -167,7 +167,9 @@ class RemotePlan:
                 # same computation over the same devices in another order is another
                 # executable (sharing one feeds buffers to the wrong replicas).
                 fingerprint = f"{exported}/{hashlib.sha256(repr(descs).encode()).hexdigest()[:24]}"
-                op = ExecOp(fingerprint, step.in_slots, step.out_slots, step.windowed, what)
+                # Named as the host's errors say it: "run failed in node <name>".
+                name = f"{node.name!r} ({node.source_info})"
+                op = ExecOp(fingerprint, step.in_slots, step.out_slots, step.windowed, name)
                 for host in hosts:
                     hp = part(host)
                     if fingerprint not in hp.blobs:

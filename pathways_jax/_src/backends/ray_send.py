@@ -33,6 +33,9 @@ class Sender:
         # Values whose handles went, by host: freed with the next message there.
         self.dropped: list[collections.deque] = [collections.deque() for _ in range(hosts)]
         self.forgotten: collections.deque = collections.deque()  # (plan key, hosts) whose plan went
+        # A service client's live handles of each received value, by (host, (owner, key)): its
+        # free goes once the last is dropped (pw.receive of one handle twice makes two).
+        self.received: collections.Counter = collections.Counter()
         self._next_uuid = 0  # transfer uuids, handed out per run
 
     def send(self, link: Link, host: int, kind: str, args: tuple) -> Any:
@@ -69,15 +72,30 @@ class Sender:
         self._next_uuid += count
         return base
 
-    def take_dropped(self, host: int) -> list[int]:
-        """The values host ``host`` is to free, taken (they go with the message being made)."""
+    def receive(self, hosts: tuple[int, ...], key: tuple[int, int]) -> None:
+        """One more live handle of the received value ``key`` on ``hosts``."""
+        for host in hosts:
+            self.received[host, key] += 1
+
+    def take_dropped(self, host: int) -> list:
+        """The values host ``host`` is to free, taken (they go with the message being made).
+
+        A received value goes once the last of its handles here went.
+        """
         dropped = self.dropped[host]
+        received = self.received
         keys = []
         while dropped:
             try:
-                keys.append(dropped.popleft())
+                key = dropped.popleft()
             except IndexError:
                 break
+            if isinstance(key, tuple) and (host, key) in received:
+                received[host, key] -= 1
+                if received[host, key] > 0:
+                    continue
+                del received[host, key]
+            keys.append(key)
         return keys
 
     def forget(self, key: int, hosts: tuple[int, ...]) -> None:

@@ -31,7 +31,7 @@ from absl import logging
 
 from pathways_jax._src.backends.base import Dispatched, Prepared, Windows
 from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
-from pathways_jax._src.backends.ray_boot import Layout, import_ray, send_saved_token
+from pathways_jax._src.backends.ray_boot import Layout, check_reachable, import_ray, send_saved_token
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
 from pathways_jax._src.backends.ray_failures import is_lost_error
 from pathways_jax._src.backends.ray_host import Refused, sharding_of
@@ -50,8 +50,9 @@ _HEALTH_S = 0.25  # how often a client asks the service about lost islands
 _JOIN_TIMEOUT_S = 60.0
 
 
-def connect(address: str | None, *, start: bool = False) -> Any:
-    """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a new one)."""
+def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
+    """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a
+    new one, with a logical CPU for each of ``hosts`` host actors at least)."""
     ray = import_ray()
     if not ray.is_initialized():
         if address is None and start:
@@ -61,6 +62,7 @@ def connect(address: str | None, *, start: bool = False) -> Any:
             )
         where = address or ("local" if start else "auto")
         if where != "local":
+            check_reachable(where)
             send_saved_token()
         try:
             ray.init(
@@ -69,6 +71,7 @@ def connect(address: str | None, *, start: bool = False) -> Any:
                 include_dashboard=False,
                 log_to_driver=False,
                 configure_logging=False,
+                num_cpus=max(hosts, os.cpu_count() or 1) if where == "local" else None,
             )
         except Exception as exc:
             raise errors.ClusterError(
@@ -244,6 +247,8 @@ class ServiceBackend:
         # Named (owner, key) even for this process's own value: dropping it frees nothing (the
         # owner's own future does), and reading it after that is refused as stale.
         key = (handle.owner, handle.key)
+        with self.dispatcher.lock:  # its free goes when the last such handle here went
+            self.sender.receive(handle.hosts, key)
         return RemoteArray(self.dispatcher, handle.hosts, key, aval, sharding, (), handle.generation)
 
     def service_stats(self, timeout: float = 30.0) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import Any, overload
 
 import jax
 
@@ -70,7 +70,11 @@ class InitArgs:
         )
 
 
-def _count(name: str, value: object, minimum: int, *, optional: bool = False) -> int | None:
+@overload
+def count(name: str, value: object, minimum: int) -> int: ...
+@overload
+def count(name: str, value: object, minimum: int, *, optional: bool) -> int | None: ...
+def count(name: str, value: object, minimum: int, *, optional: bool = False) -> int | None:
     """``value`` as an int if it is one (not a bool) and at least ``minimum``; else ClusterError."""
     if value is None and optional:
         return None
@@ -80,7 +84,7 @@ def _count(name: str, value: object, minimum: int, *, optional: bool = False) ->
     return int(value)
 
 
-def _seconds(name: str, value: object) -> float | None:
+def seconds(name: str, value: object) -> float | None:
     """``value`` as seconds if it is None or a finite number >= 0 (not a bool); else ClusterError."""
     if value is None:
         return None
@@ -136,11 +140,11 @@ def checked(args: InitArgs) -> InitArgs:
         raise errors.ClusterError(f"devices_per_host must be a positive int, got {args.devices_per_host!r}.")
     return dataclasses.replace(
         args,
-        num_cpu_devices=_count("num_cpu_devices", args.num_cpu_devices, 1, optional=True),
-        max_in_flight=_count("max_in_flight", args.max_in_flight, 1),
-        max_queued=_count("max_queued", args.max_queued, 1),
-        starvation_limit=_count("starvation_limit", args.starvation_limit, 0),
-        backpressure_timeout=_seconds("backpressure_timeout", args.backpressure_timeout),
+        num_cpu_devices=count("num_cpu_devices", args.num_cpu_devices, 1, optional=True),
+        max_in_flight=count("max_in_flight", args.max_in_flight, 1),
+        max_queued=count("max_queued", args.max_queued, 1),
+        starvation_limit=count("starvation_limit", args.starvation_limit, 0),
+        backpressure_timeout=seconds("backpressure_timeout", args.backpressure_timeout),
         hosts=None if args.hosts is None else int(args.hosts),
         devices_per_host=int(args.devices_per_host),
     )

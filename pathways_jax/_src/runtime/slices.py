@@ -333,7 +333,9 @@ def devices(
         are shared: several may map onto the same devices and the controller
         time-multiplexes them.
       timeout: seconds to wait for busy devices (``None``: wait as long as it
-        takes). Only waits when devices are reserved by exclusive slices.
+        takes). A shared slice waits only while devices are reserved by
+        exclusive slices; an exclusive one also while shared slices use them
+        (those this thread holds too: release them first, or give a timeout).
       device_ids: the devices to map the slice onto, one id per mesh
         position in row-major order (all on one island), instead of letting
         the resource manager choose. Two slices may name the same devices in

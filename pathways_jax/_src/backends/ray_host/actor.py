@@ -86,6 +86,9 @@ class Host:
         self.role = Role(index, 0, 1, None)
         self.plane = DataPlane(index)
         self.values: dict[int, Any] = {}
+        # Why values this host was to keep were never made (their run or call failed), until freed:
+        # a run that reads one fails saying so, not that the value is missing.
+        self.unmade: dict[int, str] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
         self.steps = Steps(self.plane, self.executables, window_size)
         # plan key -> (ops, constants, steps, the 64-bit mode it runs under: None for the process's)
@@ -326,11 +329,25 @@ class Host:
     def _free(self, keys: list[int]) -> None:
         for key in keys:
             self.values.pop(key, None)
+            self.unmade.pop(key, None)
             self.colocated.free(key)
 
     def _colocated(self, order: Any, feeds: list) -> Any:
         """A colocated_python call (or its outputs adopted): see ``colocated.py``."""
-        return self.colocated.handle(order, feeds, self.values, self.plane.island_devices)
+        unmade = [self.unmade[p] for _slot, kind, p in feeds if kind == "value" and p in self.unmade]
+        if unmade:
+            answer = MessageFailed(f"host {self.index}: an input of the call was never made: {unmade[0]}")
+        else:
+            answer = self.colocated.handle(order, feeds, self.values, self.plane.island_devices)
+        if isinstance(answer, MessageFailed):
+            self._not_made((kept.key for kept in order.keep or ()), answer.message)
+        return answer
+
+    def _not_made(self, keys: Any, message: str) -> None:
+        """The values under ``keys`` will never be made here: their run or call failed with ``message``."""
+        for key in keys:
+            if key not in self.values:
+                self.unmade[key] = message
 
     def _stash(self, ticket: int, writes: list[checkpoint.Write], ocdbt: bool) -> None:
         """Copies the values a checkpoint saves (``checkpoint.stash``): later runs may free them."""
@@ -360,6 +377,9 @@ class Host:
     def _kept(self, key: int) -> Any:
         """The value kept under ``key`` (a restored one once read: on the executor only)."""
         if key not in self.values:
+            why = self.unmade.get(key)
+            if why is not None:
+                raise InputFailed(f"an input of it (value {key}) was never made: {why}")
             raise KeyError(f"value {key} is not on host {self.index} (freed, or its run failed)")
         value = self.values[key]
         if isinstance(value, checkpoint.Pending):
@@ -379,6 +399,7 @@ class Host:
             why, trace, ops = self.broken.get(key, ("it was never registered", "", []))
             message = f"host {self.index}: plan {key} cannot run: {why}"
             self.plane.abandon(ops, 0, base, message)
+            self._not_made((value_key for _slot, value_key in keep), message)
             self._answer(future, RunFailure("error", None, message, trace))
             return
         ops, constants, steps, mode = self.plans[key]
@@ -410,6 +431,7 @@ class Host:
             # what peers posted for it is taken off their servers: nothing waits.
             message = f"host {self.index}: {describe_failure(exc, ops, step)}"
             self.plane.abandon(ops, step + 1 if step >= 0 else 0, base, message)
+            self._not_made((value_key for _slot, value_key in keep), message)
             self._answer(future, RunFailure("error", None, message, trace_of(exc), tuple(sorted(peers))))
             return
         small = []
@@ -459,6 +481,10 @@ class Host:
                     with contextlib.suppress(Exception):
                         status = RunDone(device_s, {key: readable(value, np) for key, value in small})
             self._answer(future, status)
+
+
+class InputFailed(Exception):
+    """A run's input was never made here: the run or call that was to make it failed."""
 
 
 def _mode(x64: bool | None) -> Any:

@@ -258,7 +258,7 @@ class ServiceActor:
         if not readers:
             names = sorted(c.name for c in self.clients.values() if c.alive)
             return Refused(f"no client process named {reader!r} is connected (connected: {names})")
-        value.readers.update(c.id for c in readers)
+        self.ledger.share(host_key(client_id, key), {c.id for c in readers})
         return None
 
     # --- batches ---------------------------------------------------------------------------
@@ -380,7 +380,7 @@ class ServiceActor:
                     feeds = [
                         feed
                         if feed.value is None
-                        else wire.Feed(feed.slot, self.ledger.readable(cid, feed.value))
+                        else wire.Feed(feed.slot, self.ledger.read(cid, feed.value))
                         for feed in feeds
                     ]
                     kept = []
@@ -410,7 +410,7 @@ class ServiceActor:
                     reply = None
                     if inbox is not None and self.backend.link.name == "channel":
                         reply = wire.Reply(inbox.up, inbox.down, inbox.key, batch.seq)
-                    out.append((host, wire.Fetch(self.ledger.readable(cid, key), reply)))
+                    out.append((host, wire.Fetch(self.ledger.read(cid, key), reply)))
         return out, frees
 
     def _forward(self, client: ClientProcess, batch: Batch) -> None:

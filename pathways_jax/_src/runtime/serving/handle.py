@@ -7,8 +7,11 @@ import dataclasses
 from typing import Any
 
 from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends.ray_boot import check_cpus, check_gpus
+from pathways_jax._src.backends.ray_failures import is_lost_error
 from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
 from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import init_args
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.serving.actor import ServiceActor
 from pathways_jax._src.runtime.serving.config import DEFAULT_WINDOW, ServiceConfig
@@ -30,16 +33,38 @@ class Service:
     actor: Any = dataclasses.field(repr=False, compare=False)
 
     def stats(self, timeout: float = 30.0) -> dict:
-        """The service's ``stats``: every client process with its runs, device time, bytes held, failures."""
-        import ray
+        """The service's ``stats``: every client process with its runs, device time, bytes held, failures.
 
-        return ray.get(self.actor.stats.remote(), timeout=timeout)
+        Raises:
+          ClusterError: the service is gone (stopped, or its actor died), or did not answer in ``timeout`` s.
+        """
+        return self._ask("stats", timeout)
 
     def host_stats(self, timeout: float = 30.0) -> dict:
-        """Each host's counts (values kept, runs done, executables, plans, transfers)."""
+        """Each host's counts (values kept, runs done, executables, plans, transfers).
+
+        Raises:
+          ClusterError: the service is gone (stopped, or its actor died), or did not answer in ``timeout`` s.
+        """
+        return self._ask("host_stats", timeout)
+
+    def _ask(self, method: str, timeout: float) -> dict:
         import ray
 
-        return ray.get(self.actor.host_stats.remote(), timeout=timeout)
+        try:
+            return ray.get(getattr(self.actor, method).remote(), timeout=timeout)
+        except Exception as exc:
+            if is_lost_error(exc):
+                raise errors.ClusterError(
+                    f"Service.{method}(): the controller service {self.name!r} is gone (stopped, or its actor "
+                    f"died): {type(exc).__name__}. Start it again with pw.serve({self.name!r}, hosts=...)."
+                ) from exc
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise errors.ClusterError(
+                    f"Service.{method}(): the controller service {self.name!r} did not answer within "
+                    f"{timeout}s; pass a longer timeout=, or check that it runs (`ray list actors`)."
+                ) from exc
+            raise
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stops the service: its hosts are killed, its clients' values go, the actor ends."""
@@ -113,6 +138,15 @@ def serve(
 
     if not isinstance(name, str) or not name:
         raise errors.ClusterError(f"a service's name must be a non-empty string, got {name!r}.")
+    if address is not None and not isinstance(address, str):
+        raise errors.ClusterError(f"address must be None or a Ray address string, got {address!r}.")
+    if platform not in ("cpu", "gpu"):
+        raise errors.ClusterError(f"platform must be 'cpu' or 'gpu', got {platform!r}.")
+    if not isinstance(replace_lost_hosts, bool):
+        raise errors.ClusterError(f"replace_lost_hosts must be True or False, got {replace_lost_hosts!r}.")
+    max_in_flight = init_args.count("max_in_flight", max_in_flight, 1)
+    starvation_limit = init_args.count("starvation_limit", starvation_limit, 0)
+    backpressure_timeout = init_args.seconds("backpressure_timeout", backpressure_timeout)
     for label, value, low in (
         ("hosts", hosts, 1),
         ("devices_per_host", devices_per_host, 1),
@@ -156,7 +190,10 @@ def serve(
         raise errors.ClusterError(
             f"silent_client_timeout must be None or a number of seconds > 0, got {silent_client_timeout!r}."
         )
-    ray = connect(address, start=True)
+    ray = connect(address, start=True, hosts=hosts)
+    check_cpus(ray, hosts)
+    if platform == "gpu":
+        check_gpus(ray, hosts, devices_per_host)
     with contextlib.suppress(ValueError):
         ray.get_actor(name, namespace=NAMESPACE)
         raise errors.ClusterError(

@@ -3,7 +3,9 @@
 A client's keys are namespaced on the hosts (:func:`~.config.host_key`). A
 value is freed on its hosts once its owner dropped its handle and no client
 it was shared with (``pw.share``) still holds it; its bytes count against
-the service's one memory budget until then.
+the service's one memory budget until then. A client it was shared with may
+read it while it lives, also after dropping what it received (``pw.receive``
+again).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class Kept:
     owner: int
     hosts: tuple
     nbytes: int
-    readers: set = dataclasses.field(default_factory=set)
+    readers: set = dataclasses.field(default_factory=set)  # the clients it was shared with
+    holders: set = dataclasses.field(default_factory=set)  # those of them that may still hold it
     owner_holds: bool = True
 
 
@@ -87,6 +90,21 @@ class Ledger:
             "shared with this one (pw.share(future, client=...) in its owner)"
         )
 
+    def read(self, client_id: int, key: Any) -> int:
+        """:meth:`readable`'s host key; a client the value was shared with holds it again (its
+        handle that reads it is freed later)."""
+        hk = self.readable(client_id, key)
+        value = self.values[hk]
+        if client_id != value.owner:
+            value.holders.add(client_id)
+        return hk
+
+    def share(self, key: int, readers: set[int]) -> None:
+        """Value ``key`` may be read by ``readers``, who hold it until they drop it."""
+        value = self.values[key]
+        value.readers |= readers
+        value.holders |= readers
+
     def drop(self, client_id: int, keys: list, frees: dict[int, list[int]]) -> None:
         """A client dropped its handles ``keys``: values nobody holds any more go to ``frees``."""
         for key in keys:
@@ -103,17 +121,18 @@ class Ledger:
             if owned:
                 value.owner_holds = False
             else:
-                value.readers.discard(client_id)
-            if not value.owner_holds and not value.readers:
+                value.holders.discard(client_id)
+            if not value.owner_holds and not value.holders:
                 self.release(hk, frees)
 
     def forget_client(self, client_id: int, frees: dict[int, list[int]]) -> None:
         """A client went: it holds and reads nothing now; values nobody holds go to ``frees``."""
         for key, value in list(self.values.items()):
             value.readers.discard(client_id)
+            value.holders.discard(client_id)
             if value.owner == client_id:
                 value.owner_holds = False
-            if not value.owner_holds and not value.readers:
+            if not value.owner_holds and not value.holders:
                 self.release(key, frees)
 
     def release(self, key: int, frees: dict[int, list[int]]) -> None:
