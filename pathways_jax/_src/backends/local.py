@@ -285,7 +285,8 @@ def _deleted_argument(plan: Any, env: list[Any]) -> RuntimeError | None:
     """
     for index, slot in plan.array_feeds:
         value = env[slot]
-        if isinstance(value, jax.Array) and value.is_deleted():
+        deleted = getattr(value, "is_deleted", None)  # duck-typed: this runs on any failure of a run
+        if deleted is not None and deleted():
             return RuntimeError(
                 f"argument {index} of the call ({value.aval.str_short()}), a jax.Array, was deleted "
                 "or donated to another call after this call returned and before its run was "
