@@ -1013,7 +1013,7 @@ def main(argv: list[str]) -> None:
     jax_timeout, child_programs, calibrate_s, settle = _JAX_TIMEOUT.value, _CHILD_PROGRAMS.value, 0.2, 0.5
     if quick:
         repeats, measure, fair_s, fair_repeats = 1, 0.2, 0.6, 1
-        jax_timeout, child_programs, calibrate_s, settle = 8.0, 100, 0.05, 0.2
+        jax_timeout, child_programs, calibrate_s, settle = 5.0, 100, 0.05, 0.2
     started = time.perf_counter()
     pw.init(num_cpu_devices=NUM_DEVICES)
     out_dir = pathlib.Path(_OUT.value)

@@ -30,7 +30,9 @@ from pathways_jax._src.backends.base import HostFleet
 from pathways_jax._src.runtime import clusters as cluster_lib
 
 pytestmark = pytest.mark.timeout(180)
-RAY_CPUS = 8  # the service's 4 hosts and a test's own 4 (one logical CPU each)
+# One logical CPU a host: the 4 hosts of ray-2host, then (after they stopped) the service's 4.
+# The suite's default size: the next module takes this Ray cluster over.
+RAY_CPUS = 4
 
 
 @pytest.fixture(scope="module")
