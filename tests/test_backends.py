@@ -53,15 +53,16 @@ def _end_cluster() -> None:
 @pytest.fixture(scope="module", params=["local", "ray", "ray-2host", "service"])
 def backend(request):
     """One backend's cluster, started once for every test of the module (pytest groups them by backend)."""
-    if request.param != "local":  # started (or taken over) before this cluster: it ends no cluster of ours
-        request.getfixturevalue("shared_service" if request.param == "service" else "ray_cluster")
+    # Started (or taken over) before this cluster, so that it ends no cluster of ours.
+    svc = request.getfixturevalue("shared_service") if request.param == "service" else None
+    if request.param in ("ray", "ray-2host"):
+        request.getfixturevalue("ray_cluster")
     _end_cluster()
     if request.param == "local":
         pw.init(num_cpu_devices=8, islands=2)
     elif request.param == "ray":
         pw.init(backend="ray", hosts=2, devices_per_host=4)
-    elif request.param == "service":
-        svc = request.getfixturevalue("shared_service")
+    elif svc is not None:
         pw.init(backend="ray", address=svc.address, service=svc.name)
     else:
         pw.init(backend="ray", hosts=4, devices_per_host=2, islands=2)
