@@ -376,6 +376,26 @@ def test_locally_it_runs_in_process_as_jax_does():
         colocated.HostIterator(_rows, batches.batch, prefetch=-1)
 
 
+def _small_ints(shard):
+    yield {"x": np.arange(8, dtype=np.uint8).reshape(4, 2)}  # widens to float32: the same values
+    yield {"x": np.full((4, 2), 0.5)}  # float data for an int leaf: the cast would change it
+
+
+def test_a_host_iterator_widens_within_a_kind_and_refuses_a_cast_that_changes_values():
+    s = pw.devices(mesh={"x": 1})
+    floats = colocated.HostIterator(
+        _small_ints, {"x": jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))}
+    )
+    assert_matches(next(floats)["x"], np.arange(8, dtype=np.float32).reshape(4, 2), rtol=0, atol=0)
+    ints = colocated.HostIterator(
+        _small_ints, {"x": jax.ShapeDtypeStruct((4, 2), np.int32, sharding=s.sharding())}
+    )
+    assert next(ints)["x"].dtype == np.int32
+    with pytest.raises(pw.errors.PathwaysError, match="float64 data for a leaf of type int32") as caught:
+        next(ints)
+    assert isinstance(caught.value, TypeError)
+
+
 # --- specialisation: the same errors as JAX's -------------------------------------------------
 
 

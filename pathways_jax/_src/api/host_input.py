@@ -195,9 +195,19 @@ def _global(spec: jax.ShapeDtypeStruct, leaf: Any) -> jax.Array:
     wrapped again, with its own implementation (NumPy holds no key types).
     """
     if not jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
-        return jax.make_array_from_process_local_data(spec.sharding, np.asarray(leaf, spec.dtype), spec.shape)
+        data = np.asarray(leaf)
+        if data.dtype != spec.dtype and not np.can_cast(data.dtype, spec.dtype, casting="same_kind"):
+            # A cast across kinds (float to int, int to bool) would change the values, not just their width.
+            raise errors.also(errors.PathwaysError, TypeError)(
+                f"the iterator on host {jax.process_index()} gave {data.dtype} data for a leaf of type "
+                f"{spec.dtype}: casting it would change its values. Yield {spec.dtype} (or a narrower or "
+                "wider type of the same kind) there, or declare the leaf's dtype as the iterator's."
+            )
+        return jax.make_array_from_process_local_data(
+            spec.sharding, data.astype(spec.dtype, copy=False), spec.shape
+        )
     if not (isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
-        raise TypeError(
+        raise errors.also(errors.PathwaysError, TypeError)(
             f"the iterator on host {jax.process_index()} gave a {type(leaf).__name__} for a leaf of type "
             f"{spec.dtype}; yield typed keys there (jax.random.key(...)), as the batch says."
         )
