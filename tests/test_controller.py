@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import wait_for
 
 import pathways_jax as pw
 
@@ -175,3 +176,80 @@ def test_programs_that_place_nothing_run_between_single_device_runs(inline):
         np.testing.assert_array_equal(np.asarray(same.result(timeout=30)), np.full(2, float(i)))
         assert bool(flag.result(timeout=30)) == bool(i % 2)
     np.testing.assert_array_equal(np.asarray(x.result(timeout=30)), np.full(3, 12.0))
+
+
+def _dispatching_threads(monkeypatch, controller):
+    """The thread that dispatched each run from now on, in order."""
+    threads: list[int] = []
+    execute = controller._execute
+
+    def recorded(run):
+        threads.append(threading.get_ident())
+        return execute(run)
+
+    monkeypatch.setattr(controller, "_execute", recorded)
+    return threads
+
+
+def _heavy(x):
+    return jax.lax.fori_loop(0, 60, lambda _, v: jnp.tanh(v @ v) * 0.5, x)
+
+
+@pytest.mark.timeout(120)
+def test_a_caller_that_finds_its_device_window_full_of_short_runs_waits_for_it_and_dispatches_inline(
+    monkeypatch,
+):
+    from pathways_jax._src.runtime import controller as controller_lib
+
+    monkeypatch.setattr(controller_lib, "_SHORT_RUN_S", 10.0)  # these runs of milliseconds count as short
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 1})
+    heavy = pw.jit(_heavy, devices=s)
+    x = jnp.eye(64) * 0.5
+    heavy(heavy(x)).result(timeout=60)  # compiled for arrays and for futures, and their costs measured
+    controller = pw.cluster().controller
+    assert wait_for(lambda: len(controller.accounting.costs) == 2, 30)
+    threads = _dispatching_threads(monkeypatch, controller)
+    y = x
+    for _ in range(12):  # three times the device's window: queued, each would wait for the controller
+        y = heavy(y)
+    want = x
+    for _ in range(12):
+        want = jax.jit(_heavy)(want)
+    np.testing.assert_allclose(np.asarray(y.result(timeout=60)), np.asarray(want), rtol=1e-6)
+    assert threads == [threading.get_ident()] * 12
+
+
+@pytest.mark.timeout(120)
+def test_a_caller_whose_short_runs_are_queued_waits_for_them_then_dispatches_inline(monkeypatch):
+    from pathways_jax._src.runtime import controller as controller_lib
+
+    monkeypatch.setattr(controller_lib, "_SHORT_RUN_S", 10.0)  # however long the machine makes it
+    monkeypatch.setattr(controller_lib, "_CATCH_UP_S", 60.0, raising=False)
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 2})
+    bump = pw.jit(lambda v: v * 2 + 1, devices=s)
+    bump(bump(jnp.ones(2))).result(
+        timeout=60
+    )  # compiled for arrays and for futures, and their costs measured
+    controller = pw.cluster().controller
+    assert wait_for(lambda: len(controller.accounting.costs) == 2, 30)
+    threads = _dispatching_threads(monkeypatch, controller)
+    holding, seen = threading.Event(), []
+
+    def hold_dispatch_until_a_caller_waits():
+        with controller._dispatch:  # no run is dispatched meanwhile: the caller's runs queue
+            holding.set()
+            seen.append(wait_for(lambda: getattr(controller, "_catching_up", 0) > 0, 10))
+
+    holder = threading.Thread(target=hold_dispatch_until_a_caller_waits)
+    holder.start()
+    assert holding.wait(30)
+    y = jnp.ones(2)
+    for _ in range(3):  # the first is queued; a later one waits for what is queued, then goes inline
+        y = bump(y)
+    holder.join(30)
+    np.testing.assert_array_equal(np.asarray(y.result(timeout=30)), [15.0, 15.0])
+    assert seen == [True]
+    assert threads[0] == controller._thread.ident
+    assert threads[-1] == threading.get_ident()

@@ -78,6 +78,9 @@ _ROOM_POLL_S = 5e-5
 # window of such short runs.
 _SHORT_RUN_S = 5e-4
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
+# The longest a caller waits for its queued short runs to be dispatched before
+# it queues its own behind them (Controller._catch_up).
+_CATCH_UP_S = 0.05
 # Runs queued on one device by its single-device executables (a device's
 # window, base.device_window_key) before more of them wait in the controller's
 # queues, where the policy orders them. Deep enough that the device never
@@ -152,6 +155,9 @@ class Controller:
         # Callers waiting for their client's queue to drop below max_queued.
         self._room = threading.Condition(self._lock)
         self._room_waiters = 0
+        # Callers waiting in _catch_up, woken when a dispatch by the controller's thread ends.
+        self._emptied = threading.Condition(self._lock)
+        self._catching_up = 0
         self._sleeping = False  # the controller thread waits on _cv: a submission notifies it
         # The run the controller thread took off the queues and is dispatching. No
         # run goes inline while a run is queued or picked: a thread never bypasses
@@ -198,46 +204,50 @@ class Controller:
         # Under a memory budget the main thread never dispatches: an interrupt
         # (Ctrl-C) lands only there, and reserving or releasing bytes there
         # could be cut in two. The controller's thread is never interrupted.
-        if (
-            self._inline
-            and not self._queues
-            and self._picked is None
-            and (self._budget is None or threading.get_ident() != MAIN_THREAD)
-            and self._dispatch.acquire(blocking=False)
-        ):
-            if self._stopped:  # stop() ran between the check above and here: it no longer waits for us
-                self._dispatch.release()
-                raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
-            inside = reentry.inside
-            inside.depth += 1
-            try:
-                if not self._queues and self._picked is None and self._ready_now(run) and self._admit(run):
-                    run.seq = next(self._seq)
-                    if self._policy.charges:
-                        self._charge(run)
-                    self._execute(run)
+        drained = caught_up = False
+        while True:
+            if (
+                self._inline
+                and not self._queues
+                and self._picked is None
+                and (self._budget is None or threading.get_ident() != MAIN_THREAD)
+            ):
+                done, full = self._try_inline(run)
+                if done:
                     return
-            except Exception as exc:  # the controller's own bookkeeping: fail this run only
-                self._internal_error(run, exc)
-                return
-            except BaseException as exc:  # an interrupt: the run fails and frees what it reserved
-                self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was interrupted", exc)
-                raise
-            finally:
-                inside.depth -= 1
-                self._dispatch.release()
-        key = run.client.key
-        with self._lock:
-            queue = self._queues.get(key)
-            if queue is not None and len(queue) >= self._max_queued:
-                queue = self._wait_for_room(run)
-            closed = run.client.closed  # since submission checked: queued, it would outlive the client
-            if not closed:
-                run.seq = next(self._seq)
-                run.head = self._head(run)
-                self._admission.push(key, run)
-            if self._sleeping:
-                self._cv.notify()
+                if (
+                    full is not None
+                    and not drained
+                    and self._may_wait_here(run)
+                    and self.windows.short_oldest(full, _SHORT_RUN_S)
+                ):
+                    # Only a window of short runs is full: wait for it here (inside XLA, no
+                    # lock held), as the controller's thread would, and try once more. Queued,
+                    # the run would be dispatched by that thread, and every later call of
+                    # this client queued behind it, each paying for a hand-over between threads.
+                    drained = True
+                    self.windows.drain(full, _SHORT_RUN_S)
+                    continue
+            key = run.client.key
+            with self._lock:
+                queue = self._queues.get(key)
+                if queue is not None and not caught_up and self._may_wait_here(run):
+                    # This client's short runs are queued, no one else's: let the controller's
+                    # thread dispatch them, then go on inline instead of queueing behind them.
+                    caught_up = True
+                    if self._catch_up(run):
+                        continue
+                    queue = self._queues.get(key)
+                if queue is not None and len(queue) >= self._max_queued:
+                    queue = self._wait_for_room(run)
+                closed = run.client.closed  # since submission checked: queued, it would outlive the client
+                if not closed:
+                    run.seq = next(self._seq)
+                    run.head = self._head(run)
+                    self._admission.push(key, run)
+                if self._sleeping:
+                    self._cv.notify()
+            break
         if closed:
             self._fail(
                 run,
@@ -245,6 +255,87 @@ class Controller:
                 None,
                 count=False,
             )
+
+    def _try_inline(self, run: Run) -> tuple[bool, int | None]:
+        """Dispatches ``run`` on the caller's thread if nothing would wait.
+
+        Returns whether it went (or failed), and the key of the window whose
+        lack of room alone kept it (None: something else did).
+        """
+        if not self._dispatch.acquire(blocking=False):
+            return False, None
+        if self._stopped:  # stop() ran between the caller's check and here: it no longer waits for us
+            self._dispatch.release()
+            raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
+        inside = reentry.inside
+        inside.depth += 1
+        try:
+            if self._queues or self._picked is not None or not run.plan.inline_ok:
+                return False, None
+            blocker, full = self._blocker(run)
+            if blocker == _GO and self._admit(run):
+                run.seq = next(self._seq)
+                if self._policy.charges:
+                    self._charge(run)
+                self._execute(run)
+                return True, None
+            return False, full if blocker == _NO_ROOM else None
+        except Exception as exc:  # the controller's own bookkeeping: fail this run only
+            self._internal_error(run, exc)
+            return True, None
+        except BaseException as exc:  # an interrupt: the run fails and frees what it reserved
+            self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was interrupted", exc)
+            raise
+        finally:
+            inside.depth -= 1
+            self._dispatch.release()
+
+    def _may_wait_here(self, run: Run) -> bool:
+        """Whether the caller may wait in :meth:`submit` for ``run``'s way to clear, then dispatch it.
+
+        Only for a run measured to be short on its devices, on a thread that
+        dispatches inline, and never on the controller's thread or inside
+        pathways_jax's own work (a host callback: what it would wait for may
+        wait for it).
+        """
+        return (
+            self._inline
+            and not reentry.inside.depth
+            and threading.get_ident() != self._thread.ident
+            and (self._budget is None or threading.get_ident() != MAIN_THREAD)
+            and 0.0 < self.accounting.costs.get(run.plan.key, 0.0) <= _SHORT_RUN_S
+        )
+
+    def _catch_up(self, run: Run) -> bool:
+        """Waits (lock held) until ``run``'s client has nothing queued and nothing is being dispatched.
+
+        Only while the controller's thread works through short runs: False at
+        once if another client's runs are queued too (the policy orders them)
+        or the run it dispatches is not known to be short, and after
+        ``_CATCH_UP_S``.
+        """
+        key = run.client.key
+        deadline = time.monotonic() + _CATCH_UP_S
+        while key in self._queues or self._picked is not None:
+            picked = self._picked
+            left = deadline - time.monotonic()
+            if (
+                len(self._queues) > 1
+                or (
+                    picked is not None
+                    and not 0.0 < self.accounting.costs.get(picked.plan.key, 0.0) <= _SHORT_RUN_S
+                )
+                or self._stopped
+                or self._dead is not None
+                or left <= 0
+            ):
+                return False
+            self._catching_up += 1
+            try:
+                self._emptied.wait(left)
+            finally:
+                self._catching_up -= 1
+        return True
 
     def _wait_for_room(self, run: Run) -> collections.deque[Run] | None:
         """Blocks the caller (lock held) until its client has fewer than ``max_queued`` runs queued.
@@ -371,6 +462,9 @@ class Controller:
                 self._internal_error(run, exc)
             finally:
                 self._picked = None
+                if self._catching_up:
+                    with self._lock:
+                        self._emptied.notify_all()
 
     def _fail_queued(self, why: str) -> None:
         """Fails every queued run (the controller thread is gone)."""
