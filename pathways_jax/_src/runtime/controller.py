@@ -220,11 +220,13 @@ class Controller:
                     and not drained
                     and self._may_wait_here(run)
                     and self.windows.short_oldest(full, _SHORT_RUN_S)
+                    and self.windows.only_of(full, run.client.name)
                 ):
-                    # Only a window of short runs is full: wait for it here (inside XLA, no
-                    # lock held), as the controller's thread would, and try once more. Queued,
-                    # the run would be dispatched by that thread, and every later call of
-                    # this client queued behind it, each paying for a hand-over between threads.
+                    # Only a window of this client's short runs is full: wait for it here
+                    # (inside XLA, no lock held), as the controller's thread would, and try
+                    # once more. Queued, the run would be dispatched by that thread, and every
+                    # later call of this client queued behind it, each paying for a hand-over
+                    # between threads. (Runs of other clients in the window: the policy picks.)
                     drained = True
                     self.windows.drain(full, _SHORT_RUN_S)
                     continue

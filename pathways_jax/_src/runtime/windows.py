@@ -99,6 +99,10 @@ class InFlightWindows:
         cost = self._cost(plan) if plan is not None else 0.0
         return 0.0 < cost <= short_s
 
+    def only_of(self, key: int, client: str) -> bool:
+        """True if every entry of window ``key`` is of runs of the client named ``client``."""
+        return all(flight.client == client for _, flight in list(self.entries[key]))
+
     def drain(self, key: int, short_s: float) -> None:
         """Waits (inside XLA, no lock held) until window ``key`` is at most half full.
 
