@@ -84,11 +84,14 @@ def jit_with_shardings(
 def with_output_types(fun: Callable, out_shardings: Any) -> Callable:
     """``fun`` whose outputs that ``out_shardings`` put on Explicit axes are typed (resharded) so.
 
-    ``out_shardings`` is a pytree prefix of ``fun``'s outputs; its other
-    leaves (None, shardings on Auto axes, ``jax.jit``'s unspecified) leave
-    their outputs as the computation makes them.
+    ``out_shardings`` is a pytree prefix of ``fun``'s outputs; a bare
+    ``PartitionSpec`` names the mesh the function is traced under (as
+    ``jax.jit``'s does under ``jax.set_mesh``). Its other leaves (None,
+    shardings on Auto axes, ``jax.jit``'s unspecified) leave their outputs as
+    the computation makes them.
     """
-    if not any(_explicit(s) for s in jax.tree_util.tree_leaves(out_shardings, is_leaf=_is_leaf)):
+    given = jax.tree_util.tree_leaves(out_shardings, is_leaf=_is_leaf)
+    if not any(_explicit(s) or isinstance(s, PartitionSpec) for s in given):
         return fun
 
     @functools.wraps(fun)
@@ -98,10 +101,12 @@ def with_output_types(fun: Callable, out_shardings: Any) -> Callable:
         matched = broadcast_prefix(out_shardings, tree)
         if matched is None:  # not a prefix: jax.jit's own check said so already, or takes it loosely
             return out
-        retyped = [
-            _retyped(leaf, sharding) if _explicit(sharding) else leaf
-            for leaf, sharding in zip(leaves, matched[0], strict=True)
-        ]
+        mesh = jax.sharding.get_abstract_mesh()
+        retyped = []
+        for leaf, sharding in zip(leaves, matched[0], strict=True):
+            if isinstance(sharding, PartitionSpec) and not mesh.empty:
+                sharding = NamedSharding(mesh, sharding)
+            retyped.append(_retyped(leaf, sharding) if _explicit(sharding) else leaf)
         return jax.tree_util.tree_unflatten(tree, retyped)
 
     return typed

@@ -17,6 +17,7 @@ from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import _resolve_statics, argnames, argnums, name_of, with_jits_statics
+from pathways_jax._src.api.jit_shardings import with_jits_out_shardings
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -504,7 +505,8 @@ def jit(
         fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
     )
     return JitFunction(
-        fun,
+        # A jax.jit function given out_shardings returns values sharded so, on Explicit axes too.
+        with_jits_out_shardings(fun),
         devices,
         in_specs,
         out_specs,
