@@ -5,6 +5,7 @@ results: values, dtypes, types (shardings on Explicit axes) and placements.
 """
 
 import contextlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -50,3 +51,32 @@ def test_out_shardings_on_a_set_explicit_mesh_type_the_outputs_as_jax_jit_does(h
     assert str(jax.typeof(want)) == "float32[8@x]"
     _assert_same_array(have, want)
 
+
+def _grads_with_int(x, i):
+    return jax.grad(lambda x, i: (x * i).sum(), argnums=(0, 1), allow_int=True)(x, i)
+
+
+@pytest.mark.parametrize("decorator", [pw.jit, pw.program], ids=["pw.jit", "pw.program"])
+def test_float0_values_go_in_and_come_out_as_through_jax_jit(decorator):
+    # pw.jit refused a float0 argument (the gradient of an integer input) while compiling; a
+    # program making a float0 output failed its run in the accounting watcher, which waited
+    # for that host value as for a device array: the other outputs' futures then raised.
+    x, i = jnp.ones(3), jnp.arange(3)
+    zero = jax.jit(_grads_with_int)(x, i)[1]
+    assert zero.dtype == jax.dtypes.float0
+
+    def step(x, z):
+        return jnp.zeros_like(z), x * 2, _grads_with_int(x, i)
+
+    want = jax.jit(step)(x, zero)
+    out = decorator(step)(x, zero)
+    controller = pw.cluster().controller
+    assert controller.wait_dispatched(timeout=60)
+    deadline = time.monotonic() + 60
+    while not controller.accounting.idle() and time.monotonic() < deadline:
+        time.sleep(0.001)  # the watcher has seen the run: a failure there has failed its outputs
+    have = pw.results(out)
+    for h, w in zip(jax.tree.leaves(have), jax.tree.leaves(want), strict=True):
+        assert (type(h), h.dtype, h.shape) == (type(w), w.dtype, w.shape)
+        if w.dtype != jax.dtypes.float0:
+            _assert_same_array(h, w)

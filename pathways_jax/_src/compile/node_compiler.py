@@ -190,7 +190,9 @@ def _function_text(jaxpr: Any) -> str:
 
 def _sub_byte(dtype: Any) -> bool:
     """int4, uint4, int2, float4: dtypes packed several to a byte."""
-    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jax.dtypes.itemsize_bits(dtype) < 8
+    if dtype == jax.dtypes.float0 or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False  # float0 holds no data (a gradient of an integer input); keys are whole words
+    return jax.dtypes.itemsize_bits(dtype) < 8
 
 
 class _SubByteInputs:
