@@ -52,6 +52,38 @@ def test_out_shardings_on_a_set_explicit_mesh_type_the_outputs_as_jax_jit_does(h
     _assert_same_array(have, want)
 
 
+def _products(v, w):
+    return v * w, jnp.outer(v, w), v.sum()
+
+
+@pytest.mark.parametrize(
+    "how", ["program(in_shardings=)", "pw.jit(jax.jit(in_shardings=))", "inner jax.jit(out_shardings=)"]
+)
+def test_shardings_on_an_explicit_mesh_place_uncommitted_arguments_as_jax_jit_does(how):
+    # With no mesh set, jax.jit traces uncommitted arguments untyped and lets the compiler place
+    # its outputs from the shardings it names (float32[8@x]); the program traced them typed
+    # replicated on that mesh, so every output came back replicated.
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    x, w = jnp.arange(8.0), jnp.ones(8)
+    split = NamedSharding(mesh, P("x"))
+    shardings = (split, None)
+
+    def inner(v, w):  # fused with the glue after it
+        return _products(jax.jit(lambda u: u * 3, out_shardings=split)(v) + 1, w)
+
+    if how == "inner jax.jit(out_shardings=)":
+        want, have = jax.jit(inner)(x, w), pw.program(inner)(x, w)
+    elif how.startswith("pw.jit"):
+        want = jax.jit(_products, in_shardings=shardings)(x, w)
+        have = pw.jit(jax.jit(_products, in_shardings=shardings))(x, w)
+    else:
+        want = jax.jit(_products, in_shardings=shardings)(x, w)
+        have = pw.program(_products, in_shardings=shardings)(x, w)
+    assert str(jax.typeof(want[0])) == "float32[8@x]"
+    for h, wa in zip(pw.results(have), want, strict=True):
+        _assert_same_array(h, wa)  # the same types, and equivalent shardings (P("x") or P("x", None))
+
+
 def _grads_with_int(x, i):
     return jax.grad(lambda x, i: (x * i).sum(), argnums=(0, 1), allow_int=True)(x, i)
 

@@ -128,6 +128,9 @@ def _explicit(sharding: Any) -> bool:
 def _retyped(leaf: Any, sharding: NamedSharding) -> Any:
     """``leaf`` resharded to ``sharding``'s spec on the mesh it is traced on, unless its type has it."""
     typed = getattr(jax.typeof(leaf), "sharding", None)
+    if isinstance(typed, NamedSharding) and typed.mesh.empty:
+        # Traced with no mesh, as jax.jit traces a call no mesh types: placed, not typed.
+        return jax.sharding.reshard(leaf, sharding)
     if not isinstance(typed, NamedSharding) or typed.mesh.shape_tuple != sharding.mesh.shape_tuple:
         return leaf  # traced on another mesh (a slice's): placement there is the slice's
     ndim = len(leaf.shape)
