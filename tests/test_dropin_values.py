@@ -112,3 +112,27 @@ def test_float0_values_go_in_and_come_out_as_through_jax_jit(decorator):
         assert (type(h), h.dtype, h.shape) == (type(w), w.dtype, w.shape)
         if w.dtype != jax.dtypes.float0:
             _assert_same_array(h, w)
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["as jax.jit", "on a slice"])
+def test_pw_jit_clear_cache_traces_again_as_jax_jit_s_does(placed):
+    # pw.jit had no clear_cache (AttributeError), where jax.jit's and pw.program's have one.
+    traced = []
+
+    def f(v):
+        traced.append(1)
+        return v * 2
+
+    x = jnp.arange(3.0)
+    jitted = jax.jit(f)
+    jitted(x)
+    assert jitted.clear_cache() is None
+    jitted(x)
+    assert len(traced) == 2
+    traced.clear()
+    fun = pw.jit(f, devices=pw.devices(mesh={"x": 1})) if placed else pw.jit(f)
+    np.testing.assert_array_equal(fun(x).result(), jitted(x))
+    before = pw.counters()["traces"]
+    assert fun.clear_cache() is None
+    np.testing.assert_array_equal(fun(x).result(), jitted(x))
+    assert pw.counters()["traces"] == before + 1

@@ -223,6 +223,16 @@ class JitFunction:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
         return self._jitted.eval_shape(*args, **kwargs)
 
+    def clear_cache(self) -> None:
+        """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
+
+        Executables identical computations share stay in the cluster's cache
+        (``jax.clear_caches()`` clears JAX's own).
+        """
+        for prog in list(self._programs.values()):
+            prog.clear_cache()
+        self._jitted.clear_cache()  # type: ignore[attr-defined]  # jax.jit's, not in its stubs
+
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a function defined in a class body is a method, ``self`` its first argument."""
         if instance is None:
