@@ -136,3 +136,30 @@ def test_pw_jit_clear_cache_traces_again_as_jax_jit_s_does(placed):
     assert fun.clear_cache() is None
     np.testing.assert_array_equal(fun(x).result(), jitted(x))
     assert pw.counters()["traces"] == before + 1
+
+
+@pytest.mark.parametrize("where", ["a device", "an Explicit mesh"])
+def test_an_uncommitted_future_follows_a_committed_argument_as_an_uncommitted_array_does(where):
+    # The future of a program nothing placed (uncommitted, on JAX's default device) decided where
+    # the next program ran: on its device, where jax.jit runs on the committed argument's (with a
+    # mesh of several devices, compiling failed on the meshes' mismatch).
+    if where == "a device":
+        committed = jax.device_put(jnp.ones(4), jax.devices()[3])
+    else:
+        mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+        committed = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("x")))
+    made = pw.program(_double)(jnp.arange(4.0))
+    assert not made.committed
+
+    def add(a, b):
+        return a + b
+
+    for args in ((made, committed), (committed, made)):
+        want = jax.jit(add)(*(a.result() if isinstance(a, pw.Future) else a for a in args))
+        have = pw.program(add)(*args).result()
+        if where == "a device":  # a one-device NamedSharding for jax.jit's SingleDeviceSharding (README)
+            assert (have.shape, have.dtype, have.committed) == (want.shape, want.dtype, want.committed)
+            np.testing.assert_array_equal(have, want)
+        else:
+            _assert_same_array(have, want)
+        assert have.devices() == want.devices()

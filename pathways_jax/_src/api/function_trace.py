@@ -32,7 +32,7 @@ from pathways_jax._src.api.program_info import ProgramInfo
 from pathways_jax._src.core import counts, errors, events, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh
-from pathways_jax._src.ir.signatures import Signature
+from pathways_jax._src.ir.signatures import FutureKey, Signature
 from pathways_jax._src.runtime import context, slices
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
@@ -138,7 +138,7 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
         name=info.name,
         source_info=info.source_info,
         closed=closed,
-        input_slices=tuple(leaf.slice if isinstance(leaf, Future) else None for leaf in inputs.leaves),
+        input_slices=_input_slices(inputs),
         state=state,
         out_tree=out_trees[-1],
     )
@@ -151,6 +151,19 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
     if sink is not None:
         sink(events.Traced(info.name, info.source_info, t0, events.now()))
     return GraphView(graph.check(), held)
+
+
+def _input_slices(inputs: TraceInputs) -> tuple[VirtualSlice | None, ...]:
+    """The slice each argument leaf is on, for placement: a future's, unless it is uncommitted.
+
+    As ``jax.jit`` moves an uncommitted array to where the committed ones
+    are, an uncommitted future (an output of a program nothing placed) places
+    nothing: it follows the others, as an uncommitted array argument does.
+    """
+    return tuple(
+        leaf.slice if isinstance(leaf, Future) and isinstance(key, FutureKey) and key.committed else None
+        for leaf, key in zip(inputs.leaves, inputs.signature, strict=True)
+    )
 
 
 def _untyped(implied: VirtualSlice | None, signature: Signature) -> bool:
