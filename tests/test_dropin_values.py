@@ -163,3 +163,18 @@ def test_an_uncommitted_future_follows_a_committed_argument_as_an_uncommitted_ar
         else:
             _assert_same_array(have, want)
         assert have.devices() == want.devices()
+
+
+@pytest.mark.parametrize("option", ["in_shardings", "out_shardings"])
+@pytest.mark.parametrize("wrap", [pw.program, pw.jit], ids=["pw.program", "pw.jit"])
+def test_a_wrapped_jax_jit_s_one_device_shardings_place_it_on_that_device_committed(wrap, option):
+    # pw.program(jax.jit(f, out_shardings=SingleDeviceSharding(d))) ran on JAX's default device and
+    # pw.jit's ran on d, both returning uncommitted values where jax.jit's are committed to d.
+    device = jax.devices()[5]
+    jitted = jax.jit(_double, **{option: jax.sharding.SingleDeviceSharding(device)})
+    x = jnp.arange(4.0)
+    want = jitted(x)
+    have = wrap(jitted)(x).result()
+    assert want.committed and want.devices() == {device}
+    assert (have.committed, have.devices()) == (want.committed, want.devices())
+    np.testing.assert_array_equal(have, want)

@@ -121,6 +121,14 @@ def with_jits_out_shardings(fun: Callable) -> Callable:
     return with_output_types(fun, jax.tree_util.tree_unflatten(info.out_shardings_treedef, leaves))
 
 
+def jits_shardings(fun: Callable) -> tuple[Any, ...]:
+    """The ``in_shardings`` and ``out_shardings`` leaves of ``fun`` if it is a ``jax.jit`` function, else none."""
+    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+    return tuple(getattr(info, "in_shardings_leaves", ()) or ()) + tuple(
+        getattr(info, "out_shardings_leaves", ()) or ()
+    )
+
+
 def _explicit(sharding: Any) -> bool:
     return isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
 

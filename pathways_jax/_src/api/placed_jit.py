@@ -17,7 +17,8 @@ from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import _resolve_statics, argnames, argnums, name_of, with_jits_statics
-from pathways_jax._src.api.jit_shardings import with_jits_out_shardings
+from pathways_jax._src.api.jit_shardings import jits_shardings, with_jits_out_shardings
+from pathways_jax._src.api.placement import _single_device_of
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -101,8 +102,12 @@ class JitFunction:
         static_argnames: tuple[str, ...] = (),
         donate_argnames: tuple[str, ...] = (),
         compiler_options: tuple[tuple[str, Any], ...] = (),
+        device: jax.Device | None = None,
     ):
         self._fun = fun
+        self._device = (
+            device  # where it runs when nothing places it (a wrapped jax.jit's one-device shardings)
+        )
         self._compiler_options = compiler_options
         self._devices = devices
         self._in_specs = in_specs
@@ -267,6 +272,7 @@ class JitFunction:
                 prog = Program(
                     call,
                     devices=slice_,
+                    device=self._device if slice_ is None else None,
                     static_argnums=self._static,
                     static_argnames=self._static_names,
                     name=self.__name__,
@@ -525,6 +531,8 @@ def jit(
         static_names,
         donated_names,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
+        # As jax.jit: a wrapped jax.jit's shardings on one device run it there.
+        device=_single_device_of(jits_shardings(fun)),
     )
 
 
