@@ -178,3 +178,45 @@ def test_a_wrapped_jax_jit_s_one_device_shardings_place_it_on_that_device_commit
     assert want.committed and want.devices() == {device}
     assert (have.committed, have.devices()) == (want.committed, want.devices())
     np.testing.assert_array_equal(have, want)
+
+
+@pytest.mark.parametrize("option", ["in_shardings", "out_shardings"])
+def test_pw_jit_takes_jax_jit_s_shardings_as_jax_jit_does(option):
+    # pw.jit(f, out_shardings=...) raised TypeError (an unexpected keyword argument).
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    split = NamedSharding(mesh, P("x"))
+    sharding = split if option == "in_shardings" else (split, split, NamedSharding(mesh, P()))
+    x = jnp.arange(8.0)
+    want = jax.jit(_products, **{option: sharding})(x, x)
+    have = pw.results(pw.jit(_products, **{option: sharding})(x, x))
+    assert str(jax.typeof(want[0])) == "float32[8@x]"
+    for h, w in zip(have, want, strict=True):
+        _assert_same_array(h, w)
+
+
+@pytest.mark.parametrize("option", ["device", "backend"])
+@pytest.mark.parametrize("wrap", ["pw.jit(f, ...)", "pw.jit(jax.jit(f, ...))", "pw.program(jax.jit(f, ...))"])
+def test_jax_jit_s_device_and_backend_place_pw_jit_as_jax_jit(wrap, option):
+    # pw.jit(f, device=d) raised TypeError; a wrapped jax.jit(f, device=d) failed to trace (a mesh
+    # set around it) or ran uncommitted, or on JAX's default device.
+    value = jax.devices()[2] if option == "device" else "cpu"
+    x = jnp.arange(4.0)
+    with pytest.warns(DeprecationWarning, match="backend and device argument on jit is deprecated"):
+        want = jax.jit(_double, **{option: value})(x)
+    with pytest.warns(DeprecationWarning, match="backend and device argument on jit is deprecated"):
+        if wrap == "pw.jit(f, ...)":
+            fun = pw.jit(_double, **{option: value})
+        else:
+            jitted = jax.jit(_double, **{option: value})
+            fun = pw.jit(jitted) if wrap.startswith("pw.jit") else pw.program(jitted)
+    have = fun(x).result()
+    assert want.committed
+    assert (have.committed, have.devices()) == (want.committed, want.devices())
+    np.testing.assert_array_equal(have, want)
+
+
+def test_pw_jit_refuses_a_slice_s_placement_and_jax_jit_s_together():
+    s = pw.devices(mesh={"x": 2})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(pw.errors.PlacementError, match="devices and out_shardings"):
+        pw.jit(_double, devices=s, out_shardings=sharding)

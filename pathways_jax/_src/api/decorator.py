@@ -15,7 +15,7 @@ from pathways_jax._src.api.jit_options import (
     argnums,
     with_jits_statics,
 )
-from pathways_jax._src.api.jit_shardings import jit_with_shardings, jits_shardings, with_jits_out_shardings
+from pathways_jax._src.api.jit_shardings import jit_with_shardings, jits_device, with_jits_out_shardings
 from pathways_jax._src.api.placement import _mesh_of, _single_device_of
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors
@@ -178,7 +178,7 @@ def program(
     if device is None:
         # As jax.jit: shardings on one device (SingleDeviceSharding) run the function there,
         # the program's own or those of the jax.jit function it wraps.
-        device = _single_device_of(in_shardings, out_shardings, jits_shardings(fun))
+        device = _single_device_of(in_shardings, out_shardings) or jits_device(fun)
     if device is not None and not isinstance(device, jax.Device):
         raise errors.PlacementError(f"pw.program(device=...) expects a jax.Device, got {device!r}.")
     if compiler_options is not None and not isinstance(compiler_options, dict):

@@ -102,7 +102,9 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
         # A program with no slice sees its mesh as jax.jit sees the caller's (bare
         # PartitionSpecs in an inner jax.jit's shardings name it); a slice's is abstract.
         concrete = implied.physical_mesh if default is None and implied is not None else None
-        if default is None and _untyped(implied, signature):
+        if default is None and (info.device is not None or _untyped(implied, signature)):
+            # jax.jit's device= (or a wrapped jax.jit's device, backend or one-device shardings)
+            # traces with no mesh, as jax.jit does: a mesh set there refuses its device= and backend=.
             target = concrete = None
         with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH, concrete):
             closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))

@@ -29,6 +29,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
+from pathways_jax._src.api.placement import _single_device_of
+
 # Containers whose metadata is their structure (dict keys, a namedtuple's
 # class): these must match exactly; other nodes' metadata (static fields) may differ.
 _STRUCTURAL = (dict, list, tuple, type(None))
@@ -121,12 +123,21 @@ def with_jits_out_shardings(fun: Callable) -> Callable:
     return with_output_types(fun, jax.tree_util.tree_unflatten(info.out_shardings_treedef, leaves))
 
 
-def jits_shardings(fun: Callable) -> tuple[Any, ...]:
-    """The ``in_shardings`` and ``out_shardings`` leaves of ``fun`` if it is a ``jax.jit`` function, else none."""
+def jits_device(fun: Callable) -> jax.Device | None:
+    """The one device a ``jax.jit`` function ``fun`` runs on whatever its arguments, if any.
+
+    Its ``device=`` or ``backend=`` (deprecated in ``jax.jit``), or shardings
+    on one device (``SingleDeviceSharding``); None for anything else.
+    """
     info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
-    return tuple(getattr(info, "in_shardings_leaves", ()) or ()) + tuple(
-        getattr(info, "out_shardings_leaves", ()) or ()
-    )
+    if info is None:
+        return None
+    if getattr(info, "device", None) is not None:
+        return info.device
+    if getattr(info, "backend", None) is not None:
+        return jax.devices(info.backend)[0]
+    leaves = (*getattr(info, "in_shardings_leaves", ()), *getattr(info, "out_shardings_leaves", ()))
+    return _single_device_of(leaves)
 
 
 def _explicit(sharding: Any) -> bool:
