@@ -220,3 +220,24 @@ def test_pw_jit_refuses_a_slice_s_placement_and_jax_jit_s_together():
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with pytest.raises(pw.errors.PlacementError, match="devices and out_shardings"):
         pw.jit(_double, devices=s, out_shardings=sharding)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.ma.masked_array([1.0, 2.0], mask=[False, True]),
+        np.array(["a", "b"]),
+        np.array([1, "a"], dtype=object),
+        np.arange(3).astype(">i4"),
+    ],
+    ids=["masked", "str", "object", "byte-swapped"],
+)
+@pytest.mark.parametrize("wrap", [pw.program, pw.jit], ids=["pw.program", "pw.jit"])
+def test_numpy_arguments_jax_jit_refuses_are_refused_at_the_call_as_by_jax_jit(wrap, value):
+    # A masked array ran with its mask silently dropped; other dtypes JAX does not take failed
+    # deep inside tracing or compiling (pw.jit: a PlacementError, a ValueError, for jax.jit's TypeError).
+    with pytest.raises((TypeError, ValueError)) as refused:
+        jax.jit(_double)(value)
+    with pytest.raises(pw.errors.ProgramTraceError, match="argument leaf 0, a numpy") as info:
+        wrap(_double)(value)
+    assert isinstance(info.value, type(refused.value))
