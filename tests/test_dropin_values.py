@@ -241,3 +241,21 @@ def test_numpy_arguments_jax_jit_refuses_are_refused_at_the_call_as_by_jax_jit(w
     with pytest.raises(pw.errors.ProgramTraceError, match="argument leaf 0, a numpy") as info:
         wrap(_double)(value)
     assert isinstance(info.value, type(refused.value))
+
+
+@pytest.mark.parametrize("kind", ["jax.Array", "pw.Future"])
+def test_a_value_deleted_before_the_call_fails_saying_so(kind):
+    # A jax.Array deleted before the call failed its run saying it was deleted "after this call
+    # returned"; a deleted future's run said only "got an input that was freed".
+    value = jnp.ones(3) if kind == "jax.Array" else pw.program(_double)(jnp.ones(3))
+    value.delete()
+    deleted = jnp.ones(3)
+    deleted.delete()
+    with pytest.raises(RuntimeError, match="deleted"):  # jax.jit refuses it at the call
+        jax.jit(_double)(deleted)
+    with pytest.raises(
+        pw.errors.ProgramFailedError, match=r"before the call|was deleted, or donated"
+    ) as info:
+        pw.program(_double)(value).result(timeout=60)
+    assert isinstance(info.value, RuntimeError)
+    assert "after this call returned and" not in str(info.value)
