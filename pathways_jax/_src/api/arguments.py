@@ -116,6 +116,45 @@ def _array_key(leaf: jax.Array) -> ArrayKey:
     return ArrayKey(aval.shape, dtype, aval.weak_type, leaf.sharding, leaf.committed)
 
 
+def _valid_dtype_check() -> Callable[[Any], None] | None:
+    """JAX's own check that a dtype is an array type it takes (private to JAX; None on another JAX)."""
+    try:
+        from jax._src.dtypes import check_valid_dtype
+    except ImportError:  # pragma: no cover - another JAX: its trace checks instead
+        return None
+    return check_valid_dtype
+
+
+_check_valid_dtype = _valid_dtype_check()
+# (numpy type, dtype) of the numpy arguments taken so far: each kind is checked once.
+_NUMPY_TAKEN: set[tuple[type, Any]] = set()
+
+
+def _check_numpy(leaf: np.ndarray | np.generic, position: int, program: str) -> None:
+    """Refuses, as ``jax.jit`` does, a numpy argument JAX does not take as an array: a masked array, a non-numeric dtype."""
+    if isinstance(leaf, np.ma.MaskedArray):
+        raise errors.also(errors.ProgramTraceError, ValueError)(
+            f"program {program!r} got argument leaf {position}, a numpy masked array: as under "
+            "jax.jit, masked arrays are not taken (their mask would be dropped). Pass "
+            "arr.filled(fill_value), or the data and np.ma.getmaskarray(arr) as two arguments."
+        )
+    if _check_valid_dtype is not None:
+        try:
+            _check_valid_dtype(leaf.dtype)
+        except TypeError:
+            fix = (
+                "x.astype(x.dtype.newbyteorder('=')) (JAX takes native byte order)"
+                if not leaf.dtype.isnative
+                else "np.asarray(x, np.float32), or pass it through static_argnums"
+            )
+            raise errors.also(errors.ProgramTraceError, TypeError)(
+                f"program {program!r} got argument leaf {position}, a numpy {type(leaf).__name__} of "
+                f"dtype {leaf.dtype}, which is not a JAX array type (as under jax.jit, only numeric "
+                f"dtypes are). Convert it first: {fix}."
+            ) from None
+    _NUMPY_TAKEN.add((type(leaf), leaf.dtype))
+
+
 def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
     fast = _KEYS.get(type(leaf))
     if fast is not None:
@@ -132,6 +171,8 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
             leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding, getattr(leaf, "committed", True)
         )
     if isinstance(leaf, np.ndarray | np.generic):
+        if (type(leaf), leaf.dtype) not in _NUMPY_TAKEN:
+            _check_numpy(leaf, position, program)
         return NumpyKey(leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype))
     if isinstance(leaf, _SCALARS):
         # A subclass (an IntEnum, a bool-like flag) traces as the scalar it is, as under jax.jit.

@@ -15,7 +15,7 @@ from pathways_jax._src.api.jit_options import (
     argnums,
     with_jits_statics,
 )
-from pathways_jax._src.api.jit_shardings import jit_with_shardings, with_jits_out_shardings
+from pathways_jax._src.api.jit_shardings import jit_with_shardings, jits_device, with_jits_out_shardings
 from pathways_jax._src.api.placement import _mesh_of, _single_device_of
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors
@@ -175,9 +175,10 @@ def program(
                 f"pw.program(backend={backend!r}): this process has no such platform ({exc}); "
                 f"its devices are {jax.devices()[0].platform}."
             ) from exc
-    if device is None and (in_shardings is not None or out_shardings is not None):
-        # As jax.jit: shardings on one device (SingleDeviceSharding) run the function there.
-        device = _single_device_of(in_shardings, out_shardings)
+    if device is None:
+        # As jax.jit: shardings on one device (SingleDeviceSharding) run the function there,
+        # the program's own or those of the jax.jit function it wraps.
+        device = _single_device_of(in_shardings, out_shardings) or jits_device(fun)
     if device is not None and not isinstance(device, jax.Device):
         raise errors.PlacementError(f"pw.program(device=...) expects a jax.Device, got {device!r}.")
     if compiler_options is not None and not isinstance(compiler_options, dict):

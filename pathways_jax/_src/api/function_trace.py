@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 import jax
+from jax.sharding import AxisType
 
 from pathways_jax._src import compat
 from pathways_jax._src.api import graph_builder, nnx_graph
@@ -31,7 +32,7 @@ from pathways_jax._src.api.program_info import ProgramInfo
 from pathways_jax._src.core import counts, errors, events, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh
-from pathways_jax._src.ir.signatures import Signature
+from pathways_jax._src.ir.signatures import FutureKey, Signature
 from pathways_jax._src.runtime import context, slices
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
@@ -101,6 +102,10 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
         # A program with no slice sees its mesh as jax.jit sees the caller's (bare
         # PartitionSpecs in an inner jax.jit's shardings name it); a slice's is abstract.
         concrete = implied.physical_mesh if default is None and implied is not None else None
+        if default is None and (info.device is not None or _untyped(implied, signature)):
+            # jax.jit's device= (or a wrapped jax.jit's device, backend or one-device shardings)
+            # traces with no mesh, as jax.jit does: a mesh set there refuses its device= and backend=.
+            target = concrete = None
         with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH, concrete):
             closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))
     except (errors.PathwaysError, nnx_graph.GraphOutput):
@@ -135,7 +140,7 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
         name=info.name,
         source_info=info.source_info,
         closed=closed,
-        input_slices=tuple(leaf.slice if isinstance(leaf, Future) else None for leaf in inputs.leaves),
+        input_slices=_input_slices(inputs),
         state=state,
         out_tree=out_trees[-1],
     )
@@ -148,6 +153,38 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
     if sink is not None:
         sink(events.Traced(info.name, info.source_info, t0, events.now()))
     return GraphView(graph.check(), held)
+
+
+def _input_slices(inputs: TraceInputs) -> tuple[VirtualSlice | None, ...]:
+    """The slice each argument leaf is on, for placement: a future's, unless it is uncommitted.
+
+    As ``jax.jit`` moves an uncommitted array to where the committed ones
+    are, an uncommitted future (an output of a program nothing placed) places
+    nothing: it follows the others, as an uncommitted array argument does.
+    """
+    return tuple(
+        leaf.slice if isinstance(leaf, Future) and isinstance(key, FutureKey) and key.committed else None
+        for leaf, key in zip(inputs.leaves, inputs.signature, strict=True)
+    )
+
+
+def _untyped(implied: VirtualSlice | None, signature: Signature) -> bool:
+    """Whether ``jax.jit`` would trace the call with no mesh on a mesh of Explicit axes that only shardings name.
+
+    With no mesh set, ``jax.jit`` traces arguments no Explicit mesh types
+    (uncommitted arrays, host data) as they are, untyped: the mesh of its
+    ``in_shardings`` / ``out_shardings`` (or an inner ``jax.jit``'s) places
+    the computation, and the compiler the outputs, which come back typed by
+    where it put them (``float32[8@x]`` for an argument ``in_shardings``
+    split). Typed there, replicated, every output would stay replicated.
+    """
+    if implied is None or AxisType.Explicit not in implied.axis_types or _user_mesh() is not None:
+        return False
+    for key in signature:
+        mesh = getattr(getattr(key, "sharding", None), "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh) and AxisType.Explicit in mesh.axis_types:
+            return False  # an argument typed on a mesh: traced on it, as its type says
+    return True
 
 
 def _mesh_named_without_context(signature: Signature, state: TraceState, flat_fun: Any) -> Any:

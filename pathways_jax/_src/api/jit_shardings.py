@@ -29,6 +29,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
+from pathways_jax._src.api.placement import _single_device_of
+
 # Containers whose metadata is their structure (dict keys, a namedtuple's
 # class): these must match exactly; other nodes' metadata (static fields) may differ.
 _STRUCTURAL = (dict, list, tuple, type(None))
@@ -84,11 +86,14 @@ def jit_with_shardings(
 def with_output_types(fun: Callable, out_shardings: Any) -> Callable:
     """``fun`` whose outputs that ``out_shardings`` put on Explicit axes are typed (resharded) so.
 
-    ``out_shardings`` is a pytree prefix of ``fun``'s outputs; its other
-    leaves (None, shardings on Auto axes, ``jax.jit``'s unspecified) leave
-    their outputs as the computation makes them.
+    ``out_shardings`` is a pytree prefix of ``fun``'s outputs; a bare
+    ``PartitionSpec`` names the mesh the function is traced under (as
+    ``jax.jit``'s does under ``jax.set_mesh``). Its other leaves (None,
+    shardings on Auto axes, ``jax.jit``'s unspecified) leave their outputs as
+    the computation makes them.
     """
-    if not any(_explicit(s) for s in jax.tree_util.tree_leaves(out_shardings, is_leaf=_is_leaf)):
+    given = jax.tree_util.tree_leaves(out_shardings, is_leaf=_is_leaf)
+    if not any(_explicit(s) or isinstance(s, PartitionSpec) for s in given):
         return fun
 
     @functools.wraps(fun)
@@ -98,10 +103,12 @@ def with_output_types(fun: Callable, out_shardings: Any) -> Callable:
         matched = broadcast_prefix(out_shardings, tree)
         if matched is None:  # not a prefix: jax.jit's own check said so already, or takes it loosely
             return out
-        retyped = [
-            _retyped(leaf, sharding) if _explicit(sharding) else leaf
-            for leaf, sharding in zip(leaves, matched[0], strict=True)
-        ]
+        mesh = jax.sharding.get_abstract_mesh()
+        retyped = []
+        for leaf, sharding in zip(leaves, matched[0], strict=True):
+            if isinstance(sharding, PartitionSpec) and not mesh.empty:
+                sharding = NamedSharding(mesh, sharding)
+            retyped.append(_retyped(leaf, sharding) if _explicit(sharding) else leaf)
         return jax.tree_util.tree_unflatten(tree, retyped)
 
     return typed
@@ -116,6 +123,23 @@ def with_jits_out_shardings(fun: Callable) -> Callable:
     return with_output_types(fun, jax.tree_util.tree_unflatten(info.out_shardings_treedef, leaves))
 
 
+def jits_device(fun: Callable) -> jax.Device | None:
+    """The one device a ``jax.jit`` function ``fun`` runs on whatever its arguments, if any.
+
+    Its ``device=`` or ``backend=`` (deprecated in ``jax.jit``), or shardings
+    on one device (``SingleDeviceSharding``); None for anything else.
+    """
+    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+    if info is None:
+        return None
+    if getattr(info, "device", None) is not None:
+        return info.device
+    if getattr(info, "backend", None) is not None:
+        return jax.devices(info.backend)[0]
+    leaves = (*getattr(info, "in_shardings_leaves", ()), *getattr(info, "out_shardings_leaves", ()))
+    return _single_device_of(leaves)
+
+
 def _explicit(sharding: Any) -> bool:
     return isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
 
@@ -123,6 +147,9 @@ def _explicit(sharding: Any) -> bool:
 def _retyped(leaf: Any, sharding: NamedSharding) -> Any:
     """``leaf`` resharded to ``sharding``'s spec on the mesh it is traced on, unless its type has it."""
     typed = getattr(jax.typeof(leaf), "sharding", None)
+    if isinstance(typed, NamedSharding) and typed.mesh.empty:
+        # Traced with no mesh, as jax.jit traces a call no mesh types: placed, not typed.
+        return jax.sharding.reshard(leaf, sharding)
     if not isinstance(typed, NamedSharding) or typed.mesh.shape_tuple != sharding.mesh.shape_tuple:
         return leaf  # traced on another mesh (a slice's): placement there is the slice's
     ndim = len(leaf.shape)

@@ -17,6 +17,7 @@ from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import _resolve_statics, argnames, argnums, name_of, with_jits_statics
+from pathways_jax._src.api.jit_shardings import jits_device, with_jits_out_shardings
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -100,8 +101,12 @@ class JitFunction:
         static_argnames: tuple[str, ...] = (),
         donate_argnames: tuple[str, ...] = (),
         compiler_options: tuple[tuple[str, Any], ...] = (),
+        device: jax.Device | None = None,
     ):
         self._fun = fun
+        self._device = (
+            device  # where it runs when nothing places it (a wrapped jax.jit's one-device shardings)
+        )
         self._compiler_options = compiler_options
         self._devices = devices
         self._in_specs = in_specs
@@ -222,6 +227,16 @@ class JitFunction:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
         return self._jitted.eval_shape(*args, **kwargs)
 
+    def clear_cache(self) -> None:
+        """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
+
+        Executables identical computations share stay in the cluster's cache
+        (``jax.clear_caches()`` clears JAX's own).
+        """
+        for prog in list(self._programs.values()):
+            prog.clear_cache()
+        self._jitted.clear_cache()  # type: ignore[attr-defined]  # jax.jit's, not in its stubs
+
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a function defined in a class body is a method, ``self`` its first argument."""
         if instance is None:
@@ -256,6 +271,7 @@ class JitFunction:
                 prog = Program(
                     call,
                     devices=slice_,
+                    device=self._device if slice_ is None else None,
                     static_argnums=self._static,
                     static_argnames=self._static_names,
                     name=self.__name__,
@@ -392,6 +408,10 @@ def jit(
     keep_unused: bool = False,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
 ) -> JitFunction: ...
 
 
@@ -409,6 +429,10 @@ def jit(
     keep_unused: bool = False,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
 ) -> Callable[[Callable[..., Any]], JitFunction]: ...
 
 
@@ -425,6 +449,10 @@ def jit(
     keep_unused: bool = False,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
 ) -> JitFunction | Callable[[Callable[..., Any]], JitFunction]:
     """Compiles ``fun`` with ``jax.jit`` and places it on a slice.
 
@@ -454,6 +482,9 @@ def jit(
       inline: accepted as ``jax.jit`` accepts it (no effect on results).
       compiler_options: XLA options the function is compiled with when called
         on its own (inside a program, the program's own apply).
+      in_shardings, out_shardings, device, backend: as in ``jax.jit``, for a
+        function nothing places (no ``devices``, specs or enclosing slice):
+        ``pw.jit(f, out_shardings=s)`` is ``pw.jit(jax.jit(f, out_shardings=s))``.
 
     Returns:
       A :class:`JitFunction`.
@@ -483,6 +514,10 @@ def jit(
                 keep_unused=keep_unused,
                 inline=inline,
                 compiler_options=compiler_options,
+                in_shardings=in_shardings,
+                out_shardings=out_shardings,
+                device=device,
+                backend=backend,
             )
 
         return decorate
@@ -500,11 +535,15 @@ def jit(
                 if _spec_leaf(spec, "in_specs") is not None:
                     check_spec(spec, devices, what="in_specs")
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
+    fun = _with_jax_jit_placement(
+        fun, devices, in_specs, out_specs, statics, static_names, in_shardings, out_shardings, device, backend
+    )
     donated, donated_names = _with_jits_donations(
         fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
     )
     return JitFunction(
-        fun,
+        # A jax.jit function given out_shardings returns values sharded so, on Explicit axes too.
+        with_jits_out_shardings(fun),
         devices,
         in_specs,
         out_specs,
@@ -513,7 +552,55 @@ def jit(
         static_names,
         donated_names,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
+        # As jax.jit: a wrapped jax.jit's device (device=, backend=, one-device shardings) runs it there.
+        device=jits_device(fun),
     )
+
+
+def _with_jax_jit_placement(
+    fun: Callable[..., Any],
+    devices: VirtualSlice | None,
+    in_specs: Specs,
+    out_specs: Any,
+    statics: tuple[int, ...],
+    static_names: tuple[str, ...],
+    in_shardings: Any,
+    out_shardings: Any,
+    device: jax.Device | None,
+    backend: str | None,
+) -> Callable[..., Any]:
+    """``fun`` under ``jax.jit`` with the placement options of ``jax.jit`` given (those not None), else ``fun``.
+
+    ``pw.jit(f, out_shardings=s)`` is then ``pw.jit(jax.jit(f, out_shardings=s))``:
+    placed as ``jax.jit`` places it. A slice's placement (``devices``,
+    ``in_specs``, ``out_specs``) and ``jax.jit``'s are two answers to one
+    question, so giving both raises ``PlacementError``.
+    """
+    given: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("in_shardings", in_shardings),
+            ("out_shardings", out_shardings),
+            ("device", device),
+            ("backend", backend),
+        )
+        if value is not None
+    }
+    if not given:
+        return fun
+    slice_options = [
+        name
+        for name, value in (("devices", devices), ("in_specs", in_specs), ("out_specs", out_specs))
+        if value is not None
+    ]
+    if slice_options:
+        raise errors.PlacementError(
+            f"pw.jit({name_of(fun)!r}) was given {', '.join(slice_options)} and "
+            f"{', '.join(given)}: a slice's placement and jax.jit's cannot both place it. Give "
+            "devices= (with in_specs/out_specs over the slice's axes), or jax.jit's "
+            f"{', '.join(given)} alone."
+        )
+    return jax.jit(fun, static_argnums=statics, static_argnames=static_names, **given)
 
 
 def _with_jits_donations(

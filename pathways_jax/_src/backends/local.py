@@ -289,10 +289,11 @@ def _deleted_argument(plan: Any, env: list[Any]) -> RuntimeError | None:
         if deleted is not None and deleted():
             return RuntimeError(
                 f"argument {index} of the call ({value.aval.str_short()}), a jax.Array, was deleted "
-                "or donated to another call after this call returned and before its run was "
-                "dispatched: a queued run reads its arguments when it is dispatched. Keep the array "
-                "until the run's result is ready (read it, or jax.block_until_ready(out)) before "
-                "deleting or donating it, or pass a copy (jnp.copy(x))."
+                "or donated to another call before its run was dispatched: before the call (jax.jit "
+                "refuses a deleted array), or after it returned, while the run was queued (a queued "
+                "run reads its arguments when it is dispatched). Pass a live array; keep it until "
+                "the run's result is ready (read it, or jax.block_until_ready(out)) before deleting "
+                "or donating it, or pass a copy (jnp.copy(x))."
             )
     return None
 

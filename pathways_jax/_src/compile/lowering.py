@@ -14,6 +14,8 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from pathways_jax._src.compile import binding, lowering_log
 from pathways_jax._src.compile.node_compiler import calls_host
 from pathways_jax._src.compile.placement import NOWHERE, Placement
@@ -160,11 +162,17 @@ class Plan:
         for step in self.steps:
             if isinstance(step, ExecStep):
                 islands.add(step.island)
-                if not step.out_slots:
+                # A float0 output (a gradient of an integer input) is host data with no readiness.
+                timed = [
+                    slot
+                    for slot, aval in zip(step.out_slots, step.node.jaxpr.out_avals, strict=True)
+                    if aval.dtype != jax.dtypes.float0
+                ]
+                if not timed:
                     continue
                 key = tuple(sorted(self.placement.device_ids(step.node.slice.id)))
                 count = groups[key].node_count + 1 if key in groups else 1
-                groups[key] = AccountingGroup(key, step.out_slots[0], count)
+                groups[key] = AccountingGroup(key, timed[0], count)
         self.acct_groups = tuple(groups.values())
         self.devices = frozenset(d for key in groups for d in key)
         self.islands = frozenset(islands)

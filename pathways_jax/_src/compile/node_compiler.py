@@ -10,7 +10,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
 from pathways_jax._src.compile import lowering_log
 from pathways_jax._src.compile.executable_cache import ExecutableCache
@@ -127,8 +127,15 @@ def compile_node(
         if cache is not None:
             cache.put(key, (made, None), consts)
         return made, None
-    # The slice's mesh alone, whatever mesh the caller set; works inside a trace too.
-    with only_mesh(mesh.abstract_mesh, mesh):
+    if _untyped_on_explicit(node, mesh):
+        # Traced with no mesh, as jax.jit traces a call no mesh types (function_trace._untyped):
+        # compiled so too, its shardings placing it, untyped (typed, its body would not trace).
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in args]
+        context = only_mesh(_NO_MESH, None)
+    else:
+        # The slice's mesh alone, whatever mesh the caller set; works inside a trace too.
+        context = only_mesh(mesh.abstract_mesh, mesh)
+    with context:
         jitted = jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
         # XLA options (jax.jit's compiler_options) apply here; remote hosts compile with their own.
         compiled: Any = jitted.lower(*args).compile(dict(options) if options else None)
@@ -148,6 +155,23 @@ def compile_node(
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _untyped_on_explicit(node: Node, mesh: Any) -> bool:
+    """A node on Explicit axes traced with no mesh: its inputs' types (with none, its outputs') name none.
+
+    Its computation may type values itself (a ``jax.sharding.reshard`` in it).
+    """
+    if AxisType.Explicit not in mesh.axis_types:
+        return False
+    avals = node.jaxpr.in_avals or node.jaxpr.out_avals
+    return not any(_typed(aval) for aval in avals)
+
+
+def _typed(aval: Any) -> bool:
+    """Whether ``aval``'s type names a mesh."""
+    sharding = getattr(aval, "sharding", None)
+    return isinstance(sharding, NamedSharding) and not sharding.mesh.empty
 
 
 def _exported(node: Node, jitted: Any, args: list, platforms: tuple[str, ...] | None) -> bytes:
@@ -190,7 +214,9 @@ def _function_text(jaxpr: Any) -> str:
 
 def _sub_byte(dtype: Any) -> bool:
     """int4, uint4, int2, float4: dtypes packed several to a byte."""
-    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jax.dtypes.itemsize_bits(dtype) < 8
+    if dtype == jax.dtypes.float0 or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False  # float0 holds no data (a gradient of an integer input); keys are whole words
+    return jax.dtypes.itemsize_bits(dtype) < 8
 
 
 class _SubByteInputs:

@@ -47,6 +47,15 @@ def _group_runs(graph: Graph) -> list[list[int] | Step]:
     return out
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _typed(aval: Any) -> bool:
+    """Whether ``aval``'s type names a mesh."""
+    sharding = getattr(aval, "sharding", None)
+    return isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+
+
 def _struct(aval: Any) -> jax.ShapeDtypeStruct:
     # On Explicit axes a sharding is part of the type; elsewhere types carry none.
     sharding = getattr(aval, "sharding", None)
@@ -77,10 +86,21 @@ def _fuse_nodes(graph: Graph, members: list[Node], read_outside: set[int]) -> No
                 outputs.append(vid)
                 out_specs.append(spec)
     functions = [(m, jex.jaxpr_as_fun(m.jaxpr)) for m in members]
+    mesh = members[0].slice.mesh
+    avals = [graph.values[v].aval for v in inputs]
+    # Values no mesh types on a slice of Explicit axes (traced as jax.jit traces a call no mesh
+    # types): the fused computation is traced with no mesh too, and its specs reshard there.
+    untyped = AxisType.Explicit in mesh.axis_types and not any(
+        _typed(a) for a in avals or members[0].jaxpr.out_avals
+    )
 
     def constrain(value: Any, spec: Any) -> Any:
         # A member's placement specs still hold inside the fused executable.
-        return value if spec is None else jax.lax.with_sharding_constraint(value, spec)
+        if spec is None:
+            return value
+        if untyped:
+            return jax.sharding.reshard(value, NamedSharding(mesh, spec))
+        return jax.lax.with_sharding_constraint(value, spec)
 
     def fused(*args: Any) -> list[Any]:
         env = dict(zip(inputs, args, strict=True))
@@ -95,8 +115,7 @@ def _fuse_nodes(graph: Graph, members: list[Node], read_outside: set[int]) -> No
             )
         return [env[v] for v in outputs]
 
-    avals = [graph.values[v].aval for v in inputs]
-    with only_mesh(members[0].slice.mesh):
+    with only_mesh(_NO_MESH if untyped else mesh):
         closed = jax.make_jaxpr(fused)(*(_struct(a) for a in avals))
     first = members[0]
     return Node(

@@ -867,7 +867,13 @@ class Controller:
                     )
                     return
                 case Freed():
-                    self._fail(run, f"program {graph.name!r} run {run.id} got an input that was freed", None)
+                    self._fail(
+                        run,
+                        f"program {graph.name!r} run {run.id} got an input that was freed (its future "
+                        "was deleted, or donated to an earlier run, before this run was dispatched): "
+                        "pass a value that is still live, as jax.jit refuses a deleted array",
+                        None,
+                    )
                     return
         try:
             dispatched = self._backend.execute(run, self.windows)

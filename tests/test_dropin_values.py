@@ -1,0 +1,261 @@
+"""Values, shardings and wrappers as ``jax.jit`` gives them, with only the decorator changed.
+
+Each test calls ``jax.jit`` and pathways_jax on the same inputs and compares
+results: values, dtypes, types (shardings on Explicit axes) and placements.
+"""
+
+import contextlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pathways_jax as pw
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _double(v):
+    return v * 2
+
+
+def _assert_same_array(have, want):
+    assert (have.shape, have.dtype, have.weak_type) == (want.shape, want.dtype, want.weak_type)
+    assert jax.typeof(have) == jax.typeof(want)
+    assert have.sharding.is_equivalent_to(want.sharding, want.ndim)
+    assert have.committed == want.committed
+    np.testing.assert_array_equal(have, want)
+
+
+@pytest.mark.parametrize(
+    "how", ["pw.jit(jax.jit(out_shardings=NamedSharding))", "pw.jit(jax.jit(out_shardings=P))", "program(P)"]
+)
+def test_out_shardings_on_a_set_explicit_mesh_type_the_outputs_as_jax_jit_does(how):
+    # The outputs came back replicated (float32[8], not float32[8@x]): pw.jit did not take a
+    # wrapped jax.jit's out_shardings on Explicit axes, and a bare P named no mesh to retype on.
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    x = jnp.arange(8.0)
+    # A NamedSharding names its mesh: no mesh need be set.
+    with contextlib.nullcontext() if "NamedSharding" in how else jax.set_mesh(mesh):
+        if how == "program(P)":
+            want = jax.jit(_double, out_shardings=P("x"))(x)
+            have = pw.program(_double, out_shardings=P("x"))(x).result()
+        else:
+            shardings = NamedSharding(mesh, P("x")) if "NamedSharding" in how else P("x")
+            want = jax.jit(_double, out_shardings=shardings)(x)
+            have = pw.jit(jax.jit(_double, out_shardings=shardings))(x).result()
+    assert str(jax.typeof(want)) == "float32[8@x]"
+    _assert_same_array(have, want)
+
+
+def _products(v, w):
+    return v * w, jnp.outer(v, w), v.sum()
+
+
+@pytest.mark.parametrize(
+    "how", ["program(in_shardings=)", "pw.jit(jax.jit(in_shardings=))", "inner jax.jit(out_shardings=)"]
+)
+def test_shardings_on_an_explicit_mesh_place_uncommitted_arguments_as_jax_jit_does(how):
+    # With no mesh set, jax.jit traces uncommitted arguments untyped and lets the compiler place
+    # its outputs from the shardings it names (float32[8@x]); the program traced them typed
+    # replicated on that mesh, so every output came back replicated.
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    x, w = jnp.arange(8.0), jnp.ones(8)
+    split = NamedSharding(mesh, P("x"))
+    shardings = (split, None)
+
+    def inner(v, w):  # fused with the glue after it
+        return _products(jax.jit(lambda u: u * 3, out_shardings=split)(v) + 1, w)
+
+    if how == "inner jax.jit(out_shardings=)":
+        want, have = jax.jit(inner)(x, w), pw.program(inner)(x, w)
+    elif how.startswith("pw.jit"):
+        want = jax.jit(_products, in_shardings=shardings)(x, w)
+        have = pw.jit(jax.jit(_products, in_shardings=shardings))(x, w)
+    else:
+        want = jax.jit(_products, in_shardings=shardings)(x, w)
+        have = pw.program(_products, in_shardings=shardings)(x, w)
+    assert str(jax.typeof(want[0])) == "float32[8@x]"
+    for h, wa in zip(pw.results(have), want, strict=True):
+        _assert_same_array(h, wa)  # the same types, and equivalent shardings (P("x") or P("x", None))
+
+
+def _grads_with_int(x, i):
+    return jax.grad(lambda x, i: (x * i).sum(), argnums=(0, 1), allow_int=True)(x, i)
+
+
+@pytest.mark.parametrize("decorator", [pw.jit, pw.program], ids=["pw.jit", "pw.program"])
+def test_float0_values_go_in_and_come_out_as_through_jax_jit(decorator):
+    # pw.jit refused a float0 argument (the gradient of an integer input) while compiling; a
+    # program making a float0 output failed its run in the accounting watcher, which waited
+    # for that host value as for a device array: the other outputs' futures then raised.
+    x, i = jnp.ones(3), jnp.arange(3)
+    zero = jax.jit(_grads_with_int)(x, i)[1]
+    assert zero.dtype == jax.dtypes.float0
+
+    def step(x, z):
+        return jnp.zeros_like(z), x * 2, _grads_with_int(x, i)
+
+    want = jax.jit(step)(x, zero)
+    out = decorator(step)(x, zero)
+    controller = pw.cluster().controller
+    assert controller.wait_dispatched(timeout=60)
+    deadline = time.monotonic() + 60
+    while not controller.accounting.idle() and time.monotonic() < deadline:
+        time.sleep(0.001)  # the watcher has seen the run: a failure there has failed its outputs
+    have = pw.results(out)
+    for h, w in zip(jax.tree.leaves(have), jax.tree.leaves(want), strict=True):
+        assert (type(h), h.dtype, h.shape) == (type(w), w.dtype, w.shape)
+        if w.dtype != jax.dtypes.float0:
+            _assert_same_array(h, w)
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["as jax.jit", "on a slice"])
+def test_pw_jit_clear_cache_traces_again_as_jax_jit_s_does(placed):
+    # pw.jit had no clear_cache (AttributeError), where jax.jit's and pw.program's have one.
+    traced = []
+
+    def f(v):
+        traced.append(1)
+        return v * 2
+
+    x = jnp.arange(3.0)
+    jitted = jax.jit(f)
+    jitted(x)
+    assert jitted.clear_cache() is None
+    jitted(x)
+    assert len(traced) == 2
+    traced.clear()
+    fun = pw.jit(f, devices=pw.devices(mesh={"x": 1})) if placed else pw.jit(f)
+    np.testing.assert_array_equal(fun(x).result(), jitted(x))
+    before = pw.counters()["traces"]
+    assert fun.clear_cache() is None
+    np.testing.assert_array_equal(fun(x).result(), jitted(x))
+    assert pw.counters()["traces"] == before + 1
+
+
+@pytest.mark.parametrize("where", ["a device", "an Explicit mesh"])
+def test_an_uncommitted_future_follows_a_committed_argument_as_an_uncommitted_array_does(where):
+    # The future of a program nothing placed (uncommitted, on JAX's default device) decided where
+    # the next program ran: on its device, where jax.jit runs on the committed argument's (with a
+    # mesh of several devices, compiling failed on the meshes' mismatch).
+    if where == "a device":
+        committed = jax.device_put(jnp.ones(4), jax.devices()[3])
+    else:
+        mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+        committed = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("x")))
+    made = pw.program(_double)(jnp.arange(4.0))
+    assert not made.committed
+
+    def add(a, b):
+        return a + b
+
+    for args in ((made, committed), (committed, made)):
+        want = jax.jit(add)(*(a.result() if isinstance(a, pw.Future) else a for a in args))
+        have = pw.program(add)(*args).result()
+        if where == "a device":  # a one-device NamedSharding for jax.jit's SingleDeviceSharding (README)
+            assert (have.shape, have.dtype, have.committed) == (want.shape, want.dtype, want.committed)
+            np.testing.assert_array_equal(have, want)
+        else:
+            _assert_same_array(have, want)
+        assert have.devices() == want.devices()
+
+
+@pytest.mark.parametrize("option", ["in_shardings", "out_shardings"])
+@pytest.mark.parametrize("wrap", [pw.program, pw.jit], ids=["pw.program", "pw.jit"])
+def test_a_wrapped_jax_jit_s_one_device_shardings_place_it_on_that_device_committed(wrap, option):
+    # pw.program(jax.jit(f, out_shardings=SingleDeviceSharding(d))) ran on JAX's default device and
+    # pw.jit's ran on d, both returning uncommitted values where jax.jit's are committed to d.
+    device = jax.devices()[5]
+    jitted = jax.jit(_double, **{option: jax.sharding.SingleDeviceSharding(device)})
+    x = jnp.arange(4.0)
+    want = jitted(x)
+    have = wrap(jitted)(x).result()
+    assert want.committed and want.devices() == {device}
+    assert (have.committed, have.devices()) == (want.committed, want.devices())
+    np.testing.assert_array_equal(have, want)
+
+
+@pytest.mark.parametrize("option", ["in_shardings", "out_shardings"])
+def test_pw_jit_takes_jax_jit_s_shardings_as_jax_jit_does(option):
+    # pw.jit(f, out_shardings=...) raised TypeError (an unexpected keyword argument).
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    split = NamedSharding(mesh, P("x"))
+    sharding = split if option == "in_shardings" else (split, split, NamedSharding(mesh, P()))
+    x = jnp.arange(8.0)
+    want = jax.jit(_products, **{option: sharding})(x, x)
+    have = pw.results(pw.jit(_products, **{option: sharding})(x, x))
+    assert str(jax.typeof(want[0])) == "float32[8@x]"
+    for h, w in zip(have, want, strict=True):
+        _assert_same_array(h, w)
+
+
+@pytest.mark.parametrize("option", ["device", "backend"])
+@pytest.mark.parametrize("wrap", ["pw.jit(f, ...)", "pw.jit(jax.jit(f, ...))", "pw.program(jax.jit(f, ...))"])
+def test_jax_jit_s_device_and_backend_place_pw_jit_as_jax_jit(wrap, option):
+    # pw.jit(f, device=d) raised TypeError; a wrapped jax.jit(f, device=d) failed to trace (a mesh
+    # set around it) or ran uncommitted, or on JAX's default device.
+    value = jax.devices()[2] if option == "device" else "cpu"
+    x = jnp.arange(4.0)
+    with pytest.warns(DeprecationWarning, match="backend and device argument on jit is deprecated"):
+        want = jax.jit(_double, **{option: value})(x)
+    with pytest.warns(DeprecationWarning, match="backend and device argument on jit is deprecated"):
+        if wrap == "pw.jit(f, ...)":
+            fun = pw.jit(_double, **{option: value})
+        else:
+            jitted = jax.jit(_double, **{option: value})
+            fun = pw.jit(jitted) if wrap.startswith("pw.jit") else pw.program(jitted)
+    have = fun(x).result()
+    assert want.committed
+    assert (have.committed, have.devices()) == (want.committed, want.devices())
+    np.testing.assert_array_equal(have, want)
+
+
+def test_pw_jit_refuses_a_slice_s_placement_and_jax_jit_s_together():
+    s = pw.devices(mesh={"x": 2})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(pw.errors.PlacementError, match="devices and out_shardings"):
+        pw.jit(_double, devices=s, out_shardings=sharding)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.ma.masked_array([1.0, 2.0], mask=[False, True]),
+        np.array(["a", "b"]),
+        np.array([1, "a"], dtype=object),
+        np.arange(3).astype(">i4"),
+    ],
+    ids=["masked", "str", "object", "byte-swapped"],
+)
+@pytest.mark.parametrize("wrap", [pw.program, pw.jit], ids=["pw.program", "pw.jit"])
+def test_numpy_arguments_jax_jit_refuses_are_refused_at_the_call_as_by_jax_jit(wrap, value):
+    # A masked array ran with its mask silently dropped; other dtypes JAX does not take failed
+    # deep inside tracing or compiling (pw.jit: a PlacementError, a ValueError, for jax.jit's TypeError).
+    with pytest.raises((TypeError, ValueError)) as refused:
+        jax.jit(_double)(value)
+    with pytest.raises(pw.errors.ProgramTraceError, match="argument leaf 0, a numpy") as info:
+        wrap(_double)(value)
+    assert isinstance(info.value, type(refused.value))
+
+
+@pytest.mark.parametrize("kind", ["jax.Array", "pw.Future"])
+def test_a_value_deleted_before_the_call_fails_saying_so(kind):
+    # A jax.Array deleted before the call failed its run saying it was deleted "after this call
+    # returned"; a deleted future's run said only "got an input that was freed".
+    value = jnp.ones(3) if kind == "jax.Array" else pw.program(_double)(jnp.ones(3))
+    value.delete()
+    deleted = jnp.ones(3)
+    deleted.delete()
+    with pytest.raises(RuntimeError, match="deleted"):  # jax.jit refuses it at the call
+        jax.jit(_double)(deleted)
+    with pytest.raises(
+        pw.errors.ProgramFailedError, match=r"before the call|was deleted, or donated"
+    ) as info:
+        pw.program(_double)(value).result(timeout=60)
+    assert isinstance(info.value, RuntimeError)
+    assert "after this call returned and" not in str(info.value)
