@@ -84,3 +84,58 @@ def test_a_sharded_model_and_optimizer_made_under_set_mesh_train_as_under_nnx_ji
     got_placement, *got = _scale_up_guide_run(pw.program)
     assert got_placement == want_placement
     _assert_identical(got, want)
+
+
+class _Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.dropout(self.linear(x))
+
+
+def _tree_mode_run(jit):
+    """A train step in Flax's tree mode: the modules are pytrees, the gradients taken functionally."""
+    x, y = (np.random.default_rng(seed).normal(size=(4, 4)).astype(np.float32) for seed in (1, 2))
+    with nnx.set_graph_mode(False), nnx.set_graph_updates(False):
+        model = _Net(nnx.Rngs(0, dropout=1))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+        @jit
+        def step(model, optimizer, x, y):
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+            def loss_fn(params):
+                merged = nnx.merge(graphdef, params, rest, copy=True)
+                return jnp.mean((merged(x) - y) ** 2), nnx.state(merged, nnx.Not(nnx.Param))
+
+            (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            nnx.update(model, rest)
+            optimizer.update(model, grads)
+            return loss
+
+        losses = [step(model, optimizer, x, y) for _ in range(2)]
+        return nnx.state((model, optimizer)), losses
+
+
+def test_a_train_step_in_flax_tree_mode_runs_as_under_nnx_jit():
+    # Under nnx.set_graph_mode(False) the inner program is handed the modules themselves
+    # (pytrees) and routed them back to the NNX path: RecursionError.
+    _assert_identical(_tree_mode_run(pw.program), _tree_mode_run(nnx.jit))
+
+
+def test_a_module_that_is_no_pytree_in_tree_mode_is_a_named_error():
+    class Plain(nnx.Module, pytree=False):
+        def __init__(self):
+            self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    with nnx.set_graph_mode(False), nnx.set_graph_updates(False):
+        model = Plain()
+        with pytest.raises(TypeError):  # nnx.jit's class
+            nnx.jit(lambda m: m.linear(jnp.ones(2)))(model)
+        # It recursed as the train step did; then naming the module failed inside Flax
+        # (iter_graph in tree mode) with a ValueError.
+        with pytest.raises(pw.errors.ProgramTraceError, match="not a pytree") as caught:
+            pw.program(lambda m: m.linear(jnp.ones(2)))(model)
+        assert isinstance(caught.value, TypeError)

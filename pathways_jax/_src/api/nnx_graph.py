@@ -71,12 +71,21 @@ def has_graph_nodes(tree: Any) -> bool:
     )
 
 
+def _is_inner(program: Any) -> bool:
+    """True for an inner program made here (``Program.inner_program``): it takes NNX pytrees as plain pytrees.
+
+    Routing its call here again would recurse: in Flax's tree mode its
+    arguments are the caller's modules themselves.
+    """
+    return program._info.nnx_inner
+
+
 def routes(program: Any, tree: Any) -> bool:
     """True when a program's arguments hold NNX objects it should run as ``nnx.jit`` does.
 
     The inner programs made here take NNX pytrees as plain pytrees (Flax's tree mode).
     """
-    return not getattr(program, "_nnx_inner", False) and has_graph_nodes(tree)
+    return not _is_inner(program) and has_graph_nodes(tree)
 
 
 def takes_objects(program: Any, args: tuple, kwargs: dict) -> bool:
@@ -86,7 +95,7 @@ def takes_objects(program: Any, args: tuple, kwargs: dict) -> bool:
     optimizer flatten into every Variable, only to be routed here anyway.
     """
     nnx = _nnx()
-    if nnx is None or getattr(program, "_nnx_inner", False):
+    if nnx is None or _is_inner(program):
         return False
     return any(_is_object(arg, nnx) for arg in (*args, *kwargs.values()))
 
@@ -310,7 +319,7 @@ def _explain(inner: Any, original: Any, exc: Exception) -> None:
     for top, node in jax.tree_util.tree_leaves_with_path(original, is_leaf=graphlib.is_graph_node):
         if not graphlib.is_graph_node(node):
             continue
-        for path, value in nnx.iter_graph(node):
+        for path, value in nnx.iter_graph(node, graph=True):  # also under nnx.set_graph_mode(False)
             if not isinstance(value, nnx.Variable):
                 continue
             held = value.get_value()
@@ -341,7 +350,7 @@ def _to_tree(program: Any, split: Any) -> Any:
 
 
 def _inner(program: Any) -> _GraphCall | _TreeCall:
-    if getattr(program, "_nnx_inner", False):  # a graph node that is not a pytree, in tree mode
+    if _is_inner(program):  # a graph node that is not a pytree, in tree mode
         raise errors.ProgramTraceError(
             f"program {program.name!r} ({program.source_info}) got a Flax NNX object that is not "
             "a pytree while nnx.set_graph_mode(False) is in effect; as with nnx.jit, tree mode "
