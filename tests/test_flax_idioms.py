@@ -61,7 +61,7 @@ def _scale_up_guide_run(jit):
             model = _DotReluDot(nnx.Rngs(0))
             state = nnx.state(model)
             nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
-            return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
         @jit
         def step(model, optimizer, x, y):
@@ -139,3 +139,47 @@ def test_a_module_that_is_no_pytree_in_tree_mode_is_a_named_error():
         with pytest.raises(pw.errors.ProgramTraceError, match="not a pytree") as caught:
             pw.program(lambda m: m.linear(jnp.ones(2)))(model)
         assert isinstance(caught.value, TypeError)
+
+
+class _Layers(nnx.Module):
+    """Flax's stacked-layers idiom: layers made with nnx.vmap, run with nnx.scan."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(rngs: nnx.Rngs) -> nnx.Linear:
+            return nnx.Linear(4, 4, rngs=rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def forward(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+            return nnx.relu(layer(x))
+
+        return forward(self.layers, x)
+
+
+def _scanned_layers_run(jit):
+    x, y = (np.random.default_rng(seed).normal(size=(2, 4)).astype(np.float32) for seed in (1, 2))
+    model = _Layers(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @jit
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [step(model, optimizer, x, y) for _ in range(2)]
+    return nnx.state((model, optimizer)), losses
+
+
+def test_layers_scanned_with_nnx_scan_train_on_a_slice_as_under_nnx_jit():
+    # The gradient of a scan whose body calls a jitted function (relu) holds a `jit` that
+    # computes nothing, made by JAX outside the program's scope: on a slice it had nothing
+    # to be placed by, and the step failed with PlacementError.
+    on_slice = pw.devices(mesh={"x": 1})
+    _assert_identical(
+        _scanned_layers_run(lambda f: pw.program(f, devices=on_slice)), _scanned_layers_run(nnx.jit)
+    )
