@@ -183,3 +183,28 @@ def test_layers_scanned_with_nnx_scan_train_on_a_slice_as_under_nnx_jit():
     _assert_identical(
         _scanned_layers_run(lambda f: pw.program(f, devices=on_slice)), _scanned_layers_run(nnx.jit)
     )
+
+
+def test_variables_with_no_module_beside_them_are_pytrees_as_under_jax_jit():
+    # Documented in README "Differences from jax.jit": no module, optimizer or Rngs among
+    # the arguments, Variables and states are taken as jax.jit takes them.
+    def double(variable, x):
+        variable[...] = variable[...] * 2
+        return variable, x * variable[...]
+
+    results = {}
+    for name, jit in (("jax", jax.jit), ("pw", pw.program)):
+        variable = nnx.Param(jnp.ones(2))
+        returned, out = jit(double)(variable, jnp.ones(2))
+        results[name] = (returned is variable, _host((variable[...], returned[...], out)))
+    assert results["pw"][0] is results["jax"][0] is False
+    for got, want in zip(results["pw"][1], results["jax"][1], strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(results["pw"][1][0], np.ones(2))  # the caller's: unchanged
+
+    # Beside the module it belongs to, the same Variable is written in place, as nnx.jit does.
+    for jit in (nnx.jit, pw.program):
+        layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        scale = nnx.Param(jnp.ones(2))
+        jit(lambda layer, scale: double(scale, layer(jnp.ones(2))))(layer, scale)
+        np.testing.assert_array_equal(np.asarray(scale[...]), 2 * np.ones(2))
