@@ -208,3 +208,19 @@ def test_variables_with_no_module_beside_them_are_pytrees_as_under_jax_jit():
         scale = nnx.Param(jnp.ones(2))
         jit(lambda layer, scale: double(scale, layer(jnp.ones(2))))(layer, scale)
         np.testing.assert_array_equal(np.asarray(scale[...]), 2 * np.ones(2))
+
+
+def test_pw_jit_on_a_slice_inside_nnx_jit_updates_the_modules_it_is_given():
+    # Inside the caller's nnx.jit, pw.jit moved its arguments to the slice with
+    # jax.device_put, which copies a module: the BatchNorm statistics and the Dropout key
+    # it advanced went to the copy, and the caller's model kept the old ones.
+    on_slice = pw.devices(mesh={"x": 1})
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+
+    def run(inner):
+        model = nnx.Sequential(nnx.BatchNorm(3, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
+        step = nnx.jit(lambda model, x: inner(model, x))
+        return nnx.state(model), [step(model, x) for _ in range(2)]
+
+    want = run(nnx.jit(lambda m, x: m(x)))
+    _assert_identical(run(pw.jit(lambda m, x: m(x), devices=on_slice)), want)

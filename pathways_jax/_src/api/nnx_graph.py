@@ -80,6 +80,29 @@ def _is_inner(program: Any) -> bool:
     return program._info.nnx_inner
 
 
+def put_in_place(value: Any, sharding: Any) -> Any:
+    """``jax.device_put(value, sharding)``, except that the NNX objects and Variables in it stay themselves.
+
+    Their values are moved in place, so that ``nnx.jit`` still writes what a
+    call changes back into the caller's objects: a copy of a module, as
+    ``jax.device_put`` makes of a pytree, would take the updates and be dropped.
+    """
+    import jax
+    from flax import nnx
+    from flax.nnx import graphlib
+
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, nnx.Variable):
+            leaf.set_value(jax.device_put(leaf.get_value(), sharding))
+        elif graphlib.is_graph_node(leaf):
+            nnx.update(leaf, jax.device_put(nnx.state(leaf), sharding))
+        else:
+            return jax.device_put(leaf, sharding)
+        return leaf
+
+    return jax.tree_util.tree_map(move, value, is_leaf=graphlib.is_graph_node)
+
+
 def routes(program: Any, tree: Any) -> bool:
     """True when a program's arguments hold NNX objects it should run as ``nnx.jit`` does.
 
