@@ -4,6 +4,9 @@ Each test runs the same few steps under the reference transformation and under
 ``pw.program`` and compares parameters and losses bit for bit.
 """
 
+import contextlib
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,10 +98,16 @@ class _Net(nnx.Module):
         return self.dropout(self.linear(x))
 
 
-def _tree_mode_run(jit):
-    """A train step in Flax's tree mode: the modules are pytrees, the gradients taken functionally."""
+def _tree_mode_run(jit, *, context: bool = True):
+    """A train step in Flax's tree mode: the modules are pytrees, the gradients taken functionally.
+
+    ``context``: tree mode set with ``nnx.set_graph_mode``, else by ``jit``'s own options.
+    """
     x, y = (np.random.default_rng(seed).normal(size=(4, 4)).astype(np.float32) for seed in (1, 2))
-    with nnx.set_graph_mode(False), nnx.set_graph_updates(False):
+    with contextlib.ExitStack() as stack:
+        if context:
+            stack.enter_context(nnx.set_graph_mode(False))
+            stack.enter_context(nnx.set_graph_updates(False))
         model = _Net(nnx.Rngs(0, dropout=1))
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
@@ -139,6 +148,21 @@ def test_a_module_that_is_no_pytree_in_tree_mode_is_a_named_error():
         with pytest.raises(pw.errors.ProgramTraceError, match="not a pytree") as caught:
             pw.program(lambda m: m.linear(jnp.ones(2)))(model)
         assert isinstance(caught.value, TypeError)
+
+
+def test_nnx_jits_graph_options_are_program_options():
+    # @nnx.jit(graph=False, graph_updates=False) became @pw.program(...) with a TypeError:
+    # pw.program took no such options.
+    options = {"graph": False, "graph_updates": False}
+    want = _tree_mode_run(functools.partial(nnx.jit, **options), context=False)
+    _assert_identical(_tree_mode_run(functools.partial(pw.program, **options), context=False), want)
+    # As under nnx.jit(graph=False), a Variable reached twice is refused (tree mode has no sharing).
+    layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    for jit in (nnx.jit, pw.program):
+        with pytest.raises(ValueError, match="Duplicate"):
+            jit(lambda a, b: a(jnp.ones(2)), graph=False)(layer, layer)
+    with pytest.raises(pw.errors.ProgramTraceError, match="expects True, False or None"):
+        pw.program(lambda m: m, graph="tree")
 
 
 class _Layers(nnx.Module):

@@ -380,6 +380,11 @@ def _inner(program: Any) -> _GraphCall | _TreeCall:
             "takes only pytree modules. Use graph mode, or make the module a pytree."
         )
     graph, updates = _modes()
+    chosen_graph, chosen_updates = program._info.nnx_modes  # nnx.jit's graph= and graph_updates=
+    if chosen_graph is not None:
+        graph = chosen_graph
+    if chosen_updates is not None:
+        updates = chosen_updates
     key = (graph, updates)
     calls = program.__dict__.setdefault("_nnx_calls", {})
     call = calls.get(key)
