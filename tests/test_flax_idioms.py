@@ -248,3 +248,36 @@ def test_pw_jit_on_a_slice_inside_nnx_jit_updates_the_modules_it_is_given():
 
     want = run(nnx.jit(lambda m, x: m(x)))
     _assert_identical(run(pw.jit(lambda m, x: m(x), devices=on_slice)), want)
+
+
+def _linen_partitioned_run(jit):
+    """Flax Linen's partitioning guide on jax.make_mesh's mesh (Explicit axes), no mesh set.
+
+    ``nn.with_partitioning`` constrains a parameter only under a context mesh;
+    ``jax.jit`` sets none from ``out_shardings``, so the initialiser runs as written.
+    """
+    import flax.linen as nn
+    from flax.training import train_state
+
+    mesh = jax.make_mesh((1, 2), ("data", "model"))  # Explicit axes, jax.make_mesh's default
+    model = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")))
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+
+    def init(key, x):
+        params = model.init(key, x)["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+    shardings = nn.get_sharding(jax.eval_shape(init, jax.random.key(0), x), mesh)
+    state = jit(init, out_shardings=shardings)(jax.random.key(0), x)
+    kernel = pw.results(state.params["kernel"].value)
+    return kernel.sharding.spec, state
+
+
+def test_linen_with_partitioning_on_an_explicit_mesh_of_out_shardings_initialises_as_under_jax_jit():
+    # The program was traced with out_shardings' mesh as the context mesh, which jax.jit does
+    # not set: Linen then constrained the kernel there, an assertion on Explicit axes
+    # (ProgramTraceError), where jax.jit initialises. Traced as jax.jit traces it, it runs.
+    want_spec, want = _linen_partitioned_run(jax.jit)
+    got_spec, got = _linen_partitioned_run(pw.program)
+    assert got_spec == want_spec == P(None, "model")
+    _assert_identical(got, want)
