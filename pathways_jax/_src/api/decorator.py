@@ -40,6 +40,8 @@ def program(
     compiler_options: dict[str, Any] | None = None,
     device: jax.Device | None = None,
     backend: str | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Program: ...
 
 
@@ -61,6 +63,8 @@ def program(
     compiler_options: dict[str, Any] | None = None,
     device: jax.Device | None = None,
     backend: str | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable[[Callable[..., Any]], Program]: ...
 
 
@@ -81,6 +85,8 @@ def program(
     compiler_options: dict[str, Any] | None = None,
     device: jax.Device | None = None,
     backend: str | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Program | Callable[[Callable[..., Any]], Program]:
     """Turns a function into ONE dataflow program over virtual slices.
 
@@ -123,6 +129,11 @@ def program(
         on this device.
       backend: as ``jax.jit``'s (deprecated there): a program with no slice
         runs on the first device of this platform (``"cpu"``).
+      graph: as ``nnx.jit``'s, for Flax NNX objects among the arguments: False
+        takes modules as pytrees (Flax's tree mode). None (the default) takes
+        ``nnx.set_graph_mode``'s setting at the call.
+      graph_updates: as ``nnx.jit``'s: False propagates only Variable updates
+        (no structural changes). None takes ``nnx.set_graph_updates``'s setting at the call.
 
     Returns:
       A :class:`Program`; calling it returns a pytree of :class:`Future`.
@@ -154,6 +165,8 @@ def program(
             compiler_options=compiler_options,
             device=device,
             backend=backend,
+            graph=graph,
+            graph_updates=graph_updates,
         )
     if not callable(fun):
         raise errors.ProgramTraceError(f"pw.program expects a function, got {type(fun).__name__}: {fun!r}.")
@@ -181,6 +194,12 @@ def program(
         device = _single_device_of(in_shardings, out_shardings) or jits_device(fun)
     if device is not None and not isinstance(device, jax.Device):
         raise errors.PlacementError(f"pw.program(device=...) expects a jax.Device, got {device!r}.")
+    for option, value in (("graph", graph), ("graph_updates", graph_updates)):
+        if value is not None and not isinstance(value, bool):
+            raise errors.ProgramTraceError(
+                f"pw.program({option}=...) expects True, False or None (Flax's setting at the call), "
+                f"as nnx.jit does; got {value!r}."
+            )
     if compiler_options is not None and not isinstance(compiler_options, dict):
         raise errors.ProgramTraceError(
             f"pw.program(compiler_options=...) expects a dict of XLA options, got {compiler_options!r}."
@@ -216,6 +235,7 @@ def program(
         mesh_hint=mesh_hint,
         device=device,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
+        nnx_modes=(graph, graph_updates),
     )
 
 

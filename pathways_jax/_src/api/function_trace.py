@@ -111,21 +111,30 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
     except (errors.PathwaysError, nnx_graph.GraphOutput):
         raise
     except Exception as exc:
-        if implied is not None and default is None and hint is None and info.mesh_hint is None:
-            # Traced on its arguments' mesh, the function failed: a mesh it names itself
-            # (a shard_map's or pmap's over other axes) wins, as under jax.jit.
-            named = _mesh_named_without_context(signature, state, flat_fun)
-            if named is not None:
-                return trace(info, inputs, named)
-        # No line of the function failed (it was called with arguments it does not take):
-        # the user's call did.
-        where = source.of_exception(exc, info.fun) or f"the call ({source.of_caller()})"
-        # Also of the original's class: `except ValueError` written for jax.jit still catches it.
-        raise errors.also(errors.ProgramTraceError, type(exc))(
-            f"tracing program {info.name!r} ({info.source_info}) failed at "
-            f"{where}: {type(exc).__name__}: "
-            f"{info.in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}"
-        ) from exc
+        retried = None
+        if implied is not None and default is None and _user_mesh() is None:
+            # Traced on the mesh of its arguments or shardings, which jax.jit does not make
+            # the context mesh, the function failed: code that reads the context mesh (Flax
+            # Linen's nn.with_partitioning constrains only under one, an assert on Explicit
+            # axes) is traced as jax.jit traces it, with none.
+            retried = _traced_without_context(signature, state, flat_fun, implied)
+        if retried is None:
+            if implied is not None and default is None and hint is None and info.mesh_hint is None:
+                # Traced on its arguments' mesh, the function failed: a mesh it names itself
+                # (a shard_map's or pmap's over other axes) wins, as under jax.jit.
+                named = _mesh_named_without_context(signature, state, flat_fun)
+                if named is not None:
+                    return trace(info, inputs, named)
+            # No line of the function failed (it was called with arguments it does not take):
+            # the user's call did.
+            where = source.of_exception(exc, info.fun) or f"the call ({source.of_caller()})"
+            # Also of the original's class: `except ValueError` written for jax.jit still catches it.
+            raise errors.also(errors.ProgramTraceError, type(exc))(
+                f"tracing program {info.name!r} ({info.source_info}) failed at "
+                f"{where}: {type(exc).__name__}: "
+                f"{info.in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}"
+            ) from exc
+        closed = retried
     finally:
         context.state.trace = outer
     _refuse_leaked_tracers(info, closed)
@@ -185,6 +194,19 @@ def _untyped(implied: VirtualSlice | None, signature: Signature) -> bool:
         if isinstance(mesh, jax.sharding.Mesh) and AxisType.Explicit in mesh.axis_types:
             return False  # an argument typed on a mesh: traced on it, as its type says
     return True
+
+
+def _traced_without_context(
+    signature: Signature, state: TraceState, flat_fun: Any, target: VirtualSlice
+) -> Any:
+    """The function traced with no context mesh, as ``jax.jit`` traces it (None if that fails too)."""
+    try:
+        with only_mesh(NO_ABSTRACT_MESH):
+            return jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))
+    except (errors.PathwaysError, nnx_graph.GraphOutput):
+        raise
+    except Exception:
+        return None
 
 
 def _mesh_named_without_context(signature: Signature, state: TraceState, flat_fun: Any) -> Any:

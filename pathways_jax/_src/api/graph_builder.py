@@ -167,6 +167,24 @@ def _with_constants(eqn: Any, consts: dict[Any, Any]) -> tuple[Any, list[Any]]:
     return jex.ClosedJaxpr(jaxpr, [consts[v] for v in used]), inputs
 
 
+def _without_dead_calls(closed: Any) -> Any:
+    """``closed`` without the top-level equations that compute nothing: no used output, no effect.
+
+    Differentiating a loop whose body calls a jitted function (``jax.nn.relu``
+    in an ``nnx.scan`` or ``lax.scan`` over layers) leaves such a ``jit``
+    behind, made by JAX outside every scope: with no input, user or scope to
+    place it by, it made a program on a slice fail with ``PlacementError``,
+    where ``jax.jit`` compiles it away.
+    """
+    eqns = closed.jaxpr.eqns
+    kept = [
+        eqn for eqn in eqns if eqn.effects or any(not isinstance(var, jex.DropVar) for var in eqn.outvars)
+    ]
+    if len(kept) == len(eqns):
+        return closed
+    return closed.replace(jaxpr=closed.jaxpr.replace(eqns=kept))
+
+
 def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]) -> list[Any]:
     """One slice per top-level equation, or a PlacementError naming the user's line."""
 
@@ -276,6 +294,7 @@ def build(
 
     The graph names its slices by their frozen ``SliceRef`` alone.
     """
+    closed = _without_dead_calls(closed)
     jaxpr = closed.jaxpr
     values: list[Value] = []
     var_value: dict[Any, int] = {}

@@ -155,6 +155,8 @@ def _retyped(leaf: Any, sharding: NamedSharding) -> Any:
     ndim = len(leaf.shape)
     if _padded(typed.spec, ndim) == _padded(sharding.spec, ndim):
         return leaf
+    if jax.sharding.get_abstract_mesh().empty:  # traced as jax.jit traces it, with no context mesh
+        return jax.sharding.reshard(leaf, sharding)
     return jax.sharding.reshard(leaf, sharding.spec)
 
 

@@ -71,12 +71,44 @@ def has_graph_nodes(tree: Any) -> bool:
     )
 
 
+def _is_inner(program: Any) -> bool:
+    """True for an inner program made here (``Program.inner_program``): it takes NNX pytrees as plain pytrees.
+
+    Routing its call here again would recurse: in Flax's tree mode its
+    arguments are the caller's modules themselves.
+    """
+    return program._info.nnx_inner
+
+
+def put_in_place(value: Any, sharding: Any) -> Any:
+    """``jax.device_put(value, sharding)``, except that the NNX objects and Variables in it stay themselves.
+
+    Their values are moved in place, so that ``nnx.jit`` still writes what a
+    call changes back into the caller's objects: a copy of a module, as
+    ``jax.device_put`` makes of a pytree, would take the updates and be dropped.
+    """
+    import jax
+    from flax import nnx
+    from flax.nnx import graphlib
+
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, nnx.Variable):
+            leaf.set_value(jax.device_put(leaf.get_value(), sharding))
+        elif graphlib.is_graph_node(leaf):
+            nnx.update(leaf, jax.device_put(nnx.state(leaf), sharding))
+        else:
+            return jax.device_put(leaf, sharding)
+        return leaf
+
+    return jax.tree_util.tree_map(move, value, is_leaf=graphlib.is_graph_node)
+
+
 def routes(program: Any, tree: Any) -> bool:
     """True when a program's arguments hold NNX objects it should run as ``nnx.jit`` does.
 
     The inner programs made here take NNX pytrees as plain pytrees (Flax's tree mode).
     """
-    return not getattr(program, "_nnx_inner", False) and has_graph_nodes(tree)
+    return not _is_inner(program) and has_graph_nodes(tree)
 
 
 def takes_objects(program: Any, args: tuple, kwargs: dict) -> bool:
@@ -86,7 +118,7 @@ def takes_objects(program: Any, args: tuple, kwargs: dict) -> bool:
     optimizer flatten into every Variable, only to be routed here anyway.
     """
     nnx = _nnx()
-    if nnx is None or getattr(program, "_nnx_inner", False):
+    if nnx is None or _is_inner(program):
         return False
     return any(_is_object(arg, nnx) for arg in (*args, *kwargs.values()))
 
@@ -310,7 +342,7 @@ def _explain(inner: Any, original: Any, exc: Exception) -> None:
     for top, node in jax.tree_util.tree_leaves_with_path(original, is_leaf=graphlib.is_graph_node):
         if not graphlib.is_graph_node(node):
             continue
-        for path, value in nnx.iter_graph(node):
+        for path, value in nnx.iter_graph(node, graph=True):  # also under nnx.set_graph_mode(False)
             if not isinstance(value, nnx.Variable):
                 continue
             held = value.get_value()
@@ -341,13 +373,18 @@ def _to_tree(program: Any, split: Any) -> Any:
 
 
 def _inner(program: Any) -> _GraphCall | _TreeCall:
-    if getattr(program, "_nnx_inner", False):  # a graph node that is not a pytree, in tree mode
+    if _is_inner(program):  # a graph node that is not a pytree, in tree mode
         raise errors.ProgramTraceError(
             f"program {program.name!r} ({program.source_info}) got a Flax NNX object that is not "
             "a pytree while nnx.set_graph_mode(False) is in effect; as with nnx.jit, tree mode "
             "takes only pytree modules. Use graph mode, or make the module a pytree."
         )
     graph, updates = _modes()
+    chosen_graph, chosen_updates = program._info.nnx_modes  # nnx.jit's graph= and graph_updates=
+    if chosen_graph is not None:
+        graph = chosen_graph
+    if chosen_updates is not None:
+        updates = chosen_updates
     key = (graph, updates)
     calls = program.__dict__.setdefault("_nnx_calls", {})
     call = calls.get(key)

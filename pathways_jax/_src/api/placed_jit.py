@@ -325,14 +325,13 @@ class JitFunction:
         if slice_ is None:
             return self._jitted_for(args, kwargs)(*args, **kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
+        # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
+        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
         moved = [
-            arg if position in self._static else jax.device_put(arg, replicated)
-            for position, arg in enumerate(args)
+            arg if position in self._static else put(arg, replicated) for position, arg in enumerate(args)
         ]
-        moved_kwargs = {
-            k: v if k in self._static_names else jax.device_put(v, replicated) for k, v in kwargs.items()
-        }
-        return self._jitted(*moved, **moved_kwargs)
+        moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
+        return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
 
     def _retype_args(self, args: tuple) -> tuple:
         """On Explicit axes in_specs are types: arguments typed otherwise are resharded first."""

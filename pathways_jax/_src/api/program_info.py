@@ -41,6 +41,8 @@ class ProgramInfo:
       device: ``jax.jit``'s ``device=``: where a program with no slice runs.
       compiler_options: XLA options every node is compiled with.
       nnx_inner: the inner program ``nnx_graph`` makes (NNX objects come as pytrees).
+      nnx_modes: ``nnx.jit``'s ``graph=`` and ``graph_updates=`` (None: Flax's
+        setting at the call, ``nnx.set_graph_mode`` / ``nnx.set_graph_updates``).
       under_transforms: called with tracers (inside the caller's ``jax.jit``, ``grad``
         or ``vmap``), it runs as ``jax.jit`` would; False for ``pw.jit``'s own
         programs, which handle that themselves.
@@ -60,6 +62,7 @@ class ProgramInfo:
     device: jax.Device | None = None
     compiler_options: tuple[tuple[str, Any], ...] = ()
     nnx_inner: bool = False
+    nnx_modes: tuple[bool | None, bool | None] = (None, None)
     under_transforms: bool = True
 
     @classmethod

@@ -59,6 +59,7 @@ class Program:
         compiler_options: tuple[tuple[str, Any], ...] = (),
         source_info: str | None = None,
         nnx_inner: bool = False,
+        nnx_modes: tuple[bool | None, bool | None] = (None, None),
         under_transforms: bool = True,
     ):
         # See ProgramInfo for each option; nnx_inner and under_transforms are set by
@@ -77,6 +78,7 @@ class Program:
             device=device,
             compiler_options=compiler_options,
             nnx_inner=nnx_inner,
+            nnx_modes=nnx_modes,
             under_transforms=under_transforms,
         )
         # Guards the caches of graphs and plans; never held while user code runs.

@@ -293,13 +293,17 @@ class Binding:
         graph = self.graph
         if out.value is None:
             literal = jnp.asarray(out.literal)
+            committed = False
             if isinstance(literal, jax.Array):
                 aval, sharding = literal.aval, literal.sharding
+                # Under the caller's jax.set_mesh, jnp.asarray replicates it over that mesh,
+                # committed, as jax.jit's constant output there is.
+                committed = literal.committed
             else:  # float0 (the gradient of an integer input): host data, as jax.jit returns it
                 aval, sharding = jax.core.ShapedArray(np.shape(literal), literal.dtype), None
             # jnp.asarray's array: uncommitted on JAX's default device, as jax.jit's constant output.
             return OutputSlot(
-                "literal", literal, aval, sharding, None, f"{graph.name}: literal", committed=False
+                "literal", literal, aval, sharding, None, f"{graph.name}: literal", committed=committed
             )
         value = self.values[out.value]
         if value.aval.dtype == jax.dtypes.float0:
