@@ -494,6 +494,34 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
         pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))
 
 
+def test_hosts_whose_cpus_others_hold_are_refused_in_seconds_saying_what_is_free(
+    island_service, ray_cluster, monkeypatch
+):
+    """The cluster has the CPUs, but the island service's hosts hold some: a service (or pw.init)
+    asking for more than are free is refused once none came free for a grace period, naming
+    what it needs and what is free, not after placement's 120 s timeout."""
+    from pathways_jax._src.backends import ray_fleet
+
+    total = int(ray_cluster.cluster_resources()["CPU"])
+    free = total - 2  # the island service's 2 hosts hold the rest
+    assert wait_for(lambda: ray_cluster.available_resources().get("CPU", 0) == free, timeout=10)
+    said = rf"they need {free + 1} CPU \(the cluster has {total}, {free} of them free\)"
+    started = time.monotonic()
+    with pytest.raises(pw.errors.ClusterError, match=said):  # the grace the hosts' actor waits
+        pw.serve("never-placed", hosts=free + 1)
+    assert time.monotonic() - started < ray_fleet.ROOM_GRACE_S + 15
+    with pytest.raises(pw.errors.ClusterError, match="no controller service named 'never-placed'"):
+        pw.service("never-placed")
+    monkeypatch.setattr(ray_fleet, "ROOM_GRACE_S", 0.5)  # this process places pw.init's hosts itself
+    started = time.monotonic()
+    with pytest.raises(pw.errors.ClusterError, match=said):
+        pw.init(backend="ray", address=island_service.address, hosts=free + 1)
+    assert time.monotonic() - started < 10
+    # Nothing of either was left holding CPUs; the service serves on.
+    assert wait_for(lambda: ray_cluster.available_resources().get("CPU", 0) == free, timeout=10)
+    assert island_service.stats()["lost"] == {}
+
+
 def test_a_service_started_without_ray_sizes_its_local_cluster_for_its_hosts(monkeypatch):
     """pw.serve with no Ray session starts one with a logical CPU for each host (the machine's count
     could not place more hosts: placement would wait for minutes and fail)."""

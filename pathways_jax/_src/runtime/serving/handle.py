@@ -224,11 +224,15 @@ def serve(
         .remote(config)
     )
     try:
-        ray.get(actor.ready.remote(), timeout=_START_TIMEOUT_S)
+        started = ray.get(actor.ready.remote(), timeout=_START_TIMEOUT_S)
     except Exception as exc:
         with contextlib.suppress(Exception):
             ray.kill(actor)
         raise errors.ClusterError(f"the controller service {name!r} did not start: {exc}") from exc
+    if "failed" in started:  # its hosts could not start: the actor says why
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+        raise errors.ClusterError(f"the controller service {name!r} did not start: {started['failed']}")
     return Service(name, ray.get_runtime_context().gcs_address, actor)
 
 
