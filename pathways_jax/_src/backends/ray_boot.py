@@ -70,14 +70,53 @@ def check_reachable(address: str) -> None:
     if not host or not port.isdigit() or "/" in where:
         return
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_TIMEOUT_S):
-            pass
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_TIMEOUT_S) as sock:
+            answer = _grpc_answer(sock)
     except OSError as exc:
         raise errors.ClusterError(
             f"could not reach the Ray cluster at {address!r}: nothing took a connection there within "
             f"{_REACH_TIMEOUT_S:g}s ({exc}). Check the address (the head's `ray start` prints it; a "
             "controller service's is pw.Service.address), or start a cluster with `ray start --head`."
         ) from exc
+    if answer is not None:
+        raise errors.ClusterError(
+            f"{address!r} is not a Ray cluster's address: something takes connections there, but it does "
+            f"not speak gRPC as Ray's GCS (or Ray Client server) does; it {answer}. Check the address (the "
+            "head's `ray start` prints it, as 'ray start --address=...'; a controller service's is "
+            "pw.Service.address), or start a cluster with `ray start --head`."
+        )
+
+
+# What a gRPC client sends first: HTTP/2's connection preface and an empty SETTINGS frame.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+_SETTINGS = 0x4  # an HTTP/2 frame's type (its fourth byte): a gRPC server opens with its settings
+
+
+def _grpc_answer(sock: socket.socket) -> str | None:
+    """None if the server on ``sock`` may be a gRPC server (Ray's); else what it did instead.
+
+    A gRPC server answers the HTTP/2 preface with its SETTINGS frame at once; an
+    HTTP/1 server, a ZeroMQ socket or a database answers something else or hangs
+    up. A server that says nothing in time, or one behind TLS (``RAY_USE_TLS``),
+    is left to Ray.
+    """
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    try:
+        sock.sendall(_HTTP2_PREFACE)
+        head = b""
+        while len(head) < 4:
+            more = sock.recv(4 - len(head))
+            if not more:
+                break
+            head += more
+    except TimeoutError:
+        return None
+    except OSError as exc:
+        return f"dropped the connection ({exc})"
+    if len(head) == 4 and head[3] == _SETTINGS:
+        return None
+    return f"answered {head!r}" if head else "hung up"
 
 
 def send_saved_token() -> None:
