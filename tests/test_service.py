@@ -634,7 +634,9 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
     pw.init(backend="ray", address=svc.address, service=svc.name)
     try:
         step = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 1}))
-        assert float(step(jnp.float32(1)).result(timeout=60)) == 2.0
+        kept = step(jnp.float32(1))
+        assert float(kept.result(timeout=60)) == 2.0
+        stale = pw.share(kept)  # kept past the service's death, as a pickled handle would be
         ray_cluster.kill(svc.actor)  # the service and, with it, its hosts
 
         def gone() -> bool:  # a kill is asynchronous: a call may still be served just after it
@@ -661,7 +663,12 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
     try:
         pw.init(backend="ray", address=again.address, service=again.name)
         step = pw.jit(lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 1}))
-        np.testing.assert_array_equal(step(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) * 2 + 1)
+        fresh = step(jnp.arange(4.0))
+        np.testing.assert_array_equal(fresh.result(timeout=60), np.arange(4.0) * 2 + 1)
+        # A handle of the service's first run: its client and value numbers are this run's own
+        # again (this process's first value, of client 1): refused, not read as that value.
+        with pytest.raises(pw.errors.AccessError, match="earlier run of controller service 'test-dies'"):
+            pw.receive(stale).result(timeout=60)
         pw.shutdown()
     finally:
         again.stop()

@@ -166,6 +166,7 @@ class ServiceBackend:
         self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
         self.service = actor
         self.service_name = joined["name"]
+        self.incarnation = joined["incarnation"]
         self.client_id = joined["client"]
         self.info = joined["info"]
         self._token = token
@@ -223,6 +224,7 @@ class ServiceBackend:
         placed = self.places.where(array.sharding, "the shared value")
         return Handle(
             self.service_name,
+            self.incarnation,
             owner,
             key,
             tuple(array.hosts),
@@ -240,6 +242,13 @@ class ServiceBackend:
         if handle.service != self.service_name:
             raise errors.AccessError(
                 f"the handle is of controller service {handle.service!r}; this process joined {self.service_name!r}."
+            )
+        if handle.incarnation != self.incarnation:
+            raise errors.AccessError(
+                f"the handle is of an earlier run of controller service {handle.service!r}, which was "
+                "stopped (or died) and started again since: its value went with that run, and the numbers "
+                "it names may now name another client's values. Share the value again from a process of "
+                "this run (pw.share)."
             )
         devices = self.islands[handle.island]
         sharding = sharding_of(handle.desc, list(devices))
@@ -364,6 +373,7 @@ class Handle:
     """
 
     service: str
+    incarnation: str  # the run of the service it was made under (a name may be started again)
     owner: int
     key: int
     hosts: tuple

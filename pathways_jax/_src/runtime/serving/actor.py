@@ -113,6 +113,8 @@ class ServiceActor:
         )
         self.busy_until: dict[int, float] = {}
         self.started = time.monotonic()
+        # This run of the service: a handle made under an earlier one of the same name names no value here.
+        self.incarnation = secrets.token_hex(8)
         self._ids = itertools.count(1)
         self._ticker: Any = None
         self._loop: Any = None  # the actor's event loop (set by its first async call)
@@ -141,6 +143,7 @@ class ServiceActor:
         backend = self.backend
         return {
             "name": self.config.name,
+            "incarnation": self.incarnation,
             "hosts": self.layout.hosts,
             "devices_per_host": self.layout.devices_per_host,
             "per_island": self.layout.per_island,
