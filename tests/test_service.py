@@ -522,6 +522,35 @@ def test_hosts_whose_cpus_others_hold_are_refused_in_seconds_saying_what_is_free
     assert island_service.stats()["lost"] == {}
 
 
+def test_a_join_interrupted_as_the_service_admits_it_leaves_no_client_behind(
+    island_service, ray_cluster, monkeypatch
+):
+    """Ctrl-C while pw.init waits for the service's answer, once the service admitted the process:
+    the admitted client goes at once, so pw.init again under the same name joins (it was refused
+    for silent_client_timeout, 30 s, or for ever with None)."""
+    real_get = ray_cluster.get
+    interrupted = []
+
+    def get(*args, **kwargs):
+        got = real_get(*args, **kwargs)
+        if not interrupted and isinstance(got, dict) and "client" in got:
+            interrupted.append(got["client"])
+            raise KeyboardInterrupt  # as the service's answer came
+        return got
+
+    monkeypatch.setattr(ray_cluster, "get", get)
+    with pytest.raises(KeyboardInterrupt):
+        pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="nb")
+    monkeypatch.setattr(ray_cluster, "get", real_get)
+    admitted = island_service.stats()["clients"]
+    assert wait_for(lambda: not island_service.stats()["clients"][interrupted[0]]["alive"], timeout=10), (
+        admitted
+    )
+    pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="nb")
+    f = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) + 1)
+
+
 def test_a_service_started_without_ray_sizes_its_local_cluster_for_its_hosts(monkeypatch):
     """pw.serve with no Ray session starts one with a logical CPU for each host (the machine's count
     could not place more hosts: placement would wait for minutes and fail)."""

@@ -118,9 +118,13 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
             ),
             timeout=_JOIN_TIMEOUT_S,
         )
-    except Exception as exc:
+    except BaseException as exc:
+        # The service may have admitted this process already (a Ctrl-C as its answer came): the
+        # token's end drops it there, or its name would stay taken until it fell silent for long.
         with contextlib.suppress(Exception):
             ray.kill(token)
+        if not isinstance(exc, Exception):
+            raise
         raise errors.ClusterError(f"pw.init(service={name!r}): the service did not answer: {exc}") from exc
     if "refused" in joined:
         with contextlib.suppress(Exception):
