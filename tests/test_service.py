@@ -551,6 +551,34 @@ def test_a_join_interrupted_as_the_service_admits_it_leaves_no_client_behind(
     np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) + 1)
 
 
+def test_a_service_start_cut_short_by_ctrl_c_leaves_no_service(ray_cluster, monkeypatch):
+    """The service's actor is detached: a pw.serve (or `python -m pathways_jax serve`) interrupted
+    while it waits for the hosts must end it, or it serves on unseen, holding its hosts' CPUs."""
+    real_get = ray_cluster.get
+
+    def get(*args, **kwargs):
+        got = real_get(*args, **kwargs)
+        if isinstance(got, dict) and "incarnation" in got:  # the service's word that it is ready
+            raise KeyboardInterrupt
+        return got
+
+    cpus = ray_cluster.available_resources().get("CPU", 0)
+    monkeypatch.setattr(ray_cluster, "get", get)
+    with pytest.raises(KeyboardInterrupt):
+        pw.serve("test-interrupted", hosts=1)
+    monkeypatch.setattr(ray_cluster, "get", real_get)
+
+    def gone() -> bool:
+        try:
+            pw.service("test-interrupted")
+        except pw.errors.ClusterError:
+            return True
+        return False
+
+    assert wait_for(gone, timeout=10)
+    assert wait_for(lambda: ray_cluster.available_resources().get("CPU", 0) == cpus, timeout=10)
+
+
 def test_a_service_started_without_ray_sizes_its_local_cluster_for_its_hosts(monkeypatch):
     """pw.serve with no Ray session starts one with a logical CPU for each host (the machine's count
     could not place more hosts: placement would wait for minutes and fail)."""
