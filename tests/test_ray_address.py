@@ -174,6 +174,9 @@ def test_an_address_where_no_ray_cluster_listens_is_refused_within_seconds():
             lambda: pw.init(backend="ray", address="127.0.0.1:{port}", hosts=1),
             lambda: pw.init(backend="ray", address="ray://127.0.0.1:{port}", service="pathways"),
             lambda: pw.serve("pathways", hosts=1, address="127.0.0.1:{port}"),
+            # "auto": the address RAY_ADDRESS (or `ray start`'s record, which outlives its cluster) names.
+            lambda: pw.init(backend="ray", address="auto", service="pathways"),
+            lambda: pw.serve("pathways", hosts=1, address="auto"),
         ):
             started = time.monotonic()
             try:
@@ -182,10 +185,10 @@ def test_an_address_where_no_ray_cluster_listens_is_refused_within_seconds():
                 print("REFUSED", round(time.monotonic() - started, 1), exc)
         """
     )
-    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     refusals = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("REFUSED")]
-    assert len(refusals) == 3, (done.stdout, done.stderr[-3000:])
+    assert len(refusals) == 5, (done.stdout, done.stderr[-3000:])
     for _, seconds, message in refusals:
         assert float(seconds) < 10 and f"127.0.0.1:{port}" in message and "could not reach" in message
 
