@@ -706,7 +706,8 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         assert wait_for(gone, timeout=60)
         with pytest.raises(pw.errors.PathwaysError, match="controller service 'test-dies' is gone"):
             step(jnp.float32(1)).result(timeout=60)
-        for ask in (svc.stats, svc.host_stats):  # its handle says so too, not Ray's exception
+        # A client's own view of it says so too, and its handle: not Ray's exception.
+        for ask in (pw.stats, svc.stats, svc.host_stats, pw.cluster().backend.host_stats):
             with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):
                 ask()
     finally:

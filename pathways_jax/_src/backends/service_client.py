@@ -220,7 +220,25 @@ class ServiceBackend:
     # --- the service's own -------------------------------------------------------------------------
 
     def host_stats(self, timeout: float = CALL_TIMEOUT_S) -> dict[int, dict]:
-        return self.ray.get(self.service.host_stats.remote(), timeout=timeout)
+        return self._ask("host_stats", timeout)
+
+    def _ask(self, method: str, timeout: float) -> Any:
+        """The service's answer to ``method``; ClusterError if it is gone or does not answer in time."""
+        try:
+            return self.ray.get(getattr(self.service, method).remote(), timeout=timeout)
+        except Exception as exc:
+            if is_lost_error(exc):
+                raise errors.ClusterError(
+                    f"the controller service {self.service_name!r} is gone (stopped, or its actor died): "
+                    f"{type(exc).__name__}. Call pw.shutdown(), start the service again and pw.init(...) "
+                    "to join it."
+                ) from exc
+            if isinstance(exc, self.ray.exceptions.GetTimeoutError):
+                raise errors.ClusterError(
+                    f"the controller service {self.service_name!r} did not answer {method} within "
+                    f"{timeout}s; check that it runs (`python -m pathways_jax stats`, `ray list actors`)."
+                ) from exc
+            raise
 
     def handle_of(self, array: Any) -> Handle:
         """The handle of a value this process holds (its own or received)."""
@@ -265,7 +283,7 @@ class ServiceBackend:
         return RemoteArray(self.dispatcher, handle.hosts, key, aval, sharding, (), handle.generation)
 
     def service_stats(self, timeout: float = 30.0) -> dict:
-        return self.ray.get(self.service.stats.remote(), timeout=timeout)
+        return self._ask("stats", timeout)
 
     def share(self, key: int, reader: str) -> None:
         """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
