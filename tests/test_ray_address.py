@@ -174,6 +174,9 @@ def test_an_address_where_no_ray_cluster_listens_is_refused_within_seconds():
             lambda: pw.init(backend="ray", address="127.0.0.1:{port}", hosts=1),
             lambda: pw.init(backend="ray", address="ray://127.0.0.1:{port}", service="pathways"),
             lambda: pw.serve("pathways", hosts=1, address="127.0.0.1:{port}"),
+            # "auto": the address RAY_ADDRESS (or `ray start`'s record, which outlives its cluster) names.
+            lambda: pw.init(backend="ray", address="auto", service="pathways"),
+            lambda: pw.serve("pathways", hosts=1, address="auto"),
         ):
             started = time.monotonic()
             try:
@@ -182,9 +185,77 @@ def test_an_address_where_no_ray_cluster_listens_is_refused_within_seconds():
                 print("REFUSED", round(time.monotonic() - started, 1), exc)
         """
     )
-    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     refusals = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("REFUSED")]
-    assert len(refusals) == 3, (done.stdout, done.stderr[-3000:])
+    assert len(refusals) == 5, (done.stdout, done.stderr[-3000:])
     for _, seconds, message in refusals:
         assert float(seconds) < 10 and f"127.0.0.1:{port}" in message and "could not reach" in message
+
+
+def test_an_address_where_something_else_listens_is_refused_within_seconds():
+    """An address where a server that is not Ray takes connections (a web server, a controller
+    service's own ZeroMQ channel, one that hangs up): ray.init retries it for 20 s; pw.init and
+    pw.serve say at once that it is not a Ray cluster."""
+    import http.server
+    import socket
+    import threading
+
+    import zmq
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    context = zmq.Context()
+    channel = context.socket(zmq.ROUTER)
+    channel.setsockopt(zmq.LINGER, 0)
+    zmq_port = channel.bind_to_random_port("tcp://127.0.0.1")
+    rude = socket.create_server(("127.0.0.1", 0))
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = rude.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threads = [
+        threading.Thread(target=web.serve_forever, daemon=True),
+        threading.Thread(target=hang_up, daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    addresses = [f"127.0.0.1:{port}" for port in (web.server_address[1], zmq_port, rude.getsockname()[1])]
+    code = textwrap.dedent(
+        f"""
+        import time
+        import pathways_jax as pw
+
+        for address in {addresses!r}:
+            for call in (
+                lambda: pw.init(backend="ray", address=address, hosts=1),
+                lambda: pw.init(backend="ray", address="ray://" + address, service="pathways"),
+                lambda: pw.serve("pathways", hosts=1, address=address),
+            ):
+                started = time.monotonic()
+                try:
+                    call()
+                except pw.errors.ClusterError as exc:
+                    print("REFUSED", round(time.monotonic() - started, 1), exc)
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=200, env=env
+        )
+    finally:
+        web.shutdown()
+        web.server_close()
+        rude.close()
+        channel.close()
+        context.term()
+    refusals = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refusals) == 9, (done.stdout, done.stderr[-3000:])
+    for i, (_, seconds, message) in enumerate(refusals):
+        assert float(seconds) < 10, (seconds, message)
+        assert addresses[i // 3] in message and "is not a Ray cluster's address" in message, message

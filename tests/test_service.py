@@ -494,6 +494,91 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
         pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))
 
 
+def test_hosts_whose_cpus_others_hold_are_refused_in_seconds_saying_what_is_free(
+    island_service, ray_cluster, monkeypatch
+):
+    """The cluster has the CPUs, but the island service's hosts hold some: a service (or pw.init)
+    asking for more than are free is refused once none came free for a grace period, naming
+    what it needs and what is free, not after placement's 120 s timeout."""
+    from pathways_jax._src.backends import ray_fleet
+
+    total = int(ray_cluster.cluster_resources()["CPU"])
+    free = total - 2  # the island service's 2 hosts hold the rest
+    assert wait_for(lambda: ray_cluster.available_resources().get("CPU", 0) == free, timeout=10)
+    said = rf"they need {free + 1} CPU \(the cluster has {total}, {free} of them free\)"
+    started = time.monotonic()
+    with pytest.raises(pw.errors.ClusterError, match=said):  # the grace the hosts' actor waits
+        pw.serve("never-placed", hosts=free + 1)
+    assert time.monotonic() - started < ray_fleet.ROOM_GRACE_S + 15
+    with pytest.raises(pw.errors.ClusterError, match="no controller service named 'never-placed'"):
+        pw.service("never-placed")
+    monkeypatch.setattr(ray_fleet, "ROOM_GRACE_S", 0.5)  # this process places pw.init's hosts itself
+    started = time.monotonic()
+    with pytest.raises(pw.errors.ClusterError, match=said):
+        pw.init(backend="ray", address=island_service.address, hosts=free + 1)
+    assert time.monotonic() - started < 10
+    # Nothing of either was left holding CPUs; the service serves on.
+    assert wait_for(lambda: ray_cluster.available_resources().get("CPU", 0) == free, timeout=10)
+    assert island_service.stats()["lost"] == {}
+
+
+def test_a_join_interrupted_as_the_service_admits_it_leaves_no_client_behind(
+    island_service, ray_cluster, monkeypatch
+):
+    """Ctrl-C while pw.init waits for the service's answer, once the service admitted the process:
+    the admitted client goes at once, so pw.init again under the same name joins (it was refused
+    for silent_client_timeout, 30 s, or for ever with None)."""
+    real_get = ray_cluster.get
+    interrupted = []
+
+    def get(*args, **kwargs):
+        got = real_get(*args, **kwargs)
+        if not interrupted and isinstance(got, dict) and "client" in got:
+            interrupted.append(got["client"])
+            raise KeyboardInterrupt  # as the service's answer came
+        return got
+
+    monkeypatch.setattr(ray_cluster, "get", get)
+    with pytest.raises(KeyboardInterrupt):
+        pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="nb")
+    monkeypatch.setattr(ray_cluster, "get", real_get)
+    admitted = island_service.stats()["clients"]
+    assert wait_for(lambda: not island_service.stats()["clients"][interrupted[0]]["alive"], timeout=10), (
+        admitted
+    )
+    pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="nb")
+    f = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) + 1)
+
+
+def test_a_service_start_cut_short_by_ctrl_c_leaves_no_service(ray_cluster, monkeypatch):
+    """The service's actor is detached: a pw.serve (or `python -m pathways_jax serve`) interrupted
+    while it waits for the hosts must end it, or it serves on unseen, holding its hosts' CPUs."""
+    real_get = ray_cluster.get
+
+    def get(*args, **kwargs):
+        got = real_get(*args, **kwargs)
+        if isinstance(got, dict) and "incarnation" in got:  # the service's word that it is ready
+            raise KeyboardInterrupt
+        return got
+
+    cpus = ray_cluster.available_resources().get("CPU", 0)
+    monkeypatch.setattr(ray_cluster, "get", get)
+    with pytest.raises(KeyboardInterrupt):
+        pw.serve("test-interrupted", hosts=1)
+    monkeypatch.setattr(ray_cluster, "get", real_get)
+
+    def gone() -> bool:
+        try:
+            pw.service("test-interrupted")
+        except pw.errors.ClusterError:
+            return True
+        return False
+
+    assert wait_for(gone, timeout=10)
+    assert wait_for(lambda: ray_cluster.available_resources().get("CPU", 0) == cpus, timeout=10)
+
+
 def test_a_service_started_without_ray_sizes_its_local_cluster_for_its_hosts(monkeypatch):
     """pw.serve with no Ray session starts one with a logical CPU for each host (the machine's count
     could not place more hosts: placement would wait for minutes and fail)."""
@@ -606,7 +691,9 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
     pw.init(backend="ray", address=svc.address, service=svc.name)
     try:
         step = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 1}))
-        assert float(step(jnp.float32(1)).result(timeout=60)) == 2.0
+        kept = step(jnp.float32(1))
+        assert float(kept.result(timeout=60)) == 2.0
+        stale = pw.share(kept)  # kept past the service's death, as a pickled handle would be
         ray_cluster.kill(svc.actor)  # the service and, with it, its hosts
 
         def gone() -> bool:  # a kill is asynchronous: a call may still be served just after it
@@ -619,7 +706,8 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         assert wait_for(gone, timeout=60)
         with pytest.raises(pw.errors.PathwaysError, match="controller service 'test-dies' is gone"):
             step(jnp.float32(1)).result(timeout=60)
-        for ask in (svc.stats, svc.host_stats):  # its handle says so too, not Ray's exception
+        # A client's own view of it says so too, and its handle: not Ray's exception.
+        for ask in (pw.stats, svc.stats, svc.host_stats, pw.cluster().backend.host_stats):
             with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):
                 ask()
     finally:
@@ -633,7 +721,12 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
     try:
         pw.init(backend="ray", address=again.address, service=again.name)
         step = pw.jit(lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 1}))
-        np.testing.assert_array_equal(step(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) * 2 + 1)
+        fresh = step(jnp.arange(4.0))
+        np.testing.assert_array_equal(fresh.result(timeout=60), np.arange(4.0) * 2 + 1)
+        # A handle of the service's first run: its client and value numbers are this run's own
+        # again (this process's first value, of client 1): refused, not read as that value.
+        with pytest.raises(pw.errors.AccessError, match="earlier run of controller service 'test-dies'"):
+            pw.receive(stale).result(timeout=60)
         pw.shutdown()
     finally:
         again.stop()

@@ -62,22 +62,85 @@ _REACH_TIMEOUT_S = 5.0  # a Ray address whose port takes no connection in this l
 def check_reachable(address: str) -> None:
     """Refuses at once a ``host:port`` (or ``ray://host:port``) address where nothing takes a connection.
 
-    ``ray.init`` retries such an address for minutes; ``"auto"``, ``"local"``
-    and other forms are left to Ray.
+    ``ray.init`` retries such an address for minutes. ``"auto"`` is checked as
+    the address it stands for (``RAY_ADDRESS``, or the cluster ``ray start`` last
+    recorded on this machine, whose record outlives a cluster that stopped or
+    crashed); ``"local"`` and other forms are left to Ray.
     """
+    shown = repr(address)
+    if address == "auto":
+        found = _auto_address()
+        if found is None:
+            return  # nothing recorded: Ray says so at once
+        address = found
+        shown = (
+            f"'auto' ({found!r}: what RAY_ADDRESS, or else `ray start`'s record in "
+            "/tmp/ray/ray_current_cluster, names; a cluster that stopped or crashed leaves its record behind, "
+            "and `ray start --head` records a new one)"
+        )
     where = address.removeprefix("ray://")
     host, _, port = where.rpartition(":")
     if not host or not port.isdigit() or "/" in where:
         return
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_TIMEOUT_S):
-            pass
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_TIMEOUT_S) as sock:
+            answer = _grpc_answer(sock)
     except OSError as exc:
         raise errors.ClusterError(
-            f"could not reach the Ray cluster at {address!r}: nothing took a connection there within "
+            f"could not reach the Ray cluster at {shown}: nothing took a connection there within "
             f"{_REACH_TIMEOUT_S:g}s ({exc}). Check the address (the head's `ray start` prints it; a "
             "controller service's is pw.Service.address), or start a cluster with `ray start --head`."
         ) from exc
+    if answer is not None:
+        raise errors.ClusterError(
+            f"{shown} is not a Ray cluster's address: something takes connections there, but it does "
+            f"not speak gRPC as Ray's GCS (or Ray Client server) does; it {answer}. Check the address (the "
+            "head's `ray start` prints it, as 'ray start --address=...'; a controller service's is "
+            "pw.Service.address), or start a cluster with `ray start --head`."
+        )
+
+
+def _auto_address() -> str | None:
+    """The address ``ray.init(address="auto")`` would join, as Ray finds it; None if none is known."""
+    try:
+        from ray._private import services
+
+        found = services.get_ray_address_from_environment("auto", None)
+    except Exception:  # no cluster known (Ray says so at once), or another Ray: left to it
+        return None
+    return found if isinstance(found, str) and found != "auto" else None
+
+
+# What a gRPC client sends first: HTTP/2's connection preface and an empty SETTINGS frame.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+_SETTINGS = 0x4  # an HTTP/2 frame's type (its fourth byte): a gRPC server opens with its settings
+
+
+def _grpc_answer(sock: socket.socket) -> str | None:
+    """None if the server on ``sock`` may be a gRPC server (Ray's); else what it did instead.
+
+    A gRPC server answers the HTTP/2 preface with its SETTINGS frame at once; an
+    HTTP/1 server, a ZeroMQ socket or a database answers something else or hangs
+    up. A server that says nothing in time, or one behind TLS (``RAY_USE_TLS``),
+    is left to Ray.
+    """
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    try:
+        sock.sendall(_HTTP2_PREFACE)
+        head = b""
+        while len(head) < 4:
+            more = sock.recv(4 - len(head))
+            if not more:
+                break
+            head += more
+    except TimeoutError:
+        return None
+    except OSError as exc:
+        return f"dropped the connection ({exc})"
+    if len(head) == 4 and head[3] == _SETTINGS:
+        return None
+    return f"answered {head!r}" if head else "hung up"
 
 
 def send_saved_token() -> None:

@@ -27,6 +27,10 @@ _PING_S = 0.25  # how often the monitor looks at every host
 # (a stopped or wedged process: Ray still sees its actor alive): it is killed and counts as lost.
 HUNG_S = 10.0
 START_TIMEOUT_S = 120.0
+# A placement the Ray cluster had no free room for (its CPUs, or GPUs, held by others: another
+# service's hosts, another job's actors) all this long is refused, not waited on for START_TIMEOUT_S.
+# Long enough for the bundles of actors just killed (a service just stopped) to come back.
+ROOM_GRACE_S = 10.0
 _STRIKE_POLL_S = 0.01  # how often a host told to kill itself is asked whether it is dead
 # A run failed on a host of an island of several hosts, or that pulled values
 # from other hosts: how long the controller waits for those hosts to answer a
@@ -59,6 +63,46 @@ def results(answers: list[concurrent.futures.Future], timeout: float) -> list:
     return [answer.result(timeout=max(0.0, deadline - time.monotonic())) for answer in answers]
 
 
+def place(ray: Any, pg: Any, bundle: dict[str, float], hosts: int) -> None:
+    """Waits until placement group ``pg`` (``hosts`` bundles of ``bundle``) is placed.
+
+    Raises:
+      ClusterError: the cluster had too few free resources for it for ``ROOM_GRACE_S`` seconds
+        on end (others hold them), naming what it needs and what is free; or it was not placed
+        within ``START_TIMEOUT_S``.
+    """
+    ready = pg.ready()
+    started = roomy = time.monotonic()
+    while not ray.wait([ready], timeout=0.25)[0]:
+        now = time.monotonic()
+        free = ray.available_resources()
+        short = {
+            name: (amount * hosts, free.get(name, 0.0))
+            for name, amount in bundle.items()
+            if free.get(name, 0.0) < amount * hosts
+        }
+        if not short:
+            roomy = now
+        elif now - roomy > ROOM_GRACE_S:
+            total = ray.cluster_resources()
+            said = ", ".join(
+                f"{need:g} {name} (the cluster has {total.get(name, 0.0):g}, {have:g} of them free)"
+                for name, (need, have) in short.items()
+            )
+            raise errors.ClusterError(
+                f"Ray cannot place {hosts} hosts ({bundle} each): they need {said}, and no more came "
+                f"free for {ROOM_GRACE_S:g}s: other actors hold the rest (another controller service's "
+                "or pw.init's hosts, another job's; `ray status` shows them). Stop what holds them "
+                "(pw.service(name).stop(), `python -m pathways_jax stop`), add nodes, or ask for fewer hosts."
+            )
+        if now - started > START_TIMEOUT_S:
+            raise errors.ClusterError(
+                f"Ray could not place {hosts} hosts ({bundle} each) within {START_TIMEOUT_S}s. "
+                "Ask for fewer hosts, or add nodes to the Ray cluster."
+            )
+    ray.get(ready)
+
+
 class HostActors:
     """One ``ray_host.Host`` actor a host, each in its bundle of one placement group.
 
@@ -84,13 +128,10 @@ class HostActors:
             check_gpus(ray, hosts, devices_per_host)
         self.pg = placement_group([bundle] * hosts, strategy="SPREAD")
         try:
-            ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
-        except Exception as exc:
+            place(ray, self.pg, bundle, hosts)
+        except BaseException:
             remove_placement_group(self.pg)
-            raise errors.ClusterError(
-                f"Ray could not place {hosts} hosts ({bundle} each) within {START_TIMEOUT_S}s: {exc}. "
-                "Ask for fewer hosts, or add nodes to the Ray cluster."
-            ) from exc
+            raise
         self.window_size = window_size  # each host's executables in flight at most
         self._x64 = bool(jax.config.read("jax_enable_x64"))
         self._strategy = PlacementGroupSchedulingStrategy

@@ -118,9 +118,13 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
             ),
             timeout=_JOIN_TIMEOUT_S,
         )
-    except Exception as exc:
+    except BaseException as exc:
+        # The service may have admitted this process already (a Ctrl-C as its answer came): the
+        # token's end drops it there, or its name would stay taken until it fell silent for long.
         with contextlib.suppress(Exception):
             ray.kill(token)
+        if not isinstance(exc, Exception):
+            raise
         raise errors.ClusterError(f"pw.init(service={name!r}): the service did not answer: {exc}") from exc
     if "refused" in joined:
         with contextlib.suppress(Exception):
@@ -166,6 +170,7 @@ class ServiceBackend:
         self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
         self.service = actor
         self.service_name = joined["name"]
+        self.incarnation = joined["incarnation"]
         self.client_id = joined["client"]
         self.info = joined["info"]
         self._token = token
@@ -215,7 +220,25 @@ class ServiceBackend:
     # --- the service's own -------------------------------------------------------------------------
 
     def host_stats(self, timeout: float = CALL_TIMEOUT_S) -> dict[int, dict]:
-        return self.ray.get(self.service.host_stats.remote(), timeout=timeout)
+        return self._ask("host_stats", timeout)
+
+    def _ask(self, method: str, timeout: float) -> Any:
+        """The service's answer to ``method``; ClusterError if it is gone or does not answer in time."""
+        try:
+            return self.ray.get(getattr(self.service, method).remote(), timeout=timeout)
+        except Exception as exc:
+            if is_lost_error(exc):
+                raise errors.ClusterError(
+                    f"the controller service {self.service_name!r} is gone (stopped, or its actor died): "
+                    f"{type(exc).__name__}. Call pw.shutdown(), start the service again and pw.init(...) "
+                    "to join it."
+                ) from exc
+            if isinstance(exc, self.ray.exceptions.GetTimeoutError):
+                raise errors.ClusterError(
+                    f"the controller service {self.service_name!r} did not answer {method} within "
+                    f"{timeout}s; check that it runs (`python -m pathways_jax stats`, `ray list actors`)."
+                ) from exc
+            raise
 
     def handle_of(self, array: Any) -> Handle:
         """The handle of a value this process holds (its own or received)."""
@@ -223,6 +246,7 @@ class ServiceBackend:
         placed = self.places.where(array.sharding, "the shared value")
         return Handle(
             self.service_name,
+            self.incarnation,
             owner,
             key,
             tuple(array.hosts),
@@ -241,6 +265,13 @@ class ServiceBackend:
             raise errors.AccessError(
                 f"the handle is of controller service {handle.service!r}; this process joined {self.service_name!r}."
             )
+        if handle.incarnation != self.incarnation:
+            raise errors.AccessError(
+                f"the handle is of an earlier run of controller service {handle.service!r}, which was "
+                "stopped (or died) and started again since: its value went with that run, and the numbers "
+                "it names may now name another client's values. Share the value again from a process of "
+                "this run (pw.share)."
+            )
         devices = self.islands[handle.island]
         sharding = sharding_of(handle.desc, list(devices))
         aval = jax.core.ShapedArray(handle.shape, np.dtype(handle.dtype))
@@ -252,7 +283,7 @@ class ServiceBackend:
         return RemoteArray(self.dispatcher, handle.hosts, key, aval, sharding, (), handle.generation)
 
     def service_stats(self, timeout: float = 30.0) -> dict:
-        return self.ray.get(self.service.stats.remote(), timeout=timeout)
+        return self._ask("stats", timeout)
 
     def share(self, key: int, reader: str) -> None:
         """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
@@ -364,6 +395,7 @@ class Handle:
     """
 
     service: str
+    incarnation: str  # the run of the service it was made under (a name may be started again)
     owner: int
     key: int
     hosts: tuple

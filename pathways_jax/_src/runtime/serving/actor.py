@@ -44,6 +44,7 @@ from absl import logging
 
 from pathways_jax._src.backends import ray as ray_backend
 from pathways_jax._src.backends.ray_host import Refused, RunDone, RunFailure
+from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import admission
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.scheduler import Head
@@ -72,18 +73,25 @@ class ServiceActor:
         jax.config.update("jax_num_cpu_devices", total)
         jax.config.update("jax_enable_x64", bool(config.x64))
         self.config = config
+        # Why the hosts could not start (no room in the Ray cluster...): ready() says so, and the
+        # service's starter ends this actor; until then a client that joins is refused with it.
+        self.failed: str | None = None
         standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
-        self.backend = ray_backend.RayBackend(
-            address=None,
-            hosts=config.hosts,
-            devices_per_host=config.devices_per_host,
-            standins=standins[:total],
-            window_size=config.max_in_flight,
-            on_lost=None,
-            islands=config.islands,
-            platform=config.platform,
-            replace_lost=config.replace_lost_hosts,
-        )
+        try:
+            self.backend = ray_backend.RayBackend(
+                address=None,
+                hosts=config.hosts,
+                devices_per_host=config.devices_per_host,
+                standins=standins[:total],
+                window_size=config.max_in_flight,
+                on_lost=None,
+                islands=config.islands,
+                platform=config.platform,
+                replace_lost=config.replace_lost_hosts,
+            )
+        except errors.PathwaysError as exc:
+            self.failed = str(exc)
+            return
         self.layout = self.backend.layout
         self.window_size = config.window
         self.policy = config.scheduler
@@ -105,6 +113,8 @@ class ServiceActor:
         )
         self.busy_until: dict[int, float] = {}
         self.started = time.monotonic()
+        # This run of the service: a handle made under an earlier one of the same name names no value here.
+        self.incarnation = secrets.token_hex(8)
         self._ids = itertools.count(1)
         self._ticker: Any = None
         self._loop: Any = None  # the actor's event loop (set by its first async call)
@@ -133,6 +143,7 @@ class ServiceActor:
         backend = self.backend
         return {
             "name": self.config.name,
+            "incarnation": self.incarnation,
             "hosts": self.layout.hosts,
             "devices_per_host": self.layout.devices_per_host,
             "per_island": self.layout.per_island,
@@ -147,6 +158,8 @@ class ServiceActor:
         }
 
     async def ready(self) -> dict:
+        if self.failed is not None:
+            return {"failed": self.failed}
         self._set_loop()
         return self.info()
 
@@ -158,6 +171,8 @@ class ServiceActor:
 
     async def join(self, name: str, pid: int, node: str, token: Any, x64: bool) -> dict:
         """Admits a client process (or refuses it, saying why); its id and the cluster's shape."""
+        if self.failed is not None:
+            return {"refused": f"its hosts did not start: {self.failed}"}
         live = [c for c in self.clients.values() if c.alive]
         if self.max_clients is not None and len(live) >= self.max_clients:
             who = ", ".join(f"{c.name} (pid {c.pid})" for c in live)

@@ -224,11 +224,18 @@ def serve(
         .remote(config)
     )
     try:
-        ray.get(actor.ready.remote(), timeout=_START_TIMEOUT_S)
-    except Exception as exc:
+        started = ray.get(actor.ready.remote(), timeout=_START_TIMEOUT_S)
+    except BaseException as exc:
+        # Detached, it would outlive a start cut short (Ctrl-C) and serve on, holding its hosts' CPUs.
         with contextlib.suppress(Exception):
             ray.kill(actor)
+        if not isinstance(exc, Exception):
+            raise
         raise errors.ClusterError(f"the controller service {name!r} did not start: {exc}") from exc
+    if "failed" in started:  # its hosts could not start: the actor says why
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+        raise errors.ClusterError(f"the controller service {name!r} did not start: {started['failed']}")
     return Service(name, ray.get_runtime_context().gcs_address, actor)
 
 
