@@ -104,9 +104,8 @@ class JitFunction:
         device: jax.Device | None = None,
     ):
         self._fun = fun
-        self._device = (
-            device  # where it runs when nothing places it (a wrapped jax.jit's one-device shardings)
-        )
+        # Where it runs when nothing places it (a wrapped jax.jit's device or one-device shardings).
+        self._device = device
         self._compiler_options = compiler_options
         self._devices = devices
         self._in_specs = in_specs
