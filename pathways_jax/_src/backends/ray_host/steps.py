@@ -84,9 +84,10 @@ class CrossHostOrder:
     gang may take every pool thread while an earlier lone executable waits
     for one: host 1 ran the gang of run N+1, waiting for host 0's part,
     while its part of run N found no thread; host 0, blocked in its part of
-    run N (inline, waiting for host 1's), never launched run N+1. The island
-    hung for good (``py-spy dump --native`` of both hosts, DESIGN.md
-    hazards). Every host launches in the controller's one order; what goes
+    run N (inline, waiting for host 1's), never launched run N+1, or, its
+    part of run N holding one of its two threads, never got the second that
+    XLA launches its part of run N+1 on. The island hung for good (``py-spy
+    dump --native`` and gdb of both hosts, DESIGN.md hazards). Every host launches in the controller's one order; what goes
     wrong is only which launched executables XLA lets hold threads.
 
     **The rule.** Before a ``LONE`` executable, the host waits for every
