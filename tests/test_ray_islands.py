@@ -248,3 +248,81 @@ def test_init_checks_the_island_layout(ray_cluster):
     x = jnp.arange(12.0).reshape(4, 3)
     assert_matches(spread(x), x * 3)
     assert [info["island_devices"] for info in cluster.backend.info] == [4, 4]
+
+
+def _host_pools_of_two_threads(monkeypatch) -> None:
+    """The hosts' XLA:CPU thread pools have 2 threads (``PJRT_NPROC``), as on a 2-core machine.
+
+    XLA:CPU runs a host's executables on ``max(cores, devices)`` threads: with
+    2 devices per host, the fewest any machine gives. The island hang below
+    needs every thread of a host taken, so the test asks for that few.
+    """
+    from pathways_jax._src.backends import ray_fleet
+
+    new_actor = ray_fleet.HostActors.new_actor
+
+    class _WithTwoThreads:
+        def __init__(self, actor_class):
+            self.actor_class = actor_class
+
+        def options(self, **options):
+            return self.actor_class.options(runtime_env={"env_vars": {"PJRT_NPROC": "2"}}, **options)
+
+    def new_actor_of_two_threads(fleet, host):
+        actor_class = fleet._actor_class
+        fleet._actor_class = _WithTwoThreads(actor_class)
+        try:
+            return new_actor(fleet, host)
+        finally:
+            fleet._actor_class = actor_class
+
+    monkeypatch.setattr(ray_fleet.HostActors, "new_actor", new_actor_of_two_threads)
+
+
+def test_a_program_on_one_device_of_each_host_then_one_on_all_devices_do_not_hang_the_island(
+    ray_cluster, monkeypatch
+):
+    # Host 0 has devices 0 and 1, host 1 devices 2 and 3. Run N: ``lone`` on
+    # devices [1, 3] (one per host: XLA:CPU orders it only on its device),
+    # waiting for a slow input. Run N+1: ``gang`` on all four (XLA orders it
+    # among each host's several-device executables). Host 1 launched the gang
+    # on both its pool threads while its part of ``lone`` waited for one;
+    # host 0, in its part of ``lone`` waiting for host 1's, never launched the
+    # gang: the island hung for good. The hosts now wait for ``lone`` first.
+    _host_pools_of_two_threads(monkeypatch)
+    pw.init(backend="ray", hosts=2, devices_per_host=2, islands=1)
+    one = pw.devices(mesh={"x": 1}, device_ids=[1])
+    pair = pw.devices(mesh={"x": 2}, device_ids=[1, 3])
+    four = pw.devices(mesh={"x": 4}, device_ids=[0, 1, 2, 3])
+
+    def slow(v, m):
+        return jax.lax.fori_loop(0, 20000, lambda i, u: jnp.tanh(u @ m) + 0.5, v)  # tenths of a second
+
+    def lone_fn(v):
+        return jnp.cumsum(v) + 1  # an all-gather across the two hosts
+
+    def gang_fn(v):
+        return jnp.cumsum(v) * 2
+
+    slow_on_one = pw.jit(slow, devices=one)
+    lone = pw.jit(lone_fn, devices=pair, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    gang = pw.jit(gang_fn, devices=four, in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    x = jnp.ones((8, 64)) / 64
+    m = jnp.eye(64)
+    y = jnp.arange(8.0)
+    lone(slow_on_one(x, m)).result(timeout=120)  # compiled and registered everywhere
+    gang(y).result(timeout=120)
+    want_lone = jax.jit(lambda v, w: lone_fn(slow(v, w)))(x, m)
+    want_gang = jax.jit(gang_fn)(y)
+    for attempt in range(3):  # the hosts used to hang in the first or second
+        pair_out = lone(slow_on_one(x, m))
+        four_out = gang(y)
+        try:
+            assert_matches(four_out.result(timeout=10), want_gang)
+            assert_matches(pair_out.result(timeout=10), want_lone, rtol=1e-5)
+        except pw.errors.FutureTimeoutError:
+            pw.shutdown(timeout=1.0)  # its hosts are killed: nothing waits for them
+            pytest.fail(
+                f"the island hung in attempt {attempt}: its hosts let XLA:CPU run the two programs "
+                "in an order that deadlocks"
+            )

@@ -146,6 +146,8 @@ class Host:
             sorted(jax.devices(), key=lambda d: (d.process_index, d.id)),
             node_ip(role.reach),
         )
+        if role.size > 1 and len(plane.devices) > 1:  # several hosts of several devices: see CrossHostOrder
+            self.steps.order_cross_host()
         return {
             "pid": os.getpid(),
             "platform": plane.devices[0].platform,
@@ -311,10 +313,15 @@ class Host:
             if fingerprint in self.executables:
                 continue
             exported = jax.export.deserialize(blob)
+            in_shardings = tuple(sharding_of(d, devices) for d in in_descs)
+            out_shardings = tuple(sharding_of(d, devices) for d in out_descs)
             self.executables[fingerprint] = jax.jit(
-                exported.call,
-                in_shardings=tuple(sharding_of(d, devices) for d in in_descs),
-                out_shardings=tuple(sharding_of(d, devices) for d in out_descs),
+                exported.call, in_shardings=in_shardings, out_shardings=out_shardings
+            )
+            self.steps.learn(
+                fingerprint,
+                {d for sharding in (*in_shardings, *out_shardings) for d in sharding.device_set},
+                jax.process_index(),
             )
         placed = {
             slot: place(from_wire(data), sharding_of(desc, devices))
