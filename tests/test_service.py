@@ -686,6 +686,10 @@ def test_command_line_arguments_out_of_range_are_refused_not_replaced(capsys):
     assert "window must be an int >= 1, got 0" in capsys.readouterr().err
 
 
+def _slow(v):
+    return jax.lax.fori_loop(0, 30000, lambda i, u: jnp.sin(u) + 1.0, v)
+
+
 def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluster):
     svc = pw.serve("test-dies", hosts=1)
     pw.init(backend="ray", address=svc.address, service=svc.name)
@@ -694,6 +698,8 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         kept = step(jnp.float32(1))
         assert float(kept.result(timeout=60)) == 2.0
         stale = pw.share(kept)  # kept past the service's death, as a pickled handle would be
+        slow = pw.jit(_slow, devices=pw.devices(mesh={"x": 1}))
+        queued = [slow(jnp.ones(256)) for _ in range(40)]  # the last still queued as the service dies
         ray_cluster.kill(svc.actor)  # the service and, with it, its hosts
 
         def gone() -> bool:  # a kill is asynchronous: a call may still be served just after it
@@ -704,8 +710,16 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
             return False
 
         assert wait_for(gone, timeout=60)
-        with pytest.raises(pw.errors.PathwaysError, match="controller service 'test-dies' is gone"):
-            step(jnp.float32(1)).result(timeout=60)
+        # As the README says: ClusterError (not a failed program's error), saying what to do.
+        for future in (queued[-1], step(jnp.float32(1))):
+            with pytest.raises(
+                pw.errors.ClusterError, match=r"service 'test-dies' is gone.*start the service again"
+            ):
+                future.result(timeout=60)
+        with pytest.raises(
+            pw.errors.ClusterError, match=r"pw\.share: the controller service 'test-dies' is gone"
+        ):
+            pw.share(kept, client="other")
         # A client's own view of it says so too, and its handle: not Ray's exception.
         for ask in (pw.stats, svc.stats, svc.host_stats, pw.cluster().backend.host_stats):
             with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -30,6 +31,7 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends.base import Dispatched, Prepared, Windows
+from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
 from pathways_jax._src.backends.ray_boot import Layout, check_reachable, import_ray, send_saved_token
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
 _JOIN_TIMEOUT_S = 60.0
+_SHARE_TIMEOUT_S = 60.0  # for the service's answer to a share
 
 
 def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
@@ -289,7 +292,15 @@ class ServiceBackend:
         """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
         with self.dispatcher.lock:  # in this process's order: after the run that makes the value
             future = self.route.submit([(-1, "share", (key, reader))], None)[0]
-        answer = future.result(timeout=60.0)
+        try:
+            answer = future.result(timeout=_SHARE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError as exc:
+            raise errors.ClusterError(
+                f"pw.share: the controller service {self.service_name!r} did not answer within "
+                f"{_SHARE_TIMEOUT_S:.0f}s; check that it runs (`python -m pathways_jax stats`)."
+            ) from exc
+        except HostGone as exc:
+            raise errors.ClusterError(f"pw.share: {self.route.gone_message(exc)}") from exc
         if isinstance(answer, Refused):
             raise errors.AccessError(f"pw.share: {answer.message}.")
 
@@ -353,7 +364,7 @@ class ServiceBackend:
                 if self.closed or not self.ray.is_initialized():
                     return
                 if is_lost_error(exc):  # said once: every later call fails saying so too
-                    self.route.fail_owed("it is gone")
+                    self.route.fail_owed(f"its Ray actor died: {type(exc).__name__}")
                     logging.warning(
                         "pathways_jax: the controller service %r is gone (%s); this process's programs "
                         "fail until pw.shutdown() and pw.init(...) join a running one.",
