@@ -690,6 +690,35 @@ def _slow(v):
     return jax.lax.fori_loop(0, 30000, lambda i, u: jnp.sin(u) + 1.0, v)
 
 
+def test_a_client_leaving_with_a_long_queue_leaves_at_once_and_the_service_keeps_nothing_of_it(
+    joined, island_service
+):
+    # A process that ends (sys.exit, its script's end: the exit hook) or calls pw.shutdown()
+    # with 1,000 runs queued: they were sent one window at a time for as long as the hosts took
+    # to compute the runs ahead of them, only to be dropped by the service: up to 60s to exit.
+    slow = pw.jit(_slow, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_allclose(
+        slow(jnp.ones(256)).result(timeout=60), jax.jit(_slow)(jnp.ones(256)), rtol=1e-5
+    )
+    queued = [slow(jnp.ones(256)) for _ in range(1000)]
+    me = joined.backend.client_id
+    runs_before = island_service.stats()["clients"][me]["runs"]
+    started = time.monotonic()
+    pw.shutdown()
+    assert time.monotonic() - started < 5.0
+    with pytest.raises(pw.errors.ClusterError, match="shut down"):
+        queued[-1].result(timeout=10)
+
+    def left() -> bool:
+        row = island_service.stats()["clients"][me]
+        return (
+            not row["alive"] and row["queued"] == row["in_flight"] == row["bytes_held"] == row["values"] == 0
+        )
+
+    assert wait_for(left, timeout=10), island_service.stats()["clients"][me]
+    assert island_service.stats()["clients"][me]["runs"] - runs_before < 100  # the rest were never run
+
+
 def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluster):
     svc = pw.serve("test-dies", hosts=1)
     pw.init(backend="ray", address=svc.address, service=svc.name)
