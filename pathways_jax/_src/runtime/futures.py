@@ -428,8 +428,9 @@ def sent(future: Future, timeout: float | None, what: str) -> Any:
     array = entry.array  # read before the state: a ready state then has its array
     state = entry.state
     if isinstance(state, Failed):
-        kept = isinstance(state.cause, errors.HostLostError | errors.ClusterError)
-        kind = type(state.cause) if kept else errors.ProgramFailedError
+        cause = state.cause
+        kept = (errors.HostLostError, errors.ClusterError)  # raised as their own type
+        kind = type(cause) if isinstance(cause, kept) else errors.ProgramFailedError
         raise kind(f"{what}: {entry.origin} failed: {state.message}") from state.cause
     if not isinstance(state, Ready) or array is None:
         raise errors.PathwaysError(f"{what}: {entry.origin} was freed.")
