@@ -345,6 +345,26 @@ def test_client_in_process_matches_jax_and_appears_in_stats(joined, island_servi
     assert wait_for(lambda: my_slices() == [{s.id: [d.id for d in s.devices]}], timeout=10), my_slices()
 
 
+def test_programs_in_stats_are_those_the_hosts_hold_now(joined, island_service):
+    # A program whose function went is forgotten on the hosts; the service's count of the
+    # client's programs kept it for ever (a process making functions in a loop: 1 held, 200 said).
+    s = pw.devices(mesh={"x": 2})
+
+    def mine() -> dict:
+        return island_service.stats()["clients"][joined.backend.client_id]
+
+    for k in range(3):
+        f = pw.jit(lambda v, k=k: v * k, devices=s)
+        np.testing.assert_array_equal(f(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) * k)
+    assert mine()["programs"] >= 1
+    del f
+    gc.collect()
+    assert wait_for(lambda: mine()["programs"] == 0, timeout=10), mine()
+    keep = pw.jit(lambda v: v + 1, devices=s)
+    np.testing.assert_array_equal(keep(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) + 1)
+    assert mine()["programs"] == 1
+
+
 def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_service):
     s = pw.devices(mesh={"x": 2})
     make = pw.jit(lambda v: v + 1, devices=s)
