@@ -739,6 +739,39 @@ def test_a_client_leaving_with_a_long_queue_leaves_at_once_and_the_service_keeps
     assert island_service.stats()["clients"][me]["runs"] - runs_before < 100  # the rest were never run
 
 
+def test_a_client_leaves_a_stopped_service_in_the_time_it_gives_the_leave(
+    joined, island_service, ray_cluster, monkeypatch
+):
+    # A service that answers nothing (stopped, hung): pw.shutdown() (and the exit hook) waited for
+    # the health check in flight, 10s, after the leave's own wait. The token's end tells the
+    # service once it runs again.
+    from pathways_jax._src.backends import service_client
+
+    monkeypatch.setattr(service_client, "_LEAVE_TIMEOUT_S", 0.5, raising=False)
+    f = pw.jit(lambda v: v * 3, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) * 3)
+    me = joined.backend.client_id
+    pid = ray_cluster.get(island_service.actor.info.remote(), timeout=30)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+
+        def stopped() -> bool:  # half a second unanswered: this process's health check (4 a second) waits too
+            try:
+                ray_cluster.get(island_service.actor.health.remote(), timeout=0.5)
+            except ray_cluster.exceptions.GetTimeoutError:
+                return True
+            return False
+
+        assert wait_for(stopped, timeout=10)
+        started = time.monotonic()
+        pw.shutdown()
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert took < 3.0, took
+    assert wait_for(lambda: not island_service.stats()["clients"][me]["alive"], timeout=10)
+
+
 def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluster):
     svc = pw.serve("test-dies", hosts=1)
     pw.init(backend="ray", address=svc.address, service=svc.name)

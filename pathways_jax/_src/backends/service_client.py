@@ -49,8 +49,12 @@ if TYPE_CHECKING:
 
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
+_HEALTH_TIMEOUT_S = 10.0  # a health check the service does not answer in this long is logged
 _JOIN_TIMEOUT_S = 60.0
 _SHARE_TIMEOUT_S = 60.0  # for the service's answer to a share
+# How long a close waits for the service to take this process's leave (a service that does not
+# answer, stopped or hung, still hears of it when this process's token actor is killed).
+_LEAVE_TIMEOUT_S = 5.0
 
 
 def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
@@ -340,11 +344,27 @@ class ServiceBackend:
             if self.on_restored is not None:
                 self.on_restored(island)
 
+    def _health_now(self) -> dict | None:
+        """The service's health answer for this process; None once this side closed first. Waited for
+        in steps: a close (pw.shutdown, the process's exit) does not wait for a slow or stopped service."""
+        ref = self.service.health.remote(self.client_id)
+        deadline = time.monotonic() + _HEALTH_TIMEOUT_S
+        while not self.ray.wait([ref], timeout=_HEALTH_S)[0]:
+            if self.closed:
+                return None
+            if time.monotonic() >= deadline:
+                raise self.ray.exceptions.GetTimeoutError(
+                    f"the service did not answer a health check within {_HEALTH_TIMEOUT_S:.0f}s"
+                )
+        return self.ray.get(ref)
+
     def _monitor(self) -> None:
         reported: dict = {}
         while not self.closed:
             try:
-                health = self.ray.get(self.service.health.remote(self.client_id), timeout=10.0)
+                health = self._health_now()
+                if health is None:  # this side closed while the service had not answered
+                    return
                 self._apply(health)
                 if "dropped" in health:  # it answers this process nothing more: said once
                     self.route.dropped(health["dropped"])
@@ -381,7 +401,8 @@ class ServiceBackend:
         if not self.closed:
             self.dispatcher.closed = True
             with contextlib.suppress(Exception):
-                self.ray.get(self.service.leave.remote(self.client_id), timeout=min(timeout or 5.0, 5.0))
+                wait = _LEAVE_TIMEOUT_S if timeout is None else min(timeout, _LEAVE_TIMEOUT_S)
+                self.ray.get(self.service.leave.remote(self.client_id), timeout=wait)
             with contextlib.suppress(Exception):
                 self.ray.kill(self._token)
             self.route.close()

@@ -156,7 +156,7 @@ class Cluster:
             # hosts compute the runs before them: a long queue took the whole timeout to exit.
             self.backend.close(timeout)
         if controller is not None:
-            controller.stop(timeout)
+            controller.stop(max(0.0, deadline - time.monotonic()))
         self.backend.close(max(0.0, deadline - time.monotonic()))
 
     def _reclaim(self) -> None:
