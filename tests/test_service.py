@@ -514,6 +514,34 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
         pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))
 
 
+def test_service_handle_arguments_of_the_wrong_kind_are_refused_saying_what_was_expected(
+    joined, island_service
+):
+    # They reached Ray as they came: a ValueError from deep inside it ("invalid literal for int()"),
+    # a TypeError ("expected bytes, int found"), or "no controller service named None".
+    for bad in ("30", -1, float("nan"), True):
+        with pytest.raises(
+            pw.errors.ClusterError, match=r"Service\.stats\(timeout=\.\.\.\) must be None .* got"
+        ):
+            island_service.stats(timeout=bad)
+    with pytest.raises(pw.errors.ClusterError, match=r"Service\.host_stats\(timeout=\.\.\.\) must be"):
+        island_service.host_stats(timeout="30")
+    with pytest.raises(pw.errors.ClusterError, match=r"^host_stats\(timeout=\.\.\.\) must be None"):
+        joined.backend.host_stats(timeout="30")
+    with pytest.raises(pw.errors.ClusterError, match=r"Service\.stop\(timeout=\.\.\.\) must be"):
+        pw.Service("not-stopped", island_service.address, None).stop(timeout="30")
+    for name in (5, "", None):
+        with pytest.raises(
+            pw.errors.ClusterError, match=rf"a service's name must be a non-empty string, got {name!r}"
+        ):
+            pw.service(name)
+    with pytest.raises(
+        pw.errors.ClusterError, match="address must be None or a Ray address string, got 10001"
+    ):
+        pw.service(island_service.name, address=10001)
+    assert island_service.stats(timeout=30)["name"] == island_service.name
+
+
 def test_hosts_whose_cpus_others_hold_are_refused_in_seconds_saying_what_is_free(
     island_service, ray_cluster, monkeypatch
 ):

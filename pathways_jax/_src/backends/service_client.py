@@ -42,7 +42,7 @@ from pathways_jax._src.backends.ray_places import Places
 from pathways_jax._src.backends.ray_send import Sender
 from pathways_jax._src.backends.ray_values import RemoteArray
 from pathways_jax._src.backends.service_route import ServiceRoute
-from pathways_jax._src.core import errors, reentry
+from pathways_jax._src.core import checks, errors, reentry
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -231,6 +231,11 @@ class ServiceBackend:
 
     def _ask(self, method: str, timeout: float) -> Any:
         """The service's answer to ``method``; ClusterError if it is gone or does not answer in time."""
+        if timeout is not None and not checks.is_seconds(timeout):
+            raise errors.ClusterError(
+                f"{method}(timeout=...) must be None (no limit) or a finite number of seconds >= 0, got "
+                f"{timeout!r} ({type(timeout).__name__})."
+            )
         try:
             return self.ray.get(getattr(self.service, method).remote(), timeout=timeout)
         except Exception as exc:
