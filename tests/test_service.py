@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -798,6 +799,38 @@ def test_a_client_leaves_a_stopped_service_in_the_time_it_gives_the_leave(
         os.kill(pid, signal.SIGCONT)
     assert took < 3.0, took
     assert wait_for(lambda: not island_service.stats()["clients"][me]["alive"], timeout=10)
+
+
+def test_ctrl_c_as_pw_shutdown_waits_for_the_leave_still_leaves_the_service(
+    joined, island_service, ray_cluster, monkeypatch
+):
+    # The interrupt cut the close short: the token actor lived on and the channel kept its
+    # heartbeat, so the service kept the process (and its name: pw.init again was refused).
+    f = pw.jit(lambda v: v - 1, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) - 1)
+    me = joined.backend.client_id
+    service, leave, real_get = joined.backend.service, object(), ray_cluster.get
+
+    class Service:  # the service's actor, whose leave is interrupted as it is waited for
+        def __getattr__(self, method):
+            return getattr(service, method)
+
+    Service.leave = types.SimpleNamespace(remote=lambda *args: leave)
+
+    def get(ref, *args, **kwargs):
+        if ref is leave:
+            raise KeyboardInterrupt
+        return real_get(ref, *args, **kwargs)
+
+    monkeypatch.setattr(joined.backend, "service", Service())
+    monkeypatch.setattr(ray_cluster, "get", get)
+    with pytest.raises(KeyboardInterrupt):
+        pw.shutdown()
+    monkeypatch.setattr(ray_cluster, "get", real_get)
+    assert wait_for(lambda: not island_service.stats()["clients"][me]["alive"], timeout=10)
+    pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="me")
+    f = pw.jit(lambda v: v - 1, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) - 1)
 
 
 def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluster):

@@ -405,12 +405,14 @@ class ServiceBackend:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.closed:
             self.dispatcher.closed = True
-            with contextlib.suppress(Exception):
-                wait = _LEAVE_TIMEOUT_S if timeout is None else min(timeout, _LEAVE_TIMEOUT_S)
-                self.ray.get(self.service.leave.remote(self.client_id), timeout=wait)
-            with contextlib.suppress(Exception):
-                self.ray.kill(self._token)
-            self.route.close()
+            try:
+                with contextlib.suppress(Exception):
+                    wait = _LEAVE_TIMEOUT_S if timeout is None else min(timeout, _LEAVE_TIMEOUT_S)
+                    self.ray.get(self.service.leave.remote(self.client_id), timeout=wait)
+            finally:  # also under Ctrl-C: the token's end is this process's leave, and its channel heartbeats
+                with contextlib.suppress(Exception):
+                    self.ray.kill(self._token)
+                self.route.close()
         for thread in self._threads:
             if thread is threading.current_thread():
                 continue
