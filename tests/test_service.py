@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -345,6 +346,26 @@ def test_client_in_process_matches_jax_and_appears_in_stats(joined, island_servi
     assert wait_for(lambda: my_slices() == [{s.id: [d.id for d in s.devices]}], timeout=10), my_slices()
 
 
+def test_programs_in_stats_are_those_the_hosts_hold_now(joined, island_service):
+    # A program whose function went is forgotten on the hosts; the service's count of the
+    # client's programs kept it for ever (a process making functions in a loop: 1 held, 200 said).
+    s = pw.devices(mesh={"x": 2})
+
+    def mine() -> dict:
+        return island_service.stats()["clients"][joined.backend.client_id]
+
+    for k in range(3):
+        f = pw.jit(lambda v, k=k: v * k, devices=s)
+        np.testing.assert_array_equal(f(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) * k)
+    assert mine()["programs"] >= 1
+    del f
+    gc.collect()
+    assert wait_for(lambda: mine()["programs"] == 0, timeout=10), mine()
+    keep = pw.jit(lambda v: v + 1, devices=s)
+    np.testing.assert_array_equal(keep(jnp.arange(4.0)).result(timeout=60), np.arange(4.0) + 1)
+    assert mine()["programs"] == 1
+
+
 def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_service):
     s = pw.devices(mesh={"x": 2})
     make = pw.jit(lambda v: v + 1, devices=s)
@@ -492,6 +513,34 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
     pw.init()  # the local backend
     with pytest.raises(pw.errors.ClusterError, match="controller service"):
         pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))
+
+
+def test_service_handle_arguments_of_the_wrong_kind_are_refused_saying_what_was_expected(
+    joined, island_service
+):
+    # They reached Ray as they came: a ValueError from deep inside it ("invalid literal for int()"),
+    # a TypeError ("expected bytes, int found"), or "no controller service named None".
+    for bad in ("30", -1, float("nan"), True):
+        with pytest.raises(
+            pw.errors.ClusterError, match=r"Service\.stats\(timeout=\.\.\.\) must be None .* got"
+        ):
+            island_service.stats(timeout=bad)
+    with pytest.raises(pw.errors.ClusterError, match=r"Service\.host_stats\(timeout=\.\.\.\) must be"):
+        island_service.host_stats(timeout="30")
+    with pytest.raises(pw.errors.ClusterError, match=r"^host_stats\(timeout=\.\.\.\) must be None"):
+        joined.backend.host_stats(timeout="30")
+    with pytest.raises(pw.errors.ClusterError, match=r"Service\.stop\(timeout=\.\.\.\) must be"):
+        pw.Service("not-stopped", island_service.address, None).stop(timeout="30")
+    for name in (5, "", None):
+        with pytest.raises(
+            pw.errors.ClusterError, match=rf"a service's name must be a non-empty string, got {name!r}"
+        ):
+            pw.service(name)
+    with pytest.raises(
+        pw.errors.ClusterError, match="address must be None or a Ray address string, got 10001"
+    ):
+        pw.service(island_service.name, address=10001)
+    assert island_service.stats(timeout=30)["name"] == island_service.name
 
 
 def test_hosts_whose_cpus_others_hold_are_refused_in_seconds_saying_what_is_free(
@@ -686,6 +735,104 @@ def test_command_line_arguments_out_of_range_are_refused_not_replaced(capsys):
     assert "window must be an int >= 1, got 0" in capsys.readouterr().err
 
 
+def _slow(v):
+    return jax.lax.fori_loop(0, 30000, lambda i, u: jnp.sin(u) + 1.0, v)
+
+
+def test_a_client_leaving_with_a_long_queue_leaves_at_once_and_the_service_keeps_nothing_of_it(
+    joined, island_service
+):
+    # A process that ends (sys.exit, its script's end: the exit hook) or calls pw.shutdown()
+    # with 1,000 runs queued: they were sent one window at a time for as long as the hosts took
+    # to compute the runs ahead of them, only to be dropped by the service: up to 60s to exit.
+    slow = pw.jit(_slow, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_allclose(
+        slow(jnp.ones(256)).result(timeout=60), jax.jit(_slow)(jnp.ones(256)), rtol=1e-5
+    )
+    queued = [slow(jnp.ones(256)) for _ in range(1000)]
+    me = joined.backend.client_id
+    runs_before = island_service.stats()["clients"][me]["runs"]
+    started = time.monotonic()
+    pw.shutdown()
+    assert time.monotonic() - started < 5.0
+    with pytest.raises(pw.errors.ClusterError, match="shut down"):
+        queued[-1].result(timeout=10)
+
+    def left() -> bool:
+        row = island_service.stats()["clients"][me]
+        return (
+            not row["alive"] and row["queued"] == row["in_flight"] == row["bytes_held"] == row["values"] == 0
+        )
+
+    assert wait_for(left, timeout=10), island_service.stats()["clients"][me]
+    assert island_service.stats()["clients"][me]["runs"] - runs_before < 100  # the rest were never run
+
+
+def test_a_client_leaves_a_stopped_service_in_the_time_it_gives_the_leave(
+    joined, island_service, ray_cluster, monkeypatch
+):
+    # A service that answers nothing (stopped, hung): pw.shutdown() (and the exit hook) waited for
+    # the health check in flight, 10s, after the leave's own wait. The token's end tells the
+    # service once it runs again.
+    from pathways_jax._src.backends import service_client
+
+    monkeypatch.setattr(service_client, "_LEAVE_TIMEOUT_S", 0.5, raising=False)
+    f = pw.jit(lambda v: v * 3, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) * 3)
+    me = joined.backend.client_id
+    pid = ray_cluster.get(island_service.actor.info.remote(), timeout=30)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+
+        def stopped() -> bool:  # half a second unanswered: this process's health check (4 a second) waits too
+            try:
+                ray_cluster.get(island_service.actor.health.remote(), timeout=0.5)
+            except ray_cluster.exceptions.GetTimeoutError:
+                return True
+            return False
+
+        assert wait_for(stopped, timeout=10)
+        started = time.monotonic()
+        pw.shutdown()
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert took < 3.0, took
+    assert wait_for(lambda: not island_service.stats()["clients"][me]["alive"], timeout=10)
+
+
+def test_ctrl_c_as_pw_shutdown_waits_for_the_leave_still_leaves_the_service(
+    joined, island_service, ray_cluster, monkeypatch
+):
+    # The interrupt cut the close short: the token actor lived on and the channel kept its
+    # heartbeat, so the service kept the process (and its name: pw.init again was refused).
+    f = pw.jit(lambda v: v - 1, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) - 1)
+    me = joined.backend.client_id
+    service, leave, real_get = joined.backend.service, object(), ray_cluster.get
+
+    class Service:  # the service's actor, whose leave is interrupted as it is waited for
+        def __getattr__(self, method):
+            return getattr(service, method)
+
+    Service.leave = types.SimpleNamespace(remote=lambda *args: leave)
+
+    def get(ref, *args, **kwargs):
+        if ref is leave:
+            raise KeyboardInterrupt
+        return real_get(ref, *args, **kwargs)
+
+    monkeypatch.setattr(joined.backend, "service", Service())
+    monkeypatch.setattr(ray_cluster, "get", get)
+    with pytest.raises(KeyboardInterrupt):
+        pw.shutdown()
+    monkeypatch.setattr(ray_cluster, "get", real_get)
+    assert wait_for(lambda: not island_service.stats()["clients"][me]["alive"], timeout=10)
+    pw.init(backend="ray", address=island_service.address, service=island_service.name, client_name="me")
+    f = pw.jit(lambda v: v - 1, devices=pw.devices(mesh={"x": 1}))
+    np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) - 1)
+
+
 def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluster):
     svc = pw.serve("test-dies", hosts=1)
     pw.init(backend="ray", address=svc.address, service=svc.name)
@@ -694,6 +841,8 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         kept = step(jnp.float32(1))
         assert float(kept.result(timeout=60)) == 2.0
         stale = pw.share(kept)  # kept past the service's death, as a pickled handle would be
+        slow = pw.jit(_slow, devices=pw.devices(mesh={"x": 1}))
+        queued = [slow(jnp.ones(256)) for _ in range(40)]  # the last still queued as the service dies
         ray_cluster.kill(svc.actor)  # the service and, with it, its hosts
 
         def gone() -> bool:  # a kill is asynchronous: a call may still be served just after it
@@ -704,8 +853,18 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
             return False
 
         assert wait_for(gone, timeout=60)
-        with pytest.raises(pw.errors.PathwaysError, match="controller service 'test-dies' is gone"):
-            step(jnp.float32(1)).result(timeout=60)
+        # As the README says: ClusterError (not a failed program's error), saying what to do.
+        for future in (queued[-1], step(jnp.float32(1))):
+            with pytest.raises(
+                pw.errors.ClusterError, match=r"service 'test-dies' is gone.*start the service again"
+            ):
+                future.result(timeout=60)
+        with pytest.raises(
+            pw.errors.ClusterError, match=r"pw\.share: the controller service 'test-dies' is gone"
+        ):
+            pw.share(kept, client="other")
+        with pytest.raises(pw.errors.ClusterError, match=r"pw\.share: .*service 'test-dies' is gone"):
+            pw.share(queued[-1], client="other")  # a value whose run the service's death failed
         # A client's own view of it says so too, and its handle: not Ray's exception.
         for ask in (pw.stats, svc.stats, svc.host_stats, pw.cluster().backend.host_stats):
             with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):
@@ -869,7 +1028,7 @@ def test_a_stopped_client_is_dropped_by_its_silence_and_then_told_so_a_quiet_one
             os.kill(proc.pid, signal.SIGCONT)
         got = group.wait_state("sleeper", "refused", "served", timeout=60)
         assert got["state"] == "refused", got
-        assert got["error"] == "ProgramFailedError", got
+        assert got["error"] == "ClusterError", got  # the service's word, not a failed program's
         assert "dropped this process: its channel sent nothing" in got["message"], got
         assert "is gone" not in got["message"], got  # the service runs on
         assert got["seconds"] < 10.0, got

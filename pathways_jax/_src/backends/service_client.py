@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -30,6 +31,7 @@ import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends.base import Dispatched, Prepared, Windows
+from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
 from pathways_jax._src.backends.ray_boot import Layout, check_reachable, import_ray, send_saved_token
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
@@ -40,14 +42,19 @@ from pathways_jax._src.backends.ray_places import Places
 from pathways_jax._src.backends.ray_send import Sender
 from pathways_jax._src.backends.ray_values import RemoteArray
 from pathways_jax._src.backends.service_route import ServiceRoute
-from pathways_jax._src.core import errors, reentry
+from pathways_jax._src.core import checks, errors, reentry
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
 
 NAMESPACE = "pathways_jax"  # the Ray namespace services are named in
 _HEALTH_S = 0.25  # how often a client asks the service about lost islands
+_HEALTH_TIMEOUT_S = 10.0  # a health check the service does not answer in this long is logged
 _JOIN_TIMEOUT_S = 60.0
+_SHARE_TIMEOUT_S = 60.0  # for the service's answer to a share
+# How long a close waits for the service to take this process's leave (a service that does not
+# answer, stopped or hung, still hears of it when this process's token actor is killed).
+_LEAVE_TIMEOUT_S = 5.0
 
 
 def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
@@ -224,6 +231,11 @@ class ServiceBackend:
 
     def _ask(self, method: str, timeout: float) -> Any:
         """The service's answer to ``method``; ClusterError if it is gone or does not answer in time."""
+        if timeout is not None and not checks.is_seconds(timeout):
+            raise errors.ClusterError(
+                f"{method}(timeout=...) must be None (no limit) or a finite number of seconds >= 0, got "
+                f"{timeout!r} ({type(timeout).__name__})."
+            )
         try:
             return self.ray.get(getattr(self.service, method).remote(), timeout=timeout)
         except Exception as exc:
@@ -289,7 +301,15 @@ class ServiceBackend:
         """Lets client process ``reader`` read value ``key``, once the runs sent before it are at the service."""
         with self.dispatcher.lock:  # in this process's order: after the run that makes the value
             future = self.route.submit([(-1, "share", (key, reader))], None)[0]
-        answer = future.result(timeout=60.0)
+        try:
+            answer = future.result(timeout=_SHARE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError as exc:
+            raise errors.ClusterError(
+                f"pw.share: the controller service {self.service_name!r} did not answer within "
+                f"{_SHARE_TIMEOUT_S:.0f}s; check that it runs (`python -m pathways_jax stats`)."
+            ) from exc
+        except HostGone as exc:
+            raise errors.ClusterError(f"pw.share: {self.route.gone_message(exc)}") from exc
         if isinstance(answer, Refused):
             raise errors.AccessError(f"pw.share: {answer.message}.")
 
@@ -329,11 +349,27 @@ class ServiceBackend:
             if self.on_restored is not None:
                 self.on_restored(island)
 
+    def _health_now(self) -> dict | None:
+        """The service's health answer for this process; None once this side closed first. Waited for
+        in steps: a close (pw.shutdown, the process's exit) does not wait for a slow or stopped service."""
+        ref = self.service.health.remote(self.client_id)
+        deadline = time.monotonic() + _HEALTH_TIMEOUT_S
+        while not self.ray.wait([ref], timeout=_HEALTH_S)[0]:
+            if self.closed:
+                return None
+            if time.monotonic() >= deadline:
+                raise self.ray.exceptions.GetTimeoutError(
+                    f"the service did not answer a health check within {_HEALTH_TIMEOUT_S:.0f}s"
+                )
+        return self.ray.get(ref)
+
     def _monitor(self) -> None:
         reported: dict = {}
         while not self.closed:
             try:
-                health = self.ray.get(self.service.health.remote(self.client_id), timeout=10.0)
+                health = self._health_now()
+                if health is None:  # this side closed while the service had not answered
+                    return
                 self._apply(health)
                 if "dropped" in health:  # it answers this process nothing more: said once
                     self.route.dropped(health["dropped"])
@@ -353,7 +389,7 @@ class ServiceBackend:
                 if self.closed or not self.ray.is_initialized():
                     return
                 if is_lost_error(exc):  # said once: every later call fails saying so too
-                    self.route.fail_owed("it is gone")
+                    self.route.fail_owed(f"its Ray actor died: {type(exc).__name__}")
                     logging.warning(
                         "pathways_jax: the controller service %r is gone (%s); this process's programs "
                         "fail until pw.shutdown() and pw.init(...) join a running one.",
@@ -369,11 +405,14 @@ class ServiceBackend:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.closed:
             self.dispatcher.closed = True
-            with contextlib.suppress(Exception):
-                self.ray.get(self.service.leave.remote(self.client_id), timeout=min(timeout or 5.0, 5.0))
-            with contextlib.suppress(Exception):
-                self.ray.kill(self._token)
-            self.route.close()
+            try:
+                with contextlib.suppress(Exception):
+                    wait = _LEAVE_TIMEOUT_S if timeout is None else min(timeout, _LEAVE_TIMEOUT_S)
+                    self.ray.get(self.service.leave.remote(self.client_id), timeout=wait)
+            finally:  # also under Ctrl-C: the token's end is this process's leave, and its channel heartbeats
+                with contextlib.suppress(Exception):
+                    self.ray.kill(self._token)
+                self.route.close()
         for thread in self._threads:
             if thread is threading.current_thread():
                 continue

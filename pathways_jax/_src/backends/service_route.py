@@ -50,6 +50,7 @@ class ServiceRoute:
         self.losses = losses
         self.refresh = refresh
         self.dropped_why: str | None = None
+        self.left = False  # this process left the service (closed its side)
         self._batches = 0
         self._owed: dict[int, list[concurrent.futures.Future]] = {}  # batch -> its answers' futures
         self._owed_lock = threading.Lock()
@@ -113,14 +114,25 @@ class ServiceRoute:
         """A wait that raised ``exc``: the service is gone, or dropped this process (None: neither)."""
         if not is_lost_error(exc):
             return None
-        if self.dropped_why is not None:
-            return errors.ClusterError(
-                f"{what} could not be read: the controller service {self.service_name!r} dropped this "
-                f"process: {self.dropped_why}. Call pw.shutdown() and pw.init(...) to join it again."
+        return errors.ClusterError(f"{what} could not be read: {self.gone_message(exc)}")
+
+    def gone_message(self, exc: BaseException) -> str:
+        """Why the service answers nothing (``exc``: a wait's error), and what to do."""
+        if self.left:
+            return (
+                f"this process left the controller service {self.service_name!r} (pw.shutdown(), or its "
+                "exit), and its values there went with it. Call .result() before pw.shutdown() to keep a value."
             )
-        return errors.ClusterError(
-            f"{what} could not be read: the controller service {self.service_name!r} is gone ({exc}). "
-            "Call pw.shutdown(), start the service again and pw.init(...) to join it."
+        if self.dropped_why is not None:
+            return (
+                f"the controller service {self.service_name!r} dropped this process: {self.dropped_why}. "
+                "Call pw.shutdown() and pw.init(...) to join it again."
+            )
+        # The route's own HostGone (host -1) says what it knows; a Ray error names its class.
+        why = exc.why if isinstance(exc, HostGone) and exc.host < 0 else f"{type(exc).__name__}: {exc}"
+        return (
+            f"the controller service {self.service_name!r} is gone ({why}). Call pw.shutdown(), start "
+            "the service again and pw.init(...) to join it."
         )
 
     def health_check(self, hosts: set[int]) -> int | None:
@@ -147,9 +159,7 @@ class ServiceRoute:
         with self._owed_lock:
             if self._gone is not None:  # nothing will answer
                 for future in futures:
-                    future.set_exception(
-                        HostGone(-1, f"the controller service {self.service_name!r}: {self._gone}")
-                    )
+                    future.set_exception(HostGone(-1, self._gone))
                 return futures
             self._owed[seq] = futures
             if len(batch) == 1 and batch[0][1] == "fetch":  # its value comes straight from the host
@@ -166,9 +176,7 @@ class ServiceRoute:
                 self._owed.pop(seq, None)
             for future in futures:
                 if not future.done():
-                    future.set_exception(
-                        HostGone(-1, f"the controller service {self.service_name!r} took no message: {exc}")
-                    )
+                    future.set_exception(HostGone(-1, f"it took no message: {exc}"))
         return futures
 
     def _answered(self, received: wire.Received) -> None:
@@ -258,7 +266,7 @@ class ServiceRoute:
             self._sent_at.clear()
         for future in owed:
             if not future.done():
-                future.set_exception(HostGone(-1, f"the controller service {self.service_name!r}: {why}"))
+                future.set_exception(HostGone(-1, why))
 
     def dropped(self, why: str) -> None:
         """The service dropped this process: it answers nothing more, and reads say why."""
@@ -267,6 +275,7 @@ class ServiceRoute:
 
     def close(self) -> None:
         """Fails what is still owed (this process left) and closes both channels."""
+        self.left = True
         self.fail_owed("this process left it")
         self.peer.close()
         self.inbox.close()

@@ -20,7 +20,7 @@ import jax
 from absl import logging
 
 from pathways_jax._src.backends import registry
-from pathways_jax._src.backends.base import Backend, HostFleet
+from pathways_jax._src.backends.base import Backend, HostFleet, ServiceView
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import errors, events
 from pathways_jax._src.runtime import context
@@ -149,8 +149,16 @@ class Cluster:
             self._closed = True
             self.mapping_epoch += 1
             controller, self._controller = self._controller, None
-        if controller is not None:
-            controller.stop(timeout)
+        try:
+            if isinstance(self.backend, ServiceView):
+                # A controller service's client leaves it first, at once: the service drops the runs
+                # it still queues for this process and frees its values, so the runs queued here could
+                # only be sent to be dropped (their values unreadable after this), one window at a time
+                # as the hosts compute the runs before them: a long queue took the whole timeout to exit.
+                self.backend.close(timeout)
+        finally:  # (a Ctrl-C in the leave: the controller still stops)
+            if controller is not None:
+                controller.stop(max(0.0, deadline - time.monotonic()))
         self.backend.close(max(0.0, deadline - time.monotonic()))
 
     def _reclaim(self) -> None:

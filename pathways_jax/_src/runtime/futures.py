@@ -31,8 +31,9 @@ def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
 
 
 # Failures a future raises as their own type, not as ProgramFailedError: a lost
-# host, a refused handle (controller service), memory back-pressure.
-_KEPT_TYPES = (errors.HostLostError, errors.AccessError, errors.BackPressureTimeout)
+# host, a refused handle (controller service), memory back-pressure, a cluster
+# gone (a controller service that died or dropped this process).
+_KEPT_TYPES = (errors.HostLostError, errors.AccessError, errors.BackPressureTimeout, errors.ClusterError)
 
 
 def _failure_class(cause: BaseException | None) -> type[errors.PathwaysError]:
@@ -250,6 +251,9 @@ class Future(ArrayLike):
           HostLostError: a Ray host the value lived on (or came from) died.
           AccessError: a controller service refused the run: it read a value
             handle that is not this process's (nor shared with it), or one freed.
+          ClusterError: the cluster the value lived on is gone: its controller
+            service died or dropped this process, or ``pw.shutdown()`` ended
+            its Ray hosts before the value was read.
         """
         array = self._computed(timeout)
         if not isinstance(array, jax.Array):
@@ -424,9 +428,9 @@ def sent(future: Future, timeout: float | None, what: str) -> Any:
     array = entry.array  # read before the state: a ready state then has its array
     state = entry.state
     if isinstance(state, Failed):
-        kind = (
-            type(state.cause) if isinstance(state.cause, errors.HostLostError) else errors.ProgramFailedError
-        )
+        cause = state.cause
+        kept = (errors.HostLostError, errors.ClusterError)  # raised as their own type
+        kind = type(cause) if isinstance(cause, kept) else errors.ProgramFailedError
         raise kind(f"{what}: {entry.origin} failed: {state.message}") from state.cause
     if not isinstance(state, Ready) or array is None:
         raise errors.PathwaysError(f"{what}: {entry.origin} was freed.")

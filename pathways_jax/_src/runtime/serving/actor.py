@@ -388,7 +388,11 @@ class ServiceActor:
                     out.append((host, wire.Register(key, ops, constants, blobs, x64)))
                 case wire.Forget(plan):
                     key = host_key(cid, plan)
-                    client.plans.get(key, set()).discard(host)
+                    hosts = client.plans.get(key)
+                    if hosts is not None:
+                        hosts.discard(host)
+                        if not hosts:  # no host has it: no more one of the client's programs
+                            del client.plans[key]
                     out.append((host, wire.Forget(key)))
                 case wire.Run(plan, run_id, _base, feeds, keep, drop):
                     self.ledger.drop(cid, drop, frees)

@@ -51,8 +51,9 @@ class Service:
     def _ask(self, method: str, timeout: float) -> dict:
         import ray
 
+        wait = init_args.seconds(f"Service.{method}(timeout=...)", timeout)
         try:
-            return ray.get(getattr(self.actor, method).remote(), timeout=timeout)
+            return ray.get(getattr(self.actor, method).remote(), timeout=wait)
         except Exception as exc:
             if is_lost_error(exc):
                 raise errors.ClusterError(
@@ -67,13 +68,26 @@ class Service:
             raise
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stops the service: its hosts are killed, its clients' values go, the actor ends."""
+        """Stops the service: its hosts are killed, its clients' values go, the actor ends. A service
+        already gone: nothing to do.
+
+        Args:
+          timeout: seconds the service is given to stop its hosts before its actor is killed.
+        """
         import ray
 
+        wait = init_args.seconds("Service.stop(timeout=...)", timeout)
         with contextlib.suppress(Exception):
-            ray.get(self.actor.stop.remote(), timeout=timeout)
+            ray.get(self.actor.stop.remote(), timeout=wait)
         with contextlib.suppress(Exception):
             ray.kill(self.actor)
+
+
+def _check_name_and_address(name: object, address: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise errors.ClusterError(f"a service's name must be a non-empty string, got {name!r}.")
+    if address is not None and not isinstance(address, str):
+        raise errors.ClusterError(f"address must be None or a Ray address string, got {address!r}.")
 
 
 def serve(
@@ -99,7 +113,7 @@ def serve(
 
     Client processes join it with ``pw.init(backend="ray", address=...,
     service=name)``. The service outlives the process that started it; stop
-    it with :meth:`Service.stop` (or ``python -m pathways_jax.serve --stop``).
+    it with :meth:`Service.stop` (or ``python -m pathways_jax stop``).
 
     Args:
       name: the service's name in the Ray cluster (namespace ``"pathways_jax"``).
@@ -136,10 +150,7 @@ def serve(
     """
     import jax
 
-    if not isinstance(name, str) or not name:
-        raise errors.ClusterError(f"a service's name must be a non-empty string, got {name!r}.")
-    if address is not None and not isinstance(address, str):
-        raise errors.ClusterError(f"address must be None or a Ray address string, got {address!r}.")
+    _check_name_and_address(name, address)
     if platform not in ("cpu", "gpu"):
         raise errors.ClusterError(f"platform must be 'cpu' or 'gpu', got {platform!r}.")
     if not isinstance(replace_lost_hosts, bool):
@@ -241,5 +252,6 @@ def serve(
 
 def service(name: str = "pathways", *, address: str | None = None) -> Service:
     """The running controller service named ``name`` (ClusterError if there is none)."""
+    _check_name_and_address(name, address)
     ray = connect(address)
     return Service(name, ray.get_runtime_context().gcs_address, find(ray, name, f"pw.service({name!r})"))
