@@ -259,3 +259,53 @@ def test_a_value_deleted_before_the_call_fails_saying_so(kind):
         pw.program(_double)(value).result(timeout=60)
     assert isinstance(info.value, RuntimeError)
     assert "after this call returned and" not in str(info.value)
+
+
+_TABLE = jnp.arange(3.0)  # closed over: a constant of the program
+
+
+def _constants(h, v):
+    return v + 1, 3.0, np.ones(2, np.float32), _TABLE, h, 7
+
+
+@pytest.mark.parametrize("where", ["a device", "an Explicit mesh", "nothing committed"])
+@pytest.mark.parametrize("host", ["numpy", "uncommitted array"])
+def test_constant_outputs_land_where_a_committed_argument_placed_the_call_as_jax_jit_s(where, host):
+    # Literals, constants and uncommitted arguments the program returned as they are came back
+    # uncommitted on JAX's default device, where jax.jit's are committed to the argument's devices
+    # (`out + x` then worked under jax.jit and failed with the program's outputs on a mesh). And
+    # each was one array every call returned: deleted (or donated), the next call failed.
+    h = np.arange(4.0, dtype=np.float32) if host == "numpy" else jnp.arange(4.0)
+    if where == "an Explicit mesh":
+        mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+        v = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("x")))
+    elif where == "a device":
+        v = jax.device_put(jnp.ones(8), jax.devices()[3])
+    else:  # uncommitted: so are jax.jit's outputs, on JAX's default device
+        v = jnp.ones(8)
+    want = jax.jit(_constants)(h, v)
+    program = pw.program(_constants)
+    for _ in range(2):  # a new array each call, as jax.jit's: deleting one leaves the next call's
+        have = pw.results(program(h, v))
+        for position, (got, expected) in enumerate(zip(have, want, strict=True)):
+            if where == "an Explicit mesh":
+                _assert_same_array(got, expected)
+            else:  # a one-device NamedSharding for jax.jit's SingleDeviceSharding (README)
+                assert (got.committed, got.devices(), got.dtype, got.weak_type) == (
+                    expected.committed,
+                    expected.devices(),
+                    expected.dtype,
+                    expected.weak_type,
+                )
+                np.testing.assert_array_equal(got, expected)
+            if position != 4:  # h returned as it is: that may be the caller's array, as under jax.jit
+                got.delete()
+
+
+def test_constant_outputs_of_a_program_on_a_slice_are_on_its_devices():
+    # They came back uncommitted on JAX's default device, wherever the slice was.
+    s = pw.devices(mesh={"x": 2}, device_ids=[6, 7])
+    have = pw.results(pw.program(lambda v: (v * 2, 3.0, _TABLE), devices=s)(jnp.ones(4)))
+    for got, want in zip(have, (jnp.ones(4) * 2, 3.0, _TABLE), strict=True):
+        assert got.committed and got.devices() == set(jax.devices()[6:8])
+        np.testing.assert_array_equal(got, want)

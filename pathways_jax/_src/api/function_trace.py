@@ -145,13 +145,21 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
         named = _named_mesh(closed.jaxpr)
         if named is not None:
             return trace(info, inputs, named)
+    input_slices = _input_slices(inputs)
+    constants = _constants_slice(default or implied, state, input_slices)
     graph, held = graph_builder.build(
         name=info.name,
         source_info=info.source_info,
         closed=closed,
-        input_slices=_input_slices(inputs),
+        input_slices=input_slices,
         state=state,
         out_tree=out_trees[-1],
+        constants=constants,
+        # As jax.jit's, with a committed argument: its uncommitted ones go where it is.
+        follows=tuple(not getattr(key, "committed", False) for key in signature)
+        if default is None and not uncommitted
+        else (),
+        loose_constants=uncommitted,
     )
     if uncommitted and state.implied is not None:
         implied_id = state.implied().id
@@ -162,6 +170,23 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
     if sink is not None:
         sink(events.Traced(info.name, info.source_info, t0, events.now()))
     return GraphView(graph.check(), held)
+
+
+def _constants_slice(
+    placed: VirtualSlice | None, state: TraceState, input_slices: tuple[VirtualSlice | None, ...]
+) -> VirtualSlice | None:
+    """Where the program's constant outputs are made: where ``jax.jit`` would run it.
+
+    Its default slice, else the device or mesh that placed it (``jax.jit``'s
+    ``device=``, arguments on a mesh), else a committed future's slice, else
+    the first committed array's device or JAX's default device.
+    """
+    if placed is not None:
+        return placed
+    committed = next((s for s in input_slices if s is not None), None)
+    if committed is not None:
+        return committed
+    return state.implied() if state.implied is not None else None
 
 
 def _input_slices(inputs: TraceInputs) -> tuple[VirtualSlice | None, ...]:
