@@ -248,11 +248,20 @@ def test_a_value_deleted_before_the_call_fails_saying_so(kind):
     # A jax.Array deleted before the call failed its run saying it was deleted "after this call
     # returned"; a deleted future's run said only "got an input that was freed".
     value = jnp.ones(3) if kind == "jax.Array" else pw.program(_double)(jnp.ones(3))
+    program = pw.program(_double)
+    if kind == "jax.Array":
+        program(value).result()  # the next call with it repeats this one
     value.delete()
     deleted = jnp.ones(3)
     deleted.delete()
     with pytest.raises(RuntimeError, match="deleted"):  # jax.jit refuses it at the call
         jax.jit(_double)(deleted)
+    if kind == "jax.Array":  # so does a program: a first call, and one that repeats the call before
+        for wrap in (pw.program(_double), program, pw.jit(_double)):
+            with pytest.raises(pw.errors.PathwaysError, match=r"argument leaf 0.*has been deleted") as info:
+                wrap(value)
+            assert isinstance(info.value, RuntimeError)
+        return
     with pytest.raises(
         pw.errors.ProgramFailedError, match=r"before the call|was deleted, or donated"
     ) as info:
