@@ -318,3 +318,25 @@ def test_constant_outputs_of_a_program_on_a_slice_are_on_its_devices():
     for got, want in zip(have, (jnp.ones(4) * 2, 3.0, _TABLE), strict=True):
         assert got.committed and got.devices() == set(jax.devices()[6:8])
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("keep_unused", [False, True])
+@pytest.mark.parametrize("wrap", ["pw.program", "pw.jit", "pw.program(jax.jit)"])
+def test_a_committed_argument_the_function_does_not_use_places_it_only_with_keep_unused(wrap, keep_unused):
+    # As jax.jit prunes unused arguments, a committed one it does not read places nothing: the
+    # outputs came back committed to its device, where jax.jit's are uncommitted on the default
+    # one (unless keep_unused=True). A function of its own per call: JAX caches jax.jit(f)'s
+    # placement of one function across keep_unused.
+    x = jnp.arange(4.0)
+    unused = jax.device_put(jnp.ones(4), jax.devices()[3])
+    want = jax.jit(lambda v, u: (v * 2, 1.0), keep_unused=keep_unused)(x, unused)
+    fun = lambda v, u: (v * 2, 1.0)  # noqa: E731
+    if wrap == "pw.program(jax.jit)":
+        program = pw.program(jax.jit(fun, keep_unused=keep_unused))
+    else:
+        program = (pw.program if wrap == "pw.program" else pw.jit)(fun, keep_unused=keep_unused)
+    have = pw.results(program(x, unused))
+    assert want[0].committed is keep_unused
+    for got, expected in zip(have, want, strict=True):
+        assert (got.committed, got.devices()) == (expected.committed, expected.devices())
+        np.testing.assert_array_equal(got, expected)
