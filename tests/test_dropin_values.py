@@ -340,3 +340,23 @@ def test_a_committed_argument_the_function_does_not_use_places_it_only_with_keep
     for got, expected in zip(have, want, strict=True):
         assert (got.committed, got.devices()) == (expected.committed, expected.devices())
         np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("devices", [[4, 5], [3]], ids=["two devices", "one device"])
+def test_code_reading_only_uncommitted_values_runs_where_a_committed_future_is_as_under_jax_jit(devices):
+    # A program with no slice, given a committed future (an output of a program on a slice) and an
+    # uncommitted array, ran what reads only the array on JAX's default device, committed there:
+    # jax.jit runs it all on the devices of the committed array the future stands for.
+    s = pw.devices(mesh={"x": len(devices)}, device_ids=devices)
+    params = pw.jit(lambda v: v + 1, devices=s)(jnp.ones(4))
+    batch = jnp.arange(4.0)
+
+    def step(b, p):
+        return b * 2, b.mean() + 1, p.sum()
+
+    want = jax.jit(step)(batch, params.result())
+    have = pw.results(pw.program(step)(batch, params))
+    for got, expected in zip(have, want, strict=True):
+        assert (got.committed, got.devices()) == (expected.committed, expected.devices())
+        assert got.sharding.is_equivalent_to(expected.sharding, expected.ndim)
+        np.testing.assert_array_equal(got, expected)

@@ -33,7 +33,7 @@ from pathways_jax._src.api.program_info import ProgramInfo
 from pathways_jax._src.core import counts, errors, events, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh
-from pathways_jax._src.ir.signatures import FutureKey, Signature
+from pathways_jax._src.ir.signatures import ArrayKey, FutureKey, Signature
 from pathways_jax._src.runtime import context, slices
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
@@ -75,7 +75,7 @@ def trace(
             on_mesh: VirtualSlice = implied
             state.implied = lambda: on_mesh
         else:
-            state.implied = functools.cache(lambda: _device_slice(places))
+            state.implied = functools.cache(lambda: _committed_slice(inputs, places) or _device_slice(places))
             # Nothing committed placed it: as jax.jit's, its outputs there are uncommitted.
             uncommitted = not any(getattr(key, "committed", False) for key in places)
     out_trees: list[Any] = []
@@ -155,7 +155,7 @@ def trace(
             places = tuple(k if i in used else None for i, k in enumerate(signature))
             if implied is None:
                 kept = places
-                state.implied = functools.cache(lambda: _device_slice(kept))
+                state.implied = functools.cache(lambda: _committed_slice(inputs, kept) or _device_slice(kept))
                 uncommitted = not any(getattr(key, "committed", False) for key in kept)
             elif _kept_mesh(places, hint or info.mesh_hint or _user_mesh()) is not implied:
                 return trace(info, inputs, hint, places)  # traced on the mesh only an unused one is on
@@ -212,6 +212,22 @@ def _constants_slice(
     if committed is not None:
         return committed
     return state.implied() if state.implied is not None else None
+
+
+def _committed_slice(inputs: TraceInputs, places: tuple[Any, ...]) -> VirtualSlice | None:
+    """The slice of the first committed argument in ``places``, if it is a future's (None: an array's, or none).
+
+    As ``jax.jit`` runs a call where its committed arguments are, code of a
+    program with no slice that reads only uncommitted values (``batch.mean()``
+    beside ``params`` on a slice) runs on the slice of a committed future
+    argument, as on the devices of the array it stands for.
+    """
+    for leaf, key in zip(inputs.leaves, places, strict=True):
+        if isinstance(key, FutureKey) and key.committed and isinstance(leaf, Future):
+            return leaf.slice
+        if isinstance(key, ArrayKey) and key.committed:
+            return None
+    return None
 
 
 def _kept_mesh(places: tuple[Any, ...], hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
