@@ -248,14 +248,115 @@ def test_a_value_deleted_before_the_call_fails_saying_so(kind):
     # A jax.Array deleted before the call failed its run saying it was deleted "after this call
     # returned"; a deleted future's run said only "got an input that was freed".
     value = jnp.ones(3) if kind == "jax.Array" else pw.program(_double)(jnp.ones(3))
+    program = pw.program(_double)
+    if kind == "jax.Array":
+        program(value).result()  # the next call with it repeats this one
     value.delete()
     deleted = jnp.ones(3)
     deleted.delete()
     with pytest.raises(RuntimeError, match="deleted"):  # jax.jit refuses it at the call
         jax.jit(_double)(deleted)
+    if kind == "jax.Array":  # so does a program: a first call, and one that repeats the call before
+        for wrap in (pw.program(_double), program, pw.jit(_double)):
+            with pytest.raises(pw.errors.PathwaysError, match=r"argument leaf 0.*has been deleted") as info:
+                wrap(value)
+            assert isinstance(info.value, RuntimeError)
+        return
     with pytest.raises(
         pw.errors.ProgramFailedError, match=r"before the call|was deleted, or donated"
     ) as info:
         pw.program(_double)(value).result(timeout=60)
     assert isinstance(info.value, RuntimeError)
     assert "after this call returned and" not in str(info.value)
+
+
+_TABLE = jnp.arange(3.0)  # closed over: a constant of the program
+
+
+def _constants(h, v):
+    return v + 1, 3.0, np.ones(2, np.float32), _TABLE, h, 7
+
+
+@pytest.mark.parametrize("where", ["a device", "an Explicit mesh", "nothing committed"])
+@pytest.mark.parametrize("host", ["numpy", "uncommitted array"])
+def test_constant_outputs_land_where_a_committed_argument_placed_the_call_as_jax_jit_s(where, host):
+    # Literals, constants and uncommitted arguments the program returned as they are came back
+    # uncommitted on JAX's default device, where jax.jit's are committed to the argument's devices
+    # (`out + x` then worked under jax.jit and failed with the program's outputs on a mesh). And
+    # each was one array every call returned: deleted (or donated), the next call failed.
+    h = np.arange(4.0, dtype=np.float32) if host == "numpy" else jnp.arange(4.0)
+    if where == "an Explicit mesh":
+        mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+        v = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("x")))
+    elif where == "a device":
+        v = jax.device_put(jnp.ones(8), jax.devices()[3])
+    else:  # uncommitted: so are jax.jit's outputs, on JAX's default device
+        v = jnp.ones(8)
+    want = jax.jit(_constants)(h, v)
+    program = pw.program(_constants)
+    for _ in range(2):  # a new array each call, as jax.jit's: deleting one leaves the next call's
+        have = pw.results(program(h, v))
+        for position, (got, expected) in enumerate(zip(have, want, strict=True)):
+            if where == "an Explicit mesh":
+                _assert_same_array(got, expected)
+            else:  # a one-device NamedSharding for jax.jit's SingleDeviceSharding (README)
+                assert (got.committed, got.devices(), got.dtype, got.weak_type) == (
+                    expected.committed,
+                    expected.devices(),
+                    expected.dtype,
+                    expected.weak_type,
+                )
+                np.testing.assert_array_equal(got, expected)
+            if position != 4:  # h returned as it is: that may be the caller's array, as under jax.jit
+                got.delete()
+
+
+def test_constant_outputs_of_a_program_on_a_slice_are_on_its_devices():
+    # They came back uncommitted on JAX's default device, wherever the slice was.
+    s = pw.devices(mesh={"x": 2}, device_ids=[6, 7])
+    have = pw.results(pw.program(lambda v: (v * 2, 3.0, _TABLE), devices=s)(jnp.ones(4)))
+    for got, want in zip(have, (jnp.ones(4) * 2, 3.0, _TABLE), strict=True):
+        assert got.committed and got.devices() == set(jax.devices()[6:8])
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("keep_unused", [False, True])
+@pytest.mark.parametrize("wrap", ["pw.program", "pw.jit", "pw.program(jax.jit)"])
+def test_a_committed_argument_the_function_does_not_use_places_it_only_with_keep_unused(wrap, keep_unused):
+    # As jax.jit prunes unused arguments, a committed one it does not read places nothing: the
+    # outputs came back committed to its device, where jax.jit's are uncommitted on the default
+    # one (unless keep_unused=True). A function of its own per call: JAX caches jax.jit(f)'s
+    # placement of one function across keep_unused.
+    x = jnp.arange(4.0)
+    unused = jax.device_put(jnp.ones(4), jax.devices()[3])
+    want = jax.jit(lambda v, u: (v * 2, 1.0), keep_unused=keep_unused)(x, unused)
+    fun = lambda v, u: (v * 2, 1.0)  # noqa: E731
+    if wrap == "pw.program(jax.jit)":
+        program = pw.program(jax.jit(fun, keep_unused=keep_unused))
+    else:
+        program = (pw.program if wrap == "pw.program" else pw.jit)(fun, keep_unused=keep_unused)
+    have = pw.results(program(x, unused))
+    assert want[0].committed is keep_unused
+    for got, expected in zip(have, want, strict=True):
+        assert (got.committed, got.devices()) == (expected.committed, expected.devices())
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("devices", [[4, 5], [3]], ids=["two devices", "one device"])
+def test_code_reading_only_uncommitted_values_runs_where_a_committed_future_is_as_under_jax_jit(devices):
+    # A program with no slice, given a committed future (an output of a program on a slice) and an
+    # uncommitted array, ran what reads only the array on JAX's default device, committed there:
+    # jax.jit runs it all on the devices of the committed array the future stands for.
+    s = pw.devices(mesh={"x": len(devices)}, device_ids=devices)
+    params = pw.jit(lambda v: v + 1, devices=s)(jnp.ones(4))
+    batch = jnp.arange(4.0)
+
+    def step(b, p):
+        return b * 2, b.mean() + 1, p.sum()
+
+    want = jax.jit(step)(batch, params.result())
+    have = pw.results(pw.program(step)(batch, params))
+    for got, expected in zip(have, want, strict=True):
+        assert (got.committed, got.devices()) == (expected.committed, expected.devices())
+        assert got.sharding.is_equivalent_to(expected.sharding, expected.ndim)
+        np.testing.assert_array_equal(got, expected)

@@ -34,6 +34,22 @@ def _stale(leaf: Future) -> bool:
     return slice_ is not None and slice_.released
 
 
+class _DeletedArray(Exception):
+    """A ``jax.Array`` deleted (or donated) before the call among its arguments."""
+
+
+def _refuse_deleted(leaves: list[Any], program: str) -> None:
+    """Raises, as ``jax.jit`` does at the call, for the first argument leaf that is a deleted ``jax.Array``."""
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+            raise errors.also(errors.PathwaysError, RuntimeError)(
+                f"program {program!r} got argument leaf {position}, a jax.Array "
+                f"({leaf.aval.str_short()}) that has been deleted (by .delete(), or donated to an "
+                "earlier jax.jit or program call): as jax.jit, a program refuses it at the call. Pass "
+                "an array that is still live (keep a copy of a value before donating it)."
+            )
+
+
 class _WideValue(Exception):
     """A 64-bit value made under ``jax_enable_x64`` among the arguments of a call made without it."""
 
@@ -90,6 +106,9 @@ def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:
     except _WideValue:  # made under jax_enable_x64, passed without it: narrowed, as jax.jit does
         leaves[:] = [_narrowed(leaf) for leaf in leaves]
         return _signed(leaves, program)
+    except _DeletedArray:
+        _refuse_deleted(leaves, program)
+        raise
 
 
 def _as_array_key(key: FutureKey) -> ArrayKey | None:
@@ -109,6 +128,8 @@ def _one_device(device: Any) -> jax.sharding.SingleDeviceSharding:
 
 
 def _array_key(leaf: jax.Array) -> ArrayKey:
+    if leaf.is_deleted():
+        raise _DeletedArray
     aval = leaf.aval  # an attribute: shape, dtype and weak_type are properties reading it
     dtype = aval.dtype
     if dtype.itemsize == 8:
@@ -167,6 +188,8 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
         if isinstance(getattr(leaf, "aval", None), jax.core.ShapedArray):
             _KEYS.setdefault(type(leaf), _array_key)
             return _array_key(leaf)
+        if leaf.is_deleted():
+            raise _DeletedArray
         return ArrayKey(
             leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding, getattr(leaf, "committed", True)
         )
@@ -264,7 +287,12 @@ def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
             return False
         else:
             aval, sharding, committed = mark
-            if leaf.aval is not aval or leaf.sharding is not sharding or leaf._committed is not committed:
+            if (
+                leaf.aval is not aval
+                or leaf.sharding is not sharding
+                or leaf._committed is not committed
+                or leaf.is_deleted()  # the call's signing refuses it, as jax.jit does
+            ):
                 return False
     return True
 

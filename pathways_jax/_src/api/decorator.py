@@ -15,7 +15,12 @@ from pathways_jax._src.api.jit_options import (
     argnums,
     with_jits_statics,
 )
-from pathways_jax._src.api.jit_shardings import jit_with_shardings, jits_device, with_jits_out_shardings
+from pathways_jax._src.api.jit_shardings import (
+    jit_with_shardings,
+    jits_device,
+    jits_keep_unused,
+    with_jits_out_shardings,
+)
 from pathways_jax._src.api.placement import _mesh_of, _single_device_of
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors
@@ -119,8 +124,10 @@ def program(
         argument shardings (a pytree prefix of the positional arguments), and
         a program with no slice runs on their mesh.
       out_shardings: as in ``jax.jit``, for the outputs.
-      keep_unused: accepted as ``jax.jit`` accepts it; unused arguments are
-        never transferred or read, kept or not.
+      keep_unused: as in ``jax.jit``: with no slice, a committed argument the
+        function does not use places the call only when True (its outputs are
+        otherwise uncommitted, as ``jax.jit``'s). Unused arguments are never
+        transferred or read, kept or not.
       inline: accepted as ``jax.jit`` accepts it (an inlining hint for an
         enclosing trace); no effect on a program's results.
       compiler_options: XLA options every node of the program is compiled
@@ -179,7 +186,8 @@ def program(
     donate_names = argnames(donate_argnames, "donate_argnames")
     _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames)
     donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
-    del keep_unused, inline  # hints with no effect on a program's results (see Args)
+    del inline  # a hint with no effect on a program's results (see Args)
+    keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     if device is None and backend is not None:
         try:
             device = jax.devices(backend)[0]
@@ -236,6 +244,7 @@ def program(
         device=device,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
         nnx_modes=(graph, graph_updates),
+        keep_unused=keeps,
     )
 
 

@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 from jax.sharding import AxisType
 
 from pathways_jax._src import compat
@@ -32,21 +33,29 @@ from pathways_jax._src.api.program_info import ProgramInfo
 from pathways_jax._src.core import counts, errors, events, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh
-from pathways_jax._src.ir.signatures import FutureKey, Signature
+from pathways_jax._src.ir.signatures import ArrayKey, FutureKey, Signature
 from pathways_jax._src.runtime import context, slices
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
 
 
-def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None = None) -> GraphView:
+def trace(
+    info: ProgramInfo,
+    inputs: TraceInputs,
+    hint: jax.sharding.Mesh | None = None,
+    placing: tuple[Any, ...] | None = None,
+) -> GraphView:
     """``info``'s function traced for a call's ``inputs`` into a graph, with the slices it names.
 
     Traced on the program's default slice, else the call's ambient one; with
     neither, where ``jax.jit`` would run it: the mesh of committed arguments or
     shardings (``hint``: a mesh the function names itself), else one device.
+    ``placing``: the keys of the arguments that place it (None for an argument
+    the function does not use, which ``jax.jit`` prunes); all of them if None.
     """
     compat.install_checkpoints()  # once: Flax's and orbax's checkpoints then take the futures it returns
     treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
+    places = signature if placing is None else placing
     default = info.devices if info.devices is not None else inputs.ambient
     if default is not None:
         default.check_usable()
@@ -61,14 +70,14 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
         # Code nothing places runs where jax.jit would run it. Arguments on a
         # mesh of yours: the program is traced on that mesh, as jax.jit does.
         with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
-            implied = _mesh_slice(signature, hint or info.mesh_hint or _user_mesh())
+            implied = _mesh_slice(places, hint or info.mesh_hint or _user_mesh())
         if implied is not None:
             on_mesh: VirtualSlice = implied
             state.implied = lambda: on_mesh
         else:
-            state.implied = functools.cache(lambda: _device_slice(signature))
+            state.implied = functools.cache(lambda: _committed_slice(inputs, places) or _device_slice(places))
             # Nothing committed placed it: as jax.jit's, its outputs there are uncommitted.
-            uncommitted = not any(getattr(key, "committed", False) for key in signature)
+            uncommitted = not any(getattr(key, "committed", False) for key in places)
     out_trees: list[Any] = []
 
     def flat_fun(*dynamic_leaves: Any) -> list[Any]:
@@ -124,7 +133,7 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
                 # (a shard_map's or pmap's over other axes) wins, as under jax.jit.
                 named = _mesh_named_without_context(signature, state, flat_fun)
                 if named is not None:
-                    return trace(info, inputs, named)
+                    return trace(info, inputs, named, placing)
             # No line of the function failed (it was called with arguments it does not take):
             # the user's call did.
             where = source.of_exception(exc, info.fun) or f"the call ({source.of_caller()})"
@@ -138,20 +147,44 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
     finally:
         context.state.trace = outer
     _refuse_leaked_tracers(info, closed)
+    if placing is None and default is None and info.device is None and not info.keep_unused:
+        # As jax.jit prunes the arguments a function does not use (keep_unused=False), a
+        # committed one of them places nothing: the call goes where the others place it.
+        used = _used_inputs(closed.jaxpr)
+        if any(getattr(key, "committed", False) for i, key in enumerate(signature) if i not in used):
+            places = tuple(k if i in used else None for i, k in enumerate(signature))
+            if implied is None:
+                kept = places
+                state.implied = functools.cache(lambda: _committed_slice(inputs, kept) or _device_slice(kept))
+                uncommitted = not any(getattr(key, "committed", False) for key in kept)
+            elif _kept_mesh(places, hint or info.mesh_hint or _user_mesh()) is not implied:
+                return trace(info, inputs, hint, places)  # traced on the mesh only an unused one is on
     counts.bump("traces")
     if default is None and implied is None and hint is None:
         # Nothing placed it, but the function names a mesh itself (a sharding constraint
         # or an inner jax.jit's shardings): as jax.jit, it runs on that mesh.
         named = _named_mesh(closed.jaxpr)
         if named is not None:
-            return trace(info, inputs, named)
+            return trace(info, inputs, named, placing)
+    input_slices = _input_slices(inputs)
+    constants = _constants_slice(
+        default or implied,
+        state,
+        tuple(s for s, k in zip(input_slices, places, strict=True) if k is not None),
+    )
     graph, held = graph_builder.build(
         name=info.name,
         source_info=info.source_info,
         closed=closed,
-        input_slices=_input_slices(inputs),
+        input_slices=input_slices,
         state=state,
         out_tree=out_trees[-1],
+        constants=constants,
+        # As jax.jit's, with a committed argument: its uncommitted ones go where it is.
+        follows=tuple(not getattr(key, "committed", False) for key in signature)
+        if default is None and not uncommitted
+        else (),
+        loose_constants=uncommitted,
     )
     if uncommitted and state.implied is not None:
         implied_id = state.implied().id
@@ -162,6 +195,65 @@ def trace(info: ProgramInfo, inputs: TraceInputs, hint: jax.sharding.Mesh | None
     if sink is not None:
         sink(events.Traced(info.name, info.source_info, t0, events.now()))
     return GraphView(graph.check(), held)
+
+
+def _constants_slice(
+    placed: VirtualSlice | None, state: TraceState, input_slices: tuple[VirtualSlice | None, ...]
+) -> VirtualSlice | None:
+    """Where the program's constant outputs are made: where ``jax.jit`` would run it.
+
+    Its default slice, else the device or mesh that placed it (``jax.jit``'s
+    ``device=``, arguments on a mesh), else a committed future's slice, else
+    the first committed array's device or JAX's default device.
+    """
+    if placed is not None:
+        return placed
+    committed = next((s for s in input_slices if s is not None), None)
+    if committed is not None:
+        return committed
+    return state.implied() if state.implied is not None else None
+
+
+def _committed_slice(inputs: TraceInputs, places: tuple[Any, ...]) -> VirtualSlice | None:
+    """The slice of the first committed argument in ``places``, if it is a future's (None: an array's, or none).
+
+    As ``jax.jit`` runs a call where its committed arguments are, code of a
+    program with no slice that reads only uncommitted values (``batch.mean()``
+    beside ``params`` on a slice) runs on the slice of a committed future
+    argument, as on the devices of the array it stands for.
+    """
+    for leaf, key in zip(inputs.leaves, places, strict=True):
+        if isinstance(key, FutureKey) and key.committed and isinstance(leaf, Future):
+            return leaf.slice
+        if isinstance(key, ArrayKey) and key.committed:
+            return None
+    return None
+
+
+def _kept_mesh(places: tuple[Any, ...], hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
+    """The slice of the mesh the arguments in ``places`` put the call on, if any (see ``_mesh_slice``)."""
+    with contextlib.suppress(errors.ResourceError):
+        return _mesh_slice(places, hint)
+    return None
+
+
+def _used_inputs(jaxpr: Any) -> set[int]:
+    """The positions of ``jaxpr``'s inputs its outputs or equations read.
+
+    An inner ``jax.jit``'s are those its function reads: ``jax.jit`` prunes
+    through them, whatever their own ``keep_unused``.
+    """
+    read = {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+    for eqn in jaxpr.eqns:
+        kept = None
+        if eqn.primitive.name in graph_builder.JIT_PRIMITIVES:
+            kept = _used_inputs(eqn.params["jaxpr"].jaxpr)
+        read.update(
+            v
+            for i, v in enumerate(eqn.invars)
+            if not isinstance(v, jex.Literal) and (kept is None or i in kept)
+        )
+    return {i for i, v in enumerate(jaxpr.invars) if v in read}
 
 
 def _input_slices(inputs: TraceInputs) -> tuple[VirtualSlice | None, ...]:

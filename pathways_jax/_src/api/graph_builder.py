@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any, cast
 
+import jax
 import jax.extend.core as jex
 from jax.sharding import PartitionSpec
 
@@ -185,6 +186,59 @@ def _without_dead_calls(closed: Any) -> Any:
     return closed.replace(jaxpr=closed.jaxpr.replace(eqns=kept))
 
 
+def _host_literal(atom: Any) -> bool:
+    """A float0 literal (the gradient of an integer input): host data under ``jax.jit`` too, made by no node."""
+    return atom.aval.dtype == jax.dtypes.float0
+
+
+def _constants_node(
+    jaxpr: Any,
+    const_data: dict[Any, Any],
+    where: VirtualSlice | None,
+    follows: tuple[bool, ...],
+    source_info: str,
+) -> tuple[Any, list[Any], list[Any]] | None:
+    """The computation of the program outputs no node makes, if they go to ``where``; else None.
+
+    Under ``jax.jit`` a literal or constant the function returns is an output
+    of its computation: a new array each call, on the computation's devices
+    (committed there when a committed argument placed it), and so is an
+    uncommitted argument returned as it is. Made on the host once, such an
+    output was one array every call returned (deleting or donating it broke
+    the next call) on JAX's default device, uncommitted, wherever the program
+    ran. Returns the node's computation, its input variables and its output
+    atoms (each variable once; every literal).
+    """
+    if where is None:
+        return None
+    inputs = {var: index for index, var in enumerate(jaxpr.invars)}
+    out_vars: list[Any] = []
+    in_vars: list[Any] = []
+    for atom in jaxpr.outvars:
+        if not _is_var(atom):
+            if not _host_literal(atom):
+                out_vars.append(atom)
+        elif atom not in out_vars and (
+            atom in const_data or (atom in inputs and follows and follows[inputs[atom]])
+        ):
+            out_vars.append(atom)
+            if atom in inputs:
+                in_vars.append(atom)
+    if not out_vars:
+        return None
+    used = [v for v in out_vars if _is_var(v) and v in const_data]
+    debug = jex.DebugInfo(
+        "pw.program constants",
+        source_info,
+        tuple(f"in{i}" for i in range(len(in_vars))),
+        tuple(f"out{i}" for i in range(len(out_vars))),
+    )
+    closed = jex.ClosedJaxpr(
+        jex.Jaxpr(used, in_vars, out_vars, [], frozenset(), debug), [const_data[v] for v in used]
+    )
+    return closed, in_vars, out_vars
+
+
 def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]) -> list[Any]:
     """One slice per top-level equation, or a PlacementError naming the user's line."""
 
@@ -289,10 +343,21 @@ def build(
     input_slices: tuple[VirtualSlice | None, ...],
     state: TraceState,
     out_tree: Any,
+    constants: VirtualSlice | None = None,
+    follows: tuple[bool, ...] = (),
+    loose_constants: bool = False,
 ) -> tuple[Graph, dict[int, VirtualSlice]]:
     """The graph of a traced program, and the runtime's slice of each slice it names, by id.
 
     The graph names its slices by their frozen ``SliceRef`` alone.
+
+    ``constants``: where the outputs no node computes (literals and constants
+    the program returns) are made, as ``jax.jit`` makes them on its
+    computation's devices; ``follows``: per argument leaf, whether one returned
+    as it is goes there too, as ``jax.jit`` moves an uncommitted argument (host
+    data, an uncommitted array) to where its committed ones are. They are
+    replicated there, but for ``loose_constants``: nothing placed the call,
+    and they are uncommitted on JAX's default device, as ``jax.jit``'s.
     """
     closed = _without_dead_calls(closed)
     jaxpr = closed.jaxpr
@@ -472,8 +537,42 @@ def build(
             )
         steps.append(("node", len(nodes) - 1))
 
+    if constants is not None and any(slice_.id != constants.id for _, slice_, _ in groups):
+        follows = ()  # work on other slices too: no one computation's devices to move arguments to
+    made = _constants_node(jaxpr, const_data, constants, follows, source_info)
+    literal_ids: Any = iter(())
+    if made is not None:
+        node_slice = cast(VirtualSlice, constants)
+        held.setdefault(node_slice.id, node_slice)
+        glue, in_vars, out_vars = made
+        in_ids = [on_slice(var_value[v], node_slice) for v in in_vars]
+        out_ids = []
+        for var in out_vars:
+            out_ids.append(new_value(var.aval, node_slice, f"program {name!r} constant output"))
+            if _is_var(var):
+                var_value[var] = out_ids[-1]
+        nodes.append(
+            Node(
+                name=unique("constants"),
+                kind="glue",
+                slice=node_slice.ref,
+                jaxpr=glue,
+                inputs=tuple(in_ids),
+                outputs=tuple(out_ids),
+                in_specs=(None,) * len(in_vars),
+                # Replicated, as jax.jit's; with no input, no type and no spec, XLA
+                # would put them on its default device.
+                out_specs=(None if loose_constants else PartitionSpec(),) * len(out_vars),
+                donated=(False,) * len(in_vars),
+                source_info=source_info,
+            )
+        )
+        steps.append(("node", len(nodes) - 1))
+        literal_ids = iter(vid for var, vid in zip(out_vars, out_ids, strict=True) if not _is_var(var))
     outputs = tuple(
-        Output(const_value(v) if v in const_data else var_value[v]) if _is_var(v) else Output(None, v.val)
+        Output(var_value[v] if v in var_value else const_value(v))
+        if _is_var(v)
+        else (Output(None, v.val) if made is None or _host_literal(v) else Output(next(literal_ids)))
         for v in jaxpr.outvars
     )
     graph = Graph(

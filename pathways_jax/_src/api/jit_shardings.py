@@ -123,6 +123,11 @@ def with_jits_out_shardings(fun: Callable) -> Callable:
     return with_output_types(fun, jax.tree_util.tree_unflatten(info.out_shardings_treedef, leaves))
 
 
+def jits_keep_unused(fun: Callable) -> bool:
+    """Whether ``fun`` is a ``jax.jit`` function made with ``keep_unused=True``."""
+    return bool(getattr(getattr(fun, "_jit_info", None), "keep_unused", False))
+
+
 def jits_device(fun: Callable) -> jax.Device | None:
     """The one device a ``jax.jit`` function ``fun`` runs on whatever its arguments, if any.
 

@@ -17,7 +17,7 @@ from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import _resolve_statics, argnames, argnums, name_of, with_jits_statics
-from pathways_jax._src.api.jit_shardings import jits_device, with_jits_out_shardings
+from pathways_jax._src.api.jit_shardings import jits_device, jits_keep_unused, with_jits_out_shardings
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -102,6 +102,7 @@ class JitFunction:
         donate_argnames: tuple[str, ...] = (),
         compiler_options: tuple[tuple[str, Any], ...] = (),
         device: jax.Device | None = None,
+        keep_unused: bool = False,
     ):
         self._fun = fun
         # Where it runs when nothing places it (a wrapped jax.jit's device or one-device shardings).
@@ -119,6 +120,9 @@ class JitFunction:
             "donate_argnums": self._donate,
             "donate_argnames": self._donate_names,
         }
+        self._keep_unused = keep_unused
+        if keep_unused:  # as jax.jit's: an unused committed argument still places the call
+            self._jit_options["keep_unused"] = True
         self._jitted = jax.jit(fun, **self._jit_options)
         self._nnx_jitted: Callable[..., Any] | None = None
         self._programs: dict[int | None, Program] = {}  # by slice id; None: placed as jax.jit
@@ -277,6 +281,7 @@ class JitFunction:
                     compiler_options=self._compiler_options,
                     source_info=self.source_info,
                     under_transforms=False,  # a tracer argument comes back here (_transformed)
+                    keep_unused=self._keep_unused,
                 )
                 # Threads making their first calls at once share one program (and its caches).
                 prog = self._programs.setdefault(key, prog)
@@ -476,7 +481,8 @@ def jit(
       static_argnames: the same as ``static_argnums``, by parameter name; each
         completes the other, so a static argument may come by position or keyword.
       donate_argnames: the same as ``donate_argnums``, by parameter name.
-      keep_unused: accepted as ``jax.jit`` accepts it (no effect on results).
+      keep_unused: as in ``jax.jit``: with no slice, a committed argument the
+        function does not use places the call only when True.
       inline: accepted as ``jax.jit`` accepts it (no effect on results).
       compiler_options: XLA options the function is compiled with when called
         on its own (inside a program, the program's own apply).
@@ -533,6 +539,7 @@ def jit(
                 if _spec_leaf(spec, "in_specs") is not None:
                     check_spec(spec, devices, what="in_specs")
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
+    keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     fun = _with_jax_jit_placement(
         fun, devices, in_specs, out_specs, statics, static_names, in_shardings, out_shardings, device, backend
     )
@@ -550,6 +557,7 @@ def jit(
         static_names,
         donated_names,
         compiler_options=tuple(sorted((compiler_options or {}).items())),
+        keep_unused=keeps,
         # As jax.jit: a wrapped jax.jit's device (device=, backend=, one-device shardings) runs it there.
         device=jits_device(fun),
     )

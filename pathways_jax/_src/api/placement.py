@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from pathways_jax._src.ir.signatures import ArrayKey, Signature
+from pathways_jax._src.ir.signatures import ArgKey, ArrayKey
 from pathways_jax._src.runtime import slices
 from pathways_jax._src.runtime.slices import VirtualSlice
 
@@ -43,14 +43,21 @@ def _mesh_mismatch_hint(exc: Exception, slice_: VirtualSlice | None) -> str:
     return ""
 
 
-def _mesh_slice(signature: Signature, hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
+def _mesh_slice(signature: tuple[ArgKey | None, ...], hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
     """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
 
     ``hint`` (the mesh of the program's own ``in_shardings``, else the caller's
     ``jax.set_mesh`` mesh), of any size, wins; then the mesh of the first array
     argument sharded over several devices.
     """
-    meshes = [hint, *(getattr(key.sharding, "mesh", None) for key in signature if key.kind == "array")]
+    meshes = [
+        hint,
+        *(
+            getattr(key.sharding, "mesh", None)
+            for key in signature
+            if key is not None and key.kind == "array"
+        ),
+    ]
     for mesh in meshes:
         several = mesh is hint or getattr(mesh, "size", 0) > 1  # a 1-device array is on its device
         if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and several:
@@ -91,7 +98,7 @@ def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
     return None
 
 
-def _device_slice(signature: Signature) -> VirtualSlice:
+def _device_slice(signature: tuple[ArgKey | None, ...]) -> VirtualSlice:
     """With no argument on a mesh: the first committed array argument's device, else JAX's default device.
 
     As ``jax.jit``: an array no one put on a device (a ``jnp`` result) follows

@@ -46,6 +46,9 @@ class ProgramInfo:
       under_transforms: called with tracers (inside the caller's ``jax.jit``, ``grad``
         or ``vmap``), it runs as ``jax.jit`` would; False for ``pw.jit``'s own
         programs, which handle that themselves.
+      keep_unused: ``jax.jit``'s: an argument the function does not use still
+        places the call (False: as under ``jax.jit``, a committed argument it
+        does not use commits nothing).
     """
 
     fun: Callable[..., Any]
@@ -64,6 +67,7 @@ class ProgramInfo:
     nnx_inner: bool = False
     nnx_modes: tuple[bool | None, bool | None] = (None, None)
     under_transforms: bool = True
+    keep_unused: bool = False
 
     @classmethod
     def of(

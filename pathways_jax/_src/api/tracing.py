@@ -61,6 +61,7 @@ class Program:
         nnx_inner: bool = False,
         nnx_modes: tuple[bool | None, bool | None] = (None, None),
         under_transforms: bool = True,
+        keep_unused: bool = False,
     ):
         # See ProgramInfo for each option; nnx_inner and under_transforms are set by
         # nnx_graph's inner programs and pw.jit's own.
@@ -80,6 +81,7 @@ class Program:
             nnx_inner=nnx_inner,
             nnx_modes=nnx_modes,
             under_transforms=under_transforms,
+            keep_unused=keep_unused,
         )
         # Guards the caches of graphs and plans; never held while user code runs.
         self._lock = threading.RLock()
