@@ -117,9 +117,12 @@ class Dispatcher:
       route: how messages reach the hosts.
       lock: held while messages are numbered and sent, and while losses change.
       closed: set when the backend closes: nothing waits on a host after that.
+      closed_message: what a value read after the close raises ``ClusterError`` with.
     """
 
-    def __init__(self, ray: Any, places: Places, losses: Losses, sender: Sender, route: Route) -> None:
+    def __init__(
+        self, ray: Any, places: Places, losses: Losses, sender: Sender, route: Route, closed: str = _CLOSED
+    ) -> None:
         self.ray = ray
         self.places = places
         self.layout = places.layout
@@ -131,6 +134,7 @@ class Dispatcher:
         self.route = route
         self.lock = threading.Lock()
         self.closed = False
+        self.closed_message = closed  # what a value read after the close says
         self._keys = itertools.count()
 
     def prepare(self, plan: Plan) -> Prepared:
@@ -304,7 +308,7 @@ class Dispatcher:
     def fetch(self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int) -> Any:
         """A kept value as a numpy array: from its host, or pieced together from its hosts' shards."""
         if self.closed:
-            raise errors.ClusterError(_CLOSED)
+            raise errors.ClusterError(self.closed_message)
         island = self.layout.island_of(hosts[0])
         with self.lock:
             if island in self.lost or generation != self.generations[island]:
@@ -341,13 +345,13 @@ class Dispatcher:
         died then may have been replaced since).
         """
         if self.closed:
-            return errors.ClusterError(_CLOSED)
+            return errors.ClusterError(self.closed_message)
         island = self.layout.island_of(host)
         try:
             # In steps, so that a wait on a hung host ends when the cluster closes.
             while concurrent.futures.wait([done], timeout=_WAIT_STEP_S).not_done:
                 if self.closed:
-                    return errors.ClusterError(_CLOSED)
+                    return errors.ClusterError(self.closed_message)
             status = done.result()
         except Exception as exc:
             lost = self.route.loss(host, exc, generation, "a run")

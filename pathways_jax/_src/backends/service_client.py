@@ -184,7 +184,12 @@ class ServiceBackend:
         self.channel = joined["channel"]  # the service's channel, this process's identity there
         self.sender = Sender(layout)  # what each host has and is to free (the service numbers)
         self.route = ServiceRoute(self.service_name, self.channel, self.losses, self.refresh)
-        self.dispatcher = Dispatcher(ray, self.places, self.losses, self.sender, self.route)
+        left = (
+            f"this process left the controller service {self.service_name!r} (pw.shutdown(), or its exit); "
+            "its values there went with it, the service and its hosts serve on. Call .result() before "
+            "pw.shutdown() to keep a value."
+        )
+        self.dispatcher = Dispatcher(ray, self.places, self.losses, self.sender, self.route, left)
         try:
             address = self.route.inbox.address
             ray.get(
