@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
@@ -227,20 +226,29 @@ class DataParallel:
             self._programs[mode] = pw.program(data_parallel_train_step, name="data_parallel_train_step")
         return self._programs[mode]
 
-    def _split(self, x: Any, what: str) -> tuple[np.ndarray, ...]:
-        array = np.asarray(x)
+    def _split(self, x: Any, what: str) -> tuple[Any, ...]:
+        """``x`` (an array or a pytree of arrays, e.g. a dict batch) cut into one shard per slice."""
+        leaves, treedef, batch = stages_lib.batch_leaves(x, what)
         count = len(self.slices)
-        if array.ndim == 0 or array.shape[0] % count:
+        if batch % count:
             raise pw.errors.PlacementError(
-                f"{what} has shape {array.shape}; its first (batch) dimension must be a multiple of "
-                f"the {count} slices so each gets an equal shard."
+                f"{what} has a batch of {batch} examples; its first (batch) dimension must be a "
+                f"multiple of the {count} slices so each gets an equal shard."
             )
-        return stages_lib.split_over(
-            array, count, self.slices, self.data_axis, what=what, parts="shards", per="slices", place="slice"
+        return stages_lib.split_tree(
+            leaves,
+            treedef,
+            count,
+            self.slices,
+            self.data_axis,
+            what=what,
+            parts="shards",
+            per="slices",
+            place="slice",
         )
 
-    def _check(self, x: np.ndarray, y: np.ndarray, mode: Mode, rngs: dict[str, jax.Array] | None) -> None:
-        key = (x.shape, x.dtype, y.shape, y.dtype, mode)
+    def _check(self, x: Any, y: Any, mode: Mode, rngs: dict[str, jax.Array] | None) -> None:
+        key = (stages_lib.signature(x), stages_lib.signature(y), mode)
         if key in self._checked:
             return
         keys = None if rngs is None else rngs_lib.derive_rngs(rngs, 0, 0)

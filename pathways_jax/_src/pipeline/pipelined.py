@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import errors as flax_errors
 
 import pathways_jax as pw
@@ -311,22 +310,19 @@ class Pipeline:
 
     # -- checks before anything runs ----------------------------------------------------------
 
-    def _split(self, x: Any, what: str) -> tuple[np.ndarray, ...]:
-        array = np.asarray(x)
+    def _split(self, x: Any, what: str) -> tuple[Any, ...]:
+        """``x`` (an array or a pytree of arrays, e.g. a dict batch) cut into the microbatches."""
+        leaves, treedef, batch = stages_lib.batch_leaves(x, what)
         micro = self.num_microbatches
-        if array.ndim == 0:
-            raise pw.errors.PlacementError(
-                f"{what} is a scalar; expected an array whose first dimension is the batch."
-            )
-        batch = array.shape[0]
         if batch % micro:
             raise pw.errors.PlacementError(
                 f"{what} has a batch of {batch} examples, which num_microbatches={micro} does not "
                 f"divide; use a batch size that is a multiple of {micro}, or a num_microbatches "
                 f"that divides {batch}."
             )
-        return stages_lib.split_over(
-            array,
+        return stages_lib.split_tree(
+            leaves,
+            treedef,
             micro,
             self.slices,
             self.data_axis,
@@ -336,13 +332,11 @@ class Pipeline:
             place="stage",
         )
 
-    def _check_chain(
-        self, x: np.ndarray, y: np.ndarray | None, mode: Mode, rngs: dict[str, jax.Array] | None
-    ) -> None:
-        key = (x.shape, x.dtype, None if y is None else (y.shape, y.dtype), mode)
+    def _check_chain(self, x: Any, y: Any | None, mode: Mode, rngs: dict[str, jax.Array] | None) -> None:
+        key = (stages_lib.signature(x), None if y is None else stages_lib.signature(y), mode)
         if key in self._checked:
             return
-        h: Any = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        h: Any = stages_lib.abstract(x)
         for index, (stage, params) in enumerate(zip(self.stages, self._params, strict=True)):
             keys = None if rngs is None else rngs_lib.derive_rngs(rngs, index, 0)
 
@@ -357,7 +351,7 @@ class Pipeline:
         if y is not None:
             assert self._loss_fn is not None  # targets come only with a trainable pipeline
             try:
-                loss = jax.eval_shape(self._loss_fn, h, jax.ShapeDtypeStruct(y.shape, y.dtype))
+                loss = jax.eval_shape(self._loss_fn, h, stages_lib.abstract(y))
             except Exception as exc:
                 raise pw.errors.ProgramTraceError(
                     f"loss_fn cannot take the last stage's output {stages_lib.describe(h)} and targets "
@@ -391,10 +385,9 @@ class Pipeline:
                 "only); use Pipeline(..., loss_fn=..., optimizer=optax...)."
             )
         xs, ys = self._split(x, "x"), self._split(y, "y")
-        if xs[0].shape[0] * len(xs) != ys[0].shape[0] * len(ys):
-            raise pw.errors.PlacementError(
-                f"x has a batch of {np.shape(x)[0]} but y of {np.shape(y)[0]}; they must match."
-            )
+        x_batch, y_batch = (stages_lib.batch_size(part[0]) * len(part) for part in (xs, ys))
+        if x_batch != y_batch:
+            raise pw.errors.PlacementError(f"x has a batch of {x_batch} but y of {y_batch}; they must match.")
         mode, typed, keys = self._mode(rngs, train, train_kw, what)
         self._check_chain(xs[0], ys[0], mode, typed)
         return xs, ys, mode, keys

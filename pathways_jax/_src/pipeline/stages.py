@@ -437,6 +437,76 @@ def data_parts(slice_: pw.VirtualSlice, data_axis: str | None) -> int:
     return 1
 
 
+def _is_batch_leaf(node: Any) -> bool:
+    # A list is one array (nested lists of numbers), as np.asarray reads it; tuples, dicts and
+    # other pytree nodes hold several arrays (a dict batch, a tuple of targets).
+    return isinstance(node, list)
+
+
+def batch_leaves(x: Any, what: str) -> tuple[list[np.ndarray], Any, int]:
+    """``x`` (an array or a pytree of arrays) as host arrays, its tree structure and its batch size.
+
+    Every leaf leads with the batch dimension, of one size for all leaves.
+
+    Raises:
+      PlacementError: ``x`` has no arrays, a leaf is a scalar, or the leaves' batch sizes differ.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_batch_leaf)
+    if not flat:
+        raise pw.errors.PlacementError(
+            f"{what} is {type(x).__name__} {x!r:.60} with no arrays; expected an array, or a pytree "
+            "(dict, tuple) of arrays, whose first dimension is the batch."
+        )
+    leaves: list[np.ndarray] = []
+    for path, leaf in flat:
+        name = what + jax.tree_util.keystr(path)
+        try:
+            array = np.asarray(leaf)
+        except Exception as exc:
+            raise pw.errors.PlacementError(
+                f"{name} is {type(leaf).__name__} {leaf!r:.60}, not an array ({type(exc).__name__}: "
+                f"{exc}); pass arrays whose first dimension is the batch."
+            ) from exc
+        if array.ndim == 0 or array.dtype == object:
+            raise pw.errors.PlacementError(
+                f"{name} is {'a scalar' if array.ndim == 0 else 'not a numeric array'} "
+                f"({type(leaf).__name__} {leaf!r:.60}); expected an array whose first dimension is the batch."
+            )
+        leaves.append(array)
+    sizes = {
+        what + jax.tree_util.keystr(path): array.shape[0]
+        for (path, _), array in zip(flat, leaves, strict=True)
+    }
+    if len(set(sizes.values())) > 1:
+        raise pw.errors.PlacementError(
+            f"the arrays of {what} have different batch sizes (first dimensions): {sizes}; every array "
+            "of a batch leads with the same batch dimension."
+        )
+    return leaves, treedef, leaves[0].shape[0]
+
+
+def split_tree(
+    leaves: list[np.ndarray], treedef: Any, count: int, slices: Any, data_axis: str | None, **kwargs: Any
+) -> tuple[Any, ...]:
+    """The batch of :func:`batch_leaves` cut into ``count`` pieces, each a pytree like the batch.
+
+    ``kwargs`` are :func:`split_over`'s keywords (for its error).
+    """
+    pieces = [split_over(leaf, count, slices, data_axis, **kwargs) for leaf in leaves]
+    return tuple(treedef.unflatten([piece[i] for piece in pieces]) for i in range(count))
+
+
+def batch_size(tree: Any) -> int:
+    """The batch size of a pytree of batch-leading arrays (its first leaf's first dimension)."""
+    return int(np.shape(jax.tree.leaves(tree)[0])[0])
+
+
+def signature(tree: Any) -> tuple:
+    """A hashable key of a pytree of arrays: its structure and every leaf's shape and dtype."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(leaf), np.dtype(leaf.dtype)) for leaf in leaves)
+
+
 def split_over(
     array: np.ndarray,
     count: int,
