@@ -253,11 +253,12 @@ class DataParallel:
             return
         keys = None if rngs is None else rngs_lib.derive_rngs(rngs, 0, 0)
         try:
-            out = jax.eval_shape(
-                lambda p, x: self.stage.run(p, x, keys, mode.train, mode.train_kw),
-                stages_lib.abstract(self._params[0]),
-                x,
-            )
+            with stages_lib.recording_stale_draws() as stale:
+                out = jax.eval_shape(
+                    lambda p, x: self.stage.run(p, x, keys, mode.train, mode.train_kw),
+                    stages_lib.abstract(self._params[0]),
+                    x,
+                )
             loss = jax.eval_shape(self._loss_fn, out, y)
         except Exception as exc:
             given = [name for name, _ in mode.streams] or "no streams"
@@ -267,6 +268,9 @@ class DataParallel:
                 f"{type(exc).__name__}: {exc}. If the model needs an RNG stream, pass "
                 "rngs={'dropout': key} to train_step (or train=False)."
             ) from exc
+        if stale:
+            given = [name for name, _ in mode.streams]
+            raise stages_lib.stale_draws_error(stale, given, f"{type(self).__name__}.train_step")
         if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == ()):
             raise pw.errors.ProgramTraceError(f"loss_fn must return a float scalar, got {loss}.")
         self._checked.add(key)

@@ -344,9 +344,13 @@ class Pipeline:
                 return stage.run(p, h, keys, mode.train, mode.train_kw)
 
             try:
-                out = jax.eval_shape(run, stages_lib.abstract(params), h)
+                with stages_lib.recording_stale_draws() as stale:
+                    out = jax.eval_shape(run, stages_lib.abstract(params), h)
             except Exception as exc:
                 raise _stage_error(self.stages[index], index, h, mode, exc) from exc
+            if stale:
+                where = "Pipeline" if y is None else "Pipeline (train step)"
+                raise stages_lib.stale_draws_error(stale, [name for name, _ in mode.streams], where)
             h = out
         if y is not None:
             assert self._loss_fn is not None  # targets come only with a trainable pipeline
