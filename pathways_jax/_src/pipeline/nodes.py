@@ -29,6 +29,10 @@ class StateNodes:
 
     init: pw.JitFunction
     update: pw.JitFunction | None = None
+    # With max_grad_norm: the squared norm of the stage's gradients, and the update that
+    # first clips them by the model's global norm (from every stage's squared norm).
+    squared_norm: pw.JitFunction | None = None
+    clipped_update: pw.JitFunction | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,7 +51,13 @@ class Nodes:
     last_acc: pw.JitFunction | None = None
 
 
-def build_state_nodes(stage: Stage, slice_: pw.VirtualSlice, tx: OptaxLike | None, pspecs: Any) -> StateNodes:
+def build_state_nodes(
+    stage: Stage,
+    slice_: pw.VirtualSlice,
+    tx: OptaxLike | None,
+    pspecs: Any,
+    max_grad_norm: float | None = None,
+) -> StateNodes:
     if tx is None:
         return StateNodes(init=pw.jit(lambda p: p, devices=slice_, out_specs=pspecs))
     ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
@@ -56,9 +66,28 @@ def build_state_nodes(stage: Stage, slice_: pw.VirtualSlice, tx: OptaxLike | Non
         updates, o = tx.update(g, o, p)
         return optax.apply_updates(p, updates), o
 
+    def squared_norm(g: Any) -> jax.Array:
+        return optax.tree.norm(g, squared=True)
+
+    def clipped_update(p: Any, o: Any, g: Any, *squared: jax.Array) -> tuple[Any, Any]:
+        # optax.clip_by_global_norm's formula, with the norm of every stage's gradients.
+        assert max_grad_norm is not None
+        total = squared[0]
+        for value in squared[1:]:  # the same order on every stage
+            total = total + value
+        norm = jnp.sqrt(total)
+        keep = norm < max_grad_norm
+        g = jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_grad_norm), g)
+        return update(p, o, g)
+
+    clipping = max_grad_norm is not None
     return StateNodes(
         init=pw.jit(lambda p: (p, tx.init(p)), devices=slice_, out_specs=(pspecs, ospecs)),
         update=pw.jit(update, devices=slice_, out_specs=(pspecs, ospecs)),
+        squared_norm=pw.jit(squared_norm, devices=slice_, out_specs=pw.P()) if clipping else None,
+        clipped_update=pw.jit(clipped_update, devices=slice_, out_specs=(pspecs, ospecs))
+        if clipping
+        else None,
     )
 
 

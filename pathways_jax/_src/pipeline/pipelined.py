@@ -62,6 +62,14 @@ class Pipeline:
         one of those per stage.
       remat: keep only each stage's input between forward and backward and
         recompute the forward in the backward (less memory, one more forward).
+      max_grad_norm: clip the gradients by the global norm of the whole model's
+        gradients (all stages together) before every stage's optimizer, as
+        ``optax.clip_by_global_norm(max_grad_norm)`` first in the chain of the
+        unpipelined model does. Each stage's ``optimizer`` sees only that
+        stage's gradients, so an ``optax.clip_by_global_norm`` inside it clips
+        by the stage's own norm instead. The updates then wait for the last
+        stage's gradients (stage 0's, the schedule's last). ``loss_and_grads``
+        returns the gradients unclipped.
 
     Dropout and other randomness: every call takes keyword-only ``rngs`` (a
     Flax-style mapping, ``{"dropout": key}``) and ``train`` (``True``,
@@ -108,6 +116,7 @@ class Pipeline:
         data_axis: str | None = "data",
         param_specs: stages_lib.ParamSpecs | Sequence[stages_lib.ParamSpecs] = None,
         remat: bool = False,
+        max_grad_norm: float | None = None,
     ):
         normalised = stages_lib.as_stages(stages)
         if not normalised:
@@ -129,6 +138,16 @@ class Pipeline:
                 f"loss_fn must be a function (outputs, targets) -> scalar, got {type(loss_fn).__name__}."
             )
         txs = stages_lib.check_optimizers(optimizer, count, "Pipeline")
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, int | float)
+            or not max_grad_norm > 0
+        ):
+            raise pw.errors.ProgramTraceError(
+                f"max_grad_norm must be a number > 0 (the largest global norm of the model's "
+                f"gradients) or None, got {max_grad_norm!r}; e.g. max_grad_norm=1.0."
+            )
+        self.max_grad_norm = max_grad_norm
         if isinstance(param_specs, Sequence) and not isinstance(param_specs, pw.P):
             if len(param_specs) != count:
                 raise pw.errors.PlacementError(
@@ -149,7 +168,9 @@ class Pipeline:
             where = f"param_specs of Pipeline stage {index} ({stage.description})"
             specs = stages_lib.param_specs(stage.params, per_stage[index], slice_, where)
             self._param_specs.append(specs)
-            self._state_nodes.append(build_state_nodes(stage, slice_, tx if self._trainable else None, specs))
+            self._state_nodes.append(
+                build_state_nodes(stage, slice_, tx if self._trainable else None, specs, max_grad_norm)
+            )
         self._remat = remat
         # Place parameters and optimizer states on their slices: futures from here on.
         self._params: list[Any] = []
@@ -283,11 +304,25 @@ class Pipeline:
                     grads[s] = res
                 else:
                     grads[s], cots[(s - 1, m)] = res
-            if opt_states is not None and i == final[s]:
+            if opt_states is not None and i == final[s] and self.max_grad_norm is None:
                 # The stage's gradients are complete: update it now, on its slice.
                 update = self._state_nodes[s].update
                 assert update is not None  # opt_states: every stage has an optimizer
                 new_params[s], new_opt_states[s] = update(params[s], opt_states[s], grads[s])
+        if opt_states is not None and self.max_grad_norm is not None:
+            # Clipping by the model's global norm needs every stage's gradients: each stage's
+            # squared norm (a scalar) goes to every stage, which then clips and updates.
+            squared = []
+            for s in range(count):
+                squared_norm = self._state_nodes[s].squared_norm
+                assert squared_norm is not None
+                squared.append(squared_norm(grads[s]))
+            for s in range(count):
+                clipped_update = self._state_nodes[s].clipped_update
+                assert clipped_update is not None
+                new_params[s], new_opt_states[s] = clipped_update(
+                    params[s], opt_states[s], grads[s], *squared
+                )
         return loss, grads, tuple(new_params), tuple(new_opt_states)
 
     def _forward_fn(self, nodes_per_stage: list[Nodes], params: tuple, xs: tuple, keys: tuple) -> Any:
