@@ -104,3 +104,17 @@ def test_batch_pytrees_of_unequal_batch_sizes_are_named_errors():
         pipe.train_step(x, (y, weight[:4]))
     with pytest.raises(pw.errors.PlacementError, match=r"x\['mask'\] is a scalar"):
         pipe.forward({**x, "mask": 1.0})
+
+
+def test_data_parallel_x_and_y_of_different_batches_are_a_named_error_not_a_broadcast():
+    slices = island_slices(2, mesh={"data": 1})
+    dp = pipeline.DataParallel(
+        nnx.Linear(DIN, DOUT, rngs=nnx.Rngs(0)),
+        slices,
+        loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+        optimizer=optax.sgd(0.1),
+    )
+    x, (y, _) = make_batch(0)
+    # Shards of 4 inputs and 1 target: the loss would broadcast the target over the shard.
+    with pytest.raises(pw.errors.PlacementError, match="x has a batch of 8 but y of 2; they must match"):
+        dp.train_step(x["x"], y[:2])

@@ -277,6 +277,12 @@ class DataParallel:
 
     def _inputs(self, x: Any, y: Any, rngs: Rngs | None, train: bool | None, train_kw: str | None) -> tuple:
         xs, ys = self._split(x, "x"), self._split(y, "y")
+        x_batch, y_batch = (stages_lib.batch_size(part[0]) * len(part) for part in (xs, ys))
+        if x_batch != y_batch:
+            raise pw.errors.PlacementError(
+                f"{type(self).__name__}.train_step: x has a batch of {x_batch} but y of {y_batch}; "
+                "they must match (one target per example)."
+            )
         typed = rngs_lib.check_rngs(rngs, "DataParallel.train_step")
         mode = rngs_lib.mode_of(typed, train, "DataParallel.train_step", train_kw)
         stages_lib.check_train(self._parts, train, train_kw, "DataParallel.train_step")
