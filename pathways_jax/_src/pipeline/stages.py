@@ -251,12 +251,13 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                     deterministic=not train, use_running_average=not train, raise_if_not_found=False
                 )
             kwargs: dict[str, Any] = nnx_flag.kwargs(train, train_kw)
-            reseeded: Mapping[str, Any] = {}
+            reseeded: tuple[str, ...] = ()
             if rngs and takes_rngs:
                 kwargs["rngs"] = nnx.Rngs(**rngs)
             elif rngs:
-                reseeded = rngs  # keywords of reseed: stream names only
-                nnx.reseed(module, **reseeded)
+                streams: Mapping[str, Any] = rngs  # keywords of reseed: stream names only
+                nnx.reseed(module, **streams)
+                reseeded = tuple(streams)
             record = _STALE_DRAWS.get()
             if record is None:
                 return module(x, **kwargs)
