@@ -118,3 +118,55 @@ def test_data_parallel_x_and_y_of_different_batches_are_a_named_error_not_a_broa
     # Shards of 4 inputs and 1 target: the loss would broadcast the target over the shard.
     with pytest.raises(pw.errors.PlacementError, match="x has a batch of 8 but y of 2; they must match"):
         dp.train_step(x["x"], y[:2])
+
+
+class Embedder(nnx.Module):
+    """Passes the batch's integer positions on to the next stages, as transformer stages do."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(DIN, HIDDEN, rngs=nnx.Rngs(0))
+
+    def __call__(self, batch):
+        return jnp.tanh(self.linear(batch["x"])), batch["pos"]
+
+
+class Block(nnx.Module):
+    def __init__(self, dout, seed, last=False):
+        self.linear = nnx.Linear(HIDDEN, dout, rngs=nnx.Rngs(seed))
+        self.last = last
+
+    def __call__(self, carry):
+        h, pos = carry
+        out = self.linear(h) * (pos[:, None] % 3 > 0)
+        return out if self.last else (jnp.tanh(out), pos)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_integer_values_passed_between_stages_train_as_plain_jit(remat):
+    slices = island_slices(2, mesh={"data": 1})
+    stages = lambda: [Embedder(), Block(HIDDEN, 1), Block(DOUT, 2, last=True)]  # noqa: E731
+    rng = np.random.default_rng(0)
+    x = {"x": rng.normal(size=(BATCH, DIN)).astype(np.float32), "pos": np.arange(BATCH, dtype=np.int32)}
+    y = rng.normal(size=(BATCH, DOUT)).astype(np.float32)
+    mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
+    tx = optax.adam(1e-2)
+    pipe = pipeline.Pipeline(
+        stages(),
+        [slices[0], slices[1], slices[1]],
+        loss_fn=mse,
+        optimizer=tx,
+        num_microbatches=MICRO,
+        remat=remat,
+    )
+    loss = pipe.train_step(x, y)
+
+    params, apply = pipeline.sequential(stages())
+
+    def loss_fn(params):
+        pieces = [jax.tree.map(lambda a, i=i: jnp.split(a, MICRO)[i], (x, y)) for i in range(MICRO)]
+        return sum(mse(apply(params, xm), ym) for xm, ym in pieces) / MICRO
+
+    want_loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert_tree_close(loss, want_loss)
+    assert_tree_close(pipe.params, optax.apply_updates(params, updates))

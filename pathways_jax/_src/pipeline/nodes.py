@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -21,6 +21,24 @@ LossFn = Callable[[Any, Any], jax.Array]
 
 def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
+
+
+# What flows back between stages: the cotangents of the floating-point leaves of a stage's
+# output, as a list in leaf order. Integer leaves (token ids, positions, masks a stage passes
+# on) have no cotangent and are not differentiated.
+def _is_float(leaf: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact))
+
+
+def _floats(tree: Any) -> list[Any]:
+    return [leaf for leaf in jax.tree.leaves(tree) if _is_float(leaf)]
+
+
+def _with_floats(tree: Any, floats: Sequence[Any]) -> Any:
+    """``tree`` with its floating-point leaves replaced, in order, by ``floats``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    replacements = iter(floats)
+    return treedef.unflatten([next(replacements) if _is_float(leaf) else leaf for leaf in leaves])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,9 +142,23 @@ def build_nodes(
     def forward_vjp(p: Any, h: Any, *k: Any) -> tuple[Any, Any]:
         # The vjp function is a pytree whose leaves are the residual arrays:
         # they become node outputs and stay on the slice until the backward.
-        if first:  # the model input may be integer tokens: no cotangent for it
-            return jax.vjp(lambda p: apply(p, h, k), p)
-        return jax.vjp(lambda p, h: apply(p, h, k), p, h)
+        # Only floating-point leaves are differentiated (see _floats).
+        structure: list[Any] = []
+
+        def f(p: Any, h_floats: list[Any]) -> tuple[list[Any], list[Any]]:
+            leaves, treedef = jax.tree.flatten(apply(p, _with_floats(h, h_floats), k))
+            mask = [_is_float(leaf) for leaf in leaves]
+            structure.append((treedef, mask))
+            floats = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
+            return floats, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]
+
+        if first:  # the model input needs no cotangent (it may be integer tokens)
+            out_floats, vjp, out_rest = jax.vjp(lambda p: f(p, _floats(h)), p, has_aux=True)
+        else:
+            out_floats, vjp, out_rest = jax.vjp(f, p, _floats(h), has_aux=True)
+        treedef, mask = structure[-1]
+        floats, rest = iter(out_floats), iter(out_rest)
+        return treedef.unflatten([next(floats) if m else next(rest) for m in mask]), vjp
 
     def cotangents(vjp: Any, dy: Any) -> Any:
         cts = vjp(dy)
@@ -170,12 +202,12 @@ def build_nodes(
 
     def loss_grads(p: Any, h: Any, y: Any, *k: Any) -> tuple:
         # The step's loss is the mean over microbatches of each one's loss.
-        def f(p: Any, h: Any) -> jax.Array:
-            return loss_fn(apply(p, h, k), y) * scale
+        def f(p: Any, h_floats: list[Any]) -> jax.Array:
+            return loss_fn(apply(p, _with_floats(h, h_floats), k), y) * scale
 
         if first:
-            return jax.value_and_grad(lambda p: f(p, h))(p)
-        loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(p, h)
+            return jax.value_and_grad(lambda p: f(p, _floats(h)))(p)
+        loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(p, _floats(h))
         return loss, gp, gh
 
     def loss_grads_acc(p: Any, h: Any, y: Any, loss_acc: Any, acc: Any, *k: Any) -> tuple:

@@ -280,12 +280,12 @@ class Pipeline:
             if kind == "F":
                 assert nodes.fwd is not None  # a schedule runs only nodes built with a loss_fn
                 out = nodes.fwd(params[s], h, *k)
-                if isinstance(out, tuple):  # (output, vjp residuals)
-                    outs[(s, m)], vjp = out
-                    saved[(s, m)] = (vjp,)
-                else:  # remat: keep the input (and keys), recompute later
+                if self._remat:  # keep the input (and keys), recompute later
                     outs[(s, m)] = out
                     saved[(s, m)] = (params[s], h)
+                else:  # (output, vjp residuals); the output may itself be a tuple
+                    outs[(s, m)], vjp = out
+                    saved[(s, m)] = (vjp,)
             elif kind == "L":
                 assert nodes.last is not None and nodes.last_acc is not None  # on the last stage
                 if grads[s] is None:
