@@ -38,7 +38,7 @@ def _with_floats(tree: Any, floats: Sequence[Any]) -> Any:
     """``tree`` with its floating-point leaves replaced, in order, by ``floats``."""
     leaves, treedef = jax.tree.flatten(tree)
     replacements = iter(floats)
-    return treedef.unflatten([next(replacements) if _is_float(leaf) else leaf for leaf in leaves])
+    return jax.tree.unflatten(treedef, [next(replacements) if _is_float(leaf) else leaf for leaf in leaves])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
