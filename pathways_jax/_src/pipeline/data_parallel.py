@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
@@ -227,29 +226,39 @@ class DataParallel:
             self._programs[mode] = pw.program(data_parallel_train_step, name="data_parallel_train_step")
         return self._programs[mode]
 
-    def _split(self, x: Any, what: str) -> tuple[np.ndarray, ...]:
-        array = np.asarray(x)
+    def _split(self, x: Any, what: str) -> tuple[Any, ...]:
+        """``x`` (an array or a pytree of arrays, e.g. a dict batch) cut into one shard per slice."""
+        leaves, treedef, batch = stages_lib.batch_leaves(x, what)
         count = len(self.slices)
-        if array.ndim == 0 or array.shape[0] % count:
+        if batch % count:
             raise pw.errors.PlacementError(
-                f"{what} has shape {array.shape}; its first (batch) dimension must be a multiple of "
-                f"the {count} slices so each gets an equal shard."
+                f"{what} has a batch of {batch} examples; its first (batch) dimension must be a "
+                f"multiple of the {count} slices so each gets an equal shard."
             )
-        return stages_lib.split_over(
-            array, count, self.slices, self.data_axis, what=what, parts="shards", per="slices", place="slice"
+        return stages_lib.split_tree(
+            leaves,
+            treedef,
+            count,
+            self.slices,
+            self.data_axis,
+            what=what,
+            parts="shards",
+            per="slices",
+            place="slice",
         )
 
-    def _check(self, x: np.ndarray, y: np.ndarray, mode: Mode, rngs: dict[str, jax.Array] | None) -> None:
-        key = (x.shape, x.dtype, y.shape, y.dtype, mode)
+    def _check(self, x: Any, y: Any, mode: Mode, rngs: dict[str, jax.Array] | None) -> None:
+        key = (stages_lib.signature(x), stages_lib.signature(y), mode)
         if key in self._checked:
             return
         keys = None if rngs is None else rngs_lib.derive_rngs(rngs, 0, 0)
         try:
-            out = jax.eval_shape(
-                lambda p, x: self.stage.run(p, x, keys, mode.train, mode.train_kw),
-                stages_lib.abstract(self._params[0]),
-                x,
-            )
+            with stages_lib.recording_stale_draws() as stale:
+                out = jax.eval_shape(
+                    lambda p, x: self.stage.run(p, x, keys, mode.train, mode.train_kw),
+                    stages_lib.abstract(self._params[0]),
+                    x,
+                )
             loss = jax.eval_shape(self._loss_fn, out, y)
         except Exception as exc:
             given = [name for name, _ in mode.streams] or "no streams"
@@ -259,12 +268,21 @@ class DataParallel:
                 f"{type(exc).__name__}: {exc}. If the model needs an RNG stream, pass "
                 "rngs={'dropout': key} to train_step (or train=False)."
             ) from exc
+        if stale:
+            given = [name for name, _ in mode.streams]
+            raise stages_lib.stale_draws_error(stale, given, f"{type(self).__name__}.train_step")
         if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == ()):
             raise pw.errors.ProgramTraceError(f"loss_fn must return a float scalar, got {loss}.")
         self._checked.add(key)
 
     def _inputs(self, x: Any, y: Any, rngs: Rngs | None, train: bool | None, train_kw: str | None) -> tuple:
         xs, ys = self._split(x, "x"), self._split(y, "y")
+        x_batch, y_batch = (stages_lib.batch_size(part[0]) * len(part) for part in (xs, ys))
+        if x_batch != y_batch:
+            raise pw.errors.PlacementError(
+                f"{type(self).__name__}.train_step: x has a batch of {x_batch} but y of {y_batch}; "
+                "they must match (one target per example)."
+            )
         typed = rngs_lib.check_rngs(rngs, "DataParallel.train_step")
         mode = rngs_lib.mode_of(typed, train, "DataParallel.train_step", train_kw)
         stages_lib.check_train(self._parts, train, train_kw, "DataParallel.train_step")

@@ -56,6 +56,7 @@ import numpy as np
 from absl import logging
 
 import pathways_jax as pw
+from pathways_jax._src.pipeline import stages as stages_lib
 from pathways_jax._src.pipeline.data_parallel import DataParallel
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -516,7 +517,7 @@ class Manager:
     # --- checks -----------------------------------------------------------------------------
 
     def _check_batch(self, x: Any) -> None:
-        batch = np.shape(x)[0] if np.ndim(x) else 0
+        batch = stages_lib.batch_leaves(x, "x")[2]
         if batch in self._checked_batches:
             return
         counts = range(self.minimum_islands, len(self._homes) + 1)

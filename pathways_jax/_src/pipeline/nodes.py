@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,12 +23,34 @@ def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
+# What flows back between stages: the cotangents of the floating-point leaves of a stage's
+# output, as a list in leaf order. Integer leaves (token ids, positions, masks a stage passes
+# on) have no cotangent and are not differentiated.
+def _is_float(leaf: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact))
+
+
+def _floats(tree: Any) -> list[Any]:
+    return [leaf for leaf in jax.tree.leaves(tree) if _is_float(leaf)]
+
+
+def _with_floats(tree: Any, floats: Sequence[Any]) -> Any:
+    """``tree`` with its floating-point leaves replaced, in order, by ``floats``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    replacements = iter(floats)
+    return jax.tree.unflatten(treedef, [next(replacements) if _is_float(leaf) else leaf for leaf in leaves])
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StateNodes:
     """A stage's parameter placement and Optax update, on the stage's slice."""
 
     init: pw.JitFunction
     update: pw.JitFunction | None = None
+    # With max_grad_norm: the squared norm of the stage's gradients, and the update that
+    # first clips them by the model's global norm (from every stage's squared norm).
+    squared_norm: pw.JitFunction | None = None
+    clipped_update: pw.JitFunction | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,7 +69,13 @@ class Nodes:
     last_acc: pw.JitFunction | None = None
 
 
-def build_state_nodes(stage: Stage, slice_: pw.VirtualSlice, tx: OptaxLike | None, pspecs: Any) -> StateNodes:
+def build_state_nodes(
+    stage: Stage,
+    slice_: pw.VirtualSlice,
+    tx: OptaxLike | None,
+    pspecs: Any,
+    max_grad_norm: float | None = None,
+) -> StateNodes:
     if tx is None:
         return StateNodes(init=pw.jit(lambda p: p, devices=slice_, out_specs=pspecs))
     ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
@@ -56,9 +84,28 @@ def build_state_nodes(stage: Stage, slice_: pw.VirtualSlice, tx: OptaxLike | Non
         updates, o = tx.update(g, o, p)
         return optax.apply_updates(p, updates), o
 
+    def squared_norm(g: Any) -> jax.Array:
+        return optax.tree.norm(g, squared=True)
+
+    def clipped_update(p: Any, o: Any, g: Any, *squared: jax.Array) -> tuple[Any, Any]:
+        # optax.clip_by_global_norm's formula, with the norm of every stage's gradients.
+        assert max_grad_norm is not None
+        total = squared[0]
+        for value in squared[1:]:  # the same order on every stage
+            total = total + value
+        norm = jnp.sqrt(total)
+        keep = norm < max_grad_norm
+        g = jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_grad_norm), g)
+        return update(p, o, g)
+
+    clipping = max_grad_norm is not None
     return StateNodes(
         init=pw.jit(lambda p: (p, tx.init(p)), devices=slice_, out_specs=(pspecs, ospecs)),
         update=pw.jit(update, devices=slice_, out_specs=(pspecs, ospecs)),
+        squared_norm=pw.jit(squared_norm, devices=slice_, out_specs=pw.P()) if clipping else None,
+        clipped_update=pw.jit(clipped_update, devices=slice_, out_specs=(pspecs, ospecs))
+        if clipping
+        else None,
     )
 
 
@@ -95,9 +142,23 @@ def build_nodes(
     def forward_vjp(p: Any, h: Any, *k: Any) -> tuple[Any, Any]:
         # The vjp function is a pytree whose leaves are the residual arrays:
         # they become node outputs and stay on the slice until the backward.
-        if first:  # the model input may be integer tokens: no cotangent for it
-            return jax.vjp(lambda p: apply(p, h, k), p)
-        return jax.vjp(lambda p, h: apply(p, h, k), p, h)
+        # Only floating-point leaves are differentiated (see _floats).
+        structure: list[Any] = []
+
+        def f(p: Any, h_floats: list[Any]) -> tuple[list[Any], list[Any]]:
+            leaves, treedef = jax.tree.flatten(apply(p, _with_floats(h, h_floats), k))
+            mask = [_is_float(leaf) for leaf in leaves]
+            structure.append((treedef, mask))
+            floats = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
+            return floats, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]
+
+        if first:  # the model input needs no cotangent (it may be integer tokens)
+            out_floats, vjp, out_rest = jax.vjp(lambda p: f(p, _floats(h)), p, has_aux=True)
+        else:
+            out_floats, vjp, out_rest = jax.vjp(f, p, _floats(h), has_aux=True)
+        treedef, mask = structure[-1]
+        floats, rest = iter(out_floats), iter(out_rest)
+        return treedef.unflatten([next(floats) if m else next(rest) for m in mask]), vjp
 
     def cotangents(vjp: Any, dy: Any) -> Any:
         cts = vjp(dy)
@@ -141,12 +202,12 @@ def build_nodes(
 
     def loss_grads(p: Any, h: Any, y: Any, *k: Any) -> tuple:
         # The step's loss is the mean over microbatches of each one's loss.
-        def f(p: Any, h: Any) -> jax.Array:
-            return loss_fn(apply(p, h, k), y) * scale
+        def f(p: Any, h_floats: list[Any]) -> jax.Array:
+            return loss_fn(apply(p, _with_floats(h, h_floats), k), y) * scale
 
         if first:
-            return jax.value_and_grad(lambda p: f(p, h))(p)
-        loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(p, h)
+            return jax.value_and_grad(lambda p: f(p, _floats(h)))(p)
+        loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(p, _floats(h))
         return loss, gp, gh
 
     def loss_grads_acc(p: Any, h: Any, y: Any, loss_acc: Any, acc: Any, *k: Any) -> tuple:

@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import errors as flax_errors
 
 import pathways_jax as pw
@@ -63,6 +62,14 @@ class Pipeline:
         one of those per stage.
       remat: keep only each stage's input between forward and backward and
         recompute the forward in the backward (less memory, one more forward).
+      max_grad_norm: clip the gradients by the global norm of the whole model's
+        gradients (all stages together) before every stage's optimizer, as
+        ``optax.clip_by_global_norm(max_grad_norm)`` first in the chain of the
+        unpipelined model does. Each stage's ``optimizer`` sees only that
+        stage's gradients, so an ``optax.clip_by_global_norm`` inside it clips
+        by the stage's own norm instead. The updates then wait for the last
+        stage's gradients (stage 0's, the schedule's last). ``loss_and_grads``
+        returns the gradients unclipped.
 
     Dropout and other randomness: every call takes keyword-only ``rngs`` (a
     Flax-style mapping, ``{"dropout": key}``) and ``train`` (``True``,
@@ -109,6 +116,7 @@ class Pipeline:
         data_axis: str | None = "data",
         param_specs: stages_lib.ParamSpecs | Sequence[stages_lib.ParamSpecs] = None,
         remat: bool = False,
+        max_grad_norm: float | None = None,
     ):
         normalised = stages_lib.as_stages(stages)
         if not normalised:
@@ -130,6 +138,16 @@ class Pipeline:
                 f"loss_fn must be a function (outputs, targets) -> scalar, got {type(loss_fn).__name__}."
             )
         txs = stages_lib.check_optimizers(optimizer, count, "Pipeline")
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, int | float)
+            or not max_grad_norm > 0
+        ):
+            raise pw.errors.ProgramTraceError(
+                f"max_grad_norm must be a number > 0 (the largest global norm of the model's "
+                f"gradients) or None, got {max_grad_norm!r}; e.g. max_grad_norm=1.0."
+            )
+        self.max_grad_norm = max_grad_norm
         if isinstance(param_specs, Sequence) and not isinstance(param_specs, pw.P):
             if len(param_specs) != count:
                 raise pw.errors.PlacementError(
@@ -150,7 +168,9 @@ class Pipeline:
             where = f"param_specs of Pipeline stage {index} ({stage.description})"
             specs = stages_lib.param_specs(stage.params, per_stage[index], slice_, where)
             self._param_specs.append(specs)
-            self._state_nodes.append(build_state_nodes(stage, slice_, tx if self._trainable else None, specs))
+            self._state_nodes.append(
+                build_state_nodes(stage, slice_, tx if self._trainable else None, specs, max_grad_norm)
+            )
         self._remat = remat
         # Place parameters and optimizer states on their slices: futures from here on.
         self._params: list[Any] = []
@@ -260,12 +280,12 @@ class Pipeline:
             if kind == "F":
                 assert nodes.fwd is not None  # a schedule runs only nodes built with a loss_fn
                 out = nodes.fwd(params[s], h, *k)
-                if isinstance(out, tuple):  # (output, vjp residuals)
-                    outs[(s, m)], vjp = out
-                    saved[(s, m)] = (vjp,)
-                else:  # remat: keep the input (and keys), recompute later
+                if self._remat:  # keep the input (and keys), recompute later
                     outs[(s, m)] = out
                     saved[(s, m)] = (params[s], h)
+                else:  # (output, vjp residuals); the output may itself be a tuple
+                    outs[(s, m)], vjp = out
+                    saved[(s, m)] = (vjp,)
             elif kind == "L":
                 assert nodes.last is not None and nodes.last_acc is not None  # on the last stage
                 if grads[s] is None:
@@ -284,11 +304,25 @@ class Pipeline:
                     grads[s] = res
                 else:
                     grads[s], cots[(s - 1, m)] = res
-            if opt_states is not None and i == final[s]:
+            if opt_states is not None and i == final[s] and self.max_grad_norm is None:
                 # The stage's gradients are complete: update it now, on its slice.
                 update = self._state_nodes[s].update
                 assert update is not None  # opt_states: every stage has an optimizer
                 new_params[s], new_opt_states[s] = update(params[s], opt_states[s], grads[s])
+        if opt_states is not None and self.max_grad_norm is not None:
+            # Clipping by the model's global norm needs every stage's gradients: each stage's
+            # squared norm (a scalar) goes to every stage, which then clips and updates.
+            squared = []
+            for s in range(count):
+                squared_norm = self._state_nodes[s].squared_norm
+                assert squared_norm is not None
+                squared.append(squared_norm(grads[s]))
+            for s in range(count):
+                clipped_update = self._state_nodes[s].clipped_update
+                assert clipped_update is not None
+                new_params[s], new_opt_states[s] = clipped_update(
+                    params[s], opt_states[s], grads[s], *squared
+                )
         return loss, grads, tuple(new_params), tuple(new_opt_states)
 
     def _forward_fn(self, nodes_per_stage: list[Nodes], params: tuple, xs: tuple, keys: tuple) -> Any:
@@ -311,22 +345,19 @@ class Pipeline:
 
     # -- checks before anything runs ----------------------------------------------------------
 
-    def _split(self, x: Any, what: str) -> tuple[np.ndarray, ...]:
-        array = np.asarray(x)
+    def _split(self, x: Any, what: str) -> tuple[Any, ...]:
+        """``x`` (an array or a pytree of arrays, e.g. a dict batch) cut into the microbatches."""
+        leaves, treedef, batch = stages_lib.batch_leaves(x, what)
         micro = self.num_microbatches
-        if array.ndim == 0:
-            raise pw.errors.PlacementError(
-                f"{what} is a scalar; expected an array whose first dimension is the batch."
-            )
-        batch = array.shape[0]
         if batch % micro:
             raise pw.errors.PlacementError(
                 f"{what} has a batch of {batch} examples, which num_microbatches={micro} does not "
                 f"divide; use a batch size that is a multiple of {micro}, or a num_microbatches "
                 f"that divides {batch}."
             )
-        return stages_lib.split_over(
-            array,
+        return stages_lib.split_tree(
+            leaves,
+            treedef,
             micro,
             self.slices,
             self.data_axis,
@@ -336,13 +367,11 @@ class Pipeline:
             place="stage",
         )
 
-    def _check_chain(
-        self, x: np.ndarray, y: np.ndarray | None, mode: Mode, rngs: dict[str, jax.Array] | None
-    ) -> None:
-        key = (x.shape, x.dtype, None if y is None else (y.shape, y.dtype), mode)
+    def _check_chain(self, x: Any, y: Any | None, mode: Mode, rngs: dict[str, jax.Array] | None) -> None:
+        key = (stages_lib.signature(x), None if y is None else stages_lib.signature(y), mode)
         if key in self._checked:
             return
-        h: Any = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        h: Any = stages_lib.abstract(x)
         for index, (stage, params) in enumerate(zip(self.stages, self._params, strict=True)):
             keys = None if rngs is None else rngs_lib.derive_rngs(rngs, index, 0)
 
@@ -350,14 +379,18 @@ class Pipeline:
                 return stage.run(p, h, keys, mode.train, mode.train_kw)
 
             try:
-                out = jax.eval_shape(run, stages_lib.abstract(params), h)
+                with stages_lib.recording_stale_draws() as stale:
+                    out = jax.eval_shape(run, stages_lib.abstract(params), h)
             except Exception as exc:
                 raise _stage_error(self.stages[index], index, h, mode, exc) from exc
+            if stale:
+                where = "Pipeline" if y is None else "Pipeline (train step)"
+                raise stages_lib.stale_draws_error(stale, [name for name, _ in mode.streams], where)
             h = out
         if y is not None:
             assert self._loss_fn is not None  # targets come only with a trainable pipeline
             try:
-                loss = jax.eval_shape(self._loss_fn, h, jax.ShapeDtypeStruct(y.shape, y.dtype))
+                loss = jax.eval_shape(self._loss_fn, h, stages_lib.abstract(y))
             except Exception as exc:
                 raise pw.errors.ProgramTraceError(
                     f"loss_fn cannot take the last stage's output {stages_lib.describe(h)} and targets "
@@ -391,10 +424,9 @@ class Pipeline:
                 "only); use Pipeline(..., loss_fn=..., optimizer=optax...)."
             )
         xs, ys = self._split(x, "x"), self._split(y, "y")
-        if xs[0].shape[0] * len(xs) != ys[0].shape[0] * len(ys):
-            raise pw.errors.PlacementError(
-                f"x has a batch of {np.shape(x)[0]} but y of {np.shape(y)[0]}; they must match."
-            )
+        x_batch, y_batch = (stages_lib.batch_size(part[0]) * len(part) for part in (xs, ys))
+        if x_batch != y_batch:
+            raise pw.errors.PlacementError(f"x has a batch of {x_batch} but y of {y_batch}; they must match.")
         mode, typed, keys = self._mode(rngs, train, train_kw, what)
         self._check_chain(xs[0], ys[0], mode, typed)
         return xs, ys, mode, keys

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -93,6 +95,63 @@ class Stage:
         return self.call(params, x, rngs, train, train_kw)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StaleDraw:
+    """An NNX stage drew random numbers from one of its own RNG streams that the step's ``rngs`` do not reseed.
+
+    Such a stream starts every node from the same key and count, so every step and every
+    microbatch would draw the same numbers (the same dropout mask), where ``nnx.jit``
+    advances the stream call by call.
+    """
+
+    description: str
+    path: str  # where the stream sits in the module, e.g. "dropout.rngs"
+    tag: str  # the stream's name, e.g. "default" or "dropout"
+
+
+# While a check traces the stages (abstractly, before anything runs), NNX stages note here
+# the own streams they draw from that the step's rngs do not reseed (see StaleDraw).
+_STALE_DRAWS: contextvars.ContextVar[list[StaleDraw] | None] = contextvars.ContextVar(
+    "pipeline_stale_draws", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_stale_draws() -> Iterator[list[StaleDraw]]:
+    """Collects the :class:`StaleDraw` s of the stage calls traced inside the block."""
+    record: list[StaleDraw] = []
+    token = _STALE_DRAWS.set(record)
+    try:
+        yield record
+    finally:
+        _STALE_DRAWS.reset(token)
+
+
+def stale_draws_error(
+    draws: Sequence[StaleDraw], given: Sequence[str], where: str
+) -> pw.errors.ProgramTraceError:
+    """The error for stages that would draw the same random numbers every step (see :class:`StaleDraw`)."""
+    shown = "; ".join(f"{d.description} draws from its stream {d.tag!r} at {d.path}" for d in draws[:4])
+    tags = sorted({d.tag for d in draws})
+    return pw.errors.ProgramTraceError(
+        f"{where}: {shown}, which the call's rngs (streams {sorted(given) or 'none'}) do not reseed, so "
+        "every step and every microbatch would use the same random numbers (the same dropout mask), "
+        "unlike nnx.jit, which advances the stream on every call. Pass a fresh key for each such "
+        f"stream every step, e.g. rngs={{{', '.join(f'{t!r}: jax.random.fold_in(key, step)' for t in tags)}}} "
+        "(a layer built with nnx.Rngs(0) draws from the 'default' stream; build it with "
+        "nnx.Rngs(0, dropout=1) to name it 'dropout'), or pass train=False to run without randomness."
+    )
+
+
+def _stream_counts(module: nnx.Module) -> dict[tuple, tuple[str, Any]]:
+    """Every RNG stream of ``module`` by path: its tag and its count's current value."""
+    return {
+        path: (node.tag, node.count.get_value())
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.RngStream)
+    }
+
+
 def _nnx_flag(model: nnx.Module) -> TrainFlag:
     """How an NNX module takes ``train``: its ``__call__``'s keywords and its layers' attributes."""
     signature = signature_of(type(model).__call__)
@@ -150,7 +209,9 @@ def as_stage(model: Any, index: int = 0) -> Stage:
     them as ``module.apply(..., rngs=rngs)``, an ``apply_fn`` taking ``rngs``
     gets the mapping, and an NNX module gets ``nnx.Rngs(**rngs)`` if its
     ``__call__`` has an ``rngs`` parameter, else its own streams are reseeded
-    with them (``nnx.reseed``).
+    with them (``nnx.reseed``). A pipeline's checks reject an NNX stage that
+    draws from one of its own streams that ``rngs`` does not reseed: it would
+    draw the same numbers on every step (see :class:`StaleDraw`).
 
     Returns:
       A :class:`Stage`.
@@ -176,6 +237,7 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         nnx_flag = _nnx_flag(model)
         takes_rngs = "rngs" in nnx_flag.signature.names
         running, trains_untold = _running_statistics(model)
+        description = f"nnx {type(model).__name__}"
 
         def apply_nnx(p: Any, x: Any) -> Any:
             return nnx.merge(graphdef, p, rest)(x)
@@ -189,18 +251,30 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                     deterministic=not train, use_running_average=not train, raise_if_not_found=False
                 )
             kwargs: dict[str, Any] = nnx_flag.kwargs(train, train_kw)
+            reseeded: tuple[str, ...] = ()
             if rngs and takes_rngs:
                 kwargs["rngs"] = nnx.Rngs(**rngs)
             elif rngs:
                 streams: Mapping[str, Any] = rngs  # keywords of reseed: stream names only
                 nnx.reseed(module, **streams)
-            return module(x, **kwargs)
+                reseeded = tuple(streams)
+            record = _STALE_DRAWS.get()
+            if record is None:
+                return module(x, **kwargs)
+            before = _stream_counts(module)
+            out = module(x, **kwargs)
+            for path, (tag, count) in _stream_counts(module).items():
+                if count is not before[path][1] and tag not in reseeded:  # drawn from, not reseeded
+                    record.append(
+                        StaleDraw(f"stage {index} ({description})", ".".join(str(part) for part in path), tag)
+                    )
+            return out
 
         return Stage(
             params,
             apply_nnx,
             "nnx",
-            f"nnx {type(model).__name__}",
+            description,
             call_nnx,
             nnx_flag,
             running,
@@ -435,6 +509,76 @@ def data_parts(slice_: pw.VirtualSlice, data_axis: str | None) -> int:
     if data_axis is not None and data_axis in slice_.axis_names:
         return slice_.shape[slice_.axis_names.index(data_axis)]
     return 1
+
+
+def _is_batch_leaf(node: Any) -> bool:
+    # A list is one array (nested lists of numbers), as np.asarray reads it; tuples, dicts and
+    # other pytree nodes hold several arrays (a dict batch, a tuple of targets).
+    return isinstance(node, list)
+
+
+def batch_leaves(x: Any, what: str) -> tuple[list[np.ndarray], Any, int]:
+    """``x`` (an array or a pytree of arrays) as host arrays, its tree structure and its batch size.
+
+    Every leaf leads with the batch dimension, of one size for all leaves.
+
+    Raises:
+      PlacementError: ``x`` has no arrays, a leaf is a scalar, or the leaves' batch sizes differ.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_batch_leaf)
+    if not flat:
+        raise pw.errors.PlacementError(
+            f"{what} is {type(x).__name__} {x!r:.60} with no arrays; expected an array, or a pytree "
+            "(dict, tuple) of arrays, whose first dimension is the batch."
+        )
+    leaves: list[np.ndarray] = []
+    for path, leaf in flat:
+        name = what + jax.tree_util.keystr(path)
+        try:
+            array = np.asarray(leaf)
+        except Exception as exc:
+            raise pw.errors.PlacementError(
+                f"{name} is {type(leaf).__name__} {leaf!r:.60}, not an array ({type(exc).__name__}: "
+                f"{exc}); pass arrays whose first dimension is the batch."
+            ) from exc
+        if array.ndim == 0 or array.dtype == object:
+            raise pw.errors.PlacementError(
+                f"{name} is {'a scalar' if array.ndim == 0 else 'not a numeric array'} "
+                f"({type(leaf).__name__} {leaf!r:.60}); expected an array whose first dimension is the batch."
+            )
+        leaves.append(array)
+    sizes = {
+        what + jax.tree_util.keystr(path): array.shape[0]
+        for (path, _), array in zip(flat, leaves, strict=True)
+    }
+    if len(set(sizes.values())) > 1:
+        raise pw.errors.PlacementError(
+            f"the arrays of {what} have different batch sizes (first dimensions): {sizes}; every array "
+            "of a batch leads with the same batch dimension."
+        )
+    return leaves, treedef, leaves[0].shape[0]
+
+
+def split_tree(
+    leaves: list[np.ndarray], treedef: Any, count: int, slices: Any, data_axis: str | None, **kwargs: Any
+) -> tuple[Any, ...]:
+    """The batch of :func:`batch_leaves` cut into ``count`` pieces, each a pytree like the batch.
+
+    ``kwargs`` are :func:`split_over`'s keywords (for its error).
+    """
+    pieces = [split_over(leaf, count, slices, data_axis, **kwargs) for leaf in leaves]
+    return tuple(treedef.unflatten([piece[i] for piece in pieces]) for i in range(count))
+
+
+def batch_size(tree: Any) -> int:
+    """The batch size of a pytree of batch-leading arrays (its first leaf's first dimension)."""
+    return int(np.shape(jax.tree.leaves(tree)[0])[0])
+
+
+def signature(tree: Any) -> tuple:
+    """A hashable key of a pytree of arrays: its structure and every leaf's shape and dtype."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(leaf), np.dtype(leaf.dtype)) for leaf in leaves)
 
 
 def split_over(
