@@ -500,21 +500,27 @@ def test_hosts_whose_cpus_others_hold_are_refused_in_seconds_saying_what_is_free
     """The cluster has the CPUs, but the island service's hosts hold some: a service (or pw.init)
     asking for more than are free is refused once none came free for a grace period, naming
     what it needs and what is free, not after placement's 120 s timeout."""
-    from pathways_jax._src.backends import ray_fleet
 
     total = int(ray_cluster.cluster_resources()["CPU"])
     free = total - 2  # the island service's 2 hosts hold the rest
     assert wait_for(lambda: ray_cluster.available_resources().get("CPU", 0) == free, timeout=10)
     said = rf"they need {free + 1} CPU \(the cluster has {total}, {free} of them free\)"
+    # The grace (10 s by default) is the starter's PATHWAYS_JAX_ROOM_GRACE_S: the service's actor,
+    # which places the hosts, takes it from this process. Not a number of seconds: refused first.
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("PATHWAYS_JAX_ROOM_GRACE_S", bad)
+        with pytest.raises(pw.errors.ClusterError, match=rf"PATHWAYS_JAX_ROOM_GRACE_S must be .*'{bad}'"):
+            pw.serve("never-placed", hosts=free + 1)
+    monkeypatch.setenv("PATHWAYS_JAX_ROOM_GRACE_S", "1.5")
     started = time.monotonic()
-    with pytest.raises(pw.errors.ClusterError, match=said):  # the grace the hosts' actor waits
+    with pytest.raises(pw.errors.ClusterError, match=said + r", and no more came free for 1.5s"):
         pw.serve("never-placed", hosts=free + 1)
-    assert time.monotonic() - started < ray_fleet.ROOM_GRACE_S + 15
+    assert time.monotonic() - started < 1.5 + 15
     with pytest.raises(pw.errors.ClusterError, match="no controller service named 'never-placed'"):
         pw.service("never-placed")
-    monkeypatch.setattr(ray_fleet, "ROOM_GRACE_S", 0.5)  # this process places pw.init's hosts itself
+    monkeypatch.setenv("PATHWAYS_JAX_ROOM_GRACE_S", "0.5")  # this process places pw.init's hosts itself
     started = time.monotonic()
-    with pytest.raises(pw.errors.ClusterError, match=said):
+    with pytest.raises(pw.errors.ClusterError, match=said + r", and no more came free for 0.5s"):
         pw.init(backend="ray", address=island_service.address, hosts=free + 1)
     assert time.monotonic() - started < 10
     # Nothing of either was left holding CPUs; the service serves on.

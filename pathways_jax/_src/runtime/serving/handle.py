@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends import ray_fleet
 from pathways_jax._src.backends.ray_boot import check_cpus, check_gpus
 from pathways_jax._src.backends.ray_failures import is_lost_error
 from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
@@ -190,6 +191,7 @@ def serve(
         raise errors.ClusterError(
             f"silent_client_timeout must be None or a number of seconds > 0, got {silent_client_timeout!r}."
         )
+    room_grace_s = ray_fleet.room_grace_s()  # this process's PATHWAYS_JAX_ROOM_GRACE_S, for the service
     ray = connect(address, start=True, hosts=hosts)
     check_cpus(ray, hosts)
     if platform == "gpu":
@@ -217,6 +219,7 @@ def serve(
         x64=bool(jax.config.read("jax_enable_x64")),
         stalled_client_timeout=float(stalled_client_timeout),
         silent_client_timeout=None if silent_client_timeout is None else float(silent_client_timeout),
+        room_grace_s=room_grace_s,
     )
     actor = (
         ray.remote(ServiceActor)
