@@ -44,9 +44,14 @@ def island_service(ray_cluster):
 
 
 class Clients:
-    """Client subprocesses of one test, reporting through JSON files in ``folder``."""
+    """Client subprocesses of one test, reporting through JSON files in ``folder``.
 
-    def __init__(self, svc: pw.Service, folder: pathlib.Path):
+    ``svc``: the service they join (a ``pw.Service``), or its ``(address, name)``
+    when they start before it: each waits for it to run.
+    """
+
+    def __init__(self, svc: pw.Service | tuple[str, str], folder: pathlib.Path):
+        self.address, self.name = (svc.address, svc.name) if isinstance(svc, pw.Service) else svc
         self.svc = svc
         self.folder = folder
         self.procs: dict[str, subprocess.Popen] = {}
@@ -57,8 +62,8 @@ class Clients:
                 [
                     sys.executable,
                     CLIENT,
-                    self.svc.address,
-                    self.svc.name,
+                    self.address,
+                    self.name,
                     name,
                     str(self.folder),
                     mode,
@@ -244,8 +249,10 @@ def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler
     # with weights 1:3 they get 1/4 and 3/4 of the device time (within 10%);
     # under "priority" the higher one gets all of it but what the starvation
     # bound gives the other; under "fifo", runs go in arrival order: halves.
-    svc = pw.serve(f"test-{scheduler}-{size}", hosts=1, devices_per_host=size, scheduler=scheduler, window=2)
-    group = Clients(svc, tmp_path)
+    # The client processes start first (Python and JAX take seconds) and join once the service runs.
+    name = f"test-{scheduler}-{size}"
+    group = Clients((ray_cluster.get_runtime_context().gcs_address, name), tmp_path)
+    svc = None
     try:
         # (weight, priority) of each; under "fifo" neither counts.
         light, heavy = {"fair": (("1.0", "0"), ("3.0", "0")), "fifo": (("3.0", "0"), ("1.0", "5"))}.get(
@@ -253,6 +260,7 @@ def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler
         )
         group.start("light", "busy", *light, str(size))
         group.start("heavy", "busy", *heavy, str(size))
+        svc = pw.serve(name, hosts=1, devices_per_host=size, scheduler=scheduler, window=2)
         group.wait_state("light", "running")
         group.wait_state("heavy", "running")
         shares = _shares(svc, ("light", "heavy"), 6.0)
@@ -267,7 +275,8 @@ def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler
         assert _client_rows(svc)["light"]["by_client"].keys() == {"light"}
     finally:
         group.close()
-        svc.stop()
+        if svc is not None:
+            svc.stop()
 
 
 @pytest.fixture
@@ -847,8 +856,14 @@ def test_a_stopped_client_is_dropped_by_its_silence_and_then_told_so_a_quiet_one
     from pathways_jax._src import wire
     from pathways_jax._src.backends.service_client import NAMESPACE, Token
 
-    svc = pw.serve("test-silent", hosts=1, devices_per_host=1, silent_client_timeout=2.0)
-    group = Clients(svc, tmp_path)
+    # The client process starts first (Python and JAX take seconds) and joins once the service runs.
+    group = Clients((ray_cluster.get_runtime_context().gcs_address, "test-silent"), tmp_path)
+    proc = group.start("sleeper", "pause", "4")
+    try:
+        svc = pw.serve("test-silent", hosts=1, devices_per_host=1, silent_client_timeout=2.0)
+    except BaseException:
+        group.close()  # it stops waiting for the service
+        raise
     actor = ray.get_actor(svc.name, namespace=NAMESPACE)
     token = ray.remote(Token).options(num_cpus=0).remote()
     quiet = None
@@ -857,7 +872,6 @@ def test_a_stopped_client_is_dropped_by_its_silence_and_then_told_so_a_quiet_one
         end = ray.get(actor.join.remote("quiet", os.getpid(), "test", token, x64), timeout=60)["channel"]
         # Says nothing but its heartbeat (as every client's channel does, from its own thread).
         quiet = wire.Peer(end.address, end.key, identity=end.identity, heartbeat=0.3)
-        proc = group.start("sleeper", "pause", "4")
         group.wait_state("sleeper", "holding")
         assert _client_rows(svc)["sleeper"]["bytes_held"] >= 4 * 256 * 4
         os.kill(proc.pid, signal.SIGSTOP)
