@@ -26,7 +26,10 @@ from pathways_jax._src.core import errors
 _PING_S = 0.25  # how often the monitor looks at every host
 # A host whose channel said nothing, not even a heartbeat (one a second), for this long is hung
 # (a stopped or wedged process: Ray still sees its actor alive): it is killed and counts as lost.
+# PATHWAYS_JAX_HUNG_S (seconds) in the environment of the process that watches the hosts
+# (pw.init's, or pw.serve's: the service takes its starter's) sets another.
 HUNG_S = 10.0
+HUNG_ENV = "PATHWAYS_JAX_HUNG_S"
 START_TIMEOUT_S = 120.0
 # A placement the Ray cluster had no free room for (its CPUs, or GPUs, held by others: another
 # service's hosts, another job's actors) all this long is refused, not waited on for START_TIMEOUT_S.
@@ -67,27 +70,37 @@ def results(answers: list[concurrent.futures.Future], timeout: float) -> list:
     return [answer.result(timeout=max(0.0, deadline - time.monotonic())) for answer in answers]
 
 
-def room_grace_s() -> float:
-    """Seconds a placement may find too few free resources before it is refused.
-
-    ``PATHWAYS_JAX_ROOM_GRACE_S`` in this process's environment, else ``ROOM_GRACE_S``.
+def _seconds_from_env(name: str, default: float) -> float:
+    """Seconds that environment variable ``name`` says, else ``default``.
 
     Raises:
       ClusterError: the variable is not a number of seconds > 0.
     """
-    said = os.environ.get(ROOM_GRACE_ENV)
+    said = os.environ.get(name)
     if said is None:
-        return ROOM_GRACE_S
+        return default
     try:
-        grace = float(said)
+        seconds = float(said)
     except ValueError:
-        grace = float("nan")
-    if not 0 < grace < float("inf"):
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
         raise errors.ClusterError(
-            f"{ROOM_GRACE_ENV} must be a number of seconds > 0, got {said!r}; set it to one "
-            f"(or unset it for the default {ROOM_GRACE_S:g})."
+            f"{name} must be a number of seconds > 0, got {said!r}; set it to one "
+            f"(or unset it for the default {default:g})."
         )
-    return grace
+    return seconds
+
+
+def room_grace_s() -> float:
+    """Seconds a placement may find too few free resources before it is refused:
+    ``PATHWAYS_JAX_ROOM_GRACE_S`` in this process's environment, else ``ROOM_GRACE_S``."""
+    return _seconds_from_env(ROOM_GRACE_ENV, ROOM_GRACE_S)
+
+
+def hung_s() -> float:
+    """Seconds of silence after which a host is hung: ``PATHWAYS_JAX_HUNG_S`` in this process's
+    environment, else ``HUNG_S``."""
+    return _seconds_from_env(HUNG_ENV, HUNG_S)
 
 
 def place(ray: Any, pg: Any, bundle: dict[str, float], hosts: int, grace: float) -> None:
@@ -154,6 +167,7 @@ class HostActors:
             bundle["GPU"] = devices_per_host
             check_gpus(ray, hosts, devices_per_host)
         grace = room_grace_s()
+        self.hung_s = hung_s()
         self.pg = placement_group([bundle] * hosts, strategy="SPREAD")
         try:
             place(ray, self.pg, bundle, hosts, grace)
@@ -346,7 +360,7 @@ class HostActors:
             if host in watcher.lost_hosts or watcher.closed:
                 continue
             silent = self.link.silent_for(host)
-            if silent is not None and silent > HUNG_S:
+            if silent is not None and silent > self.hung_s:
                 with contextlib.suppress(Exception):
                     ray.kill(self.actors[host], no_restart=True)
                 watcher.mark_lost(

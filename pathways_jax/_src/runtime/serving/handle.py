@@ -191,7 +191,8 @@ def serve(
         raise errors.ClusterError(
             f"silent_client_timeout must be None or a number of seconds > 0, got {silent_client_timeout!r}."
         )
-    room_grace_s = ray_fleet.room_grace_s()  # this process's PATHWAYS_JAX_ROOM_GRACE_S, for the service
+    # This process's PATHWAYS_JAX_ROOM_GRACE_S and PATHWAYS_JAX_HUNG_S, for the service.
+    room_grace_s, hung_s = ray_fleet.room_grace_s(), ray_fleet.hung_s()
     ray = connect(address, start=True, hosts=hosts)
     check_cpus(ray, hosts)
     if platform == "gpu":
@@ -220,6 +221,7 @@ def serve(
         stalled_client_timeout=float(stalled_client_timeout),
         silent_client_timeout=None if silent_client_timeout is None else float(silent_client_timeout),
         room_grace_s=room_grace_s,
+        hung_s=hung_s,
     )
     actor = (
         ray.remote(ServiceActor)
