@@ -12,6 +12,7 @@ protocol between them.
 """
 
 import ast
+import functools
 import pathlib
 import re
 import shutil
@@ -34,6 +35,12 @@ def _imports(path: pathlib.Path, annotations: bool = False):
 
     ``annotations``: the imports under ``if TYPE_CHECKING:`` instead, and those alone.
     """
+    return _imports_in(path.read_text(), annotations)
+
+
+@functools.cache
+def _imports_in(text: str, annotations: bool) -> tuple:
+    """:func:`_imports` of a module's source: a scratch copy's unchanged files are parsed once."""
     found = []
 
     def visit(node, function, typing):
@@ -59,8 +66,8 @@ def _imports(path: pathlib.Path, annotations: bool = False):
                         found.append((alias.name, alias.name, inner, child.lineno))
         visit(child, inner, typing)
 
-    visit(ast.parse(path.read_text()), None, False)
-    return found
+    visit(ast.parse(text), None, False)
+    return tuple(found)
 
 
 def violations(package: pathlib.Path) -> list[str]:
