@@ -1,6 +1,8 @@
 """Shared test helpers: comparing program results with plain jax.jit."""
 
 import contextlib
+import functools
+import json
 import os
 import pathlib
 import subprocess
@@ -117,3 +119,24 @@ def mlp_batches(steps, batch, seed=0):
         rng.normal(size=(steps, batch, 8)).astype(np.float32),
         rng.normal(size=(steps, batch, 2)).astype(np.float32),
     )
+
+
+@functools.cache
+def modules_of_a_fresh_import() -> dict[str, list[str]]:
+    """The modules a fresh Python process has loaded after ``import pathways_jax`` (``"package"``),
+    then after ``import pathways_jax.pipeline`` too (``"pipeline"``).
+
+    One process for every test that asks (a Python and JAX start costs seconds).
+    """
+    code = (
+        "import json, sys\n"
+        "import pathways_jax\n"
+        "package = sorted(sys.modules)\n"
+        "import pathways_jax.pipeline\n"
+        "print(json.dumps({'package': package, 'pipeline': sorted(sys.modules)}))\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
