@@ -87,6 +87,37 @@ def _all_free(ray, cpus: int, timeout: float = 10.0) -> bool:
     return False
 
 
+# Quick benchmark runs that go side by side (each mostly compiles, on one core): by test name.
+_SIDE_BY_SIDE = {
+    "test_demo_benchmark_quick_mode_reports_every_mode": ("benchmarks/demo.py", "--quick"),
+    "test_many_leaves_benchmark_quick_mode_reports_every_phase": ("benchmarks/many_leaves.py", "--quick"),
+    "test_pipeline_benchmark_quick_mode_reports_every_mode": (
+        "benchmarks/pipeline.py",
+        "--quick",
+        "--stages=2",
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def side_by_side(request, tmp_path_factory):
+    """The quick benchmark runs of ``_SIDE_BY_SIDE`` whose tests this session runs, all started at
+    the first that asks: test name -> (``helpers.Script``, its ``--out`` folder)."""
+    from helpers import start_script
+
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
+    runs = {}
+    for name, (script, *flags) in _SIDE_BY_SIDE.items():
+        if name in selected:
+            out = tmp_path_factory.mktemp(name)
+            runs[name] = (start_script(script, *flags, f"--out={out}"), out)
+    try:
+        yield runs
+    finally:
+        for script, _ in runs.values():
+            script.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ray_shut_at_the_end():
     yield

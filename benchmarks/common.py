@@ -40,3 +40,28 @@ def save_figure(plt, fig, path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def start_ray(address: str, num_cpus: int) -> None:
+    """Joins the Ray cluster at ``address``; ``""``: starts a local one of ``num_cpus`` logical CPUs.
+
+    Joining one that runs (the test suite's, ``--ray_address``) saves the seconds a
+    cluster takes to start and stop; what the benchmark puts there it takes away again.
+    """
+    import warnings
+
+    import ray
+
+    with warnings.catch_warnings():
+        # Ray starts its processes with fork + exec; JAX's fork hook warns about it.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        if address:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )

@@ -20,7 +20,7 @@ mode's ratio to jax-O, written to benchmarks/results/dispatch.json and plotted
 in benchmarks/results/dispatch.png.
 
 Then (--ray, on by default) the same computation on a 1-device mesh, on Ray
-(a local Ray cluster started here; needs pathways-jax[ray]):
+(a local Ray cluster started here, or the one --ray_address names; needs pathways-jax[ray]):
 
   ray-O       one plain Ray actor holding the jitted computation: one actor call
               per computation, each output ObjectRef passed into the next call
@@ -71,6 +71,9 @@ _SWEEP_SIZES = flags.DEFINE_list(
 _SWEEP_DEVICES = flags.DEFINE_list("sweep_devices", ["1", "8"], "Slice sizes of the sweep.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny run that only checks the benchmark works.")
 _RAY = flags.DEFINE_bool("ray", True, "Also measure dispatch on 2 Ray hosts (after the local section).")
+_RAY_ADDRESS = flags.DEFINE_string(
+    "ray_address", "", "The Ray section joins this Ray cluster (2 free CPUs); empty: starts a local one."
+)
 _ONLY_RAY = flags.DEFINE_bool(
     "only_ray", False, "Run only the Ray section; results go to dispatch_ray.json / .png."
 )
@@ -453,7 +456,6 @@ def _ray_modes(ray, chain: int):
 
 def run_ray(repeats: int, chain: int, target_s: float) -> dict | None:
     """The Ray section: ray-O against pathways_jax on 2 Ray hosts, interleaved like the local modes."""
-    import warnings
 
     try:
         import ray
@@ -462,16 +464,7 @@ def run_ray(repeats: int, chain: int, target_s: float) -> dict | None:
         return None
     started = not ray.is_initialized()
     if started:
-        with warnings.catch_warnings():
-            # Ray starts its processes with fork + exec; JAX's fork hook warns about it.
-            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-            ray.init(
-                address="local",
-                num_cpus=4,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+        common.start_ray(_RAY_ADDRESS.value, num_cpus=4)
     try:
         modes, close = _ray_modes(ray, chain)
         try:

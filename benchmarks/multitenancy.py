@@ -49,7 +49,8 @@ is N client *processes* (N in --processes) joined to one controller service
 (``pw.serve``, one host owning the slice's devices), all submitting the same
 program for --measure_s seconds from one start, each keeping --window futures
 in flight; jax-1 and pw-1 (one client thread on the local backend) are
-measured in this process between its rounds. Results go to
+measured in this process between its rounds. It starts a local Ray cluster, or
+joins the one --ray_address names (the test suite's). Results go to
 results/multitenancy_processes.json and .png (``_quick`` with --quick).
 """
 
@@ -105,6 +106,9 @@ _PROCESSES = flags.DEFINE_list(
 )
 _ONLY_PROCESSES = flags.DEFINE_bool(
     "only_processes", False, "Calibrate, then run only the process mode (client processes, one service)."
+)
+_RAY_ADDRESS = flags.DEFINE_string(
+    "ray_address", "", "The process mode joins this Ray cluster (a free CPU); empty: starts a local one."
 )
 _SERVICE_WINDOW = flags.DEFINE_integer("service_window", 4, "The service's runs in flight per island.")
 _SERVICE_WAIT = flags.DEFINE_enum(
@@ -923,6 +927,7 @@ def _processes_only(
             baselines=baselines,
             folder=pathlib.Path(tmp),
             ready_timeout=240.0,
+            ray_address=_RAY_ADDRESS.value,
         )
     slice_.release()
     pw.shutdown()

@@ -1,7 +1,7 @@
 """multitenancy.py's process mode: client processes sharing one controller service (``pw.serve``).
 
 The parent (``multitenancy.py --only_processes``) starts a local Ray cluster
-and a service of one host owning the slice's devices, then, for each N in
+(or joins the one ``--ray_address`` names) and a service of one host owning the slice's devices, then, for each N in
 --processes, N client processes (``multitenancy.py --service_child=NAME``,
 see :func:`child`; added to those already joined, so all N measure). Each
 child joins the service, places the program's inputs on the service's host
@@ -36,6 +36,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import common
 
 _MARK = "@"
 _LEAD_S = 0.05  # the start is this far after the parent's "go": every child has read it
@@ -298,20 +300,20 @@ def run(
     baselines: dict,
     folder: pathlib.Path,
     ready_timeout: float,
+    ray_address: str = "",
 ) -> dict:
     """The process mode: jax-1, pw-1 and proc-N interleaved; per-mode medians and per-round samples.
 
     ``baselines`` maps a mode name to a function of the seconds to measure
     (the parent's ``jax-1`` and ``pw-1``). ``command`` starts a client process
-    (``--service_child=NAME`` is added).
+    (``--service_child=NAME`` is added). ``ray_address``: the Ray cluster to join (a CPU
+    free for the service's host); ``""``: a local one of 4 CPUs, started here.
     """
     import ray
 
     import pathways_jax as pw
 
-    ray.init(
-        address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
-    )
+    common.start_ray(ray_address, num_cpus=4)
     started = time.monotonic()
     svc = pw.serve(
         "multitenancy", hosts=1, devices_per_host=slice_devices, scheduler="fifo", window=service_window

@@ -1,10 +1,13 @@
 """Shared test helpers: comparing program results with plain jax.jit."""
 
 import contextlib
+import functools
+import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -69,6 +72,71 @@ def run_script(relative: str, *args: str, timeout: float = 280, python_args: tup
     return proc.stdout
 
 
+class Script:
+    """One of the repository's scripts running in its own process (see :func:`start_script`)."""
+
+    def __init__(self, relative: str, args: tuple[str, ...], timeout: float):
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env.pop("XLA_FLAGS", None)  # the script picks its own device count
+        self.relative, self.timeout = relative, timeout
+        # Files, not pipes: nobody reads a pipe while the script runs, and a full one would stop it.
+        self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed once it ended
+        self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.said = ("", "")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / relative), *args],
+            stdout=self.out,
+            stderr=self.err,
+            text=True,
+            env=env,
+        )
+        self.started = time.monotonic()
+
+    def _streams(self) -> tuple[str, str]:
+        """Both streams, read once it ended; its files are closed then."""
+        if not self.out.closed:
+            self.out.seek(0)
+            self.err.seek(0)
+            self.said = self.out.read(), self.err.read()
+            self.out.close()
+            self.err.close()
+        return self.said
+
+    def output(self) -> str:
+        """Waits for it (up to ``timeout`` seconds from its start); its stdout. Fails the test,
+        showing both streams, unless it exited with 0."""
+        try:
+            self.proc.wait(timeout=max(1.0, self.started + self.timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            out, err = self._streams()
+            raise AssertionError(
+                f"{self.relative} ran past {self.timeout} s\n--- stdout\n{out}\n--- stderr\n{err}"
+            ) from None
+        out, err = self._streams()
+        assert self.proc.returncode == 0, (
+            f"{self.relative} exited with {self.proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+        )
+        return out
+
+    def stop(self) -> None:
+        """Ends it if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self._streams()
+
+
+def start_script(relative: str, *args: str, timeout: float = 280) -> Script:
+    """Starts one of the repository's scripts in its own process and returns at once.
+
+    For tests whose scripts may run side by side: each mostly compiles on one
+    core, and the machine may have more. :meth:`Script.output` is
+    :func:`run_script`'s answer; :meth:`Script.stop` ends it if it still runs.
+    """
+    return Script(relative, args, timeout)
+
+
 def gated(slice_, plus=0.0):
     """A program on ``slice_`` whose host callback waits for a gate: it holds the island's window.
 
@@ -117,3 +185,24 @@ def mlp_batches(steps, batch, seed=0):
         rng.normal(size=(steps, batch, 8)).astype(np.float32),
         rng.normal(size=(steps, batch, 2)).astype(np.float32),
     )
+
+
+@functools.cache
+def modules_of_a_fresh_import() -> dict[str, list[str]]:
+    """The modules a fresh Python process has loaded after ``import pathways_jax`` (``"package"``),
+    then after ``import pathways_jax.pipeline`` too (``"pipeline"``).
+
+    One process for every test that asks (a Python and JAX start costs seconds).
+    """
+    code = (
+        "import json, sys\n"
+        "import pathways_jax\n"
+        "package = sorted(sys.modules)\n"
+        "import pathways_jax.pipeline\n"
+        "print(json.dumps({'package': package, 'pipeline': sorted(sys.modules)}))\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

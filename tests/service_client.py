@@ -2,7 +2,8 @@
 
     python tests/service_client.py ADDRESS SERVICE NAME DIR MODE [ARGS...]
 
-It joins service SERVICE at ADDRESS as client NAME and writes what it saw to
+It joins service SERVICE at ADDRESS (waiting for it to start, up to 120 s) as
+client NAME and writes what it saw to
 DIR/NAME.json (``{"state": ..., ...}``); it stops when DIR/stop appears.
 Modes:
 
@@ -62,6 +63,7 @@ def main() -> None:
         return (out / "stop").exists()
 
     try:
+        _wait_for(address, service, stopped)
         pw.init(backend="ray", address=address, service=service, client_name=name)
         if mode == "collective":
             collective(args[0], int(args[1]), say)
@@ -87,6 +89,20 @@ def main() -> None:
         raise
     finally:
         pw.shutdown()
+
+
+def _wait_for(address: str, service: str, stopped, timeout: float = 120.0) -> None:
+    """Returns once service SERVICE runs: a test may start this process first, then the service."""
+    deadline = time.monotonic() + timeout
+    while not stopped():
+        try:
+            pw.service(service, address=address)
+            return
+        except pw.errors.ClusterError as exc:
+            if "no controller service named" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+    raise SystemExit(f"stopped before service {service!r} ran")
 
 
 def collective(order: str, n: int, say) -> None:

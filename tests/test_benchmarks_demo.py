@@ -7,12 +7,13 @@ runs in its own process because the benchmark sets its own device count.
 import json
 
 import pytest
-from helpers import run_script
 
 
 @pytest.mark.timeout(300)
-def test_demo_benchmark_quick_mode_reports_every_mode(tmp_path):
-    run_script("benchmarks/demo.py", "--quick", f"--out={tmp_path}")
+def test_demo_benchmark_quick_mode_reports_every_mode(side_by_side):
+    # Started with the other quick benchmark runs of the session (conftest.py), side by side.
+    script, tmp_path = side_by_side["test_demo_benchmark_quick_mode_reports_every_mode"]
+    script.output()
     result = json.loads((tmp_path / "demo.json").read_text())
     assert set(result["modes"]) == {"jax", "pw", "pw-nofuse"}
     for name, entry in result["modes"].items():

@@ -7,12 +7,13 @@ in its own process because the benchmark starts its own cluster.
 import json
 
 import pytest
-from helpers import run_script
 
 
 @pytest.mark.timeout(300)
-def test_many_leaves_benchmark_quick_mode_reports_every_phase(tmp_path):
-    run_script("benchmarks/many_leaves.py", "--quick", f"--out={tmp_path}")
+def test_many_leaves_benchmark_quick_mode_reports_every_phase(side_by_side):
+    # Started with the other quick benchmark runs of the session (conftest.py), side by side.
+    script, tmp_path = side_by_side["test_many_leaves_benchmark_quick_mode_reports_every_phase"]
+    script.output()
     result = json.loads((tmp_path / "many_leaves.json").read_text())
     assert result["rounds"] == 2 and list(result["sizes"]) == ["20"]
     entry = result["sizes"]["20"]

@@ -7,12 +7,13 @@ runs in its own process because the benchmark sets its own device count.
 import json
 
 import pytest
-from helpers import run_script
 
 
 @pytest.mark.timeout(300)
-def test_pipeline_benchmark_quick_mode_reports_every_mode(tmp_path):
-    run_script("benchmarks/pipeline.py", "--quick", "--stages=2", f"--out={tmp_path}")
+def test_pipeline_benchmark_quick_mode_reports_every_mode(side_by_side):
+    # Started with the other quick benchmark runs of the session (conftest.py), side by side.
+    script, tmp_path = side_by_side["test_pipeline_benchmark_quick_mode_reports_every_mode"]
+    script.output()
     result = json.loads((tmp_path / "pipeline.json").read_text())
     assert set(result["modes"]) == {"spmd", "jax-dp2", "pipe2-gpipe", "pipe2-1f1b", "dp2"}
     for name, entry in result["modes"].items():

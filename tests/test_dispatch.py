@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, wait_for
 
 import pathways_jax as pw
 
@@ -154,12 +154,23 @@ def test_pw_jit_inside_a_plain_jax_transformation_behaves_as_jax_jit():
 
 
 @pytest.mark.timeout(300)
-def test_dispatch_benchmark_runs_in_quick_mode(tmp_path):
+def test_dispatch_benchmark_runs_in_quick_mode(tmp_path, ray_cluster):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # -W error: like the suite's own filterwarnings, a warning in the run fails it.
     script = str(ROOT / "benchmarks" / "dispatch.py")
+    # Its Ray section joins the suite's Ray cluster (starting one costs seconds).
+    address = ray_cluster.get_runtime_context().gcs_address
     proc = subprocess.run(
-        [sys.executable, "-W", "error", script, "--quick", "--sweep", f"--out={tmp_path}"],
+        [
+            sys.executable,
+            "-W",
+            "error",
+            script,
+            "--quick",
+            "--sweep",
+            f"--ray_address={address}",
+            f"--out={tmp_path}",
+        ],
         capture_output=True,
         text=True,
         timeout=280,
@@ -182,3 +193,7 @@ def test_dispatch_benchmark_runs_in_quick_mode(tmp_path):
     assert isinstance(report["ray"]["target"]["met"], bool)
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
     assert (tmp_path / "dispatch_quick.png").exists()
+    cpus = ray_cluster.cluster_resources()["CPU"]
+    assert wait_for(lambda: ray_cluster.available_resources().get("CPU") == cpus, timeout=10), (
+        "a host was left"
+    )

@@ -56,13 +56,14 @@ def _counts(manager, steps, full):
     return counts
 
 
-def test_lost_islands_cost_no_step_and_their_replicas_rejoin_when_they_are_rebuilt(ray_cluster):
+def test_lost_islands_cost_no_step_and_their_replicas_rejoin_when_they_are_rebuilt(ray_cluster, monkeypatch):
     """Host 2 killed in the middle of a step: the step runs again on the two surviving replicas,
     with the same global batch. Then, with its island not yet back, host 1 hung in the middle of
-    the next one (found hung after ``HUNG_S``): training goes on, on one replica. No step is
-    lost and every step's loss is readable; once the islands are rebuilt, replicas join them again
-    at a step boundary from bit-identical copies; every loss equals plain JAX run with the same
-    replica counts."""
+    the next one (found hung after ``PATHWAYS_JAX_HUNG_S``, 4 s here): training goes on, on one
+    replica. No step is lost and every step's loss is readable; once the islands are rebuilt,
+    replicas join them again at a step boundary from bit-identical copies; every loss equals
+    plain JAX run with the same replica counts."""
+    monkeypatch.setenv("PATHWAYS_JAX_HUNG_S", "4")  # heartbeats come every second; 10 s by default
     cluster = pw.init(backend="ray", hosts=3, devices_per_host=1)
     slices = [pw.devices(mesh={"data": 1}, island=i) for i in range(3)]
     dp = DataParallel((mlp_params(), mlp_apply), slices, loss_fn=mse, optimizer=optax.adam(1e-2))

@@ -33,6 +33,7 @@ def _gone(pid: int) -> bool:
 
 # Steps of _slow that keep island 1 busy for seconds (3000 took about 0.5 s here: the kill came late).
 _LONG = 12000
+_SHORT = 8  # steps of the runs that only need to compute right (a traced count: the same program)
 
 
 def _slow(v, m, steps):
@@ -97,19 +98,20 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
 
     @pw.program
-    def step(x, scale):
+    def step(x, scale, steps):
         with a:
             h = jnp.sin(x) + 1
         with b:
-            y = jax.lax.with_sharding_constraint(_slow(h, m, _LONG) * scale, pw.P("x"))
+            y = jax.lax.with_sharding_constraint(_slow(h, m, steps) * scale, pw.P("x"))
             return y, y.sum()  # the sum is a collective across island 1's two hosts
 
-    def plain(x, scale):
-        y = _slow(jnp.sin(x) + 1, m, _LONG) * scale
+    def plain(x, scale, steps):
+        y = _slow(jnp.sin(x) + 1, m, steps) * scale
         return y, y.sum()
 
     x = jnp.ones((256, 256))
-    step(x, 1.0)[1].result(timeout=180)  # compiled and registered everywhere
+    short, long = jnp.int32(_SHORT), jnp.int32(_LONG)
+    step(x, 1.0, short)[1].result(timeout=180)  # compiled and registered everywhere
     kept_on_island0 = pw.jit(lambda v: v * 3, devices=a)(jnp.arange(4.0))
     kept_on_island1 = pw.jit(lambda v: v * 2, devices=b)(jnp.arange(4.0))
     assert wait_for(kept_on_island1.done, 60)
@@ -117,7 +119,7 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     pids = [info["pid"] for info in cluster.backend.info]
 
     pw.faults.kill_host(3, at_run=1)  # host 3 dies in the middle of its next run
-    slow_out, slow_sum = step(x, 2.0)  # seconds of work on island 1 (hosts 2 and 3)
+    slow_out, slow_sum = step(x, 2.0, long)  # seconds of work on island 1 (hosts 2 and 3)
     killed = time.monotonic()
     for out in (slow_out, slow_sum):
         with pytest.raises(pw.errors.HostLostError, match="host 3") as caught:
@@ -134,8 +136,8 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
 
     # The slice moved to the surviving island; the program lowers again, no re-trace.
     assert b.island == 0, b
-    out = step(x, 3.0)
-    want = jax.jit(plain)(x, 3.0)
+    out = step(x, 3.0, short)
+    want = jax.jit(plain)(x, 3.0, short)
     assert_matches(out, want, rtol=1e-4)
     after = pw.counters()
     assert after["traces"] == before["traces"]

@@ -45,9 +45,14 @@ def island_service(ray_cluster):
 
 
 class Clients:
-    """Client subprocesses of one test, reporting through JSON files in ``folder``."""
+    """Client subprocesses of one test, reporting through JSON files in ``folder``.
 
-    def __init__(self, svc: pw.Service, folder: pathlib.Path):
+    ``svc``: the service they join (a ``pw.Service``), or its ``(address, name)``
+    when they start before it: each waits for it to run.
+    """
+
+    def __init__(self, svc: pw.Service | tuple[str, str], folder: pathlib.Path):
+        self.address, self.name = (svc.address, svc.name) if isinstance(svc, pw.Service) else svc
         self.svc = svc
         self.folder = folder
         self.procs: dict[str, subprocess.Popen] = {}
@@ -58,8 +63,8 @@ class Clients:
                 [
                     sys.executable,
                     CLIENT,
-                    self.svc.address,
-                    self.svc.name,
+                    self.address,
+                    self.name,
                     name,
                     str(self.folder),
                     mode,
@@ -245,8 +250,10 @@ def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler
     # with weights 1:3 they get 1/4 and 3/4 of the device time (within 10%);
     # under "priority" the higher one gets all of it but what the starvation
     # bound gives the other; under "fifo", runs go in arrival order: halves.
-    svc = pw.serve(f"test-{scheduler}-{size}", hosts=1, devices_per_host=size, scheduler=scheduler, window=2)
-    group = Clients(svc, tmp_path)
+    # The client processes start first (Python and JAX take seconds) and join once the service runs.
+    name = f"test-{scheduler}-{size}"
+    group = Clients((ray_cluster.get_runtime_context().gcs_address, name), tmp_path)
+    svc = None
     try:
         # (weight, priority) of each; under "fifo" neither counts.
         light, heavy = {"fair": (("1.0", "0"), ("3.0", "0")), "fifo": (("3.0", "0"), ("1.0", "5"))}.get(
@@ -254,6 +261,7 @@ def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler
         )
         group.start("light", "busy", *light, str(size))
         group.start("heavy", "busy", *heavy, str(size))
+        svc = pw.serve(name, hosts=1, devices_per_host=size, scheduler=scheduler, window=2)
         group.wait_state("light", "running")
         group.wait_state("heavy", "running")
         shares = _shares(svc, ("light", "heavy"), 6.0)
@@ -268,7 +276,8 @@ def test_policies_hold_between_client_processes(ray_cluster, tmp_path, scheduler
         assert _client_rows(svc)["light"]["by_client"].keys() == {"light"}
     finally:
         group.close()
-        svc.stop()
+        if svc is not None:
+            svc.stop()
 
 
 @pytest.fixture
@@ -549,21 +558,27 @@ def test_hosts_whose_cpus_others_hold_are_refused_in_seconds_saying_what_is_free
     """The cluster has the CPUs, but the island service's hosts hold some: a service (or pw.init)
     asking for more than are free is refused once none came free for a grace period, naming
     what it needs and what is free, not after placement's 120 s timeout."""
-    from pathways_jax._src.backends import ray_fleet
 
     total = int(ray_cluster.cluster_resources()["CPU"])
     free = total - 2  # the island service's 2 hosts hold the rest
     assert wait_for(lambda: ray_cluster.available_resources().get("CPU", 0) == free, timeout=10)
     said = rf"they need {free + 1} CPU \(the cluster has {total}, {free} of them free\)"
+    # The grace (10 s by default) is the starter's PATHWAYS_JAX_ROOM_GRACE_S: the service's actor,
+    # which places the hosts, takes it from this process. Not a number of seconds: refused first.
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("PATHWAYS_JAX_ROOM_GRACE_S", bad)
+        with pytest.raises(pw.errors.ClusterError, match=rf"PATHWAYS_JAX_ROOM_GRACE_S must be .*'{bad}'"):
+            pw.serve("never-placed", hosts=free + 1)
+    monkeypatch.setenv("PATHWAYS_JAX_ROOM_GRACE_S", "1.5")
     started = time.monotonic()
-    with pytest.raises(pw.errors.ClusterError, match=said):  # the grace the hosts' actor waits
+    with pytest.raises(pw.errors.ClusterError, match=said + r", and no more came free for 1.5s"):
         pw.serve("never-placed", hosts=free + 1)
-    assert time.monotonic() - started < ray_fleet.ROOM_GRACE_S + 15
+    assert time.monotonic() - started < 1.5 + 15
     with pytest.raises(pw.errors.ClusterError, match="no controller service named 'never-placed'"):
         pw.service("never-placed")
-    monkeypatch.setattr(ray_fleet, "ROOM_GRACE_S", 0.5)  # this process places pw.init's hosts itself
+    monkeypatch.setenv("PATHWAYS_JAX_ROOM_GRACE_S", "0.5")  # this process places pw.init's hosts itself
     started = time.monotonic()
-    with pytest.raises(pw.errors.ClusterError, match=said):
+    with pytest.raises(pw.errors.ClusterError, match=said + r", and no more came free for 0.5s"):
         pw.init(backend="ray", address=island_service.address, hosts=free + 1)
     assert time.monotonic() - started < 10
     # Nothing of either was left holding CPUs; the service serves on.
@@ -1003,8 +1018,14 @@ def test_a_stopped_client_is_dropped_by_its_silence_and_then_told_so_a_quiet_one
     from pathways_jax._src import wire
     from pathways_jax._src.backends.service_client import NAMESPACE, Token
 
-    svc = pw.serve("test-silent", hosts=1, devices_per_host=1, silent_client_timeout=2.0)
-    group = Clients(svc, tmp_path)
+    # The client process starts first (Python and JAX take seconds) and joins once the service runs.
+    group = Clients((ray_cluster.get_runtime_context().gcs_address, "test-silent"), tmp_path)
+    proc = group.start("sleeper", "pause", "4")
+    try:
+        svc = pw.serve("test-silent", hosts=1, devices_per_host=1, silent_client_timeout=2.0)
+    except BaseException:
+        group.close()  # it stops waiting for the service
+        raise
     actor = ray.get_actor(svc.name, namespace=NAMESPACE)
     token = ray.remote(Token).options(num_cpus=0).remote()
     quiet = None
@@ -1013,7 +1034,6 @@ def test_a_stopped_client_is_dropped_by_its_silence_and_then_told_so_a_quiet_one
         end = ray.get(actor.join.remote("quiet", os.getpid(), "test", token, x64), timeout=60)["channel"]
         # Says nothing but its heartbeat (as every client's channel does, from its own thread).
         quiet = wire.Peer(end.address, end.key, identity=end.identity, heartbeat=0.3)
-        proc = group.start("sleeper", "pause", "4")
         group.wait_state("sleeper", "holding")
         assert _client_rows(svc)["sleeper"]["bytes_held"] >= 4 * 256 * 4
         os.kill(proc.pid, signal.SIGSTOP)

@@ -10,7 +10,7 @@ import sys
 
 import jax.numpy as jnp
 import pytest
-from helpers import ROOT, run_script, wait_for
+from helpers import ROOT, modules_of_a_fresh_import, start_script, wait_for
 
 import pathways_jax as pw
 from pathways_jax import sim
@@ -661,27 +661,48 @@ def test_without_simpy_the_package_imports_and_the_simulator_says_which_extra():
 
 
 def test_importing_pathways_jax_does_not_import_simpy():
-    code = "import sys, pathways_jax\nprint('simpy' in sys.modules, 'pathways_jax.sim' in sys.modules)"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env={"JAX_PLATFORMS": "cpu"},
-    )
-    assert proc.stdout.split() == ["False", "False"], proc.stderr[-2000:]
+    loaded = modules_of_a_fresh_import()["package"]  # a fresh process, after `import pathways_jax`
+    assert "pathways_jax" in loaded
+    assert "simpy" not in loaded and "pathways_jax.sim" not in loaded
+
+
+# Script runs of this module that go side by side (pure Python each, on one core): by test name.
+SIDE_BY_SIDE = {
+    "test_sim_predict_example_runs": ("examples/sim_predict.py",),
+    "test_scale_benchmark_quick_mode_writes_every_figure": ("benchmarks/sim_scale.py", "--quick"),
+    "test_validation_benchmark_quick_mode_reports_every_point": ("benchmarks/sim_validate.py", "--quick"),
+}
+
+
+@pytest.fixture(scope="module")
+def side_by_side(request, tmp_path_factory):
+    """The runs of ``SIDE_BY_SIDE`` whose tests this session runs, all started at the first that
+    asks: test name -> (``helpers.Script``, its ``--out`` folder)."""
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
+    runs = {}
+    for name, (script, *flags) in SIDE_BY_SIDE.items():
+        if name in selected:
+            out = tmp_path_factory.mktemp(name)
+            args = [*flags, f"--out={out}"] if script.startswith("benchmarks/") else flags
+            runs[name] = (start_script(script, *args, timeout=240), out)
+    try:
+        yield runs
+    finally:
+        for script, _ in runs.values():
+            script.stop()
 
 
 @pytest.mark.timeout(300)
-def test_sim_predict_example_runs():
-    out = run_script("examples/sim_predict.py", timeout=240)
+def test_sim_predict_example_runs(side_by_side):
+    out = side_by_side["test_sim_predict_example_runs"][0].output()
     assert "predicted step" in out
     assert "hosts" in out
 
 
 @pytest.mark.timeout(120)
-def test_scale_benchmark_quick_mode_writes_every_figure(tmp_path):
-    run_script("benchmarks/sim_scale.py", "--quick", f"--out={tmp_path}", timeout=110)
+def test_scale_benchmark_quick_mode_writes_every_figure(side_by_side):
+    script, tmp_path = side_by_side["test_scale_benchmark_quick_mode_writes_every_figure"]
+    script.output()
     report = json.loads((tmp_path / "sim_scale_quick.json").read_text())
     assert set(report["dispatch"]) == {"1", "16"}
     for row in report["dispatch"].values():
@@ -701,9 +722,10 @@ def test_scale_benchmark_quick_mode_writes_every_figure(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_validation_benchmark_quick_mode_reports_every_point(tmp_path):
+def test_validation_benchmark_quick_mode_reports_every_point(side_by_side):
     # Only that it runs and reports: the validation itself is in benchmarks/README.md, not timed here.
-    run_script("benchmarks/sim_validate.py", "--quick", f"--out={tmp_path}", timeout=110)
+    script, tmp_path = side_by_side["test_validation_benchmark_quick_mode_reports_every_point"]
+    script.output()
     report = json.loads((tmp_path / "sim_validate_quick.json").read_text())
     assert set(report["local"]) == {"1", "2"}
     for row in report["local"].values():

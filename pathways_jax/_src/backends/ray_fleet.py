@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import time
 from typing import Any, Protocol
 
@@ -25,12 +26,18 @@ from pathways_jax._src.core import errors
 _PING_S = 0.25  # how often the monitor looks at every host
 # A host whose channel said nothing, not even a heartbeat (one a second), for this long is hung
 # (a stopped or wedged process: Ray still sees its actor alive): it is killed and counts as lost.
+# PATHWAYS_JAX_HUNG_S (seconds) in the environment of the process that watches the hosts
+# (pw.init's, or pw.serve's: the service takes its starter's) sets another.
 HUNG_S = 10.0
+HUNG_ENV = "PATHWAYS_JAX_HUNG_S"
 START_TIMEOUT_S = 120.0
 # A placement the Ray cluster had no free room for (its CPUs, or GPUs, held by others: another
 # service's hosts, another job's actors) all this long is refused, not waited on for START_TIMEOUT_S.
 # Long enough for the bundles of actors just killed (a service just stopped) to come back.
+# PATHWAYS_JAX_ROOM_GRACE_S (seconds) in the environment of the process that places the hosts
+# (pw.init's, or pw.serve's: the service takes its starter's) sets another grace.
 ROOM_GRACE_S = 10.0
+ROOM_GRACE_ENV = "PATHWAYS_JAX_ROOM_GRACE_S"
 _STRIKE_POLL_S = 0.01  # how often a host told to kill itself is asked whether it is dead
 # A run failed on a host of an island of several hosts, or that pulled values
 # from other hosts: how long the controller waits for those hosts to answer a
@@ -63,13 +70,46 @@ def results(answers: list[concurrent.futures.Future], timeout: float) -> list:
     return [answer.result(timeout=max(0.0, deadline - time.monotonic())) for answer in answers]
 
 
-def place(ray: Any, pg: Any, bundle: dict[str, float], hosts: int) -> None:
+def _seconds_from_env(name: str, default: float) -> float:
+    """Seconds that environment variable ``name`` says, else ``default``.
+
+    Raises:
+      ClusterError: the variable is not a number of seconds > 0.
+    """
+    said = os.environ.get(name)
+    if said is None:
+        return default
+    try:
+        seconds = float(said)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise errors.ClusterError(
+            f"{name} must be a number of seconds > 0, got {said!r}; set it to one "
+            f"(or unset it for the default {default:g})."
+        )
+    return seconds
+
+
+def room_grace_s() -> float:
+    """Seconds a placement may find too few free resources before it is refused:
+    ``PATHWAYS_JAX_ROOM_GRACE_S`` in this process's environment, else ``ROOM_GRACE_S``."""
+    return _seconds_from_env(ROOM_GRACE_ENV, ROOM_GRACE_S)
+
+
+def hung_s() -> float:
+    """Seconds of silence after which a host is hung: ``PATHWAYS_JAX_HUNG_S`` in this process's
+    environment, else ``HUNG_S``."""
+    return _seconds_from_env(HUNG_ENV, HUNG_S)
+
+
+def place(ray: Any, pg: Any, bundle: dict[str, float], hosts: int, grace: float) -> None:
     """Waits until placement group ``pg`` (``hosts`` bundles of ``bundle``) is placed.
 
     Raises:
-      ClusterError: the cluster had too few free resources for it for ``ROOM_GRACE_S`` seconds
-        on end (others hold them), naming what it needs and what is free; or it was not placed
-        within ``START_TIMEOUT_S``.
+      ClusterError: the cluster had too few free resources for it for ``grace`` seconds on end
+        (others hold them), naming what it needs and what is free; or it was not placed within
+        ``START_TIMEOUT_S``.
     """
     ready = pg.ready()
     started = roomy = time.monotonic()
@@ -83,7 +123,7 @@ def place(ray: Any, pg: Any, bundle: dict[str, float], hosts: int) -> None:
         }
         if not short:
             roomy = now
-        elif now - roomy > ROOM_GRACE_S:
+        elif now - roomy > grace:
             total = ray.cluster_resources()
             said = ", ".join(
                 f"{need:g} {name} (the cluster has {total.get(name, 0.0):g}, {have:g} of them free)"
@@ -91,7 +131,7 @@ def place(ray: Any, pg: Any, bundle: dict[str, float], hosts: int) -> None:
             )
             raise errors.ClusterError(
                 f"Ray cannot place {hosts} hosts ({bundle} each): they need {said}, and no more came "
-                f"free for {ROOM_GRACE_S:g}s: other actors hold the rest (another controller service's "
+                f"free for {grace:g}s: other actors hold the rest (another controller service's "
                 "or pw.init's hosts, another job's; `ray status` shows them). Stop what holds them "
                 "(pw.service(name).stop(), `python -m pathways_jax stop`), add nodes, or ask for fewer hosts."
             )
@@ -126,9 +166,11 @@ class HostActors:
         if platform != "cpu":
             bundle["GPU"] = devices_per_host
             check_gpus(ray, hosts, devices_per_host)
+        grace = room_grace_s()
+        self.hung_s = hung_s()
         self.pg = placement_group([bundle] * hosts, strategy="SPREAD")
         try:
-            place(ray, self.pg, bundle, hosts)
+            place(ray, self.pg, bundle, hosts, grace)
         except BaseException:
             remove_placement_group(self.pg)
             raise
@@ -318,7 +360,7 @@ class HostActors:
             if host in watcher.lost_hosts or watcher.closed:
                 continue
             silent = self.link.silent_for(host)
-            if silent is not None and silent > HUNG_S:
+            if silent is not None and silent > self.hung_s:
                 with contextlib.suppress(Exception):
                     ray.kill(self.actors[host], no_restart=True)
                 watcher.mark_lost(

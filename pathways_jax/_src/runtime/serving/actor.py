@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from absl import logging
 
 from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends import ray_fleet
 from pathways_jax._src.backends.ray_host import Refused, RunDone, RunFailure
 from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import admission
@@ -76,6 +77,9 @@ class ServiceActor:
         # Why the hosts could not start (no room in the Ray cluster...): ready() says so, and the
         # service's starter ends this actor; until then a client that joins is refused with it.
         self.failed: str | None = None
+        # This process places and watches the hosts: as the process that started the service says.
+        os.environ[ray_fleet.ROOM_GRACE_ENV] = repr(config.room_grace_s)
+        os.environ[ray_fleet.HUNG_ENV] = repr(config.hung_s)
         standins = sorted(jax.devices("cpu"), key=lambda d: d.id)
         try:
             self.backend = ray_backend.RayBackend(

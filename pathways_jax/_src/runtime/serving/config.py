@@ -33,3 +33,9 @@ class ServiceConfig:
     x64: bool
     stalled_client_timeout: float = 30.0
     silent_client_timeout: float | None = 30.0
+    # Seconds its hosts' placement may find the Ray cluster without room before the start (or a
+    # lost island's rebuilding) is refused: the starter's PATHWAYS_JAX_ROOM_GRACE_S, or 10.
+    room_grace_s: float = 10.0
+    # Seconds of silence after which its hosts' monitor takes a host for hung: the starter's
+    # PATHWAYS_JAX_HUNG_S, or 10.
+    hung_s: float = 10.0

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from pathways_jax._src.backends import ray as ray_backend
+from pathways_jax._src.backends import ray_fleet
 from pathways_jax._src.backends.ray_boot import check_cpus, check_gpus
 from pathways_jax._src.backends.ray_failures import is_lost_error
 from pathways_jax._src.backends.service_client import NAMESPACE, connect, find
@@ -201,6 +202,8 @@ def serve(
         raise errors.ClusterError(
             f"silent_client_timeout must be None or a number of seconds > 0, got {silent_client_timeout!r}."
         )
+    # This process's PATHWAYS_JAX_ROOM_GRACE_S and PATHWAYS_JAX_HUNG_S, for the service.
+    room_grace_s, hung_s = ray_fleet.room_grace_s(), ray_fleet.hung_s()
     ray = connect(address, start=True, hosts=hosts)
     check_cpus(ray, hosts)
     if platform == "gpu":
@@ -228,6 +231,8 @@ def serve(
         x64=bool(jax.config.read("jax_enable_x64")),
         stalled_client_timeout=float(stalled_client_timeout),
         silent_client_timeout=None if silent_client_timeout is None else float(silent_client_timeout),
+        room_grace_s=room_grace_s,
+        hung_s=hung_s,
     )
     actor = (
         ray.remote(ServiceActor)
