@@ -392,8 +392,18 @@ def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_s
     assert got["b"][1] == 3
     np.testing.assert_array_equal(got["a"], np.arange(4.0) + 1)
     np.testing.assert_array_equal(got["b"][0], np.ones(2) + 1)
+    # Bad input: a named error that is also the builtin a jax user catches, pointing at this line.
+    with pytest.raises(pw.errors.PathwaysError, match=r"test_service\.py.*holding no pw\.Future"):
+        pw.share({"a": 1})
     with pytest.raises(TypeError, match=r"holding no pw\.Future"):
         pw.share({"a": 1})
+    with pytest.raises(pw.errors.PathwaysError, match=r"test_service\.py.*pw\.Handle .*got int holding none"):
+        pw.receive(5)
+    with pytest.raises(TypeError):
+        pw.receive([1, 2])
+    for bad in (-1, "30", float("nan"), True):
+        with pytest.raises(pw.errors.PathwaysError, match=r"timeout must be None or a number of seconds"):
+            pw.share(kept, timeout=bad)
     runs = _run_count(island_service)
     forged = [
         dataclasses.replace(handle, key=handle.key + 10_000),

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from pathways_jax._src.backends.base import Shares
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import checks, errors, source
 from pathways_jax._src.runtime import clients, clusters, futures
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.object_store import Owner
@@ -49,17 +49,23 @@ def share(future: Any, client: str | None = None, *, timeout: float | None = _SH
       ClusterError: this process did not join a controller service.
       AccessError: the value is not on the hosts (freed, or its run failed), or
         no client process of that name is connected.
-      TypeError: ``future`` holds no ``pw.Future``.
+      PathwaysError: ``future`` holds no ``pw.Future`` (also a ``TypeError``), or
+        ``timeout`` is not None nor a number of seconds >= 0 (also a ``ValueError``).
     """
     import jax
 
     backend = _service_backend("pw.share")
+    if timeout is not None and not checks.is_seconds(timeout):
+        raise errors.also(errors.PathwaysError, ValueError)(
+            f"pw.share (at {source.of_caller()}): timeout must be None or a number of seconds >= 0, got "
+            f"{timeout!r} ({type(timeout).__name__}); give a finite number, or None to wait as long as it takes."
+        )
     if not isinstance(future, Future):
         leaves = jax.tree.leaves(future)
         if not any(isinstance(leaf, Future) for leaf in leaves):
-            raise TypeError(
-                f"pw.share takes a pw.Future or a pytree of them (a program's outputs), got "
-                f"{type(future).__name__} holding no pw.Future."
+            raise errors.also(errors.PathwaysError, TypeError)(
+                f"pw.share (at {source.of_caller()}) takes a pw.Future or a pytree of them (a program's "
+                f"outputs), got {type(future).__name__} holding no pw.Future."
             )
         return jax.tree.map(
             lambda leaf: share(leaf, client, timeout=timeout) if isinstance(leaf, Future) else leaf, future
@@ -93,9 +99,9 @@ def receive(handle: Any) -> Any:
     if not isinstance(handle, service_lib.Handle):
         is_handle = lambda leaf: isinstance(leaf, service_lib.Handle)  # noqa: E731
         if not any(is_handle(leaf) for leaf in jax.tree.leaves(handle, is_leaf=is_handle)):
-            raise TypeError(
-                f"pw.receive takes a pw.Handle (from pw.share) or a pytree of them, got "
-                f"{type(handle).__name__} holding none."
+            raise errors.also(errors.PathwaysError, TypeError)(
+                f"pw.receive (at {source.of_caller()}) takes a pw.Handle (from pw.share in the process "
+                f"that owns the value) or a pytree of them, got {type(handle).__name__} holding none."
             )
         return jax.tree.map(
             lambda leaf: receive(leaf) if is_handle(leaf) else leaf, handle, is_leaf=is_handle
