@@ -807,7 +807,7 @@ def test_a_client_leaves_a_stopped_service_in_the_time_it_gives_the_leave(
     # service once it runs again.
     from pathways_jax._src.backends import service_client
 
-    monkeypatch.setattr(service_client, "_LEAVE_TIMEOUT_S", 0.5, raising=False)
+    monkeypatch.setattr(service_client, "_LEAVE_TIMEOUT_S", 0.5)
     f = pw.jit(lambda v: v * 3, devices=pw.devices(mesh={"x": 1}))
     np.testing.assert_array_equal(f(jnp.arange(3.0)).result(timeout=60), np.arange(3.0) * 3)
     me = joined.backend.client_id

@@ -37,6 +37,11 @@ GANG = "gang"  # several devices of this host, no other host
 CROSS_GANG = "cross-gang"  # several devices of this host, and devices of other hosts
 
 
+def _wait(out: Any) -> None:
+    with contextlib.suppress(Exception):  # a failed executable's error is its own run's to report
+        out.block_until_ready()
+
+
 def pace(in_flight: collections.deque, out: Any, bound: int) -> None:
     """Counts ``out`` in flight; at ``bound``, waits for the older half at once.
 
@@ -49,10 +54,7 @@ def pace(in_flight: collections.deque, out: Any, bound: int) -> None:
     if len(in_flight) < bound:
         return
     while len(in_flight) > bound // 2:
-        try:
-            in_flight.popleft().block_until_ready()
-        except Exception:
-            continue
+        _wait(in_flight.popleft())
 
 
 def kind_of(devices: Any, process: int) -> tuple[str, tuple[int, ...]]:
@@ -62,11 +64,6 @@ def kind_of(devices: Any, process: int) -> tuple[str, tuple[int, ...]]:
     if len(mine) > 1:
         return (CROSS_GANG if crosses else GANG), mine
     return (LONE if crosses else SINGLE), mine
-
-
-def _wait(out: Any) -> None:
-    with contextlib.suppress(Exception):  # a failed executable's error is its own run's to report
-        out.block_until_ready()
 
 
 class CrossHostOrder:
