@@ -327,6 +327,24 @@ def test_dropped_programs_are_forgotten_on_their_hosts(ray_cluster):
     assert wait_for(lambda: cluster.backend.host_stats()[0]["plans"] == baseline, timeout=10), (
         cluster.backend.host_stats()
     )
+    # Their computations go with them: a client that compiles many programs and drops them does
+    # not grow its hosts without bound. One two live plans run stays while either does, and one
+    # that went is sent again when a new plan runs it.
+    assert cluster.backend.host_stats()[0]["executables"] == 0
+    twice = [pw.jit(lambda v: v * 5, devices=s) for _ in range(2)]
+    for program in twice:
+        np.testing.assert_array_equal(program(jnp.ones(2)).result(timeout=60), np.full(2, 5.0))
+    assert cluster.backend.host_stats()[0]["executables"] == 1  # one computation, two plans
+    del twice[0], program
+    gc.collect()
+    assert wait_for(lambda: cluster.backend.host_stats()[0]["plans"] == baseline + 1, timeout=10)
+    assert cluster.backend.host_stats()[0]["executables"] == 1
+    np.testing.assert_array_equal(twice[0](jnp.ones(2)).result(timeout=60), np.full(2, 5.0))
+    twice.clear()
+    gc.collect()
+    assert wait_for(lambda: cluster.backend.host_stats()[0]["executables"] == 0, timeout=10)
+    again = pw.jit(lambda v: v * 5, devices=s)
+    np.testing.assert_array_equal(again(jnp.ones(2)).result(timeout=60), np.full(2, 5.0))
     pw.shutdown()
 
 

@@ -351,6 +351,7 @@ class ServiceBackend:
                 for member in self.layout.members(island):
                     self.sender.known[member] = set()  # new hosts: plans go again
                     self.sender.fingerprints[member] = set()
+                    self.sender.plan_prints[member] = {}
             if self.on_restored is not None:
                 self.on_restored(island)
 

@@ -54,7 +54,7 @@ from pathways_jax._src.backends.ray_host.answers import (
 )
 from pathways_jax._src.backends.ray_host.colocated import Colocated
 from pathways_jax._src.backends.ray_host.faults import Armed, Fault
-from pathways_jax._src.backends.ray_host.ops import Op, sharding_of
+from pathways_jax._src.backends.ray_host.ops import Op, fingerprints_of, sharding_of
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
 from pathways_jax._src.backends.ray_host.steps import Steps
 from pathways_jax._src.backends.ray_host.values import from_wire, is_ready, is_small, place, readable
@@ -90,6 +90,10 @@ class Host:
         # a run that reads one fails saying so, not that the value is missing.
         self.unmade: dict[int, str] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
+        # fingerprint -> how many registered plans (kept or broken) run it: an executable no plan
+        # runs any more goes with the last one's Forget, so a client that compiles many programs
+        # and drops them leaves nothing behind (the controller forgets it has it at the same time).
+        self.uses: collections.Counter[str] = collections.Counter()
         self.steps = Steps(self.plane, self.executables, window_size)
         # plan key -> (ops, constants, steps, the 64-bit mode it runs under: None for the process's)
         self.plans: dict[int, tuple[list[Op], dict, list, bool | None]] = {}
@@ -294,6 +298,8 @@ class Host:
         thread-local ``jax.enable_x64``), so its 64-bit inputs stay 64-bit.
         """
         mode = None if x64 is None or x64 == self.x64 else x64
+        self.uses.update(fingerprints_of(ops))
+        self._forget(key)  # registered before: its old ops are counted out (after: nothing shared goes)
         try:
             with _mode(mode):
                 self._compile_plan(key, ops, constants, blobs, mode)
@@ -330,8 +336,15 @@ class Host:
         self.plans[key] = (ops, placed, [self.steps.make(op) for op in ops], mode)
 
     def _forget(self, key: int) -> None:
-        self.plans.pop(key, None)
-        self.broken.pop(key, None)
+        """Drops plan ``key``, and the executables no other plan runs."""
+        plan, broken = self.plans.pop(key, None), self.broken.pop(key, None)
+        ops = plan[0] if plan is not None else broken[2] if broken is not None else []
+        for fingerprint in fingerprints_of(ops):
+            self.uses[fingerprint] -= 1
+            if self.uses[fingerprint] <= 0:
+                del self.uses[fingerprint]
+                self.executables.pop(fingerprint, None)
+                self.steps.unlearn(fingerprint)
 
     def _free(self, keys: list[int]) -> None:
         for key in keys:

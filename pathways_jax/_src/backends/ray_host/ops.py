@@ -104,6 +104,11 @@ class PullOp(NamedTuple):
 Op = ExecOp | PutOp | PostOp | PullOp
 
 
+def fingerprints_of(ops: list[Op]) -> set[str]:
+    """The computations (fingerprints) ``ops`` run, each once."""
+    return {op.fingerprint for op in ops if isinstance(op, ExecOp)}
+
+
 def sharding_of(desc: ShardingDesc, devices: list) -> Any:
     """The ``jax.sharding.Sharding`` a controller descriptor names over an island's devices."""
     import jax
