@@ -378,6 +378,28 @@ def test_programs_in_stats_are_those_the_hosts_hold_now(joined, island_service):
     assert mine()["programs"] == 1
 
 
+def test_a_program_dropped_while_a_new_one_of_its_function_is_queued_still_runs(joined, island_service):
+    # A computation goes to a host once per client and goes from it with the Forget of the last
+    # plan that runs it. A Forget goes ahead of the client's queued runs: it must not go ahead of
+    # a queued run whose plan counts on the computation being there (it failed: "KeyError").
+    s = pw.devices(mesh={"x": 1})
+    f = lambda v: v * 5  # noqa: E731
+    first = pw.jit(f, devices=s)
+    want = jax.jit(f)(jnp.arange(4.0))
+    np.testing.assert_array_equal(first(jnp.arange(4.0)).result(timeout=60), want)
+    slow = pw.jit(_slow, devices=s)
+    queued = [slow(jnp.ones(256)) for _ in range(8)]  # past the service's window of 4
+    second = pw.jit(f, devices=s)(jnp.arange(4.0))  # a new plan, the computation not sent again
+    del first
+    gc.collect()  # its Forget goes at the next flush, while the second run waits at the service
+    np.testing.assert_array_equal(second.result(timeout=60), want)
+    for out in queued:
+        out.result(timeout=60)
+    del queued, out, slow
+    gc.collect()
+    assert wait_for(lambda: [h["executables"] for h in island_service.host_stats().values()] == [0, 0])
+
+
 def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_service):
     s = pw.devices(mesh={"x": 2})
     make = pw.jit(lambda v: v + 1, devices=s)
