@@ -348,6 +348,29 @@ def test_dropped_programs_are_forgotten_on_their_hosts(ray_cluster):
     pw.shutdown()
 
 
+def test_hosts_consume_donated_futures_as_the_local_backend_does(ray_cluster):
+    # Hosts compiled without donation: a donated future stayed readable and its buffer was kept
+    # beside the run's outputs (twice the memory of a train step's state).
+    pw.init(backend="ray", hosts=1)
+    s = pw.devices(mesh={"x": 1})
+    step = pw.jit(lambda v: v * 2 + 1, devices=s, donate_argnums=0)
+    make = pw.jit(lambda v: v + 1, devices=s)
+    state, kept = make(jnp.arange(4.0)), make(jnp.arange(4.0))
+    first = state
+    for _ in range(3):
+        state = step(state)
+    want = jnp.arange(4.0) + 1
+    for _ in range(3):
+        want = jax.jit(lambda v: v * 2 + 1, donate_argnums=0)(want)
+    np.testing.assert_array_equal(state.result(timeout=60), want)
+    with pytest.raises(
+        pw.errors.ProgramFailedError, match=r"was donated to program .*use the program's outputs"
+    ):
+        first.result(timeout=60)
+    np.testing.assert_array_equal(kept.result(timeout=60), jnp.arange(4.0) + 1)  # not donated: kept
+    pw.shutdown()
+
+
 def test_host_stats_report_each_host_process_and_its_cpu_seconds(ray_cluster):
     # The simulator's calibration charges each host its own process's CPU seconds (pw.sim).
     cluster = pw.init(backend="ray", hosts=2)

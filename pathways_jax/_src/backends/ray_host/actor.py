@@ -54,7 +54,7 @@ from pathways_jax._src.backends.ray_host.answers import (
 )
 from pathways_jax._src.backends.ray_host.colocated import Colocated
 from pathways_jax._src.backends.ray_host.faults import Armed, Fault
-from pathways_jax._src.backends.ray_host.ops import Op, fingerprints_of, sharding_of
+from pathways_jax._src.backends.ray_host.ops import KEY_SPACE, Op, donated_slots, fingerprints_of, sharding_of
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
 from pathways_jax._src.backends.ray_host.steps import Steps
 from pathways_jax._src.backends.ray_host.values import from_wire, is_ready, is_small, place, readable
@@ -94,6 +94,7 @@ class Host:
         # runs any more goes with the last one's Forget, so a client that compiles many programs
         # and drops them leaves nothing behind (the controller forgets it has it at the same time).
         self.uses: collections.Counter[str] = collections.Counter()
+        self.consuming: dict[int, frozenset[int]] = {}  # plan key -> slots its computations donate
         self.steps = Steps(self.plane, self.executables, window_size)
         # plan key -> (ops, constants, steps, the 64-bit mode it runs under: None for the process's)
         self.plans: dict[int, tuple[list[Op], dict, list, bool | None]] = {}
@@ -315,14 +316,17 @@ class Host:
         import jax
 
         devices = self.plane.island_devices
-        for fingerprint, (blob, in_descs, out_descs) in blobs.items():
+        for fingerprint, (blob, in_descs, out_descs, donated) in blobs.items():
             if fingerprint in self.executables:
                 continue
             exported = jax.export.deserialize(blob)
             in_shardings = tuple(sharding_of(d, devices) for d in in_descs)
             out_shardings = tuple(sharding_of(d, devices) for d in out_descs)
             self.executables[fingerprint] = jax.jit(
-                exported.call, in_shardings=in_shardings, out_shardings=out_shardings
+                exported.call,
+                in_shardings=in_shardings,
+                out_shardings=out_shardings,
+                donate_argnums=donated,
             )
             self.steps.learn(
                 fingerprint,
@@ -334,10 +338,14 @@ class Host:
             for slot, (data, desc) in constants.items()
         }
         self.plans[key] = (ops, placed, [self.steps.make(op) for op in ops], mode)
+        # Kept values the plan's computations consume: one of another client's (shared with this
+        # one, on a controller service) is copied first, so that its owner's value stays.
+        self.consuming[key] = donated_slots(ops)
 
     def _forget(self, key: int) -> None:
         """Drops plan ``key``, and the executables no other plan runs."""
         plan, broken = self.plans.pop(key, None), self.broken.pop(key, None)
+        self.consuming.pop(key, None)
         ops = plan[0] if plan is not None else broken[2] if broken is not None else []
         for fingerprint in fingerprints_of(ops):
             self.uses[fingerprint] -= 1
@@ -423,6 +431,15 @@ class Host:
             self._answer(future, RunFailure("error", None, message, trace))
             return
         ops, constants, steps, mode = self.plans[key]
+        consuming = self.consuming.get(key)
+        if consuming:
+            owner = key // KEY_SPACE
+            feeds = [
+                (slot, "copy", payload)
+                if kind == "value" and slot in consuming and payload // KEY_SPACE != owner
+                else (slot, kind, payload)
+                for slot, kind, payload in feeds
+            ]
         with _mode(mode):
             self._run_plan(future, ops, constants, steps, base, feeds, keep)
 
@@ -438,6 +455,11 @@ class Host:
             for slot, kind, payload in feeds:
                 if kind == "value":
                     env[slot] = self._kept(payload)
+                elif kind == "copy":  # another client's value that a computation consumes
+                    import jax
+
+                    value = self._kept(payload)
+                    env[slot] = jax.device_put(value, value.sharding, may_alias=False)
                 else:
                     data, desc = payload
                     env[slot] = place(from_wire(data), self.plane.sharding(desc))

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+# A controller service's hosts know a client's values and plans by ``client * KEY_SPACE + its own
+# key`` (``runtime/serving/config.host_key``); a process's own hosts by its keys (client 0).
+KEY_SPACE = 2**40
+
 
 class SingleDesc(NamedTuple):
     """A value on one device: number ``device_index`` of its island's devices."""
@@ -39,6 +43,8 @@ class ExecOp(NamedTuple):
     out_slots: tuple[int, ...]
     windowed: bool  # counts against the host's bound of executables in flight
     name: str  # the node, as messages name it
+    # Positions of the arguments whose buffers the computation consumes (donate_argnums).
+    donated: tuple[int, ...] = ()
     kind: Literal["exec"] = "exec"
 
 
@@ -102,6 +108,11 @@ class PullOp(NamedTuple):
 
 
 Op = ExecOp | PutOp | PostOp | PullOp
+
+
+def donated_slots(ops: list[Op]) -> frozenset[int]:
+    """The slots whose buffers a computation of ``ops`` consumes (donation)."""
+    return frozenset(op.in_slots[position] for op in ops if isinstance(op, ExecOp) for position in op.donated)
 
 
 def fingerprints_of(ops: list[Op]) -> set[str]:
