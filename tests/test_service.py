@@ -530,6 +530,16 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
         pw.init(backend="ray", hosts=1, client_name="me")
     with pytest.raises(pw.errors.ClusterError, match=r"hosts=3 \(the service has 2\)"):
         pw.init(backend="ray", address=island_service.address, service=island_service.name, hosts=3)
+    # The hosts' shape given is checked against the service's, defaults told apart from values
+    # given (platform="gpu" and devices_per_host=1 were taken silently), and a client cannot
+    # decide how the service's lost islands go.
+    for given, said in (
+        ({"platform": "gpu"}, r"platform='gpu' \(the service's hosts are 'cpu'\)"),
+        ({"devices_per_host": 1}, r"devices_per_host=1 \(the service has 2\)"),
+        ({"replace_lost_hosts": False}, r"replace_lost_hosts=False \(the service rebuilds its lost islands"),
+    ):
+        with pytest.raises(pw.errors.ClusterError, match=said + ".*Leave them out to take the service's"):
+            pw.init(backend="ray", address=island_service.address, service=island_service.name, **given)
     with pytest.raises(pw.errors.ClusterError, match="already running"):
         pw.serve(island_service.name, hosts=1)
     for bad in (0, -1.0, True, "30"):

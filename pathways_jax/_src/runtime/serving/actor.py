@@ -152,6 +152,7 @@ class ServiceActor:
             "devices_per_host": self.layout.devices_per_host,
             "per_island": self.layout.per_island,
             "platform": self.config.platform,
+            "replace_lost_hosts": self.config.replace_lost_hosts,
             "x64": self.config.x64,
             "scheduler": self.policy,
             "window": self.window_size,
