@@ -530,6 +530,18 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
         pw.init(backend="ray", hosts=1, client_name="me")
     with pytest.raises(pw.errors.ClusterError, match=r"hosts=3 \(the service has 2\)"):
         pw.init(backend="ray", address=island_service.address, service=island_service.name, hosts=3)
+    # An address naming another Ray cluster than the one this process joined was ignored: the
+    # service was looked for, and hosts started, in the one joined.
+    elsewhere = "127.0.0.1:1"
+    for call in (
+        lambda: pw.init(backend="ray", address=elsewhere, service=island_service.name),
+        lambda: pw.init(backend="ray", address=elsewhere, hosts=1),
+        lambda: pw.serve("never-started", hosts=1, address=elsewhere),
+    ):
+        with pytest.raises(
+            pw.errors.ClusterError, match=r"names another Ray cluster .* call ray.shutdown\(\) first"
+        ):
+            call()
     # The hosts' shape given is checked against the service's, defaults told apart from values
     # given (platform="gpu" and devices_per_host=1 were taken silently), and a client cannot
     # decide how the service's lost islands go.

@@ -33,7 +33,13 @@ from absl import logging
 from pathways_jax._src.backends.base import Dispatched, Prepared, Windows
 from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
-from pathways_jax._src.backends.ray_boot import Layout, check_reachable, import_ray, send_saved_token
+from pathways_jax._src.backends.ray_boot import (
+    Layout,
+    check_joined,
+    check_reachable,
+    import_ray,
+    send_saved_token,
+)
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
 from pathways_jax._src.backends.ray_failures import is_lost_error
 from pathways_jax._src.backends.ray_host import Refused, sharding_of
@@ -61,7 +67,9 @@ def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
     """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a
     new one, with a logical CPU for each of ``hosts`` host actors at least)."""
     ray = import_ray()
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        check_joined(ray, address)
+    else:
         if address is None and start:
             logging.warning(
                 "pathways_jax: pw.serve started a new local Ray cluster in this process; the service lives as "

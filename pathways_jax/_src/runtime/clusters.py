@@ -339,6 +339,8 @@ def init(
       address: Ray backend: the Ray cluster to join (``"host:port"``, ``"auto"``
         for the one ``ray start`` started on this machine, ``"ray://..."``).
         ``None``: the Ray session this process already has, or a new local one.
+        Once the process has joined a Ray cluster, an address naming another
+        is refused (call ``ray.shutdown()`` first to join it).
       hosts: Ray backend: how many host actors to start.
       devices_per_host: Ray backend: devices each host exposes. This
         process traces and lowers against as many of its own CPU devices
