@@ -943,6 +943,8 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
             pw.share(kept, client="other")
         with pytest.raises(pw.errors.ClusterError, match=r"pw\.share: .*service 'test-dies' is gone"):
             pw.share(queued[-1], client="other")  # a value whose run the service's death failed
+        with pytest.raises(pw.errors.ClusterError, match=r"pw\.share: .*service 'test-dies' is gone"):
+            pw.share(kept)  # a handle for this process only: nothing asked of the service, made all the same
         # A client's own view of it says so too, and its handle: not Ray's exception.
         for ask in (pw.stats, svc.stats, svc.host_stats, pw.cluster().backend.host_stats):
             with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):

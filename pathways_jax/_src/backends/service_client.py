@@ -266,7 +266,11 @@ class ServiceBackend:
             raise
 
     def handle_of(self, array: Any) -> Handle:
-        """The handle of a value this process holds (its own or received)."""
+        """The handle of a value this process holds (its own or received); ClusterError once the service
+        is gone (a handle of it could name nothing: a service started again reuses its numbers)."""
+        gone = self.route.gone_now()
+        if gone is not None:
+            raise errors.ClusterError(f"pw.share: {gone}")
         owner, key = (self.client_id, array.key) if isinstance(array.key, int) else array.key
         placed = self.places.where(array.sharding, "the shared value")
         return Handle(
