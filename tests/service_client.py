@@ -17,7 +17,7 @@ Modes:
   pause K             K values kept; once DIR/resume appears (the test stops and
                       resumes this process meanwhile), one more program, whose
                       error is reported
-  share READER        a value shared with READER and one not shared: their
+  share READER        a value shared with READER (then donated) and one not shared: their
                       handles pickled to DIR/NAME.handles
   read OWNER          receives OWNER's handles: the unshared one must be
                       refused, the shared one read and checked, received again
@@ -249,7 +249,10 @@ def share(reader: str, path: pathlib.Path, say, stopped) -> None:
     tmp = path.with_suffix(".part")
     tmp.write_bytes(pickle.dumps(handles))
     tmp.replace(path)
-    say(state="shared")
+    # The owner donates the value it shared: the hosts consume a copy, the reader's value stays.
+    consume = pw.jit(lambda v: v * 2, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P("x"), donate_argnums=0)
+    consumed = np.asarray(consume(shared).result(timeout=60)).tolist()
+    say(state="shared", consumed=consumed)
     while not stopped():
         time.sleep(0.05)
 

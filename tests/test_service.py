@@ -217,9 +217,11 @@ def test_a_handle_is_refused_unless_shared(clients):
     assert _client_rows(clients.svc)["reader"]["refused"] >= 2
     # A second pw.receive of the handle outlives the first future's drop, and the owner's death.
     np.testing.assert_array_equal(got["again"], want * 2)
-    # Donating a received value consumes a copy on the hosts: the owner's value stays.
+    # Donating a shared value consumes a copy on the hosts, in its reader (the owner's value
+    # stays) as in its owner (the reader's stays: read below, once the owner is gone).
     np.testing.assert_array_equal(got["consumed"], jax.jit(lambda v: v * 2)(want))
     np.testing.assert_array_equal(got["still"], want)
+    np.testing.assert_array_equal(clients.wait_state("owner", "shared")["consumed"], want * 2)
     clients.procs["owner"].kill()
     clients.procs["owner"].wait(timeout=30)
     assert wait_for(lambda: not _client_rows(clients.svc)["owner"]["alive"], timeout=CLEANUP_BOUND_S)

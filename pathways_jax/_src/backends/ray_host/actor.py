@@ -54,7 +54,7 @@ from pathways_jax._src.backends.ray_host.answers import (
 )
 from pathways_jax._src.backends.ray_host.colocated import Colocated
 from pathways_jax._src.backends.ray_host.faults import Armed, Fault
-from pathways_jax._src.backends.ray_host.ops import KEY_SPACE, Op, donated_slots, fingerprints_of, sharding_of
+from pathways_jax._src.backends.ray_host.ops import Op, donated_slots, fingerprints_of, sharding_of
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
 from pathways_jax._src.backends.ray_host.steps import Steps
 from pathways_jax._src.backends.ray_host.values import from_wire, is_ready, is_small, place, readable
@@ -338,8 +338,8 @@ class Host:
             for slot, (data, desc) in constants.items()
         }
         self.plans[key] = (ops, placed, [self.steps.make(op) for op in ops], mode)
-        # Kept values the plan's computations consume: one of another client's (shared with this
-        # one, on a controller service) is copied first, so that its owner's value stays.
+        # The slots the plan's computations consume: a value fed there that other clients of a
+        # controller service may read too is copied first, so that their value stays.
         self.consuming[key] = donated_slots(ops)
 
     def _forget(self, key: int) -> None:
@@ -431,21 +431,22 @@ class Host:
             self._answer(future, RunFailure("error", None, message, trace))
             return
         ops, constants, steps, mode = self.plans[key]
-        consuming = self.consuming.get(key)
-        if consuming:
-            owner = key // KEY_SPACE
-            feeds = [
-                (slot, "copy", payload)
-                if kind == "value" and slot in consuming and payload // KEY_SPACE != owner
-                else (slot, kind, payload)
-                for slot, kind, payload in feeds
-            ]
         with _mode(mode):
-            self._run_plan(future, ops, constants, steps, base, feeds, keep)
+            self._run_plan(future, ops, constants, steps, base, feeds, keep, self.consuming[key])
 
     def _run_plan(
-        self, future: Any, ops: list[Op], constants: dict, steps: list, base: int, feeds: list, keep: list
+        self,
+        future: Any,
+        ops: list[Op],
+        constants: dict,
+        steps: list,
+        base: int,
+        feeds: list,
+        keep: list,
+        consuming: frozenset[int],
     ) -> None:
+        """Runs a plan's steps on its inputs ``feeds``; ``consuming``: the slots its computations
+        consume (donation): a shared value fed there (another client may read it) is copied first."""
         enqueued = time.monotonic()
         env: dict[int, Any] = dict(constants)
         made: list = []
@@ -455,11 +456,9 @@ class Host:
             for slot, kind, payload in feeds:
                 if kind == "value":
                     env[slot] = self._kept(payload)
-                elif kind == "copy":  # another client's value that a computation consumes
-                    import jax
-
+                elif kind == "shared":  # a value other clients of a service may read too
                     value = self._kept(payload)
-                    env[slot] = jax.device_put(value, value.sharding, may_alias=False)
+                    env[slot] = _copy(value) if slot in consuming else value
                 else:
                     data, desc = payload
                     env[slot] = place(from_wire(data), self.plane.sharding(desc))
@@ -527,6 +526,13 @@ class Host:
 
 class InputFailed(Exception):
     """A run's input was never made here: the run or call that was to make it failed."""
+
+
+def _copy(value: Any) -> Any:
+    """A copy of ``value`` on its own devices (for a computation that consumes its buffers)."""
+    import jax
+
+    return jax.device_put(value, value.sharding, may_alias=False)
 
 
 def _mode(x64: bool | None) -> Any:

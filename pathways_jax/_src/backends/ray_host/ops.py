@@ -10,10 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
-# A controller service's hosts know a client's values and plans by ``client * KEY_SPACE + its own
-# key`` (``runtime/serving/config.host_key``); a process's own hosts by its keys (client 0).
-KEY_SPACE = 2**40
-
 
 class SingleDesc(NamedTuple):
     """A value on one device: number ``device_index`` of its island's devices."""

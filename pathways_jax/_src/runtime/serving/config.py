@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from pathways_jax._src.backends.ray_host.ops import KEY_SPACE
-
 DEFAULT_WINDOW = 4  # runs in flight per island on the service's hosts
+_KEY_SPACE = 2**40  # host key = client * _KEY_SPACE + the client's key
 
 
 def host_key(client: int, key: int) -> int:
     """The key the hosts know a client's value or plan by."""
-    return client * KEY_SPACE + key
+    return client * _KEY_SPACE + key
 
 
 @dataclasses.dataclass(frozen=True)
