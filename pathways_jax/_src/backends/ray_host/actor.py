@@ -9,7 +9,8 @@ Message kinds, in the order the controller numbered them:
 
 - ``"register"``: a plan's part for this host (its operations, constants) and
   the serialized computations (``jax.export``) the host has not seen, cached
-  by fingerprint and compiled here.
+  by fingerprint and compiled here (with their donation); a computation goes
+  with the ``"forget"`` of the last plan that runs it.
 - ``"run"``: one run of a registered plan: its transfer uuid base, its inputs
   (values already here, or data), which results to keep under which keys.
   Answered once the run's work on this host is complete: its device time, a
