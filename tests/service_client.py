@@ -17,11 +17,12 @@ Modes:
   pause K             K values kept; once DIR/resume appears (the test stops and
                       resumes this process meanwhile), one more program, whose
                       error is reported
-  share READER        a value shared with READER and one not shared: their
+  share READER        a value shared with READER (then donated) and one not shared: their
                       handles pickled to DIR/NAME.handles
   read OWNER          receives OWNER's handles: the unshared one must be
                       refused, the shared one read and checked, received again
-                      (the first future dropped) and read; once DIR/owner-gone
+                      (the first future dropped) and read, then donated to a
+                      program and read again; once DIR/owner-gone
                       appears (the test kills OWNER), read again
   orders              one function on the island's 4 devices in order
                       [0, 1, 2, 3], then in order [3, 2, 1, 0], each
@@ -248,7 +249,10 @@ def share(reader: str, path: pathlib.Path, say, stopped) -> None:
     tmp = path.with_suffix(".part")
     tmp.write_bytes(pickle.dumps(handles))
     tmp.replace(path)
-    say(state="shared")
+    # The owner donates the value it shared: the hosts consume a copy, the reader's value stays.
+    consume = pw.jit(lambda v: v * 2, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P("x"), donate_argnums=0)
+    consumed = np.asarray(consume(shared).result(timeout=60)).tolist()
+    say(state="shared", consumed=consumed)
     while not stopped():
         time.sleep(0.05)
 
@@ -283,7 +287,20 @@ def read(path: pathlib.Path, say) -> None:
     pw.stats()  # collects dropped futures; their frees go out within 50 ms
     time.sleep(0.5)
     got_again = np.asarray(double(again).result(timeout=60)).tolist()
-    say(state="done", refused=refused, shared=got_shared, doubled=doubled, again=got_again)
+    # A received value donated: the hosts consume a copy, the owner's value stays (and so does
+    # this process's other future of it).
+    consume = pw.jit(lambda v: v * 2, devices=s, in_specs=(pw.P("x"),), out_specs=pw.P("x"), donate_argnums=0)
+    consumed = np.asarray(consume(pw.receive(handles["shared"])).result(timeout=60)).tolist()
+    still = np.asarray(again.result(timeout=60)).tolist()
+    say(
+        state="done",
+        refused=refused,
+        shared=got_shared,
+        doubled=doubled,
+        again=got_again,
+        consumed=consumed,
+        still=still,
+    )
     deadline = time.monotonic() + 120
     while not (path.parent / "owner-gone").exists():  # the test kills the owner meanwhile
         if time.monotonic() > deadline:

@@ -327,6 +327,47 @@ def test_dropped_programs_are_forgotten_on_their_hosts(ray_cluster):
     assert wait_for(lambda: cluster.backend.host_stats()[0]["plans"] == baseline, timeout=10), (
         cluster.backend.host_stats()
     )
+    # Their computations go with them: a client that compiles many programs and drops them does
+    # not grow its hosts without bound. One two live plans run stays while either does, and one
+    # that went is sent again when a new plan runs it.
+    assert cluster.backend.host_stats()[0]["executables"] == 0
+    twice = [pw.jit(lambda v: v * 5, devices=s) for _ in range(2)]
+    for program in twice:
+        np.testing.assert_array_equal(program(jnp.ones(2)).result(timeout=60), np.full(2, 5.0))
+    assert cluster.backend.host_stats()[0]["executables"] == 1  # one computation, two plans
+    del twice[0], program
+    gc.collect()
+    assert wait_for(lambda: cluster.backend.host_stats()[0]["plans"] == baseline + 1, timeout=10)
+    assert cluster.backend.host_stats()[0]["executables"] == 1
+    np.testing.assert_array_equal(twice[0](jnp.ones(2)).result(timeout=60), np.full(2, 5.0))
+    twice.clear()
+    gc.collect()
+    assert wait_for(lambda: cluster.backend.host_stats()[0]["executables"] == 0, timeout=10)
+    again = pw.jit(lambda v: v * 5, devices=s)
+    np.testing.assert_array_equal(again(jnp.ones(2)).result(timeout=60), np.full(2, 5.0))
+    pw.shutdown()
+
+
+def test_hosts_consume_donated_futures_as_the_local_backend_does(ray_cluster):
+    # Hosts compiled without donation: a donated future stayed readable and its buffer was kept
+    # beside the run's outputs (twice the memory of a train step's state).
+    pw.init(backend="ray", hosts=1)
+    s = pw.devices(mesh={"x": 1})
+    step = pw.jit(lambda v: v * 2 + 1, devices=s, donate_argnums=0)
+    make = pw.jit(lambda v: v + 1, devices=s)
+    state, kept = make(jnp.arange(4.0)), make(jnp.arange(4.0))
+    first = state
+    for _ in range(3):
+        state = step(state)
+    want = jnp.arange(4.0) + 1
+    for _ in range(3):
+        want = jax.jit(lambda v: v * 2 + 1, donate_argnums=0)(want)
+    np.testing.assert_array_equal(state.result(timeout=60), want)
+    with pytest.raises(
+        pw.errors.ProgramFailedError, match=r"was donated to program .*use the program's outputs"
+    ):
+        first.result(timeout=60)
+    np.testing.assert_array_equal(kept.result(timeout=60), jnp.arange(4.0) + 1)  # not donated: kept
     pw.shutdown()
 
 

@@ -217,6 +217,11 @@ def test_a_handle_is_refused_unless_shared(clients):
     assert _client_rows(clients.svc)["reader"]["refused"] >= 2
     # A second pw.receive of the handle outlives the first future's drop, and the owner's death.
     np.testing.assert_array_equal(got["again"], want * 2)
+    # Donating a shared value consumes a copy on the hosts, in its reader (the owner's value
+    # stays) as in its owner (the reader's stays: read below, once the owner is gone).
+    np.testing.assert_array_equal(got["consumed"], jax.jit(lambda v: v * 2)(want))
+    np.testing.assert_array_equal(got["still"], want)
+    np.testing.assert_array_equal(clients.wait_state("owner", "shared")["consumed"], want * 2)
     clients.procs["owner"].kill()
     clients.procs["owner"].wait(timeout=30)
     assert wait_for(lambda: not _client_rows(clients.svc)["owner"]["alive"], timeout=CLEANUP_BOUND_S)
@@ -378,6 +383,28 @@ def test_programs_in_stats_are_those_the_hosts_hold_now(joined, island_service):
     assert mine()["programs"] == 1
 
 
+def test_a_program_dropped_while_a_new_one_of_its_function_is_queued_still_runs(joined, island_service):
+    # A computation goes to a host once per client and goes from it with the Forget of the last
+    # plan that runs it. A Forget goes ahead of the client's queued runs: it must not go ahead of
+    # a queued run whose plan counts on the computation being there (it failed: "KeyError").
+    s = pw.devices(mesh={"x": 1})
+    f = lambda v: v * 5  # noqa: E731
+    first = pw.jit(f, devices=s)
+    want = jax.jit(f)(jnp.arange(4.0))
+    np.testing.assert_array_equal(first(jnp.arange(4.0)).result(timeout=60), want)
+    slow = pw.jit(_slow, devices=s)
+    queued = [slow(jnp.ones(256)) for _ in range(8)]  # past the service's window of 4
+    second = pw.jit(f, devices=s)(jnp.arange(4.0))  # a new plan, the computation not sent again
+    del first
+    gc.collect()  # its Forget goes at the next flush, while the second run waits at the service
+    np.testing.assert_array_equal(second.result(timeout=60), want)
+    for out in queued:
+        out.result(timeout=60)
+    del queued, out, slow
+    gc.collect()
+    assert wait_for(lambda: [h["executables"] for h in island_service.host_stats().values()] == [0, 0])
+
+
 def test_forged_and_stale_handles_are_refused_and_touch_nothing(joined, island_service):
     s = pw.devices(mesh={"x": 2})
     make = pw.jit(lambda v: v + 1, devices=s)
@@ -505,6 +532,28 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
         pw.init(backend="ray", hosts=1, client_name="me")
     with pytest.raises(pw.errors.ClusterError, match=r"hosts=3 \(the service has 2\)"):
         pw.init(backend="ray", address=island_service.address, service=island_service.name, hosts=3)
+    # An address naming another Ray cluster than the one this process joined was ignored: the
+    # service was looked for, and hosts started, in the one joined.
+    elsewhere = "127.0.0.1:1"
+    for call in (
+        lambda: pw.init(backend="ray", address=elsewhere, service=island_service.name),
+        lambda: pw.init(backend="ray", address=elsewhere, hosts=1),
+        lambda: pw.serve("never-started", hosts=1, address=elsewhere),
+    ):
+        with pytest.raises(
+            pw.errors.ClusterError, match=r"names another Ray cluster .* call ray.shutdown\(\) first"
+        ):
+            call()
+    # The hosts' shape given is checked against the service's, defaults told apart from values
+    # given (platform="gpu" and devices_per_host=1 were taken silently), and a client cannot
+    # decide how the service's lost islands go.
+    for given, said in (
+        ({"platform": "gpu"}, r"platform='gpu' \(the service's hosts are 'cpu'\)"),
+        ({"devices_per_host": 1}, r"devices_per_host=1 \(the service has 2\)"),
+        ({"replace_lost_hosts": False}, r"replace_lost_hosts=False \(the service rebuilds its lost islands"),
+    ):
+        with pytest.raises(pw.errors.ClusterError, match=said + ".*Leave them out to take the service's"):
+            pw.init(backend="ray", address=island_service.address, service=island_service.name, **given)
     with pytest.raises(pw.errors.ClusterError, match="already running"):
         pw.serve(island_service.name, hosts=1)
     for bad in (0, -1.0, True, "30"):
@@ -896,6 +945,8 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
             pw.share(kept, client="other")
         with pytest.raises(pw.errors.ClusterError, match=r"pw\.share: .*service 'test-dies' is gone"):
             pw.share(queued[-1], client="other")  # a value whose run the service's death failed
+        with pytest.raises(pw.errors.ClusterError, match=r"pw\.share: .*service 'test-dies' is gone"):
+            pw.share(kept)  # a handle for this process only: nothing asked of the service, made all the same
         # A client's own view of it says so too, and its handle: not Ray's exception.
         for ask in (pw.stats, svc.stats, svc.host_stats, pw.cluster().backend.host_stats):
             with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):

@@ -167,6 +167,24 @@ class Backend(Protocol):
         ...
 
 
+class DefaultStr(str):
+    """A ``pw.init`` argument left at its default: equal to it, and told apart from it given
+    (joining a controller service, the arguments given are checked against the service's)."""
+
+    __slots__ = ()
+
+
+class DefaultInt(int):
+    """:class:`DefaultStr` for an int argument."""
+
+    __slots__ = ()
+
+
+def given(value: object) -> bool:
+    """Whether a ``pw.init`` argument was given (not left at its default, :class:`DefaultStr`)."""
+    return not isinstance(value, DefaultStr | DefaultInt)
+
+
 class StartOptions(Protocol):
     """What a backend's start function reads of ``pw.init``'s (checked) arguments.
 
@@ -294,6 +312,8 @@ class ServiceView(Protocol):
 
 __all__ = [
     "Backend",
+    "DefaultInt",
+    "DefaultStr",
     "Dispatched",
     "HostFleet",
     "Prepared",
@@ -305,4 +325,5 @@ __all__ = [
     "Strikes",
     "Windows",
     "device_window_key",
+    "given",
 ]

@@ -174,12 +174,14 @@ def _feed(slot: int, kind: str, payload: Any) -> wire.Feed:
     """A run's input ``(slot, kind, payload)`` as its wire form: a value's key, or a fed value."""
     if kind == "value":
         return wire.Feed(slot, value=payload)
+    if kind == "shared":
+        return wire.Feed(slot, value=payload, shared=True)
     return wire.Feed(slot, data=_blob(payload))
 
 
 def _unfeed(feed: wire.Feed) -> tuple[int, str, Any]:
     if feed.data is None:
-        return feed.slot, "value", feed.value
+        return feed.slot, "shared" if feed.shared else "value", feed.value
     return feed.slot, "data", _unblob(feed.data)
 
 

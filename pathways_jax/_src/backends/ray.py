@@ -119,7 +119,7 @@ class RayBackend:
 
     name = "ray"
     window_size: int | None = RUNS_IN_FLIGHT
-    donates = False  # hosts compile the exported nodes without donation
+    donates = True  # hosts compile the exported nodes with the donation this process's have
     exports = True
     calls_back = False
     stages_inputs = False  # host inputs travel with the run's message

@@ -100,6 +100,63 @@ def check_reachable(address: str) -> None:
         )
 
 
+def check_joined(ray: Any, address: str | None) -> None:
+    """Refuses ``address`` if it names another Ray cluster than the one this process joined already.
+
+    A process joins one Ray cluster (``ray.init``, or an earlier ``pw.init`` or
+    ``pw.serve``): an address naming another was ignored, and the hosts started
+    or the service looked for in the one joined. ``None`` and ``"local"`` pass,
+    as does an address whose cluster cannot be told (``"auto"`` with nothing
+    recorded, a Ray Client connection).
+    """
+    if address is None or address == "local":
+        return
+    try:
+        current = ray.get_runtime_context().gcs_address
+    except Exception:  # a Ray Client connection: its cluster's address is not at hand
+        return
+    wanted = _auto_address() if address == "auto" else address
+    if not isinstance(current, str) or wanted is None or _same_cluster(ray, wanted, current):
+        return
+    shown = repr(address) if wanted == address else f"{address!r} ({wanted!r})"
+    raise errors.ClusterError(
+        f"address={shown} names another Ray cluster than the one this process joined already, at "
+        f"{current!r} (with ray.init, or an earlier pw.init or pw.serve); a process joins one Ray "
+        f"cluster. Pass address=None (or {current!r}) to use that one, or call ray.shutdown() first to "
+        f"join {address!r}."
+    )
+
+
+def _same_cluster(ray: Any, wanted: str, current: str) -> bool:
+    """Whether ``wanted`` (``host:port``, or ``ray://host:port``) names the cluster at ``current``.
+
+    A Ray Client address names the head's client server, not its GCS port: its
+    host alone is compared. This machine's names and addresses are one host.
+    """
+    client = wanted.startswith("ray://")
+    host, _, port = wanted.removeprefix("ray://").rpartition(":")
+    here_host, _, here_port = current.rpartition(":")
+    if not host or not port.isdigit():
+        return True  # a form this does not read: left to Ray
+    if not client and port != here_port:
+        return False
+    try:
+        node = ray.util.get_node_ip_address()
+    except Exception:
+        node = None
+    ours = {node, _ip(socket.gethostname()), "0.0.0.0"}
+    a, b = _ip(host.strip("[]")), _ip(here_host.strip("[]"))
+    return a == b or all(ip in ours or ip.startswith("127.") or ip == "::1" for ip in (a, b))
+
+
+def _ip(host: str) -> str:
+    """``host``'s IPv4 address, or ``host`` itself if it does not resolve."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
 def _auto_address() -> str | None:
     """The address ``ray.init(address="auto")`` would join, as Ray finds it; None if none is known."""
     try:
@@ -179,6 +236,7 @@ def join_ray(ray: Any, address: str | None, hosts: int) -> None:
     a session of the user's has is refused at once.
     """
     if ray.is_initialized():
+        check_joined(ray, address)
         have = int(ray.cluster_resources().get("CPU", 0))
         if have >= hosts or address is not None:
             return

@@ -243,7 +243,7 @@ class Dispatcher:
                     blobs = {f: b for f, b in hp.blobs.items() if f not in have}
                     batch.append((host, "register", (remote.key, hp.ops, hp.constants, blobs, remote.x64)))
                     have.update(blobs)
-                    sender.known[host].add(remote.key)
+                    sender.registered(host, remote.key, frozenset(hp.blobs))
                 frees = sender.take_dropped(host)
                 runs[host] = len(batch)
                 batch.append((host, "run", (remote.key, run.id, base, feeds, keep, frees)))

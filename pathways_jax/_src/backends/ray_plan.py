@@ -163,17 +163,20 @@ class RemotePlan:
                     tuple(where(s, what).desc for s in in_shardings),
                     tuple(where(s, what).desc for s in out_shardings),
                 )
+                # The hosts consume what this process's executable would (donate_argnums).
+                donated = _donated(executable)
                 # Hosts compile the computation for these devices in this order: the
                 # same computation over the same devices in another order is another
                 # executable (sharing one feeds buffers to the wrong replicas).
-                fingerprint = f"{exported}/{hashlib.sha256(repr(descs).encode()).hexdigest()[:24]}"
+                digest = hashlib.sha256(repr((descs, donated) if donated else descs).encode())
+                fingerprint = f"{exported}/{digest.hexdigest()[:24]}"
                 # Named as the host's errors say it: "run failed in node <name>".
                 name = f"{node.name!r} ({node.source_info})"
-                op = ExecOp(fingerprint, step.in_slots, step.out_slots, step.windowed, name)
+                op = ExecOp(fingerprint, step.in_slots, step.out_slots, step.windowed, name, donated)
                 for host in hosts:
                     hp = part(host)
                     if fingerprint not in hp.blobs:
-                        hp.blobs[fingerprint] = (blob, *descs)
+                        hp.blobs[fingerprint] = (blob, *descs, donated)
                     hp.ops.append(op)
                 for slot, sharding in zip(step.out_slots, out_shardings, strict=True):
                     slot_hosts[slot], slot_sharding[slot] = hosts, sharding
@@ -258,6 +261,18 @@ class RemotePlan:
             part(host).ops.append(
                 PullOp(step.dst, step.src, tuple(parts), shape, str(dtype), dst.desc, key_impl)
             )
+
+
+def _donated(executable: Any) -> tuple[int, ...]:
+    """The argument positions ``executable`` (this process's, for the stand-ins) consumes.
+
+    One that does not say (no ``args_info``) consumes none on the hosts: a buffer a
+    host deletes must be one the controller counts as spent.
+    """
+    info = getattr(executable, "args_info", None)
+    if info is None:
+        return ()
+    return tuple(i for i, arg in enumerate(jax.tree_util.tree_leaves(info[0])) if arg.donated)
 
 
 def _overlap(a: tuple, b: tuple) -> bool:

@@ -30,6 +30,9 @@ class Sender:
         self.seq = [0] * hosts  # each host's next message number
         self.known: list[set] = [set() for _ in range(hosts)]  # plan keys each host has
         self.fingerprints: list[set] = [set() for _ in range(hosts)]  # computations each host has
+        # The computations each host's known plans run, by plan key: a host drops a computation with
+        # the Forget of the last plan that runs it, and so does its set here (sent again if needed).
+        self.plan_prints: list[dict[int, frozenset[str]]] = [{} for _ in range(hosts)]
         # Values whose handles went, by host: freed with the next message there.
         self.dropped: list[collections.deque] = [collections.deque() for _ in range(hosts)]
         self.forgotten: collections.deque = collections.deque()  # (plan key, hosts) whose plan went
@@ -114,11 +117,25 @@ class Sender:
             for host in hosts:
                 if key in self.known[host] and host not in lost_hosts:
                     self.known[host].discard(key)
+                    self._drop_prints(host, key)
                     yield host, key
+
+    def registered(self, host: int, key: int, prints: frozenset[str]) -> None:
+        """Host ``host`` is sent plan ``key``, which runs computations ``prints``."""
+        self.known[host].add(key)
+        self.plan_prints[host][key] = prints
+
+    def _drop_prints(self, host: int, key: int) -> None:
+        """Plan ``key`` goes from ``host``: the computations no other of its plans runs go with it there."""
+        gone = self.plan_prints[host].pop(key, frozenset())
+        if gone:
+            still = set().union(*self.plan_prints[host].values())
+            self.fingerprints[host].difference_update(gone - still)
 
     def renew(self, host: int) -> None:
         """Host ``host`` is a new process: numbering starts again, and it has nothing."""
         self.seq[host] = 0
         self.known[host] = set()
         self.fingerprints[host] = set()
+        self.plan_prints[host] = {}
         self.dropped[host].clear()

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from pathways_jax._src.backends import local
-from pathways_jax._src.backends.base import StartOptions
+from pathways_jax._src.backends.base import StartOptions, given
 from pathways_jax._src.core import errors
 
 
@@ -44,8 +44,15 @@ def _join_service(args: StartOptions) -> Any:
     asked = {"hosts": args.hosts, "islands": args.islands}
     has = {"hosts": hosts, "islands": hosts // per_island}
     wrong = [f"{k}={asked[k]!r} (the service has {has[k]})" for k in asked if asked[k] not in (None, has[k])]
-    if args.devices_per_host not in (1, per_host):
-        wrong.append(f"devices_per_host={args.devices_per_host!r} (the service has {per_host})")
+    if given(args.devices_per_host) and args.devices_per_host != per_host:
+        wrong.append(f"devices_per_host={int(args.devices_per_host)!r} (the service has {per_host})")
+    if given(args.platform) and args.platform != joined["platform"]:
+        wrong.append(f"platform={str(args.platform)!r} (the service's hosts are {joined['platform']!r})")
+    if args.replace_lost_hosts is False and joined.get("replace_lost_hosts", True):
+        wrong.append(
+            "replace_lost_hosts=False (the service rebuilds its lost islands for all its clients, as "
+            "pw.serve(replace_lost_hosts=True) started it)"
+        )
     try:
         if wrong:
             raise errors.ClusterError(
@@ -90,7 +97,11 @@ def _standins(total: int, num_cpu_devices: int | None, what: str) -> list:
 
 def _start_hosts(args: StartOptions) -> Any:
     """Checks the Ray backend's arguments, sets up the stand-in devices and starts the hosts."""
-    devices_per_host, islands, num_cpu_devices = args.devices_per_host, args.islands, args.num_cpu_devices
+    devices_per_host, islands, num_cpu_devices = (
+        int(args.devices_per_host),
+        args.islands,
+        args.num_cpu_devices,
+    )
     hosts = args.hosts or 0  # an int >= 1 (checked)
     if islands is not None and (not isinstance(islands, int) or islands < 1 or hosts % islands):
         raise errors.ClusterError(
@@ -110,6 +121,6 @@ def _start_hosts(args: StartOptions) -> Any:
         window_size=args.max_in_flight,
         on_lost=None,
         islands=islands,
-        platform=args.platform,
+        platform=str(args.platform),  # a plain str (a default is a DefaultStr): it goes to the hosts
         replace_lost=bool(args.replace_lost_hosts),
     )

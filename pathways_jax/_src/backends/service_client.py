@@ -33,7 +33,13 @@ from absl import logging
 from pathways_jax._src.backends.base import Dispatched, Prepared, Windows
 from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
-from pathways_jax._src.backends.ray_boot import Layout, check_reachable, import_ray, send_saved_token
+from pathways_jax._src.backends.ray_boot import (
+    Layout,
+    check_joined,
+    check_reachable,
+    import_ray,
+    send_saved_token,
+)
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
 from pathways_jax._src.backends.ray_failures import is_lost_error
 from pathways_jax._src.backends.ray_host import Refused, sharding_of
@@ -61,7 +67,9 @@ def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
     """This process's Ray session: the cluster at ``address``; ``None``: the running one (``start``: else a
     new one, with a logical CPU for each of ``hosts`` host actors at least)."""
     ray = import_ray()
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        check_joined(ray, address)
+    else:
         if address is None and start:
             logging.warning(
                 "pathways_jax: pw.serve started a new local Ray cluster in this process; the service lives as "
@@ -156,7 +164,7 @@ class ServiceBackend:
 
     name = "ray"
     window_size: int | None = RUNS_IN_FLIGHT
-    donates = False  # hosts compile the exported nodes without donation
+    donates = True  # hosts compile the exported nodes with the donation this process's have
     exports = True
     calls_back = False
     stages_inputs = False  # host inputs travel with the run's message
@@ -258,7 +266,11 @@ class ServiceBackend:
             raise
 
     def handle_of(self, array: Any) -> Handle:
-        """The handle of a value this process holds (its own or received)."""
+        """The handle of a value this process holds (its own or received); ClusterError once the service
+        is gone (a handle of it could name nothing: a service started again reuses its numbers)."""
+        gone = self.route.gone_now()
+        if gone is not None:
+            raise errors.ClusterError(f"pw.share: {gone}")
         owner, key = (self.client_id, array.key) if isinstance(array.key, int) else array.key
         placed = self.places.where(array.sharding, "the shared value")
         return Handle(
@@ -351,6 +363,7 @@ class ServiceBackend:
                 for member in self.layout.members(island):
                     self.sender.known[member] = set()  # new hosts: plans go again
                     self.sender.fingerprints[member] = set()
+                    self.sender.plan_prints[member] = {}
             if self.on_restored is not None:
                 self.on_restored(island)
 

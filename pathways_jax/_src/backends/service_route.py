@@ -135,6 +135,11 @@ class ServiceRoute:
             "the service again and pw.init(...) to join it."
         )
 
+    def gone_now(self) -> str | None:
+        """What :meth:`gone_message` says once the service answers nothing more; None while it serves."""
+        gone = self._gone
+        return None if gone is None else self.gone_message(HostGone(-1, gone))
+
     def health_check(self, hosts: set[int]) -> int | None:
         """The island of the first of ``hosts`` the service says is lost (asked now), or None."""
         self.refresh()

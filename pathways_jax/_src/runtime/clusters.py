@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import math
 import numbers
@@ -14,13 +15,13 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 from absl import logging
 
 from pathways_jax._src.backends import registry
-from pathways_jax._src.backends.base import Backend, HostFleet, ServiceView
+from pathways_jax._src.backends.base import Backend, DefaultInt, DefaultStr, HostFleet, ServiceView, given
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import errors, events
 from pathways_jax._src.runtime import context
@@ -39,6 +40,10 @@ from pathways_jax._src.runtime.resources import Island, ResourceManager
 
 # How long a backend that started is given to close when the cluster cannot be made after all.
 _START_FAILED_CLOSE_S = 10.0
+# pw.init's defaults for the Ray hosts' shape: equal to "cpu" and 1, and told apart from them given
+# (joining a controller service, those given are checked against the service's hosts).
+_PLATFORM = cast(Literal["cpu", "gpu"], DefaultStr("cpu"))
+_DEVICES_PER_HOST = DefaultInt(1)
 
 
 class Cluster:
@@ -284,8 +289,8 @@ def init(
     backpressure_timeout: float | None = None,
     address: str | None = None,
     hosts: int | None = None,
-    devices_per_host: int = 1,
-    platform: Literal["cpu", "gpu"] = "cpu",
+    devices_per_host: int = _DEVICES_PER_HOST,
+    platform: Literal["cpu", "gpu"] = _PLATFORM,
     replace_lost_hosts: bool = True,
     service: str | None = None,
     client_name: str | None = None,
@@ -334,6 +339,8 @@ def init(
       address: Ray backend: the Ray cluster to join (``"host:port"``, ``"auto"``
         for the one ``ray start`` started on this machine, ``"ray://..."``).
         ``None``: the Ray session this process already has, or a new local one.
+        Once the process has joined a Ray cluster, an address naming another
+        is refused (call ``ray.shutdown()`` first to join it).
       hosts: Ray backend: how many host actors to start.
       devices_per_host: Ray backend: devices each host exposes. This
         process traces and lowers against as many of its own CPU devices
@@ -348,8 +355,11 @@ def init(
       service: Ray backend: join the controller service of this name
         (``pw.serve``) in the Ray cluster at ``address`` instead of starting
         hosts: this process becomes one of the service's client processes,
-        sharing its hosts with the others. ``hosts``, ``devices_per_host``
-        and ``islands`` come from the service (give them only to check them).
+        sharing its hosts with the others. ``hosts``, ``devices_per_host``,
+        ``islands`` and ``platform`` come from the service (give them only
+        to check them: one that differs is a ``ClusterError``);
+        ``replace_lost_hosts=False`` is refused when the service rebuilds
+        lost islands (its own ``pw.serve(replace_lost_hosts=...)`` decides).
       client_name: with ``service``: this process's name in the service's
         stats and for ``pw.share(future, client=...)`` (default
         ``"<hostname>:<pid>"``).
@@ -390,6 +400,8 @@ def init(
             client_name=client_name,
         )
     )
+    if not given(devices_per_host):  # checked() made it a plain int
+        args = dataclasses.replace(args, devices_per_host=_DEVICES_PER_HOST)
     with _lock:
         if _current is not None:
             if _current._init_args == args:

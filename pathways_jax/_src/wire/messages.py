@@ -110,11 +110,16 @@ Handle: TypeAlias = int | tuple[int, int]
 
 
 class Feed(msgspec.Struct, frozen=True, array_like=True):
-    """An input of a run: a kept value by its key (``value``), or a fed value (``data``, pickled)."""
+    """An input of a run: a kept value by its key (``value``), or a fed value (``data``, pickled).
+
+    ``shared``: a kept value other clients of a service may read too (another's, or one its
+    owner shared): a computation that consumes it (donation) consumes a copy.
+    """
 
     slot: int
     value: Handle | None = None
     data: Blob | None = None
+    shared: bool = False
 
 
 class Run(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -9,7 +9,8 @@ Message kinds, in the order the controller numbered them:
 
 - ``"register"``: a plan's part for this host (its operations, constants) and
   the serialized computations (``jax.export``) the host has not seen, cached
-  by fingerprint and compiled here.
+  by fingerprint and compiled here (with their donation); a computation goes
+  with the ``"forget"`` of the last plan that runs it.
 - ``"run"``: one run of a registered plan: its transfer uuid base, its inputs
   (values already here, or data), which results to keep under which keys.
   Answered once the run's work on this host is complete: its device time, a
@@ -54,7 +55,7 @@ from pathways_jax._src.backends.ray_host.answers import (
 )
 from pathways_jax._src.backends.ray_host.colocated import Colocated
 from pathways_jax._src.backends.ray_host.faults import Armed, Fault
-from pathways_jax._src.backends.ray_host.ops import Op, sharding_of
+from pathways_jax._src.backends.ray_host.ops import Op, donated_slots, fingerprints_of, sharding_of
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
 from pathways_jax._src.backends.ray_host.steps import Steps
 from pathways_jax._src.backends.ray_host.values import from_wire, is_ready, is_small, place, readable
@@ -90,6 +91,11 @@ class Host:
         # a run that reads one fails saying so, not that the value is missing.
         self.unmade: dict[int, str] = {}
         self.executables: dict[str, Any] = {}  # fingerprint -> jitted callable
+        # fingerprint -> how many registered plans (kept or broken) run it: an executable no plan
+        # runs any more goes with the last one's Forget, so a client that compiles many programs
+        # and drops them leaves nothing behind (the controller forgets it has it at the same time).
+        self.uses: collections.Counter[str] = collections.Counter()
+        self.consuming: dict[int, frozenset[int]] = {}  # plan key -> slots its computations donate
         self.steps = Steps(self.plane, self.executables, window_size)
         # plan key -> (ops, constants, steps, the 64-bit mode it runs under: None for the process's)
         self.plans: dict[int, tuple[list[Op], dict, list, bool | None]] = {}
@@ -294,6 +300,8 @@ class Host:
         thread-local ``jax.enable_x64``), so its 64-bit inputs stay 64-bit.
         """
         mode = None if x64 is None or x64 == self.x64 else x64
+        self.uses.update(fingerprints_of(ops))
+        self._forget(key)  # registered before: its old ops are counted out (after: nothing shared goes)
         try:
             with _mode(mode):
                 self._compile_plan(key, ops, constants, blobs, mode)
@@ -309,14 +317,17 @@ class Host:
         import jax
 
         devices = self.plane.island_devices
-        for fingerprint, (blob, in_descs, out_descs) in blobs.items():
+        for fingerprint, (blob, in_descs, out_descs, donated) in blobs.items():
             if fingerprint in self.executables:
                 continue
             exported = jax.export.deserialize(blob)
             in_shardings = tuple(sharding_of(d, devices) for d in in_descs)
             out_shardings = tuple(sharding_of(d, devices) for d in out_descs)
             self.executables[fingerprint] = jax.jit(
-                exported.call, in_shardings=in_shardings, out_shardings=out_shardings
+                exported.call,
+                in_shardings=in_shardings,
+                out_shardings=out_shardings,
+                donate_argnums=donated,
             )
             self.steps.learn(
                 fingerprint,
@@ -328,10 +339,21 @@ class Host:
             for slot, (data, desc) in constants.items()
         }
         self.plans[key] = (ops, placed, [self.steps.make(op) for op in ops], mode)
+        # The slots the plan's computations consume: a value fed there that other clients of a
+        # controller service may read too is copied first, so that their value stays.
+        self.consuming[key] = donated_slots(ops)
 
     def _forget(self, key: int) -> None:
-        self.plans.pop(key, None)
-        self.broken.pop(key, None)
+        """Drops plan ``key``, and the executables no other plan runs."""
+        plan, broken = self.plans.pop(key, None), self.broken.pop(key, None)
+        self.consuming.pop(key, None)
+        ops = plan[0] if plan is not None else broken[2] if broken is not None else []
+        for fingerprint in fingerprints_of(ops):
+            self.uses[fingerprint] -= 1
+            if self.uses[fingerprint] <= 0:
+                del self.uses[fingerprint]
+                self.executables.pop(fingerprint, None)
+                self.steps.unlearn(fingerprint)
 
     def _free(self, keys: list[int]) -> None:
         for key in keys:
@@ -411,11 +433,21 @@ class Host:
             return
         ops, constants, steps, mode = self.plans[key]
         with _mode(mode):
-            self._run_plan(future, ops, constants, steps, base, feeds, keep)
+            self._run_plan(future, ops, constants, steps, base, feeds, keep, self.consuming[key])
 
     def _run_plan(
-        self, future: Any, ops: list[Op], constants: dict, steps: list, base: int, feeds: list, keep: list
+        self,
+        future: Any,
+        ops: list[Op],
+        constants: dict,
+        steps: list,
+        base: int,
+        feeds: list,
+        keep: list,
+        consuming: frozenset[int],
     ) -> None:
+        """Runs a plan's steps on its inputs ``feeds``; ``consuming``: the slots its computations
+        consume (donation): a shared value fed there (another client may read it) is copied first."""
         enqueued = time.monotonic()
         env: dict[int, Any] = dict(constants)
         made: list = []
@@ -425,6 +457,9 @@ class Host:
             for slot, kind, payload in feeds:
                 if kind == "value":
                     env[slot] = self._kept(payload)
+                elif kind == "shared":  # a value other clients of a service may read too
+                    value = self._kept(payload)
+                    env[slot] = _copy(value) if slot in consuming else value
                 else:
                     data, desc = payload
                     env[slot] = place(from_wire(data), self.plane.sharding(desc))
@@ -492,6 +527,13 @@ class Host:
 
 class InputFailed(Exception):
     """A run's input was never made here: the run or call that was to make it failed."""
+
+
+def _copy(value: Any) -> Any:
+    """A copy of ``value`` on its own devices (for a computation that consumes its buffers)."""
+    import jax
+
+    return jax.device_put(value, value.sharding, may_alias=False)
 
 
 def _mode(x64: bool | None) -> Any:

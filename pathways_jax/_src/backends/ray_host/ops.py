@@ -39,6 +39,8 @@ class ExecOp(NamedTuple):
     out_slots: tuple[int, ...]
     windowed: bool  # counts against the host's bound of executables in flight
     name: str  # the node, as messages name it
+    # Positions of the arguments whose buffers the computation consumes (donate_argnums).
+    donated: tuple[int, ...] = ()
     kind: Literal["exec"] = "exec"
 
 
@@ -102,6 +104,16 @@ class PullOp(NamedTuple):
 
 
 Op = ExecOp | PutOp | PostOp | PullOp
+
+
+def donated_slots(ops: list[Op]) -> frozenset[int]:
+    """The slots whose buffers a computation of ``ops`` consumes (donation)."""
+    return frozenset(op.in_slots[position] for op in ops if isinstance(op, ExecOp) for position in op.donated)
+
+
+def fingerprints_of(ops: list[Op]) -> set[str]:
+    """The computations (fingerprints) ``ops`` run, each once."""
+    return {op.fingerprint for op in ops if isinstance(op, ExecOp)}
 
 
 def sharding_of(desc: ShardingDesc, devices: list) -> Any:

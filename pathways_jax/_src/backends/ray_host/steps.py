@@ -142,6 +142,11 @@ class Steps:
         if self.order is not None:
             self.order.kinds[fingerprint] = kind_of(devices, process)
 
+    def unlearn(self, fingerprint: str) -> None:
+        """Executable ``fingerprint`` went (no plan runs it any more)."""
+        if self.order is not None:
+            self.order.kinds.pop(fingerprint, None)
+
     def make(self, op: Op) -> Step:
         """``op`` as a function ``(env, base, made, peers)`` run for each run of its plan.
 

@@ -152,6 +152,7 @@ class ServiceActor:
             "devices_per_host": self.layout.devices_per_host,
             "per_island": self.layout.per_island,
             "platform": self.config.platform,
+            "replace_lost_hosts": self.config.replace_lost_hosts,
             "x64": self.config.x64,
             "scheduler": self.policy,
             "window": self.window_size,
@@ -401,9 +402,7 @@ class ServiceActor:
                 case wire.Run(plan, run_id, _base, feeds, keep, drop):
                     self.ledger.drop(cid, drop, frees)
                     feeds = [
-                        feed
-                        if feed.value is None
-                        else wire.Feed(feed.slot, self.ledger.read(cid, feed.value))
+                        feed if feed.value is None else self._feed(cid, feed.slot, feed.value)
                         for feed in feeds
                     ]
                     kept = []
@@ -435,6 +434,15 @@ class ServiceActor:
                         reply = wire.Reply(inbox.up, inbox.down, inbox.key, batch.seq)
                     out.append((host, wire.Fetch(self.ledger.read(cid, key), reply)))
         return out, frees
+
+    def _feed(self, cid: int, slot: int, handle: Any) -> Any:
+        """A run's input value in its host key, marked shared if other clients may read it (a
+        computation that consumes it then consumes a copy: theirs stays)."""
+        from pathways_jax._src import wire
+
+        key = self.ledger.read(cid, handle)
+        kept = self.ledger.values[key]
+        return wire.Feed(slot, key, shared=kept.owner != cid or bool(kept.readers))
 
     def _forward(self, client: ClientProcess, batch: Batch) -> None:
         """Sends a batch to its hosts, all at once; its answers come back through :meth:`_complete`,

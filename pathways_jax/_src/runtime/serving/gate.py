@@ -6,7 +6,8 @@ client process, the policy of ``runtime/scheduler.py``); a run goes when
 every island it touches has room in its window and its outputs fit the
 byte budget, and fails when it never will or waited past the backpressure
 timeout. Its other batches go at once, unless they name what one of its
-queued runs makes or reads.
+queued runs makes or reads (a Forget also waits for its earlier queued runs
+that register plans: one may run a computation the forgotten plan brought).
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ class Gate:
         reads: set = set()
         makes: set = set()
         plans: set = set()
+        # Whether an earlier queued run registers a plan: it may run a computation the client sent
+        # with a plan it forgets now (sent once per host), which that Forget would drop first.
+        registers = False
         ready = []
         for batch in client.others:
             while run is not None and run.arrival < batch.arrival:
@@ -146,6 +150,8 @@ class Gate:
                             plans.add(plan)
                             reads.update(feed.value for feed in feeds if feed.value is not None)
                             makes.update(local for _slot, local in keep)
+                        case wire.Register():
+                            registers = True
                 run = next(runs, None)
             blocked = False
             for routed in batch.messages:
@@ -155,7 +161,7 @@ class Gate:
                     case wire.Free(keys=keys):
                         blocked |= any(key in makes or key in reads for key in keys)
                     case wire.Forget(plan=plan):
-                        blocked |= plan in plans
+                        blocked |= registers or plan in plans
             if not blocked:
                 ready.append(batch)
         return ready

@@ -76,15 +76,19 @@ class Ledger:
         value = self.values.get(hk)
         if value is None:
             raise Refuse(
-                f"the value handle (client {owner}, key {local}) names no value on the hosts: freed, or "
-                "never made"
+                f"the value handle (client {owner}, key {local}) names no value on the hosts: freed (its "
+                "owner's future and every receiver's went), or never made. A value lives while a future "
+                "of it does: keep one (the owner's, or one pw.receive gave) while others read it"
             )
         if owner == client_id and value.owner_holds:
             return hk
         if client_id in value.readers:
             return hk
         if owner == client_id:
-            raise Refuse(f"value {local} of this client was freed (a stale handle)")
+            raise Refuse(
+                f"value {local} of this client was freed (a stale handle: its future went, or was "
+                "deleted or donated); pass a future that is still live"
+            )
         raise Refuse(
             f"the value handle (client {owner}, key {local}) belongs to another client process and was not "
             "shared with this one (pw.share(future, client=...) in its owner)"
