@@ -206,7 +206,7 @@ class Manager:
         self._axis_types = first.axis_types
         self._exclusive = first.exclusive
         self._pending: collections.deque[_Step] = collections.deque()
-        self._step = 0
+        self._step = model._steps  # a model restored from a checkpoint goes on from its step
         self._checked_batches: set[int] = set()
         self._stalled = False  # fewer replicas than minimum_islands: the open steps wait for islands
         self.events: list[Event] = []

@@ -46,6 +46,8 @@ class StateNodes:
     """A stage's parameter placement and Optax update, on the stage's slice."""
 
     init: pw.JitFunction
+    # (params, opt_state) -> the same values placed on the slice as init places them (a restore).
+    place: pw.JitFunction
     update: pw.JitFunction | None = None
     # With max_grad_norm: the squared norm of the stage's gradients, and the update that
     # first clips them by the model's global norm (from every stage's squared norm).
@@ -77,7 +79,8 @@ def build_state_nodes(
     max_grad_norm: float | None = None,
 ) -> StateNodes:
     if tx is None:
-        return StateNodes(init=pw.jit(lambda p: p, devices=slice_, out_specs=pspecs))
+        keep = pw.jit(lambda p: p, devices=slice_, out_specs=pspecs)
+        return StateNodes(init=keep, place=keep)
     ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
 
     def update(p: Any, o: Any, g: Any) -> tuple[Any, Any]:
@@ -101,6 +104,7 @@ def build_state_nodes(
     clipping = max_grad_norm is not None
     return StateNodes(
         init=pw.jit(lambda p: (p, tx.init(p)), devices=slice_, out_specs=(pspecs, ospecs)),
+        place=pw.jit(lambda p, o: (p, o), devices=slice_, out_specs=(pspecs, ospecs)),
         update=pw.jit(update, devices=slice_, out_specs=(pspecs, ospecs)),
         squared_norm=pw.jit(squared_norm, devices=slice_, out_specs=pw.P()) if clipping else None,
         clipped_update=pw.jit(clipped_update, devices=slice_, out_specs=(pspecs, ospecs))

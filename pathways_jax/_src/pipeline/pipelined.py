@@ -205,6 +205,39 @@ class Pipeline:
         """The current optimizer states, one pytree of futures per stage."""
         return list(self._opt_states)
 
+    @property
+    def state(self) -> dict[str, list[Any]]:
+        """All that training changes, to checkpoint: ``{"params": [...], "opt_states": [...]}``.
+
+        One entry per stage in each list, pytrees of futures (an inference-only pipeline's
+        ``opt_states`` is empty). Save it with Orbax (``ocp.args.StandardSave(pipe.state)``)
+        and give a restored one to :meth:`load_state` of a pipeline built the same way, in this
+        process or a new one: its next steps are those the saved pipeline would have taken.
+        """
+        return {"params": list(self._params), "opt_states": list(self._opt_states)}
+
+    def load_state(self, state: Any) -> None:
+        """Continues from a saved :attr:`state`: every stage's parameters and optimizer state.
+
+        ``state`` is a restored checkpoint of :attr:`state` (arrays or futures; restore it with
+        ``jax.tree.map(ocp.utils.to_shape_dtype_struct, pipe.state)`` as the target, or without
+        one: matched by names). Each stage's part is placed on its slice with its sharding.
+
+        Raises:
+          PlacementError: ``state`` is not the state of a pipeline built the same way (an array
+            missing or extra, or of another shape or dtype), naming the array.
+        """
+        checked = stages_lib.checked_state(state, self.state, "Pipeline.load_state: state")
+        params, opt_states = [], []
+        for index, nodes in enumerate(self._state_nodes):
+            if self._trainable:
+                p, o = nodes.place(checked["params"][index], checked["opt_states"][index])
+                opt_states.append(o)
+            else:
+                p = nodes.place(checked["params"][index])
+            params.append(p)
+        self._params, self._opt_states = params, opt_states
+
     # -- nodes and programs, one set per mode ---------------------------------------------------
 
     def _nodes(self, mode: Mode) -> list[Nodes]:

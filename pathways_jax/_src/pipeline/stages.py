@@ -657,3 +657,59 @@ def sequential(models: Sequence[Any]) -> tuple[tuple[Any, ...], Apply]:
         return x
 
     return tuple(stage.params for stage in stages), apply
+
+
+def _leaf_shape_dtype(leaf: Any) -> tuple[tuple[int, ...], Any]:
+    dtype = getattr(leaf, "dtype", None)
+    return tuple(np.shape(leaf)), np.dtype(np.asarray(leaf).dtype if dtype is None else dtype)
+
+
+def checked_state(given: Any, expected: Any, what: str) -> Any:
+    """``given`` (a restored checkpoint) in the tree structure of ``expected``, checked leaf by leaf.
+
+    Leaves are matched by their key names (a restored ``nnx.State`` or optimizer state may come
+    back as nested dicts and lists), and each must have the expected shape and dtype.
+
+    Raises:
+      PlacementError: a leaf is missing, unknown, or of another shape or dtype.
+    """
+    want = jax.tree_util.tree_flatten_with_path(expected)[0]
+    treedef = jax.tree_util.tree_structure(expected)
+    try:
+        got_flat = jax.tree_util.tree_flatten_with_path(given)[0]
+    except Exception as exc:  # pragma: no cover - any object flattens to at least itself
+        raise pw.errors.PlacementError(f"{what} is {type(given).__name__}, not a pytree: {exc}") from exc
+
+    def names(path: tuple) -> tuple[str, ...]:
+        return tuple(str(part) for part in _path(path))
+
+    got = {names(path): leaf for path, leaf in got_flat}
+    wanted = [names(path) for path, _ in want]
+    missing = [_show(path) for path in wanted if path not in got]
+    unknown = [_show(path) for path in got if path not in set(wanted)]
+    if missing or unknown:
+        problems = []
+        if missing:
+            problems.append(f"it lacks {missing[:4]}{' and more' if len(missing) > 4 else ''}")
+        if unknown:
+            problems.append(
+                f"it has {unknown[:4]}{' and more' if len(unknown) > 4 else ''} that the model lacks"
+            )
+        raise pw.errors.PlacementError(
+            f"{what} does not match this model's state ({len(wanted)} arrays): {'; '.join(problems)}. "
+            "Restore a checkpoint saved from .state of a model built the same way (the same stages, "
+            "optimizer and replicas), with .state of the new model as the restore target."
+        )
+    leaves = []
+    for (_, expected_leaf), key in zip(want, wanted, strict=True):
+        leaf = got[key]
+        shape, dtype = _leaf_shape_dtype(leaf)
+        want_shape, want_dtype = _leaf_shape_dtype(expected_leaf)
+        if shape != want_shape or dtype != want_dtype:
+            raise pw.errors.PlacementError(
+                f"{what}: {_show(key)} is {dtype.name}{list(shape)}, but this model's is "
+                f"{want_dtype.name}{list(want_shape)}. Restore a checkpoint of a model built the same "
+                "way (the same layer sizes, parameter dtypes and optimizer)."
+            )
+        leaves.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
