@@ -285,3 +285,30 @@ def test_running_statistics_a_step_would_hold_fixed_are_a_named_error_and_evalua
     )
     with pytest.raises(pw.errors.ProgramTraceError, match=r"batch_stats\['BatchNorm_0'\]\['mean'\]"):
         dp.train_step(x, y, train=True)
+
+
+class RequiredTrainBlock(_Block):
+    def __call__(self, x, train: bool):  # no default: every call must say which
+        return self.dropout(self.hidden(x), deterministic=not train)
+
+
+def test_a_flag_the_stage_requires_and_the_call_leaves_out_is_a_named_error():
+    slices = island_slices(1)
+    pipe = pipeline.Pipeline(
+        [RequiredTrainBlock(DIN, DOUT, 0)],
+        slices,
+        loss_fn=mse,
+        optimizer=optax.sgd(0.1),
+        num_microbatches=MICRO,
+    )
+    x, y = make_data(0)
+    before = pw.counters()
+    message = r"stage 0 \(nnx RequiredTrainBlock\) requires the flag: .*no default for 'train'.*train=True"
+    with pytest.raises(pw.errors.ProgramTraceError, match=message):
+        pipe.train_step(x, y)
+    with pytest.raises(pw.errors.ProgramTraceError, match=message):
+        pipe.forward(x)
+    assert pw.counters()["runs"] == before["runs"]  # refused before anything ran
+    params, apply = pipeline.sequential([(pipe.stages[0].params, lambda p, x, train: x)])
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"apply_fn '<lambda>'.*no default for 'train'"):
+        apply(params, x)
