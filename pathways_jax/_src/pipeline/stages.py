@@ -152,9 +152,22 @@ def _stream_counts(module: nnx.Module) -> dict[tuple, tuple[str, Any]]:
     }
 
 
+def _flag_call(model: nnx.Module) -> Any:
+    """The call whose keywords take ``train`` when ``model`` is called with it.
+
+    ``nnx.Sequential`` hands its keyword arguments to its first layer only (later layers get
+    the previous one's output), so the flag can go there only if that layer takes it; its
+    other layers are switched by their attributes, as ``model.train()`` switches them.
+    """
+    if isinstance(model, nnx.Sequential) and model.layers:
+        first = model.layers[0]
+        return type(first).__call__ if isinstance(first, nnx.Module) else first
+    return type(model).__call__
+
+
 def _nnx_flag(model: nnx.Module) -> TrainFlag:
     """How an NNX module takes ``train``: its ``__call__``'s keywords and its layers' attributes."""
-    signature = signature_of(type(model).__call__)
+    signature = signature_of(_flag_call(model))
     switched = random = False
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (
@@ -163,7 +176,7 @@ def _nnx_flag(model: nnx.Module) -> TrainFlag:
             switched = True
         if isinstance(node, nnx.RngStream | nnx.Rngs):
             random = True
-    random = random or signature.takes("rngs")
+    random = random or signature_of(type(model).__call__).takes("rngs")
     return TrainFlag(signature, switched=switched, inert=not (switched or random))
 
 
@@ -235,7 +248,7 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         # back into the user's module (programs update Variables they are given in place).
         params = nnx.as_pure(params)
         nnx_flag = _nnx_flag(model)
-        takes_rngs = "rngs" in nnx_flag.signature.names
+        takes_rngs = "rngs" in signature_of(type(model).__call__).names
         running, trains_untold = _running_statistics(model)
         description = f"nnx {type(model).__name__}"
 
