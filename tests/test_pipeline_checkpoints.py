@@ -94,6 +94,15 @@ def test_pipeline_restored_into_a_fresh_pipeline_trains_on_as_uninterrupted(tmp_
     for got, want in zip(leaves(fresh.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
 
+    # A pipeline built for inference serves the trained parameters.
+    serving = pipeline.Pipeline(stages(), slices, num_microbatches=2)
+    serving.load_state(state)
+    x = data[0][0]
+    want = jax.jit(apply)(jax.device_get(tuple(state["params"])), x)  # the saved ones, plain jax.jit
+    np.testing.assert_allclose(
+        np.asarray(serving.forward(x).result(timeout=60)), np.asarray(want), rtol=1e-5, atol=1e-6
+    )
+
     # A checkpoint of another model is refused, naming the array that differs.
     with pytest.raises(
         pw.errors.PlacementError,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -225,12 +225,16 @@ class Pipeline:
 
         ``state`` is a restored checkpoint of :attr:`state` (arrays or futures; restore it with
         ``jax.tree.map(ocp.utils.to_shape_dtype_struct, pipe.state)`` as the target, or without
-        one: matched by names). Each stage's part is placed on its slice with its sharding.
+        one: matched by names). Each stage's part is placed on its slice with its sharding. A
+        pipeline built for inference (no ``loss_fn``/``optimizer``) takes only the parameters
+        of a trained one's state.
 
         Raises:
           PlacementError: ``state`` is not the state of a pipeline built the same way (an array
             missing or extra, or of another shape or dtype), naming the array.
         """
+        if not self._trainable and isinstance(state, Mapping) and "params" in state:
+            state = {"params": state["params"], "opt_states": []}  # inference: the parameters only
         checked = stages_lib.checked_state(state, self.state, "Pipeline.load_state: state")
         params, opt_states = [], []
         for index, nodes in enumerate(self._state_nodes):
