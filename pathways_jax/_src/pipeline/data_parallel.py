@@ -14,7 +14,7 @@ from jax.flatten_util import ravel_pytree
 import pathways_jax as pw
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.optimizers import OptaxLike, needs_value
 from pathways_jax._src.pipeline.rngs import Mode, Rngs
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -106,6 +106,8 @@ class DataParallel:
         self.data_axis = data_axis
         self._loss_fn = loss_fn
         self._tx = tx
+        # The optimizer takes the step's loss as value= (optax.contrib.reduce_on_plateau).
+        self._needs_value = needs_value(tx, stage.params)
         specs = [
             stages_lib.param_specs(
                 stage.params, param_specs, slice_, f"DataParallel param_specs on slice {i}"
@@ -170,13 +172,18 @@ class DataParallel:
         return node
 
     def _average_and_update(self, p: Any, o: Any, *grads: Any) -> tuple[Any, Any]:
+        extra = {}
+        if self._needs_value:  # every island's gradients, then every island's loss
+            count = len(grads) // 2
+            grads, losses = grads[:count], grads[count:]
+            extra["value"] = sum(losses[1:], losses[0]) / count  # the step's loss, as reported
         total = grads[0]
         for g in grads[1:]:  # the same order on every island: identical results
             total = jax.tree.map(jnp.add, total, g)
         mean = jax.tree.map(lambda g: g / len(grads), total)
         if self._flat:
             mean = ravel_pytree(self.stage.params)[1](mean)
-        updates, o = self._tx.update(mean, o, p)
+        updates, o = self._tx.update(mean, o, p, **extra)
         return optax.apply_updates(p, updates), o
 
     def _grad_nodes(self, mode: Mode) -> list[pw.JitFunction]:
@@ -217,6 +224,8 @@ class DataParallel:
                     for i, (node, p, x, y) in enumerate(zip(grad_nodes, params, xs, ys, strict=True))
                 ]
                 grads = [g for _, g in results]
+                if self._needs_value:  # and the losses, for the optimizer's value=
+                    grads += [loss for loss, _ in results]
                 new = [
                     node(p, o, *grads)  # grads made on other islands arrive over DCN
                     for node, p, o in zip(self._update_nodes, params, opt_states, strict=True)

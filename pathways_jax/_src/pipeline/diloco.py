@@ -120,7 +120,8 @@ class DiLoCo(DataParallel):
             loss, grads = jax.value_and_grad(
                 lambda p: loss_fn(stage.run(p, x, rngs, mode.train, mode.train_kw), y)
             )(p)
-            updates, inner = tx.update(grads, state["inner"], p)
+            extra = {"value": loss} if self._needs_value else {}  # its own shard's loss
+            updates, inner = tx.update(grads, state["inner"], p, **extra)
             return loss, optax.apply_updates(p, updates), {**state, "inner": inner}
 
         act = stages_lib.activation_spec(slice_, self.data_axis)

@@ -12,7 +12,7 @@ import optax
 
 import pathways_jax as pw
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.optimizers import OptaxLike, needs_value
 from pathways_jax._src.pipeline.rngs import Mode
 from pathways_jax._src.pipeline.stages import Stage
 
@@ -86,6 +86,9 @@ class StateNodes:
     # first clips them by the model's global norm (from every stage's squared norm).
     squared_norm: pw.JitFunction | None = None
     clipped_update: pw.JitFunction | None = None
+    # The optimizer takes the step's loss as value= (see optimizers.needs_value): update and
+    # clipped_update take it right after the gradients.
+    needs_value: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,24 +118,26 @@ def build_state_nodes(
         keep = pw.jit(lambda p: p, devices=slice_, out_specs=pspecs)
         return StateNodes(init=keep, place=keep)
     ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
+    takes_value = needs_value(tx, stage.params)
 
-    def update(p: Any, o: Any, g: Any) -> tuple[Any, Any]:
-        updates, o = tx.update(g, o, p)
+    def update(p: Any, o: Any, g: Any, *value: jax.Array) -> tuple[Any, Any]:
+        updates, o = tx.update(g, o, p, **({"value": value[0]} if value else {}))
         return optax.apply_updates(p, updates), o
 
     def squared_norm(g: Any) -> jax.Array:
         return optax.tree.norm(g, squared=True)
 
-    def clipped_update(p: Any, o: Any, g: Any, *squared: jax.Array) -> tuple[Any, Any]:
+    def clipped_update(p: Any, o: Any, g: Any, *rest: jax.Array) -> tuple[Any, Any]:
         # optax.clip_by_global_norm's formula, with the norm of every stage's gradients.
         assert max_grad_norm is not None
+        value, squared = (rest[:1], rest[1:]) if takes_value else ((), rest)
         total = squared[0]
-        for value in squared[1:]:  # the same order on every stage
-            total = total + value
+        for part in squared[1:]:  # the same order on every stage
+            total = total + part
         norm = jnp.sqrt(total)
         keep = norm < max_grad_norm
         g = jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_grad_norm), g)
-        return update(p, o, g)
+        return update(p, o, g, *value)
 
     clipping = max_grad_norm is not None
     return StateNodes(
@@ -143,6 +148,7 @@ def build_state_nodes(
         clipped_update=pw.jit(clipped_update, devices=slice_, out_specs=(pspecs, ospecs))
         if clipping
         else None,
+        needs_value=takes_value,
     )
 
 

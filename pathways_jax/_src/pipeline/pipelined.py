@@ -351,7 +351,9 @@ class Pipeline:
                 # The stage's gradients are complete: update it now, on its slice.
                 update = self._state_nodes[s].update
                 assert update is not None  # opt_states: every stage has an optimizer
-                new_params[s], new_opt_states[s] = update(params[s], opt_states[s], grads[s])
+                # The loss is complete here: the stage's last backward follows the last microbatch's loss.
+                value = (loss,) if self._state_nodes[s].needs_value else ()
+                new_params[s], new_opt_states[s] = update(params[s], opt_states[s], grads[s], *value)
         if opt_states is not None and self.max_grad_norm is not None:
             # Clipping by the model's global norm needs every stage's gradients: each stage's
             # squared norm (a scalar) goes to every stage, which then clips and updates.
@@ -363,8 +365,9 @@ class Pipeline:
             for s in range(count):
                 clipped_update = self._state_nodes[s].clipped_update
                 assert clipped_update is not None
+                value = (loss,) if self._state_nodes[s].needs_value else ()
                 new_params[s], new_opt_states[s] = clipped_update(
-                    params[s], opt_states[s], grads[s], *squared
+                    params[s], opt_states[s], grads[s], *value, *squared
                 )
         return loss, grads, tuple(new_params), tuple(new_opt_states)
 
