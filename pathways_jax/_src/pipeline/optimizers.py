@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 import pathways_jax as pw
@@ -78,11 +77,11 @@ def check_optimizers(optimizer: Any, count: int, what: str) -> list[OptaxLike | 
 def needs_value(tx: OptaxLike | None, params: Any) -> bool:
     """Whether ``tx.update`` needs the step's loss as ``value=`` (``optax.contrib.reduce_on_plateau``).
 
-    Optax's transformations that take extra arguments (``GradientTransformationExtraArgs``)
-    get the loss as ``value`` under ``jax.jit`` (``tx.update(grads, state, params, value=loss)``);
-    those that need it fail without it. Traced abstractly, once per stage.
+    Optax's transformations that take extra arguments (``GradientTransformationExtraArgs``,
+    ``optax.MultiSteps``) get the loss as ``value`` under ``jax.jit`` (``tx.update(grads, state,
+    params, value=loss)``); those that need it fail without it. Traced abstractly, once per stage.
     """
-    if not isinstance(tx, optax.GradientTransformationExtraArgs):
+    if tx is None:
         return False
 
     def update(p: Any, **extra: Any) -> Any:
