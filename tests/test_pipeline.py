@@ -235,6 +235,16 @@ def test_schedules_respect_dependencies_and_1f1b_bounds_live_activations():
         else:
             assert peak[:-1] == [stages - s for s in range(stages - 1)]  # warm-up + 1
     assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    # Bad input is named, not a silent 1F1B order, an empty one or a negative bubble.
+    with pytest.raises(
+        pw.errors.PlacementError, match=r"schedule must be one of \('gpipe', '1f1b'\), got 'zb'"
+    ):
+        pipeline.schedule_order("zb", 2, 2)
+    for stages_, micro_ in ((0, 2), (2, 0), (2, True), (2.0, 2)):
+        with pytest.raises(pw.errors.PlacementError, match=r"must be an int >= 1"):
+            pipeline.schedule_order("1f1b", stages_, micro_)
+        with pytest.raises(pw.errors.PlacementError, match=r"must be an int >= 1"):
+            pipeline.bubble_fraction(stages_, micro_)
 
 
 def test_stage_and_slice_counts_must_match():
