@@ -274,6 +274,10 @@ def test_microbatches_must_divide_the_batch_before_anything_runs():
     # 6 examples: 3 microbatches of 2, but each must also split over "data" (2): fine; 3 of 1: not.
     with pytest.raises(pw.errors.PlacementError, match=r"cannot be split over axis 'data' of size 2"):
         pipe.train_step(*make_data(0, batch=3))
+    # No examples: a NaN loss, and an optimizer step on zero gradients (Adam's count goes on).
+    x, y = make_data(0)
+    with pytest.raises(pw.errors.PlacementError, match=r"x has a batch of 0 examples.*at least one"):
+        pipe.train_step(x[:0], y[:0])
     assert pw.counters()["runs"] == before["runs"]
     assert pw.counters()["traces"] == before["traces"]
 

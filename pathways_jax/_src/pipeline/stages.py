@@ -569,6 +569,11 @@ def batch_leaves(x: Any, what: str) -> tuple[list[np.ndarray], Any, int]:
             f"the arrays of {what} have different batch sizes (first dimensions): {sizes}; every array "
             "of a batch leads with the same batch dimension."
         )
+    if leaves[0].shape[0] == 0:  # a NaN loss, and an optimizer step on zero gradients
+        raise pw.errors.PlacementError(
+            f"{what} has a batch of 0 examples ({describe(leaves)}); expected at least one: skip "
+            "empty batches (e.g. the end of a dataset) before the step."
+        )
     return leaves, treedef, leaves[0].shape[0]
 
 
