@@ -21,6 +21,9 @@ a stage's call gets ``train`` as ``train``, ``training`` or ``deterministic``
 (``not train``), whichever it takes, or under the name given as ``train_kw=``;
 ``train=True`` that a stage cannot receive is a ``ProgramTraceError``.
 Stage ``s`` on microbatch ``m`` runs with :func:`derive_rngs` ``(rngs, s, m)``.
+Each model's ``.state`` (parameters, optimizer states, DataParallel's step) is what to
+checkpoint with Orbax; ``load_state(restored)`` on a model built the same way continues
+from it, as the saved model would have.
 The optimizer is anything with Optax's ``init``/``update`` or an
 ``nnx.Optimizer`` (its ``.tx`` is used).
 

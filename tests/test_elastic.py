@@ -156,6 +156,22 @@ def test_the_manager_refuses_what_it_cannot_keep_going_with(two_islands):
         manager.elastic_retry(max_retries=0)
 
 
+def test_a_batch_whose_shard_on_fewer_islands_cannot_split_over_the_data_axis_is_refused_at_once():
+    """3 replicas with data axes of 2: 6 examples split as 3 x 2, but a loss leaves 2 replicas of 3
+    examples, which 2 devices cannot split: refused at the first step, not when a loss replays it."""
+    pw.init(num_cpu_devices=8, islands=4)
+    slices = [pw.devices(mesh={"data": 2}, island=i) for i in range(3)]
+    dp = DataParallel((mlp_params(), mlp_apply), slices, loss_fn=mse, optimizer=optax.adam(1e-2))
+    manager = pw.elastic.Manager(dp, minimum_islands=2)
+    x, y = np.ones((6, 8), np.float32), np.ones((6, 2), np.float32)
+    with pytest.raises(
+        pw.errors.PlacementError,
+        match=r"\[2, 3\]\), and each shard over its slice's data axis 'data' \(2 devices\).*multiple of 12",
+    ):
+        manager.train_step(x, y)
+    assert manager.step == 0  # nothing was taken
+
+
 def test_elastic_retry_runs_the_function_again_from_the_managers_step(two_islands):
     """Shaped as pathwaysutils' elastic_retry: a HostLostError the manager could not absorb runs
     the function again (the callback first), from the step the manager has reached; other

@@ -235,6 +235,16 @@ def test_schedules_respect_dependencies_and_1f1b_bounds_live_activations():
         else:
             assert peak[:-1] == [stages - s for s in range(stages - 1)]  # warm-up + 1
     assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    # Bad input is named, not a silent 1F1B order, an empty one or a negative bubble.
+    with pytest.raises(
+        pw.errors.PlacementError, match=r"schedule must be one of \('gpipe', '1f1b'\), got 'zb'"
+    ):
+        pipeline.schedule_order("zb", 2, 2)
+    for stages_, micro_ in ((0, 2), (2, 0), (2, True), (2.0, 2)):
+        with pytest.raises(pw.errors.PlacementError, match=r"must be an int >= 1"):
+            pipeline.schedule_order("1f1b", stages_, micro_)
+        with pytest.raises(pw.errors.PlacementError, match=r"must be an int >= 1"):
+            pipeline.bubble_fraction(stages_, micro_)
 
 
 def test_stage_and_slice_counts_must_match():
@@ -264,6 +274,10 @@ def test_microbatches_must_divide_the_batch_before_anything_runs():
     # 6 examples: 3 microbatches of 2, but each must also split over "data" (2): fine; 3 of 1: not.
     with pytest.raises(pw.errors.PlacementError, match=r"cannot be split over axis 'data' of size 2"):
         pipe.train_step(*make_data(0, batch=3))
+    # No examples: a NaN loss, and an optimizer step on zero gradients (Adam's count goes on).
+    x, y = make_data(0)
+    with pytest.raises(pw.errors.PlacementError, match=r"x has a batch of 0 examples.*at least one"):
+        pipe.train_step(x[:0], y[:0])
     assert pw.counters()["runs"] == before["runs"]
     assert pw.counters()["traces"] == before["traces"]
 

@@ -69,3 +69,31 @@ def test_max_grad_norm_clips_by_the_models_global_norm_as_plain_jit():
 
     with pytest.raises(pw.errors.ProgramTraceError, match="max_grad_norm must be a number > 0"):
         pipeline.Pipeline(stages(), slices, loss_fn=mse, optimizer=inner, max_grad_norm=-1.0)
+
+
+def test_an_optimizer_taking_the_loss_as_value_gets_the_steps_loss_as_under_jax_jit():
+    """optax.contrib.reduce_on_plateau needs update(..., value=loss), as Flax's examples pass it:
+    every stage's optimizer (and every DataParallel replica's) gets the step's mean loss."""
+    slices = island_slices(2, mesh={"data": 1})
+    # A step too large: the loss grows, so the plateau halves the scale after one step.
+    tx = optax.chain(optax.sgd(0.6), optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0))
+    pipe = pipeline.Pipeline(stages(), slices, loss_fn=mse, optimizer=tx, num_microbatches=MICRO)
+    dp = pipeline.DataParallel(stages(), slices, loss_fn=mse, optimizer=tx)
+    params, apply = pipeline.sequential(stages())
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: mse(apply(p, x), y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+        return optax.apply_updates(params, updates), opt_state
+
+    for i in range(4):
+        x, y = batch(i)
+        pipe.train_step(x, y)
+        dp.train_step(x, y)
+        params, opt_state = step(params, opt_state, x, y)
+    assert float(opt_state[1].scale) < 1.0  # the plateau acted on the losses
+    assert_tree_close(pipe.params, list(params), rtol=1e-4, atol=1e-5)
+    assert_tree_close(dp.params, params, rtol=1e-4, atol=1e-5)
+    assert_tree_close([state[1].scale for state in pipe.opt_states], [opt_state[1].scale] * 2)

@@ -285,3 +285,61 @@ def test_running_statistics_a_step_would_hold_fixed_are_a_named_error_and_evalua
     )
     with pytest.raises(pw.errors.ProgramTraceError, match=r"batch_stats\['BatchNorm_0'\]\['mean'\]"):
         dp.train_step(x, y, train=True)
+
+
+class RequiredTrainBlock(_Block):
+    def __call__(self, x, train: bool):  # no default: every call must say which
+        return self.dropout(self.hidden(x), deterministic=not train)
+
+
+def test_a_flag_the_stage_requires_and_the_call_leaves_out_is_a_named_error():
+    slices = island_slices(1)
+    pipe = pipeline.Pipeline(
+        [RequiredTrainBlock(DIN, DOUT, 0)],
+        slices,
+        loss_fn=mse,
+        optimizer=optax.sgd(0.1),
+        num_microbatches=MICRO,
+    )
+    x, y = make_data(0)
+    before = pw.counters()
+    message = r"stage 0 \(nnx RequiredTrainBlock\) requires the flag: .*no default for 'train'.*train=True"
+    with pytest.raises(pw.errors.ProgramTraceError, match=message):
+        pipe.train_step(x, y)
+    with pytest.raises(pw.errors.ProgramTraceError, match=message):
+        pipe.forward(x)
+    assert pw.counters()["runs"] == before["runs"]  # refused before anything ran
+    params, apply = pipeline.sequential([(pipe.stages[0].params, lambda p, x, train: x)])
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"apply_fn '<lambda>'.*no default for 'train'"):
+        apply(params, x)
+
+
+def test_an_nnx_sequential_stage_is_switched_as_model_train_and_eval_switch_it():
+    """nnx.Sequential hands keywords to its first layer only: the flag switches its Dropout."""
+
+    def model():
+        return nnx.Sequential(
+            nnx.Linear(DIN, HIDDEN, rngs=nnx.Rngs(0)),
+            nnx.relu,
+            nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)),
+            nnx.Linear(HIDDEN, DOUT, rngs=nnx.Rngs(1)),
+        )
+
+    pipe = pipeline.Pipeline([model()], island_slices(1, mesh={"data": 1}))
+    x, _ = make_data(0)
+    rngs = {"dropout": jax.random.key(3)}
+    got_train = pipe.forward(x, train=True, rngs=rngs)
+    got_eval = pipe.forward(x, train=False)
+
+    @nnx.jit
+    def plain(module, x, key):
+        module.train()
+        return module(x, rngs=nnx.Rngs(dropout=key))
+
+    want_train = plain(model(), x, pipeline.derive_rngs(rngs, 0, 0)["dropout"])
+    reference = model()
+    reference.eval()
+    want_eval = nnx.jit(lambda module, x: module(x))(reference, x)
+    assert_tree_close(got_train, want_train)
+    assert_tree_close(got_eval, want_eval)
+    assert not np.allclose(np.asarray(want_train), np.asarray(want_eval))  # dropout was on

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
 import pathways_jax as pw
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.optimizers import OptaxLike, needs_value
 from pathways_jax._src.pipeline.rngs import Mode, Rngs
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -105,6 +106,8 @@ class DataParallel:
         self.data_axis = data_axis
         self._loss_fn = loss_fn
         self._tx = tx
+        # The optimizer takes the step's loss as value= (optax.contrib.reduce_on_plateau).
+        self._needs_value = needs_value(tx, stage.params)
         specs = [
             stages_lib.param_specs(
                 stage.params, param_specs, slice_, f"DataParallel param_specs on slice {i}"
@@ -169,13 +172,18 @@ class DataParallel:
         return node
 
     def _average_and_update(self, p: Any, o: Any, *grads: Any) -> tuple[Any, Any]:
+        extra = {}
+        if self._needs_value:  # every island's gradients, then every island's loss
+            count = len(grads) // 2
+            grads, losses = grads[:count], grads[count:]
+            extra["value"] = sum(losses[1:], losses[0]) / count  # the step's loss, as reported
         total = grads[0]
         for g in grads[1:]:  # the same order on every island: identical results
             total = jax.tree.map(jnp.add, total, g)
         mean = jax.tree.map(lambda g: g / len(grads), total)
         if self._flat:
             mean = ravel_pytree(self.stage.params)[1](mean)
-        updates, o = self._tx.update(mean, o, p)
+        updates, o = self._tx.update(mean, o, p, **extra)
         return optax.apply_updates(p, updates), o
 
     def _grad_nodes(self, mode: Mode) -> list[pw.JitFunction]:
@@ -216,6 +224,8 @@ class DataParallel:
                     for i, (node, p, x, y) in enumerate(zip(grad_nodes, params, xs, ys, strict=True))
                 ]
                 grads = [g for _, g in results]
+                if self._needs_value:  # and the losses, for the optimizer's value=
+                    grads += [loss for loss, _ in results]
                 new = [
                     node(p, o, *grads)  # grads made on other islands arrive over DCN
                     for node, p, o in zip(self._update_nodes, params, opt_states, strict=True)
@@ -352,6 +362,57 @@ class DataParallel:
     @property
     def opt_states_per_island(self) -> list[Any]:
         return list(self._opt_states)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """All that training changes, to checkpoint: ``{"params", "opt_state", "step"}``.
+
+        The replicas are identical, so this is the first one's parameters and optimizer state
+        (pytrees of futures) and the count of steps taken. Save it with Orbax
+        (``ocp.args.StandardSave(dp.state)``) and give a restored one to :meth:`load_state`
+        of a model built the same way, on as many islands or fewer or more.
+        """
+        return {"params": self._params[0], "opt_state": self._opt_states[0], "step": self._steps}
+
+    def load_state(self, state: Any) -> None:
+        """Continues from a saved :attr:`state`: every replica gets its parameters and optimizer state.
+
+        ``state`` is a restored checkpoint of :attr:`state` (arrays or futures), restored with
+        ``jax.tree.map(ocp.utils.to_shape_dtype_struct, dp.state)`` as the target or without
+        one (matched by names). A ``pw.elastic.Manager`` made after it starts at its step.
+
+        Raises:
+          PlacementError: ``state`` is not the state of a model built the same way (an array
+            missing or extra, or of another shape or dtype), naming the array.
+        """
+        step = self._checked_step(state)
+        own = {name: value for name, value in self.state.items() if name != "step"}
+        given = {name: value for name, value in state.items() if name != "step"}
+        checked = stages_lib.checked_state(given, own, f"{type(self).__name__}.load_state: state")
+        placed = [self._place(slice_)(checked["params"], checked["opt_state"]) for slice_ in self.slices]
+        self._load(step, [p for p, _ in placed], [o for _, o in placed])
+
+    def _checked_step(self, state: Any) -> int:
+        what = f"{type(self).__name__}.load_state: state"
+        if not isinstance(state, Mapping) or "step" not in state:
+            raise pw.errors.PlacementError(
+                f"{what} is {type(state).__name__} {state!r:.80}; expected a restored checkpoint of "
+                f"{type(self).__name__}.state, a dict with the keys {sorted(self.state)}."
+            )
+        step = np.asarray(state["step"])
+        if step.shape != () or not np.issubdtype(step.dtype, np.integer) or int(step) < 0:
+            raise pw.errors.PlacementError(
+                f"{what}['step'] is {state['step']!r:.60}; expected the count of steps taken, an int >= 0."
+            )
+        return int(step)
+
+    def _load(self, step: int, params: list[Any], opt_states: list[Any]) -> None:
+        self._params, self._opt_states = params, opt_states
+        self._steps = step
+
+    def _place(self, slice_: pw.VirtualSlice) -> pw.JitFunction:
+        """Puts a replica's parameters and optimizer state on ``slice_`` with their shardings."""
+        return pw.jit(lambda p, o: (p, o), devices=slice_, out_specs=(self._pspecs, self._ospecs))
 
     def __repr__(self) -> str:
         return f"DataParallel({len(self.slices)} slices, islands={[s.island for s in self.slices]})"

@@ -120,7 +120,8 @@ class DiLoCo(DataParallel):
             loss, grads = jax.value_and_grad(
                 lambda p: loss_fn(stage.run(p, x, rngs, mode.train, mode.train_kw), y)
             )(p)
-            updates, inner = tx.update(grads, state["inner"], p)
+            extra = {"value": loss} if self._needs_value else {}  # its own shard's loss
+            updates, inner = tx.update(grads, state["inner"], p, **extra)
             return loss, optax.apply_updates(p, updates), {**state, "inner": inner}
 
         act = stages_lib.activation_spec(slice_, self.data_axis)
@@ -176,6 +177,34 @@ class DiLoCo(DataParallel):
             name = "diloco_sync_step" if sync else "diloco_local_step"
             self._programs[key] = pw.program(diloco_train_step, name=name)
         return self._programs[key]
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """All that training changes, to checkpoint: ``{"params", "opt_states", "step"}``.
+
+        Between syncs the replicas differ, and their inner optimizer states always do: the
+        lists hold every replica's parameters and state (inner, global, outer), in slice order,
+        and ``step`` the count of steps taken (which steps sync). :meth:`load_state` takes a
+        restored one on a model built the same way, with as many replicas.
+        """
+        return {"params": list(self._params), "opt_states": list(self._opt_states), "step": self._steps}
+
+    def load_state(self, state: Any) -> None:
+        """Continues from a saved :attr:`state`: every replica its own parameters and states.
+
+        Raises:
+          PlacementError: ``state`` is not the state of a DiLoCo built the same way (another
+            replica count, an array missing or extra, or of another shape or dtype).
+        """
+        step = self._checked_step(state)
+        own = {name: value for name, value in self.state.items() if name != "step"}
+        given = {name: value for name, value in state.items() if name != "step"}
+        checked = stages_lib.checked_state(given, own, "DiLoCo.load_state: state")
+        placed = [
+            self._place(slice_)(p, o)
+            for slice_, p, o in zip(self.slices, checked["params"], checked["opt_states"], strict=True)
+        ]
+        self._load(step, [p for p, _ in placed], [o for _, o in placed])
 
     def __repr__(self) -> str:
         return (

@@ -206,7 +206,7 @@ class Manager:
         self._axis_types = first.axis_types
         self._exclusive = first.exclusive
         self._pending: collections.deque[_Step] = collections.deque()
-        self._step = 0
+        self._step = model._steps  # a model restored from a checkpoint goes on from its step
         self._checked_batches: set[int] = set()
         self._stalled = False  # fewer replicas than minimum_islands: the open steps wait for islands
         self.events: list[Event] = []
@@ -521,11 +521,19 @@ class Manager:
         if batch in self._checked_batches:
             return
         counts = range(self.minimum_islands, len(self._homes) + 1)
-        need = math.lcm(*counts)
+        # Each replica's shard (batch / k examples, for every replica count k) is split again
+        # over its slice's data axis.
+        parts = math.lcm(*(stages_lib.data_parts(s, self.model.data_axis) for s in self.model.slices))
+        need = math.lcm(*counts) * parts
         if not batch or batch % need:
+            within = (
+                f", and each shard over its slice's data axis {self.model.data_axis!r} ({parts} devices)"
+                if parts > 1
+                else ""
+            )
             raise pw.errors.PlacementError(
                 f"pw.elastic: the global batch has {batch} examples; it must split evenly over every "
-                f"replica count training may have ({list(counts)}), so use a multiple of {need} "
+                f"replica count training may have ({list(counts)}){within}, so use a multiple of {need} "
                 "(or raise minimum_islands)."
             )
         self._checked_batches.add(batch)

@@ -30,6 +30,7 @@ class CallSignature:
     text: str  # its parameters, e.g. "(self, x, training: bool = False)"
     names: frozenset[str]  # the parameters a keyword can reach
     var_keyword: bool  # it takes **kwargs
+    required: frozenset[str] = frozenset()  # those of them without a default
 
     def takes(self, name: str) -> bool:
         return self.var_keyword or name in self.names
@@ -70,6 +71,11 @@ def _read(fn: Any) -> CallSignature:
         text=str(signature),
         names=frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)),
         var_keyword=any(p.kind is p.VAR_KEYWORD for p in parameters),
+        required=frozenset(
+            p.name
+            for p in parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+        ),
     )
 
 
@@ -120,11 +126,22 @@ class TrainFlag:
     def check(
         self, train: bool | None, train_kw: str | None, *, index: int, description: str, what: str
     ) -> None:
-        """Raises if ``train=True`` cannot reach this stage.
+        """Raises if ``train=True`` cannot reach this stage, or ``train=None`` leaves out a flag it requires.
 
         ``train=False`` is what a stage without a flag does already (evaluation), and
-        ``None`` asks for nothing: neither is an error.
+        ``None`` asks for nothing: neither is an error, unless the stage's call has a flag
+        parameter without a default (``def __call__(self, x, train: bool)``).
         """
+        if train is None:
+            name = self.signature.flag_name(train_kw)
+            if name is not None and name in self.signature.required:
+                raise pw.errors.ProgramTraceError(
+                    f"{what}: stage {index} ({description}) requires the flag: "
+                    f"{self.signature.owner}{self.signature.text} has no default for {name!r}, and "
+                    f"the call gave no train=. Pass train=True to train (dropout on) or train=False "
+                    f"to evaluate, e.g. {what}(..., train=True); stage {index} gets it as {name!r}."
+                )
+            return
         if train is not True or self.switched or self.inert:
             return
         if self.signature.flag_name(train_kw) is not None:

@@ -12,7 +12,7 @@ import optax
 
 import pathways_jax as pw
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.optimizers import OptaxLike
+from pathways_jax._src.pipeline.optimizers import OptaxLike, needs_value
 from pathways_jax._src.pipeline.rngs import Mode
 from pathways_jax._src.pipeline.stages import Stage
 
@@ -41,16 +41,54 @@ def _with_floats(tree: Any, floats: Sequence[Any]) -> Any:
     return jax.tree.unflatten(treedef, [next(replacements) if _is_float(leaf) else leaf for leaf in leaves])
 
 
+# How a stage's output is laid out: its tree structure, and for each leaf whether it leads with
+# the microbatch's examples (then it is split over the slice's data axis; a scalar such as an
+# auxiliary loss, or a table of another length, is replicated) and whether it is
+# floating-point (then it gets a cotangent). Hashable: nodes are built once per layout.
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+    treedef: Any
+    batched: tuple[bool, ...]
+    floating: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, tree: Any, examples: int) -> Layout:
+        """The layout of an abstract stage output for microbatches of ``examples`` examples."""
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(
+            treedef,
+            tuple(len(leaf.shape) >= 1 and leaf.shape[0] == examples for leaf in leaves),
+            tuple(_is_float(leaf) for leaf in leaves),
+        )
+
+    def specs(self, act: pw.P) -> Any:
+        """The value's specs: ``act`` for the batch-leading leaves, replicated for the others."""
+        return jax.tree.unflatten(self.treedef, [act if batched else pw.P() for batched in self.batched])
+
+    def cotangent_specs(self, act: pw.P) -> list[pw.P]:
+        """The specs of the cotangents that flow back: those of its floating-point leaves, in order."""
+        return [
+            act if batched else pw.P()
+            for batched, floating in zip(self.batched, self.floating, strict=True)
+            if floating
+        ]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StateNodes:
     """A stage's parameter placement and Optax update, on the stage's slice."""
 
     init: pw.JitFunction
+    # (params, opt_state) -> the same values placed on the slice as init places them (a restore).
+    place: pw.JitFunction
     update: pw.JitFunction | None = None
     # With max_grad_norm: the squared norm of the stage's gradients, and the update that
     # first clips them by the model's global norm (from every stage's squared norm).
     squared_norm: pw.JitFunction | None = None
     clipped_update: pw.JitFunction | None = None
+    # The optimizer takes the step's loss as value= (see optimizers.needs_value): update and
+    # clipped_update take it right after the gradients.
+    needs_value: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,35 +115,40 @@ def build_state_nodes(
     max_grad_norm: float | None = None,
 ) -> StateNodes:
     if tx is None:
-        return StateNodes(init=pw.jit(lambda p: p, devices=slice_, out_specs=pspecs))
+        keep = pw.jit(lambda p: p, devices=slice_, out_specs=pspecs)
+        return StateNodes(init=keep, place=keep)
     ospecs = stages_lib.opt_state_specs(tx, stage.params, pspecs)
+    takes_value = needs_value(tx, stage.params)
 
-    def update(p: Any, o: Any, g: Any) -> tuple[Any, Any]:
-        updates, o = tx.update(g, o, p)
+    def update(p: Any, o: Any, g: Any, *value: jax.Array) -> tuple[Any, Any]:
+        updates, o = tx.update(g, o, p, **({"value": value[0]} if value else {}))
         return optax.apply_updates(p, updates), o
 
     def squared_norm(g: Any) -> jax.Array:
         return optax.tree.norm(g, squared=True)
 
-    def clipped_update(p: Any, o: Any, g: Any, *squared: jax.Array) -> tuple[Any, Any]:
+    def clipped_update(p: Any, o: Any, g: Any, *rest: jax.Array) -> tuple[Any, Any]:
         # optax.clip_by_global_norm's formula, with the norm of every stage's gradients.
         assert max_grad_norm is not None
+        value, squared = (rest[:1], rest[1:]) if takes_value else ((), rest)
         total = squared[0]
-        for value in squared[1:]:  # the same order on every stage
-            total = total + value
+        for part in squared[1:]:  # the same order on every stage
+            total = total + part
         norm = jnp.sqrt(total)
         keep = norm < max_grad_norm
         g = jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_grad_norm), g)
-        return update(p, o, g)
+        return update(p, o, g, *value)
 
     clipping = max_grad_norm is not None
     return StateNodes(
         init=pw.jit(lambda p: (p, tx.init(p)), devices=slice_, out_specs=(pspecs, ospecs)),
+        place=pw.jit(lambda p, o: (p, o), devices=slice_, out_specs=(pspecs, ospecs)),
         update=pw.jit(update, devices=slice_, out_specs=(pspecs, ospecs)),
         squared_norm=pw.jit(squared_norm, devices=slice_, out_specs=pw.P()) if clipping else None,
         clipped_update=pw.jit(clipped_update, devices=slice_, out_specs=(pspecs, ospecs))
         if clipping
         else None,
+        needs_value=takes_value,
     )
 
 
@@ -121,8 +164,16 @@ def build_nodes(
     remat: bool,
     data_axis: str | None,
     pspecs: Any,
+    in_layout: Layout | None,
+    out_layout: Layout,
 ) -> Nodes:
+    """The stage's nodes; ``in_layout`` is the previous stage's output's (``None``: the first stage)."""
     act = stages_lib.activation_spec(slice_, data_axis)
+    # The microbatch's leaves all lead with its examples; stage outputs need not (see Layout).
+    in_act = act if in_layout is None else in_layout.specs(act)
+    out_act = out_layout.specs(act)
+    in_cot = None if in_layout is None else in_layout.cotangent_specs(act)
+    out_cot = out_layout.cotangent_specs(act)
     kspec: tuple = (None,) if mode.keyed else ()
 
     def apply(p: Any, h: Any, k: tuple) -> Any:
@@ -135,7 +186,7 @@ def build_nodes(
     def infer(p: Any, h: Any, *k: Any) -> Any:
         return apply(p, h, k)
 
-    nodes = Nodes(infer=jit(infer, in_specs=(None, act, *kspec), out_specs=act))
+    nodes = Nodes(infer=jit(infer, in_specs=(None, in_act, *kspec), out_specs=out_act))
     if loss_fn is None:
         return nodes
 
@@ -187,15 +238,15 @@ def build_nodes(
 
         return bwd, bwd_acc
 
-    grads_out = pspecs if first else (pspecs, act)
+    grads_out = pspecs if first else (pspecs, in_cot)
     if remat:  # keep only the stage input (and keys); recompute the forward in the backward
-        fwd = jit(infer, in_specs=(None, act, *kspec), out_specs=act)
+        fwd = jit(infer, in_specs=(None, in_act, *kspec), out_specs=out_act)
         bwd, bwd_acc = remat_backward()
-        bwd_specs: tuple = (None, act, act)
+        bwd_specs: tuple = (None, in_act, out_cot)
     else:
-        fwd = jit(forward_vjp, in_specs=(None, act, *kspec), out_specs=(act, None))
+        fwd = jit(forward_vjp, in_specs=(None, in_act, *kspec), out_specs=(out_act, None))
         bwd, bwd_acc = vjp_backward()
-        bwd_specs = (None, act)
+        bwd_specs = (None, out_cot)
     kbwd = kspec if remat else ()
 
     scale = 1.0 / num_microbatches
@@ -214,15 +265,15 @@ def build_nodes(
         loss, gp, *rest = loss_grads(p, h, y, *k)
         return (loss_acc + loss, _add(acc, gp), *rest)
 
-    last_specs = (pw.P(), pspecs) if first else (pw.P(), pspecs, act)
+    last_specs = (pw.P(), pspecs) if first else (pw.P(), pspecs, in_cot)
     return dataclasses.replace(
         nodes,
         fwd=fwd,
         bwd=jit(bwd, in_specs=(*bwd_specs, *kbwd), out_specs=grads_out),
         bwd_acc=jit(bwd_acc, in_specs=(*bwd_specs, None, *kbwd), out_specs=grads_out),
-        last=jit(loss_grads, in_specs=(None, act, act, *kspec), out_specs=last_specs) if last else None,
+        last=jit(loss_grads, in_specs=(None, in_act, act, *kspec), out_specs=last_specs) if last else None,
         last_acc=(
-            jit(loss_grads_acc, in_specs=(None, act, act, None, None, *kspec), out_specs=last_specs)
+            jit(loss_grads_acc, in_specs=(None, in_act, act, None, None, *kspec), out_specs=last_specs)
             if last
             else None
         ),

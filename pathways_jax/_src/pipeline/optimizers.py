@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import pathways_jax as pw
@@ -70,3 +72,29 @@ def check_optimizers(optimizer: Any, count: int, what: str) -> list[OptaxLike | 
             )
         return [as_optimizer(tx, f"{what}: optimizer {i}") for i, tx in enumerate(optimizer)]
     return [as_optimizer(optimizer, f"{what}: optimizer")] * count
+
+
+def needs_value(tx: OptaxLike | None, params: Any) -> bool:
+    """Whether ``tx.update`` needs the step's loss as ``value=`` (``optax.contrib.reduce_on_plateau``).
+
+    Optax's transformations that take extra arguments (``GradientTransformationExtraArgs``,
+    ``optax.MultiSteps``) get the loss as ``value`` under ``jax.jit`` (``tx.update(grads, state,
+    params, value=loss)``); those that need it fail without it. Traced abstractly, once per stage.
+    """
+    if tx is None:
+        return False
+
+    def update(p: Any, **extra: Any) -> Any:
+        return tx.update(p, tx.init(p), p, **extra)
+
+    try:
+        jax.eval_shape(update, params)
+        return False
+    except TypeError:
+        try:
+            jax.eval_shape(lambda p: update(p, value=jnp.zeros((), jnp.float32)), params)
+        except Exception:
+            return False
+        return True
+    except Exception:  # anything else shows in the step itself, as before
+        return False

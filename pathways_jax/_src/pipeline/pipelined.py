@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -12,11 +12,13 @@ from flax import errors as flax_errors
 import pathways_jax as pw
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.nodes import LossFn, Nodes, StateNodes, build_nodes, build_state_nodes
+from pathways_jax._src.pipeline.nodes import Layout, LossFn, Nodes, StateNodes, build_nodes, build_state_nodes
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.rngs import Mode, Rngs
 from pathways_jax._src.pipeline.schedules import SCHEDULES, Schedule, bubble_fraction, schedule_order
 from pathways_jax._src.pipeline.stages import Stage
+
+Layouts = tuple[Layout, ...]  # the layout of every stage's output, first stage first
 
 
 class Pipeline:
@@ -182,9 +184,11 @@ class Pipeline:
                 self._opt_states.append(opt_state)
             self._params.append(placed)
         self._order = schedule_order(schedule, count, num_microbatches)
-        self._checked: set[Any] = set()
-        self._nodes_by_mode: dict[Mode, list[Nodes]] = {}
-        self._programs: dict[tuple[str, Mode], Any] = {}
+        # By the checked inputs' signatures and mode: the layouts of the stages' outputs.
+        self._checked: dict[Any, Layouts] = {}
+        self._outputs: dict[Layouts, Any] = {}  # an abstract last-stage output of each, for errors
+        self._nodes_by_mode: dict[tuple[Mode, Layouts], list[Nodes]] = {}
+        self._programs: dict[tuple[str, Mode, Layouts], Any] = {}
 
     @property
     def num_stages(self) -> int:
@@ -205,12 +209,49 @@ class Pipeline:
         """The current optimizer states, one pytree of futures per stage."""
         return list(self._opt_states)
 
+    @property
+    def state(self) -> dict[str, list[Any]]:
+        """All that training changes, to checkpoint: ``{"params": [...], "opt_states": [...]}``.
+
+        One entry per stage in each list, pytrees of futures (an inference-only pipeline's
+        ``opt_states`` is empty). Save it with Orbax (``ocp.args.StandardSave(pipe.state)``)
+        and give a restored one to :meth:`load_state` of a pipeline built the same way, in this
+        process or a new one: its next steps are those the saved pipeline would have taken.
+        """
+        return {"params": list(self._params), "opt_states": list(self._opt_states)}
+
+    def load_state(self, state: Any) -> None:
+        """Continues from a saved :attr:`state`: every stage's parameters and optimizer state.
+
+        ``state`` is a restored checkpoint of :attr:`state` (arrays or futures; restore it with
+        ``jax.tree.map(ocp.utils.to_shape_dtype_struct, pipe.state)`` as the target, or without
+        one: matched by names). Each stage's part is placed on its slice with its sharding. A
+        pipeline built for inference (no ``loss_fn``/``optimizer``) takes only the parameters
+        of a trained one's state.
+
+        Raises:
+          PlacementError: ``state`` is not the state of a pipeline built the same way (an array
+            missing or extra, or of another shape or dtype), naming the array.
+        """
+        if not self._trainable and isinstance(state, Mapping) and "params" in state:
+            state = {"params": state["params"], "opt_states": []}  # inference: the parameters only
+        checked = stages_lib.checked_state(state, self.state, "Pipeline.load_state: state")
+        params, opt_states = [], []
+        for index, nodes in enumerate(self._state_nodes):
+            if self._trainable:
+                p, o = nodes.place(checked["params"][index], checked["opt_states"][index])
+                opt_states.append(o)
+            else:
+                p = nodes.place(checked["params"][index])
+            params.append(p)
+        self._params, self._opt_states = params, opt_states
+
     # -- nodes and programs, one set per mode ---------------------------------------------------
 
-    def _nodes(self, mode: Mode) -> list[Nodes]:
-        if mode not in self._nodes_by_mode:
+    def _nodes(self, mode: Mode, layouts: Layouts) -> list[Nodes]:
+        if (mode, layouts) not in self._nodes_by_mode:
             count = self.num_stages
-            self._nodes_by_mode[mode] = [
+            self._nodes_by_mode[(mode, layouts)] = [
                 build_nodes(
                     stage,
                     slice_,
@@ -222,16 +263,18 @@ class Pipeline:
                     remat=self._remat,
                     data_axis=self.data_axis,
                     pspecs=self._param_specs[index],
+                    in_layout=None if index == 0 else layouts[index - 1],
+                    out_layout=layouts[index],
                 )
                 for index, (stage, slice_) in enumerate(zip(self.stages, self.slices, strict=True))
             ]
-        return self._nodes_by_mode[mode]
+        return self._nodes_by_mode[(mode, layouts)]
 
-    def _program(self, kind: str, mode: Mode) -> Any:
+    def _program(self, kind: str, mode: Mode, layouts: Layouts) -> Any:
         """The ``@pw.program`` of a call kind in a mode; keys, when keyed, come last."""
-        if (kind, mode) in self._programs:
-            return self._programs[(kind, mode)]
-        nodes = self._nodes(mode)
+        if (kind, mode, layouts) in self._programs:
+            return self._programs[(kind, mode, layouts)]
+        nodes = self._nodes(mode, layouts)
 
         def pipeline_train_step(params: tuple, opt_states: tuple, xs: tuple, ys: tuple, *keys: Any) -> tuple:
             loss, _, new_params, new_opt_states = self._run_schedule(nodes, params, opt_states, xs, ys, keys)
@@ -242,7 +285,7 @@ class Pipeline:
             return loss, tuple(grads)
 
         def pipeline_forward(params: tuple, xs: tuple, *keys: Any) -> Any:
-            return self._forward_fn(nodes, params, xs, keys)
+            return self._forward_fn(nodes, params, xs, keys, layouts[-1])
 
         step_fns: dict[str, Callable[..., Any]] = {
             "train": pipeline_train_step,
@@ -250,8 +293,8 @@ class Pipeline:
             "forward": pipeline_forward,
         }
         fn = step_fns[kind]
-        self._programs[(kind, mode)] = pw.program(fn, name=fn.__name__)
-        return self._programs[(kind, mode)]
+        self._programs[(kind, mode, layouts)] = pw.program(fn, name=fn.__name__)
+        return self._programs[(kind, mode, layouts)]
 
     # -- the traced step functions ------------------------------------------------------------
 
@@ -308,7 +351,9 @@ class Pipeline:
                 # The stage's gradients are complete: update it now, on its slice.
                 update = self._state_nodes[s].update
                 assert update is not None  # opt_states: every stage has an optimizer
-                new_params[s], new_opt_states[s] = update(params[s], opt_states[s], grads[s])
+                # The loss is complete here: the stage's last backward follows the last microbatch's loss.
+                value = (loss,) if self._state_nodes[s].needs_value else ()
+                new_params[s], new_opt_states[s] = update(params[s], opt_states[s], grads[s], *value)
         if opt_states is not None and self.max_grad_norm is not None:
             # Clipping by the model's global norm needs every stage's gradients: each stage's
             # squared norm (a scalar) goes to every stage, which then clips and updates.
@@ -320,12 +365,15 @@ class Pipeline:
             for s in range(count):
                 clipped_update = self._state_nodes[s].clipped_update
                 assert clipped_update is not None
+                value = (loss,) if self._state_nodes[s].needs_value else ()
                 new_params[s], new_opt_states[s] = clipped_update(
-                    params[s], opt_states[s], grads[s], *squared
+                    params[s], opt_states[s], grads[s], *value, *squared
                 )
         return loss, grads, tuple(new_params), tuple(new_opt_states)
 
-    def _forward_fn(self, nodes_per_stage: list[Nodes], params: tuple, xs: tuple, keys: tuple) -> Any:
+    def _forward_fn(
+        self, nodes_per_stage: list[Nodes], params: tuple, xs: tuple, keys: tuple, layout: Layout
+    ) -> Any:
         count, micro = self.num_stages, len(xs)
         outs: dict[tuple[int, int], Any] = {}
         for t in range(micro + count - 1):  # wavefront: stage s works on microbatch t - s
@@ -339,7 +387,7 @@ class Pipeline:
         if micro == 1:
             return results[0]
         last = self.slices[-1]
-        act = stages_lib.activation_spec(last, self.data_axis)
+        act = layout.specs(stages_lib.activation_spec(last, self.data_axis))
         concat = pw.jit(_concatenate, devices=last, out_specs=act)
         return concat(*results)
 
@@ -367,10 +415,13 @@ class Pipeline:
             place="stage",
         )
 
-    def _check_chain(self, x: Any, y: Any | None, mode: Mode, rngs: dict[str, jax.Array] | None) -> None:
+    def _check_chain(self, x: Any, y: Any | None, mode: Mode, rngs: dict[str, jax.Array] | None) -> Layouts:
+        """Checks the stages (and loss) on microbatch ``x`` abstractly; returns their outputs' layouts."""
         key = (stages_lib.signature(x), None if y is None else stages_lib.signature(y), mode)
         if key in self._checked:
-            return
+            return self._checked[key]
+        examples = stages_lib.batch_size(x)
+        layouts: list[Layout] = []
         h: Any = stages_lib.abstract(x)
         for index, (stage, params) in enumerate(zip(self.stages, self._params, strict=True)):
             keys = None if rngs is None else rngs_lib.derive_rngs(rngs, index, 0)
@@ -387,6 +438,7 @@ class Pipeline:
                 where = "Pipeline" if y is None else "Pipeline (train step)"
                 raise stages_lib.stale_draws_error(stale, [name for name, _ in mode.streams], where)
             h = out
+            layouts.append(Layout.of(out, examples))
         if y is not None:
             assert self._loss_fn is not None  # targets come only with a trainable pipeline
             try:
@@ -403,7 +455,9 @@ class Pipeline:
                     f"loss_fn must return a float scalar (the microbatch's mean loss), got "
                     f"{jax.tree.map(lambda a: (a.shape, a.dtype), loss)}."
                 )
-        self._checked.add(key)
+        self._checked[key] = tuple(layouts)
+        self._outputs.setdefault(self._checked[key], h)
+        return self._checked[key]
 
     def _mode(
         self, rngs: Rngs | None, train: bool | None, train_kw: str | None, what: str
@@ -417,7 +471,7 @@ class Pipeline:
 
     def _training_inputs(
         self, x: Any, y: Any, what: str, rngs: Rngs | None, train: bool | None, train_kw: str | None
-    ) -> tuple[tuple, tuple, Mode, tuple]:
+    ) -> tuple[tuple, tuple, Mode, tuple, Layouts]:
         if not self._trainable:
             raise pw.errors.ProgramTraceError(
                 f"Pipeline.{what} needs loss_fn= and optimizer= (this pipeline was built for inference "
@@ -428,8 +482,8 @@ class Pipeline:
         if x_batch != y_batch:
             raise pw.errors.PlacementError(f"x has a batch of {x_batch} but y of {y_batch}; they must match.")
         mode, typed, keys = self._mode(rngs, train, train_kw, what)
-        self._check_chain(xs[0], ys[0], mode, typed)
-        return xs, ys, mode, keys
+        layouts = self._check_chain(xs[0], ys[0], mode, typed)
+        return xs, ys, mode, keys, layouts
 
     # -- public calls -------------------------------------------------------------------------
 
@@ -468,8 +522,8 @@ class Pipeline:
             ``train_kw`` are malformed, ``train=True`` and a stage takes no flag
             (nor ``train_kw``), or the loss is not a float scalar.
         """
-        xs, ys, mode, keys = self._training_inputs(x, y, "train_step", rngs, train, train_kw)
-        program = self._program("train", mode)
+        xs, ys, mode, keys, layouts = self._training_inputs(x, y, "train_step", rngs, train, train_kw)
+        program = self._program("train", mode, layouts)
         loss, params, opt_states = program(tuple(self._params), tuple(self._opt_states), xs, ys, *keys)
         self._params, self._opt_states = list(params), list(opt_states)
         return loss
@@ -487,8 +541,8 @@ class Pipeline:
 
         ``rngs``, ``train`` and ``train_kw`` are as in :meth:`train_step`.
         """
-        xs, ys, mode, keys = self._training_inputs(x, y, "loss_and_grads", rngs, train, train_kw)
-        loss, grads = self._program("grads", mode)(tuple(self._params), xs, ys, *keys)
+        xs, ys, mode, keys, layouts = self._training_inputs(x, y, "loss_and_grads", rngs, train, train_kw)
+        loss, grads = self._program("grads", mode, layouts)(tuple(self._params), xs, ys, *keys)
         return loss, list(grads)
 
     def forward(
@@ -501,8 +555,17 @@ class Pipeline:
         """
         xs = self._split(x, "x")
         mode, typed, keys = self._mode(rngs, train, train_kw, "forward")
-        self._check_chain(xs[0], None, mode, typed)
-        return self._program("forward", mode)(tuple(self._params), xs, *keys)
+        layouts = self._check_chain(xs[0], None, mode, typed)
+        if len(xs) > 1 and not all(layouts[-1].batched):
+            raise pw.errors.PlacementError(
+                f"Pipeline.forward: the last stage's output {stages_lib.describe(self._outputs[layouts])} "
+                f"has arrays that do not lead with the microbatch's {stages_lib.batch_size(xs[0])} "
+                f"examples (a scalar, such as a mean or an auxiliary loss, or another length), and "
+                f"forward concatenates the {len(xs)} microbatches' outputs along the batch, which would "
+                "not be the whole batch's. Return per-example values from the last stage (reduce them "
+                "after forward), or call forward with num_microbatches=1 (a Pipeline built for it)."
+            )
+        return self._program("forward", mode, layouts)(tuple(self._params), xs, *keys)
 
     def graph(
         self,
@@ -514,8 +577,10 @@ class Pipeline:
         train_kw: str | None = None,
     ) -> pw.Graph:
         """The dataflow graph of one train step for these inputs (arguments as in :meth:`train_step`)."""
-        xs, ys, mode, keys = self._training_inputs(x, y, "graph", rngs, train, train_kw)
-        return self._program("train", mode).graph(tuple(self._params), tuple(self._opt_states), xs, ys, *keys)
+        xs, ys, mode, keys, layouts = self._training_inputs(x, y, "graph", rngs, train, train_kw)
+        return self._program("train", mode, layouts).graph(
+            tuple(self._params), tuple(self._opt_states), xs, ys, *keys
+        )
 
     def __repr__(self) -> str:
         return (

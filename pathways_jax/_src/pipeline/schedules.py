@@ -13,9 +13,22 @@ from __future__ import annotations
 
 from typing import Literal
 
+import pathways_jax as pw
+
 Schedule = Literal["gpipe", "1f1b"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 Op = tuple[str, int, int]
+
+
+def _check(schedule: str | None, num_stages: object, num_microbatches: object, what: str) -> None:
+    """Raises ``PlacementError`` unless the schedule is known and both counts are ints >= 1."""
+    if schedule is not None and schedule not in SCHEDULES:
+        raise pw.errors.PlacementError(f"{what}: schedule must be one of {SCHEDULES}, got {schedule!r}.")
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise pw.errors.PlacementError(
+                f"{what}: {name} must be an int >= 1, got {type(value).__name__} {value!r}; e.g. {name}=4."
+            )
 
 
 def _stage_ops(schedule: Schedule, stage: int, num_stages: int, num_microbatches: int) -> list[Op]:
@@ -57,11 +70,15 @@ def schedule_order(schedule: Schedule, num_stages: int, num_microbatches: int) -
     Returns:
       A tuple of ``(kind, stage, microbatch)``, kind ``"F"``, ``"L"`` or ``"B"``.
 
+    Raises:
+      PlacementError: an unknown schedule, or a count that is not an int >= 1.
+
     Example:
       >>> from pathways_jax.pipeline import schedule_order
       >>> schedule_order("1f1b", 2, 2)
       (('F', 0, 0), ('L', 1, 0), ('F', 0, 1), ('L', 1, 1), ('B', 0, 0), ('B', 0, 1))
     """
+    _check(schedule, num_stages, num_microbatches, "schedule_order")
     per_stage = [_stage_ops(schedule, s, num_stages, num_microbatches) for s in range(num_stages)]
     done: set[Op] = set()
     order: list[Op] = []
@@ -86,9 +103,13 @@ def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     time): each stage idles while the first microbatch fills the pipeline
     and the last one drains it.
 
+    Raises:
+      PlacementError: a count that is not an int >= 1.
+
     Example:
       >>> from pathways_jax.pipeline import bubble_fraction
       >>> bubble_fraction(4, 12)
       0.2
     """
+    _check(None, num_stages, num_microbatches, "bubble_fraction")
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

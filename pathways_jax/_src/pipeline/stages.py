@@ -152,9 +152,22 @@ def _stream_counts(module: nnx.Module) -> dict[tuple, tuple[str, Any]]:
     }
 
 
+def _flag_call(model: nnx.Module) -> Any:
+    """The call whose keywords take ``train`` when ``model`` is called with it.
+
+    ``nnx.Sequential`` hands its keyword arguments to its first layer only (later layers get
+    the previous one's output), so the flag can go there only if that layer takes it; its
+    other layers are switched by their attributes, as ``model.train()`` switches them.
+    """
+    if isinstance(model, nnx.Sequential) and model.layers:
+        first = model.layers[0]
+        return type(first).__call__ if isinstance(first, nnx.Module) else first
+    return type(model).__call__
+
+
 def _nnx_flag(model: nnx.Module) -> TrainFlag:
     """How an NNX module takes ``train``: its ``__call__``'s keywords and its layers' attributes."""
-    signature = signature_of(type(model).__call__)
+    signature = signature_of(_flag_call(model))
     switched = random = False
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (
@@ -163,7 +176,7 @@ def _nnx_flag(model: nnx.Module) -> TrainFlag:
             switched = True
         if isinstance(node, nnx.RngStream | nnx.Rngs):
             random = True
-    random = random or signature.takes("rngs")
+    random = random or signature_of(type(model).__call__).takes("rngs")
     return TrainFlag(signature, switched=switched, inert=not (switched or random))
 
 
@@ -235,7 +248,7 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         # back into the user's module (programs update Variables they are given in place).
         params = nnx.as_pure(params)
         nnx_flag = _nnx_flag(model)
-        takes_rngs = "rngs" in nnx_flag.signature.names
+        takes_rngs = "rngs" in signature_of(type(model).__call__).names
         running, trains_untold = _running_statistics(model)
         description = f"nnx {type(model).__name__}"
 
@@ -556,6 +569,11 @@ def batch_leaves(x: Any, what: str) -> tuple[list[np.ndarray], Any, int]:
             f"the arrays of {what} have different batch sizes (first dimensions): {sizes}; every array "
             "of a batch leads with the same batch dimension."
         )
+    if leaves[0].shape[0] == 0:  # a NaN loss, and an optimizer step on zero gradients
+        raise pw.errors.PlacementError(
+            f"{what} has a batch of 0 examples ({describe(leaves)}); expected at least one: skip "
+            "empty batches (e.g. the end of a dataset) before the step."
+        )
     return leaves, treedef, leaves[0].shape[0]
 
 
@@ -657,3 +675,59 @@ def sequential(models: Sequence[Any]) -> tuple[tuple[Any, ...], Apply]:
         return x
 
     return tuple(stage.params for stage in stages), apply
+
+
+def _leaf_shape_dtype(leaf: Any) -> tuple[tuple[int, ...], Any]:
+    dtype = getattr(leaf, "dtype", None)
+    return tuple(np.shape(leaf)), np.dtype(np.asarray(leaf).dtype if dtype is None else dtype)
+
+
+def checked_state(given: Any, expected: Any, what: str) -> Any:
+    """``given`` (a restored checkpoint) in the tree structure of ``expected``, checked leaf by leaf.
+
+    Leaves are matched by their key names (a restored ``nnx.State`` or optimizer state may come
+    back as nested dicts and lists), and each must have the expected shape and dtype.
+
+    Raises:
+      PlacementError: a leaf is missing, unknown, or of another shape or dtype.
+    """
+    want = jax.tree_util.tree_flatten_with_path(expected)[0]
+    treedef = jax.tree_util.tree_structure(expected)
+    try:
+        got_flat = jax.tree_util.tree_flatten_with_path(given)[0]
+    except Exception as exc:  # pragma: no cover - any object flattens to at least itself
+        raise pw.errors.PlacementError(f"{what} is {type(given).__name__}, not a pytree: {exc}") from exc
+
+    def names(path: tuple) -> tuple[str, ...]:
+        return tuple(str(part) for part in _path(path))
+
+    got = {names(path): leaf for path, leaf in got_flat}
+    wanted = [names(path) for path, _ in want]
+    missing = [_show(path) for path in wanted if path not in got]
+    unknown = [_show(path) for path in got if path not in set(wanted)]
+    if missing or unknown:
+        problems = []
+        if missing:
+            problems.append(f"it lacks {missing[:4]}{' and more' if len(missing) > 4 else ''}")
+        if unknown:
+            problems.append(
+                f"it has {unknown[:4]}{' and more' if len(unknown) > 4 else ''} that the model lacks"
+            )
+        raise pw.errors.PlacementError(
+            f"{what} does not match this model's state ({len(wanted)} arrays): {'; '.join(problems)}. "
+            "Restore a checkpoint saved from .state of a model built the same way (the same stages, "
+            "optimizer and replicas), with .state of the new model as the restore target."
+        )
+    leaves = []
+    for (_, expected_leaf), key in zip(want, wanted, strict=True):
+        leaf = got[key]
+        shape, dtype = _leaf_shape_dtype(leaf)
+        want_shape, want_dtype = _leaf_shape_dtype(expected_leaf)
+        if shape != want_shape or dtype != want_dtype:
+            raise pw.errors.PlacementError(
+                f"{what}: {_show(key)} is {dtype.name}{list(shape)}, but this model's is "
+                f"{want_dtype.name}{list(want_shape)}. Restore a checkpoint of a model built the same "
+                "way (the same layer sizes, parameter dtypes and optimizer)."
+            )
+        leaves.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
