@@ -11,9 +11,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import jax_config
 
 import pathways_jax as pw
 from pathways_jax._src.api import arguments
+from pathways_jax._src.backends import local
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,6 +113,28 @@ def test_repeat_call_with_arrays_of_the_same_types_takes_the_fast_path():
     for _ in range(4):
         expected = jax.jit(lambda p, x: jax.tree.map(lambda v: v * 0.5 + x, p))(expected, jnp.float32(1.0))
     _assert_same(out, expected)
+
+
+def test_a_plan_of_one_executable_runs_by_the_local_backends_direct_path(monkeypatch):
+    """One executable, nothing pinned, donated or staged: the local backend runs it in fewer steps."""
+    ran = []
+    real = local._direct
+    monkeypatch.setattr(local, "_direct", lambda run, *rest: ran.append(run.id) or real(run, *rest))
+    step = pw.program(lambda v: jnp.tanh(v) * 2.0 + 1.0)
+    out, expected = jnp.linspace(-1.0, 1.0, 5), jnp.linspace(-1.0, 1.0, 5)
+    for _ in range(3):
+        out = step(out)
+        expected = jax.jit(lambda v: jnp.tanh(v) * 2.0 + 1.0)(expected)
+    _assert_same(out.result(), expected)
+    assert len(ran) == 3
+    # Its failure reads as the loop's did: under jax_debug_infs, the operation that made the inf.
+    divide = pw.program(lambda v: 1.0 / v)
+    with (
+        jax_config("jax_debug_infs", True),
+        pytest.raises(FloatingPointError, match=r"invalid value \(inf\) encountered in div"),
+    ):
+        divide(jnp.zeros(2)).result(timeout=60)
+    assert len(ran) == 4
 
 
 def test_fast_path_misses_on_another_type_and_traces_it():
