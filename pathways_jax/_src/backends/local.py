@@ -193,13 +193,11 @@ def _direct(run: RunView, windows: Windows, part: _LocalPart, step: ExecStep) ->
     env = run.env
     args = [env[s] for s in step.in_slots]
     try:
-        outs = step.executable(*args)
+        try:
+            outs = step.executable(*args)
+        except _NAN_CHECK as exc:  # jax_debug_nans / jax_debug_infs found one
+            raise _nan_error(step, args, exc) from None
     except Exception as exc:  # a user error fails its run only (as in execute)
-        if _NAN_CHECK and isinstance(exc, _NAN_CHECK):
-            try:
-                raise _nan_error(step, args, exc) from None
-            except FloatingPointError as nan:
-                exc = nan
         cause = _deleted_argument(plan, env)
         if cause is not None:
             cause.__cause__ = exc
