@@ -11,9 +11,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import jax_config
 
 import pathways_jax as pw
-from pathways_jax._src.api import arguments
+from pathways_jax._src.api import arguments, nnx_graph
+from pathways_jax._src.backends import local
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,6 +113,57 @@ def test_repeat_call_with_arrays_of_the_same_types_takes_the_fast_path():
     for _ in range(4):
         expected = jax.jit(lambda p, x: jax.tree.map(lambda v: v * 0.5 + x, p))(expected, jnp.float32(1.0))
     _assert_same(out, expected)
+
+
+def _halve_and_add(p, x):
+    return jax.tree.map(lambda v: v * 0.5 + x, p)
+
+
+def test_a_repeat_call_of_plain_leaves_looks_for_no_nnx_object(monkeypatch):
+    """The repeat of a call that took no NNX object runs its plan before looking for NNX objects."""
+    step = pw.program(_halve_and_add)
+    params = {"a": jnp.ones(3), "b": jnp.zeros((2, 2))}
+    out = step(step(params, jnp.float32(1.0)), jnp.float32(1.0))  # arrays, then futures: both kept
+    looked = []
+    real = nnx_graph.takes_objects
+    monkeypatch.setattr(nnx_graph, "takes_objects", lambda *a: looked.append(a) or real(*a))
+    for _ in range(3):
+        out = step(out, jnp.float32(1.0))
+    assert not looked  # it was looked for on every call
+    expected = params
+    for _ in range(5):
+        expected = jax.jit(_halve_and_add)(expected, jnp.float32(1.0))
+    _assert_same(pw.results(out), expected)
+    # The same program handed a model where its plain leaves were is still run as nnx.jit runs it.
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    total = lambda m, x: sum(jnp.sum(v) for v in jax.tree.leaves(nnx.state(m))) + x  # noqa: E731
+    mixed = pw.program(total)
+    mixed({"w": jnp.ones(2)}, jnp.float32(1.0)).result()
+    mixed({"w": jnp.ones(2)}, jnp.float32(1.0)).result()
+    _assert_same(mixed(model, jnp.float32(1.0)).result(), nnx.jit(total)(model, jnp.float32(1.0)))
+    assert looked  # a call that repeats no plain-leaf call looks
+
+
+def test_a_plan_of_one_executable_runs_by_the_local_backends_direct_path(monkeypatch):
+    """One executable, nothing pinned, donated or staged: the local backend runs it in fewer steps."""
+    ran = []
+    real = local._direct
+    monkeypatch.setattr(local, "_direct", lambda run, *rest: ran.append(run.id) or real(run, *rest))
+    step = pw.program(lambda v: jnp.tanh(v) * 2.0 + 1.0)
+    out, expected = jnp.linspace(-1.0, 1.0, 5), jnp.linspace(-1.0, 1.0, 5)
+    for _ in range(3):
+        out = step(out)
+        expected = jax.jit(lambda v: jnp.tanh(v) * 2.0 + 1.0)(expected)
+    _assert_same(out.result(), expected)
+    assert len(ran) == 3
+    # Its failure reads as the loop's did: under jax_debug_infs, the operation that made the inf.
+    divide = pw.program(lambda v: 1.0 / v)
+    with (
+        jax_config("jax_debug_infs", True),
+        pytest.raises(FloatingPointError, match=r"invalid value \(inf\) encountered in div"),
+    ):
+        divide(jnp.zeros(2)).result(timeout=60)
+    assert len(ran) == 4
 
 
 def test_fast_path_misses_on_another_type_and_traces_it():

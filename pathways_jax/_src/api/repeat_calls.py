@@ -80,13 +80,17 @@ class RepeatCalls:
         and no lookup.
         """
         last = self.last
-        if last is None or len(args) != len(last.signatures):
+        if last is None:
             return None
+        signatures = last.signatures
+        if len(args) != len(signatures):
+            return None
+        # A plain loop: a generator under all() costs more than the check on one or two arguments.
+        for a, sig in zip(args, signatures, strict=True):  # lengths checked above
+            if type(a) is not Future or a._entry.signature is not sig:
+                return None
         plan = last.plan
-        if all(
-            type(a) is Future and a._entry.signature is sig
-            for a, sig in zip(args, last.signatures, strict=True)
-        ) and self._in_context(last.ambient, plan, last.config):
+        if self._in_context(last.ambient, plan, last.config):
             return plan
         return None
 

@@ -244,10 +244,15 @@ class Program:
 
     def _call_planned(self, args: tuple, kwargs: dict) -> Any:
         """The call submitted with its plan (traced and lowered if new), or run as ``nnx.jit`` would."""
+        # Leaves of the same types as the call before (a train loop's): skip the signature. First:
+        # a call whose treedef and leaf types repeat one that took no NNX object takes none either.
+        plan, flat = self._repeats.by_leaves(args, kwargs)
+        if plan is not None and flat is not None:
+            return submission.submit(plan, flat[0])
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
             return nnx_graph.call(self, args, kwargs)
         try:
-            planned = self._planned(args, kwargs)
+            planned = self._planned(args, kwargs, flat)
         except TracerArgument as exc:
             if self._info.under_transforms:
                 return self._transformed(args, kwargs)
@@ -260,12 +265,13 @@ class Program:
             return nnx_graph.call(self, args, kwargs)
         return submission.submit(*planned)
 
-    def _planned(self, args: tuple, kwargs: dict) -> tuple[Runnable, list[Any]] | None:
-        """The call's plan and argument leaves, or None where NNX objects route it to ``nnx_graph``."""
-        # Leaves of the same types as the call before (a train loop's): skip the signature.
-        plan, flat = self._repeats.by_leaves(args, kwargs)
-        if plan is not None and flat is not None:
-            return plan, flat[0]
+    def _planned(
+        self, args: tuple, kwargs: dict, flat: tuple[list[Any], Any] | None
+    ) -> tuple[Runnable, list[Any]] | None:
+        """The call's plan and argument leaves, or None where NNX objects route it to ``nnx_graph``.
+
+        ``flat``: the call flattened by ``RepeatCalls.by_leaves`` (which found no repeat), or None.
+        """
         try:
             key, inputs = self._info.split(args, kwargs, flat)
         except nnx_graph.GraphArgument:

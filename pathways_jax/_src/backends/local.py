@@ -65,7 +65,21 @@ class LocalBackend:
             for step in plan.steps
         )
         windowed = {**plan.windowed, **dict.fromkeys((key for key, _ in lanes), 1)}
-        return Prepared(windowed, plan.islands, reports, _LocalPart(lanes, donors if any(donors) else None))
+        # A plan of one executable that needs none of the loop's cases (a device's
+        # window only, nothing pinned nor donated, no staged inputs) is run by
+        # _direct: the repeat call of a pw.jit or a train step, in fewer steps.
+        only = plan.steps[0] if len(plan.steps) == 1 else None
+        direct = (
+            only
+            if isinstance(only, ExecStep)
+            and not only.windowed
+            and not only.pinned
+            and not any(donors)
+            and not plan.staged_feeds
+            else None
+        )
+        part = _LocalPart(lanes, donors if any(donors) else None, direct)
+        return Prepared(windowed, plan.islands, reports, part)
 
     def execute(self, run: RunView, windows: Windows) -> Dispatched:
         plan = run.plan
@@ -74,6 +88,8 @@ class LocalBackend:
         step: Any = None
         dispatched = 0
         part: _LocalPart | None = plan.prepared.part
+        if part is not None and part.direct is not None and sink is None:
+            return _direct(run, windows, part, part.direct)
         donors = part.donors if part is not None and part.donors is not None else ()
         hand_on = getattr(windows, "handed_on", None) if donors else None
         try:
@@ -139,7 +155,18 @@ class LocalBackend:
 
     def settle(self, in_flight: collections.deque) -> None:
         # Oldest first, up to the first one still running (every look is a call into XLA).
-        while in_flight and readiness.settled(in_flight[0][0]):
+        # readiness.settled, its common case inlined: asked on every window that looks full.
+        while in_flight:
+            marker = in_flight[0][0]
+            try:
+                # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client.
+                done = marker.is_deleted() or marker.is_ready()
+            except AttributeError:  # an extended dtype, or a kind that cannot be asked
+                done = readiness.settled(marker)
+            except Exception:  # it failed: it is over
+                done = True
+            if not done:
+                return
             in_flight.popleft()
 
     def close(self, timeout: float | None) -> None:
@@ -154,6 +181,35 @@ class _LocalPart(NamedTuple):
     lanes: tuple[tuple[int, int], ...]
     # Per step, the argument positions its executable consumes (donation); None if none do.
     donors: tuple[tuple[int, ...], ...] | None
+    # The plan's one step, when _direct may run it (see LocalBackend.prepare); else None.
+    direct: ExecStep | None = None
+
+
+def _direct(run: RunView, windows: Windows, part: _LocalPart, step: ExecStep) -> Dispatched:
+    """``LocalBackend.execute`` of a plan of one executable with no window of its island's,
+    nothing pinned, donated or staged, and no trace sink: what the loop does for it, and no more.
+    """
+    plan = run.plan
+    env = run.env
+    args = [env[s] for s in step.in_slots]
+    try:
+        try:
+            outs = step.executable(*args)
+        except _NAN_CHECK as exc:  # jax_debug_nans / jax_debug_infs found one
+            raise _nan_error(step, args, exc) from None
+    except Exception as exc:  # a user error fails its run only (as in execute)
+        cause = _deleted_argument(plan, env)
+        if cause is not None:
+            cause.__cause__ = exc
+        counts.bump("dispatches", 0)
+        raise StepFailed(_where(plan.graph.name, run.id, step), cause or exc) from exc
+    for slot, array in zip(step.out_slots, outs, strict=True):
+        env[slot] = array
+    counts.bump("dispatches", 1)
+    last = tuple([env[slot] for _, slot, _ in plan.acct_groups])
+    for key, group in part.lanes:
+        windows.in_flight(key, last[group], run)
+    return Dispatched(env, last)
 
 
 def _donated_positions(executable: Any, count: int) -> tuple[int, ...]:

@@ -14,14 +14,28 @@ import math
 import numbers
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import clusters
 from pathways_jax._src.runtime.accounting import CLOSED_CLIENTS
 
 _ids = itertools.count(1)
-_local = threading.local()
+
+
+class _Local(threading.local):
+    """A thread's client stack and default client: attributes every thread has (None until set).
+
+    As class attributes, a thread that never entered a client reads None
+    without the failed lookup (and its exception) of ``getattr(local, name, None)``:
+    :func:`current` runs on every program call.
+    """
+
+    stack: list[Any] | None = None
+    default: Any = None
+
+
+_local = _Local()
 
 
 class Client:
@@ -52,14 +66,14 @@ class Client:
     def __enter__(self) -> Client:
         if self.closed:
             raise errors.ClusterError(f"{self!r} is closed; make a new one with pw.client(...).")
-        stack = getattr(_local, "stack", None)
+        stack = _local.stack
         if stack is None:
             stack = _local.stack = []
         stack.append(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        _local.stack.pop()
+        cast("list[Any]", _local.stack).pop()  # entered on this thread: it has a stack
 
     def close(self) -> None:
         """Cancels this client's queued runs and frees every value it owns. Idempotent.
@@ -149,10 +163,10 @@ def client(name: str, *, priority: int = 0, weight: float = 1.0) -> Client:
 
 def current() -> Client:
     """The client runs submitted now on this thread belong to."""
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack:
         return stack[-1]
-    holder: Any = getattr(_local, "default", None)
+    holder: Any = _local.default
     if holder is None or holder.client.closed:
         thread = threading.current_thread()
         name = "default" if thread is threading.main_thread() else thread.name

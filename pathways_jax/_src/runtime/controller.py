@@ -275,7 +275,7 @@ class Controller:
             if self._queues or self._picked is not None or not run.plan.inline_ok:
                 return False, None
             blocker, full = self._blocker(run)
-            if blocker == _GO and self._admit(run):
+            if blocker == _GO and (self._budget is None or self._admit(run)):
                 run.seq = next(self._seq)
                 if self._policy.charges:
                     self._charge(run)
@@ -535,18 +535,21 @@ class Controller:
         if budget is not None and not budget.fits(run.plan.admit_charge):
             return _WAITS_FOR_MEMORY
         windows = self.windows
+        entries = windows.entries
         for island, count in run.plan.prepared.windowed.items():
             size = windows.island_size if island >= 0 else windows.device_size  # .size(island), inlined
+            # admission.has_room(running, count, size), inlined: asked on every dispatch.
+            need = size - min(count, max(1, size // 2))
             running = None if busy is None else busy.get(island)
             if running is None:
-                running = len(windows.entries[island])
+                running = len(entries[island])
                 # Only a window that looks full is asked (every question is a call
                 # into XLA, or Ray): its settled executables leave first.
-                if not admission.has_room(running, count, size):
+                if running > need:
                     running = windows.settle(island)
                 if busy is not None:
                     busy[island] = running
-            if not admission.has_room(running, count, size):
+            if running > need:
                 return _NO_ROOM, island
         return _GOES
 
