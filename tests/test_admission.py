@@ -137,6 +137,25 @@ def test_one_smoothed_estimate():
     assert estimate == pytest.approx(5.0)
 
 
+def test_a_programs_second_measurement_replaces_its_first_and_later_ones_are_smoothed():
+    estimates: dict[str, float] = {}
+    once: set[str] = set()
+    admission.fold(estimates, once, "step", 2.7e-3)  # the first run: one-time work included
+    assert estimates == {"step": 2.7e-3} and once == {"step"}
+    admission.fold(estimates, once, "step", 1.0e-4)  # the second replaces it
+    assert estimates == {"step": 1.0e-4} and not once
+    admission.fold(estimates, once, "step", 2.0e-4)  # then smoothed, as the one rule says
+    assert estimates["step"] == pytest.approx(admission.smoothed(1.0e-4, 2.0e-4))
+    admission.fold(estimates, once, "other", 5.0)  # each program on its own
+    assert estimates["step"] == pytest.approx(admission.smoothed(1.0e-4, 2.0e-4)) and once == {"other"}
+
+
+def test_the_controller_and_the_service_fold_their_measurements_by_the_one_rule():
+    for path in (PACKAGE / "_src/runtime/accounting.py", PACKAGE / "_src/runtime/serving/actor.py"):
+        text = path.read_text()
+        assert "fold(" in text and "smoothed(" not in text, f"{path} estimates device time by its own rule"
+
+
 def test_the_budget_reserves_holds_releases_and_tells_listeners():
     budget = admission.Budget({0: 100, 1: 50})
     told = []

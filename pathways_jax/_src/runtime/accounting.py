@@ -32,7 +32,7 @@ from typing import Any
 from absl import logging
 
 from pathways_jax._src.core import readiness, reentry
-from pathways_jax._src.runtime.admission import smoothed
+from pathways_jax._src.runtime.admission import fold
 
 now = time.perf_counter_ns
 # The watcher is never woken per run (a wake-up per run costs the dispatching
@@ -132,8 +132,9 @@ class Accounting:
         self._tracked: set[int] = set()
         self._gone: collections.deque[int] = collections.deque()
         # Each live plan's cost estimate: a smoothed mean of a run's measured device-seconds
-        # (admission.smoothed), by plan key; absent: not measured yet. Not cleared by reset().
+        # (admission.fold), by plan key; absent: not measured yet. Not cleared by reset().
         self.costs: dict[int, float] = {}
+        self._measured_once: set[int] = set()  # plans whose estimate is their first measurement
         self._open_lock = threading.Lock()
         self._stopping = False
         self.reset()
@@ -161,6 +162,7 @@ class Accounting:
             key = self._gone.popleft()
             self._tracked.discard(key)
             self.costs.pop(key, None)
+            self._measured_once.discard(key)
             ns, runs = self.plan_ns.pop(key, 0), self.plan_runs.pop(key, 0)
             for usage in (*self.usage.values(), self.closed_usage):
                 mine = usage.runs.pop(key, 0)
@@ -371,7 +373,7 @@ class Accounting:
             for totals in per_plan.values():
                 plan, ns, runs = totals.plan, totals.ns, totals.runs
                 seconds = ns / runs / 1e9
-                self.costs[plan.key] = smoothed(self.costs.get(plan.key, 0.0), seconds)
+                fold(self.costs, self._measured_once, plan.key, seconds)
                 if plan.key not in self._tracked:  # its figures go when it does
                     self._tracked.add(plan.key)
                     weakref.finalize(plan, self._gone.append, plan.key)

@@ -545,10 +545,9 @@ class ServiceActor:
                 for a in answers
             ]
             program = batch.run.program
-            estimate = client.estimates.get(program, 0.0)
             # The policy was charged an estimate when the run went: now the difference.
             self.gate.admission.policy.charge(client.id, device_s - batch.charged, batch.run.weight)
-            client.estimates[program] = admission.smoothed(estimate, device_s)
+            admission.fold(client.estimates, client.measured_once, program, device_s)
             client.device_s += device_s
             name = batch.run.client or client.name
             client.by_name[name] = client.by_name.get(name, 0.0) + device_s

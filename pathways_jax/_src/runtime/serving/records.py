@@ -63,6 +63,7 @@ class ClientProcess:
     device_s: float = 0.0
     by_name: dict = dataclasses.field(default_factory=dict)  # pw.client name -> device seconds
     estimates: dict = dataclasses.field(default_factory=dict)  # program -> seconds per run
+    measured_once: set = dataclasses.field(default_factory=set)  # programs measured once (admission.fold)
     slices: dict = dataclasses.field(default_factory=dict)  # slice id -> device ids
     inbox: Any = None  # its own channel (a wire.Reply with no ticket): where fetched values go
     # Answers its channel could not take yet (a slow reader), oldest first, and since when.
