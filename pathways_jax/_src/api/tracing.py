@@ -133,7 +133,8 @@ class Program:
         take part: as where ``@jax.jit`` stood, the function is traced into the
         caller's computation (its ``pw.jit`` functions keep their slices' devices).
         """
-        statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in self._info.static if i < len(args)]
+        positions = self._info.static_positions(len(args))
+        statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in positions if i < len(args)]
         statics += [(name, kwargs[name]) for name in self._info.static_names if name in kwargs]
         for where, value in statics:
             if isinstance(value, jax.core.Tracer):
