@@ -360,3 +360,23 @@ def test_code_reading_only_uncommitted_values_runs_where_a_committed_future_is_a
         assert (got.committed, got.devices()) == (expected.committed, expected.devices())
         assert got.sharding.is_equivalent_to(expected.sharding, expected.ndim)
         np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_arguments_on_a_one_device_mesh_keep_it_in_the_outputs_as_under_jax_jit(axis_type):
+    # A one-accelerator machine's jax.make_mesh((1,), ("data",)): the outputs came back on a
+    # mesh of the program's own (float32[8] on 'x': 1, not float32[8@data] on 'data': 1), so
+    # adding them to an array on the user's mesh raised "Mesh for all inputs should be equal".
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(axis_type,))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    w = jax.device_put(jnp.full(8, 2.0), NamedSharding(mesh, P()))
+
+    def step(a, b):
+        return a * b, (a @ b) / 8
+
+    want = jax.jit(step)(x, w)
+    have = pw.results(pw.program(step)(x, w))
+    for got, expected in zip(have, want, strict=True):
+        _assert_same_array(got, expected)
+        assert got.sharding == expected.sharding
+        _assert_same_array(got + w, expected + w)
