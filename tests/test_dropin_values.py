@@ -270,6 +270,26 @@ def test_a_value_deleted_before_the_call_fails_saying_so(kind):
     assert "after this call returned and" not in str(info.value)
 
 
+@pytest.mark.parametrize("read", ["np.asarray", "float", "jax.jit", "result"])
+def test_reading_a_deleted_future_is_a_runtime_error_as_reading_a_deleted_array(read):
+    # It raised a bare PathwaysError, which `except RuntimeError` written for jax.Array misses.
+    readers = {
+        "np.asarray": np.asarray,
+        "float": lambda v: float(v[0]),
+        "jax.jit": jax.jit(_double),
+        "result": lambda v: v.result() if isinstance(v, pw.Future) else v.block_until_ready(),
+    }
+    array = jax.jit(_double)(jnp.ones(3))
+    future = pw.program(_double)(jnp.ones(3))
+    for value in (array, future):
+        value.delete()
+        assert value.is_deleted()
+        with pytest.raises(RuntimeError, match="deleted"):
+            readers[read](value)
+    with pytest.raises(pw.errors.PathwaysError, match=r"was freed.*delete"):
+        readers[read](future)
+
+
 _TABLE = jnp.arange(3.0)  # closed over: a constant of the program
 
 
