@@ -108,6 +108,19 @@ def test_negative_static_argnums_count_from_the_end_of_each_call_as_in_jax_jit(m
     assert isinstance(caught.value, ValueError)
 
 
+def _scale_positional(x, n=2.0, /):
+    return x * n
+
+
+def test_static_argnums_past_the_calls_arguments_are_none_as_in_jax_jit():
+    # A program raised "has static_argnums (2,), but was called with 1 positional arguments"
+    # for an *args entry or a positional-only default the call did not give; jax.jit takes it.
+    x = jnp.arange(3.0)
+    for fun, nums, args in [(_last_times_first, (1, 4), (x,)), (_scale_positional, 1, (x,))]:
+        want = jax.jit(fun, static_argnums=nums)(*args)
+        assert_matches(pw.program(fun, static_argnums=nums)(*args), want, rtol=0, atol=0)
+
+
 def test_pw_jit_takes_a_partial_static_argnames_and_statics_by_keyword():
     s = pw.devices(mesh={"x": 1})
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from pathways_jax._src.api.arguments import TraceInputs, _key_fault, _short_repr, _signed
-from pathways_jax._src.api.jit_options import _parameters, _positions_of, _resolve_statics, from_end
+from pathways_jax._src.api.jit_options import _parameters, _resolve_statics, from_end
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.runtime import slices
@@ -36,7 +36,6 @@ class ProgramInfo:
       static: static positions (sorted; a negative one counts from the end of each call's positional
         arguments, as under ``jax.jit``: see ``static_positions``); ``static_names``: static parameter
         names, each completed from the other.
-      named_positions: static positions that may also arrive by keyword (or be left to defaults).
       donate: donated positions; ``donate_names``: donated names, each completed from the other.
       fuse: chains of nodes on one slice are compiled as one.
       mesh_hint: the mesh of ``in_shardings``/``out_shardings``, if any.
@@ -59,7 +58,6 @@ class ProgramInfo:
     devices: VirtualSlice | None
     static: tuple[int, ...]
     static_names: tuple[str, ...]
-    named_positions: frozenset[int]
     donate: tuple[int, ...]
     donate_names: tuple[str, ...]
     fuse: bool = True
@@ -97,7 +95,6 @@ class ProgramInfo:
             devices,
             static,
             static_names,
-            frozenset(_positions_of(fun, static_names)),
             donate,
             donate_names,
             **options,
@@ -127,13 +124,10 @@ class ProgramInfo:
                 if name in kwargs:
                     statics.append((name, kwargs.pop(name)))
         for position in reversed(self.static_positions(len(args))):
-            if position >= len(args) and position in self.named_positions:
-                continue  # passed by keyword (a static name) or left to its default
             if position >= len(args):
-                raise errors.ProgramTraceError(
-                    f"program {self.name!r} ({self.source_info}) has static_argnums "
-                    f"{self.static}, but was called with {len(args)} positional arguments."
-                )
+                # As jax.jit: passed by keyword (a static name), left to its default, or
+                # an *args entry this call does not give.
+                continue
             statics.append((position, dynamic.pop(position)))
         for where, value in statics:
             self.check_static(where, value)
