@@ -400,3 +400,25 @@ def test_arguments_on_a_one_device_mesh_keep_it_in_the_outputs_as_under_jax_jit(
         _assert_same_array(got, expected)
         assert got.sharding == expected.sharding
         _assert_same_array(got + w, expected + w)
+
+
+@pytest.mark.parametrize("names", ["with_sharding_constraint", "jax.device_put", "shard_map"])
+def test_a_one_device_mesh_the_function_names_places_it_as_under_jax_jit(names):
+    # Named only inside the function, a one-device mesh placed nothing: the outputs came back
+    # uncommitted on JAX's default device, where jax.jit's are committed on that mesh.
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,))
+    on_mesh = NamedSharding(mesh, P("data"))
+    inner = {
+        "with_sharding_constraint": lambda v: jax.lax.with_sharding_constraint(v, on_mesh),
+        "jax.device_put": lambda v: jax.device_put(v, on_mesh),
+        "shard_map": jax.shard_map(lambda v: v * 3, mesh=mesh, in_specs=P("data"), out_specs=P("data")),
+    }[names]
+
+    def step(v):
+        return inner(v * 2) + 1
+
+    want = jax.jit(step)(jnp.arange(8.0))
+    have = pw.program(step)(jnp.arange(8.0)).result()
+    assert want.committed
+    _assert_same_array(have, want)
+    assert have.sharding == want.sharding

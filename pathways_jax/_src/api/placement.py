@@ -79,15 +79,16 @@ _DEVICE_MESH = {"x": 1}  # the mesh of the slice a program runs on for one devic
 
 
 def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
-    """The first mesh of several devices a traced function names in its shardings, if any.
+    """The first mesh a traced function names in its shardings, if any (of one device too).
 
     A ``shard_map``'s ``mesh=``, sharding constraints, inner ``jax.jit``
     shardings and ``jax.device_put`` targets, nested jaxprs included:
-    the mesh ``jax.jit`` would run a function on when no argument is on a mesh.
+    the mesh ``jax.jit`` would run a function on when no argument is on a mesh,
+    committing its outputs there (a one-device mesh as any other).
     """
     for eqn in jaxpr.eqns:
         mesh = eqn.params.get("mesh")  # a shard_map's own mesh=
-        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
             return mesh
         named = [eqn.params.get("sharding")]
         named += list(eqn.params.get("in_shardings", ()) or ()) + list(
@@ -97,7 +98,7 @@ def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
             named += list(eqn.params.get("devices", ()) or ())
         for sharding in named:
             mesh = getattr(sharding, "mesh", None)
-            if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+            if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
                 return mesh
         for value in eqn.params.values():
             for inner in value if isinstance(value, tuple | list) else (value,):
