@@ -422,3 +422,30 @@ def test_a_one_device_mesh_the_function_names_places_it_as_under_jax_jit(names):
     assert want.committed
     _assert_same_array(have, want)
     assert have.sharding == want.sharding
+
+
+@pytest.mark.parametrize("size", [4, 1])
+def test_a_future_on_explicit_axes_is_traced_typed_by_a_program_it_first_meets(size):
+    # A program with no slice first called with such a future (an evaluation step fed the train
+    # step's outputs) traced it untyped: jax.typeof inside said float32[8], a reshape jax.jit
+    # refuses for want of an out_sharding was taken, and on one device the output lost its type.
+    mesh = jax.make_mesh((size,), ("data",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    made = pw.program(_double)(x)
+    seen = {}
+
+    def evaluate(v):
+        seen[len(seen)] = str(jax.typeof(v))
+        return v + 1
+
+    want = jax.jit(evaluate)(made.result())
+    have = pw.program(evaluate)(made).result()
+    assert seen == {0: "float32[8@data]", 1: "float32[8@data]"}
+    _assert_same_array(have, want)
+    if size == 1:
+        return  # on one device JAX takes the reshape
+    with pytest.raises(Exception, match="out_sharding") as refused:  # JAX's ShardingTypeError
+        jax.jit(lambda v: v.reshape(2, 4))(made.result())
+    with pytest.raises(pw.errors.ProgramTraceError, match="out_sharding") as caught:
+        pw.program(lambda v: v.reshape(2, 4))(made)
+    assert isinstance(caught.value, type(refused.value))
