@@ -83,11 +83,42 @@ def test_negative_static_argnums_count_from_the_end_as_in_jax_jit(nums, args):
     assert_matches(pw.program(scale, static_argnums=nums)(*args), want, rtol=0, atol=0)
 
 
-def test_negative_static_argnums_on_star_args_is_a_clear_error():
-    with pytest.raises(pw.errors.ProgramTraceError, match=r"counts from the end.*\*args"):
-        pw.program(lambda *xs: xs[0], static_argnums=-1)
-    with pytest.raises(pw.errors.ProgramTraceError, match="before the first"):
-        pw.program(_scale, static_argnums=-4)
+def _last_times_first(*xs):
+    return xs[0] * xs[-1]
+
+
+@pytest.mark.parametrize("make", [pw.program, pw.jit], ids=["program", "pw.jit"])
+def test_negative_static_argnums_count_from_the_end_of_each_call_as_in_jax_jit(make):
+    # They counted from the end of the parameters when the program was made: on *args
+    # that was refused, and a call leaving a default out traced its last argument.
+    x = jnp.arange(3.0)
+    for fun, args in [(_last_times_first, (x, 3)), (_last_times_first, (x, x, 4)), (_scale, (x, 2))]:
+        want = jax.jit(fun, static_argnums=-1)(*args)
+        assert_matches(make(fun, static_argnums=-1)(*args), want, rtol=0, atol=0)
+    traced = []
+    make(lambda v, n, shift=0.0: traced.append(n) or v * n, static_argnums=-1)(x, 2)
+    assert traced == [2]  # static (a Python int), as under jax.jit, not a tracer
+    with pytest.raises(ValueError, match="Positional argument indices"):
+        jax.jit(_last_times_first, static_argnums=-3)(x, 3)
+    with pytest.raises(pw.errors.ProgramTraceError, match="reaches before the first") as caught:
+        make(_last_times_first, static_argnums=-3)(x, 3)
+    assert isinstance(caught.value, ValueError)
+    with pytest.raises(pw.errors.ProgramTraceError, match="only accepts 3 positional") as caught:
+        make(_scale, static_argnums=-4)
+    assert isinstance(caught.value, ValueError)
+
+
+def _scale_positional(x, n=2.0, /):
+    return x * n
+
+
+def test_static_argnums_past_the_calls_arguments_are_none_as_in_jax_jit():
+    # A program raised "has static_argnums (2,), but was called with 1 positional arguments"
+    # for an *args entry or a positional-only default the call did not give; jax.jit takes it.
+    x = jnp.arange(3.0)
+    for fun, nums, args in [(_last_times_first, (1, 4), (x,)), (_scale_positional, 1, (x,))]:
+        want = jax.jit(fun, static_argnums=nums)(*args)
+        assert_matches(pw.program(fun, static_argnums=nums)(*args), want, rtol=0, atol=0)
 
 
 def test_pw_jit_takes_a_partial_static_argnames_and_statics_by_keyword():

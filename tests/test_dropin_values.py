@@ -270,6 +270,26 @@ def test_a_value_deleted_before_the_call_fails_saying_so(kind):
     assert "after this call returned and" not in str(info.value)
 
 
+@pytest.mark.parametrize("read", ["np.asarray", "float", "jax.jit", "result"])
+def test_reading_a_deleted_future_is_a_runtime_error_as_reading_a_deleted_array(read):
+    # It raised a bare PathwaysError, which `except RuntimeError` written for jax.Array misses.
+    readers = {
+        "np.asarray": np.asarray,
+        "float": lambda v: float(v[0]),
+        "jax.jit": jax.jit(_double),
+        "result": lambda v: v.result() if isinstance(v, pw.Future) else v.block_until_ready(),
+    }
+    array = jax.jit(_double)(jnp.ones(3))
+    future = pw.program(_double)(jnp.ones(3))
+    for value in (array, future):
+        value.delete()
+        assert value.is_deleted()
+        with pytest.raises(RuntimeError, match="deleted"):
+            readers[read](value)
+    with pytest.raises(pw.errors.PathwaysError, match=r"was freed.*delete"):
+        readers[read](future)
+
+
 _TABLE = jnp.arange(3.0)  # closed over: a constant of the program
 
 
@@ -360,3 +380,72 @@ def test_code_reading_only_uncommitted_values_runs_where_a_committed_future_is_a
         assert (got.committed, got.devices()) == (expected.committed, expected.devices())
         assert got.sharding.is_equivalent_to(expected.sharding, expected.ndim)
         np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_arguments_on_a_one_device_mesh_keep_it_in_the_outputs_as_under_jax_jit(axis_type):
+    # A one-accelerator machine's jax.make_mesh((1,), ("data",)): the outputs came back on a
+    # mesh of the program's own (float32[8] on 'x': 1, not float32[8@data] on 'data': 1), so
+    # adding them to an array on the user's mesh raised "Mesh for all inputs should be equal".
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(axis_type,))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    w = jax.device_put(jnp.full(8, 2.0), NamedSharding(mesh, P()))
+
+    def step(a, b):
+        return a * b, (a @ b) / 8
+
+    want = jax.jit(step)(x, w)
+    have = pw.results(pw.program(step)(x, w))
+    for got, expected in zip(have, want, strict=True):
+        _assert_same_array(got, expected)
+        assert got.sharding == expected.sharding
+        _assert_same_array(got + w, expected + w)
+
+
+@pytest.mark.parametrize("names", ["with_sharding_constraint", "jax.device_put", "shard_map"])
+def test_a_one_device_mesh_the_function_names_places_it_as_under_jax_jit(names):
+    # Named only inside the function, a one-device mesh placed nothing: the outputs came back
+    # uncommitted on JAX's default device, where jax.jit's are committed on that mesh.
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,))
+    on_mesh = NamedSharding(mesh, P("data"))
+    inner = {
+        "with_sharding_constraint": lambda v: jax.lax.with_sharding_constraint(v, on_mesh),
+        "jax.device_put": lambda v: jax.device_put(v, on_mesh),
+        "shard_map": jax.shard_map(lambda v: v * 3, mesh=mesh, in_specs=P("data"), out_specs=P("data")),
+    }[names]
+
+    def step(v):
+        return inner(v * 2) + 1
+
+    want = jax.jit(step)(jnp.arange(8.0))
+    have = pw.program(step)(jnp.arange(8.0)).result()
+    assert want.committed
+    _assert_same_array(have, want)
+    assert have.sharding == want.sharding
+
+
+@pytest.mark.parametrize("size", [4, 1])
+def test_a_future_on_explicit_axes_is_traced_typed_by_a_program_it_first_meets(size):
+    # A program with no slice first called with such a future (an evaluation step fed the train
+    # step's outputs) traced it untyped: jax.typeof inside said float32[8], a reshape jax.jit
+    # refuses for want of an out_sharding was taken, and on one device the output lost its type.
+    mesh = jax.make_mesh((size,), ("data",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    made = pw.program(_double)(x)
+    seen = {}
+
+    def evaluate(v):
+        seen[len(seen)] = str(jax.typeof(v))
+        return v + 1
+
+    want = jax.jit(evaluate)(made.result())
+    have = pw.program(evaluate)(made).result()
+    assert seen == {0: "float32[8@data]", 1: "float32[8@data]"}
+    _assert_same_array(have, want)
+    if size == 1:
+        return  # on one device JAX takes the reshape
+    with pytest.raises(Exception, match="out_sharding") as refused:  # JAX's ShardingTypeError
+        jax.jit(lambda v: v.reshape(2, 4))(made.result())
+    with pytest.raises(pw.errors.ProgramTraceError, match="out_sharding") as caught:
+        pw.program(lambda v: v.reshape(2, 4))(made)
+    assert isinstance(caught.value, type(refused.value))

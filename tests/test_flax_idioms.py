@@ -250,6 +250,26 @@ def test_pw_jit_on_a_slice_inside_nnx_jit_updates_the_modules_it_is_given():
     _assert_identical(run(pw.jit(lambda m, x: m(x), devices=on_slice)), want)
 
 
+def test_a_program_inside_the_callers_nnx_jit_updates_the_objects_it_is_given():
+    # Traced into the caller's nnx.jit, a program ran as jax.jit: the model and optimizer
+    # were flattened as pytrees, so their updates were lost (the same loss every step, the
+    # parameters, BatchNorm statistics and optimizer step as they were).
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def run(inner):
+        model = nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(1)))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        run_step = nnx.jit(inner(step))  # or a function of the caller's calling it: the same
+        return nnx.state((model, optimizer)), [run_step(model, optimizer, x) for _ in range(2)]
+
+    _assert_identical(run(pw.program), run(nnx.jit))
+
+
 def _linen_partitioned_run(jit):
     """Flax Linen's partitioning guide on jax.make_mesh's mesh (Explicit axes), no mesh set.
 

@@ -71,6 +71,8 @@ def trace(
         # mesh of yours: the program is traced on that mesh, as jax.jit does.
         with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
             implied = _mesh_slice(places, hint or info.mesh_hint or _user_mesh())
+        if implied is None:
+            implied = _typed_future_slice(inputs, places)
         if implied is not None:
             on_mesh: VirtualSlice = implied
             state.implied = lambda: on_mesh
@@ -212,6 +214,22 @@ def _constants_slice(
     if committed is not None:
         return committed
     return state.implied() if state.implied is not None else None
+
+
+def _typed_future_slice(inputs: TraceInputs, places: tuple[Any, ...]) -> VirtualSlice | None:
+    """The slice of the first committed argument if it is a future on Explicit axes (else None).
+
+    Its sharding is part of its type, as the array it stands for: ``jax.jit``
+    traces that array typed (``float32[8@data]``: ``jax.typeof`` inside says
+    so, a reshape that needs an ``out_sharding`` is refused, the outputs keep
+    the type), so the call is traced on the future's slice, as on the mesh of
+    an array argument. Untyped, a program first called with such futures (an
+    evaluation step fed the train step's state) traced them otherwise.
+    """
+    leading = _committed_slice(inputs, places)
+    if leading is not None and AxisType.Explicit in leading.axis_types:
+        return leading
+    return None
 
 
 def _committed_slice(inputs: TraceInputs, places: tuple[Any, ...]) -> VirtualSlice | None:

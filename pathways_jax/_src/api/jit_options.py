@@ -17,14 +17,18 @@ def argnums(
 ) -> tuple[int, ...]:
     """Argument positions as ``jax.jit`` reads them: None is none, a negative one counts from the end.
 
-    Negative positions count from the end of ``fun``'s positional parameters.
+    A negative static position stays negative: ``jax.jit`` counts it from the end
+    of each call's positional arguments (a function's ``*args``, or parameters
+    left to their defaults, make that call's count), so the call resolves it
+    (``ProgramInfo.static_positions``). A negative donated position counts from
+    the end of ``fun``'s positional parameters.
     """
     if nums is None:
         return ()
     given = (nums,) if isinstance(nums, int) else tuple(nums)
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
         raise errors.ProgramTraceError(f"{what} must be ints, got {nums!r}.")
-    if any(n < 0 for n in given):
+    if what != "static_argnums" and any(n < 0 for n in given):
         params = _parameters(fun)
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         count = sum(p.kind in positional for p in params)
@@ -43,6 +47,26 @@ def argnums(
     return tuple(sorted(set(given)))
 
 
+def from_end(positions: tuple[int, ...], count: int, where: str) -> tuple[int, ...]:
+    """``positions`` (sorted) with the negative ones counted from the end of a call's ``count`` positional arguments.
+
+    As ``jax.jit`` resolves its ``static_argnums`` at each call.
+
+    Raises:
+      ProgramTraceError: also a ``ValueError``, as ``jax.jit``'s, for a position
+        before the call's first argument.
+    """
+    if not positions or positions[0] >= 0:
+        return positions
+    if positions[0] + count < 0:
+        raise errors.also(errors.ProgramTraceError, ValueError)(
+            f"{where} has static_argnums {positions}, counted from the end of the call's "
+            f"{count} positional arguments; {positions[0]} reaches before the first. Pass at "
+            f"least {-positions[0]} positional arguments, or give static_argnums as non-negative positions."
+        )
+    return tuple(sorted({n + count if n < 0 else n for n in positions}))
+
+
 def argnames(names: str | Sequence[str] | None, what: str = "static_argnames") -> tuple[str, ...]:
     """Argument names as ``jax.jit`` reads them: one string, several, or None (none)."""
     if names is None:
@@ -59,8 +83,9 @@ def _check_argnums_as_jax_jit(
     static_argnames: Any,
     donate_argnums: Any,
     donate_argnames: Any,
+    maker: str = "pw.program",
 ) -> None:
-    """Refuses, when the program is made, the argument positions and names ``jax.jit`` refuses then.
+    """Refuses, when the program (or ``maker``'s function) is made, the argument positions and names ``jax.jit`` refuses then.
 
     Positions past the function's positional parameters, names it does not
     take, an argument both static and donated: ``jax.jit`` checks them against
@@ -79,7 +104,7 @@ def _check_argnums_as_jax_jit(
         )
     except ValueError as exc:
         raise errors.also(errors.ProgramTraceError, ValueError)(
-            f"pw.program({name_of(fun)!r}) ({source.of_function(fun)}): {exc}"
+            f"{maker}({name_of(fun)!r}) ({source.of_function(fun)}): {exc}"
         ) from exc
 
 
@@ -108,7 +133,8 @@ def _resolve_statics(
     """Static positions and names, each completed from the other as ``jax.jit`` does."""
     params = _parameters(fun)
     by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    more_names = [params[n].name for n in nums if n < len(params) and params[n].kind in by_keyword]
+    # A negative position names no parameter: jax.jit infers names from non-negative ones only.
+    more_names = [params[n].name for n in nums if 0 <= n < len(params) and params[n].kind in by_keyword]
     all_names = tuple(dict.fromkeys((*names, *more_names)))
     return tuple(sorted({*nums, *_positions_of(fun, names)})), all_names
 

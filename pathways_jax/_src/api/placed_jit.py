@@ -16,7 +16,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
-from pathways_jax._src.api.jit_options import _resolve_statics, argnames, argnums, name_of, with_jits_statics
+from pathways_jax._src.api.jit_options import (
+    _check_argnums_as_jax_jit,
+    _resolve_statics,
+    argnames,
+    argnums,
+    from_end,
+    name_of,
+    with_jits_statics,
+)
 from pathways_jax._src.api.jit_shardings import jits_device, jits_keep_unused, with_jits_out_shardings
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors, source
@@ -156,6 +164,10 @@ class JitFunction:
         chosen.check_usable()
         return chosen
 
+    def _static_of(self, args: tuple) -> tuple[int, ...]:
+        """The static positions of a call (a negative one counts from the end of ``args``, as under ``jax.jit``)."""
+        return from_end(self._static, len(args), f"pw.jit function {self.__name__!r} ({self.source_info})")
+
     def _per_arg_specs(self, count: int) -> list[Any]:
         """One spec prefix per non-static positional argument (``count`` of them)."""
         if self._in_specs is None or isinstance(self._in_specs, PartitionSpec):
@@ -170,7 +182,8 @@ class JitFunction:
         return per_arg
 
     def _leaf_in_specs(self, args: tuple, kwargs: dict, slice_: VirtualSlice) -> tuple:
-        dynamic = [a for i, a in enumerate(args) if i not in self._static]
+        static = self._static_of(args)
+        dynamic = [a for i, a in enumerate(args) if i not in static]
         specs: list[PartitionSpec | None] = []
         for position, (arg, prefix) in enumerate(
             zip(dynamic, self._per_arg_specs(len(dynamic)), strict=True)
@@ -331,9 +344,8 @@ class JitFunction:
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
         # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
         put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
-        moved = [
-            arg if position in self._static else put(arg, replicated) for position, arg in enumerate(args)
-        ]
+        static = self._static_of(args)
+        moved = [arg if position in static else put(arg, replicated) for position, arg in enumerate(args)]
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
         return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
 
@@ -341,7 +353,8 @@ class JitFunction:
         """On Explicit axes in_specs are types: arguments typed otherwise are resharded first."""
         if self._in_specs is None:
             return args
-        dynamic = [i for i in range(len(args)) if i not in self._static]
+        static = self._static_of(args)
+        dynamic = [i for i in range(len(args)) if i not in static]
         out = list(args)
         for number, (position, prefix) in enumerate(
             zip(dynamic, self._per_arg_specs(len(dynamic)), strict=True)
@@ -538,6 +551,7 @@ def jit(
             for spec in jax.tree_util.tree_leaves(in_specs, is_leaf=_is_spec_leaf):
                 if _spec_leaf(spec, "in_specs") is not None:
                     check_spec(spec, devices, what="in_specs")
+    _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames, "pw.jit")
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
     keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     fun = _with_jax_jit_placement(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.sharding import AxisType
 
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey
 from pathways_jax._src.runtime import slices
@@ -48,7 +49,12 @@ def _mesh_slice(signature: tuple[ArgKey | None, ...], hint: jax.sharding.Mesh | 
 
     ``hint`` (the mesh of the program's own ``in_shardings``, else the caller's
     ``jax.set_mesh`` mesh), of any size, wins; then the mesh of the first array
-    argument sharded over several devices.
+    argument on a mesh (``NamedSharding``), of one device too: ``jax.jit`` keeps
+    an argument's mesh in its outputs' types and shardings (``float32[8@data]``
+    on ``jax.make_mesh((1,), ("data",))``, a one-accelerator machine's mesh), and
+    an output off that mesh does not combine with arrays on it. A one-device
+    mesh of Auto axes named ``x`` is the slice ``_device_slice`` makes (a
+    program's own outputs there): the same slice.
     """
     meshes = [
         hint,
@@ -59,24 +65,30 @@ def _mesh_slice(signature: tuple[ArgKey | None, ...], hint: jax.sharding.Mesh | 
         ),
     ]
     for mesh in meshes:
-        several = mesh is hint or getattr(mesh, "size", 0) > 1  # a 1-device array is on its device
-        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and several:
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
             ids = tuple(d.id for d in mesh.devices.flat)
             shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-            return slices.implied(ids, shape, tuple(mesh.axis_types))
+            types = tuple(mesh.axis_types)
+            if shape == _DEVICE_MESH and types == (AxisType.Auto,):
+                return slices.implied(ids, shape)  # _device_slice's: one slice for one device
+            return slices.implied(ids, shape, types)
     return None
 
 
+_DEVICE_MESH = {"x": 1}  # the mesh of the slice a program runs on for one device (_device_slice)
+
+
 def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
-    """The first mesh of several devices a traced function names in its shardings, if any.
+    """The first mesh a traced function names in its shardings, if any (of one device too).
 
     A ``shard_map``'s ``mesh=``, sharding constraints, inner ``jax.jit``
     shardings and ``jax.device_put`` targets, nested jaxprs included:
-    the mesh ``jax.jit`` would run a function on when no argument is on a mesh.
+    the mesh ``jax.jit`` would run a function on when no argument is on a mesh,
+    committing its outputs there (a one-device mesh as any other).
     """
     for eqn in jaxpr.eqns:
         mesh = eqn.params.get("mesh")  # a shard_map's own mesh=
-        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+        if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
             return mesh
         named = [eqn.params.get("sharding")]
         named += list(eqn.params.get("in_shardings", ()) or ()) + list(
@@ -86,7 +98,7 @@ def _named_mesh(jaxpr: Any) -> jax.sharding.Mesh | None:
             named += list(eqn.params.get("devices", ()) or ())
         for sharding in named:
             mesh = getattr(sharding, "mesh", None)
-            if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty and mesh.size > 1:
+            if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
                 return mesh
         for value in eqn.params.values():
             for inner in value if isinstance(value, tuple | list) else (value,):
@@ -108,10 +120,10 @@ def _device_slice(signature: tuple[ArgKey | None, ...]) -> VirtualSlice:
         committed = isinstance(key, ArrayKey) and key.committed
         placed = getattr(key.sharding, "device_set", None) if committed else None  # type: ignore[union-attr]
         if placed and len(placed) == 1:
-            return slices.implied((next(iter(placed)).id,), {"x": 1})
+            return slices.implied((next(iter(placed)).id,), _DEVICE_MESH)
     default = getattr(jax.config, "jax_default_device", None)
     device = default if isinstance(default, jax.Device) else jax.devices()[0]
-    return slices.implied((device.id,), {"x": 1})
+    return slices.implied((device.id,), _DEVICE_MESH)
 
 
 def _mesh_of(*shardings: Any) -> jax.sharding.Mesh | None:

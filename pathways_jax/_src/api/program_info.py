@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from pathways_jax._src.api.arguments import TraceInputs, _key_fault, _short_repr, _signed
-from pathways_jax._src.api.jit_options import _parameters, _positions_of, _resolve_statics
+from pathways_jax._src.api.jit_options import _parameters, _resolve_statics, from_end
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.runtime import slices
@@ -33,8 +33,9 @@ class ProgramInfo:
       name: the program's name in graphs and errors.
       source_info: where ``fun`` is defined (``file.py:12 (fn)``).
       devices: the default slice (None: placed by the call's context or arguments).
-      static: static positions; ``static_names``: static parameter names, each completed from the other.
-      named_positions: static positions that may also arrive by keyword (or be left to defaults).
+      static: static positions (sorted; a negative one counts from the end of each call's positional
+        arguments, as under ``jax.jit``: see ``static_positions``); ``static_names``: static parameter
+        names, each completed from the other.
       donate: donated positions; ``donate_names``: donated names, each completed from the other.
       fuse: chains of nodes on one slice are compiled as one.
       mesh_hint: the mesh of ``in_shardings``/``out_shardings``, if any.
@@ -57,7 +58,6 @@ class ProgramInfo:
     devices: VirtualSlice | None
     static: tuple[int, ...]
     static_names: tuple[str, ...]
-    named_positions: frozenset[int]
     donate: tuple[int, ...]
     donate_names: tuple[str, ...]
     fuse: bool = True
@@ -95,7 +95,6 @@ class ProgramInfo:
             devices,
             static,
             static_names,
-            frozenset(_positions_of(fun, static_names)),
             donate,
             donate_names,
             **options,
@@ -124,14 +123,11 @@ class ProgramInfo:
             for name in self.static_names:
                 if name in kwargs:
                     statics.append((name, kwargs.pop(name)))
-        for position in reversed(self.static):
-            if position >= len(args) and position in self.named_positions:
-                continue  # passed by keyword (a static name) or left to its default
+        for position in reversed(self.static_positions(len(args))):
             if position >= len(args):
-                raise errors.ProgramTraceError(
-                    f"program {self.name!r} ({self.source_info}) has static_argnums "
-                    f"{self.static}, but was called with {len(args)} positional arguments."
-                )
+                # As jax.jit: passed by keyword (a static name), left to its default, or
+                # an *args entry this call does not give.
+                continue
             statics.append((position, dynamic.pop(position)))
         for where, value in statics:
             self.check_static(where, value)
@@ -149,6 +145,15 @@ class ProgramInfo:
         ordered = tuple(reversed([s for s in statics if isinstance(s[0], int)]))
         named = tuple(s for s in statics if isinstance(s[0], str))
         return key, TraceInputs(treedef, ordered + named, signature, ambient, leaves)
+
+    def static_positions(self, count: int) -> tuple[int, ...]:
+        """The static positions of a call with ``count`` positional arguments.
+
+        As ``jax.jit``: a negative ``static_argnums`` counts from the end of the
+        call's positional arguments (``static_argnums=-1`` of ``f(*args)`` is the
+        last one given), not of the function's parameters.
+        """
+        return from_end(self.static, count, f"program {self.name!r} ({self.source_info})")
 
     def check_static(self, where: int | str, value: Any) -> None:
         """Refuses a static argument that cannot key the program's cache.
@@ -204,8 +209,9 @@ class ProgramInfo:
             return frozenset()
         donated: set[int] = set()
         start = 0
+        static = self.static_positions(len(args))
         for position, arg in enumerate(args):
-            if position in self.static:
+            if position in static:
                 continue
             count = jax.tree_util.tree_structure(arg).num_leaves  # type: ignore[attr-defined]  # jaxlib has no PyTreeDef stubs
             if position in self.donate:

@@ -91,6 +91,7 @@ class Program:
         self._routed: set[Any] = set()
         self._repeats = RepeatCalls(info)
         self._jitted: Any = None
+        self._nnx_jitted: Any = None
         # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
         functools.update_wrapper(self, fun, updated=())
 
@@ -133,7 +134,8 @@ class Program:
         take part: as where ``@jax.jit`` stood, the function is traced into the
         caller's computation (its ``pw.jit`` functions keep their slices' devices).
         """
-        statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in self._info.static if i < len(args)]
+        positions = self._info.static_positions(len(args))
+        statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in positions if i < len(args)]
         statics += [(name, kwargs[name]) for name in self._info.static_names if name in kwargs]
         for where, value in statics:
             if isinstance(value, jax.core.Tracer):
@@ -144,7 +146,7 @@ class Program:
                     f"Ask the program itself: {self.name}.eval_shape(...), or close over the value "
                     "(functools.partial) before transforming."
                 )
-        jitted = self._as_jax_jit()
+        jitted = self._as_jit_for(args, kwargs)
         if self._info.devices is None:
             return jitted(*args, **kwargs)
         with self._info.devices:
@@ -238,7 +240,7 @@ class Program:
         # after pathways_jax's: as jax.jit, in place (a daemon thread is held first).
         if context.exiting and not reentry.inside.depth:
             context.park_at_exit()
-        out = self._as_jax_jit()(*args, **kwargs)
+        out = self._as_jit_for(args, kwargs)(*args, **kwargs)
         how = "at exit" if context.exiting else "in place"
         return submission.computed(out, f"program {self.name!r} run {how}", nnx_graph.is_graph_leaf)
 
@@ -373,6 +375,30 @@ class Program:
             )
         return jitted
 
+    def _as_jit_for(self, args: tuple, kwargs: dict) -> Any:
+        """The function as ``jax.jit`` runs it, or as ``nnx.jit`` does where the arguments hold NNX objects.
+
+        As where ``@nnx.jit`` stood: a model or optimizer passed in (inside the
+        caller's ``nnx.jit`` or ``nnx.grad``) is updated in place. Under
+        ``jax.jit`` it would be flattened as a pytree, and its updates lost.
+        """
+        if self._info.nnx_inner or not nnx_graph.has_graph_nodes((args, kwargs)):
+            return self._as_jax_jit()
+        jitted = self._nnx_jitted
+        if jitted is None:
+            from flax import nnx
+
+            graph, updates = self._info.nnx_modes  # nnx.jit's own (None: Flax's setting at the call)
+            jitted = self._nnx_jitted = nnx.jit(
+                self._info.fun,
+                static_argnums=self._info.static,
+                static_argnames=self._info.static_names,
+                donate_argnums=self._info.donate,
+                graph=graph,
+                graph_updates=updates,
+            )
+        return jitted
+
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).lower(...)``, and compiles this program's plan for these arguments.
 
@@ -397,6 +423,7 @@ class Program:
             self._plans.clear()
             self._routed.clear()
             self._repeats.clear()
+            self._nnx_jitted = None
             jitted = self._jitted
         if jitted is not None:
             jitted.clear_cache()

@@ -319,7 +319,7 @@ class Future(ArrayLike):
                     raise type(cause)(message) from cause
                 raise _failure_class(cause)(message) from cause
             case Freed() | Ready():  # Ready with no array: freed since it was read
-                raise errors.PathwaysError(f"the value of {entry.origin} was freed.")
+                raise _freed(f"the value of {entry.origin}")
             case Pending():
                 raise self._timeout(timeout)
         raise AssertionError(f"unknown state {entry.state!r}")  # pragma: no cover
@@ -433,8 +433,17 @@ def sent(future: Future, timeout: float | None, what: str) -> Any:
         kind = type(cause) if isinstance(cause, kept) else errors.ProgramFailedError
         raise kind(f"{what}: {entry.origin} failed: {state.message}") from state.cause
     if not isinstance(state, Ready) or array is None:
-        raise errors.PathwaysError(f"{what}: {entry.origin} was freed.")
+        raise _freed(f"{what}: {entry.origin}")
     return array
+
+
+def _freed(what: str) -> errors.PathwaysError:
+    """The error of reading a freed value: also a ``RuntimeError``, as reading a deleted ``jax.Array`` raises."""
+    return errors.also(errors.PathwaysError, RuntimeError)(
+        f"{what} was freed (its future deleted with .delete(), its client closed, or the garbage "
+        "collector freeing it in a reference cycle): as a deleted jax.Array, it cannot be read. "
+        "Read it, or keep a copy (jnp.copy(future)), before it is freed."
+    )
 
 
 def adopted(store: ObjectStore, owner: Owner, value: Any, origin: str) -> Future:
