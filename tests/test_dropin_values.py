@@ -290,6 +290,38 @@ def test_reading_a_deleted_future_is_a_runtime_error_as_reading_a_deleted_array(
         readers[read](future)
 
 
+def _triple(v):
+    return v * 3
+
+
+@pytest.mark.parametrize("how", ["deleted", "donated"])
+@pytest.mark.parametrize("where", ["no slice", "a slice"])
+def test_a_future_deleted_or_donated_before_a_call_is_refused_at_the_call_as_a_deleted_array(how, where):
+    # It was taken, and the run failed later with a ProgramFailedError read from its outputs;
+    # jax.jit refuses a deleted or donated array at the call (a RuntimeError).
+    devices = pw.devices(mesh={"x": 2}) if where == "a slice" else None
+    make, use = pw.jit(_double, devices=devices), pw.jit(_triple, devices=devices)
+    consume = pw.jit(_double, devices=devices, donate_argnums=0)
+    reference = jax.jit(_double)(jnp.ones(4))
+    arrays = {"reference": reference}
+    for name, value in (("future", make(jnp.ones(4))), ("array", jax.jit(_double)(jnp.ones(4)))):
+        use(value)  # the repeat call below takes the fast path of a call with these types
+        if how == "deleted":
+            value.delete()
+        else:
+            (consume if name == "future" else jax.jit(_double, donate_argnums=0))(value).block_until_ready()
+        assert value.is_deleted()
+        arrays[name] = value
+    # jax.jit's own path says RuntimeError ("Array has been deleted"), its C++ fast path ValueError.
+    with pytest.raises((RuntimeError, ValueError), match="deleted"):
+        jax.jit(_triple)(arrays["array"])
+    with pytest.raises(RuntimeError, match=r"refuses it at the call") as info:
+        use(arrays["future"])
+    assert isinstance(info.value, pw.errors.PathwaysError)
+    assert ("donated to an earlier run" if how == "donated" else "was freed") in str(info.value)
+    np.testing.assert_array_equal(np.asarray(use(make(jnp.ones(4)))), np.asarray(jax.jit(_triple)(reference)))
+
+
 _TABLE = jnp.arange(3.0)  # closed over: a constant of the program
 
 

@@ -15,6 +15,7 @@ from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.core import errors
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime.futures import Future
+from pathways_jax._src.runtime.object_store import Consumed, Freed
 from pathways_jax._src.runtime.slices import VirtualSlice, explicit_view
 
 _SCALARS = (bool, int, float, complex)
@@ -39,8 +40,21 @@ class _DeletedArray(Exception):
 
 
 def _refuse_deleted(leaves: list[Any], program: str) -> None:
-    """Raises, as ``jax.jit`` does at the call, for the first argument leaf that is a deleted ``jax.Array``."""
+    """Raises, as ``jax.jit`` does at the call, for the first argument leaf that is a deleted
+    ``jax.Array``, or a future freed or donated before the call."""
     for position, leaf in enumerate(leaves):
+        if isinstance(leaf, Future) and leaf._entry.signature is None and _gone(leaf._entry.state):
+            how = (
+                "was donated to an earlier run (donate_argnums), which reused its buffer"
+                if isinstance(leaf._entry.state, Consumed)
+                else "was freed (by .delete(), or with the client that owned it)"
+            )
+            raise errors.also(errors.PathwaysError, RuntimeError)(
+                f"program {program!r} got argument leaf {position}, a pw.Future of {leaf._entry.origin} "
+                f"({leaf._entry.aval.str_short()}) that {how}: as jax.jit refuses a deleted array, a "
+                "program refuses it at the call. Pass a value that is still live (the donating "
+                "program's outputs, or a copy made before the value was donated or deleted)."
+            )
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
             raise errors.also(errors.PathwaysError, RuntimeError)(
                 f"program {program!r} got argument leaf {position}, a jax.Array "
@@ -76,11 +90,20 @@ def _narrowed(leaf: Any) -> Any:
     return leaf
 
 
+def _gone(state: Any) -> bool:
+    """Whether a value in this state was freed or consumed (its future refused at a call)."""
+    return isinstance(state, Freed | Consumed)
+
+
 def _future_key(leaf: Future) -> FutureKey:
     if _stale(leaf):
         raise _StaleFuture
     entry = leaf._entry
-    key = entry.signature or FutureKey.of(entry.aval, entry.sharding, entry.slice)
+    key = entry.signature
+    if key is None:
+        if _gone(entry.state):  # ObjectStore.free drops the signature of such a value
+            raise _DeletedArray
+        key = FutureKey.of(entry.aval, entry.sharding, entry.slice)
     if key.dtype.itemsize == 8:
         _check_width(key.dtype)
     return key

@@ -901,7 +901,7 @@ class Controller:
                     f"{run.plan.graph.name!r} (donate_argnums) and its buffer was reused; use the "
                     "program's outputs instead."
                 )
-                self._store.free([entry], failure=(message, None))
+                self._store.free([entry], failure=(message, None), consumed=True)
 
     def _publish(self, run: Run, started: int, values: Any, last: tuple) -> None:
         """A dispatched run's outputs become ready (``values[slot]``); the watcher gets ``last``."""

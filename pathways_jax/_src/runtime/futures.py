@@ -14,7 +14,16 @@ import numpy as np
 
 from pathways_jax._src.core import arrays, checks, errors, readiness, reentry
 from pathways_jax._src.runtime.array_like import ArrayLike
-from pathways_jax._src.runtime.object_store import Entry, Failed, Freed, ObjectStore, Owner, Pending, Ready
+from pathways_jax._src.runtime.object_store import (
+    Consumed,
+    Entry,
+    Failed,
+    Freed,
+    ObjectStore,
+    Owner,
+    Pending,
+    Ready,
+)
 
 
 def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
@@ -173,7 +182,7 @@ class Future(ArrayLike):
         entry = self._entry
         array = entry.array  # read before the state: a ready state then has its array
         state = entry.state
-        if type(state) is Freed:
+        if type(state) is Freed or type(state) is Consumed:  # donated: as a donated jax.Array
             return True
         if type(state) is Ready and array is not None:
             return readiness.is_deleted(array)

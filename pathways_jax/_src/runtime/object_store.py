@@ -48,6 +48,11 @@ class Failed:
     cause: BaseException | None
 
 
+@dataclasses.dataclass(slots=True)
+class Consumed(Failed):
+    """A value a computation consumed (donated to it): its buffer was reused."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Freed:
     pass
@@ -222,9 +227,17 @@ class ObjectStore:
         if released:
             budget.notify()
 
-    def free(self, entries: list[Entry], failure: tuple[str, BaseException | None] | None = None) -> int:
-        """Frees ``entries`` now (or marks them failed): their buffers and reserved bytes go.
+    def free(
+        self,
+        entries: list[Entry],
+        failure: tuple[str, BaseException | None] | None = None,
+        consumed: bool = False,
+    ) -> int:
+        """Frees ``entries`` now (or marks them failed, or ``consumed`` by a computation they
+        were donated to): their buffers and reserved bytes go.
 
+        A freed or consumed value loses its signature: the repeat-call paths, which
+        compare signatures, then sign a call passing it, and signing refuses it.
         Returns how many were still alive.
         """
         budget = self.budget
@@ -232,7 +245,9 @@ class ObjectStore:
         for entry in entries:
             if self._live.pop(entry.id, None) is not None:
                 count += 1
-            state: State = FREED if failure is None else Failed(*failure)
+            state: State = FREED if failure is None else (Consumed if consumed else Failed)(*failure)
+            if failure is None or consumed:
+                entry.signature = None
             if budget is None:
                 if not isinstance(entry.state, Freed):
                     entry.state = state
