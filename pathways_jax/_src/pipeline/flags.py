@@ -157,14 +157,15 @@ class TrainFlag:
     ) -> str:
         """Why ``train=True`` cannot reach the stage, and what to do.
 
-        ``holds``: what in the stage a flag would switch (its Dropout), found by tracing it;
+        ``holds``: what the stage does that a flag would switch (``"calls a linen Dropout at
+        Dropout_0"``), found by tracing it;
         ``what``: the call the user made, when known.
         """
         given = f", nor train_kw={train_kw!r}" if train_kw is not None else ""
         to = f" to {what}" if what else ""
         if holds:
             effect = (
-                f", while it holds {holds}, which a flag would switch: the step cannot turn its "
+                f", while it {holds}, which a flag would switch: the step cannot turn its "
                 "training behaviour (dropout, batch statistics) on or off. Give its call a `train` "
                 "parameter and pass it on (e.g. linen.Dropout(rate, deterministic=not train)); if it "
                 f"takes the flag under another name, pass train_kw='<that name>'{to}; or call with "

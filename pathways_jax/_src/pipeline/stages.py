@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -198,7 +199,7 @@ def linen_holds(module: linen.Module, variables: Mapping[str, Any], params: Any,
             isinstance(layer, linen.Dropout | linen.BatchNorm) or hasattr(layer, "use_running_average")
         ):
             path = "/".join(layer.scope.path) if layer.scope is not None else ""
-            found.append(f"a linen {type(layer).__name__} at {path or '<root>'}")
+            found.append(f"calls a linen {type(layer).__name__} at {path or '<root>'}")
         return next_fun(*args, **kwargs)
 
     try:
@@ -206,7 +207,8 @@ def linen_holds(module: linen.Module, variables: Mapping[str, Any], params: Any,
             jax.eval_shape(lambda p, x: module.apply({"params": p, **variables}, x), params, x)
     except flax_errors.InvalidRngError as exc:
         if not found:
-            found.append(f"a draw from an RNG stream ({str(exc).split(' (https://')[0]})")
+            stream = re.search(r'PRNG for "([^"]+)"', str(exc))
+            found.append(f"draws from the RNG stream {stream.group(1) if stream else 'dropout'!r}")
     except Exception:  # its own error, raised again where the stage is called
         pass
     shown = list(dict.fromkeys(found))
