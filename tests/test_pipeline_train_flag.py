@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import linen, nnx
 from test_pipeline_dropin import assert_tree_close, island_slices, make_data, mse
 
 import pathways_jax as pw
@@ -343,3 +343,102 @@ def test_an_nnx_sequential_stage_is_switched_as_model_train_and_eval_switch_it()
     assert_tree_close(got_train, want_train)
     assert_tree_close(got_eval, want_eval)
     assert not np.allclose(np.asarray(want_train), np.asarray(want_eval))  # dropout was on
+
+
+def linen_head_stages():
+    """A Linen body that takes ``train`` (its dropout) and a plain ``linen.Dense`` head that takes no flag."""
+    from test_pipeline_dropin import DropoutDense
+
+    body, head = DropoutDense(HIDDEN), linen.Dense(DOUT)
+    return [
+        (body, body.init(jax.random.key(0), jnp.zeros((1, DIN)))),
+        (head, head.init(jax.random.key(1), jnp.zeros((1, HIDDEN)))),
+    ]
+
+
+def test_a_linen_stage_the_flag_cannot_change_trains_with_train_true_as_plain_jit():
+    """A Linen stage without a flag parameter, Dropout or BatchNorm is exempt, as an NNX one is."""
+    stages = linen_head_stages()
+    (body, _), (head, _) = stages
+    x, y = make_data(4)
+    key = jax.random.key(9)
+    tx = optax.sgd(0.1)
+    pipe = pipeline.Pipeline(stages, island_slices(2), loss_fn=mse, optimizer=tx, num_microbatches=MICRO)
+    loss = pipe.train_step(x, y, rngs={"dropout": key}, train=True)
+
+    @jax.jit
+    def step(params, x, y):
+        def loss_fn(params):
+            total = 0.0
+            for m, (xm, ym) in enumerate(zip(jnp.split(x, MICRO), jnp.split(y, MICRO), strict=True)):
+                rngs = pipeline.derive_rngs({"dropout": key}, 0, m)
+                h = body.apply({"params": params[0]}, xm, train=True, rngs=rngs)
+                total = total + mse(head.apply({"params": params[1]}, h), ym)
+            return total / MICRO
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return loss, optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+
+    want_loss, want_params = step(tuple(variables["params"] for _, variables in stages), x, y)
+    np.testing.assert_allclose(float(loss.result()), float(want_loss), rtol=1e-5)
+    assert_tree_close(pipe.params, want_params)
+    # In sequential() under jax.jit: the same exemption.
+    variables = stages[1][1]
+    h = np.asarray(body.apply(stages[0][1], x))
+    params, apply = pipeline.sequential([stages[1]])
+    assert_tree_close(jax.jit(lambda p, h: apply(p, h, train=True))(params, h), head.apply(variables, h))
+
+
+class LinenCompactDropout(linen.Module):
+    """Dropout always on, and no flag to switch it."""
+
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dropout(0.5, deterministic=False)(linen.Dense(DOUT)(x))
+
+
+class LinenSetupDropout(linen.Module):
+    """Dropout made in setup and held off by its attribute: train=True cannot turn it on."""
+
+    def setup(self):
+        self.dense = linen.Dense(DOUT)
+        self.dropout = linen.Dropout(0.5, deterministic=True)
+
+    def __call__(self, x):
+        return self.dropout(self.dense(x))
+
+
+def test_a_linen_stage_holding_dropout_without_a_flag_refuses_train_true():
+    x, y = make_data(5)
+    rngs = {"dropout": jax.random.key(0)}
+    compact, setup = LinenCompactDropout(), LinenSetupDropout()
+    stages = [(module, module.init(jax.random.key(2), x)) for module in (compact, setup)]
+    pipe = pipeline.Pipeline(
+        stages[:1], island_slices(2)[:1], loss_fn=mse, optimizer=optax.sgd(0.1), num_microbatches=MICRO
+    )
+    before = pw.counters()
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"Pipeline.train_step: train=True was asked"
+    ) as info:
+        pipe.train_step(x, y, rngs=rngs, train=True)
+    message = str(info.value)
+    assert "stage 0 (linen LinenCompactDropout)" in message and "Dropout at Dropout_0" in message
+    assert "its call a `train` parameter" in message and "train=False" in message
+    assert pw.counters()["runs"] == before["runs"]  # refused before anything ran
+    dp = pipeline.DataParallel(
+        stages[1], island_slices(2, mesh={"data": 1}), loss_fn=mse, optimizer=optax.sgd(0.1)
+    )
+    before = pw.counters()
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"DataParallel.train_step: train=True.*Dropout at dropout"
+    ):
+        dp.train_step(x, y, rngs=rngs, train=True)
+    assert pw.counters()["runs"] == before["runs"]
+    params, apply = pipeline.sequential(stages)
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"stage 0 \(linen LinenCompactDropout\).*Dropout_0"
+    ):
+        apply(params, x, rngs=rngs, train=True)
+    # Evaluation needs no flag: the same as plain jax.jit.
+    want = mse(jax.jit(setup.apply)(stages[1][1], x), y)
+    np.testing.assert_allclose(float(dp.train_step(x, y, train=False).result()), float(want), rtol=1e-5)

@@ -581,6 +581,40 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
     out = _join_in_subprocess(island_service, "me")  # names are how pw.share finds a client
     assert "REFUSED" in out and "named 'me' is connected already" in out, out
     pw.shutdown()
+
+
+def test_replace_lost_hosts_true_given_against_a_service_that_does_not_rebuild_is_refused(
+    island_service, monkeypatch
+):
+    """A bool default cannot be told from a True given: pw.init's sentinel default tells them apart.
+
+    The island service's answer to the join says what one started with
+    pw.serve(replace_lost_hosts=False) says (starting such a service costs seconds).
+    """
+    from pathways_jax._src.backends import service_client
+
+    real_join = service_client.join
+
+    def join_without_rebuilding(*args):
+        actor, token, joined = real_join(*args)
+        assert joined["replace_lost_hosts"] is True  # the fixture's own, edited below
+        return actor, token, {**joined, "replace_lost_hosts": False}
+
+    monkeypatch.setattr(service_client, "join", join_without_rebuilding)
+    join = {"backend": "ray", "address": island_service.address, "service": island_service.name}
+    with pytest.raises(
+        pw.errors.ClusterError,
+        match=r"replace_lost_hosts=True \(the service does not rebuild lost islands: "
+        r"pw.serve\(replace_lost_hosts=False\) started it.*start the service with "
+        r"pw.serve\(replace_lost_hosts=True\)\)\. Leave them out to take the service's",
+    ):
+        pw.init(**join, replace_lost_hosts=True)
+    # Left out (the documented default, True) or given as the service has it: joined.
+    for given in ({}, {"replace_lost_hosts": False}):
+        cluster = pw.init(**join, **given)
+        assert pw.init(**join, **given) is cluster  # the same arguments: the same cluster
+        assert len(cluster.devices) == 4
+        pw.shutdown()
     pw.init()  # the local backend
     with pytest.raises(pw.errors.ClusterError, match="controller service"):
         pw.share(pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}))(jnp.ones(2)))

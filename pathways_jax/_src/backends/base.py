@@ -179,6 +179,23 @@ class DefaultInt(int):
     __slots__ = ()
 
 
+class DefaultTrue:
+    """``pw.init``'s default for ``replace_lost_hosts``: ``True``, told apart from a ``True`` given.
+
+    ``bool`` cannot be subclassed as ``str`` and ``int`` are (:class:`DefaultStr`): this
+    sentinel stands in the signature (shown as ``True``), and ``pw.init`` turns it into
+    ``True``, recording that it was left out (``replace_lost_hosts_given``).
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "True"
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def given(value: object) -> bool:
     """Whether a ``pw.init`` argument was given (not left at its default, :class:`DefaultStr`)."""
     return not isinstance(value, DefaultStr | DefaultInt)
@@ -208,6 +225,11 @@ class StartOptions(Protocol):
     def platform(self) -> str: ...
     @property
     def replace_lost_hosts(self) -> bool: ...
+    @property
+    def replace_lost_hosts_given(self) -> bool:
+        """Whether ``replace_lost_hosts`` was given (False: left at its default, True)."""
+        ...
+
     @property
     def service(self) -> str | None: ...
     @property
@@ -312,6 +334,7 @@ class ServiceView(Protocol):
 __all__ = [
     "Backend",
     "DefaultInt",
+    "DefaultTrue",
     "DefaultStr",
     "Dispatched",
     "HostFleet",

@@ -48,10 +48,18 @@ def _join_service(args: StartOptions) -> Any:
         wrong.append(f"devices_per_host={int(args.devices_per_host)!r} (the service has {per_host})")
     if given(args.platform) and args.platform != joined["platform"]:
         wrong.append(f"platform={str(args.platform)!r} (the service's hosts are {joined['platform']!r})")
-    if args.replace_lost_hosts is False and joined.get("replace_lost_hosts", True):
+    rebuilds = joined.get("replace_lost_hosts", True)
+    if args.replace_lost_hosts is False and rebuilds:
         wrong.append(
             "replace_lost_hosts=False (the service rebuilds its lost islands for all its clients, as "
             "pw.serve(replace_lost_hosts=True) started it)"
+        )
+    elif args.replace_lost_hosts is True and args.replace_lost_hosts_given and not rebuilds:
+        wrong.append(
+            "replace_lost_hosts=True (the service does not rebuild lost islands: pw.serve("
+            "replace_lost_hosts=False) started it, so an island that loses a host stays out of "
+            "placement for all its clients; to have them rebuilt, start the service with "
+            "pw.serve(replace_lost_hosts=True))"
         )
     try:
         if wrong:

@@ -113,12 +113,15 @@ class TrainFlag:
     ``switched``: an NNX layer has ``deterministic`` or ``use_running_average``, which
     ``set_attributes`` sets from ``train`` (as ``module.train()`` does). ``inert``: an NNX
     module with no such layer, no RNG stream and no ``rngs`` parameter, so ``train`` cannot
-    change its output.
+    change its output. ``probed``: a Linen module, whose layers are known only when it is
+    called (compact children): whether ``train`` could change it is found when its call
+    is traced with an input (``stages.linen_holds``), not here.
     """
 
     signature: CallSignature
     switched: bool = False
     inert: bool = False
+    probed: bool = False
 
     def kwargs(self, train: bool | None, train_kw: str | None) -> dict[str, bool]:
         return self.signature.flag_kwargs(train, train_kw)
@@ -142,16 +145,53 @@ class TrainFlag:
                     f"to evaluate, e.g. {what}(..., train=True); stage {index} gets it as {name!r}."
                 )
             return
-        if train is not True or self.switched or self.inert:
+        if train is not True or self.switched or self.inert or self.probed:
             return
         if self.signature.flag_name(train_kw) is not None:
             return
+        message = self.unreached_message(train_kw, index, description, what=what)
+        raise pw.errors.ProgramTraceError(f"{what}: {message}")
+
+    def unreached_message(
+        self, train_kw: str | None, index: int, description: str, holds: str = "", what: str = ""
+    ) -> str:
+        """Why ``train=True`` cannot reach the stage, and what to do.
+
+        ``holds``: what the stage does that a flag would switch (``"calls a linen Dropout at
+        Dropout_0"``), found by tracing it;
+        ``what``: the call the user made, when known.
+        """
         given = f", nor train_kw={train_kw!r}" if train_kw is not None else ""
-        raise pw.errors.ProgramTraceError(
-            f"{what}: train=True was asked, but stage {index} ({description}) cannot receive it: "
+        to = f" to {what}" if what else ""
+        if holds:
+            effect = (
+                f", while it {holds}, which a flag would switch: the step cannot turn its "
+                "training behaviour (dropout, batch statistics) on or off. Give its call a `train` "
+                "parameter and pass it on (e.g. linen.Dropout(rate, deterministic=not train)); if it "
+                f"takes the flag under another name, pass train_kw='<that name>'{to}; or call with "
+                "train=False."
+            )
+        else:
+            effect = (
+                ", so its training behaviour (dropout) would stay off. If it takes the flag under "
+                f"another name, pass train_kw='<that name>'{to}; else give its call a `train` "
+                "parameter, or call with train=False."
+            )
+        return (
+            f"train=True was asked, but stage {index} ({description}) cannot receive it: "
             f"{self.signature.owner}{self.signature.text} takes none of train, training or "
-            f"deterministic (the opposite sense){given}, so its training behaviour (dropout) "
-            "would stay off. If it takes the flag under another name, pass "
-            f"train_kw='<that name>' to {what}; else give its call a `train` parameter, or "
-            "call with train=False."
+            f"deterministic (the opposite sense){given}{effect}"
         )
+
+
+class UnreachedFlag(pw.errors.ProgramTraceError):
+    """``train=True`` cannot reach a stage, found when its call was traced (a ``probed`` stage).
+
+    Raised inside the trace, where the caller's name is unknown; the pipelines' checks
+    raise it again as ``ProgramTraceError`` with their name in front (see :func:`named`).
+    """
+
+
+def named(error: UnreachedFlag, what: str) -> pw.errors.ProgramTraceError:
+    """``error`` as the ``ProgramTraceError`` of the call ``what`` (e.g. ``"Pipeline.train_step"``)."""
+    return pw.errors.ProgramTraceError(f"{what}: {error}")

@@ -12,6 +12,7 @@ from flax import errors as flax_errors
 import pathways_jax as pw
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
+from pathways_jax._src.pipeline.flags import UnreachedFlag, named
 from pathways_jax._src.pipeline.nodes import Layout, LossFn, Nodes, StateNodes, build_nodes, build_state_nodes
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.rngs import Mode, Rngs
@@ -415,7 +416,9 @@ class Pipeline:
             place="stage",
         )
 
-    def _check_chain(self, x: Any, y: Any | None, mode: Mode, rngs: dict[str, jax.Array] | None) -> Layouts:
+    def _check_chain(
+        self, x: Any, y: Any | None, mode: Mode, rngs: dict[str, jax.Array] | None, what: str
+    ) -> Layouts:
         """Checks the stages (and loss) on microbatch ``x`` abstractly; returns their outputs' layouts."""
         key = (stages_lib.signature(x), None if y is None else stages_lib.signature(y), mode)
         if key in self._checked:
@@ -432,6 +435,8 @@ class Pipeline:
             try:
                 with stages_lib.recording_stale_draws() as stale:
                     out = jax.eval_shape(run, stages_lib.abstract(params), h)
+            except UnreachedFlag as exc:
+                raise named(exc, f"Pipeline.{what}") from None
             except Exception as exc:
                 raise _stage_error(self.stages[index], index, h, mode, exc) from exc
             if stale:
@@ -482,7 +487,7 @@ class Pipeline:
         if x_batch != y_batch:
             raise pw.errors.PlacementError(f"x has a batch of {x_batch} but y of {y_batch}; they must match.")
         mode, typed, keys = self._mode(rngs, train, train_kw, what)
-        layouts = self._check_chain(xs[0], ys[0], mode, typed)
+        layouts = self._check_chain(xs[0], ys[0], mode, typed, what)
         return xs, ys, mode, keys, layouts
 
     # -- public calls -------------------------------------------------------------------------
@@ -555,7 +560,7 @@ class Pipeline:
         """
         xs = self._split(x, "x")
         mode, typed, keys = self._mode(rngs, train, train_kw, "forward")
-        layouts = self._check_chain(xs[0], None, mode, typed)
+        layouts = self._check_chain(xs[0], None, mode, typed, "forward")
         if len(xs) > 1 and not all(layouts[-1].batched):
             raise pw.errors.PlacementError(
                 f"Pipeline.forward: the last stage's output {stages_lib.describe(self._outputs[layouts])} "

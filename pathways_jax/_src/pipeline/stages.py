@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from flax import errors as flax_errors
 from flax import linen, nnx
 
 import pathways_jax as pw
-from pathways_jax._src.pipeline.flags import TrainFlag, check_train_kw, signature_of
+from pathways_jax._src.pipeline.flags import TrainFlag, UnreachedFlag, check_train_kw, signature_of
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.optimizers import check_optimizers as check_optimizers
 
@@ -180,6 +182,39 @@ def _nnx_flag(model: nnx.Module) -> TrainFlag:
     return TrainFlag(signature, switched=switched, inert=not (switched or random))
 
 
+def linen_holds(module: linen.Module, variables: Mapping[str, Any], params: Any, x: Any) -> str:
+    """What in a Linen module a ``train`` flag would switch, found by calling it abstractly on ``x``.
+
+    A Linen module's layers (a compact module's children) are known only when it is
+    called: this calls ``module.apply`` under ``jax.eval_shape`` without RNG streams,
+    recording the Dropout and BatchNorm layers it calls, and whether it needs a stream
+    (``InvalidRngError``). ``""`` when it calls none and needs none: ``train`` cannot
+    change its output. Another failure of the call is left to the call itself.
+    """
+    found: list[str] = []
+
+    def record(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        layer = context.module
+        if context.method_name == "__call__" and (
+            isinstance(layer, linen.Dropout | linen.BatchNorm) or hasattr(layer, "use_running_average")
+        ):
+            path = "/".join(layer.scope.path) if layer.scope is not None else ""
+            found.append(f"calls a linen {type(layer).__name__} at {path or '<root>'}")
+        return next_fun(*args, **kwargs)
+
+    try:
+        with linen.intercept_methods(record):
+            jax.eval_shape(lambda p, x: module.apply({"params": p, **variables}, x), params, x)
+    except flax_errors.InvalidRngError as exc:
+        if not found:
+            stream = re.search(r'PRNG for "([^"]+)"', str(exc))
+            found.append(f"draws from the RNG stream {stream.group(1) if stream else 'dropout'!r}")
+    except Exception:  # its own error, raised again where the stage is called
+        pass
+    shown = list(dict.fromkeys(found))
+    return ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+
+
 def _running_statistics(model: nnx.Module) -> tuple[tuple[str, ...], bool]:
     """An NNX module's running statistics (``nnx.BatchStat`` paths), and whether a layer keeping them trains.
 
@@ -216,7 +251,9 @@ def as_stage(model: Any, index: int = 0) -> Stage:
     use_running_average=not train)``, as ``module.train()``/``module.eval()``
     do. ``train=True`` for a stage that none of these reach raises
     ``ProgramTraceError`` (an NNX module with no such layer, no RNG stream and
-    no ``rngs`` parameter is exempt: the flag cannot change it);
+    no ``rngs`` parameter is exempt: the flag cannot change it; so is a Linen
+    module that, traced on its input, calls no Dropout or BatchNorm and needs
+    no RNG stream, see :func:`linen_holds`);
     ``train=False`` and ``train=None`` (passes nothing) never raise.
     When a step is given ``rngs`` (stream name to key), a Linen stage gets
     them as ``module.apply(..., rngs=rngs)``, an ``apply_fn`` taking ``rngs``
@@ -304,7 +341,11 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                     "(module, module.init(rng, x)) so the stage has parameters to train."
                 )
             params = variables.pop("params")
-            linen_flag = TrainFlag(signature_of(type(first).__call__))
+            # A call without a flag keyword: whether train=True could change it is found by
+            # tracing it (its layers are known only then), on its first call with train=True.
+            linen_flag = TrainFlag(signature_of(type(first).__call__), probed=True)
+            description = f"linen {type(first).__name__}"
+            holds: dict[tuple, str] = {}  # by the input's shapes and dtypes
 
             def apply_linen(p: Any, x: Any) -> Any:
                 return first.apply({"params": p, **variables}, x)
@@ -312,10 +353,17 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             def call_linen(
                 p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
             ) -> Any:
+                if train is True and linen_flag.signature.flag_name(train_kw) is None:
+                    key = signature(x)
+                    if key not in holds:
+                        holds[key] = linen_holds(first, variables, p, x)
+                    if holds[key]:
+                        raise UnreachedFlag(
+                            linen_flag.unreached_message(train_kw, index, description, holds[key])
+                        )
                 kwargs: dict[str, Any] = linen_flag.kwargs(train, train_kw)
                 return first.apply({"params": p, **variables}, x, rngs=dict(rngs) if rngs else None, **kwargs)
 
-            description = f"linen {type(first).__name__}"
             # Linen's own collection of running statistics (nn.BatchNorm's), held fixed here.
             stats = variables.get("batch_stats")
             running = tuple(

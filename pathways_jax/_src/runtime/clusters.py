@@ -21,7 +21,15 @@ import jax
 from absl import logging
 
 from pathways_jax._src.backends import registry
-from pathways_jax._src.backends.base import Backend, DefaultInt, DefaultStr, HostFleet, ServiceView, given
+from pathways_jax._src.backends.base import (
+    Backend,
+    DefaultInt,
+    DefaultStr,
+    DefaultTrue,
+    HostFleet,
+    ServiceView,
+    given,
+)
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import errors, events
 from pathways_jax._src.runtime import context
@@ -44,6 +52,8 @@ _START_FAILED_CLOSE_S = 10.0
 # (joining a controller service, those given are checked against the service's hosts).
 _PLATFORM = cast(Literal["cpu", "gpu"], DefaultStr("cpu"))
 _DEVICES_PER_HOST = DefaultInt(1)
+# replace_lost_hosts's default: shown as True, turned into True by init, which records it was left out.
+_REPLACE_LOST_HOSTS = cast(bool, DefaultTrue())
 
 
 class Cluster:
@@ -291,7 +301,7 @@ def init(
     hosts: int | None = None,
     devices_per_host: int = _DEVICES_PER_HOST,
     platform: Literal["cpu", "gpu"] = _PLATFORM,
-    replace_lost_hosts: bool = True,
+    replace_lost_hosts: bool = _REPLACE_LOST_HOSTS,
     service: str | None = None,
     client_name: str | None = None,
 ) -> Cluster:
@@ -358,8 +368,10 @@ def init(
         sharing its hosts with the others. ``hosts``, ``devices_per_host``,
         ``islands`` and ``platform`` come from the service (give them only
         to check them: one that differs is a ``ClusterError``);
-        ``replace_lost_hosts=False`` is refused when the service rebuilds
-        lost islands (its own ``pw.serve(replace_lost_hosts=...)`` decides).
+        ``replace_lost_hosts`` given is refused when it differs from the
+        service's (its own ``pw.serve(replace_lost_hosts=...)`` decides):
+        ``False`` against a service that rebuilds lost islands, ``True``
+        against one that does not.
       client_name: with ``service``: this process's name in the service's
         stats and for ``pw.share(future, client=...)`` (default
         ``"<hostname>:<pid>"``).
@@ -379,6 +391,7 @@ def init(
       'local'
     """
     global _current, _shut_down
+    replace_given = replace_lost_hosts is not _REPLACE_LOST_HOSTS
     args = checked(
         InitArgs(
             backend=backend,
@@ -395,9 +408,10 @@ def init(
             hosts=hosts,
             devices_per_host=devices_per_host,
             platform=platform,
-            replace_lost_hosts=replace_lost_hosts,
+            replace_lost_hosts=replace_lost_hosts if replace_given else True,
             service=service,
             client_name=client_name,
+            replace_lost_hosts_given=replace_given,
         )
     )
     if not given(devices_per_host):  # checked() made it a plain int

@@ -48,6 +48,9 @@ class InitArgs:
     replace_lost_hosts: bool = True
     service: str | None = None
     client_name: str | None = None
+    # Whether replace_lost_hosts was given: checked against a service joined, and not compared,
+    # so pw.init(replace_lost_hosts=True) returns the cluster pw.init() started, as for platform.
+    replace_lost_hosts_given: bool = dataclasses.field(default=False, compare=False)
 
     def describe(self) -> str:
         """The arguments as a ``pw.init(...)`` call would spell them."""
