@@ -443,9 +443,12 @@ def test_a_disallowing_transfer_guard_refuses_host_arguments_as_under_jax_jit():
         with guard("disallow"):
             with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device"):
                 jax.jit(lambda x: x * 2)(host)
-            with pytest.raises(pw.errors.TransferError, match=r"transfer_guard\('disallow'\)"):
+            with pytest.raises(pw.errors.TransferError, match=r"transfer_guard\('disallow'\)") as raised:
                 f(host)
-            with pytest.raises(pw.errors.TransferError):
+            # Of jax.jit's class too: `except jax.errors.JaxRuntimeError` written for jax.jit catches it.
+            assert isinstance(raised.value, jax.errors.JaxRuntimeError)
+            assert isinstance(raised.value, RuntimeError)
+            with pytest.raises(jax.errors.JaxRuntimeError):
                 f(2.0)
             got = f(on_device)  # arrays on devices move nothing
         assert_matches(got, doubled)

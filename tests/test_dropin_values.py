@@ -480,3 +480,41 @@ def test_a_future_on_explicit_axes_is_traced_typed_by_a_program_it_first_meets(s
     with pytest.raises(pw.errors.ProgramTraceError, match="out_sharding") as caught:
         pw.program(lambda v: v.reshape(2, 4))(made)
     assert isinstance(caught.value, type(refused.value))
+
+
+def _by_host(v):
+    return jax.pure_callback(np.negative, jax.ShapeDtypeStruct(v.shape, v.dtype), v) + 1
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        lambda v, u: v * 2,
+        lambda v, u: (v * u, u),  # an (uncommitted) argument returned as it is: moved to v's device
+        lambda v, u: _by_host(v),
+    ],
+    ids=["computed", "argument returned", "host callback"],
+)
+def test_outputs_of_a_call_committed_one_device_arguments_placed_are_typed_as_jax_jit_s(step):
+    # They came back committed with a NamedSharding on a one-device mesh 'x' of the program's
+    # own, typed with that mesh: adding them to an array on a user's one-device mesh over the
+    # same device raised "Mesh for all inputs should be equal", and their sharding was not the
+    # argument's (a call with them traced again).
+    device = jax.devices()[5]
+    x5, u = jax.device_put(jnp.arange(8.0), device), jnp.ones(8)
+    q = jax.device_put(jnp.ones(8), NamedSharding(jax.make_mesh((1,), ("q",), devices=[device]), P()))
+    program = pw.program(step)
+    want = jax.jit(step)(x5, u)
+    made = program(x5, u)
+    for future, expected in zip(jax.tree.leaves(made), jax.tree.leaves(want), strict=True):
+        assert future.sharding == expected.sharding == x5.sharding and future.committed
+        _assert_same_array(future.result(), expected)
+        _assert_same_array(future.result() + q, expected + q)
+    if not isinstance(want, tuple):  # fed back, as a future and as its array: the first call's plan
+        before = pw.counters()["traces"]
+        for fed in (made, made.result()):
+            _assert_same_array(program(fed, u).result(), jax.jit(step)(want, u))
+        assert pw.counters()["traces"] == before
+    with pw.devices(mesh={"x": 1}) as one:  # a slice's outputs stay on its mesh
+        on_slice = jax.tree.leaves(program(x5, u))[0]
+    assert on_slice.slice is one and on_slice.sharding.mesh.shape == {"x": 1}

@@ -24,6 +24,7 @@ from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE, TraceState
 from pathways_jax._src.api.graph_view import GraphView
 from pathways_jax._src.api.placement import (
     _device_slice,
+    _is_device_slice,
     _mesh_mismatch_hint,
     _mesh_slice,
     _named_mesh,
@@ -194,6 +195,12 @@ def trace(
         # (made for nothing, and a new one each trace) would make equal traces unequal graphs.
         if implied_id in held:
             graph = dataclasses.replace(graph, uncommitted_slice=implied_id)
+    elif default is None and implied is None and info.device is None and state.implied is not None:
+        # Committed one-device arguments (no mesh) placed it on their device: as jax.jit's,
+        # its outputs there are committed with a SingleDeviceSharding, no mesh in their types.
+        placed = state.implied()
+        if placed.id in held and _is_device_slice(placed):
+            graph = dataclasses.replace(graph, device_slice=placed.id)
     if sink is not None:
         sink(events.Traced(info.name, info.source_info, t0, events.now()))
     return GraphView(graph.check(), held)

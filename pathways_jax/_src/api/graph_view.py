@@ -129,9 +129,9 @@ class GraphView:
     """A program's traced graph (``.ir``, plain data) with its slices where they are now.
 
     Reads as the graph does: ``name``, ``source_info``, ``inputs``, ``consts``,
-    ``steps``, ``outputs``, ``out_tree``, ``compiler_options`` and
-    ``uncommitted_slice`` are the graph's; ``nodes``, ``transfers`` and
-    ``values`` are views whose slices are the runtime's (``VirtualSlice``).
+    ``steps``, ``outputs``, ``out_tree``, ``compiler_options``,
+    ``uncommitted_slice`` and ``device_slice`` are the graph's; ``nodes``,
+    ``transfers`` and ``values`` are views whose slices are the runtime's (``VirtualSlice``).
 
     Attributes:
       ir: the graph: frozen data naming slices by ``SliceRef``, the same
@@ -191,6 +191,10 @@ class GraphView:
     @property
     def uncommitted_slice(self) -> int | None:
         return self.ir.uncommitted_slice
+
+    @property
+    def device_slice(self) -> int | None:
+        return self.ir.device_slice
 
     @property
     def nodes(self) -> tuple[NodeView, ...]:

@@ -126,6 +126,11 @@ def _device_slice(signature: tuple[ArgKey | None, ...]) -> VirtualSlice:
     return slices.implied((device.id,), _DEVICE_MESH)
 
 
+def _is_device_slice(slice_: VirtualSlice) -> bool:
+    """Whether ``slice_`` is one :func:`_device_slice` makes (one device, no mesh of the user's)."""
+    return slices.is_implied(slice_, _DEVICE_MESH)
+
+
 def _mesh_of(*shardings: Any) -> jax.sharding.Mesh | None:
     """The first concrete mesh named by a pytree of shardings (``in_shardings``/``out_shardings``)."""
     for leaf in jax.tree_util.tree_leaves(shardings):

@@ -252,6 +252,7 @@ class Binding:
             platforms=target.export_platforms if target is not None else None,
             options=graph.compiler_options,
             loose=loose_device(graph, node, mesh) if not export else None,
+            committed=node.slice.id == graph.device_slice,
         )
         produced = jax.tree_util.tree_leaves(executable.output_shardings)
         pinned = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from typing import Any
@@ -41,17 +42,27 @@ def loose_device(graph: Graph, node: Node, mesh: Any) -> jax.Device | None:
     (``futures.dispatched_values``), and the next call, with those outputs or
     their futures, takes JAX's own fast path. Not for nodes with a placement
     of their own (specs, a typed mesh), host callbacks (whose outputs the
-    compiler pins) or sub-byte inputs.
+    compiler pins) or sub-byte inputs. A node on the slice committed one-device
+    arguments placed the call on (``Graph.device_slice``) is compiled so too,
+    but committed to that device (``compile_node``'s ``committed``), as
+    ``jax.jit`` runs such a call: ``SingleDeviceSharding`` outputs, no mesh
+    in their types. There, on one device, specs, the slice's own mesh of Auto
+    axes and host callbacks place nothing more, so they do not stop it.
     """
-    if graph.uncommitted_slice is None or node.slice.id != graph.uncommitted_slice or mesh.devices.size != 1:
+    if node.slice.id not in (graph.uncommitted_slice, graph.device_slice) or mesh.devices.size != 1:
         return None
-    if any(spec is not None for spec in (*node.in_specs, *node.out_specs)):
+    placed = node.slice.id == graph.device_slice
+    if not placed and any(spec is not None for spec in (*node.in_specs, *node.out_specs)):
         return None
-    if calls_host(node.jaxpr.jaxpr) or any(_sub_byte(aval.dtype) for aval in node.jaxpr.in_avals):
+    if (not placed and calls_host(node.jaxpr.jaxpr)) or any(
+        _sub_byte(aval.dtype) for aval in node.jaxpr.in_avals
+    ):
         return None
     for aval in (*node.jaxpr.in_avals, *node.jaxpr.out_avals):
         typed = getattr(aval, "sharding", None)
         if isinstance(typed, NamedSharding) and not typed.mesh.empty:
+            if placed and AxisType.Explicit not in typed.mesh.axis_types:
+                continue  # the slice's own one-device mesh of Auto axes: types nothing
             return None
     return mesh.devices.flat[0]
 
@@ -68,6 +79,7 @@ def compile_node(
     platforms: tuple[str, ...] | None = None,
     options: tuple[tuple[str, Any], ...] = (),
     loose: jax.Device | None = None,
+    committed: bool = False,
 ) -> tuple[Any, tuple[bytes, str] | None]:
     """Compiles a node for ``mesh``; identical nodes (a function called many times) compile once.
 
@@ -75,7 +87,9 @@ def compile_node(
     ``jax.export`` for remote hosts (bytes and their fingerprint), for
     ``platforms`` (``None``: this process's). With ``loose`` (see
     :func:`loose_device`), compiled for that device as ``jax.jit`` compiles
-    a call nothing placed: its outputs are uncommitted.
+    a call nothing placed: its outputs are uncommitted; with ``committed`` too,
+    as ``jax.jit`` compiles a call committed one-device arguments placed there:
+    its outputs are committed to it (``SingleDeviceSharding``).
     """
     # Keyed by the function's text (and its constants' identities): JAX may
     # trace one Python function into distinct but identical jaxprs.
@@ -98,12 +112,13 @@ def compile_node(
         platforms,
         options,
         loose,
+        committed,
     )
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
             return hit
-    body = jex.jaxpr_as_fun(node.jaxpr)
+    body = jex.jaxpr_as_fun(_unconstrained(node.jaxpr) if loose is not None and committed else node.jaxpr)
 
     def fun(*args: Any) -> tuple:
         return tuple(body(*args))
@@ -118,10 +133,14 @@ def compile_node(
     if loose is not None:
         # No mesh at all (whatever the caller set) and no shardings, on that device.
         plain = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in args]
+        on_device = _device_sharding(loose) if committed else None
         with only_mesh(_NO_MESH, None), jax.default_device(loose):
-            made: Any = (
-                jax.jit(fun, donate_argnums=donate).lower(*plain).compile(dict(options) if options else None)
+            jitted = (
+                jax.jit(fun, in_shardings=on_device, out_shardings=on_device, donate_argnums=donate)
+                if committed
+                else jax.jit(fun, donate_argnums=donate)
             )
+            made: Any = jitted.lower(*plain).compile(dict(options) if options else None)
         counts.bump("compiles")
         lowering_log.compiled(node, t0)
         if cache is not None:
@@ -275,6 +294,44 @@ def _host_functions(jaxpr: Any) -> tuple[_Same, ...]:
 
     walk(jaxpr)
     return tuple(found)
+
+
+def _unconstrained(closed: Any) -> Any:
+    """``closed`` without its top-level sharding constraints to a one-device mesh of Auto axes.
+
+    On one device they place nothing; they are where the graph puts a value on
+    its slice (an argument returned as it is), and would type the output with
+    the slice's mesh, where ``jax.jit``'s output on that device has none.
+    """
+    jaxpr = closed.jaxpr
+    kept: list[Any] = []
+    alias: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        sharding = eqn.params.get("sharding") if eqn.primitive.name == "sharding_constraint" else None
+        mesh = getattr(sharding, "mesh", None)
+        source = eqn.invars[0] if eqn.invars else None
+        if (
+            mesh is not None
+            and mesh.size == 1
+            and AxisType.Explicit not in mesh.axis_types
+            and not isinstance(source, jex.Literal)  # a constant's: kept, as it makes the value
+        ):
+            alias[eqn.outvars[0]] = alias.get(source, source)
+            continue
+        if alias and any(v in alias for v in eqn.invars if not isinstance(v, jex.Literal)):
+            eqn = eqn.replace(
+                invars=[alias.get(v, v) if not isinstance(v, jex.Literal) else v for v in eqn.invars]
+            )
+        kept.append(eqn)
+    if not alias:
+        return closed
+    outvars = [alias.get(v, v) if not isinstance(v, jex.Literal) else v for v in jaxpr.outvars]
+    return closed.replace(jaxpr=jaxpr.replace(eqns=kept, outvars=outvars))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_sharding(device: jax.Device) -> jax.sharding.SingleDeviceSharding:
+    return jax.sharding.SingleDeviceSharding(device)
 
 
 __all__ = ["calls_host", "compile_node", "loose_device"]

@@ -159,6 +159,10 @@ class Graph:
       uncommitted_slice: the id of the slice whose one-device outputs are
         uncommitted, as ``jax.jit``'s are when nothing placed the call (no
         slice, no committed argument: JAX's default device); None: none.
+      device_slice: the id of the one-device slice committed one-device
+        arguments placed the call on (no slice, no mesh): its nodes' outputs
+        are committed to that device with a ``SingleDeviceSharding`` and no
+        mesh in their types, as ``jax.jit``'s; None: none.
     """
 
     name: str
@@ -173,6 +177,7 @@ class Graph:
     out_tree: Any
     compiler_options: tuple[tuple[str, Any], ...] = ()
     uncommitted_slice: int | None = None
+    device_slice: int | None = None
 
     @property
     def slices(self) -> tuple[SliceRef, ...]:

@@ -384,6 +384,14 @@ def devices(
     return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive, types)
 
 
+def is_implied(slice_: VirtualSlice, mesh: Mapping[str, int]) -> bool:
+    """Whether ``slice_`` is the slice :func:`implied` gives for its devices and ``mesh`` (Auto axes); makes none."""
+    if slice_.axis_names != tuple(mesh) or slice_.shape != tuple(mesh.values()):
+        return False
+    key = (tuple(d.id for d in slice_._devices), tuple(mesh.items()), None)
+    return clusters.cluster().implied_slices.get(key) is slice_
+
+
 def implied(
     device_ids: tuple[int, ...], mesh: Mapping[str, int], axis_types: tuple[AxisType, ...] | None = None
 ) -> VirtualSlice:

@@ -179,7 +179,8 @@ def _guard_host_feeds(plan: Plan, leaves: list[Any]) -> None:
     leaf = leaves[index]
     what = f"{type(leaf).__name__} of shape {np.shape(leaf)}"
     if guard == "disallow":
-        raise errors.TransferError(
+        # Also jax.jit's class (jax.errors.JaxRuntimeError): `except` written for jax.jit catches it.
+        raise errors.also(errors.TransferError, jax.errors.JaxRuntimeError)(
             f"program {plan.graph.name!r} was called with a host value ({what}, argument leaf {index}) "
             "under jax.transfer_guard('disallow'): as jax.jit, the implicit host-to-device transfer "
             "is refused. Put it on devices first (jax.device_put), or allow the transfer."
