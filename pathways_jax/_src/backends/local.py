@@ -140,18 +140,12 @@ class LocalBackend:
                     if sink is not None:
                         sink(_moved(run, step, env[step.src], env[step.dst], t0))
         except Exception as exc:  # a user error fails its run only
-            cause = _deleted_argument(plan, env)
-            if cause is not None:
-                cause.__cause__ = exc
-            raise StepFailed(_where(plan.graph.name, run.id, step), cause or exc) from exc
+            raise _failed(run, step, exc) from exc
         finally:
             counts.bump("dispatches", dispatched)
-        last = tuple([env[slot] for _, slot, _ in plan.acct_groups])
         # A plan that places nothing (it returns literals or its arguments) was
         # prepared by no backend: it has no lanes, nor anything to dispatch.
-        for key, group in part.lanes if part is not None else ():
-            windows.in_flight(key, last[group], run)
-        return Dispatched(env, last)
+        return _dispatched(run, windows, part.lanes if part is not None else ())
 
     def settle(self, in_flight: collections.deque) -> None:
         # Oldest first, up to the first one still running (every look is a call into XLA).
@@ -189,7 +183,6 @@ def _direct(run: RunView, windows: Windows, part: _LocalPart, step: ExecStep) ->
     """``LocalBackend.execute`` of a plan of one executable with no window of its island's,
     nothing pinned, donated or staged, and no trace sink: what the loop does for it, and no more.
     """
-    plan = run.plan
     env = run.env
     args = [env[s] for s in step.in_slots]
     try:
@@ -198,16 +191,27 @@ def _direct(run: RunView, windows: Windows, part: _LocalPart, step: ExecStep) ->
         except _NAN_CHECK as exc:  # jax_debug_nans / jax_debug_infs found one
             raise _nan_error(step, args, exc) from None
     except Exception as exc:  # a user error fails its run only (as in execute)
-        cause = _deleted_argument(plan, env)
-        if cause is not None:
-            cause.__cause__ = exc
-        counts.bump("dispatches", 0)
-        raise StepFailed(_where(plan.graph.name, run.id, step), cause or exc) from exc
+        raise _failed(run, step, exc) from exc
     for slot, array in zip(step.out_slots, outs, strict=True):
         env[slot] = array
     counts.bump("dispatches", 1)
-    last = tuple([env[slot] for _, slot, _ in plan.acct_groups])
-    for key, group in part.lanes:
+    return _dispatched(run, windows, part.lanes)
+
+
+def _failed(run: RunView, step: Any, exc: Exception) -> StepFailed:
+    """The failure of ``run`` at ``step`` (its own: the run fails alone), naming a deleted argument if that was why."""
+    plan = run.plan
+    cause = _deleted_argument(plan, run.env)
+    if cause is not None:
+        cause.__cause__ = exc
+    return StepFailed(_where(plan.graph.name, run.id, step), cause or exc)
+
+
+def _dispatched(run: RunView, windows: Windows, lanes: tuple[tuple[int, int], ...]) -> Dispatched:
+    """A dispatched run's values, and its device windows told of it (each lane's group marker)."""
+    env = run.env
+    last = tuple([env[slot] for _, slot, _ in run.plan.acct_groups])
+    for key, group in lanes:
         windows.in_flight(key, last[group], run)
     return Dispatched(env, last)
 

@@ -74,7 +74,12 @@ def has_room(running: int, count: int, size: int) -> bool:
     goes once half the window is free (it waits for the oldest as it goes),
     so that no run waits forever for a window smaller than itself.
     """
-    return running + min(count, max(1, size // 2)) <= size
+    return running <= most_running(count, size)
+
+
+def most_running(count: int, size: int) -> int:
+    """The most executables a window of ``size`` may hold for ``count`` more to go (:func:`has_room`)."""
+    return size - min(count, max(1, size // 2))
 
 
 def waited_too_long(since: float | None, now: float, timeout: float | None) -> bool:

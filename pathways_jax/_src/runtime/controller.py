@@ -538,8 +538,7 @@ class Controller:
         entries = windows.entries
         for island, count in run.plan.prepared.windowed.items():
             size = windows.island_size if island >= 0 else windows.device_size  # .size(island), inlined
-            # admission.has_room(running, count, size), inlined: asked on every dispatch.
-            need = size - min(count, max(1, size // 2))
+            need = admission.most_running(count, size)  # has_room is running <= need: asked twice
             running = None if busy is None else busy.get(island)
             if running is None:
                 running = len(entries[island])
