@@ -43,7 +43,7 @@ def _refuse_deleted(leaves: list[Any], program: str) -> None:
     """Raises, as ``jax.jit`` does at the call, for the first argument leaf that is a deleted
     ``jax.Array``, or a future freed or donated before the call."""
     for position, leaf in enumerate(leaves):
-        if isinstance(leaf, Future) and leaf._entry.signature is None and _gone(leaf._entry.state):
+        if isinstance(leaf, Future) and _gone(leaf._entry.state):
             how = (
                 "was donated to an earlier run (donate_argnums), which reused its buffer"
                 if isinstance(leaf._entry.state, Consumed)
