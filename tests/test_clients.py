@@ -76,6 +76,18 @@ def test_close_cancels_queued_runs_and_frees_values():
             out.result(timeout=10)  # raises, never hangs
     with pytest.raises(pw.errors.ClusterError, match="closed"), c:
         pass
+    # Closed while entered (by another thread, say): a call inside it is refused for the close,
+    # even one given a value the close freed; another client given that value hears why it went.
+    inside = pw.client("closed-inside")
+    with inside:
+        done = double(jnp.ones(3))
+        np.testing.assert_array_equal(np.asarray(done.result(timeout=30)), np.full(3, 2.0, np.float32))
+        inside.close()
+        for arg in (done, jnp.ones(3)):
+            with pytest.raises(pw.errors.ClusterError, match="closed; programs cannot be submitted"):
+                double(arg)
+    with pytest.raises(pw.errors.PathwaysError, match="when its client 'closed-inside' was closed"):
+        double(done)
     s.release()
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from pathways_jax._src.api import nnx_graph
 from pathways_jax._src.core import errors
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
+from pathways_jax._src.runtime import clients
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.object_store import Consumed, Freed
 from pathways_jax._src.runtime.slices import VirtualSlice, explicit_view
@@ -44,10 +45,13 @@ def _refuse_deleted(leaves: list[Any], program: str) -> None:
     ``jax.Array``, or a future freed or donated before the call."""
     for position, leaf in enumerate(leaves):
         if isinstance(leaf, Future) and _gone(leaf._entry.state):
+            caller = clients.current()
+            if caller.closed:  # closing it freed the value: the call is refused for the close
+                raise caller.closed_error()
             how = (
                 "was donated to an earlier run (donate_argnums), which reused its buffer"
                 if isinstance(leaf._entry.state, Consumed)
-                else "was freed (by .delete(), or with the client that owned it)"
+                else f"was freed (by .delete(), or when its client {leaf._entry.owner.client!r} was closed)"
             )
             raise errors.also(errors.PathwaysError, RuntimeError)(
                 f"program {program!r} got argument leaf {position}, a pw.Future of {leaf._entry.origin} "

@@ -89,6 +89,10 @@ class Client:
         if current is not None:
             current.close_client(self)
 
+    def closed_error(self) -> errors.ClusterError:
+        """The error a program call made inside this closed client raises."""
+        return errors.ClusterError(f"{self!r} is closed; programs cannot be submitted for it.")
+
     def _end(self) -> None:
         """Its thread ended: it is retired, not closed (its runs still run, its values stay)."""
         with self._lock:

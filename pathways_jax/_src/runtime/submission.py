@@ -135,7 +135,7 @@ def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
             env[slot] = leaf
     client = clients.current()
     if client.closed:
-        raise errors.ClusterError(f"{client!r} is closed; programs cannot be submitted for it.")
+        raise client.closed_error()
     run_id = next(_runs)
     owner = Owner(client.name, run_id, client.key)
     entries = store.new_run(owner, plan.outputs, plan.signatures, runnable.output_slices)
