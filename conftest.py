@@ -87,35 +87,84 @@ def _all_free(ray, cpus: int, timeout: float = 10.0) -> bool:
     return False
 
 
-# Quick benchmark runs that go side by side (each mostly compiles, on one core): by test name.
-_SIDE_BY_SIDE = {
-    "test_demo_benchmark_quick_mode_reports_every_mode": ("benchmarks/demo.py", "--quick"),
-    "test_many_leaves_benchmark_quick_mode_reports_every_phase": ("benchmarks/many_leaves.py", "--quick"),
-    "test_pipeline_benchmark_quick_mode_reports_every_mode": (
+# Scripts a test runs in a process of its own (examples, quick benchmark runs), by test id: they
+# run in the background from the session's start, one at a time, longest first (helpers.Backlog),
+# and each test reads its own run. A benchmark also gets ``--out=`` a folder of its own.
+_TRANSFORMER_FLAGS = ("--steps=16", "--log_every=5", "--check_steps=2")
+BACKGROUND = {
+    "tests/test_pipeline.py::test_transformer_examples_train_and_match_plain_jit[pipeline_transformer.py]": (
+        "examples/pipeline_transformer.py",
+        *_TRANSFORMER_FLAGS,
+        "--microbatches=2",
+    ),
+    "tests/test_examples.py::test_flax_mlp_trains_and_matches_plain_jax[ray]": (
+        "examples/flax_mlp.py",
+        "--steps=60",
+        "--log_every=10",
+        "--backend=ray",
+    ),
+    "tests/test_pipeline.py::test_transformer_examples_train_and_match_plain_jit[two_island_data_parallel.py]": (
+        "examples/two_island_data_parallel.py",
+        *_TRANSFORMER_FLAGS,
+    ),
+    "tests/test_benchmarks_multitenancy.py::test_multitenancy_benchmark_quick_mode_reports_every_mode": (
+        "benchmarks/multitenancy.py",
+        "--quick",
+    ),
+    "tests/test_benchmarks_pipeline.py::test_pipeline_benchmark_quick_mode_reports_every_mode": (
         "benchmarks/pipeline.py",
         "--quick",
         "--stages=2",
     ),
+    "tests/test_benchmarks_demo.py::test_demo_benchmark_quick_mode_reports_every_mode": (
+        "benchmarks/demo.py",
+        "--quick",
+    ),
+    "tests/test_examples.py::test_flax_mlp_trains_and_matches_plain_jax[local]": (
+        "examples/flax_mlp.py",
+        "--steps=60",
+        "--log_every=10",
+        "--backend=local",
+    ),
+    "tests/test_benchmarks_soak.py::test_soak_benchmark_quick_mode_samples_both_sides": (
+        "benchmarks/soak.py",
+        "--quick",
+    ),
+    "tests/test_benchmarks_many_leaves.py::test_many_leaves_benchmark_quick_mode_reports_every_phase": (
+        "benchmarks/many_leaves.py",
+        "--quick",
+    ),
+    "tests/test_sim.py::test_sim_predict_example_runs": ("examples/sim_predict.py",),
+    "tests/test_sim.py::test_scale_benchmark_quick_mode_writes_every_figure": (
+        "benchmarks/sim_scale.py",
+        "--quick",
+    ),
+    "tests/test_sim.py::test_validation_benchmark_quick_mode_reports_every_point": (
+        "benchmarks/sim_validate.py",
+        "--quick",
+    ),
+    "tests/test_examples.py::test_quickstart": ("examples/quickstart.py",),
 }
 
 
-@pytest.fixture(scope="session")
-def side_by_side(request, tmp_path_factory):
-    """The quick benchmark runs of ``_SIDE_BY_SIDE`` whose tests this session runs, all started at
-    the first that asks: test name -> (``helpers.Script``, its ``--out`` folder)."""
-    from helpers import start_script
+@pytest.fixture(scope="session", autouse=True)
+def _background(request, tmp_path_factory):
+    """The session's background scripts (``BACKGROUND``, those of its selected tests), started
+    with its first test."""
+    from helpers import Backlog
 
-    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
-    runs = {}
-    for name, (script, *flags) in _SIDE_BY_SIDE.items():
-        if name in selected:
-            out = tmp_path_factory.mktemp(name)
-            runs[name] = (start_script(script, *flags, f"--out={out}"), out)
+    selected = {item.nodeid for item in request.session.items}
+    backlog = Backlog({k: v for k, v in BACKGROUND.items() if k in selected}, tmp_path_factory.mktemp("bg"))
     try:
-        yield runs
+        yield backlog
     finally:
-        for script, _ in runs.values():
-            script.stop()
+        backlog.stop()
+
+
+@pytest.fixture
+def background_run(request, _background):
+    """This test's background script and its ``--out`` folder: ``(helpers.Script, folder)``."""
+    return _background.get(request.node.nodeid)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -137,6 +137,66 @@ def start_script(relative: str, *args: str, timeout: float = 280) -> Script:
     return Script(relative, args, timeout)
 
 
+class Backlog:
+    """Scripts that run in the background, ``running`` at a time, while the suite goes on.
+
+    A test's script runs in its own process and mostly waits or compiles on one core: started
+    in the suite's order it keeps the machine's other core idle while the test waits for it.
+    Here the scripts of the session's tests start at the session's start, in the order given,
+    and each test reads its own (:meth:`get`), which starts at once if its turn has not come.
+    """
+
+    def __init__(self, scripts: dict, folder: pathlib.Path, running: int = 1, timeout: float = 280):
+        import threading
+
+        # test id -> (script, args); a benchmark also gets ``--out=`` a folder of its own
+        self._waiting = dict(scripts)
+        self._folder, self._timeout = folder, timeout
+        self._started: dict = {}  # test id -> (Script, its folder)
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._feeders = [threading.Thread(target=self._feed, daemon=True) for _ in range(running)]
+        for feeder in self._feeders:
+            feeder.start()
+
+    def _start(self, test_id: str) -> tuple:
+        """Starts ``test_id``'s script (the lock held)."""
+        script, *args = self._waiting.pop(test_id)
+        out = self._folder / f"run{len(self._started)}"
+        out.mkdir()
+        if script.startswith("benchmarks/"):
+            args = [*args, f"--out={out}"]
+        self._started[test_id] = (Script(script, tuple(args), self._timeout), out)
+        return self._started[test_id]
+
+    def _feed(self) -> None:
+        """Starts the next waiting script once the one this feeder started ended, until none waits."""
+        while True:
+            with self._lock:
+                if self._stopped or not self._waiting:
+                    return
+                run, _ = self._start(next(iter(self._waiting)))
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the test reports it
+                run.proc.wait(timeout=self._timeout)
+
+    def get(self, test_id: str) -> tuple:
+        """``(Script, its --out folder)`` of ``test_id``, started now if it was still waiting."""
+        with self._lock:
+            if test_id in self._started:
+                return self._started[test_id]
+            if test_id not in self._waiting:
+                raise KeyError(f"{test_id} has no background script (conftest.py's BACKGROUND)")
+            return self._start(test_id)
+
+    def stop(self) -> None:
+        """Starts nothing more and ends every script still running."""
+        with self._lock:
+            self._stopped = True
+            started = list(self._started.values())
+        for run, _ in started:
+            run.stop()
+
+
 def gated(slice_, plus=0.0):
     """A program on ``slice_`` whose host callback waits for a gate: it holds the island's window.
 

@@ -10,9 +10,9 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-def test_demo_benchmark_quick_mode_reports_every_mode(side_by_side):
-    # Started with the other quick benchmark runs of the session (conftest.py), side by side.
-    script, tmp_path = side_by_side["test_demo_benchmark_quick_mode_reports_every_mode"]
+def test_demo_benchmark_quick_mode_reports_every_mode(background_run):
+    # Run in the background from the session's start (conftest.py, BACKGROUND).
+    script, tmp_path = background_run
     script.output()
     result = json.loads((tmp_path / "demo.json").read_text())
     assert set(result["modes"]) == {"jax", "pw", "pw-nofuse"}

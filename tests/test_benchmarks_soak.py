@@ -8,15 +8,15 @@ benchmark sets its own device count (and runs each side in a process of its own)
 import json
 
 import pytest
-from helpers import run_script
 
 METRICS = ("rss_mib", "fds", "threads", "os_threads")
 PW_METRICS = ("clients", "live_values", "accounting_rows", "executables")
 
 
 @pytest.mark.timeout(90)
-def test_soak_benchmark_quick_mode_samples_both_sides(tmp_path):
-    run_script("benchmarks/soak.py", "--quick", f"--out={tmp_path}", timeout=80)
+def test_soak_benchmark_quick_mode_samples_both_sides(background_run):
+    script, tmp_path = background_run  # run in the background (conftest.py, BACKGROUND)
+    script.output()
     result = json.loads((tmp_path / "soak_quick.json").read_text())
     assert (tmp_path / "soak_quick.png").stat().st_size > 0
     assert result["benchmark"] == "soak" and result["quick"] is True

@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 from flax import linen, nnx
-from helpers import start_script
 
 import pathways_jax as pw
 from pathways_jax import pipeline
@@ -301,27 +300,10 @@ def test_stage_output_must_fit_next_stage_before_anything_runs():
     assert pw.counters()["traces"] == before["traces"]
 
 
-EXAMPLES = {"pipeline_transformer.py": ["--microbatches=2"], "two_island_data_parallel.py": []}
-
-
-@pytest.fixture(scope="module")
-def example_runs():
-    """Both examples start at once: each mostly compiles, on one core (the machine may have more)."""
-    runs = {
-        example: start_script(f"examples/{example}", "--steps=16", "--log_every=5", "--check_steps=2", *flags)
-        for example, flags in EXAMPLES.items()
-    }
-    try:
-        yield runs
-    finally:
-        for run in runs.values():
-            run.stop()
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("example", list(EXAMPLES))
-def test_transformer_examples_train_and_match_plain_jit(example_runs, example):
-    out = example_runs[example].output()
+@pytest.mark.parametrize("example", ["pipeline_transformer.py", "two_island_data_parallel.py"])
+def test_transformer_examples_train_and_match_plain_jit(background_run, example):
+    out = background_run[0].output()  # run in the background (conftest.py, BACKGROUND)
     losses = [float(v) for v in re.findall(r"^step\s+\d+\s+loss\s+([0-9.]+)", out, flags=re.MULTILINE)]
     assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], out
     assert "no new traces, lowerings or compiles" in out

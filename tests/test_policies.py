@@ -259,9 +259,14 @@ def test_fifo_goes_in_submission_order_with_equal_shares_on_every_slice(size):
         if seen[j] < seen[i]
     ]
     assert not late, f"runs completed after runs submitted more than {window} later: {late[:5]}"
+    # Both clients submit the same program as fast as they can, so each gets the device time of
+    # the runs it submitted: halves, unless the machine's load starved one submitting thread
+    # (0.55 was seen at load 12 on 2 cores); then the share follows its runs, within 10%.
     times = {name: st["clients"][name]["device_time_s"] for name in clients}
-    share = times["a"] / sum(times.values())
-    assert abs(share - 0.5) / 0.5 < 0.10, times
+    runs = {name: st["clients"][name]["programs"] for name in clients}
+    share, runs_share = times["a"] / sum(times.values()), runs["a"] / sum(runs.values())
+    assert abs(runs_share - 0.5) < 0.15, runs
+    assert abs(share - runs_share) / runs_share < 0.10, (times, runs)
     for client, _ in clients.values():
         client.close()
     s.release()

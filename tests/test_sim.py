@@ -10,7 +10,7 @@ import sys
 
 import jax.numpy as jnp
 import pytest
-from helpers import ROOT, modules_of_a_fresh_import, start_script, wait_for
+from helpers import ROOT, modules_of_a_fresh_import, wait_for
 
 import pathways_jax as pw
 from pathways_jax import sim
@@ -667,41 +667,16 @@ def test_importing_pathways_jax_does_not_import_simpy():
 
 
 # Script runs of this module that go side by side (pure Python each, on one core): by test name.
-SIDE_BY_SIDE = {
-    "test_sim_predict_example_runs": ("examples/sim_predict.py",),
-    "test_scale_benchmark_quick_mode_writes_every_figure": ("benchmarks/sim_scale.py", "--quick"),
-    "test_validation_benchmark_quick_mode_reports_every_point": ("benchmarks/sim_validate.py", "--quick"),
-}
-
-
-@pytest.fixture(scope="module")
-def side_by_side(request, tmp_path_factory):
-    """The runs of ``SIDE_BY_SIDE`` whose tests this session runs, all started at the first that
-    asks: test name -> (``helpers.Script``, its ``--out`` folder)."""
-    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
-    runs = {}
-    for name, (script, *flags) in SIDE_BY_SIDE.items():
-        if name in selected:
-            out = tmp_path_factory.mktemp(name)
-            args = [*flags, f"--out={out}"] if script.startswith("benchmarks/") else flags
-            runs[name] = (start_script(script, *args, timeout=240), out)
-    try:
-        yield runs
-    finally:
-        for script, _ in runs.values():
-            script.stop()
-
-
 @pytest.mark.timeout(300)
-def test_sim_predict_example_runs(side_by_side):
-    out = side_by_side["test_sim_predict_example_runs"][0].output()
+def test_sim_predict_example_runs(background_run):  # run in the background (conftest.py, BACKGROUND)
+    out = background_run[0].output()
     assert "predicted step" in out
     assert "hosts" in out
 
 
 @pytest.mark.timeout(120)
-def test_scale_benchmark_quick_mode_writes_every_figure(side_by_side):
-    script, tmp_path = side_by_side["test_scale_benchmark_quick_mode_writes_every_figure"]
+def test_scale_benchmark_quick_mode_writes_every_figure(background_run):
+    script, tmp_path = background_run
     script.output()
     report = json.loads((tmp_path / "sim_scale_quick.json").read_text())
     assert set(report["dispatch"]) == {"1", "16"}
@@ -722,9 +697,9 @@ def test_scale_benchmark_quick_mode_writes_every_figure(side_by_side):
 
 
 @pytest.mark.timeout(120)
-def test_validation_benchmark_quick_mode_reports_every_point(side_by_side):
+def test_validation_benchmark_quick_mode_reports_every_point(background_run):
     # Only that it runs and reports: the validation itself is in benchmarks/README.md, not timed here.
-    script, tmp_path = side_by_side["test_validation_benchmark_quick_mode_reports_every_point"]
+    script, tmp_path = background_run
     script.output()
     report = json.loads((tmp_path / "sim_validate_quick.json").read_text())
     assert set(report["local"]) == {"1", "2"}
