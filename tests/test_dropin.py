@@ -350,20 +350,40 @@ print("submitted", flush=True)
 """
 
 
-@pytest.mark.parametrize(("devices", "runs", "backend"), [(4, 3, "local"), (1, 2, "local"), (2, 3, "ray")])
-def test_exit_without_shutdown_mid_run_is_clean(tmp_path, devices, runs, backend):
-    script = tmp_path / "exit_mid_run.py"
+_EXIT_CASES = [(4, 3, "local"), (1, 2, "local"), (2, 3, "ray")]
+
+
+@pytest.fixture(scope="module")
+def exit_runs(tmp_path_factory):
+    """Every case's process, all started at the first case that asks: each mostly waits."""
+    script = tmp_path_factory.mktemp("exit") / "exit_mid_run.py"
     script.write_text(textwrap.dedent(_EXIT_SCRIPT))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(devices), str(runs), backend],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=env,
-    )
-    assert "submitted" in done.stdout, done.stderr[-2000:]
-    assert done.returncode == 0, done.stderr[-2000:]
+    runs = {
+        case: subprocess.Popen(
+            [sys.executable, str(script), *map(str, case)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for case in _EXIT_CASES
+    }
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.communicate(timeout=30)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("devices", "runs", "backend"), _EXIT_CASES)
+def test_exit_without_shutdown_mid_run_is_clean(exit_runs, devices, runs, backend):
+    out, err = exit_runs[devices, runs, backend].communicate(timeout=150)
+    assert "submitted" in out, err[-2000:]
+    assert exit_runs[devices, runs, backend].returncode == 0, err[-2000:]
 
 
 _EXIT_WITH_CALLBACK_SCRIPT = """
