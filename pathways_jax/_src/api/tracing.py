@@ -158,6 +158,15 @@ class Program:
             return self
         return types.MethodType(self, instance)
 
+    def __deepcopy__(self, memo: dict) -> Program:
+        """The program itself, as ``copy.deepcopy`` keeps a function: an object holding it copies.
+
+        A ``jax.jit`` function deep-copies into one that runs the function it
+        was made with; a program is that already (its caches and lock are its
+        own, not the caller's state).
+        """
+        return self
+
     def graph(self, *args: Any, **kwargs: Any) -> GraphView:
         """The dataflow graph this program traces into for these arguments.
 
