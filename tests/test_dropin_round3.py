@@ -37,3 +37,43 @@ def test_an_object_holding_a_program_deep_copies_as_one_holding_a_jax_jit_functi
     have = copy.deepcopy(_Trainer(wrap))
     np.testing.assert_array_equal(pw.results(have.step(x)), want.step(x))
     assert copy.deepcopy({"step": have.step})["step"](x).dtype == want.step(x).dtype
+
+
+class _ConfigError(ValueError):
+    """An exception of the user's that carries what went wrong, as many libraries' do."""
+
+    def __init__(self, field, detail):
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+
+
+def _raising(exc):
+    def step(x):
+        if x.ndim:  # raised while tracing, as a bad configuration or a missing file is
+            raise exc
+        return x
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "exc, read",
+    [
+        (_ConfigError("lr", "must be positive"), lambda e: e.field),
+        (FileNotFoundError(2, "No such file or directory", "vocab.txt"), lambda e: (e.errno, e.filename)),
+        (StopIteration(7), lambda e: e.value),
+        (ExceptionGroup("two checks failed", [ValueError("a"), KeyError("b")]), lambda e: len(e.exceptions)),
+    ],
+    ids=["own attribute", "OSError", "StopIteration", "ExceptionGroup"],
+)
+def test_an_exception_raised_while_tracing_carries_its_attributes_as_under_jax_jit(exc, read):
+    # The error raised was of the exception's class but lost what except clauses read of it
+    # (e.field, errno and filename were None, StopIteration.value None), and an ExceptionGroup
+    # raised a TypeError from its wrapping instead (BaseExceptionGroup.__new__ takes 2 arguments).
+    x = jnp.arange(3.0)
+    with pytest.raises(type(exc)) as want:
+        jax.jit(_raising(exc))(x)
+    with pytest.raises(type(exc)) as have:
+        pw.program(_raising(exc))(x)
+    assert isinstance(have.value, pw.errors.ProgramTraceError)
+    assert read(have.value) == read(want.value)

@@ -122,9 +122,11 @@ class Program:
             raise
         except Exception as exc:  # also of the original's class (XLA's JaxRuntimeError: a bad option)
             kind = errors.PlacementError if isinstance(exc, ValueError) else errors.ProgramTraceError
-            raise errors.also(kind, type(exc))(
+            raise errors.like(
+                kind,
+                exc,
                 f"compiling program {self.name!r} ({self.source_info}) for {source.of_caller()} failed: "
-                f"{type(exc).__name__}: {exc}{_mesh_mismatch_hint(exc, None)}"
+                f"{type(exc).__name__}: {exc}{_mesh_mismatch_hint(exc, None)}",
             ) from exc
 
     def _transformed(self, args: tuple, kwargs: dict) -> Any:
