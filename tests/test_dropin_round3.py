@@ -77,3 +77,29 @@ def test_an_exception_raised_while_tracing_carries_its_attributes_as_under_jax_j
         pw.program(_raising(exc))(x)
     assert isinstance(have.value, pw.errors.ProgramTraceError)
     assert read(have.value) == read(want.value)
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["no sharding", "NamedSharding"])
+def test_lowering_with_shape_dtype_structs_warms_the_call_as_jax_jits_aot_lowering_does(placed):
+    # jax.jit(f).lower(sds).compile() (the AOT guide's warm-up) makes jax.jit(f)(x) compile
+    # nothing; the program traced, lowered and compiled again at its first call with arrays.
+    mesh = jax.make_mesh((2,), ("i",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i")) if placed else None
+    x = jnp.arange(8.0) if sharding is None else jax.device_put(jnp.arange(8.0), sharding)
+
+    def step(v, scale):
+        return jnp.tanh(v) * scale, v.sum()
+
+    abstract = (
+        jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    program = pw.program(step)
+    assert program.lower(*abstract).as_text() == jax.jit(step).lower(*abstract).as_text()
+    program.lower(*abstract).compile()
+    pw.reset_counters()
+    have = pw.results(program(x, jnp.float32(2.0)))
+    assert (pw.counters()["traces"], pw.counters()["compiles"]) == (0, 0)
+    for got, want in zip(have, jax.jit(step)(x, jnp.float32(2.0)), strict=True):
+        np.testing.assert_array_equal(got, want)
+        assert (got.sharding, got.committed) == (want.sharding, want.committed)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from pathways_jax._src.api import function_trace, nnx_graph
-from pathways_jax._src.api.arguments import TraceInputs, TracerArgument, _as_array_key
+from pathways_jax._src.api.arguments import AbstractArray, TraceInputs, TracerArgument, _as_array_key
 from pathways_jax._src.api.graph_view import GraphView
 from pathways_jax._src.api.jit_options import name_of
 from pathways_jax._src.api.placement import _mesh_mismatch_hint
@@ -451,10 +451,16 @@ class Program:
         """Traces and lowers the plan a call with these arguments would run (nothing runs).
 
         Abstract arguments (``jax.ShapeDtypeStruct``, as the AOT guide lowers
-        with) make no plan: a call takes arrays.
+        with) prepare the plan of a call with ``jax.Array`` s of their shapes,
+        dtypes and shardings, as ``jax.jit``'s ``lower(...).compile()`` warms its
+        calls; one that no array stands for (a sharding with no devices) prepares none.
         """
-        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
-            return
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+            stand_ins = [AbstractArray.of(v) if isinstance(v, jax.ShapeDtypeStruct) else v for v in leaves]
+            if any(v is None for v in stand_ins):
+                return
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, stand_ins)
         try:
             key, inputs = self._info.split(args, kwargs)
         except (TracerArgument, nnx_graph.GraphArgument):
