@@ -457,6 +457,8 @@ class Program:
         """
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+            if nnx_graph.has_graph_nodes((args, kwargs)):
+                return  # NNX objects: prepared by their first call
             stand_ins = [AbstractArray.of(v) if isinstance(v, jax.ShapeDtypeStruct) else v for v in leaves]
             if any(v is None for v in stand_ins):
                 return
