@@ -113,8 +113,47 @@ def _future_key(leaf: Future) -> FutureKey:
     return key
 
 
+class AbstractArray:
+    """A ``jax.ShapeDtypeStruct`` given to ``program.lower``, as the ``jax.Array`` a call passes for it.
+
+    ``jax.jit(f).lower(sds).compile()`` warms ``jax.jit(f)(x)``: a call with an
+    array of that shape, dtype and sharding (none: uncommitted on the default
+    device) compiles nothing. ``Program.lower`` prepares the plan of that call
+    from this stand-in, which signs as such an array does; nothing else takes it.
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: ArrayKey) -> None:
+        self.key = key
+
+    @classmethod
+    def of(cls, leaf: jax.ShapeDtypeStruct) -> AbstractArray | None:
+        """The stand-in of ``leaf``; None where no call's array is known for it.
+
+        A sharding that names no devices (a ``PartitionSpec``, an abstract mesh)
+        or a dtype JAX's configuration narrows leaves the plan to the first call.
+        """
+        dtype = leaf.dtype
+        if isinstance(dtype, np.dtype) and jax.dtypes.canonicalize_dtype(dtype) != dtype:
+            return None
+        sharding = leaf.sharding
+        if sharding is None:  # as jnp.asarray makes it: uncommitted, on the default device
+            device = getattr(jax.config, "jax_default_device", None)
+            if not isinstance(device, jax.Device):
+                device = jax.devices(device)[0] if device else jax.devices()[0]
+            return cls(ArrayKey(leaf.shape, dtype, leaf.weak_type, _one_device(device), False))
+        if not isinstance(sharding, jax.sharding.Sharding):
+            return None
+        try:
+            sharding.device_set  # noqa: B018  # an abstract mesh's has none
+        except (AttributeError, ValueError, RuntimeError):
+            return None
+        return cls(ArrayKey(leaf.shape, dtype, leaf.weak_type, sharding, True))
+
+
 # Exact-type fast path of the signature (the common argument kinds).
-_KEYS: dict[type, Callable[[Any], ArgKey]] = {Future: _future_key}
+_KEYS: dict[type, Callable[[Any], ArgKey]] = {Future: _future_key, AbstractArray: lambda leaf: leaf.key}
 
 
 def _signed(leaves: list[Any], program: str) -> tuple[ArgKey, ...]:

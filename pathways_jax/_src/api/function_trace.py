@@ -141,10 +141,12 @@ def trace(
             # the user's call did.
             where = source.of_exception(exc, info.fun) or f"the call ({source.of_caller()})"
             # Also of the original's class: `except ValueError` written for jax.jit still catches it.
-            raise errors.also(errors.ProgramTraceError, type(exc))(
+            raise errors.like(
+                errors.ProgramTraceError,
+                exc,
                 f"tracing program {info.name!r} ({info.source_info}) failed at "
                 f"{where}: {type(exc).__name__}: "
-                f"{info.in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}"
+                f"{info.in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}",
             ) from exc
         closed = retried
     finally:

@@ -259,6 +259,10 @@ class JitFunction:
             return self
         return types.MethodType(self, instance)
 
+    def __deepcopy__(self, memo: dict) -> JitFunction:
+        """The function itself, as ``copy.deepcopy`` keeps a function (see ``Program.__deepcopy__``)."""
+        return self
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = active_trace()
         if trace is None and jax.config.jax_disable_jit:  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from pathways_jax._src.api import function_trace, nnx_graph
-from pathways_jax._src.api.arguments import TraceInputs, TracerArgument, _as_array_key
+from pathways_jax._src.api.arguments import AbstractArray, TraceInputs, TracerArgument, _as_array_key
 from pathways_jax._src.api.graph_view import GraphView
 from pathways_jax._src.api.jit_options import name_of
 from pathways_jax._src.api.placement import _mesh_mismatch_hint
@@ -122,9 +122,11 @@ class Program:
             raise
         except Exception as exc:  # also of the original's class (XLA's JaxRuntimeError: a bad option)
             kind = errors.PlacementError if isinstance(exc, ValueError) else errors.ProgramTraceError
-            raise errors.also(kind, type(exc))(
+            raise errors.like(
+                kind,
+                exc,
                 f"compiling program {self.name!r} ({self.source_info}) for {source.of_caller()} failed: "
-                f"{type(exc).__name__}: {exc}{_mesh_mismatch_hint(exc, None)}"
+                f"{type(exc).__name__}: {exc}{_mesh_mismatch_hint(exc, None)}",
             ) from exc
 
     def _transformed(self, args: tuple, kwargs: dict) -> Any:
@@ -157,6 +159,15 @@ class Program:
         if instance is None:
             return self
         return types.MethodType(self, instance)
+
+    def __deepcopy__(self, memo: dict) -> Program:
+        """The program itself, as ``copy.deepcopy`` keeps a function: an object holding it copies.
+
+        A ``jax.jit`` function deep-copies into one that runs the function it
+        was made with; a program is that already (its caches and lock are its
+        own, not the caller's state).
+        """
+        return self
 
     def graph(self, *args: Any, **kwargs: Any) -> GraphView:
         """The dataflow graph this program traces into for these arguments.
@@ -440,10 +451,18 @@ class Program:
         """Traces and lowers the plan a call with these arguments would run (nothing runs).
 
         Abstract arguments (``jax.ShapeDtypeStruct``, as the AOT guide lowers
-        with) make no plan: a call takes arrays.
+        with) prepare the plan of a call with ``jax.Array`` s of their shapes,
+        dtypes and shardings, as ``jax.jit``'s ``lower(...).compile()`` warms its
+        calls; one that no array stands for (a sharding with no devices) prepares none.
         """
-        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
-            return
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+            if nnx_graph.has_graph_nodes((args, kwargs)):
+                return  # NNX objects: prepared by their first call
+            stand_ins = [AbstractArray.of(v) if isinstance(v, jax.ShapeDtypeStruct) else v for v in leaves]
+            if any(v is None for v in stand_ins):
+                return
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, stand_ins)
         try:
             key, inputs = self._info.split(args, kwargs)
         except (TracerArgument, nnx_graph.GraphArgument):

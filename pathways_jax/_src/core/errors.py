@@ -6,6 +6,9 @@ fitting built-in exception, so ``except ValueError`` keeps working.
 
 from __future__ import annotations
 
+import contextlib
+import types
+
 __all__ = [
     "AccessError",
     "BackPressureTimeout",
@@ -81,6 +84,46 @@ def also(error: type[PathwaysError], builtin: type[BaseException]) -> type[Pathw
 
 
 _COMBINED: dict[tuple[type, type], type] = {}
+
+# Kept as ours: the message and its chaining, and the notes JAX and the user added to the
+# cause (the cause is chained, so they show there once).
+_NOT_CARRIED = frozenset(
+    ("args", "__traceback__", "__context__", "__cause__", "__suppress_context__", "__notes__", "__dict__")
+)
+
+
+def like(error: type[PathwaysError], cause: BaseException, message: str) -> PathwaysError:
+    """``also(error, type(cause))(message)``, carrying the attributes ``except`` code reads of ``cause``.
+
+    Code written for ``jax.jit`` catches its function's own exception and reads
+    it: a custom exception's attributes (``e.code``), ``OSError``'s ``errno`` and
+    ``filename``, ``StopIteration.value``, an exception group's ``exceptions``
+    (whose class cannot be made without them). The message is ``message``.
+    """
+    kind = also(error, type(cause))
+    made: PathwaysError
+    if isinstance(cause, BaseExceptionGroup) and issubclass(kind, BaseExceptionGroup):
+        made = BaseExceptionGroup.__new__(kind, message, cause.exceptions)
+        BaseException.__init__(made, message)
+    else:
+        made = kind(message)
+    if kind is error:  # not combined: the cause's attributes belong to another class
+        return made
+    for klass in type(cause).__mro__:
+        # The builtin classes' own fields (OSError.errno, StopIteration.value, ...).
+        if klass.__module__ != "builtins" or klass in (BaseException, object):
+            continue
+        for name, field in vars(klass).items():
+            if name in _NOT_CARRIED or not isinstance(
+                field, (types.GetSetDescriptorType, types.MemberDescriptorType)
+            ):
+                continue
+            with contextlib.suppress(AttributeError, TypeError):  # read-only, or unset on the cause
+                setattr(made, name, getattr(cause, name))
+    carried = getattr(cause, "__dict__", None)
+    if carried:
+        made.__dict__.update({k: v for k, v in carried.items() if k not in _NOT_CARRIED})
+    return made
 
 
 class TransferError(PathwaysError, RuntimeError):
