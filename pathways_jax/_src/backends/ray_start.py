@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from pathways_jax._src.backends import local
-from pathways_jax._src.backends.base import StartOptions, given
+from pathways_jax._src.backends.base import StartOptions
 from pathways_jax._src.core import errors
 
 
@@ -40,27 +40,8 @@ def _join_service(args: StartOptions) -> Any:
     from pathways_jax._src.backends import service_client as service_lib
 
     actor, token, joined = service_lib.join(args.service or "", args.address, args.client_name)
-    hosts, per_host, per_island = joined["hosts"], joined["devices_per_host"], joined["per_island"]
-    asked = {"hosts": args.hosts, "islands": args.islands}
-    has = {"hosts": hosts, "islands": hosts // per_island}
-    wrong = [f"{k}={asked[k]!r} (the service has {has[k]})" for k in asked if asked[k] not in (None, has[k])]
-    if given(args.devices_per_host) and args.devices_per_host != per_host:
-        wrong.append(f"devices_per_host={int(args.devices_per_host)!r} (the service has {per_host})")
-    if given(args.platform) and args.platform != joined["platform"]:
-        wrong.append(f"platform={str(args.platform)!r} (the service's hosts are {joined['platform']!r})")
-    rebuilds = joined.get("replace_lost_hosts", True)
-    if args.replace_lost_hosts is False and rebuilds:
-        wrong.append(
-            "replace_lost_hosts=False (the service rebuilds its lost islands for all its clients, as "
-            "pw.serve(replace_lost_hosts=True) started it)"
-        )
-    elif args.replace_lost_hosts is True and args.replace_lost_hosts_given and not rebuilds:
-        wrong.append(
-            "replace_lost_hosts=True (the service does not rebuild lost islands: pw.serve("
-            "replace_lost_hosts=False) started it, so an island that loses a host stays out of "
-            "placement for all its clients; to have them rebuilt, start the service with "
-            "pw.serve(replace_lost_hosts=True))"
-        )
+    hosts, per_host = joined["hosts"], joined["devices_per_host"]
+    wrong = service_lib.mismatches(args, joined)
     try:
         if wrong:
             raise errors.ClusterError(
