@@ -599,6 +599,7 @@ def test_init_again_in_a_joined_process_checks_the_hosts_shape_given_and_the_ser
         ({"devices_per_host": 1}, r"devices_per_host=1 \(the service has 2\)"),
         ({"hosts": 4, "islands": 2}, r"hosts=4 \(the service has 2\), islands=2 \(the service has 1\)"),
         ({"replace_lost_hosts": False}, r"replace_lost_hosts=False \(the service rebuilds"),
+        ({"islands": [[0, 1, 2, 3]]}, r"islands=\[\[0, 1, 2, 3\]\] \(the Ray backend takes None or a number"),
     ):
         with pytest.raises(pw.errors.ClusterError, match=said + r".*Leave them out .*stays joined"):
             pw.init(**join, **given)

@@ -157,6 +157,11 @@ def mismatches(args: StartOptions, joined: dict) -> list[str]:
     asked = {"hosts": args.hosts, "islands": args.islands}
     has = {"hosts": hosts, "islands": hosts // per_island}
     wrong = [f"{k}={asked[k]!r} (the service has {has[k]})" for k in asked if asked[k] not in (None, has[k])]
+    if isinstance(args.islands, tuple):  # device ids, as the local backend takes them (frozen by pw.init)
+        wrong[-1] = (
+            f"islands={[list(group) for group in args.islands]!r} (the Ray backend takes None or a number "
+            f"of islands: the service has {has['islands']})"
+        )
     if given(args.devices_per_host) and args.devices_per_host != per_host:
         wrong.append(f"devices_per_host={int(args.devices_per_host)!r} (the service has {per_host})")
     if given(args.platform) and args.platform != joined["platform"]:
