@@ -515,8 +515,9 @@ class Handle:
     Made by ``pw.share(future, client=...)``; picklable. Pass it to another
     process, which turns it into a future with ``pw.receive(handle)``. The
     service lets only the value's owner and the clients it was shared with
-    read it; a handle does not keep its value alive (the owner's future, or a
-    receiver's, does).
+    read it. A handle does not keep its value alive: the owner's future does, and
+    each client it was shared with holds it from the share on, until that client
+    drops the futures ``pw.receive`` gave it, or leaves.
     """
 
     service: str
