@@ -239,9 +239,16 @@ def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(r
     manager.wait_until_finished()
     abstract = {"y": ocp.utils.to_shape_dtype_struct(state)}
     assert_matches(next(batches)["x"], _global_batch(4))
+    counter, zeros = (
+        _Counter(),
+        jax.device_put(jnp.zeros(2, jnp.int32), pw.devices(mesh={"x": 1}).sharding(None)),
+    )
+    assert [counter.bump(zeros).result().tolist() for _ in range(2)] == [[1, 1], [2, 2]]
     generation = cluster.backend.generations[0]
     pw.faults.kill_host(1)  # the island is lost, then rebuilt on new hosts
     assert wait_for(lambda: cluster.backend.generations[0] > generation and not cluster.backend.lost, 60)
+    # An object's state went with its hosts (README): made again from its constructor's arguments.
+    assert counter.bump(zeros).result().tolist() == [1, 1]
     restored = manager.restore(
         4, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
     )
@@ -251,6 +258,18 @@ def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(r
     batches.set_state(restored.data)  # the new hosts made their iterators anew: put them back at step 4
     assert_matches(next(batches)["x"], _global_batch(4))
     assert_matches(step(next(batches)), (_global_batch(5) * 2).sum(axis=1))
+
+
+@colocated.colocated_python_class
+class _Counter:
+    """A colocated object with state: how many times ``bump`` ran on its host."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def bump(self, v):
+        self.calls += 1
+        return v + self.calls
 
 
 def _three_rows(shard):

@@ -139,14 +139,24 @@ def test_init_arguments_are_checked(kwargs, pattern):
         pw.init(**kwargs)
 
 
-def test_gpu_hosts_on_a_cluster_without_gpus_are_refused_at_once(ray_cluster):
+def test_gpu_hosts_on_a_cluster_without_gpus_are_refused_at_once(ray_cluster, monkeypatch):
     import ray
 
+    from pathways_jax._src.backends import local
+
     assert ray.cluster_resources().get("GPU", 0) == 0  # the suite's local cluster: CPUs only
+    # As in a fresh process, whose JAX has not started: the refusal must leave it so, or its
+    # device count is fixed for good at this call's stand-ins (a retry asking for more hosts was
+    # refused, "JAX started with 2").
+    started: list[int] = []
+    monkeypatch.setattr(local, "_backend_started", lambda: False)
+    monkeypatch.setattr(local, "set_cpu_device_count", started.append)
     start = time.monotonic()
     with pytest.raises(pw.errors.ClusterError, match=r"2 hosts x 1 GPUs = 2 GPUs, but the Ray cluster has 0"):
         pw.init(backend="ray", hosts=2, devices_per_host=1, platform="gpu")
     assert time.monotonic() - start < 10  # placement would have waited its 120 s
+    assert started == []  # JAX's CPU devices were not asked for
+    monkeypatch.undo()
     # Nothing was started: CPU hosts come up next.
     assert pw.init(backend="ray", hosts=1, devices_per_host=1).backend.info[0]["platform"] == "cpu"
 

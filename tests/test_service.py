@@ -17,6 +17,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -583,6 +584,50 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
     pw.shutdown()
 
 
+def test_init_again_in_a_joined_process_checks_the_hosts_shape_given_and_the_service_again(
+    joined, island_service, monkeypatch
+):
+    """A joined process's pw.init with the same join: the shape given is checked as a first join checks
+    it (devices_per_host=1 and platform='cpu' compared equal to the defaults and were taken; hosts=2 was
+    "other arguments"), and a service that dropped this process is said so, not its old cluster returned."""
+    join = {"backend": "ray", "address": island_service.address, "service": island_service.name}
+    join["client_name"] = "me"
+    shape = {"hosts": 2, "devices_per_host": 2, "islands": 1, "platform": "cpu", "replace_lost_hosts": True}
+    assert pw.init(**join, **shape) is joined  # the service's shape given: the same cluster
+    assert pw.init(**join) is joined
+    for given, said in (
+        ({"devices_per_host": 1}, r"devices_per_host=1 \(the service has 2\)"),
+        ({"hosts": 4, "islands": 2}, r"hosts=4 \(the service has 2\), islands=2 \(the service has 1\)"),
+        ({"replace_lost_hosts": False}, r"replace_lost_hosts=False \(the service rebuilds"),
+        ({"islands": [[0, 1, 2, 3]]}, r"islands=\[\[0, 1, 2, 3\]\] \(the Ray backend takes None or a number"),
+    ):
+        with pytest.raises(pw.errors.ClusterError, match=said + r".*Leave them out .*stays joined"):
+            pw.init(**join, **given)
+    monkeypatch.setitem(joined.backend.shape, "platform", "gpu")  # as a service of GPU hosts answers
+    with pytest.raises(pw.errors.ClusterError, match=r"platform='cpu' \(the service's hosts are 'gpu'\)"):
+        pw.init(**join, platform="cpu")
+    with pytest.raises(pw.errors.ClusterError, match="is running"):  # another join: another cluster
+        pw.init(**{**join, "client_name": "someone-else"})
+    monkeypatch.undo()
+    step = pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 2}))
+    np.testing.assert_array_equal(step(jnp.arange(2.0)).result(timeout=60), np.arange(2.0) * 2)
+    # The service dropped this process: its health answer for a client it does not hold (to this
+    # thread's question only: the client's own health checks go on as they were).
+    real, me = joined.backend.service, threading.get_ident()
+
+    class Dropping:
+        def __getattr__(self, name):
+            if name == "health" and threading.get_ident() == me:
+                return types.SimpleNamespace(remote=lambda client_id: real.health.remote(10**6))
+            return getattr(real, name)
+
+    monkeypatch.setattr(joined.backend, "service", Dropping())
+    with pytest.raises(
+        pw.errors.ClusterError, match=r"dropped this process \(it is not joined.*pw\.shutdown\(\) first"
+    ):
+        pw.init(**join)
+
+
 def test_replace_lost_hosts_true_given_against_a_service_that_does_not_rebuild_is_refused(
     island_service, monkeypatch
 ):
@@ -985,6 +1030,12 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         for ask in (pw.stats, svc.stats, svc.host_stats, pw.cluster().backend.host_stats):
             with pytest.raises(pw.errors.ClusterError, match="controller service 'test-dies' is gone"):
                 ask()
+        # pw.init again with the same arguments: refused saying what to do, not the dead join returned.
+        with pytest.raises(
+            pw.errors.ClusterError,
+            match=r"pw\.init\(service='test-dies'\): this process joined .* gone since .*pw\.shutdown\(\) first",
+        ):
+            pw.init(backend="ray", address=svc.address, service=svc.name)
     finally:
         started = time.monotonic()
         pw.shutdown()

@@ -330,6 +330,11 @@ class ServiceView(Protocol):
         """The service's view: its clients, queues, hosts and refusals."""
         ...
 
+    def check_again(self, args: StartOptions) -> None:
+        """``pw.init`` called again with the arguments this process joined with, the hosts' shape aside:
+        ClusterError if the shape given differs from the service's, or the service serves it no more."""
+        ...
+
 
 __all__ = [
     "Backend",

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from pathways_jax._src.backends import local
-from pathways_jax._src.backends.base import StartOptions, given
+from pathways_jax._src.backends.base import StartOptions
 from pathways_jax._src.core import errors
 
 
@@ -40,27 +40,8 @@ def _join_service(args: StartOptions) -> Any:
     from pathways_jax._src.backends import service_client as service_lib
 
     actor, token, joined = service_lib.join(args.service or "", args.address, args.client_name)
-    hosts, per_host, per_island = joined["hosts"], joined["devices_per_host"], joined["per_island"]
-    asked = {"hosts": args.hosts, "islands": args.islands}
-    has = {"hosts": hosts, "islands": hosts // per_island}
-    wrong = [f"{k}={asked[k]!r} (the service has {has[k]})" for k in asked if asked[k] not in (None, has[k])]
-    if given(args.devices_per_host) and args.devices_per_host != per_host:
-        wrong.append(f"devices_per_host={int(args.devices_per_host)!r} (the service has {per_host})")
-    if given(args.platform) and args.platform != joined["platform"]:
-        wrong.append(f"platform={str(args.platform)!r} (the service's hosts are {joined['platform']!r})")
-    rebuilds = joined.get("replace_lost_hosts", True)
-    if args.replace_lost_hosts is False and rebuilds:
-        wrong.append(
-            "replace_lost_hosts=False (the service rebuilds its lost islands for all its clients, as "
-            "pw.serve(replace_lost_hosts=True) started it)"
-        )
-    elif args.replace_lost_hosts is True and args.replace_lost_hosts_given and not rebuilds:
-        wrong.append(
-            "replace_lost_hosts=True (the service does not rebuild lost islands: pw.serve("
-            "replace_lost_hosts=False) started it, so an island that loses a host stays out of "
-            "placement for all its clients; to have them rebuilt, start the service with "
-            "pw.serve(replace_lost_hosts=True))"
-        )
+    hosts, per_host = joined["hosts"], joined["devices_per_host"]
+    wrong = service_lib.mismatches(args, joined)
     try:
         if wrong:
             raise errors.ClusterError(
@@ -82,14 +63,20 @@ def _join_service(args: StartOptions) -> Any:
         raise
 
 
-def _standins(total: int, num_cpu_devices: int | None, what: str) -> list:
-    """``total`` CPU devices of this process standing in for the hosts' devices."""
+def _standins(total: int, num_cpu_devices: int | None, what: str, *, start: bool = True) -> list:
+    """``total`` CPU devices of this process standing in for the hosts' devices.
+
+    ``start=False`` only checks that they can be had, starting nothing: JAX's
+    backend, once started, keeps its device count for the process's life.
+    """
     if num_cpu_devices is not None and num_cpu_devices < total:
         raise errors.ClusterError(
             f"num_cpu_devices={num_cpu_devices} is fewer than the {total} stand-in devices that {what} "
             "needs in this process."
         )
     if not local._backend_started():
+        if not start:
+            return []
         # Never fewer CPU devices than the process already asked JAX for.
         configured = getattr(jax.config, "jax_num_cpu_devices", -1) or -1
         local.set_cpu_device_count(num_cpu_devices or max(total, configured))
@@ -116,9 +103,19 @@ def _start_hosts(args: StartOptions) -> Any:
             f"on the Ray backend islands= is None (each host is an island) or a number of islands "
             f"that divides hosts={hosts} (islands of hosts/islands hosts each); got islands={islands!r}."
         )
-    standins = _standins(
-        hosts * devices_per_host, num_cpu_devices, f"hosts={hosts} x devices_per_host={devices_per_host}"
-    )
+    # The stand-ins start JAX's backend with their count, for good: the Ray cluster and its room
+    # for the hosts are checked first (a pw.init refused there, as GPU hosts on a cluster without
+    # GPUs are, had fixed the count, and a retry asking for more hosts was told "JAX started with N").
+    what = f"hosts={hosts} x devices_per_host={devices_per_host}"
+    _standins(hosts * devices_per_host, num_cpu_devices, what, start=False)
+    from pathways_jax._src.backends.ray_boot import check_cpus, check_gpus, import_ray, join_ray
+
+    ray = import_ray()
+    join_ray(ray, args.address, hosts)
+    check_cpus(ray, hosts)
+    if args.platform != "cpu":
+        check_gpus(ray, hosts, devices_per_host)
+    standins = _standins(hosts * devices_per_host, num_cpu_devices, what)
     from pathways_jax._src.backends import ray as ray_backend
 
     return ray_backend.RayBackend(

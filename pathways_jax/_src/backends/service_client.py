@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from absl import logging
 
-from pathways_jax._src.backends.base import Dispatched, Prepared, Windows
+from pathways_jax._src.backends.base import Dispatched, Prepared, StartOptions, Windows, given
 from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
 from pathways_jax._src.backends.ray_boot import (
@@ -150,6 +150,38 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
     return actor, token, joined
 
 
+def mismatches(args: StartOptions, joined: dict) -> list[str]:
+    """The hosts' shape ``pw.init`` was given (``args``) that differs from the service's (``joined``, its
+    answer to the join): each as ``"name=value (what the service has)"``; those left out are not checked."""
+    hosts, per_host, per_island = joined["hosts"], joined["devices_per_host"], joined["per_island"]
+    asked = {"hosts": args.hosts, "islands": args.islands}
+    has = {"hosts": hosts, "islands": hosts // per_island}
+    wrong = [f"{k}={asked[k]!r} (the service has {has[k]})" for k in asked if asked[k] not in (None, has[k])]
+    if isinstance(args.islands, tuple):  # device ids, as the local backend takes them (frozen by pw.init)
+        wrong[-1] = (
+            f"islands={[list(group) for group in args.islands]!r} (the Ray backend takes None or a number "
+            f"of islands: the service has {has['islands']})"
+        )
+    if given(args.devices_per_host) and args.devices_per_host != per_host:
+        wrong.append(f"devices_per_host={int(args.devices_per_host)!r} (the service has {per_host})")
+    if given(args.platform) and args.platform != joined["platform"]:
+        wrong.append(f"platform={str(args.platform)!r} (the service's hosts are {joined['platform']!r})")
+    rebuilds = joined.get("replace_lost_hosts", True)
+    if args.replace_lost_hosts is False and rebuilds:
+        wrong.append(
+            "replace_lost_hosts=False (the service rebuilds its lost islands for all its clients, as "
+            "pw.serve(replace_lost_hosts=True) started it)"
+        )
+    elif args.replace_lost_hosts is True and args.replace_lost_hosts_given and not rebuilds:
+        wrong.append(
+            "replace_lost_hosts=True (the service does not rebuild lost islands: pw.serve("
+            "replace_lost_hosts=False) started it, so an island that loses a host stays out of "
+            "placement for all its clients; to have them rebuilt, start the service with "
+            "pw.serve(replace_lost_hosts=True))"
+        )
+    return wrong
+
+
 class ServiceBackend:
     """A client process's side of a controller service: the Ray backend's dispatch, sent to the service.
 
@@ -188,6 +220,9 @@ class ServiceBackend:
         self.incarnation = joined["incarnation"]
         self.client_id = joined["client"]
         self.info = joined["info"]
+        # The hosts' shape the service said it has: pw.init called again checks what it is given against it.
+        self.shape = {k: joined[k] for k in ("hosts", "devices_per_host", "per_island", "platform")}
+        self.shape["replace_lost_hosts"] = joined.get("replace_lost_hosts", True)
         self._token = token
         self.channel = joined["channel"]  # the service's channel, this process's identity there
         self.sender = Sender(layout)  # what each host has and is to free (the service numbers)
@@ -330,6 +365,39 @@ class ServiceBackend:
         if isinstance(answer, Refused):
             raise errors.AccessError(f"pw.share: {answer.message}.")
 
+    def check_again(self, args: StartOptions) -> None:
+        """``pw.init`` called again in this process with the arguments it joined with, the hosts' shape
+        aside: the shape given is checked against the service's, as a first join checks it, and the
+        service must still serve this process (ClusterError, saying what to do, where either fails)."""
+        call = f"pw.init(service={self.service_name!r})"
+        wrong = mismatches(args, self.shape)
+        if wrong:
+            raise errors.ClusterError(
+                f"{call}: {', '.join(wrong)}. Leave them out to take the service's (this process stays "
+                "joined to it as it was)."
+            )
+        try:
+            health = self.ray.get(self.service.health.remote(self.client_id), timeout=_HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            if is_lost_error(exc):
+                raise errors.ClusterError(
+                    f"{call}: this process joined the controller service {self.service_name!r}, which is "
+                    f"gone since (stopped, or its actor died: {type(exc).__name__}). Call pw.shutdown() "
+                    "first; pw.init(...) then joins the service running under that name now, if one does."
+                ) from exc
+            if isinstance(exc, self.ray.exceptions.GetTimeoutError):
+                raise errors.ClusterError(
+                    f"{call}: the controller service {self.service_name!r} did not answer within "
+                    f"{_HEALTH_TIMEOUT_S:.0f}s; check that it runs (`python -m pathways_jax stats`)."
+                ) from exc
+            raise
+        if "dropped" in health:
+            raise errors.ClusterError(
+                f"{call}: the controller service {self.service_name!r} dropped this process "
+                f"({health['dropped']}) and serves it nothing more. Call pw.shutdown() first; pw.init(...) "
+                "then joins it again."
+            )
+
     # --- health: the service's word --------------------------------------------------------------
 
     def mark_lost(self, host: int, why: str, generation: int | None = None) -> None:
@@ -447,8 +515,9 @@ class Handle:
     Made by ``pw.share(future, client=...)``; picklable. Pass it to another
     process, which turns it into a future with ``pw.receive(handle)``. The
     service lets only the value's owner and the clients it was shared with
-    read it; a handle does not keep its value alive (the owner's future, or a
-    receiver's, does).
+    read it. A handle does not keep its value alive: the owner's future does, and
+    each client it was shared with holds it from the share on, until that client
+    drops the futures ``pw.receive`` gave it, or leaves.
     """
 
     service: str
@@ -471,4 +540,5 @@ __all__ = [
     "connect",
     "find",
     "join",
+    "mismatches",
 ]

@@ -378,7 +378,11 @@ def init(
 
     Returns:
       The :class:`Cluster`. Calling ``init`` again with the same arguments
-      returns it unchanged.
+      returns it unchanged. Joined to a controller service, the same join
+      (``service``, ``address``, ``client_name`` and the rest) returns it after
+      checking the hosts' shape given again, as a first join does, and that
+      the service still serves this process (``ClusterError`` if not: call
+      ``pw.shutdown()`` first).
 
     Raises:
       ClusterError: an argument of the wrong type or out of range (the message
@@ -418,7 +422,15 @@ def init(
         args = dataclasses.replace(args, devices_per_host=_DEVICES_PER_HOST)
     with _lock:
         if _current is not None:
-            if _current._init_args == args:
+            joined = _current.backend
+            if args.service is not None and isinstance(joined, ServiceView):
+                # The hosts' shape given joining a service only checks the service's: the same join
+                # with other checks is the same cluster, if they hold (a joined process's pw.init
+                # skipped them, and returned a cluster whose service was gone).
+                if _service_join(args) == _service_join(_current._init_args):
+                    joined.check_again(args)
+                    return _current
+            elif _current._init_args == args:
                 return _current
             raise errors.ClusterError(
                 f"pw.init{args.describe()} was called, but a cluster started with "
@@ -451,6 +463,19 @@ def init(
             # first, so this one stops the controller and the hosts while Ray still runs.
             atexit.register(_shutdown_at_exit)
         return _current
+
+
+def _service_join(args: InitArgs) -> InitArgs:
+    """``args`` without what joining a controller service only checks (the hosts' shape)."""
+    return dataclasses.replace(
+        args,
+        hosts=None,
+        islands=None,
+        devices_per_host=_DEVICES_PER_HOST,
+        platform=_PLATFORM,
+        replace_lost_hosts=True,
+        replace_lost_hosts_given=False,
+    )
 
 
 def cluster() -> Cluster:
