@@ -120,6 +120,9 @@ class Accounting:
         self._started = False
         self._start_lock = threading.Lock()
         self._busy = False  # the watcher holds records not accounted yet
+        # Called on the watcher's thread each time it has accounted every run it was given
+        # (the controller's: its windows let go of the outputs they watched).
+        self.on_idle: Callable[[], None] = lambda: None
         # Notes are appended by the dispatcher (no lock: deque appends are
         # atomic) and taken by the watcher, which is woken only when it sleeps.
         self._notes: collections.deque[Note] = collections.deque()
@@ -258,7 +261,12 @@ class Accounting:
         notes = self._notes
         while not self._stopping:
             if not pending and not notes and not self._open:
-                self._busy = False
+                if self._busy:
+                    self._busy = False
+                    try:
+                        self.on_idle()
+                    except Exception:  # pragma: no cover - a bug: the watcher keeps serving
+                        logging.exception("pathways_jax: the accounting watcher's idle hook failed")
                 self._wakeup.wait(_IDLE_POLL_S)
                 continue
             self._busy = True

@@ -114,9 +114,8 @@ class Future(ArrayLike):
 
     def __del__(self) -> None:
         # No module globals here: at interpreter exit they may already be None.
-        # The store frees the value at its next collect(): an atomic append.
         try:  # noqa: SIM105
-            self._store._dropped.append(self._entry)
+            self._store.dropped(self._entry)
         except Exception:
             pass
 

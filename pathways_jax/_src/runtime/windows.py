@@ -90,6 +90,11 @@ class InFlightWindows:
         finally:
             inside.depth -= 1
 
+    def settle_all(self) -> None:
+        """Drops the settled entries of every window (the outputs they watched stay no longer)."""
+        for key in list(self.entries):
+            self.settle(key)
+
     def short_oldest(self, key: int, short_s: float) -> bool:
         """True if the oldest entry of window ``key`` is of a run known to take at most ``short_s``."""
         entries = self.entries[key]
