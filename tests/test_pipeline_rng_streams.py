@@ -75,3 +75,23 @@ def test_reseeded_streams_and_train_false_run_as_the_plain_module():
         want.append(plain(xm))
     np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-6)
     assert not np.array_equal(got[:2] == 0, got[2:] == 0)  # each microbatch its own mask
+
+
+def test_an_nnx_rngs_gives_each_call_the_keys_its_streams_draw_next():
+    # Flax code passes nnx.Rngs everywhere: each call draws one key per stream (advancing it,
+    # as a module drawing from it would), and the stages get derive_rngs of the drawn keys.
+    slices = island_slices(2, mesh={"data": 1})
+    module = Dropped(nnx.Rngs(0, dropout=1))
+    pipe = pipeline.Pipeline([module], slices[:1], num_microbatches=2)
+    rngs, draws = nnx.Rngs(dropout=7), nnx.Rngs(dropout=7)
+    for _ in range(2):
+        got = np.asarray(pipe.forward(X, train=True, rngs=rngs).result(timeout=60))
+        keys = {"dropout": draws.dropout()}
+        want = []
+        for m, xm in enumerate(np.split(X, 2)):
+            plain = nnx.clone(module)
+            nnx.reseed(plain, **pipeline.derive_rngs(keys, 0, m))
+            want.append(plain(xm))
+        np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-6)
+    first = pipe.forward(X, train=True, rngs=nnx.Rngs(dropout=7)).result(timeout=60)
+    assert not np.array_equal(np.asarray(first) == 0, got == 0)  # the second call drew a new key

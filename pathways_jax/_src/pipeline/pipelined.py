@@ -507,7 +507,8 @@ class Pipeline:
           x: the batch of inputs (first dimension: the batch).
           y: the batch of targets.
           rngs: stream name to key, e.g. ``{"dropout": jax.random.fold_in(key, step)}``;
-            stage ``s`` on microbatch ``m`` gets :func:`derive_rngs` ``(rngs, s, m)``.
+            stage ``s`` on microbatch ``m`` gets :func:`derive_rngs` ``(rngs, s, m)``. An
+            ``nnx.Rngs`` gives the keys its streams draw next (one per stream, advancing it).
           train: passed to every stage, as ``train``, ``training`` or
             ``deterministic`` (``not train``), whichever its call takes (see
             :func:`as_stage`); ``None`` passes nothing.

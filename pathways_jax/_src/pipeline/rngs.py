@@ -1,6 +1,8 @@
 """RNG streams of a step: checked once on the host, one derived key per stage and microbatch.
 
-A step's ``rngs`` is a Flax-style mapping from stream name to key (``{"dropout": key}``).
+A step's ``rngs`` is a Flax-style mapping from stream name to key (``{"dropout": key}``), or
+an ``nnx.Rngs``, from whose every stream one key is drawn per call (as a module holding it
+would draw, advancing its count, so the same ``nnx.Rngs`` gives every step new keys).
 Stage ``s`` on microbatch ``m`` gets, for every stream, ``fold_in(fold_in(key, s), m)``
 (see :func:`derive_rngs`). The keys travel into the stage nodes as raw ``uint32`` key data
 and are wrapped back into typed keys inside the node, on the stage's slice.
@@ -16,10 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import pathways_jax as pw
 
-Rngs = Mapping[str, Any]
+Rngs = Mapping[str, Any] | nnx.Rngs  # a call's rngs: stream name to key, or an nnx.Rngs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,7 +46,7 @@ class Mode:
         return {name: jax.random.wrap_key_data(data[name], impl=impl) for name, impl in self.streams}
 
 
-def derive_rngs(rngs: Rngs, stage: int, microbatch: int) -> dict[str, jax.Array]:
+def derive_rngs(rngs: Mapping[str, Any], stage: int, microbatch: int) -> dict[str, jax.Array]:
     """The keys stage ``stage`` gets on microbatch ``microbatch``: ``fold_in(fold_in(key, stage), microbatch)``.
 
     A pipelined step with ``rngs={"dropout": key}`` runs stage ``s`` on microbatch ``m``
@@ -72,14 +75,32 @@ def derive_rngs(rngs: Rngs, stage: int, microbatch: int) -> dict[str, jax.Array]
     }
 
 
+def _drawn(rngs: Any) -> Any:
+    """An ``nnx.Rngs`` (or ``nnx.RngStream`` values) as stream name to key: one key drawn from each.
+
+    Drawing advances the stream's count as ``rngs.dropout()`` does in a module, so passing the
+    same ``nnx.Rngs`` to every step gives every step new keys; stage ``s`` on microbatch ``m``
+    then gets :func:`derive_rngs` of the drawn keys.
+    """
+    if isinstance(rngs, nnx.Rngs):
+        return {name: stream() for name, stream in rngs.items()}
+    if isinstance(rngs, Mapping) and any(isinstance(key, nnx.RngStream) for key in rngs.values()):
+        return {name: key() if isinstance(key, nnx.RngStream) else key for name, key in rngs.items()}
+    return rngs
+
+
 def check_rngs(rngs: Any, what: str) -> dict[str, jax.Array] | None:
-    """``rngs`` as typed keys by stream name (sorted), or ``None``; raises on anything else."""
+    """``rngs`` as typed keys by stream name (sorted), or ``None``; raises on anything else.
+
+    An ``nnx.Rngs`` gives one key drawn from each of its streams (see :func:`_drawn`).
+    """
     if rngs is None:
         return None
+    rngs = _drawn(rngs)
     if not isinstance(rngs, Mapping) or not rngs:
         raise pw.errors.ProgramTraceError(
             f"{what}: rngs must be a non-empty mapping from stream name to key, such as "
-            f"rngs={{'dropout': jax.random.key(0)}}, got {type(rngs).__name__}: {rngs!r:.80}."
+            f"rngs={{'dropout': jax.random.key(0)}}, or an nnx.Rngs (rngs=nnx.Rngs(dropout=0)), got {type(rngs).__name__}: {rngs!r:.80}."
         )
     typed = {}
     for name in sorted(rngs):
