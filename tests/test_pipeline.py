@@ -151,6 +151,52 @@ def test_stages_sharded_over_their_mesh_match_plain_jit():
     assert kernel.sharding.spec == pw.P(None, "model")
 
 
+class PartitionedDense(linen.Module):
+    """Flax's docs' Linen layer: parameters declared with nn.with_partitioning on a mesh of theirs."""
+
+    features: int
+    mesh: jax.sharding.Mesh | None = None
+
+    @linen.compact
+    def __call__(self, x):
+        init = linen.with_partitioning(linen.initializers.lecun_normal(), (None, "model"), mesh=self.mesh)
+        kernel = self.param("kernel", init, (x.shape[-1], self.features))
+        bias = self.param(
+            "bias", linen.with_partitioning(linen.initializers.normal(), ("model",)), (self.features,)
+        )
+        return jnp.tanh(x @ kernel + bias)
+
+
+def test_linen_with_partitioning_on_a_mesh_of_the_users_runs_on_every_stage_slice():
+    # mesh=m (the first island's devices) constrains the parameters there; stage 1 runs on the
+    # second island's: the names apply on each stage's own slice instead (was: incompatible devices).
+    pw.init(num_cpu_devices=8, islands=2)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    modules = [PartitionedDense(HIDDEN, mesh), PartitionedDense(DOUT + 1, mesh)]
+    stages = [
+        (m, m.init(jax.random.key(i), jnp.zeros((1, d))))
+        for i, (m, d) in enumerate(zip(modules, (DIN, HIDDEN), strict=True))
+    ]
+    x, _ = make_data(0)
+    y = np.ones((BATCH, DOUT + 1), np.float32)
+    want = reference_steps(stages, optax.sgd(0.1), [(x, y)])
+    slices = [pw.devices(mesh={"data": 2, "model": 2}, island=i) for i in range(2)]
+    specs = [linen.get_partition_spec(variables)["params"] for _, variables in stages]
+    pipe = pipeline.Pipeline(
+        stages, slices, loss_fn=mse, optimizer=optax.sgd(0.1), num_microbatches=2, param_specs=specs
+    )
+    np.testing.assert_allclose(float(pipe.train_step(x, y).result(timeout=60)), float(want[0][0]), rtol=1e-5)
+    assert_tree_close(pipe.params, want[0][2])  # leaves inside the Partitioned boxes
+    assert pipe.params[1]["bias"].value.sharding.spec == pw.P("model")
+    # A slice without the axis the names give: a named error before anything runs.
+    no_model = [pw.devices(mesh={"data": 4}, island=i) for i in range(2)]
+    with pytest.raises(
+        pw.errors.PlacementError,
+        match=r"parameter bias is declared with nn.with_partitioning names \('model',\).*axes \('data',\), not 'model'",
+    ):
+        pipeline.Pipeline(stages, no_model)
+
+
 def test_forward_matches_plain_jit():
     slices = island_slices(4)[:3]
     stages = make_stages()

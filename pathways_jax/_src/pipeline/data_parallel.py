@@ -109,6 +109,8 @@ class DataParallel:
         self._tx = tx
         # The optimizer takes the step's loss as value= (optax.contrib.reduce_on_plateau).
         self._needs_value = needs_value(tx, stage.params)
+        for i, slice_ in enumerate(self.slices):
+            stages_lib.check_partitioning(stage.params, slice_, f"DataParallel on slice {i}")
         specs = [
             stages_lib.param_specs(
                 stage.params, param_specs, slice_, f"DataParallel param_specs on slice {i}"

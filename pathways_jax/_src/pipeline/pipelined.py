@@ -173,6 +173,9 @@ class Pipeline:
         self._param_specs = []
         for index, (stage, slice_, tx) in enumerate(zip(normalised, self.slices, txs, strict=True)):
             where = f"param_specs of Pipeline stage {index} ({stage.description})"
+            stages_lib.check_partitioning(
+                stage.params, slice_, f"Pipeline stage {index} ({stage.description})"
+            )
             specs = stages_lib.param_specs(stage.params, per_stage[index], slice_, where)
             self._param_specs.append(specs)
             self._state_nodes.append(

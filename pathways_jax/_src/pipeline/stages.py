@@ -347,8 +347,10 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             description = f"linen {type(first).__name__}"
             holds: dict[tuple, str] = {}  # by the input's shapes and dtypes
 
+            variables = on_the_slice_mesh(variables)
+
             def apply_linen(p: Any, x: Any) -> Any:
-                return first.apply({"params": p, **variables}, x)
+                return first.apply({"params": on_the_slice_mesh(p), **variables}, x)
 
             def call_linen(
                 p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
@@ -362,7 +364,12 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                             linen_flag.unreached_message(train_kw, index, description, holds[key])
                         )
                 kwargs: dict[str, Any] = linen_flag.kwargs(train, train_kw)
-                return first.apply({"params": p, **variables}, x, rngs=dict(rngs) if rngs else None, **kwargs)
+                return first.apply(
+                    {"params": on_the_slice_mesh(p), **variables},
+                    x,
+                    rngs=dict(rngs) if rngs else None,
+                    **kwargs,
+                )
 
             # Linen's own collection of running statistics (nn.BatchNorm's), held fixed here.
             stats = variables.get("batch_stats")
@@ -513,6 +520,52 @@ def _check_fits(spec: pw.P, leaf: Any, slice_: pw.VirtualSlice, where: str) -> N
             raise pw.errors.PlacementError(
                 f"{where} is {spec}, which splits a dimension of size {dim} (shape {shape}) into "
                 f"{parts} parts on {slice_!r}; the size must divide evenly."
+            )
+
+
+def _is_partitioned(node: Any) -> bool:
+    return isinstance(node, linen.Partitioned)
+
+
+def on_the_slice_mesh(tree: Any) -> Any:
+    """Linen's ``nn.with_partitioning`` boxes without their ``mesh=``: constrained on the stage's slice.
+
+    Flax constrains a boxed parameter to its names on the box's mesh when the module reads it,
+    and a mesh of the user's (``mesh=m``) holds other devices than most stages' slices: without
+    it the names apply on the mesh of the slice the stage runs on (see :func:`check_partitioning`).
+    """
+    return jax.tree.map(
+        lambda node: node.replace(mesh=None) if _is_partitioned(node) and node.mesh is not None else node,
+        tree,
+        is_leaf=_is_partitioned,
+    )
+
+
+def check_partitioning(params: Any, slice_: pw.VirtualSlice, where: str) -> None:
+    """Every mesh axis a Linen parameter's ``nn.with_partitioning`` names is one of ``slice_``'s.
+
+    Raises:
+      PlacementError: a parameter names an axis the slice's mesh lacks (Flax's sharding
+        constraint would fail in the stage), naming the parameter, the axis and the slice's axes.
+    """
+    boxes = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_partitioned)[0]
+    for path, box in boxes:
+        if not _is_partitioned(box) or isinstance(box, linen.LogicallyPartitioned):
+            continue  # logical names reach mesh axes through the rules in effect
+        named = [
+            axis
+            for entry in box.names
+            for axis in (entry if isinstance(entry, tuple) else (entry,))
+            if axis is not None
+        ]
+        missing = [axis for axis in named if axis not in slice_.axis_names]
+        if missing:
+            raise pw.errors.PlacementError(
+                f"{where}: parameter {_show(_path(path))} is declared with nn.with_partitioning names "
+                f"{tuple(box.names)}, which Flax applies as a sharding constraint on the mesh the "
+                f"stage runs on, but the slice's mesh has axes {tuple(slice_.axis_names)}, not "
+                f"{missing[0]!r}. Give the slice that axis (pw.devices(mesh={{..., {missing[0]!r}: n}})) "
+                "or declare the parameter without it."
             )
 
 
