@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import mlp_apply, mlp_batches, mlp_params, mse, wait_for
 
 import pathways_jax as pw
@@ -248,5 +249,35 @@ def test_below_minimum_islands_training_waits_with_the_survivors_state_and_goes_
     assert pw.stats()["islands"][1]["lost"] is None
     assert attempts == [5]
     assert [e.kind for e in manager.events] == ["lost", "rejoined"] and manager.islands == (0, 1)
+    assert [float(loss) for loss in losses] == want
+    jax.tree.map(np.testing.assert_array_equal, _replica_params(manager.model)[1], _replica_params(plain)[0])
+
+
+def _dropout_apply(p, x, *, rngs=None):
+    """The tiny MLP behind an inverted dropout of its input, drawing from rngs["dropout"]."""
+    keep = jax.random.bernoulli(rngs["dropout"], 0.5, x.shape)
+    return mlp_apply(p, jnp.where(keep, 2 * x, 0.0))
+
+
+def test_an_nnx_rngs_draws_each_steps_keys_once_so_a_step_run_again_draws_the_same(two_islands):
+    """Steps run again after a loss reuse the keys their call drew from the nnx.Rngs (not the
+    stream's next ones): the run equals the same model trained without the loss, bit for bit."""
+    xs, ys = mlp_batches(4, BATCH)
+
+    def dp():
+        slices = [pw.devices(mesh={"data": 1}, island=i) for i in (0, 1)]
+        return DataParallel((mlp_params(), _dropout_apply), slices, loss_fn=mse, optimizer=optax.adam(1e-2))
+
+    plain, rngs = dp(), nnx.Rngs(dropout=0)
+    want = [float(plain.train_step(x, y, rngs=rngs).result(timeout=60)) for x, y in zip(xs, ys, strict=True)]
+    manager, rngs = pw.elastic.Manager(dp(), minimum_islands=2, window=2), nnx.Rngs(dropout=0)
+    losses = [manager.train_step(xs[s], ys[s], rngs=rngs) for s in range(3)]
+    cluster = pw.cluster()
+    cluster.host_lost(1)  # steps 0-2 run again once the island is back
+    with pytest.raises(pw.errors.HostLostError, match="fewer than minimum_islands=2"):
+        manager._recover(pw.errors.HostLostError("island 1 was lost (by the test)"))
+    cluster.island_restored(1)
+    losses.append(manager.train_step(xs[3], ys[3], rngs=rngs))
+    assert [e.kind for e in manager.events] == ["lost", "rejoined"]
     assert [float(loss) for loss in losses] == want
     jax.tree.map(np.testing.assert_array_equal, _replica_params(manager.model)[1], _replica_params(plain)[0])

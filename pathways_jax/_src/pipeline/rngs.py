@@ -75,7 +75,7 @@ def derive_rngs(rngs: Mapping[str, Any], stage: int, microbatch: int) -> dict[st
     }
 
 
-def _drawn(rngs: Any) -> Any:
+def drawn(rngs: Any) -> Any:
     """An ``nnx.Rngs`` (or ``nnx.RngStream`` values) as stream name to key: one key drawn from each.
 
     Drawing advances the stream's count as ``rngs.dropout()`` does in a module, so passing the
@@ -92,11 +92,11 @@ def _drawn(rngs: Any) -> Any:
 def check_rngs(rngs: Any, what: str) -> dict[str, jax.Array] | None:
     """``rngs`` as typed keys by stream name (sorted), or ``None``; raises on anything else.
 
-    An ``nnx.Rngs`` gives one key drawn from each of its streams (see :func:`_drawn`).
+    An ``nnx.Rngs`` gives one key drawn from each of its streams (see :func:`drawn`).
     """
     if rngs is None:
         return None
-    rngs = _drawn(rngs)
+    rngs = drawn(rngs)
     if not isinstance(rngs, Mapping) or not rngs:
         raise pw.errors.ProgramTraceError(
             f"{what}: rngs must be a non-empty mapping from stream name to key, such as "
