@@ -197,6 +197,27 @@ def test_linen_with_partitioning_on_a_mesh_of_the_users_runs_on_every_stage_slic
         pipeline.Pipeline(stages, no_model)
 
 
+def test_nnx_partition_specs_of_the_flax_docs_shard_the_parameters_as_annotated():
+    # param_specs=nnx.get_partition_spec(nnx.state(stage, nnx.Param)): variables holding specs
+    # (was: a PlacementError, "entries ['kernel/value', ...] match no parameter").
+    pw.init(num_cpu_devices=8, islands=2)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with jax.set_mesh(mesh):
+        stages = [
+            nnx.Linear(DIN, HIDDEN, kernel_init=init, rngs=nnx.Rngs(0)),
+            nnx.Linear(HIDDEN, 2, rngs=nnx.Rngs(1)),
+        ]
+    params, apply = pipeline.sequential(stages)
+    x, _ = make_data(0)
+    slices = [pw.devices(mesh={"data": 2, "model": 2}, island=i) for i in range(2)]
+    specs = [nnx.get_partition_spec(nnx.state(stage, nnx.Param)) for stage in stages]
+    pipe = pipeline.Pipeline(stages, slices, num_microbatches=2, param_specs=specs)
+    assert pipe.params[0]["kernel"].sharding.spec == pw.P(None, "model")
+    assert pipe.params[1]["kernel"].sharding.spec == pw.P()
+    assert_tree_close(pipe.forward(x), jax.jit(apply)(jax.device_get(params), x))
+
+
 def test_forward_matches_plain_jit():
     slices = island_slices(4)[:3]
     stages = make_stages()

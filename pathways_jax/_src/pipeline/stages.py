@@ -574,8 +574,15 @@ def param_specs(params: Any, specs: ParamSpecs, slice_: pw.VirtualSlice, where: 
 
     ``specs`` is ``None`` (replicated), one ``pw.P`` for every parameter, a function
     ``(key_path, leaf) -> pw.P | None``, or a pytree prefix of ``params`` with ``pw.P`` or
-    ``None`` at its leaves. ``where`` names the specs in errors.
+    ``None`` at its leaves. ``where`` names the specs in errors. NNX's
+    ``nnx.get_partition_spec(nnx.state(model, nnx.Param))`` (variables holding specs) is such a
+    prefix.
     """
+    specs = jax.tree.map(
+        lambda node: node.get_value() if isinstance(node, nnx.Variable) else node,
+        specs,
+        is_leaf=lambda node: isinstance(node, nnx.Variable),
+    )
     if specs is None:
         return jax.tree.map(lambda _: pw.P(), params)
     if isinstance(specs, pw.P):
