@@ -46,7 +46,7 @@ class Mode:
         return {name: jax.random.wrap_key_data(data[name], impl=impl) for name, impl in self.streams}
 
 
-def derive_rngs(rngs: Mapping[str, Any], stage: int, microbatch: int) -> dict[str, jax.Array]:
+def derive_rngs(rngs: Rngs, stage: int, microbatch: int) -> dict[str, jax.Array]:
     """The keys stage ``stage`` gets on microbatch ``microbatch``: ``fold_in(fold_in(key, stage), microbatch)``.
 
     A pipelined step with ``rngs={"dropout": key}`` runs stage ``s`` on microbatch ``m``
@@ -55,7 +55,9 @@ def derive_rngs(rngs: Mapping[str, Any], stage: int, microbatch: int) -> dict[st
 
     Args:
       rngs: stream name to key (a typed key from ``jax.random.key`` or a raw
-        ``jax.random.PRNGKey``).
+        ``jax.random.PRNGKey``), or an ``nnx.Rngs``: then the keys a call given it draws
+        next (``fold_in(stream.key, stream.count)``, as ``rngs.dropout()`` would), without
+        drawing them, so call it before the step.
       stage: the stage's index, first stage 0.
       microbatch: the microbatch's index within the step.
 
@@ -70,6 +72,8 @@ def derive_rngs(rngs: Mapping[str, Any], stage: int, microbatch: int) -> dict[st
       ...     jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 1), 2))).all())
       True
     """
+    if isinstance(rngs, nnx.Rngs):  # the keys drawn next, left undrawn
+        rngs = {name: jax.random.fold_in(stream.key[...], stream.count[...]) for name, stream in rngs.items()}
     return {
         name: jax.random.fold_in(jax.random.fold_in(key, stage), microbatch) for name, key in rngs.items()
     }
