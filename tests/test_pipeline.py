@@ -167,55 +167,41 @@ class PartitionedDense(linen.Module):
         return jnp.tanh(x @ kernel + bias)
 
 
-def test_linen_with_partitioning_on_a_mesh_of_the_users_runs_on_every_stage_slice():
-    # mesh=m (the first island's devices) constrains the parameters there; stage 1 runs on the
-    # second island's: the names apply on each stage's own slice instead (was: incompatible devices).
-    pw.init(num_cpu_devices=8, islands=2)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
-    modules = [PartitionedDense(HIDDEN, mesh), PartitionedDense(DOUT + 1, mesh)]
-    stages = [
-        (m, m.init(jax.random.key(i), jnp.zeros((1, d))))
-        for i, (m, d) in enumerate(zip(modules, (DIN, HIDDEN), strict=True))
-    ]
-    x, _ = make_data(0)
-    y = np.ones((BATCH, DOUT + 1), np.float32)
-    want = reference_steps(stages, optax.sgd(0.1), [(x, y)])
-    slices = [pw.devices(mesh={"data": 2, "model": 2}, island=i) for i in range(2)]
-    specs = [linen.get_partition_spec(variables)["params"] for _, variables in stages]
-    pipe = pipeline.Pipeline(
-        stages, slices, loss_fn=mse, optimizer=optax.sgd(0.1), num_microbatches=2, param_specs=specs
-    )
-    np.testing.assert_allclose(float(pipe.train_step(x, y).result(timeout=60)), float(want[0][0]), rtol=1e-5)
-    assert_tree_close(pipe.params, want[0][2])  # leaves inside the Partitioned boxes
-    assert pipe.params[1]["bias"].value.sharding.spec == pw.P("model")
-    # A slice without the axis the names give: a named error before anything runs.
-    no_model = [pw.devices(mesh={"data": 4}, island=i) for i in range(2)]
-    with pytest.raises(
-        pw.errors.PlacementError,
-        match=r"parameter bias is declared with nn.with_partitioning names \('model',\).*axes \('data',\), not 'model'",
-    ):
-        pipeline.Pipeline(stages, no_model)
+def test_flax_partitioning_annotations_shard_and_constrain_on_each_stages_slice():
+    """Flax's docs' sharding idioms, each stage on its own island, against plain jax.jit.
 
-
-def test_nnx_partition_specs_of_the_flax_docs_shard_the_parameters_as_annotated():
-    # param_specs=nnx.get_partition_spec(nnx.state(stage, nnx.Param)): variables holding specs
-    # (was: a PlacementError, "entries ['kernel/value', ...] match no parameter").
+    Stage 0 (NNX, nnx.with_partitioning under jax.set_mesh): param_specs=nnx.get_partition_spec
+    (was: a PlacementError, "entries ['kernel/value', ...] match no parameter"). Stage 1 (Linen,
+    nn.with_partitioning(..., mesh=m), m on island 0's devices): its names constrain on island 1's
+    slice instead (was: a PlacementError, "incompatible devices").
+    """
     pw.init(num_cpu_devices=8, islands=2)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
     with jax.set_mesh(mesh):
-        stages = [
-            nnx.Linear(DIN, HIDDEN, kernel_init=init, rngs=nnx.Rngs(0)),
-            nnx.Linear(HIDDEN, 2, rngs=nnx.Rngs(1)),
-        ]
+        first = nnx.Linear(DIN, HIDDEN, kernel_init=init, rngs=nnx.Rngs(0))
+    module = PartitionedDense(DOUT + 1, mesh)
+    stages = [first, (module, module.init(jax.random.key(1), jnp.zeros((1, HIDDEN))))]
     params, apply = pipeline.sequential(stages)
     x, _ = make_data(0)
     slices = [pw.devices(mesh={"data": 2, "model": 2}, island=i) for i in range(2)]
-    specs = [nnx.get_partition_spec(nnx.state(stage, nnx.Param)) for stage in stages]
-    pipe = pipeline.Pipeline(stages, slices, num_microbatches=2, param_specs=specs)
+    specs = [
+        nnx.get_partition_spec(nnx.state(first, nnx.Param)),
+        linen.get_partition_spec(stages[1][1])["params"],
+    ]
+    pipe = pipeline.Pipeline(stages, slices, param_specs=specs)
     assert pipe.params[0]["kernel"].sharding.spec == pw.P(None, "model")
-    assert pipe.params[1]["kernel"].sharding.spec == pw.P()
+    assert pipe.params[0]["bias"].sharding.spec == pw.P()
+    assert pipe.params[1]["bias"].value.sharding.spec == pw.P("model")
     assert_tree_close(pipe.forward(x), jax.jit(apply)(jax.device_get(params), x))
+    # A slice without the axis the names give: a named error before anything runs.
+    no_model = [pw.devices(mesh={"data": 4}, island=i) for i in range(2)]
+    with pytest.raises(
+        pw.errors.PlacementError,
+        match=r"stage 1 \(linen PartitionedDense\): parameter bias is declared with nn.with_partitioning "
+        r"names \('model',\).*axes \('data',\), not 'model'",
+    ):
+        pipeline.Pipeline(stages, no_model)
 
 
 def test_forward_matches_plain_jit():
