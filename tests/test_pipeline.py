@@ -209,7 +209,8 @@ def test_forward_matches_plain_jit():
     stages = make_stages()
     params, apply = pipeline.sequential(stages)
     x, _ = make_data(3)
-    pipe = pipeline.Pipeline(stages, slices, num_microbatches=4)  # inference only
+    # The stages as an NNX module holds its layers (nnx.Sequential's .layers): an nnx.List.
+    pipe = pipeline.Pipeline(nnx.List(stages), slices, num_microbatches=4)  # inference only
     out = pipe.forward(x)
     assert out.slice is slices[-1]
     assert_tree_close(out, jax.jit(apply)(params, x))
@@ -313,6 +314,19 @@ def test_stage_and_slice_counts_must_match():
         pipeline.Pipeline(["not a model", Block(HIDDEN, DOUT, 0)], slices)
     with pytest.raises(pw.errors.PlacementError, match="schedule must be one of"):
         pipeline.Pipeline(make_stages()[:2], slices, schedule="zigzag")
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"got Sequential; .*pass them: Pipeline\(model.layers"
+    ):
+        pipeline.Pipeline(nnx.Sequential(*make_stages()[:2]), slices)
+    # DataParallel composes an nnx.List of layers as it composes a list (was: one module with no call).
+    layers = nnx.List(make_stages()[:2])
+    dp = pipeline.DataParallel(layers, slices, loss_fn=mse, optimizer=optax.sgd(0.1))
+    assert (
+        dp.stage.description
+        == pipeline.DataParallel(
+            list(layers), slices, loss_fn=mse, optimizer=optax.sgd(0.1)
+        ).stage.description
+    )
 
 
 def test_microbatches_must_divide_the_batch_before_anything_runs():

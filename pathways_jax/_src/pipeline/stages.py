@@ -402,10 +402,17 @@ def as_stage(model: Any, index: int = 0) -> Stage:
 
 
 def as_stages(models: Sequence[Any]) -> list[Stage]:
+    if isinstance(models, nnx.List):  # an NNX module's list of layers (nnx.Sequential's .layers)
+        models = list(models)
     if isinstance(models, nnx.Module | linen.Module) or not isinstance(models, Sequence):
         raise pw.errors.ProgramTraceError(
             f"stages must be a sequence (list or tuple) of stages, got {type(models).__name__}; "
-            "wrap a single model in a list: Pipeline([model], [slice], ...)."
+            + (
+                "to run its layers as the stages, pass them: Pipeline(model.layers, slices, ...); "
+                "to run it as one stage, wrap it in a list: Pipeline([model], [slice], ...)."
+                if isinstance(models, nnx.Sequential)
+                else "wrap a single model in a list: Pipeline([model], [slice], ...)."
+            )
         )
     return [as_stage(model, i) for i, model in enumerate(models)]
 
