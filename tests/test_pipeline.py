@@ -206,17 +206,22 @@ def test_flax_partitioning_annotations_shard_and_constrain_on_each_stages_slice(
 
 def test_forward_matches_plain_jit():
     slices = island_slices(4)[:3]
-    stages = make_stages()
+    first, _, last = make_stages()
+    # The stages as an NNX model holds its layers: nnx.Sequential's .layers, an nnx.List (was:
+    # "not a sequence"), with a function among them, a stage without parameters (was: "expected
+    # a Flax NNX module ..."), which train=True cannot change (as an apply_fn(params, x) taking
+    # nothing more: was "cannot receive it").
+    stages = nnx.Sequential(first, nnx.relu, last).layers
     params, apply = pipeline.sequential(stages)
     x, _ = make_data(3)
-    # The stages as an NNX module holds its layers (nnx.Sequential's .layers): an nnx.List.
-    pipe = pipeline.Pipeline(nnx.List(stages), slices, num_microbatches=4)  # inference only
-    out = pipe.forward(x)
+    pipe = pipeline.Pipeline(stages, slices, num_microbatches=4)  # inference only
+    out = pipe.forward(x, train=True)
     assert out.slice is slices[-1]
-    assert_tree_close(out, jax.jit(apply)(params, x))
+    assert_tree_close(out, jax.jit(lambda p, x: apply(p, x, train=True))(params, x))
+    pipeline.as_stage((None, lambda p, x: jnp.tanh(x))).check_train(True, None, 0, "Pipeline.train_step")
     # Any batch size, as under jax.jit: 7 examples are padded to 8 (4 microbatches over "data"
     # of 2) with a copy of the last, and cut back; the 7 are those of the full batch, bit for bit.
-    odd = pipe.forward(x[:7])
+    odd = pipe.forward(x[:7], train=True)
     assert_tree_close(odd, jax.jit(apply)(params, x[:7]))
     np.testing.assert_array_equal(odd.result(timeout=60), np.asarray(out.result(timeout=60))[:7])
     with pytest.raises(pw.errors.ProgramTraceError, match="loss_fn= and optimizer="):

@@ -15,7 +15,13 @@ from flax import errors as flax_errors
 from flax import linen, nnx
 
 import pathways_jax as pw
-from pathways_jax._src.pipeline.flags import TrainFlag, UnreachedFlag, check_train_kw, signature_of
+from pathways_jax._src.pipeline.flags import (
+    FLAG_NAMES,
+    TrainFlag,
+    UnreachedFlag,
+    check_train_kw,
+    signature_of,
+)
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.optimizers import check_optimizers as check_optimizers
 
@@ -379,7 +385,11 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             )
             return Stage(params, apply_linen, "linen", description, call_linen, linen_flag, running)
         if callable(second) and not callable(first):
-            fn_flag = TrainFlag(signature_of(second))
+            # apply_fn(params, x) and nothing more (no flag, no rngs): train cannot change it.
+            read = signature_of(second)
+            fn_flag = TrainFlag(
+                read, inert=len(read.names) <= 2 and not read.var_keyword and read.text != "(...)"
+            )
             fn_signature = fn_flag.signature
 
             def call_fn(
@@ -394,11 +404,35 @@ def as_stage(model: Any, index: int = 0) -> Stage:
 
             description = f"apply_fn {getattr(second, '__name__', second)!r}"
             return Stage(first, second, "function", description, call_fn, fn_flag)
+    if callable(model) and not isinstance(model, nnx.Module | linen.Module | tuple | list):
+        return _function_stage(model)
     raise pw.errors.ProgramTraceError(
         f"stage {index} is {type(model).__name__}: {model!r:.80}; expected a Flax NNX module, a "
         "(linen_module, variables) pair, or a (params, apply_fn) pair with "
         "apply_fn(params, x) -> y."
     )
+
+
+def _function_stage(fn: Callable[..., Any]) -> Stage:
+    """A function of the activations alone (``nnx.relu`` in ``nnx.Sequential``'s layers): no parameters.
+
+    It gets the output of the stage before, as ``nnx.Sequential`` calls it, and ``train`` only if
+    it takes a flag keyword; one that takes none cannot be changed by it (exempt from ``train=True``).
+    """
+    read = signature_of(fn)
+    takes_flag = read.var_keyword or any(name in read.names for name in FLAG_NAMES)
+    flag = TrainFlag(read, inert=not takes_flag)
+
+    def apply_fn(p: Any, x: Any) -> Any:
+        return fn(x)
+
+    def call_fn(
+        p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
+    ) -> Any:
+        return fn(x, **flag.kwargs(train, train_kw))
+
+    description = f"function {getattr(fn, '__name__', type(fn).__name__)!r}"
+    return Stage(None, apply_fn, "function", description, call_fn, flag)
 
 
 def as_stages(models: Sequence[Any]) -> list[Stage]:
