@@ -243,8 +243,9 @@ def as_stage(model: Any, index: int = 0) -> Stage:
 
     Args:
       model: a Flax NNX module (its ``nnx.Param`` values are the params, as plain arrays),
-        a ``(linen_module, variables)`` pair (``variables["params"]``), or a
-        ``(params, apply_fn)`` pair.
+        a ``(linen_module, variables)`` pair (``variables["params"]``), a
+        ``(params, apply_fn)`` pair, or a function of the activations alone
+        (``nnx.relu``, as in ``nnx.Sequential``'s layers: no params).
       index: the stage's position, named in errors.
 
     When a step is given ``train=`` (``True``/``False``), the stage's call
@@ -259,7 +260,8 @@ def as_stage(model: Any, index: int = 0) -> Stage:
     ``ProgramTraceError`` (an NNX module with no such layer, no RNG stream and
     no ``rngs`` parameter is exempt: the flag cannot change it; so is a Linen
     module that, traced on its input, calls no Dropout or BatchNorm and needs
-    no RNG stream, see :func:`linen_holds`);
+    no RNG stream, see :func:`linen_holds`, and an ``apply_fn(params, x)`` or a
+    function ``f(x)`` that takes nothing more);
     ``train=False`` and ``train=None`` (passes nothing) never raise.
     When a step is given ``rngs`` (stream name to key), a Linen stage gets
     them as ``module.apply(..., rngs=rngs)``, an ``apply_fn`` taking ``rngs``
