@@ -15,7 +15,8 @@ Built only on the public API (``pw.devices``, ``pw.jit``, ``@pw.program``):
 - :class:`DiLoCo`: the same islands exchanging parameters every ``sync_every``
   steps instead of gradients every step (for slow links between islands).
 
-Every call takes keyword-only ``rngs={"dropout": key}`` and ``train=True/False``
+Every call takes keyword-only ``rngs={"dropout": key}`` (or an ``nnx.Rngs``, from which each
+call draws its keys) and ``train=True/False``
 (Flax style: a Linen stage gets ``train`` and ``rngs`` as in ``module.apply``);
 a stage's call gets ``train`` as ``train``, ``training`` or ``deterministic``
 (``not train``), whichever it takes, or under the name given as ``train_kw=``;

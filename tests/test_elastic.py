@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import mlp_apply, mlp_batches, mlp_params, mse, wait_for
 
 import pathways_jax as pw
@@ -109,9 +110,15 @@ def two_islands():
     pw.shutdown()
 
 
-def _dp(islands=(0, 1)):
+def _dropout_apply(p, x, *, rngs=None):
+    """The tiny MLP behind an inverted dropout of its input, drawing from rngs["dropout"]."""
+    keep = jax.random.bernoulli(rngs["dropout"], 0.5, x.shape)
+    return mlp_apply(p, jnp.where(keep, 2 * x, 0.0))
+
+
+def _dp(islands=(0, 1), apply=mlp_apply):
     slices = [pw.devices(mesh={"data": 1}, island=i) for i in islands]
-    return DataParallel((mlp_params(), mlp_apply), slices, loss_fn=mse, optimizer=optax.adam(1e-2))
+    return DataParallel((mlp_params(), apply), slices, loss_fn=mse, optimizer=optax.adam(1e-2))
 
 
 def test_without_a_loss_the_manager_trains_as_its_model_does_bit_for_bit(two_islands):
@@ -214,23 +221,27 @@ def test_below_minimum_islands_training_waits_with_the_survivors_state_and_goes_
     host's island is, and the manager told a step failed): train_step refuses with a named
     error and takes no step; elastic_retry waits for the island, a replica rejoins it from the
     survivor's kept state, the open steps run again on both, and the whole run equals the same
-    model trained without the loss, bit for bit."""
+    model trained without the loss, bit for bit. The model draws dropout masks from an nnx.Rngs
+    passed to every step: a step run again reuses the keys its call drew (not the stream's next)."""
     import threading
 
     xs, ys = mlp_batches(8, BATCH)
-    plain = _dp()
-    want = [float(plain.train_step(x, y).result()) for x, y in zip(xs, ys, strict=True)]
-    manager = pw.elastic.Manager(_dp(), minimum_islands=2, window=2)
-    losses = [manager.train_step(xs[s], ys[s]) for s in range(3)]
+    plain, rngs = _dp(apply=_dropout_apply), nnx.Rngs(dropout=0)
+    want = [float(plain.train_step(x, y, rngs=rngs).result()) for x, y in zip(xs, ys, strict=True)]
+    manager, rngs = (
+        pw.elastic.Manager(_dp(apply=_dropout_apply), minimum_islands=2, window=2),
+        nnx.Rngs(dropout=0),
+    )
+    losses = [manager.train_step(xs[s], ys[s], rngs=rngs) for s in range(3)]
     manager.wait(timeout=60)
-    losses += [manager.train_step(xs[s], ys[s]) for s in range(3, 5)]
+    losses += [manager.train_step(xs[s], ys[s], rngs=rngs) for s in range(3, 5)]
     cluster = pw.cluster()
     cluster.host_lost(1)  # the local backend keeps the values; the manager must not use them
     assert pw.stats()["islands"][1]["lost"] and pw.stats()["islands"][0]["lost"] is None
     with pytest.raises(pw.errors.HostLostError, match="fewer than minimum_islands=2"):
         manager._recover(pw.errors.HostLostError("island 1 was lost (by the test)"))
     with pytest.raises(pw.errors.HostLostError, match=r"1 replicas are left \(islands \[0\]\)"):
-        manager.train_step(xs[5], ys[5])
+        manager.train_step(xs[5], ys[5], rngs=rngs)  # refused: draws nothing
     assert manager.step == 5
     with pytest.raises(pw.errors.HostLostError, match="fewer than minimum_islands"):
         manager.wait(timeout=60)
@@ -240,7 +251,7 @@ def test_below_minimum_islands_training_waits_with_the_survivors_state_and_goes_
     @manager.elastic_retry(timeout=60, on_elastic_event_callback=lambda: attempts.append(manager.step))
     def train(total):
         for step in range(manager.step, total):
-            losses.append(manager.train_step(xs[step], ys[step]))
+            losses.append(manager.train_step(xs[step], ys[step], rngs=rngs))
         return manager.step
 
     threading.Timer(0.3, cluster.island_restored, (1,)).start()

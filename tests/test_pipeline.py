@@ -150,15 +150,79 @@ def test_stages_sharded_over_their_mesh_match_plain_jit():
     assert kernel.sharding.spec == pw.P(None, "model")
 
 
+class PartitionedDense(linen.Module):
+    """Flax's docs' Linen layer: parameters declared with nn.with_partitioning on a mesh of theirs."""
+
+    features: int
+    mesh: jax.sharding.Mesh | None = None
+
+    @linen.compact
+    def __call__(self, x):
+        init = linen.with_partitioning(linen.initializers.lecun_normal(), (None, "model"), mesh=self.mesh)
+        kernel = self.param("kernel", init, (x.shape[-1], self.features))
+        bias = self.param(
+            "bias", linen.with_partitioning(linen.initializers.normal(), ("model",)), (self.features,)
+        )
+        return jnp.tanh(x @ kernel + bias)
+
+
+def test_flax_partitioning_annotations_shard_and_constrain_on_each_stages_slice():
+    """Flax's docs' sharding idioms, each stage on its own island, against plain jax.jit.
+
+    Stage 0 (NNX, nnx.with_partitioning under jax.set_mesh): param_specs=nnx.get_partition_spec
+    (was: a PlacementError, "entries ['kernel/value', ...] match no parameter"). Stage 1 (Linen,
+    nn.with_partitioning(..., mesh=m), m on island 0's devices): its names constrain on island 1's
+    slice instead (was: a PlacementError, "incompatible devices").
+    """
+    pw.init(num_cpu_devices=8, islands=2)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with jax.set_mesh(mesh):
+        first = nnx.Linear(DIN, HIDDEN, kernel_init=init, rngs=nnx.Rngs(0))
+    module = PartitionedDense(DOUT + 1, mesh)
+    stages = [first, (module, module.init(jax.random.key(1), jnp.zeros((1, HIDDEN))))]
+    params, apply = pipeline.sequential(stages)
+    x, _ = make_data(0)
+    slices = [pw.devices(mesh={"data": 2, "model": 2}, island=i) for i in range(2)]
+    specs = [
+        nnx.get_partition_spec(nnx.state(first, nnx.Param)),
+        linen.get_partition_spec(stages[1][1])["params"],
+    ]
+    pipe = pipeline.Pipeline(stages, slices, param_specs=specs)
+    assert pipe.params[0]["kernel"].sharding.spec == pw.P(None, "model")
+    assert pipe.params[0]["bias"].sharding.spec == pw.P()
+    assert pipe.params[1]["bias"].value.sharding.spec == pw.P("model")
+    assert_tree_close(pipe.forward(x), jax.jit(apply)(jax.device_get(params), x))
+    # A slice without the axis the names give: a named error before anything runs.
+    no_model = [pw.devices(mesh={"data": 4}, island=i) for i in range(2)]
+    with pytest.raises(
+        pw.errors.PlacementError,
+        match=r"stage 1 \(linen PartitionedDense\): parameter bias is declared with nn.with_partitioning "
+        r"names \('model',\).*axes \('data',\), not 'model'",
+    ):
+        pipeline.Pipeline(stages, no_model)
+
+
 def test_forward_matches_plain_jit():
     slices = island_slices(4)[:3]
-    stages = make_stages()
+    first, _, last = make_stages()
+    # The stages as an NNX model holds its layers: nnx.Sequential's .layers, an nnx.List (was:
+    # "not a sequence"), with a function among them, a stage without parameters (was: "expected
+    # a Flax NNX module ..."), which train=True cannot change (as an apply_fn(params, x) taking
+    # nothing more: was "cannot receive it").
+    stages = nnx.Sequential(first, nnx.relu, last).layers
     params, apply = pipeline.sequential(stages)
     x, _ = make_data(3)
     pipe = pipeline.Pipeline(stages, slices, num_microbatches=4)  # inference only
-    out = pipe.forward(x)
+    out = pipe.forward(x, train=True)
     assert out.slice is slices[-1]
-    assert_tree_close(out, jax.jit(apply)(params, x))
+    assert_tree_close(out, jax.jit(lambda p, x: apply(p, x, train=True))(params, x))
+    pipeline.as_stage((None, lambda p, x: jnp.tanh(x))).check_train(True, None, 0, "Pipeline.train_step")
+    # Any batch size, as under jax.jit: 7 examples are padded to 8 (4 microbatches over "data"
+    # of 2) with a copy of the last, and cut back; the 7 are those of the full batch, bit for bit.
+    odd = pipe.forward(x[:7], train=True)
+    assert_tree_close(odd, jax.jit(apply)(params, x[:7]))
+    np.testing.assert_array_equal(odd.result(timeout=60), np.asarray(out.result(timeout=60))[:7])
     with pytest.raises(pw.errors.ProgramTraceError, match="loss_fn= and optimizer="):
         pipe.train_step(x, x)
 
@@ -254,6 +318,19 @@ def test_stage_and_slice_counts_must_match():
         pipeline.Pipeline(["not a model", Block(HIDDEN, DOUT, 0)], slices)
     with pytest.raises(pw.errors.PlacementError, match="schedule must be one of"):
         pipeline.Pipeline(make_stages()[:2], slices, schedule="zigzag")
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"got Sequential; .*pass them: Pipeline\(model.layers"
+    ):
+        pipeline.Pipeline(nnx.Sequential(*make_stages()[:2]), slices)
+    # DataParallel composes an nnx.List of layers as it composes a list (was: one module with no call).
+    layers = nnx.List(make_stages()[:2])
+    dp = pipeline.DataParallel(layers, slices, loss_fn=mse, optimizer=optax.sgd(0.1))
+    assert (
+        dp.stage.description
+        == pipeline.DataParallel(
+            list(layers), slices, loss_fn=mse, optimizer=optax.sgd(0.1)
+        ).stage.description
+    )
 
 
 def test_microbatches_must_divide_the_batch_before_anything_runs():
@@ -268,8 +345,6 @@ def test_microbatches_must_divide_the_batch_before_anything_runs():
     before = pw.counters()
     with pytest.raises(pw.errors.PlacementError, match=r"batch of 8 examples, which num_microbatches=3"):
         pipe.train_step(*make_data(0))
-    with pytest.raises(ValueError, match="multiple of 3"):
-        pipe.forward(make_data(0)[0])
     # 6 examples: 3 microbatches of 2, but each must also split over "data" (2): fine; 3 of 1: not.
     with pytest.raises(pw.errors.PlacementError, match=r"cannot be split over axis 'data' of size 2"):
         pipe.train_step(*make_data(0, batch=3))
@@ -279,6 +354,10 @@ def test_microbatches_must_divide_the_batch_before_anything_runs():
         pipe.train_step(x[:0], y[:0])
     assert pw.counters()["runs"] == before["runs"]
     assert pw.counters()["traces"] == before["traces"]
+    # forward pads the batch instead, except under a last-stage output the padding would change.
+    mean = pipeline.Pipeline([Block(DIN, HIDDEN, 0), (None, lambda p, h: jnp.mean(h))], slices)
+    with pytest.raises(pw.errors.PlacementError, match=r"batch of 5 examples is padded to 6.*multiple of 2"):
+        mean.forward(make_data(0, batch=5)[0])
 
 
 def test_stage_output_must_fit_next_stage_before_anything_runs():

@@ -66,12 +66,20 @@ def test_reseeded_streams_and_train_false_run_as_the_plain_module():
     module = Dropped(nnx.Rngs(0, dropout=1))
     pipe = pipeline.Pipeline([module], slices[:1], num_microbatches=2)
     np.testing.assert_array_equal(pipe.forward(X, train=False).result(timeout=60), module.linear(X))
-    rngs = {"dropout": jax.random.key(7)}
-    got = np.asarray(pipe.forward(X, train=True, rngs=rngs).result(timeout=60))
-    want = []
-    for m, xm in enumerate(np.split(X, 2)):
-        plain = nnx.clone(module)
-        nnx.reseed(plain, **pipeline.derive_rngs(rngs, 0, m))
-        want.append(plain(xm))
-    np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-6)
-    assert not np.array_equal(got[:2] == 0, got[2:] == 0)  # each microbatch its own mask
+    # A mapping of keys, then an nnx.Rngs as Flax code passes it (was: refused), from which each
+    # call draws one key per stream, advancing it as a module would: derive_rngs of an nnx.Rngs
+    # gives what the next call draws.
+    stream = nnx.Rngs(dropout=7)
+    masks = []
+    for rngs in ({"dropout": jax.random.key(7)}, stream, stream):
+        keys = [pipeline.derive_rngs(rngs, 0, m) for m in range(2)]
+        got = np.asarray(pipe.forward(X, train=True, rngs=rngs).result(timeout=60))
+        want = []
+        for m, xm in enumerate(np.split(X, 2)):
+            plain = nnx.clone(module)
+            nnx.reseed(plain, **keys[m])
+            want.append(plain(xm))
+        np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-6)
+        assert not np.array_equal(got[:2] == 0, got[2:] == 0)  # each microbatch its own mask
+        masks.append(got == 0)
+    assert not np.array_equal(masks[1], masks[2])  # the second call drew the stream's next key

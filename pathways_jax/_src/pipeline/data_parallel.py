@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import pathways_jax as pw
@@ -84,7 +85,7 @@ class DataParallel:
         data_axis: str | None = "data",
         param_specs: stages_lib.ParamSpecs = None,
     ):
-        if isinstance(model, list):  # stages composed in order; a tuple is a pair
+        if isinstance(model, list | nnx.List):  # stages composed in order; a tuple is a pair
             parts = stages_lib.as_stages(model)
             stage = stages_lib.as_stage(stages_lib.sequential(parts), 0)
         else:
@@ -109,6 +110,8 @@ class DataParallel:
         self._tx = tx
         # The optimizer takes the step's loss as value= (optax.contrib.reduce_on_plateau).
         self._needs_value = needs_value(tx, stage.params)
+        for i, slice_ in enumerate(self.slices):
+            stages_lib.check_partitioning(stage.params, slice_, f"DataParallel on slice {i}")
         specs = [
             stages_lib.param_specs(
                 stage.params, param_specs, slice_, f"DataParallel param_specs on slice {i}"

@@ -56,6 +56,7 @@ import numpy as np
 from absl import logging
 
 import pathways_jax as pw
+from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
 from pathways_jax._src.pipeline.data_parallel import DataParallel
 
@@ -224,7 +225,8 @@ class Manager:
     def train_step(self, x: Any, y: Any, **options: Any) -> Loss:
         """Runs one step on the replicas there are (as ``DataParallel.train_step``); returns its loss.
 
-        Keyword options (``rngs``, ``train``, ``train_kw``) are passed on. At
+        Keyword options (``rngs``, ``train``, ``train_kw``) are passed on; an ``nnx.Rngs``
+        draws its keys at this call, so a step run again uses the same keys. At
         this step boundary, first: steps known complete are let go, a lost
         island's spoiled steps are run again on the survivors, and a rebuilt
         island gets its replica back.
@@ -244,6 +246,8 @@ class Manager:
             self._settle(wait=True)
         if self.rejoin:
             self._rejoin()
+        if "rngs" in options:  # an nnx.Rngs draws its keys now, once: a replayed step reuses them
+            options = {**options, "rngs": rngs_lib.drawn(options["rngs"])}
         step = _Step(self._step, x, y, options, None, None, ())
         self._dispatch(step, keep=not self._pending or self._step % self.window == 0)
         self._pending.append(step)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import errors as flax_errors
 
 import pathways_jax as pw
@@ -55,7 +58,8 @@ class Pipeline:
         ``.tx`` is used with a fresh state per stage (the ``nnx.Optimizer``
         itself is not updated; the pipeline holds parameters and states).
         ``None`` for inference only.
-      num_microbatches: microbatches per step; must divide the batch size.
+      num_microbatches: microbatches per step; must divide a train step's batch size
+        (``forward`` pads a batch it does not divide, see :meth:`forward`).
       schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``
         (one forward, one backward: fewer activations alive at once).
       data_axis: the mesh axis of each slice that splits the batch.
@@ -169,6 +173,9 @@ class Pipeline:
         self._param_specs = []
         for index, (stage, slice_, tx) in enumerate(zip(normalised, self.slices, txs, strict=True)):
             where = f"param_specs of Pipeline stage {index} ({stage.description})"
+            stages_lib.check_partitioning(
+                stage.params, slice_, f"Pipeline stage {index} ({stage.description})"
+            )
             specs = stages_lib.param_specs(stage.params, per_stage[index], slice_, where)
             self._param_specs.append(specs)
             self._state_nodes.append(
@@ -189,7 +196,7 @@ class Pipeline:
         self._checked: dict[Any, Layouts] = {}
         self._outputs: dict[Layouts, Any] = {}  # an abstract last-stage output of each, for errors
         self._nodes_by_mode: dict[tuple[Mode, Layouts], list[Nodes]] = {}
-        self._programs: dict[tuple[str, Mode, Layouts], Any] = {}
+        self._programs: dict[tuple[str, Mode, Layouts, int | None], Any] = {}
 
     @property
     def num_stages(self) -> int:
@@ -271,10 +278,13 @@ class Pipeline:
             ]
         return self._nodes_by_mode[(mode, layouts)]
 
-    def _program(self, kind: str, mode: Mode, layouts: Layouts) -> Any:
-        """The ``@pw.program`` of a call kind in a mode; keys, when keyed, come last."""
-        if (kind, mode, layouts) in self._programs:
-            return self._programs[(kind, mode, layouts)]
+    def _program(self, kind: str, mode: Mode, layouts: Layouts, keep: int | None = None) -> Any:
+        """The ``@pw.program`` of a call kind in a mode; keys, when keyed, come last.
+
+        ``keep``: forward's output is cut back to its first ``keep`` examples (a padded batch).
+        """
+        if (kind, mode, layouts, keep) in self._programs:
+            return self._programs[(kind, mode, layouts, keep)]
         nodes = self._nodes(mode, layouts)
 
         def pipeline_train_step(params: tuple, opt_states: tuple, xs: tuple, ys: tuple, *keys: Any) -> tuple:
@@ -286,7 +296,7 @@ class Pipeline:
             return loss, tuple(grads)
 
         def pipeline_forward(params: tuple, xs: tuple, *keys: Any) -> Any:
-            return self._forward_fn(nodes, params, xs, keys, layouts[-1])
+            return self._forward_fn(nodes, params, xs, keys, layouts[-1], keep)
 
         step_fns: dict[str, Callable[..., Any]] = {
             "train": pipeline_train_step,
@@ -294,8 +304,8 @@ class Pipeline:
             "forward": pipeline_forward,
         }
         fn = step_fns[kind]
-        self._programs[(kind, mode, layouts)] = pw.program(fn, name=fn.__name__)
-        return self._programs[(kind, mode, layouts)]
+        self._programs[(kind, mode, layouts, keep)] = pw.program(fn, name=fn.__name__)
+        return self._programs[(kind, mode, layouts, keep)]
 
     # -- the traced step functions ------------------------------------------------------------
 
@@ -373,7 +383,13 @@ class Pipeline:
         return loss, grads, tuple(new_params), tuple(new_opt_states)
 
     def _forward_fn(
-        self, nodes_per_stage: list[Nodes], params: tuple, xs: tuple, keys: tuple, layout: Layout
+        self,
+        nodes_per_stage: list[Nodes],
+        params: tuple,
+        xs: tuple,
+        keys: tuple,
+        layout: Layout,
+        keep: int | None = None,
     ) -> Any:
         count, micro = self.num_stages, len(xs)
         outs: dict[tuple[int, int], Any] = {}
@@ -385,18 +401,43 @@ class Pipeline:
                     k = (keys[0][s][m],) if keys else ()
                     outs[(s, m)] = nodes_per_stage[s].infer(params[s], h, *k)
         results = [outs[(count - 1, m)] for m in range(micro)]
-        if micro == 1:
+        if micro == 1 and keep is None:
             return results[0]
         last = self.slices[-1]
-        act = layout.specs(stages_lib.activation_spec(last, self.data_axis))
-        concat = pw.jit(_concatenate, devices=last, out_specs=act)
+        spec = stages_lib.activation_spec(last, self.data_axis)
+        whole = keep is not None and keep % stages_lib.data_parts(last, self.data_axis) != 0
+        if whole:
+            spec = pw.P()  # the examples kept do not divide over the data axis
+        cut = functools.partial(_concatenate, keep=keep, whole=whole)
+        concat = pw.jit(cut, devices=last, out_specs=layout.specs(spec))
         return concat(*results)
 
     # -- checks before anything runs ----------------------------------------------------------
 
+    def _unit(self) -> int:
+        """The batch sizes that need no padding are its multiples: microbatches over every slice."""
+        return self.num_microbatches * math.lcm(
+            *(stages_lib.data_parts(s, self.data_axis) for s in self.slices)
+        )
+
+    def _padded(self, x: Any) -> tuple[tuple[Any, ...], int]:
+        """``forward``'s batch cut into the microbatches, padded to a size they divide; its size.
+
+        The padding repeats the last example up to the next multiple of ``num_microbatches``
+        times every slice's ``data_axis`` size; forward's output is cut back to the batch.
+        """
+        leaves, treedef, batch = stages_lib.batch_leaves(x, "x")
+        pad = -batch % self._unit()
+        if pad:
+            leaves = [np.concatenate([leaf, np.repeat(leaf[-1:], pad, axis=0)]) for leaf in leaves]
+        return self._split_leaves(leaves, treedef, batch + pad, "x"), batch
+
     def _split(self, x: Any, what: str) -> tuple[Any, ...]:
         """``x`` (an array or a pytree of arrays, e.g. a dict batch) cut into the microbatches."""
-        leaves, treedef, batch = stages_lib.batch_leaves(x, what)
+        return self._split_leaves(*stages_lib.batch_leaves(x, what), what)
+
+    def _split_leaves(self, leaves: list[np.ndarray], treedef: Any, batch: int, what: str) -> tuple[Any, ...]:
+        """:func:`stages_lib.batch_leaves`'s batch cut into the microbatches."""
         micro = self.num_microbatches
         if batch % micro:
             raise pw.errors.PlacementError(
@@ -507,7 +548,8 @@ class Pipeline:
           x: the batch of inputs (first dimension: the batch).
           y: the batch of targets.
           rngs: stream name to key, e.g. ``{"dropout": jax.random.fold_in(key, step)}``;
-            stage ``s`` on microbatch ``m`` gets :func:`derive_rngs` ``(rngs, s, m)``.
+            stage ``s`` on microbatch ``m`` gets :func:`derive_rngs` ``(rngs, s, m)``. An
+            ``nnx.Rngs`` gives the keys its streams draw next (one per stream, advancing it).
           train: passed to every stage, as ``train``, ``training`` or
             ``deterministic`` (``not train``), whichever its call takes (see
             :func:`as_stage`); ``None`` passes nothing.
@@ -557,10 +599,24 @@ class Pipeline:
 
         Pass ``train=False`` to run stages in evaluation mode (no ``rngs`` needed);
         ``rngs``, ``train`` and ``train_kw`` are as in :meth:`train_step`.
+
+        The batch may have any size, as under ``jax.jit``: one that ``num_microbatches`` (times
+        the slices' ``data_axis`` size) does not divide is padded with copies of its last
+        example, and the output is cut back to the batch's examples.
         """
-        xs = self._split(x, "x")
+        xs, batch = self._padded(x)
         mode, typed, keys = self._mode(rngs, train, train_kw, "forward")
         layouts = self._check_chain(xs[0], None, mode, typed, "forward")
+        padded = stages_lib.batch_size(xs[0]) * len(xs)
+        if padded != batch and not all(layouts[-1].batched):
+            raise pw.errors.PlacementError(
+                f"Pipeline.forward: a batch of {batch} examples is padded to {padded} (a multiple of "
+                f"num_microbatches={self.num_microbatches} times the slices' {self.data_axis!r} axis), "
+                f"but the last stage's output {stages_lib.describe(self._outputs[layouts])} has arrays "
+                "that do not lead with the examples (a scalar, such as a mean), which the padding "
+                f"would change. Use a batch size that is a multiple of {self._unit()}, "
+                "or return per-example values from the last stage."
+            )
         if len(xs) > 1 and not all(layouts[-1].batched):
             raise pw.errors.PlacementError(
                 f"Pipeline.forward: the last stage's output {stages_lib.describe(self._outputs[layouts])} "
@@ -570,7 +626,8 @@ class Pipeline:
                 "not be the whole batch's. Return per-example values from the last stage (reduce them "
                 "after forward), or call forward with num_microbatches=1 (a Pipeline built for it)."
             )
-        return self._program("forward", mode, layouts)(tuple(self._params), xs, *keys)
+        keep = None if padded == batch else batch
+        return self._program("forward", mode, layouts, keep)(tuple(self._params), xs, *keys)
 
     def graph(
         self,
@@ -617,5 +674,18 @@ def _stage_error(stage: Stage, index: int, h: Any, mode: Mode, exc: Exception) -
     )
 
 
-def _concatenate(*parts: Any) -> Any:
-    return jax.tree.map(lambda *arrays: jnp.concatenate(arrays), *parts)
+def _concatenate(*parts: Any, keep: int | None = None, whole: bool = False) -> Any:
+    """The microbatches' outputs as one batch; its first ``keep`` examples (a padded batch's).
+
+    ``whole``: the batch is gathered onto every device before the cut (the examples kept do not
+    divide over the data axis; cutting the split batch fails to compile once fused with the
+    stage's node).
+    """
+
+    def one(*arrays: Any) -> Any:
+        joined = jnp.concatenate(arrays)
+        if whole:
+            joined = jax.lax.with_sharding_constraint(joined, jax.sharding.PartitionSpec())
+        return joined[:keep]
+
+    return jax.tree.map(one, *parts)

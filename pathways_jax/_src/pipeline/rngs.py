@@ -1,6 +1,8 @@
 """RNG streams of a step: checked once on the host, one derived key per stage and microbatch.
 
-A step's ``rngs`` is a Flax-style mapping from stream name to key (``{"dropout": key}``).
+A step's ``rngs`` is a Flax-style mapping from stream name to key (``{"dropout": key}``), or
+an ``nnx.Rngs``, from whose every stream one key is drawn per call (as a module holding it
+would draw, advancing its count, so the same ``nnx.Rngs`` gives every step new keys).
 Stage ``s`` on microbatch ``m`` gets, for every stream, ``fold_in(fold_in(key, s), m)``
 (see :func:`derive_rngs`). The keys travel into the stage nodes as raw ``uint32`` key data
 and are wrapped back into typed keys inside the node, on the stage's slice.
@@ -16,10 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import pathways_jax as pw
 
-Rngs = Mapping[str, Any]
+Rngs = Mapping[str, Any] | nnx.Rngs  # a call's rngs: stream name to key, or an nnx.Rngs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,7 +55,9 @@ def derive_rngs(rngs: Rngs, stage: int, microbatch: int) -> dict[str, jax.Array]
 
     Args:
       rngs: stream name to key (a typed key from ``jax.random.key`` or a raw
-        ``jax.random.PRNGKey``).
+        ``jax.random.PRNGKey``), or an ``nnx.Rngs``: then the keys a call given it draws
+        next (``fold_in(stream.key, stream.count)``, as ``rngs.dropout()`` would), without
+        drawing them, so call it before the step.
       stage: the stage's index, first stage 0.
       microbatch: the microbatch's index within the step.
 
@@ -67,19 +72,39 @@ def derive_rngs(rngs: Rngs, stage: int, microbatch: int) -> dict[str, jax.Array]
       ...     jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 1), 2))).all())
       True
     """
+    if isinstance(rngs, nnx.Rngs):  # the keys drawn next, left undrawn
+        rngs = {name: jax.random.fold_in(stream.key[...], stream.count[...]) for name, stream in rngs.items()}
     return {
         name: jax.random.fold_in(jax.random.fold_in(key, stage), microbatch) for name, key in rngs.items()
     }
 
 
+def drawn(rngs: Any) -> Any:
+    """An ``nnx.Rngs`` (or ``nnx.RngStream`` values) as stream name to key: one key drawn from each.
+
+    Drawing advances the stream's count as ``rngs.dropout()`` does in a module, so passing the
+    same ``nnx.Rngs`` to every step gives every step new keys; stage ``s`` on microbatch ``m``
+    then gets :func:`derive_rngs` of the drawn keys.
+    """
+    if isinstance(rngs, nnx.Rngs):
+        return {name: stream() for name, stream in rngs.items()}
+    if isinstance(rngs, Mapping) and any(isinstance(key, nnx.RngStream) for key in rngs.values()):
+        return {name: key() if isinstance(key, nnx.RngStream) else key for name, key in rngs.items()}
+    return rngs
+
+
 def check_rngs(rngs: Any, what: str) -> dict[str, jax.Array] | None:
-    """``rngs`` as typed keys by stream name (sorted), or ``None``; raises on anything else."""
+    """``rngs`` as typed keys by stream name (sorted), or ``None``; raises on anything else.
+
+    An ``nnx.Rngs`` gives one key drawn from each of its streams (see :func:`drawn`).
+    """
     if rngs is None:
         return None
+    rngs = drawn(rngs)
     if not isinstance(rngs, Mapping) or not rngs:
         raise pw.errors.ProgramTraceError(
             f"{what}: rngs must be a non-empty mapping from stream name to key, such as "
-            f"rngs={{'dropout': jax.random.key(0)}}, got {type(rngs).__name__}: {rngs!r:.80}."
+            f"rngs={{'dropout': jax.random.key(0)}}, or an nnx.Rngs (rngs=nnx.Rngs(dropout=0)), got {type(rngs).__name__}: {rngs!r:.80}."
         )
     typed = {}
     for name in sorted(rngs):

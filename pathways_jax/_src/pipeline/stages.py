@@ -15,7 +15,13 @@ from flax import errors as flax_errors
 from flax import linen, nnx
 
 import pathways_jax as pw
-from pathways_jax._src.pipeline.flags import TrainFlag, UnreachedFlag, check_train_kw, signature_of
+from pathways_jax._src.pipeline.flags import (
+    FLAG_NAMES,
+    TrainFlag,
+    UnreachedFlag,
+    check_train_kw,
+    signature_of,
+)
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.optimizers import check_optimizers as check_optimizers
 
@@ -237,8 +243,9 @@ def as_stage(model: Any, index: int = 0) -> Stage:
 
     Args:
       model: a Flax NNX module (its ``nnx.Param`` values are the params, as plain arrays),
-        a ``(linen_module, variables)`` pair (``variables["params"]``), or a
-        ``(params, apply_fn)`` pair.
+        a ``(linen_module, variables)`` pair (``variables["params"]``), a
+        ``(params, apply_fn)`` pair, or a function of the activations alone
+        (``nnx.relu``, as in ``nnx.Sequential``'s layers: no params).
       index: the stage's position, named in errors.
 
     When a step is given ``train=`` (``True``/``False``), the stage's call
@@ -253,7 +260,8 @@ def as_stage(model: Any, index: int = 0) -> Stage:
     ``ProgramTraceError`` (an NNX module with no such layer, no RNG stream and
     no ``rngs`` parameter is exempt: the flag cannot change it; so is a Linen
     module that, traced on its input, calls no Dropout or BatchNorm and needs
-    no RNG stream, see :func:`linen_holds`);
+    no RNG stream, see :func:`linen_holds`, and an ``apply_fn(params, x)`` or a
+    function ``f(x)`` that takes nothing more);
     ``train=False`` and ``train=None`` (passes nothing) never raise.
     When a step is given ``rngs`` (stream name to key), a Linen stage gets
     them as ``module.apply(..., rngs=rngs)``, an ``apply_fn`` taking ``rngs``
@@ -347,8 +355,10 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             description = f"linen {type(first).__name__}"
             holds: dict[tuple, str] = {}  # by the input's shapes and dtypes
 
+            variables = on_the_slice_mesh(variables)
+
             def apply_linen(p: Any, x: Any) -> Any:
-                return first.apply({"params": p, **variables}, x)
+                return first.apply({"params": on_the_slice_mesh(p), **variables}, x)
 
             def call_linen(
                 p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
@@ -362,7 +372,12 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                             linen_flag.unreached_message(train_kw, index, description, holds[key])
                         )
                 kwargs: dict[str, Any] = linen_flag.kwargs(train, train_kw)
-                return first.apply({"params": p, **variables}, x, rngs=dict(rngs) if rngs else None, **kwargs)
+                return first.apply(
+                    {"params": on_the_slice_mesh(p), **variables},
+                    x,
+                    rngs=dict(rngs) if rngs else None,
+                    **kwargs,
+                )
 
             # Linen's own collection of running statistics (nn.BatchNorm's), held fixed here.
             stats = variables.get("batch_stats")
@@ -372,7 +387,11 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             )
             return Stage(params, apply_linen, "linen", description, call_linen, linen_flag, running)
         if callable(second) and not callable(first):
-            fn_flag = TrainFlag(signature_of(second))
+            # apply_fn(params, x) and nothing more (no flag, no rngs): train cannot change it.
+            read = signature_of(second)
+            fn_flag = TrainFlag(
+                read, inert=len(read.names) <= 2 and not read.var_keyword and read.text != "(...)"
+            )
             fn_signature = fn_flag.signature
 
             def call_fn(
@@ -387,6 +406,8 @@ def as_stage(model: Any, index: int = 0) -> Stage:
 
             description = f"apply_fn {getattr(second, '__name__', second)!r}"
             return Stage(first, second, "function", description, call_fn, fn_flag)
+    if callable(model) and not isinstance(model, nnx.Module | linen.Module | tuple | list):
+        return _function_stage(model)
     raise pw.errors.ProgramTraceError(
         f"stage {index} is {type(model).__name__}: {model!r:.80}; expected a Flax NNX module, a "
         "(linen_module, variables) pair, or a (params, apply_fn) pair with "
@@ -394,11 +415,40 @@ def as_stage(model: Any, index: int = 0) -> Stage:
     )
 
 
+def _function_stage(fn: Callable[..., Any]) -> Stage:
+    """A function of the activations alone (``nnx.relu`` in ``nnx.Sequential``'s layers): no parameters.
+
+    It gets the output of the stage before, as ``nnx.Sequential`` calls it, and ``train`` only if
+    it takes a flag keyword; one that takes none cannot be changed by it (exempt from ``train=True``).
+    """
+    read = signature_of(fn)
+    takes_flag = read.var_keyword or any(name in read.names for name in FLAG_NAMES)
+    flag = TrainFlag(read, inert=not takes_flag)
+
+    def apply_fn(p: Any, x: Any) -> Any:
+        return fn(x)
+
+    def call_fn(
+        p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
+    ) -> Any:
+        return fn(x, **flag.kwargs(train, train_kw))
+
+    description = f"function {getattr(fn, '__name__', type(fn).__name__)!r}"
+    return Stage(None, apply_fn, "function", description, call_fn, flag)
+
+
 def as_stages(models: Sequence[Any]) -> list[Stage]:
+    if isinstance(models, nnx.List):  # an NNX module's list of layers (nnx.Sequential's .layers)
+        models = list(models)
     if isinstance(models, nnx.Module | linen.Module) or not isinstance(models, Sequence):
         raise pw.errors.ProgramTraceError(
             f"stages must be a sequence (list or tuple) of stages, got {type(models).__name__}; "
-            "wrap a single model in a list: Pipeline([model], [slice], ...)."
+            + (
+                "to run its layers as the stages, pass them: Pipeline(model.layers, slices, ...); "
+                "to run it as one stage, wrap it in a list: Pipeline([model], [slice], ...)."
+                if isinstance(models, nnx.Sequential)
+                else "wrap a single model in a list: Pipeline([model], [slice], ...)."
+            )
         )
     return [as_stage(model, i) for i, model in enumerate(models)]
 
@@ -516,13 +566,66 @@ def _check_fits(spec: pw.P, leaf: Any, slice_: pw.VirtualSlice, where: str) -> N
             )
 
 
+def _is_partitioned(node: Any) -> bool:
+    return isinstance(node, linen.Partitioned)
+
+
+def on_the_slice_mesh(tree: Any) -> Any:
+    """Linen's ``nn.with_partitioning`` boxes without their ``mesh=``: constrained on the stage's slice.
+
+    Flax constrains a boxed parameter to its names on the box's mesh when the module reads it,
+    and a mesh of the user's (``mesh=m``) holds other devices than most stages' slices: without
+    it the names apply on the mesh of the slice the stage runs on (see :func:`check_partitioning`).
+    """
+    return jax.tree.map(
+        lambda node: node.replace(mesh=None) if _is_partitioned(node) and node.mesh is not None else node,
+        tree,
+        is_leaf=_is_partitioned,
+    )
+
+
+def check_partitioning(params: Any, slice_: pw.VirtualSlice, where: str) -> None:
+    """Every mesh axis a Linen parameter's ``nn.with_partitioning`` names is one of ``slice_``'s.
+
+    Raises:
+      PlacementError: a parameter names an axis the slice's mesh lacks (Flax's sharding
+        constraint would fail in the stage), naming the parameter, the axis and the slice's axes.
+    """
+    boxes = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_partitioned)[0]
+    for path, box in boxes:
+        if not _is_partitioned(box) or isinstance(box, linen.LogicallyPartitioned):
+            continue  # logical names reach mesh axes through the rules in effect
+        named = [
+            axis
+            for entry in box.names
+            for axis in (entry if isinstance(entry, tuple) else (entry,))
+            if axis is not None
+        ]
+        missing = [axis for axis in named if axis not in slice_.axis_names]
+        if missing:
+            raise pw.errors.PlacementError(
+                f"{where}: parameter {_show(_path(path))} is declared with nn.with_partitioning names "
+                f"{tuple(box.names)}, which Flax applies as a sharding constraint on the mesh the "
+                f"stage runs on, but the slice's mesh has axes {tuple(slice_.axis_names)}, not "
+                f"{missing[0]!r}. Give the slice that axis (pw.devices(mesh={{..., {missing[0]!r}: n}})) "
+                "or declare the parameter without it."
+            )
+
+
 def param_specs(params: Any, specs: ParamSpecs, slice_: pw.VirtualSlice, where: str) -> Any:
     """A pytree of ``pw.P`` matching ``params``, each checked against ``slice_``.
 
     ``specs`` is ``None`` (replicated), one ``pw.P`` for every parameter, a function
     ``(key_path, leaf) -> pw.P | None``, or a pytree prefix of ``params`` with ``pw.P`` or
-    ``None`` at its leaves. ``where`` names the specs in errors.
+    ``None`` at its leaves. ``where`` names the specs in errors. NNX's
+    ``nnx.get_partition_spec(nnx.state(model, nnx.Param))`` (variables holding specs) is such a
+    prefix.
     """
+    specs = jax.tree.map(
+        lambda node: node.get_value() if isinstance(node, nnx.Variable) else node,
+        specs,
+        is_leaf=lambda node: isinstance(node, nnx.Variable),
+    )
     if specs is None:
         return jax.tree.map(lambda _: pw.P(), params)
     if isinstance(specs, pw.P):
