@@ -63,6 +63,39 @@ def test_fused_chain_equals_unfused_and_plain_jit(size):
     assert pw.counters()["dispatches"] == 1
 
 
+def _double(v):
+    return v * 2
+
+
+def _cut(a, b):
+    return jnp.concatenate([a, b])[:3]
+
+
+def test_nodes_xla_cannot_compile_fused_run_as_traced_with_a_warning(caplog):
+    # Two data-sharded outputs concatenated and cut to 3 rows, replicated: XLA's SPMD
+    # partitioner fails on the fused executable ("Expected f32[4,3], actual f32[3,3]"; the same
+    # constraints under one jax.jit fail alike). It failed the call; its nodes compile apart.
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"data": 2})
+    double = pw.jit(_double, devices=s, out_specs=pw.P("data"))
+    cut = pw.jit(_cut, devices=s, out_specs=pw.P())
+
+    @pw.program
+    def prog(a, b):
+        return cut(double(a), double(b))
+
+    a, b = np.arange(6.0, dtype=np.float32).reshape(2, 3), np.ones((2, 3), np.float32)
+    want = jax.jit(_cut)(jax.jit(_double)(a), jax.jit(_double)(b))
+    with caplog.at_level("WARNING"):
+        got = prog(a, b)
+    assert_matches(got, want)
+    assert "could not compile its nodes fused" in caplog.text
+    assert len(prog.graph(a, b).nodes) == 3  # as traced: what runs
+    pw.reset_counters()
+    assert_matches(prog(a * 2, b), jax.jit(_cut)(jax.jit(_double)(a * 2), jax.jit(_double)(b)))
+    assert pw.counters()["traces"] == 0
+
+
 def test_fusion_stops_at_slice_boundaries_and_keeps_transfers():
     pw.init(num_cpu_devices=8, islands=2)
     a = pw.devices(mesh={"x": 2}, island=0)

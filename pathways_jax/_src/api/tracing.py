@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from absl import logging
 
 from pathways_jax._src.api import function_trace, nnx_graph
 from pathways_jax._src.api.arguments import AbstractArray, TraceInputs, TracerArgument, _as_array_key
@@ -367,12 +368,38 @@ class Program:
 
         graph = self._graph_for(key, inputs)
         donated = self._info.donated_leaves(args, kwargs)
-        with self._lock:  # one lowering per signature; lowering runs no user code
-            plan = self._plans.get(key)
-            if plan is None or not plan.is_current():
-                plan = self._lowered(lowering.lower, graph, inputs.signature, donated)
+        try:
+            with self._lock:  # one lowering per signature; lowering runs no user code
+                plan = self._plans.get(key)
+                if plan is None or not plan.is_current():
+                    plan = self._lowered(lowering.lower, graph, inputs.signature, donated)
+                    self._plans[key] = plan
+            return plan
+        except errors.ProgramTraceError as exc:
+            if not self._info.fuse or not isinstance(exc.__cause__, jax.errors.JaxRuntimeError):
+                raise
+            # XLA failed to compile the fused executable (its SPMD partitioner refuses some
+            # resharding chains jax.jit refuses too): the nodes compiled apart, as traced, may
+            # compile. Traced again with no lock held (the trace runs the user's code).
+            traced = function_trace.trace(self._info, inputs)
+            if fusion.fuse(traced.ir) is traced.ir:
+                raise  # nothing was fused: the node itself does not compile
+            if self._info.compiler_options:
+                traced = GraphView(
+                    dataclasses.replace(traced.ir, compiler_options=self._info.compiler_options), traced.held
+                )
+            with self._lock:
+                plan = self._lowered(lowering.lower, traced, inputs.signature, donated)
                 self._plans[key] = plan
-        return plan
+                self._graphs[key] = traced  # what program.graph() shows for it, and lowers again
+            logging.warning(
+                "pathways_jax: program %r (%s): XLA could not compile its nodes fused into one "
+                "executable (%s); they run as the separate executables traced, as with fuse=False.",
+                self.name,
+                self.source_info,
+                str(exc.__cause__).splitlines()[0],
+            )
+            return plan
 
     def _as_jax_jit(self) -> Any:
         """The function under ``jax.jit`` with this program's options (built once)."""
