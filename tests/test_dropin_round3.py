@@ -112,32 +112,36 @@ def _three(v):
 @pytest.mark.parametrize("wrap", [jax.jit, pw.program], ids=["jax.jit", "pw.program"])
 def test_a_calls_outputs_go_once_its_futures_and_arrays_are_dropped_as_jax_jits_do(wrap):
     # The controller's windows kept an output of each of the last runs (what they watch to bound
-    # the work queued on a device) until a later call looked at them: after a loop, 2-3 arrays
-    # stayed alive that the user had dropped, where jax.jit's go at once.
+    # the work queued on a device) until a later call looked at them, and a dropped future's
+    # value went at the next call: after a loop, 2-3 arrays stayed alive that the user had
+    # dropped, where jax.jit's go at once.
     import gc
 
     from helpers import wait_for
 
+    def quiet() -> None:  # the runtime let go of what it watched (its windows settled)
+        if wrap is pw.program:
+            assert wait_for(lambda: not pw.cluster().controller.windows.markers(), timeout=10)
+        gc.collect()
+
+    def alive() -> int:
+        gc.collect()
+        return len(jax.live_arrays())
+
     step, x = wrap(_three), jnp.arange(1000.0)
     jax.block_until_ready(pw.results(step(x)))  # compiled, off the count
-    gc.collect()
-    base = {id(a) for a in jax.live_arrays()}
+    quiet()
+    base = alive()
     for _ in range(10):
         got = pw.results(step(x))
         np.testing.assert_array_equal(np.asarray(got[0]), np.arange(1000.0, dtype=np.float32) * 2)
         del got
-
-    def kept() -> list:
-        gc.collect()
-        return [a.shape for a in jax.live_arrays() if id(a) not in base]
-
-    assert wait_for(lambda: not kept(), timeout=10), kept()
+    assert wait_for(lambda: alive() == base, timeout=10), alive() - base
     # Dropped once the runtime went quiet (training ended, say), they go at once, not at the
     # next program call.
     outs = step(x)
     jax.block_until_ready(pw.results(outs))
-    if wrap is pw.program:  # the runtime let go of what it watched (its windows settled)
-        assert wait_for(lambda: not pw.cluster().controller.windows.markers(), timeout=10)
-    assert len(kept()) == 3
+    quiet()
+    assert alive() == base + 3
     del outs
-    assert not kept()
+    assert alive() == base

@@ -46,6 +46,9 @@ _IDLE_POLL_S = 2e-3
 # GIL once per batch of short runs rather than once per run: end times are
 # known to about this granularity (exactly for runs longer than it).
 _BATCH_S = 4e-3
+# How long every run stays accounted before on_idle is called: a caller that reads each result
+# and calls again within it (a loop) is not paid a hook's work on every call.
+_IDLE_HOOK_S = 0.02
 _STOP_TIMEOUT_S = 10.0  # how long stop() waits for the watcher unless told
 # The pw.stats() row summing every closed client (a name pw.client refuses).
 CLOSED_CLIENTS = "(closed clients)"
@@ -120,8 +123,8 @@ class Accounting:
         self._started = False
         self._start_lock = threading.Lock()
         self._busy = False  # the watcher holds records not accounted yet
-        # Called on the watcher's thread each time it has accounted every run it was given
-        # (the controller's: its windows let go of the outputs they watched).
+        # Called on the watcher's thread once every run it was given stayed accounted for
+        # _IDLE_HOOK_S (the controller's: its windows let go of the outputs they watched).
         self.on_idle: Callable[[], None] = lambda: None
         # Notes are appended by the dispatcher (no lock: deque appends are
         # atomic) and taken by the watcher, which is woken only when it sleeps.
@@ -259,10 +262,14 @@ class Accounting:
     def _watch(self) -> None:
         pending: collections.deque[Note] = collections.deque()
         notes = self._notes
+        idle_since, hook_due = 0.0, False
         while not self._stopping:
             if not pending and not notes and not self._open:
                 if self._busy:
                     self._busy = False
+                    idle_since, hook_due = time.monotonic(), True
+                elif hook_due and time.monotonic() - idle_since >= _IDLE_HOOK_S:
+                    hook_due = False
                     try:
                         self.on_idle()
                     except Exception:  # pragma: no cover - a bug: the watcher keeps serving

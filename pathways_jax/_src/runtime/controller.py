@@ -185,7 +185,8 @@ class Controller:
             {device_window_key(d.id): island.index for island in cluster.islands for d in island.devices},
             self.accounting.cost,
         )
-        # Once every run is accounted, this thread settles the windows' entries: the last runs'
+        # Once every run stayed accounted a moment (accounting._IDLE_HOOK_S: not between the
+        # calls of a loop that reads each result), this thread settles the windows: the last runs'
         # outputs then live as long as their futures, as jax.jit's arrays do, not until the next
         # dispatch looks. (This thread, not the watcher: a buffer freed on the watcher's thread
         # grew the process by 1-11 MiB, test_cpu_device_buffers_are_released_to_the_system_when_freed.)
