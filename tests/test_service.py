@@ -1033,7 +1033,8 @@ def test_a_client_whose_service_dies_gets_clear_errors_and_shuts_down(ray_cluste
         # pw.init again with the same arguments: refused saying what to do, not the dead join returned.
         with pytest.raises(
             pw.errors.ClusterError,
-            match=r"pw\.init\(service='test-dies'\): this process joined .* gone since .*pw\.shutdown\(\) first",
+            match=r"pw\.init\(service='test-dies'\): the controller service 'test-dies' is gone .*joined it "
+            r"before: call pw\.shutdown\(\) first",
         ):
             pw.init(backend="ray", address=svc.address, service=svc.name)
     finally:

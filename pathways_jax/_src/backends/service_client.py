@@ -284,18 +284,28 @@ class ServiceBackend:
                 f"{method}(timeout=...) must be None (no limit) or a finite number of seconds >= 0, got "
                 f"{timeout!r} ({type(timeout).__name__})."
             )
+        return self._answer(
+            getattr(self.service, method).remote(),
+            timeout,
+            method,
+            "Call pw.shutdown(), start the service again and pw.init(...) to join it.",
+        )
+
+    def _answer(self, ref: Any, timeout: float | None, what: str, then: str, call: str = "") -> Any:
+        """The service's answer (``ref``, a call of it named ``what``), else a ClusterError: it is
+        gone (saying ``then``: what to do), or it did not answer within ``timeout`` seconds.
+        ``call``: the user's call the message opens with."""
         try:
-            return self.ray.get(getattr(self.service, method).remote(), timeout=timeout)
+            return self.ray.get(ref, timeout=timeout)
         except Exception as exc:
             if is_lost_error(exc):
                 raise errors.ClusterError(
-                    f"the controller service {self.service_name!r} is gone (stopped, or its actor died): "
-                    f"{type(exc).__name__}. Call pw.shutdown(), start the service again and pw.init(...) "
-                    "to join it."
+                    f"{call}the controller service {self.service_name!r} is gone (stopped, or its actor "
+                    f"died: {type(exc).__name__}). {then}"
                 ) from exc
             if isinstance(exc, self.ray.exceptions.GetTimeoutError):
                 raise errors.ClusterError(
-                    f"the controller service {self.service_name!r} did not answer {method} within "
+                    f"{call}the controller service {self.service_name!r} did not answer {what} within "
                     f"{timeout}s; check that it runs (`python -m pathways_jax stats`, `ray list actors`)."
                 ) from exc
             raise
@@ -376,21 +386,14 @@ class ServiceBackend:
                 f"{call}: {', '.join(wrong)}. Leave them out to take the service's (this process stays "
                 "joined to it as it was)."
             )
-        try:
-            health = self.ray.get(self.service.health.remote(self.client_id), timeout=_HEALTH_TIMEOUT_S)
-        except Exception as exc:
-            if is_lost_error(exc):
-                raise errors.ClusterError(
-                    f"{call}: this process joined the controller service {self.service_name!r}, which is "
-                    f"gone since (stopped, or its actor died: {type(exc).__name__}). Call pw.shutdown() "
-                    "first; pw.init(...) then joins the service running under that name now, if one does."
-                ) from exc
-            if isinstance(exc, self.ray.exceptions.GetTimeoutError):
-                raise errors.ClusterError(
-                    f"{call}: the controller service {self.service_name!r} did not answer within "
-                    f"{_HEALTH_TIMEOUT_S:.0f}s; check that it runs (`python -m pathways_jax stats`)."
-                ) from exc
-            raise
+        health = self._answer(
+            self.service.health.remote(self.client_id),
+            _HEALTH_TIMEOUT_S,
+            "whether it serves this process",
+            "This process joined it before: call pw.shutdown() first; pw.init(...) then joins the "
+            "service running under that name now, if one does.",
+            f"{call}: ",
+        )
         if "dropped" in health:
             raise errors.ClusterError(
                 f"{call}: the controller service {self.service_name!r} dropped this process "
