@@ -443,7 +443,7 @@ class Controller:
             self._cv.notify_all()
 
     def _idle(self) -> None:
-        """Every dispatched run is accounted (the watcher's thread): the windows are settled here."""
+        """Every dispatched run stayed accounted a moment (the watcher's thread): the windows are settled here."""
         with self._lock:
             self._settle_idle = True
             self._cv.notify_all()
