@@ -211,18 +211,19 @@ class Program:
         # Traced with no lock held: the trace runs the user's code, which may
         # call this program from a thread it then joins. Threads tracing one
         # signature at once each finish; the first graph stored is kept.
-        traced = function_trace.trace(self._info, inputs)
-        ir = traced.ir
-        if self._info.fuse:
-            ir = fusion.fuse(ir)
-        if self._info.compiler_options:
-            ir = dataclasses.replace(ir, compiler_options=self._info.compiler_options)
-        graph = GraphView(ir, traced.held) if ir is not traced.ir else traced
+        graph = self._compiled_as(function_trace.trace(self._info, inputs), self._info.fuse)
         with self._lock:
             kept = self._graphs.get(key)
             if kept is None or any(s.released for s in kept.held.values()):
                 kept = self._graphs[key] = graph
             return kept
+
+    def _compiled_as(self, traced: GraphView, fuse: bool) -> GraphView:
+        """``traced`` as it compiles: its chains fused if ``fuse``, with the program's compiler options."""
+        ir = fusion.fuse(traced.ir) if fuse else traced.ir
+        if self._info.compiler_options:
+            ir = dataclasses.replace(ir, compiler_options=self._info.compiler_options)
+        return GraphView(ir, traced.held) if ir is not traced.ir else traced
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if context.state.trace is not None or reentry.inside.depth or context.exiting:
@@ -384,10 +385,7 @@ class Program:
             traced = function_trace.trace(self._info, inputs)
             if fusion.fuse(traced.ir) is traced.ir:
                 raise  # nothing was fused: the node itself does not compile
-            if self._info.compiler_options:
-                traced = GraphView(
-                    dataclasses.replace(traced.ir, compiler_options=self._info.compiler_options), traced.held
-                )
+            traced = self._compiled_as(traced, fuse=False)
             with self._lock:
                 plan = self._lowered(lowering.lower, traced, inputs.signature, donated)
                 self._plans[key] = plan
