@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import collections
+import operator
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.extend.core as jex
@@ -78,7 +79,7 @@ class LocalBackend:
             and not plan.staged_feeds
             else None
         )
-        part = _LocalPart(lanes, donors if any(donors) else None, direct)
+        part = _LocalPart(lanes, donors if any(donors) else None, direct, _arguments_of(plan.steps))
         return Prepared(windowed, plan.islands, reports, part)
 
     def execute(self, run: RunView, windows: Windows) -> Dispatched:
@@ -90,6 +91,10 @@ class LocalBackend:
         part: _LocalPart | None = plan.prepared.part
         if part is not None and part.direct is not None and sink is None:
             return _direct(run, windows, part, part.direct)
+        calls = part.calls if part is not None else None
+        if calls is None:
+            calls = [getattr(step, "executable", None) for step in plan.steps]
+        arguments = part.arguments if part is not None else _arguments_of(plan.steps)
         donors = part.donors if part is not None and part.donors is not None else ()
         hand_on = getattr(windows, "handed_on", None) if donors else None
         try:
@@ -104,9 +109,10 @@ class LocalBackend:
                         windows.make_room(step.island)
                     if sink is not None:
                         t0 = events.now()
-                    args = [env[s] for s in step.in_slots]
+                    read = arguments[index]
+                    args = (env[read],) if type(read) is int else read(env)
                     try:
-                        outs = step.executable(*args)
+                        outs = calls[index](*args)
                     except _NAN_CHECK as exc:  # jax_debug_nans / jax_debug_infs found one
                         raise _nan_error(step, args, exc) from None
                     if step.pinned:
@@ -143,6 +149,9 @@ class LocalBackend:
             raise _failed(run, step, exc) from exc
         finally:
             counts.bump("dispatches", dispatched)
+        if part is not None and part.calls is None:
+            # Every executable has run once: JAX has made each one's C++ call (see _fast_calls).
+            part.calls = _fast_calls(plan.steps)
         # A plan that places nothing (it returns literals or its arguments) was
         # prepared by no backend: it has no lanes, nor anything to dispatch.
         return _dispatched(run, windows, part.lanes if part is not None else ())
@@ -167,16 +176,69 @@ class LocalBackend:
         pass  # JAX owns the devices; their values go with their futures
 
 
-class _LocalPart(NamedTuple):
+class _LocalPart:
     """What the local backend adds to a plan (``Prepared.part``)."""
 
-    # (device window key, accounting group) for each single-device group: the
-    # run counts once in that device's window, by the group's last output.
-    lanes: tuple[tuple[int, int], ...]
-    # Per step, the argument positions its executable consumes (donation); None if none do.
-    donors: tuple[tuple[int, ...], ...] | None
-    # The plan's one step, when _direct may run it (see LocalBackend.prepare); else None.
-    direct: ExecStep | None = None
+    __slots__ = ("arguments", "calls", "direct", "donors", "lanes")
+
+    def __init__(
+        self,
+        lanes: tuple[tuple[int, int], ...],
+        donors: tuple[tuple[int, ...], ...] | None,
+        direct: ExecStep | None,
+        arguments: tuple[Any, ...],
+    ) -> None:
+        # (device window key, accounting group) for each single-device group: the
+        # run counts once in that device's window, by the group's last output.
+        self.lanes = lanes
+        # Per step, the argument positions its executable consumes (donation); None if none do.
+        self.donors = donors
+        # The plan's one step, when _direct may run it (see LocalBackend.prepare); else None.
+        self.direct = direct
+        # Per step, how its arguments are read from the run's environment (see _arguments_of).
+        self.arguments = arguments
+        # Per step, what is called to run its executable: set once every step has run (_fast_calls).
+        self.calls: list[Any] | None = None
+
+
+def _arguments_of(steps: Sequence[Any]) -> tuple[Any, ...]:
+    """Per step, what reads its executable's arguments from a run's environment (None: not an ``ExecStep``).
+
+    A slot number for one argument; else an ``operator.itemgetter`` of the
+    slots, which reads them in one C call (a list comprehension is a Python
+    frame per step of every run). The readers: ``(env[read],)`` for a slot,
+    ``read(env)`` else.
+    """
+    read: list[Any] = []
+    for step in steps:
+        if not isinstance(step, ExecStep):
+            read.append(None)
+        elif len(step.in_slots) == 1:
+            read.append(step.in_slots[0])
+        else:
+            read.append(_tuple_of(step.in_slots))
+    return tuple(read)
+
+
+def _tuple_of(slots: tuple[int, ...]) -> Callable[[list[Any]], tuple[Any, ...]]:
+    """What reads these slots (none, or two or more) of an environment as a tuple."""
+    if not slots:
+        return lambda env: ()
+    return operator.itemgetter(*slots)
+
+
+def _fast_calls(steps: Sequence[Any]) -> list[Any]:
+    """Per step, the C++ call JAX made for its compiled executable at its first call, or the executable.
+
+    ``jax.stages.Compiled.__call__`` makes that call once and then only calls
+    it: calling it directly saves a Python frame per step of every run.
+    """
+    calls = []
+    for step in steps:
+        executable = getattr(step, "executable", None)
+        fast = getattr(executable, "_call", None) if isinstance(executable, jax.stages.Compiled) else None
+        calls.append(fast if callable(fast) else executable)
+    return calls
 
 
 def _direct(run: RunView, windows: Windows, part: _LocalPart, step: ExecStep) -> Dispatched:
@@ -184,10 +246,12 @@ def _direct(run: RunView, windows: Windows, part: _LocalPart, step: ExecStep) ->
     nothing pinned, donated or staged, and no trace sink: what the loop does for it, and no more.
     """
     env = run.env
-    args = [env[s] for s in step.in_slots]
+    read = part.arguments[0]
+    args = (env[read],) if type(read) is int else read(env)
+    calls = part.calls
     try:
         try:
-            outs = step.executable(*args)
+            outs = (step.executable if calls is None else calls[0])(*args)
         except _NAN_CHECK as exc:  # jax_debug_nans / jax_debug_infs found one
             raise _nan_error(step, args, exc) from None
     except Exception as exc:  # a user error fails its run only (as in execute)
@@ -195,6 +259,8 @@ def _direct(run: RunView, windows: Windows, part: _LocalPart, step: ExecStep) ->
     for slot, array in zip(step.out_slots, outs, strict=True):
         env[slot] = array
     counts.bump("dispatches", 1)
+    if calls is None:
+        part.calls = _fast_calls((step,))
     return _dispatched(run, windows, part.lanes)
 
 
