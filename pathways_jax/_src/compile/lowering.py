@@ -87,6 +87,9 @@ class Plan:
         self.input_charges = bound.input_charges  # bytes of each host feed on its devices
         self.array_feeds = bound.array_feeds  # (arg index, slot): taken as is
         self.future_feeds = bound.future_feeds  # (arg index, slot)
+        # The same as two tuples: a run reads its futures by these (see runs.Run.feeds).
+        self.future_indices = tuple(index for index, _ in self.future_feeds)
+        self.future_slots = tuple(slot for _, slot in self.future_feeds)
         self.feed_shardings = bound.feed_shardings  # slot -> sharding of the future fed there
         self.steps = bound.steps
         self.outputs = bound.outputs
@@ -114,6 +117,8 @@ class Plan:
         # Outputs submission makes ready itself (literals, arguments returned as they are).
         self.special_outputs = [(i, out) for i, out in enumerate(self.outputs) if out.kind != "slot"]
         self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}
+        # (output position, slot) of each output a node makes: what a dispatched run publishes.
+        self.published = tuple((i, out.where) for i, out in enumerate(self.outputs) if out.kind == "slot")
         # How many windowed executables the plan puts on each island: a run
         # may be dispatched on the caller's thread only if they all fit now.
         # XLA's CPU client runs executables that call back into Python on the

@@ -541,7 +541,7 @@ class Controller:
         looked at, so that one pass over the clients' heads asks each island
         once, not once per head.
         """
-        for _, future in run.future_inputs:
+        for future in run.feeds:
             if type(future._entry.state) is Pending:
                 return _WAITS_FOR_INPUT
         budget = self._budget
@@ -607,7 +607,7 @@ class Controller:
                         continue
                     run = queue[0]
                     try:
-                        if run.future_inputs:
+                        if run.feeds:
                             why, waits_on = self._blocker(run, busy)
                         else:
                             verdict = verdicts.get(id(run.plan))
@@ -868,7 +868,7 @@ class Controller:
         started = _now()
         env = run.env
         graph = run.plan.graph
-        for slot, future in run.future_inputs:
+        for slot, future in zip(run.feed_slots, run.feeds, strict=True):
             entry = future._entry
             array = entry.array  # read before the state: a ready state then has its array
             if type(entry.state) is Ready and array is not None:
@@ -903,13 +903,13 @@ class Controller:
             self._fail(run, failed.where, failed.cause)
             return
         finally:
-            run.future_inputs = []
+            run.feeds = []
         self._publish(run, started, values, last)
 
     def _spend(self, run: Run) -> None:
         """Futures whose buffers the run's executables consumed (donated) cannot be read again."""
         consumed = run.plan.consumed_feeds
-        for slot, future in run.future_inputs:
+        for slot, future in zip(run.feed_slots, run.feeds, strict=True):
             if slot in consumed:
                 entry = future._entry
                 message = (
@@ -922,9 +922,11 @@ class Controller:
     def _publish(self, run: Run, started: int, values: Any, last: tuple) -> None:
         """A dispatched run's outputs become ready (``values[slot]``); the watcher gets ``last``."""
         # ObjectStore.set_ready for each output a node made, inlined (once per output leaf).
-        for out, entry in zip(run.plan.outputs, run.outputs, strict=True):
-            if out.kind == "slot" and type(entry.state) is not Freed:
-                entry.array = values[out.where]  # before the state: a ready state has its array
+        entries = run.outputs
+        for position, slot in run.plan.published:
+            entry = entries[position]
+            if type(entry.state) is not Freed:
+                entry.array = values[slot]  # before the state: a ready state has its array
                 entry.state = READY
         self._store.wake()
         self.accounting.note(run, started, last)
@@ -941,5 +943,5 @@ class Controller:
         if run.transient:
             self._release(run)
         self._store.free(list(run.outputs), failure=(detail, cause))
-        run.future_inputs = []
+        run.feeds = []
         run.env = []

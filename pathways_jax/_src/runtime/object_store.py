@@ -116,6 +116,8 @@ class Entry:
 class ObjectStore:
     """Tracks live values; frees a value when its last reference goes."""
 
+    FREED = FREED  # for Future.__del__, which reads no module global (at exit they may be None)
+
     def __init__(self) -> None:
         self._ids = itertools.count()
         self._live: dict[int, Entry] = {}
@@ -176,20 +178,6 @@ class ObjectStore:
             live.pop(entry.id, None)
             entry.state = FREED
             entry.array = None
-
-    def dropped(self, entry: Entry) -> None:
-        """``entry``'s future went (``Future.__del__``: a finaliser, which may run at any allocation).
-
-        With no budget its value goes now, as a ``jax.Array``'s buffer goes with
-        its last reference (a run still to publish it then keeps nothing); the
-        entry leaves the table at the next :meth:`collect`, an atomic append here
-        (the table may be iterated as the finaliser runs). Under a budget the
-        bytes are released there, under its lock.
-        """
-        if self.budget is None:
-            entry.state = FREED
-            entry.array = None
-        self._dropped.append(entry)
 
     def _collect_before_new(self) -> None:
         """Frees dropped values before new ones are made.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pathways_jax._src.core.charges import Charge
@@ -27,7 +28,10 @@ class Run:
     id: int
     plan: Plan
     env: list[Any]
-    future_inputs: list[tuple[int, Future]]
+    # The run's future inputs and their slots in ``env``, in one order: read at dispatch. Two
+    # sequences, not a pair per input: a run of many leaves makes no object per input.
+    feed_slots: Sequence[int]
+    feeds: list[Future]
     outputs: list[Any]
     failed: bool = False
     # The client that submitted the run, its place in the submission order,

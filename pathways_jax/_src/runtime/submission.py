@@ -124,13 +124,17 @@ def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
         env[slot] = jax.device_put(leaf, sharding)
     # The run holds its input futures until it is dispatched: their values
     # stay alive even if the caller drops them at once.
-    future_inputs = [(slot, leaves[index]) for index, slot in plan.future_feeds]
+    feeds = [leaves[index] for index in plan.future_indices]
+    more: list[int] | None = None  # the feeds' slots, where futures came for arrays too
     for index, slot in plan.array_feeds:
         leaf = leaves[index]
         if (
             type(leaf) is Future
         ):  # of the array's type, on its devices (Program._array_plan): read at dispatch
-            future_inputs.append((slot, leaf))
+            if more is None:
+                more = list(plan.future_slots)
+            more.append(slot)
+            feeds.append(leaf)
         else:
             env[slot] = leaf
     client = clients.current()
@@ -139,7 +143,16 @@ def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
     run_id = next(_runs)
     owner = Owner(client.name, run_id, client.key)
     entries = store.new_run(owner, plan.outputs, plan.signatures, runnable.output_slices)
-    return Run(run_id, plan, env, future_inputs, entries, client=client, staged=ticket), cl
+    return Run(
+        run_id,
+        plan,
+        env,
+        plan.future_slots if more is None else more,
+        feeds,
+        entries,
+        client=client,
+        staged=ticket,
+    ), cl
 
 
 def _stage(cl: Any, plan: Plan, leaves: list[Any], env: list[Any]) -> StagedBytes | None:
