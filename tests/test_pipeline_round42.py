@@ -90,3 +90,61 @@ def test_a_parameterless_stage_trains_under_optimizers_that_read_the_params(make
     assert [g.shape for g in got] == [w.shape for w in want]
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def nested_dropout_model():
+    """A block (Linear then Dropout) nested in the model's nnx.Sequential, as nnx code composes it."""
+    block = nnx.Sequential(
+        nnx.Linear(DIN, HIDDEN, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+    )
+    return nnx.Sequential(block, nnx.Linear(HIDDEN, DOUT, rngs=nnx.Rngs(2)))
+
+
+def test_data_parallel_switches_a_nested_sequential_as_model_train_does():
+    # The outer Sequential's first layer is a Sequential (it takes **kwargs): the flag was
+    # handed down as train=True to its first layer, nnx.Linear, which takes no such keyword.
+    x, y = batch()
+    key = jax.random.key(7)
+    tx = optax.adam(1e-2)
+    slices = island_slices(2)
+    dp = pipeline.DataParallel(nested_dropout_model(), slices, loss_fn=mse, optimizer=tx)
+    loss = float(dp.train_step(x, y, rngs={"dropout": key}, train=True).result(timeout=60))
+
+    # Plain nnx under jax.jit: model.train(), shard i called with rngs=nnx.Rngs(derive_rngs(rngs, 0, i)),
+    # which nnx.Sequential hands on to every layer that takes rngs (the Dropout).
+    model = nested_dropout_model()
+    model.train()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def shard_loss_and_grads(params, x, y, shard_key):
+        def loss_of(p):
+            module = nnx.merge(graphdef, p, rest, copy=True)
+            return mse(module(x, rngs=nnx.Rngs(dropout=shard_key)), y)
+
+        return jax.value_and_grad(loss_of)(params)
+
+    half = BATCH // 2
+    shards = [
+        shard_loss_and_grads(
+            params,
+            x[i * half : (i + 1) * half],
+            y[i * half : (i + 1) * half],
+            pipeline.derive_rngs({"dropout": key}, 0, i)["dropout"],
+        )
+        for i in range(2)
+    ]
+    want_loss = (shards[0][0] + shards[1][0]) / 2
+    grads = jax.tree.map(lambda a, b: (a + b) / 2, shards[0][1], shards[1][1])
+    updates, _ = tx.update(grads, tx.init(params), params)
+    want_params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(loss, float(want_loss), rtol=1e-6)
+    for g, w in zip(values(dp.params), values(want_params), strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    # train=False evaluates: every unit kept, the same as model.eval() under jax.jit.
+    eval_loss = float(dp.train_step(x, y, train=False).result(timeout=60))
+    evaluated = nnx.merge(graphdef, want_params, rest, copy=True)
+    evaluated.eval()
+    want_eval = nnx.jit(lambda m, x, y: mse(m(x), y))(evaluated, x, y)
+    np.testing.assert_allclose(eval_loss, float(want_eval), rtol=1e-6)

@@ -165,11 +165,14 @@ def _flag_call(model: nnx.Module) -> Any:
 
     ``nnx.Sequential`` hands its keyword arguments to its first layer only (later layers get
     the previous one's output), so the flag can go there only if that layer takes it; its
-    other layers are switched by their attributes, as ``model.train()`` switches them.
+    other layers are switched by their attributes, as ``model.train()`` switches them. A
+    first layer that is itself an ``nnx.Sequential`` hands them on to its own first layer.
     """
-    if isinstance(model, nnx.Sequential) and model.layers:
+    while isinstance(model, nnx.Sequential) and model.layers:
         first = model.layers[0]
-        return type(first).__call__ if isinstance(first, nnx.Module) else first
+        if not isinstance(first, nnx.Module):
+            return first
+        model = first
     return type(model).__call__
 
 
