@@ -148,3 +148,28 @@ def test_data_parallel_switches_a_nested_sequential_as_model_train_does():
     evaluated.eval()
     want_eval = nnx.jit(lambda m, x, y: mse(m(x), y))(evaluated, x, y)
     np.testing.assert_allclose(eval_loss, float(want_eval), rtol=1e-6)
+
+
+def test_slice_sharding_takes_one_partition_spec_as_named_sharding_does(tmp_path):
+    # A restore target on a slice, as the README's checkpoint section builds it: the spec was
+    # read as one entry, "names axis P('data',)", and s.sharding(pw.P()) gave P(None,).
+    import orbax.checkpoint as ocp
+
+    pw.init(num_cpu_devices=8, islands=2)
+    wide = pw.devices(mesh={"data": 2, "model": 2}, island=0)
+    want = jax.sharding.NamedSharding(wide.physical_mesh, pw.P("data", None))
+    assert wide.sharding(pw.P("data", None)) == want == wide.sharding("data", None)
+    assert wide.sharding(pw.P()).spec == pw.P() == wide.sharding().spec
+    assert wide.sharding(pw.P(("data", "model"))).spec == pw.P(("data", "model"))
+    with pytest.raises(pw.errors.PlacementError, match=r"has the entry P\('data',\).*one pw.P"):
+        wide.sharding(pw.P("data"), None)
+    with pytest.raises(pw.errors.PlacementError, match=r"names axis 'x'"):
+        wide.sharding(pw.P("x"))
+    x, _ = batch()
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"x": x})
+    checkpointer.wait_until_finished()
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=wide.sharding(pw.P("data", "model")))}
+    restored = checkpointer.restore(tmp_path / "ckpt", target)["x"]
+    assert restored.sharding == wide.sharding("data", "model")
+    np.testing.assert_array_equal(np.asarray(restored), x)
