@@ -41,17 +41,17 @@ def values(tree):
     return [np.asarray(leaf) for leaf in jax.tree.leaves(pw.results(tree))]
 
 
-def reference_steps(model, tx, x, y, steps, loss_of=None):
+def reference_steps(model, tx, x, y, steps, loss_fn=mse):
     """``steps`` steps of ``model`` under plain ``jax.jit``: the losses and the final params."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params)
 
     def loss(p, x, y):
-        return mse(nnx.merge(graphdef, p, rest)(x), y)
+        return loss_fn(nnx.merge(graphdef, p, rest)(x), y)
 
     @jax.jit
     def step(params, opt_state, x, y):
-        value, grads = jax.value_and_grad(loss_of or loss)(params, x, y)
+        value, grads = jax.value_and_grad(loss)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
@@ -173,3 +173,72 @@ def test_slice_sharding_takes_one_partition_spec_as_named_sharding_does(tmp_path
     restored = checkpointer.restore(tmp_path / "ckpt", target)["x"]
     assert restored.sharding == wide.sharding("data", "model")
     np.testing.assert_array_equal(np.asarray(restored), x)
+
+
+VOCAB, WIDTH = 7, 4
+
+
+class Embedder(nnx.Module):
+    def __init__(self, embed):
+        self.embed = embed
+
+    def __call__(self, tokens):
+        return self.embed(tokens)
+
+
+class Mixer(nnx.Module):
+    def __init__(self):
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(1))
+
+    def __call__(self, h):
+        return nnx.tanh(self.linear(h))
+
+
+class TiedHead(nnx.Module):
+    """The output head of a tied-embedding language model: the embedding's ``attend``."""
+
+    def __init__(self, embed):
+        self.embed = embed
+
+    def __call__(self, h):
+        return self.embed.attend(h)
+
+
+class TiedModel(nnx.Module):
+    def __init__(self):
+        embed = nnx.Embed(VOCAB, WIDTH, rngs=nnx.Rngs(0))
+        self.layers = nnx.List([Embedder(embed), Mixer(), TiedHead(embed)])
+
+    def __call__(self, tokens):
+        for layer in self.layers:
+            tokens = layer(tokens)
+        return tokens
+
+
+def token_loss(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def test_stages_sharing_a_tied_parameter_are_a_named_error_not_two_copies():
+    # Under jax.jit the embedding gets both uses' gradients; as two stages it trained as two
+    # copies (losses apart from the second step on), silently.
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, (BATCH, 3)).astype(np.int32)
+    labels = rng.integers(0, VOCAB, (BATCH, 3)).astype(np.int32)
+    tx = optax.sgd(0.5)
+    slices = island_slices(3)
+    with pytest.raises(
+        pw.errors.PlacementError,
+        match=r"stage 0 \(Embedder\) at embed.embedding and stage 2 \(TiedHead\) at embed.embedding "
+        r"hold the same nnx.Param",
+    ):
+        pipeline.Pipeline(list(TiedModel().layers), slices, loss_fn=token_loss, optimizer=tx)
+    with pytest.raises(pw.errors.PlacementError, match="tied weights"):
+        pipeline.DataParallel(TiedModel().layers, slices[:2], loss_fn=token_loss, optimizer=tx)
+    with pytest.raises(pw.errors.PlacementError, match="tied weights"):
+        pipeline.sequential(TiedModel().layers)
+    # The model as one module keeps the tie, as jax.jit does.
+    dp = pipeline.DataParallel(TiedModel(), slices[:2], loss_fn=token_loss, optimizer=tx)
+    losses = [float(dp.train_step(tokens, labels).result(timeout=60)) for _ in range(3)]
+    want, _ = reference_steps(TiedModel(), tx, tokens, labels, steps=3, loss_fn=token_loss)
+    np.testing.assert_allclose(losses, want, rtol=1e-6)

@@ -453,7 +453,35 @@ def as_stages(models: Sequence[Any]) -> list[Stage]:
                 else "wrap a single model in a list: Pipeline([model], [slice], ...)."
             )
         )
+    check_untied(models)
     return [as_stage(model, i) for i, model in enumerate(models)]
+
+
+def check_untied(models: Sequence[Any]) -> None:
+    """Raises ``PlacementError`` if two NNX stages hold the same ``nnx.Param`` (tied weights).
+
+    Each stage's parameters are its own copy (on its own slice), so a parameter two stages
+    share (an embedding whose ``attend`` is the output head) would train as two copies, each
+    with one stage's gradients, where ``jax.jit`` of the model adds both into the one parameter.
+    """
+    owners: dict[int, tuple[int, str]] = {}
+    for index, model in enumerate(models):
+        if not isinstance(model, nnx.Module):
+            continue
+        for path, node in nnx.iter_graph(model):
+            if not isinstance(node, nnx.Param):
+                continue
+            where = ".".join(str(part) for part in path)
+            first = owners.setdefault(id(node), (index, where))
+            if first[0] != index:
+                raise pw.errors.PlacementError(
+                    f"stage {first[0]} ({type(models[first[0]]).__name__}) at {first[1]} and stage "
+                    f"{index} ({type(model).__name__}) at {where} hold the same nnx.Param (tied "
+                    "weights). Each stage trains its own copy of its parameters, so the two would "
+                    "drift apart, where jax.jit of the model adds both stages' gradients into the "
+                    "one parameter. Keep the layers that share it in one stage, or give "
+                    "DataParallel/DiLoCo the model as one nnx.Module holding its layers."
+                )
 
 
 def check_train(stages: Sequence[Stage], train: bool | None, train_kw: str | None, what: str) -> None:
