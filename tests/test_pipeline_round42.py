@@ -242,3 +242,29 @@ def test_stages_sharing_a_tied_parameter_are_a_named_error_not_two_copies():
     losses = [float(dp.train_step(tokens, labels).result(timeout=60)) for _ in range(3)]
     want, _ = reference_steps(TiedModel(), tx, tokens, labels, steps=3, loss_fn=token_loss)
     np.testing.assert_allclose(losses, want, rtol=1e-6)
+
+
+def test_elastic_losses_answer_as_the_futures_data_parallel_returns():
+    # manager.train_step is "as dp.train_step": a loop logging f"{loss:.4f}" or stacking the
+    # losses got TypeErrors from pw.elastic.Loss, which only had float() and np.asarray().
+    x, y = batch()
+    slices = island_slices(2)
+    plain = pipeline.DataParallel(
+        nnx.Linear(DIN, DOUT, rngs=nnx.Rngs(0)), slices, loss_fn=mse, optimizer=optax.adam(1e-2)
+    )
+    futures = [plain.train_step(x, y) for _ in range(3)]
+    elastic = pipeline.DataParallel(
+        nnx.Linear(DIN, DOUT, rngs=nnx.Rngs(0)), slices, loss_fn=mse, optimizer=optax.adam(1e-2)
+    )
+    manager = pw.elastic.Manager(elastic)
+    losses = [manager.train_step(x, y) for _ in range(3)]
+    want = np.asarray(jnp.stack([f.result(timeout=60) for f in futures]))
+    assert losses[0].shape == () and losses[0].dtype == np.float32  # known without waiting
+    np.testing.assert_array_equal(np.asarray(jnp.stack(losses)), want)
+    assert [f"{loss:.4f}" for loss in losses] == [f"{w:.4f}" for w in want]
+    assert [loss.item() for loss in losses] == want.tolist()
+    np.testing.assert_array_equal(np.asarray(losses[1] + 1), want[1] + 1)
+    assert bool(losses[2] < losses[0])
+    doubled = jax.jit(lambda a: a * 2)(losses[0])
+    np.testing.assert_array_equal(np.asarray(doubled), want[0] * 2)
+    manager.wait(timeout=60)
