@@ -268,3 +268,29 @@ def test_elastic_losses_answer_as_the_futures_data_parallel_returns():
     doubled = jax.jit(lambda a: a * 2)(losses[0])
     np.testing.assert_array_equal(np.asarray(doubled), want[0] * 2)
     manager.wait(timeout=60)
+
+
+def test_a_data_axis_no_slice_has_is_a_named_error_not_every_example_on_every_device():
+    # data_axis="batch" on mesh={"data": 2}: every device of each slice ran the whole batch.
+    pw.init(num_cpu_devices=8, islands=2)
+    slices = [pw.devices(mesh={"data": 2}, island=i) for i in range(2)]
+    stages = [nnx.Linear(DIN, DOUT, rngs=nnx.Rngs(0)), nnx.relu]
+    with pytest.raises(
+        pw.errors.PlacementError,
+        match=r"Pipeline: data_axis='batch' names an axis that none of the slices has \(their axes: \['data'\]\)",
+    ):
+        pipeline.Pipeline(stages, slices, data_axis="batch")
+    for cls, extra in ((pipeline.DataParallel, {}), (pipeline.DiLoCo, {"sync_every": 2})):
+        with pytest.raises(
+            pw.errors.PlacementError, match=rf"{cls.__name__}: data_axis='batch' names an axis"
+        ):
+            cls(stages[0], slices, loss_fn=mse, optimizer=optax.sgd(0.1), data_axis="batch", **extra)
+    with pytest.raises(pw.errors.PlacementError, match=r"data_axis is int 0; expected the name"):
+        pipeline.Pipeline(stages, slices, data_axis=0)
+    # The default "data" on slices without it, and None, replicate the batch as before.
+    x, _ = batch()
+    for axis, mesh in (("data", {"model": 2}), (None, {"data": 2})):
+        pipe = pipeline.Pipeline(stages, [pw.devices(mesh=mesh, island=i) for i in range(2)], data_axis=axis)
+        out = pipe.forward(x).result(timeout=60)
+        assert out.sharding.spec == pw.P()
+        np.testing.assert_allclose(np.asarray(out), np.asarray(nnx.relu(stages[0](x))), rtol=1e-6, atol=1e-7)

@@ -48,7 +48,8 @@ class DataParallel:
         state, params) -> (updates, state)`` (an ``optax.GradientTransformation``
         or an object of your own), or a ``flax.nnx.Optimizer``, whose ``.tx``
         is used with a fresh state.
-      data_axis: the mesh axis of each slice that splits its shard.
+      data_axis: the mesh axis of each slice that splits its shard (``None``: none); a name
+        other than the default ``"data"`` that no slice has is a ``PlacementError``.
       param_specs: how each parameter is sharded over every slice: ``None``
         (replicated), one ``pw.P`` for all, a pytree prefix of the params with
         ``pw.P`` or ``None`` at its leaves (``{"w": pw.P(None, "model"), "b":
@@ -95,6 +96,7 @@ class DataParallel:
         if not slices:
             raise pw.errors.PlacementError("DataParallel needs at least one slice; got none.")
         self.slices = stages_lib.check_slices(slices, len(slices), "DataParallel")
+        stages_lib.check_data_axis(self.slices, data_axis, type(self).__name__)
         if not callable(loss_fn):
             raise pw.errors.ProgramTraceError(
                 f"loss_fn must be a function (outputs, targets) -> scalar, got {type(loss_fn).__name__}."

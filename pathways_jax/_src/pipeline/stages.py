@@ -693,6 +693,31 @@ def opt_state_specs(tx: OptaxLike, params: Any, specs: Any) -> Any:
     return jax.tree.map(lambda node: specs if like_params(node) else pw.P(), abstract, is_leaf=like_params)
 
 
+def check_data_axis(slices: Sequence[pw.VirtualSlice], data_axis: Any, what: str) -> None:
+    """Raises ``PlacementError`` if ``data_axis`` is not an axis name, or one no slice has.
+
+    The default ``"data"`` splits the batch on the slices that have such an axis and is left
+    alone; another name that no slice has (``data_axis="batch"`` on ``mesh={"data": 2}``) would
+    silently run every example on every device of each slice, where ``jax.jit`` refuses a
+    ``P("batch")`` its mesh lacks.
+    """
+    if data_axis is None:
+        return
+    axes = sorted({name for slice_ in slices for name in slice_.axis_names})
+    if not isinstance(data_axis, str):
+        raise pw.errors.PlacementError(
+            f"{what}: data_axis is {type(data_axis).__name__} {data_axis!r}; expected the name of the "
+            f"slices' mesh axis that splits the batch (their axes: {axes}), or None to split none."
+        )
+    if data_axis != "data" and not any(data_axis in slice_.axis_names for slice_ in slices):
+        raise pw.errors.PlacementError(
+            f"{what}: data_axis={data_axis!r} names an axis that none of the slices has (their axes: "
+            f"{axes}); name the axis that splits the batch, e.g. pw.devices(mesh={{{data_axis!r}: 2}}) "
+            "or data_axis=" + (repr(axes[0]) if axes else "None") + ", or pass data_axis=None to run "
+            "the whole batch on every device of each slice."
+        )
+
+
 def activation_spec(slice_: pw.VirtualSlice, data_axis: str | None) -> pw.P:
     """Batch-leading values are split over ``data_axis`` when the slice has it."""
     if data_axis is not None and data_axis in slice_.axis_names:
