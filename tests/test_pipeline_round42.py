@@ -294,3 +294,10 @@ def test_a_data_axis_no_slice_has_is_a_named_error_not_every_example_on_every_de
         out = pipe.forward(x).result(timeout=60)
         assert out.sharding.spec == pw.P()
         np.testing.assert_allclose(np.asarray(out), np.asarray(nnx.relu(stages[0](x))), rtol=1e-6, atol=1e-7)
+
+
+def test_data_parallel_given_one_optimizer_per_stage_says_it_takes_one():
+    # A list of three stages with three optimizers was told "there are 1 stages".
+    slices = island_slices(2)
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"optimizer is a sequence of 3; a data-parallel"):
+        pipeline.DataParallel(relu_mlp(), slices, loss_fn=mse, optimizer=[optax.sgd(0.1)] * 3)

@@ -103,6 +103,14 @@ class DataParallel:
             )
         if optimizer is None:
             raise pw.errors.ProgramTraceError("DataParallel needs optimizer=, e.g. optax.adam(1e-3).")
+        one = callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+        if not one and not isinstance(optimizer, nnx.Optimizer | str) and isinstance(optimizer, Sequence):
+            raise pw.errors.ProgramTraceError(
+                f"{type(self).__name__}: optimizer is a sequence of {len(optimizer)}; a data-parallel "
+                "model (of one module or of a list of stages) trains all its parameters with ONE "
+                "optimizer, e.g. optimizer=optax.adam(1e-3). For one optimizer per part, use "
+                "optax.multi_transform; one per stage is Pipeline's."
+            )
         (tx,) = stages_lib.check_optimizers(optimizer, 1, "DataParallel")
         assert tx is not None  # optimizer is not None, so check_optimizers made one
         self.stage = stage
