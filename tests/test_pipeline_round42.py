@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import linen, nnx
+from flax.nnx import bridge
 
 import pathways_jax as pw
 from pathways_jax import pipeline
@@ -301,3 +302,51 @@ def test_data_parallel_given_one_optimizer_per_stage_says_it_takes_one():
     slices = island_slices(2)
     with pytest.raises(pw.errors.ProgramTraceError, match=r"optimizer is a sequence of 3; a data-parallel"):
         pipeline.DataParallel(relu_mlp(), slices, loss_fn=mse, optimizer=[optax.sgd(0.1)] * 3)
+
+
+class LinenDropoutBlock(linen.Module):
+    @linen.compact
+    def __call__(self, x, train: bool = False):
+        return linen.Dropout(0.5, deterministic=not train)(linen.Dense(DIN)(x))
+
+
+def bridged_stages():
+    """Linen modules wrapped for NNX (``bridge.ToNNX``), as a model half migrated to NNX holds them."""
+    x, _ = batch()
+    block = bridge.ToNNX(LinenDropoutBlock(), rngs=nnx.Rngs(0))
+    bridge.lazy_init(block, x)
+    head = bridge.ToNNX(linen.Dense(DOUT), rngs=nnx.Rngs(1))
+    bridge.lazy_init(head, x)
+    return [block, head]
+
+
+def test_bridged_linen_stages_take_the_flag_and_rngs_as_linen_stages_do():
+    # A ToNNX stage draws a key from each of its own streams at every call, used or not: that
+    # was refused as a stale stream (even for a Dense, and under train=False), and train=False
+    # reached Linen's Dense as an unexpected keyword.
+    x, y = batch()
+    key = jax.random.key(3)
+    slices = island_slices(2)
+    pipe = pipeline.Pipeline(bridged_stages(), slices, loss_fn=mse, optimizer=optax.sgd(0.1))
+    evaluated = float(pipe.train_step(x, y, train=False).result(timeout=60))
+    trained = float(pipe.loss_and_grads(x, y, train=True, rngs={"dropout": key})[0].result(timeout=60))
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"stage 0 \(nnx ToNNX\) needs an RNG stream"):
+        pipe.train_step(x, y, train=True)
+
+    block, head = bridged_stages()
+    want_eval = mse(head(block(x, train=False)), y)
+    np.testing.assert_allclose(evaluated, float(want_eval), rtol=1e-6)
+
+    # After that step (sgd), the same model under plain JAX with the stage's derived keys.
+    def run(stage, params, h, **kwargs):
+        rest = nnx.state(stage, nnx.Not(nnx.Param))
+        return nnx.merge(nnx.graphdef(stage), params, rest, copy=True)(h, **kwargs)
+
+    stage_params = [nnx.state(stage, nnx.Param) for stage in (block, head)]
+    eval_grads = jax.grad(lambda ps: mse(run(head, ps[1], run(block, ps[0], x)), y))(stage_params)
+    for stage, params, grad in zip((block, head), stage_params, eval_grads, strict=True):
+        nnx.update(stage, jax.tree.map(lambda p, g: p - 0.1 * g, params, grad))
+    keys = [pipeline.derive_rngs({"dropout": key}, s, 0)["dropout"] for s in range(2)]
+    hidden = block(x, train=True, rngs=nnx.Rngs(dropout=keys[0]))
+    want_train = mse(head(hidden, rngs=nnx.Rngs(dropout=keys[1])), y)
+    np.testing.assert_allclose(trained, float(want_train), rtol=1e-6)

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from flax import errors as flax_errors
 from flax import linen, nnx
+from flax.nnx import bridge
 
 import pathways_jax as pw
 from pathways_jax._src.pipeline.flags import (
@@ -173,6 +174,8 @@ def _flag_call(model: nnx.Module) -> Any:
         if not isinstance(first, nnx.Module):
             return first
         model = first
+    if isinstance(model, bridge.ToNNX):  # a Linen module in NNX: its keywords go to the Linen call
+        return type(model.to_nnx__module).__call__
     return type(model).__call__
 
 
@@ -180,14 +183,17 @@ def _nnx_flag(model: nnx.Module) -> TrainFlag:
     """How an NNX module takes ``train``: its ``__call__``'s keywords and its layers' attributes."""
     signature = signature_of(_flag_call(model))
     switched = random = False
-    for _, node in nnx.iter_graph(model):
+    # A Linen module in NNX (bridge.ToNNX) as the stage is called with the call's rngs only, as a
+    # Linen stage is: its own streams are never drawn, and its Linen call says what it takes.
+    bridged = isinstance(model, bridge.ToNNX)
+    for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (
             hasattr(node, "deterministic") or hasattr(node, "use_running_average")
         ):
             switched = True
-        if isinstance(node, nnx.RngStream | nnx.Rngs):
+        if isinstance(node, nnx.RngStream | nnx.Rngs) and not (bridged and path[:1] == ("to_nnx__rngs",)):
             random = True
-    random = random or signature_of(type(model).__call__).takes("rngs")
+    random = random or (not bridged and signature_of(type(model).__call__).takes("rngs"))
     return TrainFlag(signature, switched=switched, inert=not (switched or random))
 
 
@@ -315,6 +321,10 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             reseeded: tuple[str, ...] = ()
             if rngs and takes_rngs:
                 kwargs["rngs"] = nnx.Rngs(**rngs)
+            elif isinstance(model, bridge.ToNNX):
+                # As a Linen stage: the call's rngs only. Its own streams would be drawn on every
+                # call (the same keys on every step here), whether the Linen module uses them or not.
+                kwargs["rngs"] = nnx.Rngs()
             elif rngs:
                 streams: Mapping[str, Any] = rngs  # keywords of reseed: stream names only
                 nnx.reseed(module, **streams)
