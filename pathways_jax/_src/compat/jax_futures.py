@@ -73,6 +73,41 @@ def install() -> bool:
     return True
 
 
+def take_as_array(cls: type) -> bool:
+    """Lets ``jax.jit`` and ``jnp`` take an object of ``cls`` where they take its ``result()``'s array.
+
+    For stand-ins of a future other than :class:`Future` itself (``pw.elastic.Loss``, whose
+    ``result()`` is the value of whichever run completed its step), through the same three
+    private registries :func:`install` fills for futures.
+
+    Returns:
+      True if the hooks were registered (False on a JAX without them).
+    """
+    try:
+        from jax._src import core, dtypes
+        from jax._src.interpreters import pxla
+
+        avals = core.pytype_aval_mappings
+        canonical = dtypes.canonicalize_value_handlers
+        shard_args = pxla.shard_args
+        handlers = pxla.shard_arg_handlers
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX
+        return False
+
+    def shard_values(
+        values: Sequence[Any], shardings: Sequence[Any], layouts: Sequence[Any], copy_semantics: Sequence[Any]
+    ) -> Sequence[Any]:
+        return shard_args(shardings, layouts, copy_semantics, [v.result() for v in values])
+
+    try:
+        canonical[cls] = lambda value: value.result()
+    except TypeError:  # pragma: no cover - another JAX
+        return False
+    avals[cls] = lambda value: jax.typeof(value.result())
+    handlers[cls] = shard_values
+    return True
+
+
 def _let_jax_checks_take_futures() -> None:
     """``jax.random.split(key)``, ``jax.device_get(state)`` and ``array[future]`` take futures.
 

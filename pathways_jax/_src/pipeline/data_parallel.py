@@ -48,7 +48,8 @@ class DataParallel:
         state, params) -> (updates, state)`` (an ``optax.GradientTransformation``
         or an object of your own), or a ``flax.nnx.Optimizer``, whose ``.tx``
         is used with a fresh state.
-      data_axis: the mesh axis of each slice that splits its shard.
+      data_axis: the mesh axis of each slice that splits its shard (``None``: none); a name
+        other than the default ``"data"`` that no slice has is a ``PlacementError``.
       param_specs: how each parameter is sharded over every slice: ``None``
         (replicated), one ``pw.P`` for all, a pytree prefix of the params with
         ``pw.P`` or ``None`` at its leaves (``{"w": pw.P(None, "model"), "b":
@@ -95,12 +96,21 @@ class DataParallel:
         if not slices:
             raise pw.errors.PlacementError("DataParallel needs at least one slice; got none.")
         self.slices = stages_lib.check_slices(slices, len(slices), "DataParallel")
+        stages_lib.check_data_axis(self.slices, data_axis, type(self).__name__)
         if not callable(loss_fn):
             raise pw.errors.ProgramTraceError(
                 f"loss_fn must be a function (outputs, targets) -> scalar, got {type(loss_fn).__name__}."
             )
         if optimizer is None:
             raise pw.errors.ProgramTraceError("DataParallel needs optimizer=, e.g. optax.adam(1e-3).")
+        one = callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+        if not one and not isinstance(optimizer, nnx.Optimizer | str) and isinstance(optimizer, Sequence):
+            raise pw.errors.ProgramTraceError(
+                f"{type(self).__name__}: optimizer is a sequence of {len(optimizer)}; a data-parallel "
+                "model (of one module or of a list of stages) trains all its parameters with ONE "
+                "optimizer, e.g. optimizer=optax.adam(1e-3). For one optimizer per part, use "
+                "optax.multi_transform; one per stage is Pipeline's."
+            )
         (tx,) = stages_lib.check_optimizers(optimizer, 1, "DataParallel")
         assert tx is not None  # optimizer is not None, so check_optimizers made one
         self.stage = stage

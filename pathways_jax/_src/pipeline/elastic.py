@@ -56,9 +56,11 @@ import numpy as np
 from absl import logging
 
 import pathways_jax as pw
+from pathways_jax._src.compat.jax_futures import take_as_array
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
 from pathways_jax._src.pipeline.data_parallel import DataParallel
+from pathways_jax._src.runtime.array_like import ArrayLike
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 RetryPolicy = Callable[[int, BaseException], bool]
@@ -99,12 +101,14 @@ class _Step:
     count: int | None = None  # the model's steps before it (DiLoCo syncs by it): the same when run again
 
 
-class Loss:
-    """The loss of one step of a :class:`Manager`: read it as a ``pw.Future``'s ``result()``.
+class Loss(ArrayLike):
+    """The loss of one step of a :class:`Manager`: array-like, as the ``pw.Future`` ``train_step`` returns.
 
     If the run that computed it failed because an island was lost, reading it
     lets the manager run the step again on the surviving replicas, and gives
-    that run's value.
+    that run's value. It answers as its value does (``float(loss)``,
+    ``f"{loss:.4f}"``, ``loss.item()``, ``loss + 1``, ``jnp.stack(losses)``, a
+    ``jax.jit`` argument), each waiting for it first, as a ``pw.Future`` does.
     """
 
     __slots__ = ("_manager", "_step")
@@ -118,6 +122,16 @@ class Loss:
         """The step's number (0 for the first call of ``train_step``)."""
         return self._step.index
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The loss's shape, ``()`` (known without waiting)."""
+        return tuple(self._step.loss.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The loss's dtype (known without waiting)."""
+        return np.dtype(self._step.loss.dtype)
+
     def done(self) -> bool:
         """True once the current run of the step has finished (or failed); never waits."""
         return bool(self._step.loss.done())
@@ -130,14 +144,11 @@ class Loss:
         self.result()
         return self
 
-    def __float__(self) -> float:
-        return float(self.result())
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return np.asarray(self.result(), dtype=dtype)
-
     def __repr__(self) -> str:
         return f"pw.elastic.Loss(step={self.step}, done={self.done()})"
+
+
+take_as_array(Loss)  # jax.jit and jnp take a Loss as its array, as they take a pw.Future
 
 
 class Manager:

@@ -121,6 +121,11 @@ def build_state_nodes(
     takes_value = needs_value(tx, stage.params)
 
     def update(p: Any, o: Any, g: Any, *value: jax.Array) -> tuple[Any, Any]:
+        if not jax.tree.leaves(p):
+            # A stage without parameters (nnx.relu): nothing to update, as under jax.jit, where
+            # it has no part in the model's params. Optax transformations that read the params
+            # (optax.adamw's weight decay, optax.lion, optax.adafactor) refuse params=None.
+            return p, o
         updates, o = tx.update(g, o, p, **({"value": value[0]} if value else {}))
         return optax.apply_updates(p, updates), o
 

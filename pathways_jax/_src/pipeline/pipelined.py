@@ -62,7 +62,8 @@ class Pipeline:
         (``forward`` pads a batch it does not divide, see :meth:`forward`).
       schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``
         (one forward, one backward: fewer activations alive at once).
-      data_axis: the mesh axis of each slice that splits the batch.
+      data_axis: the mesh axis of each slice that splits the batch (``None``: none); a name
+        other than the default ``"data"`` that no slice has is a ``PlacementError``.
       param_specs: ``None`` (replicated), one ``pw.P`` for every parameter,
         a function ``(key_path, leaf) -> pw.P | None``, a pytree prefix of the
         stage's params with ``pw.P`` or ``None`` at its leaves, or a list with
@@ -130,6 +131,7 @@ class Pipeline:
             raise pw.errors.PlacementError("Pipeline needs at least one stage and one slice; got none.")
         count = len(normalised)
         self.slices = stages_lib.check_slices(devices, count, "Pipeline")
+        stages_lib.check_data_axis(self.slices, data_axis, "Pipeline")
         if (
             not isinstance(num_microbatches, int)
             or isinstance(num_microbatches, bool)

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from flax import errors as flax_errors
 from flax import linen, nnx
+from flax.nnx import bridge
 
 import pathways_jax as pw
 from pathways_jax._src.pipeline.flags import (
@@ -165,11 +166,16 @@ def _flag_call(model: nnx.Module) -> Any:
 
     ``nnx.Sequential`` hands its keyword arguments to its first layer only (later layers get
     the previous one's output), so the flag can go there only if that layer takes it; its
-    other layers are switched by their attributes, as ``model.train()`` switches them.
+    other layers are switched by their attributes, as ``model.train()`` switches them. A
+    first layer that is itself an ``nnx.Sequential`` hands them on to its own first layer.
     """
-    if isinstance(model, nnx.Sequential) and model.layers:
+    while isinstance(model, nnx.Sequential) and model.layers:
         first = model.layers[0]
-        return type(first).__call__ if isinstance(first, nnx.Module) else first
+        if not isinstance(first, nnx.Module):
+            return first
+        model = first
+    if isinstance(model, bridge.ToNNX):  # a Linen module in NNX: its keywords go to the Linen call
+        return type(model.to_nnx__module).__call__
     return type(model).__call__
 
 
@@ -177,14 +183,17 @@ def _nnx_flag(model: nnx.Module) -> TrainFlag:
     """How an NNX module takes ``train``: its ``__call__``'s keywords and its layers' attributes."""
     signature = signature_of(_flag_call(model))
     switched = random = False
-    for _, node in nnx.iter_graph(model):
+    # A Linen module in NNX (bridge.ToNNX) as the stage is called with the call's rngs only, as a
+    # Linen stage is: its own streams are never drawn, and its Linen call says what it takes.
+    bridged = isinstance(model, bridge.ToNNX)
+    for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (
             hasattr(node, "deterministic") or hasattr(node, "use_running_average")
         ):
             switched = True
-        if isinstance(node, nnx.RngStream | nnx.Rngs):
+        if isinstance(node, nnx.RngStream | nnx.Rngs) and not (bridged and path[:1] == ("to_nnx__rngs",)):
             random = True
-    random = random or signature_of(type(model).__call__).takes("rngs")
+    random = random or (not bridged and signature_of(type(model).__call__).takes("rngs"))
     return TrainFlag(signature, switched=switched, inert=not (switched or random))
 
 
@@ -312,6 +321,10 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             reseeded: tuple[str, ...] = ()
             if rngs and takes_rngs:
                 kwargs["rngs"] = nnx.Rngs(**rngs)
+            elif isinstance(model, bridge.ToNNX):
+                # As a Linen stage: the call's rngs only. Its own streams would be drawn on every
+                # call (the same keys on every step here), whether the Linen module uses them or not.
+                kwargs["rngs"] = nnx.Rngs()
             elif rngs:
                 streams: Mapping[str, Any] = rngs  # keywords of reseed: stream names only
                 nnx.reseed(module, **streams)
@@ -450,7 +463,35 @@ def as_stages(models: Sequence[Any]) -> list[Stage]:
                 else "wrap a single model in a list: Pipeline([model], [slice], ...)."
             )
         )
+    check_untied(models)
     return [as_stage(model, i) for i, model in enumerate(models)]
+
+
+def check_untied(models: Sequence[Any]) -> None:
+    """Raises ``PlacementError`` if two NNX stages hold the same ``nnx.Param`` (tied weights).
+
+    Each stage's parameters are its own copy (on its own slice), so a parameter two stages
+    share (an embedding whose ``attend`` is the output head) would train as two copies, each
+    with one stage's gradients, where ``jax.jit`` of the model adds both into the one parameter.
+    """
+    owners: dict[int, tuple[int, str]] = {}
+    for index, model in enumerate(models):
+        if not isinstance(model, nnx.Module):
+            continue
+        for path, node in nnx.iter_graph(model):
+            if not isinstance(node, nnx.Param):
+                continue
+            where = ".".join(str(part) for part in path)
+            first = owners.setdefault(id(node), (index, where))
+            if first[0] != index:
+                raise pw.errors.PlacementError(
+                    f"stage {first[0]} ({type(models[first[0]]).__name__}) at {first[1]} and stage "
+                    f"{index} ({type(model).__name__}) at {where} hold the same nnx.Param (tied "
+                    "weights). Each stage trains its own copy of its parameters, so the two would "
+                    "drift apart, where jax.jit of the model adds both stages' gradients into the "
+                    "one parameter. Keep the layers that share it in one stage, or give "
+                    "DataParallel/DiLoCo the model as one nnx.Module holding its layers."
+                )
 
 
 def check_train(stages: Sequence[Stage], train: bool | None, train_kw: str | None, what: str) -> None:
@@ -660,6 +701,31 @@ def opt_state_specs(tx: OptaxLike, params: Any, specs: Any) -> Any:
         return [leaf.shape for leaf in jax.tree.leaves(node)] == shapes
 
     return jax.tree.map(lambda node: specs if like_params(node) else pw.P(), abstract, is_leaf=like_params)
+
+
+def check_data_axis(slices: Sequence[pw.VirtualSlice], data_axis: Any, what: str) -> None:
+    """Raises ``PlacementError`` if ``data_axis`` is not an axis name, or one no slice has.
+
+    The default ``"data"`` splits the batch on the slices that have such an axis and is left
+    alone; another name that no slice has (``data_axis="batch"`` on ``mesh={"data": 2}``) would
+    silently run every example on every device of each slice, where ``jax.jit`` refuses a
+    ``P("batch")`` its mesh lacks.
+    """
+    if data_axis is None:
+        return
+    axes = sorted({name for slice_ in slices for name in slice_.axis_names})
+    if not isinstance(data_axis, str):
+        raise pw.errors.PlacementError(
+            f"{what}: data_axis is {type(data_axis).__name__} {data_axis!r}; expected the name of the "
+            f"slices' mesh axis that splits the batch (their axes: {axes}), or None to split none."
+        )
+    if data_axis != "data" and not any(data_axis in slice_.axis_names for slice_ in slices):
+        raise pw.errors.PlacementError(
+            f"{what}: data_axis={data_axis!r} names an axis that none of the slices has (their axes: "
+            f"{axes}); name the axis that splits the batch, e.g. pw.devices(mesh={{{data_axis!r}: 2}}) "
+            "or data_axis=" + (repr(axes[0]) if axes else "None") + ", or pass data_axis=None to run "
+            "the whole batch on every device of each slice."
+        )
 
 
 def activation_spec(slice_: pw.VirtualSlice, data_axis: str | None) -> pw.P:

@@ -174,9 +174,24 @@ class VirtualSlice:
             self._physical_mesh = Mesh(grid, self.axis_names, axis_types=self.axis_types)
         return self._physical_mesh
 
-    def sharding(self, *spec: str | tuple[str, ...] | None) -> NamedSharding:
-        """A ``NamedSharding`` of the slice's current devices: ``s.sharding("x", None)``."""
-        partition = PartitionSpec(*spec)
+    def sharding(self, *spec: str | tuple[str, ...] | PartitionSpec | None) -> NamedSharding:
+        """A ``NamedSharding`` of the slice's current devices: ``s.sharding("x", None)``.
+
+        One ``pw.P(...)`` is taken as the whole spec, as ``NamedSharding(mesh, spec)`` takes it:
+        ``s.sharding(pw.P("x", None))`` is ``s.sharding("x", None)``.
+        """
+        if len(spec) == 1 and isinstance(spec[0], PartitionSpec):
+            partition = spec[0]
+        else:
+            for entry in spec:
+                for name in entry if isinstance(entry, tuple) else (entry,):
+                    if name is not None and not isinstance(name, str):
+                        raise errors.PlacementError(
+                            f"sharding spec {spec} has the entry {name!r} ({type(name).__name__}); each "
+                            f"entry is an axis name of {self!r} ({self.axis_names}), a tuple of them, or "
+                            "None; or pass one pw.P(...) as the whole spec."
+                        )
+            partition = PartitionSpec(*spec)
         check_spec(partition, self, what="sharding spec")
         return NamedSharding(self.physical_mesh, partition)
 
