@@ -73,6 +73,17 @@ def test_checkpoint_patches_are_installed_once_orbax_is_in():
     # The save-time rewrite of futures into arrays is for the older two-handler path only.
     assert not getattr(BasePyTreeCheckpointHandler.async_save, "_takes_futures", False)
     assert Future in flax.serialization._STATE_DICT_REGISTRY
+    assert getattr(flax.serialization._msgpack_ext_pack, "_takes_futures", False)
+
+
+def test_the_nnx_variable_patch_is_installed_once_flax_nnx_is_in():
+    from flax import nnx
+
+    compat.install_nnx()
+    set_value = nnx.Variable.set_value
+    assert getattr(set_value, "_takes_futures", False)
+    compat.install_nnx()  # once: a second install changes nothing
+    assert nnx.Variable.set_value is set_value
 
 
 def test_no_module_outside_compat_patches_jax_flax_or_orbax():

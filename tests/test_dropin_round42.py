@@ -26,3 +26,53 @@ def test_flax_msgpack_serialize_takes_futures_as_their_arrays():
         serialization.msgpack_serialize({"step": theirs["n"]})
     )
     np.testing.assert_array_equal(serialization.msgpack_restore(want)["layers"][0], np.full((2, 2), 2.0))
+
+
+def test_eager_writes_into_nnx_variables_holding_futures_work_as_after_nnx_jit():
+    # Under a memory_budget (as on Ray hosts or a service) the Variables a program updates hold
+    # futures; metrics.reset() and variable[...] = v between steps raised TypeError there.
+    import optax
+    from flax import nnx
+
+    pw.init(memory_budget=1 << 30)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+            self.calls = nnx.Variable(jnp.int32(0))
+
+        def __call__(self, x):
+            self.calls[...] += 1
+            return self.linear(x)
+
+    def step(model, optimizer, metrics, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        metrics.update(values=loss)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    y = (x[:, 0] > 0).astype(jnp.int32)
+
+    def train(jit):
+        model = Model()
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        metrics, seen, train_step = nnx.metrics.Average(), [], jit(step)
+        for _ in range(2):
+            train_step(model, optimizer, metrics, x, y)
+            held = type(model.linear.bias.get_value())
+            seen.append(float(metrics.compute()))
+            metrics.reset()
+            model.calls[...] = 10
+            model.linear.bias[...] += 1.0
+            model.linear.kernel[0] = jnp.zeros(2)
+        return held, seen, jax.tree.map(np.asarray, nnx.state(model))
+
+    held, mine, state = train(pw.program)
+    assert held is pw.Future  # what the writes met
+    _, theirs, want = train(nnx.jit)
+    assert mine == theirs
+    jax.tree.map(np.testing.assert_array_equal, state, want)

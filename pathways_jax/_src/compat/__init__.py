@@ -6,13 +6,15 @@ types and wraps three of its private checks, and ``jax_effects`` makes
 ``jax.effects_barrier`` wait for queued programs (both :func:`install`, when
 ``pathways_jax`` is imported); ``checkpoints`` registers futures with Flax's
 serialization and Orbax's type handlers (:func:`install_checkpoints`, at a
-program's first trace, or as Orbax finishes importing). Each was written for
+program's first trace, or as Orbax finishes importing); ``nnx_variables`` lets
+a Flax Variable holding a future take an indexed write (:func:`install_nnx`, at
+each trace until Flax NNX is imported). Each was written for
 the versions in ``WRITTEN_FOR``; ``tests/test_compat.py`` checks that those
 are the ones installed and that every patch is in place, so an upgrade is
 reviewed, not discovered. May import: ``runtime`` and the layers below.
 
 Modules: ``jax_futures`` (JAX takes futures); ``jax_effects`` (``jax.effects_barrier``);
-``checkpoints`` (Flax and Orbax take futures);
+``checkpoints`` (Flax and Orbax take futures); ``nnx_variables`` (NNX Variables holding futures);
 ``host_checkpoints`` (Orbax's handler for arrays and futures: Ray hosts write and read their own shards).
 """
 
@@ -42,4 +44,11 @@ def install_checkpoints() -> None:
     checkpoints.register()
 
 
-__all__ = ["WRITTEN_FOR", "install", "install_checkpoints"]
+def install_nnx() -> None:
+    """Lets a Flax NNX Variable holding a future take ``variable[...] = v`` (once Flax NNX is imported)."""
+    from pathways_jax._src.compat import nnx_variables
+
+    nnx_variables.install()
+
+
+__all__ = ["WRITTEN_FOR", "install", "install_checkpoints", "install_nnx"]
