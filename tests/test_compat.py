@@ -76,14 +76,25 @@ def test_checkpoint_patches_are_installed_once_orbax_is_in():
     assert getattr(flax.serialization._msgpack_ext_pack, "_takes_futures", False)
 
 
-def test_the_nnx_variable_patch_is_installed_once_flax_nnx_is_in():
+def test_the_flax_patches_are_installed_once_flax_is_in():
     from flax import nnx
+    from flax.core import scope
 
-    compat.install_nnx()
-    set_value = nnx.Variable.set_value
-    assert getattr(set_value, "_takes_futures", False)
-    compat.install_nnx()  # once: a second install changes nothing
-    assert nnx.Variable.set_value is set_value
+    compat.install_flax()
+    patched = (
+        nnx.Variable.set_value,
+        nnx.RngStream.__init__,
+        nnx.Dropout.__call__,
+        scope._is_valid_rng,
+    )
+    assert all(getattr(function, "_takes_futures", False) for function in patched)
+    compat.install_flax()  # once: a second install changes nothing
+    assert patched == (
+        nnx.Variable.set_value,
+        nnx.RngStream.__init__,
+        nnx.Dropout.__call__,
+        scope._is_valid_rng,
+    )
 
 
 def test_no_module_outside_compat_patches_jax_flax_or_orbax():

@@ -76,3 +76,35 @@ def test_eager_writes_into_nnx_variables_holding_futures_work_as_after_nnx_jit()
     _, theirs, want = train(nnx.jit)
     assert mine == theirs
     jax.tree.map(np.testing.assert_array_equal, state, want)
+
+
+def test_flax_takes_a_future_of_a_key_where_it_takes_the_key():
+    # A key a program returned (a TrainState's, or key, sub = split(key)) raised in Flax's own
+    # key checks: nnx.Rngs "Invalid rng value", nnx.Dropout a TypeError, Linen "should be a jax.PRNGKey".
+    import flax.linen as nn
+    from flax import nnx
+
+    def split(key):
+        return tuple(jax.random.split(key))
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            return nn.Dropout(0.5, deterministic=not train)(nn.Dense(4)(x))
+
+    def use(key):
+        x = jnp.ones((2, 3))
+        linen = Linen().init(key, x, False)
+        return [
+            nnx.Linear(3, 2, rngs=nnx.Rngs(key)).kernel[...],
+            nnx.Rngs(dropout=key).dropout(),
+            nnx.Dropout(0.5)(x, rngs=key),
+            linen,
+            Linen().apply(linen, x, True, rngs={"dropout": key}),
+        ]
+
+    for key in (jax.random.key(0), jax.random.PRNGKey(1)):
+        (_, ours), (_, theirs) = pw.program(split)(key), jax.jit(split)(key)
+        got, want = use(ours), use(theirs)
+        got[1], want[1] = jax.random.key_data(got[1]), jax.random.key_data(want[1])
+        jax.tree.map(np.testing.assert_array_equal, got, want)
