@@ -79,6 +79,7 @@ def test_checkpoint_patches_are_installed_once_orbax_is_in():
 def test_the_flax_patches_are_installed_once_flax_is_in():
     from flax import nnx
     from flax.core import scope
+    from flax.nnx import pytreelib
 
     compat.install_flax()
     patched = (
@@ -88,6 +89,7 @@ def test_the_flax_patches_are_installed_once_flax_is_in():
         scope._is_valid_rng,
     )
     assert all(getattr(function, "_takes_futures", False) for function in patched)
+    assert Future in pytreelib.DATA_REGISTRY  # a module's attribute holding a future is data
     compat.install_flax()  # once: a second install changes nothing
     assert patched == (
         nnx.Variable.set_value,

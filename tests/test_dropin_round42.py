@@ -108,3 +108,27 @@ def test_flax_takes_a_future_of_a_key_where_it_takes_the_key():
         got, want = use(ours), use(theirs)
         got[1], want[1] = jax.random.key_data(got[1]), jax.random.key_data(want[1])
         jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_a_future_assigned_to_an_nnx_module_attribute_is_data_as_an_array_is():
+    # A table a program computed, kept by a module: NNX took the future as static (left out of
+    # nnx.state, so out of checkpoints and nnx.update; a constant of every nnx.jit trace).
+    from flax import nnx
+
+    class Embed(nnx.Module):
+        def __init__(self, table):
+            self.table = table
+            self.scale = nnx.Param(jnp.ones(2))
+
+        def __call__(self, i):
+            return self.table[i] * self.scale[...]
+
+    def table():
+        return jnp.arange(6.0).reshape(3, 2)
+
+    ours, theirs = Embed(pw.program(table)()), Embed(jax.jit(table)())
+    state, want = nnx.state(ours), nnx.state(theirs)
+    assert jax.tree.structure(state) == jax.tree.structure(want)
+    jax.tree.map(np.testing.assert_array_equal, state, want)
+    for jit in (nnx.jit, pw.program):
+        np.testing.assert_array_equal(jit(Embed.__call__)(ours, 1), jit(Embed.__call__)(theirs, 1))

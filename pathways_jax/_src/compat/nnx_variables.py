@@ -1,4 +1,10 @@
-"""Flax NNX Variables holding futures take ``variable[...] = v`` as Variables holding arrays do.
+"""Flax NNX takes futures as it takes arrays: as data of a module, and in Variables that are written.
+
+A future assigned to a module's attribute (``self.table = table``, a table a
+program computed) was static to NNX, which recognises ``jax.Array`` s as data
+by type: ``nnx.split`` left it out of the state and ``nnx.jit`` held it in the
+graph definition. Futures are now registered as NNX data
+(``nnx.register_data_type``), as arrays are.
 
 After a program that updates NNX objects in place, a Variable holds a
 ``pw.Future`` where an array cannot be had at dispatch (values on Ray hosts
@@ -23,7 +29,11 @@ _NO_INDEX = object()
 
 
 def install() -> None:
-    """Wraps ``nnx.Variable.set_value`` (once), if Flax NNX is imported: nothing holds futures before."""
+    """Registers futures as NNX data and wraps ``nnx.Variable.set_value`` (once), if Flax NNX is imported."""
+    pytreelib = sys.modules.get("flax.nnx.pytreelib")
+    register = getattr(pytreelib, "register_data_type", None)
+    if register is not None and Future not in getattr(pytreelib, "DATA_REGISTRY", ()):
+        register(Future)
     variablelib = sys.modules.get("flax.nnx.variablelib")
     variable = getattr(variablelib, "Variable", None)
     set_value = getattr(variable, "set_value", None)
