@@ -39,6 +39,7 @@ def test_importing_pathways_jax_installs_every_jax_hook():
         "_check_prng_key",
         "_device_get",
         "from_raw_indices",
+        "_split",
     }
     assert {name for name, installed in jax_futures.HOOKS.items() if installed} == want
     from jax._src import core

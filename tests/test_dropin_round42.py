@@ -132,3 +132,18 @@ def test_a_future_assigned_to_an_nnx_module_attribute_is_data_as_an_array_is():
     jax.tree.map(np.testing.assert_array_equal, state, want)
     for jit in (nnx.jit, pw.program):
         np.testing.assert_array_equal(jit(Embed.__call__)(ours, 1), jit(Embed.__call__)(theirs, 1))
+
+
+def test_jnp_split_takes_a_future_of_indices_as_their_array():
+    # jnp.split(x, indices) with the indices a program computed raised "Only scalar arrays can be
+    # converted to Python scalars": JAX checks for an index array with isinstance(..., jax.Array).
+    def cuts():
+        return jnp.array([1, 3])
+
+    x = jnp.arange(8.0).reshape(4, 2)
+    ours, theirs = pw.program(cuts)(), jax.jit(cuts)()
+    for split in (jnp.split, jnp.array_split, jnp.vsplit):
+        for got, want in zip(split(x, ours), split(x, theirs), strict=True):
+            np.testing.assert_array_equal(got, want)
+    for got, want in zip(jnp.hsplit(x.T, ours), jnp.hsplit(x.T, [1, 3]), strict=True):
+        np.testing.assert_array_equal(got, want)
