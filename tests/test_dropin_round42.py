@@ -147,3 +147,26 @@ def test_jnp_split_takes_a_future_of_indices_as_their_array():
             np.testing.assert_array_equal(got, want)
     for got, want in zip(jnp.hsplit(x.T, ours), jnp.hsplit(x.T, [1, 3]), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def _sgd_step(w, x):
+    return w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+
+
+def test_a_program_made_again_of_the_same_function_traces_once_as_jax_jit_does():
+    # jax.jit(step)(w, x) written inline in a loop traces once; pw.program(step)(w, x) traced and
+    # lowered again at every call (a large model's trace, every step).
+    pw.init()
+    w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
+    ours, theirs, traced = w, w, []
+    for _ in range(4):
+        ours, theirs = pw.program(_sgd_step)(ours, x), jax.jit(_sgd_step)(theirs, x)
+        traced.append(pw.counters()["traces"])
+    np.testing.assert_array_equal(ours, theirs)
+    assert traced[1] == traced[-1]  # at most arrays, then futures: a program's two signatures
+    assert pw.program(_sgd_step) is pw.program(_sgd_step)
+    assert pw.program(_sgd_step, donate_argnums=0) is not pw.program(_sgd_step)  # other options
+    kept = pw.program(_sgd_step)
+    pw.shutdown()
+    pw.init()
+    assert pw.program(_sgd_step) is not kept  # made for the cluster since shut down
