@@ -39,6 +39,7 @@ def test_importing_pathways_jax_installs_every_jax_hook():
         "_check_prng_key",
         "_device_get",
         "from_raw_indices",
+        "_split",
     }
     assert {name for name, installed in jax_futures.HOOKS.items() if installed} == want
     from jax._src import core
@@ -73,6 +74,30 @@ def test_checkpoint_patches_are_installed_once_orbax_is_in():
     # The save-time rewrite of futures into arrays is for the older two-handler path only.
     assert not getattr(BasePyTreeCheckpointHandler.async_save, "_takes_futures", False)
     assert Future in flax.serialization._STATE_DICT_REGISTRY
+    assert getattr(flax.serialization._msgpack_ext_pack, "_takes_futures", False)
+
+
+def test_the_flax_patches_are_installed_once_flax_is_in():
+    from flax import nnx
+    from flax.core import scope
+    from flax.nnx import pytreelib
+
+    compat.install_flax()
+    patched = (
+        nnx.Variable.set_value,
+        nnx.RngStream.__init__,
+        nnx.Dropout.__call__,
+        scope._is_valid_rng,
+    )
+    assert all(getattr(function, "_takes_futures", False) for function in patched)
+    assert Future in pytreelib.DATA_REGISTRY  # a module's attribute holding a future is data
+    compat.install_flax()  # once: a second install changes nothing
+    assert patched == (
+        nnx.Variable.set_value,
+        nnx.RngStream.__init__,
+        nnx.Dropout.__call__,
+        scope._is_valid_rng,
+    )
 
 
 def test_no_module_outside_compat_patches_jax_flax_or_orbax():

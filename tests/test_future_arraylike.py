@@ -257,7 +257,7 @@ def test_setitem_raises_as_for_an_array(floats):
     fut, _ = floats
     with pytest.raises(TypeError, match="immutable") as info:
         fut[0] = 1.0
-    assert any("nnx.update" in note for note in info.value.__notes__)  # what a Flax Variable needs
+    assert any(".at[index].set" in note for note in info.value.__notes__)  # what to write instead
 
 
 def test_len(one, matrix):

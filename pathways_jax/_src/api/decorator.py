@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -24,6 +28,7 @@ from pathways_jax._src.api.jit_shardings import (
 from pathways_jax._src.api.placement import _mesh_of, _single_device_of
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import clusters
 from pathways_jax._src.runtime.slices import VirtualSlice
 
 
@@ -231,21 +236,77 @@ def program(
             f"pw.program({getattr(fun, '__name__', fun)!r}): arguments {sorted(set(donate) & set(statics))} "
             "are both static and donated; a static argument is a Python value with no buffer to donate."
         )
-    return Program(
-        fun,
-        devices=devices,
-        static_argnums=statics,
-        static_argnames=static_names,
-        name=name,
-        fuse=fuse,
-        donate_argnums=donate,
-        donate_argnames=donate_names,
-        mesh_hint=mesh_hint,
-        device=device,
-        compiler_options=tuple(sorted((compiler_options or {}).items())),
-        nnx_modes=(graph, graph_updates),
-        keep_unused=keeps,
-    )
+    options = tuple(sorted((compiler_options or {}).items()))
+    key = _shared_key(fun, (devices, statics, static_names, name, fuse, donate, donate_names, device))
+    key = key if key is None or mesh_hint is not None else (*key, options, graph, graph_updates, keeps)
+    made = _shared(key) if mesh_hint is None else None
+    if made is None:
+        made = Program(
+            fun,
+            devices=devices,
+            static_argnums=statics,
+            static_argnames=static_names,
+            name=name,
+            fuse=fuse,
+            donate_argnums=donate,
+            donate_argnames=donate_names,
+            mesh_hint=mesh_hint,
+            device=device,
+            compiler_options=options,
+            nnx_modes=(graph, graph_updates),
+            keep_unused=keeps,
+        )
+        if mesh_hint is None:
+            _share(key, made)
+    return made
+
+
+# As jax.jit(f) made again reuses what jax.jit(f) traced and compiled before, pw.program(f) made
+# again with the same options (inline, `pw.program(train_step)(state, batch)` in a loop) is the
+# program made before in this cluster: it traced anew at every call. Only for functions defined
+# at a module's top level, which live as long as their module (a closure or lambda made anew is a
+# new function, as for jax.jit); at most _SHARED_MAX, the least recently made again dropped first.
+_SHARED: collections.OrderedDict[Any, tuple[Any, Program]] = collections.OrderedDict()
+_SHARED_LOCK = threading.Lock()
+_SHARED_MAX = 64
+
+
+def _shared_key(fun: Any, options: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    if type(fun) is not types.FunctionType or fun.__closure__ is not None:
+        return None
+    if "<" in fun.__qualname__:  # a lambda, or a function defined inside another
+        return None
+    return (fun, *options)
+
+
+def _shared(key: tuple[Any, ...] | None) -> Program | None:
+    if key is None:
+        return None
+    try:
+        with _SHARED_LOCK:
+            kept = _SHARED.get(key)
+            if kept is not None:
+                _SHARED.move_to_end(key)
+    except TypeError:  # an option that cannot key a cache
+        return None
+    cluster = clusters.running()
+    if kept is None or cluster is None or kept[0]() is not cluster:
+        return None  # none yet, or made for a cluster since shut down
+    return kept[1]
+
+
+def _share(key: tuple[Any, ...] | None, made: Program) -> None:
+    cluster = clusters.running()
+    if key is None or cluster is None:
+        return
+    try:
+        with _SHARED_LOCK:
+            _SHARED[key] = (weakref.ref(cluster), made)
+            _SHARED.move_to_end(key)
+            while len(_SHARED) > _SHARED_MAX:
+                _SHARED.popitem(last=False)
+    except TypeError:
+        return
 
 
 __all__ = ["program"]

@@ -55,6 +55,7 @@ def trace(
     the function does not use, which ``jax.jit`` prunes); all of them if None.
     """
     compat.install_checkpoints()  # once: Flax's and orbax's checkpoints then take the futures it returns
+    compat.install_flax()  # Flax then takes the futures of keys it returns, and writes into Variables holding futures
     treedef, statics, signature = inputs.treedef, inputs.statics, inputs.signature
     places = signature if placing is None else placing
     default = info.devices if info.devices is not None else inputs.ambient

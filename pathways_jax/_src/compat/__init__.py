@@ -6,13 +6,16 @@ types and wraps three of its private checks, and ``jax_effects`` makes
 ``jax.effects_barrier`` wait for queued programs (both :func:`install`, when
 ``pathways_jax`` is imported); ``checkpoints`` registers futures with Flax's
 serialization and Orbax's type handlers (:func:`install_checkpoints`, at a
-program's first trace, or as Orbax finishes importing). Each was written for
+program's first trace, or as Orbax finishes importing); ``flax_keys`` lets Flax
+take a future of a key, and ``nnx_variables`` a Flax Variable holding a future
+take an indexed write (:func:`install_flax`, at each trace, for the parts of
+Flax imported by then). Each was written for
 the versions in ``WRITTEN_FOR``; ``tests/test_compat.py`` checks that those
 are the ones installed and that every patch is in place, so an upgrade is
 reviewed, not discovered. May import: ``runtime`` and the layers below.
 
 Modules: ``jax_futures`` (JAX takes futures); ``jax_effects`` (``jax.effects_barrier``);
-``checkpoints`` (Flax and Orbax take futures);
+``checkpoints`` (Flax and Orbax take futures); ``flax_keys`` (Flax takes futures of keys); ``nnx_variables`` (NNX Variables holding futures);
 ``host_checkpoints`` (Orbax's handler for arrays and futures: Ray hosts write and read their own shards).
 """
 
@@ -42,4 +45,12 @@ def install_checkpoints() -> None:
     checkpoints.register()
 
 
-__all__ = ["WRITTEN_FOR", "install", "install_checkpoints"]
+def install_flax() -> None:
+    """Lets Flax take futures of keys and NNX Variables holding futures take writes (the parts imported)."""
+    from pathways_jax._src.compat import flax_keys, nnx_variables
+
+    flax_keys.install()
+    nnx_variables.install()
+
+
+__all__ = ["WRITTEN_FOR", "install", "install_checkpoints", "install_flax"]

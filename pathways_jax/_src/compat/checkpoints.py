@@ -58,6 +58,41 @@ def register() -> None:
     serialization.register_serialization_state(
         Future, lambda future: future.result(), lambda _target, state: state, override=True
     )
+    _msgpack_takes_futures(serialization)
+
+
+def _msgpack_takes_futures(serialization: Any) -> None:
+    """``flax.serialization.msgpack_serialize`` packs a future as the array it stands for.
+
+    ``to_bytes`` goes through the state dict (registered above), but
+    ``msgpack_serialize`` of a tree of futures raised "can not serialize
+    'Future' object": Flax converts and chunks only ``jax.Array`` leaves and
+    its packer knows only NumPy and JAX arrays. Its two helpers are looked up
+    by name at each call, so wrapping them here also serves a
+    ``msgpack_serialize`` imported before this ran.
+    """
+    pack, convert = (
+        getattr(serialization, "_msgpack_ext_pack", None),
+        getattr(serialization, "_np_convert_in_place", None),
+    )
+    if pack is None or convert is None or getattr(pack, "_takes_futures", False):
+        return  # pragma: no cover - another Flax; to_bytes still takes futures
+
+    @functools.wraps(pack)
+    def msgpack_ext_pack(x: Any) -> Any:
+        return pack(_array_of_future(x))
+
+    @functools.wraps(convert)
+    def np_convert_in_place(tree: Any) -> Any:
+        if isinstance(tree, dict):  # Flax converts a dict's values in place, as here
+            for key, value in tree.items():
+                if type(value) is Future:
+                    tree[key] = value.result()
+        return convert(_array_of_future(tree))
+
+    msgpack_ext_pack._takes_futures = True  # type: ignore[attr-defined]
+    serialization._msgpack_ext_pack = msgpack_ext_pack
+    serialization._np_convert_in_place = np_convert_in_place
 
 
 class _AfterOrbaxImport(importlib.abc.MetaPathFinder):

@@ -109,7 +109,7 @@ def take_as_array(cls: type) -> bool:
 
 
 def _let_jax_checks_take_futures() -> None:
-    """``jax.random.split(key)``, ``jax.device_get(state)`` and ``array[future]`` take futures.
+    """``jax.random.split(key)``, ``jax.device_get(state)``, ``array[future]`` and ``jnp.split(x, future)`` take futures.
 
     Each asks ``isinstance(value, jax.Array)`` (a C++ type no other class can
     join) in a private function: every ``jax.random`` function checks its key
@@ -119,7 +119,9 @@ def _let_jax_checks_take_futures() -> None:
     ``jax._src.api._device_get`` before it copies a key's data, and otherwise
     calls ``__array__``, which a key refuses; ``x[...]`` and ``x.at[...]`` read
     their indices with ``NDIndexer.from_raw_indices``, which refuses other
-    array indices. Each is wrapped so that it sees the future's array. Another
+    array indices; ``jnp.split`` (``array_split``, ``hsplit``, ...) reads its
+    indices with ``lax_numpy._split``, which took a future of them for a
+    number of sections. Each is wrapped so that it sees the future's array. Another
     JAX without them keeps working; there these need ``future.result()``.
     """
     try:
@@ -131,6 +133,11 @@ def _let_jax_checks_take_futures() -> None:
     _see_futures(random_core, "_check_prng_key", 1, _value_of)
     _see_futures(api, "_device_get", 0, _value_of)
     _see_futures(getattr(indexing, "NDIndexer", None), "from_raw_indices", 1, index_values)  # after cls
+    try:
+        from jax._src.numpy import lax_numpy
+    except ImportError:  # pragma: no cover - another JAX
+        return
+    _see_futures(lax_numpy, "_split", 2, _value_of)
 
 
 def _value_of(value: Any) -> Any:

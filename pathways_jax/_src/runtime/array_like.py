@@ -126,9 +126,8 @@ class ArrayLike:
             self.result()[index] = value
         except TypeError as exc:
             exc.add_note(
-                "pathways_jax: this is a pw.Future (a Flax Variable holds one after a program on Ray "
-                "hosts or a controller service). Write into arrays: "
-                "nnx.update(model, pw.results(nnx.state(model))) first."
+                "pathways_jax: this is a pw.Future, which stands for an immutable jax.Array. "
+                "Write with future.at[index].set(value), or into pw.results(tree)."
             )
             raise
 
