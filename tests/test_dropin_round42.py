@@ -170,3 +170,24 @@ def test_a_program_made_again_of_the_same_function_traces_once_as_jax_jit_does()
     pw.shutdown()
     pw.init()
     assert pw.program(_sgd_step) is not kept  # made for the cluster since shut down
+
+
+def test_a_function_defined_again_under_its_name_lets_its_old_program_go():
+    # A notebook cell run again defines its step anew: the program kept for the old function
+    # (and its compiled executables) goes, where it stayed until 64 others pushed it out.
+    import gc
+    import weakref
+
+    pw.init()
+    namespace = {"__name__": __name__}
+    source = "def cell_step(x):\n    return x * {}\n"
+    exec(source.format(2), namespace)  # the cell, run once
+    first = namespace["cell_step"]
+    gone = weakref.ref(first)
+    np.testing.assert_array_equal(pw.program(first)(jnp.ones(3)), jnp.full(3, 2.0))
+    assert pw.program(first) is pw.program(first)  # kept while it is the cell's function
+    exec(source.format(3), namespace)  # the cell, run again
+    np.testing.assert_array_equal(pw.program(namespace["cell_step"])(jnp.ones(3)), jnp.full(3, 3.0))
+    del first
+    gc.collect()
+    assert gone() is None

@@ -299,8 +299,23 @@ def _share(key: tuple[Any, ...] | None, made: Program) -> None:
     cluster = clusters.running()
     if key is None or cluster is None:
         return
+    fun = key[0]
     try:
         with _SHARED_LOCK:
+            # What no later call can take goes first: programs of clusters shut down, and those
+            # of a function defined again under its name (a notebook cell run again), whose
+            # compiled executables would otherwise live on until pushed out.
+            for old in [
+                k
+                for k, (held, _) in _SHARED.items()
+                if held() is not cluster
+                or (
+                    k[0] is not fun
+                    and k[0].__module__ == fun.__module__
+                    and k[0].__qualname__ == fun.__qualname__
+                )
+            ]:
+                del _SHARED[old]
             _SHARED[key] = (weakref.ref(cluster), made)
             _SHARED.move_to_end(key)
             while len(_SHARED) > _SHARED_MAX:
