@@ -268,6 +268,9 @@ def test_elastic_losses_answer_as_the_futures_data_parallel_returns():
     assert bool(losses[2] < losses[0])
     doubled = jax.jit(lambda a: a * 2)(losses[0])
     np.testing.assert_array_equal(np.asarray(doubled), want[0] * 2)
+    read = pw.results({"losses": losses})["losses"]  # as a tree of dp.train_step's futures
+    assert all(type(r) is type(f.result()) for r, f in zip(read, futures, strict=True))
+    np.testing.assert_array_equal(np.asarray(jnp.stack(read)), want)
     manager.wait(timeout=60)
 
 

@@ -412,12 +412,12 @@ def state_of(future: Future) -> tuple[str, str]:
 def results(tree: Any, timeout: float | None = None) -> Any:
     """``tree`` with every future in it replaced by its ``jax.Array`` (waits for each).
 
-    Other leaves stay as they are. Eager code that writes into what a program
-    returned needs arrays, as a Flax Variable holding a future refuses
-    ``variable[...] = v`` (values on Ray hosts or a controller service)::
+    A future here is a ``pw.Future`` or another handle that answers as its
+    value (``pw.elastic``'s ``Loss``). Other leaves stay as they are. Code
+    that needs arrays, not handles (``isinstance(v, jax.Array)``, writing
+    into the value itself), takes them this way::
 
-      nnx.update(model, pw.results(nnx.state(model)))
-      metrics.reset()
+      state = pw.results(nnx.state(model))
 
     Args:
       tree: any pytree.
@@ -426,7 +426,7 @@ def results(tree: Any, timeout: float | None = None) -> Any:
     Raises:
       As :meth:`Future.result`.
     """
-    return jax.tree.map(lambda v: v.result(timeout) if isinstance(v, Future) else v, tree)
+    return jax.tree.map(lambda v: v.result(timeout) if isinstance(v, ArrayLike) else v, tree)
 
 
 def sent(future: Future, timeout: float | None, what: str) -> Any:
