@@ -27,7 +27,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends.base import Dispatched, Prepared, StartOptions, Windows, given
@@ -327,7 +326,7 @@ class ServiceBackend:
             placed.island,
             placed.desc,
             tuple(array.aval.shape),
-            str(array.aval.dtype),
+            array.aval.dtype,
             array.generation,
         )
 
@@ -348,7 +347,7 @@ class ServiceBackend:
             )
         devices = self.islands[handle.island]
         sharding = sharding_of(handle.desc, list(devices))
-        aval = jax.core.ShapedArray(handle.shape, np.dtype(handle.dtype))
+        aval = jax.core.ShapedArray(handle.shape, handle.dtype)
         # Named (owner, key) even for this process's own value: dropping it frees nothing (the
         # owner's own future does), and reading it after that is refused as stale.
         key = (handle.owner, handle.key)
@@ -531,7 +530,7 @@ class Handle:
     island: int
     desc: Any
     shape: tuple
-    dtype: str
+    dtype: Any  # a numpy dtype, or a typed PRNG key's (which numpy cannot name)
     generation: int
 
 

@@ -1,0 +1,70 @@
+"""The controller service as a demanding client uses it: values of every kind shared between
+processes, a failed run's outputs under the service's memory budget.
+
+One service (two islands of one host, a small memory budget) serves the
+module; this test process joins it as a client. Results are compared with
+plain ``jax.jit`` on the same inputs.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_matches
+
+import pathways_jax as pw
+
+pytestmark = pytest.mark.timeout(180)
+
+BUDGET = 4 << 20  # bytes of values the service's hosts may hold for all its clients
+BACKPRESSURE_S = 3.0  # how long a run may wait for memory there
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster):
+    """Two islands of one host each, under a 4 MiB memory budget."""
+    svc = pw.serve(
+        "test-round42", hosts=2, devices_per_host=1, memory_budget=BUDGET, backpressure_timeout=BACKPRESSURE_S
+    )
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture
+def joined(service):
+    """This test process as a client of the module's service."""
+    cluster = pw.init(backend="ray", address=service.address, service=service.name, client_name="me")
+    try:
+        yield cluster
+    finally:
+        pw.shutdown()
+
+
+def _state(seed):
+    return {"key": jax.random.key(seed), "raw": jax.random.PRNGKey(seed), "w": jnp.arange(4.0)}
+
+
+def _draw(state):
+    return jax.random.uniform(state["key"], (4,)) + jax.random.uniform(state["raw"], (4,)) + state["w"]
+
+
+def test_a_shared_state_holding_a_typed_key_is_received_and_draws_what_jax_draws(joined):
+    # A train state with its typed PRNG key, shared as a pytree of handles: pw.receive failed on the
+    # key ("TypeError: data type 'key<fry>' not understood"), which numpy cannot name.
+    s0 = pw.devices(mesh={"x": 1}, island=0)
+    s1 = pw.devices(mesh={"x": 1}, island=1)
+    seed = jnp.uint32(7)
+    state = pw.jit(_state, devices=s0)(seed)
+    received = pw.receive(pickle.loads(pickle.dumps(pw.share(state))))
+    assert received["key"].dtype == state["key"].dtype and received["key"].shape == ()
+    want = jax.jit(_draw)(jax.jit(_state)(seed))
+    assert_matches(pw.jit(_draw, devices=s0)(received), want, rtol=0, atol=0)
+    assert_matches(pw.jit(_draw, devices=s1)(received), want, rtol=0, atol=0)  # moved to the other island
+    assert_matches(
+        jax.random.key_data(received["key"].result(timeout=60)), jax.random.key_data(_state(seed)["key"])
+    )
