@@ -8,12 +8,13 @@ plain ``jax.jit`` on the same inputs.
 
 from __future__ import annotations
 
+import gc
 import pickle
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, wait_for
 
 import pathways_jax as pw
 
@@ -68,3 +69,35 @@ def test_a_shared_state_holding_a_typed_key_is_received_and_draws_what_jax_draws
     assert_matches(
         jax.random.key_data(received["key"].result(timeout=60)), jax.random.key_data(_state(seed)["key"])
     )
+
+
+def _too_big_to_make(v):
+    # 3 MiB of outputs, computed through a 4 TiB intermediate no host can allocate.
+    return jnp.cumsum(jnp.broadcast_to(v, (1 << 40,)))[: 3 << 18]
+
+
+def _service_bytes(service: pw.Service) -> int:
+    return service.stats()["bytes_held"]
+
+
+def test_a_failed_run_s_outputs_give_their_bytes_back_to_the_service_s_budget(joined, service):
+    # A run that fails on its host made nothing: its outputs' bytes stayed on the service's budget
+    # while their futures lived, so the next run waited for memory no host held and failed with
+    # BackPressureTimeout (in-process, a failed run's bytes go back at once).
+    s = pw.devices(mesh={"x": 1}, island=0)
+    failed = pw.jit(_too_big_to_make, devices=s)(jnp.float32(1))
+    reader = pw.jit(lambda v: v[:4] + 1, devices=s)(failed)
+    with pytest.raises(pw.errors.ProgramFailedError, match="Out of memory"):
+        failed.result(timeout=60)
+    assert wait_for(lambda: _service_bytes(service) == 0, timeout=10), service.stats()["clients"]
+    # 2 MiB more fits the 4 MiB budget: nothing is held.
+    fill = pw.jit(lambda v: jnp.full((1 << 19,), v), devices=s)
+    assert_matches(fill(jnp.float32(2)), jax.jit(lambda v: jnp.full((1 << 19,), v))(jnp.float32(2)))
+    # The failed value is still known for what it is: read, or read by a run, it says why it is missing.
+    with pytest.raises(pw.errors.ProgramFailedError, match="Out of memory"):
+        reader.result(timeout=60)
+    with pytest.raises(pw.errors.ProgramFailedError, match="Out of memory"):
+        failed.result(timeout=60)
+    del failed, reader
+    gc.collect()
+    assert wait_for(lambda: _service_bytes(service) == 0, timeout=10)

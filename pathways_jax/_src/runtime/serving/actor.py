@@ -554,6 +554,11 @@ class ServiceActor:
             client.runs += 1
             if any(isinstance(a, RunFailure) for a in answers):
                 client.failures += 1
+                # Its outputs were never made: their bytes go back to the budget now (a run waiting
+                # for memory, a client asking to join, would otherwise wait on values that hold none).
+                self.ledger.unmade(
+                    hk for _h, item in messages if isinstance(item, wire.Run) for _slot, hk in item.keep
+                )
         batch.answer(answers)
         self.gate.pump()
 
