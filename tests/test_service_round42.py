@@ -101,3 +101,36 @@ def test_a_failed_run_s_outputs_give_their_bytes_back_to_the_service_s_budget(jo
     del failed, reader
     gc.collect()
     assert wait_for(lambda: _service_bytes(service) == 0, timeout=10)
+
+
+def _slow(v):
+    return jax.lax.fori_loop(0, 20000, lambda i, u: jnp.sin(u) + 1.0, v)
+
+
+def _host_runs(service: pw.Service) -> int:
+    return sum(h["runs"] for h in service.host_stats().values())
+
+
+def test_closing_a_client_cancels_its_runs_queued_at_the_service(joined, service):
+    # pw.client.close() cancels the client's queued runs. In a client process of a service most of
+    # them wait in the service's queue (4 in flight per island): they ran all the same, on hosts
+    # other processes share, and a run of another client came only after every one of them.
+    s = pw.devices(mesh={"x": 1}, island=0)
+    slow = pw.jit(_slow, devices=s)
+    x = jnp.ones(256)
+    assert_matches(slow(x), jax.jit(_slow)(x), rtol=1e-5, atol=1e-5)
+    before = _host_runs(service)
+    batch = pw.client("batch")
+    with batch:
+        queued = [slow(x) for _ in range(40)]
+    batch.close()
+    with pytest.raises(pw.errors.PathwaysError, match=r"freed|cancelled"):
+        queued[-1].result(timeout=60)
+    assert_matches(pw.jit(lambda v: v * 3, devices=s)(x), x * 3)  # another client's run
+    done = _host_runs(service) - before
+    assert done <= 12, f"{done} runs went to the hosts after their client was closed with 40 queued"
+    mine = lambda: service.stats()["clients"][joined.backend.client_id]  # noqa: E731
+    assert wait_for(lambda: mine()["queued"] == 0 and mine()["in_flight"] == 0, timeout=30), mine()
+    del queued
+    gc.collect()
+    assert wait_for(lambda: _service_bytes(service) == 0, timeout=10)

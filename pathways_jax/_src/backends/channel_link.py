@@ -193,6 +193,8 @@ def encode(kind: str, args: tuple) -> wire.Item:
             return wire.Run(key, run_id, base, [_feed(*feed) for feed in feeds], list(keep), list(frees))
         case "share":  # (a client's message to its service)
             return wire.Share(args[0], args[1])
+        case "cancel":  # (a client's message to its service)
+            return wire.Cancel(args[0])
         case "wire":  # already a typed message (a controller service's, in the hosts' keys)
             return args[0]
         case "register":

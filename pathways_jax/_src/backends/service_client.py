@@ -374,6 +374,14 @@ class ServiceBackend:
         if isinstance(answer, Refused):
             raise errors.AccessError(f"pw.share: {answer.message}.")
 
+    def cancel_client(self, client_key: int) -> None:
+        """Cancels the runs of ``pw.client`` number ``client_key`` still queued at the service (it was
+        closed); its answer is not waited for (the runs' own answers say they were cancelled)."""
+        if self.closed:
+            return
+        with self.dispatcher.lock:  # in this process's order: after the client's last run
+            self.route.submit([(-1, "cancel", (client_key,))], None)
+
     def check_again(self, args: StartOptions) -> None:
         """``pw.init`` called again in this process with the arguments it joined with, the hosts' shape
         aside: the shape given is checked against the service's, as a first join checks it, and the

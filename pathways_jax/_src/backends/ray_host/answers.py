@@ -59,7 +59,9 @@ class Refused(NamedTuple):
     """The controller service's answer to a message it would not forward (a handle not the sender's)."""
 
     message: str
-    kind: str = "access"  # "access": a handle not the sender's; "memory": over budget; "gone": client left
+    # "access": a handle not the sender's; "memory": over budget; "gone": client left; "cancelled": its
+    # pw.client was closed
+    kind: str = "access"
 
 
 class MessageFailed:

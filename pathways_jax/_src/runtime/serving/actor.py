@@ -351,6 +351,20 @@ class ServiceActor:
         self.backend.send_items(registers)
         batch.answer([answer] * len(batch.messages))
 
+    def _cancel(self, client: ClientProcess, client_key: int) -> None:
+        """Fails the runs of the client process's ``pw.client`` number ``client_key`` that wait in its
+        queue here (the client was closed): they never go to the hosts; those sent already complete."""
+        doomed = self.gate.admission.cancel(
+            client.id,
+            lambda batch: batch.run is not None and batch.run.client_key == client_key,
+            lambda batch: Head(client.id, batch.arrival),
+        )
+        for batch in doomed:
+            name = batch.run.client if batch.run is not None else ""
+            self._fail(
+                client, batch, Refused(f"the run was cancelled: client {name!r} was closed", "cancelled")
+            )
+
     def _check(self, client: ClientProcess, batch: Batch) -> None:
         """Raises :class:`Refuse` if the batch names a value its client may not read, or a message
         a client may not send; changes nothing."""
@@ -452,6 +466,12 @@ class ServiceActor:
         shares = [routed.item for routed in batch.messages if isinstance(routed.item, wire.Share)]
         if shares and len(shares) == len(batch.messages):
             batch.answer([self._share(client.id, share.key, share.reader) for share in shares])
+            return
+        cancels = [routed.item for routed in batch.messages if isinstance(routed.item, wire.Cancel)]
+        if cancels and len(cancels) == len(batch.messages):
+            for cancel in cancels:
+                self._cancel(client, cancel.client)
+            batch.answer([None] * len(cancels))
             return
         try:
             messages, frees = self._translate(client, batch)
