@@ -134,3 +134,26 @@ def test_closing_a_client_cancels_its_runs_queued_at_the_service(joined, service
     del queued
     gc.collect()
     assert wait_for(lambda: _service_bytes(service) == 0, timeout=10)
+
+
+def test_values_on_a_lost_island_give_their_bytes_back_to_the_service_s_budget(joined, service):
+    # Last in the module: it kills a host of the service (which rebuilds its island). The values the
+    # island held went with it, yet their bytes stayed on the budget while their futures lived: runs on
+    # the islands left waited for that memory and failed with BackPressureTimeout.
+    import os
+    import signal
+
+    s0 = pw.devices(mesh={"x": 1}, island=0)
+    s1 = pw.devices(mesh={"x": 1}, island=1)
+    fill = lambda v: jnp.full((3 << 18,), v)  # noqa: E731  (3 MiB)
+    held = pw.jit(fill, devices=s1)(jnp.float32(1))
+    assert_matches(held, fill(jnp.float32(1)))
+    assert wait_for(lambda: _service_bytes(service) == 3 << 20, timeout=10), service.stats()["clients"]
+    os.kill(service.host_stats()[1]["pid"], signal.SIGKILL)
+    assert wait_for(lambda: 1 in service.stats()["lost"], timeout=30)
+    assert wait_for(lambda: _service_bytes(service) == 0, timeout=10), service.stats()["clients"]
+    # 2 MiB on the island left fits the 4 MiB budget: nothing is held.
+    half = lambda v: jnp.full((1 << 19,), v)  # noqa: E731
+    assert_matches(pw.jit(half, devices=s0)(jnp.float32(2)), half(jnp.float32(2)))
+    with pytest.raises(pw.errors.HostLostError):  # the lost value still says what became of it
+        pw.jit(lambda v: v + 1, devices=s1)(held).result(timeout=60)

@@ -310,7 +310,22 @@ class ServiceActor:
             with contextlib.suppress(Exception):
                 self._drop_silent()
             with contextlib.suppress(Exception):
+                self._unbudget_lost()
+            with contextlib.suppress(Exception):
                 self.gate.pump()
+
+    def _unbudget_lost(self) -> None:
+        """Values on the hosts of a lost island went with them: their bytes leave the memory budget
+        (they stay on the ledger, so that reading them says they were lost, until their futures go)."""
+        lost = set(self.backend.lost_hosts)
+        if lost:
+            self.ledger.unmade(
+                [
+                    key
+                    for key, value in self.ledger.values.items()
+                    if value.nbytes and not lost.isdisjoint(value.hosts)
+                ]
+            )
 
     def _drop_silent(self) -> None:
         """Drops every client whose channel sent nothing, not even a heartbeat, for too long.
