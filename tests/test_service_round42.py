@@ -136,6 +136,23 @@ def test_closing_a_client_cancels_its_runs_queued_at_the_service(joined, service
     assert wait_for(lambda: _service_bytes(service) == 0, timeout=10)
 
 
+def test_pw_share_refuses_a_client_that_is_no_name_at_once_saying_what_it_takes(joined):
+    # A client id from the service's stats given as an int (or a name that is empty) was an
+    # AccessError (a PermissionError), raised only once the run making the value was sent.
+    s = pw.devices(mesh={"x": 1}, island=0)
+    out = pw.jit(lambda v: v + 1, devices=s)(jnp.arange(3.0))
+    with pytest.raises(pw.errors.PathwaysError, match=r"client must be None .* got 1 \(int\)") as caught:
+        pw.share(out, client=1)
+    assert isinstance(caught.value, TypeError)
+    with pytest.raises(pw.errors.PathwaysError, match=r"got '' \(str\)") as caught:
+        pw.share({"out": out}, client="")
+    assert isinstance(caught.value, ValueError)
+    with pytest.raises(pw.errors.AccessError, match="no client process named 'nobody'"):
+        pw.share(out, client="nobody")
+    me = str(joined.backend.client_id)  # its id in the stats, as a str: taken
+    assert_matches(pw.receive(pw.share(out, client=me)), jnp.arange(3.0) + 1)
+
+
 def test_values_on_a_lost_island_give_their_bytes_back_to_the_service_s_budget(joined, service):
     # Last in the module: it kills a host of the service (which rebuilds its island). The values the
     # island held went with it, yet their bytes stayed on the budget while their futures lived: runs on
