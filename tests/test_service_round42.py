@@ -153,6 +153,42 @@ def test_pw_share_refuses_a_client_that_is_no_name_at_once_saying_what_it_takes(
     assert_matches(pw.receive(pw.share(out, client=me)), jnp.arange(3.0) + 1)
 
 
+def test_the_command_line_takes_every_option_pw_serve_takes(monkeypatch, capsys):
+    # `python -m pathways_jax serve` is pw.serve from a shell, yet it took no timeouts, no
+    # replace_lost_hosts, max_in_flight or starvation_limit: a service for notebooks that may be
+    # stopped a while (silent_client_timeout=None) could not be started from it.
+    import types
+
+    from pathways_jax.__main__ import main
+
+    given = {}
+
+    def serve(name, **kwargs):
+        given.update(kwargs, name=name)
+        return types.SimpleNamespace(name=name, address="here:1")
+
+    monkeypatch.setattr(pw, "serve", serve)
+    argv = ["--name", "cli42", "serve", "--hosts", "2", "--backpressure_timeout", "none"]
+    argv += ["--stalled_client_timeout", "12.5", "--silent_client_timeout", "None"]
+    argv += ["--replace_lost_hosts", "false", "--max_in_flight", "3", "--starvation_limit", "7"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert given["name"] == "cli42" and given["hosts"] == 2
+    assert given["backpressure_timeout"] is None and given["silent_client_timeout"] is None
+    assert given["stalled_client_timeout"] == 12.5 and given["replace_lost_hosts"] is False
+    assert given["max_in_flight"] == 3 and given["starvation_limit"] == 7
+    given.clear()
+    assert main(["serve", "--hosts", "1"]) == 0  # left out: pw.serve's defaults
+    assert (given["silent_client_timeout"], given["stalled_client_timeout"], given["replace_lost_hosts"]) == (
+        30.0,
+        30.0,
+        True,
+    )
+    assert "max_in_flight" not in given and "starvation_limit" not in given
+    with pytest.raises(SystemExit):
+        main(["serve", "--hosts", "1", "--silent_client_timeout", "soon"])
+    assert "a number of seconds or 'none', got 'soon'" in capsys.readouterr().err
+
+
 def test_values_on_a_lost_island_give_their_bytes_back_to_the_service_s_budget(joined, service):
     # Last in the module: it kills a host of the service (which rebuilds its island). The values the
     # island held went with it, yet their bytes stayed on the budget while their futures lived: runs on
