@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import gc
 import pickle
+import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import assert_matches, wait_for
 
 import pathways_jax as pw
+from pathways_jax import colocated_python as colocated
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -187,6 +190,61 @@ def test_the_command_line_takes_every_option_pw_serve_takes(monkeypatch, capsys)
     with pytest.raises(SystemExit):
         main(["serve", "--hosts", "1", "--silent_client_timeout", "soon"])
     assert "a number of seconds or 'none', got 'soon'" in capsys.readouterr().err
+
+
+def _numbered_rows(shard):
+    for i in range(6):
+        yield np.full((2,), i, np.float32)
+
+
+class _Unreadable:
+    """An iterator with a position (as Grain's) that cannot be put back where a checkpoint says."""
+
+    def __init__(self):
+        self.rows = _numbered_rows(None)
+
+    def __next__(self):
+        return next(self.rows)
+
+    def __iter__(self):
+        return self
+
+    def get_state(self):
+        return {"unused": True}
+
+    def set_state(self, state):
+        raise OSError("checkpointed position unreadable")
+
+
+def _in_thread(fn, timeout: float = 30.0):
+    """``fn()`` on a thread of its own, joined within ``timeout`` (a hang fails, it does not hang)."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{fn} did not return within {timeout}s"
+    return out[0]
+
+
+def test_a_host_iterator_given_a_position_it_cannot_take_stays_where_it_was():
+    # set_state with a list of the wrong length, a position of the wrong kind, or one the
+    # iterator's own set_state refuses: the host had stopped its iterator first, so the next
+    # batch waited for ever (and a raw IndexError / KeyError / TypeError came from the host).
+    s = pw.devices(mesh={"x": 1})
+    spec = jax.ShapeDtypeStruct((2,), np.float32, sharding=s.sharding())
+    batches = colocated.HostIterator(_numbered_rows, spec)
+    assert float(next(batches)[0]) == 0.0
+    for bad in ([], [{}], [{"taken": "x"}], [{"taken": 1}, {"taken": 1}]):
+        with pytest.raises(pw.errors.PathwaysError, match="stays where it was") as caught:
+            batches.set_state(bad)
+        assert isinstance(caught.value, ValueError)
+    assert _in_thread(lambda: [float(b[0]) for b in batches]) == [1.0, 2.0, 3.0, 4.0, 5.0]
+    unreadable = colocated.HostIterator(lambda shard: _Unreadable(), spec)
+    assert float(next(unreadable)[0]) == 0.0
+    with pytest.raises(OSError, match="checkpointed position unreadable"):
+        unreadable.set_state(unreadable.get_state())
+    assert _in_thread(lambda: float(next(unreadable)[0])) == 1.0
+    s.release()
 
 
 def test_values_on_a_lost_island_give_their_bytes_back_to_the_service_s_budget(joined, service):
