@@ -247,6 +247,37 @@ def test_a_host_iterator_given_a_position_it_cannot_take_stays_where_it_was():
     s.release()
 
 
+def test_pw_serve_takes_numpy_counts_and_seconds_as_pw_init_does(monkeypatch):
+    # pw.init(backend="ray", hosts=np.int64(2)) is taken; pw.serve refused the same count (and a
+    # memory_budget computed with NumPy) saying "hosts must be an int >= 1, got np.int64(2)".
+    from pathways_jax._src.runtime.serving import handle
+
+    class Reached(Exception):
+        """pw.serve took its arguments and went on to join the Ray cluster."""
+
+    def connect(address, **kwargs):
+        raise Reached(kwargs)
+
+    monkeypatch.setattr(handle, "connect", connect)
+    with pytest.raises(Reached) as reached:
+        pw.serve(
+            "numpy-counts",
+            hosts=np.int64(4),
+            devices_per_host=np.int32(2),
+            islands=np.int64(2),
+            window=np.int64(3),
+            max_clients=np.int16(5),
+            memory_budget=np.prod([256, 1024, 1024]),
+            stalled_client_timeout=np.float64(12.5),
+            silent_client_timeout=np.float32(7.0),
+        )
+    assert reached.value.args[0]["hosts"] == 4 and type(reached.value.args[0]["hosts"]) is int
+    with pytest.raises(pw.errors.ClusterError, match=r"hosts must be an int >= 1, got np.int64\(0\)"):
+        pw.serve("numpy-counts", hosts=np.int64(0))
+    with pytest.raises(pw.errors.ClusterError, match="window must be an int >= 1, got True"):
+        pw.serve("numpy-counts", hosts=1, window=True)
+
+
 def test_values_on_a_lost_island_give_their_bytes_back_to_the_service_s_budget(joined, service):
     # Last in the module: it kills a host of the service (which rebuilds its island). The values the
     # island held went with it, yet their bytes stayed on the budget while their futures lived: runs on
