@@ -106,6 +106,20 @@ def test_a_failed_run_s_outputs_give_their_bytes_back_to_the_service_s_budget(jo
     assert wait_for(lambda: _service_bytes(service) == 0, timeout=10)
 
 
+def test_a_run_that_fails_on_its_hosts_raises_the_class_jax_jit_raises(joined):
+    # Out of memory on a host: jax.jit raises a JaxRuntimeError, and so does a program in-process
+    # (a ProgramFailedError that is also one); from the service's hosts it was a ProgramFailedError
+    # only, so `except jax.errors.JaxRuntimeError` (catching an OOM to shrink the batch) missed it.
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Out of memory"):
+        jax.jit(_too_big_to_make)(jnp.float32(1)).block_until_ready()
+    s = pw.devices(mesh={"x": 1}, island=0)
+    failed = pw.jit(_too_big_to_make, devices=s)(jnp.float32(1))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Out of memory") as caught:
+        failed.result(timeout=60)
+    assert isinstance(caught.value, pw.errors.ProgramFailedError)
+    assert_matches(pw.jit(lambda v: v * 2, devices=s)(jnp.arange(3.0)), jnp.arange(3.0) * 2)  # serving on
+
+
 def _slow(v):
     return jax.lax.fori_loop(0, 20000, lambda i, u: jnp.sin(u) + 1.0, v)
 

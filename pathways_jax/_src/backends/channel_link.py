@@ -265,8 +265,8 @@ def answer_message(seq: int, value: Any) -> wire.Done | wire.Failed | wire.Fetch
             return wire.Done(seq, value)
         case RunDone(device_s, values):
             return wire.Done(seq, device_s, [(key, _value_blob(small)) for key, small in values.items()])
-        case RunFailure(kind, peer, message, trace, peers):
-            return wire.Failed(seq, kind, peer, message, trace, list(peers))
+        case RunFailure(kind, peer, message, trace, peers, error):
+            return wire.Failed(seq, kind, peer, message, trace, list(peers), error)
         case MessageFailed():
             return wire.Failed(seq, "ended" if value.ended else "message", None, value.message, value.trace)
     return wire.Fetched(seq, _blob(value))
@@ -281,8 +281,8 @@ def answer_value(item: wire.Item) -> Any:
             return RunDone(value, {key: _fetched_value(blob) for key, blob in values})
         case wire.Failed(_, "message" | "ended" as kind, _, message, trace):
             return MessageFailed(message, trace, ended=kind == "ended")
-        case wire.Failed(_, kind, peer, message, trace, peers):
-            return RunFailure(kind, peer, message, trace, tuple(peers))  # type: ignore[arg-type]
+        case wire.Failed(_, kind, peer, message, trace, peers, error):
+            return RunFailure(kind, peer, message, trace, tuple(peers), error)  # type: ignore[arg-type]
         case wire.Fetched(_, payload):
             return _fetched_value(payload)
     raise ValueError(f"not an answer: {type(item).__name__}")

@@ -237,6 +237,7 @@ class Failed(msgspec.Struct, frozen=True, tag=True, array_like=True):
     message: str
     trace: str = ""
     peers: list[int] = []
+    error: str = ""  # the class of the host's error where the controller raises it as such (JaxRuntimeError)
 
 
 class Fetched(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -37,6 +37,9 @@ class RunFailure(NamedTuple):
     message: str
     trace: str  # the host's formatted traceback ("" if none)
     peers: tuple[int, ...] = ()  # the hosts this run pulled values from
+    # "JaxRuntimeError" where the host's JAX raised one (out of memory...): the controller raises it
+    # as that class too, as jax.jit does; "" otherwise.
+    error: str = ""
 
 
 class RunDone(NamedTuple):
