@@ -8,7 +8,8 @@
 Client processes join with ``pw.init(backend="ray", address=<the address
 printed>, service=<name>)``. ``--address`` (default ``auto``: the cluster
 ``ray start`` started on this machine) and ``--name`` (default ``pathways``)
-pick the cluster and the service.
+pick the cluster and the service. ``serve`` takes every option of
+``pw.serve`` (``--silent_client_timeout none``, ``--replace_lost_hosts false``, ...).
 """
 
 from __future__ import annotations
@@ -16,6 +17,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+
+def _seconds_or_none(text: str) -> float | None:
+    """A number of seconds, or ``none`` (no limit), as ``pw.serve`` takes it (it checks the range)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds or 'none', got {text!r}") from None
+
+
+def _yes_no(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"true or false, got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--max_clients", type=int, default=None)
     start.add_argument("--memory_budget", type=int, default=None, help="bytes of values for all clients")
     start.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    # The rest of pw.serve's options, with its defaults (None: pw.serve's own).
+    start.add_argument(
+        "--backpressure_timeout", type=_seconds_or_none, default=60.0, help="seconds, or 'none'"
+    )
+    start.add_argument("--stalled_client_timeout", type=float, default=30.0, help="seconds")
+    start.add_argument(
+        "--silent_client_timeout", type=_seconds_or_none, default=30.0, help="seconds, or 'none'"
+    )
+    start.add_argument("--replace_lost_hosts", type=_yes_no, default=True, help="true or false")
+    start.add_argument(
+        "--max_in_flight", type=int, default=None, help="executables each host keeps in flight"
+    )
+    start.add_argument("--starvation_limit", type=int, default=None, help="under 'priority'")
     commands.add_parser("stats", help="print the service's stats as JSON")
     commands.add_parser("stop", help="stop the service (its hosts and every client's values go)")
     args = parser.parse_args(argv)
@@ -54,6 +87,15 @@ def main(argv: list[str] | None = None) -> int:
                 max_clients=args.max_clients,
                 memory_budget=args.memory_budget,
                 platform=args.platform,
+                backpressure_timeout=args.backpressure_timeout,
+                stalled_client_timeout=args.stalled_client_timeout,
+                silent_client_timeout=args.silent_client_timeout,
+                replace_lost_hosts=args.replace_lost_hosts,
+                **{
+                    name: value
+                    for name in ("max_in_flight", "starvation_limit")
+                    if (value := getattr(args, name)) is not None
+                },
             )
             print(f"controller service {svc.name!r} is running in the Ray cluster at {svc.address}")
             print(f"join it with: pw.init(backend='ray', address={svc.address!r}, service={svc.name!r})")

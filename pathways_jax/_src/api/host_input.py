@@ -174,9 +174,10 @@ class _Feeder:
         return self.positions[number]
 
     def restore(self, saved: jax.Array) -> None:
+        """Puts this host's iterator where ``saved`` (every host's position) says. The new iterator is
+        made and positioned first: if that fails, the one running goes on where it was."""
         states = pickle.loads(np.asarray(saved.addressable_data(0)).tobytes())
-        state = states[self.shard.index]
-        self.ahead.stop()
+        state = _checked_position(states, self.shard)
         iterator = self.make_iterator(self.shard)
         taken = 0
         if "iterator" in state:
@@ -185,7 +186,29 @@ class _Feeder:
             taken = state["taken"]
             for _ in range(taken):
                 next(iterator)
+        self.ahead.stop()
         self._start(iterator, taken)
+
+
+def _checked_position(states: Any, shard: Shard) -> dict:
+    """This host's entry of ``set_state``'s list, if the list is what ``get_state`` returns."""
+    if not isinstance(states, list) or len(states) != shard.count:
+        given = f"a list of {len(states)}" if isinstance(states, list) else f"a {type(states).__name__}"
+        raise errors.also(errors.PathwaysError, ValueError)(
+            f"HostIterator.set_state takes what get_state returned: a list of one position per host of "
+            f"the batch's devices ({shard.count}), got {given}. The iterator stays where it was."
+        )
+    state = states[shard.index]
+    taken = state.get("taken") if isinstance(state, dict) else None
+    if not isinstance(state, dict) or not (
+        "iterator" in state or (isinstance(taken, int) and not isinstance(taken, bool) and taken >= 0)
+    ):
+        raise errors.also(errors.PathwaysError, ValueError)(
+            f"HostIterator.set_state: host {shard.index}'s position must be what get_state gave for it "
+            f"({{'iterator': <its iterator's state>}} or {{'taken': <batches, an int >= 0>}}), got "
+            f"{state!r}. The iterator stays where it was."
+        )
+    return state
 
 
 def _global(spec: jax.ShapeDtypeStruct, leaf: Any) -> jax.Array:
@@ -345,8 +368,10 @@ class HostIterator:
                 f"got {type(state).__name__}."
             )
         saved = np.frombuffer(pickle.dumps(state), np.uint8)  # to every host, with the call
-        self._calls.clear()  # batches of the old position
+        # A position a host cannot take (or whose iterator fails to get there) leaves it where it was:
+        # the calls in flight stand until the restore is done.
         self._restore.reply(jax.device_put(saved, self._replicated))
+        self._calls.clear()  # batches of the old position
         self._returned = 0
         self._ended = False
         self._stopped = None

@@ -49,8 +49,9 @@ def share(future: Any, client: str | None = None, *, timeout: float | None = _SH
       ClusterError: this process did not join a controller service.
       AccessError: the value is not on the hosts (freed, or its run failed), or
         no client process of that name is connected.
-      PathwaysError: ``future`` holds no ``pw.Future`` (also a ``TypeError``), or
-        ``timeout`` is not None nor a number of seconds >= 0 (also a ``ValueError``).
+      PathwaysError: ``future`` holds no ``pw.Future``, or ``client`` is not None nor a
+        string (also a ``TypeError``); ``timeout`` is not None nor a number of seconds >= 0,
+        or ``client`` is an empty string (also a ``ValueError``).
     """
     import jax
 
@@ -59,6 +60,12 @@ def share(future: Any, client: str | None = None, *, timeout: float | None = _SH
         raise errors.also(errors.PathwaysError, ValueError)(
             f"pw.share (at {source.of_caller()}): timeout must be None or a number of seconds >= 0, got "
             f"{timeout!r} ({type(timeout).__name__}); give a finite number, or None to wait as long as it takes."
+        )
+    if client is not None and (not isinstance(client, str) or not client):
+        raise errors.also(errors.PathwaysError, ValueError if isinstance(client, str) else TypeError)(
+            f"pw.share (at {source.of_caller()}): client must be None (only this process) or the name of "
+            f"a client process of the service (its client_name, or its id in the service's stats, as a "
+            f"str), got {client!r} ({type(client).__name__}); pw.share(future, client='train')."
         )
     if not isinstance(future, Future):
         leaves = jax.tree.leaves(future)
@@ -75,8 +82,6 @@ def share(future: Any, client: str | None = None, *, timeout: float | None = _SH
         raise errors.AccessError(f"pw.share: {future._entry.origin} is not a value on the service's hosts.")
     # array: a RemoteArray (checked above)
     if client is not None:
-        if not isinstance(client, str) or not client:
-            raise errors.AccessError(f"pw.share: client must be a client process's name, got {client!r}.")
         if not isinstance(array.key, int):
             raise errors.AccessError("pw.share: only a value's owner shares it; this process received it.")
         backend.share(array.key, client)

@@ -284,6 +284,16 @@ class Shares(Protocol):
         ...
 
 
+@runtime_checkable
+class QueuesRuns(Protocol):
+    """A backend that queues runs it was handed before they go to the devices (a controller service's
+    client: its service queues them), so that a closed client's queued runs are cancelled there too."""
+
+    def cancel_client(self, client_key: int) -> None:
+        """Cancels the runs of ``pw.client`` number ``client_key`` that wait to go to the devices."""
+        ...
+
+
 FaultKind = Literal["kill", "hang"]
 
 

@@ -193,6 +193,8 @@ def encode(kind: str, args: tuple) -> wire.Item:
             return wire.Run(key, run_id, base, [_feed(*feed) for feed in feeds], list(keep), list(frees))
         case "share":  # (a client's message to its service)
             return wire.Share(args[0], args[1])
+        case "cancel":  # (a client's message to its service)
+            return wire.Cancel(args[0])
         case "wire":  # already a typed message (a controller service's, in the hosts' keys)
             return args[0]
         case "register":
@@ -263,8 +265,8 @@ def answer_message(seq: int, value: Any) -> wire.Done | wire.Failed | wire.Fetch
             return wire.Done(seq, value)
         case RunDone(device_s, values):
             return wire.Done(seq, device_s, [(key, _value_blob(small)) for key, small in values.items()])
-        case RunFailure(kind, peer, message, trace, peers):
-            return wire.Failed(seq, kind, peer, message, trace, list(peers))
+        case RunFailure(kind, peer, message, trace, peers, error):
+            return wire.Failed(seq, kind, peer, message, trace, list(peers), error)
         case MessageFailed():
             return wire.Failed(seq, "ended" if value.ended else "message", None, value.message, value.trace)
     return wire.Fetched(seq, _blob(value))
@@ -279,8 +281,8 @@ def answer_value(item: wire.Item) -> Any:
             return RunDone(value, {key: _fetched_value(blob) for key, blob in values})
         case wire.Failed(_, "message" | "ended" as kind, _, message, trace):
             return MessageFailed(message, trace, ended=kind == "ended")
-        case wire.Failed(_, kind, peer, message, trace, peers):
-            return RunFailure(kind, peer, message, trace, tuple(peers))  # type: ignore[arg-type]
+        case wire.Failed(_, kind, peer, message, trace, peers, error):
+            return RunFailure(kind, peer, message, trace, tuple(peers), error)  # type: ignore[arg-type]
         case wire.Fetched(_, payload):
             return _fetched_value(payload)
     raise ValueError(f"not an answer: {type(item).__name__}")

@@ -374,4 +374,11 @@ class Dispatcher:
         gone = self.route.health_check(suspects)
         if gone is not None:
             return errors.HostLostError(self.losses.message(gone, f"a run on host {host}"))
-        return with_remote_traceback(errors.ProgramFailedError(status.message), host, status.trace)
+        # An error of the host's JAX comes as its class (a JaxRuntimeError: out of memory...), as from
+        # jax.jit: the future raises a ProgramFailedError that is also one.
+        failure: BaseException = (
+            jax.errors.JaxRuntimeError(status.message)
+            if status.error == "JaxRuntimeError"
+            else errors.ProgramFailedError(status.message)
+        )
+        return with_remote_traceback(failure, host, status.trace)

@@ -43,6 +43,8 @@ def refusal(refused: Refused) -> BaseException:
         return errors.BackPressureTimeout(refused.message)
     if refused.kind == "gone":
         return errors.ClusterError(refused.message)
+    if refused.kind == "cancelled":
+        return errors.ProgramFailedError(refused.message)
     return errors.AccessError(refused.message)
 
 

@@ -27,7 +27,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from absl import logging
 
 from pathways_jax._src.backends.base import Dispatched, Prepared, StartOptions, Windows, given
@@ -327,7 +326,7 @@ class ServiceBackend:
             placed.island,
             placed.desc,
             tuple(array.aval.shape),
-            str(array.aval.dtype),
+            array.aval.dtype,
             array.generation,
         )
 
@@ -348,7 +347,7 @@ class ServiceBackend:
             )
         devices = self.islands[handle.island]
         sharding = sharding_of(handle.desc, list(devices))
-        aval = jax.core.ShapedArray(handle.shape, np.dtype(handle.dtype))
+        aval = jax.core.ShapedArray(handle.shape, handle.dtype)
         # Named (owner, key) even for this process's own value: dropping it frees nothing (the
         # owner's own future does), and reading it after that is refused as stale.
         key = (handle.owner, handle.key)
@@ -374,6 +373,14 @@ class ServiceBackend:
             raise errors.ClusterError(f"pw.share: {self.route.gone_message(exc)}") from exc
         if isinstance(answer, Refused):
             raise errors.AccessError(f"pw.share: {answer.message}.")
+
+    def cancel_client(self, client_key: int) -> None:
+        """Cancels the runs of ``pw.client`` number ``client_key`` still queued at the service (it was
+        closed); its answer is not waited for (the runs' own answers say they were cancelled)."""
+        if self.closed:
+            return
+        with self.dispatcher.lock:  # in this process's order: after the client's last run
+            self.route.submit([(-1, "cancel", (client_key,))], None)
 
     def check_again(self, args: StartOptions) -> None:
         """``pw.init`` called again in this process with the arguments it joined with, the hosts' shape
@@ -531,7 +538,7 @@ class Handle:
     island: int
     desc: Any
     shape: tuple
-    dtype: str
+    dtype: Any  # a numpy dtype, or a typed PRNG key's (which numpy cannot name)
     generation: int
 
 

@@ -96,6 +96,7 @@ class ServiceRoute:
             getattr(client, "name", ""),
             float(getattr(client, "weight", 1.0)),
             int(getattr(client, "priority", 0)),
+            int(getattr(client, "key", -1)),
         )
         return self.submit(batch, meta)
 

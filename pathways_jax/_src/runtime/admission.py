@@ -162,6 +162,23 @@ class Queues(Generic[K, T]):
         self.policy.discard(head)
         return item
 
+    def cancel(self, key: K, doomed: Callable[[T], bool], head_of: Callable[[T], Head]) -> list[T]:
+        """Takes the client's queued items for which ``doomed`` holds off its queue, in their order,
+        without sending them (they were cancelled); the others keep theirs."""
+        queue = self.queues.get(key)
+        if queue is None:
+            return []
+        gone = [item for item in queue if doomed(item)]
+        if gone:
+            kept = [item for item in queue if not doomed(item)]
+            queue.clear()
+            queue.extend(kept)
+            for item in gone:
+                self.policy.discard(head_of(item))
+            if not kept:
+                self.remove_empty(key)
+        return gone
+
     def remove_empty(self, key: K) -> None:
         """Forgets the client's queue if it is empty (left so by an interrupted push)."""
         if key in self.queues and not self.queues[key]:

@@ -27,6 +27,7 @@ from pathways_jax._src.backends.base import (
     DefaultStr,
     DefaultTrue,
     HostFleet,
+    QueuesRuns,
     ServiceView,
     given,
 )
@@ -227,6 +228,8 @@ class Cluster:
             controller.accounting.forget(client)
         else:
             self.store.free(self.store.owned_by(client.key))
+        if isinstance(self.backend, QueuesRuns):  # its runs queued past this process, at a service
+            self.backend.cancel_client(client.key)
 
     def retire_client(self, client) -> None:
         """A thread's default client whose thread ended: its usage joins the closed clients' row.

@@ -22,6 +22,7 @@ from pathways_jax._src.wire.channel import Server as Server
 from pathways_jax._src.wire.messages import Answered as Answered
 from pathways_jax._src.wire.messages import Batch as Batch
 from pathways_jax._src.wire.messages import Blob as Blob
+from pathways_jax._src.wire.messages import Cancel as Cancel
 from pathways_jax._src.wire.messages import Codec as Codec
 from pathways_jax._src.wire.messages import Colocated as Colocated
 from pathways_jax._src.wire.messages import Done as Done
@@ -81,6 +82,7 @@ __all__ = [
     "RunMeta",
     "Server",
     "Share",
+    "Cancel",
     "Stash",
     "Store",
     "Load",

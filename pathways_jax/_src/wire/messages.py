@@ -46,6 +46,7 @@ __all__ = [
     "RunMeta",
     "Run",
     "Share",
+    "Cancel",
     "Stash",
     "Store",
     "Load",
@@ -178,6 +179,13 @@ class Share(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reader: str
 
 
+class Cancel(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Client -> service: the runs of ``pw.client`` number ``client`` still queued at the service
+    are cancelled (the client was closed); those already sent to the hosts complete."""
+
+    client: int
+
+
 class Stash(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Controller -> host: copy the values a checkpoint saves (``writes``: pickled
     ``ray_host.checkpoint.Write`` list), kept as save ``ticket`` until a :class:`Store`."""
@@ -229,6 +237,7 @@ class Failed(msgspec.Struct, frozen=True, tag=True, array_like=True):
     message: str
     trace: str = ""
     peers: list[int] = []
+    error: str = ""  # the class of the host's error where the controller raises it as such (JaxRuntimeError)
 
 
 class Fetched(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -248,14 +257,15 @@ class RunMeta(msgspec.Struct, frozen=True, array_like=True):
     client: str  # the pw.client it was submitted under
     weight: float = 1.0
     priority: int = 0
+    client_key: int = -1  # the pw.client's number in its process (what a Cancel names)
 
 
 # What a client asks of its controller service's hosts (a Share: of the service itself).
-Request: TypeAlias = "Register | Run | Fetch | Free | Forget | Share"
+Request: TypeAlias = "Register | Run | Fetch | Free | Forget | Share | Cancel"
 
 
 class Routed(msgspec.Struct, frozen=True, array_like=True):
-    """A message for host ``host`` (-1: for the service itself, as a :class:`Share`)."""
+    """A message for host ``host`` (-1: for the service itself, as a :class:`Share` or :class:`Cancel`)."""
 
     host: int
     item: Request
@@ -294,6 +304,7 @@ Item: TypeAlias = (
     | Free
     | Forget
     | Share
+    | Cancel
     | Stash
     | Store
     | Load

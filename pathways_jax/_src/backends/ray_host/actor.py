@@ -474,7 +474,10 @@ class Host:
             message = f"host {self.index}: {describe_failure(exc, ops, step)}"
             self.plane.abandon(ops, step + 1 if step >= 0 else 0, base, message)
             self._not_made((value_key for _slot, value_key in keep), message)
-            self._answer(future, RunFailure("error", None, message, trace_of(exc), tuple(sorted(peers))))
+            self._answer(
+                future,
+                RunFailure("error", None, message, trace_of(exc), tuple(sorted(peers)), _error_class(exc)),
+            )
             return
         small = []
         for slot, value_key in keep:
@@ -510,6 +513,7 @@ class Host:
                     f"host {self.index}: execution failed: {type(exc).__name__}: {exc}",
                     trace_of(exc),
                     peers,
+                    _error_class(exc),
                 )
             self.runs_done += 1
             if status is None:
@@ -523,6 +527,14 @@ class Host:
                     with contextlib.suppress(Exception):
                         status = RunDone(device_s, {key: readable(value, np) for key, value in small})
             self._answer(future, status)
+
+
+def _error_class(exc: BaseException) -> str:
+    """What :class:`RunFailure` says of the class of ``exc``: "JaxRuntimeError" for JAX's runtime
+    errors (an allocation that failed...), which the controller raises as that class too."""
+    import jax
+
+    return "JaxRuntimeError" if isinstance(exc, jax.errors.JaxRuntimeError) else ""
 
 
 class InputFailed(Exception):

@@ -37,6 +37,9 @@ class RunFailure(NamedTuple):
     message: str
     trace: str  # the host's formatted traceback ("" if none)
     peers: tuple[int, ...] = ()  # the hosts this run pulled values from
+    # "JaxRuntimeError" where the host's JAX raised one (out of memory...): the controller raises it
+    # as that class too, as jax.jit does; "" otherwise.
+    error: str = ""
 
 
 class RunDone(NamedTuple):
@@ -59,7 +62,9 @@ class Refused(NamedTuple):
     """The controller service's answer to a message it would not forward (a handle not the sender's)."""
 
     message: str
-    kind: str = "access"  # "access": a handle not the sender's; "memory": over budget; "gone": client left
+    # "access": a handle not the sender's; "memory": over budget; "gone": client left; "cancelled": its
+    # pw.client was closed
+    kind: str = "access"
 
 
 class MessageFailed:

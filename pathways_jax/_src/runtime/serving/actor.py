@@ -310,7 +310,22 @@ class ServiceActor:
             with contextlib.suppress(Exception):
                 self._drop_silent()
             with contextlib.suppress(Exception):
+                self._unbudget_lost()
+            with contextlib.suppress(Exception):
                 self.gate.pump()
+
+    def _unbudget_lost(self) -> None:
+        """Values on the hosts of a lost island went with them: their bytes leave the memory budget
+        (they stay on the ledger, so that reading them says they were lost, until their futures go)."""
+        lost = set(self.backend.lost_hosts)
+        if lost:
+            self.ledger.unmade(
+                [
+                    key
+                    for key, value in self.ledger.values.items()
+                    if value.nbytes and not lost.isdisjoint(value.hosts)
+                ]
+            )
 
     def _drop_silent(self) -> None:
         """Drops every client whose channel sent nothing, not even a heartbeat, for too long.
@@ -350,6 +365,20 @@ class ServiceActor:
                     registers.append((routed.host, wire.Register(key, ops, constants, blobs, x64)))
         self.backend.send_items(registers)
         batch.answer([answer] * len(batch.messages))
+
+    def _cancel(self, client: ClientProcess, client_key: int) -> None:
+        """Fails the runs of the client process's ``pw.client`` number ``client_key`` that wait in its
+        queue here (the client was closed): they never go to the hosts; those sent already complete."""
+        doomed = self.gate.admission.cancel(
+            client.id,
+            lambda batch: batch.run is not None and batch.run.client_key == client_key,
+            lambda batch: Head(client.id, batch.arrival),
+        )
+        for batch in doomed:
+            name = batch.run.client if batch.run is not None else ""
+            self._fail(
+                client, batch, Refused(f"the run was cancelled: client {name!r} was closed", "cancelled")
+            )
 
     def _check(self, client: ClientProcess, batch: Batch) -> None:
         """Raises :class:`Refuse` if the batch names a value its client may not read, or a message
@@ -453,6 +482,12 @@ class ServiceActor:
         if shares and len(shares) == len(batch.messages):
             batch.answer([self._share(client.id, share.key, share.reader) for share in shares])
             return
+        cancels = [routed.item for routed in batch.messages if isinstance(routed.item, wire.Cancel)]
+        if cancels and len(cancels) == len(batch.messages):
+            for cancel in cancels:
+                self._cancel(client, cancel.client)
+            batch.answer([None] * len(cancels))
+            return
         try:
             messages, frees = self._translate(client, batch)
         except Refuse as refused:
@@ -554,6 +589,11 @@ class ServiceActor:
             client.runs += 1
             if any(isinstance(a, RunFailure) for a in answers):
                 client.failures += 1
+                # Its outputs were never made: their bytes go back to the budget now (a run waiting
+                # for memory, a client asking to join, would otherwise wait on values that hold none).
+                self.ledger.unmade(
+                    hk for _h, item in messages if isinstance(item, wire.Run) for _slot, hk in item.keep
+                )
         batch.answer(answers)
         self.gate.pump()
 

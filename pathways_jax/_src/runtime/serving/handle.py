@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 from typing import Any
 
 from pathways_jax._src.backends import ray as ray_backend
@@ -159,36 +160,37 @@ def serve(
     max_in_flight = init_args.count("max_in_flight", max_in_flight, 1)
     starvation_limit = init_args.count("starvation_limit", starvation_limit, 0)
     backpressure_timeout = init_args.seconds("backpressure_timeout", backpressure_timeout)
-    for label, value, low in (
-        ("hosts", hosts, 1),
-        ("devices_per_host", devices_per_host, 1),
-        ("window", window, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise errors.ClusterError(f"{label} must be an int >= {low}, got {value!r}.")
+    # Counts as pw.init takes them: any integer (a NumPy one too), not a bool.
+    hosts = init_args.count("hosts", hosts, 1)
+    devices_per_host = init_args.count("devices_per_host", devices_per_host, 1)
+    window = init_args.count("window", window, 1)
     if islands is not None and (
-        isinstance(islands, bool) or not isinstance(islands, int) or islands < 1 or hosts % islands
+        isinstance(islands, bool)
+        or not isinstance(islands, numbers.Integral)
+        or islands < 1
+        or hosts % islands
     ):
         raise errors.ClusterError(
             f"islands must be None or a number of islands dividing hosts={hosts}, got {islands!r}."
         )
+    islands = None if islands is None else int(islands)
     if scheduler not in scheduler_lib.POLICIES:
         raise errors.ClusterError(
             f"scheduler={scheduler!r} is not a policy; use one of {scheduler_lib.POLICIES}."
         )
-    if max_clients is not None and (
-        isinstance(max_clients, bool) or not isinstance(max_clients, int) or max_clients < 1
-    ):
-        raise errors.ClusterError(f"max_clients must be None or an int >= 1, got {max_clients!r}.")
+    max_clients = init_args.count("max_clients", max_clients, 1, optional=True)
     if memory_budget is not None and (
-        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1
+        isinstance(memory_budget, bool)
+        or not isinstance(memory_budget, numbers.Integral)
+        or memory_budget < 1
     ):
         raise errors.ClusterError(
             f"memory_budget must be None or a number of bytes >= 1, got {memory_budget!r}."
         )
+    memory_budget = None if memory_budget is None else int(memory_budget)
     if (
         isinstance(stalled_client_timeout, bool)
-        or not isinstance(stalled_client_timeout, int | float)
+        or not isinstance(stalled_client_timeout, numbers.Real)
         or not stalled_client_timeout > 0
     ):
         raise errors.ClusterError(
@@ -196,7 +198,7 @@ def serve(
         )
     if silent_client_timeout is not None and (
         isinstance(silent_client_timeout, bool)
-        or not isinstance(silent_client_timeout, int | float)
+        or not isinstance(silent_client_timeout, numbers.Real)
         or not silent_client_timeout > 0
     ):
         raise errors.ClusterError(

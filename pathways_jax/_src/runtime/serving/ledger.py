@@ -65,6 +65,17 @@ class Ledger:
         elif host not in value.hosts:
             value.hosts = (*value.hosts, host)
 
+    def unmade(self, keys: Any) -> None:
+        """The values under host keys ``keys`` were never made (their run failed, or their hosts were
+        lost): they hold no bytes on the hosts, so they leave the budget now, as a failed run's outputs
+        do in-process. They stay on the ledger, for their owner (and whoever they were shared with) to
+        read and be told why, until it drops them."""
+        for key in keys:
+            value = self.values.get(key)
+            if value is not None and value.nbytes:
+                self.budget.release(((_POOL, value.nbytes),), locked=True)
+                value.nbytes = 0
+
     def readable(self, client_id: int, key: Any) -> int:
         """The host key of a value a client names (its own, or ``(owner, key)``), if it may read it.
 
