@@ -46,29 +46,32 @@ def _linen_takes_futures() -> None:
 
 
 def _nnx_takes_futures() -> None:
-    rnglib = sys.modules.get("flax.nnx.rnglib")
-    stream = getattr(rnglib, "RngStream", None)
-    init: Any = None if stream is None else vars(stream).get("__init__")
-    if stream is not None and init is not None and not getattr(init, "_takes_futures", False):
-        stream_init: Callable[..., None] = init
+    def stream_of_a_future(init: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(init)
+        def wrapped(self: Any, key: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, _array_of(key), *args, **kwargs)
 
-        @functools.wraps(stream_init)
-        def stream_of_a_future(self: Any, key: Any, *args: Any, **kwargs: Any) -> None:
-            stream_init(self, _array_of(key), *args, **kwargs)
+        return wrapped
 
-        stream_of_a_future._takes_futures = True  # type: ignore[attr-defined]
-        stream.__init__ = stream_of_a_future  # type: ignore[misc]
-    stochastic = sys.modules.get("flax.nnx.nn.stochastic")
-    dropout = getattr(stochastic, "Dropout", None)
-    call: Any = None if dropout is None else vars(dropout).get("__call__")
-    if dropout is not None and call is not None and not getattr(call, "_takes_futures", False):
-        dropout_call: Callable[..., Any] = call
-
-        @functools.wraps(dropout_call)
-        def dropout_with_a_future(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def dropout_with_a_future(call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             if "rngs" in kwargs:
                 kwargs["rngs"] = _array_of(kwargs["rngs"])
-            return dropout_call(self, *args, **kwargs)
+            return call(self, *args, **kwargs)
 
-        dropout_with_a_future._takes_futures = True  # type: ignore[attr-defined]
-        dropout.__call__ = dropout_with_a_future
+        return wrapped
+
+    _wrap("flax.nnx.rnglib", "RngStream", "__init__", stream_of_a_future)
+    _wrap("flax.nnx.nn.stochastic", "Dropout", "__call__", dropout_with_a_future)
+
+
+def _wrap(module: str, cls_name: str, method: str, wrapper: Callable[[Any], Any]) -> None:
+    """Replaces ``method`` of class ``cls_name`` of ``module`` (if imported) by ``wrapper(method)``, once."""
+    cls = getattr(sys.modules.get(module), cls_name, None)
+    original: Any = None if cls is None else vars(cls).get(method)
+    if original is None or getattr(original, "_takes_futures", False):
+        return
+    wrapped = wrapper(original)
+    wrapped._takes_futures = True
+    setattr(cls, method, wrapped)

@@ -35,37 +35,15 @@ def install() -> bool:
     - ``jax._src.interpreters.pxla.shard_arg_handlers``: for calls that skip
       canonicalization, the same array moved to the argument's sharding.
 
-    Each waits through :meth:`Future.result`. Called once, by :func:`compat.install`. A JAX without these hooks keeps
-    working, but then ``jax.jit`` and ``jnp`` need ``future.result()``.
+    Each waits through :meth:`Future.result` (:func:`take_as_array`). Called once, by
+    :func:`compat.install`. A JAX without these hooks keeps working, but then ``jax.jit`` and
+    ``jnp`` need ``future.result()``.
 
     Returns:
       True if the hooks were registered.
     """
-    try:
-        from jax._src import core, dtypes
-        from jax._src.interpreters import pxla
-
-        avals = core.pytype_aval_mappings
-        canonical = dtypes.canonicalize_value_handlers
-        shard_args = pxla.shard_args
-        handlers = pxla.shard_arg_handlers
-    except (ImportError, AttributeError):  # pragma: no cover - another JAX
+    if not take_as_array(Future):
         return False
-
-    def shard_futures(
-        futures: Sequence[Future],
-        shardings: Sequence[Any],
-        layouts: Sequence[Any],
-        copy_semantics: Sequence[Any],
-    ) -> Sequence[Any]:
-        return shard_args(shardings, layouts, copy_semantics, [f.result() for f in futures])
-
-    try:
-        canonical[Future] = Future.result  # first: the one that calls into jaxlib
-    except TypeError:  # pragma: no cover - another JAX
-        return False
-    avals[Future] = lambda future: jax.typeof(future.result())
-    handlers[Future] = shard_futures
     HOOKS.update(
         dict.fromkeys(("pytype_aval_mappings", "canonicalize_value_handlers", "shard_arg_handlers"), True)
     )
@@ -76,9 +54,10 @@ def install() -> bool:
 def take_as_array(cls: type) -> bool:
     """Lets ``jax.jit`` and ``jnp`` take an object of ``cls`` where they take its ``result()``'s array.
 
-    For stand-ins of a future other than :class:`Future` itself (``pw.elastic.Loss``, whose
-    ``result()`` is the value of whichever run completed its step), through the same three
-    private registries :func:`install` fills for futures.
+    For :class:`Future` (:func:`install`) and other stand-ins of a value
+    (``pw.elastic.Loss``, whose ``result()`` is the value of whichever run
+    completed its step), through the three private registries :func:`install`
+    names.
 
     Returns:
       True if the hooks were registered (False on a JAX without them).
@@ -100,7 +79,7 @@ def take_as_array(cls: type) -> bool:
         return shard_args(shardings, layouts, copy_semantics, [v.result() for v in values])
 
     try:
-        canonical[cls] = lambda value: value.result()
+        canonical[cls] = cls.result  # type: ignore[attr-defined]  # first: the one that calls into jaxlib
     except TypeError:  # pragma: no cover - another JAX
         return False
     avals[cls] = lambda value: jax.typeof(value.result())
