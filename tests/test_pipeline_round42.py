@@ -353,3 +353,19 @@ def test_bridged_linen_stages_take_the_flag_and_rngs_as_linen_stages_do():
     hidden = block(x, train=True, rngs=nnx.Rngs(dropout=keys[0]))
     want_train = mse(head(hidden, rngs=nnx.Rngs(dropout=keys[1])), y)
     np.testing.assert_allclose(trained, float(want_train), rtol=1e-6)
+
+
+def test_an_elastic_batch_error_suggests_raising_minimum_islands_only_where_it_can_be_raised():
+    # A batch of 3 over 2 replicas: with minimum_islands=1 the counts are [1, 2] and raising it
+    # helps; at minimum_islands=2 (all of them) the message said to raise it all the same.
+    x, y = batch()
+    x, y = x[:3], y[:3]
+    slices = island_slices(2)
+    for minimum, hint in ((1, True), (2, False)):
+        model = pipeline.DataParallel(
+            nnx.Linear(DIN, DOUT, rngs=nnx.Rngs(0)), slices, loss_fn=mse, optimizer=optax.sgd(0.1)
+        )
+        manager = pw.elastic.Manager(model, minimum_islands=minimum)
+        with pytest.raises(pw.errors.PlacementError, match="use a multiple of 2") as caught:
+            manager.train_step(x, y)
+        assert ("raise minimum_islands" in str(caught.value)) is hint

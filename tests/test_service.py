@@ -527,7 +527,9 @@ def test_join_errors_are_clear(joined, island_service, ray_cluster):
     pw.shutdown()
     with pytest.raises(pw.errors.ClusterError, match=r"no controller service named 'no-such-service'"):
         pw.init(backend="ray", address=island_service.address, service="no-such-service")
-    with pytest.raises(pw.errors.ClusterError, match="service="):
+    with pytest.raises(
+        pw.errors.ClusterError, match=r"service='x' was given to the local backend.*Add backend='ray'"
+    ):
         pw.init(service="x")  # the local backend has no service
     with pytest.raises(pw.errors.ClusterError, match="client_name"):
         pw.init(backend="ray", hosts=1, client_name="me")

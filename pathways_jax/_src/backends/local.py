@@ -450,8 +450,9 @@ def start(options: StartOptions) -> LocalBackend:
         )
     if options.service is not None:
         raise errors.ClusterError(
-            f"service={options.service!r}: a controller service is joined with pw.init(backend='ray', "
-            "address=..., service='<name>'), its name a non-empty string."
+            f"service={options.service!r} was given to the local backend, which joins no service: a "
+            "controller service is joined through Ray, with pw.init(backend='ray', address=..., "
+            f"service={options.service!r}). Add backend='ray', or leave service= out."
         )
     if options.num_cpu_devices is not None:
         set_cpu_device_count(options.num_cpu_devices)

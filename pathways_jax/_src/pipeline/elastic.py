@@ -546,10 +546,11 @@ class Manager:
                 if parts > 1
                 else ""
             )
+            fewer = " (or raise minimum_islands)" if len(counts) > 1 else ""
             raise pw.errors.PlacementError(
                 f"pw.elastic: the global batch has {batch} examples; it must split evenly over every "
-                f"replica count training may have ({list(counts)}){within}, so use a multiple of {need} "
-                "(or raise minimum_islands)."
+                f"replica count training may have ({list(counts)}){within}, so use a multiple of {need}"
+                f"{fewer}."
             )
         self._checked_batches.add(batch)
 
