@@ -221,6 +221,41 @@ def test_a_caller_that_finds_its_device_window_full_of_short_runs_waits_for_it_a
 
 
 @pytest.mark.timeout(120)
+def test_runs_measured_short_lately_dispatch_inline_though_slow_looks_inflate_their_smoothed_estimate(
+    monkeypatch,
+):
+    # The watcher's look at finished runs waits for the GIL, and a queued loop's pace is the
+    # hand-over's: its smoothed estimate grew with the slowness queueing caused, and a loop of
+    # short steps stayed queued. Whether runs are short is the least of the latest measurements.
+    from pathways_jax._src.runtime import accounting as accounting_lib
+    from pathways_jax._src.runtime import controller as controller_lib
+
+    monkeypatch.setattr(controller_lib, "_SHORT_RUN_S", 10.0)  # these runs of milliseconds count as short
+    fold = accounting_lib.fold
+    monkeypatch.setattr(
+        accounting_lib, "fold", lambda estimates, once, key, _: fold(estimates, once, key, 100.0)
+    )  # every look came late: the smoothed estimate says 100 s a run
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 1})
+    heavy = pw.jit(_heavy, devices=s)
+    x = jnp.eye(64) * 0.5
+    heavy(heavy(x)).result(timeout=60)
+    controller = pw.cluster().controller
+    assert wait_for(lambda: len(controller.accounting.lows) == 2, 30)
+    assert all(cost == 100.0 for cost in controller.accounting.costs.values())
+    assert all(low < 10.0 for low in controller.accounting.lows.values())
+    threads = _dispatching_threads(monkeypatch, controller)
+    y = x
+    for _ in range(12):  # three times the device's window
+        y = heavy(y)
+    want = x
+    for _ in range(12):
+        want = jax.jit(_heavy)(want)
+    np.testing.assert_allclose(np.asarray(y.result(timeout=60)), np.asarray(want), rtol=1e-6)
+    assert threads == [threading.get_ident()] * 12
+
+
+@pytest.mark.timeout(120)
 def test_a_caller_whose_short_runs_are_queued_waits_for_them_then_dispatches_inline(monkeypatch):
     from pathways_jax._src.runtime import controller as controller_lib
 

@@ -13,7 +13,8 @@ with the objects of this module:
 - :class:`Budget`: bytes reserved per device (or per pool) against limits.
 - :func:`waited_too_long`: the back-pressure verdict on a head that waits for
   memory.
-- :func:`smoothed`, :func:`fold`: the one running estimate of a program's device time.
+- :func:`smoothed`, :func:`fold`: the one running estimate of a program's device time;
+  :func:`fold_low`: the least of its latest measurements, which says whether its runs are short.
 
 What "may go now" means is each caller's: inputs computed and settled windows
 (controller), runs in flight per island (service), simulated windows (sim).
@@ -65,6 +66,33 @@ def fold(estimates: dict[K, float], once: set[K], key: K, measured: float) -> No
     else:
         estimates[key] = measured
         once.add(key)
+
+
+# How many of a program's latest measurements :func:`fold_low` keeps.
+LOW_KEPT = 8
+
+
+def fold_low(
+    lows: dict[K, float], recent: dict[K, collections.deque[float]], key: K, measured: float
+) -> None:
+    """Folds one more measurement of program ``key`` into ``lows``: the least of its latest ``LOW_KEPT``.
+
+    What the controller asks to know whether a run is short (whether a caller
+    may wait for room in a window rather than queue the run). A measurement is
+    the time between two looks of a watcher thread over the runs done between
+    them: the wait of that thread for the GIL only adds to it, and so does the
+    caller's own pace. Where runs are queued and handed from thread to thread,
+    that pace is the hand-over's: the smoothed estimate then grew with the
+    slowness it caused, and a loop of 30 µs steps stayed queued for thousands
+    of runs, each handed from the caller's thread to the controller's. The
+    least of the latest measurements is the figure such waits do not inflate;
+    it goes up once every recent run measured longer.
+    """
+    kept = recent.get(key)
+    if kept is None:
+        kept = recent[key] = collections.deque(maxlen=LOW_KEPT)
+    kept.append(measured)
+    lows[key] = min(kept)
 
 
 def has_room(running: int, count: int, size: int) -> bool:

@@ -183,7 +183,7 @@ class Controller:
             self._backend.window_size or cluster.in_flight,
             DEVICE_WINDOW,
             {device_window_key(d.id): island.index for island in cluster.islands for d in island.devices},
-            self.accounting.cost,
+            self.accounting.low,
         )
         # Once every run stayed accounted a moment (accounting._IDLE_HOOK_S: not between the
         # calls of a loop that reads each result), this thread settles the windows: the last runs'
@@ -312,7 +312,7 @@ class Controller:
             and not reentry.inside.depth
             and threading.get_ident() != self._thread.ident
             and (self._budget is None or threading.get_ident() != MAIN_THREAD)
-            and 0.0 < self.accounting.costs.get(run.plan.key, 0.0) <= _SHORT_RUN_S
+            and 0.0 < self.accounting.lows.get(run.plan.key, 0.0) <= _SHORT_RUN_S
         )
 
     def _catch_up(self, run: Run) -> bool:
@@ -332,7 +332,7 @@ class Controller:
                 len(self._queues) > 1
                 or (
                     picked is not None
-                    and not 0.0 < self.accounting.costs.get(picked.plan.key, 0.0) <= _SHORT_RUN_S
+                    and not 0.0 < self.accounting.lows.get(picked.plan.key, 0.0) <= _SHORT_RUN_S
                 )
                 or self._stopped
                 or self._dead is not None
@@ -621,7 +621,8 @@ class Controller:
                         go.append(run)
                     elif why == _NO_ROOM:
                         no_room = True
-                        cost = self.accounting.cost(run.plan)  # the run's device time, measured (0: not yet)
+                        # The run's least device time lately (0: none measured yet).
+                        cost = self.accounting.low(run.plan)
                         if cost and (expected == 0.0 or cost < expected):
                             expected, full = cost, waits_on
                     else:
