@@ -221,6 +221,39 @@ def test_a_caller_that_finds_its_device_window_full_of_short_runs_waits_for_it_a
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("caller_wait_s", [100.0, 0.0])
+def test_a_caller_waits_for_its_window_of_runs_of_milliseconds_only_within_the_caller_bound(
+    monkeypatch, caller_wait_s
+):
+    # Runs of milliseconds (a small train step) are past _SHORT_RUN_S: queued, each was handed
+    # to the controller's thread. A caller waits for half a window of its own runs when that
+    # takes at most _CALLER_WAIT_S (here: any time, or none), and dispatches them itself.
+    from pathways_jax._src.runtime import controller as controller_lib
+
+    monkeypatch.setattr(controller_lib, "_CALLER_WAIT_S", caller_wait_s, raising=False)
+    pw.init(num_cpu_devices=8)
+    s = pw.devices(mesh={"x": 1})
+    heavy = pw.jit(_heavy, devices=s)
+    x = jnp.eye(64) * 0.5
+    heavy(heavy(x)).result(timeout=60)
+    controller = pw.cluster().controller
+    assert wait_for(lambda: len(controller.accounting.lows) == 2, 30)
+    assert all(low > controller_lib._SHORT_RUN_S for low in controller.accounting.lows.values())
+    threads = _dispatching_threads(monkeypatch, controller)
+    y = x
+    for _ in range(12):  # three times the device's window
+        y = heavy(y)
+    want = x
+    for _ in range(12):
+        want = jax.jit(_heavy)(want)
+    np.testing.assert_allclose(np.asarray(y.result(timeout=60)), np.asarray(want), rtol=1e-6)
+    if caller_wait_s:
+        assert threads == [threading.get_ident()] * 12
+    else:  # longer than the caller waits for: queued once the window is full
+        assert controller._thread.ident in threads
+
+
+@pytest.mark.timeout(120)
 def test_runs_measured_short_lately_dispatch_inline_though_slow_looks_inflate_their_smoothed_estimate(
     monkeypatch,
 ):

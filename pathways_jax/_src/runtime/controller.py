@@ -11,7 +11,9 @@ idle, nothing is queued and the run can be dispatched without waiting (its
 inputs exist and its executables fit in the in-flight windows), the
 submitting thread takes the lock and dispatches the run itself: the order is
 the same, and the hand-off between threads, which costs more than a dispatch,
-is saved.
+is saved. A caller whose window is full of its own runs, each measured short
+enough that half a window of them takes at most ``_CALLER_WAIT_S``, waits for
+half of them inside XLA and goes on dispatching itself; longer runs are queued.
 
 Runs wait in one FIFO queue per client (at most ``pw.init(max_queued=...)``
 each: a caller beyond that waits); the scheduling policy (``scheduler.py``)
@@ -77,6 +79,14 @@ _ROOM_POLL_S = 5e-5
 # again and again: another island's run then waits at most about half a
 # window of such short runs.
 _SHORT_RUN_S = 5e-4
+# A caller that finds its window full of its own runs waits for it to drain to half
+# inside XLA, and dispatches its run itself, when that wait is expected to take at
+# most this long (half the island's window of such runs; never less than
+# _SHORT_RUN_S a run). Longer runs are queued, and the caller goes on at once.
+# Queued, every run is handed to the controller's thread, each hand-over a wake-up
+# and a GIL round trip: a 1 ms train step ran at 0.89-0.96x of jax.jit queued,
+# 0.98-1.03x dispatched by its caller (benchmarks/demo.py).
+_CALLER_WAIT_S = 0.05
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 # The longest a caller waits for its queued short runs to be dispatched before
 # it queues its own behind them (Controller._catch_up).
@@ -226,7 +236,7 @@ class Controller:
                     full is not None
                     and not drained
                     and self._may_wait_here(run)
-                    and self.windows.short_oldest(full, _SHORT_RUN_S)
+                    and self.windows.short_oldest(full, self._caller_short_s())
                     and self.windows.only_of(full, run.client.name)
                 ):
                     # Only a window of this client's short runs is full: wait for it here
@@ -235,7 +245,7 @@ class Controller:
                     # later call of this client queued behind it, each paying for a hand-over
                     # between threads. (Runs of other clients in the window: the policy picks.)
                     drained = True
-                    self.windows.drain(full, _SHORT_RUN_S)
+                    self.windows.drain(full, self._caller_short_s())
                     continue
             key = run.client.key
             with self._lock:
@@ -302,7 +312,8 @@ class Controller:
     def _may_wait_here(self, run: Run) -> bool:
         """Whether the caller may wait in :meth:`submit` for ``run``'s way to clear, then dispatch it.
 
-        Only for a run measured to be short on its devices, on a thread that
+        Only for a run measured short enough that half a window of them takes
+        at most ``_CALLER_WAIT_S`` (:meth:`_caller_short_s`), on a thread that
         dispatches inline, and never on the controller's thread or inside
         pathways_jax's own work (a host callback: what it would wait for may
         wait for it).
@@ -312,16 +323,24 @@ class Controller:
             and not reentry.inside.depth
             and threading.get_ident() != self._thread.ident
             and (self._budget is None or threading.get_ident() != MAIN_THREAD)
-            and 0.0 < self.accounting.lows.get(run.plan.key, 0.0) <= _SHORT_RUN_S
+            and 0.0 < self.accounting.lows.get(run.plan.key, 0.0) <= self._caller_short_s()
         )
+
+    def _caller_short_s(self) -> float:
+        """The longest run (device seconds) a caller waits for rather than queue its own behind it.
+
+        Half the island's window of such runs takes at most ``_CALLER_WAIT_S``,
+        and never less than ``_SHORT_RUN_S`` counts.
+        """
+        return max(_SHORT_RUN_S, _CALLER_WAIT_S / max(1, self.windows.island_size // 2))
 
     def _catch_up(self, run: Run) -> bool:
         """Waits (lock held) until ``run``'s client has nothing queued and nothing is being dispatched.
 
-        Only while the controller's thread works through short runs: False at
-        once if another client's runs are queued too (the policy orders them)
-        or the run it dispatches is not known to be short, and after
-        ``_CATCH_UP_S``.
+        Only while the controller's thread works through runs short enough for
+        a caller to wait for (:meth:`_caller_short_s`): False at once if another
+        client's runs are queued too (the policy orders them) or the run it
+        dispatches is not known to be that short, and after ``_CATCH_UP_S``.
         """
         key = run.client.key
         deadline = time.monotonic() + _CATCH_UP_S
@@ -332,7 +351,7 @@ class Controller:
                 len(self._queues) > 1
                 or (
                     picked is not None
-                    and not 0.0 < self.accounting.lows.get(picked.plan.key, 0.0) <= _SHORT_RUN_S
+                    and not 0.0 < self.accounting.lows.get(picked.plan.key, 0.0) <= self._caller_short_s()
                 )
                 or self._stopped
                 or self._dead is not None
