@@ -210,6 +210,36 @@ def test_second_call_with_the_futures_of_the_first_does_not_trace_again():
     assert all(not leaf.committed for leaf in jax.tree.leaves(out))
 
 
+def test_the_second_call_finds_the_first_calls_plan_by_the_keys_of_that_plan_itself(monkeypatch):
+    # Each output's array key is noted when its plan is made: the second call (the first with
+    # futures) makes no key per leaf, and finds keys that are the objects of the plan's own key.
+    step = pw.program(_decay)
+    params = {"w": jnp.full((4,), 2.0), "b": jnp.zeros(()), "c": jnp.zeros(())}
+    out = step(params)
+    (first_key,) = list(step._plans)
+    futures = tuple(leaf._entry.signature for leaf in jax.tree.leaves(out))
+    made = []
+    monkeypatch.setattr(arguments, "_as_array_key", lambda key: made.append(key))
+    keys = arguments._as_array_keys(futures)
+    assert made == []
+    assert all(found is mine for found, mine in zip(keys, first_key[1], strict=True))
+    traced = pw.counters()["traces"]
+    out = step(out)
+    assert pw.counters()["traces"] == traced and made == []
+    _assert_same(pw.results(out), jax.jit(_decay)(jax.jit(_decay)(params)))
+
+
+def test_an_array_key_noted_for_a_future_key_gone_is_not_taken_for_another():
+    # Noted by the identity of the future's key: a key made later at the same address is not it.
+    step = pw.program(_decay)
+    out = step({"w": jnp.ones(3)})
+    key = jax.tree.leaves(out)[0]._entry.signature
+    other = key._replace(shape=(5,))
+    arguments._ARRAY_KEYS[id(other)] = arguments._ARRAY_KEYS[id(key)]  # as if other took key's place
+    (found,) = arguments._as_array_keys((other,))
+    assert found.shape == (5,)
+
+
 def test_futures_of_other_types_than_the_arrays_trace_their_own_plan():
     step = pw.program(_decay)
     step({"w": jnp.ones(3)})

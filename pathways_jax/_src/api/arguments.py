@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -186,6 +186,55 @@ def _as_array_key(key: FutureKey) -> ArrayKey | None:
             return None
         sharding = _one_device(next(iter(devices)))
     return ArrayKey(key.shape, key.dtype, key.weak_type, sharding, key.committed)
+
+
+# The key of the jax.Array that the futures of each program output stand for, by the identity
+# of that output's FutureKey (made once per output, OutputSlot.signature, and shared by its
+# futures), noted when the output's plan is made: a program's second call, with the futures of
+# its first for the arrays, finds the first call's plan with no key made per leaf, and the keys
+# found are the objects of that plan's own key where they can be, so the plans' table compares
+# them by identity. Bounded: cleared when full (a key not found here is made as before).
+_ARRAY_KEYS: dict[int, tuple[FutureKey, ArrayKey | None]] = {}
+_ARRAY_KEYS_MAX = 1 << 16
+
+
+def note_array_keys(outputs: Sequence[FutureKey | None], signature: tuple[ArgKey, ...]) -> None:
+    """Notes the array key of each future of ``outputs`` (a plan's), taken from ``signature`` (its call's) where equal.
+
+    The output at a position of the call's argument leaves (a step that
+    returns what it takes: ``state = step(state)``) takes the key there first.
+    """
+    if len(_ARRAY_KEYS) + len(outputs) > _ARRAY_KEYS_MAX:
+        _ARRAY_KEYS.clear()
+    same: dict[ArgKey, ArgKey] | None = None
+    for position, key in enumerate(outputs):
+        if type(key) is not FutureKey or id(key) in _ARRAY_KEYS:
+            continue
+        array = _as_array_key(key)
+        if array is not None:
+            there = signature[position] if position < len(signature) else None
+            if there == array:
+                array = there
+            else:
+                if same is None:
+                    same = {k: k for k in signature if type(k) is ArrayKey}
+                array = same.get(array, array)
+        _ARRAY_KEYS[id(key)] = (key, array)
+
+
+def _as_array_keys(signature: tuple[ArgKey, ...]) -> tuple[ArgKey, ...] | None:
+    """``signature`` with each future's key replaced by that of the array it stands for; None if one has none."""
+    keys: list[ArgKey] = []
+    known = _ARRAY_KEYS
+    for key in signature:
+        if type(key) is FutureKey:
+            noted = known.get(id(key))
+            array = noted[1] if noted is not None and noted[0] is key else _as_array_key(key)
+            if array is None:
+                return None
+            key = array
+        keys.append(key)
+    return tuple(keys)
 
 
 @functools.lru_cache(maxsize=256)

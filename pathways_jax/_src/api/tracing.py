@@ -20,7 +20,13 @@ import jax
 from absl import logging
 
 from pathways_jax._src.api import function_trace, nnx_graph
-from pathways_jax._src.api.arguments import AbstractArray, TraceInputs, TracerArgument, _as_array_key
+from pathways_jax._src.api.arguments import (
+    AbstractArray,
+    TraceInputs,
+    TracerArgument,
+    _as_array_keys,
+    note_array_keys,
+)
 from pathways_jax._src.api.graph_view import GraphView
 from pathways_jax._src.api.jit_options import name_of
 from pathways_jax._src.api.placement import _mesh_mismatch_hint
@@ -349,8 +355,8 @@ class Program:
         signature = key[1]
         if not any(type(k) is FutureKey for k in signature):
             return None
-        arrays = tuple(_as_array_key(k) if type(k) is FutureKey else k for k in signature)
-        if None in arrays:
+        arrays = _as_array_keys(signature)
+        if arrays is None:
             return None
         kept = self._plans.get((key[0], arrays, *key[2:]))
         if kept is None:
@@ -375,6 +381,7 @@ class Program:
                 if plan is None or not plan.is_current():
                     plan = self._lowered(lowering.lower, graph, inputs.signature, donated)
                     self._plans[key] = plan
+                    note_array_keys(plan.plan.signatures, key[1])
             return plan
         except errors.ProgramTraceError as exc:
             if not self._info.fuse or not isinstance(exc.__cause__, jax.errors.JaxRuntimeError):
