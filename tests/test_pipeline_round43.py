@@ -1,0 +1,72 @@
+"""Pipelines, checkpoints, host input pipelines and notebooks as their users write them.
+
+Each test is something the README promises for code nobody here wrote (Grain's own loaders
+behind a ``HostIterator``, ...), checked against what plain JAX and the library itself give.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import pathways_jax as pw
+from pathways_jax import colocated_python
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Records:
+    """A Grain data source with a stable ``repr`` (Grain's DataLoader checks it at ``set_state``)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {"x": np.full((2,), i, np.float32)}
+
+    def __repr__(self):
+        return "_Records(64)"
+
+
+def _grain_loader(shard):
+    """A Grain DataLoader over this host's records: its iterator's state is bytes (JSON text)."""
+    import grain
+
+    sampler = grain.samplers.IndexSampler(
+        num_records=64,
+        shard_options=grain.sharding.ShardOptions(shard.index, shard.count),
+        shuffle=True,
+        seed=3,
+        num_epochs=1,
+    )
+    loader = grain.DataLoader(
+        data_source=_Records(),
+        sampler=sampler,
+        operations=[grain.transforms.Batch(4 // shard.count, drop_remainder=True)],
+        worker_count=0,
+    )
+    return iter(loader)
+
+
+def test_a_grain_data_loader_position_saves_as_json_and_resumes_where_it_was():
+    """README: the positions save as JSON (``ocp.args.JsonSave(batches.get_state())``). A Grain
+    DataLoader's iterator states are bytes, which JSON refuses: they are kept as text there, and
+    ``set_state`` of the loaded JSON resumes at the same batch in a new iterator."""
+    s = pw.devices(mesh={"x": 2})
+    spec = {"x": jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))}
+    batches = colocated_python.HostIterator(_grain_loader, spec)
+    for _ in range(2):
+        next(batches)
+    saved = json.loads(json.dumps(batches.get_state()))
+    want = [np.asarray(next(batches)["x"]) for _ in range(2)]
+
+    resumed = colocated_python.HostIterator(_grain_loader, spec)
+    resumed.set_state(saved)
+    got = [np.asarray(next(resumed)["x"]) for _ in range(2)]
+    np.testing.assert_array_equal(got, want)
+    first = np.asarray(next(colocated_python.HostIterator(_grain_loader, spec))["x"])
+    assert not np.array_equal(first, want[0])  # the position mattered
+    with pytest.raises(pw.errors.PathwaysError, match="stays where it was"):
+        resumed.set_state([{"iterator_text": 5}])  # text it cannot be
+    np.testing.assert_array_equal(next(resumed)["x"], np.asarray(next(batches)["x"]))
