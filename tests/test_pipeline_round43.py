@@ -70,3 +70,40 @@ def test_a_grain_data_loader_position_saves_as_json_and_resumes_where_it_was():
     with pytest.raises(pw.errors.PathwaysError, match="stays where it was"):
         resumed.set_state([{"iterator_text": 5}])  # text it cannot be
     np.testing.assert_array_equal(next(resumed)["x"], np.asarray(next(batches)["x"]))
+
+
+class _InterruptedOnce:
+    """Rows 0, 1, 2, ... of a batch; Ctrl-C lands in the second ``next`` (a notebook's interrupted cell)."""
+
+    def __init__(self, shard):
+        self.step = 0
+        self.interrupted = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.step == 1 and not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        self.step += 1
+        return np.full((2,), self.step - 1, np.float32)
+
+
+def test_ctrl_c_while_next_waits_interrupts_that_wait_only():
+    """With ``prefetch=0`` the local backend makes each batch on the caller's thread: Ctrl-C there
+    interrupted the cell and was kept as the iterator's failure, so every later ``next`` raised
+    KeyboardInterrupt again. Now it interrupts that wait only, as in a plain loop over the same
+    iterator: the next ``next`` gives the batch that was being made."""
+    s = pw.devices(mesh={"x": 1})
+    spec = jax.ShapeDtypeStruct((2,), np.float32, sharding=s.sharding())
+    batches = colocated_python.HostIterator(_InterruptedOnce, spec, prefetch=0)
+    assert float(next(batches)[0]) == 0.0
+    with pytest.raises(KeyboardInterrupt):
+        next(batches)
+    try:
+        after = [float(next(batches)[0]) for _ in range(2)]
+    except KeyboardInterrupt:  # (not let through: it would stop the whole test session)
+        pytest.fail("next() raised the interrupt of an earlier call again")
+    assert after == [1.0, 2.0]
+    assert batches.get_state() == [{"taken": 3}]

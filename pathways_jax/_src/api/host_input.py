@@ -121,6 +121,12 @@ class _Ahead:
             local = next(self._iterator)
         except StopIteration:
             return (_END, None, None)
+        except KeyboardInterrupt as exc:
+            if self._size:  # raised by the iterator itself, on its thread: its failure, as any other
+                return (_FAILED, exc, None)
+            # Ctrl-C while the caller waits for a batch made on its own thread (prefetch=0, the local
+            # backend): it interrupts that wait, as in a plain loop, and fails nothing.
+            raise
         except BaseException as exc:  # given to the call that takes it: the user's error, on that line
             return (_FAILED, exc, None)
         self._taken += 1
