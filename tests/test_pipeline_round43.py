@@ -107,3 +107,39 @@ def test_ctrl_c_while_next_waits_interrupts_that_wait_only():
         pytest.fail("next() raised the interrupt of an earlier call again")
     assert after == [1.0, 2.0]
     assert batches.get_state() == [{"taken": 3}]
+
+
+class _Numbered:
+    """Rows 0, 1, 2, ... of a batch (a class, as Grain's iterators are: Ctrl-C leaves it usable)."""
+
+    def __init__(self, shard):
+        self.step = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.step += 1
+        return np.full((2,), self.step - 1, np.float32)
+
+
+def test_ctrl_c_while_next_waits_for_the_hosts_loses_no_batch(ray_cluster, monkeypatch):
+    """On the Ray backend ``next`` waits for the hosts' answer. Ctrl-C in that wait took the batch
+    off the queue: the next ``next`` gave the batch after it, and ``get_state`` counted one batch
+    fewer than the hosts had made, so a resumed run repeated one. Now the interrupted batch is the
+    next one given, as after Ctrl-C in a plain loop over the same iterator."""
+    pw.init(backend="ray", hosts=1, devices_per_host=1)
+    s = pw.devices(mesh={"x": 1})
+    spec = jax.ShapeDtypeStruct((2,), np.float32, sharding=s.sharding())
+    batches = colocated_python.HostIterator(_Numbered, spec, prefetch=0)
+    assert float(next(batches)[0]) == 0.0
+
+    def interrupted(self, *args, **kwargs):  # Ctrl-C, as it lands in the wait
+        monkeypatch.undo()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pw.Future, "block_until_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(batches)
+    assert [float(next(batches)[0]) for _ in range(2)] == [1.0, 2.0]
+    assert batches.get_state() == [{"taken": 3}]

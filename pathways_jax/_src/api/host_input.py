@@ -376,7 +376,8 @@ class HostIterator:
                 self._ended = True
                 raise StopIteration
             raise stopped  # type: ignore[misc]  # (not None: no call was kept, so one raised)
-        batch = self._calls.popleft()
+        # Taken off the queue once made: a wait that Ctrl-C interrupts leaves it the next batch.
+        batch = self._calls[0]
         try:
             for leaf in jax.tree_util.tree_leaves(batch):
                 leaf.block_until_ready()  # the hosts' answers: made, ran out, or failed
@@ -386,6 +387,7 @@ class HostIterator:
                 raise
             self._ended = True
             raise StopIteration from None
+        self._calls.popleft()
         self._returned += 1
         return batch
 
