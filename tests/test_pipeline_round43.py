@@ -7,11 +7,14 @@ behind a ``HostIterator``, ...), checked against what plain JAX and the library 
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import pathways_jax as pw
-from pathways_jax import colocated_python
+from pathways_jax import colocated_python, pipeline
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,3 +146,42 @@ def test_ctrl_c_while_next_waits_for_the_hosts_loses_no_batch(ray_cluster, monke
         next(batches)
     assert [float(next(batches)[0]) for _ in range(2)] == [1.0, 2.0]
     assert batches.get_state() == [{"taken": 3}]
+
+
+def _unreadable(x):
+    raise OSError("shard file unreadable")
+
+
+def test_a_batch_whose_run_failed_raises_that_runs_error_not_a_placement_error():
+    """A batch made by a program that failed (a preprocessing step, or values on a lost host) is read
+    as any future is: ``train_step``/``forward`` raised a ``PlacementError`` "x is Future ..., not an
+    array", which ``except ProgramFailedError`` (or ``HostLostError``, as ``elastic_retry`` waits
+    for) does not catch. Now it is the run's own error, and the models train on afterwards."""
+    pw.init(islands=2)
+    slices = [pw.devices(mesh={"data": 1}, island=i) for i in range(2)]
+
+    @pw.program
+    def preprocess(x):
+        return jax.pure_callback(_unreadable, jax.ShapeDtypeStruct(x.shape, x.dtype), x) * 2
+
+    x, y = np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32)
+    failed = preprocess(x)
+
+    def mse(out, target):
+        return jnp.mean((out - target) ** 2)
+
+    def linear(seed):
+        return nnx.Linear(3, 2, rngs=nnx.Rngs(seed))
+
+    pipe = pipeline.Pipeline(
+        [linear(0), nnx.Linear(2, 2, rngs=nnx.Rngs(1))], slices, loss_fn=mse, optimizer=optax.sgd(0.1)
+    )
+    dp = pipeline.DataParallel(linear(0), slices, loss_fn=mse, optimizer=optax.sgd(0.1))
+    manager = pw.elastic.Manager(
+        pipeline.DataParallel(linear(0), slices, loss_fn=mse, optimizer=optax.sgd(0.1))
+    )
+    for call in (pipe.train_step, lambda x, y: pipe.forward(x), dp.train_step, manager.train_step):
+        with pytest.raises(pw.errors.ProgramFailedError, match="shard file unreadable"):
+            call(failed, y)
+    assert float(dp.train_step(x, y)) == float(manager.train_step(x, y))
+    assert np.isfinite(float(pipe.train_step(x, y)))

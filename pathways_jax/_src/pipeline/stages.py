@@ -766,6 +766,10 @@ def batch_leaves(x: Any, what: str) -> tuple[list[np.ndarray], Any, int]:
         name = what + jax.tree_util.keystr(path)
         try:
             array = np.asarray(leaf)
+        except pw.errors.PathwaysError:
+            # A future whose run failed (or whose host was lost): its own error, as reading it
+            # anywhere raises, so `except ProgramFailedError` / `HostLostError` still catch it.
+            raise
         except Exception as exc:
             raise pw.errors.PlacementError(
                 f"{name} is {type(leaf).__name__} {leaf!r:.60}, not an array ({type(exc).__name__}: "
