@@ -185,3 +185,44 @@ def test_a_batch_whose_run_failed_raises_that_runs_error_not_a_placement_error()
             call(failed, y)
     assert float(dp.train_step(x, y)) == float(manager.train_step(x, y))
     assert np.isfinite(float(pipe.train_step(x, y)))
+
+
+class _DroppedLinear(nnx.Module):
+    """A layer with its own Dropout, whose ``__call__`` takes no ``rngs`` (as most user blocks)."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.linear(x))
+
+
+def test_a_sequential_stage_of_blocks_with_their_own_dropout_draws_fresh_masks():
+    """``nnx.Sequential`` takes ``rngs`` but hands them only to layers whose ``__call__`` takes them;
+    a block holding its own Dropout draws from its own stream. Such a stage was refused for
+    ``rngs={"dropout": key}`` with "draws from its stream 'dropout' ..., which the call's rngs
+    (streams ['dropout']) do not reseed". Now those streams are reseeded from the call's keys:
+    every microbatch and every key gets its own masks, and one key gives the same ones again."""
+    pw.init(islands=2)
+    slices = [pw.devices(mesh={"data": 1}, island=i) for i in range(2)]
+    rngs = nnx.Rngs(0, dropout=1)
+    stages = [nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), _DroppedLinear(rngs)), nnx.Linear(4, 4, rngs=rngs)]
+    pipe = pipeline.Pipeline(
+        stages,
+        slices,
+        loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+        optimizer=optax.sgd(0.1),
+        num_microbatches=2,
+    )
+    x = np.tile(np.linspace(1.0, 2.0, 4, dtype=np.float32), (4, 1))  # both microbatches the same rows
+
+    def forward(seed):
+        return np.asarray(pipe.forward(x, rngs={"dropout": jax.random.key(seed)}, train=True))
+
+    first = forward(0)
+    np.testing.assert_array_equal(forward(0), first)
+    assert not np.array_equal(first[:2], first[2:])  # each microbatch its own masks
+    assert not np.array_equal(forward(1), first)
+    assert not np.array_equal(np.asarray(pipe.forward(x, train=False)), first)
+    assert np.isfinite(float(pipe.train_step(x, x, rngs={"dropout": jax.random.key(2)}, train=True)))
