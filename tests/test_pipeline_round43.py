@@ -226,3 +226,25 @@ def test_a_sequential_stage_of_blocks_with_their_own_dropout_draws_fresh_masks()
     assert not np.array_equal(forward(1), first)
     assert not np.array_equal(np.asarray(pipe.forward(x, train=False)), first)
     assert np.isfinite(float(pipe.train_step(x, x, rngs={"dropout": jax.random.key(2)}, train=True)))
+
+
+def test_a_stage_that_needs_train_or_eval_mode_says_to_pass_train():
+    """``nnx.MultiHeadAttention(..., dropout_rate=0.1)`` must be told train or eval mode (plain NNX:
+    ``model.train()`` first). With no ``train=``, the pipeline said to "fix the stage sizes or the
+    input shape"; now it says to pass ``train=``, and either flag runs."""
+    pw.init(islands=2)
+    slices = [pw.devices(mesh={"data": 1}, island=i) for i in range(2)]
+    rngs = nnx.Rngs(0, dropout=1)
+    stages = [
+        nnx.MultiHeadAttention(2, 4, decode=False, dropout_rate=0.1, rngs=rngs),
+        nnx.Linear(4, 4, rngs=rngs),
+    ]
+    pipe = pipeline.Pipeline(
+        stages, slices, loss_fn=lambda out, y: jnp.mean((out - y) ** 2), optimizer=optax.sgd(0.1)
+    )
+    x = np.ones((2, 3, 4), np.float32)
+    with pytest.raises(pw.errors.ProgramTraceError, match="Pass train=True") as caught:
+        pipe.forward(x)
+    assert "stage sizes" not in str(caught.value)
+    assert np.asarray(pipe.forward(x, train=False)).shape == (2, 3, 4)
+    assert np.isfinite(float(pipe.train_step(x, x, rngs={"dropout": jax.random.key(0)}, train=True)))
