@@ -248,3 +248,43 @@ def test_a_stage_that_needs_train_or_eval_mode_says_to_pass_train():
     assert "stage sizes" not in str(caught.value)
     assert np.asarray(pipe.forward(x, train=False)).shape == (2, 3, 4)
     assert np.isfinite(float(pipe.train_step(x, x, rngs={"dropout": jax.random.key(0)}, train=True)))
+
+
+def test_an_elastic_manager_goes_on_from_a_state_its_model_loaded():
+    """A rollback to a checkpoint (a loss spike) with the manager in place: ``dp.load_state(saved)``
+    put the model at the saved step, but ``manager.step`` went on counting from the steps before
+    (a loop over ``range(manager.step, total)`` skipped steps), and a lost island would have run
+    the steps before the load again. Now the manager goes on from the loaded step."""
+    pw.init(islands=2)
+    slices = [pw.devices(mesh={"data": 1}, island=i) for i in range(2)]
+
+    def mse(out, y):
+        return jnp.mean((out - y) ** 2)
+
+    def make():
+        return pipeline.DataParallel(
+            ({"w": jnp.zeros((3, 2))}, lambda p, x: x @ p["w"]),
+            slices,
+            loss_fn=mse,
+            optimizer=optax.adam(0.1),
+        )
+
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(6, 4, 3)).astype(np.float32)
+    ys = rng.normal(size=(6, 4, 2)).astype(np.float32)
+    dp = make()
+    manager = pw.elastic.Manager(dp, window=2)
+    for step in range(2):
+        manager.train_step(xs[step], ys[step])
+    saved = pw.results(dp.state)
+    spiked = [manager.train_step(xs[step], ys[step]) for step in range(2, 5)]
+
+    dp.load_state(saved)
+    assert manager.step == 2
+    resumed = [float(manager.train_step(xs[step], ys[step])) for step in range(manager.step, 6)]
+    manager.wait(timeout=60)
+    assert manager.step == 6 and int(np.asarray(pw.results(dp.state)["step"])) == 6
+    reference = make()
+    reference.load_state(saved)
+    assert resumed == [float(reference.train_step(xs[step], ys[step])) for step in range(2, 6)]
+    assert resumed[:3] == [float(loss) for loss in spiked]  # the steps before the load stay readable
