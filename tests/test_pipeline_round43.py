@@ -288,3 +288,24 @@ def test_an_elastic_manager_goes_on_from_a_state_its_model_loaded():
     reference.load_state(saved)
     assert resumed == [float(reference.train_step(xs[step], ys[step])) for step in range(2, 6)]
     assert resumed[:3] == [float(loss) for loss in spiked]  # the steps before the load stay readable
+
+
+def _three_rows(shard):
+    while True:
+        yield np.ones((3, 2), np.float32)
+
+
+def test_rows_of_the_wrong_shape_are_named_as_the_iterators_not_jaxs():
+    """A host's iterator yielding 3 rows for a batch of 4 raised JAX's "When calling
+    `make_array_from_process_local_data` on a single process, global_shape should be ...", a
+    function the user never called. Now the error names the iterator, what it gave and the shape
+    this host's part must have."""
+    s = pw.devices(mesh={"x": 2})
+    spec = jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))
+    batches = colocated_python.HostIterator(_three_rows, spec)
+    with pytest.raises(
+        pw.errors.PathwaysError, match=r"gave data of shape \(3, 2\).*on this host is \(4, 2\)"
+    ) as caught:
+        next(batches)
+    assert isinstance(caught.value, ValueError)
+    assert "make_array_from_process_local_data" not in str(caught.value)

@@ -260,9 +260,17 @@ def _global(spec: jax.ShapeDtypeStruct, leaf: Any) -> jax.Array:
                 f"{spec.dtype}: casting it would change its values. Yield {spec.dtype} (or a narrower or "
                 "wider type of the same kind) there, or declare the leaf's dtype as the iterator's."
             )
-        return jax.make_array_from_process_local_data(
-            spec.sharding, data.astype(spec.dtype, copy=False), spec.shape
-        )
+        try:
+            return jax.make_array_from_process_local_data(
+                spec.sharding, data.astype(spec.dtype, copy=False), spec.shape
+            )
+        except ValueError as exc:  # JAX's words name its own function, not the iterator
+            raise errors.also(errors.PathwaysError, ValueError)(
+                f"the iterator on host {jax.process_index()} gave data of shape {data.shape} for a leaf "
+                f"of the batch of shape {spec.shape}, whose part on this host is {_local_shape(spec)}. "
+                "Yield this host's part of each leaf (its rows: the batch's first dimension divided by "
+                "shard.count, where the leaf is split over the hosts)."
+            ) from exc
     if not (isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
         raise errors.also(errors.PathwaysError, TypeError)(
             f"the iterator on host {jax.process_index()} gave a {type(leaf).__name__} for a leaf of type "
@@ -272,6 +280,16 @@ def _global(spec: jax.ShapeDtypeStruct, leaf: Any) -> jax.Array:
     trailing = data.shape[leaf.ndim :]  # the key's own words
     global_data = jax.make_array_from_process_local_data(spec.sharding, data, (*spec.shape, *trailing))
     return jax.random.wrap_key_data(global_data, impl=jax.random.key_impl(leaf))
+
+
+def _local_shape(spec: jax.ShapeDtypeStruct) -> tuple[int, ...]:
+    """The shape of this process's part of a leaf: what its devices' shards of it span."""
+    indices = spec.sharding.addressable_devices_indices_map(spec.shape).values()
+    shape = []
+    for dim, size in enumerate(spec.shape):
+        spans = [index[dim].indices(size) for index in indices]
+        shape.append(max(stop for _, stop, _ in spans) - min(start for start, _, _ in spans))
+    return tuple(shape)
 
 
 def _shard_of(specs: list) -> Shard:
