@@ -22,8 +22,9 @@ iterator that raises raises at the ``next`` that asked for its batch. A batch
 that was not made never reaches a program.
 
 The iterator's position is :meth:`HostIterator.get_state`: for each host, its
-iterator's own ``get_state()`` (Grain's ``DatasetIterator`` has one) after the
-last batch ``next`` returned, else the number of batches taken (restored by
+iterator's own ``get_state()`` (Grain's ``DatasetIterator`` has one; a
+``DataLoader`` iterator's bytes are kept as their text, so a position saves as
+JSON) after the last batch ``next`` returned, else the number of batches taken (restored by
 making the iterator anew and skipping as many). Batches made ahead are not
 counted: the position is the program's. It is small and picklable: save it
 with the training state, and give it back with :meth:`HostIterator.set_state`
@@ -33,6 +34,7 @@ iterator anew, then takes the saved position).
 
 from __future__ import annotations
 
+import base64
 import collections
 import copy
 import dataclasses
@@ -66,11 +68,34 @@ _BATCH, _END, _FAILED = "batch", "end", "failed"
 
 
 def _position(iterator: Iterator, taken: int) -> dict:
-    """Where ``iterator`` is, having given ``taken`` batches since it was made."""
+    """Where ``iterator`` is, having given ``taken`` batches since it was made.
+
+    An iterator whose state is bytes (Grain's ``DataLoader`` iterator: JSON text, encoded) keeps
+    it as text, so that a position saves as JSON (Orbax's ``JsonSave``) as a dict's does;
+    :func:`_iterator_state` gives the bytes back.
+    """
     get_state = getattr(iterator, "get_state", None)
-    if callable(get_state):
-        return {"iterator": copy.deepcopy(get_state())}
-    return {"taken": taken}
+    if not callable(get_state):
+        return {"taken": taken}
+    state = get_state()
+    if isinstance(state, bytes | bytearray):
+        try:
+            return {"iterator_text": bytes(state).decode("utf-8")}
+        except UnicodeDecodeError:
+            return {"iterator_base64": base64.b64encode(state).decode("ascii")}
+    return {"iterator": copy.deepcopy(state)}
+
+
+_ITERATOR_KEYS = ("iterator", "iterator_text", "iterator_base64")
+
+
+def _iterator_state(position: dict) -> Any:
+    """The state to give the iterator's own ``set_state`` for ``position`` (bytes where it gave bytes)."""
+    if "iterator_text" in position:
+        return position["iterator_text"].encode("utf-8")
+    if "iterator_base64" in position:
+        return base64.b64decode(position["iterator_base64"])
+    return position["iterator"]
 
 
 class _Ahead:
@@ -96,6 +121,12 @@ class _Ahead:
             local = next(self._iterator)
         except StopIteration:
             return (_END, None, None)
+        except KeyboardInterrupt as exc:
+            if self._size:  # raised by the iterator itself, on its thread: its failure, as any other
+                return (_FAILED, exc, None)
+            # Ctrl-C while the caller waits for a batch made on its own thread (prefetch=0, the local
+            # backend): it interrupts that wait, as in a plain loop, and fails nothing.
+            raise
         except BaseException as exc:  # given to the call that takes it: the user's error, on that line
             return (_FAILED, exc, None)
         self._taken += 1
@@ -180,8 +211,8 @@ class _Feeder:
         state = _checked_position(states, self.shard)
         iterator = self.make_iterator(self.shard)
         taken = 0
-        if "iterator" in state:
-            iterator.set_state(state["iterator"])  # type: ignore[attr-defined]
+        if any(key in state for key in _ITERATOR_KEYS):
+            iterator.set_state(_iterator_state(state))  # type: ignore[attr-defined]
         else:
             taken = state["taken"]
             for _ in range(taken):
@@ -201,11 +232,14 @@ def _checked_position(states: Any, shard: Shard) -> dict:
     state = states[shard.index]
     taken = state.get("taken") if isinstance(state, dict) else None
     if not isinstance(state, dict) or not (
-        "iterator" in state or (isinstance(taken, int) and not isinstance(taken, bool) and taken >= 0)
+        "iterator" in state
+        or any(isinstance(state.get(key), str) for key in _ITERATOR_KEYS[1:])
+        or (isinstance(taken, int) and not isinstance(taken, bool) and taken >= 0)
     ):
         raise errors.also(errors.PathwaysError, ValueError)(
             f"HostIterator.set_state: host {shard.index}'s position must be what get_state gave for it "
-            f"({{'iterator': <its iterator's state>}} or {{'taken': <batches, an int >= 0>}}), got "
+            f"({{'iterator': <its iterator's state>}}, {{'iterator_text': <its state's bytes, as text>}} or "
+            f"{{'taken': <batches, an int >= 0>}}), got "
             f"{state!r}. The iterator stays where it was."
         )
     return state
@@ -226,9 +260,17 @@ def _global(spec: jax.ShapeDtypeStruct, leaf: Any) -> jax.Array:
                 f"{spec.dtype}: casting it would change its values. Yield {spec.dtype} (or a narrower or "
                 "wider type of the same kind) there, or declare the leaf's dtype as the iterator's."
             )
-        return jax.make_array_from_process_local_data(
-            spec.sharding, data.astype(spec.dtype, copy=False), spec.shape
-        )
+        try:
+            return jax.make_array_from_process_local_data(
+                spec.sharding, data.astype(spec.dtype, copy=False), spec.shape
+            )
+        except ValueError as exc:  # JAX's words name its own function, not the iterator
+            raise errors.also(errors.PathwaysError, ValueError)(
+                f"the iterator on host {jax.process_index()} gave data of shape {data.shape} for a leaf "
+                f"of the batch of shape {spec.shape}, whose part on this host is {_local_shape(spec)}. "
+                "Yield this host's part of each leaf (its rows: the batch's first dimension divided by "
+                "shard.count, where the leaf is split over the hosts)."
+            ) from exc
     if not (isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
         raise errors.also(errors.PathwaysError, TypeError)(
             f"the iterator on host {jax.process_index()} gave a {type(leaf).__name__} for a leaf of type "
@@ -238,6 +280,16 @@ def _global(spec: jax.ShapeDtypeStruct, leaf: Any) -> jax.Array:
     trailing = data.shape[leaf.ndim :]  # the key's own words
     global_data = jax.make_array_from_process_local_data(spec.sharding, data, (*spec.shape, *trailing))
     return jax.random.wrap_key_data(global_data, impl=jax.random.key_impl(leaf))
+
+
+def _local_shape(spec: jax.ShapeDtypeStruct) -> tuple[int, ...]:
+    """The shape of this process's part of a leaf: what its devices' shards of it span."""
+    indices = spec.sharding.addressable_devices_indices_map(spec.shape).values()
+    shape = []
+    for dim, size in enumerate(spec.shape):
+        spans = [index[dim].indices(size) for index in indices]
+        shape.append(max(stop for _, stop, _ in spans) - min(start for start, _, _ in spans))
+    return tuple(shape)
 
 
 def _shard_of(specs: list) -> Shard:
@@ -342,7 +394,8 @@ class HostIterator:
                 self._ended = True
                 raise StopIteration
             raise stopped  # type: ignore[misc]  # (not None: no call was kept, so one raised)
-        batch = self._calls.popleft()
+        # Taken off the queue once made: a wait that Ctrl-C interrupts leaves it the next batch.
+        batch = self._calls[0]
         try:
             for leaf in jax.tree_util.tree_leaves(batch):
                 leaf.block_until_ready()  # the hosts' answers: made, ran out, or failed
@@ -352,6 +405,7 @@ class HostIterator:
                 raise
             self._ended = True
             raise StopIteration from None
+        self._calls.popleft()
         self._returned += 1
         return batch
 

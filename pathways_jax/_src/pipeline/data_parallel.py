@@ -136,6 +136,7 @@ class DataParallel:
         )
         self._ospecs = ospecs = self._state_specs(stage.params, pspecs)
         self._steps = 0  # train steps taken (pw.elastic sets it back when it runs steps again)
+        self._loads = 0  # states load_state put in: a pw.elastic.Manager goes on from the last one
         self._update_by_slice: dict[int, pw.JitFunction] = {}
         self._grad_by_slice: dict[tuple[Mode, int], pw.JitFunction] = {}
         params, opt_states = [], []
@@ -425,6 +426,7 @@ class DataParallel:
     def _load(self, step: int, params: list[Any], opt_states: list[Any]) -> None:
         self._params, self._opt_states = params, opt_states
         self._steps = step
+        self._loads += 1
 
     def _place(self, slice_: pw.VirtualSlice) -> pw.JitFunction:
         """Puts a replica's parameters and optimizer state on ``slice_`` with their shardings."""

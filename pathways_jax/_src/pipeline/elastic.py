@@ -219,14 +219,25 @@ class Manager:
         self._exclusive = first.exclusive
         self._pending: collections.deque[_Step] = collections.deque()
         self._step = model._steps  # a model restored from a checkpoint goes on from its step
+        self._loads = model._loads
         self._checked_batches: set[int] = set()
         self._stalled = False  # fewer replicas than minimum_islands: the open steps wait for islands
         self.events: list[Event] = []
 
     @property
     def step(self) -> int:
-        """How many steps were taken (calls of :meth:`train_step`)."""
+        """How many steps were taken (calls of :meth:`train_step`; after ``model.load_state``, its step)."""
+        self._follow_load()
         return self._step
+
+    def _follow_load(self) -> None:
+        """Goes on from a state ``model.load_state`` put in since (a rollback to a checkpoint): from its
+        step, and no step taken before it runs again after a loss (that would undo the load)."""
+        if self.model._loads == self._loads:
+            return
+        self._loads = self.model._loads
+        self._pending.clear()  # their losses stay readable, as futures of the runs they had
+        self._step = self.model._steps
 
     @property
     def islands(self) -> tuple[int, ...]:
@@ -248,6 +259,7 @@ class Manager:
             count from ``minimum_islands`` to all of them.
         """
         self._check_batch(x)
+        self._follow_load()
         if self._stalled:
             self._rejoin()
             if self._stalled:
@@ -272,6 +284,7 @@ class Manager:
           FutureTimeoutError: not complete within ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._follow_load()
         while self._pending:
             self._settle(wait=True, deadline=deadline)
 

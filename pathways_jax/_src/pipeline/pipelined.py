@@ -669,6 +669,14 @@ def _stage_error(stage: Stage, index: int, h: Any, mode: Mode, exc: Exception) -
             "Pass rngs={'dropout': key} (one key per stream the stage uses) to train_step/forward, "
             "or train=False to run it without randomness."
         )
+    if mode.train is None and any(flag in detail for flag in ("deterministic", "use_running_average")):
+        # A layer told neither train nor eval (nnx.MultiHeadAttention with a dropout_rate, built
+        # without deterministic=): in plain NNX, model.train() or model.eval() first.
+        return pw.errors.ProgramTraceError(
+            f"Pipeline stage {index} ({stage.description}) has a layer that needs to be told train or "
+            f"eval mode: {type(exc).__name__}: {detail[:300]}. Pass train=True (with rngs=...) or "
+            "train=False to the call: the stages are switched as model.train() / model.eval() switch them."
+        )
     return pw.errors.ProgramTraceError(
         f"Pipeline stage {index} ({stage.description}) cannot take {fed}: "
         f"{type(exc).__name__}: {detail[:300]}. Each stage's output must be what the next "

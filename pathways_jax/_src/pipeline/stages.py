@@ -275,8 +275,9 @@ def as_stage(model: Any, index: int = 0) -> Stage:
     When a step is given ``rngs`` (stream name to key), a Linen stage gets
     them as ``module.apply(..., rngs=rngs)``, an ``apply_fn`` taking ``rngs``
     gets the mapping, and an NNX module gets ``nnx.Rngs(**rngs)`` if its
-    ``__call__`` has an ``rngs`` parameter, else its own streams are reseeded
-    with them (``nnx.reseed``). A pipeline's checks reject an NNX stage that
+    ``__call__`` has an ``rngs`` parameter (and its own streams, which layers it
+    does not hand them to draw from, are reseeded from keys folded from them),
+    else its own streams are reseeded with them (``nnx.reseed``). A pipeline's checks reject an NNX stage that
     draws from one of its own streams that ``rngs`` does not reseed: it would
     draw the same numbers on every step (see :class:`StaleDraw`).
 
@@ -321,6 +322,13 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             reseeded: tuple[str, ...] = ()
             if rngs and takes_rngs:
                 kwargs["rngs"] = nnx.Rngs(**rngs)
+                # Layers the call does not hand its rngs to (an nnx.Sequential gives them only to
+                # layers whose __call__ takes rngs) draw from their own streams: those are reseeded
+                # too, from keys of their own (not those the call's rngs give, whose draws would
+                # repeat theirs).
+                own = {name: _own_streams_key(key) for name, key in rngs.items()}
+                nnx.reseed(module, policy="match_shape", **own)
+                reseeded = tuple(rngs)
             elif isinstance(model, bridge.ToNNX):
                 # As a Linen stage: the call's rngs only. Its own streams would be drawn on every
                 # call (the same keys on every step here), whether the Linen module uses them or not.
@@ -766,6 +774,10 @@ def batch_leaves(x: Any, what: str) -> tuple[list[np.ndarray], Any, int]:
         name = what + jax.tree_util.keystr(path)
         try:
             array = np.asarray(leaf)
+        except pw.errors.PathwaysError:
+            # A future whose run failed (or whose host was lost): its own error, as reading it
+            # anywhere raises, so `except ProgramFailedError` / `HostLostError` still catch it.
+            raise
         except Exception as exc:
             raise pw.errors.PlacementError(
                 f"{name} is {type(leaf).__name__} {leaf!r:.60}, not an array ({type(exc).__name__}: "
@@ -854,6 +866,14 @@ def describe(tree: Any) -> str:
     leaves = jax.tree.leaves(tree)
     parts = [f"{jax.numpy.dtype(leaf.dtype).name}{list(leaf.shape)}" for leaf in leaves]
     return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+
+
+def _own_streams_key(key: Any) -> Any:
+    """The key that reseeds a stage's own streams of a stream whose key the call's ``rngs`` also give."""
+    return jax.random.fold_in(key, _OWN_STREAMS)
+
+
+_OWN_STREAMS = 0x5EED  # folded into the call's keys for the stage's own streams
 
 
 def sequential(models: Sequence[Any]) -> tuple[tuple[Any, ...], Apply]:
