@@ -150,20 +150,23 @@ def test_a_programs_second_measurement_replaces_its_first_and_later_ones_are_smo
     assert estimates["step"] == pytest.approx(admission.smoothed(1.0e-4, 2.0e-4)) and once == {"other"}
 
 
-def test_a_programs_low_estimate_is_the_least_of_its_latest_measurements():
-    lows: dict[str, float] = {}
+def test_whether_a_programs_runs_are_short_is_the_median_of_its_latest_measurements():
+    medians: dict[str, float] = {}
     recent: dict = {}
-    admission.fold_low(lows, recent, "step", 2.7e-3)  # the first run: one-time work included
-    assert lows == {"step": 2.7e-3}
-    admission.fold_low(lows, recent, "step", 1.0e-4)
-    admission.fold_low(lows, recent, "step", 4.0e-3)  # a look that waited for the GIL
-    assert lows["step"] == 1.0e-4
-    admission.fold_low(lows, recent, "other", 5.0)  # each program on its own
-    assert lows == {"step": 1.0e-4, "other": 5.0}
-    for _ in range(admission.LOW_KEPT - 1):  # a program that became long: the short one is forgotten
-        admission.fold_low(lows, recent, "step", 2.0e-3)
-    assert lows["step"] == 2.0e-3
-    assert len(recent["step"]) == admission.LOW_KEPT
+    admission.fold_median(medians, recent, "step", 2.7e-3)  # the first run: one-time work included
+    assert medians == {"step": 2.7e-3}
+    admission.fold_median(medians, recent, "step", 1.0e-4)
+    admission.fold_median(medians, recent, "step", 1.2e-4)
+    assert medians["step"] == 1.2e-4  # the first run's figure is outvoted at once
+    admission.fold_median(medians, recent, "step", 4.0e-3)  # a look that waited for the GIL
+    admission.fold_median(medians, recent, "step", 1.0e-6)  # and the look right after it
+    assert medians["step"] == 1.2e-4
+    admission.fold_median(medians, recent, "other", 5.0)  # each program on its own
+    assert medians["other"] == 5.0
+    for _ in range(admission.MEDIAN_KEPT // 2 + 1):  # a program whose runs became long: followed
+        admission.fold_median(medians, recent, "step", 2.0e-3)
+    assert medians["step"] == 2.0e-3
+    assert len(recent["step"]) == admission.MEDIAN_KEPT
 
 
 def test_the_controller_and_the_service_fold_their_measurements_by_the_one_rule():

@@ -32,7 +32,7 @@ from typing import Any
 from absl import logging
 
 from pathways_jax._src.core import readiness, reentry
-from pathways_jax._src.runtime.admission import fold, fold_low
+from pathways_jax._src.runtime.admission import fold, fold_median
 
 now = time.perf_counter_ns
 # The watcher is never woken per run (a wake-up per run costs the dispatching
@@ -141,9 +141,9 @@ class Accounting:
         # (admission.fold), by plan key; absent: not measured yet. Not cleared by reset().
         self.costs: dict[int, float] = {}
         self._measured_once: set[int] = set()  # plans whose estimate is their first measurement
-        # Each live plan's least device-seconds a run over its latest measurements (admission.fold_low):
-        # whether its runs are short. Absent: not measured yet.
-        self.lows: dict[int, float] = {}
+        # Each live plan's median device-seconds a run over its latest measurements
+        # (admission.fold_median): whether its runs are short. Absent: not measured yet.
+        self.medians: dict[int, float] = {}
         self._recent: dict[int, collections.deque[float]] = {}
         self._open_lock = threading.Lock()
         self._stopping = False
@@ -162,9 +162,9 @@ class Accounting:
         """``plan``'s estimated device-seconds a run (0.0: none measured yet)."""
         return self.costs.get(plan.key, 0.0)
 
-    def low(self, plan: Any) -> float:
-        """The least device-seconds a run of ``plan`` measured lately (0.0: none measured yet)."""
-        return self.lows.get(plan.key, 0.0)
+    def median(self, plan: Any) -> float:
+        """The median device-seconds a run of ``plan`` measured lately (0.0: none measured yet)."""
+        return self.medians.get(plan.key, 0.0)
 
     def _settle_gone(self) -> None:
         """Moves the figures of plans that were garbage-collected into their clients' rows (lock held).
@@ -177,7 +177,7 @@ class Accounting:
             self._tracked.discard(key)
             self.costs.pop(key, None)
             self._measured_once.discard(key)
-            self.lows.pop(key, None)
+            self.medians.pop(key, None)
             self._recent.pop(key, None)
             ns, runs = self.plan_ns.pop(key, 0), self.plan_runs.pop(key, 0)
             for usage in (*self.usage.values(), self.closed_usage):
@@ -399,7 +399,7 @@ class Accounting:
                 plan, ns, runs = totals.plan, totals.ns, totals.runs
                 seconds = ns / runs / 1e9
                 fold(self.costs, self._measured_once, plan.key, seconds)
-                fold_low(self.lows, self._recent, plan.key, seconds)
+                fold_median(self.medians, self._recent, plan.key, seconds)
                 if plan.key not in self._tracked:  # its figures go when it does
                     self._tracked.add(plan.key)
                     weakref.finalize(plan, self._gone.append, plan.key)

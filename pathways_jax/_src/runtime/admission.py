@@ -14,7 +14,7 @@ with the objects of this module:
 - :func:`waited_too_long`: the back-pressure verdict on a head that waits for
   memory.
 - :func:`smoothed`, :func:`fold`: the one running estimate of a program's device time;
-  :func:`fold_low`: the least of its latest measurements, which says whether its runs are short.
+  :func:`fold_median`: the median of its latest measurements, which says whether its runs are short.
 
 What "may go now" means is each caller's: inputs computed and settled windows
 (controller), runs in flight per island (service), simulated windows (sim).
@@ -26,6 +26,7 @@ simulator in its single process).
 from __future__ import annotations
 
 import collections
+import statistics
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
@@ -68,31 +69,32 @@ def fold(estimates: dict[K, float], once: set[K], key: K, measured: float) -> No
         once.add(key)
 
 
-# How many of a program's latest measurements :func:`fold_low` keeps.
-LOW_KEPT = 8
+# How many of a program's latest measurements :func:`fold_median` keeps.
+MEDIAN_KEPT = 8
 
 
-def fold_low(
-    lows: dict[K, float], recent: dict[K, collections.deque[float]], key: K, measured: float
+def fold_median(
+    medians: dict[K, float], recent: dict[K, collections.deque[float]], key: K, measured: float
 ) -> None:
-    """Folds one more measurement of program ``key`` into ``lows``: the least of its latest ``LOW_KEPT``.
+    """Folds one more measurement of program ``key`` into ``medians``: the median of its latest ``MEDIAN_KEPT``.
 
     What the controller asks to know whether a run is short (whether a caller
     may wait for room in a window rather than queue the run). A measurement is
     the time between two looks of a watcher thread over the runs done between
-    them: the wait of that thread for the GIL only adds to it, and so does the
-    caller's own pace. Where runs are queued and handed from thread to thread,
-    that pace is the hand-over's: the smoothed estimate then grew with the
-    slowness it caused, and a loop of 30 µs steps stayed queued for thousands
-    of runs, each handed from the caller's thread to the controller's. The
-    least of the latest measurements is the figure such waits do not inflate;
-    it goes up once every recent run measured longer.
+    them. A look that waited for the GIL makes one too long, and the look after
+    it one too short; where runs are queued and handed from thread to thread,
+    the caller's pace is the hand-over's, and adds to them too. The smoothed
+    estimate (:func:`fold`) grew with the slowness queueing caused, and a loop
+    of 30 µs steps stayed queued for thousands of runs, each handed from the
+    caller's thread to the controller's; the least of the latest measurements
+    took runs of a millisecond for short now and then. Their median is moved
+    by neither: it follows a program once most of its latest runs measured so.
     """
     kept = recent.get(key)
     if kept is None:
-        kept = recent[key] = collections.deque(maxlen=LOW_KEPT)
+        kept = recent[key] = collections.deque(maxlen=MEDIAN_KEPT)
     kept.append(measured)
-    lows[key] = min(kept)
+    medians[key] = statistics.median(kept)
 
 
 def has_room(running: int, count: int, size: int) -> bool:

@@ -12,8 +12,9 @@ inputs exist and its executables fit in the in-flight windows), the
 submitting thread takes the lock and dispatches the run itself: the order is
 the same, and the hand-off between threads, which costs more than a dispatch,
 is saved. A caller whose window is full of its own runs, each measured short
-enough that half a window of them takes at most ``_CALLER_WAIT_S``, waits for
-half of them inside XLA and goes on dispatching itself; longer runs are queued.
+enough that half a window of them takes at most ``_CALLER_WAIT_S`` (under
+``"fifo"``; ``_SHORT_RUN_S`` under the policies that reorder), waits for half of
+them inside XLA and goes on dispatching itself; longer runs are queued.
 
 Runs wait in one FIFO queue per client (at most ``pw.init(max_queued=...)``
 each: a caller beyond that waits); the scheduling policy (``scheduler.py``)
@@ -82,7 +83,8 @@ _SHORT_RUN_S = 5e-4
 # A caller that finds its window full of its own runs waits for it to drain to half
 # inside XLA, and dispatches its run itself, when that wait is expected to take at
 # most this long (half the island's window of such runs; never less than
-# _SHORT_RUN_S a run). Longer runs are queued, and the caller goes on at once.
+# _SHORT_RUN_S a run; under the "fifo" policy only, see Controller._caller_short_s).
+# Longer runs are queued, and the caller goes on at once.
 # Queued, every run is handed to the controller's thread, each hand-over a wake-up
 # and a GIL round trip: a 1 ms train step ran at 0.89-0.96x of jax.jit queued,
 # 0.98-1.03x dispatched by its caller (benchmarks/demo.py).
@@ -193,7 +195,7 @@ class Controller:
             self._backend.window_size or cluster.in_flight,
             DEVICE_WINDOW,
             {device_window_key(d.id): island.index for island in cluster.islands for d in island.devices},
-            self.accounting.low,
+            self.accounting.median,
         )
         # Once every run stayed accounted a moment (accounting._IDLE_HOOK_S: not between the
         # calls of a loop that reads each result), this thread settles the windows: the last runs'
@@ -323,15 +325,22 @@ class Controller:
             and not reentry.inside.depth
             and threading.get_ident() != self._thread.ident
             and (self._budget is None or threading.get_ident() != MAIN_THREAD)
-            and 0.0 < self.accounting.lows.get(run.plan.key, 0.0) <= self._caller_short_s()
+            and 0.0 < self.accounting.medians.get(run.plan.key, 0.0) <= self._caller_short_s()
         )
 
     def _caller_short_s(self) -> float:
         """The longest run (device seconds) a caller waits for rather than queue its own behind it.
 
         Half the island's window of such runs takes at most ``_CALLER_WAIT_S``,
-        and never less than ``_SHORT_RUN_S`` counts.
+        and never less than ``_SHORT_RUN_S`` counts. Under ``"fifo"`` only: in
+        submission order, a run waiting in its caller's loop goes when it would
+        have gone from the queue. A policy that reorders (``"priority"``,
+        ``"fair"``) orders the runs queued: a low-priority backlog of
+        millisecond runs is queued at once, so that later high-priority runs
+        go before it.
         """
+        if self._policy.name != "fifo":
+            return _SHORT_RUN_S
         return max(_SHORT_RUN_S, _CALLER_WAIT_S / max(1, self.windows.island_size // 2))
 
     def _catch_up(self, run: Run) -> bool:
@@ -351,7 +360,7 @@ class Controller:
                 len(self._queues) > 1
                 or (
                     picked is not None
-                    and not 0.0 < self.accounting.lows.get(picked.plan.key, 0.0) <= self._caller_short_s()
+                    and not 0.0 < self.accounting.medians.get(picked.plan.key, 0.0) <= self._caller_short_s()
                 )
                 or self._stopped
                 or self._dead is not None
@@ -640,8 +649,8 @@ class Controller:
                         go.append(run)
                     elif why == _NO_ROOM:
                         no_room = True
-                        # The run's least device time lately (0: none measured yet).
-                        cost = self.accounting.low(run.plan)
+                        # The run's median device time lately (0: none measured yet).
+                        cost = self.accounting.median(run.plan)
                         if cost and (expected == 0.0 or cost < expected):
                             expected, full = cost, waits_on
                     else:

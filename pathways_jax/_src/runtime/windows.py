@@ -50,7 +50,7 @@ class InFlightWindows:
       island_size: entries an island's window holds.
       device_size: entries a device's window holds.
       island_of: the island of each device's window key (for traces and stats).
-      cost: a plan's least device seconds a run lately (0: none measured yet), for :meth:`short_oldest`.
+      cost: a plan's median device seconds a run lately (0: none measured yet), for :meth:`short_oldest`.
     """
 
     def __init__(
