@@ -79,3 +79,51 @@ def test_each_output_is_its_own_array_as_under_jax_jit():
     assert not x.is_deleted()
     same.delete()
     assert not x.is_deleted()
+
+
+def test_pw_jit_calls_under_grad_or_vmap_inside_a_program_keep_their_slices():
+    # Model parallelism by hand: two pw.jit stages on two islands, differentiated (or vmapped)
+    # inside the program. The stages' scopes came back wrapped by the transformation
+    # (``jvp(pw_jit0)``, ``transpose(jvp(pw_jit0))``) and matched no slice: the whole step ran
+    # as one node on a one-device slice of its own, neither stage where its pw.jit put it.
+    pw.init(islands=2)
+    a = pw.devices(mesh={"x": 4})
+    b = pw.devices(mesh={"x": 4}, island=1)
+    first = pw.jit(lambda x, w: jnp.tanh(x @ w), devices=a, in_specs=(pw.P("x"), pw.P()), out_specs=pw.P("x"))
+    second = pw.jit(lambda h, w: ((h @ w) ** 2).mean(), devices=b)
+
+    def loss(w1, w2, x, stage1, stage2):
+        return stage2(stage1(x, w1), w2)
+
+    def step(w1, w2, x):
+        return jax.value_and_grad(loss, argnums=(0, 1))(w1, w2, x, first, second)
+
+    def ensemble(ws, w2, x):
+        return jax.vmap(lambda w: loss(w, w2, x, first, second))(ws)
+
+    def plain(h, w):
+        return ((h @ w) ** 2).mean()
+
+    w1, w2 = jnp.full((4, 4), 0.1), jnp.full((4, 2), 0.2)
+    x = jnp.arange(32.0).reshape(8, 4) / 32
+    want = jax.jit(
+        lambda w1, w2, x: jax.value_and_grad(loss, argnums=(0, 1))(
+            w1, w2, x, lambda x, w: jnp.tanh(x @ w), plain
+        )
+    )(w1, w2, x)
+    assert_matches(pw.program(step)(w1, w2, x), want, rtol=1e-5)
+    graph = pw.program(step).graph(w1, w2, x)
+    # first's forward and backward on a, second's forward and backward on b: two DCN hops.
+    assert [n.slice for n in graph.nodes] == [a, b, a]
+    assert [t.kind for t in graph.transfers] == ["dcn", "dcn"]
+
+    ws = jnp.stack([w1, 2 * w1])
+    want = jax.vmap(lambda w: loss(w, w2, x, lambda x, w: jnp.tanh(x @ w), plain))(ws)
+    assert_matches(pw.program(ensemble)(ws, w2, x), want, rtol=1e-5)
+    assert [n.slice for n in pw.program(ensemble).graph(ws, w2, x).nodes] == [a, b]
+
+    # Under jax.checkpoint only the backward's recomputation is used: no node runs the forward.
+    remat = jax.checkpoint(lambda w1: loss(w1, w2, x, first, second))
+    want = jax.grad(jax.checkpoint(lambda w1: loss(w1, w2, x, lambda x, w: jnp.tanh(x @ w), plain)))(w1)
+    assert_matches(pw.program(lambda w1: jax.grad(remat)(w1))(w1), want, rtol=1e-5)
+    assert len(pw.program(lambda w1: jax.grad(remat)(w1)).graph(w1).nodes) == 1
