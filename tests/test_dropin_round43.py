@@ -127,3 +127,20 @@ def test_pw_jit_calls_under_grad_or_vmap_inside_a_program_keep_their_slices():
     want = jax.grad(jax.checkpoint(lambda w1: loss(w1, w2, x, lambda x, w: jnp.tanh(x @ w), plain)))(w1)
     assert_matches(pw.program(lambda w1: jax.grad(remat)(w1))(w1), want, rtol=1e-5)
     assert len(pw.program(lambda w1: jax.grad(remat)(w1)).graph(w1).nodes) == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a Python int too large for int32 fails in jax.device_put when the run is submitted "
+    "(runtime/submission.py, on the hot path), after tracing and compiling, with 'Python int ... "
+    "too large to convert to int32', naming no argument; the fix belongs at the call's signature "
+    "(api/arguments.py) or in submission.py.",
+)
+def test_a_python_int_too_large_names_its_argument_as_jax_jit_does():
+    def add(x, n):
+        return x + n
+
+    with pytest.raises(OverflowError, match=r"argument path is n"):
+        jax.jit(add)(jnp.ones(2), 2**40)
+    with pytest.raises(OverflowError, match=r"argument.*\bn\b|argument leaf 1"):
+        pw.program(add)(jnp.ones(2), 2**40)
