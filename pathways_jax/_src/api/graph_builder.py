@@ -21,7 +21,9 @@ from pathways_jax._src.runtime.slices import SCOPE_PREFIX, VirtualSlice
 # program's default slice, and each pw.jit call (numbered).
 JIT_SCOPE = "pw_jit"
 DEFAULT_SCOPE = "pw_default"
-_SCOPE_RE = re.compile(rf"^({SCOPE_PREFIX}|{DEFAULT_SCOPE}|{JIT_SCOPE})(\d+)$")
+# A transformation traced around the scope (jax.grad, vmap) wraps its name: the forward of a
+# pw.jit call under grad is ``jvp(pw_jit0)``, its backward ``transpose(jvp(pw_jit0))``.
+_SCOPE_RE = re.compile(rf"^((?:\w+\()*)({SCOPE_PREFIX}|{DEFAULT_SCOPE}|{JIT_SCOPE})(\d+)\)*$")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,13 +127,18 @@ def _same_spec(spec: Any, typed: Any, ndim: int) -> bool:
     return tuple(spec) + (None,) * (ndim - len(spec)) == tuple(typed) + (None,) * (ndim - len(typed))
 
 
-def parse_scopes(name_stack: Any) -> list[tuple[str, int]]:
-    """The pathways scopes of an equation's name stack, innermost first."""
+def parse_scopes(name_stack: Any, *, transformed: bool = True) -> list[tuple[str, int]]:
+    """The pathways scopes of an equation's name stack, innermost first.
+
+    ``transformed``: also the scopes a transformation traced inside the program
+    wraps (``jvp(pw_jit0)``: code under ``jax.grad`` keeps its placement, its
+    backward runs where its forward does).
+    """
     found = []
     for part in reversed(str(name_stack).split("/")):
         match = _SCOPE_RE.match(part)
-        if match:
-            found.append((match.group(1), int(match.group(2))))
+        if match and (transformed or not match.group(1)):
+            found.append((match.group(2), int(match.group(3))))
     return found
 
 
@@ -181,9 +188,28 @@ def _without_dead_calls(closed: Any) -> Any:
     kept = [
         eqn for eqn in eqns if eqn.effects or any(not isinstance(var, jex.DropVar) for var in eqn.outvars)
     ]
+    # Under jax.grad of a jax.checkpoint function, the forward of each pw.jit call inside is
+    # traced (and placed on its slice) though only the recomputing backward is used: XLA drops
+    # it under jax.jit, so no node runs it here either.
+    live = {v for v in closed.jaxpr.outvars if _is_var(v)}
+    alive: list[Any] = []
+    for eqn in reversed(kept):
+        if eqn.effects or not _in_transformed_scope(eqn) or any(var in live for var in eqn.outvars):
+            alive.append(eqn)
+            live.update(v for v in eqn.invars if _is_var(v))
+    kept = alive[::-1]
     if len(kept) == len(eqns):
         return closed
     return closed.replace(jaxpr=closed.jaxpr.replace(eqns=kept))
+
+
+def _in_transformed_scope(eqn: Any) -> bool:
+    """Whether a transformation traced inside the program wraps the equation's innermost pathways scope."""
+    for part in reversed(str(eqn.source_info.name_stack).split("/")):
+        match = _SCOPE_RE.match(part)
+        if match:
+            return bool(match.group(1))
+    return False
 
 
 def _host_literal(atom: Any) -> bool:
@@ -446,7 +472,9 @@ def build(
             # On Explicit axes the sharding is the value's type: it wins over the call's shardings.
             all_in_specs = _typed_specs(eqn.invars, all_in_specs, slice_)
             out_specs = _typed_specs(eqn.outvars, out_specs, slice_)
-            for scope_kind, call_number in parse_scopes(eqn.source_info.name_stack):
+            # A transformed call's inputs and outputs are not the call's: its specs do not apply
+            # there (as a pw.jit called inside the caller's own grad or vmap).
+            for scope_kind, call_number in parse_scopes(eqn.source_info.name_stack, transformed=False):
                 if scope_kind == "pw_jit":
                     call = state.jit_calls[call_number]
                     if len(call.in_specs) == len(eqn.invars):

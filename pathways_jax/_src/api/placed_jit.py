@@ -343,6 +343,7 @@ class JitFunction:
         ``jax.jit`` whose other arguments live on other devices then fails with
         JAX's own "incompatible devices" error, naming both.
         """
+        self._refuse_traced_statics(args, kwargs)
         if slice_ is None:
             return self._jitted_for(args, kwargs)(*args, **kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
@@ -352,6 +353,31 @@ class JitFunction:
         moved = [arg if position in static else put(arg, replicated) for position, arg in enumerate(args)]
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
         return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
+
+    def _refuse_traced_statics(self, args: tuple, kwargs: dict) -> None:
+        """Refuses a static argument a transformation made abstract, as a program does.
+
+        ``jax.eval_shape`` traces every argument of a function that is not a
+        ``jax.jit`` function itself, so a static one arrives as a tracer; ``jax.jit``
+        would then fail hashing it ("Non-hashable static arguments"), which names
+        neither the argument nor what to do.
+
+        Raises:
+          ProgramTraceError: also a ``ValueError``, as ``jax.jit``'s.
+        """
+        static = self._static_of(args)
+        statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in static if i < len(args)]
+        statics += [(name, kwargs[name]) for name in self._static_names if name in kwargs]
+        for where, value in statics:
+            if isinstance(value, jax.core.Tracer):
+                raise errors.also(errors.ProgramTraceError, ValueError)(
+                    f"static argument {where!r} of pw.jit function {self.__name__!r} "
+                    f"({self.source_info}) is a JAX tracer (called at {source.of_caller()}): the "
+                    "transformation around the call (jax.eval_shape traces every argument) made it "
+                    "abstract, and a static argument must be a value. Ask the function itself: "
+                    f"{self.__name__}.eval_shape(...), or close over the value (functools.partial) "
+                    "before transforming."
+                )
 
     def _retype_args(self, args: tuple) -> tuple:
         """On Explicit axes in_specs are types: arguments typed otherwise are resharded first."""
