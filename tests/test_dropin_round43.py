@@ -42,12 +42,6 @@ def _train_with_ema(state, x):
     return {"params": params, "ema": ema}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an argument returned as it is (or a value returned twice) is one buffer for every "
-    "output that names it, and the caller's own array; jax.jit returns a new buffer for each "
-    "output. The fix belongs in compile/binding.py (Binding.output), on the hot path.",
-)
 def test_an_argument_returned_twice_then_donated_trains_as_under_jax_jit():
     # An EMA (or a DQN target network) starts as a copy of the parameters. Under jax.jit each
     # output is its own buffer; a program returned the caller's arrays themselves, so the
@@ -66,11 +60,6 @@ def test_an_argument_returned_twice_then_donated_trains_as_under_jax_jit():
     assert not params["w"].is_deleted()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a value returned twice is one buffer for both outputs (see the test above); "
-    "the fix belongs in compile/binding.py, on the hot path.",
-)
 def test_each_output_is_its_own_array_as_under_jax_jit():
     x = jnp.arange(3.0)
     first, second, same = pw.program(lambda v: ((y := v * 2), y, v))(x)

@@ -108,6 +108,7 @@ class Binding:
         self.made_here: set[int] = set()  # values a step of this plan makes
         self.consumed: set[int] = set()  # future feed slots whose buffer an executable takes
         self.fed_committed: dict[int, bool] = {}  # vid -> committed, of array and future inputs
+        self.handed_out: set[int] = set()  # slots an output names so far (a second one gets a copy)
         self._feed(signature)
         self.readers: collections.Counter[int] = collections.Counter()
         for node in graph.nodes:
@@ -324,7 +325,14 @@ class Binding:
                     and value.slice.id == graph.uncommitted_slice
                     and len(sharding.device_set) == 1
                 )
-            return OutputSlot("slot", slot, value.aval, sharding, value.slice, value.origin, committed)
+            # As jax.jit's, every output is a buffer of its own: an argument returned as it is
+            # is not the caller's array, nor one value returned twice one buffer (donating or
+            # deleting one would take the other).
+            fresh = out.value not in self.made_here or slot in self.handed_out
+            self.handed_out.add(slot)
+            return OutputSlot(
+                "slot", slot, value.aval, sharding, value.slice, value.origin, committed, fresh=fresh
+            )
         if out.value in self.host_arg:
             return OutputSlot("argument", self.host_arg[out.value], value.aval, None, None, value.origin)
         slot = self.new_slot(jax.device_put(self.const_data[out.value]))

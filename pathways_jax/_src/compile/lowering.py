@@ -117,8 +117,14 @@ class Plan:
         # Outputs submission makes ready itself (literals, arguments returned as they are).
         self.special_outputs = [(i, out) for i, out in enumerate(self.outputs) if out.kind != "slot"]
         self.slot_outputs = {out.where: out for out in self.outputs if out.kind == "slot"}
-        # (output position, slot) of each output a node makes: what a dispatched run publishes.
-        self.published = tuple((i, out.where) for i, out in enumerate(self.outputs) if out.kind == "slot")
+        # (output position, slot) of each output a node makes: what a dispatched run publishes;
+        # those it publishes as copies of the slot's array (OutputSlot.fresh) apart.
+        self.published = tuple(
+            (i, out.where) for i, out in enumerate(self.outputs) if out.kind == "slot" and not out.fresh
+        )
+        self.published_copies = tuple(
+            (i, out.where) for i, out in enumerate(self.outputs) if out.kind == "slot" and out.fresh
+        )
         # How many windowed executables the plan puts on each island: a run
         # may be dispatched on the caller's thread only if they all fit now.
         # XLA's CPU client runs executables that call back into Python on the

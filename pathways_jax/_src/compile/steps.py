@@ -51,6 +51,9 @@ class OutputSlot:
     slice: SliceRef | None
     origin: str
     committed: bool = True  # False: an uncommitted one-device output, as jax.jit's (Graph.uncommitted_slice)
+    # A run hands out a copy of the slot's array, as jax.jit gives every output a buffer of its
+    # own: the slot holds an argument returned as it is, or another output's value.
+    fresh: bool = False
 
     @property
     def signature(self) -> FutureKey | None:

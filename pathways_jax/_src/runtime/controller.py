@@ -55,7 +55,15 @@ from pathways_jax._src.backends.base import Backend, StepFailed, device_window_k
 from pathways_jax._src.core import counts, errors, events, readiness, reentry
 from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
-from pathways_jax._src.runtime.object_store import MAIN_THREAD, READY, Failed, Freed, Pending, Ready
+from pathways_jax._src.runtime.object_store import (
+    MAIN_THREAD,
+    READY,
+    Failed,
+    Freed,
+    Pending,
+    Ready,
+    own_buffer,
+)
 from pathways_jax._src.runtime.windows import InFlightWindows
 
 if TYPE_CHECKING:
@@ -952,11 +960,18 @@ class Controller:
         """A dispatched run's outputs become ready (``values[slot]``); the watcher gets ``last``."""
         # ObjectStore.set_ready for each output a node made, inlined (once per output leaf).
         entries = run.outputs
-        for position, slot in run.plan.published:
+        plan = run.plan
+        for position, slot in plan.published:
             entry = entries[position]
             if type(entry.state) is not Freed:
                 entry.array = values[slot]  # before the state: a ready state has its array
                 entry.state = READY
+        if plan.published_copies:  # an argument, or a value returned twice: a buffer of its own
+            for position, slot in plan.published_copies:
+                entry = entries[position]
+                if type(entry.state) is not Freed:
+                    entry.array = own_buffer(values[slot])
+                    entry.state = READY
         self._store.wake()
         self.accounting.note(run, started, last)
         run.env = []

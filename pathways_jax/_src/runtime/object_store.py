@@ -113,6 +113,15 @@ class Entry:
         self.charge: Charge | None = None
 
 
+def own_buffer(value: Any) -> Any:
+    """``value`` as a buffer of its own: a copy of a ``jax.Array`` (a remote host's value as it is).
+
+    For a program output that would otherwise be an argument's buffer or another output's:
+    every output of ``jax.jit`` is its own, which donating or deleting it relies on.
+    """
+    return value.copy() if isinstance(value, jax.Array) else value
+
+
 class ObjectStore:
     """Tracks live values; frees a value when its last reference goes."""
 
