@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, jax_config
 
 import pathways_jax as pw
 
@@ -118,18 +118,21 @@ def test_pw_jit_calls_under_grad_or_vmap_inside_a_program_keep_their_slices():
     assert len(pw.program(lambda w1: jax.grad(remat)(w1)).graph(w1).nodes) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a Python int too large for int32 fails in jax.device_put when the run is submitted "
-    "(runtime/submission.py, on the hot path), after tracing and compiling, with 'Python int ... "
-    "too large to convert to int32', naming no argument; the fix belongs at the call's signature "
-    "(api/arguments.py) or in submission.py.",
-)
 def test_a_python_int_too_large_names_its_argument_as_jax_jit_does():
     def add(x, n):
         return x + n
 
     with pytest.raises(OverflowError, match=r"argument path is n"):
         jax.jit(add)(jnp.ones(2), 2**40)
-    with pytest.raises(OverflowError, match=r"argument.*\bn\b|argument leaf 1"):
-        pw.program(add)(jnp.ones(2), 2**40)
+    program = pw.program(add)
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"argument leaf 1, the Python int 1099511627776"
+    ) as info:
+        program(jnp.ones(2), 2**40)
+    assert isinstance(info.value, OverflowError)  # what jax.jit raises
+    np.testing.assert_array_equal(np.asarray(program(jnp.ones(2), 3)), [4.0, 4.0])  # the repeat call's path
+    with pytest.raises(OverflowError, match=r"argument leaf 1"):
+        program(jnp.ones(2), -(2**31) - 1)
+    with jax_config("jax_enable_x64", True):  # an int64 then: taken, as by jax.jit
+        want = jax.jit(add)(jnp.ones(2, jnp.int64), 2**40)
+        np.testing.assert_array_equal(np.asarray(pw.program(add)(jnp.ones(2, jnp.int64), 2**40)), want)

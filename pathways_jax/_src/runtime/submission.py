@@ -111,6 +111,8 @@ def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
         ticket = _stage(cl, plan, leaves, env)
     for index, slot, sharding in plan.host_feeds:
         leaf = leaves[index]
+        if type(leaf) is int:
+            _check_int(leaf, plan, index)
         if staged:  # shipped with the run's message, or put on devices at admission
             if shipped:
                 env[slot] = np.array(leaf, copy=True)
@@ -176,6 +178,20 @@ def _stage(cl: Any, plan: Plan, leaves: list[Any], env: list[Any]) -> StagedByte
         ticket.release()
         raise
     return ticket
+
+
+def _check_int(leaf: int, plan: Plan, index: int) -> None:
+    """Refuses, as ``jax.jit`` does, a Python int argument that does not fit JAX's integer type."""
+    wide = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+    bounds = np.iinfo(np.int64) if wide else np.iinfo(np.int32)
+    if bounds.min <= leaf <= bounds.max:
+        return
+    raise errors.also(errors.ProgramTraceError, OverflowError)(
+        f"program {plan.graph.name!r} got argument leaf {index}, the Python int {leaf}, which is too "
+        f"large for {bounds.dtype.name}, the type JAX gives a Python int (jax_enable_x64 is {wide}): "
+        "as jax.jit, a program refuses it. Pass it as a float, enable jax_enable_x64 for int64, or "
+        "pass it through static_argnums."
+    )
 
 
 def _guard_host_feeds(plan: Plan, leaves: list[Any]) -> None:
