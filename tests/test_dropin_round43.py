@@ -136,3 +136,19 @@ def test_a_python_int_too_large_names_its_argument_as_jax_jit_does():
     with jax_config("jax_enable_x64", True):  # an int64 then: taken, as by jax.jit
         want = jax.jit(add)(jnp.ones(2, jnp.int64), 2**40)
         np.testing.assert_array_equal(np.asarray(pw.program(add)(jnp.ones(2, jnp.int64), 2**40)), want)
+
+
+def test_a_shape_dtype_struct_passed_to_a_call_says_to_ask_the_program_for_shapes():
+    def double(v):
+        return v * 2
+
+    spec = jax.ShapeDtypeStruct((3,), jnp.float32)
+    with pytest.raises(TypeError):  # jax.jit's
+        jax.jit(double)(spec)
+    program = pw.program(double)
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"a jax.ShapeDtypeStruct .*program.eval_shape"
+    ) as info:
+        program(spec)
+    assert isinstance(info.value, TypeError) and "static_argnums" not in str(info.value)
+    assert program.eval_shape(spec) == jax.jit(double).eval_shape(spec)

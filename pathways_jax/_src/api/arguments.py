@@ -323,7 +323,14 @@ def _leaf_signature(leaf: Any, position: int, program: str) -> ArgKey:
             "has __jax_array__: JAX no longer converts such objects when it abstracts an argument. "
             "Convert it before the call (jnp.asarray(value)), or register its type as a pytree."
         )
-    raise errors.ProgramTraceError(
+    if isinstance(leaf, jax.ShapeDtypeStruct):  # a description of an argument, not a value
+        raise errors.also(errors.ProgramTraceError, TypeError)(
+            f"program {program!r} got argument leaf {position}, a jax.ShapeDtypeStruct "
+            f"({leaf.dtype}{list(leaf.shape)}): a call needs values, as jax.jit's does. To work from "
+            "shapes alone, ask the program: program.lower(...), program.trace(...) or "
+            "program.eval_shape(...) take ShapeDtypeStructs."
+        )
+    raise errors.also(errors.ProgramTraceError, TypeError)(
         f"program {program!r} got argument leaf {position} of type "
         f"{type(leaf).__name__}; expected a jax.Array, numpy array, Python "
         "scalar or pw.Future (or a pytree of them). Pass other values through "
