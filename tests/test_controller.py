@@ -195,6 +195,18 @@ def _heavy(x):
     return jax.lax.fori_loop(0, 60, lambda _, v: jnp.tanh(v @ v) * 0.5, x)
 
 
+def _twelve_calls_dispatched(monkeypatch, controller, program, fun, x):
+    """The threads that dispatched 12 chained calls of ``program`` (three device windows), checked against ``jax.jit(fun)``."""
+    threads = _dispatching_threads(monkeypatch, controller)
+    y = want = x
+    for _ in range(12):  # back to back: the window fills
+        y = program(y)
+    for _ in range(12):
+        want = jax.jit(fun)(want)
+    np.testing.assert_allclose(np.asarray(y.result(timeout=60)), np.asarray(want), rtol=1e-6)
+    return threads
+
+
 def _milliseconds(x):  # runs of a few milliseconds (a small train step): past _SHORT_RUN_S
     return jax.lax.fori_loop(0, 120, lambda _, v: jnp.tanh(v @ v) * 0.5, x)
 
@@ -250,14 +262,7 @@ def test_a_caller_waits_for_its_window_of_runs_of_milliseconds_only_within_the_c
     assert all(
         median == 5e-3 > controller_lib._SHORT_RUN_S for median in controller.accounting.medians.values()
     )
-    threads = _dispatching_threads(monkeypatch, controller)
-    y = x
-    for _ in range(12):  # three times the device's window
-        y = heavy(y)
-    want = x
-    for _ in range(12):
-        want = jax.jit(_milliseconds)(want)
-    np.testing.assert_allclose(np.asarray(y.result(timeout=60)), np.asarray(want), rtol=1e-6)
+    threads = _twelve_calls_dispatched(monkeypatch, controller, heavy, _milliseconds, x)
     if caller_wait_s:
         assert threads == [threading.get_ident()] * 12
     else:  # longer than the caller waits for: queued once the window is full
@@ -288,14 +293,7 @@ def test_runs_measured_short_lately_dispatch_inline_though_slow_looks_inflate_th
     assert wait_for(lambda: len(controller.accounting.medians) == 2, 30)
     assert all(cost == 100.0 for cost in controller.accounting.costs.values())
     assert all(median < 10.0 for median in controller.accounting.medians.values())
-    threads = _dispatching_threads(monkeypatch, controller)
-    y = x
-    for _ in range(12):  # three times the device's window
-        y = heavy(y)
-    want = x
-    for _ in range(12):
-        want = jax.jit(_heavy)(want)
-    np.testing.assert_allclose(np.asarray(y.result(timeout=60)), np.asarray(want), rtol=1e-6)
+    threads = _twelve_calls_dispatched(monkeypatch, controller, heavy, _heavy, x)
     assert threads == [threading.get_ident()] * 12
 
 

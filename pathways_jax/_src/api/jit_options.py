@@ -157,3 +157,27 @@ def with_jits_statics(
         tuple(sorted({*statics, *inner})),
         tuple(dict.fromkeys((*names, *inner_names))),
     )
+
+
+def refuse_traced_statics(statics: list[tuple[int | str, Any]], what: str, name: str, where: str) -> None:
+    """Refuses a static argument a transformation around the call made abstract (a JAX tracer).
+
+    ``jax.eval_shape`` traces every argument of a function that is not a
+    ``jax.jit`` function itself, so a static one arrives as a tracer; ``jax.jit``
+    would fail hashing it ("Non-hashable static arguments"), naming neither the
+    argument nor what to do. ``statics``: (position or name, value) of each;
+    ``what``: the function as the message names it; ``name``: what to call
+    ``eval_shape`` on; ``where``: its source.
+
+    Raises:
+      ProgramTraceError: also a ``ValueError``, as ``jax.jit``'s.
+    """
+    for arg, value in statics:
+        if isinstance(value, jax.core.Tracer):
+            raise errors.also(errors.ProgramTraceError, ValueError)(
+                f"static argument {arg!r} of {what} ({where}) is a JAX tracer (called at "
+                f"{source.of_caller()}): the transformation around the call (jax.eval_shape traces "
+                "every argument) made it abstract, and a static argument must be a value. Ask the "
+                f"function itself: {name}.eval_shape(...), or close over the value (functools.partial) "
+                "before transforming."
+            )

@@ -23,6 +23,7 @@ from pathways_jax._src.api.jit_options import (
     argnums,
     from_end,
     name_of,
+    refuse_traced_statics,
     with_jits_statics,
 )
 from pathways_jax._src.api.jit_shardings import jits_device, jits_keep_unused, with_jits_out_shardings
@@ -355,29 +356,11 @@ class JitFunction:
         return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
 
     def _refuse_traced_statics(self, args: tuple, kwargs: dict) -> None:
-        """Refuses a static argument a transformation made abstract, as a program does.
-
-        ``jax.eval_shape`` traces every argument of a function that is not a
-        ``jax.jit`` function itself, so a static one arrives as a tracer; ``jax.jit``
-        would then fail hashing it ("Non-hashable static arguments"), which names
-        neither the argument nor what to do.
-
-        Raises:
-          ProgramTraceError: also a ``ValueError``, as ``jax.jit``'s.
-        """
+        """Refuses a static argument a transformation made abstract, as a program does."""
         static = self._static_of(args)
         statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in static if i < len(args)]
         statics += [(name, kwargs[name]) for name in self._static_names if name in kwargs]
-        for where, value in statics:
-            if isinstance(value, jax.core.Tracer):
-                raise errors.also(errors.ProgramTraceError, ValueError)(
-                    f"static argument {where!r} of pw.jit function {self.__name__!r} "
-                    f"({self.source_info}) is a JAX tracer (called at {source.of_caller()}): the "
-                    "transformation around the call (jax.eval_shape traces every argument) made it "
-                    "abstract, and a static argument must be a value. Ask the function itself: "
-                    f"{self.__name__}.eval_shape(...), or close over the value (functools.partial) "
-                    "before transforming."
-                )
+        refuse_traced_statics(statics, f"pw.jit function {self.__name__!r}", self.__name__, self.source_info)
 
     def _retype_args(self, args: tuple) -> tuple:
         """On Explicit axes in_specs are types: arguments typed otherwise are resharded first."""

@@ -28,7 +28,7 @@ from pathways_jax._src.api.arguments import (
     note_array_keys,
 )
 from pathways_jax._src.api.graph_view import GraphView
-from pathways_jax._src.api.jit_options import name_of
+from pathways_jax._src.api.jit_options import name_of, refuse_traced_statics
 from pathways_jax._src.api.placement import _mesh_mismatch_hint
 from pathways_jax._src.api.program_info import ProgramInfo
 from pathways_jax._src.api.repeat_calls import RepeatCalls
@@ -146,15 +146,7 @@ class Program:
         positions = self._info.static_positions(len(args))
         statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in positions if i < len(args)]
         statics += [(name, kwargs[name]) for name in self._info.static_names if name in kwargs]
-        for where, value in statics:
-            if isinstance(value, jax.core.Tracer):
-                raise errors.also(errors.ProgramTraceError, ValueError)(
-                    f"static argument {where!r} of program {self.name!r} ({self.source_info}) is a JAX "
-                    f"tracer (called at {source.of_caller()}): the transformation around the call (jax.eval_shape "
-                    "traces every argument) made it abstract, and a static argument must be a value. "
-                    f"Ask the program itself: {self.name}.eval_shape(...), or close over the value "
-                    "(functools.partial) before transforming."
-                )
+        refuse_traced_statics(statics, f"program {self.name!r}", self.name, self.source_info)
         jitted = self._as_jit_for(args, kwargs)
         if self._info.devices is None:
             return jitted(*args, **kwargs)
