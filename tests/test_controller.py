@@ -195,6 +195,17 @@ def _heavy(x):
     return jax.lax.fori_loop(0, 60, lambda _, v: jnp.tanh(v @ v) * 0.5, x)
 
 
+def _measured_on_one_device(fun, size):
+    """``pw.jit(fun)`` on a 1-device slice, run for arrays and for futures (two plans) and measured."""
+    pw.init(num_cpu_devices=8)
+    program = pw.jit(fun, devices=pw.devices(mesh={"x": 1}))
+    x = jnp.eye(size) * 0.5
+    program(program(x)).result(timeout=60)
+    controller = pw.cluster().controller
+    assert wait_for(lambda: len(controller.accounting.medians) == 2, 30)
+    return program, x, controller
+
+
 def _twelve_calls_dispatched(monkeypatch, controller, program, fun, x):
     """The threads that dispatched 12 chained calls of ``program`` (three device windows), checked against ``jax.jit(fun)``."""
     threads = _dispatching_threads(monkeypatch, controller)
@@ -252,13 +263,7 @@ def test_a_caller_waits_for_its_window_of_runs_of_milliseconds_only_within_the_c
     monkeypatch.setattr(
         accounting_lib, "fold_median", lambda medians, recent, key, _: fold_median(medians, recent, key, 5e-3)
     )  # every run measured 5 ms, whatever this machine makes of it
-    pw.init(num_cpu_devices=8)
-    s = pw.devices(mesh={"x": 1})
-    heavy = pw.jit(_milliseconds, devices=s)
-    x = jnp.eye(128) * 0.5
-    heavy(heavy(x)).result(timeout=60)
-    controller = pw.cluster().controller
-    assert wait_for(lambda: len(controller.accounting.medians) == 2, 30)
+    heavy, x, controller = _measured_on_one_device(_milliseconds, 128)
     assert all(
         median == 5e-3 > controller_lib._SHORT_RUN_S for median in controller.accounting.medians.values()
     )
@@ -284,13 +289,7 @@ def test_runs_measured_short_lately_dispatch_inline_though_slow_looks_inflate_th
     monkeypatch.setattr(
         accounting_lib, "fold", lambda estimates, once, key, _: fold(estimates, once, key, 100.0)
     )  # every look came late: the smoothed estimate says 100 s a run
-    pw.init(num_cpu_devices=8)
-    s = pw.devices(mesh={"x": 1})
-    heavy = pw.jit(_heavy, devices=s)
-    x = jnp.eye(64) * 0.5
-    heavy(heavy(x)).result(timeout=60)
-    controller = pw.cluster().controller
-    assert wait_for(lambda: len(controller.accounting.medians) == 2, 30)
+    heavy, x, controller = _measured_on_one_device(_heavy, 64)
     assert all(cost == 100.0 for cost in controller.accounting.costs.values())
     assert all(median < 10.0 for median in controller.accounting.medians.values())
     threads = _twelve_calls_dispatched(monkeypatch, controller, heavy, _heavy, x)
