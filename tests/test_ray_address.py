@@ -159,20 +159,60 @@ def test_joins_a_ray_cluster_started_without_authentication_while_a_token_is_at_
         assert "result matches jax.jit" in proc.stdout
         from pathways_jax._src.backends import ray_auth
 
-        assert ray_auth.answers_without_token(address) is True
+        assert ray_auth.ask(address) == "answered"
 
 
-def test_a_cluster_that_asks_for_a_token_is_told_apart(ray_cluster):
-    # The suite's own local cluster: Ray turns token authentication on for a new local cluster
-    # (RAY_AUTH_MODE=token) unless the environment turned it off.
+WRONG_TOKEN = textwrap.dedent(
+    """
+    import sys, time
+    import pathways_jax as pw
+
+    for call in (
+        lambda: pw.init(backend="ray", address=sys.argv[1], hosts=1),
+        lambda: pw.init(backend="ray", address=sys.argv[1], service="pathways"),
+        lambda: pw.serve("pathways", hosts=1, address=sys.argv[1]),
+    ):
+        started = time.monotonic()
+        try:
+            call()
+        except pw.errors.ClusterError as exc:
+            print("REFUSED", round(time.monotonic() - started, 1), exc)
+    """
+)
+
+
+def test_a_token_the_cluster_refuses_or_none_is_refused_within_seconds(ray_cluster, tmp_path):
+    # The suite's own local cluster asks for a token (Ray turns token authentication on for a new
+    # local cluster). A process with another cluster's token, or none, waited 20 s for ray.init,
+    # then was told it 'could not reach the Ray cluster ... Check the address'.
     import ray
 
     from pathways_jax._src.backends import ray_auth
 
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        pytest.skip("the suite's Ray cluster was started without token authentication")
     address = ray.get_runtime_context().gcs_address
-    asks = os.environ.get("RAY_AUTH_MODE") == "token"
-    assert ray_auth.answers_without_token(address) is not asks
-    assert ray_auth.answers_without_token("127.0.0.1:1") is False  # nothing there: the token is sent
+    token, _ = ray_auth.token_at_hand()
+    assert ray_auth.ask(address, token) == "answered"
+    assert ray_auth.ask(address) == "refused"
+    assert ray_auth.ask(address, "0" * 32) == "refused"
+    assert ray_auth.ask("127.0.0.1:1") == "unknown"  # nothing there: left to Ray
+    script = tmp_path / "wrong_token.py"
+    script.write_text(WRONG_TOKEN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(JAX_PLATFORMS="cpu", HOME=str(tmp_path))  # no token saved here
+    for extra, said in (({"RAY_AUTH_TOKEN": "0" * 32}, "refused the authentication token"), ({}, "has none")):
+        done = subprocess.run(
+            [sys.executable, str(script), address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**env, **extra},
+        )
+        refusals = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+        assert len(refusals) == 3, (done.stdout, done.stderr[-3000:])
+        for _, seconds, message in refusals:
+            assert float(seconds) < 10 and said in message and "RAY_AUTH_TOKEN" in message, message
 
 
 REINIT = textwrap.dedent(
