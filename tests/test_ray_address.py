@@ -5,6 +5,7 @@ A head node is started with ``ray start --head --block`` in its own session
 runs a two-host program against it with ``pw.init(backend="ray", address=...)``.
 """
 
+import contextlib
 import os
 import pathlib
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -44,10 +46,10 @@ CLIENT = textwrap.dedent(
 )
 
 
-def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
+@contextlib.contextmanager
+def _ray_head(env: dict) -> Iterator[str]:
+    """A Ray head started with ``ray start --head --block`` in its own session, under ``env``: its address."""
     ray_cli = pathlib.Path(sys.executable).with_name("ray")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
-    env.pop("XLA_FLAGS", None)
     # `ray start` records its address for later `ray.init()`s on this machine, and the
     # record outlives the cluster: put back what was there before.
     record = pathlib.Path("/tmp/ray/ray_current_cluster")
@@ -81,6 +83,24 @@ def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
             if found:
                 address = found.group(1)
         assert address, "the Ray head did not report its address:\n" + "".join(seen)
+        yield address
+    finally:
+        # Its own session's processes are killed: Ctrl-C (SIGINT) stops `ray start --block` in
+        # about a second alone, but in full suites it did not stop (the test took 68 s with a
+        # 60 s wait for it, 23 s with 15 s), nor with SIGTERM, and every full suite ended it so.
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(30)
+        head.stdout.close()
+        if previous is None:
+            record.unlink(missing_ok=True)
+        else:
+            record.write_text(previous)
+
+
+def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
+    env.pop("XLA_FLAGS", None)
+    with _ray_head(env) as address:
         client = tmp_path / "client.py"
         client.write_text(CLIENT)
         # The head uses Ray's token authentication (its default), and a driver joining by
@@ -98,17 +118,101 @@ def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
         )
         assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
         assert "joined 2 hosts; result matches jax.jit" in proc.stdout
-    finally:
-        # Its own session's processes are killed: Ctrl-C (SIGINT) stops `ray start --block` in
-        # about a second alone, but in full suites it did not stop (the test took 68 s with a
-        # 60 s wait for it, 23 s with 15 s), nor with SIGTERM, and every full suite ended it so.
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait(30)
-        head.stdout.close()
-        if previous is None:
-            record.unlink(missing_ok=True)
-        else:
-            record.write_text(previous)
+
+
+ONE_HOST = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import pathways_jax as pw
+
+    pw.init(backend="ray", address=sys.argv[1], hosts=1)
+    x = jnp.arange(4.0)
+    got = pw.jit(lambda v: jnp.cos(v) + 1, devices=pw.devices(mesh={"x": 1}))(x).result(timeout=60)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(lambda v: jnp.cos(v) + 1)(x)))
+    print("result matches jax.jit")
+    """
+)
+
+
+def test_joins_a_ray_cluster_started_without_authentication_while_a_token_is_at_hand(tmp_path):
+    # A head started with RAY_AUTH_MODE=disabled (Ray's opt-out), joined from a process with a
+    # token at hand (one `ray start` or a local ray.init saved, here RAY_AUTH_TOKEN): pw.init turned
+    # token mode on, ray.init joined, and every actor the process made there died before it
+    # started ("the Ray host actors did not start"; a service's client was dropped at once).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    env.pop("XLA_FLAGS", None)
+    with _ray_head(env) as address:
+        client = tmp_path / "one_host.py"
+        client.write_text(ONE_HOST)
+        client_env = dict(env, RAY_AUTH_TOKEN="0123456789abcdef0123456789abcdef")
+        client_env.pop("RAY_AUTH_MODE")
+        proc = subprocess.run(
+            [sys.executable, str(client), address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=client_env,
+            check=False,
+        )
+        assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-3000:]}"
+        assert "result matches jax.jit" in proc.stdout
+        from pathways_jax._src.backends import ray_auth
+
+        assert ray_auth.ask(address) == "answered"
+
+
+WRONG_TOKEN = textwrap.dedent(
+    """
+    import sys, time
+    import pathways_jax as pw
+
+    for call in (
+        lambda: pw.init(backend="ray", address=sys.argv[1], hosts=1),
+        lambda: pw.init(backend="ray", address=sys.argv[1], service="pathways"),
+        lambda: pw.serve("pathways", hosts=1, address=sys.argv[1]),
+    ):
+        started = time.monotonic()
+        try:
+            call()
+        except pw.errors.ClusterError as exc:
+            print("REFUSED", round(time.monotonic() - started, 1), exc)
+    """
+)
+
+
+def test_a_token_the_cluster_refuses_or_none_is_refused_within_seconds(ray_cluster, tmp_path):
+    # The suite's own local cluster asks for a token (Ray turns token authentication on for a new
+    # local cluster). A process with another cluster's token, or none, waited 20 s for ray.init,
+    # then was told it 'could not reach the Ray cluster ... Check the address'.
+    import ray
+
+    from pathways_jax._src.backends import ray_auth
+
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        pytest.skip("the suite's Ray cluster was started without token authentication")
+    address = ray.get_runtime_context().gcs_address
+    token, _ = ray_auth.token_at_hand()
+    assert ray_auth.ask(address, token) == "answered"
+    assert ray_auth.ask(address) == "refused"
+    assert ray_auth.ask(address, "0" * 32) == "refused"
+    assert ray_auth.ask("127.0.0.1:1") == "unknown"  # nothing there: left to Ray
+    script = tmp_path / "wrong_token.py"
+    script.write_text(WRONG_TOKEN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(JAX_PLATFORMS="cpu", HOME=str(tmp_path))  # no token saved here
+    for extra, said in (({"RAY_AUTH_TOKEN": "0" * 32}, "refused the authentication token"), ({}, "has none")):
+        done = subprocess.run(
+            [sys.executable, str(script), address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**env, **extra},
+        )
+        refusals = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+        assert len(refusals) == 3, (done.stdout, done.stderr[-3000:])
+        for _, seconds, message in refusals:
+            assert float(seconds) < 10 and said in message and "RAY_AUTH_TOKEN" in message, message
 
 
 REINIT = textwrap.dedent(

@@ -16,7 +16,8 @@ May import: ``compile``, ``ir``, ``wire``, ``core`` (and Ray, lazily, through ``
 
 Modules: ``base`` (the protocol, start options, capabilities); ``registry`` (backends by name);
 ``local`` (this process's devices); ``ray`` (the Ray backend: its host actors, what a lost host
-means); ``ray_boot`` (Ray joined, GPUs checked, the layout, the link); ``ray_dispatch`` (plans
+means); ``ray_boot`` (Ray joined, GPUs checked, the layout, the link); ``ray_auth`` (whether
+to send Ray's authentication token to a cluster joined by address); ``ray_dispatch`` (plans
 split, runs sent, values fetched, through a route); ``ray_route`` (the Ray backend's route: its own
 hosts); ``ray_places`` (where the stand-in devices are); ``ray_losses`` (lost islands, generations,
 the lost message); ``ray_failures`` (what hosts' failures raise); ``ray_fleet`` (the host actors: started, watched, replaced, killed);

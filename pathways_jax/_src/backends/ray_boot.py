@@ -6,11 +6,11 @@ Ray is imported only through :func:`import_ray`, lazily: ``pip install pathways-
 from __future__ import annotations
 
 import os
-import pathlib
 import socket
 import warnings
 from typing import Any, NamedTuple
 
+from pathways_jax._src.backends import ray_auth
 from pathways_jax._src.backends.host_link import Link, RayCallLink
 from pathways_jax._src.core import errors
 
@@ -200,27 +200,11 @@ def _grpc_answer(sock: socket.socket) -> str | None:
     return f"answered {head!r}" if head else "hung up"
 
 
-def send_saved_token() -> None:
-    """Joining a running Ray cluster: sends the token Ray saved, unless this process chose a mode.
-
-    ``ray start`` turns on Ray's token authentication by default (Ray 2.59 and
-    later) and saves the token for the user (``~/.ray/auth_token``), but a
-    driver that joins by address sends it only with ``RAY_AUTH_MODE=token``:
-    without it, ``ray.init`` retries for 20 s and fails. As Ray's own commands
-    do: if ``RAY_AUTH_MODE`` is unset and a token is at hand (``RAY_AUTH_TOKEN``,
-    ``RAY_AUTH_TOKEN_PATH`` or the saved file), token mode is turned on for
-    this process (a cluster without authentication ignores the token).
+def send_saved_token(address: str) -> None:
+    """Joining the running Ray cluster at ``address``: sends the token Ray saved if the cluster asks for
+    one, unless this process chose a mode (``ray_auth.choose_mode``; ``"auto"`` is the address it stands for).
     """
-    if "RAY_AUTH_MODE" in os.environ:
-        return  # the user's choice
-    try:
-        from ray._private.authentication import authentication_token_setup as setup
-
-        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-    except (ImportError, AttributeError, TypeError):  # another Ray: its documented variables
-        saved = pathlib.Path.home() / ".ray" / "auth_token"
-        if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or saved.is_file():
-            os.environ["RAY_AUTH_MODE"] = "token"
+    ray_auth.choose_mode((_auto_address() or address) if address == "auto" else address)
 
 
 # The local Ray session pathways_jax started itself, by its node id (none: none or the user's).
@@ -248,7 +232,7 @@ def join_ray(ray: Any, address: str | None, hosts: int) -> None:
         ray.shutdown()  # the local session pathways_jax started for fewer hosts: a larger one
     if address is not None:
         check_reachable(address)
-        send_saved_token()
+        send_saved_token(address)
     with warnings.catch_warnings():
         # Ray starts its own processes with fork + exec; JAX's fork hook
         # warns about forking a multithreaded process, which matters only

@@ -30,6 +30,9 @@ _PING_S = 0.25  # how often the monitor looks at every host
 # (pw.init's, or pw.serve's: the service takes its starter's) sets another.
 HUNG_S = 10.0
 HUNG_ENV = "PATHWAYS_JAX_HUNG_S"
+# A monitor that did not look for this long was not running itself (its process stopped, Ctrl-Z, or
+# starved): the hosts' silence meanwhile is its own, and each is given HUNG_S again from its return.
+PAUSED_S = 2.0
 START_TIMEOUT_S = 120.0
 # A placement the Ray cluster had no free room for (its CPUs, or GPUs, held by others: another
 # service's hosts, another job's actors) all this long is refused, not waited on for START_TIMEOUT_S.
@@ -181,6 +184,7 @@ class HostActors:
         self.actors: list[Any] = []
         self.info: list[dict] = []
         self._pings: dict[int, tuple[Any, Any]] = {}  # host -> (its ping in flight, the actor pinged)
+        self._resumed = time.monotonic()  # since when the monitor runs without a pause of its own
 
     def new_actor(self, host: int) -> Any:
         """A host actor for host ``host``, in its bundle of the placement group."""
@@ -345,7 +349,12 @@ class HostActors:
     def monitor(self, watcher: Watcher) -> None:
         """Pings every host; a host whose actor died is lost. A slow host is only slow."""
         ray = self.ray
+        looked = time.monotonic()
         while not watcher.closed:
+            now = time.monotonic()
+            if now - looked > min(PAUSED_S, self.hung_s / 2):
+                self._resumed = now  # this process did not run: the hosts were not heard, not silent
+            looked = now
             try:
                 self._look(watcher)
             except Exception as exc:  # Ray itself went away (process exit): stop looking
@@ -360,6 +369,8 @@ class HostActors:
             if host in watcher.lost_hosts or watcher.closed:
                 continue
             silent = self.link.silent_for(host)
+            if silent is not None:
+                silent = min(silent, time.monotonic() - self._resumed)
             if silent is not None and silent > self.hung_s:
                 with contextlib.suppress(Exception):
                     ray.kill(self.actors[host], no_restart=True)

@@ -77,7 +77,7 @@ def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
         where = address or ("local" if start else "auto")
         if where != "local":
             check_reachable(where)
-            send_saved_token()
+            send_saved_token(where)
         try:
             ray.init(
                 address=where,

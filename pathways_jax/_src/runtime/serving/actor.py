@@ -60,6 +60,10 @@ if TYPE_CHECKING:  # the channels need the ray extra (pyzmq, msgspec): imported 
     from pathways_jax._src import wire
 
 _DEPARTED_KEPT = 64  # clients that went, still listed in stats
+_TICK_S = 0.5  # how often the service looks at its queues and clients
+# A tick that came this late found the service not running itself (its process stopped or starved):
+# its clients' silence meanwhile is its own, and each gets silent_client_timeout again from its return.
+_PAUSED_S = 2.0
 
 
 class ServiceActor:
@@ -121,6 +125,7 @@ class ServiceActor:
         self.incarnation = secrets.token_hex(8)
         self._ids = itertools.count(1)
         self._ticker: Any = None
+        self._resumed = time.monotonic()  # since when the service runs without a pause of its own
         self._loop: Any = None  # the actor's event loop (set by its first async call)
         self._handoff: Any = None  # what the channels' threads hand that loop (made with it)
         # Clients send their batches on this channel (signed with the service's key).
@@ -305,8 +310,13 @@ class ServiceActor:
     async def _tick(self) -> None:
         """Looks at the queues and the clients now and then: a run waiting for memory fails in
         time even when nothing else happens, and a silent client is dropped."""
+        looked = time.monotonic()
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(_TICK_S)
+            now = time.monotonic()
+            if now - looked > _PAUSED_S:
+                self._resumed = now  # the service did not run: its clients were not heard, not silent
+            looked = now
             with contextlib.suppress(Exception):
                 self._drop_silent()
             with contextlib.suppress(Exception):
@@ -340,7 +350,7 @@ class ServiceActor:
         now = time.monotonic()
         for identity, client in list(self._by_identity.items()):
             heard = self.channel.last_heard(identity)
-            silent = now - max(client.joined_at, heard or client.joined_at)
+            silent = now - max(client.joined_at, heard or client.joined_at, self._resumed)
             if client.alive and silent > timeout:
                 self._drop_client(
                     client,
