@@ -22,7 +22,7 @@ from typing import Literal
 from pathways_jax._src.core import errors
 
 _ASK_TIMEOUT_S = 5.0  # a cluster that does not answer the question in this long is left to Ray
-_CALL = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # the first call every Ray client makes
+CALL = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # the first call every Ray client makes
 
 Answer = Literal["answered", "refused", "unknown"]
 
@@ -111,7 +111,7 @@ def ask(address: str, token: str | None = None) -> Answer:
     metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
     try:
         with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
-            call = channel.unary_unary(_CALL)  # no serializers: the request and the answer are bytes
+            call = channel.unary_unary(CALL)  # no serializers: the request and the answer are bytes
             call(b"", timeout=_ASK_TIMEOUT_S, metadata=metadata)
     except grpc.RpcError as exc:
         return "refused" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "unknown"

@@ -83,14 +83,14 @@ def check_reachable(address: str) -> None:
     if not host or not port.isdigit() or "/" in where:
         return
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_TIMEOUT_S) as sock:
-            answer = _grpc_answer(sock)
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_TIMEOUT_S).close()
     except OSError as exc:
         raise errors.ClusterError(
             f"could not reach the Ray cluster at {shown}: nothing took a connection there within "
             f"{_REACH_TIMEOUT_S:g}s ({exc}). Check the address (the head's `ray start` prints it; a "
             "controller service's is pw.Service.address), or start a cluster with `ray start --head`."
         ) from exc
+    answer = _grpc_answer(where)
     if answer is not None:
         raise errors.ClusterError(
             f"{shown} is not a Ray cluster's address: something takes connections there, but it does "
@@ -168,36 +168,30 @@ def _auto_address() -> str | None:
     return found if isinstance(found, str) and found != "auto" else None
 
 
-# What a gRPC client sends first: HTTP/2's connection preface and an empty SETTINGS frame.
-_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
-_SETTINGS = 0x4  # an HTTP/2 frame's type (its fourth byte): a gRPC server opens with its settings
+def _grpc_answer(address: str) -> str | None:
+    """None if the server at ``address`` may be a gRPC server (Ray's GCS, or Ray Client's); else what it did.
 
-
-def _grpc_answer(sock: socket.socket) -> str | None:
-    """None if the server on ``sock`` may be a gRPC server (Ray's); else what it did instead.
-
-    A gRPC server answers the HTTP/2 preface with its SETTINGS frame at once; an
-    HTTP/1 server, a ZeroMQ socket or a database answers something else or hangs
-    up. A server that says nothing in time, or one behind TLS (``RAY_USE_TLS``),
-    is left to Ray.
+    One call with gRPC's own client (``grpcio``): a gRPC server answers it, or
+    refuses it with a status of its own (unauthenticated, unimplemented); an
+    HTTP/1 server, a ZeroMQ socket or one that hangs up gives none. A server
+    that says nothing in time, or one behind TLS (``RAY_USE_TLS``), is left to Ray.
     """
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return None
     try:
-        sock.sendall(_HTTP2_PREFACE)
-        head = b""
-        while len(head) < 4:
-            more = sock.recv(4 - len(head))
-            if not more:
-                break
-            head += more
-    except TimeoutError:
+        import grpc
+    except ImportError:  # pragma: no cover - the ray extra brings it
         return None
-    except OSError as exc:
-        return f"dropped the connection ({exc})"
-    if len(head) == 4 and head[3] == _SETTINGS:
+    try:
+        with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+            channel.unary_unary(ray_auth.CALL)(b"", timeout=_REACH_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+            return f"gave no gRPC answer ({exc.details()})"
+        return None  # a gRPC server's own status, or no answer in time: left to Ray
+    except ValueError:  # an address gRPC does not take: left to Ray
         return None
-    return f"answered {head!r}" if head else "hung up"
+    return None
 
 
 def send_saved_token(address: str) -> None:
