@@ -94,8 +94,8 @@ _SHORT_RUN_S = 5e-4
 # _SHORT_RUN_S a run; under the "fifo" policy only, see Controller._caller_short_s).
 # Longer runs are queued, and the caller goes on at once.
 # Queued, every run is handed to the controller's thread, each hand-over a wake-up
-# and a GIL round trip: a 1 ms train step ran at 0.89-0.96x of jax.jit queued,
-# 0.98-1.03x dispatched by its caller (benchmarks/demo.py).
+# and a GIL round trip: the README demo's 1 ms step ran at 0.92-0.96x of jax.jit
+# queued, 0.96-1.05x dispatched by its caller (benchmarks/demo.py, four runs each).
 _CALLER_WAIT_S = 0.05
 _DEFAULT_COST_S = 1e-4  # a run's device time before any was measured
 # The longest a caller waits for its queued short runs to be dispatched before
