@@ -255,7 +255,11 @@ class Controller:
                     # later call of this client queued behind it, each paying for a hand-over
                     # between threads. (Runs of other clients in the window: the policy picks.)
                     drained = True
-                    self.windows.drain(full, self._caller_short_s())
+                    # Within _CALLER_WAIT_S: a run that measured short may hang now (it waits for a
+                    # host callback's gate); then the run is queued, under max_queued's back-pressure.
+                    self.windows.drain(
+                        full, self._caller_short_s(), time.monotonic() + _CALLER_WAIT_S, _SHORT_RUN_S
+                    )
                     continue
             key = run.client.key
             with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -108,14 +109,25 @@ class InFlightWindows:
         """True if every entry of window ``key`` is of runs of the client named ``client``."""
         return all(flight.client == client for _, flight in list(self.entries[key]))
 
-    def drain(self, key: int, short_s: float) -> None:
+    def drain(self, key: int, short_s: float, deadline: float | None = None, block_s: float = 0.0) -> None:
         """Waits (inside XLA, no lock held) until window ``key`` is at most half full.
 
         Only on short runs: it stops at an entry of a run not known to take at most ``short_s``.
+        With a ``deadline`` (``time.monotonic()``) it stops then too: a run known to take at most
+        ``block_s`` is waited for inside XLA, a longer one looked at now and then until then (a
+        run that measured short may hang now: one waiting for a host callback's gate).
         """
         low = self.size(key) // 2
         while self.settle(key) > low and self.short_oldest(key, short_s):
-            oldest, _ = self.entries[key][0]
+            oldest, flight = self.entries[key][0]
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                plan = flight.plan()
+                if not 0.0 < (self._cost(plan) if plan is not None else 0.0) <= block_s:
+                    readiness.poll([oldest], lambda: time.monotonic() >= deadline, blocking_s=left)
+                    continue
             with contextlib.suppress(Exception):  # its error reaches the run's futures
                 readiness.block(oldest)
 
