@@ -14,7 +14,8 @@ the same, and the hand-off between threads, which costs more than a dispatch,
 is saved. A caller whose window is full of its own runs, each measured short
 enough that half a window of them takes at most ``_CALLER_WAIT_S`` (under
 ``"fifo"``; ``_SHORT_RUN_S`` under the policies that reorder), waits for half of
-them inside XLA and goes on dispatching itself; longer runs are queued.
+them (for at most ``_CALLER_WAIT_S``) and goes on dispatching itself; longer
+runs are queued, and so is its run once that wait is over.
 
 Runs wait in one FIFO queue per client (at most ``pw.init(max_queued=...)``
 each: a caller beyond that waits); the scheduling policy (``scheduler.py``)
@@ -88,11 +89,11 @@ _ROOM_POLL_S = 5e-5
 # again and again: another island's run then waits at most about half a
 # window of such short runs.
 _SHORT_RUN_S = 5e-4
-# A caller that finds its window full of its own runs waits for it to drain to half
-# inside XLA, and dispatches its run itself, when that wait is expected to take at
-# most this long (half the island's window of such runs; never less than
-# _SHORT_RUN_S a run; under the "fifo" policy only, see Controller._caller_short_s).
-# Longer runs are queued, and the caller goes on at once.
+# A caller that finds its window full of its own runs waits for it to drain to half,
+# and dispatches its run itself, when that wait is expected to take at most this long
+# (half the island's window of such runs; never less than _SHORT_RUN_S a run; under
+# the "fifo" policy only, see Controller._caller_short_s), and waits no longer than
+# this. Longer runs are queued, and the caller goes on at once.
 # Queued, every run is handed to the controller's thread, each hand-over a wake-up
 # and a GIL round trip: the README demo's 1 ms step ran at 0.92-0.96x of jax.jit
 # queued, 0.96-1.05x dispatched by its caller (benchmarks/demo.py, four runs each).
