@@ -97,26 +97,31 @@ def _ray_head(env: dict) -> Iterator[str]:
             record.write_text(previous)
 
 
+def _run_client(path: pathlib.Path, source: str, address: str, env: dict, timeout: float):
+    """Runs ``source`` (written to ``path``) as a client process given ``address``; it must succeed."""
+    path.write_text(source)
+    proc = subprocess.run(
+        [sys.executable, str(path), address],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-3000:]}"
+    return proc
+
+
 def test_joins_a_running_ray_cluster(tmp_path: pathlib.Path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
     env.pop("XLA_FLAGS", None)
     with _ray_head(env) as address:
-        client = tmp_path / "client.py"
-        client.write_text(CLIENT)
         # The head uses Ray's token authentication (its default), and a driver joining by
         # address sends the token Ray saved for this user only in token mode: pw.init turns
         # it on when the process has not chosen (an earlier ray.init of this suite sets it).
         client_env = dict(env)
         client_env.pop("RAY_AUTH_MODE", None)
-        proc = subprocess.run(
-            [sys.executable, str(client), address],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env=client_env,
-            check=False,
-        )
-        assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        proc = _run_client(tmp_path / "client.py", CLIENT, address, client_env, timeout=180)
         assert "joined 2 hosts; result matches jax.jit" in proc.stdout
 
 
@@ -143,19 +148,9 @@ def test_joins_a_ray_cluster_started_without_authentication_while_a_token_is_at_
     env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     env.pop("XLA_FLAGS", None)
     with _ray_head(env) as address:
-        client = tmp_path / "one_host.py"
-        client.write_text(ONE_HOST)
         client_env = dict(env, RAY_AUTH_TOKEN="0123456789abcdef0123456789abcdef")
         client_env.pop("RAY_AUTH_MODE")
-        proc = subprocess.run(
-            [sys.executable, str(client), address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=client_env,
-            check=False,
-        )
-        assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-3000:]}"
+        proc = _run_client(tmp_path / "one_host.py", ONE_HOST, address, client_env, timeout=120)
         assert "result matches jax.jit" in proc.stdout
         from pathways_jax._src.backends import ray_auth
 

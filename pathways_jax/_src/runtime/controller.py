@@ -338,8 +338,12 @@ class Controller:
             and not reentry.inside.depth
             and threading.get_ident() != self._thread.ident
             and (self._budget is None or threading.get_ident() != MAIN_THREAD)
-            and 0.0 < self.accounting.medians.get(run.plan.key, 0.0) <= self._caller_short_s()
+            and self._caller_waits_for(run.plan)
         )
+
+    def _caller_waits_for(self, plan: Any) -> bool:
+        """Whether runs of ``plan`` are measured short enough for a caller to wait for (:meth:`_caller_short_s`)."""
+        return 0.0 < self.accounting.medians.get(plan.key, 0.0) <= self._caller_short_s()
 
     def _caller_short_s(self) -> float:
         """The longest run (device seconds) a caller waits for rather than queue its own behind it.
@@ -371,10 +375,7 @@ class Controller:
             left = deadline - time.monotonic()
             if (
                 len(self._queues) > 1
-                or (
-                    picked is not None
-                    and not 0.0 < self.accounting.medians.get(picked.plan.key, 0.0) <= self._caller_short_s()
-                )
+                or (picked is not None and not self._caller_waits_for(picked.plan))
                 or self._stopped
                 or self._dead is not None
                 or left <= 0
