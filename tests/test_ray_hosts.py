@@ -381,6 +381,43 @@ def test_hosts_consume_donated_futures_as_the_local_backend_does(ray_cluster):
     pw.shutdown()
 
 
+def _init_with_ema(params):
+    return {"params": params, "ema": params}
+
+
+def _train_with_ema(state, x):
+    params = jax.tree.map(lambda w: w - 0.1 * x.mean(), state["params"])
+    ema = jax.tree.map(lambda e, w: 0.9 * e + 0.1 * w, state["ema"], params)
+    return {"params": params, "ema": ema}
+
+
+def test_every_output_is_a_buffer_of_its_own_on_the_hosts_as_under_jax_jit(ray_cluster):
+    # An EMA started from the parameters, then donated: on the hosts the two outputs were one
+    # value under one key, so every step failed ("Attempt to donate the same buffer twice"),
+    # and deleting one output freed the other.
+    pw.init(backend="ray", hosts=1)
+    s = pw.devices(mesh={"x": 1})
+    x = jnp.arange(4.0)
+    want = jax.jit(_init_with_ema)({"w": jnp.ones(4)})
+    for _ in range(3):
+        want = jax.jit(_train_with_ema, donate_argnums=0)(want, x)
+    place = pw.jit(lambda v: v * 1, devices=s)
+    state = pw.program(_init_with_ema)({"w": place(jnp.ones(4))})  # a future returned twice
+    step = pw.program(_train_with_ema, donate_argnums=0)
+    for _ in range(3):
+        state = step(state, x)
+    for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(got.result(timeout=60), expected)
+    # Deleting one output leaves the other, and the argument returned as it is.
+    arg = place(jnp.arange(3.0))
+    first, second, same = pw.program(lambda v: ((y := v * 2), y, v))(arg)
+    first.delete()
+    same.delete()
+    np.testing.assert_array_equal(second.result(timeout=60), [0.0, 2.0, 4.0])
+    np.testing.assert_array_equal(arg.result(timeout=60), [0.0, 1.0, 2.0])
+    pw.shutdown()
+
+
 def test_host_stats_report_each_host_process_and_its_cpu_seconds(ray_cluster):
     # The simulator's calibration charges each host its own process's CPU seconds (pw.sim).
     cluster = pw.init(backend="ray", hosts=2)

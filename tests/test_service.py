@@ -364,6 +364,25 @@ def test_client_in_process_matches_jax_and_appears_in_stats(joined, island_servi
     assert wait_for(lambda: my_slices() == [{s.id: [d.id for d in s.devices]}], timeout=10), my_slices()
 
 
+def test_an_output_returned_twice_is_two_values_on_the_service_s_hosts(joined, island_service):
+    # One value under one key: donating both (an EMA started from the parameters) failed every
+    # step, and deleting one freed the other.
+    s = pw.devices(mesh={"x": 4})
+    place = pw.jit(lambda v: v * 1, devices=s, in_specs=pw.P("x"), out_specs=pw.P("x"))
+    p = place(jnp.arange(8.0))
+    state = pw.program(lambda p: {"params": p, "ema": p})(p)
+    step = pw.program(
+        lambda st: {"params": st["params"] - 1, "ema": 0.5 * st["ema"] + 0.5 * st["params"]}, donate_argnums=0
+    )
+    want = {"params": jnp.arange(8.0), "ema": jnp.arange(8.0)}
+    for _ in range(2):
+        state = step(state)
+        want = {"params": want["params"] - 1, "ema": 0.5 * want["ema"] + 0.5 * want["params"]}
+    np.testing.assert_array_equal(state["params"].result(timeout=60), want["params"])
+    np.testing.assert_array_equal(state["ema"].result(timeout=60), want["ema"])
+    np.testing.assert_array_equal(p.result(timeout=60), np.arange(8.0))  # not donated: returned as a copy
+
+
 def test_programs_in_stats_are_those_the_hosts_hold_now(joined, island_service):
     # A program whose function went is forgotten on the hosts; the service's count of the
     # client's programs kept it for ever (a process making functions in a loop: 1 held, 200 said).

@@ -28,10 +28,14 @@ class Dispatched(NamedTuple):
       values: the run's values by slot (``values[slot]`` for each output slot).
       markers: for each of the plan's accounting groups, the array (or host
         completion) whose readiness says the group's devices are done.
+      copies: by output position, the outputs of ``plan.published_copies`` the
+        backend made as buffers of their own itself (None: the controller copies
+        ``values[slot]``).
     """
 
     values: Any
     markers: tuple = ()
+    copies: dict[int, Any] | None = None
 
 
 class StepFailed(Exception):

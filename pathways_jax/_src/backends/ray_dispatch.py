@@ -180,7 +180,12 @@ class Dispatcher:
                     events.Sent(run.id, run.client.name, name, host, island, ids, t0, events.now(), (marker,))
                 )
         slot_hosts = remote.slot_hosts
-        return Dispatched(outputs, tuple([markers[slot_hosts[group.slot][0]] for group in plan.acct_groups]))
+        copies = (
+            {position: outputs[slot] for position, slot in remote.copies.items()} if remote.copies else None
+        )
+        return Dispatched(
+            outputs, tuple([markers[slot_hosts[group.slot][0]] for group in plan.acct_groups]), copies
+        )
 
     def _send_forgets(self) -> None:
         """Tells hosts to forget the plans that went; call with ``lock`` held."""
@@ -253,7 +258,7 @@ class Dispatcher:
                 markers[host] = RemoteArray(self, (host,), None, None, None, (answers[index],), generation)
         outputs: dict[int, RemoteArray] = {}
         for slot, key in keys.items():
-            out = plan.slot_outputs[slot]
+            out = plan.slot_outputs.get(slot) or remote.copy_outputs[slot]
             hosts = remote.slot_hosts[slot]
             dones = tuple(markers[h].dones[0] for h in hosts)
             generation = markers[hosts[0]].generation

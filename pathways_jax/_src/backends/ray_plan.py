@@ -203,6 +203,23 @@ class RemotePlan:
             for host in locate(out.where, out.sharding):
                 if out.where not in part(host).keep:
                     part(host).keep.append(out.where)
+        # As jax.jit's, every output is a buffer of its own: an argument returned as it is, or a
+        # value returned twice (OutputSlot.fresh), is a copy the hosts make into a slot of its own,
+        # kept under a key of its own (one key would be donated twice, or freed with the other).
+        self.copies: dict[int, int] = {}  # output position -> the slot of its copy on the hosts
+        self.copy_outputs: dict[int, Any] = {}  # that slot -> the output (its aval and sharding)
+        spare = itertools.count(max([len(plan.template), *slot_hosts]) + 1)
+        for position, slot in plan.published_copies:
+            out = plan.outputs[position]
+            hosts = locate(slot, out.sharding)
+            copy = next(spare)
+            desc = where(slot_sharding[slot], f"an output of program {name!r}").desc
+            for host in hosts:
+                part(host).ops.append(PutOp(slot, copy, desc, fresh=True))
+                part(host).keep.append(copy)
+            slot_hosts[copy], slot_sharding[copy] = hosts, slot_sharding[slot]
+            self.copies[position] = copy
+            self.copy_outputs[copy] = out
         self.slot_hosts = slot_hosts
         self.hosts = tuple(sorted(self.parts))
         self.islands = frozenset(backend.layout.island_of(h) for h in self.hosts)

@@ -939,7 +939,7 @@ class Controller:
                     return
         try:
             dispatched = self._backend.execute(run, self.windows)
-            values, last = dispatched.values, dispatched.markers
+            values, last, copies = dispatched
             if run.plan.consumed_feeds:
                 self._spend(run)
         except StepFailed as failed:  # the run's own failure: it fails alone
@@ -947,7 +947,7 @@ class Controller:
             return
         finally:
             run.feeds = []
-        self._publish(run, started, values, last)
+        self._publish(run, started, values, last, copies)
 
     def _spend(self, run: Run) -> None:
         """Futures whose buffers the run's executables consumed (donated) cannot be read again."""
@@ -962,8 +962,9 @@ class Controller:
                 )
                 self._store.free([entry], failure=(message, None), consumed=True)
 
-    def _publish(self, run: Run, started: int, values: Any, last: tuple) -> None:
-        """A dispatched run's outputs become ready (``values[slot]``); the watcher gets ``last``."""
+    def _publish(self, run: Run, started: int, values: Any, last: tuple, copies: dict | None = None) -> None:
+        """A dispatched run's outputs become ready (``values[slot]``, or ``copies[position]`` where
+        the backend made an output's own buffer); the watcher gets ``last``."""
         # ObjectStore.set_ready for each output a node made, inlined (once per output leaf).
         entries = run.outputs
         plan = run.plan
@@ -976,7 +977,7 @@ class Controller:
             for position, slot in plan.published_copies:
                 entry = entries[position]
                 if type(entry.state) is not Freed:
-                    entry.array = own_buffer(values[slot])
+                    entry.array = own_buffer(values[slot]) if copies is None else copies[position]
                     entry.state = READY
         self._store.wake()
         self.accounting.note(run, started, last)

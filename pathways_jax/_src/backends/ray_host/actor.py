@@ -58,7 +58,14 @@ from pathways_jax._src.backends.ray_host.faults import Armed, Fault
 from pathways_jax._src.backends.ray_host.ops import Op, donated_slots, fingerprints_of, sharding_of
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
 from pathways_jax._src.backends.ray_host.steps import Steps
-from pathways_jax._src.backends.ray_host.values import from_wire, is_ready, is_small, place, readable
+from pathways_jax._src.backends.ray_host.values import (
+    from_wire,
+    is_ready,
+    is_small,
+    own_copy,
+    place,
+    readable,
+)
 
 
 class Host:
@@ -459,7 +466,7 @@ class Host:
                     env[slot] = self._kept(payload)
                 elif kind == "shared":  # a value other clients of a service may read too
                     value = self._kept(payload)
-                    env[slot] = _copy(value) if slot in consuming else value
+                    env[slot] = own_copy(value) if slot in consuming else value
                 else:
                     data, desc = payload
                     env[slot] = place(from_wire(data), self.plane.sharding(desc))
@@ -539,13 +546,6 @@ def _error_class(exc: BaseException) -> str:
 
 class InputFailed(Exception):
     """A run's input was never made here: the run or call that was to make it failed."""
-
-
-def _copy(value: Any) -> Any:
-    """A copy of ``value`` on its own devices (for a computation that consumes its buffers)."""
-    import jax
-
-    return jax.device_put(value, value.sharding, may_alias=False)
 
 
 def _mode(x64: bool | None) -> Any:

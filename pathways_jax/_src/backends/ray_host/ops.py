@@ -45,11 +45,16 @@ class ExecOp(NamedTuple):
 
 
 class PutOp(NamedTuple):
-    """Copy slot ``src`` to slot ``dst`` with another sharding, on this host."""
+    """Copy slot ``src`` to slot ``dst`` with another sharding, on this host.
+
+    ``fresh``: a buffer of its own even on the same sharding (a program output that is an
+    argument returned as it is, or a value returned twice: as ``jax.jit``'s, its own buffer).
+    """
 
     src: int
     dst: int
     desc: ShardingDesc
+    fresh: bool = False
     kind: Literal["put"] = "put"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from pathways_jax._src.backends.ray_host.ops import ExecOp, Op, PostOp, PullOp, PutOp
 from pathways_jax._src.backends.ray_host.plane import DataPlane
-from pathways_jax._src.backends.ray_host.values import key_data, place, wrap_key
+from pathways_jax._src.backends.ray_host.values import key_data, own_copy, place, wrap_key
 
 # Executables a host keeps in flight that no window bounds (one device, no
 # collective across processes): below XLA:CPU's own bound of 32 per device,
@@ -157,6 +157,12 @@ class Steps:
         match op:
             case ExecOp():
                 return self._exec(op)
+            case PutOp(fresh=True):
+
+                def copy(env: dict, base: int, made: list, peers: set) -> None:
+                    env[op.dst] = own_copy(env[op.src])
+
+                return copy
             case PutOp():
                 sharding = plane.sharding(op.desc)
 

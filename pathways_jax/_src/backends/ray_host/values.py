@@ -43,6 +43,14 @@ def from_wire(data: Any) -> Any:
     return data
 
 
+def own_copy(value: Any) -> Any:
+    """A copy of ``value`` on its own devices: a buffer of its own (for a computation that consumes
+    its buffers, or a program output that must not be another's)."""
+    import jax
+
+    return jax.device_put(value, value.sharding, may_alias=False)
+
+
 def place(data: Any, sharding: Any) -> Any:
     """``data`` (numpy, or an array on this host) put on ``sharding``, which may span hosts.
 
