@@ -43,6 +43,27 @@ def test_third_run_waits_until_a_value_is_freed():
 
 
 @pytest.mark.timeout(60)
+def test_an_output_returned_twice_holds_its_bytes_twice():
+    # Every output is a buffer of its own: a value returned twice is two buffers on its device,
+    # and both count against the budget (one was counted).
+    pw.init(num_cpu_devices=8, islands=2, memory_budget=int(3.5 * N * 4))
+    s = pw.devices(mesh={"x": 1}, island=0)
+    place = pw.jit(lambda v: v * 1, devices=s)
+    device = s.devices[0].id
+    x = place(np.ones(N, np.float32))  # N * 4 bytes held
+    first, second = pw.program(lambda v: (v, v))(x)  # two copies: room for both, just
+    first.result(timeout=30)
+    assert pw.stats()["devices"][device]["bytes_in_use"] == 3 * N * 4
+    again = pw.program(lambda v: (v, v), name="again")(x)
+    assert not again[0].done()  # waits: its two copies do not fit beside the first two
+    del first, second
+    gc.collect()
+    np.testing.assert_array_equal(np.asarray(again[1].result(timeout=30)), np.ones(N, np.float32))
+    assert pw.stats()["devices"][device]["bytes_in_use"] == 3 * N * 4
+    s.release()
+
+
+@pytest.mark.timeout(60)
 def test_backpressure_timeout_raises():
     # Room for one output, plus the host input of the run being admitted.
     pw.init(num_cpu_devices=8, islands=2, memory_budget=int(2.5 * N * 4), backpressure_timeout=0.3)

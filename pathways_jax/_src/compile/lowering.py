@@ -151,21 +151,27 @@ class Plan:
         total: dict[int, int] = {}
         for charge in self.slot_charge.values():
             charges_lib.add(total, charge)
+        seen: set[int] = set()
+        out_charges: list[Charge | None] = []
+        for out in self.outputs:
+            if out.kind == "slot" and out.fresh:
+                # A buffer of its own (an argument returned as it is, a value returned twice):
+                # its bytes are the run's too, beyond its slots'.
+                charge = charges_lib.charge_of(out.aval, out.sharding)
+                charges_lib.add(total, charge)
+                out_charges.append(charge)
+            elif out.kind == "slot" and out.where in self.slot_charge and out.where not in seen:
+                seen.add(out.where)
+                out_charges.append(self.slot_charge[out.where])
+            else:
+                out_charges.append(None)
+        self.out_charges = out_charges
         self.charge: Charge = tuple(sorted((d, b) for d, b in total.items() if b))
         # Under a memory budget a run also holds its host inputs once on devices:
         # they are put there only when the run is admitted, and count until it completes.
         for charge in self.input_charges:
             charges_lib.add(total, charge)
         self.admit_charge: Charge = tuple(sorted((d, b) for d, b in total.items() if b))
-        seen: set[int] = set()
-        out_charges: list[Charge | None] = []
-        for out in self.outputs:
-            if out.kind == "slot" and out.where in self.slot_charge and out.where not in seen:
-                seen.add(out.where)
-                out_charges.append(self.slot_charge[out.where])
-            else:
-                out_charges.append(None)
-        self.out_charges = out_charges
         # Accounting: per set of devices, the slot of the last node there and
         # how many nodes ran there; the watcher times the run by their readiness.
         groups: dict[tuple[int, ...], AccountingGroup] = {}
