@@ -196,12 +196,19 @@ class VirtualSlice:
         return NamedSharding(self.physical_mesh, partition)
 
     def _move(self, island: int, devices: tuple[jax.Device, ...]) -> None:
-        """Rebinds the slice to other devices (its host was lost); plans using it lower again."""
+        """Rebinds the slice to other devices (its host was lost); plans using it lower again.
+
+        The mapping epoch moves before and after: a caller that sees the new island sees the
+        new devices too, and a plan checked then (``still_placed``) is found moved, so its next
+        call lowers again rather than run on the lost island.
+        """
         self._give_back.detach()  # the old devices went with their host
         self._give_back = weakref.finalize(self, self._cluster.resources.release, devices, self.exclusive)
-        self.island = island
+        self._cluster.mapping_epoch += 1
         self._devices = devices
         self._physical_mesh = None
+        self.island = island
+        self._cluster.mapping_epoch += 1
 
     def release(self) -> None:
         """Gives the devices back to the cluster. Idempotent."""
