@@ -1,6 +1,7 @@
 """Programs give plain jax.jit's results, with the graph structure and caching promised."""
 
 import itertools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -396,3 +397,32 @@ def test_a_replicated_output_of_one_slice_feeds_a_program_on_a_slice_of_another_
     r = pw.program(lambda v: v + 1, devices=b)(x)
     q = pw.program(lambda y: y * 2, devices=a)(r)
     assert_matches(q, jax.jit(lambda v: (v + 1) * 2)(x), rtol=0, atol=0)
+
+
+def test_pw_jit_placements_inside_lax_control_flow_are_said_not_to_hold():
+    # JAX traces lax.cond and lax.scan as one operation: a pw.jit inside runs where the whole
+    # operation runs. Its devices were dropped without a word.
+    pw.init(num_cpu_devices=8)
+    a, b = pw.devices(mesh={"x": 2}), pw.devices(mesh={"x": 2})
+    double = pw.jit(lambda v: v * 2, devices=a)
+    inc = pw.jit(lambda v: v + 1, devices=b)
+
+    def choose(x, p):
+        return jax.lax.cond(p > 0, double, inc, x)
+
+    def loop(x):
+        return jax.lax.scan(lambda c, _: (inc(c), None), x, None, length=3)[0]
+
+    x = jnp.arange(4.0)
+    with pytest.warns(UserWarning, match=r"inside `cond` at .*not honoured") as said:
+        got = pw.program(choose)(x, 1)
+    assert "devices=[0,1]" in str(said[0].message) and "devices=[2,3]" in str(said[0].message)
+    assert_matches(got, jax.jit(lambda x: jax.lax.cond(True, lambda v: v * 2, lambda v: v + 1, x))(x))
+    with pytest.warns(UserWarning, match=r"pw.jit at .*test_programs.py.* inside `scan`"):
+        got = pw.program(loop)(x)
+    assert_matches(got, jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1, None), x, None, length=3)[0])(x))
+    # A pw.jit on the slice the whole loop runs on is honoured: nothing to say.
+    same = pw.program(lambda x: jax.lax.scan(lambda c, _: (inc(c), None), x, None, length=2)[0], devices=b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_matches(same(x), x + 2)

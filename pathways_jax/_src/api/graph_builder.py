@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -348,6 +349,62 @@ def _place(closed: Any, state: TraceState, input_slices: dict[Any, VirtualSlice]
     return placed
 
 
+# Primitives JAX traces their bodies into (lax.cond/switch, while_loop/fori_loop, scan/map):
+# the program runs each as one operation, on one slice.
+_CONTROL_FLOW = frozenset({"cond", "while", "scan"})
+
+
+def _inner_equations(params: Any) -> Any:
+    """Every equation of the jaxprs among ``params`` (an equation's), nested ones too."""
+    for value in params.values() if isinstance(params, dict) else params:
+        if isinstance(value, tuple | list):
+            yield from _inner_equations(value)
+            continue
+        jaxpr = getattr(value, "jaxpr", value)
+        for eqn in getattr(jaxpr, "eqns", ()):
+            yield eqn
+            yield from _inner_equations(eqn.params)
+
+
+def _warn_placements_inside_control_flow(
+    program: str, eqns: list[Any], placed: list[Any], state: TraceState
+) -> None:
+    """Warns of a ``pw.jit(devices=...)`` call or ``with slice:`` block inside lax control flow
+    that asks for other devices than those the whole control-flow operation runs on."""
+    for index, eqn in enumerate(eqns):
+        if eqn.primitive.name not in _CONTROL_FLOW:
+            continue
+        where = placed[index]
+        asked: dict[int, str] = {}
+        for inner in _inner_equations(eqn.params):
+            for kind, number in parse_scopes(inner.source_info.name_stack):
+                wanted = (
+                    state.jit_calls[number].slice
+                    if kind == JIT_SCOPE
+                    else state.slices.get(number)
+                    if kind == SCOPE_PREFIX
+                    else None
+                )
+                if wanted is not None:
+                    if wanted is not where and wanted.id not in asked:
+                        what = "pw.jit" if kind == JIT_SCOPE else "`with slice:`"
+                        line = source.of_equation(inner, "")
+                        asked[wanted.id] = f"{what}{f' at {line}' if line else ''} asks for {wanted}"
+                    break
+        if asked:
+            control = eqn.primitive.name
+            warnings.warn(
+                f"program {program!r}: {'; '.join(asked.values())}, inside `{control}` at "
+                f"{source.of_equation(eqn)}. JAX traces `{control}` (lax.cond/switch, while_loop, "
+                f"fori_loop, scan) as one operation, so all of it runs on {where}, and these "
+                "placements are not honoured (the results are the same). To run a part on its own "
+                f"devices, call it outside the `{control}`: compute the branches apart and select "
+                "with jnp.where, or unroll the loop in Python.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
 def _group(eqns: list[Any], placed: list[Any]) -> list[tuple[str, Any, list[int]]]:
     """Each jit equation alone; runs of glue equations on one slice together."""
     groups: list[tuple[str, Any, list[int]]] = []
@@ -419,6 +476,7 @@ def build(
     placed = _place(
         closed, state, {v: s for v, s in zip(jaxpr.invars, input_slices, strict=True) if s is not None}
     )
+    _warn_placements_inside_control_flow(name, jaxpr.eqns, placed, state)
     groups = _group(jaxpr.eqns, placed)
 
     # Which groups read each var, so a glue group exports only what others use.
