@@ -423,6 +423,11 @@ def test_pw_jit_placements_inside_lax_control_flow_are_said_not_to_hold():
     assert_matches(got, jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1, None), x, None, length=3)[0])(x))
     # A pw.jit on the slice the whole loop runs on is honoured: nothing to say.
     same = pw.program(lambda x: jax.lax.scan(lambda c, _: (inc(c), None), x, None, length=2)[0], devices=b)
+    twin = pw.devices(mesh={"x": 2}, device_ids=[d.id for d in b.devices])  # b's devices, another slice
+    on_twin = pw.program(
+        lambda x: jax.lax.scan(lambda c, _: (inc(c), None), x, None, length=2)[0], devices=twin
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_matches(same(x), x + 2)
+        assert_matches(on_twin(x), x + 2)

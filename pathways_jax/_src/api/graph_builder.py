@@ -366,6 +366,11 @@ def _inner_equations(params: Any) -> Any:
             yield from _inner_equations(eqn.params)
 
 
+def _same_devices(a: VirtualSlice, b: VirtualSlice | None) -> bool:
+    """True when both slices map the same devices in the same order (two slices of one placement)."""
+    return b is not None and a.devices == b.devices and a.shape == b.shape
+
+
 def _warn_placements_inside_control_flow(
     program: str, eqns: list[Any], placed: list[Any], state: TraceState
 ) -> None:
@@ -386,7 +391,7 @@ def _warn_placements_inside_control_flow(
                     else None
                 )
                 if wanted is not None:
-                    if wanted is not where and wanted.id not in asked:
+                    if wanted is not where and wanted.id not in asked and not _same_devices(wanted, where):
                         what = "pw.jit" if kind == JIT_SCOPE else "`with slice:`"
                         line = source.of_equation(inner, "")
                         asked[wanted.id] = f"{what}{f' at {line}' if line else ''} asks for {wanted}"
