@@ -14,6 +14,18 @@ import jax
 import numpy as np
 
 
+def init_with_ema(params):
+    """A train state whose EMA starts as the parameters themselves (one value returned twice)."""
+    return {"params": params, "ema": params}
+
+
+def train_with_ema(state, x):
+    """One step of that state: the parameters, then their EMA."""
+    params = jax.tree.map(lambda w: w - 0.1 * x.mean(), state["params"])
+    ema = jax.tree.map(lambda e, w: 0.9 * e + 0.1 * w, state["ema"], params)
+    return {"params": params, "ema": ema}
+
+
 def assert_matches(got, want, rtol=1e-6, atol=1e-6):
     """Compares a pytree of futures/arrays with a pytree of reference arrays."""
     got_leaves, got_tree = jax.tree_util.tree_flatten(got)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches, jax_config
+from helpers import assert_matches, init_with_ema, jax_config, train_with_ema
 
 import pathways_jax as pw
 
@@ -32,16 +32,6 @@ def test_a_pw_jit_static_argument_made_abstract_by_eval_shape_is_refused_clearly
         jax.eval_shape(lambda v, n: named(v, n=n), x, 2)
 
 
-def _init_with_ema(params):
-    return {"params": params, "ema": params}
-
-
-def _train_with_ema(state, x):
-    params = jax.tree.map(lambda w: w - 0.1 * x.mean(), state["params"])
-    ema = jax.tree.map(lambda e, w: 0.9 * e + 0.1 * w, state["ema"], params)
-    return {"params": params, "ema": ema}
-
-
 def test_an_argument_returned_twice_then_donated_trains_as_under_jax_jit():
     # An EMA (or a DQN target network) starts as a copy of the parameters. Under jax.jit each
     # output is its own buffer; a program returned the caller's arrays themselves, so the
@@ -49,11 +39,11 @@ def test_an_argument_returned_twice_then_donated_trains_as_under_jax_jit():
     # caller's parameters were deleted.
     params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
     x = jnp.ones(8)
-    want = jax.jit(_init_with_ema)(params)
+    want = jax.jit(init_with_ema)(params)
     for _ in range(2):
-        want = jax.jit(_train_with_ema, donate_argnums=0)(want, x)
-    state = pw.program(_init_with_ema)(params)
-    step = pw.program(_train_with_ema, donate_argnums=0)
+        want = jax.jit(train_with_ema, donate_argnums=0)(want, x)
+    state = pw.program(init_with_ema)(params)
+    step = pw.program(train_with_ema, donate_argnums=0)
     for _ in range(2):
         state = step(state, x)
     assert_matches(state, want)

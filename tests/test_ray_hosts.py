@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches, wait_for
+from helpers import assert_matches, init_with_ema, train_with_ema, wait_for
 
 import pathways_jax as pw
 
@@ -381,16 +381,6 @@ def test_hosts_consume_donated_futures_as_the_local_backend_does(ray_cluster):
     pw.shutdown()
 
 
-def _init_with_ema(params):
-    return {"params": params, "ema": params}
-
-
-def _train_with_ema(state, x):
-    params = jax.tree.map(lambda w: w - 0.1 * x.mean(), state["params"])
-    ema = jax.tree.map(lambda e, w: 0.9 * e + 0.1 * w, state["ema"], params)
-    return {"params": params, "ema": ema}
-
-
 def test_every_output_is_a_buffer_of_its_own_on_the_hosts_as_under_jax_jit(ray_cluster):
     # An EMA started from the parameters, then donated: on the hosts the two outputs were one
     # value under one key, so every step failed ("Attempt to donate the same buffer twice"),
@@ -398,12 +388,12 @@ def test_every_output_is_a_buffer_of_its_own_on_the_hosts_as_under_jax_jit(ray_c
     pw.init(backend="ray", hosts=1)
     s = pw.devices(mesh={"x": 1})
     x = jnp.arange(4.0)
-    want = jax.jit(_init_with_ema)({"w": jnp.ones(4)})
+    want = jax.jit(init_with_ema)({"w": jnp.ones(4)})
     for _ in range(3):
-        want = jax.jit(_train_with_ema, donate_argnums=0)(want, x)
+        want = jax.jit(train_with_ema, donate_argnums=0)(want, x)
     place = pw.jit(lambda v: v * 1, devices=s)
-    state = pw.program(_init_with_ema)({"w": place(jnp.ones(4))})  # a future returned twice
-    step = pw.program(_train_with_ema, donate_argnums=0)
+    state = pw.program(init_with_ema)({"w": place(jnp.ones(4))})  # a future returned twice
+    step = pw.program(train_with_ema, donate_argnums=0)
     for _ in range(3):
         state = step(state, x)
     for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
