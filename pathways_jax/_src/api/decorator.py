@@ -28,7 +28,7 @@ from pathways_jax._src.api.jit_shardings import (
 from pathways_jax._src.api.placement import _mesh_of, _single_device_of
 from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors
-from pathways_jax._src.runtime import clusters
+from pathways_jax._src.runtime import clusters, slices
 from pathways_jax._src.runtime.slices import VirtualSlice
 
 
@@ -237,7 +237,14 @@ def program(
             "are both static and donated; a static argument is a Python value with no buffer to donate."
         )
     options = tuple(sorted((compiler_options or {}).items()))
-    key = _shared_key(fun, (devices, statics, static_names, name, fuse, donate, donate_names, device))
+    # Not kept for a slice (given, or entered): the program's graphs hold it, and a slice the user
+    # drops must give its devices back, as a lambda's program lets it.
+    placed = devices is not None or slices.current_slice() is not None
+    key = (
+        None
+        if placed
+        else _shared_key(fun, (statics, static_names, name, fuse, donate, donate_names, device))
+    )
     key = key if key is None or mesh_hint is not None else (*key, options, graph, graph_updates, keeps)
     made = _shared(key) if mesh_hint is None else None
     if made is None:
@@ -265,7 +272,8 @@ def program(
 # again with the same options (inline, `pw.program(train_step)(state, batch)` in a loop) is the
 # program made before in this cluster: it traced anew at every call. Only for functions defined
 # at a module's top level, which live as long as their module (a closure or lambda made anew is a
-# new function, as for jax.jit); at most _SHARED_MAX, the least recently made again dropped first.
+# new function, as for jax.jit), and made with no slice given or entered (its graphs would hold the
+# slice); at most _SHARED_MAX, the least recently made again dropped first.
 _SHARED: collections.OrderedDict[Any, tuple[Any, Program]] = collections.OrderedDict()
 _SHARED_LOCK = threading.Lock()
 _SHARED_MAX = 64
