@@ -248,7 +248,7 @@ class JitFunction:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
 
         Executables identical computations share stay in the cluster's cache
-        (``jax.clear_caches()`` clears JAX's own).
+        (``jax.clear_caches()`` clears them, every program's caches and JAX's own).
         """
         for prog in list(self._programs.values()):
             prog.clear_cache()

@@ -32,6 +32,7 @@ from pathways_jax._src.api.jit_options import name_of, refuse_traced_statics
 from pathways_jax._src.api.placement import _mesh_mismatch_hint
 from pathways_jax._src.api.program_info import ProgramInfo
 from pathways_jax._src.api.repeat_calls import RepeatCalls
+from pathways_jax._src.compat import jax_caches
 from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import errors, reentry, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -101,6 +102,7 @@ class Program:
         self._nnx_jitted: Any = None
         # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
         functools.update_wrapper(self, fun, updated=())
+        jax_caches.PROGRAMS.add(self)  # jax.clear_caches() clears this program's caches too
 
     @property
     def name(self) -> str:
@@ -451,7 +453,7 @@ class Program:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
 
         Executables identical computations share stay in the cluster's cache
-        (``jax.clear_caches()`` clears JAX's own).
+        (``jax.clear_caches()`` clears them, every program's caches and JAX's own).
         """
         with self._lock:
             self._graphs.clear()
