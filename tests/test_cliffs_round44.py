@@ -7,6 +7,7 @@ machinery (traces, cached entries, live objects) where a cost could grow.
 
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import assert_matches
 
 import pathways_jax as pw
@@ -41,3 +42,32 @@ def test_jax_clear_caches_makes_programs_trace_again_as_jax_jit_does():
         assert pw.counters()["traces"] == traces + len(ours)
     finally:
         _SCALE[0] = 2.0
+
+
+def _layer(w, x):
+    return jnp.tanh(x @ w), (x @ w).sum()
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["no slice", "slice"])
+def test_a_pw_jit_lowered_and_compiled_ahead_of_time_compiles_nothing_at_its_first_call(placed):
+    # The AOT guide's warm-up, f.lower(...).compile(), makes jax.jit's first call compile nothing;
+    # pw.jit lowered jax.jit's function only, so its first call traced and compiled its plan again
+    # (as long again as the warm-up for a large function). A program's lower() prepares its plan.
+    w = jnp.full((8, 8), 0.1, jnp.float32)
+    x = jnp.arange(16.0).reshape(2, 8)
+    want = jax.jit(_layer)
+    s = pw.devices(mesh={"x": 2}) if placed else None
+    ours = pw.jit(_layer, devices=s)
+    pw.reset_counters()
+    for args in [(w, x), (jax.ShapeDtypeStruct(w.shape, w.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))]:
+        assert ours.lower(*args).as_text() == want.lower(*args).as_text()
+    ours.lower(w, x).compile()
+    warmed = pw.counters()
+    assert warmed["traces"] == 1  # one plan: the abstract arguments stand for these arrays
+    assert_matches(ours(w, x), want(w, x))
+    after = pw.counters()
+    assert (after["traces"], after["lowerings"], after["compiles"]) == (
+        warmed["traces"],
+        warmed["lowerings"],
+        warmed["compiles"],
+    )

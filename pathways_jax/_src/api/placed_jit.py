@@ -233,7 +233,21 @@ class JitFunction:
         return tuple(specs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """As ``jax.jit(fun).lower(...)``: JAX's ``Lowered`` (``.as_text()``, ``.compile()``, its analyses)."""
+        """As ``jax.jit(fun).lower(...)``: JAX's ``Lowered`` (``.as_text()``, ``.compile()``, its analyses).
+
+        Called outside a program, it also prepares the plan a call with these
+        arguments runs (as ``Program.lower`` does; ``jax.ShapeDtypeStruct`` s
+        stand for arrays), so that call compiles nothing: the AOT guide's
+        warm-up, ``f.lower(...).compile()``, warms ``f``'s calls as under ``jax.jit``.
+        """
+        outside = active_trace() is None and not inside_jax_trace()
+        if outside and not jax.config.jax_disable_jit:  # type: ignore[attr-defined]
+            try:
+                slice_ = self._slice()
+            except errors.PlacementError:  # specs but no slice: the call says so; this shows the function
+                pass
+            else:
+                self._program_on(slice_)._prepare(args, kwargs)
         return self._jitted.lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
@@ -283,26 +297,7 @@ class JitFunction:
                 return self._transformed(self._devices, args, kwargs)
         slice_ = self._slice()
         if trace is None:
-            key = slice_.id if slice_ is not None else None
-            prog = self._programs.get(key)
-            if prog is None:
-                call = functools.partial(JitFunction.__call__, self)
-                # Its signature is the function's: a static argument may come by keyword.
-                call.__wrapped__ = self._fun  # type: ignore[attr-defined]
-                prog = Program(
-                    call,
-                    devices=slice_,
-                    device=self._device if slice_ is None else None,
-                    static_argnums=self._static,
-                    static_argnames=self._static_names,
-                    name=self.__name__,
-                    compiler_options=self._compiler_options,
-                    source_info=self.source_info,
-                    under_transforms=False,  # a tracer argument comes back here (_transformed)
-                    keep_unused=self._keep_unused,
-                )
-                # Threads making their first calls at once share one program (and its caches).
-                prog = self._programs.setdefault(key, prog)
+            prog = self._program_on(slice_)
             try:
                 return prog(*args, **kwargs)
             except errors.ProgramTraceError as exc:
@@ -332,6 +327,30 @@ class JitFunction:
                 out_specs = (None,) * len(out_specs)
         trace.jit_calls[number] = dataclasses.replace(trace.jit_calls[number], out_specs=out_specs)
         return out
+
+    def _program_on(self, slice_: VirtualSlice | None) -> Program:
+        """The one-node program a call outside any program runs on ``slice_`` (made once per slice)."""
+        key = slice_.id if slice_ is not None else None
+        prog = self._programs.get(key)
+        if prog is None:
+            call = functools.partial(JitFunction.__call__, self)
+            # Its signature is the function's: a static argument may come by keyword.
+            call.__wrapped__ = self._fun  # type: ignore[attr-defined]
+            prog = Program(
+                call,
+                devices=slice_,
+                device=self._device if slice_ is None else None,
+                static_argnums=self._static,
+                static_argnames=self._static_names,
+                name=self.__name__,
+                compiler_options=self._compiler_options,
+                source_info=self.source_info,
+                under_transforms=False,  # a tracer argument comes back here (_transformed)
+                keep_unused=self._keep_unused,
+            )
+            # Threads making their first calls at once share one program (and its caches).
+            prog = self._programs.setdefault(key, prog)
+        return prog
 
     def _transformed(self, slice_: VirtualSlice | None, args: tuple, kwargs: dict) -> Any:
         """Called inside someone else's ``jax.jit``, ``grad`` or ``vmap``: behave as ``jax.jit``,
