@@ -71,3 +71,40 @@ def test_a_pw_jit_lowered_and_compiled_ahead_of_time_compiles_nothing_at_its_fir
         warmed["lowerings"],
         warmed["compiles"],
     )
+
+
+def _sgd_step(params, x):
+    grads = jax.grad(lambda p: ((x @ p["w"] + p["b"]) ** 2).mean())(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), (x @ params["w"]).sum()
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["no slice", "slice"])
+def test_a_donating_train_step_fed_its_own_futures_is_traced_once_as_under_jax_jit(placed):
+    # A train loop donates its state (donate_argnums=0) and feeds each step the futures of the
+    # step before. The second call, with futures where the first had arrays, traced the whole
+    # function again (seconds for a large model, where jax.jit's second call takes
+    # milliseconds): only a step that donates nothing ran the first call's plan.
+    params = {"w": jnp.eye(4) * 0.5, "b": jnp.zeros(4)}
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+    want, want_losses = params, []
+    for _ in range(3):
+        want, loss = jax.jit(_sgd_step, donate_argnums=0)(jax.tree.map(jnp.copy, want), x)
+        want_losses.append(loss)
+    s = pw.devices(mesh={"x": 2}) if placed else None
+    if placed:  # the state put on the slice first, as the outputs are
+        params = jax.device_put(params, s.sharding())
+    step = pw.program(_sgd_step, donate_argnums=0, devices=s)
+    pw.reset_counters()
+    state, losses, fed = params, [], []
+    for _ in range(3):
+        state, loss = step(state, x)
+        fed.append(state)
+        losses.append(loss)
+    assert_matches(state, want)
+    assert_matches(losses, want_losses)
+    assert pw.counters()["traces"] == 1
+    assert params["w"].is_deleted()  # donated, as under jax.jit
+    for spent in fed[:-1]:  # each step's state was donated to the next
+        assert spent["w"].is_deleted()
+        with pytest.raises(pw.errors.PathwaysError, match="was donated to program '_sgd_step'"):
+            spent["w"].result()

@@ -342,9 +342,10 @@ class Program:
         the arrays, when the run is dispatched (see ``submission.submit``),
         and the plan is kept for the futures' signature too. None (trace the
         futures' signature) when no such plan exists, or when the plan cannot
-        take a future where it takes an array: it donates arguments, returns
-        one as it is, runs on remote hosts, or runs under a memory budget
-        (whose accounts know futures from arrays).
+        take a future where it takes an array: it returns one as it is, runs
+        on remote hosts, or runs under a memory budget (whose accounts know
+        futures from arrays). A donated future is spent as a donated array is
+        deleted: the plan's ``consumed_feeds`` name the array feeds consumed.
         """
         signature = key[1]
         if not any(type(k) is FutureKey for k in signature):
@@ -356,7 +357,7 @@ class Program:
         if kept is None:
             return None
         plan = kept.plan
-        if plan.donated_args or plan.shipped_feeds:
+        if plan.shipped_feeds:
             return None
         if plan.special_outputs or plan.placement.limits is not None:  # under a memory budget
             return None
