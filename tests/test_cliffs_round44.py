@@ -108,3 +108,50 @@ def test_a_donating_train_step_fed_its_own_futures_is_traced_once_as_under_jax_j
         assert spent["w"].is_deleted()
         with pytest.raises(pw.errors.PathwaysError, match="was donated to program '_sgd_step'"):
             spent["w"].result()
+
+
+def _sine(v):
+    return jnp.sin(v) * 2
+
+
+def _times(v, n):
+    return v * n
+
+
+def test_pw_jit_made_again_inline_traces_once_as_jax_jit_made_again_does():
+    # jax.jit(f)(x) written inline in a loop traces f once: jax.jit keys its caches by the
+    # function. pw.jit(f)(x) traced and lowered anew at every call (some 30x jax.jit's time
+    # per call); pw.program(f)(x) already took the program made before.
+    x = jnp.arange(4.0)
+    pw.reset_counters()
+    for _ in range(3):
+        assert_matches(pw.jit(_sine)(x), jax.jit(_sine)(x))
+        assert_matches(pw.jit(_times, static_argnums=1)(x, 3), jax.jit(_times, static_argnums=1)(x, 3))
+    assert pw.counters()["traces"] == 2
+    for _ in range(2):  # other options: another function, as for jax.jit
+        assert_matches(pw.jit(_times, static_argnums=1, donate_argnums=0)(x + 1, 3), (x + 1) * 3)
+    assert pw.counters()["traces"] == 3
+
+
+def _sine_on_ambient_slice(s, x):
+    with s:
+        return pw.program(_sine)(x).result()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pw.program's registry of programs made again (api/decorator.py, _SHARED) holds the "
+    "program, whose graphs and plans hold the ambient slice: a dropped exclusive slice keeps its devices",
+)
+def test_a_dropped_slice_a_program_made_again_ran_on_gives_its_devices_back():
+    # pw.program(f)(x) inline under `with slice:` (a top-level f, so the program is kept to be
+    # made again); the user then drops the slice, as a lambda's program gives its slice back.
+    import gc
+
+    x = jnp.arange(8.0)
+    s = pw.devices(mesh={"x": 8}, exclusive=True)
+    assert_matches(_sine_on_ambient_slice(s, x), jax.jit(_sine)(x))
+    del s
+    gc.collect()
+    again = pw.devices(mesh={"x": 8}, exclusive=True, timeout=0.5)
+    again.release()

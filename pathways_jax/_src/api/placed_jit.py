@@ -13,7 +13,7 @@ from typing import Any, overload
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import nnx_graph
+from pathways_jax._src.api import decorator, nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import (
@@ -31,7 +31,7 @@ from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
-from pathways_jax._src.runtime import slices, submission
+from pathways_jax._src.runtime import clusters, slices, submission
 from pathways_jax._src.runtime.slices import VirtualSlice, check_spec
 
 # One spec for every argument, or one pytree prefix of specs per non-static positional argument.
@@ -112,8 +112,12 @@ class JitFunction:
         compiler_options: tuple[tuple[str, Any], ...] = (),
         device: jax.Device | None = None,
         keep_unused: bool = False,
+        share_key: tuple[Any, ...] | None = None,
     ):
         self._fun = fun
+        # Its function and options, where pw.jit made again with them takes the program of
+        # its calls nothing places from the one made before (see _program_on).
+        self._share_key = share_key
         # Where it runs when nothing places it (a wrapped jax.jit's device or one-device shardings).
         self._device = device
         self._compiler_options = compiler_options
@@ -329,9 +333,22 @@ class JitFunction:
         return out
 
     def _program_on(self, slice_: VirtualSlice | None) -> Program:
-        """The one-node program a call outside any program runs on ``slice_`` (made once per slice)."""
+        """The one-node program a call outside any program runs on ``slice_`` (made once per slice).
+
+        As ``jax.jit(f)`` made again reuses what ``jax.jit(f)`` traced, the
+        program of calls nothing places (``slice_`` None) is shared with
+        ``pw.jit`` made before of the same module-level function and options
+        (``pw.jit(f)(x)`` written inline in a loop), through ``pw.program``'s
+        registry of such programs. A slice's program is not: it would keep the
+        slice, and its devices, after the user dropped it.
+        """
         key = slice_.id if slice_ is not None else None
         prog = self._programs.get(key)
+        if prog is None and key is None and self._share_key is not None:
+            clusters.cluster()  # the call starts it anyway: the program is kept for that cluster
+            shared = decorator._shared(self._share_key)
+            if shared is not None:
+                prog = self._programs.setdefault(None, shared)
         if prog is None:
             call = functools.partial(JitFunction.__call__, self)
             # Its signature is the function's: a static argument may come by keyword.
@@ -350,6 +367,8 @@ class JitFunction:
             )
             # Threads making their first calls at once share one program (and its caches).
             prog = self._programs.setdefault(key, prog)
+            if key is None and self._share_key is not None:
+                decorator._share(self._share_key, prog)
         return prog
 
     def _transformed(self, slice_: VirtualSlice | None, args: tuple, kwargs: dict) -> Any:
@@ -584,6 +603,17 @@ def jit(
                 if _spec_leaf(spec, "in_specs") is not None:
                     check_spec(spec, devices, what="in_specs")
     _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames, "pw.jit")
+    share_key = None
+    if devices is None and in_specs is None and out_specs is None:
+        options = (static_argnums, static_argnames, donate_argnums, donate_argnames, keep_unused)
+        placement = (
+            tuple(sorted((compiler_options or {}).items())),
+            in_shardings,
+            out_shardings,
+            device,
+            backend,
+        )
+        share_key = decorator._shared_key(fun, ("pw.jit", *options, *placement))
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
     keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     fun = _with_jax_jit_placement(
@@ -606,6 +636,7 @@ def jit(
         keep_unused=keeps,
         # As jax.jit: a wrapped jax.jit's device (device=, backend=, one-device shardings) runs it there.
         device=jits_device(fun),
+        share_key=share_key,
     )
 
 
