@@ -118,6 +118,7 @@ class JitFunction:
         # Its function and options, where pw.jit made again with them takes the program of
         # its calls nothing places from the one made before (see _program_on).
         self._share_key = share_key
+        self._share_pending = False  # its program is not kept yet (no cluster ran when it was made)
         # Where it runs when nothing places it (a wrapped jax.jit's device or one-device shardings).
         self._device = device
         self._compiler_options = compiler_options
@@ -303,10 +304,14 @@ class JitFunction:
         if trace is None:
             prog = self._program_on(slice_)
             try:
-                return prog(*args, **kwargs)
+                out = prog(*args, **kwargs)
             except errors.ProgramTraceError as exc:
                 if not isinstance(exc.__context__, TracerArgument):
                     raise
+            else:
+                if self._share_pending:  # made before any cluster ran: the call started one
+                    self._share(prog)
+                return out
             return self._transformed(slice_, args, kwargs)
         if slice_ is None:
             # Nothing places it: a plain jax.jit call of the program, placed as one.
@@ -345,7 +350,6 @@ class JitFunction:
         key = slice_.id if slice_ is not None else None
         prog = self._programs.get(key)
         if prog is None and key is None and self._share_key is not None:
-            clusters.cluster()  # the call starts it anyway: the program is kept for that cluster
             shared = decorator._shared(self._share_key)
             if shared is not None:
                 prog = self._programs.setdefault(None, shared)
@@ -368,8 +372,15 @@ class JitFunction:
             # Threads making their first calls at once share one program (and its caches).
             prog = self._programs.setdefault(key, prog)
             if key is None and self._share_key is not None:
-                decorator._share(self._share_key, prog)
+                self._share_pending = True
+                self._share(prog)
         return prog
+
+    def _share(self, prog: Program) -> None:
+        """Keeps ``prog`` for ``pw.jit`` made again, once a cluster runs (kept per cluster)."""
+        if clusters.running() is not None:
+            self._share_pending = False
+            decorator._share(self._share_key, prog)
 
     def _transformed(self, slice_: VirtualSlice | None, args: tuple, kwargs: dict) -> Any:
         """Called inside someone else's ``jax.jit``, ``grad`` or ``vmap``: behave as ``jax.jit``,
