@@ -155,3 +155,23 @@ def test_a_dropped_slice_a_program_made_again_ran_on_gives_its_devices_back():
     gc.collect()
     again = pw.devices(mesh={"x": 8}, exclusive=True, timeout=0.5)
     again.release()
+
+
+def _decay_counting(p, x, step):
+    return p * 0.9 + x, step
+
+
+def test_a_step_returning_a_python_argument_as_it_is_runs_its_first_plan_with_futures():
+    # A loop passes the step number (a Python int) and gets it back unchanged. Its second call,
+    # with the futures of the first, traced the whole function again: the plan returns a host
+    # argument as it is, and such plans were not run with futures where they took arrays.
+    x = jnp.arange(3.0)
+    step = pw.program(_decay_counting)
+    pw.reset_counters()
+    ours, want = x, x
+    for i in range(3):
+        ours, got = step(ours, x, i)
+        want, expected = jax.jit(_decay_counting)(want, x, i)
+        assert_matches(got, expected)
+    assert_matches(ours, want)
+    assert pw.counters()["traces"] == 1

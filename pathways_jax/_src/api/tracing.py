@@ -342,10 +342,12 @@ class Program:
         the arrays, when the run is dispatched (see ``submission.submit``),
         and the plan is kept for the futures' signature too. None (trace the
         futures' signature) when no such plan exists, or when the plan cannot
-        take a future where it takes an array: it returns one as it is, runs
-        on remote hosts, or runs under a memory budget (whose accounts know
-        futures from arrays). A donated future is spent as a donated array is
-        deleted: the plan's ``consumed_feeds`` name the array feeds consumed.
+        take a future where it takes an array: it runs on remote hosts, or
+        under a memory budget (whose accounts know futures from arrays). A
+        donated future is spent as a donated array is deleted (the plan's
+        ``consumed_feeds`` name the array feeds consumed); the outputs a
+        submission makes itself (literals, host arguments returned as they
+        are) read no array argument.
         """
         signature = key[1]
         if not any(type(k) is FutureKey for k in signature):
@@ -359,7 +361,7 @@ class Program:
         plan = kept.plan
         if plan.shipped_feeds:
             return None
-        if plan.special_outputs or plan.placement.limits is not None:  # under a memory budget
+        if plan.placement.limits is not None:  # under a memory budget
             return None
         with self._lock:
             self._plans.setdefault(key, kept)
