@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import pathways_jax as pw
 from pathways_jax._src import compat
-from pathways_jax._src.compat import jax_futures
+from pathways_jax._src.compat import jax_caches, jax_futures
 from pathways_jax._src.runtime.futures import Future
 
 SRC = pathlib.Path(pw.__file__).parent / "_src"
@@ -51,6 +51,10 @@ def test_importing_pathways_jax_installs_every_jax_hook():
     barrier = jax.effects_barrier
     assert compat.install() is True  # once: a second install changes nothing
     assert jax.effects_barrier is barrier
+    from jax._src import util
+
+    assert jax_caches.PROGRAMS in util._caches  # jax.clear_caches() clears programs too
+    assert compat.install() is True and len([c for c in util._caches if c is jax_caches.PROGRAMS]) == 1
     pw.init()
     f = pw.program(lambda v: v + 1)
     future = f(jnp.arange(3.0))

@@ -13,7 +13,7 @@ from typing import Any, overload
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import nnx_graph
+from pathways_jax._src.api import decorator, nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import (
@@ -31,7 +31,7 @@ from pathways_jax._src.api.tracing import Program
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
-from pathways_jax._src.runtime import slices, submission
+from pathways_jax._src.runtime import clusters, slices, submission
 from pathways_jax._src.runtime.slices import VirtualSlice, check_spec
 
 # One spec for every argument, or one pytree prefix of specs per non-static positional argument.
@@ -112,8 +112,13 @@ class JitFunction:
         compiler_options: tuple[tuple[str, Any], ...] = (),
         device: jax.Device | None = None,
         keep_unused: bool = False,
+        share_key: tuple[Any, ...] | None = None,
     ):
         self._fun = fun
+        # Its function and options, where pw.jit made again with them takes the program of
+        # its calls nothing places from the one made before (see _program_on).
+        self._share_key = share_key
+        self._share_pending = False  # its program is not kept yet (no cluster ran when it was made)
         # Where it runs when nothing places it (a wrapped jax.jit's device or one-device shardings).
         self._device = device
         self._compiler_options = compiler_options
@@ -233,7 +238,21 @@ class JitFunction:
         return tuple(specs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """As ``jax.jit(fun).lower(...)``: JAX's ``Lowered`` (``.as_text()``, ``.compile()``, its analyses)."""
+        """As ``jax.jit(fun).lower(...)``: JAX's ``Lowered`` (``.as_text()``, ``.compile()``, its analyses).
+
+        Called outside a program, it also prepares the plan a call with these
+        arguments runs (as ``Program.lower`` does; ``jax.ShapeDtypeStruct`` s
+        stand for arrays), so that call compiles nothing: the AOT guide's
+        warm-up, ``f.lower(...).compile()``, warms ``f``'s calls as under ``jax.jit``.
+        """
+        outside = active_trace() is None and not inside_jax_trace()
+        if outside and not jax.config.jax_disable_jit:  # type: ignore[attr-defined]
+            try:
+                slice_ = self._slice()
+            except errors.PlacementError:  # specs but no slice: the call says so; this shows the function
+                pass
+            else:
+                self._program_on(slice_)._prepare(args, kwargs)
         return self._jitted.lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
@@ -248,7 +267,7 @@ class JitFunction:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
 
         Executables identical computations share stay in the cluster's cache
-        (``jax.clear_caches()`` clears JAX's own).
+        (``jax.clear_caches()`` clears them, every program's caches and JAX's own).
         """
         for prog in list(self._programs.values()):
             prog.clear_cache()
@@ -283,31 +302,16 @@ class JitFunction:
                 return self._transformed(self._devices, args, kwargs)
         slice_ = self._slice()
         if trace is None:
-            key = slice_.id if slice_ is not None else None
-            prog = self._programs.get(key)
-            if prog is None:
-                call = functools.partial(JitFunction.__call__, self)
-                # Its signature is the function's: a static argument may come by keyword.
-                call.__wrapped__ = self._fun  # type: ignore[attr-defined]
-                prog = Program(
-                    call,
-                    devices=slice_,
-                    device=self._device if slice_ is None else None,
-                    static_argnums=self._static,
-                    static_argnames=self._static_names,
-                    name=self.__name__,
-                    compiler_options=self._compiler_options,
-                    source_info=self.source_info,
-                    under_transforms=False,  # a tracer argument comes back here (_transformed)
-                    keep_unused=self._keep_unused,
-                )
-                # Threads making their first calls at once share one program (and its caches).
-                prog = self._programs.setdefault(key, prog)
+            prog = self._program_on(slice_)
             try:
-                return prog(*args, **kwargs)
+                out = prog(*args, **kwargs)
             except errors.ProgramTraceError as exc:
                 if not isinstance(exc.__context__, TracerArgument):
                     raise
+            else:
+                if self._share_pending:  # made before any cluster ran: the call started one
+                    self._share(prog)
+                return out
             return self._transformed(slice_, args, kwargs)
         if slice_ is None:
             # Nothing places it: a plain jax.jit call of the program, placed as one.
@@ -332,6 +336,51 @@ class JitFunction:
                 out_specs = (None,) * len(out_specs)
         trace.jit_calls[number] = dataclasses.replace(trace.jit_calls[number], out_specs=out_specs)
         return out
+
+    def _program_on(self, slice_: VirtualSlice | None) -> Program:
+        """The one-node program a call outside any program runs on ``slice_`` (made once per slice).
+
+        As ``jax.jit(f)`` made again reuses what ``jax.jit(f)`` traced, the
+        program of calls nothing places (``slice_`` None) is shared with
+        ``pw.jit`` made before of the same module-level function and options
+        (``pw.jit(f)(x)`` written inline in a loop), through ``pw.program``'s
+        registry of such programs. A slice's program is not: it would keep the
+        slice, and its devices, after the user dropped it.
+        """
+        key = slice_.id if slice_ is not None else None
+        prog = self._programs.get(key)
+        if prog is None and key is None and self._share_key is not None:
+            shared = decorator._shared(self._share_key)
+            if shared is not None:
+                prog = self._programs.setdefault(None, shared)
+        if prog is None:
+            call = functools.partial(JitFunction.__call__, self)
+            # Its signature is the function's: a static argument may come by keyword.
+            call.__wrapped__ = self._fun  # type: ignore[attr-defined]
+            prog = Program(
+                call,
+                devices=slice_,
+                device=self._device if slice_ is None else None,
+                static_argnums=self._static,
+                static_argnames=self._static_names,
+                name=self.__name__,
+                compiler_options=self._compiler_options,
+                source_info=self.source_info,
+                under_transforms=False,  # a tracer argument comes back here (_transformed)
+                keep_unused=self._keep_unused,
+            )
+            # Threads making their first calls at once share one program (and its caches).
+            prog = self._programs.setdefault(key, prog)
+            if key is None and self._share_key is not None:
+                self._share_pending = True
+                self._share(prog)
+        return prog
+
+    def _share(self, prog: Program) -> None:
+        """Keeps ``prog`` for ``pw.jit`` made again, once a cluster runs (kept per cluster)."""
+        if clusters.running() is not None:
+            self._share_pending = False
+            decorator._share(self._share_key, prog)
 
     def _transformed(self, slice_: VirtualSlice | None, args: tuple, kwargs: dict) -> Any:
         """Called inside someone else's ``jax.jit``, ``grad`` or ``vmap``: behave as ``jax.jit``,
@@ -565,6 +614,17 @@ def jit(
                 if _spec_leaf(spec, "in_specs") is not None:
                     check_spec(spec, devices, what="in_specs")
     _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames, "pw.jit")
+    share_key = None
+    if devices is None and in_specs is None and out_specs is None:
+        options = (static_argnums, static_argnames, donate_argnums, donate_argnames, keep_unused)
+        placement = (
+            tuple(sorted((compiler_options or {}).items())),
+            in_shardings,
+            out_shardings,
+            device,
+            backend,
+        )
+        share_key = decorator._shared_key(fun, ("pw.jit", *options, *placement))
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
     keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     fun = _with_jax_jit_placement(
@@ -587,6 +647,7 @@ def jit(
         keep_unused=keeps,
         # As jax.jit: a wrapped jax.jit's device (device=, backend=, one-device shardings) runs it there.
         device=jits_device(fun),
+        share_key=share_key,
     )
 
 

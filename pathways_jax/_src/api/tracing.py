@@ -32,6 +32,7 @@ from pathways_jax._src.api.jit_options import name_of, refuse_traced_statics
 from pathways_jax._src.api.placement import _mesh_mismatch_hint
 from pathways_jax._src.api.program_info import ProgramInfo
 from pathways_jax._src.api.repeat_calls import RepeatCalls
+from pathways_jax._src.compat import jax_caches
 from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import errors, reentry, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -101,6 +102,7 @@ class Program:
         self._nnx_jitted: Any = None
         # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
         functools.update_wrapper(self, fun, updated=())
+        jax_caches.PROGRAMS.add(self)  # jax.clear_caches() clears this program's caches too
 
     @property
     def name(self) -> str:
@@ -340,9 +342,12 @@ class Program:
         the arrays, when the run is dispatched (see ``submission.submit``),
         and the plan is kept for the futures' signature too. None (trace the
         futures' signature) when no such plan exists, or when the plan cannot
-        take a future where it takes an array: it donates arguments, returns
-        one as it is, runs on remote hosts, or runs under a memory budget
-        (whose accounts know futures from arrays).
+        take a future where it takes an array: it runs on remote hosts, or
+        under a memory budget (whose accounts know futures from arrays). A
+        donated future is spent as a donated array is deleted (the plan's
+        ``consumed_feeds`` name the array feeds consumed); the outputs a
+        submission makes itself (literals, host arguments returned as they
+        are) read no array argument.
         """
         signature = key[1]
         if not any(type(k) is FutureKey for k in signature):
@@ -354,9 +359,9 @@ class Program:
         if kept is None:
             return None
         plan = kept.plan
-        if plan.donated_args or plan.shipped_feeds:
+        if plan.shipped_feeds:
             return None
-        if plan.special_outputs or plan.placement.limits is not None:  # under a memory budget
+        if plan.placement.limits is not None:  # under a memory budget
             return None
         with self._lock:
             self._plans.setdefault(key, kept)
@@ -451,7 +456,7 @@ class Program:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
 
         Executables identical computations share stay in the cluster's cache
-        (``jax.clear_caches()`` clears JAX's own).
+        (``jax.clear_caches()`` clears them, every program's caches and JAX's own).
         """
         with self._lock:
             self._graphs.clear()

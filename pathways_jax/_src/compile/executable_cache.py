@@ -55,6 +55,12 @@ class ExecutableCache:
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
 
+    def clear(self) -> None:
+        """Drops every entry (``jax.clear_caches()``): plans lowered later compile again."""
+        with self._lock:
+            self._entries.clear()
+            self._dead.clear()
+
     def _evict_dead(self) -> None:
         while self._dead:
             self._entries.pop(self._dead.popleft(), None)

@@ -96,8 +96,11 @@ class Plan:
         # Static bytes of what each step makes, by slot: reserved under a memory budget.
         self.slot_charge = bound.slot_charge
         self.step_charge = bound.step_charge  # (what, bytes per device) per step
-        # Future feed slots whose buffer an executable consumes: their futures are spent.
-        self.consumed_feeds = frozenset(slot for _, slot in self.future_feeds if slot in bound.consumed)
+        # Feed slots whose buffer an executable consumes: the futures fed there are spent
+        # (array feeds too: a call with futures may run the plan of arrays, Program._array_plan).
+        self.consumed_feeds = frozenset(
+            slot for _, slot in (*self.future_feeds, *self.array_feeds) if slot in bound.consumed
+        )
         self._account()
         if self.consumed_feeds and target is not None and not target.donates:
             self.consumed_feeds = frozenset()  # compiled without donation there
