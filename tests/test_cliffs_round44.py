@@ -138,11 +138,6 @@ def _sine_on_ambient_slice(s, x):
         return pw.program(_sine)(x).result()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pw.program's registry of programs made again (api/decorator.py, _SHARED) holds the "
-    "program, whose graphs and plans hold the ambient slice: a dropped exclusive slice keeps its devices",
-)
 def test_a_dropped_slice_a_program_made_again_ran_on_gives_its_devices_back():
     # pw.program(f)(x) inline under `with slice:` (a top-level f, so the program is kept to be
     # made again); the user then drops the slice, as a lambda's program gives its slice back.
