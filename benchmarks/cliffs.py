@@ -28,7 +28,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import machine
+from common import machine, pyplot, save_figure
 
 import pathways_jax as pw
 
@@ -154,6 +154,25 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"machine": machine(), "calls": n, "layers": args.layers, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
+    plt = pyplot()
+    if plt is not None:
+        png = os.path.splitext(args.out)[0] + ".png"
+        _plot(plt, rows, png)
+        print(f"wrote {png}")
+
+
+def _plot(plt, rows: list[dict], path: str) -> None:
+    """Each case's ratio (pathways_jax over jax.jit, log scale), with the cliff line at 10x."""
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
+    names = [row["case"] for row in rows][::-1]
+    ratios = [row["ratio"] for row in rows][::-1]
+    ax.barh(names, ratios, color=["tab:red" if r >= 10 else "tab:blue" for r in ratios])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.axvline(10.0, color="tab:red", linestyle="--", linewidth=0.8, label="a cliff: 10x")
+    ax.set_xscale("log")
+    ax.set_xlabel("time a call, pathways_jax / jax.jit (above 1 is slower)")
+    ax.legend(loc="lower right")
+    save_figure(plt, fig, path)
 
 
 if __name__ == "__main__":

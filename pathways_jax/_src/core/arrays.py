@@ -13,6 +13,8 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 def _array_type() -> Any:
@@ -26,6 +28,46 @@ def _array_type() -> Any:
 _ArrayImpl: Any = _array_type()  # JAX's own constructor, private to JAX
 array_impl: Any = _ArrayImpl  # the type of every concrete ``jax.Array`` (None on another JAX)
 _new: Any = _ArrayImpl  # the same, called (a name no type test narrows)
+
+
+def _shard_args() -> tuple[Any, Any]:
+    try:
+        from jax._src.interpreters.pxla import shard_args
+        from jax._src.lib import xla_client
+
+        return shard_args, xla_client.ArrayCopySemantics.REUSE_INPUT
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX: jax.device_put
+        return None, None
+
+
+_shard, _REUSE = _shard_args()  # what jax.device_put calls for host data, private to JAX
+
+
+def put(leaf: Any, sharding: Any) -> jax.Array:
+    """``jax.device_put(leaf, sharding)`` of host data: a Python or NumPy scalar, or a NumPy array the
+    caller will not change (its buffer may be taken as it is, as device_put may take it).
+
+    Through JAX's own call for it, private to JAX: ``jax.device_put``'s Python path around it cost
+    50-300 µs a leaf (measured 54-300 µs against 12), a cliff for a step fed a batch each call.
+    Anything it does not take goes to ``jax.device_put``, which raises what it raises.
+    """
+    if _shard is not None and (type(leaf) in _SCALARS or getattr(leaf, "dtype", None) in _PLAIN):
+        try:
+            return _shard([sharding], [None], [_REUSE], [leaf])[0]
+        except Exception:  # let jax.device_put say what is wrong
+            pass
+    return jax.device_put(leaf, sharding)
+
+
+_SCALARS = frozenset({bool, int, float, complex})
+# NumPy dtypes whose data goes to devices as it is (not float0, JAX's zero-size tangent type).
+_PLAIN = frozenset(
+    np.dtype(t)
+    for t in (
+        *(np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64),
+        *(np.float16, np.float32, np.float64, np.complex64, np.complex128, jnp.bfloat16),
+    )
+)
 
 
 def remade(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from pathways_jax._src.core import counts, errors, events, reentry
+from pathways_jax._src.core import arrays, counts, errors, events, reentry
 from pathways_jax._src.ir.signatures import FutureKey
 from pathways_jax._src.runtime import clients, clusters, context
 from pathways_jax._src.runtime.futures import Future, dispatched_values
@@ -123,7 +123,7 @@ def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
             # The transfer is asynchronous and the caller may change its numpy
             # array once the call returns: hand JAX a private copy.
             leaf = np.array(leaf, copy=True)
-        env[slot] = jax.device_put(leaf, sharding)
+        env[slot] = arrays.put(leaf, sharding)
     # The run holds its input futures until it is dispatched: their values
     # stay alive even if the caller drops them at once.
     feeds = [leaves[index] for index in plan.future_indices]
