@@ -1,0 +1,76 @@
+"""The controller service as client processes written from the README meet it: a service whose
+process stops (SIGSTOP, a debugger, a wedged machine) while a client waits on it.
+
+This process starts the module's service on the shared local Ray cluster and joins it as a
+client; results are compared with plain ``jax.jit`` on the same inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pathways_jax as pw
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster):
+    """One service of one host (one device), FIFO."""
+    svc = pw.serve("test-round44", hosts=1)
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+def _slow(v):
+    return jax.lax.fori_loop(0, 30000, lambda i, u: jnp.sin(u) + 1.0, v)
+
+
+def _service_pid(ray, svc: pw.Service) -> int:
+    return ray.get(svc.actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+
+
+def test_a_reader_of_a_stopped_service_gets_a_cluster_error_within_seconds(ray_cluster, service, monkeypatch):
+    # A client reading a future while the service's process was stopped waited for ever: its
+    # health checks went unanswered (logged every 10 s) and nothing failed what the service owed.
+    # The service's channel heartbeats once a second of quiet, so its silence is seen as a hung
+    # host's is (PATHWAYS_JAX_HUNG_S of the client's process), and the README's ClusterError comes.
+    monkeypatch.setenv("PATHWAYS_JAX_HUNG_S", "2")
+    pw.init(backend="ray", address=service.address, service=service.name, client_name="reader")
+    try:
+        s = pw.devices(mesh={"x": 1})
+        step = pw.jit(lambda v: jnp.cos(v) * 3 + 1, devices=s)
+        x = jnp.arange(8.0)
+        want = np.asarray(jax.jit(lambda v: jnp.cos(v) * 3 + 1)(x))
+        np.testing.assert_array_equal(np.asarray(step(x).result(timeout=60)), want)
+        slow = pw.jit(_slow, devices=s)
+        queued = [slow(jnp.ones(256)) for _ in range(12)]  # seconds of work: the last is owed
+        pid = _service_pid(ray_cluster, service)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(pw.errors.ClusterError, match=r"service 'test-round44'.*stopped or hung"):
+                queued[-1].result(timeout=60)
+            assert time.monotonic() - started < 30
+            with pytest.raises(pw.errors.ClusterError, match="stopped or hung"):
+                step(x).result(timeout=10)  # a later call says so at once, not a wait
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        pw.shutdown()
+    # Resumed, the service serves again: joined anew, a client runs exactly.
+    pw.init(backend="ray", address=service.address, service=service.name, client_name="reader")
+    try:
+        step = pw.jit(lambda v: jnp.cos(v) * 3 + 1, devices=pw.devices(mesh={"x": 1}))
+        np.testing.assert_array_equal(np.asarray(step(x).result(timeout=60)), want)
+    finally:
+        pw.shutdown()
