@@ -74,3 +74,37 @@ def test_a_reader_of_a_stopped_service_gets_a_cluster_error_within_seconds(ray_c
         np.testing.assert_array_equal(np.asarray(step(x).result(timeout=60)), want)
     finally:
         pw.shutdown()
+
+
+def test_a_batch_naming_a_host_the_service_lacks_is_refused_and_counted(service):
+    # A signed batch whose messages name host 99 or -1 (a client of another version, a bug): the
+    # service dropped it without an answer, so its sender waited for ever, and counted nothing.
+    from pathways_jax._src import wire
+
+    cluster = pw.init(backend="ray", address=service.address, service=service.name, client_name="odd")
+    try:
+        step = pw.jit(lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 1}))
+        x = jnp.arange(6.0)
+        want = np.asarray(jax.jit(lambda v: v * 2 + 1)(x))
+        np.testing.assert_array_equal(np.asarray(step(x).result(timeout=60)), want)
+        route = cluster.backend.route
+
+        def refused() -> int:
+            rows = service.stats()["clients"].values()
+            return sum(row["refused"] for row in rows if row["name"] == "odd" and row["alive"])
+
+        meta = wire.RunMeta([0], 0, {}, "odd", "", 1.0, 0, -1)
+        for host, kind, args, run in (
+            (99, "free", ([],), None),
+            (-1, "fetch", (1,), None),
+            (99, "run", (1, 0, 0, [], [], []), meta),
+        ):
+            before = refused()
+            (answer,) = route.submit([(host, kind, args)], run)
+            got = answer.result(timeout=20)  # before: no answer ever came
+            assert "host" in got.message and "hosts 0 to 0" in got.message, got
+            assert refused() == before + 1
+        # The service and this client go on as if nothing happened.
+        np.testing.assert_array_equal(np.asarray(step(x + 1).result(timeout=60)), want + 2)
+    finally:
+        pw.shutdown()

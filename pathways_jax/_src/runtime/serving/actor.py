@@ -391,11 +391,17 @@ class ServiceActor:
             )
 
     def _check(self, client: ClientProcess, batch: Batch) -> None:
-        """Raises :class:`Refuse` if the batch names a value its client may not read, or a message
-        a client may not send; changes nothing."""
+        """Raises :class:`Refuse` if the batch names a host the service lacks, a value its client may
+        not read, or a message a client may not send; changes nothing."""
         from pathways_jax._src import wire
 
+        hosts = self.layout.hosts
         for routed in batch.messages:
+            if isinstance(routed.host, bool) or not 0 <= routed.host < hosts:
+                raise Refuse(
+                    f"a {type(routed.item).__name__} message for host {routed.host!r}: the service has "
+                    f"hosts 0 to {hosts - 1}"
+                )
             match routed.item:
                 case wire.Run(feeds=feeds):
                     for feed in feeds:
