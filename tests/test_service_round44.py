@@ -108,3 +108,62 @@ def test_a_batch_naming_a_host_the_service_lacks_is_refused_and_counted(service)
         np.testing.assert_array_equal(np.asarray(step(x + 1).result(timeout=60)), want + 2)
     finally:
         pw.shutdown()
+
+
+def test_a_connection_claiming_a_joined_client_s_name_does_not_take_its_channel(service):
+    # Anyone who can reach the service's channel could connect under a joined client's name (it is
+    # no secret: the topic of every answer sent to it) without the key: the channel handed that
+    # name's route to the newcomer, so the real client's frames went nowhere and its runs waited
+    # for ever, the newcomer's frames all refused. The first connection under a name keeps it.
+    import zmq
+
+    cluster = pw.init(backend="ray", address=service.address, service=service.name, client_name="victim")
+    context = zmq.Context()
+    try:
+        step = pw.jit(lambda v: jnp.sin(v) * 2, devices=pw.devices(mesh={"x": 1}))
+        x = jnp.arange(5.0)
+        want = np.asarray(jax.jit(lambda v: jnp.sin(v) * 2)(x))
+        np.testing.assert_array_equal(np.asarray(step(x).result(timeout=60)), want)
+        endpoint = cluster.backend.channel
+        squatter = context.socket(zmq.DEALER)
+        squatter.setsockopt(zmq.LINGER, 0)
+        squatter.setsockopt(zmq.ROUTING_ID, endpoint.identity)
+        squatter.connect(endpoint.address.up)
+        squatter.send_multipart([b"not a signature", b"junk"])
+        for i in range(3):  # before: FutureTimeoutError, the batches lost on the way
+            want = np.asarray(jax.jit(lambda v: jnp.sin(v) * 2)(x + i))
+            np.testing.assert_array_equal(np.asarray(step(x + i).result(timeout=30)), want)
+        squatter.close()
+    finally:
+        context.term()
+        pw.shutdown()
+
+
+def test_a_channel_peer_keeps_its_name_against_a_newcomer_claiming_it():
+    # The wire itself: a connection under a connected peer's name, with no key, took the name's
+    # route, and the peer's signed messages after it never arrived.
+    import secrets
+
+    import zmq
+
+    from pathways_jax._src import wire
+
+    key = secrets.token_bytes(32)
+    context = zmq.Context()
+    with (
+        wire.Server(key, heartbeat=None) as server,
+        wire.Peer(server.address, key, identity=b"host-0", heartbeat=None) as host,
+    ):
+        host.send(wire.Done(1))
+        assert server.recv(timeout=10).body == wire.Done(1)
+        squatter = context.socket(zmq.DEALER)
+        squatter.setsockopt(zmq.LINGER, 0)
+        squatter.setsockopt(zmq.ROUTING_ID, b"host-0")
+        squatter.connect(server.address.up)
+        squatter.send_multipart([b"x" * 3, b"junk"])
+        for seq in range(2, 5):
+            host.send(wire.Done(seq))
+            got = server.recv(timeout=10)  # before: None, the frame gone to a closed route
+            assert got is not None and got.peer == b"host-0" and got.body == wire.Done(seq), got
+        squatter.close()
+    context.term()
