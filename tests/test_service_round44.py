@@ -167,3 +167,20 @@ def test_a_channel_peer_keeps_its_name_against_a_newcomer_claiming_it():
             assert got is not None and got.peer == b"host-0" and got.body == wire.Done(seq), got
         squatter.close()
     context.term()
+
+
+def test_sharing_with_a_process_not_joined_yet_says_to_share_once_it_joined(service):
+    # The README's order (share with "train", then "train" receives) run with the owner started
+    # first: the refusal named the processes connected but not what to do.
+    pw.init(backend="ray", address=service.address, service=service.name, client_name="eval")
+    try:
+        out = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 1}))(jnp.arange(3.0))
+        np.testing.assert_array_equal(np.asarray(out.result(timeout=60)), np.arange(3.0) + 1)
+        with pytest.raises(
+            pw.errors.AccessError,
+            match=r"no client process named 'train' is connected .*share it once that process has joined "
+            r"\(pw\.init\(\.\.\., client_name='train'\)\)",
+        ):
+            pw.share(out, client="train")
+    finally:
+        pw.shutdown()

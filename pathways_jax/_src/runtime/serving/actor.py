@@ -282,7 +282,11 @@ class ServiceActor:
         readers = [c for c in self.clients.values() if c.alive and (c.name == reader or str(c.id) == reader)]
         if not readers:
             names = sorted(c.name for c in self.clients.values() if c.alive)
-            return Refused(f"no client process named {reader!r} is connected (connected: {names})")
+            return Refused(
+                f"no client process named {reader!r} is connected (connected: {names}): a value is shared "
+                f"with a process joined now; share it once that process has joined "
+                f"(pw.init(..., client_name={reader!r}))"
+            )
         self.ledger.share(host_key(client_id, key), {c.id for c in readers})
         return None
 
