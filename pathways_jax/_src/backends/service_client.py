@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
+from pathways_jax._src.backends import ray_fleet
 from pathways_jax._src.backends.base import Dispatched, Prepared, StartOptions, Windows, given
 from pathways_jax._src.backends.host_link import HostGone
 from pathways_jax._src.backends.ray import CLOSE_TIMEOUT_S, RUNS_IN_FLIGHT
@@ -202,6 +203,12 @@ class ServiceBackend:
 
     def __init__(self, *, actor: Any, token: Any, joined: dict, standins: list, on_lost: Any):
         ray = self.ray = import_ray()
+        # The service's channel heartbeats once a second of quiet: silent this long, its process is
+        # stopped or hung (Ray still sees its actor alive), and what it owes this process fails.
+        self.hung_s = ray_fleet.hung_s()
+        # Since when it is known to run (an answer to a health check), and since when this process
+        # runs without a pause of its own (its own pauses are not the service's silence).
+        self._answered = self._looked = self._resumed = time.monotonic()
         layout = self.layout = Layout(joined["hosts"], joined["devices_per_host"], joined["per_island"])
         self.places = Places(layout, standins, joined["platform"])
         self.export_platforms = self.places.export_platforms
@@ -453,11 +460,30 @@ class ServiceBackend:
         while not self.ray.wait([ref], timeout=_HEALTH_S)[0]:
             if self.closed:
                 return None
+            silent = self._silence()
+            if silent is not None:
+                raise _Silent(silent)
             if time.monotonic() >= deadline:
                 raise self.ray.exceptions.GetTimeoutError(
                     f"the service did not answer a health check within {_HEALTH_TIMEOUT_S:.0f}s"
                 )
         return self.ray.get(ref)
+
+    def _silence(self) -> str | None:
+        """Why the service counts as stopped or hung (its channel silent, and no health check answered,
+        for ``hung_s`` while this process ran), or None. A look that comes late was this process's own pause (Ctrl-Z, a
+        debugger, a starved machine): the service is given ``hung_s`` again from its return."""
+        now = time.monotonic()
+        if now - self._looked > min(ray_fleet.PAUSED_S, self.hung_s / 2):
+            self._resumed = now
+        self._looked = now
+        silent = self.route.silent_for(now - max(self._resumed, self._answered))
+        if silent <= self.hung_s:
+            return None
+        return (
+            f"it sent nothing, not even a heartbeat, for {silent:.1f}s: its process is stopped or hung, "
+            f"{ray_fleet.HUNG_ENV}={self.hung_s:g}s"
+        )
 
     def _monitor(self) -> None:
         reported: dict = {}
@@ -466,6 +492,8 @@ class ServiceBackend:
                 health = self._health_now()
                 if health is None:  # this side closed while the service had not answered
                     return
+                self._answered = time.monotonic()
+                self._silence()  # looked at now: a later look that comes late is this process's pause
                 self._apply(health)
                 if "dropped" in health:  # it answers this process nothing more: said once
                     self.route.dropped(health["dropped"])
@@ -483,6 +511,15 @@ class ServiceBackend:
                     reported = slices
             except Exception as exc:
                 if self.closed or not self.ray.is_initialized():
+                    return
+                if isinstance(exc, _Silent):  # said once: every later call fails saying so too
+                    self.route.fail_owed(str(exc))
+                    logging.warning(
+                        "pathways_jax: the controller service %r is gone (%s); this process's programs fail until "
+                        "pw.shutdown() and pw.init(...) join a running one.",
+                        self.service_name,
+                        exc,
+                    )
                     return
                 if is_lost_error(exc):  # said once: every later call fails saying so too
                     self.route.fail_owed(f"its Ray actor died: {type(exc).__name__}")
@@ -513,6 +550,10 @@ class ServiceBackend:
             if thread is threading.current_thread():
                 continue
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+class _Silent(Exception):
+    """The service's channel was silent too long (the health monitor's own signal)."""
 
 
 # --- handles -------------------------------------------------------------------------------------

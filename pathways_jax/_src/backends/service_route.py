@@ -136,6 +136,13 @@ class ServiceRoute:
             "the service again and pw.init(...) to join it."
         )
 
+    def silent_for(self, at_most: float) -> float:
+        """Seconds since the service's channel was last heard (a heartbeat, an answer), at most ``at_most``."""
+        from pathways_jax._src import wire
+
+        heard = self.peer.last_heard(wire.SERVER)
+        return at_most if heard is None else min(at_most, time.monotonic() - heard)
+
     def gone_now(self) -> str | None:
         """What :meth:`gone_message` says once the service answers nothing more; None while it serves."""
         gone = self._gone

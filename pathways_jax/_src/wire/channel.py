@@ -223,7 +223,10 @@ class _Channel:
             sock.setsockopt(zmq.IMMEDIATE, 1)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # The first connection under a name keeps it while it lives: a newcomer under a peer's
+            # name (no secret: the topic of what the server sends it) is turned away by ZeroMQ, where
+            # a hand-over gave it the route and the peer's frames, signed or not, went nowhere.
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         return sock
 
     def _start(self, send_sock: zmq.Socket, recv_sock: zmq.Socket, name: str) -> None:

@@ -282,7 +282,11 @@ class ServiceActor:
         readers = [c for c in self.clients.values() if c.alive and (c.name == reader or str(c.id) == reader)]
         if not readers:
             names = sorted(c.name for c in self.clients.values() if c.alive)
-            return Refused(f"no client process named {reader!r} is connected (connected: {names})")
+            return Refused(
+                f"no client process named {reader!r} is connected (connected: {names}): a value is shared "
+                f"with a process joined now; share it once that process has joined "
+                f"(pw.init(..., client_name={reader!r}))"
+            )
         self.ledger.share(host_key(client_id, key), {c.id for c in readers})
         return None
 
@@ -391,11 +395,17 @@ class ServiceActor:
             )
 
     def _check(self, client: ClientProcess, batch: Batch) -> None:
-        """Raises :class:`Refuse` if the batch names a value its client may not read, or a message
-        a client may not send; changes nothing."""
+        """Raises :class:`Refuse` if the batch names a host the service lacks, a value its client may
+        not read, or a message a client may not send; changes nothing."""
         from pathways_jax._src import wire
 
+        hosts = self.layout.hosts
         for routed in batch.messages:
+            if isinstance(routed.host, bool) or not 0 <= routed.host < hosts:
+                raise Refuse(
+                    f"a {type(routed.item).__name__} message for host {routed.host!r}: the service has "
+                    f"hosts 0 to {hosts - 1}"
+                )
             match routed.item:
                 case wire.Run(feeds=feeds):
                     for feed in feeds:
