@@ -4,7 +4,7 @@ import collections
 
 import jax.numpy as jnp
 import pytest
-from helpers import gated
+from helpers import gated, wait_for
 
 import pathways_jax as pw
 from pathways_jax._src.runtime import scheduler
@@ -183,7 +183,14 @@ def _plugged_order(policy: str, submit) -> list[str]:
     x = jnp.arange(4.0)
     gate.set()
     held(x).result(timeout=30)
-    work(x).result(timeout=30)  # compiled
+    # Compiled, and its cost estimate past its first measurement (which the second replaces,
+    # admission.fold): runs accounted together are one measurement, so each is waited for. Under
+    # load the replacement came between "a"'s first pick, charged the first measurement (1.8 ms),
+    # and "b"'s (0.09 ms each): every "b" run went before "a"'s second.
+    accounting = pw.cluster().controller.accounting
+    for _ in range(3):
+        work(x).result(timeout=30)
+        assert wait_for(accounting.idle, timeout=30)
     gate.clear()
     entered.clear()
     outs = []
