@@ -1,0 +1,85 @@
+"""Moments of exit and failure on the local backend: forks, interrupts, notebooks, threads.
+
+Each test runs what a user writes (in a process of its own where the process's
+life is the point), under a deadline, and compares results with plain ``jax.jit``.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run(code: str, *args: str, timeout: float = 100) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+_FORKED_CHILD = """
+import faulthandler, os, sys, threading, warnings
+warnings.filterwarnings("ignore", message=r"os\\.fork\\(\\) was called", category=RuntimeWarning)
+import jax, jax.numpy as jnp, numpy as np
+import pathways_jax as pw
+
+pw.init(num_cpu_devices=4)
+gate = threading.Event()
+
+def wait(v):
+    gate.wait(120)
+    return v
+
+slow = pw.program(lambda v: jax.pure_callback(wait, jax.ShapeDtypeStruct(v.shape, v.dtype), v) + 1)
+step = pw.program(lambda v: v * 2)
+step(np.arange(4.0, dtype=np.float32)).result()
+pending = slow(np.arange(4.0, dtype=np.float32))  # its run still queued at the fork
+
+def in_child(case):
+    if case == "new signature":  # traced and compiled in the child: JAX's compiler hangs there
+        step(np.arange(5.0, dtype=np.float32)).result(timeout=20)
+    elif case == "lower":
+        step.lower(np.arange(6.0, dtype=np.float32))
+    elif case == "pending future":  # its run would never be dispatched here
+        pending.result()
+    elif case == "new cluster":
+        pw.shutdown(timeout=5)
+        pw.init(num_cpu_devices=4)
+        step(np.arange(4.0, dtype=np.float32)).result(timeout=20)
+
+for case in ("pending future", "new signature", "lower", "new cluster"):
+    pid = os.fork()
+    if pid == 0:
+        faulthandler.dump_traceback_later(30, exit=True)  # a hang ends the child with 1
+        try:
+            in_child(case)
+            os._exit(3)  # it ran
+        except pw.errors.ClusterError as exc:
+            os._exit(0 if "forked" in str(exc) and "'spawn'" in str(exc) else 4)
+        except BaseException:
+            os._exit(5)
+    _, status = os.waitpid(pid, 0)
+    print(case, "->", os.waitstatus_to_exitcode(status), flush=True)
+gate.set()
+print("parent", pending.result(timeout=60).tolist(), step(np.arange(5.0, dtype=np.float32)).result().tolist())
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_forked_child_is_told_it_cannot_run_programs_whatever_it_calls():
+    # Before: only a call of a signature already compiled in the parent said so; a new signature,
+    # program.lower, a future still queued at the fork and a cluster started anew in the child hung
+    # for ever (JAX's compiler, and the wait for a dispatch no thread would make, never return).
+    done = _run(_FORKED_CHILD, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case in ("pending future", "new signature", "lower", "new cluster"):
+        assert f"{case} -> 0" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "parent [1.0, 2.0, 3.0, 4.0] [0.0, 2.0, 4.0, 6.0, 8.0]" in done.stdout, done.stdout
