@@ -9,7 +9,12 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
+
+import pathways_jax as pw
+from tests.helpers import assert_matches, gated
 
 
 def _run(code: str, *args: str, timeout: float = 100) -> subprocess.CompletedProcess:
@@ -83,3 +88,32 @@ def test_a_forked_child_is_told_it_cannot_run_programs_whatever_it_calls():
     for case in ("pending future", "new signature", "lower", "new cluster"):
         assert f"{case} -> 0" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "parent [1.0, 2.0, 3.0, 4.0] [0.0, 2.0, 4.0, 6.0, 8.0]" in done.stdout, done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_abstract_uses_of_a_future_still_computing_wait_for_nothing():
+    # A notebook user looks at the shapes of the next step while a run is in flight, as they would
+    # of a jax.Array still computing. Before: each of these waited for the run to finish, because
+    # JAX reads an argument's abstract value and format, which the future took from its array.
+    s = pw.devices(mesh={"x": 1})
+    slow, gate, entered = gated(s, plus=1.0)
+    fut = slow(jnp.arange(4.0))
+    try:
+        assert entered.wait(60)
+        add = pw.program(lambda v: v * 2 + 1)
+        g = jax.jit(lambda v: jnp.tanh(v).sum())
+        want = jax.ShapeDtypeStruct((4,), jnp.float32)
+        assert add.eval_shape(fut) == jax.eval_shape(lambda v: v * 2 + 1, want)
+        assert jax.eval_shape(g, fut) == jax.eval_shape(g, want)
+        assert str(jax.make_jaxpr(g)(fut)) == str(jax.make_jaxpr(g)(want))
+        lowered = g.lower(fut)
+        add.lower(fut)
+        assert not fut.done(), "an abstract use waited for the run"
+    finally:
+        gate.set()
+    x = jnp.arange(4.0) + 1.0
+    assert_matches(fut, x)
+    assert_matches(g(fut), g(x))
+    assert_matches(lowered.compile()(fut.result()), g(x))
+    assert_matches(add(fut), x * 2 + 1)
+    s.release()
