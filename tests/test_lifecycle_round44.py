@@ -117,3 +117,52 @@ def test_abstract_uses_of_a_future_still_computing_wait_for_nothing():
     assert_matches(lowered.compile()(fut.result()), g(x))
     assert_matches(add(fut), x * 2 + 1)
     s.release()
+
+
+_DELETE_WHILE_THE_WATCHER_ASKS = """
+import threading, time
+import jax, jax.numpy as jnp
+import pathways_jax as pw
+from pathways_jax._src.core import readiness
+
+pw.init(num_cpu_devices=4)
+step = pw.program(lambda v: v * 2)
+x = jax.device_put(jnp.arange(4.0), jax.devices()[1])  # committed: result() is the run's own array
+step(x).result()
+accounting = pw.cluster().controller.accounting
+deadline = time.monotonic() + 30
+while not accounting.idle() and time.monotonic() < deadline:  # done with the first run: next, the second
+    time.sleep(0.01)
+asked, deleted = threading.Event(), threading.Event()
+original = readiness.settled
+
+def settled(array):
+    # The accounting watcher asks whether a run's output is done just as the user deletes it: the
+    # moment a thread switch between is_deleted() and is_ready() can give the user, held open here.
+    if threading.current_thread().name != "pathways-accounting" or asked.is_set() or array.is_deleted():
+        return original(array)
+    asked.set()  # settled() asked is_deleted(): False
+    deleted.wait(30)
+    try:
+        return array.is_ready()  # then is_ready(): a segfault on the user's deleted array
+    except Exception:  # deleted: the view's buffers are gone
+        return True
+
+readiness.settled = settled
+out = step(x)
+assert asked.wait(30), "the watcher never asked"
+value = out.result()
+value.delete()  # as jax.jit(..., donate_argnums=0)(value) would
+deleted.set()
+print("next", step(x).result().tolist(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_crash():
+    # The watcher asked the user's own jax.Array whether it was ready: a delete() (or donation)
+    # between its is_deleted() and is_ready() crashed the process with a segfault in XLA (about one
+    # run of test_dropin_values.py in four under load). It now asks a view of its own.
+    done = _run(_DELETE_WHILE_THE_WATCHER_ASKS)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert "next [0.0, 2.0, 4.0, 6.0]" in done.stdout, done.stdout + done.stderr[-3000:]
