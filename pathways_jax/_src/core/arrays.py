@@ -48,29 +48,6 @@ def remade(
     )
 
 
-def private_view(array: Any) -> Any:
-    """A ``jax.Array`` object over ``array``'s buffers that only the caller holds.
-
-    For a thread that asks whether a value it did not make is ready while its
-    user may delete (or donate) it: ``jax.Array.is_ready()`` on an array whose
-    ``delete()`` ran crashes XLA's CPU client (a segfault, not an error), and
-    asking ``is_deleted()`` first leaves a moment in between. Nothing deletes
-    this object: the user's ``delete()`` frees the shared buffers, after which
-    the view says it is deleted (its ``is_ready`` raises instead of crashing).
-    A typed PRNG key answers by its data. An array already deleted, or of
-    another kind, is returned as it is (deleted stays deleted).
-    """
-    base = getattr(array, "_base_array", None)  # typed keys: their data's readiness is theirs
-    if base is not None:
-        array = base
-    if type(array) is not _ArrayImpl:
-        return array
-    try:
-        return remade(array)
-    except Exception:  # deleted already (JAX refuses an array of no shards): it stays so
-        return array
-
-
 def loose(array: jax.Array, aval: Any, sharding: Any) -> jax.Array:
     """``remade(array, aval=aval, sharding=sharding, committed=False)``, for a loop over many arrays."""
     if type(array) is not _ArrayImpl:

@@ -32,7 +32,6 @@ from typing import Any
 from absl import logging
 
 from pathways_jax._src.core import readiness, reentry
-from pathways_jax._src.core.arrays import private_view
 from pathways_jax._src.runtime.admission import fold, fold_median
 
 now = time.perf_counter_ns
@@ -314,19 +313,12 @@ class Accounting:
     def _step(self, pending: collections.deque[Note]) -> None:
         """Takes new notes, waits for the oldest run, and accounts every run that is done."""
         notes = self._notes
-        taken: list[Note] = []
         while notes:
-            taken.append(notes.popleft())
+            pending.append(notes.popleft())
         if self._open:
             with self._open_lock:
                 folded, self._open = self._open, {}
-            taken.extend(folded.values())
-        for note in taken:
-            # Asked from this thread while the user may delete or donate them: views of its own
-            # (arrays.private_view), which nothing deletes. On the user's arrays themselves, a delete()
-            # between is_deleted() and is_ready() crashed the process (a segfault in XLA).
-            note.arrays = tuple([private_view(array) for array in note.arrays])
-        pending.extend(taken)
+            pending.extend(folded.values())
         # Runs on the same devices finish in dispatch order: wait (in XLA,
         # without the GIL) for the oldest, then take every run that is done.
         head = pending[0]
