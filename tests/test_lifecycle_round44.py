@@ -4,10 +4,15 @@ Each test runs what a user writes (in a process of its own where the process's
 life is the point), under a deadline, and compares results with plain ``jax.jit``.
 """
 
+import contextlib
 import os
+import random
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -175,3 +180,78 @@ def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_c
     done = _run(_DELETE_WHILE_THE_WATCHER_ASKS)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     assert "next [0.0, 2.0, 4.0, 6.0]" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+class _Preempted(BaseException):  # as SystemExit: what a preemption handler raises
+    pass
+
+
+@pytest.mark.timeout(150)
+def test_shutdown_in_a_signal_handler_that_lands_in_a_dispatch_returns_at_once():
+    # A preemption handler (SIGTERM: save, pw.shutdown(), exit) that lands while the main thread
+    # dispatches its own run waited for that very dispatch, which could only go on once the handler
+    # returned: it spent shutdown's whole timeout (60 s by default, past a preemption's notice).
+    pw.init(num_cpu_devices=8)
+    step = pw.program(lambda v: v * 0.5 + 1)
+    x = jnp.arange(8.0)
+    step(x).result()
+    dispatching = pw.cluster().controller._dispatch
+    started, took = [], []
+
+    def on_signal(signum, frame):
+        names = set()
+        while frame is not None:
+            names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        if started or "_try_inline" not in names or not dispatching.locked():
+            return  # not inside this thread's own dispatch (or inside this handler): the next one
+        started.append(True)
+        start = time.monotonic()
+        pw.shutdown(timeout=60)
+        took.append(time.monotonic() - start)
+        raise _Preempted
+
+    stop = threading.Event()
+
+    def signaller():
+        rng = random.Random(0)
+        while not stop.is_set():
+            time.sleep(rng.uniform(0, 5e-4))  # lands anywhere, dispatch included
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    thread = threading.Thread(target=signaller, daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 60
+        with contextlib.suppress(_Preempted):
+            while time.monotonic() < deadline:
+                step(x)
+    finally:
+        stop.set()
+        thread.join(10)
+        signal.signal(signal.SIGUSR1, previous)
+    assert took, "no signal landed inside a dispatch"
+    assert took[0] < 30, f"pw.shutdown(timeout=60) took {took[0]:.1f}s"
+    with pytest.raises(pw.errors.ClusterError, match=r"pw\.init"):
+        step(x)
+
+
+def test_shutdown_in_a_host_callback_stops_the_cluster_without_an_error():
+    # On the controller's thread it joined that very thread: "cannot join current thread".
+    pw.init(num_cpu_devices=8)
+    seen = []
+
+    def stop_here(v):
+        try:
+            pw.shutdown(timeout=30)
+            seen.append("stopped")
+        except Exception as exc:
+            seen.append(repr(exc))
+        return v
+
+    step = pw.program(lambda v: jax.pure_callback(stop_here, jax.ShapeDtypeStruct(v.shape, v.dtype), v) + 1)
+    assert_matches(step(jnp.arange(4.0)), jnp.arange(4.0) + 1)
+    assert seen == ["stopped"]
+    with pytest.raises(pw.errors.ClusterError, match=r"pw\.init"):
+        step(jnp.arange(4.0))

@@ -480,15 +480,22 @@ class Controller:
         deadline = time.monotonic() + timeout
         self._stopped = True
         self._wake()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        # Called from Python code run inside the runtime's work on this thread (a signal handler
+        # such as a preemption hook, landing while this thread dispatches its own run; a host
+        # callback on the controller's thread), the dispatch under way is this thread's own: it
+        # goes on only once that code returns, so waiting for it (or joining this very thread)
+        # would only spend the whole timeout.
+        own = reentry.inside.depth > 0
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             logging.warning(
                 "pathways_jax: the controller thread did not stop within %.1fs; it is left as a daemon.",
                 timeout,
             )
         # A run another thread is dispatching inline (in XLA now) ends before stop returns:
         # at exit, a thread still inside XLA as the interpreter finalises aborts the process.
-        if self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not own and self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._dispatch.release()
         # And so do the runs dispatched: one whose host callback XLA calls as the interpreter
         # finalises aborts the process ("terminate called without an active exception").
