@@ -29,13 +29,14 @@ def install() -> bool:
     three are private to JAX:
 
     - ``jax._src.core.pytype_aval_mappings``: the abstract value tracing sees
-      (that of the computed value, so weak types and shardings match exactly);
+      (a future's own ``aval``, known without waiting and equal to its array's,
+      weak type and sharding included; for other stand-ins, that of the value);
     - ``jax._src.dtypes.canonicalize_value_handlers``: the concrete value a
       compiled call receives, the ``jax.Array`` itself;
     - ``jax._src.interpreters.pxla.shard_arg_handlers``: for calls that skip
       canonicalization, the same array moved to the argument's sharding.
 
-    Each waits through :meth:`Future.result` (:func:`take_as_array`). Called once, by
+    The last two wait through :meth:`Future.result` (:func:`take_as_array`). Called once, by
     :func:`compat.install`. A JAX without these hooks keeps working, but then ``jax.jit`` and
     ``jnp`` need ``future.result()``.
 
@@ -82,7 +83,13 @@ def take_as_array(cls: type) -> bool:
         canonical[cls] = cls.result  # type: ignore[attr-defined]  # first: the one that calls into jaxlib
     except TypeError:  # pragma: no cover - another JAX
         return False
-    avals[cls] = lambda value: jax.typeof(value.result())
+    if cls is Future:
+        # A future knows its abstract value when the call returns (that of its array, weak type and
+        # sharding included): tracing against it (jax.eval_shape, jit's lower and eval_shape,
+        # jax.make_jaxpr) waits for nothing, as for a jax.Array still computing.
+        avals[cls] = lambda value: value.aval
+    else:
+        avals[cls] = lambda value: jax.typeof(value.result())
     handlers[cls] = shard_values
     return True
 

@@ -70,6 +70,8 @@ class ArrayLike:
         @property
         def dtype(self) -> np.dtype: ...
 
+        def done(self) -> bool: ...
+
     __array_priority__ = 100  # as jax.Array: NumPy's operators defer to ours
     # As jax.Array: == compares elementwise. (typeshed has object.__hash__ always callable.)
     __hash__ = None  # type: ignore[assignment]
@@ -183,7 +185,25 @@ class ArrayLike:
     clone = _array_method("clone")
     addressable_shards = _array_property("addressable_shards")
     global_shards = _array_property("global_shards")
-    format = _array_property("format")
+
+    @property
+    def format(self) -> Any:
+        """As ``jax.Array.format`` (layout and sharding); a value not computed yet gives no wait.
+
+        JAX reads it of every argument it traces (``jax.jit(f).lower``,
+        ``eval_shape``, ``jax.make_jaxpr``), which a ``jax.Array`` still computing
+        answers at once. A handle that knows its sharding before its value (a
+        ``pw.Future``) answers so too, with the default layout (``None``, as JAX
+        reads a default one); once computed, or for a handle that does not know
+        its sharding, it is the value's.
+        """
+        if not self.done():
+            sharding = getattr(self, "sharding", None)  # known before the value (pw.Future), or not at all
+            if sharding is not None:
+                from jax.experimental.layout import Format
+
+                return Format(None, sharding)
+        return self.result().format  # type: ignore[attr-defined]
 
     __array_namespace__ = _array_method("__array_namespace__")
     __dlpack__ = _array_method("__dlpack__")

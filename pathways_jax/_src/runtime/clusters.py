@@ -390,7 +390,8 @@ def init(
     Raises:
       ClusterError: an argument of the wrong type or out of range (the message
         says what was expected), a cluster with other arguments is running
-        (call ``pw.shutdown()`` first), or the arguments cannot be met.
+        (call ``pw.shutdown()`` first), the arguments cannot be met, or this
+        process was forked from one running pathways_jax.
 
     Example:
       >>> import pathways_jax as pw
@@ -440,6 +441,9 @@ def init(
                 f"pw.init{_current._init_args.describe()} is running. Call "
                 "pw.shutdown() first to start one with other arguments."
             )
+        from pathways_jax._src.runtime.controller import refuse_if_forked
+
+        refuse_if_forked()  # JAX's runtime does not survive a fork: the new cluster could run nothing
         started = registry.start(args.backend, args)
         try:
             budget = device_budget([d for group in started.islands for d in group], args.memory_budget)

@@ -123,11 +123,52 @@ class Forked(Exception):
 
 # Controllers of this process: a child forked from it finds them without their threads.
 _controllers: weakref.WeakSet[Controller] = weakref.WeakSet()
+# Whether this process was forked from one where a controller ran (JAX's runtime was started
+# there): JAX's own threads do not survive the fork, so compiling or running anything hangs here.
+_forked = False
+
+FORKED_MESSAGE = (
+    "this process was forked (os.fork, or multiprocessing's 'fork' start method) from one "
+    "running pathways_jax: the controller's threads, and JAX's runtime, do not survive a "
+    "fork, so no program can run here. Start worker processes that use pathways_jax with "
+    "multiprocessing's 'spawn' or 'forkserver' start method, or call programs only in the "
+    "parent."
+)
 
 
 def _after_fork_in_child() -> None:
-    for controller in list(_controllers):
+    """Marks the controllers the child inherited as dead, and their queued values as failed.
+
+    Runs in the child, where only the forking thread exists: a lock another
+    thread held at the fork stays held, so nothing here takes one. A value
+    still pending (its run queued in the parent) would never be dispatched
+    here; it fails, so reading it raises instead of waiting for ever.
+    """
+    global _forked
+    controllers = list(_controllers)
+    if not controllers:
+        return
+    _forked = True
+    cause = errors.ClusterError(FORKED_MESSAGE)
+    for controller in controllers:
         controller._dead = Forked("this process was forked from the one that started it")
+        for entry in list(controller._store._live.values()):
+            if type(entry.state) is Pending:
+                controller._store.set_failed(
+                    entry,
+                    f"{entry.origin} was still queued when this process was forked: {FORKED_MESSAGE}",
+                    cause,
+                )
+
+
+def refuse_if_forked() -> None:
+    """Raises ``ClusterError`` in a process forked from one where a controller ran.
+
+    Before anything compiles or starts a cluster there: JAX's runtime hangs in
+    such a child, so a new signature's compile would never return.
+    """
+    if _forked:
+        raise errors.ClusterError(FORKED_MESSAGE)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -426,13 +467,7 @@ class Controller:
         """Raises the error of a call made after the controller thread ended."""
         cause = self._dead
         if isinstance(cause, Forked):
-            raise errors.ClusterError(
-                "this process was forked (os.fork, or multiprocessing's 'fork' start method) from one "
-                "running pathways_jax: the controller's threads, and JAX's runtime, do not survive a "
-                "fork, so no program can run here. Start worker processes that use pathways_jax with "
-                "multiprocessing's 'spawn' or 'forkserver' start method, or call programs only in the "
-                "parent."
-            )
+            raise errors.ClusterError(FORKED_MESSAGE)
         raise errors.ClusterError(
             "pathways_jax's controller thread has stopped"
             + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
@@ -445,15 +480,22 @@ class Controller:
         deadline = time.monotonic() + timeout
         self._stopped = True
         self._wake()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        # Called from Python code run inside the runtime's work on this thread (a signal handler
+        # such as a preemption hook, landing while this thread dispatches its own run; a host
+        # callback on the controller's thread), the dispatch under way is this thread's own: it
+        # goes on only once that code returns, so waiting for it (or joining this very thread)
+        # would only spend the whole timeout.
+        own = reentry.inside.depth > 0
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             logging.warning(
                 "pathways_jax: the controller thread did not stop within %.1fs; it is left as a daemon.",
                 timeout,
             )
         # A run another thread is dispatching inline (in XLA now) ends before stop returns:
         # at exit, a thread still inside XLA as the interpreter finalises aborts the process.
-        if self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not own and self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._dispatch.release()
         # And so do the runs dispatched: one whose host callback XLA calls as the interpreter
         # finalises aborts the process ("terminate called without an active exception").

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pathways_jax._src.compile.lowering import Plan, Prepared
 from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import controller as controller_lib
 from pathways_jax._src.runtime import slices as slices_lib
 
 if TYPE_CHECKING:
@@ -56,8 +57,11 @@ def lowered(
 
     Raises:
       ClusterError: the cluster's backend answered ``prepare`` with something
-        other than a ``Prepared`` record.
+        other than a ``Prepared`` record, or this process was forked from one
+        running pathways_jax (JAX's runtime does not survive the fork).
     """
+    # In a process forked from a running one JAX's compiler never returns: refused first.
+    controller_lib.refuse_if_forked()
     current = slices_lib.still_placed(held)  # before the placement is read: a move in between fails it
     plan = lower(graph, signature, slices_lib.placement_of(held), donated)
     if not held:  # it places nothing: no backend's part, no cluster of its own
