@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 import jax
@@ -60,6 +61,21 @@ def wait_for(predicate, timeout: float = 20.0) -> bool:
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_source(source: str, *args: str, timeout: float = 100, cwd=None) -> subprocess.CompletedProcess:
+    """Runs Python ``source`` in a fresh interpreter on CPU (its own device count); the finished process."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+        check=False,
+    )
 
 
 def run_script(relative: str, *args: str, timeout: float = 280, python_args: tuple[str, ...] = ()) -> str:

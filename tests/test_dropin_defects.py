@@ -8,15 +8,13 @@ import functools
 import json
 import os
 import subprocess
-import sys
-import textwrap
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, run_source
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,17 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run_python(source: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
     """Runs ``source`` in a fresh interpreter (8 CPU devices); fails the test on a hang or a crash."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(source), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=ROOT,
-        )
+        proc = run_source(source, *args, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the program did not finish within {timeout}s (a hang):\n{exc.stdout}\n{exc.stderr}")
     assert proc.returncode == 0, (

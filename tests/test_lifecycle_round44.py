@@ -5,35 +5,17 @@ life is the point), under a deadline, and compares results with plain ``jax.jit`
 """
 
 import contextlib
-import os
 import random
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import assert_matches, gated, run_source
 
 import pathways_jax as pw
-from tests.helpers import assert_matches, gated
-
-
-def _run(code: str, *args: str, timeout: float = 100) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
-
 
 _FORKED_CHILD = """
 import faulthandler, os, sys, threading, warnings
@@ -88,7 +70,7 @@ def test_a_forked_child_is_told_it_cannot_run_programs_whatever_it_calls():
     # Before: only a call of a signature already compiled in the parent said so; a new signature,
     # program.lower, a future still queued at the fork and a cluster started anew in the child hung
     # for ever (JAX's compiler, and the wait for a dispatch no thread would make, never return).
-    done = _run(_FORKED_CHILD, timeout=180)
+    done = run_source(_FORKED_CHILD, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     for case in ("pending future", "new signature", "lower", "new cluster"):
         assert f"{case} -> 0" in done.stdout, done.stdout + done.stderr[-3000:]
@@ -177,7 +159,7 @@ def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_c
     # The watcher asked the user's own jax.Array whether it was ready: a delete() (or donation)
     # between its is_deleted() and is_ready() crashes the process with a segfault in XLA (about one
     # run of test_dropin_values.py in four under load).
-    done = _run(_DELETE_WHILE_THE_WATCHER_ASKS)
+    done = run_source(_DELETE_WHILE_THE_WATCHER_ASKS)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     assert "next [0.0, 2.0, 4.0, 6.0]" in done.stdout, done.stdout + done.stderr[-3000:]
 
