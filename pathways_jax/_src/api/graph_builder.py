@@ -355,13 +355,9 @@ _CONTROL_FLOW = frozenset({"cond", "while", "scan"})
 
 
 def _inner_equations(params: Any) -> Any:
-    """Every equation of the jaxprs among ``params`` (an equation's), nested ones too."""
-    for value in params.values() if isinstance(params, dict) else params:
-        if isinstance(value, tuple | list):
-            yield from _inner_equations(value)
-            continue
-        jaxpr = getattr(value, "jaxpr", value)
-        for eqn in getattr(jaxpr, "eqns", ()):
+    """Every equation of the jaxprs among an equation's ``params``, nested ones too."""
+    for jaxpr in jex.jaxprs_in_params(params):
+        for eqn in jaxpr.eqns:
             yield eqn
             yield from _inner_equations(eqn.params)
 

@@ -258,7 +258,7 @@ class Dispatcher:
                 markers[host] = RemoteArray(self, (host,), None, None, None, (answers[index],), generation)
         outputs: dict[int, RemoteArray] = {}
         for slot, key in keys.items():
-            out = plan.slot_outputs.get(slot) or remote.copy_outputs[slot]
+            out = remote.kept_outputs[slot]
             hosts = remote.slot_hosts[slot]
             dones = tuple(markers[h].dones[0] for h in hosts)
             generation = markers[hosts[0]].generation

@@ -207,7 +207,8 @@ class RemotePlan:
         # value returned twice (OutputSlot.fresh), is a copy the hosts make into a slot of its own,
         # kept under a key of its own (one key would be donated twice, or freed with the other).
         self.copies: dict[int, int] = {}  # output position -> the slot of its copy on the hosts
-        self.copy_outputs: dict[int, Any] = {}  # that slot -> the output (its aval and sharding)
+        # Every slot the hosts keep -> its output (aval, sharding): the plan's, and the copies'.
+        self.kept_outputs: dict[int, Any] = dict(plan.slot_outputs)
         spare = itertools.count(max([len(plan.template), *slot_hosts]) + 1)
         for position, slot in plan.published_copies:
             out = plan.outputs[position]
@@ -219,7 +220,7 @@ class RemotePlan:
                 part(host).keep.append(copy)
             slot_hosts[copy], slot_sharding[copy] = hosts, slot_sharding[slot]
             self.copies[position] = copy
-            self.copy_outputs[copy] = out
+            self.kept_outputs[copy] = out
         self.slot_hosts = slot_hosts
         self.hosts = tuple(sorted(self.parts))
         self.islands = frozenset(backend.layout.island_of(h) for h in self.hosts)

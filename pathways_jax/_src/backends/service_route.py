@@ -83,7 +83,7 @@ class ServiceRoute:
         for _host, kind, args in batch:
             if kind == "run":
                 for slot, key in args[4]:
-                    aval = (plan.slot_outputs.get(slot) or remote.copy_outputs[slot]).aval
+                    aval = remote.kept_outputs[slot].aval
                     nbytes[key] = math.prod(aval.shape) * aval.dtype.itemsize
         from pathways_jax._src import wire
 
