@@ -106,51 +106,62 @@ def test_abstract_uses_of_a_future_still_computing_wait_for_nothing():
     s.release()
 
 
-_DELETE_WHILE_ANOTHER_THREAD_ASKS = """
-import sys, threading, time
+_DELETE_WHILE_THE_WATCHER_ASKS = """
+import threading, time
 import jax, jax.numpy as jnp
 import pathways_jax as pw
+from pathways_jax._src.core import readiness
 
 pw.init(num_cpu_devices=4)
-sys.setswitchinterval(1e-6)  # a thread switch wherever the interpreter allows one
 step = pw.program(lambda v: v * 2)
 x = jax.device_put(jnp.arange(4.0), jax.devices()[1])  # committed: result() is the run's own array
-want = jax.jit(lambda v: v * 2)(x).tolist()
-latest, stop, asked = [None], threading.Event(), [0]
+step(x).result()
+accounting = pw.cluster().controller.accounting
+deadline = time.monotonic() + 30
+while not accounting.idle() and time.monotonic() < deadline:  # done with the first run: next, the second
+    time.sleep(0.01)
+asked, deleted = threading.Event(), threading.Event()
+original = readiness.settled
 
-def progress():  # a progress bar's thread: is the newest step done yet?
-    while not stop.is_set():
-        future = latest[0]
-        if future is not None:
-            future.done()
-            asked[0] += 1
+def settled(array):
+    # The accounting watcher asks whether a run's output is done just as the user deletes it: the
+    # moment a thread switch between is_deleted() and is_ready() can give the user, held open here.
+    if threading.current_thread().name != "pathways-accounting" or asked.is_set() or array.is_deleted():
+        return original(array)
+    asked.set()  # settled() asked is_deleted(): False
+    deleted.wait(30)
+    try:
+        return array.is_ready()  # then is_ready(): a segfault on the user's deleted array
+    except Exception:  # deleted: the view's buffers are gone
+        return True
 
-thread = threading.Thread(target=progress, daemon=True)
-thread.start()
-end, calls = time.monotonic() + float(sys.argv[1]), 0
-while time.monotonic() < end:
-    future = step(x)
-    latest[0] = future
-    future.result().delete()  # as jax.jit(..., donate_argnums=0)(value) would, or a user freeing memory
-    calls += 1
-stop.set()
-thread.join(30)
-print("next", step(x).result().tolist() == want, calls, asked[0], flush=True)
+readiness.settled = settled
+out = step(x)
+assert asked.wait(30), "the watcher never asked"
+value = out.result()
+value.delete()  # as jax.jit(..., donate_argnums=0)(value) would
+deleted.set()
+print("next", step(x).result().tolist(), flush=True)
 """
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "the accounting watcher asks the user's own jax.Array is_deleted() then is_ready(); a delete() "
+        "between them segfaults XLA's CPU client. Views made on the watcher's thread raced with the "
+        "user's first read of a multi-shard result (IndexError in _value): the fix is a view made on "
+        "the dispatching thread before the outputs are published, or a marker output no user holds"
+    ),
+)
 @pytest.mark.timeout(120)
-def test_deleting_a_result_while_another_thread_asks_whether_it_is_done_does_not_crash():
-    # Future.done() (and the accounting watcher, and the caller's window) asked the run's own
-    # jax.Array is_deleted() then is_ready(): a delete() by the user between the two segfaulted XLA's
-    # CPU client (is_ready on a deleted array). Under a thread switch at every chance, within a
-    # second on the tree before.
-    done = run_source(_DELETE_WHILE_ANOTHER_THREAD_ASKS, "3")
+def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_crash():
+    # The watcher asked the user's own jax.Array whether it was ready: a delete() (or donation)
+    # between its is_deleted() and is_ready() crashes the process with a segfault in XLA (about one
+    # run of test_dropin_values.py in four under load).
+    done = run_source(_DELETE_WHILE_THE_WATCHER_ASKS)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("next ")), "")
-    result, calls, asked = line.split()[1:] if line else ("", "0", "0")
-    assert result == "True", done.stdout + done.stderr[-3000:]
-    assert int(calls) > 100 and int(asked) > 100, done.stdout  # both threads did their part
+    assert "next [0.0, 2.0, 4.0, 6.0]" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 class _Preempted(BaseException):  # as SystemExit: what a preemption handler raises

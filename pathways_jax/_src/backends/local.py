@@ -28,8 +28,6 @@ from pathways_jax._src.core.formatting import aval_text
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
 
-_CALL = operator.call  # see readiness.deleted_or_ready
-
 
 class LocalBackend:
     """The devices of this process: each step of a run is dispatched on the dispatching thread.
@@ -164,8 +162,8 @@ class LocalBackend:
         while in_flight:
             marker = in_flight[0][0]
             try:
-                # readiness.deleted_or_ready, inlined: a deleted array asked crashes XLA's CPU client.
-                done = any(map(_CALL, (marker.is_deleted, marker.is_ready)))
+                # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client.
+                done = marker.is_deleted() or marker.is_ready()
             except AttributeError:  # an extended dtype, or a kind that cannot be asked
                 done = readiness.settled(marker)
             except Exception:  # it failed: it is over

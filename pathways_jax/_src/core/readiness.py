@@ -9,7 +9,6 @@ function can return can break the controller.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -35,23 +34,6 @@ class RemoteValue(Protocol):
         ...
 
 
-# The only safe way to ask a plain array whether it is ready: is_deleted() and is_ready() in one
-# chain of C calls (any() over map(operator.call, ...)), with no Python bytecode between them. The
-# interpreter hands the GIL to another thread only between bytecodes, so a delete() on another
-# thread (the user's own, of a result this runtime still watches) cannot come between the two:
-# asking a deleted array whether it is ready crashes XLA's CPU client (a segfault, not an error).
-_CALL = operator.call
-
-
-def deleted_or_ready(array: Any) -> bool:
-    """``array.is_deleted() or array.is_ready()`` with no thread switch between the two calls.
-
-    Raises what ``is_ready`` raises (the computation's error); ``AttributeError``
-    for a kind that has neither method.
-    """
-    return any(map(_CALL, (array.is_deleted, array.is_ready)))
-
-
 def _probe(array: Any) -> Any:
     """The object whose ``is_ready`` answers for ``array``."""
     if hasattr(array, "is_ready"):
@@ -69,9 +51,7 @@ def is_ready(array: Any) -> bool:
     """
     probe = _probe(array)
     if probe is not None:
-        if hasattr(probe, "is_deleted"):
-            return deleted_or_ready(probe)
-        return bool(probe.is_ready())
+        return is_deleted(probe) or probe.is_ready()  # see settled(): deleted first
     array.block_until_ready()  # a kind that cannot be asked: wait for it
     return True
 
@@ -88,8 +68,8 @@ def settled(array: Any) -> bool:
     On the dispatch path: two calls into XLA for a plain array.
     """
     try:
-        # Deleted first, in the same step (see deleted_or_ready): a deleted array asked crashes XLA.
-        return any(map(_CALL, (array.is_deleted, array.is_ready)))
+        # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client.
+        return array.is_deleted() or array.is_ready()
     except AttributeError:  # an extended dtype, or a kind that cannot be asked
         pass
     except Exception:  # it failed: it is over
