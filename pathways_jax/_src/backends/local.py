@@ -22,7 +22,7 @@ from pathways_jax._src.backends.base import (
     device_window_key,
 )
 from pathways_jax._src.compile.steps import ExecStep, MoveStep
-from pathways_jax._src.core import counts, errors, events, host_memory, readiness, source
+from pathways_jax._src.core import counts, errors, events, host_memory, readiness, reentry, source
 from pathways_jax._src.core.formatting import aval_text
 
 if TYPE_CHECKING:
@@ -146,6 +146,8 @@ class LocalBackend:
                     if sink is not None:
                         sink(_moved(run, step, env[step.src], env[step.dst], t0))
         except Exception as exc:  # a user error fails its run only
+            if reentry.from_signal_handler(exc):
+                raise  # the caller's own (a time budget's alarm): the run is interrupted, as by Ctrl-C
             raise _failed(run, step, exc) from exc
         finally:
             counts.bump("dispatches", dispatched)
@@ -166,7 +168,9 @@ class LocalBackend:
                 done = marker.is_deleted() or marker.is_ready()
             except AttributeError:  # an extended dtype, or a kind that cannot be asked
                 done = readiness.settled(marker)
-            except Exception:  # it failed: it is over
+            except Exception as exc:  # it failed: it is over
+                if reentry.from_signal_handler(exc):
+                    raise  # the caller's own (a time budget's alarm), not the run's failure
                 done = True
             if not done:
                 return
@@ -255,6 +259,8 @@ def _direct(run: RunView, windows: Windows, part: _LocalPart, step: ExecStep) ->
         except _NAN_CHECK as exc:  # jax_debug_nans / jax_debug_infs found one
             raise _nan_error(step, args, exc) from None
     except Exception as exc:  # a user error fails its run only (as in execute)
+        if reentry.from_signal_handler(exc):
+            raise
         raise _failed(run, step, exc) from exc
     for slot, array in zip(step.out_slots, outs, strict=True):
         env[slot] = array

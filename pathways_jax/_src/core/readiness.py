@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from pathways_jax._src.core import reentry
+
 
 @runtime_checkable
 class RemoteValue(Protocol):
@@ -72,11 +74,15 @@ def settled(array: Any) -> bool:
         return array.is_deleted() or array.is_ready()
     except AttributeError:  # an extended dtype, or a kind that cannot be asked
         pass
-    except Exception:  # it failed: it is over
+    except Exception as exc:  # it failed: it is over
+        if reentry.from_signal_handler(exc):
+            raise  # the caller's own (a time budget's alarm), not the value's failure
         return True
     try:
         return is_deleted(array) or is_ready(array)
-    except Exception:
+    except Exception as exc:
+        if reentry.from_signal_handler(exc):
+            raise
         return True
 
 

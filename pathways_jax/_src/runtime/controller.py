@@ -355,10 +355,12 @@ class Controller:
                 self._execute(run)
                 return True, None
             return False, full if blocker == _NO_ROOM else None
-        except Exception as exc:  # the controller's own bookkeeping: fail this run only
-            self._internal_error(run, exc)
-            return True, None
-        except BaseException as exc:  # an interrupt: the run fails and frees what it reserved
+        except BaseException as exc:
+            if isinstance(exc, Exception) and not reentry.from_signal_handler(exc):
+                self._internal_error(run, exc)  # the controller's own bookkeeping: fail this run only
+                return True, None
+            # An interrupt, or what a signal handler raised here: the run fails and frees what
+            # it reserved, and the exception goes on to the caller.
             self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was interrupted", exc)
             raise
         finally:

@@ -285,6 +285,8 @@ class Future(ArrayLike):
             except errors.PathwaysError:
                 raise
             except Exception as exc:
+                if reentry.from_signal_handler(exc):
+                    raise  # the caller's own (a time budget's alarm), not a failed fetch
                 raise errors.ProgramFailedError(f"fetching {self._entry.origin} failed: {exc}") from exc
         if _uncommitted_output(self._entry):
             return self._uncommitted(array)
@@ -320,6 +322,8 @@ class Future(ArrayLike):
                 except _KEPT_TYPES as exc:  # kept as they are: what went wrong is not the program's doing
                     raise type(exc)(f"{entry.origin}: {exc}") from exc
                 except Exception as exc:
+                    if reentry.from_signal_handler(exc):
+                        raise  # the caller's own (a time budget's alarm), not the run's failure
                     if isinstance(array, jax.Array) and array.is_deleted():
                         # As jax.Array's "Array has been deleted": a RuntimeError, not a failed run.
                         raise errors.also(errors.PathwaysError, RuntimeError)(

@@ -1,0 +1,113 @@
+"""Moments of failure on the local backend: exceptions a signal handler raises inside the runtime's work.
+
+A handler of ``SIGALRM`` or ``SIGUSR1`` that raises an ordinary exception (a
+time budget: ``signal.alarm`` raising ``TimeoutError``) runs on the main thread
+wherever it is, pathways_jax's own dispatch included: what it raises is the
+user's, and must reach the user's ``except``, as it would under ``jax.jit``.
+"""
+
+import random
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_matches
+
+import pathways_jax as pw
+
+
+class _OutOfTime(Exception):  # what a time budget's SIGALRM handler raises (TimeoutError and the like)
+    pass
+
+
+def _landing_in(names: set[str], frame) -> bool:
+    """Whether ``frame`` runs inside a function of ``names``, and not in a finalizer (whose
+    exceptions Python itself only reports as unraisable)."""
+    inside = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.endswith("weakref.py"):
+            return False
+        inside = inside or code.co_name in names
+        frame = frame.f_back
+    return inside
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_a_signal_handler_raises_inside_a_dispatch_reaches_the_caller():
+    # It was taken for a bug of the controller's own: the run failed with "This is a bug of
+    # pathways_jax", the handler's exception was swallowed, and the caller's loop went on.
+    pw.init(num_cpu_devices=8)
+    step = pw.program(lambda v: v * 0.5 + 1)
+    x = jnp.arange(8.0)
+    want = jax.jit(lambda v: v * 0.5 + 1)(x)
+    step(x).result()
+    landed = []
+
+    def on_signal(signum, frame):
+        # Raises only where it landed inside this thread's own dispatch: elsewhere it returns.
+        if _landing_in({"_try_inline"}, frame):
+            landed.append(True)
+            raise _OutOfTime("the step's time budget is spent")
+
+    stop = threading.Event()
+
+    def signaller():
+        rng = random.Random(0)
+        while not stop.is_set():
+            time.sleep(rng.uniform(0, 5e-4))
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    thread = threading.Thread(target=signaller, daemon=True)
+    caught, futures = 0, []
+    try:
+        thread.start()
+        deadline = time.monotonic() + 60
+        while caught < 3 and time.monotonic() < deadline:
+            try:
+                futures.append(step(x))
+            except _OutOfTime:
+                caught += 1
+    finally:
+        stop.set()
+        thread.join(10)
+        signal.signal(signal.SIGUSR1, previous)
+    # (Several may land while one unwinds, as Ctrl-C's do: the caller gets one of them.)
+    assert caught >= 3, f"{len(landed)} exceptions raised inside dispatches, {caught} reached the caller"
+    for future in futures:  # every call that returned a future: its run was not failed by a handler
+        assert_matches(future, want)
+    assert_matches(step(x), want)  # and the controller keeps serving
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_a_signal_handler_raises_while_result_waits_reaches_the_caller_as_it_is(monkeypatch):
+    # It came back as ProgramFailedError("... failed while executing"), as though the run had failed.
+    pw.init(num_cpu_devices=8)
+    from pathways_jax._src.runtime import futures
+
+    step = pw.program(lambda v: v * 2)
+    x = jnp.arange(4.0)
+    future = step(x)
+    waited = futures._wait_ready
+
+    def interrupted(array, deadline):  # the wait for the value, with the alarm landing in it
+        signal.raise_signal(signal.SIGUSR1)
+        return waited(array, deadline)
+
+    def on_signal(signum, frame):
+        raise _OutOfTime("the step's time budget is spent")
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        monkeypatch.setattr(futures, "_wait_ready", interrupted)
+        with pytest.raises(_OutOfTime) as raised:
+            future.result(timeout=30)
+        assert not isinstance(raised.value, pw.errors.PathwaysError), type(raised.value).__mro__
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        monkeypatch.undo()
+    assert_matches(future, x * 2)  # the run was not failed by it
