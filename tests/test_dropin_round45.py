@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import pathways_jax as pw
+from pathways_jax._src.api import ref_arguments
 
 
 def _accumulate(ref, x):
@@ -14,23 +15,37 @@ def _accumulate(ref, x):
     return ref[...] * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pw.errors.ProgramTraceError,
-    reason="a jax.Ref argument is refused when the call is signed (api/arguments.py, the per-call "
-    "path): the fix reads each Ref's value as an input, traces the function on a Ref made from it, "
-    "and writes the value it ends with back into the caller's Ref",
-)
 def test_a_jax_ref_argument_is_updated_in_place_as_under_jax_jit():
-    # jax.new_ref is public JAX: jax.jit takes a Ref argument and writes into it.
+    # jax.new_ref is public JAX: jax.jit takes a Ref argument and writes into it. A program
+    # refused it ("argument leaf 0 of type Ref ... Pass other values through static_argnums",
+    # or, Flax imported, "a Flax NNX object that is not a pytree while nnx.set_graph_mode(False)").
     want_ref = jax.new_ref(jnp.zeros(4))
     step = jax.jit(_accumulate)
     want = [np.asarray(step(want_ref, jnp.ones(4))) for _ in range(2)]
-    ref = jax.new_ref(jnp.zeros(4))
-    program = pw.program(_accumulate)
-    got = [np.asarray(program(ref, jnp.ones(4))) for _ in range(2)]
-    np.testing.assert_array_equal(got, want)
+    s = pw.devices(mesh={"x": 2})
+    for ours in (pw.program(_accumulate), pw.program(_accumulate, devices=s), pw.jit(_accumulate, devices=s)):
+        ref = jax.new_ref(jnp.zeros(4))
+        got = [np.asarray(ours(ref, jnp.ones(4))) for _ in range(2)]
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(ref[...]), np.asarray(want_ref[...]))
+        assert ref[...].sharding == want_ref[...].sharding  # the value stays where the Ref held it
+    # A call that fails while traced leaves the Ref as it was, as under jax.jit.
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"test_dropin_round45\.py"):
+        pw.program(lambda r, x: _accumulate(r, x @ x))(ref, jnp.ones((2, 3)))
     np.testing.assert_array_equal(np.asarray(ref[...]), np.asarray(want_ref[...]))
+
+
+def test_one_ref_passed_twice_is_refused_as_by_jax_jit():
+    def both(a, b):
+        a[...] += 1
+        return b[...]
+
+    ref = jax.new_ref(jnp.zeros(2))
+    with pytest.raises(ValueError, match="only one reference to a mutable array"):
+        jax.jit(both)(ref, ref)
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"one jax\.Ref as argument leaves 0 and 1") as info:
+        ref_arguments.call(pw.program(both), (ref, ref), {})
+    assert isinstance(info.value, ValueError)
 
 
 class _Counted(nnx.Module):
@@ -43,14 +58,9 @@ class _Counted(nnx.Module):
         return self.linear(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pw.errors.ProgramTraceError,
-    reason="NNX objects are routed through api/nnx_graph.py (the per-call path), whose inner "
-    "program is handed Flax's Ref-holding Variables and refuses them as graph nodes in tree mode",
-)
 def test_an_nnx_model_in_flax_ref_mode_is_updated_in_place_as_under_nnx_jit():
-    # nnx.var_defaults(ref=True): Variables hold jax.Refs; nnx.jit (and jax.jit) update them in place.
+    # nnx.var_defaults(ref=True): Variables hold jax.Refs; nnx.jit (and jax.jit) update them in
+    # place. A program refused them ("a Flax NNX object that is not a pytree ...").
     x = jnp.ones((4, 2))
     with nnx.var_defaults(ref=True):
         want_model = _Counted(nnx.Rngs(0))

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from pathways_jax._src.api import function_trace, nnx_graph
+from pathways_jax._src.api import function_trace, nnx_graph, ref_arguments
 from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
@@ -268,6 +268,8 @@ class Program:
             return nnx_graph.call(self, args, kwargs)
         try:
             planned = self._planned(args, kwargs, flat)
+        except ref_arguments.RefArguments:  # jax.Ref leaves: written in place, as jax.jit writes them
+            return ref_arguments.call(self, args, kwargs)
         except TracerArgument as exc:
             if self._info.under_transforms:
                 return self._transformed(args, kwargs)
@@ -289,9 +291,12 @@ class Program:
         """
         try:
             key, inputs = self._info.split(args, kwargs, flat)
-        except nnx_graph.GraphArgument:
-            return None
-        except errors.ProgramTraceError:
+        except (nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
+            # Signing refuses a jax.Ref (or, Flax imported, takes it for an NNX graph node).
+            if ref_arguments.has_refs(args, kwargs) and not nnx_graph.routes(self, (args, kwargs)):
+                raise ref_arguments.RefArguments from None
+            if isinstance(exc, nnx_graph.GraphArgument):
+                return None
             if not nnx_graph.routes(self, (args, kwargs)):
                 raise
             return None  # nnx_graph names the NNX state at fault

@@ -1,0 +1,109 @@
+"""``jax.Ref`` arguments (``jax.new_ref``): written in place, as ``jax.jit`` writes them.
+
+``jax.jit(f)(ref, x)`` reads and writes the caller's Ref; Flax's ref mode
+(``nnx.var_defaults(ref=True)``) keeps every Variable's value in one. A
+program takes each Ref's value as an input array, traces the function on a
+Ref made from it inside (a Ref passed twice is refused, as jax.jit refuses
+it), returns the value each Ref ends with, and writes it into the
+caller's Ref once the run is dispatched, on the devices the Ref held its
+value on. Only calls whose arguments hold a Ref come here (the argument
+signature refuses Refs), so other calls pay nothing for it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from pathways_jax._src.core import errors
+
+
+class RefArguments(Exception):
+    """Raised by a program's call for arguments that hold a ``jax.Ref``: it runs through :func:`call`."""
+
+
+def has_refs(args: tuple, kwargs: dict) -> bool:
+    """True when a leaf of the arguments is a ``jax.Ref``."""
+    return any(isinstance(leaf, jax.Ref) for leaf in jax.tree_util.tree_leaves((args, kwargs)))
+
+
+def _slots(leaves: list[Any], program: str) -> tuple[tuple[int, ...], list[Any]]:
+    """Per leaf the index of its Ref among the call's Refs (-1: not a Ref), and those Refs.
+
+    A Ref passed twice is refused, as ``jax.jit`` refuses it.
+    """
+    refs: list[Any] = []
+    seen: dict[int, int] = {}
+    slots = []
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.Ref):
+            if id(leaf) in seen:
+                raise errors.also(errors.ProgramTraceError, ValueError)(
+                    f"program {program!r} got one jax.Ref as argument leaves {seen[id(leaf)]} and "
+                    f"{position}: as under jax.jit, only one reference to a mutable array may be "
+                    "passed to a call. Pass it once and use it twice inside."
+                )
+            seen[id(leaf)] = position
+            slots.append(len(refs))
+            refs.append(leaf)
+        else:
+            slots.append(-1)
+    return tuple(slots), refs
+
+
+def _with_refs(fun: Callable[..., Any], slots: tuple[int, ...], count: int) -> Callable[..., Any]:
+    """``fun`` on Refs made inside from the values at ``slots``; returns its output and their last values."""
+
+    @functools.wraps(fun)  # errors and labels name the user's function, not this one
+    def with_refs(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        made: dict[int, Any] = {}
+        for position, slot in enumerate(slots):
+            if slot >= 0:
+                leaves[position] = made[slot] = jax.new_ref(leaves[position])
+        inner_args, inner_kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        out = fun(*inner_args, **inner_kwargs)
+        return out, tuple(made[slot][...] for slot in range(count))
+
+    return with_refs
+
+
+def _write(ref: Any, value: Any) -> None:
+    """``ref[...] = value``, the value first moved to where the Ref holds its own (as jax.jit leaves it)."""
+    from pathways_jax._src.runtime.futures import Future
+
+    if type(value) is Future:  # no array at dispatch (a remote host, a memory budget): its value
+        value = value.result()
+    held = ref[...].sharding
+    if value.sharding != held:
+        value = jax.device_put(value, held)
+    ref[...] = value
+
+
+def call(program: Any, args: tuple, kwargs: dict) -> Any:
+    """Runs ``program`` on arguments holding Refs, writing each Ref as ``jax.jit`` does; its output."""
+    from pathways_jax._src.runtime.futures import Future, dispatched_all
+
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    slots, refs = _slots(leaves, program.name)
+    values = [ref[...] for ref in refs]
+    plain = [values[slot] if slot >= 0 else leaf for leaf, slot in zip(leaves, slots, strict=True)]
+    plain_args, plain_kwargs = jax.tree_util.tree_unflatten(treedef, plain)
+    inners = program.__dict__.setdefault("_ref_inners", {})
+    inner = inners.get(slots)
+    if inner is None:
+        inner = inners.setdefault(
+            slots, program.inner_program(_with_refs(program._info.fun, slots, len(refs)))
+        )
+    out, ends = inner(*plain_args, **plain_kwargs)
+    futures = [end for end in ends if type(end) is Future]
+    settled = iter(dispatched_all(futures))
+    for ref, end in zip(refs, ends, strict=True):
+        _write(ref, next(settled) if type(end) is Future else end)
+    return out
+
+
+__all__ = ["RefArguments", "call", "has_refs"]
