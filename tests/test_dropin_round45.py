@@ -71,3 +71,35 @@ def test_an_nnx_model_in_flax_ref_mode_is_updated_in_place_as_under_nnx_jit():
     got = [np.asarray(program(model, x)) for _ in range(2)]
     np.testing.assert_array_equal(got, want)
     assert int(model.calls[...]) == int(want_model.calls[...]) == 2
+
+
+def _hijax_step(model, x):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params):
+        return jnp.mean(nnx.merge(graphdef, params, rest)(x) ** 2)
+
+    grads = jax.grad(loss_fn)(nnx.with_vars(params, hijax=False))
+    jax.tree.map(lambda p, g: p.set_value(p.get_value() - 0.1 * g.get_value()), params, grads)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=pw.errors.ProgramTraceError,
+    reason="a module is routed through api/nnx_graph.py (the per-call path), which runs it as "
+    "nnx.jit does, and Flax's nnx.jit fails on hijax Variables ('_can_update'); jax.jit takes them",
+)
+def test_an_nnx_model_in_flax_hijax_mode_trains_as_under_jax_jit():
+    # Flax's hijax mode (its nnx_toy_examples/hijax_basic.py): Variables are JAX hijax types and
+    # plain jax.jit updates the model in place.
+    x = jnp.ones((4, 2))
+    with nnx.var_defaults(hijax=True):
+        want = _Counted(nnx.Rngs(0))
+        model = _Counted(nnx.Rngs(0))
+    for _ in range(2):
+        jax.jit(_hijax_step)(want, x)
+    step = pw.program(_hijax_step)
+    for _ in range(2):
+        step(model, x)
+    np.testing.assert_array_equal(np.asarray(model.linear.kernel[...]), np.asarray(want.linear.kernel[...]))
+    assert int(model.calls[...]) == int(want.calls[...]) == 2
