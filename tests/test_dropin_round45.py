@@ -29,6 +29,13 @@ def test_a_jax_ref_argument_is_updated_in_place_as_under_jax_jit():
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(np.asarray(ref[...]), np.asarray(want_ref[...]))
         assert ref[...].sharding == want_ref[...].sharding  # the value stays where the Ref held it
+    # lower, as jax.jit's, takes the Ref too, and warms the call; graph shows what it runs.
+    program = pw.program(_accumulate)
+    assert program.lower(ref, jnp.ones(4)).as_text() == step.lower(ref, jnp.ones(4)).as_text()
+    compiles = pw.counters()["compiles"]
+    np.testing.assert_array_equal(np.asarray(program(ref, jnp.ones(4))), step(want_ref, jnp.ones(4)))
+    assert pw.counters()["compiles"] == compiles
+    assert len(program.graph(ref, jnp.ones(4)).nodes) == 1
     # A call that fails while traced leaves the Ref as it was, as under jax.jit.
     with pytest.raises(pw.errors.ProgramTraceError, match=r"test_dropin_round45\.py"):
         pw.program(lambda r, x: _accumulate(r, x @ x))(ref, jnp.ones((2, 3)))

@@ -83,10 +83,8 @@ def _write(ref: Any, value: Any) -> None:
     ref[...] = value
 
 
-def call(program: Any, args: tuple, kwargs: dict) -> Any:
-    """Runs ``program`` on arguments holding Refs, writing each Ref as ``jax.jit`` does; its output."""
-    from pathways_jax._src.runtime.futures import Future, dispatched_all
-
+def _inner_call(program: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple, dict]:
+    """The inner program for these arguments' Refs, the Refs, and the arguments with their values instead."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     slots, refs = _slots(leaves, program.name)
     values = [ref[...] for ref in refs]
@@ -98,6 +96,14 @@ def call(program: Any, args: tuple, kwargs: dict) -> Any:
         inner = inners.setdefault(
             slots, program.inner_program(_with_refs(program._info.fun, slots, len(refs)))
         )
+    return inner, refs, plain_args, plain_kwargs
+
+
+def call(program: Any, args: tuple, kwargs: dict) -> Any:
+    """Runs ``program`` on arguments holding Refs, writing each Ref as ``jax.jit`` does; its output."""
+    from pathways_jax._src.runtime.futures import Future, dispatched_all
+
+    inner, refs, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
     out, ends = inner(*plain_args, **plain_kwargs)
     futures = [end for end in ends if type(end) is Future]
     settled = iter(dispatched_all(futures))
@@ -106,4 +112,16 @@ def call(program: Any, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-__all__ = ["RefArguments", "call", "has_refs"]
+def graph(program: Any, args: tuple, kwargs: dict) -> Any:
+    """The graph a call with these arguments runs (its outputs end with the Refs' last values)."""
+    inner, _, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
+    return inner.graph(*plain_args, **plain_kwargs)
+
+
+def prepare(program: Any, args: tuple, kwargs: dict) -> None:
+    """Traces and lowers the plan a call with these arguments runs (``program.lower``); nothing runs."""
+    inner, _, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
+    inner._prepare(plain_args, plain_kwargs)
+
+
+__all__ = ["RefArguments", "call", "graph", "has_refs", "prepare"]

@@ -188,9 +188,11 @@ class Program:
         """
         try:
             key, inputs = self._info.split(args, kwargs)
-        except nnx_graph.GraphArgument:
-            return nnx_graph.graph(self, args, kwargs)
-        except errors.ProgramTraceError:
+        except (nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
+            if ref_arguments.has_refs(args, kwargs) and not nnx_graph.routes(self, (args, kwargs)):
+                return ref_arguments.graph(self, args, kwargs)
+            if isinstance(exc, nnx_graph.GraphArgument):
+                return nnx_graph.graph(self, args, kwargs)
             if not nnx_graph.routes(self, (args, kwargs)):
                 raise
             return nnx_graph.graph(self, args, kwargs)  # names the NNX state at fault
@@ -499,7 +501,11 @@ class Program:
             args, kwargs = jax.tree_util.tree_unflatten(treedef, stand_ins)
         try:
             key, inputs = self._info.split(args, kwargs)
-        except (TracerArgument, nnx_graph.GraphArgument):
+        except (TracerArgument, nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
+            if ref_arguments.has_refs(args, kwargs) and not nnx_graph.routes(self, (args, kwargs)):
+                return ref_arguments.prepare(self, args, kwargs)
+            if isinstance(exc, errors.ProgramTraceError):
+                raise
             return  # under a transformation, or NNX objects: prepared by their first call
         if nnx_graph.routes(self, (args, kwargs)) or key in self._routed:
             return
