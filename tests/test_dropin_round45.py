@@ -7,7 +7,6 @@ import pytest
 from flax import nnx
 
 import pathways_jax as pw
-from pathways_jax._src.api import ref_arguments
 
 
 def _accumulate(ref, x):
@@ -51,7 +50,7 @@ def test_one_ref_passed_twice_is_refused_as_by_jax_jit():
     with pytest.raises(ValueError, match="only one reference to a mutable array"):
         jax.jit(both)(ref, ref)
     with pytest.raises(pw.errors.ProgramTraceError, match=r"one jax\.Ref as argument leaves 0 and 1") as info:
-        ref_arguments.call(pw.program(both), (ref, ref), {})
+        pw.program(both)(ref, ref)
     assert isinstance(info.value, ValueError)
 
 
@@ -110,3 +109,39 @@ def test_an_nnx_model_in_flax_hijax_mode_trains_as_under_jax_jit():
         step(model, x)
     np.testing.assert_array_equal(np.asarray(model.linear.kernel[...]), np.asarray(want.linear.kernel[...]))
     assert int(model.calls[...]) == int(want.calls[...]) == 2
+
+
+def test_a_ref_made_inside_a_program_whose_nodes_are_on_two_islands_computes_as_under_jax_jit():
+    # A Ref made inside (jax.new_ref) and used on both sides of pw.jit calls placed on two
+    # islands crossed from one node to the next as a plain array ("`swap` must be called on
+    # `Ref` types"); so did a Ref argument's. The program's Refs are now threaded as values.
+    pw.init(num_cpu_devices=8, islands=2)
+    first = pw.jit(lambda v: v * 3, devices=pw.devices(mesh={"x": 2}, island=0))
+    second = pw.jit(lambda v: v + 100, devices=pw.devices(mesh={"x": 2}, island=1))
+
+    def made_inside(x):
+        ref = jax.new_ref(x)
+        old = ref[...]
+        ref[...] = first(old) + x
+        return second(old), ref[...]
+
+    def reference(x):
+        ref = jax.new_ref(x)
+        old = ref[...]
+        ref[...] = old * 3 + x
+        return old + 100, ref[...]
+
+    x = jnp.arange(4.0)
+    want = jax.jit(reference)(x)
+    program = pw.program(made_inside)
+    assert len(program.graph(x).nodes) == 2
+    for got, expected in zip(program(x), want, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+    def given(ref, x):
+        return made_inside(ref[...] + x)[0] + _accumulate(ref, x)
+
+    want_ref, ref = jax.new_ref(x), jax.new_ref(x)
+    want = jax.jit(lambda r, v: reference(r[...] + v)[0] + _accumulate(r, v))(want_ref, x)
+    np.testing.assert_array_equal(np.asarray(pw.program(given)(ref, x)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(ref[...]), np.asarray(want_ref[...]))

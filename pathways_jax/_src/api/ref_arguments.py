@@ -7,12 +7,14 @@ Ref made from it inside (a Ref passed twice is refused, as jax.jit refuses
 it), returns the value each Ref ends with, and writes it into the
 caller's Ref once the run is dispatched, on the devices the Ref held its
 value on. Only calls whose arguments hold a Ref come here (the argument
-signature refuses Refs), so other calls pay nothing for it.
+signature refuses Refs, and Flax takes one for an NNX object), so other calls
+pay nothing for it.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,14 +22,40 @@ import jax
 
 from pathways_jax._src.core import errors
 
+try:  # the type of every concrete jax.Array (private to JAX), whose buffers a Ref holds
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover - another JAX: Refs are read and written as ref[...]
+    _ArrayImpl = type(None)  # type: ignore[assignment, misc]
+
 
 class RefArguments(Exception):
     """Raised by a program's call for arguments that hold a ``jax.Ref``: it runs through :func:`call`."""
 
 
-def has_refs(args: tuple, kwargs: dict) -> bool:
-    """True when a leaf of the arguments is a ``jax.Ref``."""
-    return any(isinstance(leaf, jax.Ref) for leaf in jax.tree_util.tree_leaves((args, kwargs)))
+def given_refs(args: tuple, kwargs: dict) -> bool:
+    """True when an argument itself (not nested) is a ``jax.Ref``: a cheap look for a call Flax would route."""
+    return any(isinstance(arg, jax.Ref) for arg in (*args, *kwargs.values()))
+
+
+def takes_refs(program: Any, args: tuple, kwargs: dict) -> bool:
+    """True when the arguments hold a ``jax.Ref`` and no NNX object or Variable (they run as ``nnx.jit``).
+
+    Flax takes a Ref for an NNX graph node; a program made for NNX objects
+    (``nnx_graph``'s inner program) takes their states, whose values may be
+    Refs (Flax's ref mode), as plain pytrees.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None or program._info.nnx_inner:
+        return any(isinstance(leaf, jax.Ref) for leaf in jax.tree_util.tree_leaves((args, kwargs)))
+    from flax.nnx import graphlib
+
+    found = False
+    for leaf in jax.tree_util.tree_leaves((args, kwargs), is_leaf=graphlib.is_graph_node):
+        if isinstance(leaf, jax.Ref):
+            found = True
+        elif graphlib.is_graph_node(leaf):
+            return False
+    return found
 
 
 def _slots(leaves: list[Any], program: str) -> tuple[tuple[int, ...], list[Any]]:
@@ -71,23 +99,43 @@ def _with_refs(fun: Callable[..., Any], slots: tuple[int, ...], count: int) -> C
     return with_refs
 
 
+def _read(ref: Any) -> Any:
+    """The array ``ref`` holds: its buffer, as ``jax.jit`` reads it, where JAX's Ref shows it; else ``ref[...]``.
+
+    ``ref[...]`` outside a trace is a computation of its own (about 0.4 ms on
+    CPU): Flax's ref mode keeps every Variable in a Ref, so a model of hundreds
+    would pay it hundreds of times a step.
+    """
+    buffer = getattr(getattr(ref, "_refs", None), "_buf", None)  # JAX's private layout
+    return buffer if isinstance(buffer, _ArrayImpl) else ref[...]
+
+
 def _write(ref: Any, value: Any) -> None:
-    """``ref[...] = value``, the value first moved to where the Ref holds its own (as jax.jit leaves it)."""
+    """``ref[...] = value``, the value first moved to where the Ref holds its own (as jax.jit leaves it).
+
+    The Ref takes the value's array itself, with no computation, where JAX's
+    Ref shows its buffer; else ``ref[...] = value``. The array it held before
+    is left as it is: the run (and any later node of it) read that one.
+    """
     from pathways_jax._src.runtime.futures import Future
 
     if type(value) is Future:  # no array at dispatch (a remote host, a memory budget): its value
         value = value.result()
-    held = ref[...].sharding
+    held = ref.sharding
     if value.sharding != held:
         value = jax.device_put(value, held)
-    ref[...] = value
+    impl: Any = getattr(ref, "_refs", None)
+    if isinstance(getattr(impl, "_buf", None), _ArrayImpl) and type(value) is _ArrayImpl:
+        impl._buf = value  # JAX's private layout: the array a Ref holds
+    else:
+        ref[...] = value
 
 
 def _inner_call(program: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple, dict]:
     """The inner program for these arguments' Refs, the Refs, and the arguments with their values instead."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     slots, refs = _slots(leaves, program.name)
-    values = [ref[...] for ref in refs]
+    values = [_read(ref) for ref in refs]
     plain = [values[slot] if slot >= 0 else leaf for leaf, slot in zip(leaves, slots, strict=True)]
     plain_args, plain_kwargs = jax.tree_util.tree_unflatten(treedef, plain)
     inners = program.__dict__.setdefault("_ref_inners", {})
@@ -124,4 +172,4 @@ def prepare(program: Any, args: tuple, kwargs: dict) -> None:
     inner._prepare(plain_args, plain_kwargs)
 
 
-__all__ = ["RefArguments", "call", "graph", "has_refs", "prepare"]
+__all__ = ["RefArguments", "call", "given_refs", "graph", "prepare", "takes_refs"]

@@ -189,7 +189,7 @@ class Program:
         try:
             key, inputs = self._info.split(args, kwargs)
         except (nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
-            if ref_arguments.has_refs(args, kwargs) and not nnx_graph.routes(self, (args, kwargs)):
+            if ref_arguments.takes_refs(self, args, kwargs):
                 return ref_arguments.graph(self, args, kwargs)
             if isinstance(exc, nnx_graph.GraphArgument):
                 return nnx_graph.graph(self, args, kwargs)
@@ -267,6 +267,8 @@ class Program:
         if plan is not None and flat is not None:
             return submission.submit(plan, flat[0])
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
+            if ref_arguments.given_refs(args, kwargs) and ref_arguments.takes_refs(self, args, kwargs):
+                return ref_arguments.call(self, args, kwargs)  # Flax took a jax.Ref for an NNX object
             return nnx_graph.call(self, args, kwargs)
         try:
             planned = self._planned(args, kwargs, flat)
@@ -294,8 +296,8 @@ class Program:
         try:
             key, inputs = self._info.split(args, kwargs, flat)
         except (nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
-            # Signing refuses a jax.Ref (or, Flax imported, takes it for an NNX graph node).
-            if ref_arguments.has_refs(args, kwargs) and not nnx_graph.routes(self, (args, kwargs)):
+            # Signing refuses a jax.Ref (Flax imported, it takes one for an NNX graph node).
+            if ref_arguments.takes_refs(self, args, kwargs):
                 raise ref_arguments.RefArguments from None
             if isinstance(exc, nnx_graph.GraphArgument):
                 return None
@@ -502,7 +504,7 @@ class Program:
         try:
             key, inputs = self._info.split(args, kwargs)
         except (TracerArgument, nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
-            if ref_arguments.has_refs(args, kwargs) and not nnx_graph.routes(self, (args, kwargs)):
+            if ref_arguments.takes_refs(self, args, kwargs):
                 return ref_arguments.prepare(self, args, kwargs)
             if isinstance(exc, errors.ProgramTraceError):
                 raise
