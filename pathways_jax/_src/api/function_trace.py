@@ -39,6 +39,12 @@ from pathways_jax._src.runtime import context, slices
 from pathways_jax._src.runtime.futures import Future
 from pathways_jax._src.runtime.slices import NO_ABSTRACT_MESH, VirtualSlice
 
+try:  # JAX's state discharge (private): the Refs a jaxpr makes, as the values they hold
+    from jax._src.core import internal_mutable_array_effect as _INTERNAL_REFS
+    from jax._src.state.discharge import discharge_state as _discharge_state
+except ImportError:  # pragma: no cover - another JAX: a program's Refs stay as traced
+    _INTERNAL_REFS = _discharge_state = None  # type: ignore[assignment]
+
 
 def trace(
     info: ProgramInfo,
@@ -120,7 +126,7 @@ def trace(
             # traces with no mesh, as jax.jit does: a mesh set there refuses its device= and backend=.
             target = concrete = None
         with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH, concrete):
-            closed = jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))
+            closed = _without_refs(jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature)))
     except (errors.PathwaysError, nnx_graph.GraphOutput):
         raise
     except Exception as exc:
@@ -340,6 +346,19 @@ def _mesh_named_without_context(signature: Signature, state: TraceState, flat_fu
     finally:
         context.state.trace = outer
     return _named_mesh(closed.jaxpr)
+
+
+def _without_refs(closed: Any) -> Any:
+    """``closed`` with the Refs it makes (``jax.new_ref``) turned into the values they hold.
+
+    A Ref lives in one computation: cut into nodes, the program would hand one
+    node's Ref to the next as a plain array. JAX's own state discharge threads
+    each Ref's value through instead (what ``jax.jit`` compiles); the other
+    equations are bound again as they are, ``pw.jit`` calls and sources kept.
+    """
+    if _discharge_state is None or _INTERNAL_REFS not in closed.jaxpr.effects:
+        return closed
+    return _discharge_state(closed)
 
 
 def _refuse_leaked_tracers(info: ProgramInfo, closed: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from pathways_jax._src.api import function_trace, nnx_graph
+from pathways_jax._src.api import function_trace, nnx_graph, ref_arguments
 from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
@@ -188,9 +188,11 @@ class Program:
         """
         try:
             key, inputs = self._info.split(args, kwargs)
-        except nnx_graph.GraphArgument:
-            return nnx_graph.graph(self, args, kwargs)
-        except errors.ProgramTraceError:
+        except (nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
+            if ref_arguments.takes_refs(self, args, kwargs):
+                return ref_arguments.graph(self, args, kwargs)
+            if isinstance(exc, nnx_graph.GraphArgument):
+                return nnx_graph.graph(self, args, kwargs)
             if not nnx_graph.routes(self, (args, kwargs)):
                 raise
             return nnx_graph.graph(self, args, kwargs)  # names the NNX state at fault
@@ -265,9 +267,13 @@ class Program:
         if plan is not None and flat is not None:
             return submission.submit(plan, flat[0])
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
+            if ref_arguments.given_refs(args, kwargs) and ref_arguments.takes_refs(self, args, kwargs):
+                return ref_arguments.call(self, args, kwargs)  # Flax took a jax.Ref for an NNX object
             return nnx_graph.call(self, args, kwargs)
         try:
             planned = self._planned(args, kwargs, flat)
+        except ref_arguments.RefArguments:  # jax.Ref leaves: written in place, as jax.jit writes them
+            return ref_arguments.call(self, args, kwargs)
         except TracerArgument as exc:
             if self._info.under_transforms:
                 return self._transformed(args, kwargs)
@@ -289,9 +295,12 @@ class Program:
         """
         try:
             key, inputs = self._info.split(args, kwargs, flat)
-        except nnx_graph.GraphArgument:
-            return None
-        except errors.ProgramTraceError:
+        except (nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
+            # Signing refuses a jax.Ref (Flax imported, it takes one for an NNX graph node).
+            if ref_arguments.takes_refs(self, args, kwargs):
+                raise ref_arguments.RefArguments from None
+            if isinstance(exc, nnx_graph.GraphArgument):
+                return None
             if not nnx_graph.routes(self, (args, kwargs)):
                 raise
             return None  # nnx_graph names the NNX state at fault
@@ -494,7 +503,11 @@ class Program:
             args, kwargs = jax.tree_util.tree_unflatten(treedef, stand_ins)
         try:
             key, inputs = self._info.split(args, kwargs)
-        except (TracerArgument, nnx_graph.GraphArgument):
+        except (TracerArgument, nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
+            if ref_arguments.takes_refs(self, args, kwargs):
+                return ref_arguments.prepare(self, args, kwargs)
+            if isinstance(exc, errors.ProgramTraceError):
+                raise
             return  # under a transformation, or NNX objects: prepared by their first call
         if nnx_graph.routes(self, (args, kwargs)) or key in self._routed:
             return
