@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from pathways_jax._src.api import nnx_graph
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import errors, reentry
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import clients
 from pathways_jax._src.runtime.futures import Future
@@ -440,11 +440,15 @@ def _key_fault(value: Any, path: str = "") -> _KeyFault | None:
     try:
         hash(value)
     except Exception as exc:
+        if reentry.from_signal_handler(exc):
+            raise  # the caller's own (a time budget's alarm), not the value's fault
         reason = f"hashing it raised {type(exc).__name__}: {exc}"
         return _KeyFault(path, value, reason, exc, unhashable=isinstance(exc, TypeError))
     try:
         same = bool(value == value)
     except Exception as exc:
+        if reentry.from_signal_handler(exc):
+            raise
         return _KeyFault(path, value, f"comparing it with itself raised {type(exc).__name__}: {exc}", exc)
     if not same:
         reason = "it is not equal to itself (no NaN is), so every call would miss the cache and trace again"

@@ -21,7 +21,7 @@ import sys
 import weakref
 from typing import Any
 
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import errors, reentry
 
 
 class GraphArgument(Exception):
@@ -364,6 +364,8 @@ def _to_tree(program: Any, split: Any) -> Any:
     except errors.PathwaysError:
         raise
     except Exception as exc:
+        if reentry.from_signal_handler(exc):
+            raise  # the caller's own (a time budget's alarm), not a fault of the objects
         raise errors.ProgramTraceError(
             f"program {program.name!r} ({program.source_info}) got Flax NNX objects it cannot "
             f"split into states the way nnx.jit does: {type(exc).__name__}: {exc}. Pass NNX "

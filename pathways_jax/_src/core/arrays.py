@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pathways_jax._src.core import reentry
+
 
 def _array_type() -> Any:
     try:
@@ -54,8 +56,9 @@ def put(leaf: Any, sharding: Any) -> jax.Array:
     if _shard is not None and (type(leaf) in _SCALARS or getattr(leaf, "dtype", None) in _PLAIN):
         try:
             return _shard([sharding], [None], [_REUSE], [leaf])[0]
-        except Exception:  # let jax.device_put say what is wrong
-            pass
+        except Exception as exc:  # let jax.device_put say what is wrong
+            if reentry.from_signal_handler(exc):
+                raise  # the caller's own (a time budget's alarm)
     return jax.device_put(leaf, sharding)
 
 
