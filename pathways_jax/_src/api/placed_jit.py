@@ -246,6 +246,7 @@ class JitFunction:
         warm-up, ``f.lower(...).compile()``, warms ``f``'s calls as under ``jax.jit``.
         """
         outside = active_trace() is None and not inside_jax_trace()
+        slice_ = None
         if outside and not jax.config.jax_disable_jit:  # type: ignore[attr-defined]
             try:
                 slice_ = self._slice()
@@ -253,7 +254,10 @@ class JitFunction:
                 pass
             else:
                 self._program_on(slice_)._prepare(args, kwargs)
-        return self._jitted.lower(*args, **kwargs)
+        if slice_ is None:
+            return self._jitted.lower(*args, **kwargs)
+        with slices.on_slice_mesh(slice_):  # as jax.jit under jax.set_mesh of the slice's devices
+            return self._jitted.lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function."""
@@ -402,7 +406,8 @@ class JitFunction:
         static = self._static_of(args)
         moved = [arg if position in static else put(arg, replicated) for position, arg in enumerate(args)]
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
-        return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
+        with slices.on_slice_mesh(slice_):  # code naming the slice's mesh finds its devices
+            return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
 
     def _refuse_traced_statics(self, args: tuple, kwargs: dict) -> None:
         """Refuses a static argument a transformation made abstract, as a program does."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import function_trace, nnx_graph
 from pathways_jax._src.api.arguments import (
@@ -40,7 +41,7 @@ from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import FutureKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
-from pathways_jax._src.runtime.slices import VirtualSlice
+from pathways_jax._src.runtime.slices import VirtualSlice, on_slice_mesh
 
 
 class Program:
@@ -144,15 +145,24 @@ class Program:
         A transformation traces through the function, so no controller run can
         take part: as where ``@jax.jit`` stood, the function is traced into the
         caller's computation (its ``pw.jit`` functions keep their slices' devices).
+        A program with a default slice keeps it as a ``pw.jit`` function does:
+        its arguments are put on the slice's devices and its code sees the
+        slice's mesh (``shard_map(mesh=slice.mesh)``, bare specs in constraints).
         """
         positions = self._info.static_positions(len(args))
         statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in positions if i < len(args)]
         statics += [(name, kwargs[name]) for name in self._info.static_names if name in kwargs]
         refuse_traced_statics(statics, f"program {self.name!r}", self.name, self.source_info)
         jitted = self._as_jit_for(args, kwargs)
-        if self._info.devices is None:
+        slice_ = self._info.devices
+        if slice_ is None:
             return jitted(*args, **kwargs)
-        with self._info.devices:
+        replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
+        # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
+        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
+        args = tuple(arg if i in positions else put(arg, replicated) for i, arg in enumerate(args))
+        kwargs = {k: v if k in self._info.static_names else put(v, replicated) for k, v in kwargs.items()}
+        with slice_, on_slice_mesh(slice_):
             return jitted(*args, **kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
@@ -450,7 +460,10 @@ class Program:
         ``graph(*args)`` shows that plan's nodes.
         """
         self._prepare(args, kwargs)
-        return self._as_jax_jit().lower(*args, **kwargs)
+        if self._info.devices is None:
+            return self._as_jax_jit().lower(*args, **kwargs)
+        with on_slice_mesh(self._info.devices):
+            return self._as_jax_jit().lower(*args, **kwargs)
 
     def clear_cache(self) -> None:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.

@@ -261,6 +261,18 @@ def current_slice() -> VirtualSlice | None:
     return cast("VirtualSlice | None", context.current_slice())  # only VirtualSlices enter
 
 
+def on_slice_mesh(slice_: VirtualSlice) -> contextlib.AbstractContextManager[None]:
+    """The slice's meshes, abstract and physical, as the only ones in JAX's context.
+
+    Code placed on the slice names its mesh (``shard_map(mesh=slice.mesh)``,
+    bare specs in sharding constraints). Where such code runs as ``jax.jit``
+    (under the caller's ``grad``, ``jit`` or ``vmap``, or lowered with
+    ``lower``), this gives it the slice's devices, in the slice's order, as
+    ``jax.set_mesh(slice.physical_mesh)`` would; it also works inside a trace.
+    """
+    return only_mesh(slice_.mesh, slice_.physical_mesh)
+
+
 def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
     """Where ``slices`` (every slice a graph names) are now, as the plain data lowering is given."""
     if not slices:

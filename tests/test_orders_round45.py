@@ -1,0 +1,74 @@
+"""Slices in any device order: results and shardings as plain ``jax.jit`` gives them on the same meshes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import assert_matches
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import pathways_jax as pw
+
+ORDER = [3, 1, 2, 0]  # a slice's devices, in an order other than their ids'
+
+
+def _mesh(ids, names=("x",)):
+    by_id = {d.id: d for d in jax.devices()}
+    return Mesh(np.array([by_id[i] for i in ids]), names)
+
+
+def _ring(v):
+    """axis_index and a ppermute around the ring: both follow the mesh's device order."""
+    i = jax.lax.axis_index("x")
+    return jax.lax.ppermute(v, "x", [(j, (j + 1) % 4) for j in range(4)]) * jax.lax.psum(v, "x") + i * 100
+
+
+def _constrained(v):
+    return jax.lax.with_sharding_constraint(jnp.sin(v) * 2, P("x"))  # a bare spec: the slice's mesh
+
+
+def test_a_slice_program_under_the_callers_grad_jit_and_vmap_runs_on_the_slices_mesh():
+    # README: code placed on a slice names the slice's mesh (shard_map over slice.mesh, bare
+    # specs in constraints); a program called inside the caller's grad / jit / vmap runs as
+    # jax.jit does there, which is jax.jit under the slice's mesh.
+    s = pw.devices(mesh={"x": 4}, device_ids=ORDER)
+    mesh = _mesh(ORDER)
+    x = jnp.arange(16.0)
+    ring = jax.shard_map(_ring, mesh=s.mesh, in_specs=P("x"), out_specs=P("x"))
+    ring_prog = pw.program(lambda v: jax.jit(ring)(v), devices=s)
+    ring_jit = pw.jit(ring, devices=s)
+    constrained = pw.program(lambda v: jax.jit(_constrained)(v), devices=s)
+    with jax.set_mesh(mesh):
+        want_ring = jax.jit(ring)
+        want_constrained = jax.jit(_constrained)
+        grads = [jax.grad(lambda v, f=f: f(v).sum())(x) for f in (want_ring, want_constrained)]
+        outs = [want_ring(x) + 1, want_constrained(x) + 1]
+        batched = jax.vmap(want_constrained)(jnp.stack([x, x + 1]))
+    for ours in (ring_prog, ring_jit):
+        assert_matches(jax.grad(lambda v, f=ours: f(v).sum())(x), grads[0])
+        assert_matches(jax.jit(lambda v, f=ours: f(v) + 1)(x), outs[0])
+    assert_matches(jax.grad(lambda v: constrained(v).sum())(x), grads[1])
+    assert_matches(jax.jit(lambda v: constrained(v) + 1)(x), outs[1])
+    assert_matches(jax.vmap(constrained)(jnp.stack([x, x + 1])), batched)
+    s.release()
+
+
+def test_lower_of_a_slice_program_compiles_on_the_slices_mesh():
+    # The AOT idiom, prog.lower(x).compile().cost_analysis(), of a program whose code names the
+    # slice's mesh: jax.jit under jax.set_mesh of the slice's devices, in their order.
+    s = pw.devices(mesh={"x": 4}, device_ids=ORDER)
+    mesh = _mesh(ORDER)
+    x = jnp.arange(16.0)
+    ring = jax.shard_map(_ring, mesh=s.mesh, in_specs=P("x"), out_specs=P("x"))
+    with jax.set_mesh(mesh):
+        want = [jax.jit(ring).lower(x).compile(), jax.jit(_constrained).lower(x).compile()]
+    ours = [
+        pw.program(lambda v: jax.jit(ring)(v), devices=s).lower(x).compile(),
+        pw.jit(_constrained, devices=s).lower(x).compile(),
+    ]
+    for got, ref in zip(ours, want, strict=True):
+        assert got.output_shardings == ref.output_shardings
+        assert got.cost_analysis() == ref.cost_analysis()
+        assert_matches(got(x), ref(x))
+    assert ours[0].output_shardings.device_set == set(s.devices)
+    s.release()
