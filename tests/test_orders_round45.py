@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from helpers import assert_matches
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pathways_jax as pw
@@ -71,4 +71,32 @@ def test_lower_of_a_slice_program_compiles_on_the_slices_mesh():
         assert got.cost_analysis() == ref.cost_analysis()
         assert_matches(got(x), ref(x))
     assert ours[0].output_shardings.device_set == set(s.devices)
+    s.release()
+
+
+def test_with_slice_inside_a_program_run_under_the_callers_jit_and_grad_sees_the_slices_mesh():
+    # Values already on the slice's devices (a program's outputs, there): the caller's jax.jit
+    # or grad of the program traces its `with s:` block as jax.jit does under the slice's mesh.
+    s = pw.devices(mesh={"x": 4}, device_ids=ORDER)
+    mesh = _mesh(ORDER)
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("x")))
+    ring = jax.shard_map(_ring, mesh=s.mesh, in_specs=P("x"), out_specs=P("x"))
+
+    @pw.program
+    def prog(v):
+        with s:
+            return jax.jit(ring)(v) + jax.jit(_constrained)(v)
+
+    with jax.set_mesh(mesh):
+        want = jax.jit(lambda v: jax.jit(ring)(v) + jax.jit(_constrained)(v))
+        want_out, want_grad = want(x), jax.grad(lambda v: want(v).sum())(x)
+        want_ring = jax.jit(ring)(jnp.arange(16.0))
+    assert_matches(prog(x), want_out)
+    assert_matches(jax.jit(prog)(x), want_out)
+    assert_matches(jax.grad(lambda v: prog(v).sum())(x), want_grad)
+    assert_matches(prog.lower(x).compile()(x), want_out)
+    with s:  # outside any program: as under jax.set_mesh(s.physical_mesh)
+        got_ring = jax.jit(ring)(jnp.arange(16.0))
+    assert_matches(got_ring, want_ring)
+    assert got_ring.sharding == want_ring.sharding
     s.release()

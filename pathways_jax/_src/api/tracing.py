@@ -162,7 +162,7 @@ class Program:
         put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
         args = tuple(arg if i in positions else put(arg, replicated) for i, arg in enumerate(args))
         kwargs = {k: v if k in self._info.static_names else put(v, replicated) for k, v in kwargs.items()}
-        with slice_, on_slice_mesh(slice_):
+        with slice_:  # outside a program's trace: the slice's mesh too (on_slice_mesh)
             return jitted(*args, **kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:

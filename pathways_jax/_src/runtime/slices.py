@@ -227,6 +227,10 @@ class VirtualSlice:
             trace.note_slice(self)
             stack.enter_context(jax.named_scope(f"{SCOPE_PREFIX}{self.id}"))
             stack.enter_context(only_mesh(self.mesh))
+        else:
+            # Run as jax.jit (outside a program, or under the caller's grad/jit/vmap), code
+            # naming the slice's mesh sees its devices, as under jax.set_mesh(physical_mesh).
+            stack.enter_context(on_slice_mesh(self))
         context.state.slices.append(self)
         if not hasattr(self._exits, "stacks"):
             self._exits.stacks = []
