@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import assert_matches
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -99,4 +100,20 @@ def test_with_slice_inside_a_program_run_under_the_callers_jit_and_grad_sees_the
         got_ring = jax.jit(ring)(jnp.arange(16.0))
     assert_matches(got_ring, want_ring)
     assert got_ring.sharding == want_ring.sharding
+    s.release()
+
+
+def test_a_mesh_of_the_slices_devices_in_another_order_is_named_as_such():
+    # JAX refuses one computation over the same devices in two orders; the error said to map the
+    # slice onto the mesh's devices, which it already was, but not that the order differs.
+    s = pw.devices(mesh={"x": 4}, device_ids=ORDER)
+    theirs = NamedSharding(_mesh([0, 1, 2, 3]), P("x"))
+    prog = pw.program(lambda v: jax.lax.with_sharding_constraint(v * 2, theirs), devices=s)
+    with pytest.raises(
+        pw.errors.PlacementError,
+        match=r"another order \(ids \[0, 1, 2, 3\]; the slice's are \[3, 1, 2, 0\]\)",
+    ):
+        prog(jnp.arange(16.0))
+    with jax.set_mesh(_mesh(ORDER)), pytest.raises(ValueError, match="incompatible devices"):
+        jax.jit(lambda v: jax.lax.with_sharding_constraint(v * 2, theirs))(jnp.arange(16.0))  # as JAX
     s.release()

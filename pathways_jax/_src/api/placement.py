@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -35,6 +36,19 @@ def _mesh_mismatch_hint(exc: Exception, slice_: VirtualSlice | None) -> str:
             "(pw.devices(mesh=..., axis_types=...); jax.make_mesh makes Explicit axes by default)"
         )
     if "incompatible devices for jitted computation" in text and "context mesh" in text:
+        ids = [[int(i) for i in found.split(",")] for found in re.findall(r"device ids \[([\d, ]+)\]", text)]
+        context = re.search(r"context mesh with device ids \[([\d, ]+)\]", text)
+        theirs = [i for i in ids if context is None or i != [int(d) for d in context.group(1).split(",")]]
+        if context is not None and len(theirs) == 1:
+            ours = [int(d) for d in context.group(1).split(",")]
+            if sorted(ours) == sorted(theirs[0]):
+                return (
+                    f". Your mesh holds the slice's devices in another order (ids {theirs[0]}; the "
+                    f"slice's are {ours}), and JAX takes one order per computation: name the slice's "
+                    "mesh in shardings inside it (slice.mesh, or bare PartitionSpecs), build your mesh "
+                    "in the slice's order (slice.physical_mesh), or map the slice as "
+                    f"pw.devices(..., device_ids={theirs[0]})"
+                )
         return (
             ". A function placed on a slice runs on the devices the slice is mapped to, not on "
             "those of a mesh of yours: name the slice's mesh in shardings inside it (slice.mesh, or "
