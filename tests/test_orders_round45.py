@@ -75,6 +75,22 @@ def test_lower_of_a_slice_program_compiles_on_the_slices_mesh():
     s.release()
 
 
+def test_trace_and_eval_shape_of_a_slice_program_run_on_the_slices_mesh():
+    s = pw.devices(mesh={"x": 4}, device_ids=ORDER)
+    x = jnp.arange(16.0)
+    with jax.set_mesh(_mesh(ORDER)):
+        shape = jax.jit(_constrained).eval_shape(x)
+        want = jax.jit(_constrained).trace(x).lower().compile()
+    for ours in (pw.program(lambda v: jax.jit(_constrained)(v), devices=s), pw.jit(_constrained, devices=s)):
+        assert ours.eval_shape(x) == shape
+        traced = ours.trace(x)
+        assert [(a.shape, a.dtype) for a in traced.jaxpr.out_avals] == [((16,), jnp.float32)]
+        compiled = traced.lower().compile()
+        assert compiled.output_shardings == want.output_shardings
+        assert list(compiled.output_shardings.mesh.device_ids) == ORDER
+    s.release()
+
+
 def test_with_slice_inside_a_program_run_under_the_callers_jit_and_grad_sees_the_slices_mesh():
     # Values already on the slice's devices (a program's outputs, there): the caller's jax.jit
     # or grad of the program traces its `with s:` block as jax.jit does under the slice's mesh.

@@ -246,7 +246,6 @@ class JitFunction:
         warm-up, ``f.lower(...).compile()``, warms ``f``'s calls as under ``jax.jit``.
         """
         outside = active_trace() is None and not inside_jax_trace()
-        slice_ = None
         if outside and not jax.config.jax_disable_jit:  # type: ignore[attr-defined]
             try:
                 slice_ = self._slice()
@@ -254,18 +253,29 @@ class JitFunction:
                 pass
             else:
                 self._program_on(slice_)._prepare(args, kwargs)
-        if slice_ is None:
-            return self._jitted.lower(*args, **kwargs)
-        with slices.on_slice_mesh(slice_):  # as jax.jit under jax.set_mesh of the slice's devices
+        with self._slice_mesh():
             return self._jitted.lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function."""
-        return self._jitted.trace(*args, **kwargs)
+        with self._slice_mesh():
+            return self._jitted.trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
-        return self._jitted.eval_shape(*args, **kwargs)
+        with self._slice_mesh():
+            return self._jitted.eval_shape(*args, **kwargs)
+
+    def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
+        """Where ``lower``, ``trace`` and ``eval_shape`` run the function as ``jax.jit``: on its slice's
+        mesh (as under ``jax.set_mesh(slice.physical_mesh)``) if it has one here, else as it is."""
+        if active_trace() is not None or inside_jax_trace():
+            return contextlib.nullcontext()
+        try:
+            slice_ = self._slice()
+        except errors.PathwaysError:  # specs but no slice, or a slice released: the call says so
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if slice_ is None else slices.on_slice_mesh(slice_)
 
     def clear_cache(self) -> None:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.

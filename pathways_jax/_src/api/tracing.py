@@ -9,6 +9,7 @@ call skip it. ``decorator`` (``pw.program``) makes programs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -460,10 +461,14 @@ class Program:
         ``graph(*args)`` shows that plan's nodes.
         """
         self._prepare(args, kwargs)
-        if self._info.devices is None:
+        with self._slice_mesh():
             return self._as_jax_jit().lower(*args, **kwargs)
-        with on_slice_mesh(self._info.devices):
-            return self._as_jax_jit().lower(*args, **kwargs)
+
+    def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
+        """The program's default slice's mesh, where ``lower``, ``trace`` and ``eval_shape`` run its
+        function as ``jax.jit`` (as under ``jax.set_mesh(slice.physical_mesh)``); none without one."""
+        slice_ = self._info.devices
+        return contextlib.nullcontext() if slice_ is None else on_slice_mesh(slice_)
 
     def clear_cache(self) -> None:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
@@ -483,11 +488,13 @@ class Program:
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
-        return self._as_jax_jit().trace(*args, **kwargs)
+        with self._slice_mesh():
+            return self._as_jax_jit().trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
-        return self._as_jax_jit().eval_shape(*args, **kwargs)
+        with self._slice_mesh():
+            return self._as_jax_jit().eval_shape(*args, **kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
         """Traces and lowers the plan a call with these arguments would run (nothing runs).
