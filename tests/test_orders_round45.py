@@ -166,3 +166,23 @@ def test_host_iterator_shards_follow_the_slices_device_order_across_hosts(ray_cl
     batches.set_state(saved)
     assert_matches(step(next(batches)), _global_rows(2) * 2)
     s.release()
+
+
+def test_device_ids_taken_from_a_mesh_map_the_slice_onto_that_mesh():
+    # Mapping a slice onto a mesh of one's own: its device_ids (a 2-D NumPy array), or
+    # list(mesh.device_ids.flat) (NumPy integers), were refused as "not a device id".
+    ids = [5, 2, 7, 0, 1, 6, 3, 4]
+    mesh = Mesh(np.array([jax.devices()[i] for i in ids]).reshape(2, 4), ("x", "y"))
+    x = jnp.arange(64.0).reshape(8, 8)
+    want = jax.jit(lambda v: v * 2, out_shardings=NamedSharding(mesh, P("y", "x")))(x)
+    for given in (mesh.device_ids, list(mesh.device_ids.flat), mesh.device_ids.tolist(), tuple(ids)):
+        s = pw.devices(mesh={"x": 2, "y": 4}, device_ids=given)
+        assert [d.id for d in s.devices] == ids
+        got = pw.jit(lambda v: v * 2, devices=s, out_specs=pw.P("y", "x"))(x)
+        assert_matches(got, want)
+        assert got.result().sharding == want.sharding
+        s.release()
+    with pytest.raises(pw.errors.ResourceError, match=r"shape \(4, 2\), but the mesh's is \(2, 4\)"):
+        pw.devices(mesh={"x": 2, "y": 4}, device_ids=mesh.device_ids.reshape(4, 2))
+    with pytest.raises(pw.errors.ResourceError, match=r"takes device ids: pass \[d.id for d in devices\]"):
+        pw.devices(mesh={"x": 2, "y": 4}, device_ids=list(mesh.devices.flat))
