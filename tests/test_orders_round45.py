@@ -186,3 +186,26 @@ def test_device_ids_taken_from_a_mesh_map_the_slice_onto_that_mesh():
         pw.devices(mesh={"x": 2, "y": 4}, device_ids=mesh.device_ids.reshape(4, 2))
     with pytest.raises(pw.errors.ResourceError, match=r"takes device ids: pass \[d.id for d in devices\]"):
         pw.devices(mesh={"x": 2, "y": 4}, device_ids=list(mesh.devices.flat))
+
+
+def test_a_mesh_over_several_islands_is_refused_by_a_program_jax_jit_would_run_there():
+    # jax.jit runs on the arguments' mesh; a program cannot run across islands, and ran on one
+    # device instead: its output, off the mesh, then failed the caller's next line.
+    pw.init(num_cpu_devices=8, islands=2)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("data")))
+    with pytest.raises(pw.errors.PlacementError, match=r"devices of islands \[0, 1\].*one island's devices"):
+        pw.program(lambda v: v * 2)(x)
+    with pytest.raises(pw.errors.PlacementError, match=r"devices of islands \[0, 1\]"):
+        pw.jit(lambda v: v * 2)(x)
+    with jax.set_mesh(mesh), pytest.raises(pw.errors.PlacementError, match=r"devices of islands \[0, 1\]"):
+        pw.program(lambda v: jax.lax.with_sharding_constraint(v * 2, P("data")))(jnp.arange(16.0))
+    # A mesh of one island's devices, in any order, runs as jax.jit does.
+    ids = [3, 1, 2, 0]
+    one = jax.make_mesh(
+        (4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=[jax.devices()[i] for i in ids]
+    )
+    y = jax.device_put(jnp.arange(16.0), NamedSharding(one, P("data")))
+    got, want = pw.program(lambda v: v * 2)(y), jax.jit(lambda v: v * 2)(y)
+    assert_matches(got, want)
+    assert got.result().sharding == want.sharding
