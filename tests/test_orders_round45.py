@@ -91,6 +91,26 @@ def test_trace_and_eval_shape_of_a_slice_program_run_on_the_slices_mesh():
     s.release()
 
 
+def test_an_explicit_slice_program_under_the_callers_jit_and_vmap_and_lowered():
+    explicit = jax.sharding.AxisType.Explicit
+    s = pw.devices(mesh={"x": 4}, device_ids=ORDER, axis_types=explicit)
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(explicit,), devices=[jax.devices()[i] for i in ORDER])
+
+    def f(v):
+        return (jnp.sin(jax.sharding.reshard(v, P("x"))) * 2).sum()
+
+    prog = pw.program(f, devices=s)
+    x = jnp.arange(16.0)
+    with jax.set_mesh(mesh):
+        want = jax.jit(f)(x)
+        batched = jax.vmap(f)(jnp.stack([x, x + 1]))
+        compiled = jax.jit(f).lower(x).compile()
+    assert_matches(jax.jit(lambda v: prog(v) + 1)(x), want + 1)
+    assert_matches(jax.vmap(prog)(jnp.stack([x, x + 1])), batched)
+    assert prog.lower(x).compile().output_shardings == compiled.output_shardings
+    s.release()
+
+
 def test_with_slice_inside_a_program_run_under_the_callers_jit_and_grad_sees_the_slices_mesh():
     # Values already on the slice's devices (a program's outputs, there): the caller's jax.jit
     # or grad of the program traces its `with s:` block as jax.jit does under the slice's mesh.
