@@ -229,3 +229,28 @@ def test_a_mesh_over_several_islands_is_refused_by_a_program_jax_jit_would_run_t
     got, want = pw.program(lambda v: v * 2)(y), jax.jit(lambda v: v * 2)(y)
     assert_matches(got, want)
     assert got.result().sharding == want.sharding
+
+
+def test_lower_of_a_program_on_slices_of_two_orders_says_no_one_executable_spans_them():
+    # The same devices in two orders (or two islands): jax.jit of the whole function has no one
+    # device assignment; lower() raised JAX's "incompatible devices" about device_puts it never wrote.
+    forward = pw.devices(mesh={"x": 4}, device_ids=[0, 1, 2, 3])
+    backward = pw.devices(mesh={"x": 4}, device_ids=[3, 2, 1, 0])
+    f = pw.jit(lambda v: jnp.sin(v) * 2, devices=backward, out_specs=pw.P("x"))
+    g = pw.jit(lambda v: v.sum(), devices=forward, in_specs=pw.P("x"))
+    step = pw.program(lambda v: g(f(v)))
+    x = jnp.arange(16.0)
+    with pytest.raises(pw.errors.PlacementError, match=r"no one executable spans") as info:
+        step.lower(x)
+    assert "incompatible devices" in str(info.value.__cause__)
+    before = pw.counters()
+    assert_matches(step(x), jnp.sum(jnp.sin(x) * 2), rtol=1e-5)  # its plan was prepared by lower()
+    after = pw.counters()
+    assert (after["traces"], after["compiles"]) == (before["traces"], before["compiles"])
+    mixed = jax.device_put(x, NamedSharding(_mesh([0, 1, 2, 3]), P("x")))
+    other = jax.device_put(x, NamedSharding(_mesh(ORDER), P("x")))
+    with pytest.raises(
+        ValueError, match="incompatible devices"
+    ) as info:  # the caller's own arrays: JAX's words
+        pw.program(lambda a, b: a + b).lower(mixed, other)
+    assert not isinstance(info.value, pw.errors.PlacementError)

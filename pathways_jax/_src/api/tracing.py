@@ -459,10 +459,35 @@ class Program:
         The program's own plan for these arguments (its graph and executables)
         is prepared too, so a later call with them compiles nothing (warm-up);
         ``graph(*args)`` shows that plan's nodes.
+
+        Raises:
+          PlacementError: the program runs on slices of different devices, or
+            of the same devices in different orders: no one executable spans
+            them (its plan is prepared all the same).
         """
         self._prepare(args, kwargs)
         with self._slice_mesh():
-            return self._as_jax_jit().lower(*args, **kwargs)
+            try:
+                return self._as_jax_jit().lower(*args, **kwargs)
+            except ValueError as exc:
+                if "incompatible devices" not in str(exc) or not self._on_several_orders(args, kwargs):
+                    raise
+                raise errors.PlacementError(
+                    f"program {self.name!r} ({self.source_info}): lower() gives the whole function as one "
+                    "jax.jit executable, but its computations run on slices of different devices (or of "
+                    f"the same devices in different orders), which no one executable spans: "
+                    f"{str(exc).splitlines()[0]} Its own plan for these arguments is prepared (a call "
+                    "with them compiles nothing more); graph(*args) shows its nodes, and each pw.jit "
+                    "function's lower(...) gives its own executable."
+                ) from exc
+
+    def _on_several_orders(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call's graph runs on slices of different devices or device orders."""
+        try:
+            nodes = self.graph(*args, **kwargs).nodes
+        except Exception:  # not known: the caller's error stands as it is
+            return False
+        return len({tuple(d.id for d in node.slice.devices) for node in nodes}) > 1
 
     def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
         """The program's default slice's mesh, where ``lower``, ``trace`` and ``eval_shape`` run its
