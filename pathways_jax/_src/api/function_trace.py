@@ -78,7 +78,7 @@ def trace(
         # Code nothing places runs where jax.jit would run it. Arguments on a
         # mesh of yours: the program is traced on that mesh, as jax.jit does.
         with contextlib.suppress(errors.ResourceError):  # reserved devices: placed later or an error
-            implied = _mesh_slice(places, hint or info.mesh_hint or _user_mesh())
+            implied = _mesh_slice(places, hint or info.mesh_hint or _user_mesh(), _owner(info))
         if implied is None:
             implied = _typed_future_slice(inputs, places)
         if implied is not None:
@@ -169,7 +169,7 @@ def trace(
                 kept = places
                 state.implied = functools.cache(lambda: _committed_slice(inputs, kept) or _device_slice(kept))
                 uncommitted = not any(getattr(key, "committed", False) for key in kept)
-            elif _kept_mesh(places, hint or info.mesh_hint or _user_mesh()) is not implied:
+            elif _kept_mesh(places, hint or info.mesh_hint or _user_mesh(), _owner(info)) is not implied:
                 return trace(info, inputs, hint, places)  # traced on the mesh only an unused one is on
     counts.bump("traces")
     if default is None and implied is None and hint is None:
@@ -264,11 +264,16 @@ def _committed_slice(inputs: TraceInputs, places: tuple[Any, ...]) -> VirtualSli
     return None
 
 
-def _kept_mesh(places: tuple[Any, ...], hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
+def _kept_mesh(places: tuple[Any, ...], hint: jax.sharding.Mesh | None, owner: str) -> VirtualSlice | None:
     """The slice of the mesh the arguments in ``places`` put the call on, if any (see ``_mesh_slice``)."""
     with contextlib.suppress(errors.ResourceError):
-        return _mesh_slice(places, hint)
+        return _mesh_slice(places, hint, owner)
     return None
+
+
+def _owner(info: ProgramInfo) -> str:
+    """The program, in an error's words."""
+    return f"program {info.name!r} ({info.source_info})"
 
 
 def _used_inputs(jaxpr: Any) -> set[int]:

@@ -164,6 +164,7 @@ class _Feeder:
         self.specs, self.tree = jax.tree_util.tree_flatten(batch)  # shardings over this host's devices
         self.prefetch = prefetch
         self.shard = _shard_of(self.specs)
+        self.rank = _hosts_of(self.specs).index(jax.process_index())  # its entry in get_state's list
         self._start(make_iterator(self.shard), 0)
 
     def _start(self, iterator: Iterator, taken: int) -> None:
@@ -208,7 +209,7 @@ class _Feeder:
         """Puts this host's iterator where ``saved`` (every host's position) says. The new iterator is
         made and positioned first: if that fails, the one running goes on where it was."""
         states = pickle.loads(np.asarray(saved.addressable_data(0)).tobytes())
-        state = _checked_position(states, self.shard)
+        state = _checked_position(states, self.rank, self.shard.count)
         iterator = self.make_iterator(self.shard)
         taken = 0
         if any(key in state for key in _ITERATOR_KEYS):
@@ -221,15 +222,15 @@ class _Feeder:
         self._start(iterator, taken)
 
 
-def _checked_position(states: Any, shard: Shard) -> dict:
-    """This host's entry of ``set_state``'s list, if the list is what ``get_state`` returns."""
-    if not isinstance(states, list) or len(states) != shard.count:
+def _checked_position(states: Any, rank: int, count: int) -> dict:
+    """This host's entry (``rank``, in host order) of ``set_state``'s list, if the list is what ``get_state`` returns."""
+    if not isinstance(states, list) or len(states) != count:
         given = f"a list of {len(states)}" if isinstance(states, list) else f"a {type(states).__name__}"
         raise errors.also(errors.PathwaysError, ValueError)(
             f"HostIterator.set_state takes what get_state returned: a list of one position per host of "
-            f"the batch's devices ({shard.count}), got {given}. The iterator stays where it was."
+            f"the batch's devices ({count}), got {given}. The iterator stays where it was."
         )
-    state = states[shard.index]
+    state = states[rank]
     taken = state.get("taken") if isinstance(state, dict) else None
     if not isinstance(state, dict) or not (
         "iterator" in state
@@ -237,7 +238,7 @@ def _checked_position(states: Any, shard: Shard) -> dict:
         or (isinstance(taken, int) and not isinstance(taken, bool) and taken >= 0)
     ):
         raise errors.also(errors.PathwaysError, ValueError)(
-            f"HostIterator.set_state: host {shard.index}'s position must be what get_state gave for it "
+            f"HostIterator.set_state: host {rank}'s position must be what get_state gave for it "
             f"({{'iterator': <its iterator's state>}}, {{'iterator_text': <its state's bytes, as text>}} or "
             f"{{'taken': <batches, an int >= 0>}}), got "
             f"{state!r}. The iterator stays where it was."
@@ -292,10 +293,33 @@ def _local_shape(spec: jax.ShapeDtypeStruct) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _hosts_of(specs: list) -> list[int]:
+    """The processes owning the batch's devices, in host order."""
+    return sorted({d.process_index for spec in specs for d in spec.sharding.device_set})
+
+
 def _shard_of(specs: list) -> Shard:
-    """This process's part of the batch: its rank among the processes owning the batch's devices."""
-    processes = sorted({d.process_index for spec in specs for d in spec.sharding.device_set})
-    return Shard(processes.index(jax.process_index()), len(processes))
+    """This process's part of the batch: the rank of its rows among the processes owning its devices.
+
+    The rows a process's devices hold follow the mesh's device order, not the
+    processes' (a slice mapped with ``device_ids=[2, 3, 0, 1]`` puts the first
+    rows on the second host): the first leaf whose rows the hosts split decides
+    it. Where none is split, the processes' own order.
+    """
+    processes = _hosts_of(specs)
+    first: dict[int, int] = {}
+    for spec in specs:
+        if not spec.shape:
+            continue
+        starts: dict[int, int] = {}
+        for device, index in spec.sharding.devices_indices_map(tuple(spec.shape)).items():
+            start = index[0].indices(spec.shape[0])[0]
+            starts[device.process_index] = min(start, starts.get(device.process_index, start))
+        if len(starts) == len(processes) and len(set(starts.values())) == len(processes):
+            first = starts
+            break
+    ordered = sorted(processes, key=lambda p: (first.get(p, 0), p))
+    return Shard(ordered.index(jax.process_index()), len(processes))
 
 
 _HostFeeder = colocated_python_class(_Feeder)

@@ -253,15 +253,29 @@ class JitFunction:
                 pass
             else:
                 self._program_on(slice_)._prepare(args, kwargs)
-        return self._jitted.lower(*args, **kwargs)
+        with self._slice_mesh():
+            return self._jitted.lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function."""
-        return self._jitted.trace(*args, **kwargs)
+        with self._slice_mesh():
+            return self._jitted.trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
-        return self._jitted.eval_shape(*args, **kwargs)
+        with self._slice_mesh():
+            return self._jitted.eval_shape(*args, **kwargs)
+
+    def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
+        """Where ``lower``, ``trace`` and ``eval_shape`` run the function as ``jax.jit``: on its slice's
+        mesh (as under ``jax.set_mesh(slice.physical_mesh)``) if it has one here, else as it is."""
+        if active_trace() is not None or inside_jax_trace():
+            return contextlib.nullcontext()
+        try:
+            slice_ = self._slice()
+        except errors.PathwaysError:  # specs but no slice, or a slice released: the call says so
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if slice_ is None else slices.on_slice_mesh(slice_)
 
     def clear_cache(self) -> None:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
@@ -402,7 +416,8 @@ class JitFunction:
         static = self._static_of(args)
         moved = [arg if position in static else put(arg, replicated) for position, arg in enumerate(args)]
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
-        return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
+        with slices.on_slice_mesh(slice_):  # code naming the slice's mesh finds its devices
+            return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
 
     def _refuse_traced_statics(self, args: tuple, kwargs: dict) -> None:
         """Refuses a static argument a transformation made abstract, as a program does."""

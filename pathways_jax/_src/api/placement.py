@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
 from jax.sharding import AxisType
 
+from pathways_jax._src.core import errors
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey
-from pathways_jax._src.runtime import slices
+from pathways_jax._src.runtime import clusters, slices
 from pathways_jax._src.runtime.slices import VirtualSlice
 
 
@@ -35,6 +37,19 @@ def _mesh_mismatch_hint(exc: Exception, slice_: VirtualSlice | None) -> str:
             "(pw.devices(mesh=..., axis_types=...); jax.make_mesh makes Explicit axes by default)"
         )
     if "incompatible devices for jitted computation" in text and "context mesh" in text:
+        ids = [[int(i) for i in found.split(",")] for found in re.findall(r"device ids \[([\d, ]+)\]", text)]
+        context = re.search(r"context mesh with device ids \[([\d, ]+)\]", text)
+        theirs = [i for i in ids if context is None or i != [int(d) for d in context.group(1).split(",")]]
+        if context is not None and len(theirs) == 1:
+            ours = [int(d) for d in context.group(1).split(",")]
+            if sorted(ours) == sorted(theirs[0]):
+                return (
+                    f". Your mesh holds the slice's devices in another order (ids {theirs[0]}; the "
+                    f"slice's are {ours}), and JAX takes one order per computation: name the slice's "
+                    "mesh in shardings inside it (slice.mesh, or bare PartitionSpecs), build your mesh "
+                    "in the slice's order (slice.physical_mesh), or map the slice as "
+                    f"pw.devices(..., device_ids={theirs[0]})"
+                )
         return (
             ". A function placed on a slice runs on the devices the slice is mapped to, not on "
             "those of a mesh of yours: name the slice's mesh in shardings inside it (slice.mesh, or "
@@ -44,7 +59,34 @@ def _mesh_mismatch_hint(exc: Exception, slice_: VirtualSlice | None) -> str:
     return ""
 
 
-def _mesh_slice(signature: tuple[ArgKey | None, ...], hint: jax.sharding.Mesh | None) -> VirtualSlice | None:
+def _check_one_island(ids: tuple[int, ...], owner: str) -> None:
+    """Refuses a mesh of yours that no slice can stand for: over devices of several islands, or not the cluster's.
+
+    ``jax.jit`` would run the program on the whole mesh; a program runs each
+    computation within one island, so it cannot, and running it on one device
+    instead (as it did) returned values off the mesh that the caller's arrays
+    on it then refused to combine with.
+    """
+    resources = clusters.cluster().resources
+    island_of = {d.id: isl.index for isl in resources.islands for d in isl.devices}
+    owners = sorted({island_of[i] for i in ids if i in island_of})
+    unknown = [i for i in ids if i not in island_of]
+    if len(owners) <= 1 and not unknown:
+        return
+    where = f"devices {unknown} this cluster does not use" if unknown else f"devices of islands {owners}"
+    raise errors.PlacementError(
+        f"{owner} runs where jax.jit would, on the mesh of its arguments (or of jax.set_mesh, "
+        f"in_shardings or its own shardings): a mesh over devices {list(ids)}, which holds {where} "
+        f"({resources.describe()}). A program runs each computation within one island. Make the "
+        "mesh of one island's devices (jax.make_mesh(..., devices=pw.cluster().islands[i].devices)), "
+        "start the cluster with one island (pw.init(islands=1)), or place the program on slices "
+        "(pw.program(devices=pw.devices(...)))."
+    )
+
+
+def _mesh_slice(
+    signature: tuple[ArgKey | None, ...], hint: jax.sharding.Mesh | None, owner: str = "the program"
+) -> VirtualSlice | None:
     """The slice of the mesh ``jax.jit`` would run a program with no placement on, if any.
 
     ``hint`` (the mesh of the program's own ``in_shardings``, else the caller's
@@ -67,6 +109,7 @@ def _mesh_slice(signature: tuple[ArgKey | None, ...], hint: jax.sharding.Mesh | 
     for mesh in meshes:
         if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
             ids = tuple(d.id for d in mesh.devices.flat)
+            _check_one_island(ids, owner)
             shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
             types = tuple(mesh.axis_types)
             if shape == _DEVICE_MESH and types == (AxisType.Auto,):

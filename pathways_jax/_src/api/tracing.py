@@ -9,6 +9,7 @@ call skip it. ``decorator`` (``pw.program``) makes programs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -18,6 +19,7 @@ from typing import Any
 
 import jax
 from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import function_trace, nnx_graph, ref_arguments
 from pathways_jax._src.api.arguments import (
@@ -40,7 +42,7 @@ from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import FutureKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
-from pathways_jax._src.runtime.slices import VirtualSlice
+from pathways_jax._src.runtime.slices import VirtualSlice, on_slice_mesh
 
 
 class Program:
@@ -144,15 +146,24 @@ class Program:
         A transformation traces through the function, so no controller run can
         take part: as where ``@jax.jit`` stood, the function is traced into the
         caller's computation (its ``pw.jit`` functions keep their slices' devices).
+        A program with a default slice keeps it as a ``pw.jit`` function does:
+        its arguments are put on the slice's devices and its code sees the
+        slice's mesh (``shard_map(mesh=slice.mesh)``, bare specs in constraints).
         """
         positions = self._info.static_positions(len(args))
         statics: list[tuple[int | str, Any]] = [(i, args[i]) for i in positions if i < len(args)]
         statics += [(name, kwargs[name]) for name in self._info.static_names if name in kwargs]
         refuse_traced_statics(statics, f"program {self.name!r}", self.name, self.source_info)
         jitted = self._as_jit_for(args, kwargs)
-        if self._info.devices is None:
+        slice_ = self._info.devices
+        if slice_ is None:
             return jitted(*args, **kwargs)
-        with self._info.devices:
+        replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
+        # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
+        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
+        args = tuple(arg if i in positions else put(arg, replicated) for i, arg in enumerate(args))
+        kwargs = {k: v if k in self._info.static_names else put(v, replicated) for k, v in kwargs.items()}
+        with slice_:  # outside a program's trace: the slice's mesh too (on_slice_mesh)
             return jitted(*args, **kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
@@ -457,9 +468,41 @@ class Program:
         The program's own plan for these arguments (its graph and executables)
         is prepared too, so a later call with them compiles nothing (warm-up);
         ``graph(*args)`` shows that plan's nodes.
+
+        Raises:
+          PlacementError: the program runs on slices of different devices, or
+            of the same devices in different orders: no one executable spans
+            them (its plan is prepared all the same).
         """
         self._prepare(args, kwargs)
-        return self._as_jax_jit().lower(*args, **kwargs)
+        with self._slice_mesh():
+            try:
+                return self._as_jax_jit().lower(*args, **kwargs)
+            except ValueError as exc:
+                if "incompatible devices" not in str(exc) or not self._on_several_orders(args, kwargs):
+                    raise
+                raise errors.PlacementError(
+                    f"program {self.name!r} ({self.source_info}): lower() gives the whole function as one "
+                    "jax.jit executable, but its computations run on slices of different devices (or of "
+                    f"the same devices in different orders), which no one executable spans: "
+                    f"{str(exc).splitlines()[0]} Its own plan for these arguments is prepared (a call "
+                    "with them compiles nothing more); graph(*args) shows its nodes, and each pw.jit "
+                    "function's lower(...) gives its own executable."
+                ) from exc
+
+    def _on_several_orders(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call's graph runs on slices of different devices or device orders."""
+        try:
+            nodes = self.graph(*args, **kwargs).nodes
+        except Exception:  # not known: the caller's error stands as it is
+            return False
+        return len({tuple(d.id for d in node.slice.devices) for node in nodes}) > 1
+
+    def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
+        """The program's default slice's mesh, where ``lower``, ``trace`` and ``eval_shape`` run its
+        function as ``jax.jit`` (as under ``jax.set_mesh(slice.physical_mesh)``); none without one."""
+        slice_ = self._info.devices
+        return contextlib.nullcontext() if slice_ is None else on_slice_mesh(slice_)
 
     def clear_cache(self) -> None:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
@@ -479,11 +522,13 @@ class Program:
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
-        return self._as_jax_jit().trace(*args, **kwargs)
+        with self._slice_mesh():
+            return self._as_jax_jit().trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
-        return self._as_jax_jit().eval_shape(*args, **kwargs)
+        with self._slice_mesh():
+            return self._as_jax_jit().eval_shape(*args, **kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
         """Traces and lowers the plan a call with these arguments would run (nothing runs).

@@ -227,6 +227,10 @@ class VirtualSlice:
             trace.note_slice(self)
             stack.enter_context(jax.named_scope(f"{SCOPE_PREFIX}{self.id}"))
             stack.enter_context(only_mesh(self.mesh))
+        else:
+            # Run as jax.jit (outside a program, or under the caller's grad/jit/vmap), code
+            # naming the slice's mesh sees its devices, as under jax.set_mesh(physical_mesh).
+            stack.enter_context(on_slice_mesh(self))
         context.state.slices.append(self)
         if not hasattr(self._exits, "stacks"):
             self._exits.stacks = []
@@ -259,6 +263,18 @@ class VirtualSlice:
 def current_slice() -> VirtualSlice | None:
     """The innermost slice entered with ``with slice:`` on this thread, if any."""
     return cast("VirtualSlice | None", context.current_slice())  # only VirtualSlices enter
+
+
+def on_slice_mesh(slice_: VirtualSlice) -> contextlib.AbstractContextManager[None]:
+    """The slice's meshes, abstract and physical, as the only ones in JAX's context.
+
+    Code placed on the slice names its mesh (``shard_map(mesh=slice.mesh)``,
+    bare specs in sharding constraints). Where such code runs as ``jax.jit``
+    (under the caller's ``grad``, ``jit`` or ``vmap``, or lowered with
+    ``lower``), this gives it the slice's devices, in the slice's order, as
+    ``jax.set_mesh(slice.physical_mesh)`` would; it also works inside a trace.
+    """
+    return only_mesh(slice_.mesh, slice_.physical_mesh)
 
 
 def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
@@ -321,6 +337,42 @@ def explicit_view(
     return NamedSharding(slice_.mesh, fitting_spec(sharding, sizes, shape))
 
 
+def _normalise_device_ids(device_ids: object, shape: tuple[int, ...]) -> object:
+    """``device_ids`` as a flat list of ints in row-major mesh order, where it is ids in another form.
+
+    A ``jax.sharding.Mesh``'s ``device_ids`` (a NumPy array in the mesh's
+    shape), a nested list of that shape, or NumPy integer ids
+    (``list(mesh.device_ids.flat)``) name devices as a list of ints does.
+    Anything else is left for the resource manager's checks to refuse.
+    """
+    if device_ids is None or isinstance(device_ids, str | bytes):
+        return device_ids
+    nested = isinstance(device_ids, np.ndarray) or (
+        isinstance(device_ids, Sequence)
+        and any(isinstance(i, np.ndarray | Sequence) and not isinstance(i, str | bytes) for i in device_ids)
+    )
+    if nested:
+        try:
+            grid = np.asarray(device_ids, dtype=object)
+        except ValueError:  # ragged: refused below as ids that are not ids
+            return device_ids
+        if grid.ndim > 1 and grid.shape != shape:
+            raise errors.ResourceError(
+                f"device_ids has shape {grid.shape}, but the mesh's is {shape}; give the ids flat, in "
+                "row-major mesh order, or in the mesh's shape (as a jax.sharding.Mesh's device_ids)."
+            )
+        device_ids = list(grid.reshape(-1))
+    if not isinstance(device_ids, Sequence):
+        return device_ids
+    for i in device_ids:
+        if isinstance(i, jax.Device):
+            raise errors.ResourceError(
+                f"device_ids names the device {i!r}; it takes device ids: pass [d.id for d in devices] "
+                "(or a mesh's device_ids)."
+            )
+    return [int(i) if isinstance(i, np.integer) else i for i in device_ids]
+
+
 def check_spec(spec: PartitionSpec, slice_: VirtualSlice, *, what: str) -> None:
     """Raises ``PlacementError`` if ``spec`` names axes the slice does not have."""
     if not isinstance(spec, PartitionSpec):
@@ -341,7 +393,7 @@ def devices(
     island: int | None = None,
     exclusive: bool = False,
     timeout: float | None = None,
-    device_ids: Sequence[int] | None = None,
+    device_ids: Sequence[int] | np.ndarray | None = None,
     axis_types: AxisType | Sequence[AxisType] | None = None,
 ) -> VirtualSlice:
     """Asks the cluster for a virtual slice of devices.
@@ -360,7 +412,8 @@ def devices(
         (those this thread holds too: release them first, or give a timeout).
       device_ids: the devices to map the slice onto, one id per mesh
         position in row-major order (all on one island), instead of letting
-        the resource manager choose. Two slices may name the same devices in
+        the resource manager choose; or the ids in the mesh's shape (a
+        ``jax.sharding.Mesh``'s ``device_ids``: NumPy integers are ids). Two slices may name the same devices in
         different orders; the controller still orders every program on them
         consistently. If the island's host is lost (Ray backend), the slice
         moves to devices the resource manager picks.
@@ -402,7 +455,8 @@ def devices(
         )
     cl = clusters.cluster()
     size = int(np.prod(shape))
-    island_index, physical = cl.resources.acquire(size, island, exclusive, timeout, device_ids)
+    named = _normalise_device_ids(device_ids, shape)
+    island_index, physical = cl.resources.acquire(size, island, exclusive, timeout, named)
     return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive, types)
 
 
