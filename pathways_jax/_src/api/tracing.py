@@ -24,6 +24,7 @@ from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
     TracerArgument,
+    _abstract,
     _as_array_keys,
     note_array_keys,
 )
@@ -37,10 +38,37 @@ from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import errors, reentry, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.ir import fusion
-from pathways_jax._src.ir.signatures import FutureKey, Signature
+from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
 from pathways_jax._src.runtime.slices import VirtualSlice
+
+
+def _uncommitted(key: ArgKey) -> bool:
+    """Whether ``key`` is that of an array or a future nothing placed (``committed`` False)."""
+    return type(key) in (ArrayKey, FutureKey) and not key.committed  # type: ignore[union-attr]
+
+
+def _traced_alike(old: ArgKey, new: ArgKey) -> bool:
+    """Whether a trace made for an argument leaf of key ``old`` is the one ``jax.jit`` makes for ``new``.
+
+    Equal keys are; so is a host value's (a Python scalar's, a numpy array's:
+    put on JAX's default device at each call, uncommitted) for an uncommitted
+    array or future of the same shape, dtype and weak type, which places
+    nothing either, and an uncommitted array's for an uncommitted future on
+    its device.
+    """
+    if old == new:
+        return True
+    if not _uncommitted(new):
+        return False
+    if type(old) is ArrayKey:
+        if old.committed or old.sharding.device_set != new.sharding.device_set:  # type: ignore[union-attr]
+            return False
+    elif type(old) not in (ScalarKey, NumpyKey):
+        return False
+    host = _abstract(old)
+    return (host.shape, host.dtype, host.weak_type) == (tuple(new.shape), new.dtype, new.weak_type)  # type: ignore[union-attr]
 
 
 class Program:
@@ -205,6 +233,8 @@ class Program:
 
     def _graph_for(self, key: Any, inputs: TraceInputs) -> GraphView:
         graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._host_graph(key)
         # A graph on a slice that is gone is traced again: the slices a program
         # with no placement implied belonged to a cluster that was shut down, and
         # those the user named raise their own clear error when traced.
@@ -219,6 +249,31 @@ class Program:
             if kept is None or any(s.released for s in kept.held.values()):
                 kept = self._graphs[key] = graph
             return kept
+
+    def _host_graph(self, key: tuple) -> GraphView | None:
+        """The graph traced for host values (Python scalars, numpy arrays) where ``key`` has uncommitted values of their types.
+
+        A train loop's first call often takes host values (``TrainState.create``'s
+        ``step=0``, parameters read from a file) and the next the futures it
+        returned, which stand for uncommitted arrays of the same types. ``jax.jit``
+        traces the two calls once (its trace is keyed by abstract values): so does
+        a program, which lowers the graph of the first for the second's signature
+        instead of running the function again (whose Python state may have changed
+        since, as ``jax.jit`` would not see either).
+        """
+        signature = key[1]
+        if not any(_uncommitted(k) for k in signature):
+            return None
+        with self._lock:
+            kept = list(self._graphs.items())
+        for other, graph in kept:
+            if other[0] != key[0] or other[2:] != key[2:] or len(other[1]) != len(signature):
+                continue
+            if any(s.released for s in graph.held.values()):
+                continue
+            if all(_traced_alike(old, new) for old, new in zip(other[1], signature, strict=True)):
+                return graph
+        return None
 
     def _compiled_as(self, traced: GraphView, fuse: bool) -> GraphView:
         """``traced`` as it compiles: its chains fused if ``fuse``, with the program's compiler options."""
