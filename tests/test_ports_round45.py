@@ -58,3 +58,25 @@ def test_a_loop_first_given_host_values_then_its_futures_is_traced_once_as_under
     assert runs["pw"] == runs["jit"] == 1
     for got, want in zip(results["pw"], results["jit"], strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_step_given_numpy_after_the_futures_it_returned_is_traced_once_as_under_jax_jit():
+    # Flax's legacy checkpoints.restore_checkpoint gives numpy arrays: a loop that restores its
+    # state after some steps calls the step with host values of the futures' types.
+    runs = {"jit": 0, "pw": 0}
+    results = {}
+    for name, decorate in (("jit", jax.jit), ("pw", pw.program)):
+
+        def step(w, x, name=name):
+            runs[name] += 1
+            return w - 0.1 * x.sum(), jnp.sum(w)
+
+        program = decorate(step)
+        w = jnp.ones(3)
+        for _ in range(2):
+            w, _ = program(w, jnp.ones(2))
+        w, total = program(np.asarray(w), np.ones(2, np.float32))  # restored as numpy
+        results[name] = (np.asarray(w), np.asarray(total))
+    assert runs["pw"] == runs["jit"] == 1
+    for got, want in zip(results["pw"], results["jit"], strict=True):
+        np.testing.assert_array_equal(got, want)

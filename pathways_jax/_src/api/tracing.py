@@ -45,30 +45,42 @@ from pathways_jax._src.runtime.slices import VirtualSlice
 
 
 def _uncommitted(key: ArgKey) -> bool:
-    """Whether ``key`` is that of an array or a future nothing placed (``committed`` False)."""
+    """Whether ``key`` is that of a value nothing placed: an uncommitted array or future, or a host value."""
+    if type(key) in (ScalarKey, NumpyKey):
+        return True
     return type(key) in (ArrayKey, FutureKey) and not key.committed  # type: ignore[union-attr]
+
+
+def _traced_as(key: ArgKey) -> tuple | None:
+    """What ``jax.jit``'s trace of a value nothing placed depends on: shape, dtype, weak type, device.
+
+    A host value (a Python scalar, a numpy array) is put on JAX's default
+    device at each call, uncommitted; None for a value something placed.
+    """
+    if not _uncommitted(key):
+        return None
+    if type(key) in (ScalarKey, NumpyKey):
+        default = getattr(jax.config, "jax_default_device", None)
+        devices = {default if isinstance(default, jax.Device) else jax.devices()[0]}
+    else:
+        devices = key.sharding.device_set  # type: ignore[union-attr]
+    aval = _abstract(key)
+    return (tuple(aval.shape), aval.dtype, aval.weak_type, frozenset(devices))
 
 
 def _traced_alike(old: ArgKey, new: ArgKey) -> bool:
     """Whether a trace made for an argument leaf of key ``old`` is the one ``jax.jit`` makes for ``new``.
 
-    Equal keys are; so is a host value's (a Python scalar's, a numpy array's:
-    put on JAX's default device at each call, uncommitted) for an uncommitted
-    array or future of the same shape, dtype and weak type, which places
-    nothing either, and an uncommitted array's for an uncommitted future on
-    its device.
+    Equal keys are; so are those of values nothing placed (host values, put
+    on JAX's default device at each call, uncommitted arrays and futures) of
+    the same shape, dtype and weak type on the same device: ``jax.jit`` traces
+    them alike (a train loop's first call with ``step=0``, its next ones with
+    the arrays it returned), and they place nothing.
     """
     if old == new:
         return True
-    if not _uncommitted(new):
-        return False
-    if type(old) is ArrayKey:
-        if old.committed or old.sharding.device_set != new.sharding.device_set:  # type: ignore[union-attr]
-            return False
-    elif type(old) not in (ScalarKey, NumpyKey):
-        return False
-    host = _abstract(old)
-    return (host.shape, host.dtype, host.weak_type) == (tuple(new.shape), new.dtype, new.weak_type)  # type: ignore[union-attr]
+    alike = _traced_as(old)
+    return alike is not None and alike == _traced_as(new)
 
 
 class Program:
