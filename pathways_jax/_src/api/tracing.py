@@ -26,6 +26,7 @@ from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
     TracerArgument,
+    _abstract,
     _as_array_keys,
     note_array_keys,
 )
@@ -39,10 +40,49 @@ from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import errors, reentry, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.ir import fusion
-from pathways_jax._src.ir.signatures import FutureKey, Signature
+from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
 from pathways_jax._src.runtime.slices import VirtualSlice, on_slice_mesh
+
+
+def _uncommitted(key: ArgKey) -> bool:
+    """Whether ``key`` is that of a value nothing placed: an uncommitted array or future, or a host value."""
+    if type(key) in (ScalarKey, NumpyKey):
+        return True
+    return type(key) in (ArrayKey, FutureKey) and not key.committed  # type: ignore[union-attr]
+
+
+def _traced_as(key: ArgKey) -> tuple | None:
+    """What ``jax.jit``'s trace of a value nothing placed depends on: shape, dtype, weak type, device.
+
+    A host value (a Python scalar, a numpy array) is put on JAX's default
+    device at each call, uncommitted; None for a value something placed.
+    """
+    if not _uncommitted(key):
+        return None
+    if type(key) in (ScalarKey, NumpyKey):
+        default = getattr(jax.config, "jax_default_device", None)
+        devices = {default if isinstance(default, jax.Device) else jax.devices()[0]}
+    else:
+        devices = key.sharding.device_set  # type: ignore[union-attr]
+    aval = _abstract(key)
+    return (tuple(aval.shape), aval.dtype, aval.weak_type, frozenset(devices))
+
+
+def _traced_alike(old: ArgKey, new: ArgKey) -> bool:
+    """Whether a trace made for an argument leaf of key ``old`` is the one ``jax.jit`` makes for ``new``.
+
+    Equal keys are; so are those of values nothing placed (host values, put
+    on JAX's default device at each call, uncommitted arrays and futures) of
+    the same shape, dtype and weak type on the same device: ``jax.jit`` traces
+    them alike (a train loop's first call with ``step=0``, its next ones with
+    the arrays it returned), and they place nothing.
+    """
+    if old == new:
+        return True
+    alike = _traced_as(old)
+    return alike is not None and alike == _traced_as(new)
 
 
 class Program:
@@ -216,6 +256,8 @@ class Program:
 
     def _graph_for(self, key: Any, inputs: TraceInputs) -> GraphView:
         graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._host_graph(key)
         # A graph on a slice that is gone is traced again: the slices a program
         # with no placement implied belonged to a cluster that was shut down, and
         # those the user named raise their own clear error when traced.
@@ -230,6 +272,31 @@ class Program:
             if kept is None or any(s.released for s in kept.held.values()):
                 kept = self._graphs[key] = graph
             return kept
+
+    def _host_graph(self, key: tuple) -> GraphView | None:
+        """The graph traced for host values (Python scalars, numpy arrays) where ``key`` has uncommitted values of their types.
+
+        A train loop's first call often takes host values (``TrainState.create``'s
+        ``step=0``, parameters read from a file) and the next the futures it
+        returned, which stand for uncommitted arrays of the same types. ``jax.jit``
+        traces the two calls once (its trace is keyed by abstract values): so does
+        a program, which lowers the graph of the first for the second's signature
+        instead of running the function again (whose Python state may have changed
+        since, as ``jax.jit`` would not see either).
+        """
+        signature = key[1]
+        if not any(_uncommitted(k) for k in signature):
+            return None
+        with self._lock:
+            kept = list(self._graphs.items())
+        for other, graph in kept:
+            if other[0] != key[0] or other[2:] != key[2:] or len(other[1]) != len(signature):
+                continue
+            if any(s.released for s in graph.held.values()):
+                continue
+            if all(_traced_alike(old, new) for old, new in zip(other[1], signature, strict=True)):
+                return graph
+        return None
 
     def _compiled_as(self, traced: GraphView, fuse: bool) -> GraphView:
         """``traced`` as it compiles: its chains fused if ``fuse``, with the program's compiler options."""
