@@ -47,8 +47,8 @@ def from_signal_handler(exc: BaseException) -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False  # handlers run on the main thread only
     tb = exc.__traceback__
-    if tb is None:
-        return False
+    if tb is None or tb.tb_next is None:
+        return False  # raised where it was caught (by a call into C): no handler's frame below it
     handlers = _handler_codes()
     while tb is not None:
         if tb.tb_frame.f_code in handlers:
