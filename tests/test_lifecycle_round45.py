@@ -152,3 +152,23 @@ def test_an_exception_a_signal_handler_raises_while_result_waits_reaches_the_cal
         signal.signal(signal.SIGUSR1, previous)
         monkeypatch.undo()
     assert_matches(future, x * 2)  # the run was not failed by it
+
+
+def test_a_refused_argument_leaf_is_named_by_its_place_in_the_call_as_jax_jit_names_it():
+    # It said only "argument leaf 0", which in a large train state is hard to find; jax.jit names
+    # the path ("at path state['config']").
+    class Config:  # a value that is no array: passed in the state by mistake
+        pass
+
+    def body(state, batch, *, scale):
+        return state["w"] * batch * scale
+
+    step = pw.program(body)
+    with pytest.raises(TypeError, match=r"^program 'body' got argument leaf 0 of type Config") as info:
+        step({"w": jnp.ones(2), "config": Config()}, jnp.ones(2), scale=1.0)
+    assert isinstance(info.value, pw.errors.ProgramTraceError)
+    assert "(Argument leaf 0 is args[0]['config'] in the call.)" in str(info.value)
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"leaf 2 is kwargs\['scale'\] in the call"):
+        step({"w": jnp.ones(2)}, jnp.ones(2), scale=Config())
+    with pytest.raises(TypeError, match=r"at path"):  # as jax.jit names it
+        jax.jit(body)({"w": jnp.ones(2), "config": Config()}, jnp.ones(2), scale=1.0)

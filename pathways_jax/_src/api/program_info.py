@@ -105,7 +105,11 @@ class ProgramInfo:
         if not self.static and not (kwargs and self.static_names):
             leaves, treedef = flat if flat is not None else jax.tree_util.tree_flatten((args, kwargs))
             ambient = slices.current_slice() if self.devices is None else None
-            signature = _signed(leaves, self.name)
+            try:
+                signature = _signed(leaves, self.name)
+            except errors.ProgramTraceError as exc:
+                _name_the_path(exc, treedef)
+                raise
             # As jax.jit's, the key holds the configuration the trace depends on.
             key: tuple = (
                 treedef,
@@ -227,3 +231,26 @@ class ProgramInfo:
 
 
 __all__ = ["ProgramInfo"]
+
+
+_LEAF = re.compile(r"argument leaf (\d+)")
+
+
+def _name_the_path(exc: errors.ProgramTraceError, treedef: Any) -> None:
+    """Adds to ``exc``'s "argument leaf N" where that leaf is in the call, as ``jax.jit`` names it
+    (``args[0].config``, ``kwargs['batch']``): in a large train state a number alone is hard to find.
+
+    ``treedef`` is that of the call's ``(args, kwargs)``.
+    """
+    text = str(exc)
+    found = _LEAF.search(text)
+    if found is None or len(exc.args) != 1 or not isinstance(exc.args[0], str):
+        return
+    try:
+        position = int(found.group(1))
+        placed = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+        path = jax.tree_util.tree_flatten_with_path(placed)[0][position][0]
+    except Exception:  # not a path it can name: the number stays alone
+        return
+    where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+    exc.args = (f"{text.rstrip()} (Argument leaf {position} is {where} in the call.)",)
