@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from pathways_jax._src.api import nnx_graph
-from pathways_jax._src.core import errors, reentry
+from pathways_jax._src.core import arrays, errors, reentry
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import clients
 from pathways_jax._src.runtime.futures import Future
@@ -139,9 +139,7 @@ class AbstractArray:
             return None
         sharding = leaf.sharding
         if sharding is None:  # as jnp.asarray makes it: uncommitted, on the default device
-            device = getattr(jax.config, "jax_default_device", None)
-            if not isinstance(device, jax.Device):
-                device = jax.devices(device)[0] if device else jax.devices()[0]
+            device = arrays.default_device()
             return cls(ArrayKey(leaf.shape, dtype, leaf.weak_type, _one_device(device), False))
         if not isinstance(sharding, jax.sharding.Sharding):
             return None

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType
 
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import arrays, errors
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey
 from pathways_jax._src.runtime import clusters, slices
 from pathways_jax._src.runtime.slices import VirtualSlice
@@ -164,9 +164,7 @@ def _device_slice(signature: tuple[ArgKey | None, ...]) -> VirtualSlice:
         placed = getattr(key.sharding, "device_set", None) if committed else None  # type: ignore[union-attr]
         if placed and len(placed) == 1:
             return slices.implied((next(iter(placed)).id,), _DEVICE_MESH)
-    default = getattr(jax.config, "jax_default_device", None)
-    device = default if isinstance(default, jax.Device) else jax.devices()[0]
-    return slices.implied((device.id,), _DEVICE_MESH)
+    return slices.implied((arrays.default_device().id,), _DEVICE_MESH)
 
 
 def _is_device_slice(slice_: VirtualSlice) -> bool:

@@ -37,7 +37,7 @@ from pathways_jax._src.api.program_info import ProgramInfo
 from pathways_jax._src.api.repeat_calls import RepeatCalls
 from pathways_jax._src.compat import jax_caches
 from pathways_jax._src.compile import lowering
-from pathways_jax._src.core import errors, reentry, source
+from pathways_jax._src.core import arrays, errors, reentry, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
@@ -61,11 +61,8 @@ def _traced_as(key: ArgKey) -> tuple | None:
     """
     if not _uncommitted(key):
         return None
-    if type(key) in (ScalarKey, NumpyKey):
-        default = getattr(jax.config, "jax_default_device", None)
-        devices = {default if isinstance(default, jax.Device) else jax.devices()[0]}
-    else:
-        devices = key.sharding.device_set  # type: ignore[union-attr]
+    host = type(key) in (ScalarKey, NumpyKey)
+    devices = {arrays.default_device()} if host else key.sharding.device_set  # type: ignore[union-attr]
     aval = _abstract(key)
     return (tuple(aval.shape), aval.dtype, aval.weak_type, frozenset(devices))
 

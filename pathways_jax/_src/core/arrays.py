@@ -45,6 +45,15 @@ def _shard_args() -> tuple[Any, Any]:
 _shard, _REUSE = _shard_args()  # what jax.device_put calls for host data, private to JAX
 
 
+def default_device() -> Any:
+    """The device ``jax.jit`` puts values nothing placed on: ``jax.config.jax_default_device`` (a
+    device, or a platform's first), else the first device."""
+    device = getattr(jax.config, "jax_default_device", None)
+    if isinstance(device, jax.Device):
+        return device
+    return jax.devices(device)[0] if device else jax.devices()[0]
+
+
 def put(leaf: Any, sharding: Any) -> jax.Array:
     """``jax.device_put(leaf, sharding)`` of host data: a Python or NumPy scalar, or a NumPy array the
     caller will not change (its buffer may be taken as it is, as device_put may take it).
