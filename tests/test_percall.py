@@ -180,10 +180,18 @@ def test_fast_path_misses_on_another_type_and_traces_it():
     assert pw.counters()["traces"] == traced + 2
 
 
-def test_marks_take_only_arrays_and_futures():
+def test_marks_take_arrays_futures_and_host_values_of_exact_types():
+    import enum
+
+    class Level(enum.IntEnum):
+        LOW = 1
+
     assert arguments._marks([jnp.ones(2)]) is not None
-    assert arguments._marks([np.ones(2)]) is None  # numpy: put on devices per call, by the slow path
-    assert arguments._marks([1.0]) is None
+    assert arguments._marks([1.0, 2, True]) == (float, int, bool)  # a Python scalar's key is its type
+    pw.program(lambda v: v)(np.ones(2, np.float32))  # a numpy kind is marked once a call took it
+    assert arguments._marks([np.ones(2, np.float32)]) is not None
+    assert arguments._marks([Level.LOW]) is None  # subclasses are signed each call
+    assert arguments._marks([np.ma.masked_array(np.ones(2, np.float32))]) is None
 
 
 def _decay(p):

@@ -377,7 +377,14 @@ _ArrayImpl: Any = _array_type()
 
 
 def _marks(leaves: list[Any]) -> tuple[Any, ...] | None:
-    """What identifies each leaf's type for :class:`_LastLeaves` (None: a leaf of another kind)."""
+    """What identifies each leaf's type for :class:`_LastLeaves` (None: a leaf of another kind).
+
+    A Python scalar's signature is its type alone (its value is the run's input,
+    checked per run: ``submission._check_int``), so its mark is that type; a
+    numpy array's or scalar's is its type, shape and dtype (:class:`_HostMark`).
+    A loop fed a step number or a learning rate, or a numpy batch, each call
+    then skips signing as one fed arrays does.
+    """
     marks: list[Any] = []
     for leaf in leaves:
         kind = type(leaf)
@@ -388,9 +395,25 @@ def _marks(leaves: list[Any]) -> tuple[Any, ...] | None:
             marks.append(signature)
         elif kind is _ArrayImpl:
             marks.append((leaf.aval, leaf.sharding, leaf._committed))
+        elif kind in _EXACT_SCALARS:
+            marks.append(kind)
+        elif (kind is np.ndarray or kind in arrays.NUMPY_SCALARS) and (kind, leaf.dtype) in _NUMPY_TAKEN:
+            marks.append(_HostMark(kind, leaf.shape, leaf.dtype))
         else:
             return None
     return tuple(marks)
+
+
+# Exact types only: a subclass (an IntEnum, a masked array) goes through signing each call.
+_EXACT_SCALARS = frozenset(_SCALARS)
+
+
+class _HostMark(NamedTuple):
+    """The mark of a numpy argument leaf (see :func:`_marks`): what its signature is made of."""
+
+    kind: type
+    shape: tuple[int, ...]
+    dtype: Any
 
 
 def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
@@ -404,7 +427,12 @@ def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
             if leaf._entry.signature is not mark:
                 return False
         elif kind is not array or type(mark) is not tuple:
-            return False
+            if mark is kind:  # a Python scalar of the same exact type
+                continue
+            if type(mark) is not _HostMark or mark.kind is not kind:
+                return False
+            if leaf.shape != mark.shape or leaf.dtype != mark.dtype:
+                return False
         else:
             aval, sharding, committed = mark
             if (

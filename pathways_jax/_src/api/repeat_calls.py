@@ -32,16 +32,17 @@ class LastCall(NamedTuple):
 
 
 class LastLeaves(NamedTuple):
-    """The last call with no static arguments whose leaves were all ``jax.Array`` s or futures.
+    """The last call with no static arguments whose leaves were all ``jax.Array`` s, futures or host values.
 
     The next call whose leaves have the same types, compared by identity (an
-    array's ``aval`` and ``sharding`` objects, a future's shared signature),
+    array's ``aval`` and ``sharding`` objects, a future's shared signature, a
+    Python scalar's type; a numpy value's type, shape and dtype by equality),
     skips its signature and cache lookups: a train loop feeds each step the
     outputs of the one before, whose types are the same objects every step.
     """
 
     treedef: Any
-    marks: tuple[Any, ...]  # per leaf: a future's signature, or an array's (aval, sharding, committed)
+    marks: tuple[Any, ...]  # per leaf: see arguments._marks
     ambient: VirtualSlice | None
     plan: Runnable
     config: tuple  # JAX's trace context of that call
