@@ -21,7 +21,7 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import function_trace, nnx_graph, ref_arguments
+from pathways_jax._src.api import function_trace, nnx_graph, pickling, ref_arguments
 from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
@@ -112,6 +112,23 @@ class Program:
     ):
         # See ProgramInfo for each option; nnx_inner and under_transforms are set by
         # nnx_graph's inner programs and pw.jit's own.
+        self._made_with = {
+            "devices": devices,
+            "static_argnums": static_argnums,
+            "name": name,
+            "fuse": fuse,
+            "donate_argnums": donate_argnums,
+            "static_argnames": static_argnames,
+            "mesh_hint": mesh_hint,
+            "donate_argnames": donate_argnames,
+            "device": device,
+            "compiler_options": compiler_options,
+            "source_info": source_info,
+            "nnx_inner": nnx_inner,
+            "nnx_modes": nnx_modes,
+            "under_transforms": under_transforms,
+            "keep_unused": keep_unused,
+        }
         self._info = info = ProgramInfo.of(
             fun,
             name=name if name else name_of(fun),
@@ -217,6 +234,17 @@ class Program:
         own, not the caller's state).
         """
         return self
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """As a ``jax.jit`` function pickles (cloudpickle: Ray, joblib): its function and options.
+
+        Made again where it is unpickled; a program defined at a module's top
+        level pickles as a reference to its name. One placed on a slice raises
+        ``PlacementError`` (also a ``TypeError``): see ``pickling``.
+        """
+        what = f"program {self.name!r} ({self.source_info})"
+        made_with = (type(self), self._info.fun, self._made_with)
+        return pickling.reduced(self, what, self._made_with["devices"], pickling.remade, made_with)
 
     def graph(self, *args: Any, **kwargs: Any) -> GraphView:
         """The dataflow graph this program traces into for these arguments.

@@ -1,0 +1,72 @@
+"""Programs others wrote for jax.jit, with only the decorator changed, compared with plain JAX (round 46)."""
+
+import functools
+import pickle
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pathways_jax as pw
+
+
+@pw.program
+def _module_step(w, x):
+    return w - 0.1 * x
+
+
+@pw.jit
+def _module_jit(w):
+    return w * 2
+
+
+def _make_steps(decorate):
+    """A sweep's trainable as Ray Tune and joblib ship it: closures over jitted steps, pickled by value."""
+
+    @functools.partial(decorate, static_argnums=(2,), donate_argnums=(0,))
+    def step(w, x, scale):
+        return w - scale * x, jnp.sum(w)
+
+    def trial(lr):
+        w = jnp.ones(3)
+        for _ in range(2):
+            w, total = step(w, jnp.arange(3.0) * lr, 2)
+        return np.asarray(w), float(total)
+
+    return trial
+
+
+@pytest.mark.parametrize("decorate", [pw.program, pw.jit], ids=["program", "pw-jit"])
+def test_a_closure_over_a_program_pickles_by_value_as_one_over_a_jax_jit_function(decorate):
+    # Ray, Ray Tune and joblib ship a trainable with cloudpickle, which pickles the jitted
+    # functions it calls by value; a jax.jit function pickles (its function and options) and
+    # runs where it is unpickled. A program raised "cannot pickle '_thread.RLock' object".
+    want = cloudpickle.loads(cloudpickle.dumps(_make_steps(jax.jit)))(0.5)
+    trial = cloudpickle.loads(cloudpickle.dumps(_make_steps(decorate)))
+    got = trial(0.5)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1] == want[1]
+
+
+def test_a_module_level_program_pickles_as_a_reference_to_itself():
+    # multiprocessing's spawn workers take functions by reference (pickle): the decorated name.
+    assert pickle.loads(pickle.dumps(_module_step)) is _module_step
+    assert pickle.loads(pickle.dumps(_module_jit)) is _module_jit
+    args = (jnp.float32(1), jnp.float32(1))
+    want = jax.jit(_module_step.__wrapped__)(*args)
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(_module_step))(*args).result(), want)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda s: pw.program(lambda x: x + 1, devices=s), lambda s: pw.jit(lambda x: x + 1, devices=s)],
+    ids=["program", "pw-jit"],
+)
+def test_a_program_placed_on_a_slice_refuses_to_pickle_saying_why(make):
+    s = pw.devices(mesh={"x": 1})
+    with pytest.raises(TypeError, match=r"slice .* this process") as info:
+        cloudpickle.dumps(make(s))
+    assert isinstance(info.value, pw.errors.PlacementError)
+    assert "pw.devices" in str(info.value)
