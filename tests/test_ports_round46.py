@@ -7,7 +7,9 @@ import cloudpickle
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import pathways_jax as pw
 
@@ -70,3 +72,47 @@ def test_a_program_placed_on_a_slice_refuses_to_pickle_saying_why(make):
         cloudpickle.dumps(make(s))
     assert isinstance(info.value, pw.errors.PlacementError)
     assert "pw.devices" in str(info.value)
+
+
+def _es_step(noise, mean, scale, n):
+    fitness = -jnp.sum((mean + scale * noise[:n]) ** 2, axis=1)
+    return mean + 0.1 * jnp.mean(fitness[:, None] * noise[:n], axis=0), jnp.max(fitness)
+
+
+@pytest.mark.parametrize("decorate", [pw.program, pw.jit], ids=["program", "pw-jit"])
+def test_cache_size_counts_the_signatures_traced_as_jax_jit_s_does(decorate):
+    # Test suites assert that a loop does not retrace with jax.jit's _cache_size() (private but
+    # common: `assert es_run._cache_size() == 1` after the first call); a program had none.
+    sizes = {}
+    for name, wrap in (("jit", jax.jit), ("pw", decorate)):
+        run = wrap(_es_step, static_argnums=(3,))
+        seen = [run._cache_size()]
+        mean, noise = jnp.ones(3), jnp.ones((8, 3))
+        for i in range(3):  # a loop fed its own outputs: one signature
+            mean, _ = run(noise * i, mean, 0.5, 4)
+            seen.append(run._cache_size())
+        run(noise, jnp.ones(3, jnp.int32), 0.5, 4)  # another dtype
+        seen.append(run._cache_size())
+        run(noise, mean, 0.5, 2)  # another static value
+        seen.append(run._cache_size())
+        run.clear_cache()
+        seen.append(run._cache_size())
+        sizes[name] = seen
+    assert sizes["pw"] == sizes["jit"] == [0, 1, 1, 1, 2, 3, 0]
+
+
+def test_cache_size_of_a_program_given_nnx_objects_counts_its_trace_as_jax_jit_s_does():
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    sizes = {}
+    for name, wrap in (("jit", jax.jit), ("pw", pw.program)):
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        run = wrap(step)
+        for _ in range(3):
+            run(model, optimizer, jnp.ones(2))
+        sizes[name] = run._cache_size()
+    assert sizes["pw"] == sizes["jit"] == 1

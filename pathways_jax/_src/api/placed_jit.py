@@ -300,6 +300,10 @@ class JitFunction:
             prog.clear_cache()
         self._jitted.clear_cache()  # type: ignore[attr-defined]  # jax.jit's, not in its stubs
 
+    def _cache_size(self) -> int:
+        """As ``jax.jit(fun)._cache_size()``: the call signatures traced for its calls made outside a program."""
+        return sum(prog._cache_size() for prog in list(self._programs.values()))
+
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a function defined in a class body is a method, ``self`` its first argument."""
         if instance is None:

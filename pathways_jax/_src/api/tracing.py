@@ -612,6 +612,20 @@ class Program:
         if jitted is not None:
             jitted.clear_cache()
 
+    def _cache_size(self) -> int:
+        """As ``jax.jit(fun)._cache_size()``: how many call signatures the program traced and keeps.
+
+        Test suites check with it that a loop does not trace again. A call
+        whose values nothing placed takes the graph of one alike (a loop fed
+        its own futures after arrays), as it takes ``jax.jit``'s executable;
+        calls given NNX objects count their trace too. ``clear_cache()``
+        empties it.
+        """
+        with self._lock:
+            graphs = len({id(graph) for graph in self._graphs.values()})
+            inner = [call.inner for call in self.__dict__.get("_nnx_calls", {}).values()]
+        return graphs + sum(program._cache_size() for program in inner)
+
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
         with self._slice_mesh():
