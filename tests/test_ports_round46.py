@@ -116,3 +116,24 @@ def test_cache_size_of_a_program_given_nnx_objects_counts_its_trace_as_jax_jit_s
             run(model, optimizer, jnp.ones(2))
         sizes[name] = run._cache_size()
     assert sizes["pw"] == sizes["jit"] == 1
+
+
+def test_clear_cache_of_a_program_given_nnx_objects_traces_again_as_jax_jit_s_does():
+    # A setting read when the step is traced changes, and the step's cache is cleared to take
+    # it: jax.jit traces again; a program given NNX objects kept its trace (and the old value).
+    scale = [1.0]
+
+    def step(model, x):
+        return jnp.sum(model(x)) * scale[0]
+
+    results = {}
+    for name, wrap in (("jit", jax.jit), ("pw", pw.program)):
+        scale[0] = 1.0
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        run = wrap(step)
+        first = float(run(model, jnp.ones(2)))
+        scale[0] = 2.0
+        run.clear_cache()
+        results[name] = (first, run._cache_size(), float(run(model, jnp.ones(2))), run._cache_size())
+    assert results["pw"] == results["jit"]
+    assert results["jit"][2] == 2 * results["jit"][0]

@@ -609,8 +609,12 @@ class Program:
             self._repeats.clear()
             self._nnx_jitted = None
             jitted = self._jitted
+            # Calls given NNX objects run through inner programs (nnx_graph), made anew at the next.
+            nnx_calls = self.__dict__.pop("_nnx_calls", {})
         if jitted is not None:
             jitted.clear_cache()
+        for call in nnx_calls.values():
+            call.inner.clear_cache()
 
     def _cache_size(self) -> int:
         """As ``jax.jit(fun)._cache_size()``: how many call signatures the program traced and keeps.
