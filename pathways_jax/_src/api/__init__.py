@@ -12,7 +12,8 @@ Modules: ``decorator`` (``@pw.program``, its options checked as ``jax.jit`` chec
 ``function_trace`` (a function traced into a graph); ``repeat_calls`` (a repeated call takes the
 plan of the one before); ``arguments`` (a call's signature and checks); ``placement`` (where an
 unplaced program runs); ``jit_options`` (``jax.jit``'s options as a program takes them);
-``placed_jit`` (``pw.jit`` on a slice); ``graph_builder`` (a jaxpr becomes a graph);
+``placed_jit`` (``pw.jit`` on a slice); ``pickling`` (programs and ``pw.jit`` functions pickled as
+``jax.jit`` functions are); ``graph_builder`` (a jaxpr becomes a graph);
 ``graph_view`` (``pw.Graph``: a traced graph with its slices where they are now);
 ``jit_shardings`` (``in_shardings``/``out_shardings``); ``nnx_graph`` (NNX objects as
 arguments); ``ref_arguments`` (``jax.Ref`` arguments, written in place as ``jax.jit`` writes them); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``);

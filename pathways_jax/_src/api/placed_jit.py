@@ -13,7 +13,7 @@ from typing import Any, overload
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import decorator, nnx_graph
+from pathways_jax._src.api import decorator, nnx_graph, pickling
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import (
@@ -115,6 +115,19 @@ class JitFunction:
         share_key: tuple[Any, ...] | None = None,
     ):
         self._fun = fun
+        # What it is made again from where it is unpickled (see __reduce__).
+        self._made_with = {
+            "devices": devices,
+            "in_specs": in_specs,
+            "out_specs": out_specs,
+            "static_argnums": static_argnums,
+            "donate_argnums": donate_argnums,
+            "static_argnames": static_argnames,
+            "donate_argnames": donate_argnames,
+            "compiler_options": compiler_options,
+            "device": device,
+            "keep_unused": keep_unused,
+        }
         # Its function and options, where pw.jit made again with them takes the program of
         # its calls nothing places from the one made before (see _program_on).
         self._share_key = share_key
@@ -287,6 +300,10 @@ class JitFunction:
             prog.clear_cache()
         self._jitted.clear_cache()  # type: ignore[attr-defined]  # jax.jit's, not in its stubs
 
+    def _cache_size(self) -> int:
+        """As ``jax.jit(fun)._cache_size()``: the call signatures traced for its calls made outside a program."""
+        return sum(prog._cache_size() for prog in list(self._programs.values()))
+
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a function defined in a class body is a method, ``self`` its first argument."""
         if instance is None:
@@ -296,6 +313,12 @@ class JitFunction:
     def __deepcopy__(self, memo: dict) -> JitFunction:
         """The function itself, as ``copy.deepcopy`` keeps a function (see ``Program.__deepcopy__``)."""
         return self
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """As a ``jax.jit`` function pickles (cloudpickle: Ray, joblib): its function and options (see ``pickling``)."""
+        what = f"pw.jit function {self.__name__!r} ({self.source_info})"
+        made_with = (type(self), self._fun, self._made_with)
+        return pickling.reduced(self, what, self._devices, pickling.remade, made_with)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = active_trace()

@@ -21,7 +21,7 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import function_trace, nnx_graph, ref_arguments
+from pathways_jax._src.api import function_trace, nnx_graph, pickling, ref_arguments
 from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
@@ -112,6 +112,23 @@ class Program:
     ):
         # See ProgramInfo for each option; nnx_inner and under_transforms are set by
         # nnx_graph's inner programs and pw.jit's own.
+        self._made_with = {
+            "devices": devices,
+            "static_argnums": static_argnums,
+            "name": name,
+            "fuse": fuse,
+            "donate_argnums": donate_argnums,
+            "static_argnames": static_argnames,
+            "mesh_hint": mesh_hint,
+            "donate_argnames": donate_argnames,
+            "device": device,
+            "compiler_options": compiler_options,
+            "source_info": source_info,
+            "nnx_inner": nnx_inner,
+            "nnx_modes": nnx_modes,
+            "under_transforms": under_transforms,
+            "keep_unused": keep_unused,
+        }
         self._info = info = ProgramInfo.of(
             fun,
             name=name if name else name_of(fun),
@@ -217,6 +234,17 @@ class Program:
         own, not the caller's state).
         """
         return self
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """As a ``jax.jit`` function pickles (cloudpickle: Ray, joblib): its function and options.
+
+        Made again where it is unpickled; a program defined at a module's top
+        level pickles as a reference to its name. One placed on a slice raises
+        ``PlacementError`` (also a ``TypeError``): see ``pickling``.
+        """
+        what = f"program {self.name!r} ({self.source_info})"
+        made_with = (type(self), self._info.fun, self._made_with)
+        return pickling.reduced(self, what, self._made_with["devices"], pickling.remade, made_with)
 
     def graph(self, *args: Any, **kwargs: Any) -> GraphView:
         """The dataflow graph this program traces into for these arguments.
@@ -581,8 +609,26 @@ class Program:
             self._repeats.clear()
             self._nnx_jitted = None
             jitted = self._jitted
+            # Calls given NNX objects run through inner programs (nnx_graph), made anew at the next.
+            nnx_calls = self.__dict__.pop("_nnx_calls", {})
         if jitted is not None:
             jitted.clear_cache()
+        for call in nnx_calls.values():
+            call.inner.clear_cache()
+
+    def _cache_size(self) -> int:
+        """As ``jax.jit(fun)._cache_size()``: how many call signatures the program traced and keeps.
+
+        Test suites check with it that a loop does not trace again. A call
+        whose values nothing placed takes the graph of one alike (a loop fed
+        its own futures after arrays), as it takes ``jax.jit``'s executable;
+        calls given NNX objects count their trace too. ``clear_cache()``
+        empties it.
+        """
+        with self._lock:
+            graphs = len({id(graph) for graph in self._graphs.values()})
+            inner = [call.inner for call in self.__dict__.get("_nnx_calls", {}).values()]
+        return graphs + sum(program._cache_size() for program in inner)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
