@@ -254,17 +254,66 @@ class JitFunction:
             else:
                 self._program_on(slice_)._prepare(args, kwargs)
         with self._slice_mesh():
-            return self._jitted.lower(*args, **kwargs)
+            jitted, args, kwargs = self._ahead_of_time(args, kwargs)
+            return jitted.lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function."""
         with self._slice_mesh():
-            return self._jitted.trace(*args, **kwargs)
+            jitted, args, kwargs = self._ahead_of_time(args, kwargs)
+            return jitted.trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
         with self._slice_mesh():
-            return self._jitted.eval_shape(*args, **kwargs)
+            jitted, args, kwargs = self._ahead_of_time(args, kwargs)
+            return jitted.eval_shape(*args, **kwargs)
+
+    def _ahead_of_time(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        """What ``lower``, ``trace`` and ``eval_shape`` take: the function as ``jax.jit``, with its specs.
+
+        With ``in_specs``/``out_specs`` on a slice a call puts the arguments as
+        their specs say on the slice's devices and compiles the function with its
+        ``out_specs``; so is it lowered: the arguments a spec names stand as
+        ``jax.ShapeDtypeStruct`` s of that sharding (as ``jax.jit``'s
+        ``in_shardings=slice.sharding(spec)``, keyword arguments taken too),
+        and ``out_specs`` are ``jax.jit``'s ``out_shardings`` (``None``: left to
+        XLA). What ``lower`` shows (``as_text()``, the compiled
+        ``input_shardings``/``output_shardings``) is then what a call runs.
+        """
+        plain = (self._jitted, args, kwargs)
+        if self._in_specs is None and self._out_specs is None:
+            return plain
+        if active_trace() is not None or inside_jax_trace():
+            return plain
+        try:
+            slice_ = self._slice()
+        except errors.PathwaysError:  # specs but no slice, or a slice released: the call says so
+            return plain
+        if slice_ is None:
+            return plain
+        specs = iter(self._leaf_in_specs(args, kwargs, slice_))  # refuses what a call refuses
+        mesh = slice_.physical_mesh
+        static = self._static_of(args)
+
+        def placed(leaf: Any) -> Any:
+            spec = next(specs)
+            if spec is None:
+                return leaf
+            aval = jax.typeof(leaf)
+            return jax.ShapeDtypeStruct(
+                aval.shape, aval.dtype, sharding=NamedSharding(mesh, spec), weak_type=aval.weak_type
+            )
+
+        args = tuple(
+            arg if i in static else jax.tree_util.tree_map(placed, arg) for i, arg in enumerate(args)
+        )
+        out_shardings = jax.tree_util.tree_map(
+            lambda spec: None if spec is None else NamedSharding(mesh, spec),
+            self._out_specs,
+            is_leaf=_is_spec_leaf,
+        )
+        return jax.jit(self._fun, out_shardings=out_shardings, **self._jit_options), args, kwargs
 
     def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
         """Where ``lower``, ``trace`` and ``eval_shape`` run the function as ``jax.jit``: on its slice's
