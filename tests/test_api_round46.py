@@ -43,3 +43,27 @@ def test_lower_of_a_pw_jit_with_specs_compiles_with_its_specs_as_a_call_runs():
     by_keyword = pw.jit(lambda x, scale: x * scale, devices=s, in_specs=P("x"), out_specs=P("x"))
     assert by_keyword.lower(x, scale=2.0).compile().input_shardings[0] == (NamedSharding(mesh, P("x")),)
     s.release()
+
+
+def _explicit_loss(w, x):
+    h = jnp.tanh(x @ jax.sharding.reshard(w, P(None, "x")))
+    return jnp.sum(h**2), h
+
+
+def test_a_program_on_an_explicit_slice_under_the_callers_eager_grad_differentiates_as_under_set_mesh():
+    # A program (or pw.jit) on an Explicit-axes slice runs under the caller's grad as jax.jit under
+    # jax.set_mesh of the slice's mesh; its outputs came back typed on that mesh, and jax.grad's
+    # cotangent seed, made outside it, failed ("Length of device assignment 1 is not equal to the
+    # size of the mesh 4").
+    s = pw.devices(mesh={"x": 4}, axis_types=jax.sharding.AxisType.Explicit)
+    w, x = jnp.full((8, 8), 0.1), jnp.arange(32.0).reshape(4, 8) / 32
+    cotangents = (jnp.ones(()), jnp.ones((4, 8)))
+    with jax.set_mesh(s.physical_mesh):
+        want = jax.value_and_grad(jax.jit(_explicit_loss), has_aux=True)(w, x)
+        want_grad = jax.grad(lambda v: jax.jit(_explicit_loss)(v, x)[0])(w)
+        want_vjp = jax.vjp(jax.jit(_explicit_loss), w, x)[1](cotangents)
+    for ours in (pw.program(_explicit_loss, devices=s), pw.jit(_explicit_loss, devices=s)):
+        assert_matches(jax.value_and_grad(ours, has_aux=True)(w, x), want)
+        assert_matches(jax.grad(lambda v, f=ours: f(v, x)[0])(w), want_grad)
+        assert_matches(jax.vjp(ours, w, x)[1](cotangents), want_vjp)
+    s.release()

@@ -466,7 +466,8 @@ class JitFunction:
         moved = [arg if position in static else put(arg, replicated) for position, arg in enumerate(args)]
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
         with slices.on_slice_mesh(slice_):  # code naming the slice's mesh finds its devices
-            return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
+            out = self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
+        return slices.typed_for_caller(slice_, out)
 
     def _refuse_traced_statics(self, args: tuple, kwargs: dict) -> None:
         """Refuses a static argument a transformation made abstract, as a program does."""

@@ -43,7 +43,7 @@ from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
-from pathways_jax._src.runtime.slices import VirtualSlice, on_slice_mesh
+from pathways_jax._src.runtime.slices import VirtualSlice, on_slice_mesh, typed_for_caller
 
 
 def _uncommitted(key: ArgKey) -> bool:
@@ -201,7 +201,8 @@ class Program:
         args = tuple(arg if i in positions else put(arg, replicated) for i, arg in enumerate(args))
         kwargs = {k: v if k in self._info.static_names else put(v, replicated) for k, v in kwargs.items()}
         with slice_:  # outside a program's trace: the slice's mesh too (on_slice_mesh)
-            return jitted(*args, **kwargs)
+            out = jitted(*args, **kwargs)
+        return typed_for_caller(slice_, out)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a program defined in a class body is a method, ``self`` its first argument."""

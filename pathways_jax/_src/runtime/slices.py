@@ -277,6 +277,35 @@ def on_slice_mesh(slice_: VirtualSlice) -> contextlib.AbstractContextManager[Non
     return only_mesh(slice_.mesh, slice_.physical_mesh)
 
 
+def typed_for_caller(slice_: VirtualSlice, tree: object) -> object:
+    """``tree``, its values typed on ``slice_``'s Explicit mesh retyped as the same layout on Auto axes.
+
+    A program or ``pw.jit`` function on a slice with Explicit axes, called
+    under the caller's ``grad``/``jit``/``vmap``, runs as ``jax.jit`` under the
+    slice's mesh; its outputs then leave that mesh. Typed on it, they would
+    ask for it in the caller's code: ``jax.grad`` seeds the output's
+    cotangent there ("Length of device assignment 1 is not equal to the size
+    of the mesh"), where under ``jax.set_mesh`` of the slice's mesh it has
+    it. Retyped on Auto axes of the same devices and specs they keep their
+    values and layout and need no mesh. A caller under that mesh itself gets
+    them as they are.
+    """
+    if AxisType.Explicit not in slice_.axis_types or jax.sharding.get_abstract_mesh() == slice_.mesh:
+        return tree
+    physical = slice_.physical_mesh
+    auto = Mesh(physical.devices, physical.axis_names, axis_types=(AxisType.Auto,) * len(physical.axis_names))
+
+    def retyped(leaf: object) -> object:
+        if not isinstance(leaf, jax.Array):  # tracers are jax.Arrays too
+            return leaf
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh != slice_.mesh:
+            return leaf
+        return jax.device_put(leaf, NamedSharding(auto, PartitionSpec(*sharding.spec)))
+
+    return jax.tree_util.tree_map(retyped, tree)
+
+
 def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
     """Where ``slices`` (every slice a graph names) are now, as the plain data lowering is given."""
     if not slices:
