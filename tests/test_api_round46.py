@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import assert_matches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -67,3 +68,28 @@ def test_a_program_on_an_explicit_slice_under_the_callers_eager_grad_differentia
         assert_matches(jax.grad(lambda v, f=ours: f(v, x)[0])(w), want_grad)
         assert_matches(jax.vjp(ours, w, x)[1](cotangents), want_vjp)
     s.release()
+
+
+class _Config:  # a value that is no array, passed among the arrays by mistake
+    pass
+
+
+def _scaled(steps, state, batch, *, scale, mode):
+    return state["w"] * batch * scale * steps
+
+
+def test_a_refused_argument_leaf_is_named_by_its_place_in_the_call_with_static_arguments_too():
+    # With static_argnums/static_argnames the leaf was a number alone ("argument leaf 0"); without
+    # them it was named (args[0]['config']). Positions count the static ones, as the call wrote them.
+    state = {"w": jnp.ones(2), "config": _Config()}
+    for step in (
+        pw.program(_scaled, static_argnums=0, static_argnames="mode"),
+        pw.program(_scaled, static_argnames=("steps", "mode")),
+        pw.jit(_scaled, static_argnums=-3, static_argnames="mode"),
+    ):
+        with pytest.raises(pw.errors.ProgramTraceError, match=r"leaf 0 is args\[1\]\['config'\] in the call"):
+            step(3, state, jnp.ones(2), scale=1.0, mode="a")
+        with pytest.raises(pw.errors.ProgramTraceError, match=r"leaf 2 is kwargs\['scale'\] in the call"):
+            step(3, {"w": jnp.ones(2)}, jnp.ones(2), scale=_Config(), mode="a")
+    with pytest.raises(TypeError, match=r"at path state\['config'\]"):  # as jax.jit names it
+        jax.jit(_scaled, static_argnums=0, static_argnames="mode")(3, state, jnp.ones(2), scale=1.0, mode="a")
