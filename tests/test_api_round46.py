@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from helpers import assert_matches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -93,3 +94,50 @@ def test_a_refused_argument_leaf_is_named_by_its_place_in_the_call_with_static_a
             step(3, {"w": jnp.ones(2)}, jnp.ones(2), scale=_Config(), mode="a")
     with pytest.raises(TypeError, match=r"at path state\['config'\]"):  # as jax.jit names it
         jax.jit(_scaled, static_argnums=0, static_argnames="mode")(3, state, jnp.ones(2), scale=1.0, mode="a")
+
+
+class _Counting(nnx.Module):
+    def __init__(self):
+        self.calls = nnx.BatchStat(jnp.array(0))
+        self.linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        return self.linear(x)
+
+
+def _hijax_model():
+    with nnx.var_defaults(hijax=True):
+        return _Counting()
+
+
+def _hijax_sgd(model, x):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params):
+        return jnp.mean(nnx.merge(graphdef, params, rest)(x) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(nnx.with_vars(params, hijax=False))
+    jax.tree.map(lambda p, g: p.set_value(p.get_value() - 0.1 * g.get_value()), params, grads)
+    return loss
+
+
+def test_a_pw_jit_function_trains_a_flax_hijax_model_in_place_as_jax_jit_does():
+    # A model of Flax's hijax mode went to nnx.jit, which fails on its Variables ("DynamicJaxprTracer
+    # has no attribute _can_update"); jax.jit updates them in place. pw.jit (on a slice or not) now
+    # does too; inside a program such a call is refused clearly, and so is returning the Variables.
+    x = jnp.arange(8.0).reshape(4, 2)
+    want_model = _hijax_model()
+    want = [jax.jit(_hijax_sgd)(want_model, x) for _ in range(3)]
+    s = pw.devices(mesh={"x": 2})
+    for ours in (pw.jit(_hijax_sgd), pw.jit(_hijax_sgd, devices=s)):
+        model = _hijax_model()
+        assert_matches([ours(model, x) for _ in range(3)], want)
+        assert_matches(model.linear.kernel[...], want_model.linear.kernel[...])
+        assert int(model.calls[...]) == int(want_model.calls[...]) == 3
+    inner = pw.jit(_hijax_sgd, devices=s)
+    with pytest.raises(pw.errors.ProgramTraceError, match="inside a program with Flax hijax Variables"):
+        pw.program(lambda m, v: inner(m, v) * 2)(_hijax_model(), x)
+    with pytest.raises(pw.errors.ProgramTraceError, match="returns Flax hijax Variables"):
+        pw.program(lambda m, v: (m.linear.kernel, m(v)))(_hijax_model(), x)
+    s.release()

@@ -13,7 +13,7 @@ from typing import Any, overload
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import decorator, nnx_graph
+from pathways_jax._src.api import decorator, hijax_arguments, nnx_graph
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import (
@@ -354,6 +354,8 @@ class JitFunction:
             return submission.computed(out, f"pw.jit {self.__name__!r} run op by op", nnx_graph.is_graph_leaf)
         if trace is None and inside_jax_trace():  # checkify, make_jaxpr: as jax.jit, traced in
             return self._transformed(self._slice(), args, kwargs)
+        if trace is None and hijax_arguments.given_hijax(args, kwargs):
+            return self._on_values(args, kwargs)  # Flax's hijax Variables: updated as jax.jit updates them
         if trace is None and self._devices is not None and not self._devices.released:
             prog = self._programs.get(self._devices.id)
             if prog is not None:
@@ -376,6 +378,14 @@ class JitFunction:
                     self._share(prog)
                 return out
             return self._transformed(slice_, args, kwargs)
+        if trace is not None and hijax_arguments.given_hijax(args, kwargs):
+            raise errors.ProgramTraceError(
+                f"pw.jit function {self.__name__!r} ({self.source_info}) was called at {source.of_caller()} "
+                "inside a program with Flax hijax Variables (a model made under "
+                "nnx.var_defaults(hijax=True)): a program runs such a model's code itself, not through "
+                "the pw.jit functions it calls. Call the pw.jit function with the model outside a "
+                "program, or call the model's code directly in the program."
+            )
         if slice_ is None:
             # Nothing places it: a plain jax.jit call of the program, placed as one.
             with self._sole_tracer() as alone:
@@ -398,6 +408,37 @@ class JitFunction:
                 )
                 out_specs = (None,) * len(out_specs)
         trace.jit_calls[number] = dataclasses.replace(trace.jit_calls[number], out_specs=out_specs)
+        return out
+
+    def _on_values(self, args: tuple, kwargs: dict) -> Any:
+        """A call with Flax hijax Variables: a call of their arrays, written back into them after it.
+
+        As ``jax.jit`` updates them: the function's node makes hijax Variables
+        of the arrays, runs the function on them, and returns the arrays they
+        end with, which the caller's Variables take once the run is dispatched.
+        """
+        slots, trees, variables, plain_args, plain_kwargs = hijax_arguments.as_values(
+            args, kwargs, self.__name__
+        )
+        on_values = self.__dict__.setdefault("_hijax_nodes", {})
+        node = on_values.get((slots, trees))
+        if node is None:
+            node = on_values.setdefault(
+                (slots, trees),
+                jit(
+                    hijax_arguments.with_variables(self._fun, slots, trees),
+                    devices=self._devices,
+                    in_specs=self._in_specs,
+                    out_specs=None if self._out_specs is None else (self._out_specs, None),
+                    static_argnums=self._static,
+                    static_argnames=self._static_names,
+                    donate_argnums=self._donate,
+                    donate_argnames=self._donate_names,
+                    keep_unused=self._keep_unused,
+                ),
+            )
+        out, ends = node(*plain_args, **plain_kwargs)
+        hijax_arguments.write_back(variables, ends)
         return out
 
     def _program_on(self, slice_: VirtualSlice | None) -> Program:
@@ -524,8 +565,9 @@ class JitFunction:
         return jax.jit(fun, **self._jit_options)
 
     def _jitted_for(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
-        # NNX objects are updated in place as nnx.jit does (a trace-time check only).
-        if not nnx_graph.has_graph_nodes((args, kwargs)):
+        # NNX objects are updated in place as nnx.jit does (a trace-time check only); Flax's
+        # hijax Variables as jax.jit updates them.
+        if not nnx_graph.has_graph_nodes((args, kwargs)) or hijax_arguments.given_hijax(args, kwargs):
             return self._jitted
         if self._nnx_jitted is None:
             from flax import nnx

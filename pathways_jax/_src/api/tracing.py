@@ -21,7 +21,7 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import function_trace, nnx_graph, ref_arguments
+from pathways_jax._src.api import function_trace, hijax_arguments, nnx_graph, ref_arguments
 from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
@@ -240,6 +240,8 @@ class Program:
         except (nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
             if ref_arguments.takes_refs(self, args, kwargs):
                 return ref_arguments.graph(self, args, kwargs)
+            if not self._info.nnx_inner and hijax_arguments.takes_hijax(args, kwargs):
+                return hijax_arguments.graph(self, args, kwargs)
             if isinstance(exc, nnx_graph.GraphArgument):
                 return nnx_graph.graph(self, args, kwargs)
             if not nnx_graph.routes(self, (args, kwargs)):
@@ -343,6 +345,8 @@ class Program:
         if plan is not None and flat is not None:
             return submission.submit(plan, flat[0])
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
+            if hijax_arguments.given_hijax(args, kwargs):  # Flax's hijax mode: as jax.jit runs it
+                return hijax_arguments.call(self, args, kwargs)
             if ref_arguments.given_refs(args, kwargs) and ref_arguments.takes_refs(self, args, kwargs):
                 return ref_arguments.call(self, args, kwargs)  # Flax took a jax.Ref for an NNX object
             return nnx_graph.call(self, args, kwargs)
@@ -350,6 +354,8 @@ class Program:
             planned = self._planned(args, kwargs, flat)
         except ref_arguments.RefArguments:  # jax.Ref leaves: written in place, as jax.jit writes them
             return ref_arguments.call(self, args, kwargs)
+        except hijax_arguments.HijaxArguments:  # Flax's hijax Variables: updated as jax.jit updates them
+            return hijax_arguments.call(self, args, kwargs)
         except TracerArgument as exc:
             if self._info.under_transforms:
                 return self._transformed(args, kwargs)
@@ -375,6 +381,8 @@ class Program:
             # Signing refuses a jax.Ref (Flax imported, it takes one for an NNX graph node).
             if ref_arguments.takes_refs(self, args, kwargs):
                 raise ref_arguments.RefArguments from None
+            if not self._info.nnx_inner and hijax_arguments.takes_hijax(args, kwargs):
+                raise hijax_arguments.HijaxArguments from None
             if isinstance(exc, nnx_graph.GraphArgument):
                 return None
             if not nnx_graph.routes(self, (args, kwargs)):
@@ -509,6 +517,8 @@ class Program:
         """
         if self._info.nnx_inner or not nnx_graph.has_graph_nodes((args, kwargs)):
             return self._as_jax_jit()
+        if hijax_arguments.given_hijax(args, kwargs):  # Flax's hijax mode: jax.jit takes its Variables
+            return self._as_jax_jit()
         jitted = self._nnx_jitted
         if jitted is None:
             from flax import nnx
@@ -616,6 +626,8 @@ class Program:
         except (TracerArgument, nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
             if ref_arguments.takes_refs(self, args, kwargs):
                 return ref_arguments.prepare(self, args, kwargs)
+            if not self._info.nnx_inner and hijax_arguments.takes_hijax(args, kwargs):
+                return hijax_arguments.prepare(self, args, kwargs)
             if isinstance(exc, errors.ProgramTraceError):
                 raise
             return  # under a transformation, or NNX objects: prepared by their first call
