@@ -141,3 +141,34 @@ def test_a_pw_jit_function_trains_a_flax_hijax_model_in_place_as_jax_jit_does():
     with pytest.raises(pw.errors.ProgramTraceError, match="returns Flax hijax Variables"):
         pw.program(lambda m, v: (m.linear.kernel, m(v)))(_hijax_model(), x)
     s.release()
+
+
+def _doubled(x, unused):
+    return (x + 1) * 2
+
+
+def test_lower_compiles_with_the_options_a_call_compiles_with_as_jax_jit_does():
+    # program.lower / pw.jit.lower gave jax.jit's Lowered without the function's compiler_options
+    # (both), keep_unused and device= (a program's): lower(...).compile() was not the call's executable.
+    x = jnp.arange(8.0)
+    options = {"xla_disable_all_hlo_passes": True}
+    want = jax.jit(_doubled, compiler_options=options).lower(x, x).compile().as_text()
+    assert want != jax.jit(_doubled).lower(x, x).compile().as_text()  # the option shows in the executable
+    s = pw.devices(mesh={"x": 2})
+    for ours in (pw.program(_doubled, compiler_options=options), pw.jit(_doubled, compiler_options=options)):
+        compiled = ours.lower(x, x).compile()
+        assert compiled.as_text() == want
+        assert_matches(compiled(x, x), _doubled(x, x))
+        assert_matches(ours(x, x), _doubled(x, x))
+    placed = pw.jit(_doubled, devices=s, compiler_options=options).lower(x, x).compile()
+    with jax.set_mesh(s.physical_mesh):
+        assert placed.as_text() == jax.jit(_doubled, compiler_options=options).lower(x, x).compile().as_text()
+    kept = jax.jit(_doubled, keep_unused=True).lower(x, x).as_text()
+    assert kept != jax.jit(_doubled).lower(x, x).as_text()
+    for ours in (pw.program(_doubled, keep_unused=True), pw.jit(_doubled, keep_unused=True)):
+        assert ours.lower(x, x).as_text() == kept
+    device = jax.devices()[3]
+    program = pw.program(_doubled, device=device)
+    assert program.lower(x, x).compile().output_shardings.device_set == {device}
+    assert program(x, x).result().devices() == {device}
+    s.release()

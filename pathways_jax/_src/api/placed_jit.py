@@ -138,6 +138,7 @@ class JitFunction:
         if keep_unused:  # as jax.jit's: an unused committed argument still places the call
             self._jit_options["keep_unused"] = True
         self._jitted = jax.jit(fun, **self._jit_options)
+        self._aot_jitted: Callable[..., Any] | None = None  # with compiler_options: see _ahead_of_time
         self._nnx_jitted: Callable[..., Any] | None = None
         self._programs: dict[int | None, Program] = {}  # by slice id; None: placed as jax.jit
         # Threads tracing the function now, each with its depth (see _sole_tracer).
@@ -281,7 +282,13 @@ class JitFunction:
         XLA). What ``lower`` shows (``as_text()``, the compiled
         ``input_shardings``/``output_shardings``) is then what a call runs.
         """
-        plain = (self._jitted, args, kwargs)
+        jitted: Any = self._jitted
+        options = dict(self._compiler_options) or None  # as jax.jit(fun, compiler_options=...) lowers
+        if options:
+            jitted = self._aot_jitted
+            if jitted is None:
+                jitted = self._aot_jitted = jax.jit(self._fun, compiler_options=options, **self._jit_options)
+        plain = (jitted, args, kwargs)
         if self._in_specs is None and self._out_specs is None:
             return plain
         if active_trace() is not None or inside_jax_trace():
@@ -313,7 +320,10 @@ class JitFunction:
             self._out_specs,
             is_leaf=_is_spec_leaf,
         )
-        return jax.jit(self._fun, out_shardings=out_shardings, **self._jit_options), args, kwargs
+        placed = jax.jit(
+            self._fun, out_shardings=out_shardings, compiler_options=options, **self._jit_options
+        )
+        return placed, args, kwargs
 
     def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
         """Where ``lower``, ``trace`` and ``eval_shape`` run the function as ``jax.jit``: on its slice's
@@ -335,6 +345,8 @@ class JitFunction:
         for prog in list(self._programs.values()):
             prog.clear_cache()
         self._jitted.clear_cache()  # type: ignore[attr-defined]  # jax.jit's, not in its stubs
+        if self._aot_jitted is not None:
+            self._aot_jitted.clear_cache()  # type: ignore[attr-defined]
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a function defined in a class body is a method, ``self`` its first argument."""

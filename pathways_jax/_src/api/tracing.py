@@ -138,6 +138,7 @@ class Program:
         self._routed: set[Any] = set()
         self._repeats = RepeatCalls(info)
         self._jitted: Any = None
+        self._aot_jitted: Any = None
         self._nnx_jitted: Any = None
         # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
         functools.update_wrapper(self, fun, updated=())
@@ -508,6 +509,22 @@ class Program:
             )
         return jitted
 
+    def _ahead_of_time(self) -> Any:
+        """The function as ``lower``, ``trace`` and ``eval_shape`` give it: under ``jax.jit`` with every
+        option a call compiles with (``keep_unused``, ``compiler_options``), as ``jax.jit`` given them."""
+        jitted = self._aot_jitted
+        if jitted is None:
+            info = self._info
+            jitted = self._aot_jitted = jax.jit(
+                info.fun,
+                static_argnums=info.static,
+                static_argnames=info.static_names,
+                donate_argnums=info.donate,
+                keep_unused=info.keep_unused,
+                compiler_options=dict(info.compiler_options) or None,
+            )
+        return jitted
+
     def _as_jit_for(self, args: tuple, kwargs: dict) -> Any:
         """The function as ``jax.jit`` runs it, or as ``nnx.jit`` does where the arguments hold NNX objects.
 
@@ -552,7 +569,7 @@ class Program:
         self._prepare(args, kwargs)
         with self._slice_mesh():
             try:
-                return self._as_jax_jit().lower(*args, **kwargs)
+                return self._ahead_of_time().lower(*args, **kwargs)
             except ValueError as exc:
                 if "incompatible devices" not in str(exc) or not self._on_several_orders(args, kwargs):
                     raise
@@ -573,11 +590,16 @@ class Program:
             return False
         return len({tuple(d.id for d in node.slice.devices) for node in nodes}) > 1
 
-    def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
+    def _slice_mesh(self) -> contextlib.AbstractContextManager[Any]:
         """The program's default slice's mesh, where ``lower``, ``trace`` and ``eval_shape`` run its
-        function as ``jax.jit`` (as under ``jax.set_mesh(slice.physical_mesh)``); none without one."""
+        function as ``jax.jit`` (as under ``jax.set_mesh(slice.physical_mesh)``); without one, its
+        ``device=`` as the default device (where a call puts its arguments), else nothing."""
         slice_ = self._info.devices
-        return contextlib.nullcontext() if slice_ is None else on_slice_mesh(slice_)
+        if slice_ is not None:
+            return on_slice_mesh(slice_)
+        if self._info.device is not None:
+            return jax.default_device(self._info.device)
+        return contextlib.nullcontext()
 
     def clear_cache(self) -> None:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
@@ -592,18 +614,20 @@ class Program:
             self._repeats.clear()
             self._nnx_jitted = None
             jitted = self._jitted
-        if jitted is not None:
-            jitted.clear_cache()
+            aot = self._aot_jitted
+        for cached in (jitted, aot):
+            if cached is not None:
+                cached.clear_cache()
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
         with self._slice_mesh():
-            return self._as_jax_jit().trace(*args, **kwargs)
+            return self._ahead_of_time().trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
         with self._slice_mesh():
-            return self._as_jax_jit().eval_shape(*args, **kwargs)
+            return self._ahead_of_time().eval_shape(*args, **kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
         """Traces and lowers the plan a call with these arguments would run (nothing runs).
