@@ -172,3 +172,25 @@ def test_lower_compiles_with_the_options_a_call_compiles_with_as_jax_jit_does():
     assert program.lower(x, x).compile().output_shardings.device_set == {device}
     assert program(x, x).result().devices() == {device}
     s.release()
+
+
+def _scaled_by(x, n):
+    return jnp.sin(x) * n
+
+
+def test_a_wrapped_jax_jit_function_lowers_as_that_jax_jit_does():
+    # pw.program(jax.jit(step, ...)) and pw.jit(jax.jit(...)) lowered one jax.jit inside another:
+    # its text was not jax.jit's, and with in_shardings the compiled inputs' shardings were the
+    # outer jit's (GSPMDSharding, no .spec), not the NamedSharding given.
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    x = jnp.arange(8.0)
+    for given in (
+        jax.jit(_scaled_by, static_argnames="n"),
+        jax.jit(_scaled_by, static_argnums=1, in_shardings=NamedSharding(mesh, P("x"))),
+    ):
+        want = given.lower(x, 3)
+        for ours in (pw.program(given), pw.jit(given)):
+            lowered = ours.lower(x, 3)
+            assert lowered.as_text() == want.as_text()
+            assert lowered.compile().input_shardings == want.compile().input_shardings
+            assert_matches(ours(x, 3), given(x, 3))

@@ -284,7 +284,15 @@ class JitFunction:
         """
         jitted: Any = self._jitted
         options = dict(self._compiler_options) or None  # as jax.jit(fun, compiler_options=...) lowers
-        if options:
+        jit_info = getattr(self._fun, "_jit_info", None)  # a jax.jit function given: jax.jit's own record
+        if (
+            jit_info is not None
+            and options is None
+            and set(self._donate) <= set(getattr(jit_info, "donate_argnums", ()) or ())
+            and self._keep_unused == bool(getattr(jit_info, "keep_unused", False))
+        ):
+            jitted = self._fun  # lowered as it is, not as one jax.jit inside another
+        elif options:
             jitted = self._aot_jitted
             if jitted is None:
                 jitted = self._aot_jitted = jax.jit(self._fun, compiler_options=options, **self._jit_options)

@@ -513,6 +513,8 @@ class Program:
         """The function as ``lower``, ``trace`` and ``eval_shape`` give it: under ``jax.jit`` with every
         option a call compiles with (``keep_unused``, ``compiler_options``), as ``jax.jit`` given them."""
         jitted = self._aot_jitted
+        if jitted is None and self._given_jit() is not None:
+            jitted = self._aot_jitted = self._given_jit()
         if jitted is None:
             info = self._info
             jitted = self._aot_jitted = jax.jit(
@@ -524,6 +526,24 @@ class Program:
                 compiler_options=dict(info.compiler_options) or None,
             )
         return jitted
+
+    def _given_jit(self) -> Any:
+        """The ``jax.jit`` function the program was made of, where the program adds no option to its own; else None.
+
+        ``pw.program(jax.jit(step, static_argnames="train"))`` (or ``in_shardings=``)
+        then lowers as that ``jax.jit`` function does, not as one ``jax.jit`` inside
+        another (whose inputs' shardings would be the outer one's, not the given ones).
+        """
+        info = self._info
+        jit_info = getattr(info.fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+        if jit_info is None or not callable(getattr(info.fun, "lower", None)):
+            return None
+        own = (
+            set(info.donate) <= set(getattr(jit_info, "donate_argnums", ()) or ())
+            and info.keep_unused == bool(getattr(jit_info, "keep_unused", False))
+            and dict(info.compiler_options) == dict(getattr(jit_info, "compiler_options_kvs", ()) or ())
+        )
+        return info.fun if own else None
 
     def _as_jit_for(self, args: tuple, kwargs: dict) -> Any:
         """The function as ``jax.jit`` runs it, or as ``nnx.jit`` does where the arguments hold NNX objects.
