@@ -671,10 +671,11 @@ def jit(
       devices: the slice to run on; ``None`` uses the enclosing ``with slice:``
         or the program's default slice at call time, and with neither (and no
         specs) runs where ``jax.jit`` would: on its arguments' devices or mesh.
-      in_specs: ``pw.P(...)`` for every argument, or one entry per non-static
-        positional argument: a ``pw.P``/``None``, or a pytree prefix of that
-        argument with a ``pw.P``/``None`` at each leaf (as ``shard_map``'s
-        ``in_specs``), over the slice's axis names.
+      in_specs: ``pw.P(...)`` for every positional argument, or one entry per
+        non-static positional argument: a ``pw.P``/``None``, or a pytree prefix
+        of that argument with a ``pw.P``/``None`` at each leaf (as
+        ``shard_map``'s ``in_specs``), over the slice's axis names. As with
+        ``jax.jit``'s ``in_shardings``, arguments given by keyword take none.
       out_specs: ``pw.P(...)`` for every output, or a pytree prefix of the
         output with one ``pw.P``/``None`` per part.
       static_argnums: positional arguments that are Python values (negative
