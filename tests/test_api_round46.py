@@ -194,3 +194,34 @@ def test_a_wrapped_jax_jit_function_lowers_as_that_jax_jit_does():
             assert lowered.as_text() == want.as_text()
             assert lowered.compile().input_shardings == want.compile().input_shardings
             assert_matches(ours(x, 3), given(x, 3))
+
+
+def test_lower_of_a_program_keeps_its_pw_jit_functions_specs_as_its_plan_does():
+    # program.lower gave the whole function as one jax.jit, its pw.jit functions run replicated
+    # (their specs dropped), where the program's plan runs them sharded: the quickstart's step
+    # lowered to four times the flops per device of what its call runs.
+    s = pw.devices(mesh={"x": 4})
+    sharded = pw.jit(lambda v: jnp.sin(v) * 2, devices=s, in_specs=P("x"), out_specs=P("x"))
+    total = pw.jit(lambda v: v.sum(), devices=s)
+    step = pw.program(lambda v: total(sharded(v)))
+    mesh = s.physical_mesh
+
+    def reference(v):
+        v = jax.device_put(v, NamedSharding(mesh, P("x")))
+        out = jax.lax.with_sharding_constraint(
+            jax.jit(lambda u: jnp.sin(u) * 2)(v), NamedSharding(mesh, P("x"))
+        )
+        return jax.jit(lambda u: u.sum())(out)
+
+    x = jnp.arange(16.0)
+    with jax.set_mesh(mesh):
+        want = jax.jit(reference).lower(x).compile()
+    compiled = step.lower(x).compile()
+    assert compiled.cost_analysis()["flops"] == want.cost_analysis()["flops"]
+    assert step.graph(x).ir.nodes[0].in_specs == (P("x"),)  # what the plan runs
+    assert_matches(compiled(x), want(x))
+    assert_matches(step(x), want(x))
+    # Under the caller's vmap the specs do not apply (they would not see the batch dimension).
+    batched = pw.program(lambda v: jax.vmap(sharded)(v).sum())
+    assert_matches(batched.lower(jnp.ones((3, 16))).compile()(jnp.ones((3, 16))), jnp.sin(1.0) * 2 * 48)
+    s.release()

@@ -27,12 +27,17 @@ from pathways_jax._src.api.jit_options import (
     with_jits_statics,
 )
 from pathways_jax._src.api.jit_shardings import jits_device, jits_keep_unused, with_jits_out_shardings
-from pathways_jax._src.api.tracing import Program
+from pathways_jax._src.api.tracing import Program, lowering_whole
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
 from pathways_jax._src.runtime import clusters, slices, submission
 from pathways_jax._src.runtime.slices import VirtualSlice, check_spec
+
+try:  # the tracer of a value vmap batches (private to JAX)
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover - another JAX: every value may be batched
+    _BatchTracer = None  # type: ignore[assignment, misc]
 
 # One spec for every argument, or one pytree prefix of specs per non-static positional argument.
 Specs = PartitionSpec | Sequence[Any] | None
@@ -79,6 +84,13 @@ def _retype(leaf: Any, spec: PartitionSpec | None) -> Any:
     if typed is not None and _padded(typed.spec, ndim) == _padded(spec, ndim):
         return leaf
     return jax.sharding.reshard(leaf, spec)
+
+
+def _batched(tree: Any) -> bool:
+    """Whether ``tree`` holds a value ``vmap`` batches: specs do not see its batch dimension."""
+    if _BatchTracer is None:
+        return True
+    return any(isinstance(leaf, _BatchTracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
@@ -520,6 +532,13 @@ class JitFunction:
         self._refuse_traced_statics(args, kwargs)
         if slice_ is None:
             return self._jitted_for(args, kwargs)(*args, **kwargs)
+        if (
+            lowering_whole()
+            and (self._in_specs is not None or self._out_specs is not None)
+            and not _batched((args, kwargs))
+            and not nnx_graph.has_graph_nodes((args, kwargs))
+        ):
+            return self._with_specs(slice_, args, kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
         # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
         put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
@@ -529,6 +548,42 @@ class JitFunction:
         with slices.on_slice_mesh(slice_):  # code naming the slice's mesh finds its devices
             out = self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
         return slices.typed_for_caller(slice_, out)
+
+    def _with_specs(self, slice_: VirtualSlice, args: tuple, kwargs: dict) -> Any:
+        """Called in a program's ``lower``/``trace``/``eval_shape``: as ``_transformed``, with its specs.
+
+        Its arguments are put on the slice's devices as its ``in_specs`` say
+        (the others replicated) and its outputs constrained to its
+        ``out_specs``, as the program's node compiles it.
+        """
+        mesh = slice_.physical_mesh
+        explicit = AxisType.Explicit in slice_.axis_types
+        specs = iter(self._leaf_in_specs(args, kwargs, slice_))
+        static = self._static_of(args)
+
+        def put(leaf: Any) -> Any:
+            spec = next(specs)
+            return jax.device_put(leaf, NamedSharding(mesh, spec if spec is not None else PartitionSpec()))
+
+        moved = tuple(arg if i in static else jax.tree_util.tree_map(put, arg) for i, arg in enumerate(args))
+        moved_kwargs = {
+            name: jax.tree_util.tree_map(put, kwargs[name])
+            for name in sorted(kwargs)  # in the order the specs hold them
+            if name not in self._static_names
+        }
+        moved_kwargs = {name: moved_kwargs.get(name, value) for name, value in kwargs.items()}
+        with slices.on_slice_mesh(slice_):
+            out = self._jitted_for(moved, moved_kwargs)(*moved, **moved_kwargs)
+            leaves, tree = jax.tree_util.tree_flatten(out)
+            constrained = [
+                leaf
+                if spec is None
+                else jax.sharding.reshard(leaf, spec)
+                if explicit
+                else jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+                for leaf, spec in zip(leaves, self._leaf_out_specs(out, slice_), strict=True)
+            ]
+        return slices.typed_for_caller(slice_, jax.tree_util.tree_unflatten(tree, constrained))
 
     def _refuse_traced_statics(self, args: tuple, kwargs: dict) -> None:
         """Refuses a static argument a transformation made abstract, as a program does."""

@@ -82,6 +82,28 @@ def _traced_alike(old: ArgKey, new: ArgKey) -> bool:
     return alike is not None and alike == _traced_as(new)
 
 
+_whole = threading.local()  # depth of the program lower/trace/eval_shape calls on this thread
+
+
+def lowering_whole() -> bool:
+    """True while a program's ``lower``, ``trace`` or ``eval_shape`` traces its whole function as one ``jax.jit``.
+
+    Its ``pw.jit`` functions then keep their ``in_specs``/``out_specs`` (as
+    sharding constraints) as its plan's nodes do, so the one executable shows
+    what a call runs.
+    """
+    return getattr(_whole, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _as_one_executable() -> Any:
+    _whole.depth = getattr(_whole, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _whole.depth -= 1
+
+
 class Program:
     """A function traced into ONE dataflow program over virtual slices.
 
@@ -587,7 +609,7 @@ class Program:
             them (its plan is prepared all the same).
         """
         self._prepare(args, kwargs)
-        with self._slice_mesh():
+        with self._slice_mesh(), _as_one_executable():
             try:
                 return self._ahead_of_time().lower(*args, **kwargs)
             except ValueError as exc:
@@ -641,12 +663,12 @@ class Program:
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
-        with self._slice_mesh():
+        with self._slice_mesh(), _as_one_executable():
             return self._ahead_of_time().trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
-        with self._slice_mesh():
+        with self._slice_mesh(), _as_one_executable():
             return self._ahead_of_time().eval_shape(*args, **kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
@@ -712,4 +734,4 @@ class Program:
         return f"pw.program({self.name}, {self.source_info})"
 
 
-__all__ = ["Program"]
+__all__ = ["Program", "lowering_whole"]
