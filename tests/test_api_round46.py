@@ -125,19 +125,22 @@ def _hijax_sgd(model, x):
 def test_a_pw_jit_function_trains_a_flax_hijax_model_in_place_as_jax_jit_does():
     # A model of Flax's hijax mode went to nnx.jit, which fails on its Variables ("DynamicJaxprTracer
     # has no attribute _can_update"); jax.jit updates them in place. pw.jit (on a slice or not) now
-    # does too; inside a program such a call is refused clearly, and so is returning the Variables.
+    # does too, and returning the Variables is refused clearly, as jax.jit cannot return them.
     x = jnp.arange(8.0).reshape(4, 2)
     want_model = _hijax_model()
     want = [jax.jit(_hijax_sgd)(want_model, x) for _ in range(3)]
     s = pw.devices(mesh={"x": 2})
-    for ours in (pw.jit(_hijax_sgd), pw.jit(_hijax_sgd, devices=s)):
-        model = _hijax_model()
-        assert_matches([ours(model, x) for _ in range(3)], want)
-        assert_matches(model.linear.kernel[...], want_model.linear.kernel[...])
-        assert int(model.calls[...]) == int(want_model.calls[...]) == 3
+    model = _hijax_model()
+    assert_matches([pw.jit(_hijax_sgd)(model, x) for _ in range(3)], want)
+    assert_matches(model.linear.kernel[...], want_model.linear.kernel[...])
+    assert int(model.calls[...]) == int(want_model.calls[...]) == 3
+    # Inside a program too, as a node of their arrays on its slice.
     inner = pw.jit(_hijax_sgd, devices=s)
-    with pytest.raises(pw.errors.ProgramTraceError, match="inside a program with Flax hijax Variables"):
-        pw.program(lambda m, v: inner(m, v) * 2)(_hijax_model(), x)
+    model = _hijax_model()
+    outer = pw.program(lambda m, v: inner(m, v) * 2)
+    assert_matches([outer(model, x) for _ in range(3)], [2 * w for w in want])
+    assert_matches(model.linear.kernel[...], want_model.linear.kernel[...])
+    assert [node.slice for node in outer.graph(_hijax_model(), x).nodes] == [s]
     with pytest.raises(pw.errors.ProgramTraceError, match="returns Flax hijax Variables"):
         pw.program(lambda m, v: (m.linear.kernel, m(v)))(_hijax_model(), x)
     s.release()
@@ -225,3 +228,24 @@ def test_lower_of_a_program_keeps_its_pw_jit_functions_specs_as_its_plan_does():
     batched = pw.program(lambda v: jax.vmap(sharded)(v).sum())
     assert_matches(batched.lower(jnp.ones((3, 16))).compile()(jnp.ones((3, 16))), jnp.sin(1.0) * 2 * 48)
     s.release()
+
+
+class _Dropping(nnx.Module):
+    def __init__(self):
+        self.linear = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+
+    def __call__(self, x):
+        return self.dropout(self.linear(x)).sum()
+
+
+def test_a_flax_hijax_model_drawing_random_numbers_runs_as_under_jax_jit():
+    # Dropout draws with jax.random (a jax.jit function of its own): the program's graph cut its
+    # trace there, and the hijax Variables crossed from one part to the next ("'AbstractVariable'
+    # object has no attribute 'shape'"). They are lowered to their values, as jax.jit lowers them.
+    x = jnp.arange(32.0).reshape(8, 4)
+    with nnx.var_defaults(hijax=True):
+        want_model, model = _Dropping(), _Dropping()
+    want = [jax.jit(lambda m, v: m(v))(want_model, x) for _ in range(3)]
+    assert_matches([pw.program(lambda m, v: m(v))(model, x) for _ in range(3)], want)
+    assert int(model.dropout.rngs.count[...]) == int(want_model.dropout.rngs.count[...]) == 3

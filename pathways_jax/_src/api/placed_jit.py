@@ -411,13 +411,7 @@ class JitFunction:
                 return out
             return self._transformed(slice_, args, kwargs)
         if trace is not None and hijax_arguments.given_hijax(args, kwargs):
-            raise errors.ProgramTraceError(
-                f"pw.jit function {self.__name__!r} ({self.source_info}) was called at {source.of_caller()} "
-                "inside a program with Flax hijax Variables (a model made under "
-                "nnx.var_defaults(hijax=True)): a program runs such a model's code itself, not through "
-                "the pw.jit functions it calls. Call the pw.jit function with the model outside a "
-                "program, or call the model's code directly in the program."
-            )
+            return self._on_values(args, kwargs)  # a node of their arrays, written back after it
         if slice_ is None:
             # Nothing places it: a plain jax.jit call of the program, placed as one.
             with self._sole_tracer() as alone:
