@@ -249,3 +249,20 @@ def test_a_flax_hijax_model_drawing_random_numbers_runs_as_under_jax_jit():
     want = [jax.jit(lambda m, v: m(v))(want_model, x) for _ in range(3)]
     assert_matches([pw.program(lambda m, v: m(v))(model, x) for _ in range(3)], want)
     assert int(model.dropout.rngs.count[...]) == int(want_model.dropout.rngs.count[...]) == 3
+
+
+def test_lower_takes_arrays_of_other_devices_as_a_call_moves_them_onto_the_slice():
+    # A call moves an array sharded on other devices onto its slice; lower (jax.jit under the
+    # slice's mesh) refused it: "Received incompatible devices for jitted computation".
+    s = pw.devices(mesh={"x": 4}, device_ids=[0, 1, 2, 3])
+    other = jax.make_mesh((4,), ("x",), devices=jax.devices()[4:], axis_types=(jax.sharding.AxisType.Auto,))
+    y = jax.device_put(jnp.arange(16.0), NamedSharding(other, P("x")))
+    for ours in (pw.jit(lambda v: v * 2, devices=s), pw.program(lambda v: v * 2, devices=s)):
+        compiled = ours.lower(y).compile()
+        assert compiled.input_shardings[0] == (s.sharding(P("x")),)  # as the call puts it there
+        compiles = pw.counters()["compiles"]
+        assert_matches(ours(y), y * 2)
+        assert pw.counters()["compiles"] == compiles  # lower prepared the call's plan
+        assert_matches(compiled(jax.device_put(y, s.sharding(P("x")))), y * 2)
+        assert ours.eval_shape(y).shape == (16,)
+    s.release()

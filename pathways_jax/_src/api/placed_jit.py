@@ -309,16 +309,17 @@ class JitFunction:
             if jitted is None:
                 jitted = self._aot_jitted = jax.jit(self._fun, compiler_options=options, **self._jit_options)
         plain = (jitted, args, kwargs)
-        if self._in_specs is None and self._out_specs is None:
-            return plain
         if active_trace() is not None or inside_jax_trace():
             return plain
         try:
             slice_ = self._slice()
         except errors.PathwaysError:  # specs but no slice, or a slice released: the call says so
             return plain
+        if slice_ is not None and self._in_specs is None and self._out_specs is None:
+            return (jitted, *self._moved_onto(slice_, args, kwargs))
         if slice_ is None:
             return plain
+        args, kwargs = self._moved_onto(slice_, args, kwargs)
         specs = iter(self._leaf_in_specs(args, kwargs, slice_))  # refuses what a call refuses
         mesh = slice_.physical_mesh
         static = self._static_of(args)
@@ -344,6 +345,15 @@ class JitFunction:
             self._fun, out_shardings=out_shardings, compiler_options=options, **self._jit_options
         )
         return placed, args, kwargs
+
+    def _moved_onto(self, slice_: VirtualSlice, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments as a call puts them on ``slice_`` (see ``slices.moved_onto``), statics as they are."""
+        if nnx_graph.has_graph_nodes((args, kwargs)):
+            return args, kwargs
+        static = self._static_of(args)
+        moved = tuple(arg if i in static else slices.moved_onto(slice_, arg) for i, arg in enumerate(args))
+        names = self._static_names
+        return moved, {k: v if k in names else slices.moved_onto(slice_, v) for k, v in kwargs.items()}
 
     def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
         """Where ``lower``, ``trace`` and ``eval_shape`` run the function as ``jax.jit``: on its slice's

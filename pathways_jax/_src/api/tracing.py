@@ -43,7 +43,7 @@ from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
-from pathways_jax._src.runtime.slices import VirtualSlice, on_slice_mesh, typed_for_caller
+from pathways_jax._src.runtime.slices import VirtualSlice, moved_onto, on_slice_mesh, typed_for_caller
 
 
 def _uncommitted(key: ArgKey) -> bool:
@@ -611,7 +611,7 @@ class Program:
         self._prepare(args, kwargs)
         with self._slice_mesh(), _as_one_executable():
             try:
-                return self._ahead_of_time().lower(*args, **kwargs)
+                return self._ahead_of_time().lower(*self._moved(args), **self._moved_kwargs(kwargs))
             except ValueError as exc:
                 if "incompatible devices" not in str(exc) or not self._on_several_orders(args, kwargs):
                     raise
@@ -623,6 +623,22 @@ class Program:
                     "with them compiles nothing more); graph(*args) shows its nodes, and each pw.jit "
                     "function's lower(...) gives its own executable."
                 ) from exc
+
+    def _moved(self, args: tuple) -> tuple:
+        """The positional arguments as a call puts them on the default slice (see ``slices.moved_onto``)."""
+        slice_ = self._info.devices
+        if slice_ is None or nnx_graph.has_graph_nodes(args):
+            return args
+        static = self._info.static_positions(len(args))
+        return tuple(arg if i in static else moved_onto(slice_, arg) for i, arg in enumerate(args))
+
+    def _moved_kwargs(self, kwargs: dict) -> dict:
+        """The keyword arguments as a call puts them on the default slice."""
+        slice_ = self._info.devices
+        if slice_ is None or not kwargs or nnx_graph.has_graph_nodes(kwargs):
+            return kwargs
+        names = self._info.static_names
+        return {k: v if k in names else moved_onto(slice_, v) for k, v in kwargs.items()}
 
     def _on_several_orders(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call's graph runs on slices of different devices or device orders."""
@@ -664,12 +680,12 @@ class Program:
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
         with self._slice_mesh(), _as_one_executable():
-            return self._ahead_of_time().trace(*args, **kwargs)
+            return self._ahead_of_time().trace(*self._moved(args), **self._moved_kwargs(kwargs))
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
         with self._slice_mesh(), _as_one_executable():
-            return self._ahead_of_time().eval_shape(*args, **kwargs)
+            return self._ahead_of_time().eval_shape(*self._moved(args), **self._moved_kwargs(kwargs))
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
         """Traces and lowers the plan a call with these arguments would run (nothing runs).

@@ -306,6 +306,35 @@ def typed_for_caller(slice_: VirtualSlice, tree: object) -> object:
     return jax.tree_util.tree_map(retyped, tree)
 
 
+def moved_onto(slice_: VirtualSlice, tree: object) -> object:
+    """``tree``, its arrays on other devices than ``slice_``'s as the call puts them there (abstract).
+
+    A call moves such an array onto the slice, keeping its spec where it
+    names the slice's axes and divides evenly, else replicated; ``lower``,
+    ``trace`` and ``eval_shape`` (``jax.jit`` under the slice's mesh, which
+    would refuse it: "incompatible devices") take a ``jax.ShapeDtypeStruct``
+    of that sharding in its place.
+    """
+    devices = set(slice_.devices)
+    mesh = slice_.physical_mesh
+    sizes = dict(zip(slice_.axis_names, slice_.shape, strict=True))
+
+    def moved(leaf: object) -> object:
+        if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or isinstance(leaf, jax.core.Tracer):
+            return leaf
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding) or not hasattr(sharding, "device_set"):
+            return leaf
+        if sharding.device_set <= devices:
+            return leaf
+        spec = fitting_spec(sharding, sizes, tuple(leaf.shape))
+        return jax.ShapeDtypeStruct(
+            leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec), weak_type=jax.typeof(leaf).weak_type
+        )
+
+    return jax.tree_util.tree_map(moved, tree)
+
+
 def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
     """Where ``slices`` (every slice a graph names) are now, as the plain data lowering is given."""
     if not slices:
