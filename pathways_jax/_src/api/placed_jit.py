@@ -257,6 +257,9 @@ class JitFunction:
         arguments runs (as ``Program.lower`` does; ``jax.ShapeDtypeStruct`` s
         stand for arrays), so that call compiles nothing: the AOT guide's
         warm-up, ``f.lower(...).compile()``, warms ``f``'s calls as under ``jax.jit``.
+        On a slice it lowers what a call compiles: as ``jax.jit`` under the
+        slice's mesh, with its ``in_specs``/``out_specs`` as shardings and its
+        ``compiler_options`` (see ``_ahead_of_time``).
         """
         outside = active_trace() is None and not inside_jax_trace()
         if outside and not jax.config.jax_disable_jit:  # type: ignore[attr-defined]
