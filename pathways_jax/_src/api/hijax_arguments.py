@@ -15,9 +15,10 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+from jax.core import Tracer as _Tracer
 
 from pathways_jax._src.core import errors
 
@@ -26,18 +27,55 @@ class HijaxArguments(Exception):
     """Raised by a program's call for arguments that hold a hijax Variable: it runs through :func:`call`."""
 
 
+class _Flax(NamedTuple):
+    """Flax's classes this module looks for, read once Flax is imported."""
+
+    hijax: type  # HijaxVariable
+    variable: type  # nnx.Variable
+    abstract: type  # the abstract value of a hijax Variable's tracer
+    pytree: type  # nnx.Pytree: modules, optimizers, Rngs, nnx.List
+
+
+_FLAX: list[_Flax] = []
+# Values with nothing inside to look into: a model's settings (sizes, names, dtypes).
+_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def _flax() -> _Flax | None:
+    """Flax's classes, where Flax is imported and has hijax Variables; else None."""
+    if _FLAX:
+        return _FLAX[0]
+    variablelib = sys.modules.get("flax.nnx.variablelib")
+    if variablelib is None or not hasattr(variablelib, "HijaxVariable"):
+        return None
+    from flax.nnx import pytreelib
+
+    _FLAX.append(
+        _Flax(variablelib.HijaxVariable, variablelib.Variable, variablelib.AbstractVariable, pytreelib.Pytree)
+    )
+    return _FLAX[0]
+
+
 def _hijax_type() -> type | None:
     """Flax's ``HijaxVariable`` class, where Flax is imported and has one."""
-    variablelib = sys.modules.get("flax.nnx.variablelib")
-    return getattr(variablelib, "HijaxVariable", None) if variablelib is not None else None
+    flax = _flax()
+    return flax.hijax if flax is not None else None
+
+
+def _is_hijax(value: Any, flax: _Flax) -> bool:
+    """A hijax Variable, or its tracer inside a trace (without Flax's slower ``isinstance``)."""
+    kind = type(value)
+    if kind is flax.hijax:
+        return True
+    return issubclass(kind, _Tracer) and isinstance(getattr(value, "aval", None), flax.abstract)
 
 
 def takes_hijax(args: tuple, kwargs: dict) -> bool:
     """True when the arguments hold a Flax hijax Variable (a model made under ``nnx.var_defaults(hijax=True)``)."""
-    hijax = _hijax_type()
-    if hijax is None:
+    flax = _flax()
+    if flax is None:
         return False
-    return any(type(leaf) is hijax for leaf in jax.tree_util.tree_leaves((args, kwargs)))
+    return any(_is_hijax(leaf, flax) for leaf in jax.tree_util.tree_leaves((args, kwargs)))
 
 
 def given_hijax(args: tuple, kwargs: dict) -> bool:
@@ -47,62 +85,54 @@ def given_hijax(args: tuple, kwargs: dict) -> bool:
     made: the look stops there, not at every Variable (flattening a model of a
     hundred Variables costs a call a third of a millisecond).
     """
-    hijax = _hijax_type()
-    if hijax is None:
+    flax = _flax()
+    if flax is None:
         return False
     for arg in (*args, *kwargs.values()):
-        if isinstance(arg, hijax):
-            return True
-        if not _is_graph_node(arg):  # arrays, pytrees of them: no model to look into
+        if type(arg) in _PLAIN:
             continue
-        found = _first_variable(arg, hijax, [64])
+        if _is_hijax(arg, flax):
+            return True
+        if not issubclass(type(arg), flax.pytree):  # arrays, pytrees of them: no model to look into
+            continue
+        found = _first_variable(arg, flax, [64])
         if found is not None:
-            return isinstance(found, hijax)
+            return _is_hijax(found, flax)
     return False
 
 
-def _first_variable(node: Any, hijax: type, budget: list[int]) -> Any:
+def _first_variable(node: Any, flax: _Flax, budget: list[int]) -> Any:
     """The first Variable (hijax or not) in ``node``'s attributes, depth first; None past ``budget`` nodes."""
+    kind = type(node)
+    if kind in _PLAIN:
+        return None
     budget[0] -= 1
     if budget[0] < 0:
         return None
-    if isinstance(node, hijax | _variable_type()):  # a hijax Variable, or its tracer inside a trace
+    if kind is flax.hijax or issubclass(kind, flax.variable) or _is_hijax(node, flax):
         return node
-    if isinstance(node, list | tuple):
+    if kind is list or kind is tuple:
         children: Any = node
-    elif isinstance(node, dict):
+    elif kind is dict:
         children = node.values()
+    elif issubclass(kind, flax.pytree):
+        children = vars(node).values()
     else:
-        attrs = getattr(node, "__dict__", None)
-        if attrs is None or (not type(node).__module__.startswith("flax.") and not _is_graph_node(node)):
-            return None
-        children = attrs.values()
+        return None
     for child in children:
-        found = _first_variable(child, hijax, budget)
+        found = _first_variable(child, flax, budget)
         if found is not None or budget[0] < 0:
             return found
     return None
 
 
-def _variable_type() -> type:
-    from flax import nnx
-
-    return nnx.Variable
-
-
-def _is_graph_node(node: Any) -> bool:
-    from flax.nnx import graphlib
-
-    return graphlib.is_graph_node(node)
-
-
-def _slots(leaves: list[Any], hijax: type) -> tuple[tuple[int, ...], list[Any]]:
+def _slots(leaves: list[Any], flax: _Flax) -> tuple[tuple[int, ...], list[Any]]:
     """Per leaf the index of its Variable among the call's hijax Variables (-1: none), and those Variables."""
     variables: list[Any] = []
     seen: dict[int, int] = {}
     slots = []
     for leaf in leaves:
-        if isinstance(leaf, hijax):  # their tracers too, inside a program's trace
+        if _is_hijax(leaf, flax):  # their tracers too, inside a program's trace
             if id(leaf) not in seen:
                 seen[id(leaf)] = len(variables)
                 variables.append(leaf)
@@ -142,8 +172,8 @@ def with_variables(
                 leaves[position] = made[slot]
         inner_args, inner_kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         out = fun(*inner_args, **inner_kwargs)
-        hijax = _hijax_type()
-        if any(isinstance(leaf, hijax) for leaf in jax.tree_util.tree_leaves(out)):  # type: ignore[arg-type]
+        flax = _flax()
+        if flax is not None and any(_is_hijax(leaf, flax) for leaf in jax.tree_util.tree_leaves(out)):
             raise errors.ProgramTraceError(
                 f"{getattr(fun, '__name__', 'the function')!r} returns Flax hijax Variables (a model made "
                 "under nnx.var_defaults(hijax=True), or one of its Variables); jax.jit cannot return "
@@ -159,9 +189,11 @@ def with_variables(
 def as_values(args: tuple, kwargs: dict, name: str) -> tuple[tuple, tuple, list[Any], tuple, dict]:
     """The call's hijax Variables taken out: their slots and trees (see ``with_variables``), the
     Variables, and the arguments with each Variable's array in its place."""
-    hijax = _hijax_type()
+    flax = _flax()
+    if flax is None:  # not called so: given_hijax or takes_hijax found a hijax Variable first
+        raise errors.PathwaysError("pathways_jax: hijax arguments looked for with Flax not imported")
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    slots, variables = _slots(leaves, hijax)  # type: ignore[arg-type]  # found by takes_hijax
+    slots, variables = _slots(leaves, flax)
     states = [_state(variable, name) for variable in variables]
     plain = [states[slot][0] if slot >= 0 else leaf for leaf, slot in zip(leaves, slots, strict=True)]
     plain_args, plain_kwargs = jax.tree_util.tree_unflatten(treedef, plain)
