@@ -265,4 +265,15 @@ def test_lower_takes_arrays_of_other_devices_as_a_call_moves_them_onto_the_slice
         assert pw.counters()["compiles"] == compiles  # lower prepared the call's plan
         assert_matches(compiled(jax.device_put(y, s.sharding(P("x")))), y * 2)
         assert ours.eval_shape(y).shape == (16,)
+    # A future of another slice's devices too, and uncommitted arrays are left to jax.jit.
+    elsewhere = pw.devices(mesh={"x": 4}, device_ids=[4, 5, 6, 7])
+    future = pw.jit(lambda v: v + 1, devices=elsewhere, out_specs=P("x"))(jnp.arange(16.0))
+    ours = pw.program(lambda v: v * 2, devices=s)
+    assert ours.lower(future).compile().input_shardings[0] == (s.sharding(P("x")),)
+    assert_matches(ours(future), (jnp.arange(16.0) + 1) * 2)
+    uncommitted = jnp.arange(16.0)
+    with jax.set_mesh(s.physical_mesh):
+        want = jax.jit(lambda v: v * 2).lower(uncommitted).as_text()
+    assert pw.jit(lambda v: v * 2, devices=s).lower(uncommitted).as_text() == want
     s.release()
+    elsewhere.release()

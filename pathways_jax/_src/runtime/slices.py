@@ -320,16 +320,21 @@ def moved_onto(slice_: VirtualSlice, tree: object) -> object:
     sizes = dict(zip(slice_.axis_names, slice_.shape, strict=True))
 
     def moved(leaf: object) -> object:
-        if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or isinstance(leaf, jax.core.Tracer):
-            return leaf
+        # Arrays, abstract ones and futures (whose sharding is known without waiting).
         sharding = getattr(leaf, "sharding", None)
-        if not isinstance(sharding, jax.sharding.Sharding) or not hasattr(sharding, "device_set"):
+        if not isinstance(sharding, jax.sharding.Sharding) or isinstance(leaf, jax.core.Tracer):
+            return leaf
+        if not getattr(leaf, "committed", True):  # jax.jit puts it anywhere, as the call does
             return leaf
         if sharding.device_set <= devices:
             return leaf
-        spec = fitting_spec(sharding, sizes, tuple(leaf.shape))
+        shape = tuple(leaf.shape)  # type: ignore[attr-defined]  # an array's, or a future's
+        spec = fitting_spec(sharding, sizes, shape)
         return jax.ShapeDtypeStruct(
-            leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec), weak_type=jax.typeof(leaf).weak_type
+            shape,
+            leaf.dtype,  # type: ignore[attr-defined]
+            sharding=NamedSharding(mesh, spec),
+            weak_type=bool(getattr(leaf, "weak_type", False)),
         )
 
     return jax.tree_util.tree_map(moved, tree)
