@@ -554,7 +554,8 @@ class JitFunction:
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
         with slices.on_slice_mesh(slice_):  # code naming the slice's mesh finds its devices
             out = self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
-        return slices.typed_for_caller(slice_, out)
+        # NNX objects returned are the caller's own (nnx.jit updates them in place): left as they are.
+        return out if nnx_graph.has_graph_nodes(out) else slices.typed_for_caller(slice_, out)
 
     def _with_specs(self, slice_: VirtualSlice, args: tuple, kwargs: dict) -> Any:
         """Called in a program's ``lower``/``trace``/``eval_shape``: as ``_transformed``, with its specs.

@@ -225,7 +225,8 @@ class Program:
         kwargs = {k: v if k in self._info.static_names else put(v, replicated) for k, v in kwargs.items()}
         with slice_:  # outside a program's trace: the slice's mesh too (on_slice_mesh)
             out = jitted(*args, **kwargs)
-        return typed_for_caller(slice_, out)
+        # NNX objects returned are the caller's own (nnx.jit updates them in place): left as they are.
+        return out if nnx_graph.has_graph_nodes(out) else typed_for_caller(slice_, out)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a program defined in a class body is a method, ``self`` its first argument."""
