@@ -292,9 +292,9 @@ class JitFunction:
         their specs say on the slice's devices and compiles the function with its
         ``out_specs``; so is it lowered: the arguments a spec names stand as
         ``jax.ShapeDtypeStruct`` s of that sharding (as ``jax.jit``'s
-        ``in_shardings=slice.sharding(spec)``, keyword arguments taken too),
-        and ``out_specs`` are ``jax.jit``'s ``out_shardings`` (``None``: left to
-        XLA). What ``lower`` shows (``as_text()``, the compiled
+        ``in_shardings=slice.sharding(spec)``, which would refuse keyword
+        arguments: here they come as they are), and ``out_specs`` are
+        ``jax.jit``'s ``out_shardings`` (``None``: left to XLA). What ``lower`` shows (``as_text()``, the compiled
         ``input_shardings``/``output_shardings``) is then what a call runs.
         """
         jitted: Any = self._jitted
@@ -344,10 +344,10 @@ class JitFunction:
             self._out_specs,
             is_leaf=_is_spec_leaf,
         )
-        placed = jax.jit(
+        specified = jax.jit(
             self._fun, out_shardings=out_shardings, compiler_options=options, **self._jit_options
         )
-        return placed, args, kwargs
+        return specified, args, kwargs
 
     def _moved_onto(self, slice_: VirtualSlice, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The arguments as a call puts them on ``slice_`` (see ``slices.moved_onto``), statics as they are."""
