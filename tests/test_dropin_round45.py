@@ -89,12 +89,6 @@ def _hijax_step(model, x):
     jax.tree.map(lambda p, g: p.set_value(p.get_value() - 0.1 * g.get_value()), params, grads)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pw.errors.ProgramTraceError,
-    reason="a module is routed through api/nnx_graph.py (the per-call path), which runs it as "
-    "nnx.jit does, and Flax's nnx.jit fails on hijax Variables ('_can_update'); jax.jit takes them",
-)
 def test_an_nnx_model_in_flax_hijax_mode_trains_as_under_jax_jit():
     # Flax's hijax mode (its nnx_toy_examples/hijax_basic.py): Variables are JAX hijax types and
     # plain jax.jit updates the model in place.

@@ -45,6 +45,11 @@ try:  # JAX's state discharge (private): the Refs a jaxpr makes, as the values t
 except ImportError:  # pragma: no cover - another JAX: a program's Refs stay as traced
     _INTERNAL_REFS = _discharge_state = None  # type: ignore[assignment]
 
+try:  # JAX's lowering of "hijax" types (private): Flax's hijax Variables as the values they hold
+    from jax._src.interpreters.partial_eval import lower_jaxpr2 as _lower_hijax
+except ImportError:  # pragma: no cover - another JAX: a program's hijax values stay as traced
+    _lower_hijax = None  # type: ignore[assignment]
+
 
 def trace(
     info: ProgramInfo,
@@ -354,13 +359,17 @@ def _mesh_named_without_context(signature: Signature, state: TraceState, flat_fu
 
 
 def _without_refs(closed: Any) -> Any:
-    """``closed`` with the Refs it makes (``jax.new_ref``) turned into the values they hold.
+    """``closed`` with the Refs (``jax.new_ref``) and hijax values it makes turned into the values they hold.
 
     A Ref lives in one computation: cut into nodes, the program would hand one
     node's Ref to the next as a plain array. JAX's own state discharge threads
     each Ref's value through instead (what ``jax.jit`` compiles); the other
     equations are bound again as they are, ``pw.jit`` calls and sources kept.
     """
+    if _lower_hijax is not None and getattr(closed.jaxpr, "is_high", False):
+        # Flax's hijax Variables made inside (hijax_arguments): as jax.jit lowers them, their
+        # values threaded through the equations, so no node hands another a Variable.
+        closed = _lower_hijax(closed)
     if _discharge_state is None or _INTERNAL_REFS not in closed.jaxpr.effects:
         return closed
     return _discharge_state(closed)

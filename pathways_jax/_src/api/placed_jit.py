@@ -13,7 +13,7 @@ from typing import Any, overload
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import decorator, nnx_graph, pickling
+from pathways_jax._src.api import decorator, hijax_arguments, nnx_graph, pickling
 from pathways_jax._src.api.arguments import TracerArgument
 from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import (
@@ -27,12 +27,17 @@ from pathways_jax._src.api.jit_options import (
     with_jits_statics,
 )
 from pathways_jax._src.api.jit_shardings import jits_device, jits_keep_unused, with_jits_out_shardings
-from pathways_jax._src.api.tracing import Program
+from pathways_jax._src.api.tracing import Program, lowering_whole
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.core.meshes import only_mesh, spec_parts
 from pathways_jax._src.runtime import clusters, slices, submission
 from pathways_jax._src.runtime.slices import VirtualSlice, check_spec
+
+try:  # the tracer of a value vmap batches (private to JAX)
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover - another JAX: every value may be batched
+    _BatchTracer = None  # type: ignore[assignment, misc]
 
 # One spec for every argument, or one pytree prefix of specs per non-static positional argument.
 Specs = PartitionSpec | Sequence[Any] | None
@@ -79,6 +84,13 @@ def _retype(leaf: Any, spec: PartitionSpec | None) -> Any:
     if typed is not None and _padded(typed.spec, ndim) == _padded(spec, ndim):
         return leaf
     return jax.sharding.reshard(leaf, spec)
+
+
+def _batched(tree: Any) -> bool:
+    """Whether ``tree`` holds a value ``vmap`` batches: specs do not see its batch dimension."""
+    if _BatchTracer is None:
+        return True
+    return any(isinstance(leaf, _BatchTracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
@@ -151,6 +163,7 @@ class JitFunction:
         if keep_unused:  # as jax.jit's: an unused committed argument still places the call
             self._jit_options["keep_unused"] = True
         self._jitted = jax.jit(fun, **self._jit_options)
+        self._aot_jitted: Callable[..., Any] | None = None  # with compiler_options: see _ahead_of_time
         self._nnx_jitted: Callable[..., Any] | None = None
         self._programs: dict[int | None, Program] = {}  # by slice id; None: placed as jax.jit
         # Threads tracing the function now, each with its depth (see _sole_tracer).
@@ -257,6 +270,9 @@ class JitFunction:
         arguments runs (as ``Program.lower`` does; ``jax.ShapeDtypeStruct`` s
         stand for arrays), so that call compiles nothing: the AOT guide's
         warm-up, ``f.lower(...).compile()``, warms ``f``'s calls as under ``jax.jit``.
+        On a slice it lowers what a call compiles: as ``jax.jit`` under the
+        slice's mesh, with its ``in_specs``/``out_specs`` as shardings and its
+        ``compiler_options`` (see ``_ahead_of_time``).
         """
         outside = active_trace() is None and not inside_jax_trace()
         if outside and not jax.config.jax_disable_jit:  # type: ignore[attr-defined]
@@ -267,17 +283,93 @@ class JitFunction:
             else:
                 self._program_on(slice_)._prepare(args, kwargs)
         with self._slice_mesh():
-            return self._jitted.lower(*args, **kwargs)
+            jitted, args, kwargs = self._ahead_of_time(args, kwargs)
+            return jitted.lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function."""
         with self._slice_mesh():
-            return self._jitted.trace(*args, **kwargs)
+            jitted, args, kwargs = self._ahead_of_time(args, kwargs)
+            return jitted.trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
         with self._slice_mesh():
-            return self._jitted.eval_shape(*args, **kwargs)
+            jitted, args, kwargs = self._ahead_of_time(args, kwargs)
+            return jitted.eval_shape(*args, **kwargs)
+
+    def _ahead_of_time(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        """What ``lower``, ``trace`` and ``eval_shape`` take: the function as ``jax.jit``, with its specs.
+
+        With ``in_specs``/``out_specs`` on a slice a call puts the arguments as
+        their specs say on the slice's devices and compiles the function with its
+        ``out_specs``; so is it lowered: the arguments a spec names stand as
+        ``jax.ShapeDtypeStruct`` s of that sharding (as ``jax.jit``'s
+        ``in_shardings=slice.sharding(spec)``, which would refuse keyword
+        arguments: here they come as they are), and ``out_specs`` are
+        ``jax.jit``'s ``out_shardings`` (``None``: left to XLA). What ``lower`` shows (``as_text()``, the compiled
+        ``input_shardings``/``output_shardings``) is then what a call runs.
+        """
+        jitted: Any = self._jitted
+        options = dict(self._compiler_options) or None  # as jax.jit(fun, compiler_options=...) lowers
+        jit_info = getattr(self._fun, "_jit_info", None)  # a jax.jit function given: jax.jit's own record
+        if (
+            jit_info is not None
+            and options is None
+            and set(self._donate) <= set(getattr(jit_info, "donate_argnums", ()) or ())
+            and self._keep_unused == bool(getattr(jit_info, "keep_unused", False))
+        ):
+            jitted = self._fun  # lowered as it is, not as one jax.jit inside another
+        elif options:
+            jitted = self._aot_jitted
+            if jitted is None:
+                jitted = self._aot_jitted = jax.jit(self._fun, compiler_options=options, **self._jit_options)
+        plain = (jitted, args, kwargs)
+        if active_trace() is not None or inside_jax_trace():
+            return plain
+        try:
+            slice_ = self._slice()
+        except errors.PathwaysError:  # specs but no slice, or a slice released: the call says so
+            return plain
+        if slice_ is not None and self._in_specs is None and self._out_specs is None:
+            return (jitted, *self._moved_onto(slice_, args, kwargs))
+        if slice_ is None:
+            return plain
+        args, kwargs = self._moved_onto(slice_, args, kwargs)
+        specs = iter(self._leaf_in_specs(args, kwargs, slice_))  # refuses what a call refuses
+        mesh = slice_.physical_mesh
+        static = self._static_of(args)
+
+        def placed(leaf: Any) -> Any:
+            spec = next(specs)
+            if spec is None:
+                return leaf
+            aval = jax.typeof(leaf)
+            return jax.ShapeDtypeStruct(
+                aval.shape, aval.dtype, sharding=NamedSharding(mesh, spec), weak_type=aval.weak_type
+            )
+
+        args = tuple(
+            arg if i in static else jax.tree_util.tree_map(placed, arg) for i, arg in enumerate(args)
+        )
+        out_shardings = jax.tree_util.tree_map(
+            lambda spec: None if spec is None else NamedSharding(mesh, spec),
+            self._out_specs,
+            is_leaf=_is_spec_leaf,
+        )
+        specified = jax.jit(
+            self._fun, out_shardings=out_shardings, compiler_options=options, **self._jit_options
+        )
+        return specified, args, kwargs
+
+    def _moved_onto(self, slice_: VirtualSlice, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments as a call puts them on ``slice_`` (see ``slices.moved_onto``), statics as they are."""
+        if nnx_graph.has_graph_nodes((args, kwargs)):
+            return args, kwargs
+        static = self._static_of(args)
+        moved = tuple(arg if i in static else slices.moved_onto(slice_, arg) for i, arg in enumerate(args))
+        names = self._static_names
+        return moved, {k: v if k in names else slices.moved_onto(slice_, v) for k, v in kwargs.items()}
 
     def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
         """Where ``lower``, ``trace`` and ``eval_shape`` run the function as ``jax.jit``: on its slice's
@@ -299,6 +391,8 @@ class JitFunction:
         for prog in list(self._programs.values()):
             prog.clear_cache()
         self._jitted.clear_cache()  # type: ignore[attr-defined]  # jax.jit's, not in its stubs
+        if self._aot_jitted is not None:
+            self._aot_jitted.clear_cache()  # type: ignore[attr-defined]
 
     def _cache_size(self) -> int:
         """As ``jax.jit(fun)._cache_size()``: the call signatures traced for its calls made outside a program."""
@@ -328,6 +422,8 @@ class JitFunction:
             return submission.computed(out, f"pw.jit {self.__name__!r} run op by op", nnx_graph.is_graph_leaf)
         if trace is None and inside_jax_trace():  # checkify, make_jaxpr: as jax.jit, traced in
             return self._transformed(self._slice(), args, kwargs)
+        if trace is None and hijax_arguments.given_hijax(args, kwargs):
+            return self._on_values(args, kwargs)  # Flax's hijax Variables: updated as jax.jit updates them
         if trace is None and self._devices is not None and not self._devices.released:
             prog = self._programs.get(self._devices.id)
             if prog is not None:
@@ -350,6 +446,8 @@ class JitFunction:
                     self._share(prog)
                 return out
             return self._transformed(slice_, args, kwargs)
+        if trace is not None and hijax_arguments.given_hijax(args, kwargs):
+            return self._on_values(args, kwargs)  # a node of their arrays, written back after it
         if slice_ is None:
             # Nothing places it: a plain jax.jit call of the program, placed as one.
             with self._sole_tracer() as alone:
@@ -372,6 +470,37 @@ class JitFunction:
                 )
                 out_specs = (None,) * len(out_specs)
         trace.jit_calls[number] = dataclasses.replace(trace.jit_calls[number], out_specs=out_specs)
+        return out
+
+    def _on_values(self, args: tuple, kwargs: dict) -> Any:
+        """A call with Flax hijax Variables: a call of their arrays, written back into them after it.
+
+        As ``jax.jit`` updates them: the function's node makes hijax Variables
+        of the arrays, runs the function on them, and returns the arrays they
+        end with, which the caller's Variables take once the run is dispatched.
+        """
+        slots, trees, variables, plain_args, plain_kwargs = hijax_arguments.as_values(
+            args, kwargs, self.__name__
+        )
+        on_values = self.__dict__.setdefault("_hijax_nodes", {})
+        node = on_values.get((slots, trees))
+        if node is None:
+            node = on_values.setdefault(
+                (slots, trees),
+                jit(
+                    hijax_arguments.with_variables(self._fun, slots, trees),
+                    devices=self._devices,
+                    in_specs=self._in_specs,
+                    out_specs=None if self._out_specs is None else (self._out_specs, None),
+                    static_argnums=self._static,
+                    static_argnames=self._static_names,
+                    donate_argnums=self._donate,
+                    donate_argnames=self._donate_names,
+                    keep_unused=self._keep_unused,
+                ),
+            )
+        out, ends = node(*plain_args, **plain_kwargs)
+        hijax_arguments.write_back(variables, ends)
         return out
 
     def _program_on(self, slice_: VirtualSlice | None) -> Program:
@@ -433,6 +562,13 @@ class JitFunction:
         self._refuse_traced_statics(args, kwargs)
         if slice_ is None:
             return self._jitted_for(args, kwargs)(*args, **kwargs)
+        if (
+            lowering_whole()
+            and (self._in_specs is not None or self._out_specs is not None)
+            and not _batched((args, kwargs))
+            and not nnx_graph.has_graph_nodes((args, kwargs))
+        ):
+            return self._with_specs(slice_, args, kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
         # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
         put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
@@ -440,7 +576,45 @@ class JitFunction:
         moved = [arg if position in static else put(arg, replicated) for position, arg in enumerate(args)]
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
         with slices.on_slice_mesh(slice_):  # code naming the slice's mesh finds its devices
-            return self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
+            out = self._jitted_for(tuple(moved), moved_kwargs)(*moved, **moved_kwargs)
+        # NNX objects returned are the caller's own (nnx.jit updates them in place): left as they are.
+        return out if nnx_graph.has_graph_nodes(out) else slices.typed_for_caller(slice_, out)
+
+    def _with_specs(self, slice_: VirtualSlice, args: tuple, kwargs: dict) -> Any:
+        """Called in a program's ``lower``/``trace``/``eval_shape``: as ``_transformed``, with its specs.
+
+        Its arguments are put on the slice's devices as its ``in_specs`` say
+        (the others replicated) and its outputs constrained to its
+        ``out_specs``, as the program's node compiles it.
+        """
+        mesh = slice_.physical_mesh
+        explicit = AxisType.Explicit in slice_.axis_types
+        specs = iter(self._leaf_in_specs(args, kwargs, slice_))
+        static = self._static_of(args)
+
+        def put(leaf: Any) -> Any:
+            spec = next(specs)
+            return jax.device_put(leaf, NamedSharding(mesh, spec if spec is not None else PartitionSpec()))
+
+        moved = tuple(arg if i in static else jax.tree_util.tree_map(put, arg) for i, arg in enumerate(args))
+        moved_kwargs = {
+            name: jax.tree_util.tree_map(put, kwargs[name])
+            for name in sorted(kwargs)  # in the order the specs hold them
+            if name not in self._static_names
+        }
+        moved_kwargs = {name: moved_kwargs.get(name, value) for name, value in kwargs.items()}
+        with slices.on_slice_mesh(slice_):
+            out = self._jitted_for(moved, moved_kwargs)(*moved, **moved_kwargs)
+            leaves, tree = jax.tree_util.tree_flatten(out)
+            constrained = [
+                leaf
+                if spec is None
+                else jax.sharding.reshard(leaf, spec)
+                if explicit
+                else jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+                for leaf, spec in zip(leaves, self._leaf_out_specs(out, slice_), strict=True)
+            ]
+        return slices.typed_for_caller(slice_, jax.tree_util.tree_unflatten(tree, constrained))
 
     def _refuse_traced_statics(self, args: tuple, kwargs: dict) -> None:
         """Refuses a static argument a transformation made abstract, as a program does."""
@@ -497,8 +671,9 @@ class JitFunction:
         return jax.jit(fun, **self._jit_options)
 
     def _jitted_for(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
-        # NNX objects are updated in place as nnx.jit does (a trace-time check only).
-        if not nnx_graph.has_graph_nodes((args, kwargs)):
+        # NNX objects are updated in place as nnx.jit does (a trace-time check only); Flax's
+        # hijax Variables as jax.jit updates them.
+        if not nnx_graph.has_graph_nodes((args, kwargs)) or hijax_arguments.given_hijax(args, kwargs):
             return self._jitted
         if self._nnx_jitted is None:
             from flax import nnx
@@ -582,10 +757,11 @@ def jit(
       devices: the slice to run on; ``None`` uses the enclosing ``with slice:``
         or the program's default slice at call time, and with neither (and no
         specs) runs where ``jax.jit`` would: on its arguments' devices or mesh.
-      in_specs: ``pw.P(...)`` for every argument, or one entry per non-static
-        positional argument: a ``pw.P``/``None``, or a pytree prefix of that
-        argument with a ``pw.P``/``None`` at each leaf (as ``shard_map``'s
-        ``in_specs``), over the slice's axis names.
+      in_specs: ``pw.P(...)`` for every positional argument, or one entry per
+        non-static positional argument: a ``pw.P``/``None``, or a pytree prefix
+        of that argument with a ``pw.P``/``None`` at each leaf (as
+        ``shard_map``'s ``in_specs``), over the slice's axis names. As with
+        ``jax.jit``'s ``in_shardings``, arguments given by keyword take none.
       out_specs: ``pw.P(...)`` for every output, or a pytree prefix of the
         output with one ``pw.P``/``None`` per part.
       static_argnums: positional arguments that are Python values (negative

@@ -137,7 +137,12 @@ class ProgramInfo:
             self.check_static(where, value)
         leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
         ambient = slices.current_slice() if self.devices is None else None
-        signature = _signed(leaves, self.name)
+        try:
+            signature = _signed(leaves, self.name)
+        except errors.ProgramTraceError as exc:
+            taken = {where for where, _ in statics if isinstance(where, int)}
+            _name_the_path(exc, treedef, [p for p in range(len(args)) if p not in taken])
+            raise
         key = (
             treedef,
             signature,
@@ -236,11 +241,12 @@ __all__ = ["ProgramInfo"]
 _LEAF = re.compile(r"argument leaf (\d+)")
 
 
-def _name_the_path(exc: errors.ProgramTraceError, treedef: Any) -> None:
+def _name_the_path(exc: errors.ProgramTraceError, treedef: Any, positions: list[int] | None = None) -> None:
     """Adds to ``exc``'s "argument leaf N" where that leaf is in the call, as ``jax.jit`` names it
     (``args[0].config``, ``kwargs['batch']``): in a large train state a number alone is hard to find.
 
-    ``treedef`` is that of the call's ``(args, kwargs)``.
+    ``treedef`` is that of the call's ``(args, kwargs)``, its static arguments taken out;
+    ``positions``: the call's position of each positional argument left (None: all are).
     """
     text = str(exc)
     found = _LEAF.search(text)
@@ -252,5 +258,9 @@ def _name_the_path(exc: errors.ProgramTraceError, treedef: Any) -> None:
         path = jax.tree_util.tree_flatten_with_path(placed)[0][position][0]
     except Exception:  # not a path it can name: the number stays alone
         return
-    where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+    if path[0].idx == 0:  # a positional argument, numbered as the call numbers it
+        number = path[1].idx if positions is None else positions[path[1].idx]
+        where = f"args[{number}]" + jax.tree_util.keystr(path[2:])
+    else:
+        where = "kwargs" + jax.tree_util.keystr(path[1:])
     exc.args = (f"{text.rstrip()} (Argument leaf {position} is {where} in the call.)",)

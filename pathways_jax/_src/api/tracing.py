@@ -21,7 +21,7 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import function_trace, nnx_graph, pickling, ref_arguments
+from pathways_jax._src.api import function_trace, hijax_arguments, nnx_graph, pickling, ref_arguments
 from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
@@ -43,7 +43,7 @@ from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
-from pathways_jax._src.runtime.slices import VirtualSlice, on_slice_mesh
+from pathways_jax._src.runtime.slices import VirtualSlice, moved_onto, on_slice_mesh, typed_for_caller
 
 
 def _uncommitted(key: ArgKey) -> bool:
@@ -80,6 +80,28 @@ def _traced_alike(old: ArgKey, new: ArgKey) -> bool:
         return True
     alike = _traced_as(old)
     return alike is not None and alike == _traced_as(new)
+
+
+_whole = threading.local()  # depth of the program lower/trace/eval_shape calls on this thread
+
+
+def lowering_whole() -> bool:
+    """True while a program's ``lower``, ``trace`` or ``eval_shape`` traces its whole function as one ``jax.jit``.
+
+    Its ``pw.jit`` functions then keep their ``in_specs``/``out_specs`` (as
+    sharding constraints) as its plan's nodes do, so the one executable shows
+    what a call runs.
+    """
+    return getattr(_whole, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _as_one_executable() -> Any:
+    _whole.depth = getattr(_whole, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _whole.depth -= 1
 
 
 class Program:
@@ -155,6 +177,7 @@ class Program:
         self._routed: set[Any] = set()
         self._repeats = RepeatCalls(info)
         self._jitted: Any = None
+        self._aot_jitted: Any = None
         self._nnx_jitted: Any = None
         # Not fun.__dict__ (updated=()): a jax.jit object keeps its own _fun there.
         functools.update_wrapper(self, fun, updated=())
@@ -218,7 +241,9 @@ class Program:
         args = tuple(arg if i in positions else put(arg, replicated) for i, arg in enumerate(args))
         kwargs = {k: v if k in self._info.static_names else put(v, replicated) for k, v in kwargs.items()}
         with slice_:  # outside a program's trace: the slice's mesh too (on_slice_mesh)
-            return jitted(*args, **kwargs)
+            out = jitted(*args, **kwargs)
+        # NNX objects returned are the caller's own (nnx.jit updates them in place): left as they are.
+        return out if nnx_graph.has_graph_nodes(out) else typed_for_caller(slice_, out)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         """As ``jax.jit``: a program defined in a class body is a method, ``self`` its first argument."""
@@ -267,6 +292,8 @@ class Program:
         except (nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
             if ref_arguments.takes_refs(self, args, kwargs):
                 return ref_arguments.graph(self, args, kwargs)
+            if not self._info.nnx_inner and hijax_arguments.takes_hijax(args, kwargs):
+                return hijax_arguments.graph(self, args, kwargs)
             if isinstance(exc, nnx_graph.GraphArgument):
                 return nnx_graph.graph(self, args, kwargs)
             if not nnx_graph.routes(self, (args, kwargs)):
@@ -370,6 +397,8 @@ class Program:
         if plan is not None and flat is not None:
             return submission.submit(plan, flat[0])
         if nnx_graph.takes_objects(self, args, kwargs):  # a model, an optimizer: as nnx.jit runs it
+            if hijax_arguments.given_hijax(args, kwargs):  # Flax's hijax mode: as jax.jit runs it
+                return hijax_arguments.call(self, args, kwargs)
             if ref_arguments.given_refs(args, kwargs) and ref_arguments.takes_refs(self, args, kwargs):
                 return ref_arguments.call(self, args, kwargs)  # Flax took a jax.Ref for an NNX object
             return nnx_graph.call(self, args, kwargs)
@@ -377,6 +406,8 @@ class Program:
             planned = self._planned(args, kwargs, flat)
         except ref_arguments.RefArguments:  # jax.Ref leaves: written in place, as jax.jit writes them
             return ref_arguments.call(self, args, kwargs)
+        except hijax_arguments.HijaxArguments:  # Flax's hijax Variables: updated as jax.jit updates them
+            return hijax_arguments.call(self, args, kwargs)
         except TracerArgument as exc:
             if self._info.under_transforms:
                 return self._transformed(args, kwargs)
@@ -402,6 +433,8 @@ class Program:
             # Signing refuses a jax.Ref (Flax imported, it takes one for an NNX graph node).
             if ref_arguments.takes_refs(self, args, kwargs):
                 raise ref_arguments.RefArguments from None
+            if not self._info.nnx_inner and hijax_arguments.takes_hijax(args, kwargs):
+                raise hijax_arguments.HijaxArguments from None
             if isinstance(exc, nnx_graph.GraphArgument):
                 return None
             if not nnx_graph.routes(self, (args, kwargs)):
@@ -527,6 +560,42 @@ class Program:
             )
         return jitted
 
+    def _ahead_of_time(self) -> Any:
+        """The function as ``lower``, ``trace`` and ``eval_shape`` give it: under ``jax.jit`` with every
+        option a call compiles with (``keep_unused``, ``compiler_options``), as ``jax.jit`` given them."""
+        jitted = self._aot_jitted
+        if jitted is None and self._given_jit() is not None:
+            jitted = self._aot_jitted = self._given_jit()
+        if jitted is None:
+            info = self._info
+            jitted = self._aot_jitted = jax.jit(
+                info.fun,
+                static_argnums=info.static,
+                static_argnames=info.static_names,
+                donate_argnums=info.donate,
+                keep_unused=info.keep_unused,
+                compiler_options=dict(info.compiler_options) or None,
+            )
+        return jitted
+
+    def _given_jit(self) -> Any:
+        """The ``jax.jit`` function the program was made of, where the program adds no option to its own; else None.
+
+        ``pw.program(jax.jit(step, static_argnames="train"))`` (or ``in_shardings=``)
+        then lowers as that ``jax.jit`` function does, not as one ``jax.jit`` inside
+        another (whose inputs' shardings would be the outer one's, not the given ones).
+        """
+        info = self._info
+        jit_info = getattr(info.fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+        if jit_info is None or not callable(getattr(info.fun, "lower", None)):
+            return None
+        own = (
+            set(info.donate) <= set(getattr(jit_info, "donate_argnums", ()) or ())
+            and info.keep_unused == bool(getattr(jit_info, "keep_unused", False))
+            and dict(info.compiler_options) == dict(getattr(jit_info, "compiler_options_kvs", ()) or ())
+        )
+        return info.fun if own else None
+
     def _as_jit_for(self, args: tuple, kwargs: dict) -> Any:
         """The function as ``jax.jit`` runs it, or as ``nnx.jit`` does where the arguments hold NNX objects.
 
@@ -535,6 +604,8 @@ class Program:
         ``jax.jit`` it would be flattened as a pytree, and its updates lost.
         """
         if self._info.nnx_inner or not nnx_graph.has_graph_nodes((args, kwargs)):
+            return self._as_jax_jit()
+        if hijax_arguments.given_hijax(args, kwargs):  # Flax's hijax mode: jax.jit takes its Variables
             return self._as_jax_jit()
         jitted = self._nnx_jitted
         if jitted is None:
@@ -567,9 +638,9 @@ class Program:
             them (its plan is prepared all the same).
         """
         self._prepare(args, kwargs)
-        with self._slice_mesh():
+        with self._slice_mesh(), _as_one_executable():
             try:
-                return self._as_jax_jit().lower(*args, **kwargs)
+                return self._ahead_of_time().lower(*self._moved(args), **self._moved_kwargs(kwargs))
             except ValueError as exc:
                 if "incompatible devices" not in str(exc) or not self._on_several_orders(args, kwargs):
                     raise
@@ -582,6 +653,22 @@ class Program:
                     "function's lower(...) gives its own executable."
                 ) from exc
 
+    def _moved(self, args: tuple) -> tuple:
+        """The positional arguments as a call puts them on the default slice (see ``slices.moved_onto``)."""
+        slice_ = self._info.devices
+        if slice_ is None or nnx_graph.has_graph_nodes(args):
+            return args
+        static = self._info.static_positions(len(args))
+        return tuple(arg if i in static else moved_onto(slice_, arg) for i, arg in enumerate(args))
+
+    def _moved_kwargs(self, kwargs: dict) -> dict:
+        """The keyword arguments as a call puts them on the default slice."""
+        slice_ = self._info.devices
+        if slice_ is None or not kwargs or nnx_graph.has_graph_nodes(kwargs):
+            return kwargs
+        names = self._info.static_names
+        return {k: v if k in names else moved_onto(slice_, v) for k, v in kwargs.items()}
+
     def _on_several_orders(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call's graph runs on slices of different devices or device orders."""
         try:
@@ -590,11 +677,16 @@ class Program:
             return False
         return len({tuple(d.id for d in node.slice.devices) for node in nodes}) > 1
 
-    def _slice_mesh(self) -> contextlib.AbstractContextManager[None]:
+    def _slice_mesh(self) -> contextlib.AbstractContextManager[Any]:
         """The program's default slice's mesh, where ``lower``, ``trace`` and ``eval_shape`` run its
-        function as ``jax.jit`` (as under ``jax.set_mesh(slice.physical_mesh)``); none without one."""
+        function as ``jax.jit`` (as under ``jax.set_mesh(slice.physical_mesh)``); without one, its
+        ``device=`` as the default device (where a call puts its arguments), else nothing."""
         slice_ = self._info.devices
-        return contextlib.nullcontext() if slice_ is None else on_slice_mesh(slice_)
+        if slice_ is not None:
+            return on_slice_mesh(slice_)
+        if self._info.device is not None:
+            return jax.default_device(self._info.device)
+        return contextlib.nullcontext()
 
     def clear_cache(self) -> None:
         """As ``jax.jit(fun).clear_cache()``: the next call traces and lowers again.
@@ -609,10 +701,12 @@ class Program:
             self._repeats.clear()
             self._nnx_jitted = None
             jitted = self._jitted
+            aot = self._aot_jitted
             # Calls given NNX objects run through inner programs (nnx_graph), made anew at the next.
             nnx_calls = self.__dict__.pop("_nnx_calls", {})
-        if jitted is not None:
-            jitted.clear_cache()
+        for cached in (jitted, aot):
+            if cached is not None:
+                cached.clear_cache()
         for call in nnx_calls.values():
             call.inner.clear_cache()
 
@@ -632,13 +726,13 @@ class Program:
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).trace(...)``: JAX's ``Traced`` of the function (``.jaxpr``, ``.lower()``)."""
-        with self._slice_mesh():
-            return self._as_jax_jit().trace(*args, **kwargs)
+        with self._slice_mesh(), _as_one_executable():
+            return self._ahead_of_time().trace(*self._moved(args), **self._moved_kwargs(kwargs))
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """As ``jax.jit(fun).eval_shape(...)``: the outputs' shapes and dtypes, computing nothing."""
-        with self._slice_mesh():
-            return self._as_jax_jit().eval_shape(*args, **kwargs)
+        with self._slice_mesh(), _as_one_executable():
+            return self._ahead_of_time().eval_shape(*self._moved(args), **self._moved_kwargs(kwargs))
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
         """Traces and lowers the plan a call with these arguments would run (nothing runs).
@@ -661,6 +755,8 @@ class Program:
         except (TracerArgument, nnx_graph.GraphArgument, errors.ProgramTraceError) as exc:
             if ref_arguments.takes_refs(self, args, kwargs):
                 return ref_arguments.prepare(self, args, kwargs)
+            if not self._info.nnx_inner and hijax_arguments.takes_hijax(args, kwargs):
+                return hijax_arguments.prepare(self, args, kwargs)
             if isinstance(exc, errors.ProgramTraceError):
                 raise
             return  # under a transformation, or NNX objects: prepared by their first call
@@ -701,4 +797,4 @@ class Program:
         return f"pw.program({self.name}, {self.source_info})"
 
 
-__all__ = ["Program"]
+__all__ = ["Program", "lowering_whole"]

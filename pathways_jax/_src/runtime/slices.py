@@ -277,6 +277,69 @@ def on_slice_mesh(slice_: VirtualSlice) -> contextlib.AbstractContextManager[Non
     return only_mesh(slice_.mesh, slice_.physical_mesh)
 
 
+def typed_for_caller(slice_: VirtualSlice, tree: object) -> object:
+    """``tree``, its values typed on ``slice_``'s Explicit mesh retyped as the same layout on Auto axes.
+
+    A program or ``pw.jit`` function on a slice with Explicit axes, called
+    under the caller's ``grad``/``jit``/``vmap``, runs as ``jax.jit`` under the
+    slice's mesh; its outputs then leave that mesh. Typed on it, they would
+    ask for it in the caller's code: ``jax.grad`` seeds the output's
+    cotangent there ("Length of device assignment 1 is not equal to the size
+    of the mesh"), where under ``jax.set_mesh`` of the slice's mesh it has
+    it. Retyped on Auto axes of the same devices and specs they keep their
+    values and layout and need no mesh. A caller under that mesh itself gets
+    them as they are.
+    """
+    if AxisType.Explicit not in slice_.axis_types or jax.sharding.get_abstract_mesh() == slice_.mesh:
+        return tree
+    physical = slice_.physical_mesh
+    auto = Mesh(physical.devices, physical.axis_names, axis_types=(AxisType.Auto,) * len(physical.axis_names))
+
+    def retyped(leaf: object) -> object:
+        if not isinstance(leaf, jax.Array):  # tracers are jax.Arrays too
+            return leaf
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh != slice_.mesh:
+            return leaf
+        return jax.device_put(leaf, NamedSharding(auto, PartitionSpec(*sharding.spec)))
+
+    return jax.tree_util.tree_map(retyped, tree)
+
+
+def moved_onto(slice_: VirtualSlice, tree: object) -> object:
+    """``tree``, its arrays on other devices than ``slice_``'s as the call puts them there (abstract).
+
+    A call moves such an array onto the slice, keeping its spec where it
+    names the slice's axes and divides evenly, else replicated; ``lower``,
+    ``trace`` and ``eval_shape`` (``jax.jit`` under the slice's mesh, which
+    would refuse it: "incompatible devices") take a ``jax.ShapeDtypeStruct``
+    of that sharding in its place.
+    """
+    devices = set(slice_.devices)
+    mesh = slice_.physical_mesh
+    sizes = dict(zip(slice_.axis_names, slice_.shape, strict=True))
+
+    def moved(leaf: object) -> object:
+        # Arrays, abstract ones and futures (whose sharding is known without waiting).
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding) or isinstance(leaf, jax.core.Tracer):
+            return leaf
+        if not getattr(leaf, "committed", True):  # jax.jit puts it anywhere, as the call does
+            return leaf
+        if sharding.device_set <= devices:
+            return leaf
+        shape = tuple(leaf.shape)  # type: ignore[attr-defined]  # an array's, or a future's
+        spec = fitting_spec(sharding, sizes, shape)
+        return jax.ShapeDtypeStruct(
+            shape,
+            leaf.dtype,  # type: ignore[attr-defined]
+            sharding=NamedSharding(mesh, spec),
+            weak_type=bool(getattr(leaf, "weak_type", False)),
+        )
+
+    return jax.tree_util.tree_map(moved, tree)
+
+
 def placement_of(slices: Sequence[VirtualSlice]) -> Placement:
     """Where ``slices`` (every slice a graph names) are now, as the plain data lowering is given."""
     if not slices:
