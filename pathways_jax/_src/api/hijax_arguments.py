@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import jax
 from jax.core import Tracer as _Tracer
 
-from pathways_jax._src.core import errors
+from pathways_jax._src.core import arrays, errors
+from pathways_jax._src.runtime.futures import Future
 
 
 class HijaxArguments(Exception):
@@ -39,6 +40,8 @@ class _Flax(NamedTuple):
 _FLAX: list[_Flax] = []
 # Values with nothing inside to look into: a model's settings (sizes, names, dtypes).
 _PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None)})
+# Arguments that are values themselves (a train loop's futures and arrays): passed over at once.
+_VALUES = _PLAIN | {Future, arrays.array_impl}
 
 
 def _flax() -> _Flax | None:
@@ -89,7 +92,7 @@ def given_hijax(args: tuple, kwargs: dict) -> bool:
     if flax is None:
         return False
     for arg in (*args, *kwargs.values()):
-        if type(arg) in _PLAIN:
+        if type(arg) in _VALUES:
             continue
         if _is_hijax(arg, flax):
             return True
