@@ -325,6 +325,11 @@ class ChannelLink:
         self.messages = 0
         self.batches = 0
         self.broadcasts = 0  # batches sent to several hosts in one send
+        # While a thread has the link corked (cork(), uncork()), its messages to single hosts wait
+        # in call order and then go one batch per host: one send, not one per caller's call.
+        self._corker: int | None = None
+        self._corked: list[tuple[int, bytes, list[wire.Item], list[concurrent.futures.Future]]] = []
+        self._cork_lock = threading.Lock()
 
     @property
     def address(self) -> wire.Address:
@@ -348,6 +353,34 @@ class ChannelLink:
         """Sends host ``host`` its next messages as one batch; the futures of their answers."""
         return self._send_items(host, [encode(kind, args) for _seq, kind, args in messages])
 
+    def cork(self) -> None:
+        """Holds this thread's messages to single hosts until :meth:`uncork` (a controller
+        service's turn of its loop): what it sends a host in the turn goes in one batch. A send
+        of another thread, and a broadcast, first sends what is held: the order of sends stays
+        the order of the calls."""
+        self._corker = threading.get_ident()
+
+    def uncork(self) -> None:
+        """Sends what :meth:`cork` held, one batch per host, and stops holding."""
+        self._corker = None
+        self._send_corked()
+
+    def _send_corked(self) -> None:
+        with self._cork_lock:
+            corked, self._corked = self._corked, []
+            by_identity: dict[bytes, tuple[int, list[wire.Item], list[concurrent.futures.Future]]] = {}
+            for host, identity, items, futures in corked:
+                _host, held, owed = by_identity.setdefault(identity, (host, [], []))
+                held.extend(items)
+                owed.extend(futures)
+            for identity, (host, items, futures) in by_identity.items():
+                try:
+                    self._send_now(host, identity, items, futures)
+                except Exception as exc:  # each host's held messages fail on their own, none is left owed
+                    for future in futures:
+                        if not future.done():
+                            future.set_exception(HostGone(host, f"its messages could not be sent: {exc}"))
+
     def _send_items(self, host: int, items: list[wire.Item]) -> list[concurrent.futures.Future]:
         """:meth:`send_many` of messages already encoded."""
         identity = self._identity[host]
@@ -356,16 +389,31 @@ class ChannelLink:
             for future in futures:
                 future.set_exception(HostGone(host, "it was lost"))
             return futures
+        if self._corker == threading.get_ident():
+            with self._cork_lock:
+                self._corked.append((host, identity, items, futures))
+            return futures
+        if self._corked:
+            self._send_corked()
+        self._send_now(host, identity, items, futures)
+        return futures
+
+    def _send_now(
+        self, host: int, identity: bytes, items: list[wire.Item], futures: list[concurrent.futures.Future]
+    ) -> None:
+        if identity in self._gone:
+            for future in futures:
+                future.set_exception(HostGone(host, "it was lost"))
+            return
         try:
             first = self._server.send_many(identity, items, timeout=self._send_timeout([identity]))
         except wire.ChannelError as exc:
             for future in futures:
                 future.set_exception(HostGone(host, f"its channel refused the message: {exc}"))
-            return futures
+            return
         self.messages += len(items)
         self.batches += 1
         self._owe(host, identity, first, futures)
-        return futures
 
     def send_group(
         self, group: int, messages: dict[int, list[tuple[int, str, tuple]]]
@@ -396,6 +444,8 @@ class ChannelLink:
         return {host: out[host] for host in messages}
 
     def _broadcast(self, group: int, parts: dict[int, list[wire.Item]], out: dict) -> None:
+        if self._corked:  # sent before: the order of sends is the order of the calls
+            self._send_corked()
         identities = {host: self._identity[host] for host in parts}
         for host, items in parts.items():
             out[host] = [concurrent.futures.Future() for _ in items]
@@ -487,8 +537,10 @@ class ChannelLink:
         }
 
     def close(self) -> None:
+        with self._cork_lock:
+            corked, self._corked = self._corked, []
         with self._lock:
-            futures = list(self._owed.values())
+            futures = list(self._owed.values()) + [f for *_rest, held in corked for f in held]
             self._owed.clear()
         for future in futures:
             if not future.done():

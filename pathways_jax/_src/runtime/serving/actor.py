@@ -177,7 +177,12 @@ class ServiceActor:
         """Notes the actor's event loop (called on it): the channels' threads hand it their messages."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._handoff = Handoff(self._loop)
+            from pathways_jax._src.backends.channel_link import ChannelLink
+
+            link = self.backend.link
+            # A turn's messages to a host (the runs its completions let go) go in one batch.
+            turn = (link.cork, link.uncork) if isinstance(link, ChannelLink) else None
+            self._handoff = Handoff(self._loop, turn)
 
     async def join(self, name: str, pid: int, node: str, token: Any, x64: bool) -> dict:
         """Admits a client process (or refuses it, saying why); its id and the cluster's shape."""

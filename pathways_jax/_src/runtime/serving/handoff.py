@@ -21,8 +21,15 @@ from typing import Any
 class Handoff:
     """Calls posted from any thread, run on ``loop`` in the order they were posted."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        turn: tuple[Callable[[], None], Callable[[], None]] | None = None,
+    ) -> None:
         self.loop = loop
+        # Called before and after the calls of one turn (the hosts' link held, then sent: what a
+        # turn sends a host goes in one batch).
+        self._turn = turn
         self._calls: collections.deque[tuple[Callable[..., None], tuple]] = collections.deque()
         self._pending = False  # a drain is asked for and has not started
 
@@ -56,11 +63,21 @@ class Handoff:
         # Cleared before the calls are taken: a call posted from now on asks for a drain of its own.
         self._pending = False
         calls = self._calls
-        while calls:
-            fn, args = calls.popleft()
-            try:
-                fn(*args)
-            except Exception as exc:  # reported as the loop reports a failed callback; the rest still run
-                self.loop.call_exception_handler(
-                    {"message": f"Exception in a call handed to the service's loop: {fn!r}", "exception": exc}
-                )
+        turn = self._turn
+        if turn is not None:
+            turn[0]()
+        try:
+            while calls:
+                fn, args = calls.popleft()
+                try:
+                    fn(*args)
+                except Exception as exc:  # reported as the loop reports a failed callback; the rest still run
+                    self.loop.call_exception_handler(
+                        {
+                            "message": f"Exception in a call handed to the service's loop: {fn!r}",
+                            "exception": exc,
+                        }
+                    )
+        finally:
+            if turn is not None:
+                turn[1]()
