@@ -166,3 +166,28 @@ def test_a_transfer_guard_sees_host_values_at_the_call_as_under_jax_jit():
         with jax.transfer_guard("log_explicit"):
             assert_matches(program(x, value), reference(x, value))
     assert_matches(program(x, 3.0), reference(x, 3.0))
+
+
+def test_a_loop_fed_batches_put_on_devices_each_call_signs_once_and_matches_jax_jit(counted):
+    # jax.device_put(batch) gives each array a sharding object of its own, equal to the last.
+    pw.init(num_cpu_devices=8)
+
+    def step(params, batch):
+        return jax.tree.map(lambda v: v * 0.9 + batch.mean(), params), batch.sum()
+
+    program, reference = pw.program(step), jax.jit(step)
+    params = {"w": jnp.ones(4), "b": jnp.zeros(())}
+    got = want = params
+    batches = [jax.device_put(np.full((8,), i, np.float32)) for i in range(12)]
+    assert batches[0].sharding is not batches[1].sharding
+    signed = 0
+    for i, batch in enumerate(batches):
+        if i == 2:
+            signed = counted["signed"]  # after the first call with arrays and the first with futures
+        got, loss = program(got, batch)
+        want, want_loss = reference(want, batch)
+    assert counted["signed"] == signed
+    assert_matches((got, loss), (want, want_loss), rtol=0, atol=0)
+    other = jax.device_put(np.ones(8, np.float32), jax.devices()[1])  # another device: signed anew
+    assert_matches(program(params, other), reference(params, other), rtol=0, atol=0)
+    assert counted["signed"] == signed + 1

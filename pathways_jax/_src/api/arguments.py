@@ -417,7 +417,7 @@ class _HostMark(NamedTuple):
 
 
 def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
-    """True when each leaf has the type (by identity) its mark recorded; see :class:`_LastLeaves`."""
+    """True when each leaf has the type its mark recorded (by identity where it can); see :class:`_LastLeaves`."""
     if len(leaves) != len(marks):
         return False
     future, array = Future, _ArrayImpl
@@ -435,12 +435,17 @@ def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
                 return False
         else:
             aval, sharding, committed = mark
-            if (
-                leaf.aval is not aval
-                or leaf.sharding is not sharding
-                or leaf._committed is not committed
-                or leaf.is_deleted()  # the call's signing refuses it, as jax.jit does
-            ):
+            if leaf._committed is not committed:
+                return False
+            # By identity first; else by equality, as the signature compares them: an array of
+            # jax.device_put(batch) has a sharding of its own each call, equal to the last one's.
+            held = leaf.aval
+            if held is not aval and held != aval:
+                return False
+            held = leaf.sharding
+            if held is not sharding and held != sharding:
+                return False
+            if leaf.is_deleted():  # the call's signing refuses it, as jax.jit does
                 return False
     return True
 
