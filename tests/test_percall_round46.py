@@ -191,3 +191,24 @@ def test_a_loop_fed_batches_put_on_devices_each_call_signs_once_and_matches_jax_
     other = jax.device_put(np.ones(8, np.float32), jax.devices()[1])  # another device: signed anew
     assert_matches(program(params, other), reference(params, other), rtol=0, atol=0)
     assert counted["signed"] == signed + 1
+
+
+def test_a_loop_fed_a_new_typed_prng_key_each_call_signs_once_and_matches_jax_jit(counted):
+    # The key a loop splits off eagerly each step (jax.random.key, as JAX's docs advise) is an
+    # array of its own type: it was signed each call, the whole call with it.
+    pw.init(num_cpu_devices=8)
+
+    def step(params, key):
+        return jax.tree.map(lambda v: v + 0.1 * jax.random.normal(key, v.shape), params)
+
+    program, reference = pw.program(step), jax.jit(step)
+    got = want = {"w": jnp.ones(4), "b": jnp.zeros(())}
+    key = jax.random.key(0)
+    signed = 0
+    for i in range(12):
+        if i == 2:
+            signed = counted["signed"]
+        key, sub = jax.random.split(key)
+        got, want = program(got, sub), reference(want, sub)
+    assert counted["signed"] == signed
+    assert_matches(got, want, rtol=0, atol=0)

@@ -376,6 +376,21 @@ def _array_type() -> Any:
 _ArrayImpl: Any = _array_type()
 
 
+def _key_array_type() -> Any:
+    """The type of a typed PRNG key array (``jax.random.key``; private to JAX; None on another JAX)."""
+    try:
+        from jax._src.random.prng import PRNGKeyArray
+    except ImportError:  # pragma: no cover - another JAX
+        try:
+            from jax._src.prng import PRNGKeyArray  # type: ignore[no-redef]
+        except ImportError:  # keys are signed each call
+            return None
+    return PRNGKeyArray
+
+
+_KeyArray: Any = _key_array_type()
+
+
 def _marks(leaves: list[Any]) -> tuple[Any, ...] | None:
     """What identifies each leaf's type for :class:`_LastLeaves` (None: a leaf of another kind).
 
@@ -393,7 +408,7 @@ def _marks(leaves: list[Any]) -> tuple[Any, ...] | None:
             if signature is None:
                 return None
             marks.append(signature)
-        elif kind is _ArrayImpl:
+        elif kind is _ArrayImpl or kind is _KeyArray:  # a typed PRNG key array (jax.random.key) too
             marks.append((leaf.aval, leaf.sharding, leaf._committed))
         elif kind in _EXACT_SCALARS:
             marks.append(kind)
@@ -420,13 +435,13 @@ def _same_types(leaves: list[Any], marks: tuple[Any, ...]) -> bool:
     """True when each leaf has the type its mark recorded (by identity where it can); see :class:`_LastLeaves`."""
     if len(leaves) != len(marks):
         return False
-    future, array = Future, _ArrayImpl
+    future, array, key = Future, _ArrayImpl, _KeyArray
     for leaf, mark in zip(leaves, marks, strict=True):
         kind = type(leaf)
         if kind is future:
             if leaf._entry.signature is not mark:
                 return False
-        elif kind is not array or type(mark) is not tuple:
+        elif (kind is not array and kind is not key) or type(mark) is not tuple:
             if mark is kind:  # a Python scalar of the same exact type
                 continue
             if type(mark) is not _HostMark or mark.kind is not kind:
