@@ -212,3 +212,38 @@ def test_a_loop_fed_a_new_typed_prng_key_each_call_signs_once_and_matches_jax_ji
         got, want = program(got, sub), reference(want, sub)
     assert counted["signed"] == signed
     assert_matches(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["static_argnums", "static_argnames"])
+def test_a_loop_with_static_arguments_signs_once_and_each_static_value_runs_its_own_trace(how, counted):
+    pw.init(num_cpu_devices=8)
+
+    def step(params, batch, train=False):
+        return jax.tree.map(lambda v: v * (0.5 if train else 2.0) + batch.mean(), params)
+
+    options = {"static_argnums": (2,)} if how == "static_argnums" else {"static_argnames": ("train",)}
+    program, reference = pw.program(step, **options), jax.jit(step, **options)
+
+    def call(fn, params, batch, train):
+        return fn(params, batch, train) if how == "static_argnums" else fn(params, batch, train=train)
+
+    got = want = {"w": jnp.ones(4), "b": jnp.zeros(())}
+    batch = jnp.arange(8.0)
+    signed = 0
+    for i in range(10):
+        if i == 2:
+            signed = counted["signed"]
+        got, want = call(program, got, batch, True), call(reference, want, batch, True)
+    assert counted["signed"] == signed  # the same static value: the call before's plan, unsigned
+    assert_matches(got, want, rtol=0, atol=0)
+    for train in (False, True, False, 1, 1.0):  # another value, or an equal one of another type
+        before = counted["signed"]
+        got, want = call(program, got, batch, train), call(reference, want, batch, train)
+        assert counted["signed"] == before + 1
+        assert_matches(got, want, rtol=0, atol=0)
+    if how == "static_argnames":  # left to its default after it was given True: the default's trace
+        got, want = call(program, got, batch, True), call(reference, want, batch, True)
+        before = counted["signed"]
+        got, want = program(got, batch), reference(want, batch)
+        assert counted["signed"] == before + 1
+        assert_matches(got, want, rtol=0, atol=0)

@@ -119,7 +119,32 @@ class ProgramInfo:
                 _trace_context(),
             )
             return key, TraceInputs(treedef, (), signature, ambient, leaves)
-        statics: list[tuple[int | str, Any]] = []  # (position or keyword name, value)
+        statics, dynamic, kwargs = self.take_statics(args, kwargs)
+        for where, value in statics:
+            self.check_static(where, value)
+        leaves, treedef = jax.tree_util.tree_flatten((dynamic, kwargs))
+        ambient = slices.current_slice() if self.devices is None else None
+        try:
+            signature = _signed(leaves, self.name)
+        except errors.ProgramTraceError as exc:
+            taken = {where for where, _ in statics if isinstance(where, int)}
+            _name_the_path(exc, treedef, [p for p in range(len(args)) if p not in taken])
+            raise
+        key = (
+            treedef,
+            signature,
+            static_key(statics),
+            ambient.id if ambient is not None else None,
+            _trace_context(),
+        )
+        ordered = tuple(reversed([s for s in statics if isinstance(s[0], int)]))
+        named = tuple(s for s in statics if isinstance(s[0], str))
+        return key, TraceInputs(treedef, ordered + named, signature, ambient, leaves)
+
+    def take_statics(self, args: tuple, kwargs: dict) -> tuple[list[tuple[int | str, Any]], tuple, dict]:
+        """A call's static arguments, ``(position or keyword name, value)`` (positions last to first),
+        and its dynamic positional and keyword arguments."""
+        statics: list[tuple[int | str, Any]] = []
         dynamic = list(args)
         if self.static_names and kwargs:
             # Keyword statics (static_argnames) are keyed by name; the rest stay dynamic.
@@ -133,27 +158,7 @@ class ProgramInfo:
                 # an *args entry this call does not give.
                 continue
             statics.append((position, dynamic.pop(position)))
-        for where, value in statics:
-            self.check_static(where, value)
-        leaves, treedef = jax.tree_util.tree_flatten((tuple(dynamic), kwargs))
-        ambient = slices.current_slice() if self.devices is None else None
-        try:
-            signature = _signed(leaves, self.name)
-        except errors.ProgramTraceError as exc:
-            taken = {where for where, _ in statics if isinstance(where, int)}
-            _name_the_path(exc, treedef, [p for p in range(len(args)) if p not in taken])
-            raise
-        key = (
-            treedef,
-            signature,
-            # Typed as jax.jit keys them: 1, 1.0 and True are equal but trace apart.
-            tuple((where, type(value), value) for where, value in statics),
-            ambient.id if ambient is not None else None,
-            _trace_context(),
-        )
-        ordered = tuple(reversed([s for s in statics if isinstance(s[0], int)]))
-        named = tuple(s for s in statics if isinstance(s[0], str))
-        return key, TraceInputs(treedef, ordered + named, signature, ambient, leaves)
+        return statics, tuple(dynamic), kwargs
 
     def static_positions(self, count: int) -> tuple[int, ...]:
         """The static positions of a call with ``count`` positional arguments.
@@ -235,7 +240,15 @@ class ProgramInfo:
         return frozenset(donated)
 
 
-__all__ = ["ProgramInfo"]
+def static_key(statics: list[tuple[int | str, Any]]) -> tuple:
+    """The part of a call's cache key its static arguments make (see ``ProgramInfo.take_statics``).
+
+    Typed as ``jax.jit`` keys them: 1, 1.0 and True are equal but trace apart.
+    """
+    return tuple((where, type(value), value) for where, value in statics)
+
+
+__all__ = ["ProgramInfo", "static_key"]
 
 
 _LEAF = re.compile(r"argument leaf (\d+)")

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 
 from pathways_jax._src.api.arguments import TraceInputs, _marks, _same_types
-from pathways_jax._src.api.program_info import ProgramInfo
+from pathways_jax._src.api.program_info import ProgramInfo, static_key
 from pathways_jax._src.core.jax_context import trace_context as _trace_context
 from pathways_jax._src.ir.signatures import FutureKey
 from pathways_jax._src.runtime import slices
@@ -32,20 +32,22 @@ class LastCall(NamedTuple):
 
 
 class LastLeaves(NamedTuple):
-    """The last call with no static arguments whose leaves were all ``jax.Array`` s, futures or host values.
+    """The last call whose dynamic leaves were all ``jax.Array`` s, futures or host values.
 
     The next call whose leaves have the same types, compared by identity (an
     array's ``aval`` and ``sharding`` objects, a future's shared signature, a
     Python scalar's type; a numpy value's type, shape and dtype by equality),
-    skips its signature and cache lookups: a train loop feeds each step the
-    outputs of the one before, whose types are the same objects every step.
+    and whose static arguments are equal (as ``jax.jit`` compares them), skips
+    its signature and cache lookups: a train loop feeds each step the outputs
+    of the one before, whose types are the same objects every step.
     """
 
-    treedef: Any
+    treedef: Any  # of the dynamic arguments
     marks: tuple[Any, ...]  # per leaf: see arguments._marks
     ambient: VirtualSlice | None
     plan: Runnable
     config: tuple  # JAX's trace context of that call
+    statics: tuple  # its static arguments' part of the cache key (program_info.static_key); () if none
 
 
 class RepeatCalls:
@@ -96,12 +98,25 @@ class RepeatCalls:
         return None
 
     def by_leaves(self, args: tuple, kwargs: dict) -> tuple[Runnable | None, tuple[list[Any], Any] | None]:
-        """The plan of the call before if this one's leaves have its types, treedef and context (else None),
-        and the call flattened if it was (else None: it has static arguments, or no call was kept)."""
+        """The plan of the call before if this one's static arguments are equal and its dynamic leaves
+        have its types, treedef and context (else None), and the dynamic leaves and their treedef if
+        they were flattened (else None: no call was kept, or a static argument differs)."""
         fast = self.last_leaves
-        if fast is None or not self._keyed_by_leaves(kwargs):
+        if fast is None:
             return None, None
-        flat = jax.tree_util.tree_flatten((args, kwargs))
+        if self._keyed_by_leaves(kwargs):
+            if fast.statics:  # that call gave a static argument by keyword; this one leaves it out
+                return None, None
+            flat = jax.tree_util.tree_flatten((args, kwargs))
+        else:
+            statics, dynamic, kwargs = self.info.take_statics(args, kwargs)
+            try:
+                same = static_key(statics) == fast.statics  # as jax.jit compares them
+            except Exception:  # an __eq__ that raises: signed, and refused there if it must be
+                same = False
+            if not same:
+                return None, None
+            flat = jax.tree_util.tree_flatten((dynamic, kwargs))
         leaves, treedef = flat
         plan = fast.plan
         if (
@@ -117,10 +132,10 @@ class RepeatCalls:
         futures_only = not kwargs and not self.info.static and all(type(a) is Future for a in args)
         if futures_only and all(a._entry.signature is not None for a in args):
             self.last = LastCall(tuple(a._entry.signature for a in args), inputs.ambient, plan, key[-1])
-        elif self._keyed_by_leaves(kwargs):
+        else:
             marks = _marks(inputs.leaves)
             if marks is not None:
-                self.last_leaves = LastLeaves(inputs.treedef, marks, inputs.ambient, plan, key[-1])
+                self.last_leaves = LastLeaves(inputs.treedef, marks, inputs.ambient, plan, key[-1], key[2])
 
 
 __all__ = ["LastCall", "LastLeaves", "RepeatCalls"]
