@@ -26,7 +26,7 @@ import pytest
 
 import pathways_jax as pw
 from pathways_jax._src.runtime import controller as controller_lib
-from tests.helpers import assert_matches, gated
+from tests.helpers import assert_matches, gated, run_source
 
 MiB = 2**20
 
@@ -398,6 +398,52 @@ def test_finalizers_the_garbage_collector_runs_inside_dispatch_can_call_programs
         time.sleep(0.01)
     assert len(got) == made and set(got) == {want}
     assert_matches(out, reference(x))
+
+
+_FINALIZERS_INSIDE_A_TRACEBACK_CAPTURE = """
+import gc
+import jax.numpy as jnp
+import pathways_jax as pw
+from pathways_jax._src.core import readiness
+
+pw.init(num_cpu_devices=2)
+program = pw.program(lambda v: v * 2 + 1)
+x = jnp.arange(4.0)
+got = []
+
+class Finalized:
+    def __del__(self):  # reads a program's value, as code written for jax.jit does
+        got.append(float(program(x).sum()))
+
+def ask(depth, array):  # from frames made just now, as the runtime's threads ask
+    if depth:
+        return ask(depth - 1, array)
+    readiness.settled(array)
+    readiness.block(array)
+
+out = program(x).result()
+gc.set_threshold(100)
+for _ in range(600):
+    cycle = Finalized()
+    cycle.self = cycle
+    del cycle
+    ask(20, out)
+gc.set_threshold(700, 10, 10)
+gc.collect()
+print("read", len(got), sorted(set(got)), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_finalizers_that_run_while_the_runtime_asks_whether_a_value_is_ready_can_read_programs():
+    # jaxlib's is_ready() and block_until_ready() capture the Python traceback, making a frame
+    # object for each frame without one: a collection started there ran finalizers that read
+    # programs (captures of their own) in the middle of it, and CPython later freed a code object
+    # still in use (a segfault; the accounting watcher asks from frames made just now).
+    want = float((jnp.arange(4.0) * 2 + 1).sum())
+    done = run_source(_FINALIZERS_INSIDE_A_TRACEBACK_CAPTURE)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert f"read 600 [{want}]" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 # A deadlock here blocks inside a finalizer or a handler, where no signal gets it out.

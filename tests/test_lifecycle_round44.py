@@ -107,59 +107,73 @@ def test_abstract_uses_of_a_future_still_computing_wait_for_nothing():
 
 
 _DELETE_WHILE_THE_WATCHER_ASKS = """
-import threading, time
+import dis, sys, threading, time
 import jax, jax.numpy as jnp
 import pathways_jax as pw
-from pathways_jax._src.core import readiness
 
+armed, asked, deleted, went_on = (threading.Event() for _ in range(4))
+thread, asker = sys.argv[1:]  # the runtime's thread that asks, and the function it asks in
+reads = {}  # code -> offsets of its instructions that read an attribute named is_ready
+
+def reads_is_ready(frame):
+    code = frame.f_code
+    if code not in reads:
+        reads[code] = {
+            i.offset for i in dis.get_instructions(code) if i.opname.startswith("LOAD_") and i.argval == "is_ready"
+        }
+    return frame.f_lasti in reads[code]
+
+def on_opcode(frame, event, arg):
+    # A thread switch can happen between any two bytecodes: here, the one just before the runtime's
+    # thread reads is_ready, where the user deletes the run's output (held open until it has).
+    if frame.f_code.co_qualname != asker or not armed.is_set():
+        return on_opcode
+    if event == "opcode" and not asked.is_set() and reads_is_ready(frame):
+        asked.set()
+        deleted.wait(30)
+    elif event == "return" and asked.is_set():
+        went_on.set()
+    return on_opcode
+
+def on_call(frame, event, arg):
+    if threading.current_thread().name != thread or "pathways_jax" not in frame.f_code.co_filename:
+        return None
+    frame.f_trace_opcodes = True
+    return on_opcode
+
+threading.settrace(on_call)  # the runtime's threads start after it
 pw.init(num_cpu_devices=4)
 step = pw.program(lambda v: v * 2)
 x = jax.device_put(jnp.arange(4.0), jax.devices()[1])  # committed: result() is the run's own array
 step(x).result()
-accounting = pw.cluster().controller.accounting
+controller = pw.cluster().controller
 deadline = time.monotonic() + 30
-while not accounting.idle() and time.monotonic() < deadline:  # done with the first run: next, the second
-    time.sleep(0.01)
-asked, deleted = threading.Event(), threading.Event()
-original = readiness.settled
-
-def settled(array):
-    # The accounting watcher asks whether a run's output is done just as the user deletes it: the
-    # moment a thread switch between is_deleted() and is_ready() can give the user, held open here.
-    if threading.current_thread().name != "pathways-accounting" or asked.is_set() or array.is_deleted():
-        return original(array)
-    asked.set()  # settled() asked is_deleted(): False
-    deleted.wait(30)
-    try:
-        return array.is_ready()  # then is_ready(): a segfault on the user's deleted array
-    except Exception:  # deleted: the view's buffers are gone
-        return True
-
-readiness.settled = settled
+while time.monotonic() < deadline and not (controller.accounting.idle() and not controller.windows.markers()):
+    time.sleep(0.01)  # done with the first run (accounted, and out of its window): next, the second
+armed.set()
 out = step(x)
-assert asked.wait(30), "the watcher never asked"
+assert asked.wait(30), "the runtime's thread never asked"
 value = out.result()
 value.delete()  # as jax.jit(..., donate_argnums=0)(value) would
 deleted.set()
+assert went_on.wait(30), "the runtime's thread never went on"
 print("next", step(x).result().tolist(), flush=True)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the accounting watcher asks the user's own jax.Array is_deleted() then is_ready(); a delete() "
-        "between them segfaults XLA's CPU client. Views made on the watcher's thread raced with the "
-        "user's first read of a multi-shard result (IndexError in _value): the fix is a view made on "
-        "the dispatching thread before the outputs are published, or a marker output no user holds"
-    ),
-)
 @pytest.mark.timeout(120)
-def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_crash():
-    # The watcher asked the user's own jax.Array whether it was ready: a delete() (or donation)
-    # between its is_deleted() and is_ready() crashes the process with a segfault in XLA (about one
-    # run of test_dropin_values.py in four under load).
-    done = run_source(_DELETE_WHILE_THE_WATCHER_ASKS)
+@pytest.mark.parametrize(
+    "thread, asker",
+    [
+        ("pathways-accounting", "settled"),  # the watcher, about a run's outputs
+        ("pathways-controller", "LocalBackend.settle"),  # the controller, about its windows once idle
+    ],
+)
+def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_crash(thread, asker):
+    # The watcher asked the user's own jax.Array is_deleted() then is_ready(): a delete() (or
+    # donation) on another thread between the two crashed the process with a segfault in XLA
+    # (about one run of test_dropin_values.py in four under load). The controller asks so too.
+    done = run_source(_DELETE_WHILE_THE_WATCHER_ASKS, thread, asker)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     assert "next [0.0, 2.0, 4.0, 6.0]" in done.stdout, done.stdout + done.stderr[-3000:]
 

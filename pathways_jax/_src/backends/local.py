@@ -161,11 +161,14 @@ class LocalBackend:
     def settle(self, in_flight: collections.deque) -> None:
         # Oldest first, up to the first one still running (every look is a call into XLA).
         # readiness.settled, its common case inlined: asked on every window that looks full.
+        if in_flight:
+            readiness.hold_frames()  # no collection inside jaxlib's traceback capture (see there)
         while in_flight:
             marker = in_flight[0][0]
             try:
-                # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client.
-                done = marker.is_deleted() or marker.is_ready()
+                # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client;
+                # both in one call into C, where its user cannot delete() it in between.
+                done = any(map(operator.call, (marker.is_deleted, marker.is_ready)))
             except AttributeError:  # an extended dtype, or a kind that cannot be asked
                 done = readiness.settled(marker)
             except Exception as exc:  # it failed: it is over

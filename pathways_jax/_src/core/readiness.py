@@ -9,6 +9,8 @@ function can return can break the controller.
 
 from __future__ import annotations
 
+import operator
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -36,6 +38,29 @@ class RemoteValue(Protocol):
         ...
 
 
+_ask = operator.call  # any(map(_ask, (a.is_deleted, a.is_ready))): both questions in one call into C
+
+
+def hold_frames() -> None:
+    """Gives each frame of the caller's stack its frame object, before a call into jaxlib that captures a traceback.
+
+    jaxlib's ``is_ready()``, ``block_until_ready()`` and ``device_put`` capture
+    the calling thread's Python traceback into a buffer of that thread's,
+    making a frame object for each frame that has none yet. Making one may
+    start a garbage collection, whose finalizers run there, in the middle of
+    the capture: a finalizer that asks jaxlib the same (reads a program's
+    value) fills that buffer too, and the outer capture then keeps code objects
+    it holds no reference to; CPython later frees a code object still in use
+    and crashes (one process in a few where finalizers read values while the
+    runtime's threads ask about outputs). Made here first, in plain Python
+    where a finalizer is harmless, the capture makes none and no collection
+    can start inside it. A few tens of nanoseconds a frame once each has one.
+    """
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        frame = frame.f_back
+
+
 def _probe(array: Any) -> Any:
     """The object whose ``is_ready`` answers for ``array``."""
     if hasattr(array, "is_ready"):
@@ -53,7 +78,10 @@ def is_ready(array: Any) -> bool:
     """
     probe = _probe(array)
     if probe is not None:
-        return is_deleted(probe) or probe.is_ready()  # see settled(): deleted first
+        hold_frames()
+        deleted = getattr(probe, "is_deleted", None)
+        asks = (probe.is_ready,) if deleted is None else (deleted, probe.is_ready)
+        return any(map(_ask, asks))  # see settled(): deleted first, both in one call into C
     array.block_until_ready()  # a kind that cannot be asked: wait for it
     return True
 
@@ -69,9 +97,12 @@ def settled(array: Any) -> bool:
 
     On the dispatch path: two calls into XLA for a plain array.
     """
+    hold_frames()
     try:
-        # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client.
-        return array.is_deleted() or array.is_ready()
+        # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client. Both
+        # asked in one call into C: no other thread runs between them, as one could between two
+        # Python calls, to delete() the array (its user's, an output of a run) after the first.
+        return any(map(_ask, (array.is_deleted, array.is_ready)))
     except AttributeError:  # an extended dtype, or a kind that cannot be asked
         pass
     except Exception as exc:  # it failed: it is over
@@ -88,6 +119,7 @@ def settled(array: Any) -> bool:
 
 def block(array: Any) -> None:
     """Waits for ``array``; raises its execution error. A deleted array is not an error."""
+    hold_frames()
     try:
         array.block_until_ready()
     except Exception:
