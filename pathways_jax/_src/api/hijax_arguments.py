@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.core import Tracer as _Tracer
 
+from pathways_jax._src.api import ref_arguments
 from pathways_jax._src.core import arrays, errors
 from pathways_jax._src.runtime.futures import Future
 
@@ -225,27 +226,15 @@ def call(program: Any, args: tuple, kwargs: dict) -> Any:
 
 def write_back(variables: list[Any], ends: tuple) -> None:
     """Each Variable takes the array its run ended with (a future's once the run is dispatched)."""
-    from pathways_jax._src.runtime.futures import Future, dispatched_all
-
-    futures = [end for end in ends if type(end) is Future]
-    settled = iter(dispatched_all(futures))
-    for variable, end in zip(variables, ends, strict=True):
-        value = next(settled) if type(end) is Future else end
+    for variable, value in zip(variables, ref_arguments.dispatched_ends(ends), strict=True):
         if type(value) is Future:  # no array at dispatch (a remote host, a memory budget): its value
             value = value.result()
         variable.set_raw_value(value)
 
 
-def graph(program: Any, args: tuple, kwargs: dict) -> Any:
-    """The graph a call with these arguments runs (its outputs end with the Variables' last values)."""
-    inner, _, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
-    return inner.graph(*plain_args, **plain_kwargs)
-
-
-def prepare(program: Any, args: tuple, kwargs: dict) -> None:
-    """Traces and lowers the plan a call with these arguments runs (``program.lower``); nothing runs."""
-    inner, _, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
-    inner._prepare(plain_args, plain_kwargs)
+# The graph a call runs, and its plan traced and lowered (program.lower), as for jax.Ref arguments.
+graph = functools.partial(ref_arguments.graph_with, _inner_call)
+prepare = functools.partial(ref_arguments.prepare_with, _inner_call)
 
 
 __all__ = [

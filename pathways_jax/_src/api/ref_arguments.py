@@ -149,27 +149,50 @@ def _inner_call(program: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Any]
 
 def call(program: Any, args: tuple, kwargs: dict) -> Any:
     """Runs ``program`` on arguments holding Refs, writing each Ref as ``jax.jit`` does; its output."""
-    from pathways_jax._src.runtime.futures import Future, dispatched_all
-
     inner, refs, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
     out, ends = inner(*plain_args, **plain_kwargs)
-    futures = [end for end in ends if type(end) is Future]
-    settled = iter(dispatched_all(futures))
-    for ref, end in zip(refs, ends, strict=True):
-        _write(ref, next(settled) if type(end) is Future else end)
+    for ref, end in zip(refs, dispatched_ends(ends), strict=True):
+        _write(ref, end)
     return out
 
 
-def graph(program: Any, args: tuple, kwargs: dict) -> Any:
-    """The graph a call with these arguments runs (its outputs end with the Refs' last values)."""
-    inner, _, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
+def dispatched_ends(ends: tuple) -> list[Any]:
+    """The last values of a call's mutable arguments (an inner program's ``ends``), each future's
+    as an array once its run is dispatched (``futures.dispatched_all``): what is written back."""
+    from pathways_jax._src.runtime.futures import Future, dispatched_all
+
+    settled = iter(dispatched_all([end for end in ends if type(end) is Future]))
+    return [next(settled) if type(end) is Future else end for end in ends]
+
+
+InnerCall = Callable[[Any, tuple, dict], tuple[Any, list[Any], tuple, dict]]
+
+
+def graph_with(inner_call: InnerCall, program: Any, args: tuple, kwargs: dict) -> Any:
+    """The graph a call runs through the inner program ``inner_call`` makes for its arguments
+    (its outputs end with the mutable arguments' last values)."""
+    inner, _, plain_args, plain_kwargs = inner_call(program, args, kwargs)
     return inner.graph(*plain_args, **plain_kwargs)
 
 
-def prepare(program: Any, args: tuple, kwargs: dict) -> None:
-    """Traces and lowers the plan a call with these arguments runs (``program.lower``); nothing runs."""
-    inner, _, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
+def prepare_with(inner_call: InnerCall, program: Any, args: tuple, kwargs: dict) -> None:
+    """Traces and lowers the plan of that inner program for these arguments (``program.lower``); nothing runs."""
+    inner, _, plain_args, plain_kwargs = inner_call(program, args, kwargs)
     inner._prepare(plain_args, plain_kwargs)
 
 
-__all__ = ["RefArguments", "call", "given_refs", "graph", "prepare", "takes_refs"]
+graph = functools.partial(graph_with, _inner_call)
+prepare = functools.partial(prepare_with, _inner_call)
+
+
+__all__ = [
+    "RefArguments",
+    "call",
+    "dispatched_ends",
+    "given_refs",
+    "graph",
+    "graph_with",
+    "prepare",
+    "prepare_with",
+    "takes_refs",
+]
