@@ -410,17 +410,13 @@ def _marks(leaves: list[Any]) -> tuple[Any, ...] | None:
             marks.append(signature)
         elif kind is _ArrayImpl or kind is _KeyArray:  # a typed PRNG key array (jax.random.key) too
             marks.append((leaf.aval, leaf.sharding, leaf._committed))
-        elif kind in _EXACT_SCALARS:
+        elif kind in arrays.PYTHON_SCALARS:  # exact types: a subclass (an IntEnum) is signed each call
             marks.append(kind)
         elif (kind is np.ndarray or kind in arrays.NUMPY_SCALARS) and (kind, leaf.dtype) in _NUMPY_TAKEN:
             marks.append(_HostMark(kind, leaf.shape, leaf.dtype))
         else:
             return None
     return tuple(marks)
-
-
-# Exact types only: a subclass (an IntEnum, a masked array) goes through signing each call.
-_EXACT_SCALARS = frozenset(_SCALARS)
 
 
 class _HostMark(NamedTuple):

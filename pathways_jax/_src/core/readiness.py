@@ -38,9 +38,6 @@ class RemoteValue(Protocol):
         ...
 
 
-_ask = operator.call  # any(map(_ask, (a.is_deleted, a.is_ready))): both questions in one call into C
-
-
 def hold_frames() -> None:
     """Gives each frame of the caller's stack its frame object, before a call into jaxlib that captures a traceback.
 
@@ -81,7 +78,7 @@ def is_ready(array: Any) -> bool:
         hold_frames()
         deleted = getattr(probe, "is_deleted", None)
         asks = (probe.is_ready,) if deleted is None else (deleted, probe.is_ready)
-        return any(map(_ask, asks))  # see settled(): deleted first, both in one call into C
+        return any(map(operator.call, asks))  # see settled(): deleted first, both in one call into C
     array.block_until_ready()  # a kind that cannot be asked: wait for it
     return True
 
@@ -102,7 +99,7 @@ def settled(array: Any) -> bool:
         # Deleted first: asking a deleted array whether it is ready crashes XLA's CPU client. Both
         # asked in one call into C: no other thread runs between them, as one could between two
         # Python calls, to delete() the array (its user's, an output of a run) after the first.
-        return any(map(_ask, (array.is_deleted, array.is_ready)))
+        return any(map(operator.call, (array.is_deleted, array.is_ready)))
     except AttributeError:  # an extended dtype, or a kind that cannot be asked
         pass
     except Exception as exc:  # it failed: it is over

@@ -236,7 +236,7 @@ def _guard_host_feeds(plan: Plan, leaves: list[Any]) -> bool:
 
 # Host values a run's executables take as they are (immutable, so a queued run may hold them):
 # Python scalars and NumPy's scalars, of these exact types.
-_AS_IS = frozenset({bool, int, float, complex, *arrays.NUMPY_SCALARS})
+_AS_IS = arrays.PYTHON_SCALARS | arrays.NUMPY_SCALARS
 
 
 class HostStaging:
