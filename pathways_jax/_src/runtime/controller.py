@@ -78,6 +78,7 @@ _now = time.perf_counter_ns
 # What keeps a queued head from going now (in order of preference).
 _GO, _NO_ROOM, _INPUT, _MEMORY = 0, 1, 2, 3
 _GOES, _WAITS_FOR_INPUT, _WAITS_FOR_MEMORY = (_GO, 0), (_INPUT, 0), (_MEMORY, 0)  # _blocker's answers
+_NOT_BLOCKING = (False,)  # Lock.acquire's argument, mapped over (see _try_inline)
 _BLOCKED_POLL_S = 0.002  # how often a blocked head is looked at again
 # While every head that could go waits for room in a window, the windows'
 # oldest executables are looked at again after this long, doubling up to
@@ -152,7 +153,7 @@ def _after_fork_in_child() -> None:
     cause = errors.ClusterError(FORKED_MESSAGE)
     for controller in controllers:
         controller._dead = Forked("this process was forked from the one that started it")
-        for entry in list(controller._store._live.values()):
+        for entry in controller._store.entries():
             if type(entry.state) is Pending:
                 controller._store.set_failed(
                     entry,
@@ -337,35 +338,42 @@ class Controller:
         Returns whether it went (or failed), and the key of the window whose
         lack of room alone kept it (None: something else did).
         """
-        if not self._dispatch.acquire(blocking=False):
-            return False, None
-        if self._stopped:  # stop() ran between the caller's check and here: it no longer waits for us
-            self._dispatch.release()
-            raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
         inside = reentry.inside
         inside.depth += 1
+        # The lock taken as core.locks.acquire takes it: a Ctrl-C landing as acquire() returns
+        # (Python runs signal handlers there) must not leave it held, or every later call and
+        # the exit hang. One C call takes it and records so in `held`, inside the try; the
+        # finally makes no call before the release.
+        held: list[bool] = []
         try:
-            if self._queues or self._picked is not None or not run.plan.inline_ok:
+            held.extend(filter(None, map(self._dispatch.acquire, _NOT_BLOCKING)))
+            if not held:
                 return False, None
-            blocker, full = self._blocker(run)
-            if blocker == _GO and (self._budget is None or self._admit(run)):
-                run.seq = next(self._seq)
-                if self._policy.charges:
-                    self._charge(run)
-                self._execute(run)
-                return True, None
-            return False, full if blocker == _NO_ROOM else None
-        except BaseException as exc:
-            if isinstance(exc, Exception) and not reentry.from_signal_handler(exc):
-                self._internal_error(run, exc)  # the controller's own bookkeeping: fail this run only
-                return True, None
-            # An interrupt, or what a signal handler raised here: the run fails and frees what
-            # it reserved, and the exception goes on to the caller.
-            self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was interrupted", exc)
-            raise
+            if self._stopped:  # stop() ran between the caller's check and here: it no longer waits for us
+                raise errors.ClusterError("the cluster was shut down; call pw.init() to start a new one.")
+            try:
+                if self._queues or self._picked is not None or not run.plan.inline_ok:
+                    return False, None
+                blocker, full = self._blocker(run)
+                if blocker == _GO and (self._budget is None or self._admit(run)):
+                    run.seq = next(self._seq)
+                    if self._policy.charges:
+                        self._charge(run)
+                    self._execute(run)
+                    return True, None
+                return False, full if blocker == _NO_ROOM else None
+            except BaseException as exc:
+                if isinstance(exc, Exception) and not reentry.from_signal_handler(exc):
+                    self._internal_error(run, exc)  # the controller's own bookkeeping: fail this run only
+                    return True, None
+                # An interrupt, or what a signal handler raised here: the run fails and frees what
+                # it reserved, and the exception goes on to the caller.
+                self._fail(run, f"program {run.plan.graph.name!r} run {run.id} was interrupted", exc)
+                raise
         finally:
             inside.depth -= 1
-            self._dispatch.release()
+            if held:
+                self._dispatch.release()
 
     def _may_wait_here(self, run: Run) -> bool:
         """Whether the caller may wait in :meth:`submit` for ``run``'s way to clear, then dispatch it.
@@ -829,7 +837,7 @@ class Controller:
         """Reserves the run's node output and host input bytes under the memory budget.
 
         False if they don't fit now. The bytes of outputs go with their values
-        (``entry.charge``); the rest (``run.transient``) when the run completes
+        (``ObjectStore.reserve``); the rest (``run.transient``) when the run completes
         or fails. Runs on the controller's thread or a caller's other than the
         main one (see :meth:`submit`): no interrupt cuts it in two.
         """
@@ -843,7 +851,7 @@ class Controller:
             transient = dict(plan.admit_charge)
             for entry, charge in zip(run.outputs, plan.out_charges, strict=True):
                 if charge and not isinstance(entry.state, Freed):
-                    entry.charge = charge
+                    self._store.reserve(entry, charge)
                     for d, b in charge:
                         transient[d] -= b
             run.transient = tuple((d, b) for d, b in transient.items() if b)
@@ -867,7 +875,7 @@ class Controller:
             counts.bump("failed_runs")
             message = f"program {run.plan.graph.name!r} run {run.id} failed while executing"
             events.run_failed(run.id, run.client.name, f"{message}: {type(error).__name__}: {error}")
-            for entry in run.outputs:
+            for entry in self._store.entries_of(run.id):  # those alive (the run let them go at publish)
                 cause: BaseException = error
                 array = entry.array
                 if type(entry.state) is Ready and array is not None:
@@ -1024,6 +1032,9 @@ class Controller:
                     entry.array = own_buffer(values[slot]) if copies is None else copies[position]
                     entry.state = READY
         self._store.wake()
+        # The run (kept by the accounting until its outputs are computed) lets go of its entries:
+        # a value whose future is gone then goes at once, as a jax.Array does.
+        run.outputs = []
         self.accounting.note(run, started, last)
         run.env = []
 

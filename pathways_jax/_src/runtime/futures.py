@@ -112,22 +112,6 @@ class Future(ArrayLike):
         self._entry = entry
         self._store = store
 
-    def __del__(self) -> None:
-        # The future went (a finaliser: it may run at any allocation). With no budget
-        # its value goes now, as a jax.Array's buffer goes with its last reference (a
-        # run still to publish it then keeps nothing); the entry leaves the store's
-        # table at its next collect(), so here only an atomic append (the table may be
-        # iterated as this runs). Under a budget the bytes are released there, under
-        # its lock. No module globals: at interpreter exit they may already be None.
-        try:
-            store, entry = self._store, self._entry
-            if store.budget is None:
-                entry.state = store.FREED
-                entry.array = None
-            store._dropped.append(entry)
-        except Exception:  # at interpreter exit: nothing left to free
-            pass
-
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self._entry.aval.shape)

@@ -3,7 +3,17 @@
 A value's life is a small tagged union: ``Pending`` until the controller has
 dispatched the node that makes it, then ``Ready`` (its entry then holds the
 ``jax.Array``, which may still be computing) or ``Failed``, and ``Freed`` once
-its last reference is gone.
+freed (``Future.delete()``, its client closed, donated).
+
+A value goes with its last reference, as a ``jax.Array`` does: its entry is
+held by its future (and by the run that makes it, until the run is
+dispatched), and the store holds only a weak reference to it. No finalizer of
+Python's runs when a value goes: the weak reference's callback is a C call
+(``deque.append``), so no signal handler can run inside it and a Ctrl-C that
+lands as a value goes still reaches the user (an exception raised in a
+``__del__`` is dropped), and no Python frame is paid per value. The store
+forgets a gone entry's reference (and, under a memory budget, releases its
+bytes) at its next :meth:`ObjectStore.collect`.
 """
 
 from __future__ import annotations
@@ -11,8 +21,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import operator
 import threading
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,15 +93,17 @@ class Entry:
     The value lives as long as that future: the user's references and the
     queued runs that read it (a run holds its input futures until it is
     dispatched) are counted by Python's own reference count of the future.
+    The store holds the entry weakly (``ref``, see the module's docstring).
     """
 
     __slots__ = (
+        "__weakref__",
         "array",
         "aval",
-        "charge",
         "id",
         "origin",
         "owner",
+        "ref",
         "sharding",
         "signature",
         "slice",
@@ -109,8 +123,8 @@ class Entry:
         self.origin = origin
         # The cache key a program computes for this value as an argument.
         self.signature = signature
-        # Bytes reserved for the value under the memory budget (None: none).
-        self.charge: Charge | None = None
+        # The store's weak reference to this entry (set by the store that makes it).
+        self.ref: weakref.ref[Entry] | None = None
 
 
 def own_buffer(value: Any) -> Any:
@@ -125,15 +139,17 @@ def own_buffer(value: Any) -> Any:
 class ObjectStore:
     """Tracks live values; frees a value when its last reference goes."""
 
-    FREED = FREED  # for Future.__del__, which reads no module global (at exit they may be None)
-
     def __init__(self) -> None:
         self._ids = itertools.count()
-        self._live: dict[int, Entry] = {}
-        # Futures dropped by the garbage collector land here (Future.__del__ appends): a finaliser may
-        # run at any allocation, even while this thread holds the lock, so it
-        # only appends (atomic) and the next store operation does the freeing.
-        self._dropped: collections.deque[Entry] = collections.deque()
+        # Weak references to the live entries (hashed by their entry while it lived).
+        self._live: set[weakref.ref[Entry]] = set()
+        # The references of entries gone land here: their callback is this deque's append, a
+        # C call that may run at any moment (even while this thread holds a lock), and the
+        # next collect() forgets them.
+        self._gone: collections.deque[weakref.ref[Entry]] = collections.deque()
+        self._on_gone = self._gone.append
+        # Bytes reserved under the memory budget for each live value that has any, by its reference.
+        self._charges: dict[weakref.ref[Entry], Charge] = {}
         # Values carry no event of their own (creating one per value cost more
         # than a dispatch): a thread that waits for a pending value registers
         # a held lock for it and blocks acquiring it again; wake() releases
@@ -154,7 +170,8 @@ class ObjectStore:
     ) -> Entry:
         entry = Entry(next(self._ids), owner, aval, sharding, slice_, origin, signature)
         self._collect_before_new()
-        self._live[entry.id] = entry  # one dict store: atomic under the GIL
+        ref = entry.ref = weakref.ref(entry, self._on_gone)
+        self._live.add(ref)  # one set store: atomic under the GIL
         return entry
 
     def new_run(
@@ -171,9 +188,10 @@ class ObjectStore:
             Entry(next(ids), owner, out.aval, out.sharding, slice_, out.origin, signature)
             for out, signature, slice_ in zip(outputs, signatures, slices, strict=True)
         ]
-        live = self._live
+        live, ref, on_gone = self._live, weakref.ref, self._on_gone
         for entry in entries:
-            live[entry.id] = entry  # one dict store each: atomic under the GIL
+            entry.ref = gone = ref(entry, on_gone)
+            live.add(gone)  # one set store each: atomic under the GIL
         return entries
 
     def forget(self, entries: list[Entry]) -> None:
@@ -184,7 +202,7 @@ class ObjectStore:
         """
         live = self._live
         for entry in entries:
-            live.pop(entry.id, None)
+            live.discard(entry.ref)
             entry.state = FREED
             entry.array = None
 
@@ -194,49 +212,54 @@ class ObjectStore:
         Under a budget the main thread leaves freeing to the controller's thread:
         an interrupt there could cut a release in two and lose the bytes.
         """
-        if self._dropped and (self.budget is None or threading.get_ident() != MAIN_THREAD):
+        if self._gone and (self.budget is None or threading.get_ident() != MAIN_THREAD):
             self.collect()
 
     def collect_dropped(self) -> None:
-        """Frees the values whose futures are gone, where :meth:`new` would (see ``_collect_before_new``)."""
+        """Forgets the values gone, where :meth:`new` would (see ``_collect_before_new``)."""
         self._collect_before_new()
 
     def has_dropped(self) -> bool:
-        """True when futures were dropped since the last :meth:`collect`."""
-        return bool(self._dropped)
+        """True when values went since the last :meth:`collect`."""
+        return bool(self._gone)
 
     def collect(self) -> None:
-        """Frees the values whose futures are gone."""
+        """Forgets the values gone (their buffers went with them), and releases their reserved bytes."""
+        live, gone = self._live, self._gone
         budget = self.budget
         if budget is None:  # the common case, in one tight loop
-            live, dropped = self._live, self._dropped
-            while dropped:
+            while gone:
                 try:
-                    entry = dropped.popleft()
+                    live.discard(gone.popleft())
                 except IndexError:
                     break
-                live.pop(entry.id, None)
-                entry.state = FREED
-                entry.array = None
             return
         released = False
-        while self._dropped:
+        charges = self._charges
+        while gone:
             try:
-                entry = self._dropped.popleft()
+                ref = gone.popleft()
             except IndexError:
                 break
-            self._live.pop(entry.id, None)
-            # Dropping the store's reference lets JAX free the buffer once nothing
-            # else (a queued computation, an array the user took) holds it.
+            live.discard(ref)
             with budget.lock:
-                entry.state = FREED
-                entry.array = None
-                charge, entry.charge = entry.charge, None
+                charge = charges.pop(ref, None)
                 if charge:
                     budget.release(charge, locked=True)
                     released = True
         if released:
             budget.notify()
+
+    def reserve(self, entry: Entry, charge: Charge) -> None:
+        """Records ``charge``, reserved under the memory budget, as ``entry``'s (under ``budget.lock``).
+
+        Released when the value is freed or goes (:meth:`free`, :meth:`collect`).
+        """
+        self._charges[entry.ref] = charge  # type: ignore[index]
+
+    def charge(self, entry: Entry) -> Charge | None:
+        """The bytes reserved for ``entry`` under the memory budget (None: none)."""
+        return self._charges.get(entry.ref)  # type: ignore[arg-type]
 
     def free(
         self,
@@ -252,9 +275,12 @@ class ObjectStore:
         Returns how many were still alive.
         """
         budget = self.budget
+        live = self._live
         count = 0
         for entry in entries:
-            if self._live.pop(entry.id, None) is not None:
+            ref = entry.ref
+            if ref in live:
+                live.discard(ref)
                 count += 1
             state: State = FREED if failure is None else (Consumed if consumed else Failed)(*failure)
             if failure is None or consumed:
@@ -268,21 +294,29 @@ class ObjectStore:
                 if not isinstance(entry.state, Freed):
                     entry.state = state
                     entry.array = None
-                charge, entry.charge = entry.charge, None
+                charge = self._charges.pop(ref, None)  # type: ignore[arg-type]
                 budget.release(charge or (), locked=True)
         if budget is not None:
             budget.notify()
         self.wake()
         return count
 
+    def entries(self) -> list[Entry]:
+        """The live values' entries."""
+        return [entry for entry in map(operator.call, list(self._live)) if entry is not None]
+
+    def entries_of(self, run: int) -> list[Entry]:
+        """The live values of the run with this id, in the order it made them."""
+        return sorted((e for e in self.entries() if e.owner.run == run), key=operator.attrgetter("id"))
+
     def owned_by(self, key: int) -> list[Entry]:
         """The live values owned by the client with this key."""
-        return [e for e in list(self._live.values()) if e.owner.key == key]
+        return [e for e in self.entries() if e.owner.key == key]
 
     def bytes_in_use(self) -> dict[int, int]:
         """Bytes of the live, computed values on each device (from their static shapes)."""
         used: collections.Counter[int] = collections.Counter()
-        for entry in list(self._live.values()):
+        for entry in self.entries():
             if isinstance(entry.state, Ready):
                 for d, b in charge_of(entry.aval, entry.sharding):
                     used[d] += b
@@ -348,4 +382,4 @@ class ObjectStore:
     def live_count(self) -> int:
         """How many values are alive (held by a future or a queued run)."""
         self.collect()
-        return len(self._live)
+        return len(self.entries())

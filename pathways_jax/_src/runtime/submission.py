@@ -76,15 +76,16 @@ def submit_values(runnable: Runnable, leaves: list[Any], wanted: Sequence[bool])
     t0 = events.now() if sink is not None else 0
     run, cl = _run_of(runnable, leaves)
     store = cl.store
+    entries = run.outputs  # (the run lets go of them once dispatched)
     counts.bump("runs")
     try:
         cl.controller.submit(run)
     except BaseException:
-        store.free(list(run.outputs))  # no future holds them: the run's entries go with it
+        store.free(list(entries))  # no future holds them: the run's entries go with it
         raise
     if sink is not None:
         sink(_submitted(run.plan, run, t0))
-    return dispatched_values(run.outputs, store, wanted)
+    return dispatched_values(entries, store, wanted)
 
 
 def _submitted(plan: Plan, run: Run, start: int) -> events.Submitted:
