@@ -310,13 +310,10 @@ def _unconstrained(closed: Any) -> Any:
         sharding = eqn.params.get("sharding") if eqn.primitive.name == "sharding_constraint" else None
         mesh = getattr(sharding, "mesh", None)
         source = eqn.invars[0] if eqn.invars else None
-        if (
-            mesh is not None
-            and mesh.size == 1
-            and AxisType.Explicit not in mesh.axis_types
-            and not isinstance(source, jex.Literal)  # a constant's: kept, as it makes the value
-        ):
-            alias[eqn.outvars[0]] = alias.get(source, source)
+        if mesh is not None and mesh.size == 1 and AxisType.Explicit not in mesh.axis_types:
+            # A constant's (the graph puts it on its slice so) becomes the constant itself,
+            # which the executable makes with its weak type, as jax.jit's constant output.
+            alias[eqn.outvars[0]] = source if isinstance(source, jex.Literal) else alias.get(source, source)
             continue
         if alias and any(v in alias for v in eqn.invars if not isinstance(v, jex.Literal)):
             eqn = eqn.replace(

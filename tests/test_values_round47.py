@@ -1,0 +1,53 @@
+"""Values and calls ``jax.jit`` takes, given to programs: results, types and shardings as ``jax.jit``'s."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+from helpers import assert_matches
+
+import pathways_jax as pw
+
+
+def _outputs(x, y):
+    return {"twice": x * 2, "same": x, "zeros": jnp.zeros(3), "scalar": 3.0, "y": y}
+
+
+def test_a_program_given_device_returns_single_device_shardings_as_jax_jit_does():
+    # pw.program(f, device=d) (and pw.jit(f, device=d)) returned outputs with a NamedSharding on a
+    # one-device mesh of its own, where jax.jit(f, device=d) gives SingleDeviceSharding(d): the two
+    # compared unequal, and the outputs were typed with a mesh the user never made.
+    device = jax.devices()[3]
+    x, y = jnp.arange(4.0), jax.device_put(jnp.ones(2), device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # device= is deprecated in jax.jit
+        want = jax.jit(_outputs, device=device)
+        want_out = want(x, y)
+        for ours in (pw.program(_outputs, device=device), pw.jit(_outputs, device=device)):
+            out = ours(x, y)
+            assert_matches(out, want_out)
+            for name, expected in want_out.items():
+                assert type(out[name].sharding) is type(expected.sharding), name
+                assert out[name].sharding == expected.sharding, name
+                got = out[name].result(timeout=60)
+                assert got.sharding == expected.sharding, name
+                assert jax.typeof(got) == jax.typeof(expected), name
+            compiled, want_compiled = ours.lower(x, y).compile(), want.lower(x, y).compile()
+            assert compiled.input_shardings == want_compiled.input_shardings
+            assert compiled.output_shardings == want_compiled.output_shardings
+
+
+def test_a_constant_output_of_a_call_committed_arguments_place_on_one_device_has_no_mesh_in_its_type():
+    # Committed one-device arguments place the call on their device; a Python constant returned
+    # beside other outputs came back typed on a one-device mesh 'x' of the program's own
+    # (jax.typeof(out).sharding.mesh), where jax.jit's has none.
+    device = jax.devices()[5]
+    x, y = jax.device_put(jnp.arange(4.0), device), jax.device_put(jnp.ones(2), device)
+    want = jax.jit(_outputs)(x, y)
+    out = pw.results(pw.program(_outputs)(x, y))
+    assert_matches(out, want)
+    for name, expected in want.items():
+        assert out[name].sharding == expected.sharding, name
+        assert jax.typeof(out[name]) == jax.typeof(expected), name
+    assert (out["scalar"] + want["twice"]).sharding == expected.sharding
+
