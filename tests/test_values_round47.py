@@ -4,7 +4,10 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import assert_matches
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pathways_jax as pw
 
@@ -51,3 +54,36 @@ def test_a_constant_output_of_a_call_committed_arguments_place_on_one_device_has
         assert jax.typeof(out[name]) == jax.typeof(expected), name
     assert (out["scalar"] + want["twice"]).sharding == expected.sharding
 
+
+def _doubled_and_sum(x):
+    return x * 2, x.sum()
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("given", ["in", "in_out", "in_donate", "out"])
+def test_lower_of_a_program_given_shardings_keeps_them_as_jax_jit_does(axis_type, given):
+    # pw.program(f, in_shardings=s, out_shardings=...).lower(x).compile().input_shardings gave
+    # GSPMDSharding (the function compiled inside a second jax.jit), where jax.jit keeps the
+    # NamedSharding given; with donate_argnums too, and out_shardings alone lowered another text.
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
+    sharded = NamedSharding(mesh, P("x"))
+    options = {
+        "in": {"in_shardings": sharded},
+        "in_out": {"in_shardings": sharded, "out_shardings": (sharded, NamedSharding(mesh, P()))},
+        "in_donate": {"in_shardings": sharded, "donate_argnums": 0},
+        "out": {"out_shardings": (sharded, NamedSharding(mesh, P()))},
+    }[given]
+    want, ours = jax.jit(_doubled_and_sum, **options), pw.program(_doubled_and_sum, **options)
+    x = jnp.arange(8.0)
+    want_lowered, lowered = want.lower(x), ours.lower(x)
+    assert lowered.as_text() == want_lowered.as_text()
+    compiled, want_compiled = lowered.compile(), want_lowered.compile()
+    assert compiled.input_shardings == want_compiled.input_shardings
+    assert compiled.output_shardings == want_compiled.output_shardings
+    assert str(ours.trace(x).jaxpr) == str(want.trace(x).jaxpr)
+    assert ours.eval_shape(x) == want.eval_shape(x)
+    out, want_out = pw.results(ours(jnp.arange(8.0))), want(jnp.arange(8.0))
+    assert_matches(out, want_out)
+    for got, expected in zip(out, want_out, strict=True):
+        assert got.sharding == expected.sharding
+        assert jax.typeof(got) == jax.typeof(expected)

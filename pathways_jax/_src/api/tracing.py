@@ -21,7 +21,14 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import function_trace, hijax_arguments, nnx_graph, pickling, ref_arguments
+from pathways_jax._src.api import (
+    function_trace,
+    hijax_arguments,
+    jit_shardings,
+    nnx_graph,
+    pickling,
+    ref_arguments,
+)
 from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
@@ -568,7 +575,7 @@ class Program:
             jitted = self._aot_jitted = self._given_jit()
         if jitted is None:
             info = self._info
-            jitted = self._aot_jitted = jax.jit(
+            jitted = self._aot_jitted = jit_shardings.ahead_of_time(
                 info.fun,
                 static_argnums=info.static,
                 static_argnames=info.static_names,
