@@ -87,3 +87,39 @@ def test_lower_of_a_program_given_shardings_keeps_them_as_jax_jit_does(axis_type
     for got, expected in zip(out, want_out, strict=True):
         assert got.sharding == expected.sharding
         assert jax.typeof(got) == jax.typeof(expected)
+
+
+def _explicit_loss(w, x):
+    h = jnp.tanh(x @ jax.sharding.reshard(w, P(None, "x")))
+    return jnp.sum(h**2), h
+
+
+def test_under_with_slice_the_callers_eager_grad_of_a_program_on_an_explicit_slice_adds_other_uses_of_the_input():
+    # Under `with s:` (as under jax.set_mesh(s.physical_mesh)), jax.grad of a loss reading the
+    # parameters both through a program (or pw.jit) on an Explicit-axes slice and in eager code
+    # failed ("incompatible devices ... device ids [0]"): the program put the uncommitted
+    # parameters on the slice, and the transpose of that move brought their cotangent back
+    # committed to device 0. jax.jit there takes them as they are.
+    s = pw.devices(mesh={"x": 4}, axis_types=AxisType.Explicit)
+    w, x = jnp.full((8, 8), 0.1), jnp.arange(32.0).reshape(4, 8) / 32
+
+    def losses(f):
+        return (
+            lambda v: f(v, x)[0] + 0.1 * jnp.sum(v**2),
+            lambda v: f(v, x)[0] + jnp.mean(f(v, x)[1]),
+            lambda v: f(v, x)[0] + f(v * 2, x)[0],
+        )
+
+    with jax.set_mesh(s.physical_mesh):
+        want = [jax.grad(loss)(w) for loss in losses(jax.jit(_explicit_loss))]
+    for ours in (
+        pw.program(_explicit_loss, devices=s),
+        pw.jit(_explicit_loss, devices=s),
+        pw.program(_explicit_loss),
+    ):
+        with s:
+            got = [jax.grad(loss)(w) for loss in losses(ours)]
+        assert_matches(got, want)
+        for g, expected in zip(got, want, strict=True):
+            assert jax.typeof(g) == jax.typeof(expected)
+    s.release()

@@ -571,7 +571,7 @@ class JitFunction:
             return self._with_specs(slice_, args, kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
         # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
-        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
+        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else slices.put_for_jit
         static = self._static_of(args)
         moved = [arg if position in static else put(arg, replicated) for position, arg in enumerate(args)]
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}

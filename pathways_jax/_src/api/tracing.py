@@ -50,7 +50,13 @@ from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
-from pathways_jax._src.runtime.slices import VirtualSlice, moved_onto, on_slice_mesh, typed_for_caller
+from pathways_jax._src.runtime.slices import (
+    VirtualSlice,
+    moved_onto,
+    on_slice_mesh,
+    put_for_jit,
+    typed_for_caller,
+)
 
 
 def _uncommitted(key: ArgKey) -> bool:
@@ -244,7 +250,7 @@ class Program:
             return jitted(*args, **kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
         # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
-        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
+        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else put_for_jit
         args = tuple(arg if i in positions else put(arg, replicated) for i, arg in enumerate(args))
         kwargs = {k: v if k in self._info.static_names else put(v, replicated) for k, v in kwargs.items()}
         with slice_:  # outside a program's trace: the slice's mesh too (on_slice_mesh)
