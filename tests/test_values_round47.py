@@ -125,6 +125,33 @@ def test_under_with_slice_the_callers_eager_grad_of_a_program_on_an_explicit_sli
     s.release()
 
 
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4, jnp.int2])
+def test_sub_byte_values_on_one_device_come_back_as_jax_jit_gives_them(dtype):
+    # int4 arrays a program computed on the one device that device= or committed arguments
+    # placed it on came back with a NamedSharding on a one-device mesh of the program's own
+    # (typed with it), where jax.jit gives SingleDeviceSharding and no mesh in the type.
+    device = jax.devices()[2]
+    values = jnp.arange(6).astype(dtype).reshape(2, 3)
+
+    def twice(v):
+        return v, v + v
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # device= is deprecated in jax.jit
+        calls = [
+            (jax.jit(twice, device=device), pw.program(twice, device=device), values),
+            (jax.jit(twice), pw.program(twice), jax.device_put(values, device)),
+        ]
+        for want, ours, arg in calls:
+            want_out = want(arg)
+            for _ in range(2):  # the repeat call too
+                out = pw.results(ours(arg))
+                assert_matches(out, want_out)
+                for got, expected in zip(out, want_out, strict=True):
+                    assert got.sharding == expected.sharding
+                    assert jax.typeof(got) == jax.typeof(expected)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="a Python int argument the function returns as it is, or does not use, is not checked "
