@@ -65,6 +65,8 @@ def test_lower_of_a_program_given_shardings_keeps_them_as_jax_jit_does(axis_type
     # pw.program(f, in_shardings=s, out_shardings=...).lower(x).compile().input_shardings gave
     # GSPMDSharding (the function compiled inside a second jax.jit), where jax.jit keeps the
     # NamedSharding given; with donate_argnums too, and out_shardings alone lowered another text.
+    # pw.jit(f, in_shardings=s, donate_argnums=0) did the same, and pw.jit or pw.program of a
+    # jax.jit function given out_shardings on Explicit axes failed to lower at all.
     mesh = jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
     sharded = NamedSharding(mesh, P("x"))
     options = {
@@ -73,20 +75,28 @@ def test_lower_of_a_program_given_shardings_keeps_them_as_jax_jit_does(axis_type
         "in_donate": {"in_shardings": sharded, "donate_argnums": 0},
         "out": {"out_shardings": (sharded, NamedSharding(mesh, P()))},
     }[given]
-    want, ours = jax.jit(_doubled_and_sum, **options), pw.program(_doubled_and_sum, **options)
+    want = jax.jit(_doubled_and_sum, **options)
     x = jnp.arange(8.0)
-    want_lowered, lowered = want.lower(x), ours.lower(x)
-    assert lowered.as_text() == want_lowered.as_text()
-    compiled, want_compiled = lowered.compile(), want_lowered.compile()
-    assert compiled.input_shardings == want_compiled.input_shardings
-    assert compiled.output_shardings == want_compiled.output_shardings
-    assert str(ours.trace(x).jaxpr) == str(want.trace(x).jaxpr)
-    assert ours.eval_shape(x) == want.eval_shape(x)
-    out, want_out = pw.results(ours(jnp.arange(8.0))), want(jnp.arange(8.0))
-    assert_matches(out, want_out)
-    for got, expected in zip(out, want_out, strict=True):
-        assert got.sharding == expected.sharding
-        assert jax.typeof(got) == jax.typeof(expected)
+    want_lowered = want.lower(x)
+    want_compiled = want_lowered.compile()
+    for ours in (
+        pw.program(_doubled_and_sum, **options),
+        pw.jit(_doubled_and_sum, **options),
+        pw.program(jax.jit(_doubled_and_sum, **options)),
+        pw.jit(jax.jit(_doubled_and_sum, **options)),
+    ):
+        lowered = ours.lower(x)
+        assert lowered.as_text() == want_lowered.as_text()
+        compiled = lowered.compile()
+        assert compiled.input_shardings == want_compiled.input_shardings
+        assert compiled.output_shardings == want_compiled.output_shardings
+        assert str(ours.trace(x).jaxpr) == str(want.trace(x).jaxpr)
+        assert ours.eval_shape(x) == want.eval_shape(x)
+        out, want_out = pw.results(ours(jnp.arange(8.0))), want(jnp.arange(8.0))
+        assert_matches(out, want_out)
+        for got, expected in zip(out, want_out, strict=True):
+            assert got.sharding == expected.sharding
+            assert jax.typeof(got) == jax.typeof(expected)
 
 
 def _explicit_loss(w, x):

@@ -140,7 +140,21 @@ def with_output_types(fun: Callable, out_shardings: Any) -> Callable:
             retyped.append(_retyped(leaf, sharding) if _explicit(sharding) else leaf)
         return jax.tree_util.tree_unflatten(tree, retyped)
 
+    typed.lowers_as = lowered_jit(fun)  # type: ignore[attr-defined]
     return typed
+
+
+def lowered_jit(fun: Callable) -> Any:
+    """The ``jax.jit`` function ``fun`` is, or that :func:`with_output_types` wrapped into ``fun``; else None.
+
+    What ``lower``, ``trace`` and ``eval_shape`` of a program or ``pw.jit``
+    made of a ``jax.jit`` function use as it is: ``with_output_types``'s
+    wrapper carries the ``jax.jit`` function's attributes (its ``_jit_info``)
+    but has no ``lower`` of its own.
+    """
+    if getattr(fun, "_jit_info", None) is not None and callable(getattr(fun, "lower", None)):
+        return fun
+    return getattr(fun, "lowers_as", None)
 
 
 def with_jits_out_shardings(fun: Callable) -> Callable:

@@ -599,15 +599,16 @@ class Program:
         another (whose inputs' shardings would be the outer one's, not the given ones).
         """
         info = self._info
-        jit_info = getattr(info.fun, "_jit_info", None)  # jax.jit's own record of its options (private)
-        if jit_info is None or not callable(getattr(info.fun, "lower", None)):
+        given = jit_shardings.lowered_jit(info.fun)
+        jit_info = getattr(given, "_jit_info", None)  # jax.jit's own record of its options (private)
+        if jit_info is None:
             return None
         own = (
             set(info.donate) <= set(getattr(jit_info, "donate_argnums", ()) or ())
             and info.keep_unused == bool(getattr(jit_info, "keep_unused", False))
             and dict(info.compiler_options) == dict(getattr(jit_info, "compiler_options_kvs", ()) or ())
         )
-        return info.fun if own else None
+        return given if own else None
 
     def _as_jit_for(self, args: tuple, kwargs: dict) -> Any:
         """The function as ``jax.jit`` runs it, or as ``nnx.jit`` does where the arguments hold NNX objects.
