@@ -135,6 +135,23 @@ def test_under_with_slice_the_callers_eager_grad_of_a_program_on_an_explicit_sli
     s.release()
 
 
+def _tanh_sum(w, x):
+    return jnp.tanh(x @ w).sum()
+
+
+def test_the_callers_eager_vmap_of_grad_of_a_program_on_an_explicit_slice_computes_as_jax_jit():
+    # jax.vmap(jax.grad(f)) of a program (or pw.jit) on an Explicit-axes slice, outside any mesh,
+    # failed ("is_fully_addressable is not implemented for jax.sharding.AbstractMesh"): the move
+    # that retypes its outputs for the caller had its source taken from the outputs' abstract type.
+    s = pw.devices(mesh={"x": 4}, axis_types=AxisType.Explicit)
+    w, xs = jnp.full((8, 8), 0.1), jnp.arange(64.0).reshape(2, 4, 8) / 64
+    with jax.set_mesh(s.physical_mesh):
+        want = jax.vmap(jax.grad(jax.jit(_tanh_sum)), in_axes=(None, 0))(w, xs)
+    for ours in (pw.program(_tanh_sum, devices=s), pw.jit(_tanh_sum, devices=s)):
+        assert_matches(jax.vmap(jax.grad(ours), in_axes=(None, 0))(w, xs), want)
+    s.release()
+
+
 @pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4, jnp.int2])
 def test_sub_byte_values_on_one_device_come_back_as_jax_jit_gives_them(dtype):
     # int4 arrays a program computed on the one device that device= or committed arguments

@@ -301,7 +301,10 @@ def typed_for_caller(slice_: VirtualSlice, tree: object) -> object:
         sharding = getattr(jax.typeof(leaf), "sharding", None)
         if not isinstance(sharding, NamedSharding) or sharding.mesh != slice_.mesh:
             return leaf
-        return jax.device_put(leaf, NamedSharding(auto, PartitionSpec(*sharding.spec)))
+        spec = PartitionSpec(*sharding.spec)
+        # Its source named on the slice's physical mesh: inferred from its type (the abstract
+        # mesh), the move's transpose under the caller's vmap of grad had no devices to go to.
+        return jax.device_put(leaf, NamedSharding(auto, spec), src=NamedSharding(physical, spec))
 
     return jax.tree_util.tree_map(retyped, tree)
 
