@@ -209,9 +209,10 @@ def trace(
         # (made for nothing, and a new one each trace) would make equal traces unequal graphs.
         if implied_id in held:
             graph = dataclasses.replace(graph, uncommitted_slice=implied_id)
-    elif default is None and implied is None and info.device is None and state.implied is not None:
-        # Committed one-device arguments (no mesh) placed it on their device: as jax.jit's,
-        # its outputs there are committed with a SingleDeviceSharding, no mesh in their types.
+    elif default is None and (implied is None or info.device is not None) and state.implied is not None:
+        # Committed one-device arguments (no mesh), or jax.jit's device=, placed it on one
+        # device: as jax.jit's, its outputs there are committed with a SingleDeviceSharding,
+        # no mesh in their types.
         placed = state.implied()
         if placed.id in held and _is_device_slice(placed):
             graph = dataclasses.replace(graph, device_slice=placed.id)

@@ -22,6 +22,7 @@ the program reshards its outputs to them (a program's own, or those of the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -54,8 +55,11 @@ def jit_with_shardings(
         static_argnums=static_argnums,
         static_argnames=static_argnames,
     )
+    given = GivenShardings(fun, in_shardings, out_shardings)
     if out_shardings is None:
-        return functools.wraps(fun)(strict)
+        wrapped = functools.wraps(fun)(strict)
+        wrapped.given_shardings = given  # type: ignore[attr-defined]
+        return wrapped
     loose = jax.jit(
         fun, in_shardings=in_shardings, static_argnums=static_argnums, static_argnames=static_argnames
     )
@@ -80,7 +84,32 @@ def jit_with_shardings(
         # in_shardings of the next program.
         return _with_metadata_of(out_shardings, jax.tree_util.tree_unflatten(tree, placed))
 
+    compiled.given_shardings = given  # type: ignore[attr-defined]
     return compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenShardings:
+    """A program's ``in_shardings``/``out_shardings`` and the function they compile (``jit_with_shardings``'s)."""
+
+    fun: Callable
+    in_shardings: Any
+    out_shardings: Any
+
+
+def ahead_of_time(fun: Callable, **options: Any) -> Any:
+    """``jax.jit`` of ``fun`` with ``options``, and with the shardings ``jit_with_shardings`` gave it, if any.
+
+    What ``lower``, ``trace`` and ``eval_shape`` answer for a program made with
+    ``in_shardings``/``out_shardings``: one ``jax.jit`` given them, as the
+    user's own would be. Wrapping the compiled function in a second
+    ``jax.jit`` instead lowered its inputs with the compiler's choice
+    (``GSPMDSharding``), not the ``NamedSharding`` given.
+    """
+    given = getattr(fun, "given_shardings", None)
+    if not isinstance(given, GivenShardings):
+        return jax.jit(fun, **options)
+    return jax.jit(given.fun, in_shardings=given.in_shardings, out_shardings=given.out_shardings, **options)
 
 
 def with_output_types(fun: Callable, out_shardings: Any) -> Callable:
@@ -111,7 +140,21 @@ def with_output_types(fun: Callable, out_shardings: Any) -> Callable:
             retyped.append(_retyped(leaf, sharding) if _explicit(sharding) else leaf)
         return jax.tree_util.tree_unflatten(tree, retyped)
 
+    typed.lowers_as = lowered_jit(fun)  # type: ignore[attr-defined]
     return typed
+
+
+def lowered_jit(fun: Callable) -> Any:
+    """The ``jax.jit`` function ``fun`` is, or that :func:`with_output_types` wrapped into ``fun``; else None.
+
+    What ``lower``, ``trace`` and ``eval_shape`` of a program or ``pw.jit``
+    made of a ``jax.jit`` function use as it is: ``with_output_types``'s
+    wrapper carries the ``jax.jit`` function's attributes (its ``_jit_info``)
+    but has no ``lower`` of its own.
+    """
+    if getattr(fun, "_jit_info", None) is not None and callable(getattr(fun, "lower", None)):
+        return fun
+    return getattr(fun, "lowers_as", None)
 
 
 def with_jits_out_shardings(fun: Callable) -> Callable:

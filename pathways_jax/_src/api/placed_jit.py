@@ -26,7 +26,12 @@ from pathways_jax._src.api.jit_options import (
     refuse_traced_statics,
     with_jits_statics,
 )
-from pathways_jax._src.api.jit_shardings import jits_device, jits_keep_unused, with_jits_out_shardings
+from pathways_jax._src.api.jit_shardings import (
+    jits_device,
+    jits_keep_unused,
+    lowered_jit,
+    with_jits_out_shardings,
+)
 from pathways_jax._src.api.tracing import Program, lowering_whole
 from pathways_jax._src.core import errors, source
 from pathways_jax._src.core.jax_context import inside_jax_trace
@@ -312,14 +317,15 @@ class JitFunction:
         """
         jitted: Any = self._jitted
         options = dict(self._compiler_options) or None  # as jax.jit(fun, compiler_options=...) lowers
-        jit_info = getattr(self._fun, "_jit_info", None)  # a jax.jit function given: jax.jit's own record
+        given = lowered_jit(self._fun)  # a jax.jit function given
+        jit_info = getattr(given, "_jit_info", None)  # jax.jit's own record of its options (private)
         if (
             jit_info is not None
             and options is None
             and set(self._donate) <= set(getattr(jit_info, "donate_argnums", ()) or ())
             and self._keep_unused == bool(getattr(jit_info, "keep_unused", False))
         ):
-            jitted = self._fun  # lowered as it is, not as one jax.jit inside another
+            jitted = given  # lowered as it is, not as one jax.jit inside another
         elif options:
             jitted = self._aot_jitted
             if jitted is None:
@@ -571,7 +577,7 @@ class JitFunction:
             return self._with_specs(slice_, args, kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
         # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
-        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
+        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else slices.put_for_jit
         static = self._static_of(args)
         moved = [arg if position in static else put(arg, replicated) for position, arg in enumerate(args)]
         moved_kwargs = {k: v if k in self._static_names else put(v, replicated) for k, v in kwargs.items()}
@@ -842,7 +848,17 @@ def jit(
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
     keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     fun = _with_jax_jit_placement(
-        fun, devices, in_specs, out_specs, statics, static_names, in_shardings, out_shardings, device, backend
+        fun,
+        devices,
+        in_specs,
+        out_specs,
+        statics,
+        static_names,
+        in_shardings,
+        out_shardings,
+        device,
+        backend,
+        (donate_argnums, donate_argnames),
     )
     donated, donated_names = _with_jits_donations(
         fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
@@ -876,11 +892,15 @@ def _with_jax_jit_placement(
     out_shardings: Any,
     device: jax.Device | None,
     backend: str | None,
+    donations: tuple[Any, Any] = (None, None),
 ) -> Callable[..., Any]:
     """``fun`` under ``jax.jit`` with the placement options of ``jax.jit`` given (those not None), else ``fun``.
 
     ``pw.jit(f, out_shardings=s)`` is then ``pw.jit(jax.jit(f, out_shardings=s))``:
-    placed as ``jax.jit`` places it. A slice's placement (``devices``,
+    placed as ``jax.jit`` places it, and donating what ``donations``
+    (``donate_argnums``, ``donate_argnames`` as given) say, so that it lowers
+    as that one ``jax.jit`` (with its input shardings as given, not the
+    compiler's choice of a ``jax.jit`` around it). A slice's placement (``devices``,
     ``in_specs``, ``out_specs``) and ``jax.jit``'s are two answers to one
     question, so giving both raises ``PlacementError``.
     """
@@ -908,7 +928,15 @@ def _with_jax_jit_placement(
             "devices= (with in_specs/out_specs over the slice's axes), or jax.jit's "
             f"{', '.join(given)} alone."
         )
-    return jax.jit(fun, static_argnums=statics, static_argnames=static_names, **given)
+    donate_argnums, donate_argnames = donations
+    return jax.jit(
+        fun,
+        static_argnums=statics,
+        static_argnames=static_names,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        **given,
+    )
 
 
 def _with_jits_donations(

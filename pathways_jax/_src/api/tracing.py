@@ -21,7 +21,14 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pathways_jax._src.api import function_trace, hijax_arguments, nnx_graph, pickling, ref_arguments
+from pathways_jax._src.api import (
+    function_trace,
+    hijax_arguments,
+    jit_shardings,
+    nnx_graph,
+    pickling,
+    ref_arguments,
+)
 from pathways_jax._src.api.arguments import (
     AbstractArray,
     TraceInputs,
@@ -43,7 +50,13 @@ from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
 from pathways_jax._src.runtime import context, runnable, submission
 from pathways_jax._src.runtime.runnable import Runnable
-from pathways_jax._src.runtime.slices import VirtualSlice, moved_onto, on_slice_mesh, typed_for_caller
+from pathways_jax._src.runtime.slices import (
+    VirtualSlice,
+    moved_onto,
+    on_slice_mesh,
+    put_for_jit,
+    typed_for_caller,
+)
 
 
 def _uncommitted(key: ArgKey) -> bool:
@@ -237,7 +250,7 @@ class Program:
             return jitted(*args, **kwargs)
         replicated = NamedSharding(slice_.physical_mesh, PartitionSpec())
         # NNX objects are moved in place: nnx.jit then updates the caller's, not copies.
-        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else jax.device_put
+        put = nnx_graph.put_in_place if nnx_graph.has_graph_nodes((args, kwargs)) else put_for_jit
         args = tuple(arg if i in positions else put(arg, replicated) for i, arg in enumerate(args))
         kwargs = {k: v if k in self._info.static_names else put(v, replicated) for k, v in kwargs.items()}
         with slice_:  # outside a program's trace: the slice's mesh too (on_slice_mesh)
@@ -568,7 +581,7 @@ class Program:
             jitted = self._aot_jitted = self._given_jit()
         if jitted is None:
             info = self._info
-            jitted = self._aot_jitted = jax.jit(
+            jitted = self._aot_jitted = jit_shardings.ahead_of_time(
                 info.fun,
                 static_argnums=info.static,
                 static_argnames=info.static_names,
@@ -586,15 +599,16 @@ class Program:
         another (whose inputs' shardings would be the outer one's, not the given ones).
         """
         info = self._info
-        jit_info = getattr(info.fun, "_jit_info", None)  # jax.jit's own record of its options (private)
-        if jit_info is None or not callable(getattr(info.fun, "lower", None)):
+        given = jit_shardings.lowered_jit(info.fun)
+        jit_info = getattr(given, "_jit_info", None)  # jax.jit's own record of its options (private)
+        if jit_info is None:
             return None
         own = (
             set(info.donate) <= set(getattr(jit_info, "donate_argnums", ()) or ())
             and info.keep_unused == bool(getattr(jit_info, "keep_unused", False))
             and dict(info.compiler_options) == dict(getattr(jit_info, "compiler_options_kvs", ()) or ())
         )
-        return info.fun if own else None
+        return given if own else None
 
     def _as_jit_for(self, args: tuple, kwargs: dict) -> Any:
         """The function as ``jax.jit`` runs it, or as ``nnx.jit`` does where the arguments hold NNX objects.

@@ -47,15 +47,17 @@ def loose_device(graph: Graph, node: Node, mesh: Any) -> jax.Device | None:
     but committed to that device (``compile_node``'s ``committed``), as
     ``jax.jit`` runs such a call: ``SingleDeviceSharding`` outputs, no mesh
     in their types. There, on one device, specs, the slice's own mesh of Auto
-    axes and host callbacks place nothing more, so they do not stop it.
+    axes, host callbacks and sub-byte inputs (its executable called through
+    its ``jax.jit``, see ``_SubByteInputs``) place nothing more, so they do
+    not stop it.
     """
     if node.slice.id not in (graph.uncommitted_slice, graph.device_slice) or mesh.devices.size != 1:
         return None
     placed = node.slice.id == graph.device_slice
     if not placed and any(spec is not None for spec in (*node.in_specs, *node.out_specs)):
         return None
-    if (not placed and calls_host(node.jaxpr.jaxpr)) or any(
-        _sub_byte(aval.dtype) for aval in node.jaxpr.in_avals
+    if not placed and (
+        calls_host(node.jaxpr.jaxpr) or any(_sub_byte(aval.dtype) for aval in node.jaxpr.in_avals)
     ):
         return None
     for aval in (*node.jaxpr.in_avals, *node.jaxpr.out_avals):
@@ -141,6 +143,8 @@ def compile_node(
                 else jax.jit(fun, donate_argnums=donate)
             )
             made: Any = jitted.lower(*plain).compile(dict(options) if options else None)
+        if any(_sub_byte(aval.dtype) for aval in node.jaxpr.in_avals):
+            made = _SubByteInputs(made, jitted, None, loose)
         counts.bump("compiles")
         lowering_log.compiled(node, t0)
         if cache is not None:
@@ -159,7 +163,7 @@ def compile_node(
         # XLA options (jax.jit's compiler_options) apply here; remote hosts compile with their own.
         compiled: Any = jitted.lower(*args).compile(dict(options) if options else None)
         if any(_sub_byte(aval.dtype) for aval in node.jaxpr.in_avals):
-            compiled = _SubByteInputs(compiled, jitted, mesh)
+            compiled = _SubByteInputs(compiled, jitted, mesh, None)
         if export:
             # Hosts compile for themselves; donation is a local optimisation left out.
             blob = _exported(
@@ -247,11 +251,19 @@ class _SubByteInputs:
     ``ValueError: Computation was compiled for input layouts that disagree``.
     """
 
-    def __init__(self, compiled: Any, jitted: Any, mesh: Any) -> None:
-        self._jitted, self._mesh = jitted, mesh
+    def __init__(self, compiled: Any, jitted: Any, mesh: Any, device: jax.Device | None) -> None:
+        # ``mesh``: the mesh it was compiled under; None: none, on ``device`` (``loose_device``'s).
+        self._jitted, self._mesh, self._device = jitted, mesh, device
         self.input_shardings, self.output_shardings = compiled.input_shardings, compiled.output_shardings
 
     def __call__(self, *args: Any) -> Any:
+        if self._mesh is None:
+            # Arguments the plan put on the slice's one-device mesh: on that device with no mesh
+            # in their types, as the executable itself takes them, so no output is typed with it.
+            on_device = _device_sharding(self._device)
+            args = tuple(jax.device_put(a, on_device) if _typed(jax.typeof(a)) else a for a in args)
+            with only_mesh(_NO_MESH, None), jax.default_device(self._device):
+                return self._jitted(*args)
         with only_mesh(self._mesh.abstract_mesh, self._mesh):
             return self._jitted(*args)
 
@@ -310,13 +322,10 @@ def _unconstrained(closed: Any) -> Any:
         sharding = eqn.params.get("sharding") if eqn.primitive.name == "sharding_constraint" else None
         mesh = getattr(sharding, "mesh", None)
         source = eqn.invars[0] if eqn.invars else None
-        if (
-            mesh is not None
-            and mesh.size == 1
-            and AxisType.Explicit not in mesh.axis_types
-            and not isinstance(source, jex.Literal)  # a constant's: kept, as it makes the value
-        ):
-            alias[eqn.outvars[0]] = alias.get(source, source)
+        if mesh is not None and mesh.size == 1 and AxisType.Explicit not in mesh.axis_types:
+            # A constant's (the graph puts it on its slice so) becomes the constant itself,
+            # which the executable makes with its weak type, as jax.jit's constant output.
+            alias[eqn.outvars[0]] = source if isinstance(source, jex.Literal) else alias.get(source, source)
             continue
         if alias and any(v in alias for v in eqn.invars if not isinstance(v, jex.Literal)):
             eqn = eqn.replace(

@@ -301,9 +301,34 @@ def typed_for_caller(slice_: VirtualSlice, tree: object) -> object:
         sharding = getattr(jax.typeof(leaf), "sharding", None)
         if not isinstance(sharding, NamedSharding) or sharding.mesh != slice_.mesh:
             return leaf
-        return jax.device_put(leaf, NamedSharding(auto, PartitionSpec(*sharding.spec)))
+        spec = PartitionSpec(*sharding.spec)
+        # Its source named on the slice's physical mesh: inferred from its type (the abstract
+        # mesh), the move's transpose under the caller's vmap of grad had no devices to go to.
+        return jax.device_put(leaf, NamedSharding(auto, spec), src=NamedSharding(physical, spec))
 
     return jax.tree_util.tree_map(retyped, tree)
+
+
+def put_for_jit(tree: object, sharding: NamedSharding) -> object:
+    """``tree`` put on ``sharding`` as a function run as ``jax.jit`` on a slice takes it under the caller's transformation.
+
+    Its arrays are put there (replicated), so that the computation stays on
+    the slice's devices, except uncommitted ones (``jnp`` results, under the
+    caller's eager ``grad`` too), which ``jax.jit`` under the slice's mesh
+    takes as they are and places itself. Put there, their cotangents under
+    the caller's ``grad`` came back committed to the device the uncommitted
+    array was on (``jax.device_put``'s transpose), and adding them to the
+    other cotangents of the same value, on the slice's devices or the
+    caller's mesh, failed ("incompatible devices").
+    """
+
+    def put(leaf: object) -> object:
+        value = leaf.to_concrete_value() if isinstance(leaf, jax.core.Tracer) else leaf
+        if isinstance(value, jax.Array) and not getattr(value, "committed", True):
+            return leaf
+        return jax.device_put(leaf, sharding)
+
+    return jax.tree_util.tree_map(put, tree)
 
 
 def moved_onto(slice_: VirtualSlice, tree: object) -> object:
