@@ -4,7 +4,10 @@ JAX must see its CPU device count before its backend starts (DESIGN §5), so
 this runs before any test module imports JAX code.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,6 +15,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# XLA's executables, kept for the session's process (its own folder, removed at its exit; not
+# the processes it starts, nor the Ray hosts): every test starts a fresh cluster, and a program
+# an earlier test compiled (the same computation on the same devices with the same options:
+# JAX's cache key) is read back instead of compiled again, about a third of this process's
+# compiles. What a test compiles, and what a compile returns, are those of a compile.
+_XLA_CACHE = tempfile.mkdtemp(prefix="pathways_jax_tests_xla_")
+atexit.register(shutil.rmtree, _XLA_CACHE, True)
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 import pytest  # noqa: E402
 
