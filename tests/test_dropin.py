@@ -444,15 +444,22 @@ def test_inner_jit_donation_is_honoured_or_warned_once():
     s = pw.devices(mesh={"x": 1})
     inner = jax.jit(lambda p, g: p - g, donate_argnums=0)
 
-    @pw.program(devices=s)
-    def once(p, g):
+    def step(p, g):
         return inner(p, g)
 
     x = jax.device_put(jnp.ones(4), s.sharding(P()))
-    assert_matches(once(x, jnp.ones(4)), jnp.zeros(4))
-    assert x.is_deleted()  # honoured: the program's only reader donated it
+    assert_matches(pw.program(step, devices=s)(x, jnp.ones(4)), jnp.zeros(4))
+    assert not x.is_deleted()  # as under jax.jit: a nested call's donation leaves the caller's array
+    assert_matches(pw.program(step, devices=s, donate_argnums=0)(x, jnp.ones(4)), jnp.zeros(4))
+    assert x.is_deleted()  # the program donates it, and its only reader takes it
 
     @pw.program(devices=s, fuse=False)
+    def made_inside(g):
+        return inner(g * 2, g)  # g * 2 is made here: the inner donation reuses its buffer
+
+    assert_matches(made_inside(jnp.ones(4)), jnp.ones(4))
+
+    @pw.program(devices=s, fuse=False, donate_argnums=0)
     def twice(p, g):
         return inner(p, g) + p  # p is read again: its buffer must stay
 

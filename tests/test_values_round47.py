@@ -200,12 +200,6 @@ def _doubled_pair(x, y):
     return x * 2, y + 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an inner jitted function's donation reaches the program's own arguments "
-    "(compile/binding.py takes Node.donated for program inputs; pw.program of a jax.jit "
-    "function relies on it, see the final report)",
-)
 @pytest.mark.parametrize("inner", ["jax.jit", "pw.jit"])
 def test_a_donation_of_a_function_called_inside_a_program_leaves_the_programs_arguments_alone(inner):
     # Under jax.jit, an inner jax.jit's donate_argnums is ignored: only the outer call's own

@@ -17,6 +17,7 @@ from pathways_jax._src.api.jit_options import (
     _positions_of,
     argnames,
     argnums,
+    with_jits_donations,
     with_jits_statics,
 )
 from pathways_jax._src.api.jit_shardings import (
@@ -187,9 +188,11 @@ def program(
             f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
         )
     statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
-    donate = argnums(fun, donate_argnums, "donate_argnums")
-    donate_names = argnames(donate_argnames, "donate_argnames")
     _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames)
+    # A wrapped jax.jit's donations are the program's own (they consume the caller's arrays).
+    donate, donate_names = with_jits_donations(
+        fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
+    )
     donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
     del inline  # a hint with no effect on a program's results (see Args)
     keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too

@@ -146,7 +146,7 @@ def with_jits_statics(
 
     ``pw.program(jax.jit(step, static_argnames="train"))`` then takes ``train``
     as ``jax.jit(step, ...)`` does: a static argument of the inner function
-    cannot arrive traced. (Donation needs nothing: the inner function donates.)
+    cannot arrive traced. (Its donations: :func:`with_jits_donations`.)
     """
     info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
     inner = tuple(getattr(info, "static_argnums", ()) or ())
@@ -157,6 +157,25 @@ def with_jits_statics(
         tuple(sorted({*statics, *inner})),
         tuple(dict.fromkeys((*names, *inner_names))),
     )
+
+
+def with_jits_donations(
+    fun: Any, nums: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``nums`` and ``names``, and the donations of ``fun`` itself if it is a ``jax.jit`` function.
+
+    ``pw.jit(jax.jit(step, donate_argnums=0))`` and ``pw.program(jax.jit(step,
+    donate_argnums=0))`` then consume their first argument as ``jax.jit(step,
+    donate_argnums=0)`` does: the caller's array reads as deleted after the
+    call. (A ``jax.jit`` function called inside a program donates only values
+    made inside it, as under ``jax.jit``.)
+    """
+    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
+    inner = tuple(getattr(info, "donate_argnums", ()) or ())
+    inner_names = tuple(getattr(info, "donate_argnames", ()) or ())
+    if not inner and not inner_names:
+        return nums, names
+    return tuple(sorted({*nums, *inner})), tuple(dict.fromkeys((*names, *inner_names)))
 
 
 def refuse_traced_statics(statics: list[tuple[int | str, Any]], what: str, name: str, where: str) -> None:

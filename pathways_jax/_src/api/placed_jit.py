@@ -24,6 +24,7 @@ from pathways_jax._src.api.jit_options import (
     from_end,
     name_of,
     refuse_traced_statics,
+    with_jits_donations,
     with_jits_statics,
 )
 from pathways_jax._src.api.jit_shardings import (
@@ -540,6 +541,10 @@ class JitFunction:
                 source_info=self.source_info,
                 under_transforms=False,  # a tracer argument comes back here (_transformed)
                 keep_unused=self._keep_unused,
+                # A program's own donation consumes its arguments (a donation of a function it
+                # calls reaches only values made inside it, as under jax.jit).
+                donate_argnums=self._donate,
+                donate_argnames=self._donate_names,
             )
             # Threads making their first calls at once share one program (and its caches).
             prog = self._programs.setdefault(key, prog)
@@ -860,7 +865,7 @@ def jit(
         backend,
         (donate_argnums, donate_argnames),
     )
-    donated, donated_names = _with_jits_donations(
+    donated, donated_names = with_jits_donations(
         fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
     )
     return JitFunction(
@@ -937,20 +942,3 @@ def _with_jax_jit_placement(
         donate_argnames=donate_argnames,
         **given,
     )
-
-
-def _with_jits_donations(
-    fun: Any, nums: tuple[int, ...], names: tuple[str, ...]
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``nums`` and ``names``, and the donations of ``fun`` itself if it is a ``jax.jit`` function.
-
-    ``pw.jit(jax.jit(step, donate_argnums=0))`` then consumes its first
-    argument as ``jax.jit(step, donate_argnums=0)`` does: the caller's array
-    reads as deleted after the call.
-    """
-    info = getattr(fun, "_jit_info", None)  # jax.jit's own record of its options (private)
-    inner = tuple(getattr(info, "donate_argnums", ()) or ())
-    inner_names = tuple(getattr(info, "donate_argnames", ()) or ())
-    if not inner and not inner_names:
-        return nums, names
-    return tuple(sorted({*nums, *inner})), tuple(dict.fromkeys((*names, *inner_names)))

@@ -212,7 +212,9 @@ class Binding:
             target = _target(spec, current, mesh, aval)
             in_slots.append(self.materialise(vid, target, len(aval.shape)))
             shardings.append(target)
-            wants = node.donated[position] or vid in self.donated_values
+            # A program input goes only where the program's caller donated it (donate_argnums);
+            # a function's own donation reaches only values made inside, as under jax.jit.
+            wants = vid in self.donated_values if vid in self.input_values else node.donated[position]
             if wants and self.readers[vid] == 1 and (vid in self.made_here or vid in self.input_values):
                 donate.append(position)
                 if vid in self.input_values and vid in home and home[vid][0] == in_slots[-1]:
