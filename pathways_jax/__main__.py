@@ -80,6 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    if args.command == "serve" and args.address == "local":
+        # pw.serve would start a Ray cluster in this process: it, and the service, end as this returns.
+        print(
+            "error: --address local starts a Ray cluster in this command's process, which ends with this "
+            "command (and the service with it). Start a cluster that outlives it with `ray start --head`, "
+            "then serve in it (--address auto, or the address `ray start` printed).",
+            file=sys.stderr,
+        )
+        return 1
+
     import pathways_jax as pw
     from pathways_jax._src.runtime import serving
 

@@ -51,3 +51,21 @@ def test_the_command_line_takes_address_and_name_after_its_command_too(monkeypat
     given.clear()
     assert main(["serve", "--hosts", "1"]) == 0
     assert (given["name"], given["address"]) == ("pathways", "auto")
+
+
+def test_the_command_line_refuses_to_serve_in_a_ray_cluster_that_ends_with_it(monkeypatch, capsys):
+    # `python -m pathways_jax serve --address local --hosts 1` started a Ray cluster in the
+    # command's own process, printed "is running in the Ray cluster at ..." with a join line,
+    # and returned: the cluster, and the service in it, ended with the command, and the line
+    # printed named nothing any more.
+    from pathways_jax.__main__ import main
+
+    monkeypatch.setattr(pw, "serve", lambda *a, **k: pytest.fail("pw.serve was called"))
+    for argv in (
+        ["serve", "--hosts", "1", "--address", "local"],
+        ["--address", "local", "serve", "--hosts", "1"],
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "--address local" in err and "ends with this command" in err, err
+        assert "ray start --head" in err, err
