@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 
 import pathways_jax as pw
@@ -69,3 +70,30 @@ def test_the_command_line_refuses_to_serve_in_a_ray_cluster_that_ends_with_it(mo
         err = capsys.readouterr().err
         assert "--address local" in err and "ends with this command" in err, err
         assert "ray start --head" in err, err
+
+
+def test_stopping_a_service_many_clients_left_drops_each_joined_client_and_stops_its_hosts(ray_cluster):
+    # The service lists the last 64 clients that left and forgets older ones as another goes. Its
+    # stop dropped its joined clients while walking its table of clients, so once more had left
+    # than it lists, the first one dropped changed the table under the walk: stop raised
+    # RuntimeError, the later joined clients were not told, and its hosts were not stopped.
+    import importlib
+
+    svc = pw.serve("test-round47-stop", hosts=1)
+    try:
+        pw.init(backend="ray", address=svc.address, service=svc.name, client_name="first")
+        pw.shutdown()  # one that left
+        pw.init(backend="ray", address=svc.address, service=svc.name, client_name="last")
+        step = pw.jit(lambda v: v * 3 + 1, devices=pw.devices(mesh={"x": 1}))
+        np.testing.assert_array_equal(step(np.arange(4.0)).result(timeout=60), np.arange(4.0) * 3 + 1)
+
+        def list_one_that_left(actor):  # as if 64 had left: the next one to go forgets the first
+            importlib.import_module("pathways_jax._src.runtime.serving.actor")._DEPARTED_KEPT = 1
+
+        ray_cluster.get(svc.actor.__ray_call__.remote(list_one_that_left), timeout=30)
+        ray_cluster.get(svc.actor.stop.remote(), timeout=60)  # raised RuntimeError
+        with pytest.raises(pw.errors.ClusterError, match="dropped this process: the service stopped"):
+            step(np.arange(4.0)).result(timeout=60)
+    finally:
+        pw.shutdown()
+        svc.stop()

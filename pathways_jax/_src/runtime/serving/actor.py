@@ -691,7 +691,8 @@ class ServiceActor:
 
     async def stop(self) -> None:
         """Kills the hosts and ends the service (clients' later calls fail with ClusterError)."""
-        for client in self.clients.values():
+        # A copy: dropping a client forgets the oldest of those that went (the table changes).
+        for client in list(self.clients.values()):
             if client.alive:
                 self._drop_client(client, "the service stopped")
         await asyncio.get_running_loop().run_in_executor(None, self.backend.close, 5.0)
