@@ -97,3 +97,74 @@ def test_stopping_a_service_many_clients_left_drops_each_joined_client_and_stops
     finally:
         pw.shutdown()
         svc.stop()
+
+
+class _RayPort:
+    """A gRPC server that answers as one of a Ray head's ports: ``answers`` maps the methods it has
+    to the status it gives (the others are UNIMPLEMENTED, as a server without them says)."""
+
+    def __init__(self, answers: dict):
+        import concurrent.futures
+
+        import grpc
+
+        def handler(code):
+            def answer(request, context):
+                if code != grpc.StatusCode.OK:
+                    context.abort(code, "as Ray's")
+                return b""
+
+            return grpc.unary_unary_rpc_method_handler(answer)
+
+        class Methods(grpc.GenericRpcHandler):
+            def service(self, details):
+                code = answers.get(details.method)
+                return None if code is None else handler(code)
+
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+        self.server.add_generic_rpc_handlers((Methods(),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(None)
+
+
+def test_ray_s_client_port_and_gcs_port_taken_for_each_other_are_refused_in_seconds_saying_which():
+    # Port 10001 (Ray Client's server) given as the cluster's address, or the GCS port (6379) with
+    # 'ray://', is the classic mix-up: both speak gRPC, so it passed the check for "not a Ray
+    # address" and Ray retried it, 20 s (then "Failed to connect to Ray cluster") or 30 s (then
+    # "ray client connection timeout"), never saying which port was meant.
+    import time
+
+    import grpc
+
+    from pathways_jax._src.backends import ray_auth, ray_boot
+
+    client_call = "/ray.rpc.RayletDriver/ClusterInfo"
+    ports = {
+        # As Ray answers a caller without its token (the first call every client makes)...
+        "client": _RayPort({client_call: grpc.StatusCode.UNAUTHENTICATED}),
+        "gcs": _RayPort({ray_auth.CALL: grpc.StatusCode.UNAUTHENTICATED}),
+        # ...and a GCS of a cluster started without authentication.
+        "open gcs": _RayPort({ray_auth.CALL: grpc.StatusCode.OK}),
+    }
+    try:
+        started = time.monotonic()
+        where = ports["client"].address
+        with pytest.raises(
+            pw.errors.ClusterError, match=rf"is Ray Client's server .* address='ray://{where}'"
+        ):
+            ray_boot.check_reachable(where)
+        for gcs in (ports["gcs"].address, ports["open gcs"].address):
+            with pytest.raises(
+                pw.errors.ClusterError,
+                match=rf"names a Ray cluster's GCS port .* address='{gcs}', without 'ray://'",
+            ):
+                ray_boot.check_reachable("ray://" + gcs)
+            ray_boot.check_reachable(gcs)  # as meant: left to Ray
+        ray_boot.check_reachable("ray://" + where)
+        assert time.monotonic() - started < 10
+    finally:
+        for port in ports.values():
+            port.close()
