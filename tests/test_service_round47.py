@@ -10,6 +10,7 @@ import types
 
 import numpy as np
 import pytest
+from helpers import jax_config
 
 import pathways_jax as pw
 
@@ -81,6 +82,16 @@ def test_stopping_a_service_many_clients_left_drops_each_joined_client_and_stops
 
     svc = pw.serve("test-round47-stop", hosts=1)
     try:
+        # A process whose jax_enable_x64 differs from the service's is refused, saying what to do.
+        with (
+            jax_config("jax_enable_x64", True),
+            pytest.raises(
+                pw.errors.ClusterError,
+                match=r"jax_enable_x64=False, this process with True.*jax_enable_x64', False\) in this process "
+                r"before pw.init, or join a service started from a process with it True",
+            ),
+        ):
+            pw.init(backend="ray", address=svc.address, service=svc.name, client_name="x64")
         pw.init(backend="ray", address=svc.address, service=svc.name, client_name="first")
         pw.shutdown()  # one that left
         pw.init(backend="ray", address=svc.address, service=svc.name, client_name="last")
