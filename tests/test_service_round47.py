@@ -179,3 +179,32 @@ def test_ray_s_client_port_and_gcs_port_taken_for_each_other_are_refused_in_seco
     finally:
         for port in ports.values():
             port.close()
+
+
+def test_a_channel_listens_on_one_machine_whatever_the_length_of_tmpdir(tmp_path, monkeypatch):
+    # A client process (or a controller) whose TMPDIR is long (a job scheduler's per-job folder,
+    # a build sandbox) crashed in pw.init with ZeroMQ's raw ZMQError: its channel's socket files
+    # went under TMPDIR, past the 107 characters a Unix socket's path may have.
+    import secrets
+    import tempfile
+
+    from pathways_jax._src import wire
+
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again, as a fresh process does
+    key = secrets.token_bytes(32)
+    with wire.Server(key, transport="ipc") as server, wire.Peer(server.address, key, identity=b"h") as peer:
+        peer.send(wire.Done(seq=0))
+        hello = server.recv(timeout=10)
+        server.send(hello.peer, wire.Fetch(key=7))
+        assert peer.recv(timeout=10).body == wire.Fetch(key=7)
+    # Where no folder is short enough, it listens on loopback TCP: one machine still.
+    from pathways_jax._src.wire import channel
+
+    monkeypatch.setattr(channel, "_IPC_PATH_MAX", 4)
+    with wire.Server(key, transport="ipc") as server, wire.Peer(server.address, key, identity=b"h") as peer:
+        assert server.address.up.startswith("tcp://127.0.0.1:"), server.address
+        peer.send(wire.Done(seq=0))
+        assert server.recv(timeout=10).body == wire.Done(seq=0)
