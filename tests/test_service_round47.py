@@ -6,11 +6,12 @@ need no service (``pw.serve`` is replaced where a test only reads what it was gi
 
 from __future__ import annotations
 
+import re
 import types
 
 import numpy as np
 import pytest
-from helpers import jax_config
+from helpers import jax_config, wait_for
 
 import pathways_jax as pw
 
@@ -73,8 +74,8 @@ def test_the_command_line_refuses_to_serve_in_a_ray_cluster_that_ends_with_it(mo
         assert "ray start --head" in err, err
 
 
-def test_stopping_a_service_many_clients_left_drops_each_joined_client_and_stops_its_hosts(ray_cluster):
-    # The service lists the last 64 clients that left and forgets older ones as another goes. Its
+def test_a_service_says_why_it_refused_or_dropped_a_client_and_stops_once_many_left(ray_cluster):
+    # One service for three checks (a service start costs seconds). Stop: the service lists the last 64 clients that left and forgets older ones as another goes. Its
     # stop dropped its joined clients while walking its table of clients, so once more had left
     # than it lists, the first one dropped changed the table under the walk: stop raised
     # RuntimeError, the later joined clients were not told, and its hosts were not stopped.
@@ -93,6 +94,25 @@ def test_stopping_a_service_many_clients_left_drops_each_joined_client_and_stops
         ):
             pw.init(backend="ray", address=svc.address, service=svc.name, client_name="x64")
         pw.init(backend="ray", address=svc.address, service=svc.name, client_name="first")
+        first = pw.jit(lambda v: v + 1, devices=pw.devices(mesh={"x": 1}))
+        assert float(first(np.float32(1)).result(timeout=60)) == 2.0
+        # Its token actor killed (`ray kill`, Ray's memory monitor) while the process lives: the
+        # service drops it, and says why, not that its process died.
+        ray_cluster.kill(pw.cluster().backend._token)
+        said: list[str] = []
+
+        def dropped() -> bool:
+            try:
+                first(np.float32(1)).result(timeout=60)
+            except pw.errors.ClusterError as exc:
+                said.append(str(exc))
+                return True
+            return False
+
+        assert wait_for(dropped, timeout=60)
+        assert re.search(
+            r"its token actor, .* died \(it was killed by `ray.kill`; ActorDiedError\)", said[0]
+        ), said
         pw.shutdown()  # one that left
         pw.init(backend="ray", address=svc.address, service=svc.name, client_name="last")
         step = pw.jit(lambda v: v * 3 + 1, devices=pw.devices(mesh={"x": 1}))

@@ -66,6 +66,21 @@ _TICK_S = 0.5  # how often the service looks at its queues and clients
 _PAUSED_S = 2.0
 
 
+def _token_death(exc: BaseException) -> str:
+    """Why a client went, from its token actor's death (``exc``): its process ended (Ray ends the
+    token with the process that made it), or the token alone was killed (`ray kill`, Ray's memory
+    monitor) while the process may live on, as Ray's reason says."""
+    said = [line.strip() for line in str(exc).splitlines()]
+    reason = next((line for line in said if line.startswith("The actor is dead because")), "")
+    if not reason or "owner" in reason:  # the process that made it is gone
+        return f"its process died ({type(exc).__name__})"
+    reason = reason.removeprefix("The actor is dead because").strip().rstrip(".")
+    return (
+        f"its token actor, through which the service sees the process live, died ({reason}; "
+        f"{type(exc).__name__}) though the process may live on"
+    )
+
+
 class ServiceActor:
     """The controller service's actor (made with ``ray.remote`` by :func:`serve`)."""
 
@@ -228,7 +243,7 @@ class ServiceActor:
             await client.token.hold.remote()
             why = "it left"
         except Exception as exc:
-            why = f"its process died ({type(exc).__name__})"
+            why = _token_death(exc)
         if client.alive:
             self._drop_client(client, why)
 
