@@ -8,8 +8,9 @@
 Client processes join with ``pw.init(backend="ray", address=<the address
 printed>, service=<name>)``. ``--address`` (default ``auto``: the cluster
 ``ray start`` started on this machine) and ``--name`` (default ``pathways``)
-pick the cluster and the service, given before the command or after it. ``serve`` takes every option of
-``pw.serve`` (``--silent_client_timeout none``, ``--replace_lost_hosts false``, ...).
+pick the cluster and the service, given before the command or after it.
+``serve`` takes every option of ``pw.serve`` (``--silent_client_timeout none``,
+``--replace_lost_hosts false``, ...).
 """
 
 from __future__ import annotations

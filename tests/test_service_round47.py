@@ -75,9 +75,10 @@ def test_the_command_line_refuses_to_serve_in_a_ray_cluster_that_ends_with_it(mo
 
 
 def test_a_service_says_why_it_refused_or_dropped_a_client_and_stops_once_many_left(ray_cluster):
-    # One service for three checks (a service start costs seconds). Stop: the service lists the last 64 clients that left and forgets older ones as another goes. Its
-    # stop dropped its joined clients while walking its table of clients, so once more had left
-    # than it lists, the first one dropped changed the table under the walk: stop raised
+    # One service for three checks (a service start costs seconds). Stop: the service lists the
+    # last 64 clients that left and forgets older ones as another goes. Its stop dropped its
+    # joined clients while walking its table of clients, so once more had left than it lists,
+    # the first one dropped changed the table under the walk: stop raised
     # RuntimeError, the later joined clients were not told, and its hosts were not stopped.
     import importlib
 
@@ -88,8 +89,8 @@ def test_a_service_says_why_it_refused_or_dropped_a_client_and_stops_once_many_l
             jax_config("jax_enable_x64", True),
             pytest.raises(
                 pw.errors.ClusterError,
-                match=r"jax_enable_x64=False, this process with True.*jax_enable_x64', False\) in this process "
-                r"before pw.init, or join a service started from a process with it True",
+                match=r"jax_enable_x64=False, this process with True.*jax_enable_x64', False\) in this "
+                r"process before pw.init, or join a service started from a process with it True",
             ),
         ):
             pw.init(backend="ray", address=svc.address, service=svc.name, client_name="x64")

@@ -222,7 +222,8 @@ class ServiceActor:
                 "refused": f"the service runs with jax_enable_x64={self.config.x64}, this process with "
                 f"{x64}: their computations would not match. Set jax.config.update('jax_enable_x64', "
                 f"{self.config.x64}) in this process before pw.init, or join a service started from a "
-                f"process with it {x64} (pw.serve, or JAX_ENABLE_X64={int(x64)} for `python -m pathways_jax serve`)"
+                f"process with it {x64} (pw.serve, or JAX_ENABLE_X64={int(x64)} for "
+                "`python -m pathways_jax serve`)"
             }
         client = ClientProcess(next(self._ids), name, pid, node, token, time.time())
         self.clients[client.id] = client
