@@ -8,8 +8,9 @@
 Client processes join with ``pw.init(backend="ray", address=<the address
 printed>, service=<name>)``. ``--address`` (default ``auto``: the cluster
 ``ray start`` started on this machine) and ``--name`` (default ``pathways``)
-pick the cluster and the service. ``serve`` takes every option of
-``pw.serve`` (``--silent_client_timeout none``, ``--replace_lost_hosts false``, ...).
+pick the cluster and the service, given before the command or after it.
+``serve`` takes every option of ``pw.serve`` (``--silent_client_timeout none``,
+``--replace_lost_hosts false``, ...).
 """
 
 from __future__ import annotations
@@ -44,8 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         "--address", default="auto", help="the Ray cluster (default: the one on this machine)"
     )
     parser.add_argument("--name", default="pathways", help="the service's name (default: pathways)")
+    # Also taken after the command (`serve --hosts 4 --address HEAD:6379`, `stats --name eval`),
+    # where they win over the same given before it; left out there, the ones before it hold.
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--address", default=argparse.SUPPRESS, help="the Ray cluster (default: auto)")
+    where.add_argument("--name", default=argparse.SUPPRESS, help="the service's name (default: pathways)")
     commands = parser.add_subparsers(dest="command", required=True)
-    start = commands.add_parser("serve", help="start a controller service (a detached Ray actor)")
+    start = commands.add_parser(
+        "serve", parents=[where], help="start a controller service (a detached Ray actor)"
+    )
     start.add_argument("--hosts", type=int, required=True)
     start.add_argument("--devices_per_host", type=int, default=1)
     start.add_argument("--islands", type=int, default=None)
@@ -67,9 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         "--max_in_flight", type=int, default=None, help="executables each host keeps in flight"
     )
     start.add_argument("--starvation_limit", type=int, default=None, help="under 'priority'")
-    commands.add_parser("stats", help="print the service's stats as JSON")
-    commands.add_parser("stop", help="stop the service (its hosts and every client's values go)")
+    commands.add_parser("stats", parents=[where], help="print the service's stats as JSON")
+    commands.add_parser(
+        "stop", parents=[where], help="stop the service (its hosts and every client's values go)"
+    )
     args = parser.parse_args(argv)
+
+    if args.command == "serve" and args.address == "local":
+        # pw.serve would start a Ray cluster in this process: it, and the service, end as this returns.
+        print(
+            "error: --address local starts a Ray cluster in this command's process, which ends with this "
+            "command (and the service with it). Start a cluster that outlives it with `ray start --head`, "
+            "then serve in it (--address auto, or the address `ray start` printed).",
+            file=sys.stderr,
+        )
+        return 1
 
     import pathways_jax as pw
     from pathways_jax._src.runtime import serving

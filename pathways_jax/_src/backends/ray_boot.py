@@ -98,6 +98,9 @@ def check_reachable(address: str) -> None:
             "head's `ray start` prints it, as 'ray start --address=...'; a controller service's is "
             "pw.Service.address), or start a cluster with `ray start --head`."
         )
+    mixed = _other_ray_port(where, client=address.startswith("ray://"))
+    if mixed is not None:
+        raise errors.ClusterError(f"{shown} {mixed}")
 
 
 def check_joined(ray: Any, address: str | None) -> None:
@@ -192,6 +195,55 @@ def _grpc_answer(address: str) -> str | None:
     except ValueError:  # an address gRPC does not take: left to Ray
         return None
     return None
+
+
+# A call only Ray Client's server answers (the head's port 10001 by default); the GCS has no such method.
+_CLIENT_CALL = "/ray.rpc.RayletDriver/ClusterInfo"
+
+
+def _grpc_code(address: str, call: str) -> Any:
+    """The gRPC status the server at ``address`` gives ``call`` (an empty request): a
+    ``grpc.StatusCode`` (``OK`` for an answer); None when it cannot be told (no answer in time)."""
+    import grpc
+
+    try:
+        with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+            channel.unary_unary(call)(b"", timeout=_REACH_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        code = exc.code()
+        return None if code == grpc.StatusCode.DEADLINE_EXCEEDED else code
+    except ValueError:
+        return None
+    return grpc.StatusCode.OK
+
+
+def _other_ray_port(where: str, *, client: bool) -> str | None:
+    """What to say when the gRPC server at ``where`` is Ray's other port than the one asked for: its
+    Ray Client server given as the cluster's (GCS) address, or its GCS given with ``ray://`` (which
+    Ray takes as a Ray Client address, and retries for 30 s); None when it is not that (or cannot be told).
+
+    Each has a method the other lacks (``UNIMPLEMENTED`` there, whether or not a token is sent)."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    try:
+        import grpc
+    except ImportError:  # pragma: no cover - the ray extra brings it
+        return None
+    missing = grpc.StatusCode.UNIMPLEMENTED
+    asked, other = (_CLIENT_CALL, ray_auth.CALL) if client else (ray_auth.CALL, _CLIENT_CALL)
+    if _grpc_code(where, asked) != missing or _grpc_code(where, other) in (None, missing):
+        return None
+    if client:
+        return (
+            "names a Ray cluster's GCS port (the head's 6379 by default, the address `ray start` prints) "
+            "with 'ray://', which is for Ray Client's server (the head's port 10001 by default). On a node "
+            f"of the cluster pass address={where!r}, without 'ray://'; from elsewhere, 'ray://<head>:10001'."
+        )
+    return (
+        "is Ray Client's server (the head's port 10001 by default), not a Ray cluster's GCS address: "
+        f"pass address='ray://{where}' to connect through it, or, on a node of the cluster, the address "
+        "`ray start` prints (the head's port 6379 by default)."
+    )
 
 
 def send_saved_token(address: str) -> None:

@@ -627,13 +627,32 @@ def _name(peer: bytes) -> str:
     return "the server" if peer == SERVER else f"peer {peer!r}"
 
 
+# The longest path a Unix socket may have (sockaddr_un's sun_path; 107 on Linux, 103 on macOS).
+_IPC_PATH_MAX = int(getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 103)
+
+
+def _ipc_dir() -> str | None:
+    """A fresh folder for a server's socket files, their paths short enough for a Unix socket: in
+    the temporary folder (TMPDIR), else in /tmp when TMPDIR is too deep (a job scheduler's
+    per-job folder, a build sandbox); None when neither will do."""
+    for base in (None, "/tmp"):
+        try:
+            path = tempfile.mkdtemp(prefix="pw-wire-", dir=base)
+        except OSError:
+            continue
+        if len(os.path.join(path, "down")) <= _IPC_PATH_MAX:
+            return path
+        shutil.rmtree(path, ignore_errors=True)
+    return None
+
+
 class Server(_Channel):
     """The bound end: many :class:`Peer`\\ s connect, each named by its identity.
 
     Args:
         key: the per-service secret every frame is signed with (``secrets.token_bytes(32)``).
-        transport: ``"ipc"`` (a socket file in a fresh temporary directory, one machine)
-            or ``"tcp"``.
+        transport: ``"ipc"`` (a socket file in a fresh temporary directory, one machine; in
+            ``/tmp`` when TMPDIR is too deep for a socket's path, else loopback TCP) or ``"tcp"``.
         host: the interface a tcp server binds; loopback unless asked (``"0.0.0.0"``).
         on_message: called on the receive thread with every accepted message; when None,
             messages wait for :meth:`recv` in a queue of ``queue_size``.
@@ -690,9 +709,13 @@ class Server(_Channel):
         try:
             match transport:
                 case "ipc":
-                    self._ipc_dir = tempfile.mkdtemp(prefix="pw-wire-")
-                    up.bind(f"ipc://{os.path.join(self._ipc_dir, 'up')}")
-                    down.bind(f"ipc://{os.path.join(self._ipc_dir, 'down')}")
+                    self._ipc_dir = _ipc_dir()
+                    if self._ipc_dir is None:  # no folder short enough: loopback serves one machine too
+                        up.bind("tcp://127.0.0.1:*")
+                        down.bind("tcp://127.0.0.1:*")
+                    else:
+                        up.bind(f"ipc://{os.path.join(self._ipc_dir, 'up')}")
+                        down.bind(f"ipc://{os.path.join(self._ipc_dir, 'down')}")
                 case "tcp":
                     up.bind(f"tcp://{host}:*")
                     down.bind(f"tcp://{host}:*")

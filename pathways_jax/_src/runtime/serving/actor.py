@@ -66,6 +66,21 @@ _TICK_S = 0.5  # how often the service looks at its queues and clients
 _PAUSED_S = 2.0
 
 
+def _token_death(exc: BaseException) -> str:
+    """Why a client went, from its token actor's death (``exc``): its process ended (Ray ends the
+    token with the process that made it), or the token alone was killed (`ray kill`, Ray's memory
+    monitor) while the process may live on, as Ray's reason says."""
+    said = [line.strip() for line in str(exc).splitlines()]
+    reason = next((line for line in said if line.startswith("The actor is dead because")), "")
+    if not reason or "owner" in reason:  # the process that made it is gone
+        return f"its process died ({type(exc).__name__})"
+    reason = reason.removeprefix("The actor is dead because").strip().rstrip(".")
+    return (
+        f"its token actor, through which the service sees the process live, died ({reason}; "
+        f"{type(exc).__name__}) though the process may live on"
+    )
+
+
 class ServiceActor:
     """The controller service's actor (made with ``ray.remote`` by :func:`serve`)."""
 
@@ -205,7 +220,10 @@ class ServiceActor:
         if bool(x64) != bool(self.config.x64):
             return {
                 "refused": f"the service runs with jax_enable_x64={self.config.x64}, this process with "
-                f"{x64}: their computations would not match"
+                f"{x64}: their computations would not match. Set jax.config.update('jax_enable_x64', "
+                f"{self.config.x64}) in this process before pw.init, or join a service started from a "
+                f"process with it {x64} (pw.serve, or JAX_ENABLE_X64={int(x64)} for "
+                "`python -m pathways_jax serve`)"
             }
         client = ClientProcess(next(self._ids), name, pid, node, token, time.time())
         self.clients[client.id] = client
@@ -226,7 +244,7 @@ class ServiceActor:
             await client.token.hold.remote()
             why = "it left"
         except Exception as exc:
-            why = f"its process died ({type(exc).__name__})"
+            why = _token_death(exc)
         if client.alive:
             self._drop_client(client, why)
 
@@ -691,7 +709,8 @@ class ServiceActor:
 
     async def stop(self) -> None:
         """Kills the hosts and ends the service (clients' later calls fail with ClusterError)."""
-        for client in self.clients.values():
+        # A copy: dropping a client forgets the oldest of those that went (the table changes).
+        for client in list(self.clients.values()):
             if client.alive:
                 self._drop_client(client, "the service stopped")
         await asyncio.get_running_loop().run_in_executor(None, self.backend.close, 5.0)
