@@ -177,11 +177,6 @@ def test_sub_byte_values_on_one_device_come_back_as_jax_jit_gives_them(dtype):
                     assert jax.typeof(got) == jax.typeof(expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a Python int argument the function returns as it is, or does not use, is not checked "
-    "against int32 (runtime/submission.py, api/arguments.py: the per-call path)",
-)
 @pytest.mark.parametrize("fun", [lambda a, b: (a, b), lambda a, b: b], ids=["returned", "unused"])
 def test_a_python_int_too_large_for_int32_is_refused_as_jax_jit_refuses_it_wherever_it_goes(fun):
     # jax.jit refuses a Python int beyond int32 (x64 off) whatever the function does with it.

@@ -24,6 +24,7 @@ from pathways_jax._src.core import charges as charges_lib
 from pathways_jax._src.core import counts, errors, events
 from pathways_jax._src.core.charges import Charge
 from pathways_jax._src.ir.graph import Graph
+from pathways_jax._src.ir.signatures import ScalarKey
 
 if TYPE_CHECKING:
     from pathways_jax._src.ir.signatures import Signature
@@ -84,6 +85,14 @@ class Plan:
         bound = binding.bind(graph, signature, placement, donated)
         self.template: list[Any] = bound.template  # a run's slots: None, or a constant on devices
         self.host_feeds = bound.host_feeds  # (arg index, slot, sharding)
+        # Python int leaves no executable reads (returned as they are, or unused): a call checks
+        # them against JAX's integer type as jax.jit does (host feeds are checked as they go).
+        fed = {index for index, _, _ in self.host_feeds}
+        self.unfed_ints = tuple(
+            index
+            for index, key in enumerate(signature)
+            if type(key) is ScalarKey and key.python_type is int and index not in fed
+        )
         self.input_charges = bound.input_charges  # bytes of each host feed on its devices
         self.array_feeds = bound.array_feeds  # (arg index, slot): taken as is
         self.future_feeds = bound.future_feeds  # (arg index, slot)

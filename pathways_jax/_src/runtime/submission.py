@@ -110,6 +110,8 @@ def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
     # transfer guard is set (_guard_host_feeds), nor staged or shipped (below).
     as_is = not staged and not _guard_host_feeds(plan, leaves) if plan.host_feeds else False
     ticket = None
+    for index in plan.unfed_ints:  # (usually none) as jax.jit refuses them, used or not
+        _check_int(leaves[index], plan, index)
     if plan.staged_feeds:  # under a memory budget: queued runs hold these copies on the host
         ticket = _stage(cl, plan, leaves, env)
     for index, slot, sharding in plan.host_feeds:
