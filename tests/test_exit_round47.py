@@ -12,6 +12,7 @@ SIGINT handler does) at the first point where Python may run a handler
 import contextlib
 import gc
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +183,39 @@ def test_ctrl_c_landing_as_a_future_is_freed_reaches_the_user():
     gc.collect()
     assert store.live_count() == 0
     assert_matches(step(x), jax.jit(_body)(x))
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_as_a_slice_is_asked_for_leaves_the_resource_manager_free():
+    # pw.devices() took the resource manager's lock through its Condition, whose __enter__ is a
+    # Python frame: a Ctrl-C landing as it returned left the lock held by the main thread, and
+    # every other thread asking for or releasing a slice (a finalizer on the controller's
+    # thread included) waited for ever.
+    pw.init(num_cpu_devices=8)
+    resources = clusters.running().resources
+    owned = resources._cond._is_owned
+    fired = []
+
+    def hook(frame, event, arg):
+        if not fired and event in ("call", "c_return") and owned():
+            fired.append(event)
+            raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pw.devices(mesh={"x": 2})
+    finally:
+        sys.setprofile(None)
+    assert fired
+    got = []
+    thread = threading.Thread(
+        target=lambda: got.append(pw.devices(mesh={"x": 2}, exclusive=True, timeout=5)), daemon=True
+    )
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and len(got) == 1
+    got[0].release()
+    s = pw.devices(mesh={"x": 8}, exclusive=True, timeout=5)  # nothing left reserved
+    assert_matches(pw.jit(_body, devices=s)(jnp.arange(8.0)), jax.jit(_body)(jnp.arange(8.0)))
+    s.release()
