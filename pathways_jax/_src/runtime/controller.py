@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from absl import logging
 
 from pathways_jax._src.backends.base import Backend, StepFailed, device_window_key
-from pathways_jax._src.core import counts, errors, events, readiness, reentry
+from pathways_jax._src.core import counts, errors, events, locks, readiness, reentry
 from pathways_jax._src.runtime import admission, scheduler
 from pathways_jax._src.runtime.accounting import Accounting
 from pathways_jax._src.runtime.object_store import (
@@ -505,8 +505,13 @@ class Controller:
             )
         # A run another thread is dispatching inline (in XLA now) ends before stop returns:
         # at exit, a thread still inside XLA as the interpreter finalises aborts the process.
-        if not own and self._dispatch.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self._dispatch.release()
+        if not own:
+            held: list[bool] = []
+            try:
+                locks.acquire(self._dispatch, held, timeout=max(0.0, deadline - time.monotonic()))
+            finally:
+                if held:
+                    self._dispatch.release()
         # And so do the runs dispatched: one whose host callback XLA calls as the interpreter
         # finalises aborts the process ("terminate called without an active exception").
         self.wait_settled(max(0.0, deadline - time.monotonic()))
@@ -523,12 +528,16 @@ class Controller:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         # Appended under _dispatch, dropped under the windows' lock (taken in that order): a snapshot.
-        if not self._dispatch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            return False  # a dispatch in progress did not end in time
+        # Taken with locks.acquire: a Ctrl-C landing as the lock is taken (jax.effects_barrier(),
+        # Future.delete() on the main thread) must not leave it held, stopping every dispatch.
+        held: list[bool] = []
         try:
+            if not locks.acquire(self._dispatch, held, timeout=-1 if timeout is None else max(0.0, timeout)):
+                return False  # a dispatch in progress did not end in time
             markers = self.windows.markers()
         finally:
-            self._dispatch.release()
+            if held:
+                self._dispatch.release()
         readiness.poll(markers, lambda: deadline is not None and time.monotonic() >= deadline)
         return all(readiness.settled(marker) for marker in markers)
 

@@ -41,7 +41,11 @@ class ResourceManager:
         self.islands = tuple(Island(i, devs) for i, devs in enumerate(islands))
         # Called (no lock held) when a request finds no devices free: frees what nothing holds.
         self._reclaim = reclaim
-        self._cond = threading.Condition()
+        # Taken as the bare lock (``with self._lock``), which is the condition's own: a
+        # Condition's __enter__ is a Python frame, where a Ctrl-C landing as the lock is taken
+        # leaves it held by the main thread (every other thread asking for devices then waits).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._shared_load: collections.Counter[int] = collections.Counter()
         self._reserved: set[int] = set()
         # Islands whose host was lost (Ray backend), with why: nothing is placed there.
@@ -49,13 +53,13 @@ class ResourceManager:
 
     def lose(self, island: int, why: str) -> None:
         """Takes an island out of placement (its host died) until it is restored."""
-        with self._cond:
+        with self._lock:
             self.lost[island] = why
             self._cond.notify_all()
 
     def restore(self, island: int) -> None:
         """Places on a lost island again (the Ray backend rebuilt it on new hosts)."""
-        with self._cond:
+        with self._lock:
             self.lost.pop(island, None)
             self._cond.notify_all()
 
@@ -184,12 +188,12 @@ class ResourceManager:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._reclaim is not None:
-            with self._cond:
+            with self._lock:
                 free = place() is not None
             if not free:
                 # Slices held only by dropped values and programs: released before waiting.
                 self._reclaim()
-        with self._cond:
+        with self._lock:
             while (placed := place()) is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -223,7 +227,7 @@ class ResourceManager:
             return island_index, devices
 
     def release(self, devices: tuple[jax.Device, ...], exclusive: bool) -> None:
-        with self._cond:
+        with self._lock:
             for d in devices:
                 if exclusive:
                     self._reserved.discard(d.id)
@@ -235,7 +239,7 @@ class ResourceManager:
 
     def load(self) -> dict[int, int]:
         """Slices mapped on each device id (an exclusive reservation counts as one)."""
-        with self._cond:
+        with self._lock:
             out = {d.id: 0 for isl in self.islands for d in isl.devices}
             out.update(self._shared_load)
             for device_id in self._reserved:
