@@ -47,7 +47,8 @@ class DataParallel:
       optimizer: anything with Optax's ``init(params)`` and ``update(grads,
         state, params) -> (updates, state)`` (an ``optax.GradientTransformation``
         or an object of your own), or a ``flax.nnx.Optimizer``, whose ``.tx``
-        is used with a fresh state.
+        is used with a fresh state and whose ``wrt=`` chooses the NNX
+        parameters that train (``nnx.LoRAParam``: the LoRA parameters only).
       data_axis: the mesh axis of each slice that splits its shard (``None``: none); a name
         other than the default ``"data"`` that no slice has is a ``PlacementError``.
       param_specs: how each parameter is sharded over every slice: ``None``
@@ -86,11 +87,13 @@ class DataParallel:
         data_axis: str | None = "data",
         param_specs: stages_lib.ParamSpecs = None,
     ):
+        # An nnx.Optimizer trains the Variables its wrt= selects (a LoRA layer's, not its base).
+        (wrt,) = stages_lib.trained_filters(optimizer, 1)
         if isinstance(model, list | nnx.List):  # stages composed in order; a tuple is a pair
-            parts = stages_lib.as_stages(model)
+            parts = stages_lib.as_stages(model, [wrt] * len(model))
             stage = stages_lib.as_stage(stages_lib.sequential(parts), 0)
         else:
-            stage = stages_lib.as_stage(model, 0)
+            stage = stages_lib.as_stage(model, 0, wrt=wrt)
             parts = [stage]
         slices = list(devices) if isinstance(devices, Sequence) else [devices]
         if not slices:

@@ -25,6 +25,7 @@ from pathways_jax._src.pipeline.flags import (
 )
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.optimizers import check_optimizers as check_optimizers
+from pathways_jax._src.pipeline.optimizers import trained_filters as trained_filters
 
 Apply = Callable[[Any, Any], Any]
 # (params, x, rngs, train, train_kw) -> y: rngs a mapping of typed keys or None, train a bool
@@ -247,7 +248,7 @@ def _running_statistics(model: nnx.Module) -> tuple[tuple[str, ...], bool]:
     return names, trains
 
 
-def as_stage(model: Any, index: int = 0) -> Stage:
+def as_stage(model: Any, index: int = 0, *, wrt: Any = None) -> Stage:
     """Normalises a stage into :class:`Stage`: trainable ``params`` and ``apply(params, x)``.
 
     Args:
@@ -256,6 +257,10 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         ``(params, apply_fn)`` pair, or a function of the activations alone
         (``nnx.relu``, as in ``nnx.Sequential``'s layers: no params).
       index: the stage's position, named in errors.
+      wrt: for an NNX module, the filter of the Variables that are its params
+        (``nnx.All(nnx.Param, optimizer.wrt)`` for an ``nnx.Optimizer``'s, see
+        :func:`trained_filters`); its other Variables are held as they are.
+        ``None``: every ``nnx.Param``.
 
     When a step is given ``train=`` (``True``/``False``), the stage's call
     (an NNX or Linen module's ``__call__``, or ``apply_fn``) gets it under the
@@ -298,7 +303,8 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         return model
     if isinstance(model, nnx.Module):
         # Flax types split() with two filters as variadic; it returns exactly three parts.
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        trained = nnx.Param if wrt is None else wrt
+        graphdef, params, rest = nnx.split(model, trained, ...)  # type: ignore[misc]
         # Plain arrays, not the module's Variables: nodes taking the params never write
         # back into the user's module (programs update Variables they are given in place).
         params = nnx.as_pure(params)
@@ -458,7 +464,8 @@ def _function_stage(fn: Callable[..., Any]) -> Stage:
     return Stage(None, apply_fn, "function", description, call_fn, flag)
 
 
-def as_stages(models: Sequence[Any]) -> list[Stage]:
+def as_stages(models: Sequence[Any], wrt: Sequence[Any] | None = None) -> list[Stage]:
+    """Each of ``models`` as a :class:`Stage` (see :func:`as_stage`); ``wrt``: one filter per model, or None."""
     if isinstance(models, nnx.List):  # an NNX module's list of layers (nnx.Sequential's .layers)
         models = list(models)
     if isinstance(models, nnx.Module | linen.Module) or not isinstance(models, Sequence):
@@ -472,7 +479,8 @@ def as_stages(models: Sequence[Any]) -> list[Stage]:
             )
         )
     check_untied(models)
-    return [as_stage(model, i) for i, model in enumerate(models)]
+    filters = [None] * len(models) if wrt is None else list(wrt)
+    return [as_stage(model, i, wrt=filters[i]) for i, model in enumerate(models)]
 
 
 def check_untied(models: Sequence[Any]) -> None:

@@ -1,0 +1,75 @@
+"""Flax idioms with pathways_jax where ``nnx.jit`` stood: each against the same code under ``nnx.jit``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import pathways_jax as pw
+from pathways_jax import pipeline
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)
+
+
+def _lora_stages():
+    """A LoRA layer over a Linear base, then a plain Linear head: fine-tuned with wrt=nnx.LoRAParam."""
+    base = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    return [nnx.LoRA(4, 2, 4, base_module=base, rngs=nnx.Rngs(1)), nnx.Linear(4, 2, rngs=nnx.Rngs(2))]
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "data_parallel"])
+def test_an_nnx_optimizer_with_wrt_trains_only_what_it_selects_as_under_nnx_jit(kind):
+    # nnx.Optimizer(model, tx, wrt=nnx.LoRAParam) updates the LoRA parameters only; given as the
+    # optimizer of a Pipeline or DataParallel, its tx trained every nnx.Param, the LoRA layer's
+    # frozen base kernel and the head too, a fine-tune silently unlike the plain one.
+    pw.init(num_cpu_devices=8, islands=2)
+    slices = [pw.devices(mesh={"data": 2}, island=i) for i in range(2)]
+    batches = [_batch(0), _batch(1)]
+    tx = optax.adamw(1e-2)
+
+    reference = nnx.Sequential(*_lora_stages())
+    frozen = nnx.state(reference, nnx.Not(nnx.LoRAParam))
+    reference_optimizer = nnx.Optimizer(reference, tx, wrt=nnx.LoRAParam)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: _mse(m(x), y))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    want = [step(reference, reference_optimizer, x, y) for x, y in batches]
+
+    stages = _lora_stages()
+    optimizer = nnx.Optimizer(nnx.Sequential(*stages), tx, wrt=nnx.LoRAParam)
+    if kind == "pipeline":
+        model = pipeline.Pipeline(stages, slices, loss_fn=_mse, optimizer=optimizer, num_microbatches=2)
+    else:
+        model = pipeline.DataParallel(stages, slices, loss_fn=_mse, optimizer=optimizer)
+    got = [model.train_step(x, y) for x, y in batches]
+    np.testing.assert_allclose([float(loss) for loss in got], [float(loss) for loss in want], rtol=1e-5)
+
+    for stage, params in zip(stages, pw.results(model.params), strict=True):
+        nnx.update(stage, jax.device_get(params))
+    trained = nnx.Sequential(*stages)
+    for got_leaf, want_leaf in zip(
+        jax.tree.leaves(nnx.state(trained, nnx.LoRAParam)),
+        jax.tree.leaves(nnx.state(reference, nnx.LoRAParam)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), rtol=1e-5, atol=1e-6)
+    # The base kernel and the head, which wrt= leaves out, are those the model started with.
+    for got_leaf, want_leaf in zip(
+        jax.tree.leaves(nnx.state(trained, nnx.Not(nnx.LoRAParam))), jax.tree.leaves(frozen), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got_leaf), np.asarray(want_leaf))
