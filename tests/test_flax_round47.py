@@ -73,3 +73,54 @@ def test_an_nnx_optimizer_with_wrt_trains_only_what_it_selects_as_under_nnx_jit(
         jax.tree.leaves(nnx.state(trained, nnx.Not(nnx.LoRAParam))), jax.tree.leaves(frozen), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(got_leaf), np.asarray(want_leaf))
+
+
+class _Count(nnx.Variable):
+    pass
+
+
+class _Centred(nnx.Module):
+    """A Linear whose output is centred on a moving average it keeps in a Variable of its own."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.average = _Count(jnp.zeros((4,)))
+
+    def __call__(self, x):
+        y = self.linear(x)
+        self.average[...] = 0.9 * self.average[...] + 0.1 * jax.lax.stop_gradient(y.mean(0))
+        return y - self.average[...]
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "data_parallel"])
+def test_a_stage_writing_a_variable_it_would_hold_is_a_named_error_not_a_silent_difference(kind):
+    # Pipelines train parameters and hold every other Variable: a moving average the stage's call
+    # writes stayed at zero on every step (nnx.jit writes it back), and the losses silently
+    # differed from the plain model's. BatchNorm's statistics were refused by name; this was not.
+    pw.init(num_cpu_devices=8, islands=2)
+    slices = [pw.devices(mesh={"data": 2}, island=i) for i in range(2)]
+    stages = [_Centred(), nnx.Linear(4, 2, rngs=nnx.Rngs(2))]
+    x, y = _batch(0)
+    if kind == "pipeline":
+        model = pipeline.Pipeline(stages, slices, loss_fn=_mse, optimizer=optax.sgd(0.1))
+        with pytest.raises(
+            pw.errors.ProgramTraceError, match=r"Pipeline.forward: stage 0 .*writes average \(_Count\)"
+        ):
+            model.forward(x)
+    else:
+        model = pipeline.DataParallel(stages, slices, loss_fn=_mse, optimizer=optax.sgd(0.1))
+    with pytest.raises(
+        pw.errors.ProgramTraceError, match=r"train_step: stage 0 .*writes average \(_Count\)"
+    ) as info:
+        model.train_step(x, y)
+    assert "@pw.program" in str(info.value)
+    # A stage whose call writes nothing but its RNG streams (Dropout) still trains.
+    stages = [
+        nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))),
+        nnx.Linear(4, 2, rngs=nnx.Rngs(2)),
+    ]
+    if kind == "pipeline":
+        model = pipeline.Pipeline(stages, slices, loss_fn=_mse, optimizer=optax.sgd(0.1))
+    else:
+        model = pipeline.DataParallel(stages, slices, loss_fn=_mse, optimizer=optax.sgd(0.1))
+    assert np.isfinite(float(model.train_step(x, y, rngs={"dropout": jax.random.key(0)}, train=True)))

@@ -15,7 +15,7 @@ from jax.flatten_util import ravel_pytree
 import pathways_jax as pw
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.flags import UnreachedFlag, named
+from pathways_jax._src.pipeline.flags import StageRefused, named
 from pathways_jax._src.pipeline.optimizers import OptaxLike, needs_value
 from pathways_jax._src.pipeline.rngs import Mode, Rngs
 
@@ -288,7 +288,7 @@ class DataParallel:
                     x,
                 )
             loss = jax.eval_shape(self._loss_fn, out, y)
-        except UnreachedFlag as exc:
+        except StageRefused as exc:  # train=True unreached, state it would hold
             raise named(exc, f"{type(self).__name__}.train_step") from None
         except Exception as exc:
             given = [name for name, _ in mode.streams] or "no streams"

@@ -16,7 +16,7 @@ from flax import nnx
 import pathways_jax as pw
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.flags import UnreachedFlag, named
+from pathways_jax._src.pipeline.flags import StageRefused, named
 from pathways_jax._src.pipeline.nodes import Layout, LossFn, Nodes, StateNodes, build_nodes, build_state_nodes
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.rngs import Mode, Rngs
@@ -485,7 +485,7 @@ class Pipeline:
             try:
                 with stages_lib.recording_stale_draws() as stale:
                     out = jax.eval_shape(run, stages_lib.abstract(params), h)
-            except UnreachedFlag as exc:
+            except StageRefused as exc:  # train=True unreached, state it would hold
                 raise named(exc, f"Pipeline.{what}") from None
             except Exception as exc:
                 raise _stage_error(self.stages[index], index, h, mode, exc) from exc

@@ -18,6 +18,7 @@ from flax.nnx import bridge
 import pathways_jax as pw
 from pathways_jax._src.pipeline.flags import (
     FLAG_NAMES,
+    StageRefused,
     TrainFlag,
     UnreachedFlag,
     check_train_kw,
@@ -160,6 +161,43 @@ def _stream_counts(module: nnx.Module) -> dict[tuple, tuple[str, Any]]:
         for path, node in nnx.iter_graph(module)
         if isinstance(node, nnx.RngStream)
     }
+
+
+def _held_values(module: nnx.Module) -> dict[tuple, Any]:
+    """The value of every Variable of ``module`` but its RNG streams' (which steps reseed), by path."""
+    return {
+        path: node.get_value()
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState)
+    }
+
+
+def _refuse_held_writes(module: nnx.Module, held: dict[tuple, Any], stage: str) -> None:
+    """Raises :class:`StageRefused` if the call of ``module`` wrote a Variable ``held`` had (see :func:`_held_values`).
+
+    A pipeline's nodes take the parameters and hold every other Variable as
+    it is: one the forward writes (a step counter, a moving average, a KV
+    cache) would keep its first value on every step, where ``nnx.jit``
+    writes it back. BatchNorm's statistics are refused by name before this
+    (``Stage.check_train``); this catches the rest.
+    """
+    written = [
+        (path, node)
+        for path, node in nnx.iter_graph(module)
+        if path in held and isinstance(node, nnx.Variable) and node.get_value() is not held[path]
+    ]
+    if not written:
+        return
+    shown = ", ".join(
+        f"{'.'.join(str(part) for part in path)} ({type(node).__name__})" for path, node in written[:4]
+    )
+    raise StageRefused(
+        f"{stage} writes {shown} in its call, and pipelines train only parameters, holding every other "
+        "Variable as it is: it would keep its first value on every step and every microbatch, where "
+        "nnx.jit writes it back into the module. Keep such state out of pipelined stages (pass it in "
+        "with the batch, or compute it outside), or train the model as one program (@pw.program where "
+        "nnx.jit stood), which updates it as nnx.jit does."
+    )
 
 
 def _flag_call(model: nnx.Module) -> Any:
@@ -347,7 +385,9 @@ def as_stage(model: Any, index: int = 0, *, wrt: Any = None) -> Stage:
             if record is None:
                 return module(x, **kwargs)
             before = _stream_counts(module)
+            held = _held_values(module)
             out = module(x, **kwargs)
+            _refuse_held_writes(module, held, f"stage {index} ({description})")
             for path, (tag, count) in _stream_counts(module).items():
                 if count is not before[path][1] and tag not in reseeded:  # drawn from, not reseeded
                     record.append(
