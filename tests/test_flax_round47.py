@@ -124,3 +124,34 @@ def test_a_stage_writing_a_variable_it_would_hold_is_a_named_error_not_a_silent_
     else:
         model = pipeline.DataParallel(stages, slices, loss_fn=_mse, optimizer=optax.sgd(0.1))
     assert np.isfinite(float(model.train_step(x, y, rngs={"dropout": jax.random.key(0)}, train=True)))
+
+
+def test_a_linen_stage_writing_a_collection_it_would_hold_says_so_not_to_fix_shapes_or_rngs():
+    # A Linen stage counting its calls in a collection of its own failed with Flax's
+    # ModifyScopeVariableError under advice to fix the stage sizes (Pipeline) or to pass rngs
+    # (DataParallel); it now names the write and what to do, as for BatchNorm's statistics.
+    from flax import linen
+
+    class Counting(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            calls = self.variable("counter", "calls", lambda: jnp.zeros((), jnp.int32))
+            if not self.is_initializing():
+                calls.value += 1
+            return linen.Dense(4)(x)
+
+    pw.init(num_cpu_devices=8, islands=2)
+    slices = [pw.devices(mesh={"data": 2}, island=i) for i in range(2)]
+    x, y = _batch(0)
+    head = linen.Dense(2)
+    stages = [(Counting(), Counting().init(jax.random.key(0), x)), (head, head.init(jax.random.key(1), x))]
+    pipe = pipeline.Pipeline(stages, slices, loss_fn=_mse, optimizer=optax.sgd(0.1))
+    dp = pipeline.DataParallel(list(stages), slices, loss_fn=_mse, optimizer=optax.sgd(0.1))
+    for model, name in ((pipe, "Pipeline"), (dp, "DataParallel")):
+        with pytest.raises(
+            pw.errors.ProgramTraceError,
+            match=rf"{name}.train_step: stage 0 \(linen Counting\) writes a variable",
+        ) as info:
+            model.train_step(x, y)
+        assert '"counter"' in str(info.value) and "mutable=" in str(info.value)
+        assert "stage sizes" not in str(info.value) and "rngs=" not in str(info.value)

@@ -200,6 +200,29 @@ def _refuse_held_writes(module: nnx.Module, held: dict[tuple, Any], stage: str) 
     )
 
 
+@contextlib.contextmanager
+def _refusing_linen_writes(stage: str) -> Iterator[None]:
+    """Raises :class:`StageRefused` where a Linen stage's call writes a collection other than ``params``.
+
+    The pipeline applies it as ``module.apply`` does without ``mutable=``: a
+    write (a counter of its own, a cache, BatchNorm's ``batch_stats`` where no
+    flag reaches it) fails there with Flax's ``ModifyScopeVariableError``,
+    which is neither a shape nor an RNG problem: say what it is.
+    """
+    try:
+        yield
+    except flax_errors.ModifyScopeVariableError as exc:
+        detail = str(exc).split(" (https://", 1)[0]
+        raise StageRefused(
+            f"{stage} writes a variable in its call ({detail}), and pipelines train only a Linen "
+            "stage's 'params', holding its other collections as they are (module.apply without "
+            "mutable=): it would keep its first value on every step, where jax.jit with "
+            "mutable=[...] returns the new one. Keep such state out of pipelined stages, or "
+            "train the model as one program (@pw.program where jax.jit stood), with mutable= "
+            "as under jax.jit."
+        ) from exc
+
+
 def _flag_call(model: nnx.Module) -> Any:
     """The call whose keywords take ``train`` when ``model`` is called with it.
 
@@ -425,7 +448,8 @@ def as_stage(model: Any, index: int = 0, *, wrt: Any = None) -> Stage:
             variables = on_the_slice_mesh(variables)
 
             def apply_linen(p: Any, x: Any) -> Any:
-                return first.apply({"params": on_the_slice_mesh(p), **variables}, x)
+                with _refusing_linen_writes(f"stage {index} ({description})"):
+                    return first.apply({"params": on_the_slice_mesh(p), **variables}, x)
 
             def call_linen(
                 p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
@@ -439,12 +463,13 @@ def as_stage(model: Any, index: int = 0, *, wrt: Any = None) -> Stage:
                             linen_flag.unreached_message(train_kw, index, description, holds[key])
                         )
                 kwargs: dict[str, Any] = linen_flag.kwargs(train, train_kw)
-                return first.apply(
-                    {"params": on_the_slice_mesh(p), **variables},
-                    x,
-                    rngs=dict(rngs) if rngs else None,
-                    **kwargs,
-                )
+                with _refusing_linen_writes(f"stage {index} ({description})"):
+                    return first.apply(
+                        {"params": on_the_slice_mesh(p), **variables},
+                        x,
+                        rngs=dict(rngs) if rngs else None,
+                        **kwargs,
+                    )
 
             # Linen's own collection of running statistics (nn.BatchNorm's), held fixed here.
             stats = variables.get("batch_stats")
