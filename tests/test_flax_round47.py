@@ -155,3 +155,37 @@ def test_a_linen_stage_writing_a_collection_it_would_hold_says_so_not_to_fix_sha
             model.train_step(x, y)
         assert '"counter"' in str(info.value) and "mutable=" in str(info.value)
         assert "stage sizes" not in str(info.value) and "rngs=" not in str(info.value)
+
+
+def test_stages_sharing_a_parameter_the_optimizer_leaves_out_train_as_under_nnx_jit():
+    # Two stages holding one Linear as the frozen base of their LoRA layers were refused as tied
+    # weights that would drift apart; with nnx.Optimizer(..., wrt=nnx.LoRAParam) both hold it as
+    # it is, and training matches nnx.jit's. A tie of parameters that train is still refused.
+    pw.init(num_cpu_devices=8, islands=2)
+    slices = [pw.devices(mesh={"data": 2}, island=i) for i in range(2)]
+    batches = [_batch(0), _batch(1)]
+
+    def make():
+        base = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        first = nnx.LoRA(4, 2, 4, base_module=base, rngs=nnx.Rngs(1))
+        second = nnx.Sequential(
+            nnx.LoRA(4, 2, 4, base_module=base, rngs=nnx.Rngs(2)), nnx.Linear(4, 2, rngs=nnx.Rngs(3))
+        )
+        return [first, second]
+
+    reference = nnx.Sequential(*make())
+    reference_optimizer = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.LoRAParam)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: _mse(m(x), y))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    want = [float(step(reference, reference_optimizer, x, y)) for x, y in batches]
+    stages = make()
+    optimizer = nnx.Optimizer(nnx.Sequential(*stages), optax.sgd(0.1), wrt=nnx.LoRAParam)
+    pipe = pipeline.Pipeline(stages, slices, loss_fn=_mse, optimizer=optimizer)
+    np.testing.assert_allclose([float(pipe.train_step(x, y)) for x, y in batches], want, rtol=1e-5)
+    with pytest.raises(pw.errors.PlacementError, match=r"hold the same nnx\.Param"):
+        pipeline.Pipeline(make(), slices, loss_fn=_mse, optimizer=optax.sgd(0.1))

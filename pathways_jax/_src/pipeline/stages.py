@@ -543,24 +543,27 @@ def as_stages(models: Sequence[Any], wrt: Sequence[Any] | None = None) -> list[S
                 else "wrap a single model in a list: Pipeline([model], [slice], ...)."
             )
         )
-    check_untied(models)
     filters = [None] * len(models) if wrt is None else list(wrt)
+    check_untied(models, filters)
     return [as_stage(model, i, wrt=filters[i]) for i, model in enumerate(models)]
 
 
-def check_untied(models: Sequence[Any]) -> None:
-    """Raises ``PlacementError`` if two NNX stages hold the same ``nnx.Param`` (tied weights).
+def check_untied(models: Sequence[Any], wrt: Sequence[Any] | None = None) -> None:
+    """Raises ``PlacementError`` if two NNX stages train the same ``nnx.Param`` (tied weights).
 
     Each stage's parameters are its own copy (on its own slice), so a parameter two stages
     share (an embedding whose ``attend`` is the output head) would train as two copies, each
     with one stage's gradients, where ``jax.jit`` of the model adds both into the one parameter.
+    ``wrt``: per model, the filter of the Variables it trains (see :func:`as_stage`); one that
+    leaves the shared parameter out (a frozen embedding) holds it as it is in both stages.
     """
     owners: dict[int, tuple[int, str]] = {}
     for index, model in enumerate(models):
         if not isinstance(model, nnx.Module):
             continue
+        trained = nnx.filterlib.to_predicate(nnx.Param if wrt is None or wrt[index] is None else wrt[index])
         for path, node in nnx.iter_graph(model):
-            if not isinstance(node, nnx.Param):
+            if not isinstance(node, nnx.Param) or not trained(path, node):
                 continue
             where = ".".join(str(part) for part in path)
             first = owners.setdefault(id(node), (index, where))
