@@ -15,7 +15,7 @@ from jax.flatten_util import ravel_pytree
 import pathways_jax as pw
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.flags import UnreachedFlag, named
+from pathways_jax._src.pipeline.flags import StageRefused, named
 from pathways_jax._src.pipeline.optimizers import OptaxLike, needs_value
 from pathways_jax._src.pipeline.rngs import Mode, Rngs
 
@@ -47,7 +47,8 @@ class DataParallel:
       optimizer: anything with Optax's ``init(params)`` and ``update(grads,
         state, params) -> (updates, state)`` (an ``optax.GradientTransformation``
         or an object of your own), or a ``flax.nnx.Optimizer``, whose ``.tx``
-        is used with a fresh state.
+        is used with a fresh state and whose ``wrt=`` chooses the NNX
+        parameters that train (``nnx.LoRAParam``: the LoRA parameters only).
       data_axis: the mesh axis of each slice that splits its shard (``None``: none); a name
         other than the default ``"data"`` that no slice has is a ``PlacementError``.
       param_specs: how each parameter is sharded over every slice: ``None``
@@ -86,11 +87,13 @@ class DataParallel:
         data_axis: str | None = "data",
         param_specs: stages_lib.ParamSpecs = None,
     ):
+        # An nnx.Optimizer trains the Variables its wrt= selects (a LoRA layer's, not its base).
+        (wrt,) = stages_lib.trained_filters(optimizer, 1)
         if isinstance(model, list | nnx.List):  # stages composed in order; a tuple is a pair
-            parts = stages_lib.as_stages(model)
+            parts = stages_lib.as_stages(model, [wrt] * len(model))
             stage = stages_lib.as_stage(stages_lib.sequential(parts), 0)
         else:
-            stage = stages_lib.as_stage(model, 0)
+            stage = stages_lib.as_stage(model, 0, wrt=wrt)
             parts = [stage]
         slices = list(devices) if isinstance(devices, Sequence) else [devices]
         if not slices:
@@ -285,7 +288,7 @@ class DataParallel:
                     x,
                 )
             loss = jax.eval_shape(self._loss_fn, out, y)
-        except UnreachedFlag as exc:
+        except StageRefused as exc:  # train=True unreached, state it would hold
             raise named(exc, f"{type(self).__name__}.train_step") from None
         except Exception as exc:
             given = [name for name, _ in mode.streams] or "no streams"

@@ -184,14 +184,18 @@ class TrainFlag:
         )
 
 
-class UnreachedFlag(pw.errors.ProgramTraceError):
-    """``train=True`` cannot reach a stage, found when its call was traced (a ``probed`` stage).
+class StageRefused(pw.errors.ProgramTraceError):
+    """A stage cannot run as the plain model would, found when its call was traced.
 
     Raised inside the trace, where the caller's name is unknown; the pipelines' checks
     raise it again as ``ProgramTraceError`` with their name in front (see :func:`named`).
     """
 
 
-def named(error: UnreachedFlag, what: str) -> pw.errors.ProgramTraceError:
+class UnreachedFlag(StageRefused):
+    """``train=True`` cannot reach a stage, found when its call was traced (a ``probed`` stage)."""
+
+
+def named(error: StageRefused, what: str) -> pw.errors.ProgramTraceError:
     """``error`` as the ``ProgramTraceError`` of the call ``what`` (e.g. ``"Pipeline.train_step"``)."""
     return pw.errors.ProgramTraceError(f"{what}: {error}")

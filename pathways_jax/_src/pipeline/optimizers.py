@@ -4,7 +4,8 @@ The pipeline trains functional parameters, so it needs an optimizer in Optax's f
 ``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``. Any
 object with those two methods works (``optax.GradientTransformation`` or a class of the
 user's own). A ``flax.nnx.Optimizer`` is accepted too: its Optax transformation
-``optimizer.tx`` is used, with a fresh state made from the stage's parameters.
+``optimizer.tx`` is used, with a fresh state made from the stage's parameters, and its
+``wrt=`` filter chooses which of an NNX stage's parameters train (``trained_filters``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,31 @@ def check_optimizers(optimizer: Any, count: int, what: str) -> list[OptaxLike | 
             )
         return [as_optimizer(tx, f"{what}: optimizer {i}") for i, tx in enumerate(optimizer)]
     return [as_optimizer(optimizer, f"{what}: optimizer")] * count
+
+
+def trained_filters(optimizer: Any, count: int) -> list[Any]:
+    """Per stage, the NNX Variables an NNX stage trains: its ``nnx.Param`` s, or those an ``nnx.Optimizer``'s ``wrt=`` selects.
+
+    ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam).update(model, grads)`` updates
+    only the Variables ``wrt`` selects; the others (a LoRA layer's base kernel, a
+    frozen backbone) stay as they are. A stage trained with that optimizer trains
+    the same ones: ``nnx.All(nnx.Param, wrt)``. Any other optimizer trains every
+    ``nnx.Param``. ``optimizer`` is one for every stage or a sequence of ``count``
+    (anything else is left to :func:`check_optimizers` to refuse).
+    """
+
+    def trained(obj: Any) -> Any:
+        wrt = obj.wrt if isinstance(obj, nnx.Optimizer) else nnx.Param
+        return nnx.Param if wrt is nnx.Param else nnx.All(nnx.Param, wrt)
+
+    if (
+        isinstance(optimizer, Sequence)
+        and not isinstance(optimizer, str)
+        and not _is_optax_like(optimizer)
+        and len(optimizer) == count
+    ):
+        return [trained(obj) for obj in optimizer]
+    return [trained(optimizer)] * count
 
 
 def needs_value(tx: OptaxLike | None, params: Any) -> bool:

@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import errors as flax_errors
+from flax import nnx
 
 import pathways_jax as pw
 from pathways_jax._src.pipeline import rngs as rngs_lib
 from pathways_jax._src.pipeline import stages as stages_lib
-from pathways_jax._src.pipeline.flags import UnreachedFlag, named
+from pathways_jax._src.pipeline.flags import StageRefused, named
 from pathways_jax._src.pipeline.nodes import Layout, LossFn, Nodes, StateNodes, build_nodes, build_state_nodes
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.rngs import Mode, Rngs
@@ -43,7 +44,8 @@ class Pipeline:
 
     Args:
       stages: the model, first stage first. Each is a Flax NNX module (its
-        ``nnx.Param`` variables are trained, other variables held fixed), a
+        ``nnx.Param`` variables are trained, or those an ``nnx.Optimizer``'s
+        ``wrt=`` selects, other variables held fixed), a
         ``(linen_module, variables)`` pair, or a ``(params, apply_fn)`` pair
         with ``apply_fn(params, x) -> y``.
       devices: one slice per stage, from ``pw.devices(...)``; stages may be
@@ -56,7 +58,9 @@ class Pipeline:
         (updates, state)`` (an ``optax.GradientTransformation`` or an object
         of your own), or a ``flax.nnx.Optimizer``, whose Optax transformation
         ``.tx`` is used with a fresh state per stage (the ``nnx.Optimizer``
-        itself is not updated; the pipeline holds parameters and states).
+        itself is not updated; the pipeline holds parameters and states), and
+        whose ``wrt=`` chooses the NNX parameters that train, as its
+        ``update`` does (``nnx.LoRAParam``: the LoRA parameters only).
         ``None`` for inference only.
       num_microbatches: microbatches per step; must divide a train step's batch size
         (``forward`` pads a batch it does not divide, see :meth:`forward`).
@@ -126,7 +130,10 @@ class Pipeline:
         remat: bool = False,
         max_grad_norm: float | None = None,
     ):
-        normalised = stages_lib.as_stages(stages)
+        # An nnx.Optimizer trains the Variables its wrt= selects (a LoRA layer's, not its base).
+        sized = isinstance(stages, Sequence | nnx.List)
+        wrt = stages_lib.trained_filters(optimizer, len(stages)) if sized else None
+        normalised = stages_lib.as_stages(stages, wrt)
         if not normalised:
             raise pw.errors.PlacementError("Pipeline needs at least one stage and one slice; got none.")
         count = len(normalised)
@@ -478,7 +485,7 @@ class Pipeline:
             try:
                 with stages_lib.recording_stale_draws() as stale:
                     out = jax.eval_shape(run, stages_lib.abstract(params), h)
-            except UnreachedFlag as exc:
+            except StageRefused as exc:  # train=True unreached, state it would hold
                 raise named(exc, f"Pipeline.{what}") from None
             except Exception as exc:
                 raise _stage_error(self.stages[index], index, h, mode, exc) from exc

@@ -18,6 +18,7 @@ from flax.nnx import bridge
 import pathways_jax as pw
 from pathways_jax._src.pipeline.flags import (
     FLAG_NAMES,
+    StageRefused,
     TrainFlag,
     UnreachedFlag,
     check_train_kw,
@@ -25,6 +26,7 @@ from pathways_jax._src.pipeline.flags import (
 )
 from pathways_jax._src.pipeline.optimizers import OptaxLike
 from pathways_jax._src.pipeline.optimizers import check_optimizers as check_optimizers
+from pathways_jax._src.pipeline.optimizers import trained_filters as trained_filters
 
 Apply = Callable[[Any, Any], Any]
 # (params, x, rngs, train, train_kw) -> y: rngs a mapping of typed keys or None, train a bool
@@ -161,6 +163,66 @@ def _stream_counts(module: nnx.Module) -> dict[tuple, tuple[str, Any]]:
     }
 
 
+def _held_values(module: nnx.Module) -> dict[tuple, Any]:
+    """The value of every Variable of ``module`` but its RNG streams' (which steps reseed), by path."""
+    return {
+        path: node.get_value()
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState)
+    }
+
+
+def _refuse_held_writes(module: nnx.Module, held: dict[tuple, Any], stage: str) -> None:
+    """Raises :class:`StageRefused` if the call of ``module`` wrote a Variable ``held`` had (see :func:`_held_values`).
+
+    A pipeline's nodes take the parameters and hold every other Variable as
+    it is: one the forward writes (a step counter, a moving average, a KV
+    cache) would keep its first value on every step, where ``nnx.jit``
+    writes it back. BatchNorm's statistics are refused by name before this
+    (``Stage.check_train``); this catches the rest.
+    """
+    written = [
+        (path, node)
+        for path, node in nnx.iter_graph(module)
+        if path in held and isinstance(node, nnx.Variable) and node.get_value() is not held[path]
+    ]
+    if not written:
+        return
+    shown = ", ".join(
+        f"{'.'.join(str(part) for part in path)} ({type(node).__name__})" for path, node in written[:4]
+    )
+    raise StageRefused(
+        f"{stage} writes {shown} in its call, and pipelines train only parameters, holding every other "
+        "Variable as it is: it would keep its first value on every step and every microbatch, where "
+        "nnx.jit writes it back into the module. Keep such state out of pipelined stages (pass it in "
+        "with the batch, or compute it outside), or train the model as one program (@pw.program where "
+        "nnx.jit stood), which updates it as nnx.jit does."
+    )
+
+
+@contextlib.contextmanager
+def _refusing_linen_writes(stage: str) -> Iterator[None]:
+    """Raises :class:`StageRefused` where a Linen stage's call writes a collection other than ``params``.
+
+    The pipeline applies it as ``module.apply`` does without ``mutable=``: a
+    write (a counter of its own, a cache, BatchNorm's ``batch_stats`` where no
+    flag reaches it) fails there with Flax's ``ModifyScopeVariableError``,
+    which is neither a shape nor an RNG problem: say what it is.
+    """
+    try:
+        yield
+    except flax_errors.ModifyScopeVariableError as exc:
+        detail = str(exc).split(" (https://", 1)[0]
+        raise StageRefused(
+            f"{stage} writes a variable in its call ({detail}), and pipelines train only a Linen "
+            "stage's 'params', holding its other collections as they are (module.apply without "
+            "mutable=): it would keep its first value on every step, where jax.jit with "
+            "mutable=[...] returns the new one. Keep such state out of pipelined stages, or "
+            "train the model as one program (@pw.program where jax.jit stood), with mutable= "
+            "as under jax.jit."
+        ) from exc
+
+
 def _flag_call(model: nnx.Module) -> Any:
     """The call whose keywords take ``train`` when ``model`` is called with it.
 
@@ -247,7 +309,7 @@ def _running_statistics(model: nnx.Module) -> tuple[tuple[str, ...], bool]:
     return names, trains
 
 
-def as_stage(model: Any, index: int = 0) -> Stage:
+def as_stage(model: Any, index: int = 0, *, wrt: Any = None) -> Stage:
     """Normalises a stage into :class:`Stage`: trainable ``params`` and ``apply(params, x)``.
 
     Args:
@@ -256,6 +318,10 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         ``(params, apply_fn)`` pair, or a function of the activations alone
         (``nnx.relu``, as in ``nnx.Sequential``'s layers: no params).
       index: the stage's position, named in errors.
+      wrt: for an NNX module, the filter of the Variables that are its params
+        (``nnx.All(nnx.Param, optimizer.wrt)`` for an ``nnx.Optimizer``'s, see
+        :func:`trained_filters`); its other Variables are held as they are.
+        ``None``: every ``nnx.Param``.
 
     When a step is given ``train=`` (``True``/``False``), the stage's call
     (an NNX or Linen module's ``__call__``, or ``apply_fn``) gets it under the
@@ -298,7 +364,8 @@ def as_stage(model: Any, index: int = 0) -> Stage:
         return model
     if isinstance(model, nnx.Module):
         # Flax types split() with two filters as variadic; it returns exactly three parts.
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        trained = nnx.Param if wrt is None else wrt
+        graphdef, params, rest = nnx.split(model, trained, ...)  # type: ignore[misc]
         # Plain arrays, not the module's Variables: nodes taking the params never write
         # back into the user's module (programs update Variables they are given in place).
         params = nnx.as_pure(params)
@@ -341,7 +408,9 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             if record is None:
                 return module(x, **kwargs)
             before = _stream_counts(module)
+            held = _held_values(module)
             out = module(x, **kwargs)
+            _refuse_held_writes(module, held, f"stage {index} ({description})")
             for path, (tag, count) in _stream_counts(module).items():
                 if count is not before[path][1] and tag not in reseeded:  # drawn from, not reseeded
                     record.append(
@@ -379,7 +448,8 @@ def as_stage(model: Any, index: int = 0) -> Stage:
             variables = on_the_slice_mesh(variables)
 
             def apply_linen(p: Any, x: Any) -> Any:
-                return first.apply({"params": on_the_slice_mesh(p), **variables}, x)
+                with _refusing_linen_writes(f"stage {index} ({description})"):
+                    return first.apply({"params": on_the_slice_mesh(p), **variables}, x)
 
             def call_linen(
                 p: Any, x: Any, rngs: Mapping[str, jax.Array] | None, train: bool | None, train_kw: str | None
@@ -393,12 +463,13 @@ def as_stage(model: Any, index: int = 0) -> Stage:
                             linen_flag.unreached_message(train_kw, index, description, holds[key])
                         )
                 kwargs: dict[str, Any] = linen_flag.kwargs(train, train_kw)
-                return first.apply(
-                    {"params": on_the_slice_mesh(p), **variables},
-                    x,
-                    rngs=dict(rngs) if rngs else None,
-                    **kwargs,
-                )
+                with _refusing_linen_writes(f"stage {index} ({description})"):
+                    return first.apply(
+                        {"params": on_the_slice_mesh(p), **variables},
+                        x,
+                        rngs=dict(rngs) if rngs else None,
+                        **kwargs,
+                    )
 
             # Linen's own collection of running statistics (nn.BatchNorm's), held fixed here.
             stats = variables.get("batch_stats")
@@ -458,7 +529,8 @@ def _function_stage(fn: Callable[..., Any]) -> Stage:
     return Stage(None, apply_fn, "function", description, call_fn, flag)
 
 
-def as_stages(models: Sequence[Any]) -> list[Stage]:
+def as_stages(models: Sequence[Any], wrt: Sequence[Any] | None = None) -> list[Stage]:
+    """Each of ``models`` as a :class:`Stage` (see :func:`as_stage`); ``wrt``: one filter per model, or None."""
     if isinstance(models, nnx.List):  # an NNX module's list of layers (nnx.Sequential's .layers)
         models = list(models)
     if isinstance(models, nnx.Module | linen.Module) or not isinstance(models, Sequence):
@@ -471,23 +543,27 @@ def as_stages(models: Sequence[Any]) -> list[Stage]:
                 else "wrap a single model in a list: Pipeline([model], [slice], ...)."
             )
         )
-    check_untied(models)
-    return [as_stage(model, i) for i, model in enumerate(models)]
+    filters = [None] * len(models) if wrt is None else list(wrt)
+    check_untied(models, filters)
+    return [as_stage(model, i, wrt=filters[i]) for i, model in enumerate(models)]
 
 
-def check_untied(models: Sequence[Any]) -> None:
-    """Raises ``PlacementError`` if two NNX stages hold the same ``nnx.Param`` (tied weights).
+def check_untied(models: Sequence[Any], wrt: Sequence[Any] | None = None) -> None:
+    """Raises ``PlacementError`` if two NNX stages train the same ``nnx.Param`` (tied weights).
 
     Each stage's parameters are its own copy (on its own slice), so a parameter two stages
     share (an embedding whose ``attend`` is the output head) would train as two copies, each
     with one stage's gradients, where ``jax.jit`` of the model adds both into the one parameter.
+    ``wrt``: per model, the filter of the Variables it trains (see :func:`as_stage`); one that
+    leaves the shared parameter out (a frozen embedding) holds it as it is in both stages.
     """
     owners: dict[int, tuple[int, str]] = {}
     for index, model in enumerate(models):
         if not isinstance(model, nnx.Module):
             continue
+        trained = nnx.filterlib.to_predicate(nnx.Param if wrt is None or wrt[index] is None else wrt[index])
         for path, node in nnx.iter_graph(model):
-            if not isinstance(node, nnx.Param):
+            if not isinstance(node, nnx.Param) or not trained(path, node):
                 continue
             where = ".".join(str(part) for part in path)
             first = owners.setdefault(id(node), (index, where))
