@@ -83,3 +83,26 @@ def test_reseeded_streams_and_train_false_run_as_the_plain_module():
         assert not np.array_equal(got[:2] == 0, got[2:] == 0)  # each microbatch its own mask
         masks.append(got == 0)
     assert not np.array_equal(masks[1], masks[2])  # the second call drew the stream's next key
+
+
+class Sampling(nnx.Module):
+    """A stage that draws from its own stream whatever its mode (as nnx.RNN draws its initial carry)."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        return self.linear(x) + 0.0 * jax.random.normal(self.rngs.noise(), x.shape)
+
+
+def test_a_stage_drawing_under_train_false_is_not_told_to_pass_train_false():
+    # Refused as any stale draw is, but its advice was to pass train=False, which the call had.
+    slices = island_slices(2, mesh={"data": 1})
+    pipe = pipeline.Pipeline([Sampling(nnx.Rngs(0, noise=1))], slices[:1], num_microbatches=2)
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"'noise'") as refused:
+        pipe.forward(X, train=False)
+    assert "pass train=False" not in str(refused.value)
+    assert "under train=False too" in str(refused.value)
+    with pytest.raises(pw.errors.ProgramTraceError, match=r"or pass train=False"):
+        pipe.forward(X)  # no train=: the advice stands

@@ -300,7 +300,7 @@ class DataParallel:
             ) from exc
         if stale:
             given = [name for name, _ in mode.streams]
-            raise stages_lib.stale_draws_error(stale, given, f"{type(self).__name__}.train_step")
+            raise stages_lib.stale_draws_error(stale, given, f"{type(self).__name__}.train_step", mode.train)
         if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == ()):
             raise pw.errors.ProgramTraceError(f"loss_fn must return a float scalar, got {loss}.")
         self._checked.add(key)

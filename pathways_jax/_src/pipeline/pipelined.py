@@ -491,7 +491,9 @@ class Pipeline:
                 raise _stage_error(self.stages[index], index, h, mode, exc) from exc
             if stale:
                 where = "Pipeline" if y is None else "Pipeline (train step)"
-                raise stages_lib.stale_draws_error(stale, [name for name, _ in mode.streams], where)
+                raise stages_lib.stale_draws_error(
+                    stale, [name for name, _ in mode.streams], where, mode.train
+                )
             h = out
             layouts.append(Layout.of(out, examples))
         if y is not None:

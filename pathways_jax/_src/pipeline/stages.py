@@ -139,18 +139,26 @@ def recording_stale_draws() -> Iterator[list[StaleDraw]]:
 
 
 def stale_draws_error(
-    draws: Sequence[StaleDraw], given: Sequence[str], where: str
+    draws: Sequence[StaleDraw], given: Sequence[str], where: str, train: bool | None = None
 ) -> pw.errors.ProgramTraceError:
-    """The error for stages that would draw the same random numbers every step (see :class:`StaleDraw`)."""
+    """The error for stages that would draw the same random numbers every step (see :class:`StaleDraw`).
+
+    ``train``: the call's flag. Under ``train=False`` a stage that still draws
+    (an ``nnx.RNN`` drawing its initial carry) is not told to pass it again.
+    """
     shown = "; ".join(f"{d.description} draws from its stream {d.tag!r} at {d.path}" for d in draws[:4])
     tags = sorted({d.tag for d in draws})
+    if train is False:
+        way_out = "; it draws under train=False too, so only fresh keys make each call draw anew."
+    else:
+        way_out = ", or pass train=False to run without randomness."
     return pw.errors.ProgramTraceError(
         f"{where}: {shown}, which the call's rngs (streams {sorted(given) or 'none'}) do not reseed, so "
         "every step and every microbatch would use the same random numbers (the same dropout mask), "
         "unlike nnx.jit, which advances the stream on every call. Pass a fresh key for each such "
         f"stream every step, e.g. rngs={{{', '.join(f'{t!r}: jax.random.fold_in(key, step)' for t in tags)}}} "
         "(a layer built with nnx.Rngs(0) draws from the 'default' stream; build it with "
-        "nnx.Rngs(0, dropout=1) to name it 'dropout'), or pass train=False to run without randomness."
+        f"nnx.Rngs(0, dropout=1) to name it 'dropout'){way_out}"
     )
 
 
