@@ -16,11 +16,12 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import assert_matches
 
 import pathways_jax as pw
-from pathways_jax._src.runtime import clusters
+from pathways_jax._src.runtime import clusters, submission
 
 
 def _body(v):
@@ -199,3 +200,42 @@ def test_ctrl_c_as_a_slice_is_asked_for_leaves_the_resource_manager_free():
     s = pw.devices(mesh={"x": 8}, exclusive=True, timeout=5)  # nothing left reserved
     assert_matches(pw.jit(_body, devices=s)(jnp.arange(8.0)), jax.jit(_body)(jnp.arange(8.0)))
     s.release()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_as_a_call_reserves_room_for_its_host_inputs_leaves_the_room_free():
+    # Under a memory budget a call reserves room for its NumPy inputs (HostStaging), taking a lock
+    # through a Condition, whose __enter__ is a Python frame: a Ctrl-C landing as it returned
+    # left the lock held by the main thread, and every other thread's call waited for ever.
+    pw.init(num_cpu_devices=8, memory_budget=1 << 20)
+    step = pw.program(_body)
+    x = np.arange(8.0, dtype=np.float32)
+    assert_matches(step(x), jax.jit(_body)(x))
+    staging = submission.host_staging(clusters.running())
+    assert staging is not None
+    fired = []
+
+    def hook(frame, event, arg):
+        if not fired and event in ("call", "c_return") and staging._room._is_owned():
+            fired.append(event)
+            raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step(x)
+    finally:
+        sys.setprofile(None)
+    assert fired
+    took = []
+
+    def other_thread():
+        if staging._room.acquire(timeout=10):
+            took.append(True)
+            staging._room.release()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join(30)
+    assert took, "the main thread still holds the room's lock"
+    assert_matches(step(x), jax.jit(_body)(x))

@@ -270,14 +270,17 @@ class HostStaging:
         self.peak = 0
         self.waits = 0
         # Reentrant: a copy can be freed (and released) by a garbage collection that runs
-        # while this thread holds the lock.
-        self._room = threading.Condition(threading.RLock())
+        # while this thread holds the lock. Taken as the bare lock (``with self._lock``): a
+        # Condition's __enter__ is a Python frame, where a Ctrl-C landing as the lock is taken
+        # would leave it held (see core.locks).
+        self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)
 
     def reserve(self, nbytes: int, program: str) -> None:
         """Adds ``nbytes``, first waiting until they fit; raises ``BackPressureTimeout`` on timeout."""
         if nbytes <= 0:
             return
-        with self._room:
+        with self._lock:
             if self.held and self.held + nbytes > self.bound and not reentry.inside.depth:
                 # The runtime's own threads (a host callback calling a program) never wait here.
                 self.waits += 1
@@ -297,7 +300,7 @@ class HostStaging:
 
     def release(self, ticket: StagedBytes) -> None:
         """Gives back what ``ticket`` holds (once: the first caller does)."""
-        with self._room:
+        with self._lock:
             if ticket.staging is None:
                 return
             ticket.staging = None
