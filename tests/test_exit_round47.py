@@ -31,10 +31,17 @@ def _body(v):
 @contextlib.contextmanager
 def _interrupt_once_held(lock):
     """Raises KeyboardInterrupt where a handler could first run once ``lock`` is held (on this thread)."""
+    with _interrupt_once(lock.locked) as fired:
+        yield fired
+
+
+@contextlib.contextmanager
+def _interrupt_once(when):
+    """Raises KeyboardInterrupt where a handler could first run once ``when()`` is true."""
     fired = []
 
     def hook(frame, event, arg):
-        if not fired and event in ("call", "c_return") and lock.locked():
+        if not fired and event in ("call", "c_return") and when():
             fired.append(event)
             raise KeyboardInterrupt
 
@@ -99,19 +106,8 @@ def test_ctrl_c_as_a_call_makes_its_outputs_leaves_no_value_behind():
     step, x, _ = _program_and_lock()
     store = clusters.running().store
     assert store.live_count() == 0
-    fired = []
-
-    def hook(frame, event, arg):
-        if not fired and event in ("call", "c_return") and store._live:
-            fired.append(event)
-            raise KeyboardInterrupt
-
-    sys.setprofile(hook)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            step(x)
-    finally:
-        sys.setprofile(None)
+    with pytest.raises(KeyboardInterrupt), _interrupt_once(lambda: bool(store._live)) as fired:
+        step(x)
     assert fired
     gc.collect()
     assert store.live_count() == 0
@@ -213,19 +209,8 @@ def test_ctrl_c_as_a_call_reserves_room_for_its_host_inputs_leaves_the_room_free
     assert_matches(step(x), jax.jit(_body)(x))
     staging = submission.host_staging(clusters.running())
     assert staging is not None
-    fired = []
-
-    def hook(frame, event, arg):
-        if not fired and event in ("call", "c_return") and staging._room._is_owned():
-            fired.append(event)
-            raise KeyboardInterrupt
-
-    sys.setprofile(hook)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            step(x)
-    finally:
-        sys.setprofile(None)
+    with pytest.raises(KeyboardInterrupt), _interrupt_once(staging._room._is_owned) as fired:
+        step(x)
     assert fired
     took = []
 
