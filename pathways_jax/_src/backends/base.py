@@ -248,8 +248,8 @@ class HostFleet(Protocol):
     """A backend whose devices live on hosts it reaches over the network (the Ray backend).
 
     Attributes set by the cluster once it exists:
-      collect: frees the store's values whose futures went (their handles
-        go, and the hosts hear of it, even when no program runs).
+      collect: forgets the store's values whose futures went (their handles
+        went with them; the hosts hear of it even when no program runs).
       slices_of: the cluster's live slices' device ids, by slice id.
       on_restored: called with an island that was rebuilt on new hosts.
     """

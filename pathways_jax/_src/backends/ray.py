@@ -148,8 +148,8 @@ class RayBackend:
         self.lost, self.lost_hosts, self.generations = losses.lost, losses.lost_hosts, losses.generations
         self.on_lost = on_lost  # set by the cluster: called with a lost island
         self.on_restored: Any = None  # set by the cluster: called with a rebuilt island
-        # Set by the cluster: frees the store's values whose futures went, so that
-        # their handles go and the hosts hear of it even when no program runs.
+        # Set by the cluster: forgets the store's values whose futures went (their
+        # handles went with them), and the hosts hear of it even when no program runs.
         self.collect: Any = None
         self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
         self.sender = Sender(layout)  # message numbers, what each host has and is to free

@@ -180,9 +180,10 @@ class Cluster:
     def _reclaim(self) -> None:
         """Frees what nothing holds any more, so that the slices only it held are released.
 
-        Called when a request for devices finds none free: values whose futures
-        are gone are freed lazily (at the next store operation), and programs
-        live in reference cycles until the garbage collector runs.
+        Called when a request for devices finds none free: values and programs
+        caught in reference cycles live until the garbage collector runs (a
+        value goes with its future at once otherwise), and the store forgets
+        the values gone at its next collect.
         """
         gc.collect()
         self.store.collect()
