@@ -170,20 +170,8 @@ def test_ctrl_c_as_a_slice_is_asked_for_leaves_the_resource_manager_free():
     # thread included) waited for ever.
     pw.init(num_cpu_devices=8)
     resources = clusters.running().resources
-    owned = resources._cond._is_owned
-    fired = []
-
-    def hook(frame, event, arg):
-        if not fired and event in ("call", "c_return") and owned():
-            fired.append(event)
-            raise KeyboardInterrupt
-
-    sys.setprofile(hook)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            pw.devices(mesh={"x": 2})
-    finally:
-        sys.setprofile(None)
+    with pytest.raises(KeyboardInterrupt), _interrupt_once(resources._cond._is_owned) as fired:
+        pw.devices(mesh={"x": 2})
     assert fired
     got = []
     thread = threading.Thread(
