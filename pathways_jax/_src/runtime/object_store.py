@@ -257,10 +257,6 @@ class ObjectStore:
         """
         self._charges[entry.ref] = charge  # type: ignore[index]
 
-    def charge(self, entry: Entry) -> Charge | None:
-        """The bytes reserved for ``entry`` under the memory budget (None: none)."""
-        return self._charges.get(entry.ref)  # type: ignore[arg-type]
-
     def free(
         self,
         entries: list[Entry],
