@@ -16,6 +16,7 @@ from helpers import jax_config
 import pathways_jax as pw
 from pathways_jax._src.api import arguments, nnx_graph
 from pathways_jax._src.backends import local
+from pathways_jax._src.runtime import clusters
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -273,8 +274,6 @@ def test_a_donating_program_runs_the_arrays_plan_with_futures_and_spends_them():
 
 
 def _live_values() -> int:
-    from pathways_jax._src.runtime import clusters
-
     return clusters.cluster().store.live_count()
 
 
@@ -292,10 +291,15 @@ def test_nnx_repeat_call_writes_states_back_without_futures():
     assert inner._written is not None  # the third call took the repeat path
     states = len(jax.tree.leaves(nnx.state((model, optimizer))))
     before = _live_values()
+    store = clusters.cluster().store
+    first = next(store._ids)
     losses = [ours(model, optimizer, x, y) for x, y in batches[3:]]
+    made = next(store._ids) - first - 1
     ref_losses = [reference(ref_model, ref_optimizer, x, y) for x, y in batches[3:]]
     # Only the losses are held: the states' entries went when the call returned.
     assert _live_values() - before <= len(losses) < states
+    # A run has one entry for all its outputs, and its loss one more: not one per state.
+    assert made == 2 * len(losses)
     assert all(isinstance(loss, pw.Future) for loss in losses)
     for state in jax.tree.leaves(nnx.state((model, optimizer))):
         assert isinstance(state, jax.Array) and not isinstance(state, pw.Future)
@@ -400,23 +404,18 @@ def test_loose_executables_take_host_and_committed_inputs_as_jax_jit(kind):
 
 
 def test_values_read_without_futures_are_freed_when_the_wait_is_interrupted(monkeypatch):
-    # No future holds a run's entries while submit_values waits for its dispatch: an
-    # interrupt there must free them, as dropping the futures would.
+    # Only the caller holds a batched run's entry while submit_values waits for its dispatch:
+    # an interrupt there frees it, so the run publishes into nothing and its values go.
     from pathways_jax._src.runtime import futures, object_store
 
     store = object_store.ObjectStore()
-
-    class Out:
-        aval = sharding = None
-        origin = "an output"
-
-    entries = store.new_run(object_store.Owner("client", 0), [Out(), Out()], [None, None], [None, None])
+    batch = store.new_batch(object_store.Owner("client", 0), "a run")
 
     def interrupted(entry, timeout):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(store, "wait_settled", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        futures.dispatched_values(entries, store, [True, False])
+        futures.batch_values(batch, None, [None, None], store, [True, False])
     assert store.live_count() == 0
-    assert all(type(entry.state) is object_store.Freed for entry in entries)
+    assert type(batch.state) is object_store.Freed

@@ -12,6 +12,7 @@ import collections.abc
 import copy
 import dataclasses
 import itertools
+import operator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -137,6 +138,12 @@ class Plan:
         self.published_copies = tuple(
             (i, out.where) for i, out in enumerate(self.outputs) if out.kind == "slot" and out.fresh
         )
+        # The outputs of a run in position order, read from its slots in one C call
+        # (``Controller._publish`` of a batch): where every output is a slot published as it is.
+        # (None: fewer than two outputs, or some made otherwise; see Controller._publish.)
+        self.outputs_of: operator.itemgetter[Any] | None = None
+        if len(self.outputs) > 1 and len(self.published) == len(self.outputs):
+            self.outputs_of = operator.itemgetter(*(slot for _, slot in self.published))
         # How many windowed executables the plan puts on each island: a run
         # may be dispatched on the caller's thread only if they all fit now.
         # XLA's CPU client runs executables that call back into Python on the

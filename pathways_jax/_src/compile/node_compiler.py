@@ -39,7 +39,7 @@ def loose_device(graph: Graph, node: Node, mesh: Any) -> jax.Device | None:
     (``Graph.uncommitted_slice``: one device) returns uncommitted outputs, as
     ``jax.jit``'s are. Compiled with no shardings and no mesh on that device,
     its executable returns them so itself: a call then remakes no array
-    (``futures.dispatched_values``), and the next call, with those outputs or
+    (``futures.batch_values``), and the next call, with those outputs or
     their futures, takes JAX's own fast path. Not for nodes with a placement
     of their own (specs, a typed mesh), host callbacks (whose outputs the
     compiler pins) or sub-byte inputs. A node on the slice committed one-device

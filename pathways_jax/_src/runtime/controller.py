@@ -1026,24 +1026,32 @@ class Controller:
     def _publish(self, run: Run, started: int, values: Any, last: tuple, copies: dict | None = None) -> None:
         """A dispatched run's outputs become ready (``values[slot]``, or ``copies[position]`` where
         the backend made an output's own buffer); the watcher gets ``last``."""
-        # ObjectStore.set_ready for each output a node made, inlined (once per output leaf).
-        entries = run.outputs
         plan = run.plan
-        for position, slot in plan.published:
-            entry = entries[position]
-            if type(entry.state) is not Freed:
-                entry.array = values[slot]  # before the state: a ready state has its array
-                entry.state = READY
-        if plan.published_copies:  # an argument, or a value returned twice: a buffer of its own
-            for position, slot in plan.published_copies:
+        batch = run.batch
+        if batch is not None:  # one entry for every output (submission.submit_values): their tuple
+            if type(batch.state) is not Freed:
+                getter = plan.outputs_of
+                batch.array = getter(values) if getter is not None else _outputs(plan, values, copies)
+                batch.state = READY
+            run.batch = None
+        else:
+            # ObjectStore.set_ready for each output a node made, inlined (once per output leaf).
+            entries = run.outputs
+            for position, slot in plan.published:
                 entry = entries[position]
                 if type(entry.state) is not Freed:
-                    entry.array = own_buffer(values[slot]) if copies is None else copies[position]
+                    entry.array = values[slot]  # before the state: a ready state has its array
                     entry.state = READY
+            if plan.published_copies:  # an argument, or a value returned twice: a buffer of its own
+                for position, slot in plan.published_copies:
+                    entry = entries[position]
+                    if type(entry.state) is not Freed:
+                        entry.array = own_buffer(values[slot]) if copies is None else copies[position]
+                        entry.state = READY
+            # The run (kept by the accounting until its outputs are computed) lets go of its
+            # entries: a value whose future is gone then goes at once, as a jax.Array does.
+            run.outputs = []
         self._store.wake()
-        # The run (kept by the accounting until its outputs are computed) lets go of its entries:
-        # a value whose future is gone then goes at once, as a jax.Array does.
-        run.outputs = []
         self.accounting.note(run, started, last)
         run.env = []
 
@@ -1057,6 +1065,18 @@ class Controller:
         events.run_failed(run.id, run.client.name, detail)
         if run.transient:
             self._release(run)
-        self._store.free(list(run.outputs), failure=(detail, cause))
+        self._store.free(
+            [*run.outputs, run.batch] if run.batch else list(run.outputs), failure=(detail, cause)
+        )
         run.feeds = []
         run.env = []
+
+
+def _outputs(plan: Any, values: Any, copies: dict | None) -> tuple[Any, ...]:
+    """A run's outputs in position order (a plan of one output, or of outputs published as copies)."""
+    outputs: list[Any] = [None] * len(plan.outputs)
+    for position, slot in plan.published:
+        outputs[position] = values[slot]
+    for position, slot in plan.published_copies:
+        outputs[position] = own_buffer(values[slot]) if copies is None else copies[position]
+    return tuple(outputs)

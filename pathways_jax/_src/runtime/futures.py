@@ -15,6 +15,7 @@ import numpy as np
 from pathways_jax._src.core import arrays, checks, errors, readiness, reentry
 from pathways_jax._src.runtime.array_like import ArrayLike
 from pathways_jax._src.runtime.object_store import (
+    READY,
     Consumed,
     Entry,
     Failed,
@@ -524,36 +525,38 @@ def dispatched_all(futures: list[Future]) -> list[Any]:
     return out
 
 
-def dispatched_values(entries: list[Entry], store: ObjectStore, wanted: Sequence[bool]) -> list[Any]:
-    """A just-submitted run's outputs, those ``wanted`` as :func:`dispatched_all` gives them, made without futures.
+def batch_values(
+    batch: Entry, plan: Any, slices: Sequence[Any], store: ObjectStore, wanted: Sequence[bool]
+) -> list[Any]:
+    """A just-submitted run's outputs, from its one entry (``submission.submit_values``): those
+    ``wanted`` as :func:`dispatched_all` gives them, the others as futures.
 
-    ``entries`` are the run's, held by no future yet (``submission.submit_values``).
-    A wanted output that comes back as a ``jax.Array`` is read from its entry,
-    which then goes at once, as a future's would once dropped: no future, no
-    ready state outliving the call. Every other output, and every output when
-    the run cannot be waited for here (a thread inside the runtime's work),
-    comes back as a :class:`Future` of its entry.
+    Waits for the run's dispatch. A wanted output that comes back as a
+    ``jax.Array`` is that array: no entry, no future, no state outliving the
+    call. Every other output (and each, if the run failed) becomes a
+    :class:`Future` of an entry of its own, which the store lists then.
+    ``plan``, ``slices``: the run's plan and the slice of each output
+    (``Runnable.output_slices``).
     """
-    if not entries:
-        return []
-    last = entries[-1]
-    if type(last.state) is Pending:  # the outputs of one run settle together (Controller._publish)
-        if reentry.inside.depth:  # a host callback on the controller's thread, a finalizer: see wait_settled
-            return [Future(entry, store) for entry in entries]
+    if type(batch.state) is Pending:
         try:
-            store.wait_settled(last, None)
-        except BaseException:  # an interrupt: no future holds the entries, so they go here
-            store.free(entries)
+            store.wait_settled(batch, None)
+        except BaseException:  # an interrupt: nothing else holds the run's outputs, so they go here
+            store.free([batch])
             raise
+    outputs = batch.array  # read before the state: a ready state then has its array
+    state = batch.state
+    if type(state) is not Ready or outputs is None:  # failed: each output a future of the failure
+        return [
+            _adopted(store, batch, plan, slices, position, None, state) for position in range(len(wanted))
+        ]
     out: list[Any] = []
     append = out.append
-    taken: list[Entry] = []
+    signatures = plan.signatures
     known, loose, array_type, impl = _LOOSE, arrays.loose, jax.Array, arrays.array_impl
-    for entry, want in zip(entries, wanted, strict=True):
-        array = entry.array  # read before the state: a ready state then has its array
-        ready = want and type(entry.state) is Ready and array is not None
-        if ready and (type(array) is impl or isinstance(array, array_type)):
-            signature = entry.signature
+    for position, (array, want) in enumerate(zip(outputs, wanted, strict=True)):
+        if want and (type(array) is impl or isinstance(array, array_type)):
+            signature = signatures[position]
             if signature is None or signature.committed or not getattr(array, "_committed", True):
                 append(array)  # uncommitted already: its executable was compiled as jax.jit's
             else:  # as in dispatched_all
@@ -562,11 +565,23 @@ def dispatched_values(entries: list[Entry], store: ObjectStore, wanted: Sequence
                     append(loose(array, *held[2]))
                 else:
                     append(loose(array, *_loose_type(signature, array)))
-            taken.append(entry)
             continue
-        append(Future(entry, store))
-    store.forget(taken)
+        append(_adopted(store, batch, plan, slices, position, array, READY))
+    batch.array = None
     return out
+
+
+def _adopted(
+    store: ObjectStore, batch: Entry, plan: Any, slices: Sequence[Any], position: int, array: Any, state: Any
+) -> Future:
+    """A future of output ``position`` of the run whose entry is ``batch``: ``array``, in ``state``."""
+    out = plan.outputs[position]
+    entry = store.new(
+        batch.owner, out.aval, out.sharding, slices[position], out.origin, plan.signatures[position]
+    )
+    entry.array = array  # before the state: a ready state has its array
+    entry.state = state
+    return Future(entry, store)
 
 
 # (id of an output's FutureKey) -> (that key, the aval and sharding of its uncommitted

@@ -194,17 +194,24 @@ class ObjectStore:
             live.add(gone)  # one set store each: atomic under the GIL
         return entries
 
-    def forget(self, entries: list[Entry]) -> None:
-        """Frees values read and held by no future (``futures.dispatched_values``); only with no budget.
+    def new_batch(self, owner: Owner, origin: str) -> Entry:
+        """The one entry of a run whose outputs are read as soon as it is dispatched
+        (``submission.submit_values``): not one per output.
 
-        As :meth:`collect` frees a dropped future's value: the store lets go of
-        its array, which lives on in whatever the reader made of it.
+        Its ``array`` becomes the list of the run's outputs (``Controller._publish``), or
+        its state the run's failure. The store does not list it: the caller that waits
+        for it holds it, reads the outputs, and lists only those it hands out as futures
+        (:meth:`adopt`); the others, read as arrays, never were values of the store's.
         """
-        live = self._live
+        return Entry(next(self._ids), owner, None, None, None, origin, None)
+
+    def adopt(self, entries: list[Entry]) -> None:
+        """Lists ``entries``, made outside :meth:`new` (from a batch's outputs), as the store's values."""
+        self._collect_before_new()
+        live, ref, on_gone = self._live, weakref.ref, self._on_gone
         for entry in entries:
-            live.discard(entry.ref)
-            entry.state = FREED
-            entry.array = None
+            entry.ref = gone = ref(entry, on_gone)
+            live.add(gone)
 
     def _collect_before_new(self) -> None:
         """Frees dropped values before new ones are made.

@@ -34,6 +34,9 @@ class Run:
     feeds: list[Future]
     outputs: list[Any]
     failed: bool = False
+    # A run whose caller reads its outputs once it is dispatched (``submission.submit_values``)
+    # has one entry for them all, here, and no ``outputs``: its array becomes their tuple.
+    batch: Any = None
     # The client that submitted the run, its place in the submission order,
     # and what the scheduler and the memory budget know of it.
     client: Any = None

@@ -16,7 +16,7 @@ from absl import logging
 from pathways_jax._src.core import arrays, counts, errors, events, reentry
 from pathways_jax._src.ir.signatures import FutureKey
 from pathways_jax._src.runtime import clients, clusters, context
-from pathways_jax._src.runtime.futures import Future, dispatched_values
+from pathways_jax._src.runtime.futures import Future, batch_values
 from pathways_jax._src.runtime.object_store import ObjectStore, Owner
 from pathways_jax._src.runtime.runs import Run
 
@@ -68,24 +68,30 @@ def submit_values(runnable: Runnable, leaves: list[Any], wanted: Sequence[bool])
 
     For a caller that writes outputs back at once (``nnx_graph``: the
     states of a step's NNX objects, as ``nnx.jit`` leaves ``jax.Array`` s in
-    them): no future is made for a wanted output that can be had as an array
-    (see ``futures.dispatched_values``); its store entry goes at once. The
-    other outputs are futures. Only for a plan :func:`takes_values` accepts.
+    them): the run has one store entry for all its outputs, not one each
+    (``ObjectStore.new_batch``); the call waits for its dispatch and reads
+    them from it (see ``futures.batch_values``). A wanted output that comes
+    back as a ``jax.Array`` is that array; the other outputs are futures.
+    Only for a plan :func:`takes_values` accepts.
     """
+    # A host callback on the controller's thread cannot wait for the run: it gets futures.
+    batched = not reentry.inside.depth
     sink = events.SINK
     t0 = events.now() if sink is not None else 0
-    run, cl = _run_of(runnable, leaves)
+    run, cl = _run_of(runnable, leaves, batched)
     store = cl.store
-    entries = run.outputs  # (the run lets go of them once dispatched)
+    held = [run.batch] if batched else run.outputs  # (the run lets go of them once dispatched)
     counts.bump("runs")
     try:
         cl.controller.submit(run)
     except BaseException:
-        store.free(list(entries))  # no future holds them: the run's entries go with it
+        store.free(list(held))  # nothing else holds them: the run's outputs go with it
         raise
     if sink is not None:
         sink(_submitted(run.plan, run, t0))
-    return dispatched_values(entries, store, wanted)
+    if not batched:
+        return [Future(entry, store) for entry in held]
+    return batch_values(held[0], run.plan, runnable.output_slices, store, wanted)
 
 
 def _submitted(plan: Plan, run: Run, start: int) -> events.Submitted:
@@ -95,8 +101,9 @@ def _submitted(plan: Plan, run: Run, start: int) -> events.Submitted:
     )
 
 
-def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
-    """The run of ``runnable`` with these argument leaves, its outputs' entries made; and its cluster."""
+def _run_of(runnable: Runnable, leaves: list[Any], batched: bool = False) -> tuple[Run, Any]:
+    """The run of ``runnable`` with these argument leaves, its outputs' entries made (``batched``:
+    one entry for them all, ``Run.batch``); and its cluster."""
     plan = runnable.plan
     cl = runnable.cluster
     if cl is None:  # a program that places nothing (it only returns literals)
@@ -159,7 +166,12 @@ def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
         raise client.closed_error()
     run_id = next(_runs)
     owner = Owner(client.name, run_id, client.key)
-    entries = store.new_run(owner, plan.outputs, plan.signatures, runnable.output_slices)
+    if batched:
+        entries = []
+        batch = store.new_batch(owner, f"program {plan.graph.name!r} run {run_id}")
+    else:
+        entries = store.new_run(owner, plan.outputs, plan.signatures, runnable.output_slices)
+        batch = None
     return Run(
         run_id,
         plan,
@@ -169,6 +181,7 @@ def _run_of(runnable: Runnable, leaves: list[Any]) -> tuple[Run, Any]:
         entries,
         client=client,
         staged=ticket,
+        batch=batch,
     ), cl
 
 
