@@ -200,18 +200,10 @@ class ObjectStore:
 
         Its ``array`` becomes the list of the run's outputs (``Controller._publish``), or
         its state the run's failure. The store does not list it: the caller that waits
-        for it holds it, reads the outputs, and lists only those it hands out as futures
-        (:meth:`adopt`); the others, read as arrays, never were values of the store's.
+        for it holds it, reads the outputs, and makes entries (:meth:`new`) only for those
+        it hands out as futures; the others, read as arrays, never were values of the store's.
         """
         return Entry(next(self._ids), owner, None, None, None, origin, None)
-
-    def adopt(self, entries: list[Entry]) -> None:
-        """Lists ``entries``, made outside :meth:`new` (from a batch's outputs), as the store's values."""
-        self._collect_before_new()
-        live, ref, on_gone = self._live, weakref.ref, self._on_gone
-        for entry in entries:
-            entry.ref = gone = ref(entry, on_gone)
-            live.add(gone)
 
     def _collect_before_new(self) -> None:
         """Frees dropped values before new ones are made.
