@@ -198,7 +198,7 @@ class ObjectStore:
         """The one entry of a run whose outputs are read as soon as it is dispatched
         (``submission.submit_values``): not one per output.
 
-        Its ``array`` becomes the list of the run's outputs (``Controller._publish``), or
+        Its ``array`` becomes the tuple of the run's outputs (``Controller._publish``), or
         its state the run's failure. The store does not list it: the caller that waits
         for it holds it, reads the outputs, and makes entries (:meth:`new`) only for those
         it hands out as futures; the others, read as arrays, never were values of the store's.
