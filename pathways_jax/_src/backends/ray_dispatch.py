@@ -214,7 +214,10 @@ class Dispatcher:
                 for slot in hp.futures:
                     value = env[slot]
                     if isinstance(value, jax.Array):  # here, not on the hosts: it goes with the message
-                        feeds.append((slot, "data", (ray_host.to_wire(value), remote.future_descs[slot])))
+                        desc = remote.future_descs[slot]
+                        feeds.append(
+                            (slot, "data", (self.places.fed(ray_host.to_wire(value), desc, host), desc))
+                        )
                         continue
                     if not isinstance(value, RemoteArray) or value.backend is not self:
                         raise errors.PlacementError(
@@ -232,8 +235,10 @@ class Dispatcher:
                             self.losses.message(island, f"an input of program {name!r}")
                         )
                     feeds.append((slot, "value", value.key))
-                for source, slot, desc in hp.data:
-                    feeds.append((slot, "data", (ray_host.to_wire(env[source]), desc)))
+                for source, slot, desc in hp.data:  # each host its own blocks of a value over several
+                    feeds.append(
+                        (slot, "data", (self.places.fed(ray_host.to_wire(env[source]), desc, host), desc))
+                    )
                 messages[host] = (feeds, [(slot, keys[slot]) for slot in hp.keep])
             base = self.route.take_uuids(remote.uuids)
             # The run's messages, every host's at once: the hosts of an island must

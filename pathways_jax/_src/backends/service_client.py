@@ -116,7 +116,11 @@ def versions() -> dict[str, str]:
     import pathways_jax
     from pathways_jax._src import wire
 
-    return {"pathways_jax": str(pathways_jax.__version__), "wire": str(wire.WIRE_VERSION), "jax": jax.__version__}
+    return {
+        "pathways_jax": str(pathways_jax.__version__),
+        "wire": str(wire.WIRE_VERSION),
+        "jax": jax.__version__,
+    }
 
 
 def _said(have: dict | None) -> str:
@@ -181,9 +185,7 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
         if not isinstance(exc, Exception):
             raise
         if isinstance(exc, TypeError) and "versions" in str(exc):  # a service from before the check
-            raise errors.ClusterError(
-                f"pw.init(service={name!r}): {version_mismatch(mine, None)}."
-            ) from exc
+            raise errors.ClusterError(f"pw.init(service={name!r}): {version_mismatch(mine, None)}.") from exc
         raise errors.ClusterError(f"pw.init(service={name!r}): the service did not answer: {exc}") from exc
     if "refused" not in joined:
         wrong = version_mismatch(mine, joined.get("versions"))

@@ -19,10 +19,10 @@ from pathways_jax._src.wire.channel import ChannelFull as ChannelFull
 from pathways_jax._src.wire.channel import Peer as Peer
 from pathways_jax._src.wire.channel import Received as Received
 from pathways_jax._src.wire.channel import Server as Server
+from pathways_jax._src.wire.messages import WIRE_VERSION as WIRE_VERSION
 from pathways_jax._src.wire.messages import Answered as Answered
 from pathways_jax._src.wire.messages import Batch as Batch
 from pathways_jax._src.wire.messages import Blob as Blob
-from pathways_jax._src.wire.messages import WIRE_VERSION as WIRE_VERSION
 from pathways_jax._src.wire.messages import Cancel as Cancel
 from pathways_jax._src.wire.messages import Codec as Codec
 from pathways_jax._src.wire.messages import Colocated as Colocated
