@@ -315,15 +315,43 @@ class Dispatcher:
                     return
                 logging.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
 
-    def fetch(self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int) -> Any:
+    def fetch(
+        self,
+        hosts: tuple[int, ...],
+        key: int | tuple[int, int],
+        generation: int,
+        deadline: float | None = None,
+    ) -> Any:
         """A kept value as a numpy array: from its host, or pieced together from its hosts' shards."""
+        return self.fetched_value(hosts, self.fetch_sent(hosts, key, generation), generation, deadline)
+
+    def fetch_sent(
+        self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int
+    ) -> list[concurrent.futures.Future]:
+        """Asks ``hosts`` for their parts of value ``key``: the futures of their answers."""
         if self.closed:
             raise errors.ClusterError(self.closed_message)
         island = self.layout.island_of(hosts[0])
         with self.lock:
             if island in self.lost or generation != self.generations[island]:
                 raise errors.HostLostError(self.losses.message(island, "a value"))
-            answers = [self.route.message(host, "fetch", (key,)) for host in hosts]
+            return [self.route.message(host, "fetch", (key,)) for host in hosts]
+
+    def fetched_value(
+        self, hosts: tuple[int, ...], answers: list, generation: int, deadline: float | None = None
+    ) -> Any:
+        """The value ``answers`` (of :meth:`fetch_sent`) bring, as :meth:`fetch` gives it.
+
+        Raises ``FutureTimeoutError`` if they have not all come by ``deadline`` (``time.monotonic()``;
+        None: no deadline): the answers still come, and a later call with them reads the value.
+        """
+        if deadline is not None:
+            _, pending = concurrent.futures.wait(answers, timeout=max(0.0, deadline - time.monotonic()))
+            if pending:
+                raise errors.FutureTimeoutError(
+                    f"the value had not come from its hosts ({len(pending)} of {len(answers)} parts owed) by the "
+                    "deadline; it is still on its way: read it again for it"
+                )
         results: list[Any] = []
         for host, answer in zip(hosts, answers, strict=True):
             try:
