@@ -105,8 +105,8 @@ def _spy_on_fed_bytes(monkeypatch) -> list[int]:
 
 def _each_host_gets_its_own_blocks(monkeypatch) -> None:
     """An argument sharded over the island's two hosts goes to each as its own blocks only, where it
-    went whole to each; results bit-identical to jax.jit."""
-    x = np.arange(256 * 64, dtype=np.int32).reshape(256, 64)
+    went whole to each (sent once to both, or once to each); results bit-identical to jax.jit."""
+    x = np.arange(256 * 128, dtype=np.int32).reshape(256, 128)  # over ray_places.SPLIT_BYTES
 
     def fn(v):
         return v * 3 + v.sum()

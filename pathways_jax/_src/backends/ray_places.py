@@ -26,6 +26,10 @@ from pathways_jax._src.backends.ray_host import (
 from pathways_jax._src.backends.ray_plan import Placed
 from pathways_jax._src.core import errors
 
+# An argument over several hosts smaller than this goes whole to each: the hosts' equal messages
+# go as one broadcast (channel_link), cheaper than a message each; a larger one, each host's blocks.
+SPLIT_BYTES = 64 * 1024
+
 
 class Places:
     """The stand-in devices of ``layout``'s hosts, by island; implements ``ray_plan.Fleet``.
@@ -66,8 +70,14 @@ class Places:
 
     def fed(self, data: Any, desc: ShardingDesc, host: int) -> Any:
         """What host ``host`` is sent of argument ``data`` (numpy, or typed keys' wire form) placed by
-        ``desc``: only the blocks its own devices hold, where the value spans several hosts; else all."""
-        if not isinstance(data, np.ndarray) or isinstance(desc, SingleDesc) or not data.ndim:
+        ``desc``: only the blocks its own devices hold, where the value spans several hosts (and has
+        ``SPLIT_BYTES`` at least); else all."""
+        if (
+            not isinstance(data, np.ndarray)
+            or isinstance(desc, SingleDesc)
+            or not data.ndim
+            or data.nbytes < SPLIT_BYTES
+        ):
             return data
         key = (desc, data.shape, host)
         if key not in self._blocks:
