@@ -170,8 +170,8 @@ class RemoteArray:
                 try:
                     data = backend.fetched_value(self.hosts, self._fetching, self.generation, deadline)
                 except errors.FutureTimeoutError:
-                    raise  # still on its way: kept for the next call
-                except BaseException:
+                    raise  # still on its way: kept for the next call (as under a Ctrl-C)
+                except Exception:
                     self._fetching = None  # failed: a next call asks again
                     raise
                 self._fetching = None
