@@ -224,3 +224,31 @@ def test_result_with_a_timeout_ends_at_about_its_deadline_during_a_large_fetch(s
         out.result(timeout=0.2)
     assert time.monotonic() - started < 1.5
     np.testing.assert_array_equal(out.result(timeout=30), want)
+
+
+def test_a_run_done_before_pw_shutdown_is_not_failed_by_it(service):
+    # A client that read its last run's value and called pw.shutdown() (or exited) was told, in a
+    # WARNING, that the run "failed while executing: ClusterError: this process left the controller
+    # service", and it counted as failed: the run's completion, still to be accounted, was read
+    # after the close as the close's error.
+    _join(service, "clean-exit")
+    f = pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 4}), in_specs=pw.P("x"), out_specs=pw.P("x"))
+    x = np.arange(8.0, dtype=np.float32)
+    out = f(x)
+    np.testing.assert_array_equal(out.result(timeout=60), np.asarray(jax.jit(lambda v: v * 2)(x)))
+    value = out._entry.array
+    dispatcher = pw.cluster().backend.dispatcher
+    pw.shutdown()
+    assert dispatcher.closed
+    assert [
+        dispatcher.outcome(h, d, value.generation) for h, d in zip(value.hosts, value.dones, strict=True)
+    ] == [
+        None,
+        None,
+    ]
+    # A run still owed at the close is the close's error, as before.
+    import concurrent.futures
+
+    owed: concurrent.futures.Future = concurrent.futures.Future()
+    with pytest.raises(pw.errors.ClusterError, match="left the controller service"):
+        raise dispatcher.outcome(0, owed, value.generation)

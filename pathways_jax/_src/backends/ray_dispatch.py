@@ -107,6 +107,11 @@ def _assemble(results: list) -> Any:
     return whole
 
 
+def _succeeded(status: Any) -> bool:
+    """Whether a host's answer to a run says it was done (in how much device time)."""
+    return status is None or isinstance(status, float | RunDone)
+
+
 class Dispatcher:
     """Runs and values on ``places``' hosts, sent and heard through ``route``.
 
@@ -382,7 +387,9 @@ class Dispatcher:
         ``generation``: of the host's island when the run was sent (a host that
         died then may have been replaced since).
         """
-        if self.closed:
+        if self.closed:  # a run its hosts said was done before the close still was
+            if done.done() and done.exception() is None and _succeeded(done.result()):
+                return None
             return errors.ClusterError(self.closed_message)
         island = self.layout.island_of(host)
         try:
@@ -396,7 +403,7 @@ class Dispatcher:
             if lost is not None:
                 return lost
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
-        if status is None or isinstance(status, float | RunDone):  # done (in how much device time)
+        if _succeeded(status):
             return None
         if isinstance(status, Refused):  # the controller service refused the run: it touched nothing
             return refusal(status)
