@@ -35,6 +35,10 @@ class Holder(Protocol):
         """A host's answer to the run that makes a value: None if it went well, else the error."""
         ...
 
+    def fetch(self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int) -> Any:
+        """The value under ``key`` on ``hosts``, brought here."""
+        ...
+
     def fetch_sent(self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int) -> list:
         """Asks ``hosts`` for the value under ``key``: the futures of their answers."""
         ...
@@ -164,17 +168,7 @@ class RemoteArray:
                 raise errors.PathwaysError(f"{self!r} holds no value to fetch.")
             data = self._small()
             if data is None:
-                backend = self.backend
-                if self._fetching is None:
-                    self._fetching = backend.fetch_sent(self.hosts, self.key, self.generation)
-                try:
-                    data = backend.fetched_value(self.hosts, self._fetching, self.generation, deadline)
-                except errors.FutureTimeoutError:
-                    raise  # still on its way: kept for the next call (as under a Ctrl-C)
-                except Exception:
-                    self._fetching = None  # failed: a next call asks again
-                    raise
-                self._fetching = None
+                data = self._fetched(self.key, deadline)
             counts.bump("fetches")
             # Host data nothing else changes: through JAX's own call for it (``jax.device_put``'s
             # Python path around that call was two thirds of this fetch).
@@ -183,6 +177,23 @@ class RemoteArray:
                 value = arrays.remade(value, aval=value.aval.update(weak_type=True))
             self._value = value
         return self._value
+
+    def _fetched(self, key: int | tuple[int, int], deadline: float | None) -> Any:
+        """The value under ``key`` from its hosts (by ``deadline``, if one is given: see :meth:`fetch`)."""
+        backend = self.backend
+        if deadline is None and self._fetching is None:
+            return backend.fetch(self.hosts, key, self.generation)
+        if self._fetching is None:
+            self._fetching = backend.fetch_sent(self.hosts, key, self.generation)
+        try:
+            data = backend.fetched_value(self.hosts, self._fetching, self.generation, deadline)
+        except errors.FutureTimeoutError:
+            raise  # still on its way: kept for the next call
+        except Exception:
+            self._fetching = None  # failed: a next call asks again
+            raise
+        self._fetching = None
+        return data
 
     def _small(self) -> Any:
         """The value if it came back with its run's completion (small, on one host), else None.
