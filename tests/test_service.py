@@ -1130,7 +1130,7 @@ def test_a_client_that_stops_reading_waits_in_a_bounded_outbox_others_are_served
 
     from pathways_jax._src import wire
     from pathways_jax._src.backends.channel_link import answer_value
-    from pathways_jax._src.backends.service_client import NAMESPACE, Token
+    from pathways_jax._src.backends.service_client import NAMESPACE, Token, versions
 
     svc = pw.serve("test-slow-reader", hosts=1, devices_per_host=1, stalled_client_timeout=4.0)
     actor = ray.get_actor(svc.name, namespace=NAMESPACE)
@@ -1143,7 +1143,9 @@ def test_a_client_that_stops_reading_waits_in_a_bounded_outbox_others_are_served
             token = ray.remote(Token).options(num_cpus=0).remote()
             tokens.append(token)
             x64 = bool(jax.config.read("jax_enable_x64"))
-            end = ray.get(actor.join.remote(name, os.getpid(), "test", token, x64), timeout=60)["channel"]
+            end = ray.get(
+                actor.join.remote(name, os.getpid(), "test", token, x64, versions=versions()), timeout=60
+            )["channel"]
             peer = wire.Peer(end.address, end.key, identity=end.identity, heartbeat=None, **kwargs)
             peers.append(peer)
             return peer
@@ -1198,7 +1200,7 @@ def test_a_stopped_client_is_dropped_by_its_silence_and_then_told_so_a_quiet_one
     import ray
 
     from pathways_jax._src import wire
-    from pathways_jax._src.backends.service_client import NAMESPACE, Token
+    from pathways_jax._src.backends.service_client import NAMESPACE, Token, versions
 
     # The client process starts first (Python and JAX take seconds) and joins once the service runs.
     group = Clients((ray_cluster.get_runtime_context().gcs_address, "test-silent"), tmp_path)
@@ -1213,7 +1215,9 @@ def test_a_stopped_client_is_dropped_by_its_silence_and_then_told_so_a_quiet_one
     quiet = None
     try:
         x64 = bool(jax.config.read("jax_enable_x64"))
-        end = ray.get(actor.join.remote("quiet", os.getpid(), "test", token, x64), timeout=60)["channel"]
+        end = ray.get(
+            actor.join.remote("quiet", os.getpid(), "test", token, x64, versions=versions()), timeout=60
+        )["channel"]
         # Says nothing but its heartbeat (as every client's channel does, from its own thread).
         quiet = wire.Peer(end.address, end.key, identity=end.identity, heartbeat=0.3)
         group.wait_state("sleeper", "holding")

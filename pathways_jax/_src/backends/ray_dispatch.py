@@ -107,6 +107,11 @@ def _assemble(results: list) -> Any:
     return whole
 
 
+def _succeeded(status: Any) -> bool:
+    """Whether a host's answer to a run says it was done (in how much device time)."""
+    return status is None or isinstance(status, float | RunDone)
+
+
 class Dispatcher:
     """Runs and values on ``places``' hosts, sent and heard through ``route``.
 
@@ -214,7 +219,10 @@ class Dispatcher:
                 for slot in hp.futures:
                     value = env[slot]
                     if isinstance(value, jax.Array):  # here, not on the hosts: it goes with the message
-                        feeds.append((slot, "data", (ray_host.to_wire(value), remote.future_descs[slot])))
+                        desc = remote.future_descs[slot]
+                        feeds.append(
+                            (slot, "data", (self.places.fed(ray_host.to_wire(value), desc, host), desc))
+                        )
                         continue
                     if not isinstance(value, RemoteArray) or value.backend is not self:
                         raise errors.PlacementError(
@@ -232,8 +240,10 @@ class Dispatcher:
                             self.losses.message(island, f"an input of program {name!r}")
                         )
                     feeds.append((slot, "value", value.key))
-                for source, slot, desc in hp.data:
-                    feeds.append((slot, "data", (ray_host.to_wire(env[source]), desc)))
+                for source, slot, desc in hp.data:  # each host its own blocks of a value over several
+                    feeds.append(
+                        (slot, "data", (self.places.fed(ray_host.to_wire(env[source]), desc, host), desc))
+                    )
                 messages[host] = (feeds, [(slot, keys[slot]) for slot in hp.keep])
             base = self.route.take_uuids(remote.uuids)
             # The run's messages, every host's at once: the hosts of an island must
@@ -310,15 +320,43 @@ class Dispatcher:
                     return
                 logging.warning("pathways_jax: freeing values on the Ray hosts failed once: %s", exc)
 
-    def fetch(self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int) -> Any:
+    def fetch(
+        self,
+        hosts: tuple[int, ...],
+        key: int | tuple[int, int],
+        generation: int,
+        deadline: float | None = None,
+    ) -> Any:
         """A kept value as a numpy array: from its host, or pieced together from its hosts' shards."""
+        return self.fetched_value(hosts, self.fetch_sent(hosts, key, generation), generation, deadline)
+
+    def fetch_sent(
+        self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int
+    ) -> list[concurrent.futures.Future]:
+        """Asks ``hosts`` for their parts of value ``key``: the futures of their answers."""
         if self.closed:
             raise errors.ClusterError(self.closed_message)
         island = self.layout.island_of(hosts[0])
         with self.lock:
             if island in self.lost or generation != self.generations[island]:
                 raise errors.HostLostError(self.losses.message(island, "a value"))
-            answers = [self.route.message(host, "fetch", (key,)) for host in hosts]
+            return [self.route.message(host, "fetch", (key,)) for host in hosts]
+
+    def fetched_value(
+        self, hosts: tuple[int, ...], answers: list, generation: int, deadline: float | None = None
+    ) -> Any:
+        """The value ``answers`` (of :meth:`fetch_sent`) bring, as :meth:`fetch` gives it.
+
+        Raises ``FutureTimeoutError`` if they have not all come by ``deadline`` (``time.monotonic()``;
+        None: no deadline): the answers still come, and a later call with them reads the value.
+        """
+        if deadline is not None:
+            _, pending = concurrent.futures.wait(answers, timeout=max(0.0, deadline - time.monotonic()))
+            if pending:
+                raise errors.FutureTimeoutError(
+                    f"the value had not come from its hosts ({len(pending)} of {len(answers)} parts owed) by the "
+                    "deadline; it is still on its way: read it again for it"
+                )
         results: list[Any] = []
         for host, answer in zip(hosts, answers, strict=True):
             try:
@@ -349,7 +387,9 @@ class Dispatcher:
         ``generation``: of the host's island when the run was sent (a host that
         died then may have been replaced since).
         """
-        if self.closed:
+        if self.closed:  # a run its hosts said was done before the close still was
+            if done.done() and done.exception() is None and _succeeded(done.result()):
+                return None
             return errors.ClusterError(self.closed_message)
         island = self.layout.island_of(host)
         try:
@@ -363,7 +403,7 @@ class Dispatcher:
             if lost is not None:
                 return lost
             return errors.ProgramFailedError(f"host {host} failed: {exc}")
-        if status is None or isinstance(status, float | RunDone):  # done (in how much device time)
+        if _succeeded(status):
             return None
         if isinstance(status, Refused):  # the controller service refused the run: it touched nothing
             return refusal(status)

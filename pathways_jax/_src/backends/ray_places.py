@@ -12,11 +12,23 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from pathways_jax._src.backends.ray_boot import Layout
-from pathways_jax._src.backends.ray_host import NamedDesc, SingleDesc
+from pathways_jax._src.backends.ray_host import (
+    Blocks,
+    NamedDesc,
+    ShardingDesc,
+    SingleDesc,
+    bounds_of,
+    sharding_of,
+)
 from pathways_jax._src.backends.ray_plan import Placed
 from pathways_jax._src.core import errors
+
+# An argument over several hosts smaller than this goes whole to each: the hosts' equal messages
+# go as one broadcast (channel_link), cheaper than a message each; a larger one, each host's blocks.
+SPLIT_BYTES = 64 * 1024
 
 
 class Places:
@@ -39,6 +51,9 @@ class Places:
         self.islands = tuple(tuple(standins[i * n : (i + 1) * n]) for i in range(layout.islands))
         # stand-in id -> (island, position among the island's devices, host)
         self._where = {d.id: (i // n, i % n, i // devices_per_host) for i, d in enumerate(standins)}
+        # (descriptor, shape, host) -> the blocks a host's devices hold of a value over several hosts
+        # (None: the whole value, one host's or replicated on each); a plan's arguments repeat these.
+        self._blocks: dict[tuple, tuple | None] = {}
 
     def place_of(self, device: Any) -> tuple[int, int, int]:
         """A stand-in device's island, position among the island's devices, and host."""
@@ -52,6 +67,42 @@ class Places:
         """The stand-ins of host ``host``'s devices."""
         d = self.layout.devices_per_host
         return self.standins[host * d : (host + 1) * d]
+
+    def fed(self, data: Any, desc: ShardingDesc, host: int) -> Any:
+        """What host ``host`` is sent of argument ``data`` (numpy, or typed keys' wire form) placed by
+        ``desc``: only the blocks its own devices hold, where the value spans several hosts (and has
+        ``SPLIT_BYTES`` at least); else all."""
+        if (
+            not isinstance(data, np.ndarray)
+            or isinstance(desc, SingleDesc)
+            or not data.ndim
+            or data.nbytes < SPLIT_BYTES
+        ):
+            return data
+        key = (desc, data.shape, host)
+        if key not in self._blocks:
+            if len(self._blocks) >= 4096:  # bounded: shapes and placements a process feeds are few
+                self._blocks.clear()
+            self._blocks[key] = self._blocks_of(desc, data.shape, host)
+        blocks = self._blocks[key]
+        if blocks is None:
+            return data
+        return Blocks(
+            data.shape,
+            [(bounds, np.ascontiguousarray(data[tuple(slice(*b) for b in bounds)])) for bounds in blocks],
+        )
+
+    def _blocks_of(self, desc: ShardingDesc, shape: tuple[int, ...], host: int) -> tuple | None:
+        island = self.layout.island_of(host)
+        sharding = sharding_of(desc, list(self.islands[island]))
+        held: dict[int, set] = {}
+        for device, index in sharding.devices_indices_map(shape).items():
+            held.setdefault(self._where[device.id][2], set()).add(bounds_of(index, shape))
+        mine = held.get(host, set())
+        whole = tuple((0, n) for n in shape)
+        if len(held) == 1 or whole in mine:
+            return None
+        return tuple(sorted(mine))
 
     def where(self, sharding: Any, what: str) -> Placed:
         """The island, hosts and island-local descriptor of a stand-in sharding."""

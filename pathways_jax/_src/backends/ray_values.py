@@ -39,6 +39,16 @@ class Holder(Protocol):
         """The value under ``key`` on ``hosts``, brought here."""
         ...
 
+    def fetch_sent(self, hosts: tuple[int, ...], key: int | tuple[int, int], generation: int) -> list:
+        """Asks ``hosts`` for the value under ``key``: the futures of their answers."""
+        ...
+
+    def fetched_value(
+        self, hosts: tuple[int, ...], answers: list, generation: int, deadline: float | None
+    ) -> Any:
+        """The value ``answers`` bring, brought here; ``FutureTimeoutError`` if not come by ``deadline``."""
+        ...
+
     def drop(self, host: int, key: int | tuple[int, int]) -> None:
         """A handle went: its value is freed on its host."""
         ...
@@ -59,6 +69,7 @@ class RemoteArray:
 
     __slots__ = (
         "__weakref__",
+        "_fetching",
         "_outcome",
         "_ready",
         "_value",
@@ -93,6 +104,9 @@ class RemoteArray:
         self._outcome: Any = _UNSETTLED
         self._ready = False
         self._value: jax.Array | None = None
+        # The hosts' answers to a fetch cut short by its deadline: the next fetch reads them (the
+        # value is not asked for again, and what came is not left unread).
+        self._fetching: list | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -140,15 +154,21 @@ class RemoteArray:
             raise outcome
         return self
 
-    def fetch(self) -> jax.Array:
-        """Brings the value to the controller as a ``jax.Array`` (on the stand-in devices)."""
+    def fetch(self, deadline: float | None = None) -> jax.Array:
+        """Brings the value to the controller as a ``jax.Array`` (on the stand-in devices).
+
+        ``deadline`` (``time.monotonic()``; None: none): ``FutureTimeoutError`` if the hosts' parts
+        have not all come by then, however large the value (past it, only this process's own
+        piecing together of what came, and its copy onto the stand-ins). The fetch goes on: the
+        next call reads what it brings, without asking the hosts again.
+        """
         if self._value is None:
             self.block_until_ready()
             if self.key is None:  # a completion marker: no value of its own
                 raise errors.PathwaysError(f"{self!r} holds no value to fetch.")
             data = self._small()
             if data is None:
-                data = self.backend.fetch(self.hosts, self.key, self.generation)
+                data = self._fetched(self.key, deadline)
             counts.bump("fetches")
             # Host data nothing else changes: through JAX's own call for it (``jax.device_put``'s
             # Python path around that call was two thirds of this fetch).
@@ -157,6 +177,23 @@ class RemoteArray:
                 value = arrays.remade(value, aval=value.aval.update(weak_type=True))
             self._value = value
         return self._value
+
+    def _fetched(self, key: int | tuple[int, int], deadline: float | None) -> Any:
+        """The value under ``key`` from its hosts (by ``deadline``, if one is given: see :meth:`fetch`)."""
+        backend = self.backend
+        if deadline is None and self._fetching is None:
+            return backend.fetch(self.hosts, key, self.generation)
+        if self._fetching is None:
+            self._fetching = backend.fetch_sent(self.hosts, key, self.generation)
+        try:
+            data = backend.fetched_value(self.hosts, self._fetching, self.generation, deadline)
+        except errors.FutureTimeoutError:
+            raise  # still on its way: kept for the next call
+        except Exception:
+            self._fetching = None  # failed: a next call asks again
+            raise
+        self._fetching = None
+        return data
 
     def _small(self) -> Any:
         """The value if it came back with its run's completion (small, on one host), else None.

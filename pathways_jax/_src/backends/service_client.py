@@ -108,6 +108,42 @@ def find(ray: Any, name: str, what: str) -> Any:
         ) from exc
 
 
+def versions() -> dict[str, str]:
+    """What a client process and its service must share to understand each other: the versions of
+    pathways_jax, of its wire format and of jax (whose exported computations the hosts compile)."""
+    import jax
+
+    import pathways_jax
+    from pathways_jax._src import wire
+
+    return {
+        "pathways_jax": str(pathways_jax.__version__),
+        "wire": str(wire.WIRE_VERSION),
+        "jax": jax.__version__,
+    }
+
+
+def _said(have: dict | None) -> str:
+    if have is None:
+        return "a pathways_jax older than its version check at join (before wire format 1)"
+    return f"pathways_jax {have.get('pathways_jax')} (wire format {have.get('wire')}, jax {have.get('jax')})"
+
+
+def version_mismatch(client: dict | None, service: dict | None) -> str | None:
+    """Why a client process of ``client``'s versions cannot join a service of ``service``'s (None:
+    they match). ``None`` for either: a version from before the check."""
+    if client is not None and service is not None and client == service:
+        return None
+    wanted = "" if service is None else f"=={service.get('pathways_jax')}"
+    jax_wanted = "" if service is None else f" jax=={service.get('jax')}"
+    return (
+        f"the service runs {_said(service)}, this process {_said(client)}: "
+        "their messages would be misread. Run this process with the service's versions (pip install "
+        f"pathways-jax{wanted}{jax_wanted}), or start a service from this process's environment "
+        f"(`python -m pathways_jax --name NAME serve ...` there) and join that one"
+    )
+
+
 class Token:
     """A client process's token actor: it dies with the process, which tells the service."""
 
@@ -126,10 +162,18 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
     actor = find(ray, name, f"pw.init(service={name!r})")
     token = ray.remote(Token).options(num_cpus=0).remote()
     me = client_name or f"{socket.gethostname()}:{os.getpid()}"
+    mine = versions()
     try:
+        # The versions go first and by name: a service of any version since this check reads them
+        # before the rest, and refuses a process of another one, saying both.
         joined = ray.get(
             actor.join.remote(
-                me, os.getpid(), socket.gethostname(), token, bool(jax.config.read("jax_enable_x64"))
+                me,
+                os.getpid(),
+                socket.gethostname(),
+                token,
+                bool(jax.config.read("jax_enable_x64")),
+                versions=mine,
             ),
             timeout=_JOIN_TIMEOUT_S,
         )
@@ -140,7 +184,13 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
             ray.kill(token)
         if not isinstance(exc, Exception):
             raise
+        if isinstance(exc, TypeError) and "versions" in str(exc):  # a service from before the check
+            raise errors.ClusterError(f"pw.init(service={name!r}): {version_mismatch(mine, None)}.") from exc
         raise errors.ClusterError(f"pw.init(service={name!r}): the service did not answer: {exc}") from exc
+    if "refused" not in joined:
+        wrong = version_mismatch(mine, joined.get("versions"))
+        if wrong is not None:
+            joined = {"refused": wrong}
     if "refused" in joined:
         with contextlib.suppress(Exception):
             ray.kill(token)
@@ -592,4 +642,6 @@ __all__ = [
     "find",
     "join",
     "mismatches",
+    "version_mismatch",
+    "versions",
 ]

@@ -33,8 +33,9 @@ class RemoteValue(Protocol):
         """Returns once the value is ready or after ``timeout`` seconds."""
         ...
 
-    def fetch(self) -> Any:
-        """The value brought to this process as a ``jax.Array``."""
+    def fetch(self, deadline: float | None = None) -> Any:
+        """The value brought to this process as a ``jax.Array``; ``FutureTimeoutError`` if it has
+        not come by ``deadline`` (``time.monotonic()``; None: none), the fetch going on for a next call."""
         ...
 
 

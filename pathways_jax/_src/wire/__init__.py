@@ -19,6 +19,7 @@ from pathways_jax._src.wire.channel import ChannelFull as ChannelFull
 from pathways_jax._src.wire.channel import Peer as Peer
 from pathways_jax._src.wire.channel import Received as Received
 from pathways_jax._src.wire.channel import Server as Server
+from pathways_jax._src.wire.messages import WIRE_VERSION as WIRE_VERSION
 from pathways_jax._src.wire.messages import Answered as Answered
 from pathways_jax._src.wire.messages import Batch as Batch
 from pathways_jax._src.wire.messages import Blob as Blob
@@ -51,6 +52,7 @@ from pathways_jax._src.wire.messages import Submit as Submit
 
 __all__ = [
     "SERVER",
+    "WIRE_VERSION",
     "Address",
     "Answered",
     "Batch",

@@ -20,6 +20,7 @@ from msgspec.msgpack import Ext
 
 __all__ = [
     "INLINE_LIMIT",
+    "WIRE_VERSION",
     "Answered",
     "Batch",
     "Blob",
@@ -52,6 +53,11 @@ __all__ = [
     "Load",
     "Submit",
 ]
+
+# The format of these messages (and of what a controller service and its clients say when one
+# joins): a client process joins a service only of the same format (and pathways_jax and jax
+# versions). Raise it with any change a process of the other format would misread.
+WIRE_VERSION = 1
 
 # Blobs shorter than this are encoded inside the struct; longer ones get a frame of their own.
 INLINE_LIMIT = 1024

@@ -34,6 +34,7 @@ from pathways_jax._src.backends.ray_host.ops import SingleDesc as SingleDesc
 from pathways_jax._src.backends.ray_host.ops import sharding_of as sharding_of
 from pathways_jax._src.backends.ray_host.plane import transfer_options as transfer_options
 from pathways_jax._src.backends.ray_host.steps import PACE as PACE
+from pathways_jax._src.backends.ray_host.values import Blocks as Blocks
 from pathways_jax._src.backends.ray_host.values import KeyData as KeyData
 from pathways_jax._src.backends.ray_host.values import Shards as Shards
 from pathways_jax._src.backends.ray_host.values import bounds_of as bounds_of
@@ -41,6 +42,7 @@ from pathways_jax._src.backends.ray_host.values import to_wire as to_wire
 
 __all__ = [
     "PACE",
+    "Blocks",
     "ExecOp",
     "Fault",
     "Host",

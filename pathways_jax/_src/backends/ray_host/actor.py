@@ -59,6 +59,7 @@ from pathways_jax._src.backends.ray_host.ops import Op, donated_slots, fingerpri
 from pathways_jax._src.backends.ray_host.plane import DataPlane, node_ip
 from pathways_jax._src.backends.ray_host.steps import Steps
 from pathways_jax._src.backends.ray_host.values import (
+    KeyData,
     from_wire,
     is_ready,
     is_small,
@@ -110,6 +111,7 @@ class Host:
         self.broken: dict[int, tuple[str, str, list[Op]]] = {}
         self.runs_done = 0
         self.fed = 0  # values that came with a run's message (arguments)
+        self.fed_bytes = 0  # and their bytes (of an argument over several hosts: this host's blocks)
         self.faults = Armed()  # a fault pw.faults asked this host to strike (faults.py)
         self.saves: dict[int, checkpoint.Stashed] = {}  # checkpoint saves' copies, by ticket
         self.writer = checkpoint.Worker("pathways-ckpt-write")  # writes them to storage
@@ -218,6 +220,7 @@ class Host:
             "pulls": self.plane.pulls,
             "posts": self.plane.posts,
             "fed": self.fed,
+            "fed_bytes": self.fed_bytes,
             "colocated": self.colocated.stats(),
             "pid": os.getpid(),
             # The whole process's CPU seconds (every thread: the executor, Ray's, XLA's):
@@ -471,6 +474,7 @@ class Host:
                     data, desc = payload
                     env[slot] = place(from_wire(data), self.plane.sharding(desc))
                     self.fed += 1
+                    self.fed_bytes += _nbytes(data)
             for index, run_step in enumerate(steps):
                 step = index
                 run_step(env, base, made, peers)
@@ -574,3 +578,8 @@ class _Work:
             while not self._items:
                 self._cv.wait()
             return self._items.popleft()
+
+
+def _nbytes(data: Any) -> int:
+    """The bytes of a fed value as it came (numpy, this host's blocks, or typed keys' data)."""
+    return int(getattr(data.data if isinstance(data, KeyData) else data, "nbytes", 0))

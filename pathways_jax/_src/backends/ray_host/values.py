@@ -2,7 +2,7 @@
 
 Typed PRNG keys cross as :class:`KeyData` (their raw data and
 implementation); a value spanning hosts is read as this host's
-:class:`Shards` of it. JAX and numpy are imported where used.
+:class:`Shards` of it, and fed as this host's :class:`Blocks` of it. JAX and numpy are imported where used.
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ def place(data: Any, sharding: Any) -> Any:
     """
     import jax
 
+    if isinstance(data, Blocks):  # this host's blocks only: each to the devices that hold it
+        parts = {tuple(bounds): block for bounds, block in data.parts}
+        shards = [
+            jax.device_put(parts[bounds_of(index, data.shape)], device)
+            for device, index in sharding.addressable_devices_indices_map(data.shape).items()
+        ]
+        return jax.make_array_from_single_device_arrays(data.shape, sharding, shards)
     if getattr(data, "sharding", None) == sharding:  # already there (a pulled value, most often)
         return data
     if sharding.is_fully_addressable:
@@ -132,3 +139,16 @@ class Shards(NamedTuple):
     """A host's distinct shards of a value spanning hosts: ``(bounds, data)`` each."""
 
     parts: list
+
+
+class Blocks(NamedTuple):
+    """What a host is fed of an argument sharded over several hosts: the blocks its own devices
+    hold, ``(bounds, data)`` each, of a value of ``shape`` (not the whole value, which every host
+    of it would otherwise receive)."""
+
+    shape: tuple[int, ...]
+    parts: list
+
+    @property
+    def nbytes(self) -> int:
+        return sum(data.nbytes for _, data in self.parts)

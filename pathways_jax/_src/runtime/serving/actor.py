@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from absl import logging
 
 from pathways_jax._src.backends import ray as ray_backend
-from pathways_jax._src.backends import ray_fleet
+from pathways_jax._src.backends import ray_fleet, service_client
 from pathways_jax._src.backends.ray_host import Refused, RunDone, RunFailure
 from pathways_jax._src.core import errors
 from pathways_jax._src.runtime import admission
@@ -93,6 +93,7 @@ class ServiceActor:
         jax.config.update("jax_num_cpu_devices", total)
         jax.config.update("jax_enable_x64", bool(config.x64))
         self.config = config
+        self._versions = service_client.versions()  # a client process of others is refused at join
         # Why the hosts could not start (no room in the Ray cluster...): ready() says so, and the
         # service's starter ends this actor; until then a client that joins is refused with it.
         self.failed: str | None = None
@@ -180,6 +181,7 @@ class ServiceActor:
             "lost": dict(backend.lost),
             "info": backend.info,
             "pid": os.getpid(),
+            "versions": self._versions,
         }
 
     async def ready(self) -> dict:
@@ -199,8 +201,18 @@ class ServiceActor:
             turn = (link.cork, link.uncork) if isinstance(link, ChannelLink) else None
             self._handoff = Handoff(self._loop, turn)
 
-    async def join(self, name: str, pid: int, node: str, token: Any, x64: bool) -> dict:
-        """Admits a client process (or refuses it, saying why); its id and the cluster's shape."""
+    async def join(
+        self, name: str, pid: int, node: str, token: Any, x64: bool, versions: dict | None = None
+    ) -> dict:
+        """Admits a client process (or refuses it, saying why); its id and the cluster's shape.
+
+        ``versions``: the client's (``service_client.versions``), checked first: a process of
+        another pathways_jax, wire format or jax (``None``: one from before the check) would misread
+        the service's messages, and is refused saying both versions.
+        """
+        wrong = service_client.version_mismatch(versions, self._versions)
+        if wrong is not None:
+            return {"refused": wrong, "versions": self._versions}
         if self.failed is not None:
             return {"refused": f"its hosts did not start: {self.failed}"}
         live = [c for c in self.clients.values() if c.alive]
