@@ -206,11 +206,6 @@ def test_a_fetch_cut_short_by_its_deadline_goes_on_and_the_next_read_takes_what_
     np.testing.assert_array_equal(again.result(timeout=60), want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Future.result (runtime/futures.py, not this round's) fetches a computed value with no "
-    "deadline: array.fetch() where array.fetch(deadline) would bound the transfer",
-)
 def test_result_with_a_timeout_ends_at_about_its_deadline_during_a_large_fetch(service, monkeypatch):
     # A value computed on a service's hosts whose transfer here takes longer than the timeout:
     # result(timeout=0.1) waited for the whole transfer (the fetch was not bounded by the deadline).

@@ -257,6 +257,7 @@ class Future(ArrayLike):
             service died or dropped this process, or ``pw.shutdown()`` ended
             its Ray hosts before the value was read.
         """
+        deadline = None if timeout is None or not checks.is_seconds(timeout) else time.monotonic() + timeout
         array = self._computed(timeout)
         if not isinstance(array, jax.Array):
             if not isinstance(array, readiness.RemoteValue):
@@ -266,7 +267,9 @@ class Future(ArrayLike):
                     "the backend that made it must return one of those"
                 )
             try:  # held by a backend's host (a handle): bring it here
-                array = array.fetch()
+                array = array.fetch(deadline)
+            except errors.FutureTimeoutError as exc:
+                raise self._timeout(timeout) from exc
             except errors.PathwaysError:
                 raise
             except Exception as exc:
