@@ -1,5 +1,7 @@
 """Programs others wrote for jax.jit / nnx.jit, with only the decorator changed, compared with the original (round 48)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +147,32 @@ def test_pipeline_param_specs_shard_the_parameters_an_optimizer_with_wrt_leaves_
 
     want = float(step(reference, reference_optimizer))
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def _counted_double(traces, w):
+    traces.append(None)
+    return w * 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a program's trace is keyed by its arguments' placement (function_trace builds the graph "
+    "in the same pass), jax.jit's by their abstract values: the same types committed elsewhere "
+    "run the function again",
+)
+def test_arrays_of_the_same_types_committed_to_a_device_do_not_trace_the_function_again_as_under_jax_jit():
+    # A train loop's state restored from a checkpoint comes back committed to a device (orbax's
+    # restore, jax.device_put): jax.jit traces the step once for it and the uncommitted arrays
+    # before; a program ran the user's function again (its Python side effects, a model's trace).
+    counts = []
+    for decorate in (jax.jit, pw.program):
+        traces = []
+        f = decorate(functools.partial(_counted_double, traces))
+        for w in (
+            jnp.ones(4),
+            jax.device_put(jnp.ones(4), jax.devices()[0]),
+            jax.device_put(jnp.ones(4), jax.devices()[1]),
+        ):
+            np.testing.assert_array_equal(np.asarray(f(w)), np.full(4, 2.0))
+        counts.append(len(traces))
+    assert counts[1] == counts[0]
