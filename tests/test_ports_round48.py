@@ -154,17 +154,12 @@ def _counted_double(traces, w):
     return w * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a program's trace is keyed by its arguments' placement (function_trace builds the graph "
-    "in the same pass), jax.jit's by their abstract values: the same types committed elsewhere "
-    "run the function again",
-)
 def test_arrays_of_the_same_types_committed_to_a_device_do_not_trace_the_function_again_as_under_jax_jit():
     # A train loop's state restored from a checkpoint comes back committed to a device (orbax's
     # restore, jax.device_put): jax.jit traces the step once for it and the uncommitted arrays
-    # before; a program ran the user's function again (its Python side effects, a model's trace).
-    counts = []
+    # before; a program ran the user's function again (its Python side effects, a model's trace)
+    # for each device. Its graphs still differ by placement; its trace is the one made before.
+    counts, placed = [], []
     for decorate in (jax.jit, pw.program):
         traces = []
         f = decorate(functools.partial(_counted_double, traces))
@@ -172,7 +167,12 @@ def test_arrays_of_the_same_types_committed_to_a_device_do_not_trace_the_functio
             jnp.ones(4),
             jax.device_put(jnp.ones(4), jax.devices()[0]),
             jax.device_put(jnp.ones(4), jax.devices()[1]),
+            np.ones(4, np.float32),
         ):
-            np.testing.assert_array_equal(np.asarray(f(w)), np.full(4, 2.0))
+            out = pw.results(f(w))
+            np.testing.assert_array_equal(np.asarray(out), np.full(4, 2.0))
+            placed.append((decorate, out.sharding, out.committed))
         counts.append(len(traces))
-    assert counts[1] == counts[0]
+    assert counts[1] == counts[0] == 1
+    half = len(placed) // 2
+    assert [p[1:] for p in placed[half:]] == [p[1:] for p in placed[:half]]
