@@ -56,6 +56,8 @@ def trace(
     inputs: TraceInputs,
     hint: jax.sharding.Mesh | None = None,
     placing: tuple[Any, ...] | None = None,
+    jaxprs: JaxprCache | None = None,
+    jaxpr_key: tuple = (),
 ) -> GraphView:
     """``info``'s function traced for a call's ``inputs`` into a graph, with the slices it names.
 
@@ -64,6 +66,9 @@ def trace(
     shardings (``hint``: a mesh the function names itself), else one device.
     ``placing``: the keys of the arguments that place it (None for an argument
     the function does not use, which ``jax.jit`` prunes); all of them if None.
+    ``jaxprs``: the program's traces of calls nothing placed, by abstract values
+    (see :class:`JaxprCache`), with ``jaxpr_key`` the rest of the call's key
+    (its tree, static arguments and trace context).
     """
     compat.install_checkpoints()  # once: Flax's and orbax's checkpoints then take the futures it returns
     compat.install_flax()  # Flax then takes the futures of keys it returns, and writes into Variables holding futures
@@ -118,6 +123,18 @@ def trace(
 
     sink = events.SINK
     t0 = events.now() if sink is not None else 0
+    # Nothing places the call (one-device arguments, committed or not, host values): it is traced
+    # with no mesh, on abstract values alone, so a trace made for other devices is this one's too.
+    reuse = jaxprs is not None and placing is None and hint is None and default is None and implied is None
+    reuse = reuse and info.device is None and hasattr(state.implied, "cache_info")
+    abstract_key = (jaxpr_key, tuple(_abstract(s, None) for s in signature)) if reuse else None
+    known = jaxprs.get(abstract_key) if jaxprs is not None and abstract_key is not None else None
+    if known is not None:
+        closed, out_tree = known
+        out_trees.append(out_tree)
+        return _built(
+            info, inputs, state, closed, out_trees, places, placing, implied, uncommitted, hint, False, t0
+        )
     outer, context.state.trace = context.state.trace, state
     try:
         # The caller's own mesh (jax.set_mesh, of any size) is set aside: the
@@ -164,6 +181,67 @@ def trace(
     finally:
         context.state.trace = outer
     _refuse_leaked_tracers(info, closed)
+    if abstract_key is not None and jaxprs is not None and _placed_nothing(state):
+        jaxprs.put(abstract_key, (closed, out_trees[-1]))
+    return _built(
+        info, inputs, state, closed, out_trees, places, placing, implied, uncommitted, hint, True, t0
+    )
+
+
+def _placed_nothing(state: TraceState) -> bool:
+    """Whether the trace placed no code: no ``pw.jit`` call or slice, nor the device the call is on.
+
+    Such a trace depends on the arguments' abstract values alone (as ``jax.jit``'s).
+    """
+    implied = state.implied
+    asked = hasattr(implied, "cache_info") and implied.cache_info().currsize > 0  # type: ignore[union-attr]
+    return not state.jit_calls and not state.slices and not asked
+
+
+class JaxprCache:
+    """A program's traces of calls nothing placed, by the call's key less its signature and its abstract values.
+
+    ``jax.jit`` traces a function once for arguments of the same abstract values
+    (shape, dtype, weak type), whichever device holds them and whether they are
+    committed there; a program's graph depends on where they are, but its trace
+    need not run the function again: a train loop's state restored committed to
+    a device (orbax, ``jax.device_put``) runs the graph built from the trace
+    made for the uncommitted arrays before.
+    """
+
+    def __init__(self) -> None:
+        self._traces: dict[tuple, tuple[Any, Any]] = {}
+
+    def get(self, key: tuple) -> tuple[Any, Any] | None:
+        try:
+            return self._traces.get(key)
+        except TypeError:  # an unhashable part of the key: not kept
+            return None
+
+    def put(self, key: tuple, trace: tuple[Any, Any]) -> None:
+        with contextlib.suppress(TypeError):
+            self._traces[key] = trace
+
+    def clear(self) -> None:
+        self._traces.clear()
+
+
+def _built(
+    info: ProgramInfo,
+    inputs: TraceInputs,
+    state: TraceState,
+    closed: Any,
+    out_trees: list[Any],
+    places: tuple[Any, ...],
+    placing: tuple[Any, ...] | None,
+    implied: VirtualSlice | None,
+    uncommitted: bool,
+    hint: jax.sharding.Mesh | None,
+    traced: bool,
+    t0: int,
+) -> GraphView:
+    """The graph of the trace ``closed`` (``traced``: just made) of ``info``'s function for ``inputs``."""
+    default, signature, sink = state.default, inputs.signature, events.SINK
     if placing is None and default is None and info.device is None and not info.keep_unused:
         # As jax.jit prunes the arguments a function does not use (keep_unused=False), a
         # committed one of them places nothing: the call goes where the others place it.
@@ -176,7 +254,8 @@ def trace(
                 uncommitted = not any(getattr(key, "committed", False) for key in kept)
             elif _kept_mesh(places, hint or info.mesh_hint or _user_mesh(), _owner(info)) is not implied:
                 return trace(info, inputs, hint, places)  # traced on the mesh only an unused one is on
-    counts.bump("traces")
+    if traced:
+        counts.bump("traces")
     if default is None and implied is None and hint is None:
         # Nothing placed it, but the function names a mesh itself (a sharding constraint
         # or an inner jax.jit's shardings): as jax.jit, it runs on that mesh.

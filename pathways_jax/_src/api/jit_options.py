@@ -130,7 +130,15 @@ def _positions_of(fun: Callable[..., Any], names: Sequence[str]) -> list[int]:
 def _resolve_statics(
     fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Static positions and names, each completed from the other as ``jax.jit`` does."""
+    """Static positions and names, each completed from the other as ``jax.jit`` does.
+
+    As ``jax.jit``'s: only one given is completed from the other; given both,
+    each is taken as it is (``static_argnums=1, static_argnames="m"`` leaves the
+    argument at position 1 traced when it comes by keyword). Neither given
+    explicitly and given empty read alike here: ``()`` is "not given".
+    """
+    if nums and names:
+        return tuple(sorted(set(nums))), names
     params = _parameters(fun)
     by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     # A negative position names no parameter: jax.jit infers names from non-negative ones only.

@@ -778,8 +778,9 @@ def jit(
       static_argnums: positional arguments that are Python values (negative
         positions count from the end, as in ``jax.jit``).
       donate_argnums: arguments whose buffers the function may reuse.
-      static_argnames: the same as ``static_argnums``, by parameter name; each
-        completes the other, so a static argument may come by position or keyword.
+      static_argnames: the same as ``static_argnums``, by parameter name; as in
+        ``jax.jit``, one given alone completes the other, so a static argument
+        may come by position or keyword (given both, each is taken as given).
       donate_argnames: the same as ``donate_argnums``, by parameter name.
       keep_unused: as in ``jax.jit``: with no slice, a committed argument the
         function does not use places the call only when True.

@@ -185,6 +185,8 @@ class Program:
         # Guards the caches of graphs and plans; never held while user code runs.
         self._lock = threading.RLock()
         self._graphs: dict[Any, GraphView] = {}
+        # Traces of calls nothing placed, by abstract values: run on other devices, not traced again.
+        self._jaxprs = function_trace.JaxprCache()
         self._plans: dict[Any, Runnable] = {}  # call key -> its plan, as the runtime runs it
         # Call keys whose arguments or outputs hold NNX objects (pytrees): run as nnx.jit runs them.
         self._routed: set[Any] = set()
@@ -331,7 +333,8 @@ class Program:
         # Traced with no lock held: the trace runs the user's code, which may
         # call this program from a thread it then joins. Threads tracing one
         # signature at once each finish; the first graph stored is kept.
-        graph = self._compiled_as(function_trace.trace(self._info, inputs), self._info.fuse)
+        traced = function_trace.trace(self._info, inputs, jaxprs=self._jaxprs, jaxpr_key=(key[0], *key[2:]))
+        graph = self._compiled_as(traced, self._info.fuse)
         with self._lock:
             kept = self._graphs.get(key)
             if kept is None or any(s.released for s in kept.held.values()):
@@ -710,6 +713,7 @@ class Program:
         """
         with self._lock:
             self._graphs.clear()
+            self._jaxprs.clear()
             self._plans.clear()
             self._routed.clear()
             self._repeats.clear()
