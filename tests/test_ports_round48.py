@@ -64,11 +64,6 @@ def test_a_pw_jit_with_donate_argnums_and_argnames_donates_as_jax_jit():
         assert donated[1] == donated[0], by_keyword
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pw.program (api/decorator.py) adds the positions of donate_argnames to donate_argnums "
-    "even when both are given; jax.jit then takes each as given",
-)
 def test_a_program_with_donate_argnums_and_argnames_donates_as_jax_jit():
     donated = []
     for decorate in (jax.jit, pw.program):

@@ -193,7 +193,8 @@ def program(
     donate, donate_names = with_jits_donations(
         fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
     )
-    donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
+    if not donate or not donate_names:  # as jax.jit: one given alone is completed from the other
+        donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
     del inline  # a hint with no effect on a program's results (see Args)
     keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     if device is None and backend is not None:
