@@ -6,6 +6,7 @@ change no result: a drop-in NNX train step stays bit-identical to ``nnx.jit``.
 """
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -419,3 +420,40 @@ def test_values_read_without_futures_are_freed_when_the_wait_is_interrupted(monk
         futures.batch_values(batch, None, [None, None], store, [True, False])
     assert store.live_count() == 0
     assert type(batch.state) is object_store.Freed
+
+
+@pytest.mark.parametrize("bad", [0, 3])  # the first call (traced), and a repeat call
+def test_a_step_whose_run_fails_at_dispatch_raises_and_leaves_the_model_as_nnx_jit(bad):
+    # A host callback that raises on one batch fails the run as it is dispatched: under nnx.jit
+    # the call raises and the model keeps its states, so the loop goes on. A program wrote the
+    # failed run's futures into the Variables, and every later step failed on them.
+    def check(total):
+        if float(total) < 0:
+            raise ValueError("a bad batch")
+        return np.zeros((), np.float32)
+
+    def step(model, optimizer, x, y):
+        def loss_fn(model):
+            return jnp.mean((model(x) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        flag = jax.experimental.io_callback(check, jax.ShapeDtypeStruct((), jnp.float32), x.sum())
+        optimizer.update(model, grads)
+        return loss + flag
+
+    results = []
+    for wrap in (nnx.jit, pw.program):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        f, losses = wrap(step), []
+        for i in range(6):
+            x = jnp.full((2, 3), -1.0 if i == bad else 1.0)
+            try:
+                losses.append(float(f(model, optimizer, x, jnp.ones((2, 1)))))
+            except jax.errors.JaxRuntimeError as exc:
+                assert "a bad batch" in str(exc)
+                losses.append(None)
+        results.append((losses, nnx.state((model, optimizer))))
+    (want, want_state), (got, got_state) = results
+    assert want[bad] is None and got == want
+    _assert_same(got_state, want_state)

@@ -260,12 +260,15 @@ def _arrays(states: Any, stores: set[Any] | None = None) -> Any:
     may still be computing, so eager code (``variable[...] = v``, a Dropout's
     key, ``nnx.clone``) works on the model between steps. The call waits for
     the run's dispatch, not its result. Values that cannot be had that way
-    (Ray hosts, a controller service, a memory budget, a failed run) stay
-    :class:`Future` s; see ``futures.dispatched``.
+    (Ray hosts, a controller service, a memory budget) stay :class:`Future` s;
+    see ``futures.dispatched``. A run that failed at dispatch (a host callback
+    that raised, ``jax_debug_nans``) raises its error, as an ``nnx.jit`` call
+    does, and nothing is written back: the objects keep their states.
     """
     import jax
 
-    from pathways_jax._src.runtime.futures import Future, dispatched_all
+    from pathways_jax._src.runtime.futures import Future, dispatched_all, failure_of
+    from pathways_jax._src.runtime.object_store import Failed
 
     leaves, treedef = jax.tree_util.tree_flatten(states)  # a future is a leaf of its own
     futures = [leaf for leaf in leaves if type(leaf) is Future]
@@ -273,12 +276,16 @@ def _arrays(states: Any, stores: set[Any] | None = None) -> Any:
         return states
     if stores is not None:
         stores.add(futures[0]._store)
+    values = dispatched_all(futures)
+    for value in values:  # a run that failed at dispatch: the call raises, writing nothing back
+        if type(value) is Future and isinstance(value._entry.state, Failed):
+            raise failure_of(value._entry.state)
     if len(futures) < len(leaves):
-        values = iter(dispatched_all(futures))
+        made = iter(values)
         return jax.tree_util.tree_unflatten(
-            treedef, [next(values) if type(leaf) is Future else leaf for leaf in leaves]
+            treedef, [next(made) if type(leaf) is Future else leaf for leaf in leaves]
         )
-    return jax.tree_util.tree_unflatten(treedef, dispatched_all(futures))
+    return jax.tree_util.tree_unflatten(treedef, values)
 
 
 def _written_back(out_tree: Any) -> tuple[bool, ...]:

@@ -46,6 +46,14 @@ def _wait_ready(array: jax.Array, deadline: float | None) -> bool:
 _KEPT_TYPES = (errors.HostLostError, errors.AccessError, errors.BackPressureTimeout, errors.ClusterError)
 
 
+def failure_of(state: Failed) -> BaseException:
+    """What reading a value in ``state`` raises (its cause chained): the run's own error."""
+    message, cause = state.message, state.cause
+    error = type(cause)(message) if isinstance(cause, _KEPT_TYPES) else _failure_class(cause)(message)
+    error.__cause__ = cause
+    return error
+
+
 def _failure_class(cause: BaseException | None) -> type[errors.PathwaysError]:
     """``ProgramFailedError``, also of the cause's class: ``except FloatingPointError``
     (jax_debug_nans) or ``except jax.errors.JaxRuntimeError`` written for jax.jit still
@@ -323,10 +331,8 @@ class Future(ArrayLike):
                 if not ready:
                     raise self._timeout(timeout)
                 return array
-            case Failed(message, cause):
-                if isinstance(cause, _KEPT_TYPES):
-                    raise type(cause)(message) from cause
-                raise _failure_class(cause)(message) from cause
+            case Failed():
+                raise failure_of(entry.state)
             case Freed() | Ready():  # Ready with no array: freed since it was read
                 raise _freed(f"the value of {entry.origin}")
             case Pending():
@@ -536,8 +542,11 @@ def batch_values(
 
     Waits for the run's dispatch. A wanted output that comes back as a
     ``jax.Array`` is that array: no entry, no future, no state outliving the
-    call. Every other output (and each, if the run failed) becomes a
-    :class:`Future` of an entry of its own, which the store lists then.
+    call. Every other output becomes a :class:`Future` of an entry of its own,
+    which the store lists then. A run that failed at dispatch raises its
+    error here, as :meth:`Future.result` would and as a ``jax.jit`` call whose
+    dispatch fails does (a host callback that raised, ``jax_debug_nans``):
+    its caller writes nothing back.
     ``plan``, ``slices``: the run's plan and the slice of each output
     (``Runnable.output_slices``).
     """
@@ -549,10 +558,10 @@ def batch_values(
             raise
     outputs = batch.array  # read before the state: a ready state then has its array
     state = batch.state
-    if type(state) is not Ready or outputs is None:  # failed: each output a future of the failure
-        return [
-            _adopted(store, batch, plan, slices, position, None, state) for position in range(len(wanted))
-        ]
+    if isinstance(state, Failed):  # as a jax.jit call whose dispatch fails: the call raises
+        raise failure_of(state)
+    if type(state) is not Ready or outputs is None:  # freed: only by an interrupt, raised above
+        raise _freed(batch.origin)
     out: list[Any] = []
     append = out.append
     signatures = plan.signatures
@@ -569,21 +578,21 @@ def batch_values(
                 else:
                     append(loose(array, *_loose_type(signature, array)))
             continue
-        append(_adopted(store, batch, plan, slices, position, array, READY))
+        append(_adopted(store, batch, plan, slices, position, array))
     batch.array = None
     return out
 
 
 def _adopted(
-    store: ObjectStore, batch: Entry, plan: Any, slices: Sequence[Any], position: int, array: Any, state: Any
+    store: ObjectStore, batch: Entry, plan: Any, slices: Sequence[Any], position: int, array: Any
 ) -> Future:
-    """A future of output ``position`` of the run whose entry is ``batch``: ``array``, in ``state``."""
+    """A future of output ``position``, ``array``, of the run whose entry is ``batch``."""
     out = plan.outputs[position]
     entry = store.new(
         batch.owner, out.aval, out.sharding, slices[position], out.origin, plan.signatures[position]
     )
     entry.array = array  # before the state: a ready state has its array
-    entry.state = state
+    entry.state = READY
     return Future(entry, store)
 
 
