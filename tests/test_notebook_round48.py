@@ -127,3 +127,30 @@ def test_ctrl_c_anywhere_in_stopping_the_accounting_watcher_lets_a_second_stop_e
         watcher.join(10)
         assert not watcher.is_alive(), f"the watcher still runs (Ctrl-C at point {n})"
     assert points >= 3
+
+
+@pytest.mark.timeout(60)
+def test_a_slice_request_that_times_out_names_the_slices_holding_its_devices():
+    # A cell calls a program given no slice; a later one asks for every device exclusively and
+    # is told "1 used by shared slices. Release slices you no longer need": the user asked for no
+    # slice, and had none to release. The slices in the way are named, with what lets them go.
+    pw.init(num_cpu_devices=8)
+    x = jnp.arange(8.0)
+    step = pw.program(lambda v: _body(v))
+    out = step(x)
+    assert_matches(out, jax.jit(_body)(x))
+    mine = pw.devices(mesh={"x": 2})
+    with pytest.raises(pw.errors.ResourceError) as info:
+        pw.devices(mesh={"x": 8}, exclusive=True, timeout=0.1)
+    said = str(info.value)
+    assert f"{out.slice!r}: the slice of programs and pw.jit functions given no slice" in said, said
+    assert f"{mine!r}: asked for with pw.devices(); .release() gives it back" in said, said
+    mine.release()
+    del step, out
+    gc.collect()
+    whole = pw.devices(mesh={"x": 8}, exclusive=True, timeout=5)  # nothing holds them now
+    with pytest.raises(pw.errors.ResourceError) as info:
+        pw.devices(mesh={"x": 2}, timeout=0.1)
+    assert f"Held by {whole!r}: asked for with pw.devices()" in str(info.value), str(info.value)
+    assert_matches(pw.jit(_body, devices=whole)(x), jax.jit(_body)(x))
+    whole.release()

@@ -83,7 +83,7 @@ class Cluster:
         backend.on_lost = self.host_lost
         self.store = ObjectStore()
         self.store.wait_for_readers = self.wait_for_readers
-        self.resources = ResourceManager(backend.islands, reclaim=self._reclaim)
+        self.resources = ResourceManager(backend.islands, reclaim=self._reclaim, holders=self._holders)
         if budget is not None:
             self.store.budget = Budget(budget)
         self.in_flight = in_flight
@@ -192,6 +192,23 @@ class Cluster:
         """
         gc.collect()
         self.store.collect()
+
+    def _holders(self, device_ids: set[int], exclusive: bool) -> str:
+        """The live slices on ``device_ids`` (only exclusive ones unless ``exclusive``), for an error."""
+        implied = set(map(id, self.implied_slices.values()))
+        lines = []
+        for slice_ in self.live_slices():
+            if (exclusive or slice_.exclusive) and any(d.id in device_ids for d in slice_.devices):
+                if id(slice_) in implied:
+                    lines.append(
+                        f"{slice_!r}: the slice of programs and pw.jit functions given no slice (they run "
+                        "where jax.jit would); it goes once they and their values are dropped"
+                    )
+                else:
+                    lines.append(f"{slice_!r}: asked for with pw.devices(); .release() gives it back")
+        if not lines:
+            return ""
+        return " Held by " + "; ".join(lines) + "."
 
     def host_lost(self, island: int) -> None:
         """A host died (Ray backend): its island leaves placement; its slices move to survivors.
