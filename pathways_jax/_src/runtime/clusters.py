@@ -198,7 +198,7 @@ class Cluster:
         implied = set(map(id, self.implied_slices.values()))
         lines = []
         for slice_ in self.live_slices():
-            if (exclusive or slice_.exclusive) and any(d.id in device_ids for d in slice_.devices):
+            if (exclusive or slice_.exclusive) and any(d.id in device_ids for d in slice_._devices):
                 if id(slice_) in implied:
                     lines.append(
                         f"{slice_!r}: the slice of programs and pw.jit functions given no slice (they run "
