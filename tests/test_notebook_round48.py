@@ -154,3 +154,16 @@ def test_a_slice_request_that_times_out_names_the_slices_holding_its_devices():
     assert f"Held by {whole!r}: asked for with pw.devices()" in str(info.value), str(info.value)
     assert_matches(pw.jit(_body, devices=whole)(x), jax.jit(_body)(x))
     whole.release()
+
+
+def test_init_again_with_other_arguments_says_which_differ():
+    # A set-up cell edited and run again: the error spelled out both calls' dozen arguments and
+    # left the user to find the one that changed.
+    pw.init(num_cpu_devices=8)
+    with pytest.raises(pw.errors.ClusterError) as info:
+        pw.init(num_cpu_devices=8, islands=2, scheduler="fair")
+    said = str(info.value)
+    assert "(they differ in islands=2 (running: None), scheduler='fair' (running: 'fifo'))" in said, said
+    assert "Call pw.shutdown() first" in said
+    x = jnp.arange(8.0)
+    assert_matches(pw.program(_body)(x), jax.jit(_body)(x))  # the running cluster serves on

@@ -465,8 +465,9 @@ def init(
                 return _current
             raise errors.ClusterError(
                 f"pw.init{args.describe()} was called, but a cluster started with "
-                f"pw.init{_current._init_args.describe()} is running. Call "
-                "pw.shutdown() first to start one with other arguments."
+                f"pw.init{_current._init_args.describe()} is running (they differ in "
+                f"{args.differences(_current._init_args)}). Call pw.shutdown() first to start one "
+                "with other arguments."
             )
         from pathways_jax._src.runtime.controller import refuse_if_forked
 
