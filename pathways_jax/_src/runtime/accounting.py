@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import queue
 import threading
 import time
 import weakref
@@ -130,7 +131,10 @@ class Accounting:
         # atomic) and taken by the watcher, which is woken only when it sleeps.
         self._notes: collections.deque[Note] = collections.deque()
         self._batch: list[Note] = []  # the notes being accounted now (failed with them on a bug)
-        self._wakeup = threading.Event()
+        # What stop() puts in to wake the watcher: one C call, where a threading.Event's set()
+        # takes its Condition's lock in a Python frame, and a Ctrl-C landing as that lock was
+        # taken left it held: the watcher, and every later stop(), waited for it for ever.
+        self._wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._open: dict[tuple, Note] = {}  # folded records, taken by the watcher
         # Keys of plans with figures here, and of those garbage-collected since
@@ -248,7 +252,7 @@ class Accounting:
         daemon thread, and logged.
         """
         self._stopping = True
-        self._wakeup.set()
+        self._wakeup.put(None)
         thread = self._thread
         if thread is None or thread is threading.current_thread():
             return
@@ -284,7 +288,8 @@ class Accounting:
                         self.on_idle()
                     except Exception:  # pragma: no cover - a bug: the watcher keeps serving
                         logging.exception("pathways_jax: the accounting watcher's idle hook failed")
-                self._wakeup.wait(_IDLE_POLL_S)
+                with contextlib.suppress(queue.Empty):
+                    self._wakeup.get(timeout=_IDLE_POLL_S)
                 continue
             self._busy = True
             try:

@@ -83,7 +83,7 @@ class Cluster:
         backend.on_lost = self.host_lost
         self.store = ObjectStore()
         self.store.wait_for_readers = self.wait_for_readers
-        self.resources = ResourceManager(backend.islands, reclaim=self._reclaim)
+        self.resources = ResourceManager(backend.islands, reclaim=self._reclaim, holders=self._holders)
         if budget is not None:
             self.store.budget = Budget(budget)
         self.in_flight = in_flight
@@ -105,6 +105,7 @@ class Cluster:
         self._init_args = init_args
         self._closed = False
         self._controller = None
+        self._stopping = None  # the controller a close took (see close)
         self._controller_lock = threading.Lock()
         # Live slices, for views (weak: a dropped slice leaves by itself).
         self._slices: weakref.WeakSet = weakref.WeakSet()
@@ -164,7 +165,11 @@ class Cluster:
         with self._controller_lock:
             self._closed = True
             self.mapping_epoch += 1
-            controller, self._controller = self._controller, None
+            if self._controller is not None:
+                # Kept, not dropped, until it stopped: a close that a Ctrl-C cut short is
+                # finished by the next one (no call here: no signal handler runs in between).
+                self._stopping, self._controller = self._controller, None
+        controller = self._stopping
         try:
             if isinstance(self.backend, ServiceView):
                 # A controller service's client leaves it first, at once: the service drops the runs
@@ -187,6 +192,23 @@ class Cluster:
         """
         gc.collect()
         self.store.collect()
+
+    def _holders(self, device_ids: set[int], exclusive: bool) -> str:
+        """The live slices on ``device_ids`` (only exclusive ones unless ``exclusive``), for an error."""
+        implied = set(map(id, self.implied_slices.values()))
+        lines = []
+        for slice_ in self.live_slices():
+            if (exclusive or slice_.exclusive) and any(d.id in device_ids for d in slice_._devices):
+                if id(slice_) in implied:
+                    lines.append(
+                        f"{slice_!r}: the slice of programs and pw.jit functions given no slice (they run "
+                        "where jax.jit would); it goes once they and their values are dropped"
+                    )
+                else:
+                    lines.append(f"{slice_!r}: asked for with pw.devices(); .release() gives it back")
+        if not lines:
+            return ""
+        return " Held by " + "; ".join(lines) + "."
 
     def host_lost(self, island: int) -> None:
         """A host died (Ray backend): its island leaves placement; its slices move to survivors.
@@ -283,6 +305,10 @@ _current: Cluster | None = None
 # Set by pw.shutdown() once it ended a cluster: from then on nothing starts a
 # default cluster by itself; pw.init() starts the next one.
 _shut_down = False
+# The cluster pw.shutdown() (or the exit hook) forgot and is closing; None once closed.
+_closing: Cluster | None = None
+# How long a close that a Ctrl-C cut short still waits for the cluster's threads to end.
+_INTERRUPTED_CLOSE_S = 1.0
 _SHUT_DOWN = (
     "the cluster was shut down (pw.shutdown()); call pw.init(...) to start a new one. Only the "
     "first use of pathways_jax in a process starts a default cluster by itself."
@@ -439,12 +465,14 @@ def init(
                 return _current
             raise errors.ClusterError(
                 f"pw.init{args.describe()} was called, but a cluster started with "
-                f"pw.init{_current._init_args.describe()} is running. Call "
-                "pw.shutdown() first to start one with other arguments."
+                f"pw.init{_current._init_args.describe()} is running (they differ in "
+                f"{args.differences(_current._init_args)}). Call pw.shutdown() first to start one "
+                "with other arguments."
             )
         from pathways_jax._src.runtime.controller import refuse_if_forked
 
         refuse_if_forked()  # JAX's runtime does not survive a fork: the new cluster could run nothing
+        _finish_closing(time.monotonic() + _INTERRUPTED_CLOSE_S)  # one a second Ctrl-C cut short
         started = registry.start(args.backend, args)
         try:
             budget = device_budget([d for group in started.islands for d in group], args.memory_budget)
@@ -533,7 +561,8 @@ def shutdown(timeout: float = 60.0) -> None:
     unusable; futures already computed stay readable on the local backend. On
     the Ray backend the host actors end with the cluster and the values on
     them go too (a future whose ``.result()`` was taken keeps its value). Safe
-    to call when no cluster runs.
+    to call when no cluster runs. A Ctrl-C while it waits ends the wait, not
+    the shutdown: every part of the cluster is still told to stop.
 
     After it, ``pw.cluster()``, ``pw.stats()``, ``pw.devices()`` and program
     calls raise ``ClusterError`` until ``pw.init(...)`` starts a new cluster:
@@ -548,13 +577,35 @@ def shutdown(timeout: float = 60.0) -> None:
 
 
 def _close(timeout: float, *, by_user: bool) -> None:
-    global _current, _shut_down
-    with _lock:
-        current, _current = _current, None
-        if current is not None and by_user:
-            _shut_down = True
-    if current is not None:
-        current.close(timeout)
+    global _current, _shut_down, _closing
+    deadline = time.monotonic() + timeout
+    try:
+        with _lock:
+            if _current is not None:
+                # Forgotten and noted as closing at once (no call in between, so no signal
+                # handler): from here on a Ctrl-C cannot leave it running, forgotten.
+                _closing = _current
+                _current = None
+                if by_user:
+                    _shut_down = True
+        _finish_closing(deadline)
+    except KeyboardInterrupt:
+        # The user stops waiting for the close: every part is still told to stop, waiting a
+        # moment at most (the controller dispatches what is queued and ends, and so do the
+        # other threads). One landing even here leaves the close to the next pw.shutdown(),
+        # pw.init() or the process's exit.
+        _finish_closing(min(deadline, time.monotonic() + _INTERRUPTED_CLOSE_S))
+        raise
+
+
+def _finish_closing(deadline: float) -> None:
+    """Closes the cluster forgotten last, unless its close ended, waiting for it until ``deadline``."""
+    global _closing
+    closing = _closing
+    if closing is not None:
+        closing.close(max(0.0, deadline - time.monotonic()))
+        if _closing is closing:
+            _closing = None
 
 
 def _shutdown_at_exit() -> None:

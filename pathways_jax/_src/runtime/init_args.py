@@ -52,6 +52,14 @@ class InitArgs:
     # so pw.init(replace_lost_hosts=True) returns the cluster pw.init() started, as for platform.
     replace_lost_hosts_given: bool = dataclasses.field(default=False, compare=False)
 
+    def differences(self, running: InitArgs) -> str:
+        """The arguments that differ from ``running``'s, as ``name=this (running: that)``."""
+        return ", ".join(
+            f"{field.name}={getattr(self, field.name)!r} (running: {getattr(running, field.name)!r})"
+            for field in dataclasses.fields(self)
+            if field.compare and getattr(self, field.name) != getattr(running, field.name)
+        )
+
     def describe(self) -> str:
         """The arguments as a ``pw.init(...)`` call would spell them."""
         hosts = (self.address, self.hosts, self.devices_per_host, self.platform, self.replace_lost_hosts)

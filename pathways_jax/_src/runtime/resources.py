@@ -37,10 +37,14 @@ class ResourceManager:
         self,
         islands: tuple[tuple[jax.Device, ...], ...],
         reclaim: collections.abc.Callable[[], None] | None = None,
+        holders: collections.abc.Callable[[set[int], bool], str] | None = None,
     ):
         self.islands = tuple(Island(i, devs) for i, devs in enumerate(islands))
         # Called (no lock held) when a request finds no devices free: frees what nothing holds.
         self._reclaim = reclaim
+        # Says which slices hold these device ids (all of them, or only exclusive ones), for an
+        # error: the slices a user did not ask for (those of programs placed nowhere) included.
+        self._holders = holders
         # Taken as the bare lock (``with self._lock``), which is the condition's own: a
         # Condition's __enter__ is a Python frame, where a Ctrl-C landing as the lock is taken
         # leaves it held by the main thread (every other thread asking for devices then waits).
@@ -212,10 +216,15 @@ class ResourceManager:
                         shared = sum(1 for d in asked if d not in self._reserved and self._shared_load[d])
                         held += f", {shared} used by shared slices"
                     where = f"island {island}" if island is not None else "any island that fits"
+                    holding = ""
+                    if self._holders is not None:
+                        holding = self._holders(
+                            {d for d in asked if d in self._reserved or exclusive}, exclusive
+                        )
                     raise errors.ResourceError(
                         f"{size} devices did not come free on {where} for {'an' if exclusive else 'a'} "
                         f"{kind} slice within timeout={timeout}s ({held}). Release slices you no "
-                        "longer need, or wait longer."
+                        f"longer need, or wait longer.{holding}"
                     )
                 self._cond.wait(remaining)
             island_index, devices = placed
