@@ -9,6 +9,7 @@ import contextlib
 import gc
 import sys
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +71,6 @@ def test_ctrl_c_during_shutdown_still_stops_the_cluster(where):
     gc.collect()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pw.program's registry of programs made again (api/decorator.py _SHARED) keeps a dropped "
-    "program, and with it the one-device slice it runs on: Cluster._reclaim cannot free it",
-)
 @pytest.mark.timeout(60)
 def test_a_dropped_program_lets_an_exclusive_slice_have_its_device():
     # A cell defines and calls @pw.program def step (no slice: it runs where jax.jit would, on
@@ -167,3 +163,26 @@ def test_init_again_with_other_arguments_says_which_differ():
     assert "Call pw.shutdown() first" in said
     x = jnp.arange(8.0)
     assert_matches(pw.program(_body)(x), jax.jit(_body)(x))  # the running cluster serves on
+
+
+def _kept_body(v):
+    return v * 3 - 1
+
+
+def test_a_program_still_held_stays_shared_when_devices_are_reclaimed():
+    # Reclaiming lets go only of the programs nothing but the registry holds: one the user still
+    # holds is the program pw.program(f) makes again (no new trace), and its results are jax.jit's.
+    from pathways_jax._src.api import decorator
+
+    pw.init(num_cpu_devices=8)
+    x = jnp.arange(8.0)
+    held = pw.program(_kept_body)
+    assert_matches(held(x), jax.jit(_kept_body)(x))
+    dropped = weakref.ref(pw.program(_body))
+    decorator._release_unheld()
+    assert dropped() is None
+    traces = pw.counters()["traces"]
+    again = pw.program(_kept_body)
+    assert again is held
+    assert_matches(again(x), jax.jit(_kept_body)(x))
+    assert pw.counters()["traces"] == traces

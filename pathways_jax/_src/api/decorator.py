@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import threading
 import types
 import weakref
@@ -335,5 +336,26 @@ def _share(key: tuple[Any, ...] | None, made: Program) -> None:
     except TypeError:
         return
 
+
+def _release_unheld() -> None:
+    """Lets go of the programs only the registry holds (``Cluster._reclaim``, devices wanted).
+
+    A notebook's ``del step`` leaves ``step``'s program here, and with it the
+    one-device slice it runs on: a request for that device exclusively would
+    wait for ever. A program the user still holds stays; one made again later
+    from the same function is traced again.
+    """
+    with _SHARED_LOCK:
+        kept = {key: (held, weakref.ref(made)) for key, (held, made) in _SHARED.items()}
+        _SHARED.clear()
+    gc.collect()  # a program in a reference cycle of its own goes here too
+    with _SHARED_LOCK:
+        for key, (held, made) in kept.items():
+            program = made()
+            if program is not None and key not in _SHARED:
+                _SHARED[key] = (held, program)
+
+
+clusters.RECLAIM_HOOKS.append(_release_unheld)
 
 __all__ = ["program"]

@@ -14,7 +14,7 @@ import numbers
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
 import jax
@@ -190,6 +190,8 @@ class Cluster:
         value goes with its future at once otherwise), and the store forgets
         the values gone at its next collect.
         """
+        for hook in RECLAIM_HOOKS:  # caches of the layers above that may hold what nothing else does
+            hook()
         gc.collect()
         self.store.collect()
 
@@ -302,6 +304,9 @@ class Cluster:
 
 _lock = threading.RLock()
 _current: Cluster | None = None
+# Called by a request for devices that finds none free, before the garbage collector runs: each
+# lets go of what a cache above the runtime keeps that nothing else holds (api/decorator.py).
+RECLAIM_HOOKS: list[Callable[[], None]] = []
 # Set by pw.shutdown() once it ended a cluster: from then on nothing starts a
 # default cluster by itself; pw.init() starts the next one.
 _shut_down = False
