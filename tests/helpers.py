@@ -294,3 +294,20 @@ def modules_of_a_fresh_import() -> dict[str, list[str]]:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def interrupt_once(when):
+    """Raises KeyboardInterrupt where a handler could first run once ``when()`` is true."""
+    fired = []
+
+    def hook(frame, event, arg):
+        if not fired and event in ("call", "c_return") and when():
+            fired.append(event)
+            raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        yield fired
+    finally:
+        sys.setprofile(None)

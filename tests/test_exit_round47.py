@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_matches
+from helpers import interrupt_once as _interrupt_once
 
 import pathways_jax as pw
 from pathways_jax._src.runtime import clusters, submission
@@ -33,23 +34,6 @@ def _interrupt_once_held(lock):
     """Raises KeyboardInterrupt where a handler could first run once ``lock`` is held (on this thread)."""
     with _interrupt_once(lock.locked) as fired:
         yield fired
-
-
-@contextlib.contextmanager
-def _interrupt_once(when):
-    """Raises KeyboardInterrupt where a handler could first run once ``when()`` is true."""
-    fired = []
-
-    def hook(frame, event, arg):
-        if not fired and event in ("call", "c_return") and when():
-            fired.append(event)
-            raise KeyboardInterrupt
-
-    sys.setprofile(hook)
-    try:
-        yield fired
-    finally:
-        sys.setprofile(None)
 
 
 def _program_and_lock():

@@ -5,7 +5,6 @@ handler once a condition holds (as tests/test_exit_round47.py does): a profile
 function raises ``KeyboardInterrupt`` there, as the SIGINT handler would.
 """
 
-import contextlib
 import gc
 import sys
 import threading
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_matches
+from helpers import interrupt_once as _interrupt_once
 
 import pathways_jax as pw
 from pathways_jax._src.runtime import accounting, clusters
@@ -22,23 +22,6 @@ from pathways_jax._src.runtime import accounting, clusters
 
 def _body(v):
     return v * 0.5 + 1.0
-
-
-@contextlib.contextmanager
-def _interrupt_once(when):
-    """Raises KeyboardInterrupt where a handler could first run once ``when()`` is true."""
-    fired = []
-
-    def hook(frame, event, arg):
-        if not fired and event in ("call", "c_return") and when():
-            fired.append(event)
-            raise KeyboardInterrupt
-
-    sys.setprofile(hook)
-    try:
-        yield fired
-    finally:
-        sys.setprofile(None)
 
 
 @pytest.mark.timeout(120)
