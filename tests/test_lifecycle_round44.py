@@ -33,10 +33,16 @@ def wait(v):
 slow = pw.program(lambda v: jax.pure_callback(wait, jax.ShapeDtypeStruct(v.shape, v.dtype), v) + 1)
 step = pw.program(lambda v: v * 2)
 step(np.arange(4.0, dtype=np.float32)).result()
+placed = pw.program(lambda v: v * 2, devices=pw.devices(mesh={"x": 2}))
+x = jnp.arange(4.0)
+placed(x).result()
+placed(np.arange(4.0, dtype=np.float32)).result()  # the child's call: traced here
 pending = slow(np.arange(4.0, dtype=np.float32))  # its run still queued at the fork
 
 def in_child(case):
-    if case == "new signature":  # traced and compiled in the child: JAX's compiler hangs there
+    if case == "compiled signature":  # on a slice, traced and compiled in the parent
+        placed(np.arange(4.0, dtype=np.float32)).result(timeout=20)
+    elif case == "new signature":  # traced and compiled in the child: JAX's compiler hangs there
         step(np.arange(5.0, dtype=np.float32)).result(timeout=20)
     elif case == "lower":
         step.lower(np.arange(6.0, dtype=np.float32))
@@ -47,7 +53,7 @@ def in_child(case):
         pw.init(num_cpu_devices=4)
         step(np.arange(4.0, dtype=np.float32)).result(timeout=20)
 
-for case in ("pending future", "new signature", "lower", "new cluster"):
+for case in ("compiled signature", "pending future", "new signature", "lower", "new cluster"):
     pid = os.fork()
     if pid == 0:
         faulthandler.dump_traceback_later(30, exit=True)  # a hang ends the child with 1
@@ -62,6 +68,7 @@ for case in ("pending future", "new signature", "lower", "new cluster"):
     print(case, "->", os.waitstatus_to_exitcode(status), flush=True)
 gate.set()
 print("parent", pending.result(timeout=60).tolist(), step(np.arange(5.0, dtype=np.float32)).result().tolist())
+print("placed", placed(x + 2).result().tolist() == jax.jit(lambda v: v * 2)(x + 2).tolist())
 """
 
 
@@ -70,11 +77,13 @@ def test_a_forked_child_is_told_it_cannot_run_programs_whatever_it_calls():
     # Before: only a call of a signature already compiled in the parent said so; a new signature,
     # program.lower, a future still queued at the fork and a cluster started anew in the child hung
     # for ever (JAX's compiler, and the wait for a dispatch no thread would make, never return).
+    # The parent's programs go on, with jax.jit's results.
     done = run_source(_FORKED_CHILD, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    for case in ("pending future", "new signature", "lower", "new cluster"):
+    for case in ("compiled signature", "pending future", "new signature", "lower", "new cluster"):
         assert f"{case} -> 0" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "parent [1.0, 2.0, 3.0, 4.0] [0.0, 2.0, 4.0, 6.0, 8.0]" in done.stdout, done.stdout
+    assert "placed True" in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(120)
