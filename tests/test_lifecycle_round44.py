@@ -120,8 +120,6 @@ import dis, sys, threading, time
 import jax, jax.numpy as jnp
 import pathways_jax as pw
 
-armed, asked, deleted, went_on = (threading.Event() for _ in range(4))
-thread, asker = sys.argv[1:]  # the runtime's thread that asks, and the function it asks in
 reads = {}  # code -> offsets of its instructions that read an attribute named is_ready
 
 def reads_is_ready(frame):
@@ -151,40 +149,55 @@ def on_call(frame, event, arg):
     return on_opcode
 
 threading.settrace(on_call)  # the runtime's threads start after it
-pw.init(num_cpu_devices=4)
-step = pw.program(lambda v: v * 2)
-x = jax.device_put(jnp.arange(4.0), jax.devices()[1])  # committed: result() is the run's own array
-step(x).result()
-controller = pw.cluster().controller
-deadline = time.monotonic() + 30
-while time.monotonic() < deadline and not (controller.accounting.idle() and not controller.windows.markers()):
-    time.sleep(0.01)  # done with the first run (accounted, and out of its window): next, the second
-armed.set()
-out = step(x)
-assert asked.wait(30), "the runtime's thread never asked"
-value = out.result()
-value.delete()  # as jax.jit(..., donate_argnums=0)(value) would
-deleted.set()
-assert went_on.wait(30), "the runtime's thread never went on"
-print("next", step(x).result().tolist(), flush=True)
+for case in sys.argv[1:]:  # each on a cluster of its own, one after the other
+    thread, asker = case.split(":")  # the runtime's thread that asks, and the function it asks in
+    armed, asked, deleted, went_on = (threading.Event() for _ in range(4))
+    pw.init(num_cpu_devices=4)
+    step = pw.program(lambda v: v * 2)
+    x = jax.device_put(jnp.arange(4.0), jax.devices()[1])  # committed: result() is the run's own array
+    step(x).result()
+    controller = pw.cluster().controller
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (controller.accounting.idle() and not controller.windows.markers()):
+        time.sleep(0.01)  # done with the first run (accounted, and out of its window): next, the second
+    armed.set()
+    out = step(x)
+    assert asked.wait(30), f"the runtime's thread {thread} never asked"
+    value = out.result()
+    value.delete()  # as jax.jit(..., donate_argnums=0)(value) would
+    deleted.set()
+    assert went_on.wait(30), f"the runtime's thread {thread} never went on"
+    print("next", thread, step(x).result().tolist(), flush=True)
+    pw.shutdown()
+    print("shut down", thread, flush=True)
 """
+
+_ASKERS = [
+    ("pathways-accounting", "settled"),  # the watcher, about a run's outputs
+    ("pathways-controller", "LocalBackend.settle"),  # the controller, about its windows once idle
+]
+
+
+@pytest.fixture(scope="module")
+def watcher_runs():
+    """Every case in one process (a Python and JAX start costs seconds), each on a cluster of its own."""
+    return run_source(_DELETE_WHILE_THE_WATCHER_ASKS, *(f"{t}:{a}" for t, a in _ASKERS), timeout=110)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "thread, asker",
-    [
-        ("pathways-accounting", "settled"),  # the watcher, about a run's outputs
-        ("pathways-controller", "LocalBackend.settle"),  # the controller, about its windows once idle
-    ],
-)
-def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_crash(thread, asker):
+@pytest.mark.parametrize("thread, asker", _ASKERS)
+def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_crash(
+    watcher_runs, thread, asker
+):
     # The watcher asked the user's own jax.Array is_deleted() then is_ready(): a delete() (or
     # donation) on another thread between the two crashed the process with a segfault in XLA
     # (about one run of test_dropin_values.py in four under load). The controller asks so too.
-    done = run_source(_DELETE_WHILE_THE_WATCHER_ASKS, thread, asker)
-    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
-    assert "next [0.0, 2.0, 4.0, 6.0]" in done.stdout, done.stdout + done.stderr[-3000:]
+    done = watcher_runs
+    said = done.stdout + done.stderr[-3000:]
+    assert f"next {thread} [0.0, 2.0, 4.0, 6.0]" in done.stdout, (done.returncode, said)
+    assert f"shut down {thread}" in done.stdout, (done.returncode, said)
+    if (thread, asker) == _ASKERS[-1]:
+        assert done.returncode == 0, (done.returncode, said)
 
 
 class _Preempted(BaseException):  # as SystemExit: what a preemption handler raises
