@@ -234,8 +234,8 @@ def test_result_timeout_and_done(backend):
 
     @pw.jit(devices=a)
     def slow(m):
-        # About a second of matmuls on one CPU device.
-        return jax.lax.fori_loop(0, 400, lambda i, v: jnp.tanh(v @ m) + 0.5, m)
+        # A few tenths of a second of matmuls on one CPU device: far longer than the 1 ms waited.
+        return jax.lax.fori_loop(0, 100, lambda i, v: jnp.tanh(v @ m) + 0.5, m)
 
     m = jax.random.normal(jax.random.key(2), (384, 384)) / 20
     slow(m).result(timeout=120)  # compiled (and warm) before timing
@@ -245,7 +245,7 @@ def test_result_timeout_and_done(backend):
     assert not out.done()
     assert_matches(
         out,
-        jax.jit(lambda v: jax.lax.fori_loop(0, 400, lambda i, u: jnp.tanh(u @ v) + 0.5, v))(m),
+        jax.jit(lambda v: jax.lax.fori_loop(0, 100, lambda i, u: jnp.tanh(u @ v) + 0.5, v))(m),
         rtol=1e-4,
         atol=1e-4,
     )

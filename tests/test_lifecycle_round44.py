@@ -33,10 +33,16 @@ def wait(v):
 slow = pw.program(lambda v: jax.pure_callback(wait, jax.ShapeDtypeStruct(v.shape, v.dtype), v) + 1)
 step = pw.program(lambda v: v * 2)
 step(np.arange(4.0, dtype=np.float32)).result()
+placed = pw.program(lambda v: v * 2, devices=pw.devices(mesh={"x": 2}))
+x = jnp.arange(4.0)
+placed(x).result()
+placed(np.arange(4.0, dtype=np.float32)).result()  # the child's call: traced here
 pending = slow(np.arange(4.0, dtype=np.float32))  # its run still queued at the fork
 
 def in_child(case):
-    if case == "new signature":  # traced and compiled in the child: JAX's compiler hangs there
+    if case == "compiled signature":  # on a slice, traced and compiled in the parent
+        placed(np.arange(4.0, dtype=np.float32)).result(timeout=20)
+    elif case == "new signature":  # traced and compiled in the child: JAX's compiler hangs there
         step(np.arange(5.0, dtype=np.float32)).result(timeout=20)
     elif case == "lower":
         step.lower(np.arange(6.0, dtype=np.float32))
@@ -47,7 +53,7 @@ def in_child(case):
         pw.init(num_cpu_devices=4)
         step(np.arange(4.0, dtype=np.float32)).result(timeout=20)
 
-for case in ("pending future", "new signature", "lower", "new cluster"):
+for case in ("compiled signature", "pending future", "new signature", "lower", "new cluster"):
     pid = os.fork()
     if pid == 0:
         faulthandler.dump_traceback_later(30, exit=True)  # a hang ends the child with 1
@@ -62,6 +68,7 @@ for case in ("pending future", "new signature", "lower", "new cluster"):
     print(case, "->", os.waitstatus_to_exitcode(status), flush=True)
 gate.set()
 print("parent", pending.result(timeout=60).tolist(), step(np.arange(5.0, dtype=np.float32)).result().tolist())
+print("placed", placed(x + 2).result().tolist() == jax.jit(lambda v: v * 2)(x + 2).tolist())
 """
 
 
@@ -70,11 +77,13 @@ def test_a_forked_child_is_told_it_cannot_run_programs_whatever_it_calls():
     # Before: only a call of a signature already compiled in the parent said so; a new signature,
     # program.lower, a future still queued at the fork and a cluster started anew in the child hung
     # for ever (JAX's compiler, and the wait for a dispatch no thread would make, never return).
+    # The parent's programs go on, with jax.jit's results.
     done = run_source(_FORKED_CHILD, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    for case in ("pending future", "new signature", "lower", "new cluster"):
+    for case in ("compiled signature", "pending future", "new signature", "lower", "new cluster"):
         assert f"{case} -> 0" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "parent [1.0, 2.0, 3.0, 4.0] [0.0, 2.0, 4.0, 6.0, 8.0]" in done.stdout, done.stdout
+    assert "placed True" in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(120)
@@ -111,8 +120,6 @@ import dis, sys, threading, time
 import jax, jax.numpy as jnp
 import pathways_jax as pw
 
-armed, asked, deleted, went_on = (threading.Event() for _ in range(4))
-thread, asker = sys.argv[1:]  # the runtime's thread that asks, and the function it asks in
 reads = {}  # code -> offsets of its instructions that read an attribute named is_ready
 
 def reads_is_ready(frame):
@@ -142,40 +149,55 @@ def on_call(frame, event, arg):
     return on_opcode
 
 threading.settrace(on_call)  # the runtime's threads start after it
-pw.init(num_cpu_devices=4)
-step = pw.program(lambda v: v * 2)
-x = jax.device_put(jnp.arange(4.0), jax.devices()[1])  # committed: result() is the run's own array
-step(x).result()
-controller = pw.cluster().controller
-deadline = time.monotonic() + 30
-while time.monotonic() < deadline and not (controller.accounting.idle() and not controller.windows.markers()):
-    time.sleep(0.01)  # done with the first run (accounted, and out of its window): next, the second
-armed.set()
-out = step(x)
-assert asked.wait(30), "the runtime's thread never asked"
-value = out.result()
-value.delete()  # as jax.jit(..., donate_argnums=0)(value) would
-deleted.set()
-assert went_on.wait(30), "the runtime's thread never went on"
-print("next", step(x).result().tolist(), flush=True)
+for case in sys.argv[1:]:  # each on a cluster of its own, one after the other
+    thread, asker = case.split(":")  # the runtime's thread that asks, and the function it asks in
+    armed, asked, deleted, went_on = (threading.Event() for _ in range(4))
+    pw.init(num_cpu_devices=4)
+    step = pw.program(lambda v: v * 2)
+    x = jax.device_put(jnp.arange(4.0), jax.devices()[1])  # committed: result() is the run's own array
+    step(x).result()
+    controller = pw.cluster().controller
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (controller.accounting.idle() and not controller.windows.markers()):
+        time.sleep(0.01)  # done with the first run (accounted, and out of its window): next, the second
+    armed.set()
+    out = step(x)
+    assert asked.wait(30), f"the runtime's thread {thread} never asked"
+    value = out.result()
+    value.delete()  # as jax.jit(..., donate_argnums=0)(value) would
+    deleted.set()
+    assert went_on.wait(30), f"the runtime's thread {thread} never went on"
+    print("next", thread, step(x).result().tolist(), flush=True)
+    pw.shutdown()
+    print("shut down", thread, flush=True)
 """
+
+_ASKERS = [
+    ("pathways-accounting", "settled"),  # the watcher, about a run's outputs
+    ("pathways-controller", "LocalBackend.settle"),  # the controller, about its windows once idle
+]
+
+
+@pytest.fixture(scope="module")
+def watcher_runs():
+    """Every case in one process (a Python and JAX start costs seconds), each on a cluster of its own."""
+    return run_source(_DELETE_WHILE_THE_WATCHER_ASKS, *(f"{t}:{a}" for t, a in _ASKERS), timeout=110)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "thread, asker",
-    [
-        ("pathways-accounting", "settled"),  # the watcher, about a run's outputs
-        ("pathways-controller", "LocalBackend.settle"),  # the controller, about its windows once idle
-    ],
-)
-def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_crash(thread, asker):
+@pytest.mark.parametrize("thread, asker", _ASKERS)
+def test_deleting_a_result_while_the_accounting_watcher_asks_about_it_does_not_crash(
+    watcher_runs, thread, asker
+):
     # The watcher asked the user's own jax.Array is_deleted() then is_ready(): a delete() (or
     # donation) on another thread between the two crashed the process with a segfault in XLA
     # (about one run of test_dropin_values.py in four under load). The controller asks so too.
-    done = run_source(_DELETE_WHILE_THE_WATCHER_ASKS, thread, asker)
-    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
-    assert "next [0.0, 2.0, 4.0, 6.0]" in done.stdout, done.stdout + done.stderr[-3000:]
+    done = watcher_runs
+    said = done.stdout + done.stderr[-3000:]
+    assert f"next {thread} [0.0, 2.0, 4.0, 6.0]" in done.stdout, (done.returncode, said)
+    assert f"shut down {thread}" in done.stdout, (done.returncode, said)
+    if (thread, asker) == _ASKERS[-1]:
+        assert done.returncode == 0, (done.returncode, said)
 
 
 class _Preempted(BaseException):  # as SystemExit: what a preemption handler raises

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 
+import pathways_jax as pw
+
 pytestmark = pytest.mark.timeout(240)
 
 CLIENT = textwrap.dedent(
@@ -227,12 +229,6 @@ REINIT = textwrap.dedent(
     out = pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 1}, island=int(wanted) - 1))(jnp.ones(2))
     np.testing.assert_array_equal(np.asarray(out.result(timeout=120)), np.full(2, 2.0))
     pw.shutdown()
-    ray.shutdown()
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # the user's own, too small
-    try:
-        pw.init(backend="ray", hosts=2, devices_per_host=1)
-    except pw.errors.ClusterError as exc:
-        print("refused:", exc)
     """
 )
 
@@ -247,57 +243,72 @@ def test_a_later_init_for_more_hosts_gets_a_larger_local_session(tmp_path: pathl
     assert done.returncode == 0, done.stderr[-3000:]
     started = float(re.search(r"started ([\d.]+)", done.stdout).group(1))
     assert started < 60, done.stdout
-    assert (
-        "refused: pw.init asks for 2 hosts (a Ray CPU each), but this process's Ray session has 1 CPUs"
-        in (done.stdout)
-    )
 
 
-def test_an_address_where_no_ray_cluster_listens_is_refused_within_seconds():
-    """ray.init retries a refused address for minutes; pw.init and pw.serve say so at once."""
-    import socket
+def test_an_init_for_more_hosts_than_the_users_own_ray_session_has_is_refused_at_once(ray_cluster):
+    # A Ray session the user started (here the suite's, from ray.init) is not pathways_jax's to
+    # replace: a pw.init asking for more hosts than it has CPUs is refused, saying what to do.
+    cpus = int(ray_cluster.cluster_resources()["CPU"])
+    with pytest.raises(
+        pw.errors.ClusterError,
+        match=rf"pw.init asks for {cpus + 1} hosts \(a Ray CPU each\), but this process's Ray session has "
+        rf"{cpus} CPUs. Start Ray with more \(ray.init\(num_cpus={cpus + 1}\)\)",
+    ):
+        pw.init(backend="ray", hosts=cpus + 1, devices_per_host=1)
+    assert ray_cluster.is_initialized() and int(ray_cluster.cluster_resources()["CPU"]) == cpus
 
-    with socket.socket() as sock:  # a port nothing listens on once closed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    code = textwrap.dedent(
-        f"""
-        import time
-        import pathways_jax as pw
 
+_REFUSALS = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import pathways_jax as pw
+
+    dead, others = json.loads(sys.argv[1])
+
+    def refused(group, call):
+        started = time.monotonic()
+        try:
+            call()
+        except pw.errors.ClusterError as exc:
+            print("REFUSED", group, round(time.monotonic() - started, 1), json.dumps(str(exc)), flush=True)
+
+    for address in others:
         for call in (
-            lambda: pw.init(backend="ray", address="127.0.0.1:{port}", hosts=1),
-            lambda: pw.init(backend="ray", address="ray://127.0.0.1:{port}", service="pathways"),
-            lambda: pw.serve("pathways", hosts=1, address="127.0.0.1:{port}"),
-            # "auto": the address RAY_ADDRESS (or `ray start`'s record, which outlives its cluster) names.
-            lambda: pw.init(backend="ray", address="auto", service="pathways"),
-            lambda: pw.serve("pathways", hosts=1, address="auto"),
+            lambda: pw.init(backend="ray", address=address, hosts=1),
+            lambda: pw.init(backend="ray", address="ray://" + address, service="pathways"),
+            lambda: pw.serve("pathways", hosts=1, address=address),
         ):
-            started = time.monotonic()
-            try:
-                call()
-            except pw.errors.ClusterError as exc:
-                print("REFUSED", round(time.monotonic() - started, 1), exc)
-        """
-    )
-    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    refusals = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("REFUSED")]
-    assert len(refusals) == 5, (done.stdout, done.stderr[-3000:])
-    for _, seconds, message in refusals:
-        assert float(seconds) < 10 and f"127.0.0.1:{port}" in message and "could not reach" in message
+            refused("elsewhere", call)
+    # "auto": the address RAY_ADDRESS (or `ray start`'s record, which outlives its cluster) names.
+    os.environ["RAY_ADDRESS"] = dead
+    for call in (
+        lambda: pw.init(backend="ray", address=dead, hosts=1),
+        lambda: pw.init(backend="ray", address="ray://" + dead, service="pathways"),
+        lambda: pw.serve("pathways", hosts=1, address=dead),
+        lambda: pw.init(backend="ray", address="auto", service="pathways"),
+        lambda: pw.serve("pathways", hosts=1, address="auto"),
+    ):
+        refused("nothing", call)
+    """
+)
 
 
-def test_an_address_where_something_else_listens_is_refused_within_seconds():
-    """An address where a server that is not Ray takes connections (a web server, a controller
-    service's own ZeroMQ channel, one that hangs up): ray.init retries it for 20 s; pw.init and
-    pw.serve say at once that it is not a Ray cluster."""
+@pytest.fixture(scope="module")
+def refusals() -> dict:
+    """One process (a Python and pathways_jax start costs seconds) calls pw.init and pw.serve with
+    addresses where no Ray cluster listens: a closed port (``"dead"``), and servers that are not Ray
+    (a web server, a controller service's own ZeroMQ channel, one that hangs up: ``"others"``).
+    What it printed, its refusals by group (seconds taken, message) and the addresses it was given."""
     import http.server
+    import json
     import socket
     import threading
 
     import zmq
 
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     context = zmq.Context()
     channel = context.socket(zmq.ROUTER)
@@ -319,29 +330,15 @@ def test_an_address_where_something_else_listens_is_refused_within_seconds():
     ]
     for thread in threads:
         thread.start()
-    addresses = [f"127.0.0.1:{port}" for port in (web.server_address[1], zmq_port, rude.getsockname()[1])]
-    code = textwrap.dedent(
-        f"""
-        import time
-        import pathways_jax as pw
-
-        for address in {addresses!r}:
-            for call in (
-                lambda: pw.init(backend="ray", address=address, hosts=1),
-                lambda: pw.init(backend="ray", address="ray://" + address, service="pathways"),
-                lambda: pw.serve("pathways", hosts=1, address=address),
-            ):
-                started = time.monotonic()
-                try:
-                    call()
-                except pw.errors.ClusterError as exc:
-                    print("REFUSED", round(time.monotonic() - started, 1), exc)
-        """
-    )
+    others = [f"127.0.0.1:{port}" for port in (web.server_address[1], zmq_port, rude.getsockname()[1])]
     env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0")
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=200, env=env
+            [sys.executable, "-c", _REFUSALS, json.dumps([dead, others])],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
         )
     finally:
         web.shutdown()
@@ -349,8 +346,26 @@ def test_an_address_where_something_else_listens_is_refused_within_seconds():
         rude.close()
         channel.close()
         context.term()
-    refusals = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("REFUSED")]
-    assert len(refusals) == 9, (done.stdout, done.stderr[-3000:])
-    for i, (_, seconds, message) in enumerate(refusals):
-        assert float(seconds) < 10, (seconds, message)
-        assert addresses[i // 3] in message and "is not a Ray cluster's address" in message, message
+    by_group: dict[str, list] = {"nothing": [], "elsewhere": []}
+    for line in done.stdout.splitlines():
+        if line.startswith("REFUSED"):
+            _, group, seconds, message = line.split(" ", 3)
+            by_group[group].append((float(seconds), json.loads(message)))
+    return {"said": (done.stdout, done.stderr[-3000:]), "dead": dead, "others": others, **by_group}
+
+
+def test_an_address_where_no_ray_cluster_listens_is_refused_within_seconds(refusals):
+    """ray.init retries a refused address for minutes; pw.init and pw.serve say so at once."""
+    assert len(refusals["nothing"]) == 5, refusals["said"]
+    for seconds, message in refusals["nothing"]:
+        assert seconds < 10 and refusals["dead"] in message and "could not reach" in message, message
+
+
+def test_an_address_where_something_else_listens_is_refused_within_seconds(refusals):
+    """An address where a server that is not Ray takes connections (a web server, a controller
+    service's own ZeroMQ channel, one that hangs up): ray.init retries it for 20 s; pw.init and
+    pw.serve say at once that it is not a Ray cluster."""
+    assert len(refusals["elsewhere"]) == 9, refusals["said"]
+    for i, (seconds, message) in enumerate(refusals["elsewhere"]):
+        assert seconds < 10, (seconds, message)
+        assert refusals["others"][i // 3] in message and "is not a Ray cluster's address" in message, message
