@@ -33,6 +33,7 @@ from pathways_jax._src.api.stats import stats as stats
 from pathways_jax._src.api.tracing import Program as Program
 from pathways_jax._src.backends.service_client import Handle as Handle
 from pathways_jax._src.compat import install as _install_compat
+from pathways_jax._src.core import version as _version
 from pathways_jax._src.core.counts import counters as counters
 from pathways_jax._src.core.counts import reset_counters as reset_counters
 from pathways_jax._src.runtime.clients import Client as Client
@@ -54,7 +55,7 @@ _install_compat()  # jax.jit and jnp take futures (the one patch made at import)
 if TYPE_CHECKING:  # imported on first use (__getattr__ below); named here for type checkers
     from pathways_jax._src.views.plotting import plot_timeline as plot_timeline
 
-__version__ = "0.1.0"
+__version__ = _version.VERSION
 
 __all__ = [
     "Client",

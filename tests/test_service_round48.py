@@ -39,9 +39,10 @@ def test_a_client_of_another_version_is_refused_at_join_saying_both_versions(
     # garbled error or a hang, when it and the service misread each other's messages.
     from pathways_jax._src import wire
     from pathways_jax._src.backends import service_client
+    from pathways_jax._src.core import version
 
     ours = pw.__version__
-    monkeypatch.setattr(pw, "__version__", "0.0.9")
+    monkeypatch.setattr(version, "VERSION", "0.0.9")
     with pytest.raises(
         pw.errors.ClusterError,
         match=rf"the service runs pathways_jax {ours} \(wire format \d+, jax {jax.__version__}\), this "

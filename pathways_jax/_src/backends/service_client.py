@@ -113,11 +113,11 @@ def versions() -> dict[str, str]:
     pathways_jax, of its wire format and of jax (whose exported computations the hosts compile)."""
     import jax
 
-    import pathways_jax
     from pathways_jax._src import wire
+    from pathways_jax._src.core import version
 
     return {
-        "pathways_jax": str(pathways_jax.__version__),
+        "pathways_jax": version.VERSION,
         "wire": str(wire.WIRE_VERSION),
         "jax": jax.__version__,
     }

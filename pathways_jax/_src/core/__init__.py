@@ -11,5 +11,5 @@ user arguments); ``source`` (the user's line); ``readiness`` (is a value compute
 people); ``host_memory`` (the C allocator and CPU buffers); ``jax_context`` (JAX's trace state);
 ``meshes`` (mesh helpers); ``reentry`` (the runtime's own threads); ``locks`` (locks taken where
 Ctrl-C may land); ``events`` (trace events and their sink); ``trace_format`` (the trace layout
-``pw.sim`` shares).
+``pw.sim`` shares); ``version`` (``pw.__version__``).
 """

@@ -1,0 +1,6 @@
+"""The version of pathways_jax (``pathways_jax.__version__``), here for the layers under the public package.
+
+A controller service compares it with each client process's at join (``backends.service_client``).
+"""
+
+VERSION = "0.1.0"
