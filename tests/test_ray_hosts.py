@@ -465,8 +465,8 @@ def test_hosts_are_messaged_over_the_channel_and_a_small_result_needs_no_fetch(r
     link, dispatcher = cluster.backend.link, cluster.backend.dispatcher
     assert link.stats()["transport"] == "channel"
     fetched = []
-    fetch = dispatcher.fetch
-    monkeypatch.setattr(dispatcher, "fetch", lambda *args: fetched.append(args) or fetch(*args))
+    fetch = dispatcher.fetch_sent  # what every fetch sends, with a deadline (result(timeout)) or not
+    monkeypatch.setattr(dispatcher, "fetch_sent", lambda *args: fetched.append(args) or fetch(*args))
     s = pw.devices(mesh={"x": 2})
     loss = pw.jit(lambda v: jnp.mean(v * v), devices=s)
     big = pw.jit(lambda v: v * 3, devices=s)
