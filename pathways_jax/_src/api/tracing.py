@@ -9,11 +9,13 @@ call skip it. ``decorator`` (``pw.program``) makes programs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import (
+    arguments,
     function_trace,
     hijax_arguments,
     jit_shardings,
@@ -115,6 +118,40 @@ def _as_one_executable() -> Any:
         yield
     finally:
         _whole.depth -= 1
+
+
+# What note_array_keys noted of each plan's outputs, by a weak reference to the plan: forgotten
+# once the plan goes (its program dropped), or each redefinition of a cell's function left its
+# outputs' keys in that table (about 1.2 MB a hundred redefinitions of a dozen outputs, until
+# 65536 entries). The reference's callback, a C method, only queues it (no Python frame, where
+# a Ctrl-C could land and be lost); the next plan noted forgets what was queued.
+_NOTED: dict[weakref.ref, tuple[Any, ...]] = {}
+_DROPPED: collections.deque[weakref.ref] = collections.deque()
+_FORGET_LOCK = threading.Lock()
+
+
+def _note_array_keys(plan: Any, signature: tuple[ArgKey, ...]) -> None:
+    """``note_array_keys`` of ``plan``'s outputs, forgotten once ``plan`` is garbage."""
+    _forget_dropped()
+    note_array_keys(plan.signatures, signature)
+    _NOTED[weakref.ref(plan, _DROPPED.append)] = tuple(plan.signatures)
+
+
+def _forget_dropped() -> None:
+    """Forgets the array keys noted of the plans gone since the last call.
+
+    Each step can be repeated: a Ctrl-C landing in between leaves the rest to the next call.
+    """
+    known = arguments._ARRAY_KEYS
+    with _FORGET_LOCK:
+        while _DROPPED:
+            ref = _DROPPED[0]
+            for key in _NOTED.get(ref, ()):
+                noted = known.get(id(key))
+                if noted is not None and noted[0] is key:  # the key lives (held here): its id is its own
+                    known.pop(id(key), None)
+            _NOTED.pop(ref, None)
+            _DROPPED.popleft()
 
 
 class Program:
@@ -539,7 +576,7 @@ class Program:
                 if plan is None or not plan.is_current():
                     plan = self._lowered(lowering.lower, graph, inputs.signature, donated)
                     self._plans[key] = plan
-                    note_array_keys(plan.plan.signatures, key[1])
+                    _note_array_keys(plan.plan, key[1])
             return plan
         except errors.ProgramTraceError as exc:
             if not self._info.fuse or not isinstance(exc.__cause__, jax.errors.JaxRuntimeError):
