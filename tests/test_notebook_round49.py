@@ -7,6 +7,8 @@ trace did.
 """
 
 import gc
+import html
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +49,32 @@ def test_placed_jit_redefined_in_a_cell_again_and_again_keeps_nothing_of_the_old
     cell()  # what went since is forgotten as the next plan is made
     assert len(arguments._ARRAY_KEYS) - before <= 2 * _OUTPUTS, (before, len(arguments._ARRAY_KEYS))
     s.release()
+
+
+def _text(html):
+    return re.sub(r"<[^>]+>", " ", html)
+
+
+@pytest.mark.timeout(60)
+def test_program_view_after_a_failed_trace_says_it_failed_and_why():
+    # A cell calls a program whose trace fails (a shape error); the next cell shows the program
+    # to see why, and its view said "not traced yet: call it", as if it had never been called.
+    pw.init(num_cpu_devices=8)
+
+    @pw.program
+    def step(x):
+        return x @ jnp.ones((3, 3))
+
+    with pytest.raises(pw.errors.ProgramTraceError) as info:
+        step(jnp.ones(8))
+    text = _text(step._repr_html_())
+    assert "not traced yet" not in text, text
+    first = str(info.value).splitlines()[0]
+    assert "its trace failed: " in text and "contracting dimensions" in first, text
+    assert html.escape(first) in step._repr_html_(), (first, text)
+    step(jnp.ones(3))  # fixed: the view shows its graph, and no failure
+    text = _text(step._repr_html_())
+    assert "trace failed" not in text and "1 traced signatures" in text, text
+    with pytest.raises(pw.errors.ProgramTraceError):
+        step(jnp.ones(5))  # another signature fails: said beside the graph traced before
+    assert "its last trace failed: " in _text(step._repr_html_())

@@ -154,6 +154,14 @@ def _forget_dropped() -> None:
             _DROPPED.popleft()
 
 
+def _summary(exc: BaseException, most: int = 300) -> str:
+    """``exc``'s first line, ``most`` characters at most, after its type's name unless it names it."""
+    line = next((part for part in str(exc).splitlines() if part.strip()), "").strip()
+    if not isinstance(exc, errors.PathwaysError):
+        line = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return line if len(line) <= most else line[: most - 3] + "..."
+
+
 class Program:
     """A function traced into ONE dataflow program over virtual slices.
 
@@ -228,6 +236,8 @@ class Program:
         # Call keys whose arguments or outputs hold NNX objects (pytrees): run as nnx.jit runs them.
         self._routed: set[Any] = set()
         self._repeats = RepeatCalls(info)
+        # The one-line summary of the error the last trace raised (None: it did not fail).
+        self._trace_failure: str | None = None
         self._jitted: Any = None
         self._aot_jitted: Any = None
         self._nnx_jitted: Any = None
@@ -370,7 +380,14 @@ class Program:
         # Traced with no lock held: the trace runs the user's code, which may
         # call this program from a thread it then joins. Threads tracing one
         # signature at once each finish; the first graph stored is kept.
-        traced = function_trace.trace(self._info, inputs, jaxprs=self._jaxprs, jaxpr_key=(key[0], *key[2:]))
+        try:
+            traced = function_trace.trace(
+                self._info, inputs, jaxprs=self._jaxprs, jaxpr_key=(key[0], *key[2:])
+            )
+        except Exception as exc:
+            self._trace_failure = _summary(exc)  # what the program's view says of it
+            raise
+        self._trace_failure = None
         graph = self._compiled_as(traced, self._info.fuse)
         with self._lock:
             kept = self._graphs.get(key)
