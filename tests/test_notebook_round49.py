@@ -9,11 +9,12 @@ trace did.
 import gc
 import html
 import re
+import time
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_matches
+from helpers import assert_matches, run_source
 
 import pathways_jax as pw
 from pathways_jax._src.api import arguments
@@ -78,3 +79,42 @@ def test_program_view_after_a_failed_trace_says_it_failed_and_why():
     with pytest.raises(pw.errors.ProgramTraceError):
         step(jnp.ones(5))  # another signature fails: said beside the graph traced before
     assert "its last trace failed: " in _text(step._repr_html_())
+
+
+@pytest.mark.timeout(120)
+def test_exit_with_a_run_stuck_in_a_host_callback_is_bounded_and_says_what_it_abandoned():
+    # A kernel's exit (or a script's end) with a run whose host callback waits for ever: the
+    # exit waited a minute for it. It now gives up once the callback ran exit_wait.STUCK_S
+    # (3 s; 0.5 here), and a warning names the callback. The exit is timed from its first hook.
+    proc = run_source(
+        """
+        import atexit, threading, time
+        import jax, jax.numpy as jnp
+        import pathways_jax as pw
+        from pathways_jax._src.runtime import exit_wait
+
+        exit_wait.STUCK_S = 0.5
+        pw.init(num_cpu_devices=2)
+        entered = threading.Event()
+
+        def wait_for_ever(v):
+            entered.set()
+            threading.Event().wait()
+            return v
+
+        f = pw.jit(
+            lambda x: jax.pure_callback(wait_for_ever, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1,
+            devices=pw.devices(mesh={"x": 1}),
+        )
+        out = f(jnp.arange(4.0))
+        assert entered.wait(60)
+        atexit.register(lambda: print("exit at", time.monotonic(), flush=True))  # the first to run
+        """,
+        timeout=50,
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    began = float(proc.stdout.split("exit at")[-1])
+    assert ended - began < 15, (ended - began, proc.stderr[-3000:])
+    assert "the host callback wait_for_ever (<string>:" in proc.stderr, proc.stderr[-3000:]
+    assert "abandons it and its run" in proc.stderr, proc.stderr[-3000:]

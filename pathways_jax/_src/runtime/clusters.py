@@ -33,7 +33,7 @@ from pathways_jax._src.backends.base import (
 )
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import errors, events
-from pathways_jax._src.runtime import context
+from pathways_jax._src.runtime import context, exit_wait
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.admission import Budget
 from pathways_jax._src.runtime.init_args import (
@@ -616,7 +616,12 @@ def _finish_closing(deadline: float) -> None:
 def _shutdown_at_exit() -> None:
     """The exit hook: stops a running cluster without counting as a user's ``pw.shutdown()``."""
     context.exiting = True
-    _close(60.0, by_user=False)
+    timeout = 60.0
+    current = _current
+    if current is not None and current._controller is not None:
+        # Not a minute for a host callback that never returns (exit_wait): a few seconds.
+        timeout = exit_wait.exit_timeout(current._controller, timeout)
+    _close(timeout, by_user=False)
 
 
 def _forget_shutdown() -> None:
