@@ -9,6 +9,7 @@ trace did.
 import gc
 import html
 import re
+import sys
 import time
 
 import jax
@@ -18,6 +19,7 @@ from helpers import assert_matches, run_source
 
 import pathways_jax as pw
 from pathways_jax._src.api import arguments
+from pathways_jax._src.runtime import clusters
 
 _OUTPUTS = 4
 
@@ -118,3 +120,55 @@ def test_exit_with_a_run_stuck_in_a_host_callback_is_bounded_and_says_what_it_ab
     assert ended - began < 15, (ended - began, proc.stderr[-3000:])
     assert "the host callback wait_for_ever (<string>:" in proc.stderr, proc.stderr[-3000:]
     assert "abandons it and its run" in proc.stderr, proc.stderr[-3000:]
+
+
+def _in_a_finalizer(frame):
+    """Whether ``frame`` runs inside a ``weakref.finalize`` callback or a ``__del__``."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or (
+            code.co_name == "__call__" and code.co_filename.endswith("weakref.py")
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_ctrl_c_as_a_dropped_slice_gives_its_devices_back_reaches_the_user(exclusive):
+    # A cell drops a slice (del s, or s = pw.devices(...) run again): its devices went back in a
+    # weakref.finalize callback, Python code where a Ctrl-C landing is only reported ("Exception
+    # ignored in: <finalize object>"), never raised to the user, and where it could stop the
+    # release half-way, the devices held for good. They now go with no Python frame at all.
+    pw.init(num_cpu_devices=8)
+    resources = clusters.running().resources
+    s = pw.devices(mesh={"x": 4}, exclusive=exclusive)
+    assert_matches(pw.jit(_many, devices=s)(jnp.arange(4.0)), jax.jit(_many)(jnp.arange(4.0)))
+    gc.collect()  # the pw.jit function made here (it holds the slice) is gone
+    fired, unraisable = [], []
+
+    def hook(frame, event, arg):
+        if not fired and event in ("call", "c_return") and _in_a_finalizer(frame):
+            fired.append(frame.f_code.co_name)
+            raise KeyboardInterrupt
+
+    reached = False
+    previous = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    sys.setprofile(hook)
+    try:
+        del s  # the slice goes: its devices go back here
+        for _ in range(1000):  # where Python runs a signal handler (calls, loops)
+            _many(1.0)
+    except KeyboardInterrupt:
+        reached = True
+    finally:
+        sys.setprofile(None)
+        sys.unraisablehook = previous
+    assert reached or not fired, (fired, [u.exc_value for u in unraisable])
+    gc.collect()
+    assert set(resources.load().values()) == {0}, resources.load()
+    whole = pw.devices(mesh={"x": 8}, exclusive=True, timeout=5)
+    assert_matches(pw.jit(_many, devices=whole)(jnp.arange(8.0)), jax.jit(_many)(jnp.arange(8.0)))
+    whole.release()

@@ -225,11 +225,13 @@ class Cluster:
             if slice_.island != island:
                 continue
             try:
-                new_island, devices = self.resources.acquire(slice_.size, None, slice_.exclusive, timeout=0)
+                new_island, devices, hold = self.resources.acquire(
+                    slice_.size, None, slice_.exclusive, timeout=0
+                )
             except errors.ResourceError as exc:
                 logging.warning("pathways_jax: %r could not move off lost island %d: %s", slice_, island, exc)
                 continue
-            slice_._move(new_island, devices)
+            slice_._move(new_island, devices, hold)
             logging.warning("pathways_jax: %r moved off lost island %d", slice_, island)
         self.mapping_epoch += 1
 
