@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_matches, run_source
+from helpers import assert_matches, run_source, wait_for
 
 import pathways_jax as pw
 from pathways_jax._src.api import arguments
@@ -172,3 +172,44 @@ def test_ctrl_c_as_a_dropped_slice_gives_its_devices_back_reaches_the_user(exclu
     whole = pw.devices(mesh={"x": 8}, exclusive=True, timeout=5)
     assert_matches(pw.jit(_many, devices=whole)(jnp.arange(8.0)), jax.jit(_many)(jnp.arange(8.0)))
     whole.release()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_as_a_dropped_program_is_forgotten_reaches_the_user():
+    # A cell drops a program that ran (del step, or step = pw.jit(...) run again): the
+    # accounting and the executable cache learnt it in weakref.finalize callbacks, whose
+    # __call__ is a Python frame on the thread that dropped it: a Ctrl-C landing there was only
+    # reported, and one landing as it started lost the callback (the plan's figures kept).
+    pw.init(num_cpu_devices=8)
+    accounting = clusters.running().controller.accounting
+    s = pw.devices(mesh={"x": 2})
+    x = jnp.arange(4.0)
+    step = pw.jit(lambda v: v * 3.0 + 1, devices=s)
+    assert_matches(step(x), jax.jit(lambda v: v * 3.0 + 1)(x))
+    other = pw.jit(lambda v: v - 1, devices=s)
+    assert_matches(other(x), x - 1)  # the watcher looks at another run after: step's plan is ours
+    assert wait_for(lambda: len(accounting._tracked) == 2)
+    fired, unraisable = [], []
+
+    def hook(frame, event, arg):
+        if not fired and event in ("call", "c_return") and _in_a_finalizer(frame):
+            fired.append(frame.f_code.co_name)
+            raise KeyboardInterrupt
+
+    reached = False
+    previous = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    sys.setprofile(hook)
+    try:
+        del step
+        gc.collect()  # a pw.jit function lives in a reference cycle: it goes here, with its plan
+        for _ in range(1000):
+            _many(1.0)
+    except KeyboardInterrupt:
+        reached = True
+    finally:
+        sys.setprofile(None)
+        sys.unraisablehook = previous
+    assert reached or not fired, (fired, [u.exc_value for u in unraisable])
+    assert_matches(other(x), x - 1)
+    assert wait_for(lambda: len(accounting._tracked) == 1)  # step's plan forgotten

@@ -9,13 +9,11 @@ call skip it. ``decorator`` (``pw.program``) makes programs.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
 import threading
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +46,7 @@ from pathways_jax._src.api.repeat_calls import RepeatCalls
 from pathways_jax._src.compat import jax_caches
 from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import arrays, errors, reentry, source
+from pathways_jax._src.core.gone import Gone
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
@@ -120,38 +119,25 @@ def _as_one_executable() -> Any:
         _whole.depth -= 1
 
 
-# What note_array_keys noted of each plan's outputs, by a weak reference to the plan: forgotten
-# once the plan goes (its program dropped), or each redefinition of a cell's function left its
-# outputs' keys in that table (about 1.2 MB a hundred redefinitions of a dozen outputs, until
-# 65536 entries). The reference's callback, a C method, only queues it (no Python frame, where
-# a Ctrl-C could land and be lost); the next plan noted forgets what was queued.
-_NOTED: dict[weakref.ref, tuple[Any, ...]] = {}
-_DROPPED: collections.deque[weakref.ref] = collections.deque()
+# What note_array_keys noted of each plan's outputs, forgotten once the plan goes (its program
+# dropped), or each redefinition of a cell's function left its outputs' keys in that table
+# (about 1.2 MB a hundred redefinitions of a dozen outputs, until 65536 entries). Noted gone
+# with no Python code run (core.gone); the next plan noted forgets what went.
+_NOTED: Gone[tuple[Any, ...]] = Gone()
 _FORGET_LOCK = threading.Lock()
 
 
 def _note_array_keys(plan: Any, signature: tuple[ArgKey, ...]) -> None:
     """``note_array_keys`` of ``plan``'s outputs, forgotten once ``plan`` is garbage."""
-    _forget_dropped()
-    note_array_keys(plan.signatures, signature)
-    _NOTED[weakref.ref(plan, _DROPPED.append)] = tuple(plan.signatures)
-
-
-def _forget_dropped() -> None:
-    """Forgets the array keys noted of the plans gone since the last call.
-
-    Each step can be repeated: a Ctrl-C landing in between leaves the rest to the next call.
-    """
     known = arguments._ARRAY_KEYS
     with _FORGET_LOCK:
-        while _DROPPED:
-            ref = _DROPPED[0]
-            for key in _NOTED.get(ref, ()):
+        while _NOTED:
+            for key in _NOTED.popleft():
                 noted = known.get(id(key))
-                if noted is not None and noted[0] is key:  # the key lives (held here): its id is its own
+                if noted is not None and noted[0] is key:  # held there: its id is its own
                     known.pop(id(key), None)
-            _NOTED.pop(ref, None)
-            _DROPPED.popleft()
+    note_array_keys(plan.signatures, signature)
+    _NOTED.watch(plan, tuple(plan.signatures))
 
 
 def _summary(exc: BaseException, most: int = 300) -> str:
