@@ -6,6 +6,7 @@ not wait for ever on a run that never ends; a program's view says what its last
 trace did.
 """
 
+import contextlib
 import gc
 import html
 import re
@@ -15,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_matches, run_source, wait_for
+from helpers import assert_matches, interrupt_once, run_source, wait_for
 
 import pathways_jax as pw
 from pathways_jax._src.api import arguments
@@ -134,6 +135,29 @@ def _in_a_finalizer(frame):
     return False
 
 
+@contextlib.contextmanager
+def _ctrl_c_in_a_finalizer():
+    """A Ctrl-C where a finalizer's Python code could first take it, in the block or just after.
+
+    Fails unless it reached the block's caller, or no finalizer's Python code ran at all.
+    """
+    unraisable = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    reached = False
+    try:
+        # The frame the profile function was called for: two below the condition's.
+        with interrupt_once(lambda: _in_a_finalizer(sys._getframe(2))) as fired:
+            yield
+            for _ in range(1000):  # where Python runs a signal handler (calls, loops)
+                _many(1.0)
+    except KeyboardInterrupt:
+        reached = True
+    finally:
+        sys.unraisablehook = previous
+    assert reached or not fired, (fired, [u.exc_value for u in unraisable])
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("exclusive", [True, False])
 def test_ctrl_c_as_a_dropped_slice_gives_its_devices_back_reaches_the_user(exclusive):
@@ -146,27 +170,8 @@ def test_ctrl_c_as_a_dropped_slice_gives_its_devices_back_reaches_the_user(exclu
     s = pw.devices(mesh={"x": 4}, exclusive=exclusive)
     assert_matches(pw.jit(_many, devices=s)(jnp.arange(4.0)), jax.jit(_many)(jnp.arange(4.0)))
     gc.collect()  # the pw.jit function made here (it holds the slice) is gone
-    fired, unraisable = [], []
-
-    def hook(frame, event, arg):
-        if not fired and event in ("call", "c_return") and _in_a_finalizer(frame):
-            fired.append(frame.f_code.co_name)
-            raise KeyboardInterrupt
-
-    reached = False
-    previous = sys.unraisablehook
-    sys.unraisablehook = unraisable.append
-    sys.setprofile(hook)
-    try:
+    with _ctrl_c_in_a_finalizer():
         del s  # the slice goes: its devices go back here
-        for _ in range(1000):  # where Python runs a signal handler (calls, loops)
-            _many(1.0)
-    except KeyboardInterrupt:
-        reached = True
-    finally:
-        sys.setprofile(None)
-        sys.unraisablehook = previous
-    assert reached or not fired, (fired, [u.exc_value for u in unraisable])
     gc.collect()
     assert set(resources.load().values()) == {0}, resources.load()
     whole = pw.devices(mesh={"x": 8}, exclusive=True, timeout=5)
@@ -189,27 +194,8 @@ def test_ctrl_c_as_a_dropped_program_is_forgotten_reaches_the_user():
     other = pw.jit(lambda v: v - 1, devices=s)
     assert_matches(other(x), x - 1)  # the watcher looks at another run after: step's plan is ours
     assert wait_for(lambda: len(accounting._tracked) == 2)
-    fired, unraisable = [], []
-
-    def hook(frame, event, arg):
-        if not fired and event in ("call", "c_return") and _in_a_finalizer(frame):
-            fired.append(frame.f_code.co_name)
-            raise KeyboardInterrupt
-
-    reached = False
-    previous = sys.unraisablehook
-    sys.unraisablehook = unraisable.append
-    sys.setprofile(hook)
-    try:
+    with _ctrl_c_in_a_finalizer():
         del step
         gc.collect()  # a pw.jit function lives in a reference cycle: it goes here, with its plan
-        for _ in range(1000):
-            _many(1.0)
-    except KeyboardInterrupt:
-        reached = True
-    finally:
-        sys.setprofile(None)
-        sys.unraisablehook = previous
-    assert reached or not fired, (fired, [u.exc_value for u in unraisable])
     assert_matches(other(x), x - 1)
     assert wait_for(lambda: len(accounting._tracked) == 1)  # step's plan forgotten
