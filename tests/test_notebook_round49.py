@@ -12,6 +12,7 @@ import html
 import re
 import sys
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -199,3 +200,27 @@ def test_ctrl_c_as_a_dropped_program_is_forgotten_reaches_the_user():
         gc.collect()  # a pw.jit function lives in a reference cycle: it goes here, with its plan
     assert_matches(other(x), x - 1)
     assert wait_for(lambda: len(accounting._tracked) == 1)  # step's plan forgotten
+
+
+def _twice(v):
+    return v * 2 + 1
+
+
+@pytest.mark.timeout(60)
+def test_a_placed_jit_deleted_in_a_cell_gives_its_slice_back_at_once():
+    # del f (f = pw.jit(..., devices=s)) and del s: the function and its program held each other,
+    # so the slice, its devices and the executables stayed until the garbage collector's next
+    # full pass, which a long-lived kernel (its objects in the oldest generation) seldom makes.
+    pw.init(num_cpu_devices=8)
+    resources = clusters.running().resources
+    x = jnp.arange(8.0)
+    s = pw.devices(mesh={"x": 8}, exclusive=True)
+    f = pw.jit(_twice, devices=s)
+    assert_matches(f(x), jax.jit(_twice)(x))
+    gone = weakref.ref(f)
+    gc.collect()  # f is long-lived now, as a kernel's objects are
+    del f, s
+    assert gone() is None
+    assert set(resources.load().values()) == {0}, resources.load()
+    g = pw.jit(_twice, devices=pw.devices(mesh={"x": 8}, exclusive=True, timeout=0))
+    assert_matches(g(x), jax.jit(_twice)(x))
