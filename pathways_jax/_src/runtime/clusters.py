@@ -620,9 +620,13 @@ def _shutdown_at_exit() -> None:
     context.exiting = True
     timeout = 60.0
     current = _current
-    if current is not None and current._controller is not None:
-        # Not a minute for a host callback that never returns (exit_wait): a few seconds.
-        timeout = exit_wait.exit_timeout(current._controller, timeout)
+    try:
+        if current is not None and current._controller is not None:
+            # Not a minute for a host callback that never returns (exit_wait): a few seconds.
+            timeout = exit_wait.exit_timeout(current._controller, timeout)
+    except KeyboardInterrupt:  # a Ctrl-C as the exit waits: every part is still told to stop
+        _close(_INTERRUPTED_CLOSE_S, by_user=False)
+        raise
     _close(timeout, by_user=False)
 
 
