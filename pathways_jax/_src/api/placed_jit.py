@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
@@ -110,6 +111,28 @@ class _Group:
 
     def __init__(self, specs: list) -> None:
         self.specs = specs
+
+
+class _CallOf:
+    """``JitFunction.__call__`` of a function held weakly: what its programs on slices call.
+
+    A function keeps its programs (``_programs``), and a program holding its
+    function strongly made a reference cycle: a function dropped (``del f`` in a
+    cell) kept its slice, the slice's devices and its executables until the
+    garbage collector's next full pass, which a long-lived kernel seldom makes.
+    Only the function calls its programs, so it lives while they are called.
+    """
+
+    __slots__ = ("__wrapped__", "_owner")
+
+    def __init__(self, owner: JitFunction) -> None:
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._owner()
+        if owner is None:  # pragma: no cover - only the function itself calls its programs
+            raise errors.PathwaysError("this pw.jit function was garbage-collected; its programs cannot run.")
+        return JitFunction.__call__(owner, *args, **kwargs)
 
 
 class JitFunction:
@@ -527,9 +550,11 @@ class JitFunction:
             if shared is not None:
                 prog = self._programs.setdefault(None, shared)
         if prog is None:
-            call = functools.partial(JitFunction.__call__, self)
+            # Kept for pw.jit made again (share), a program may outlive this function: held strongly.
+            outlives = key is None and self._share_key is not None
+            call: Any = functools.partial(JitFunction.__call__, self) if outlives else _CallOf(self)
             # Its signature is the function's: a static argument may come by keyword.
-            call.__wrapped__ = self._fun  # type: ignore[attr-defined]
+            call.__wrapped__ = self._fun
             prog = Program(
                 call,
                 devices=slice_,

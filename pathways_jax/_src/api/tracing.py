@@ -22,6 +22,7 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import (
+    arguments,
     function_trace,
     hijax_arguments,
     jit_shardings,
@@ -45,6 +46,7 @@ from pathways_jax._src.api.repeat_calls import RepeatCalls
 from pathways_jax._src.compat import jax_caches
 from pathways_jax._src.compile import lowering
 from pathways_jax._src.core import arrays, errors, reentry, source
+from pathways_jax._src.core.gone import Gone
 from pathways_jax._src.core.jax_context import inside_jax_trace
 from pathways_jax._src.ir import fusion
 from pathways_jax._src.ir.signatures import ArgKey, ArrayKey, FutureKey, NumpyKey, ScalarKey, Signature
@@ -115,6 +117,35 @@ def _as_one_executable() -> Any:
         yield
     finally:
         _whole.depth -= 1
+
+
+# What note_array_keys noted of each plan's outputs, forgotten once the plan goes (its program
+# dropped), or each redefinition of a cell's function left its outputs' keys in that table
+# (about 1.2 MB a hundred redefinitions of a dozen outputs, until 65536 entries). Noted gone
+# with no Python code run (core.gone); the next plan noted forgets what went.
+_NOTED: Gone[tuple[Any, ...]] = Gone()
+_FORGET_LOCK = threading.Lock()
+
+
+def _note_array_keys(plan: Any, signature: tuple[ArgKey, ...]) -> None:
+    """``note_array_keys`` of ``plan``'s outputs, forgotten once ``plan`` is garbage."""
+    known = arguments._ARRAY_KEYS
+    with _FORGET_LOCK:
+        while _NOTED:
+            for key in _NOTED.popleft():
+                noted = known.get(id(key))
+                if noted is not None and noted[0] is key:  # held there: its id is its own
+                    known.pop(id(key), None)
+    note_array_keys(plan.signatures, signature)
+    _NOTED.watch(plan, tuple(plan.signatures))
+
+
+def _summary(exc: BaseException, most: int = 300) -> str:
+    """``exc``'s first line, ``most`` characters at most, after its type's name unless it names it."""
+    line = next((part for part in str(exc).splitlines() if part.strip()), "").strip()
+    if not isinstance(exc, errors.PathwaysError):
+        line = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return line if len(line) <= most else line[: most - 3] + "..."
 
 
 class Program:
@@ -191,6 +222,8 @@ class Program:
         # Call keys whose arguments or outputs hold NNX objects (pytrees): run as nnx.jit runs them.
         self._routed: set[Any] = set()
         self._repeats = RepeatCalls(info)
+        # The one-line summary of the error the last trace raised (None: it did not fail).
+        self._trace_failure: str | None = None
         self._jitted: Any = None
         self._aot_jitted: Any = None
         self._nnx_jitted: Any = None
@@ -333,7 +366,14 @@ class Program:
         # Traced with no lock held: the trace runs the user's code, which may
         # call this program from a thread it then joins. Threads tracing one
         # signature at once each finish; the first graph stored is kept.
-        traced = function_trace.trace(self._info, inputs, jaxprs=self._jaxprs, jaxpr_key=(key[0], *key[2:]))
+        try:
+            traced = function_trace.trace(
+                self._info, inputs, jaxprs=self._jaxprs, jaxpr_key=(key[0], *key[2:])
+            )
+        except Exception as exc:
+            self._trace_failure = _summary(exc)  # what the program's view says of it
+            raise
+        self._trace_failure = None
         graph = self._compiled_as(traced, self._info.fuse)
         with self._lock:
             kept = self._graphs.get(key)
@@ -539,7 +579,7 @@ class Program:
                 if plan is None or not plan.is_current():
                     plan = self._lowered(lowering.lower, graph, inputs.signature, donated)
                     self._plans[key] = plan
-                    note_array_keys(plan.plan.signatures, key[1])
+                    _note_array_keys(plan.plan, key[1])
             return plan
         except errors.ProgramTraceError as exc:
             if not self._info.fuse or not isinstance(exc.__cause__, jax.errors.JaxRuntimeError):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import threading
-import weakref
 from typing import Any
+
+from pathways_jax._src.core.gone import Gone
 
 # Compiled executables a cluster keeps for sharing between plans (the plans
 # themselves hold theirs): beyond this many the least recently used go.
@@ -28,9 +29,9 @@ class ExecutableCache:
         self.size = size
         self._entries: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
         self._lock = threading.Lock()
-        # Keys whose constants died: a finaliser may run at any allocation, even
-        # under the lock, so it only appends, and the next use evicts.
-        self._dead: collections.deque[tuple] = collections.deque()
+        # Keys whose constants died: noted at any allocation, even under the lock, with no
+        # Python code run (core.gone), and the next use evicts.
+        self._dead: Gone[tuple] = Gone()
 
     def get(self, key: tuple) -> Any:
         with self._lock:
@@ -45,7 +46,7 @@ class ExecutableCache:
         held: tuple = ()
         try:
             for const in consts:
-                weakref.finalize(const, self._dead.append, key)
+                self._dead.watch(const, key)
         except TypeError:  # a constant that takes no weak reference: hold it (its id stays unique)
             held = consts
         with self._lock:

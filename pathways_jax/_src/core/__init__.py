@@ -9,7 +9,8 @@ Modules: ``errors`` (the error types); ``counts`` (``pw.counters()``); ``checks`
 user arguments); ``source`` (the user's line); ``readiness`` (is a value computed); ``arrays``
 (arrays over another's buffers); ``charges`` (bytes per device); ``formatting`` (text for
 people); ``host_memory`` (the C allocator and CPU buffers); ``jax_context`` (JAX's trace state);
-``meshes`` (mesh helpers); ``reentry`` (the runtime's own threads); ``locks`` (locks taken where
+``meshes`` (mesh helpers); ``gone`` (keys of objects garbage-collected, noted with no Python
+code run); ``reentry`` (the runtime's own threads); ``locks`` (locks taken where
 Ctrl-C may land); ``events`` (trace events and their sink); ``trace_format`` (the trace layout
 ``pw.sim`` shares); ``version`` (``pw.__version__``).
 """

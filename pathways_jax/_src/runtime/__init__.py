@@ -8,7 +8,8 @@ accounting, the controller service, and the cluster that holds them and
 starts its backend by name (``backends.registry``). May import: ``backends``, ``compile``,
 ``ir``, ``core``.
 
-Modules: ``clusters`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``init_args``
+Modules: ``clusters`` (the ``Cluster``, ``pw.init``/``pw.shutdown``); ``exit_wait``
+(how long a process's exit waits for it); ``init_args``
 (``pw.init``'s arguments, their defaults and checks); ``slices`` (virtual slices,
 ``pw.devices``); ``resources`` (the resource manager); ``context`` (per-thread context);
 ``clients`` (clients); ``runnable`` (a lowered plan with the cluster and slices it runs on);

@@ -26,13 +26,13 @@ import dataclasses
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from absl import logging
 
 from pathways_jax._src.core import readiness, reentry
+from pathways_jax._src.core.gone import Gone
 from pathways_jax._src.runtime.admission import fold, fold_median
 
 now = time.perf_counter_ns
@@ -140,7 +140,7 @@ class Accounting:
         # Keys of plans with figures here, and of those garbage-collected since
         # (a finaliser only appends: it may run at any allocation, lock held or not).
         self._tracked: set[int] = set()
-        self._gone: collections.deque[int] = collections.deque()
+        self._gone: Gone[int] = Gone()
         # Each live plan's cost estimate: a smoothed mean of a run's measured device-seconds
         # (admission.fold), by plan key; absent: not measured yet. Not cleared by reset().
         self.costs: dict[int, float] = {}
@@ -407,7 +407,7 @@ class Accounting:
                 fold_median(self.medians, self._recent, plan.key, seconds)
                 if plan.key not in self._tracked:  # its figures go when it does
                     self._tracked.add(plan.key)
-                    weakref.finalize(plan, self._gone.append, plan.key)
+                    self._gone.watch(plan, plan.key)
                 self.plan_ns[plan.key] += ns
                 self.plan_runs[plan.key] += runs
             for group in groups.values():

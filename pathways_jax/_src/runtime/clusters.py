@@ -33,7 +33,7 @@ from pathways_jax._src.backends.base import (
 )
 from pathways_jax._src.compile.executable_cache import ExecutableCache
 from pathways_jax._src.core import errors, events
-from pathways_jax._src.runtime import context
+from pathways_jax._src.runtime import context, exit_wait
 from pathways_jax._src.runtime import scheduler as scheduler_lib
 from pathways_jax._src.runtime.admission import Budget
 from pathways_jax._src.runtime.init_args import (
@@ -225,11 +225,13 @@ class Cluster:
             if slice_.island != island:
                 continue
             try:
-                new_island, devices = self.resources.acquire(slice_.size, None, slice_.exclusive, timeout=0)
+                new_island, devices, hold = self.resources.acquire(
+                    slice_.size, None, slice_.exclusive, timeout=0
+                )
             except errors.ResourceError as exc:
                 logging.warning("pathways_jax: %r could not move off lost island %d: %s", slice_, island, exc)
                 continue
-            slice_._move(new_island, devices)
+            slice_._move(new_island, devices, hold)
             logging.warning("pathways_jax: %r moved off lost island %d", slice_, island)
         self.mapping_epoch += 1
 
@@ -616,7 +618,16 @@ def _finish_closing(deadline: float) -> None:
 def _shutdown_at_exit() -> None:
     """The exit hook: stops a running cluster without counting as a user's ``pw.shutdown()``."""
     context.exiting = True
-    _close(60.0, by_user=False)
+    timeout = 60.0
+    current = _current
+    try:
+        if current is not None and current._controller is not None:
+            # Not a minute for a host callback that never returns (exit_wait): a few seconds.
+            timeout = exit_wait.exit_timeout(current._controller, timeout)
+    except KeyboardInterrupt:  # a Ctrl-C as the exit waits: every part is still told to stop
+        _close(_INTERRUPTED_CLOSE_S, by_user=False)
+        raise
+    _close(timeout, by_user=False)
 
 
 def _forget_shutdown() -> None:

@@ -7,10 +7,13 @@ import collections.abc
 import dataclasses
 import threading
 import time
+import weakref
 
 import jax
 
 from pathways_jax._src.core import errors
+
+_LOOK_AGAIN_S = 0.05  # how often a request waiting for devices looks whether a dropped slice gave some back
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -23,6 +26,22 @@ class Island:
     def __repr__(self) -> str:
         ids = ",".join(str(d.id) for d in self.devices)
         return f"Island({self.index}, devices=[{ids}])"
+
+
+class Hold:
+    """A slice's claim on its devices: they are the slice's while this lives (the slice keeps it).
+
+    Dropped with its slice, it gives the devices back with no Python code run:
+    the manager's table entry, keyed by a weak reference to it, goes in that
+    reference's callback, a C method (``dict.pop``). A ``weakref.finalize``
+    callback was Python code, where a Ctrl-C landing was only reported, never
+    raised to the user, and could stop the release half-way.
+    """
+
+    __slots__ = ("__weakref__", "ref")
+
+    def __init__(self, table: dict) -> None:
+        self.ref = weakref.ref(self, table.pop)
 
 
 class ResourceManager:
@@ -50,6 +69,11 @@ class ResourceManager:
         # leaves it held by the main thread (every other thread asking for devices then waits).
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        # The devices of each live slice (ids, and whether exclusively), by a weak reference to
+        # its Hold: an entry goes when the Hold does (Hold), or is emptied by release().
+        self._holds: dict[weakref.ref[Hold], tuple[tuple[int, ...], bool]] = {}
+        # Made from _holds (_count) where read, under the lock: never updated in place, so a
+        # Ctrl-C cannot leave them half-counted.
         self._shared_load: collections.Counter[int] = collections.Counter()
         self._reserved: set[int] = set()
         # Islands whose host was lost (Ray backend), with why: nothing is placed there.
@@ -162,6 +186,17 @@ class ResourceManager:
             )
         return home, tuple(where[i][1] for i in device_ids)
 
+    def _count(self) -> None:
+        """Counts the devices the live slices hold (lock held): shared use per device, and the reserved."""
+        shared: collections.Counter[int] = collections.Counter()
+        reserved: set[int] = set()
+        for ids, exclusive in list(self._holds.values()):  # a copy: a Hold may go meanwhile
+            if exclusive:
+                reserved.update(ids)
+            else:
+                shared.update(ids)
+        self._shared_load, self._reserved = shared, reserved
+
     def _busy(self, devices: tuple[jax.Device, ...], exclusive: bool) -> list[int]:
         """The ids of these named devices that cannot be taken now (shared, or exclusively)."""
         return [d.id for d in devices if d.id in self._reserved or (exclusive and self._shared_load[d.id])]
@@ -173,21 +208,24 @@ class ResourceManager:
         exclusive: bool,
         timeout: float | None,
         device_ids: object = None,
-    ) -> tuple[int, tuple[jax.Device, ...]]:
+    ) -> tuple[int, tuple[jax.Device, ...], Hold]:
         """Picks devices for a new slice, waiting up to ``timeout`` if they are busy.
 
         ``device_ids``: the devices to use, in mesh order, instead of letting
-        the manager choose (they must all be on one island).
+        the manager choose (they must all be on one island). Returns the
+        island, the devices, and the :class:`Hold` that keeps them the slice's.
         """
         if device_ids is not None:
             named = self._named(size, island, device_ids)
 
             def place() -> tuple[int, tuple[jax.Device, ...]] | None:
+                self._count()
                 return None if self._busy(named[1], exclusive) else named
         else:
             fitting = self._candidates(size, island)
 
             def place() -> tuple[int, tuple[jax.Device, ...]] | None:
+                self._count()
                 return self._try_place(size, fitting, exclusive)
 
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -226,29 +264,24 @@ class ResourceManager:
                         f"{kind} slice within timeout={timeout}s ({held}). Release slices you no "
                         f"longer need, or wait longer.{holding}"
                     )
-                self._cond.wait(remaining)
+                # A dropped slice's devices come back with no notify (Hold): looked at again soon.
+                self._cond.wait(_LOOK_AGAIN_S if remaining is None else min(remaining, _LOOK_AGAIN_S))
             island_index, devices = placed
-            for d in devices:
-                if exclusive:
-                    self._reserved.add(d.id)
-                else:
-                    self._shared_load[d.id] += 1
-            return island_index, devices
+            hold = Hold(self._holds)
+            self._holds[hold.ref] = (tuple(d.id for d in devices), exclusive)  # one step: taken
+            return island_index, devices, hold
 
-    def release(self, devices: tuple[jax.Device, ...], exclusive: bool) -> None:
+    def release(self, hold: Hold) -> None:
+        """Gives back the devices of ``hold`` (its slice's ``release()``); its entry goes with it."""
         with self._lock:
-            for d in devices:
-                if exclusive:
-                    self._reserved.discard(d.id)
-                else:
-                    self._shared_load[d.id] -= 1
-                    if self._shared_load[d.id] <= 0:
-                        del self._shared_load[d.id]
+            exclusive = self._holds[hold.ref][1]
+            self._holds[hold.ref] = ((), exclusive)
             self._cond.notify_all()
 
     def load(self) -> dict[int, int]:
         """Slices mapped on each device id (an exclusive reservation counts as one)."""
         with self._lock:
+            self._count()
             out = {d.id: 0 for isl in self.islands for d in isl.devices}
             out.update(self._shared_load)
             for device_id in self._reserved:

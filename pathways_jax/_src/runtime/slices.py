@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -21,6 +20,7 @@ from pathways_jax._src.runtime import clusters, context
 
 if TYPE_CHECKING:
     from pathways_jax._src.runtime.clusters import Cluster
+    from pathways_jax._src.runtime.resources import Hold
 
 _ids = itertools.count()
 _DEFAULT_AXIS_NAMES = ("x", "y", "z")
@@ -113,6 +113,7 @@ class VirtualSlice:
         devices: tuple[jax.Device, ...],
         exclusive: bool,
         axis_types: tuple[AxisType, ...] | None = None,
+        hold: Hold | None = None,
     ):
         self.id = next(_ids)
         self._cluster = cluster
@@ -131,8 +132,8 @@ class VirtualSlice:
         self._released = False
         self._lock = threading.Lock()
         self._physical_mesh: Mesh | None = None
-        # Gives the devices back if the slice is dropped without release().
-        self._give_back = weakref.finalize(self, cluster.resources.release, devices, exclusive)
+        # Keeps the devices the slice's: dropped with it (without release()), they go back (Hold).
+        self._hold = hold
         cluster.add_slice(self)
         # One exit stack per active ``with`` of this slice on each thread.
         self._exits = threading.local()
@@ -195,15 +196,14 @@ class VirtualSlice:
         check_spec(partition, self, what="sharding spec")
         return NamedSharding(self.physical_mesh, partition)
 
-    def _move(self, island: int, devices: tuple[jax.Device, ...]) -> None:
+    def _move(self, island: int, devices: tuple[jax.Device, ...], hold: Hold) -> None:
         """Rebinds the slice to other devices (its host was lost); plans using it lower again.
 
         The mapping epoch moves before and after: a caller that sees the new island sees the
         new devices too, and a plan checked then (``still_placed``) is found moved, so its next
         call lowers again rather than run on the lost island.
         """
-        self._give_back.detach()  # the old devices went with their host
-        self._give_back = weakref.finalize(self, self._cluster.resources.release, devices, self.exclusive)
+        self._hold = hold  # the old one goes: nothing is placed on the lost island's devices anyway
         self._cluster.mapping_epoch += 1
         self._devices = devices
         self._physical_mesh = None
@@ -216,7 +216,8 @@ class VirtualSlice:
             if self._released:
                 return
             self._released = True
-        self._give_back()
+        if self._hold is not None:
+            self._cluster.resources.release(self._hold)
         self._cluster.mapping_epoch += 1
 
     def __enter__(self) -> VirtualSlice:
@@ -544,8 +545,8 @@ def devices(
     cl = clusters.cluster()
     size = int(np.prod(shape))
     named = _normalise_device_ids(device_ids, shape)
-    island_index, physical = cl.resources.acquire(size, island, exclusive, timeout, named)
-    return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive, types)
+    island_index, physical, hold = cl.resources.acquire(size, island, exclusive, timeout, named)
+    return VirtualSlice(cl, shape, axis_names, island_index, physical, exclusive, types, hold)
 
 
 def is_implied(slice_: VirtualSlice, mesh: Mapping[str, int]) -> bool:

@@ -195,7 +195,13 @@ def program_html(program: Any) -> str:
         f"<div><b>pw.program {escape(program.name)}</b> defined at {escape(program.source_info)}; default devices: "
         f"{escape(default)}; {len(graphs)} traced signatures, {len(plans)} lowered plans</div>",
     ]
-    if not graphs:
+    failure = getattr(program, "_trace_failure", None)
+    if failure is not None:
+        parts.append(
+            f'<div style="color: #b00020;">{"its last trace" if graphs else "its trace"} failed: '
+            f"{escape(failure)}</div>"
+        )
+    elif not graphs:
         parts.append(
             '<div style="color: #555;">not traced yet: call it, or program.graph(*args) to see its graph</div>'
         )
