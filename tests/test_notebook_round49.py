@@ -89,7 +89,9 @@ def test_program_view_after_a_failed_trace_says_it_failed_and_why():
 def test_exit_with_a_run_stuck_in_a_host_callback_is_bounded_and_says_what_it_abandoned():
     # A kernel's exit (or a script's end) with a run whose host callback waits for ever: the
     # exit waited a minute for it. It now gives up once the callback ran exit_wait.STUCK_S
-    # (3 s; 0.5 here), and a warning names the callback. The exit is timed from its first hook.
+    # (3 s; 0.3 here) with the process idle, and a warning names the callback. A callback that
+    # works longer than that (a checkpoint written) is waited for: its side effect happens.
+    # The exit is timed from its first hook.
     proc = run_source(
         """
         import atexit, threading, time
@@ -97,31 +99,40 @@ def test_exit_with_a_run_stuck_in_a_host_callback_is_bounded_and_says_what_it_ab
         import pathways_jax as pw
         from pathways_jax._src.runtime import exit_wait
 
-        exit_wait.STUCK_S, exit_wait.ABANDON_S = 0.5, 0.1
+        exit_wait.STUCK_S, exit_wait.ABANDON_S = 0.3, 0.1
         pw.init(num_cpu_devices=2)
-        entered = threading.Event()
+        working = threading.Event()
+
+        def work_then_save(v):
+            working.set()
+            start = time.thread_time()
+            while time.thread_time() - start < 0.6:  # CPU work: 2 STUCK_S of it, whatever the load
+                sum(range(1000))
+            print("saved", flush=True)
+            return v
 
         def wait_for_ever(v):
-            entered.set()
             threading.Event().wait()
             return v
 
-        f = pw.jit(
-            lambda x: jax.pure_callback(wait_for_ever, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1,
-            devices=pw.devices(mesh={"x": 1}),
-        )
-        out = f(jnp.arange(4.0))
-        assert entered.wait(60)
+        shape = jax.ShapeDtypeStruct((4,), jnp.float32)
+        save = pw.jit(lambda x: jax.pure_callback(work_then_save, shape, x) + 1, devices=pw.devices(mesh={"x": 1}))
+        stuck = pw.jit(lambda x: jax.pure_callback(wait_for_ever, shape, x) + 1, devices=pw.devices(mesh={"x": 1}))
+        out = stuck(save(jnp.arange(4.0)))
+        assert working.wait(60)
         atexit.register(lambda: print("exit at", time.monotonic(), flush=True))  # the first to run
         """,
         timeout=50,
     )
     ended = time.monotonic()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    began = float(proc.stdout.split("exit at")[-1])
+    began = float(proc.stdout.split("exit at")[-1].split()[0])
     assert ended - began < 15, (ended - began, proc.stderr[-3000:])
+    assert "saved" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    assert "waiting for the host callback work_then_save (<string>:" in proc.stderr, proc.stderr[-3000:]
     assert "the host callback wait_for_ever (<string>:" in proc.stderr, proc.stderr[-3000:]
     assert "abandons it and its run" in proc.stderr, proc.stderr[-3000:]
+    assert "work_then_save (<string>:10) has not returned" not in proc.stderr, proc.stderr[-3000:]
 
 
 def _in_a_finalizer(frame):

@@ -627,6 +627,8 @@ def _shutdown_at_exit() -> None:
     except KeyboardInterrupt:  # a Ctrl-C as the exit waits: every part is still told to stop
         _close(_INTERRUPTED_CLOSE_S, by_user=False)
         raise
+    except Exception:  # the watch failed (a thread's clock gone meanwhile): the close waits as before
+        logging.exception("pathways_jax: at exit, watching for stuck host callbacks failed")
     _close(timeout, by_user=False)
 
 
