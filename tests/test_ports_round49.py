@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pathways_jax as pw
 
@@ -84,3 +86,51 @@ def test_donations_given_empty_are_given_as_jax_jit_reads_them(decorate):
             pw.results(f(x, y=y) if by_keyword else f(x, y))
             deleted.append(y.is_deleted())
         assert deleted[1] == deleted[0] is False, options
+
+
+def _on_explicit_mesh():
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+    return jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+
+
+def _mesh_scaled(x):
+    # Code that adapts to a context mesh (as Flax's sharding helpers do): with none, unchanged.
+    return x * (1.0 if jax.sharding.get_abstract_mesh().empty else 2.0)
+
+
+@pytest.mark.parametrize("decorate", _DECORATORS, ids=_IDS)
+def test_with_no_mesh_set_a_program_on_arguments_of_an_explicit_mesh_sees_no_context_mesh(decorate):
+    # jax.jit does not make its arguments' mesh the context mesh; a program with no slice did, so
+    # this step doubled its input where jax.jit's returns it as it is.
+    x = _on_explicit_mesh()
+    got, want = pw.results(decorate(_mesh_scaled)(x)), jax.jit(_mesh_scaled)(x)
+    assert jax.typeof(got) == jax.typeof(want)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _constrained(x):
+    return jax.lax.with_sharding_constraint(x, P("y"))  # a bare spec of an axis no mesh here has
+
+
+@pytest.mark.parametrize("decorate", _DECORATORS, ids=_IDS)
+def test_a_step_failing_with_no_mesh_set_raises_jax_jits_error(decorate):
+    # jax.jit raises RuntimeError ("requires a non-empty mesh in context"); a program raised the
+    # error of its trace on its arguments' mesh, which it had set as the context mesh itself.
+    x = _on_explicit_mesh()
+    with pytest.raises(RuntimeError, match="non-empty mesh in context"):
+        jax.jit(_constrained)(x)
+    with pytest.raises(pw.errors.ProgramTraceError, match="non-empty mesh in context") as caught:
+        pw.results(decorate(_constrained)(x))
+    assert isinstance(caught.value, RuntimeError)
+
+
+def test_a_kept_unused_argument_on_an_explicit_mesh_places_the_constants_made_as_jax_jit_does():
+    x = _on_explicit_mesh()
+
+    def made(v):
+        return jnp.arange(8.0)  # a fresh function: jax.jit's trace cache ignores keep_unused
+
+    want = jax.jit(made, keep_unused=True)(x)
+    got = pw.results(pw.program(made, keep_unused=True)(x))
+    assert got.committed == want.committed and jax.typeof(got) == jax.typeof(want)
+    assert got.sharding.is_equivalent_to(want.sharding, 1)
