@@ -13,9 +13,7 @@ import jax
 from pathways_jax._src.core import errors, source
 
 
-def argnums(
-    fun: Callable[..., Any], nums: Any, what: str = "static_argnums"
-) -> tuple[int, ...]:
+def argnums(fun: Callable[..., Any], nums: Any, what: str = "static_argnums") -> tuple[int, ...]:
     """Argument positions as ``jax.jit`` reads them: None is none, a negative one counts from the end.
 
     A negative static position stays negative: ``jax.jit`` counts it from the end
