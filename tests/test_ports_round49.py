@@ -134,3 +134,23 @@ def test_a_kept_unused_argument_on_an_explicit_mesh_places_the_constants_made_as
     got = pw.results(pw.program(made, keep_unused=True)(x))
     assert got.committed == want.committed and jax.typeof(got) == jax.typeof(want)
     assert got.sharding.is_equivalent_to(want.sharding, 1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jax.jit(_pair, donate_argnums=-1),
+        lambda: pw.program(_pair, donate_argnums=-1),
+        lambda: pw.jit(_pair, donate_argnums=-1),
+        lambda: pw.program(jax.jit(_pair, donate_argnums=-1)),
+    ],
+    ids=["jax-jit", "program", "pw-jit", "program-of-jax-jit"],
+)
+def test_a_negative_donated_position_donates_nothing_as_under_jax_jit(make):
+    # jax.jit accepts donate_argnums=-1 and donates no argument (its donation vector matches
+    # positions as given); a program counted it from the end and deleted `y`, which the caller
+    # still reads after a call that jax.jit leaves it intact.
+    x, y = jnp.ones(3), jnp.ones(3)
+    pw.results(make()(x, y))
+    assert not x.is_deleted() and not y.is_deleted()
+    np.testing.assert_array_equal(np.asarray(y), np.ones(3))

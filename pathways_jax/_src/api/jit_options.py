@@ -14,13 +14,13 @@ from pathways_jax._src.core import errors, source
 
 
 def argnums(fun: Callable[..., Any], nums: Any, what: str = "static_argnums") -> tuple[int, ...]:
-    """Argument positions as ``jax.jit`` reads them: None is none, a negative one counts from the end.
+    """Argument positions as ``jax.jit`` reads them: None is none, a negative static one counts from the end.
 
     A negative static position stays negative: ``jax.jit`` counts it from the end
     of each call's positional arguments (a function's ``*args``, or parameters
     left to their defaults, make that call's count), so the call resolves it
-    (``ProgramInfo.static_positions``). A negative donated position counts from
-    the end of ``fun``'s positional parameters.
+    (``ProgramInfo.static_positions``). A negative donated position donates
+    nothing, as under ``jax.jit`` (which accepts it and matches no argument).
     """
     if nums is None:
         return ()
@@ -34,22 +34,10 @@ def argnums(fun: Callable[..., Any], nums: Any, what: str = "static_argnums") ->
                 f"{what} must be ints (an int or a sequence of them, as jax.jit reads them), got {nums!r} ({exc}); "
                 "give argument positions, or their names through the matching *_argnames option."
             ) from exc
-    if what != "static_argnums" and any(n < 0 for n in given):
-        params = _parameters(fun)
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        count = sum(p.kind in positional for p in params)
-        if not params or any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
-            raise errors.ProgramTraceError(
-                f"{what}={nums!r} counts from the end of the positional parameters, but "
-                f"{getattr(fun, '__name__', fun)!r} has *args or no signature to count; give "
-                "non-negative positions."
-            )
-        given = tuple(n + count if n < 0 else n for n in given)
-        if any(n < 0 for n in given):
-            raise errors.ProgramTraceError(
-                f"{what}={nums!r} reaches before the first of the {count} positional parameters of "
-                f"{getattr(fun, '__name__', fun)!r}."
-            )
+    if what != "static_argnums":
+        # jax.jit donates an argument whose position is in donate_argnums as given (its
+        # donation_vector); a negative one matches none, so it donates nothing: nor does a program.
+        given = tuple(n for n in given if n >= 0)
     return tuple(sorted(set(given)))
 
 
