@@ -140,44 +140,52 @@ def trace(
         # The caller's own mesh (jax.set_mesh, of any size) is set aside: the
         # program sees its default slice's mesh, or none.
         target = default or implied
-        # A program with no slice sees its mesh as jax.jit sees the caller's (bare
+        # A program with no slice sees the caller's jax.set_mesh mesh as jax.jit does (bare
         # PartitionSpecs in an inner jax.jit's shardings name it); a slice's is abstract.
         concrete = implied.physical_mesh if default is None and implied is not None else None
         if default is None and (info.device is not None or _untyped(implied, signature)):
             # jax.jit's device= (or a wrapped jax.jit's device, backend or one-device shardings)
             # traces with no mesh, as jax.jit does: a mesh set there refuses its device= and backend=.
             target = concrete = None
-        with only_mesh(target.mesh if target is not None else NO_ABSTRACT_MESH, concrete):
-            closed = _without_refs(jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature)))
+        # With no mesh set, jax.jit traces with none: the mesh of its arguments (or shardings) types
+        # them (Explicit axes) but is not the context mesh, so code reading the context mesh
+        # (get_abstract_mesh, Flax Linen's nn.with_partitioning) sees none, as there. Only code
+        # that fails so (a bare PartitionSpec, which jax.jit refuses) is traced again on that mesh.
+        lenient = concrete is not None and default is None and _user_mesh() is None
+        abstract = [_abstract(s, target) for s in signature]
+        try:
+            with only_mesh(
+                NO_ABSTRACT_MESH if lenient or target is None else target.mesh, None if lenient else concrete
+            ):
+                closed = _without_refs(jax.make_jaxpr(flat_fun)(*abstract))
+        except (errors.PathwaysError, nnx_graph.GraphOutput):
+            raise
+        except Exception as first:
+            if not lenient or target is None:
+                raise
+            closed = _traced_on_context(target, concrete, flat_fun, abstract)
+            if closed is None:
+                raise first  # jax.jit's own error
     except (errors.PathwaysError, nnx_graph.GraphOutput):
         raise
     except Exception as exc:
-        retried = None
-        if implied is not None and default is None and _user_mesh() is None:
-            # Traced on the mesh of its arguments or shardings, which jax.jit does not make
-            # the context mesh, the function failed: code that reads the context mesh (Flax
-            # Linen's nn.with_partitioning constrains only under one, an assert on Explicit
-            # axes) is traced as jax.jit traces it, with none.
-            retried = _traced_without_context(signature, state, flat_fun, implied)
-        if retried is None:
-            if implied is not None and default is None and hint is None and info.mesh_hint is None:
-                # Traced on its arguments' mesh, the function failed: a mesh it names itself
-                # (a shard_map's or pmap's over other axes) wins, as under jax.jit.
-                named = _mesh_named_without_context(signature, state, flat_fun)
-                if named is not None:
-                    return trace(info, inputs, named, placing)
-            # No line of the function failed (it was called with arguments it does not take):
-            # the user's call did.
-            where = source.of_exception(exc, info.fun) or f"the call ({source.of_caller()})"
-            # Also of the original's class: `except ValueError` written for jax.jit still catches it.
-            raise errors.like(
-                errors.ProgramTraceError,
-                exc,
-                f"tracing program {info.name!r} ({info.source_info}) failed at "
-                f"{where}: {type(exc).__name__}: "
-                f"{info.in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}",
-            ) from exc
-        closed = retried
+        if implied is not None and default is None and hint is None and info.mesh_hint is None:
+            # Traced on its arguments' mesh, the function failed: a mesh it names itself
+            # (a shard_map's or pmap's over other axes) wins, as under jax.jit.
+            named = _mesh_named_without_context(signature, state, flat_fun)
+            if named is not None:
+                return trace(info, inputs, named, placing)
+        # No line of the function failed (it was called with arguments it does not take):
+        # the user's call did.
+        where = source.of_exception(exc, info.fun) or f"the call ({source.of_caller()})"
+        # Also of the original's class: `except ValueError` written for jax.jit still catches it.
+        raise errors.like(
+            errors.ProgramTraceError,
+            exc,
+            f"tracing program {info.name!r} ({info.source_info}) failed at "
+            f"{where}: {type(exc).__name__}: "
+            f"{info.in_user_words(str(exc), treedef, statics)}{_mesh_mismatch_hint(exc, target)}",
+        ) from exc
     finally:
         context.state.trace = outer
     _refuse_leaked_tracers(info, closed)
@@ -412,13 +420,16 @@ def _untyped(implied: VirtualSlice | None, signature: Signature) -> bool:
     return True
 
 
-def _traced_without_context(
-    signature: Signature, state: TraceState, flat_fun: Any, target: VirtualSlice
-) -> Any:
-    """The function traced with no context mesh, as ``jax.jit`` traces it (None if that fails too)."""
+def _traced_on_context(target: VirtualSlice, concrete: Any, flat_fun: Any, abstract: list[Any]) -> Any:
+    """The function traced with ``target``'s mesh as the context mesh (None if that fails too).
+
+    For a program with no slice whose function failed traced as ``jax.jit``
+    traces it, with no mesh set: code naming the mesh of its arguments with bare
+    ``PartitionSpec`` s runs there, as under ``jax.set_mesh`` of that mesh.
+    """
     try:
-        with only_mesh(NO_ABSTRACT_MESH):
-            return jax.make_jaxpr(flat_fun)(*(_abstract(s, target) for s in signature))
+        with only_mesh(target.mesh, concrete):
+            return _without_refs(jax.make_jaxpr(flat_fun)(*abstract))
     except (errors.PathwaysError, nnx_graph.GraphOutput):
         raise
     except Exception:

@@ -94,6 +94,12 @@ def _jit_specs(shardings: Any, slice_: Any, count: int) -> tuple:
     return tuple(specs)
 
 
+def _untyped(var: Any) -> bool:
+    """Whether ``var``'s type names no mesh (traced with none set)."""
+    mesh = getattr(getattr(getattr(var, "aval", None), "sharding", None), "mesh", None)
+    return mesh is None or mesh.empty
+
+
 def _typed_specs(atoms: Any, specs: tuple, slice_: Any) -> tuple:
     """``specs``, with the spec of each value whose type carries a sharding on Explicit axes of ``slice_``'s mesh.
 
@@ -617,7 +623,12 @@ def build(
                     inputs=tuple(in_ids),
                     outputs=tuple(out_ids),
                     in_specs=(None,) * len(in_ids),
-                    out_specs=(None,) * len(out_ids),
+                    # With no input, and untyped (no mesh set, as jax.jit traces it), XLA would put
+                    # them on its default device: replicated on the slice, as jax.jit's constants.
+                    out_specs=tuple(
+                        PartitionSpec() if not in_ids and not loose_constants and _untyped(v) else None
+                        for v in out_vars
+                    ),
                     donated=(False,) * len(in_ids),
                     source_info=where,
                 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,38 +13,31 @@ import jax
 from pathways_jax._src.core import errors, source
 
 
-def argnums(
-    fun: Callable[..., Any], nums: int | Sequence[int] | None, what: str = "static_argnums"
-) -> tuple[int, ...]:
-    """Argument positions as ``jax.jit`` reads them: None is none, a negative one counts from the end.
+def argnums(fun: Callable[..., Any], nums: Any, what: str = "static_argnums") -> tuple[int, ...]:
+    """Argument positions as ``jax.jit`` reads them: None is none, a negative static one counts from the end.
 
     A negative static position stays negative: ``jax.jit`` counts it from the end
     of each call's positional arguments (a function's ``*args``, or parameters
     left to their defaults, make that call's count), so the call resolves it
-    (``ProgramInfo.static_positions``). A negative donated position counts from
-    the end of ``fun``'s positional parameters.
+    (``ProgramInfo.static_positions``). A negative donated position donates
+    nothing, as under ``jax.jit`` (which accepts it and matches no argument).
     """
     if nums is None:
         return ()
-    given = (nums,) if isinstance(nums, int) else tuple(nums)
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
-        raise errors.ProgramTraceError(f"{what} must be ints, got {nums!r}.")
-    if what != "static_argnums" and any(n < 0 for n in given):
-        params = _parameters(fun)
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        count = sum(p.kind in positional for p in params)
-        if not params or any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+    try:  # as jax.jit reads them (operator.index): a bool is 0 or 1, a NumPy integer an int
+        given: tuple[int, ...] = (operator.index(nums),)
+    except TypeError:
+        try:
+            given = tuple(map(operator.index, nums))
+        except TypeError as exc:
             raise errors.ProgramTraceError(
-                f"{what}={nums!r} counts from the end of the positional parameters, but "
-                f"{getattr(fun, '__name__', fun)!r} has *args or no signature to count; give "
-                "non-negative positions."
-            )
-        given = tuple(n + count if n < 0 else n for n in given)
-        if any(n < 0 for n in given):
-            raise errors.ProgramTraceError(
-                f"{what}={nums!r} reaches before the first of the {count} positional parameters of "
-                f"{getattr(fun, '__name__', fun)!r}."
-            )
+                f"{what} must be ints (an int or a sequence of them, as jax.jit reads them), got {nums!r} ({exc}); "
+                "give argument positions, or their names through the matching *_argnames option."
+            ) from exc
+    if what != "static_argnums":
+        # jax.jit donates an argument whose position is in donate_argnums as given (its
+        # donation_vector); a negative one matches none, so it donates nothing: nor does a program.
+        given = tuple(n for n in given if n >= 0)
     return tuple(sorted(set(given)))
 
 
@@ -71,10 +65,30 @@ def argnames(names: str | Sequence[str] | None, what: str = "static_argnames") -
     """Argument names as ``jax.jit`` reads them: one string, several, or None (none)."""
     if names is None:
         return ()
-    given = (names,) if isinstance(names, str) else tuple(names)
+    try:
+        given = (names,) if isinstance(names, str) else tuple(names)
+    except TypeError:
+        given = (names,)  # type: ignore[assignment]  # refused below, as jax.jit refuses it
     if not all(isinstance(n, str) for n in given):
-        raise errors.ProgramTraceError(f"{what} must be strings, got {names!r}.")
+        raise errors.ProgramTraceError(
+            f"{what} must be strings (a string or a sequence of them, as jax.jit reads them), got {names!r}; "
+            "give parameter names, or their positions through the matching *_argnums option."
+        )
     return given
+
+
+def complete_argnums(
+    fun: Callable[..., Any], nums: Any, names: Any, what: str = "static"
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``{what}_argnums`` and ``{what}_argnames`` as given by the user, completed as ``jax.jit`` completes them.
+
+    As ``jax.jit``'s ``infer_argnums_and_argnames``: None is "not given"; one
+    given alone is completed from the other; given both, even one of them
+    empty (``static_argnames=()``), each is taken as it is.
+    """
+    positions = argnums(fun, nums, f"{what}_argnums")
+    given_names = argnames(names, f"{what}_argnames")
+    return _resolve_statics(fun, positions, given_names, given_both=nums is not None and names is not None)
 
 
 def _check_argnums_as_jax_jit(
@@ -84,6 +98,7 @@ def _check_argnums_as_jax_jit(
     donate_argnums: Any,
     donate_argnames: Any,
     maker: str = "pw.program",
+    empty_is_unset: bool = True,
 ) -> None:
     """Refuses, when the program (or ``maker``'s function) is made, the argument positions and names ``jax.jit`` refuses then.
 
@@ -93,17 +108,22 @@ def _check_argnums_as_jax_jit(
 
     Raises:
       ProgramTraceError: also a ``ValueError``, as ``jax.jit``'s.
+
+    ``empty_is_unset``: names given empty are read as not given (None to
+    ``jax.jit``), for a maker whose defaults are ``()``.
     """
+    if empty_is_unset:  # then jax.jit infers the names from the positions
+        static_argnames, donate_argnames = static_argnames or None, donate_argnames or None
     try:
-        jax.jit(  # no names given are None to jax.jit: it then infers them from the positions
+        jax.jit(
             fun,
             static_argnums=static_argnums,
-            static_argnames=static_argnames or None,
+            static_argnames=static_argnames,
             donate_argnums=donate_argnums,
-            donate_argnames=donate_argnames or None,
+            donate_argnames=donate_argnames,
         )
-    except ValueError as exc:
-        raise errors.also(errors.ProgramTraceError, ValueError)(
+    except (ValueError, TypeError) as exc:
+        raise errors.also(errors.ProgramTraceError, type(exc))(
             f"{maker}({name_of(fun)!r}) ({source.of_function(fun)}): {exc}"
         ) from exc
 
@@ -128,16 +148,17 @@ def _positions_of(fun: Callable[..., Any], names: Sequence[str]) -> list[int]:
 
 
 def _resolve_statics(
-    fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]
+    fun: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...], *, given_both: bool = False
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Static positions and names, each completed from the other as ``jax.jit`` does.
 
     As ``jax.jit``'s: only one given is completed from the other; given both,
     each is taken as it is (``static_argnums=1, static_argnames="m"`` leaves the
-    argument at position 1 traced when it comes by keyword). Neither given
-    explicitly and given empty read alike here: ``()`` is "not given".
+    argument at position 1 traced when it comes by keyword). ``()`` reads as
+    "not given" unless ``given_both`` (both given by the user, or completed
+    already: see :func:`complete_argnums`).
     """
-    if nums and names:
+    if given_both or (nums and names):
         return tuple(sorted(set(nums))), names
     params = _parameters(fun)
     by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)

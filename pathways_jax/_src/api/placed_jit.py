@@ -20,8 +20,7 @@ from pathways_jax._src.api.graph_builder import JIT_SCOPE, JitCall, active_trace
 from pathways_jax._src.api.jit_options import (
     _check_argnums_as_jax_jit,
     _resolve_statics,
-    argnames,
-    argnums,
+    complete_argnums,
     from_end,
     name_of,
     refuse_traced_statics,
@@ -154,6 +153,7 @@ class JitFunction:
         device: jax.Device | None = None,
         keep_unused: bool = False,
         share_key: tuple[Any, ...] | None = None,
+        completed: bool = False,
     ):
         self._fun = fun
         # What it is made again from where it is unpickled (see __reduce__).
@@ -168,6 +168,7 @@ class JitFunction:
             "compiler_options": compiler_options,
             "device": device,
             "keep_unused": keep_unused,
+            "completed": completed,
         }
         # Its function and options, where pw.jit made again with them takes the program of
         # its calls nothing places from the one made before (see _program_on).
@@ -180,8 +181,13 @@ class JitFunction:
         self._in_specs = in_specs
         self._out_specs = out_specs
         # As jax.jit: positions and names complete each other (a static argument may come by keyword).
-        self._static, self._static_names = _resolve_statics(fun, static_argnums, static_argnames)
-        self._donate, self._donate_names = _resolve_statics(fun, donate_argnums, donate_argnames)
+        # ``completed``: as pw.jit completed them (taken as they are; see jit_options.complete_argnums).
+        self._static, self._static_names = _resolve_statics(
+            fun, static_argnums, static_argnames, given_both=completed
+        )
+        self._donate, self._donate_names = _resolve_statics(
+            fun, donate_argnums, donate_argnames, given_both=completed
+        )
         self._jit_options: dict[str, Any] = {
             "static_argnums": self._static,
             "static_argnames": self._static_names,
@@ -570,6 +576,7 @@ class JitFunction:
                 # calls reaches only values made inside it, as under jax.jit).
                 donate_argnums=self._donate,
                 donate_argnames=self._donate_names,
+                argnums_completed=True,
             )
             # Threads making their first calls at once share one program (and its caches).
             prog = self._programs.setdefault(key, prog)
@@ -728,10 +735,10 @@ def jit(
     devices: VirtualSlice | None = None,
     in_specs: Specs = None,
     out_specs: Any = None,
-    static_argnums: int | Sequence[int] | None = (),
-    donate_argnums: int | Sequence[int] | None = (),
-    static_argnames: str | Sequence[str] | None = (),
-    donate_argnames: str | Sequence[str] | None = (),
+    static_argnums: int | Sequence[int] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
     keep_unused: bool = False,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
@@ -749,10 +756,10 @@ def jit(
     devices: VirtualSlice | None = None,
     in_specs: Specs = None,
     out_specs: Any = None,
-    static_argnums: int | Sequence[int] | None = (),
-    donate_argnums: int | Sequence[int] | None = (),
-    static_argnames: str | Sequence[str] | None = (),
-    donate_argnames: str | Sequence[str] | None = (),
+    static_argnums: int | Sequence[int] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
     keep_unused: bool = False,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
@@ -769,10 +776,10 @@ def jit(
     devices: VirtualSlice | None = None,
     in_specs: Specs = None,
     out_specs: Any = None,
-    static_argnums: int | Sequence[int] | None = (),
-    donate_argnums: int | Sequence[int] | None = (),
-    static_argnames: str | Sequence[str] | None = (),
-    donate_argnames: str | Sequence[str] | None = (),
+    static_argnums: int | Sequence[int] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
     keep_unused: bool = False,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
@@ -864,7 +871,12 @@ def jit(
             for spec in jax.tree_util.tree_leaves(in_specs, is_leaf=_is_spec_leaf):
                 if _spec_leaf(spec, "in_specs") is not None:
                     check_spec(spec, devices, what="in_specs")
-    _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames, "pw.jit")
+    # As jax.jit's: None is "not given", and given both (even one empty) each is taken as it is.
+    statics, static_names = with_jits_statics(fun, *complete_argnums(fun, static_argnums, static_argnames))
+    given_donations = complete_argnums(fun, donate_argnums, donate_argnames, "donate")
+    _check_argnums_as_jax_jit(
+        fun, static_argnums, static_argnames, donate_argnums, donate_argnames, "pw.jit", empty_is_unset=False
+    )
     share_key = None
     if devices is None and in_specs is None and out_specs is None:
         options = (static_argnums, static_argnames, donate_argnums, donate_argnames, keep_unused)
@@ -876,7 +888,6 @@ def jit(
             backend,
         )
         share_key = decorator._shared_key(fun, ("pw.jit", *options, *placement))
-    statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
     keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     fun = _with_jax_jit_placement(
         fun,
@@ -891,9 +902,7 @@ def jit(
         backend,
         (donate_argnums, donate_argnames),
     )
-    donated, donated_names = with_jits_donations(
-        fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
-    )
+    donated, donated_names = with_jits_donations(fun, *given_donations)
     return JitFunction(
         # A jax.jit function given out_shardings returns values sharded so, on Explicit axes too.
         with_jits_out_shardings(fun),
@@ -909,6 +918,7 @@ def jit(
         # As jax.jit: a wrapped jax.jit's device (device=, backend=, one-device shardings) runs it there.
         device=jits_device(fun),
         share_key=share_key,
+        completed=True,
     )
 
 

@@ -81,13 +81,22 @@ class ProgramInfo:
         static_argnames: tuple[str, ...],
         donate_argnums: tuple[int, ...],
         donate_argnames: tuple[str, ...],
+        argnums_completed: bool = False,
         **options: Any,
     ) -> ProgramInfo:
-        """The record of a program over ``fun``, its static and donated arguments completed as ``jax.jit`` does."""
-        static, static_names = _resolve_statics(fun, static_argnums, static_argnames)
+        """The record of a program over ``fun``, its static and donated arguments completed as ``jax.jit`` does.
+
+        ``argnums_completed``: they are completed already (``jit_options.complete_argnums``),
+        so taken as they are: ``()`` beside a non-empty other is one given empty.
+        """
+        static, static_names = _resolve_statics(
+            fun, static_argnums, static_argnames, given_both=argnums_completed
+        )
         # Donated positions and names, each completed from the other as jax.jit does: an
         # argument is donated whether it arrives by position or by keyword.
-        donate, donate_names = _resolve_statics(fun, donate_argnums, donate_argnames)
+        donate, donate_names = _resolve_statics(
+            fun, donate_argnums, donate_argnames, given_both=argnums_completed
+        )
         return cls(
             fun,
             name,

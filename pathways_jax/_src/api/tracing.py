@@ -175,6 +175,7 @@ class Program:
         nnx_modes: tuple[bool | None, bool | None] = (None, None),
         under_transforms: bool = True,
         keep_unused: bool = False,
+        argnums_completed: bool = False,
     ):
         # See ProgramInfo for each option; nnx_inner and under_transforms are set by
         # nnx_graph's inner programs and pw.jit's own.
@@ -194,6 +195,7 @@ class Program:
             "nnx_modes": nnx_modes,
             "under_transforms": under_transforms,
             "keep_unused": keep_unused,
+            "argnums_completed": argnums_completed,
         }
         self._info = info = ProgramInfo.of(
             fun,
@@ -204,6 +206,7 @@ class Program:
             static_argnames=static_argnames,
             donate_argnums=donate_argnums,
             donate_argnames=donate_argnames,
+            argnums_completed=argnums_completed,
             fuse=fuse,
             mesh_hint=mesh_hint,
             device=device,
@@ -844,6 +847,7 @@ class Program:
             donate_argnames=info.donate_names,
             source_info=info.source_info,
             nnx_inner=True,
+            argnums_completed=True,
         )
 
     def _repr_html_(self) -> str:
