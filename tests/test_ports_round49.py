@@ -44,14 +44,7 @@ def test_static_argnums_are_read_as_jax_jit_reads_them(decorate, nums):
             decorate(_sized, static_argnums=nums)
 
 
-_PROGRAM_EMPTY = pytest.mark.xfail(
-    strict=True,
-    reason="pw.program's options default to () (decorator.py, the lead's), so an explicit () reads as "
-    "not given and the other option completes it",
-)
-
-
-@pytest.mark.parametrize("decorate", [pytest.param(pw.program, marks=_PROGRAM_EMPTY), pw.jit], ids=_IDS)
+@pytest.mark.parametrize("decorate", [pw.program, pw.jit], ids=_IDS)
 @pytest.mark.parametrize(
     "options",
     [{"static_argnums": 1, "static_argnames": ()}, {"static_argnums": (), "static_argnames": "n"}],
@@ -71,7 +64,7 @@ def _pair(x, y):
     return x + y, y * 2
 
 
-@pytest.mark.parametrize("decorate", [pytest.param(pw.program, marks=_PROGRAM_EMPTY), pw.jit], ids=_IDS)
+@pytest.mark.parametrize("decorate", [pw.program, pw.jit], ids=_IDS)
 def test_donations_given_empty_are_given_as_jax_jit_reads_them(decorate):
     # donate_argnums=1, donate_argnames=(): jax.jit keeps `y` passed by keyword; pw.jit deleted it.
     # donate_argnames="y", donate_argnums=(): jax.jit keeps `y` passed by position.

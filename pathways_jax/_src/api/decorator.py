@@ -15,9 +15,7 @@ import jax
 
 from pathways_jax._src.api.jit_options import (
     _check_argnums_as_jax_jit,
-    _positions_of,
-    argnames,
-    argnums,
+    complete_argnums,
     with_jits_donations,
     with_jits_statics,
 )
@@ -39,12 +37,12 @@ def program(
     fun: Callable[..., Any],
     *,
     devices: VirtualSlice | None = None,
-    static_argnums: int | Sequence[int] | None = (),
-    static_argnames: str | Sequence[str] | None = (),
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
     name: str | None = None,
     fuse: bool = True,
-    donate_argnums: int | Sequence[int] | None = (),
-    donate_argnames: str | Sequence[str] | None = (),
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
     in_shardings: Any = None,
     out_shardings: Any = None,
     keep_unused: bool = False,
@@ -62,12 +60,12 @@ def program(
     fun: None = None,
     *,
     devices: VirtualSlice | None = None,
-    static_argnums: int | Sequence[int] | None = (),
-    static_argnames: str | Sequence[str] | None = (),
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
     name: str | None = None,
     fuse: bool = True,
-    donate_argnums: int | Sequence[int] | None = (),
-    donate_argnames: str | Sequence[str] | None = (),
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
     in_shardings: Any = None,
     out_shardings: Any = None,
     keep_unused: bool = False,
@@ -84,12 +82,12 @@ def program(
     fun: Callable[..., Any] | None = None,
     *,
     devices: VirtualSlice | None = None,
-    static_argnums: int | Sequence[int] | None = (),
-    static_argnames: str | Sequence[str] | None = (),
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
     name: str | None = None,
     fuse: bool = True,
-    donate_argnums: int | Sequence[int] | None = (),
-    donate_argnames: str | Sequence[str] | None = (),
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
     in_shardings: Any = None,
     out_shardings: Any = None,
     keep_unused: bool = False,
@@ -188,14 +186,15 @@ def program(
         raise errors.PlacementError(
             f"pw.program(devices=...) expects a slice from pw.devices(...), got {devices!r}."
         )
-    statics, static_names = with_jits_statics(fun, argnums(fun, static_argnums), argnames(static_argnames))
-    _check_argnums_as_jax_jit(fun, static_argnums, static_argnames, donate_argnums, donate_argnames)
+    # As jax.jit's: None is "not given", and given both (even one empty) each is taken as it is.
+    statics, static_names = with_jits_statics(fun, *complete_argnums(fun, static_argnums, static_argnames))
+    _check_argnums_as_jax_jit(
+        fun, static_argnums, static_argnames, donate_argnums, donate_argnames, empty_is_unset=False
+    )
     # A wrapped jax.jit's donations are the program's own (they consume the caller's arrays).
     donate, donate_names = with_jits_donations(
-        fun, argnums(fun, donate_argnums, "donate_argnums"), argnames(donate_argnames, "donate_argnames")
+        fun, *complete_argnums(fun, donate_argnums, donate_argnames, "donate")
     )
-    if not donate or not donate_names:  # as jax.jit: one given alone is completed from the other
-        donate = tuple(sorted({*donate, *_positions_of(fun, donate_names)}))
     del inline  # a hint with no effect on a program's results (see Args)
     keeps = bool(keep_unused) or jits_keep_unused(fun)  # a wrapped jax.jit's own too
     if device is None and backend is not None:
@@ -267,6 +266,7 @@ def program(
             compiler_options=options,
             nnx_modes=(graph, graph_updates),
             keep_unused=keeps,
+            argnums_completed=True,
         )
         if mesh_hint is None:
             _share(key, made)
