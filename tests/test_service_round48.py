@@ -6,6 +6,8 @@ costs seconds. Results are compared with plain ``jax.jit`` on the same inputs.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -284,6 +286,38 @@ def test_a_client_leaving_with_runs_in_flight_says_so_in_one_line(service, caplo
     assert 0 < runs <= 48, said
     with pytest.raises(pw.errors.ClusterError, match="left the controller service"):
         outs[-1].result(timeout=30)
+
+
+def test_a_service_gone_with_runs_in_flight_is_said_in_one_line(service, ray_cluster, caplog):
+    # The runs a gone service owed each logged "failed while executing: ... is gone", beside the
+    # line saying it went (Ray's multi-line death notice in it).
+    import logging
+
+    @ray_cluster.remote(num_cpus=0)
+    class Dead:
+        def health(self, client=None):
+            return {}
+
+    dead = Dead.remote()
+    ray_cluster.kill(dead)
+    _join(service, "sees-it-go")
+    step = pw.jit(
+        lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 4}), in_specs=pw.P("x"), out_specs=pw.P("x")
+    )
+    x = np.arange(64.0, dtype=np.float32)
+    np.testing.assert_array_equal(step(x).result(timeout=60), jax.jit(lambda v: v * 2 + 1)(x))
+    backend = pw.cluster().backend
+    with caplog.at_level(logging.WARNING):
+        outs = [step(x) for _ in range(48)]
+        backend.service = dead  # as this process sees its service die: its actor is gone
+        for out in outs:
+            with contextlib.suppress(pw.errors.ClusterError):
+                out.result(timeout=30)
+        with pytest.raises(pw.errors.ClusterError, match="is gone"):
+            step(x).result(timeout=30)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "'test-round48' is gone (its Ray actor died" in said[0], said
+    assert "\n" not in said[0]
 
 
 def test_typed_keys_sharded_over_hosts_go_to_each_host_as_its_own_blocks(service, monkeypatch):

@@ -245,6 +245,7 @@ class ServiceBackend:
         self.shape = {k: joined[k] for k in ("hosts", "devices_per_host", "per_island", "platform")}
         self.shape["replace_lost_hosts"] = joined.get("replace_lost_hosts", True)
         self._token = token
+        self._said: list[str] = []  # causes of runs' failures said once (events.said_once), until the close
         self.channel = joined["channel"]  # the service's channel, this process's identity there
         self.sender = Sender(layout)  # what each host has and is to free (the service numbers)
         self.route = ServiceRoute(self.service_name, self.channel, self.losses, self.refresh)
@@ -528,36 +529,41 @@ class ServiceBackend:
                 if self.closed or not self.ray.is_initialized():
                     return
                 if isinstance(exc, _Silent):  # said once: every later call fails saying so too
-                    self.route.fail_owed(str(exc))
-                    logging.warning(
-                        "pathways_jax: the controller service %r is gone (%s); this process's programs fail until "
-                        "pw.shutdown() and pw.init(...) join a running one.",
-                        self.service_name,
-                        exc,
-                    )
+                    self._gone(str(exc))
                     return
                 if is_lost_error(exc):  # said once: every later call fails saying so too
-                    self.route.fail_owed(f"its Ray actor died: {type(exc).__name__}")
-                    logging.warning(
-                        "pathways_jax: the controller service %r is gone (%s); this process's programs "
-                        "fail until pw.shutdown() and pw.init(...) join a running one.",
-                        self.service_name,
-                        exc,
-                    )
+                    self._gone(f"its Ray actor died: {type(exc).__name__}")
                     return
                 logging.warning("pathways_jax: asking the controller service about its hosts failed: %s", exc)
             time.sleep(_HEALTH_S)
+
+    def _gone(self, why: str) -> None:
+        """The service is gone (``why``): what it owes fails, said in one line here (each run that fails
+        for it logs no line of its own) and by every later call."""
+        self._say_once(self.route.gone_message(HostGone(-1, why)))
+        self.route.fail_owed(why)
+        logging.warning(
+            "pathways_jax: the controller service %r is gone (%s); this process's programs fail until "
+            "pw.shutdown() and pw.init(...) join a running one.",
+            self.service_name,
+            why,
+        )
+
+    def _say_once(self, cause: str) -> None:
+        """Runs failing with ``cause`` log no line of their own until this side's close ends (events.said_once)."""
+        self._said.append(cause)
+        events.said_once(cause)
 
     def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
         """Leaves the service (its values and plans are released there) and stops this side's threads."""
         deadline = None if timeout is None else time.monotonic() + timeout
         # The runs in flight fail with the close's error from here: said in one line (below), not one a
         # run. Said until the close that finds this side closed (the cluster's last, its controller stopped).
-        said = f"ClusterError: {self.dispatcher.closed_message}"
         if self.closed:
-            events.unsaid(said)
+            for cause in self._said:
+                events.unsaid(cause)
         else:
-            events.said_once(said)
+            self._say_once(f"ClusterError: {self.dispatcher.closed_message}")
             self.dispatcher.closed = True
             try:
                 with contextlib.suppress(Exception):
