@@ -293,6 +293,8 @@ def test_a_service_gone_with_runs_in_flight_is_said_in_one_line(service, ray_clu
     # line saying it went (Ray's multi-line death notice in it).
     import logging
 
+    from helpers import wait_for
+
     @ray_cluster.remote(num_cpus=0)
     class Dead:
         def health(self, client=None):
@@ -310,11 +312,13 @@ def test_a_service_gone_with_runs_in_flight_is_said_in_one_line(service, ray_clu
     with caplog.at_level(logging.WARNING):
         outs = [step(x) for _ in range(48)]
         backend.service = dead  # as this process sees its service die: its actor is gone
+        assert wait_for(lambda: backend.route.gone_now() is not None, timeout=20)
+        outs += [step(x) for _ in range(8)]  # (and the runs sent after it went)
         for out in outs:
             with contextlib.suppress(pw.errors.ClusterError):
                 out.result(timeout=30)
         with pytest.raises(pw.errors.ClusterError, match="is gone"):
-            step(x).result(timeout=30)
+            outs[-1].result(timeout=30)
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(said) == 1 and "'test-round48' is gone (its Ray actor died" in said[0], said
     assert "\n" not in said[0]
