@@ -511,7 +511,8 @@ class ServiceBackend:
                 self._answered = time.monotonic()
                 self._silence()  # looked at now: a later look that comes late is this process's pause
                 self._apply(health)
-                if "dropped" in health:  # it answers this process nothing more: said once
+                if "dropped" in health:  # it answers this process nothing more: said once (not once a run)
+                    self._say_once(self.route.dropped_message(health["dropped"]))
                     self.route.dropped(health["dropped"])
                     logging.warning(
                         "pathways_jax: the controller service %r dropped this process (%s); its programs "

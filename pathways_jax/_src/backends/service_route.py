@@ -126,15 +126,19 @@ class ServiceRoute:
                 "exit), and its values there went with it. Call .result() before pw.shutdown() to keep a value."
             )
         if self.dropped_why is not None:
-            return (
-                f"the controller service {self.service_name!r} dropped this process: {self.dropped_why}. "
-                "Call pw.shutdown() and pw.init(...) to join it again."
-            )
+            return self.dropped_message(self.dropped_why)
         # The route's own HostGone (host -1) says what it knows; a Ray error names its class.
         why = exc.why if isinstance(exc, HostGone) and exc.host < 0 else f"{type(exc).__name__}: {exc}"
         return (
             f"the controller service {self.service_name!r} is gone ({why}). Call pw.shutdown(), start "
             "the service again and pw.init(...) to join it."
+        )
+
+    def dropped_message(self, why: str) -> str:
+        """What a read says once the service dropped this process for ``why``, and what to do."""
+        return (
+            f"the controller service {self.service_name!r} dropped this process: {why}. "
+            "Call pw.shutdown() and pw.init(...) to join it again."
         )
 
     def silent_for(self, at_most: float) -> float:
