@@ -411,8 +411,17 @@ def test_ray_hosts_of_another_version_are_refused_at_start_naming_both():
         rf"every node .*\(pip install pathways-jax=={pw.__version__} jax=={jax.__version__}\)",
     ):
         start((ours, "node-a"), (other, "node-b"))
-    # A host from before the check (no such method there) is named so.
+    # A node whose pathways_jax lacks a method of this one's host actor (an older one: Ray loads the
+    # class there by name, its methods too) or has none: Ray's import failure, named for what it is.
+    failed = RuntimeError(
+        "The actor with name Host failed to import on the worker. This may be because needed library "
+        "dependencies are not installed in the worker environment:\n\nAttributeError: Can't get "
+        "attribute 'Host.versions' on <module 'pathways_jax._src.backends.ray_host.actor'>"
+    )
     with pytest.raises(
-        pw.errors.ClusterError, match=r"host 0 .* runs a pathways_jax older than its version check"
+        pw.errors.ClusterError,
+        match=r"host 0 could not load this process's host actor on its node \(AttributeError: Can't get "
+        rf"attribute 'Host.versions' .*\): the node has another pathways_jax, or none, .*pip install "
+        rf"pathways-jax=={pw.__version__}",
     ):
-        start(AttributeError("'Host' object has no attribute 'versions'"))
+        start(failed)

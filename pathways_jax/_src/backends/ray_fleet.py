@@ -248,9 +248,12 @@ class HostActors:
             try:
                 theirs, node = self.ray.get(ref, timeout=timeout)
             except Exception as exc:
-                if not isinstance(exc, AttributeError):  # (Ray's task error is also its cause's class)
+                # Ray loads the actor class on the node by name, methods included: a node whose
+                # pathways_jax lacks one of this process's (an older one, or none) fails to import it.
+                if "failed to import on the worker" not in str(exc):
                     raise
-                theirs, node = None, "its node"  # a host of a pathways_jax from before this check
+                unloadable = version_check.host_unloadable(h, str(exc).strip().splitlines()[-1], mine)
+                raise errors.ClusterError(f"the Ray host actors did not start: {unloadable}.") from exc
             wrong = version_check.host_mismatch(h, node, theirs, mine)
             if wrong is not None:
                 raise errors.ClusterError(f"the Ray host actors did not start: {wrong}.")

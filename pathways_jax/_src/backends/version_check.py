@@ -62,4 +62,15 @@ def host_mismatch(host: int, node: str, theirs: dict | None, mine: dict) -> str 
     )
 
 
-__all__ = ["host_mismatch", "said", "version_mismatch", "versions"]
+def host_unloadable(host: int, why: str, mine: dict) -> str:
+    """Why host actor ``host`` did not start where Ray could not load this process's host actor on
+    its node (``why``: Ray's last line, such as a method or module it lacks there)."""
+    return (
+        f"host {host} could not load this process's host actor on its node ({why}): the node has "
+        f"another pathways_jax, or none, where this process runs {said(mine)}. The host actors run the "
+        "pathways_jax and jax installed on the node Ray starts them on: install this process's on every "
+        f"node of the Ray cluster ({_install(mine)}), or start this process from the nodes' environment"
+    )
+
+
+__all__ = ["host_mismatch", "host_unloadable", "said", "version_mismatch", "versions"]
