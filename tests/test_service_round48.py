@@ -6,6 +6,8 @@ costs seconds. Results are compared with plain ``jax.jit`` on the same inputs.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -222,11 +224,13 @@ def test_result_with_a_timeout_ends_at_about_its_deadline_during_a_large_fetch(s
     np.testing.assert_array_equal(out.result(timeout=30), want)
 
 
-def test_a_run_done_before_pw_shutdown_is_not_failed_by_it(service):
+def test_a_run_done_before_pw_shutdown_is_not_failed_by_it(service, caplog):
     # A client that read its last run's value and called pw.shutdown() (or exited) was told, in a
     # WARNING, that the run "failed while executing: ClusterError: this process left the controller
     # service", and it counted as failed: the run's completion, still to be accounted, was read
     # after the close as the close's error.
+    import logging
+
     _join(service, "clean-exit")
     f = pw.jit(lambda v: v * 2, devices=pw.devices(mesh={"x": 4}), in_specs=pw.P("x"), out_specs=pw.P("x"))
     x = np.arange(8.0, dtype=np.float32)
@@ -234,7 +238,11 @@ def test_a_run_done_before_pw_shutdown_is_not_failed_by_it(service):
     np.testing.assert_array_equal(out.result(timeout=60), np.asarray(jax.jit(lambda v: v * 2)(x)))
     value = out._entry.array
     dispatcher = pw.cluster().backend.dispatcher
-    pw.shutdown()
+    with caplog.at_level(logging.WARNING):
+        pw.shutdown()
+    assert [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+    ] == []  # a clean exit says nothing
     assert dispatcher.closed
     assert [
         dispatcher.outcome(h, d, value.generation) for h, d in zip(value.hosts, value.dones, strict=True)
@@ -248,3 +256,172 @@ def test_a_run_done_before_pw_shutdown_is_not_failed_by_it(service):
     owed: concurrent.futures.Future = concurrent.futures.Future()
     with pytest.raises(pw.errors.ClusterError, match="left the controller service"):
         raise dispatcher.outcome(0, owed, value.generation)
+
+
+# --- round 49: client processes written from the README's service sections ----------------------
+
+
+def test_a_client_leaving_with_runs_in_flight_says_so_in_one_line(service, caplog):
+    # A process that left (pw.shutdown(), or its exit) with runs in flight logged a WARNING per run
+    # ("run N failed while executing: ClusterError: this process left ..."), as many as it had.
+    import logging
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    def fn(v):
+        return v * 2 + 1
+
+    x = np.arange(4096, dtype=np.float32)  # as _made_on_two_hosts: its executables again
+    _join(service, "leaves")
+    step = pw.jit(fn, devices=pw.devices(mesh={"x": 4}), in_specs=pw.P("x"), out_specs=pw.P("x"))
+    first = step(x)
+    np.testing.assert_array_equal(first.result(timeout=60), jax.jit(fn)(x))
+    outs = [step(first) for _ in range(48)]
+    with caplog.at_level(logging.WARNING):
+        pw.shutdown()
+    said = lines()
+    assert len(said) == 1 and "left the controller service" in said[0] and "in flight there" in said[0], said
+    runs = int(said[0].split(" with ")[1].split()[0])
+    assert 0 < runs <= 48, said
+    with pytest.raises(pw.errors.ClusterError, match="left the controller service"):
+        outs[-1].result(timeout=30)
+
+
+def _one_line_as_the_service_goes(service, name: str, caplog, seen_as) -> list[str]:
+    """Joins as ``name``, sends runs, then sees its service (``seen_as``: the actor this process asks
+    from then on) go or drop it, and sends more: the WARNING lines logged meanwhile."""
+    import logging
+
+    from helpers import wait_for
+
+    _join(service, name)
+    step = pw.jit(
+        lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 4}), in_specs=pw.P("x"), out_specs=pw.P("x")
+    )
+    x = np.arange(4096, dtype=np.float32)
+    backend = pw.cluster().backend
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        outs = [step(x) for _ in range(48)]
+        backend.service = seen_as
+        assert wait_for(lambda: backend.route.gone_now() is not None, timeout=20)
+        outs += [step(x) for _ in range(8)]  # (and the runs sent after it went)
+        for out in outs:
+            with contextlib.suppress(pw.errors.ClusterError):
+                out.result(timeout=30)
+        with pytest.raises(pw.errors.ClusterError, match=r"is gone|dropped this process"):
+            outs[-1].result(timeout=30)
+    pw.shutdown()
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_service_gone_or_dropping_this_process_with_runs_in_flight_is_said_in_one_line(
+    service, ray_cluster, caplog
+):
+    # The runs a gone service owed (or one that dropped this process) each logged "failed while
+    # executing: ... is gone" beside the line saying it went (with Ray's multi-line death notice).
+    class Dropping:  # as this process sees a service that dropped it (no actor: no worker to start)
+        class health:
+            @staticmethod
+            def remote(client=None):
+                return ray_cluster.put({"lost": {}, "generations": [0], "dropped": "it was silent for 31.0s"})
+
+    said = _one_line_as_the_service_goes(service, "dropped", caplog, Dropping())
+    assert len(said) == 1 and "'test-round48' dropped this process (it was silent for 31.0s)" in said[0], said
+
+    @ray_cluster.remote(num_cpus=0)
+    class Gone:  # the service's methods a client's health monitor calls
+        def health(self, client=None):
+            return {}
+
+        def slices(self, client, slices):
+            return None
+
+    gone = Gone.remote()
+    ray_cluster.kill(gone)  # as this process sees a service that died: its actor is gone
+    said = _one_line_as_the_service_goes(service, "sees-it-go", caplog, gone)
+    assert len(said) == 1 and "'test-round48' is gone (its Ray actor died: " in said[0], said
+    assert "\n" not in said[0]
+
+
+def test_typed_keys_sharded_over_hosts_go_to_each_host_as_its_own_blocks(service, monkeypatch):
+    # Typed PRNG keys (jax.random.key) over the island's two hosts went whole to each host: their
+    # raw data was not cut as numpy arguments are. Results bit-identical to jax.jit.
+    _join(service, "key-blocks")
+    keys = jax.random.split(jax.random.key(7), 8192)  # raw data: 64 KiB (ray_places.SPLIT_BYTES)
+    raw = np.asarray(jax.random.key_data(keys))
+
+    def fn(k):  # each host's keys as they came (a random draw would compile for seconds)
+        return jax.random.key_data(k) * 3 + 1
+
+    want = np.asarray(jax.jit(fn)(keys))
+    f = pw.jit(fn, devices=pw.devices(mesh={"x": 4}), in_specs=(pw.P("x"),), out_specs=pw.P("x"))
+    f(keys).block_until_ready()  # its plan goes to the hosts with the first run
+    before = pw.cluster().backend.host_stats()
+    sent = _spy_on_fed_bytes(monkeypatch)
+    got = f(keys).result(timeout=60)
+    monkeypatch.undo()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert len(sent) == 2 and raw.nbytes <= sum(sent) <= raw.nbytes + 2048, (sent, raw.nbytes)
+    after = pw.cluster().backend.host_stats()
+    assert [after[h]["fed_bytes"] - before[h]["fed_bytes"] for h in (0, 1)] == [raw.nbytes // 2] * 2
+
+
+class _Answer:
+    """A host actor's method: ``.remote()`` gives its answer (or the error it raises) at once."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def remote(self):
+        return self.answer
+
+
+class _Ray:
+    def get(self, ref, timeout=None):
+        if isinstance(ref, BaseException):
+            raise ref
+        return ref
+
+
+def test_ray_hosts_of_another_version_are_refused_at_start_naming_both():
+    # Ray starts a host actor with the pathways_jax and jax of the node it lands on, another
+    # version where that node's environment is older: nothing compared them with the controller's
+    # (a service's client processes are checked at join), so they misread each other later.
+    # Hosts that answer as another version does (a real one costs a host start: seconds).
+    from pathways_jax._src.backends import ray_fleet
+    from pathways_jax._src.backends.ray_boot import Layout
+    from pathways_jax._src.backends.service_client import versions
+
+    ours = versions()
+    other = dict(ours, pathways_jax="0.0.9")
+
+    def start(*answers):
+        fleet = object.__new__(ray_fleet.HostActors)
+        fleet.ray, fleet.layout = _Ray(), Layout(len(answers), 1, len(answers))
+        fleet.actors = [type("Host", (), {"versions": _Answer(answer)})() for answer in answers]
+        fleet.start()
+
+    with pytest.raises(
+        pw.errors.ClusterError,
+        match=r"host 1 \(on node node-b\) runs pathways_jax 0\.0\.9 \(wire format \d+, jax "
+        rf"{jax.__version__}\), this process pathways_jax {pw.__version__} .*install this process's on "
+        rf"every node .*\(pip install pathways-jax=={pw.__version__} jax=={jax.__version__}\)",
+    ):
+        start((ours, "node-a"), (other, "node-b"))
+    # A node whose pathways_jax lacks a method of this one's host actor (an older one: Ray loads the
+    # class there by name, its methods too) or has none: Ray's import failure, named for what it is.
+    failed = RuntimeError(
+        "The actor with name Host failed to import on the worker. This may be because needed library "
+        "dependencies are not installed in the worker environment:\n\nAttributeError: Can't get "
+        "attribute 'Host.versions' on <module 'pathways_jax._src.backends.ray_host.actor'>"
+    )
+    with pytest.raises(
+        pw.errors.ClusterError,
+        match=r"host 0 could not load this process's host actor on its node \(AttributeError: Can't get "
+        rf"attribute 'Host.versions' .*\): the node has another pathways_jax, or none, .*pip install "
+        rf"pathways-jax=={pw.__version__}",
+    ):
+        start(failed)

@@ -27,5 +27,7 @@ the lost message); ``ray_failures`` (what hosts' failures raise); ``ray_fleet`` 
 (``colocated_python`` calls sent to the hosts, their outputs' handles); ``ray_start`` (starting
 it); ``ray_host`` (the host side: its records, values, data plane, steps and actor);
 ``host_link`` (how hosts are reached); ``channel_link`` (over ZeroMQ); ``service_client`` (a
-service's client process); ``service_route`` (its route: batches to the service).
+service's client process); ``service_route`` (its route: batches to the service);
+``version_check`` (the versions a service and its clients, or a controller and its host actors,
+must share, and what is said when they differ).
 """

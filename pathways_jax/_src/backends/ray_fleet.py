@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import jax
 from absl import logging
 
-from pathways_jax._src.backends import ray_host
+from pathways_jax._src.backends import ray_host, version_check
 from pathways_jax._src.backends.host_link import Link
 from pathways_jax._src.backends.ray_boot import Layout, check_cpus, check_gpus
 from pathways_jax._src.backends.ray_failures import is_lost_error
@@ -204,6 +204,7 @@ class HostActors:
     def start(self) -> list[dict]:
         """Joins each island's hosts into one ``jax.distributed`` system; what each host said."""
         layout = self.layout
+        self.check_versions(range(layout.hosts), self.actors, START_TIMEOUT_S)
         # Every host reaches the Ray cluster's address: its route names the host's own.
         reach = self.ray.get_runtime_context().gcs_address
         coordinators: dict[int, str | None] = {}
@@ -237,6 +238,26 @@ class HostActors:
         self.info = info
         return info
 
+    def check_versions(self, hosts: Any, actors: list, timeout: float) -> None:
+        """Refuses host actors (``actors``, of ``hosts``) whose pathways_jax, wire format or jax differ
+        from this process's: Ray starts each with what its node has installed, which on another node
+        may be another version (a ClusterError naming the host, its node and both sides' versions)."""
+        mine = version_check.versions()
+        refs = [actor.versions.remote() for actor in actors]
+        for h, ref in zip(hosts, refs, strict=True):
+            try:
+                theirs, node = self.ray.get(ref, timeout=timeout)
+            except Exception as exc:
+                # Ray loads the actor class on the node by name, methods included: a node whose
+                # pathways_jax lacks one of this process's (an older one, or none) fails to import it.
+                if "failed to import on the worker" not in str(exc):
+                    raise
+                unloadable = version_check.host_unloadable(h, str(exc).strip().splitlines()[-1], mine)
+                raise errors.ClusterError(f"the Ray host actors did not start: {unloadable}.") from exc
+            wrong = version_check.host_mismatch(h, node, theirs, mine)
+            if wrong is not None:
+                raise errors.ClusterError(f"the Ray host actors did not start: {wrong}.")
+
     def _setup(self, hosts: Any, actors: list, roles: list[Role], timeout: float) -> list[dict]:
         link, island_of = self.link, self.layout.island_of
         return self.ray.get(
@@ -260,6 +281,7 @@ class HostActors:
                 ray.kill(self.actors[member], no_restart=True)
         new = [self.new_actor(member) for member in members]
         try:
+            self.check_versions(members, new, timeout)
             reach = ray.get_runtime_context().gcs_address
             many = self.layout.per_island > 1
             coordinator = ray.get(new[0].address.remote(reach), timeout=timeout) if many else None

@@ -9,6 +9,7 @@ client each hold one.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 from pathways_jax._src.backends.ray_boot import Layout
 from pathways_jax._src.backends.ray_host import (
     Blocks,
+    KeyData,
     NamedDesc,
     ShardingDesc,
     SingleDesc,
@@ -29,6 +31,12 @@ from pathways_jax._src.core import errors
 # An argument over several hosts smaller than this goes whole to each: the hosts' equal messages
 # go as one broadcast (channel_link), cheaper than a message each; a larger one, each host's blocks.
 SPLIT_BYTES = 64 * 1024
+
+
+@functools.cache
+def _key_words_ndim(impl: str) -> int:
+    """The trailing dimensions a typed key of implementation ``impl`` adds to its raw data (its words)."""
+    return len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
 
 
 class Places:
@@ -71,24 +79,33 @@ class Places:
     def fed(self, data: Any, desc: ShardingDesc, host: int) -> Any:
         """What host ``host`` is sent of argument ``data`` (numpy, or typed keys' wire form) placed by
         ``desc``: only the blocks its own devices hold, where the value spans several hosts (and has
-        ``SPLIT_BYTES`` at least); else all."""
-        if (
-            not isinstance(data, np.ndarray)
-            or isinstance(desc, SingleDesc)
-            or not data.ndim
-            or data.nbytes < SPLIT_BYTES
-        ):
+        ``SPLIT_BYTES`` at least); else all. Typed keys' raw data is cut as the keys are (each key's
+        own words whole)."""
+        if isinstance(data, KeyData):
+            raw = data.data
+            if not isinstance(raw, np.ndarray):
+                return data
+            blocks = self._split(raw, raw.shape[: raw.ndim - _key_words_ndim(data.impl)], desc, host)
+            return data if blocks is raw else KeyData(blocks, data.impl)
+        if not isinstance(data, np.ndarray):
             return data
-        key = (desc, data.shape, host)
+        return self._split(data, data.shape, desc, host)
+
+    def _split(self, data: np.ndarray, shape: tuple[int, ...], desc: ShardingDesc, host: int) -> Any:
+        """``data`` (of a value of ``shape``: its leading dimensions) as host ``host``'s blocks of it, or
+        ``data`` itself where it goes whole."""
+        if isinstance(desc, SingleDesc) or not shape or data.nbytes < SPLIT_BYTES:
+            return data
+        key = (desc, shape, host)
         if key not in self._blocks:
             if len(self._blocks) >= 4096:  # bounded: shapes and placements a process feeds are few
                 self._blocks.clear()
-            self._blocks[key] = self._blocks_of(desc, data.shape, host)
+            self._blocks[key] = self._blocks_of(desc, shape, host)
         blocks = self._blocks[key]
         if blocks is None:
             return data
         return Blocks(
-            data.shape,
+            shape,
             [(bounds, np.ascontiguousarray(data[tuple(slice(*b) for b in bounds)])) for bounds in blocks],
         )
 

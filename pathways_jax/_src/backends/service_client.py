@@ -48,7 +48,8 @@ from pathways_jax._src.backends.ray_places import Places
 from pathways_jax._src.backends.ray_send import Sender
 from pathways_jax._src.backends.ray_values import RemoteArray
 from pathways_jax._src.backends.service_route import ServiceRoute
-from pathways_jax._src.core import checks, errors, reentry
+from pathways_jax._src.backends.version_check import version_mismatch, versions
+from pathways_jax._src.core import checks, errors, events, reentry
 
 if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
@@ -106,42 +107,6 @@ def find(ray: Any, name: str, what: str) -> Any:
             f"({ray.get_runtime_context().gcs_address}); start one with pw.serve({name!r}, hosts=...) or "
             f"`python -m pathways_jax --name {name} serve --hosts N`."
         ) from exc
-
-
-def versions() -> dict[str, str]:
-    """What a client process and its service must share to understand each other: the versions of
-    pathways_jax, of its wire format and of jax (whose exported computations the hosts compile)."""
-    import jax
-
-    from pathways_jax._src import wire
-    from pathways_jax._src.core import version
-
-    return {
-        "pathways_jax": version.VERSION,
-        "wire": str(wire.WIRE_VERSION),
-        "jax": jax.__version__,
-    }
-
-
-def _said(have: dict | None) -> str:
-    if have is None:
-        return "a pathways_jax older than its version check at join (before wire format 1)"
-    return f"pathways_jax {have.get('pathways_jax')} (wire format {have.get('wire')}, jax {have.get('jax')})"
-
-
-def version_mismatch(client: dict | None, service: dict | None) -> str | None:
-    """Why a client process of ``client``'s versions cannot join a service of ``service``'s (None:
-    they match). ``None`` for either: a version from before the check."""
-    if client is not None and service is not None and client == service:
-        return None
-    wanted = "" if service is None else f"=={service.get('pathways_jax')}"
-    jax_wanted = "" if service is None else f" jax=={service.get('jax')}"
-    return (
-        f"the service runs {_said(service)}, this process {_said(client)}: "
-        "their messages would be misread. Run this process with the service's versions (pip install "
-        f"pathways-jax{wanted}{jax_wanted}), or start a service from this process's environment "
-        f"(`python -m pathways_jax --name NAME serve ...` there) and join that one"
-    )
 
 
 class Token:
@@ -280,6 +245,7 @@ class ServiceBackend:
         self.shape = {k: joined[k] for k in ("hosts", "devices_per_host", "per_island", "platform")}
         self.shape["replace_lost_hosts"] = joined.get("replace_lost_hosts", True)
         self._token = token
+        self._said: list[str] = []  # causes of runs' failures said once (events.said_once), until the close
         self.channel = joined["channel"]  # the service's channel, this process's identity there
         self.sender = Sender(layout)  # what each host has and is to free (the service numbers)
         self.route = ServiceRoute(self.service_name, self.channel, self.losses, self.refresh)
@@ -545,7 +511,8 @@ class ServiceBackend:
                 self._answered = time.monotonic()
                 self._silence()  # looked at now: a later look that comes late is this process's pause
                 self._apply(health)
-                if "dropped" in health:  # it answers this process nothing more: said once
+                if "dropped" in health:  # it answers this process nothing more: said once (not once a run)
+                    self._say_once(self.route.dropped_message(health["dropped"]))
                     self.route.dropped(health["dropped"])
                     logging.warning(
                         "pathways_jax: the controller service %r dropped this process (%s); its programs "
@@ -563,30 +530,41 @@ class ServiceBackend:
                 if self.closed or not self.ray.is_initialized():
                     return
                 if isinstance(exc, _Silent):  # said once: every later call fails saying so too
-                    self.route.fail_owed(str(exc))
-                    logging.warning(
-                        "pathways_jax: the controller service %r is gone (%s); this process's programs fail until "
-                        "pw.shutdown() and pw.init(...) join a running one.",
-                        self.service_name,
-                        exc,
-                    )
+                    self._gone(str(exc))
                     return
                 if is_lost_error(exc):  # said once: every later call fails saying so too
-                    self.route.fail_owed(f"its Ray actor died: {type(exc).__name__}")
-                    logging.warning(
-                        "pathways_jax: the controller service %r is gone (%s); this process's programs "
-                        "fail until pw.shutdown() and pw.init(...) join a running one.",
-                        self.service_name,
-                        exc,
-                    )
+                    self._gone(f"its Ray actor died: {type(exc).__name__}")
                     return
                 logging.warning("pathways_jax: asking the controller service about its hosts failed: %s", exc)
             time.sleep(_HEALTH_S)
 
+    def _gone(self, why: str) -> None:
+        """The service is gone (``why``): what it owes fails, said in one line here (each run that fails
+        for it logs no line of its own) and by every later call."""
+        self._say_once(self.route.gone_message(HostGone(-1, why)))
+        self.route.fail_owed(why)
+        logging.warning(
+            "pathways_jax: the controller service %r is gone (%s); this process's programs fail until "
+            "pw.shutdown() and pw.init(...) join a running one.",
+            self.service_name,
+            why,
+        )
+
+    def _say_once(self, cause: str) -> None:
+        """Runs failing with ``cause`` log no line of their own until this side's close ends (events.said_once)."""
+        self._said.append(cause)
+        events.said_once(cause)
+
     def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
         """Leaves the service (its values and plans are released there) and stops this side's threads."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.closed:
+        # The runs in flight fail with the close's error from here: said in one line (below), not one a
+        # run. Said until the close that finds this side closed (the cluster's last, its controller stopped).
+        if self.closed:
+            for cause in self._said:
+                events.unsaid(cause)
+        else:
+            self._say_once(f"ClusterError: {self.dispatcher.closed_message}")
             self.dispatcher.closed = True
             try:
                 with contextlib.suppress(Exception):
@@ -595,11 +573,25 @@ class ServiceBackend:
             finally:  # also under Ctrl-C: the token's end is this process's leave, and its channel heartbeats
                 with contextlib.suppress(Exception):
                     self.ray.kill(self._token)
-                self.route.close()
+                self._said_left(self.route.close())
         for thread in self._threads:
             if thread is threading.current_thread():
                 continue
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _said_left(self, runs: int) -> None:
+        """Says in one line that ``runs`` runs were in flight as this process left (none: nothing said);
+        each of them fails with the close's error, which logs no line of its own."""
+        if not runs:
+            return
+        logging.warning(
+            "pathways_jax: this process left the controller service %r with %d run%s in flight there; "
+            "their values went with it (reading one raises ClusterError). Call .result() before "
+            "pw.shutdown() to keep a value.",
+            self.service_name,
+            runs,
+            "" if runs == 1 else "s",
+        )
 
 
 class _Silent(Exception):

@@ -53,6 +53,7 @@ class ServiceRoute:
         self.left = False  # this process left the service (closed its side)
         self._batches = 0
         self._owed: dict[int, list[concurrent.futures.Future]] = {}  # batch -> its answers' futures
+        self._runs_owed: set[int] = set()  # those of the owed batches that carry a run
         self._owed_lock = threading.Lock()
         self._gone: str | None = None  # why the service will answer nothing more
         # Fetch batches whose value comes straight here: batch -> the host it comes from.
@@ -125,15 +126,19 @@ class ServiceRoute:
                 "exit), and its values there went with it. Call .result() before pw.shutdown() to keep a value."
             )
         if self.dropped_why is not None:
-            return (
-                f"the controller service {self.service_name!r} dropped this process: {self.dropped_why}. "
-                "Call pw.shutdown() and pw.init(...) to join it again."
-            )
+            return self.dropped_message(self.dropped_why)
         # The route's own HostGone (host -1) says what it knows; a Ray error names its class.
         why = exc.why if isinstance(exc, HostGone) and exc.host < 0 else f"{type(exc).__name__}: {exc}"
         return (
             f"the controller service {self.service_name!r} is gone ({why}). Call pw.shutdown(), start "
             "the service again and pw.init(...) to join it."
+        )
+
+    def dropped_message(self, why: str) -> str:
+        """What a read says once the service dropped this process for ``why``, and what to do."""
+        return (
+            f"the controller service {self.service_name!r} dropped this process: {why}. "
+            "Call pw.shutdown() and pw.init(...) to join it again."
         )
 
     def silent_for(self, at_most: float) -> float:
@@ -175,6 +180,8 @@ class ServiceRoute:
                     future.set_exception(HostGone(-1, self._gone))
                 return futures
             self._owed[seq] = futures
+            if run is not None:
+                self._runs_owed.add(seq)
             if len(batch) == 1 and batch[0][1] == "fetch":  # its value comes straight from the host
                 self._direct[seq] = batch[0][0]
         try:
@@ -187,6 +194,7 @@ class ServiceRoute:
         except wire.ChannelError as exc:  # this batch fails; the health monitor says if the service went
             with self._owed_lock:
                 self._owed.pop(seq, None)
+                self._runs_owed.discard(seq)
             for future in futures:
                 if not future.done():
                     future.set_exception(HostGone(-1, f"it took no message: {exc}"))
@@ -208,6 +216,7 @@ class ServiceRoute:
                         self._sent_at[seq] = time.monotonic()
                         return  # the host sent the value here: fetched_here settles it
                     futures = self._owed.pop(seq, None)
+                    self._runs_owed.discard(seq)
                     self._direct.pop(seq, None)
                     self._sent_at.pop(seq, None)
                 if futures is None:
@@ -275,6 +284,7 @@ class ServiceRoute:
             self._gone = why
             owed = [f for futures in self._owed.values() for f in futures]
             self._owed.clear()
+            self._runs_owed.clear()
             self._direct.clear()
             self._sent_at.clear()
         for future in owed:
@@ -286,9 +296,13 @@ class ServiceRoute:
         self.dropped_why = why
         self.fail_owed(f"it dropped this process: {why}")
 
-    def close(self) -> None:
-        """Fails what is still owed (this process left) and closes both channels."""
+    def close(self) -> int:
+        """Fails what is still owed (this process left) and closes both channels. Returns how many
+        runs it failed: sent, their answers still to come (a run answered before has its values)."""
         self.left = True
+        with self._owed_lock:
+            runs = 0 if self._gone is not None else len(self._runs_owed)
         self.fail_owed("this process left it")
         self.peer.close()
         self.inbox.close()
+        return runs

@@ -20,7 +20,8 @@ the arrays (or markers) whose readiness ends that work, which the recorder
 polls off the emitting thread.
 
 :func:`run_failed` also logs, through ``absl.logging``, a failed run (WARNING)
-whether or not a trace is recorded.
+whether or not a trace is recorded, unless its cause was said once for all the
+runs it fails (:func:`said_once`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ __all__ = [
     "Waited",
     "now",
     "run_failed",
+    "said_once",
+    "unsaid",
 ]
 
 now = time.perf_counter_ns
@@ -221,9 +224,29 @@ Event = (
 SINK: Callable[[Event], None] | None = None
 
 
+# The causes said once for all the runs they fail (see said_once), as the end of a run's message.
+_SAID: set[str] = set()
+
+
+def said_once(cause: str) -> None:
+    """A run failing from now on with ``cause`` (its error's text: the message ends with it) logs no
+    line of its own, as the cause was said once for all of them: a client process that left its
+    controller service with runs in flight says how many in one line, not one line a run. The
+    sink still hears of each. :func:`unsaid` undoes it."""
+    _SAID.add(cause)
+
+
+def unsaid(cause: str) -> None:
+    """Runs failing with ``cause`` log their own lines again (undoes :func:`said_once`)."""
+    _SAID.discard(cause)
+
+
 def run_failed(run: int, client: str, message: str) -> None:
-    """The controller failed run ``run``: logs ``message`` (WARNING) and tells the sink."""
-    logging.warning("%s", message)
+    """The controller failed run ``run``: logs ``message`` (WARNING, unless its cause was said
+    once: :func:`said_once`) and tells the sink."""
+    said = _SAID
+    if not (said and message.endswith(tuple(said))):
+        logging.warning("%s", message)
     sink = SINK
     if sink is not None:
         sink(RunFailed(run, client, message, now()))

@@ -207,6 +207,15 @@ class Host:
     async def ping(self) -> int:
         return self.index
 
+    async def versions(self) -> tuple[dict[str, str], str]:
+        """This host's versions of pathways_jax, its wire format and jax (those installed on its
+        node), and the node's name: the controller refuses a host of other versions at its start."""
+        import socket
+
+        from pathways_jax._src.backends.version_check import versions
+
+        return versions(), socket.gethostname()
+
     async def arm(self, fault: Fault) -> None:
         """Holds ``fault`` until the run it strikes in (``pw.faults``); one for now strikes just after this answer."""
         self.faults.arm(fault)

@@ -15,8 +15,8 @@ from pathways_jax._src.backends.ray_host.answers import SMALL_BYTES
 class KeyData(NamedTuple):
     """Typed PRNG keys on their way between the controller and a host: raw data and implementation.
 
-    ``data``: ``jax.random.key_data`` of the keys (numpy, or a host's
-    :class:`Shards` of it); ``impl``: the implementation's name
+    ``data``: ``jax.random.key_data`` of the keys (numpy, a host's
+    :class:`Shards` of it, or the :class:`Blocks` of it a host is fed); ``impl``: the implementation's name
     (``"threefry2x32"``, ``"rbg"``, ...), for ``jax.random.wrap_key_data``.
     """
 
@@ -39,7 +39,13 @@ def from_wire(data: Any) -> Any:
     if isinstance(data, KeyData):
         import jax
 
-        return jax.random.wrap_key_data(data.data, impl=data.impl)
+        raw = data.data
+        if isinstance(raw, Blocks):  # this host's blocks of the keys' raw data: keys block by block
+            return Blocks(
+                raw.shape,
+                [(bounds, jax.random.wrap_key_data(block, impl=data.impl)) for bounds, block in raw.parts],
+            )
+        return jax.random.wrap_key_data(raw, impl=data.impl)
     return data
 
 
@@ -144,7 +150,8 @@ class Shards(NamedTuple):
 class Blocks(NamedTuple):
     """What a host is fed of an argument sharded over several hosts: the blocks its own devices
     hold, ``(bounds, data)`` each, of a value of ``shape`` (not the whole value, which every host
-    of it would otherwise receive)."""
+    of it would otherwise receive). Typed keys are fed as :class:`KeyData` around the blocks of
+    their raw data (``shape``: the keys', each block with its keys' words whole)."""
 
     shape: tuple[int, ...]
     parts: list
