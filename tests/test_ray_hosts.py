@@ -544,10 +544,12 @@ def _stopped(pid: int) -> bool:
     return _state(pid) in ("T", "t")
 
 
-def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster, monkeypatch):
-    """A stopped host process: Ray still sees its actor alive, but its channel's heartbeats stop.
-    Within PATHWAYS_JAX_HUNG_S (10 s unless set; 4 here: heartbeats come every second) and a few
-    seconds its run fails with HostLostError; the next call is exact. A bad setting is refused."""
+@pytest.mark.timeout(300)  # several checks of the module's in one: see below
+def test_pw_faults_kills_a_host_now_then_a_hung_host_is_found_by_its_silence_killed_and_replaced(
+    ray_cluster, monkeypatch
+):
+    # Two checks on one pair of hosts (starting hosts costs seconds each): a host killed now, its
+    # island rebuilt; then the rebuilt host hung.
     for bad in ("soon", "0", "-4", "nan"):
         monkeypatch.setenv("PATHWAYS_JAX_HUNG_S", bad)
         with pytest.raises(pw.errors.ClusterError, match=rf"PATHWAYS_JAX_HUNG_S must be .*'{bad}'"):
@@ -555,6 +557,14 @@ def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster, mo
     HUNG_S = 4.0
     monkeypatch.setenv("PATHWAYS_JAX_HUNG_S", str(HUNG_S))
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    _pw_faults_kills_a_host_now_and_refuses_what_it_cannot_do(cluster)
+    _a_hung_host_is_found_by_its_silence_killed_and_replaced(cluster, HUNG_S)
+
+
+def _a_hung_host_is_found_by_its_silence_killed_and_replaced(cluster, HUNG_S):
+    """A stopped host process: Ray still sees its actor alive, but its channel's heartbeats stop.
+    Within PATHWAYS_JAX_HUNG_S (10 s unless set; 4 here: heartbeats come every second) and a few
+    seconds its run fails with HostLostError; the next call is exact. A bad setting is refused."""
     b = pw.devices(mesh={"x": 1}, island=1)
     f = pw.jit(lambda v: v * 2 + 1, devices=b)
     assert_matches(f(jnp.arange(4.0)), jnp.arange(4.0) * 2 + 1)
@@ -574,10 +584,9 @@ def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster, mo
     assert_matches(f(jnp.arange(4.0) + 2), (jnp.arange(4.0) + 2) * 2 + 1)
 
 
-def test_pw_faults_kills_a_host_now_and_refuses_what_it_cannot_do(ray_cluster):
+def _pw_faults_kills_a_host_now_and_refuses_what_it_cannot_do(cluster):
     """``pw.faults.kill_host(h)`` returns once the host is dead; its island is lost and rebuilt,
     and the next call is exact. Bad arguments and a lost host are refused by name."""
-    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
     b = pw.devices(mesh={"x": 1}, island=1)
     f = pw.jit(lambda v: jnp.sin(v) * 2, devices=b)
     x = jnp.arange(4.0)
