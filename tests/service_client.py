@@ -13,6 +13,9 @@ Modes:
   busy WEIGHT [PRIO [SIZE]]  a matmul loop on a SIZE-device slice (rows
                       split) under pw.client(NAME, weight=WEIGHT, priority=PRIO),
                       8 runs in flight, until stopped
+  busy-series SVC:WEIGHT:PRIO:SIZE ...  "busy" in each service SVC in turn (SERVICE
+                      is the first), each until DIR/stop-SVC appears, then leaves
+                      it and joins the next; its states are "running SVC", "done SVC"
   hold K              K values kept, then runs queued without end (to be killed)
   pause K             K values kept; once DIR/resume appears (the test stops and
                       resumes this process meanwhile), one more program, whose
@@ -64,6 +67,9 @@ def main() -> None:
         return (out / "stop").exists()
 
     try:
+        if mode == "busy-series":
+            busy_series(address, name, out, args, say)
+            return
         _wait_for(address, service, stopped)
         pw.init(backend="ray", address=address, service=service, client_name=name)
         if mode == "collective":
@@ -199,6 +205,25 @@ def busy(name: str, weight: float, priority: int, size: int, say, stopped) -> No
     )
     exact = bool(np.allclose(np.asarray(in_flight[-1].result(timeout=120)), want, atol=1e-5))
     say(state="done", runs=runs, exact=exact)
+
+
+def busy_series(address: str, name: str, out: pathlib.Path, services: list[str], say) -> None:
+    """``busy`` in each service in turn: one process for several (a process start costs seconds)."""
+    for entry in services:
+        service, weight, priority, size = entry.split(":")
+
+        def stopped(service=service) -> bool:
+            return (out / f"stop-{service}").exists() or (out / "stop").exists()
+
+        def said(service=service, **what) -> None:
+            say(**{**what, "state": f"{what['state']} {service}"})
+
+        _wait_for(address, service, stopped)
+        pw.init(backend="ray", address=address, service=service, client_name=name)
+        try:
+            busy(name, float(weight), int(priority), int(size), said, stopped)
+        finally:
+            pw.shutdown()
 
 
 def _holding(k: int, say) -> tuple:

@@ -31,8 +31,18 @@ def _host_stats(cluster, host):
 # --- the Ray backend --------------------------------------------------------------------------
 
 
-def test_results_equal_the_in_process_run_and_stay_on_the_host(ray_cluster):
+@pytest.mark.timeout(240)  # several checks of the module's in one: see below
+def test_two_hosts_run_functions_and_class_instances_and_give_their_failures_remote_tracebacks(ray_cluster):
+    # Four checks on one pair of hosts (starting hosts costs seconds each), in this order: the
+    # hosts' counts of colocated functions and objects start from none.
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    _results_equal_the_in_process_run_and_stay_on_the_host(cluster)
+    _a_class_instance_keeps_its_state_on_its_host_until_deleted(cluster)
+    _a_function_that_raises_gives_its_remote_traceback()
+    _a_call_with_no_outputs_raises_its_failure_at_the_next_call()
+
+
+def _results_equal_the_in_process_run_and_stay_on_the_host(cluster):
     s = pw.devices(mesh={"x": 1}, island=1)
     x = pw.jit(lambda v: v + 1, devices=s, out_specs=pw.P())(jnp.arange(6.0).reshape(2, 3))
     y = jax.device_put(jnp.ones((2, 3)), s.sharding(None))  # an array of this process: goes with the call
@@ -84,8 +94,7 @@ def test_out_specs_fn_makes_every_call_return_at_once_and_a_captured_mesh_names_
     assert_matches(doubled, (jnp.arange(8.0) * 3).reshape(2, 4).sum(axis=1) * 2)
 
 
-def test_a_class_instance_keeps_its_state_on_its_host_until_deleted(ray_cluster):
-    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+def _a_class_instance_keeps_its_state_on_its_host_until_deleted(cluster):
     s = pw.devices(mesh={"x": 1}, island=1)
 
     @colocated.colocated_python_class
@@ -113,8 +122,7 @@ def test_a_class_instance_keeps_its_state_on_its_host_until_deleted(ray_cluster)
     assert second.add(one).result().tolist() == [102] * 3
 
 
-def test_a_function_that_raises_gives_its_remote_traceback(ray_cluster):
-    pw.init(backend="ray", hosts=2, devices_per_host=1)
+def _a_function_that_raises_gives_its_remote_traceback():
     s = pw.devices(mesh={"x": 1}, island=1)
     x = jax.device_put(jnp.ones(2), s.sharding(None))
 
@@ -140,8 +148,7 @@ def test_a_function_that_raises_gives_its_remote_traceback(ray_cluster):
         colocated.colocated_python(broken)(x)
 
 
-def test_a_call_with_no_outputs_raises_its_failure_at_the_next_call(ray_cluster):
-    pw.init(backend="ray", hosts=1, devices_per_host=1)
+def _a_call_with_no_outputs_raises_its_failure_at_the_next_call():
     s = pw.devices(mesh={"x": 1})
     x = jax.device_put(jnp.ones(2), s.sharding(None))
 
@@ -211,6 +218,7 @@ def _global_batch(step):
     return np.stack([rows + 10 * step, -rows], axis=1)
 
 
+@pytest.mark.timeout(240)  # several checks of the module's in one: see below
 def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(ray_cluster, tmp_path):
     """Grain iterators on the hosts feed a program; their positions (Grain's own iterator state) are
     checkpointed with the training state by Orbax (the state written by the hosts), and both are
@@ -218,6 +226,8 @@ def test_host_iterators_feed_a_program_and_their_state_survives_a_host_restart(r
     import orbax.checkpoint as ocp
 
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1, islands=1)
+    # First, on the same hosts (starting hosts costs seconds each): iterators that end or raise.
+    _a_finite_host_iterator_ends_the_loop_and_one_that_raises_raises_at_next()
     s = pw.devices(mesh={"x": 2})  # one device on each host of the island
     batch = {"x": jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))}
     batches = colocated.HostIterator(_grain_rows, batch)
@@ -319,10 +329,9 @@ def _sum_loop(batches, s):
     return acc, taken
 
 
-def test_a_finite_host_iterator_ends_the_loop_and_one_that_raises_raises_at_next(ray_cluster):
+def _a_finite_host_iterator_ends_the_loop_and_one_that_raises_raises_at_next():
     """Batches are made ahead (prefetch) on the hosts, yet the loop ends after exactly the batches the
     hosts' iterators gave, no program sees a batch that was not made, and the position is the loop's."""
-    pw.init(backend="ray", hosts=2, devices_per_host=1, islands=1)
     s = pw.devices(mesh={"x": 2})
     batch = {"x": jax.ShapeDtypeStruct((4, 2), np.float32, sharding=s.sharding("x"))}
     batches = colocated.HostIterator(_three_rows, batch, prefetch=2)

@@ -78,8 +78,15 @@ def test_killed_host_fails_its_futures_and_the_next_run_moves(ray_cluster):
     assert after["lowerings"] - before["lowerings"] == 1
 
 
-def test_a_slow_host_is_not_declared_lost(ray_cluster):
+@pytest.mark.timeout(300)  # several checks of the module's in one: see below
+def test_a_slow_host_is_not_declared_lost_and_shutdown_stops_the_host_actors(ray_cluster):
+    # Two checks on one pair of hosts (starting hosts costs seconds each).
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    _a_slow_host_is_not_declared_lost(cluster)
+    _shutdown_stops_the_host_actors(cluster, ray_cluster)
+
+
+def _a_slow_host_is_not_declared_lost(cluster):
     a = pw.devices(mesh={"x": 1}, island=0)
     m = jax.random.normal(jax.random.key(1), (256, 256)) / 16
     slow = pw.jit(lambda v: _slow(v, m, 16000), devices=a)
@@ -96,8 +103,7 @@ def test_a_slow_host_is_not_declared_lost(ray_cluster):
     assert all(not isl_lost for isl_lost in [i in cluster.resources.lost for i in range(2)])
 
 
-def test_shutdown_stops_the_host_actors(ray_cluster):
-    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+def _shutdown_stops_the_host_actors(cluster, ray_cluster):
     actors = list(cluster.backend.actors)
     assert ray_cluster.get([h.ping.remote() for h in actors], timeout=60) == [0, 1]
     pw.shutdown()
@@ -208,9 +214,19 @@ def test_hosts_follow_a_64_bit_mode_turned_on_after_init(ray_cluster):
     pw.shutdown()
 
 
-def test_a_program_with_a_python_callback_is_refused_at_the_call_naming_its_line(ray_cluster):
-    pw.init(backend="ray", hosts=1, devices_per_host=1)
+@pytest.mark.timeout(300)  # several checks of the module's in one: see below
+def test_two_hosts_refuse_callbacks_fail_only_broken_runs_with_tracebacks_and_hold_back_only_busy_ones(
+    ray_cluster, monkeypatch
+):
+    # Four checks on one pair of hosts (starting hosts costs seconds each).
+    pw.init(backend="ray", hosts=2, devices_per_host=1)
+    _a_program_with_a_python_callback_is_refused_at_the_call_naming_its_line()
+    _a_plan_a_host_cannot_load_fails_its_own_runs_only_and_their_readers_say_why(monkeypatch)
+    _a_host_failure_reaches_the_user_with_the_host_s_traceback(monkeypatch)
+    _a_busy_host_holds_back_only_its_own_runs()
 
+
+def _a_program_with_a_python_callback_is_refused_at_the_call_naming_its_line():
     @pw.program
     def noisy(v):
         jax.debug.print("v = {}", v)  # the line the error must name
@@ -223,12 +239,9 @@ def test_a_program_with_a_python_callback_is_refused_at_the_call_naming_its_line
     assert_matches(pw.program(lambda v: v + 1)(jnp.ones(3)), jnp.ones(3) + 1)
 
 
-def test_a_plan_a_host_cannot_load_fails_its_own_runs_only_and_their_readers_say_why(
-    ray_cluster, monkeypatch
-):
+def _a_plan_a_host_cannot_load_fails_its_own_runs_only_and_their_readers_say_why(monkeypatch):
     from pathways_jax._src.compile import node_compiler
 
-    pw.init(backend="ray", hosts=2, devices_per_host=1)
     a = pw.devices(mesh={"x": 1}, island=0)
     real_compile = node_compiler.compile_node
 
@@ -261,10 +274,9 @@ def test_a_plan_a_host_cannot_load_fails_its_own_runs_only_and_their_readers_say
     assert_matches(pw.jit(lambda v: v - 5, devices=a)(jnp.ones(3)), jnp.ones(3) - 5)
 
 
-def test_a_host_failure_reaches_the_user_with_the_host_s_traceback(ray_cluster, monkeypatch):
+def _a_host_failure_reaches_the_user_with_the_host_s_traceback(monkeypatch):
     from pathways_jax._src.compile import node_compiler
 
-    pw.init(backend="ray", hosts=2, devices_per_host=1)
     a = pw.devices(mesh={"x": 1}, island=1)
     real_compile = node_compiler.compile_node
 
@@ -290,10 +302,9 @@ def test_a_host_failure_reaches_the_user_with_the_host_s_traceback(ray_cluster, 
     assert "deserialize" in note
 
 
-def test_a_busy_host_holds_back_only_its_own_runs(ray_cluster):
+def _a_busy_host_holds_back_only_its_own_runs():
     from pathways_jax._src.backends.ray import RUNS_IN_FLIGHT
 
-    pw.init(backend="ray", hosts=2, devices_per_host=1)
     busy = pw.devices(mesh={"x": 1}, island=0)
     idle = pw.devices(mesh={"x": 1}, island=1)
     m = jax.random.normal(jax.random.key(1), (128, 128)) / 12
@@ -322,10 +333,20 @@ def test_a_busy_host_holds_back_only_its_own_runs(ray_cluster):
     busy.release(), idle.release()
 
 
-def test_dropped_programs_are_forgotten_on_their_hosts(ray_cluster):
+@pytest.mark.timeout(300)  # several checks of the module's in one: see below
+def test_one_host_forgets_dropped_programs_consumes_donated_futures_and_keeps_each_output(ray_cluster):
+    # Three checks on one host (starting a host costs seconds), in this order: the first counts
+    # the host's executables down to none.
+    cluster = pw.init(backend="ray", hosts=1)
+    _dropped_programs_are_forgotten_on_their_hosts(cluster)
+    _hosts_consume_donated_futures_as_the_local_backend_does()
+    _every_output_is_a_buffer_of_its_own_on_the_hosts_as_under_jax_jit()
+    pw.shutdown()
+
+
+def _dropped_programs_are_forgotten_on_their_hosts(cluster):
     # A plan's finaliser only queues the forget (it may run inside any allocation,
     # on a thread holding the backend's lock); the next flush sends it.
-    cluster = pw.init(backend="ray", hosts=1)
     s = pw.devices(mesh={"x": 1})
     baseline = cluster.backend.host_stats()[0]["plans"]
     programs = [pw.jit(lambda v, i=i: v + i, devices=s) for i in range(3)]
@@ -355,13 +376,11 @@ def test_dropped_programs_are_forgotten_on_their_hosts(ray_cluster):
     assert wait_for(lambda: cluster.backend.host_stats()[0]["executables"] == 0, timeout=10)
     again = pw.jit(lambda v: v * 5, devices=s)
     np.testing.assert_array_equal(again(jnp.ones(2)).result(timeout=60), np.full(2, 5.0))
-    pw.shutdown()
 
 
-def test_hosts_consume_donated_futures_as_the_local_backend_does(ray_cluster):
+def _hosts_consume_donated_futures_as_the_local_backend_does():
     # Hosts compiled without donation: a donated future stayed readable and its buffer was kept
     # beside the run's outputs (twice the memory of a train step's state).
-    pw.init(backend="ray", hosts=1)
     s = pw.devices(mesh={"x": 1})
     step = pw.jit(lambda v: v * 2 + 1, devices=s, donate_argnums=0)
     make = pw.jit(lambda v: v + 1, devices=s)
@@ -378,14 +397,12 @@ def test_hosts_consume_donated_futures_as_the_local_backend_does(ray_cluster):
     ):
         first.result(timeout=60)
     np.testing.assert_array_equal(kept.result(timeout=60), jnp.arange(4.0) + 1)  # not donated: kept
-    pw.shutdown()
 
 
-def test_every_output_is_a_buffer_of_its_own_on_the_hosts_as_under_jax_jit(ray_cluster):
+def _every_output_is_a_buffer_of_its_own_on_the_hosts_as_under_jax_jit():
     # An EMA started from the parameters, then donated: on the hosts the two outputs were one
     # value under one key, so every step failed ("Attempt to donate the same buffer twice"),
     # and deleting one output freed the other.
-    pw.init(backend="ray", hosts=1)
     s = pw.devices(mesh={"x": 1})
     x = jnp.arange(4.0)
     want = jax.jit(init_with_ema)({"w": jnp.ones(4)})
@@ -405,7 +422,6 @@ def test_every_output_is_a_buffer_of_its_own_on_the_hosts_as_under_jax_jit(ray_c
     same.delete()
     np.testing.assert_array_equal(second.result(timeout=60), [0.0, 2.0, 4.0])
     np.testing.assert_array_equal(arg.result(timeout=60), [0.0, 1.0, 2.0])
-    pw.shutdown()
 
 
 def test_host_stats_report_each_host_process_and_its_cpu_seconds(ray_cluster):
@@ -528,10 +544,12 @@ def _stopped(pid: int) -> bool:
     return _state(pid) in ("T", "t")
 
 
-def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster, monkeypatch):
-    """A stopped host process: Ray still sees its actor alive, but its channel's heartbeats stop.
-    Within PATHWAYS_JAX_HUNG_S (10 s unless set; 4 here: heartbeats come every second) and a few
-    seconds its run fails with HostLostError; the next call is exact. A bad setting is refused."""
+@pytest.mark.timeout(300)  # several checks of the module's in one: see below
+def test_pw_faults_kills_a_host_now_then_a_hung_host_is_found_by_its_silence_killed_and_replaced(
+    ray_cluster, monkeypatch
+):
+    # Two checks on one pair of hosts (starting hosts costs seconds each): a host killed now, its
+    # island rebuilt; then the rebuilt host hung.
     for bad in ("soon", "0", "-4", "nan"):
         monkeypatch.setenv("PATHWAYS_JAX_HUNG_S", bad)
         with pytest.raises(pw.errors.ClusterError, match=rf"PATHWAYS_JAX_HUNG_S must be .*'{bad}'"):
@@ -539,6 +557,14 @@ def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster, mo
     HUNG_S = 4.0
     monkeypatch.setenv("PATHWAYS_JAX_HUNG_S", str(HUNG_S))
     cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
+    _pw_faults_kills_a_host_now_and_refuses_what_it_cannot_do(cluster)
+    _a_hung_host_is_found_by_its_silence_killed_and_replaced(cluster, HUNG_S)
+
+
+def _a_hung_host_is_found_by_its_silence_killed_and_replaced(cluster, HUNG_S):
+    """A stopped host process: Ray still sees its actor alive, but its channel's heartbeats stop.
+    Within PATHWAYS_JAX_HUNG_S (10 s unless set; 4 here: heartbeats come every second) and a few
+    seconds its run fails with HostLostError; the next call is exact. A bad setting is refused."""
     b = pw.devices(mesh={"x": 1}, island=1)
     f = pw.jit(lambda v: v * 2 + 1, devices=b)
     assert_matches(f(jnp.arange(4.0)), jnp.arange(4.0) * 2 + 1)
@@ -558,10 +584,9 @@ def test_a_hung_host_is_found_by_its_silence_killed_and_replaced(ray_cluster, mo
     assert_matches(f(jnp.arange(4.0) + 2), (jnp.arange(4.0) + 2) * 2 + 1)
 
 
-def test_pw_faults_kills_a_host_now_and_refuses_what_it_cannot_do(ray_cluster):
+def _pw_faults_kills_a_host_now_and_refuses_what_it_cannot_do(cluster):
     """``pw.faults.kill_host(h)`` returns once the host is dead; its island is lost and rebuilt,
     and the next call is exact. Bad arguments and a lost host are refused by name."""
-    cluster = pw.init(backend="ray", hosts=2, devices_per_host=1)
     b = pw.devices(mesh={"x": 1}, island=1)
     f = pw.jit(lambda v: jnp.sin(v) * 2, devices=b)
     x = jnp.arange(4.0)

@@ -90,9 +90,17 @@ def test_two_clients_collectives_in_opposite_device_orders_are_exact(ray_cluster
     assert stats[0]["runs"] >= 2 * n and stats[1]["runs"] >= 2 * n, stats
 
 
-def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
+@pytest.mark.timeout(360)  # several checks of the module's in one: see below
+def test_values_cross_hosts_then_a_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
+    # Two checks on one cluster of two islands of two hosts (starting four hosts costs seconds
+    # each): values cross the islands' hosts through the transfer servers, then a member dies.
     cluster = pw.init(backend="ray", hosts=4, devices_per_host=1, islands=2)
     assert [len(isl.devices) for isl in cluster.islands] == [2, 2]
+    _values_cross_hosts_through_the_transfer_servers(cluster)
+    _killed_member_loses_its_island_and_the_next_call_moves(cluster)
+
+
+def _killed_member_loses_its_island_and_the_next_call_moves(cluster):
     a = pw.devices(mesh={"x": 2}, island=0)
     b = pw.devices(mesh={"x": 2}, island=1)
     m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
@@ -157,8 +165,7 @@ def test_killed_member_loses_its_island_and_the_next_call_moves(ray_cluster):
     assert_matches(spread_sum(jnp.ones(8)), jnp.zeros(8))  # which keep serving
 
 
-def test_values_cross_hosts_through_the_transfer_servers(ray_cluster):
-    cluster = pw.init(backend="ray", hosts=4, devices_per_host=1, islands=2)
+def _values_cross_hosts_through_the_transfer_servers(cluster):
     a = pw.devices(mesh={"x": 2}, island=0)
     b = pw.devices(mesh={"x": 2}, island=1)
 
@@ -239,10 +246,10 @@ def test_source_killed_mid_transfer_fails_the_run_cleanly(ray_cluster):
     assert a.island == 1  # moved to the surviving island
 
 
-def test_init_checks_the_island_layout(ray_cluster):
+def _init_checks_the_island_layout(start_cluster):
     with pytest.raises(pw.errors.ClusterError, match=r"divides hosts=4"):
         pw.init(backend="ray", hosts=4, islands=3)
-    cluster = pw.init(backend="ray", hosts=2, devices_per_host=2, islands=1)
+    cluster = start_cluster()
     # One island of both hosts' devices: a value spanning the hosts is fetched whole.
     s = pw.devices(mesh={"x": 4})
     assert len(s.devices) == 4
@@ -281,9 +288,12 @@ def _host_pools_of_two_threads(monkeypatch) -> None:
     monkeypatch.setattr(ray_fleet.HostActors, "new_actor", new_actor_of_two_threads)
 
 
-def test_a_program_on_one_device_of_each_host_then_one_on_all_devices_do_not_hang_the_island(
+@pytest.mark.timeout(360)  # several checks of the module's in one: see below
+def test_init_checks_the_island_layout_and_a_program_on_one_device_of_each_host_then_one_on_all_do_not_hang(
     ray_cluster, monkeypatch
 ):
+    # Two checks on one island of two hosts (starting hosts costs seconds each): pw.init's check
+    # of the layout and an island spanning both hosts, then the hang below.
     # Host 0 has devices 0 and 1, host 1 devices 2 and 3. Run N: ``lone`` on
     # devices [1, 3] (one per host: XLA:CPU orders it only on its device),
     # waiting for a slow input. Run N+1: ``gang`` on all four (XLA orders it
@@ -292,7 +302,7 @@ def test_a_program_on_one_device_of_each_host_then_one_on_all_devices_do_not_han
     # host 0, in its part of ``lone`` waiting for host 1's, never launched the
     # gang: the island hung for good. The hosts now wait for ``lone`` first.
     _host_pools_of_two_threads(monkeypatch)
-    pw.init(backend="ray", hosts=2, devices_per_host=2, islands=1)
+    _init_checks_the_island_layout(lambda: pw.init(backend="ray", hosts=2, devices_per_host=2, islands=1))
     one = pw.devices(mesh={"x": 1}, device_ids=[1])
     pair = pw.devices(mesh={"x": 2}, device_ids=[1, 3])
     four = pw.devices(mesh={"x": 4}, device_ids=[0, 1, 2, 3])

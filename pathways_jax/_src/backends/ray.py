@@ -87,7 +87,12 @@ if TYPE_CHECKING:
     from pathways_jax._src.compile.lowering import Plan
 
 CLOSE_TIMEOUT_S = 10.0  # how long close() waits for this side's threads unless told
-_REBUILD_TIMEOUT_S = 60.0  # how long new hosts for a lost island may take to start
+# How long new hosts for a lost island may take to start on a first try; each try after a failed
+# one gives them twice as long, up to _REBUILD_TIMEOUT_MAX_S. A try that runs out kills the hosts it
+# started: with a fixed time, a machine where hosts take longer to start (a loaded one: 60-90 s were
+# seen on 2 cores at load 15) never got the island back.
+_REBUILD_TIMEOUT_S = 60.0
+_REBUILD_TIMEOUT_MAX_S = 480.0
 _REBUILD_RETRY_S = 5.0  # a rebuild that failed is tried again this much later, then twice as late ...
 _REBUILD_RETRY_MAX_S = 120.0  # ... up to this
 
@@ -320,31 +325,41 @@ class RayBackend:
         """Starts new hosts for a lost island in its bundles; once they serve, the island is placed on again.
 
         A try that fails (Ray had no room for them within ``_REBUILD_TIMEOUT_S``:
-        a node went with the hosts) is tried again, ``_REBUILD_RETRY_S`` later
-        and then less often, until it succeeds or the cluster closes: a
-        week-long job gets its island back without anyone restarting it.
+        a node went with the hosts; or they took longer to start) is tried
+        again, ``_REBUILD_RETRY_S`` later and then less often, each try giving
+        the new hosts twice as long to start as the one before (up to
+        ``_REBUILD_TIMEOUT_MAX_S``), until it succeeds or the cluster closes:
+        a week-long job gets its island back without anyone restarting it,
+        and so does a loaded machine whose hosts start slowly.
         """
-        wait = _REBUILD_RETRY_S
-        while not self._rebuild_once(island):
+        wait, timeout = _REBUILD_RETRY_S, _REBUILD_TIMEOUT_S
+        while not self._rebuild_once(island, timeout):
             if self.closed:
                 return
-            logging.warning("pathways_jax: island %d will be rebuilt again in %.0f s", island, wait)
+            logging.warning(
+                "pathways_jax: island %d will be rebuilt again in %.0f s, its new hosts given %.0f s to start",
+                island,
+                wait,
+                min(2 * timeout, _REBUILD_TIMEOUT_MAX_S),
+            )
             time.sleep(wait)
             wait = min(2 * wait, _REBUILD_RETRY_MAX_S)
+            timeout = min(2 * timeout, _REBUILD_TIMEOUT_MAX_S)
             if self.closed:
                 return
         logging.warning("pathways_jax: island %d was rebuilt on new hosts", island)
         if self.on_restored is not None:
             self.on_restored(island)
 
-    def _rebuild_once(self, island: int) -> bool:
-        """One try at :meth:`_rebuild`: True once the island serves again."""
+    def _rebuild_once(self, island: int, timeout: float = _REBUILD_TIMEOUT_S) -> bool:
+        """One try at :meth:`_rebuild`, its new hosts given ``timeout`` seconds to start: True once the
+        island serves again."""
         fleet = self.fleet
         members = self.layout.members(island)
         new: list[Any] = []
         lock = self.dispatcher.lock
         try:
-            new, info = fleet.replace(island, _REBUILD_TIMEOUT_S)
+            new, info = fleet.replace(island, timeout)
             with lock:
                 if self.closed:
                     raise errors.ClusterError("the cluster closed")
@@ -354,7 +369,7 @@ class RayBackend:
                 serving = [h for h in range(self.hosts) if h not in self.lost_hosts or h in members]
                 addresses = {h: self.info[h]["transfer"] for h in serving}
                 answers = [self.route.message(h, "peers", (addresses,)) for h in serving]
-            deadline = time.monotonic() + _REBUILD_TIMEOUT_S
+            deadline = time.monotonic() + timeout
             for host, answer in zip(serving, answers, strict=True):
                 try:
                     told = answer.result(timeout=max(0.0, deadline - time.monotonic()))
