@@ -375,7 +375,7 @@ class _Answer:
     def __init__(self, answer):
         self.answer = answer
 
-    def remote(self):
+    def remote(self, *args):
         return self.answer
 
 

@@ -122,7 +122,7 @@ class _CallOf:
     Only the function calls its programs, so it lives while they are called.
     """
 
-    __slots__ = ("__wrapped__", "_owner")
+    __slots__ = ("__weakref__", "__wrapped__", "_owner")
 
     def __init__(self, owner: JitFunction) -> None:
         self._owner = weakref.ref(owner)

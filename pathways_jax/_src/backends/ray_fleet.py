@@ -243,7 +243,7 @@ class HostActors:
         from this process's: Ray starts each with what its node has installed, which on another node
         may be another version (a ClusterError naming the host, its node and both sides' versions)."""
         mine = version_check.versions()
-        refs = [actor.versions.remote() for actor in actors]
+        refs = [actor.versions.remote(version_check.versions) for actor in actors]
         for h, ref in zip(hosts, refs, strict=True):
             try:
                 theirs, node = self.ray.get(ref, timeout=timeout)

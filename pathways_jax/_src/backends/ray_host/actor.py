@@ -42,6 +42,7 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pathways_jax._src.backends.ray_host import checkpoint
@@ -207,14 +208,13 @@ class Host:
     async def ping(self) -> int:
         return self.index
 
-    async def versions(self) -> tuple[dict[str, str], str]:
-        """This host's versions of pathways_jax, its wire format and jax (those installed on its
-        node), and the node's name: the controller refuses a host of other versions at its start."""
+    async def versions(self, read: Callable[[], dict[str, str]]) -> tuple[dict[str, str], str]:
+        """``read()``: this host's versions of pathways_jax, its wire format and jax (those installed
+        on its node: ``read`` comes pickled by reference, so its module is the node's), and the node's
+        name: the controller refuses a host of other versions at its start."""
         import socket
 
-        from pathways_jax._src.backends.version_check import versions
-
-        return versions(), socket.gethostname()
+        return read(), socket.gethostname()
 
     async def arm(self, fault: Fault) -> None:
         """Holds ``fault`` until the run it strikes in (``pw.faults``); one for now strikes just after this answer."""
