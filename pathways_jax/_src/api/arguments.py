@@ -220,6 +220,15 @@ def note_array_keys(outputs: Sequence[FutureKey | None], signature: tuple[ArgKey
         _ARRAY_KEYS[id(key)] = (key, array)
 
 
+def forget_array_keys(outputs: Sequence[FutureKey | None]) -> None:
+    """Forgets what :func:`note_array_keys` noted of ``outputs`` (a plan's, the plan gone)."""
+    known = _ARRAY_KEYS
+    for key in outputs:
+        noted = known.get(id(key))
+        if noted is not None and noted[0] is key:  # held there: its id is its own
+            known.pop(id(key), None)
+
+
 def _as_array_keys(signature: tuple[ArgKey, ...]) -> tuple[ArgKey, ...] | None:
     """``signature`` with each future's key replaced by that of the array it stands for; None if one has none."""
     keys: list[ArgKey] = []

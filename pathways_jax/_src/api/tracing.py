@@ -129,13 +129,9 @@ _FORGET_LOCK = threading.Lock()
 
 def _note_array_keys(plan: Any, signature: tuple[ArgKey, ...]) -> None:
     """``note_array_keys`` of ``plan``'s outputs, forgotten once ``plan`` is garbage."""
-    known = arguments._ARRAY_KEYS
     with _FORGET_LOCK:
         while _NOTED:
-            for key in _NOTED.popleft():
-                noted = known.get(id(key))
-                if noted is not None and noted[0] is key:  # held there: its id is its own
-                    known.pop(id(key), None)
+            arguments.forget_array_keys(_NOTED.popleft())
     note_array_keys(plan.signatures, signature)
     _NOTED.watch(plan, tuple(plan.signatures))
 

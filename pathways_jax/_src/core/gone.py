@@ -36,9 +36,6 @@ class Gone(Generic[K]):
     def __bool__(self) -> bool:
         return bool(self._dead)
 
-    def __len__(self) -> int:
-        return len(self._dead)
-
     def popleft(self) -> K:
         """The key of the object gone first since the last look; IndexError if none went.
 
