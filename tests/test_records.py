@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_source
 from jax import core
 
 import pathways_jax as pw
@@ -230,6 +231,28 @@ def test_ray_host_imports_nothing_of_pathways_jax_but_itself_nor_ray():
             if name.split(".")[0] in ("pathways_jax", "ray") and not name.startswith(ray_host.__name__)
         }
         assert not outside, (path.name, outside)
+
+
+def test_a_host_process_loads_the_host_package_and_nothing_else_of_pathways_jax():
+    # What a Ray host actor's process imports (its class's module): the public package's names
+    # load on first use, so the rest of pathways_jax (about 0.3 s of a host's start) stays out.
+    done = run_source(
+        """
+        import sys
+        import pathways_jax._src.backends.ray_host.actor
+        print(sorted(m for m in sys.modules if m.startswith("pathways_jax")))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = eval(done.stdout.strip().splitlines()[-1])
+    outside = [m for m in loaded if not m.startswith(ray_host.__name__)]
+    assert outside == [
+        "pathways_jax",
+        "pathways_jax._src",
+        "pathways_jax._src.backends",
+        "pathways_jax._src.core",
+        "pathways_jax._src.core.version",
+    ], outside
 
 
 # --- formatting -----------------------------------------------------------------------------

@@ -24,3 +24,10 @@ arguments); ``ref_arguments`` (``jax.Ref`` arguments, written in place as ``jax.
 (``colocated_python_class``: objects living on the hosts); ``host_input``
 (``HostIterator``: batches made by an iterator on each host).
 """
+
+from pathways_jax._src import compat as _compat
+
+# The one patch of JAX made at import: jax.jit, jnp and JAX's checks take futures, JAX's barrier
+# waits for programs and its cache clearing clears them. Installed with the API, which everything
+# that makes a future imports (``pathways_jax`` loads its public names on first use).
+_compat.install()

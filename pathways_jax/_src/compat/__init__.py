@@ -5,7 +5,7 @@ arrays in private places: ``jax_futures`` hooks JAX's registries of array-like
 types and wraps three of its private checks, and ``jax_effects`` makes
 ``jax.effects_barrier`` wait for queued programs, and ``jax_caches`` has
 ``jax.clear_caches()`` clear programs' graphs, plans and executables (all three
-:func:`install`, when ``pathways_jax`` is imported); ``checkpoints`` registers futures with Flax's
+:func:`install`, when ``pathways_jax._src.api`` is imported: before any program); ``checkpoints`` registers futures with Flax's
 serialization and Orbax's type handlers (:func:`install_checkpoints`, at a
 program's first trace, or as Orbax finishes importing); ``flax_keys`` lets Flax
 take a future of a key, and ``nnx_variables`` a Flax Variable holding a future
