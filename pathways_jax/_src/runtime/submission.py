@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -196,15 +198,11 @@ def _stage(cl: Any, plan: Plan, leaves: list[Any], env: list[Any]) -> StagedByte
     ticket = StagedBytes(staging, sum(leaves[index].nbytes for index, _ in feeds))
     if not ticket.nbytes:
         return None
-    staging.reserve(ticket.nbytes, plan.graph.name)
-    try:
-        for index, slot in feeds:
-            copy = env[slot] = np.array(leaves[index], copy=True)
-            # A run failed or cancelled before admission frees its copies: their bytes go then.
-            weakref.finalize(copy, ticket.release)
-    except BaseException:
-        ticket.release()
-        raise
+    # Counted while the run holds it (Run.staged: a run failed or cancelled before admission goes,
+    # and its copies with it) and until admission releases it.
+    staging.reserve(ticket, plan.graph.name)
+    for index, slot in feeds:
+        env[slot] = np.array(leaves[index], copy=True)
     return ticket
 
 
@@ -265,9 +263,14 @@ class HostStaging:
     thread, as for ``max_queued``) until the copies held by all queued runs
     and its own fit in :attr:`bound`: the budget summed over the cluster's
     devices. A call whose inputs alone exceed it goes once nothing else is
-    held. A run's bytes are released when the backend puts its inputs on
-    devices (admission), or when its copies are freed before that (the run
-    failed or was cancelled).
+    held. A run's bytes count until the backend puts its inputs on devices
+    (admission) or the run goes before that (it failed or was cancelled: its
+    ticket, held by the run alone, is garbage).
+
+    What is held is read from the live tickets, weakly held here, whenever it is
+    asked: no finalizer gives bytes back (a Python callback where a Ctrl-C landing
+    is only reported, never raised, and the bytes lost), and a Ctrl-C anywhere in
+    a call leaves nothing counted that no run holds.
 
     Attributes:
       bound: bytes the copies may take together.
@@ -279,56 +282,69 @@ class HostStaging:
     def __init__(self, bound: int, timeout: float | None):
         self.bound = bound
         self.timeout = timeout
-        self.held = 0
         self.peak = 0
         self.waits = 0
-        # Reentrant: a copy can be freed (and released) by a garbage collection that runs
-        # while this thread holds the lock. Taken as the bare lock (``with self._lock``): a
-        # Condition's __enter__ is a Python frame, where a Ctrl-C landing as the lock is taken
-        # would leave it held (see core.locks).
+        self._tickets: list[weakref.ref[StagedBytes]] = []  # reserved, weakly: see _held
+        # Taken as the bare lock (``with self._lock``): a Condition's __enter__ is a Python frame,
+        # where a Ctrl-C landing as the lock is taken would leave it held (see core.locks).
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)
 
-    def reserve(self, nbytes: int, program: str) -> None:
-        """Adds ``nbytes``, first waiting until they fit; raises ``BackPressureTimeout`` on timeout."""
-        if nbytes <= 0:
-            return
+    @property
+    def held(self) -> int:
+        """Bytes held now by queued runs' copies."""
         with self._lock:
-            if self.held and self.held + nbytes > self.bound and not reentry.inside.depth:
+            return self._held()
+
+    def _held(self) -> int:
+        """Bytes of the tickets still staged whose runs live; forgets the others (lock held)."""
+        live = [ref for ref in self._tickets if (ticket := ref()) is not None and ticket.staging is self]
+        self._tickets = live
+        return sum(ticket.nbytes for ticket in map(operator.call, live) if ticket is not None)
+
+    def reserve(self, ticket: StagedBytes, program: str) -> None:
+        """Counts ``ticket``'s bytes, first waiting until they fit; raises ``BackPressureTimeout`` on timeout."""
+        nbytes = ticket.nbytes
+        with self._lock:
+            held = self._held()
+            if held and held + nbytes > self.bound and not reentry.inside.depth:
                 # The runtime's own threads (a host callback calling a program) never wait here.
                 self.waits += 1
-                fits = self._room.wait_for(
-                    lambda: not self.held or self.held + nbytes <= self.bound, timeout=self.timeout
-                )
-                if not fits:
-                    raise errors.BackPressureTimeout(
-                        f"program {program!r}: a call with {nbytes} bytes of NumPy inputs waited "
-                        f"{self.timeout}s (backpressure_timeout) while queued runs held {self.held} bytes of "
-                        f"host inputs, at most {self.bound} under the memory budget (its bytes over all "
-                        "devices). Wait for results before submitting more, drop futures you no longer "
-                        "need so that queued runs are admitted, or raise memory_budget."
-                    )
-            self.held += nbytes
-            self.peak = max(self.peak, self.held)
+                deadline = None if self.timeout is None else time.monotonic() + self.timeout
+                while held and held + nbytes > self.bound:
+                    left = _LOOK_S if deadline is None else min(_LOOK_S, deadline - time.monotonic())
+                    if left <= 0:
+                        raise errors.BackPressureTimeout(
+                            f"program {program!r}: a call with {nbytes} bytes of NumPy inputs waited "
+                            f"{self.timeout}s (backpressure_timeout) while queued runs held {held} bytes "
+                            f"of host inputs, at most {self.bound} under the memory budget (its bytes over "
+                            "all devices). Wait for results before submitting more, drop futures you no "
+                            "longer need so that queued runs are admitted, or raise memory_budget."
+                        )
+                    # Admission says so at once; a run that went unadmitted says nothing: look again.
+                    self._room.wait(left)
+                    held = self._held()
+            self._tickets.append(weakref.ref(ticket))  # one C call: counted from here, or not at all
+            self.peak = max(self.peak, held + nbytes)
 
     def release(self, ticket: StagedBytes) -> None:
-        """Gives back what ``ticket`` holds (once: the first caller does)."""
+        """Stops counting what ``ticket`` holds (its run was admitted)."""
         with self._lock:
-            if ticket.staging is None:
-                return
             ticket.staging = None
-            self.held -= ticket.nbytes
             self._room.notify_all()
 
 
-class StagedBytes:
-    """The host-input bytes one queued run holds against :class:`HostStaging`; released once.
+_LOOK_S = 0.05  # how often a call waiting for room for its host inputs looks again
 
-    Released when the backend puts the run's inputs on devices (admission), or
-    when its copies are freed first (the run failed or was cancelled).
+
+class StagedBytes:
+    """The host-input bytes one queued run holds against :class:`HostStaging`.
+
+    Counted while the run holds it, until the backend puts the run's inputs on
+    devices (admission: :meth:`release`).
     """
 
-    __slots__ = ("nbytes", "staging")
+    __slots__ = ("__weakref__", "nbytes", "staging")
 
     def __init__(self, staging: HostStaging, nbytes: int):
         self.staging: HostStaging | None = staging
