@@ -18,7 +18,7 @@ import jax.extend.core as jex
 from jax.sharding import AxisType
 
 from pathways_jax._src import compat
-from pathways_jax._src.api import graph_builder, nnx_graph
+from pathways_jax._src.api import graph_builder, nnx_graph, ref_arguments
 from pathways_jax._src.api.arguments import TraceInputs, _abstract
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE, TraceState
 from pathways_jax._src.api.graph_view import GraphView
@@ -189,6 +189,9 @@ def trace(
     finally:
         context.state.trace = outer
     _refuse_leaked_tracers(info, closed)
+    refs = ref_arguments.closed_over(closed.consts)
+    if refs:  # Refs the function closes over: their values become inputs (ref_arguments.call_closed)
+        raise ref_arguments.ClosedRefs(refs)
     if abstract_key is not None and jaxprs is not None and _placed_nothing(state):
         jaxprs.put(abstract_key, (closed, out_trees[-1]))
     return _built(
@@ -462,6 +465,8 @@ def _without_refs(closed: Any) -> Any:
         # values threaded through the equations, so no node hands another a Variable.
         closed = _lower_hijax(closed)
     if _discharge_state is None or _INTERNAL_REFS not in closed.jaxpr.effects:
+        return closed
+    if ref_arguments.closed_over(closed.consts):  # the call takes them as inputs: traced again then
         return closed
     return _discharge_state(closed)
 

@@ -27,9 +27,30 @@ try:  # the type of every concrete jax.Array (private to JAX), whose buffers a R
 except ImportError:  # pragma: no cover - another JAX: Refs are read and written as ref[...]
     _ArrayImpl = type(None)  # type: ignore[assignment, misc]
 
+try:  # JAX's tracing context (private): where a trace finds the tracer of a constant it closes over
+    from jax._src.core import trace_ctx as _TRACE_CTX
+except ImportError:  # pragma: no cover - another JAX: a closed-over Ref is refused, naming the fix
+    _TRACE_CTX = None  # type: ignore[assignment]
+
+# The keyword the inner program of a call closing over Refs takes their values by.
+_CLOSED_VALUES = "_pw_closed_over_ref_values"
+
 
 class RefArguments(Exception):
     """Raised by a program's call for arguments that hold a ``jax.Ref``: it runs through :func:`call`."""
+
+
+class ClosedRefs(Exception):
+    """Raised by a trace whose function closes over ``jax.Ref`` s (constants of its jaxpr): the call runs through :func:`call_closed`."""
+
+    def __init__(self, refs: tuple[Any, ...]) -> None:
+        super().__init__(f"the traced function closes over {len(refs)} jax.Ref(s)")
+        self.refs = refs
+
+
+def closed_over(consts: list[Any]) -> tuple[Any, ...]:
+    """The ``jax.Ref`` s among a traced jaxpr's constants (those its function closes over), in their order."""
+    return tuple(c for c in consts if isinstance(c, jax.Ref))
 
 
 def given_refs(args: tuple, kwargs: dict) -> bool:
@@ -97,6 +118,73 @@ def _with_refs(fun: Callable[..., Any], slots: tuple[int, ...], count: int) -> C
         return out, tuple(made[slot][...] for slot in range(count))
 
     return with_refs
+
+
+def _with_closed_refs(fun: Callable[..., Any], refs: tuple[Any, ...]) -> Callable[..., Any]:
+    """``fun`` reading and writing, wherever it names one of ``refs``, a Ref made inside from its value.
+
+    The values come by the keyword ``_CLOSED_VALUES``; returns ``fun``'s output
+    and those Refs' last values. JAX's trace finds the tracer of a constant by
+    the constant's id (as it finds one it met before), so the caller's Ref,
+    named in the function, an inner ``jax.jit`` or a loop body, is the Ref made
+    here: no equation of the trace holds the caller's, as none of ``jax.jit``'s does.
+    """
+
+    @functools.wraps(fun)  # errors and labels name the user's function, not this one
+    def with_closed_refs(*args: Any, **kwargs: Any) -> Any:
+        values = kwargs.pop(_CLOSED_VALUES)
+        frame = getattr(_TRACE_CTX.trace, "frame", None)  # the program's trace (jax.make_jaxpr)
+        if frame is None:  # run op by op (not traced): the function writes the Refs themselves
+            return fun(*args, **kwargs), tuple(_read(ref) for ref in refs)
+        made = [jax.new_ref(value) for value in values]
+        for ref, inner in zip(refs, made, strict=True):
+            frame.constid_to_tracer[id(ref)] = inner
+        try:
+            out = fun(*args, **kwargs)
+        finally:
+            for ref in refs:
+                frame.constid_to_tracer.pop(id(ref), None)
+        return out, tuple(inner[...] for inner in made)
+
+    return with_closed_refs
+
+
+def _closed_inner(program: Any, refs: tuple[Any, ...]) -> Any:
+    """The inner program over ``program``'s function with ``refs`` made inside (one per set of Refs)."""
+    if _TRACE_CTX is None:  # pragma: no cover - another JAX
+        raise errors.also(errors.ProgramTraceError, TypeError)(
+            f"program {program.name!r} ({program.source_info}) closes over a jax.Ref: pass it as an "
+            "argument instead (a program writes a Ref argument as jax.jit does)."
+        )
+    inners = program.__dict__.setdefault("_closed_ref_inners", {})
+    key = tuple(id(ref) for ref in refs)
+    inner = inners.get(key)
+    if inner is None:
+        inner = inners.setdefault(key, program.inner_program(_with_closed_refs(program._info.fun, refs)))
+    return inner
+
+
+def call_closed(program: Any, refs: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
+    """Runs ``program`` whose function closes over ``refs``, writing each as ``jax.jit`` does; its output."""
+    inner = _closed_inner(program, refs)
+    values = tuple(_read(ref) for ref in refs)
+    try:
+        out, ends = inner(*args, **kwargs, **{_CLOSED_VALUES: values})
+    except ClosedRefs as exc:  # a Ref the trace met some other way than by its id: not taken
+        raise errors.also(errors.ProgramTraceError, TypeError)(
+            f"program {program.name!r} ({program.source_info}) closes over a jax.Ref "
+            f"({exc.refs[0].aval.str_short()}) that it could not take as an input: pass it as an "
+            "argument instead (a program writes a Ref argument as jax.jit does)."
+        ) from None
+    for ref, end in zip(refs, dispatched_ends(ends), strict=True):
+        _write(ref, end)
+    return out
+
+
+def graph_closed(program: Any, refs: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
+    """The graph a call of ``program`` closing over ``refs`` runs (its outputs end with their last values)."""
+    values = tuple(_read(ref) for ref in refs)
+    return _closed_inner(program, refs).graph(*args, **kwargs, **{_CLOSED_VALUES: values})
 
 
 def _read(ref: Any) -> Any:
@@ -186,11 +274,15 @@ prepare = functools.partial(prepare_with, _inner_call)
 
 
 __all__ = [
+    "ClosedRefs",
     "RefArguments",
     "call",
+    "call_closed",
+    "closed_over",
     "dispatched_ends",
     "given_refs",
     "graph",
+    "graph_closed",
     "graph_with",
     "prepare",
     "prepare_with",
