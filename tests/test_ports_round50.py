@@ -111,3 +111,20 @@ def test_a_flax_ref_mode_model_a_step_closes_over_is_updated_as_under_jax_jit():
         ys = [f(jnp.ones((1, 2))) for _ in range(2)]
         ends.append(_bits((ys, model.kernel[...], model.bias[...], calls[...])))
     assert ends[1] == ends[0]
+
+
+def test_lower_and_graph_of_a_step_closing_over_a_ref_answer_and_run_nothing():
+    # program.lower / .graph of such a step raised as its call did; now they answer as jax.jit's
+    # lower does (the Ref's value is an input of the graph) and leave the Ref as it was.
+    total = jax.new_ref(jnp.zeros(2))
+
+    @pw.program
+    def step(x):
+        total[...] += x
+        return x * 2
+
+    assert "stablehlo" in step.lower(jnp.ones(2)).as_text()
+    assert len(step.graph(jnp.ones(2)).ir.inputs) == 2  # x and the Ref's value
+    np.testing.assert_array_equal(total[...], [0.0, 0.0])
+    np.testing.assert_array_equal(pw.results(step(jnp.ones(2))), [2.0, 2.0])
+    np.testing.assert_array_equal(total[...], [1.0, 1.0])

@@ -187,6 +187,12 @@ def graph_closed(program: Any, refs: tuple[Any, ...], args: tuple, kwargs: dict)
     return _closed_inner(program, refs).graph(*args, **kwargs, **{_CLOSED_VALUES: values})
 
 
+def prepare_closed(program: Any, refs: tuple[Any, ...], args: tuple, kwargs: dict) -> None:
+    """Traces and lowers the plan of a call of ``program`` closing over ``refs`` (``program.lower``); nothing runs."""
+    values = tuple(_read(ref) for ref in refs)
+    _closed_inner(program, refs)._prepare(args, {**kwargs, _CLOSED_VALUES: values})
+
+
 def _read(ref: Any) -> Any:
     """The array ``ref`` holds: its buffer, as ``jax.jit`` reads it, where JAX's Ref shows it; else ``ref[...]``.
 
@@ -285,6 +291,7 @@ __all__ = [
     "graph_closed",
     "graph_with",
     "prepare",
+    "prepare_closed",
     "prepare_with",
     "takes_refs",
 ]

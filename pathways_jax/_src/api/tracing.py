@@ -835,12 +835,19 @@ class Program:
             return  # under a transformation, or NNX objects: prepared by their first call
         if nnx_graph.routes(self, (args, kwargs)) or key in self._routed:
             return
+        closed = self._closed_refs.get(key)
+        if closed is not None:  # it closes over jax.Refs: the plan taking their values
+            return ref_arguments.prepare_closed(self, closed, args, kwargs)
         plan = self._plans.get(key)
         if plan is None or not plan.is_current():
             try:
                 self._plan_for(key, inputs, args, kwargs)
             except nnx_graph.GraphOutput:  # NNX objects returned: prepared by the first call
                 self._routed.add(key)
+            except ref_arguments.ClosedRefs as exc:
+                with self._lock:
+                    self._closed_refs[key] = exc.refs
+                ref_arguments.prepare_closed(self, exc.refs, args, kwargs)
 
     def inner_program(self, inner_fun: Callable[..., Any]) -> Program:
         """A program with this one's options over ``inner_fun``, taking NNX pytrees as plain pytrees.
