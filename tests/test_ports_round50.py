@@ -1,5 +1,9 @@
 """Programs written for jax.jit / nnx.jit, with only the decorator changed, compared with the original (round 50)."""
 
+import dataclasses
+import functools
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +132,31 @@ def test_lower_and_graph_of_a_step_closing_over_a_ref_answer_and_run_nothing():
     np.testing.assert_array_equal(total[...], [0.0, 0.0])
     np.testing.assert_array_equal(pw.results(step(jnp.ones(2))), [2.0, 2.0])
     np.testing.assert_array_equal(total[...], [1.0, 1.0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+
+
+def _rescaled(config, x):
+    config.scale = 2.0  # a frozen dataclass: raises in its generated __setattr__ (file "<string>")
+    return x * config.scale
+
+
+def test_an_error_raised_in_generated_code_names_the_users_line_not_string():
+    # Flax Linen modules and frozen configs are dataclasses, whose __init__ / __setattr__ Python
+    # generates (file "<string>"). An error raised there was placed "at inside <string>:4
+    # (__setattr__)": no file of the user's, and not a sentence. It names the user's line.
+    line = _rescaled.__code__.co_firstlineno + 1
+    here = f"{os.path.basename(__file__)}:{line} (_rescaled)"
+    for fun, where in (
+        (lambda x: _rescaled(_Config(1.0), x), f"inside {here}"),  # the program's own line, then this one
+        (functools.partial(_rescaled, _Config(1.0)), here),  # a partial: no line of its own
+    ):
+        with pytest.raises(dataclasses.FrozenInstanceError) as info:
+            pw.program(fun)(jnp.ones(2))
+        message = str(info.value)
+        assert isinstance(info.value, pw.errors.ProgramTraceError)
+        assert "<string>" not in message and "at inside" not in message, message
+        assert f"failed at {where}" in message or f", {where}" in message, message
