@@ -96,12 +96,14 @@ def test_a_closed_over_ref_is_not_traced_again_at_later_calls():
     np.testing.assert_array_equal(total[...], [4.0, 4.0])
 
 
-def test_a_flax_ref_mode_model_a_step_closes_over_is_updated_as_under_jax_jit():
-    # Flax's ref mode (nnx.var_defaults(ref=True)) keeps each Variable's value in a jax.Ref: a step
-    # that uses a model it does not take (a closure, as jax.jit allows) failed with PlacementError.
+@pytest.mark.parametrize("mode", ["ref", "hijax"])
+def test_a_flax_ref_or_hijax_mode_model_a_step_closes_over_is_updated_as_under_jax_jit(mode):
+    # Flax's ref mode (nnx.var_defaults(ref=True)) keeps each Variable's value in a jax.Ref, its
+    # hijax mode makes each Variable a JAX mutable type: a step that uses a model it does not take
+    # (a closure, as jax.jit allows) failed with PlacementError (ref) or NotImplementedError (hijax).
     ends = []
     for make in (jax.jit, pw.program):
-        with nnx.var_defaults(ref=True):
+        with nnx.var_defaults(**{mode: True}):
             model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
             calls = nnx.BatchStat(jnp.int32(0))
 

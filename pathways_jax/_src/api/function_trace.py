@@ -460,13 +460,13 @@ def _without_refs(closed: Any) -> Any:
     each Ref's value through instead (what ``jax.jit`` compiles); the other
     equations are bound again as they are, ``pw.jit`` calls and sources kept.
     """
+    if ref_arguments.closed_over(closed.consts):  # the call takes them as inputs: traced again then
+        return closed
     if _lower_hijax is not None and getattr(closed.jaxpr, "is_high", False):
         # Flax's hijax Variables made inside (hijax_arguments): as jax.jit lowers them, their
         # values threaded through the equations, so no node hands another a Variable.
         closed = _lower_hijax(closed)
     if _discharge_state is None or _INTERNAL_REFS not in closed.jaxpr.effects:
-        return closed
-    if ref_arguments.closed_over(closed.consts):  # the call takes them as inputs: traced again then
         return closed
     return _discharge_state(closed)
 
