@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import (
     arguments,
+    closed_refs,
     function_trace,
     hijax_arguments,
     jit_shardings,
@@ -220,7 +221,7 @@ class Program:
         self._plans: dict[Any, Runnable] = {}  # call key -> its plan, as the runtime runs it
         # Call keys whose arguments or outputs hold NNX objects (pytrees): run as nnx.jit runs them.
         self._routed: set[Any] = set()
-        # Call keys whose function closes over jax.Refs, and those Refs (ref_arguments.call_closed).
+        # Call keys whose function closes over jax.Refs, and those Refs (closed_refs.call_closed).
         self._closed_refs: dict[Any, tuple[Any, ...]] = {}
         self._repeats = RepeatCalls(info)
         # The one-line summary of the error the last trace raised (None: it did not fail).
@@ -354,8 +355,8 @@ class Program:
             return self._graph_for(key, inputs)
         except nnx_graph.GraphOutput:
             return nnx_graph.graph(self, args, kwargs)
-        except ref_arguments.ClosedRefs as exc:  # jax.Refs it closes over: inputs of its graph
-            return ref_arguments.graph_closed(self, exc.refs, args, kwargs)
+        except closed_refs.ClosedRefs as exc:  # jax.Refs it closes over: inputs of its graph
+            return closed_refs.graph_closed(self, exc.refs, args, kwargs)
 
     def _graph_for(self, key: Any, inputs: TraceInputs) -> GraphView:
         graph = self._graphs.get(key)
@@ -373,7 +374,7 @@ class Program:
             traced = function_trace.trace(
                 self._info, inputs, jaxprs=self._jaxprs, jaxpr_key=(key[0], *key[2:])
             )
-        except ref_arguments.ClosedRefs:
+        except closed_refs.ClosedRefs:
             raise  # traced: it runs with the Refs it closes over as inputs
         except Exception as exc:
             self._trace_failure = _summary(exc)  # what the program's view says of it
@@ -467,8 +468,8 @@ class Program:
             planned = self._planned(args, kwargs, flat)
         except ref_arguments.RefArguments:  # jax.Ref leaves: written in place, as jax.jit writes them
             return ref_arguments.call(self, args, kwargs)
-        except ref_arguments.ClosedRefs as exc:  # jax.Refs it closes over: read and written as jax.jit does
-            return ref_arguments.call_closed(self, exc.refs, args, kwargs)
+        except closed_refs.ClosedRefs as exc:  # jax.Refs it closes over: read and written as jax.jit does
+            return closed_refs.call_closed(self, exc.refs, args, kwargs)
         except hijax_arguments.HijaxArguments:  # Flax's hijax Variables: updated as jax.jit updates them
             return hijax_arguments.call(self, args, kwargs)
         except TracerArgument as exc:
@@ -507,7 +508,7 @@ class Program:
             return None
         closed = self._closed_refs.get(key)
         if closed is not None:  # traced before: it closes over jax.Refs (not traced again)
-            raise ref_arguments.ClosedRefs(closed)
+            raise closed_refs.ClosedRefs(closed)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._array_plan(key, inputs)
@@ -520,7 +521,7 @@ class Program:
             except nnx_graph.GraphOutput:  # it returns NNX objects: as nnx.jit runs it
                 self._routed.add(key)
                 return None
-            except ref_arguments.ClosedRefs as exc:
+            except closed_refs.ClosedRefs as exc:
                 with self._lock:
                     self._closed_refs[key] = exc.refs
                 raise
@@ -837,17 +838,17 @@ class Program:
             return
         closed = self._closed_refs.get(key)
         if closed is not None:  # it closes over jax.Refs: the plan taking their values
-            return ref_arguments.prepare_closed(self, closed, args, kwargs)
+            return closed_refs.prepare_closed(self, closed, args, kwargs)
         plan = self._plans.get(key)
         if plan is None or not plan.is_current():
             try:
                 self._plan_for(key, inputs, args, kwargs)
             except nnx_graph.GraphOutput:  # NNX objects returned: prepared by the first call
                 self._routed.add(key)
-            except ref_arguments.ClosedRefs as exc:
+            except closed_refs.ClosedRefs as exc:
                 with self._lock:
                     self._closed_refs[key] = exc.refs
-                ref_arguments.prepare_closed(self, exc.refs, args, kwargs)
+                closed_refs.prepare_closed(self, exc.refs, args, kwargs)
 
     def inner_program(self, inner_fun: Callable[..., Any]) -> Program:
         """A program with this one's options over ``inner_fun``, taking NNX pytrees as plain pytrees.
