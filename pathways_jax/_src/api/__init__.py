@@ -17,7 +17,8 @@ unplaced program runs); ``jit_options`` (``jax.jit``'s options as a program take
 ``graph_view`` (``pw.Graph``: a traced graph with its slices where they are now);
 ``jit_shardings`` (``in_shardings``/``out_shardings``); ``nnx_graph`` (NNX objects as
 arguments); ``ref_arguments`` (``jax.Ref`` arguments, written in place as ``jax.jit`` writes them);
-``hijax_arguments`` (Flax's hijax Variables, updated in place as ``jax.jit`` updates them); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``);
+``hijax_arguments`` (Flax's hijax Variables, updated in place as ``jax.jit`` updates them);
+``closed_refs`` (Refs and hijax Variables the function closes over, taken as inputs); ``sharing`` (``pw.share``/``pw.receive``); ``stats`` (``pw.stats()``);
 ``recording`` (``pw.trace``: the runtime's events laid out as a trace); ``faults``
 (``pw.faults``: a Ray host killed or hung on purpose); ``colocated``
 (``pw.colocated_python``: Python run on the hosts that own devices); ``colocated_class``

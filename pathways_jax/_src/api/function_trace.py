@@ -18,7 +18,7 @@ import jax.extend.core as jex
 from jax.sharding import AxisType
 
 from pathways_jax._src import compat
-from pathways_jax._src.api import graph_builder, nnx_graph
+from pathways_jax._src.api import closed_refs, graph_builder, nnx_graph
 from pathways_jax._src.api.arguments import TraceInputs, _abstract
 from pathways_jax._src.api.graph_builder import DEFAULT_SCOPE, TraceState
 from pathways_jax._src.api.graph_view import GraphView
@@ -189,6 +189,9 @@ def trace(
     finally:
         context.state.trace = outer
     _refuse_leaked_tracers(info, closed)
+    refs = closed_refs.closed_over(closed.consts)
+    if refs:  # Refs the function closes over: their values become inputs (closed_refs.call_closed)
+        raise closed_refs.ClosedRefs(refs)
     if abstract_key is not None and jaxprs is not None and _placed_nothing(state):
         jaxprs.put(abstract_key, (closed, out_trees[-1]))
     return _built(
@@ -457,6 +460,8 @@ def _without_refs(closed: Any) -> Any:
     each Ref's value through instead (what ``jax.jit`` compiles); the other
     equations are bound again as they are, ``pw.jit`` calls and sources kept.
     """
+    if closed_refs.closed_over(closed.consts):  # the call takes them as inputs: traced again then
+        return closed
     if _lower_hijax is not None and getattr(closed.jaxpr, "is_high", False):
         # Flax's hijax Variables made inside (hijax_arguments): as jax.jit lowers them, their
         # values threaded through the equations, so no node hands another a Variable.

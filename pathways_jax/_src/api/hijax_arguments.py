@@ -146,6 +146,12 @@ def _slots(leaves: list[Any], flax: _Flax) -> tuple[tuple[int, ...], list[Any]]:
     return tuple(slots), variables
 
 
+def is_hijax_variable(value: Any) -> bool:
+    """A Flax hijax Variable itself (not its tracer): one a traced function closes over is a constant of its jaxpr."""
+    flax = _flax()
+    return flax is not None and type(value) is flax.hijax
+
+
 def _state(variable: Any, program: str) -> tuple[Any, Any]:
     """The array a hijax Variable holds, and the tree of the plain Variable that holds it (its type, metadata)."""
     plain = variable.copy(hijax=False)
@@ -232,6 +238,8 @@ def write_back(variables: list[Any], ends: tuple) -> None:
         variable.set_raw_value(value)
 
 
+state = _state  # a closed-over Variable's array and tree (ref_arguments.call_closed)
+
 # The graph a call runs, and its plan traced and lowered (program.lower), as for jax.Ref arguments.
 graph = functools.partial(ref_arguments.graph_with, _inner_call)
 prepare = functools.partial(ref_arguments.prepare_with, _inner_call)
@@ -243,7 +251,9 @@ __all__ = [
     "call",
     "given_hijax",
     "graph",
+    "is_hijax_variable",
     "prepare",
+    "state",
     "takes_hijax",
     "with_variables",
     "write_back",

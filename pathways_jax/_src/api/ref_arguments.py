@@ -99,7 +99,7 @@ def _with_refs(fun: Callable[..., Any], slots: tuple[int, ...], count: int) -> C
     return with_refs
 
 
-def _read(ref: Any) -> Any:
+def read(ref: Any) -> Any:
     """The array ``ref`` holds: its buffer, as ``jax.jit`` reads it, where JAX's Ref shows it; else ``ref[...]``.
 
     ``ref[...]`` outside a trace is a computation of its own (about 0.4 ms on
@@ -110,7 +110,7 @@ def _read(ref: Any) -> Any:
     return buffer if isinstance(buffer, _ArrayImpl) else ref[...]
 
 
-def _write(ref: Any, value: Any) -> None:
+def write(ref: Any, value: Any) -> None:
     """``ref[...] = value``, the value first moved to where the Ref holds its own (as jax.jit leaves it).
 
     The Ref takes the value's array itself, with no computation, where JAX's
@@ -135,7 +135,7 @@ def _inner_call(program: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Any]
     """The inner program for these arguments' Refs, the Refs, and the arguments with their values instead."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     slots, refs = _slots(leaves, program.name)
-    values = [_read(ref) for ref in refs]
+    values = [read(ref) for ref in refs]
     plain = [values[slot] if slot >= 0 else leaf for leaf, slot in zip(leaves, slots, strict=True)]
     plain_args, plain_kwargs = jax.tree_util.tree_unflatten(treedef, plain)
     inners = program.__dict__.setdefault("_ref_inners", {})
@@ -152,7 +152,7 @@ def call(program: Any, args: tuple, kwargs: dict) -> Any:
     inner, refs, plain_args, plain_kwargs = _inner_call(program, args, kwargs)
     out, ends = inner(*plain_args, **plain_kwargs)
     for ref, end in zip(refs, dispatched_ends(ends), strict=True):
-        _write(ref, end)
+        write(ref, end)
     return out
 
 
@@ -194,5 +194,7 @@ __all__ = [
     "graph_with",
     "prepare",
     "prepare_with",
+    "read",
     "takes_refs",
+    "write",
 ]

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pathways_jax._src.api import (
     arguments,
+    closed_refs,
     function_trace,
     hijax_arguments,
     jit_shardings,
@@ -220,6 +221,8 @@ class Program:
         self._plans: dict[Any, Runnable] = {}  # call key -> its plan, as the runtime runs it
         # Call keys whose arguments or outputs hold NNX objects (pytrees): run as nnx.jit runs them.
         self._routed: set[Any] = set()
+        # Call keys whose function closes over jax.Refs, and those Refs (closed_refs.call_closed).
+        self._closed_refs: dict[Any, tuple[Any, ...]] = {}
         self._repeats = RepeatCalls(info)
         # The one-line summary of the error the last trace raised (None: it did not fail).
         self._trace_failure: str | None = None
@@ -352,6 +355,8 @@ class Program:
             return self._graph_for(key, inputs)
         except nnx_graph.GraphOutput:
             return nnx_graph.graph(self, args, kwargs)
+        except closed_refs.ClosedRefs as exc:  # jax.Refs it closes over: inputs of its graph
+            return closed_refs.graph_closed(self, exc.refs, args, kwargs)
 
     def _graph_for(self, key: Any, inputs: TraceInputs) -> GraphView:
         graph = self._graphs.get(key)
@@ -369,6 +374,8 @@ class Program:
             traced = function_trace.trace(
                 self._info, inputs, jaxprs=self._jaxprs, jaxpr_key=(key[0], *key[2:])
             )
+        except closed_refs.ClosedRefs:
+            raise  # traced: it runs with the Refs it closes over as inputs
         except Exception as exc:
             self._trace_failure = _summary(exc)  # what the program's view says of it
             raise
@@ -461,6 +468,8 @@ class Program:
             planned = self._planned(args, kwargs, flat)
         except ref_arguments.RefArguments:  # jax.Ref leaves: written in place, as jax.jit writes them
             return ref_arguments.call(self, args, kwargs)
+        except closed_refs.ClosedRefs as exc:  # jax.Refs it closes over: read and written as jax.jit does
+            return closed_refs.call_closed(self, exc.refs, args, kwargs)
         except hijax_arguments.HijaxArguments:  # Flax's hijax Variables: updated as jax.jit updates them
             return hijax_arguments.call(self, args, kwargs)
         except TracerArgument as exc:
@@ -497,6 +506,9 @@ class Program:
             return None  # nnx_graph names the NNX state at fault
         if key in self._routed:  # NNX objects that are pytrees: run as nnx.jit does
             return None
+        closed = self._closed_refs.get(key)
+        if closed is not None:  # traced before: it closes over jax.Refs (not traced again)
+            raise closed_refs.ClosedRefs(closed)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._array_plan(key, inputs)
@@ -509,6 +521,10 @@ class Program:
             except nnx_graph.GraphOutput:  # it returns NNX objects: as nnx.jit runs it
                 self._routed.add(key)
                 return None
+            except closed_refs.ClosedRefs as exc:
+                with self._lock:
+                    self._closed_refs[key] = exc.refs
+                raise
         self._repeats.remember(key, inputs, args, kwargs, plan)
         return plan, inputs.leaves
 
@@ -755,6 +771,7 @@ class Program:
             self._jaxprs.clear()
             self._plans.clear()
             self._routed.clear()
+            self._closed_refs.clear()
             self._repeats.clear()
             self._nnx_jitted = None
             jitted = self._jitted
@@ -819,12 +836,19 @@ class Program:
             return  # under a transformation, or NNX objects: prepared by their first call
         if nnx_graph.routes(self, (args, kwargs)) or key in self._routed:
             return
+        closed = self._closed_refs.get(key)
+        if closed is not None:  # it closes over jax.Refs: the plan taking their values
+            return closed_refs.prepare_closed(self, closed, args, kwargs)
         plan = self._plans.get(key)
         if plan is None or not plan.is_current():
             try:
                 self._plan_for(key, inputs, args, kwargs)
             except nnx_graph.GraphOutput:  # NNX objects returned: prepared by the first call
                 self._routed.add(key)
+            except closed_refs.ClosedRefs as exc:
+                with self._lock:
+                    self._closed_refs[key] = exc.refs
+                closed_refs.prepare_closed(self, exc.refs, args, kwargs)
 
     def inner_program(self, inner_fun: Callable[..., Any]) -> Program:
         """A program with this one's options over ``inner_fun``, taking NNX pytrees as plain pytrees.

@@ -85,6 +85,11 @@ def of_function(fun: Any) -> str:
         return f"<{getattr(fun, '__name__', type(fun).__name__)}>"
 
 
+def _is_generated(file_name: str) -> bool:
+    """A file name Python gives code it generates and runs (``exec``: ``"<string>"``), or a dataclass's."""
+    return file_name in ("<string>",) or file_name.startswith("<dataclass")
+
+
 def _is_user_file(file_name: str) -> bool:
     path = os.path.abspath(file_name)
     return not (path.startswith((_PACKAGE_DIR, _JAX_DIR, *_library_dirs())))
@@ -97,7 +102,10 @@ def of_exception(exc: BaseException, fun: Any = None) -> str | None:
     call and, when the failure is deeper, the innermost user frame too.
     """
     frames = traceback.extract_tb(exc.__traceback__)
-    innermost = next((f for f in reversed(frames) if _is_user_file(f.filename)), None)
+    users = [f for f in reversed(frames) if _is_user_file(f.filename)]
+    # Code Python generates (a dataclass's __init__ or __setattr__, a Flax Linen module's: file
+    # "<string>") is no line of the user's: the innermost user line that called it is named.
+    innermost = next((f for f in users if not _is_generated(f.filename)), users[0] if users else None)
     code = getattr(inspect.unwrap(fun), "__code__", None) if fun is not None else None
     in_program = None
     if code is not None:
@@ -113,7 +121,8 @@ def of_exception(exc: BaseException, fun: Any = None) -> str | None:
     if in_program is not None:
         parts.append(_fmt(in_program.filename, in_program.lineno or 0, in_program.name))
     if innermost is not None and innermost is not in_program:
-        parts.append(f"inside {_fmt(innermost.filename, innermost.lineno or 0, innermost.name)}")
+        at = _fmt(innermost.filename, innermost.lineno or 0, innermost.name)
+        parts.append(f"inside {at}" if parts else at)  # no line of the program's own: the line itself
     return ", ".join(parts) or None
 
 
