@@ -1,0 +1,57 @@
+"""Client processes written from the README alone, ending at any moment (round 50).
+
+One service (one host of two devices) serves the module's service tests: a service start costs
+seconds. Results are compared with plain ``jax.jit`` on the same inputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pathways_jax as pw
+from pathways_jax._src.runtime import clusters
+from pathways_jax._src.runtime import context as context_lib
+
+pytestmark = pytest.mark.timeout(180)
+
+SERVICE = "test-round50"
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster):
+    svc = pw.serve(SERVICE, hosts=1, devices_per_host=2)
+    try:
+        yield svc
+    finally:
+        pw.shutdown()
+        svc.stop()
+
+
+def _slow(v):
+    return jax.lax.fori_loop(0, 30000, lambda i, u: jnp.sin(u) + 1.0, v)
+
+
+def test_a_client_exiting_with_a_long_queue_leaves_at_once(service, monkeypatch):
+    # The README: a service client's exit leaves the service at once, as pw.shutdown() does, "so a
+    # process that ends with 1,000 runs queued exits in a second or two". The exit hook first
+    # waited for the runs queued here to finish (as the local backend does, for their host
+    # callbacks' side effects): each was sent only for the service to drop it as the process left,
+    # a window at a time behind the hosts' work; the exit took up to its minute.
+    pw.init(backend="ray", address=service.address, service=service.name, client_name="exits")
+    slow = pw.jit(_slow, devices=pw.devices(mesh={"x": 1}))
+    x = jnp.ones(256)
+    np.testing.assert_array_equal(slow(x).result(timeout=60), jax.jit(_slow)(x))
+    queued = [slow(x) for _ in range(1000)]
+    monkeypatch.setattr(context_lib, "exiting", False)  # the hook marks the process as exiting
+    started = time.monotonic()
+    clusters._shutdown_at_exit()
+    took = time.monotonic() - started
+    context_lib.exiting = False
+    assert took < 5.0, took
+    with pytest.raises(pw.errors.ClusterError, match="this process left the controller service"):
+        queued[-1].result(timeout=10)
