@@ -55,3 +55,49 @@ def test_a_client_exiting_with_a_long_queue_leaves_at_once(service, monkeypatch)
     assert took < 5.0, took
     with pytest.raises(pw.errors.ClusterError, match="this process left the controller service"):
         queued[-1].result(timeout=10)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime/controller.py (the lead's): a run failed by a failed input repeats the cause's "
+    "text and every message before it; patch in the svc50 report",
+)
+def test_a_chain_of_runs_behind_a_failure_says_the_first_failure_once(caplog):
+    # A loop of steps queued behind one that fails (a host callback raising, a host lost): each
+    # step's error was 'run N got an input from a failed run: ' + the previous step's whole error +
+    # the cause's text again, and each was logged as a WARNING: 1,000 steps held about 1.2 GB of
+    # messages, and the log as much.
+    pw.init(num_cpu_devices=2)
+    fail = [False]
+
+    def maybe_raise(v):
+        if fail[0]:
+            fail[0] = False
+            raise ValueError("the callback failed")
+        return v
+
+    def fn(v):
+        return jax.pure_callback(maybe_raise, jax.ShapeDtypeStruct(v.shape, v.dtype), v) + 1
+
+    step = pw.jit(fn, devices=pw.devices(mesh={"x": 1}))
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(step(x).result(timeout=30), jax.jit(fn)(x))
+    fail[0] = True
+    first = step(x)
+    with pytest.raises(pw.errors.ProgramFailedError) as failed:
+        first.result(timeout=30)
+    root = str(failed.value)
+    fail[0] = True
+    v = x
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(200):
+            v = step(v)
+        with pytest.raises(pw.errors.ProgramFailedError, match="got an input from a failed run") as last:
+            v.result(timeout=30)
+    message = str(last.value)
+    assert "the callback failed" in message
+    assert len(message) < len(root) + 200, len(message)
+    assert sum(r.getMessage().startswith("program 'fn' run") for r in caplog.records) == 1
+    # The next call is served.
+    np.testing.assert_array_equal(step(x).result(timeout=30), jax.jit(fn)(x))
