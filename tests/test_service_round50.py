@@ -101,3 +101,32 @@ def test_a_chain_of_runs_behind_a_failure_says_the_first_failure_once(caplog):
     assert sum(r.getMessage().startswith("program 'fn' run") for r in caplog.records) == 1
     # The next call is served.
     np.testing.assert_array_equal(step(x).result(timeout=30), jax.jit(fn)(x))
+
+
+def test_leaving_a_service_that_is_gone_ends_the_ray_session_the_join_made(service, monkeypatch):
+    # A service pw.serve started without a Ray cluster takes the cluster it started along when its
+    # process ends. A client whose join had connected it to that cluster did what the README says
+    # (pw.shutdown(), start the service again, pw.init) and was killed by Ray a minute later ("Failed
+    # to connect to GCS within 60 seconds", exit status 1), still connected to the dead cluster.
+    # Its close now ends the Ray session its join made when the service is gone; a session of the
+    # user's own (this test process's) is left alone while its cluster lives.
+    import ray
+
+    from pathways_jax._src.backends import service_client
+
+    ended: list[bool] = []
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: ended.append(True))
+    for made_by_the_join in (False, True):
+        cluster = pw.init(backend="ray", address=service.address, service=service.name, client_name="gone")
+        backend = cluster.backend
+        if made_by_the_join:
+            joined = {str(ray.get_runtime_context().gcs_address)}
+            monkeypatch.setattr(service_client, "_JOINED_RAY", joined, raising=False)
+        f = pw.jit(lambda v: v * 3, devices=pw.devices(mesh={"x": 1}))
+        x = jnp.arange(3.0)
+        np.testing.assert_array_equal(f(x).result(timeout=60), jax.jit(lambda v: v * 3)(x))
+        backend._gone("its Ray actor died: ActorDiedError")  # as the health monitor finds it
+        with pytest.raises(pw.errors.ClusterError, match="is gone"):
+            f(x).result(timeout=10)
+        pw.shutdown()
+        assert ended == ([True] if made_by_the_join else []), made_by_the_join
