@@ -130,3 +130,55 @@ def test_leaving_a_service_that_is_gone_ends_the_ray_session_the_join_made(servi
             f(x).result(timeout=10)
         pw.shutdown()
         assert ended == ([True] if made_by_the_join else []), made_by_the_join
+
+
+def test_a_read_cut_short_by_the_close_says_the_cluster_closed_not_that_a_host_died(ray_cluster, monkeypatch):
+    # A daemon thread reading a large value as the process exits (or another thread calls
+    # pw.shutdown()): the close kills the hosts, and the read said "HostLostError: ... island 0
+    # (host 0), which was lost: it died ... calling the program again runs there".
+    import concurrent.futures
+    import threading
+
+    pw.init(backend="ray", hosts=1, devices_per_host=1)
+    f = pw.jit(lambda v: v * 2 + 1, devices=pw.devices(mesh={"x": 1}))
+    x = np.arange(4096, dtype=np.float32)
+    out = f(x)
+    np.testing.assert_array_equal(f(x).result(timeout=60), jax.jit(lambda v: v * 2 + 1)(x))
+    route = pw.cluster().backend.dispatcher.route
+    real = route.message
+    asked = threading.Event()
+    closed = threading.Event()
+
+    def after_the_close(host, kind, args):  # the fetch reaches the host as the close kills it
+        if kind != "fetch":
+            return real(host, kind, args)
+        late: concurrent.futures.Future = concurrent.futures.Future()
+
+        def send() -> None:
+            closed.wait(30)
+            try:
+                late.set_result(real(host, kind, args).result(timeout=30))
+            except Exception as exc:
+                late.set_exception(exc)
+
+        threading.Thread(target=send, daemon=True).start()
+        asked.set()
+        return late
+
+    monkeypatch.setattr(route, "message", after_the_close)
+    seen: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            out.result(timeout=60)
+        except BaseException as exc:
+            seen.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert asked.wait(30)
+    pw.shutdown()
+    closed.set()
+    reader.join(60)
+    assert len(seen) == 1 and type(seen[0]) is pw.errors.ClusterError, seen
+    assert "shut down" in str(seen[0]), seen
