@@ -182,3 +182,17 @@ def test_a_read_cut_short_by_the_close_says_the_cluster_closed_not_that_a_host_d
     reader.join(60)
     assert len(seen) == 1 and type(seen[0]) is pw.errors.ClusterError, seen
     assert "shut down" in str(seen[0]), seen
+
+
+def test_a_client_a_stopping_service_dropped_is_told_to_start_it_again(service):
+    # A service that stops drops its clients ("the service stopped") before it goes: their reads
+    # said "Call pw.shutdown() and pw.init(...) to join it again", of a service that is no more.
+    pw.init(backend="ray", address=service.address, service=service.name, client_name="dropped")
+    try:
+        route = pw.cluster().backend.route
+        said = route.dropped_message("the service stopped")
+        assert said.endswith("Call pw.shutdown(), start the service again and pw.init(...) to join it."), said
+        said = route.dropped_message("its channel sent nothing")  # a service that runs on
+        assert said.endswith("Call pw.shutdown() and pw.init(...) to join it again."), said
+    finally:
+        pw.shutdown()

@@ -47,7 +47,7 @@ from pathways_jax._src.backends.ray_losses import Losses
 from pathways_jax._src.backends.ray_places import Places
 from pathways_jax._src.backends.ray_send import Sender
 from pathways_jax._src.backends.ray_values import RemoteArray
-from pathways_jax._src.backends.service_route import ServiceRoute
+from pathways_jax._src.backends.service_route import STOPPED, ServiceRoute
 from pathways_jax._src.backends.version_check import version_mismatch, versions
 from pathways_jax._src.core import checks, errors, events, reentry
 
@@ -523,14 +523,15 @@ class ServiceBackend:
                 self._silence()  # looked at now: a later look that comes late is this process's pause
                 self._apply(health)
                 if "dropped" in health:  # it answers this process nothing more: said once (not once a run)
-                    self._service_gone = health["dropped"] == _STOPPED
+                    self._service_gone = health["dropped"] == STOPPED
                     self._say_once(self.route.dropped_message(health["dropped"]))
                     self.route.dropped(health["dropped"])
                     logging.warning(
                         "pathways_jax: the controller service %r dropped this process (%s); its programs "
-                        "fail until pw.shutdown() and pw.init(...) join again.",
+                        "fail until pw.shutdown() and pw.init(...) join %s.",
                         self.service_name,
                         health["dropped"],
+                        "a running one" if self._service_gone else "again",
                     )
                     return
                 self.route.fail_late()  # a value its host sent that never came (lost on its way)
@@ -631,9 +632,6 @@ class ServiceBackend:
             runs,
             "" if runs == 1 else "s",
         )
-
-
-_STOPPED = "the service stopped"  # why a service that stops drops its clients (serving.actor)
 
 
 class _Silent(Exception):
