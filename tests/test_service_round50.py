@@ -196,3 +196,48 @@ def test_a_client_a_stopping_service_dropped_is_told_to_start_it_again(service):
         assert said.endswith("Call pw.shutdown() and pw.init(...) to join it again."), said
     finally:
         pw.shutdown()
+
+
+def test_a_ctrl_c_as_ray_init_runs_waits_for_it_to_return(monkeypatch):
+    # A Ctrl-C landing in ray.init as Ray builds its core worker (pw.init joining a cluster or a
+    # service) left Ray half made: the next pw.init aborted the whole process in Ray's native code
+    # ("An unexpected system state has occurred"), a notebook's kernel with it. It waits until
+    # ray.init returned now, then raises as it would have; a second Ctrl-C raises at once.
+    import os
+    import signal
+
+    import ray
+
+    from pathways_jax._src.backends import service_client
+
+    done: list[bool] = []
+
+    def init(**kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # pressed while Ray starts its worker
+        for _ in range(1000):  # a signal's handler runs between bytecodes: soon
+            pass
+        done.append(True)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(service_client, "check_reachable", lambda address: None)
+    monkeypatch.setattr(service_client, "send_saved_token", lambda address: None)
+    with pytest.raises(KeyboardInterrupt):
+        service_client.connect("192.0.2.1:6379")
+    assert done == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def pressed_twice(**kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+        done.append(True)
+
+    monkeypatch.setattr(ray, "init", pressed_twice)
+    with pytest.raises(KeyboardInterrupt):
+        service_client.connect("192.0.2.1:6379")
+    assert done == [True]  # the second press did not wait
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -38,6 +38,7 @@ from pathways_jax._src.backends.ray_boot import (
     check_joined,
     check_reachable,
     import_ray,
+    ray_init_uninterrupted,
     send_saved_token,
 )
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
@@ -85,14 +86,15 @@ def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
             check_reachable(where)
             send_saved_token(where)
         try:
-            ray.init(
-                address=where,
-                namespace=NAMESPACE,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                num_cpus=max(hosts, os.cpu_count() or 1) if where == "local" else None,
-            )
+            with ray_init_uninterrupted():
+                ray.init(
+                    address=where,
+                    namespace=NAMESPACE,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    num_cpus=max(hosts, os.cpu_count() or 1) if where == "local" else None,
+                )
         except Exception as exc:
             raise errors.ClusterError(
                 f"could not reach the Ray cluster at {where!r}: {exc}. Start one with `ray start --head`, or "
