@@ -67,7 +67,7 @@ def test_a_chain_of_runs_behind_a_failure_says_the_first_failure_once(caplog):
     # step's error was 'run N got an input from a failed run: ' + the previous step's whole error +
     # the cause's text again, and each was logged as a WARNING: 1,000 steps held about 1.2 GB of
     # messages, and the log as much.
-    pw.init(num_cpu_devices=2)
+    pw.init(num_cpu_devices=8)
     fail = [False]
 
     def maybe_raise(v):
@@ -241,3 +241,39 @@ def test_a_ctrl_c_as_ray_init_runs_waits_for_it_to_return(monkeypatch):
         service_client.connect("192.0.2.1:6379")
     assert done == [True]  # the second press did not wait
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_exit_waits_for_a_daemon_thread_compiling_a_program(monkeypatch):
+    # A background thread (daemon) calling a new program as the main thread ended: the exit hook
+    # closed the cluster and the interpreter finalised while the thread was inside XLA's compiler,
+    # which aborted the process ("terminate called after throwing an instance of ''", status 134).
+    # The hook now waits for the compile; the call returns and runs, and the thread is held after.
+    import threading
+
+    from pathways_jax._src.compile import node_compiler
+
+    pw.init(num_cpu_devices=8)
+    real = node_compiler.compile_node
+    compiling = threading.Event()
+    go = threading.Event()
+
+    def slowly(*args, **kwargs):
+        compiling.set()
+        go.wait(30)  # the compile, long enough for the main thread to end meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(node_compiler, "compile_node", slowly)
+    f = pw.jit(lambda v: jnp.sin(v) * 3 + 1, devices=pw.devices(mesh={"x": 1}))
+    x = jnp.arange(4.0)
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(f(x).result(timeout=30)), daemon=True)
+    thread.start()
+    assert compiling.wait(30)
+    timer = threading.Timer(0.3, go.set)
+    timer.start()
+    monkeypatch.setattr(context_lib, "exiting", False)  # the hook marks the process as exiting
+    clusters._shutdown_at_exit()
+    context_lib.exiting = False
+    assert go.is_set()  # the hook returned only once the compile had
+    thread.join(30)
+    np.testing.assert_array_equal(got[0], jax.jit(lambda v: jnp.sin(v) * 3 + 1)(x))

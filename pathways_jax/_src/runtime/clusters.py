@@ -617,10 +617,12 @@ def _finish_closing(deadline: float) -> None:
 
 def _shutdown_at_exit() -> None:
     """The exit hook: stops a running cluster without counting as a user's ``pw.shutdown()``."""
-    context.exiting = True
     timeout = 60.0
-    current = _current
     try:
+        # A daemon thread compiling a program now is waited for: inside XLA as the interpreter
+        # finalises, it aborted the process. One that would start a compile from here is held.
+        timeout = context.begin_exit(timeout)
+        current = _current
         # A controller service's client leaves at once (Cluster.close): the service drops what it
         # still queues for this process, so waiting here for the runs queued to finish only sent
         # them to be dropped, one window at a time: a long queue held the exit up to the minute.
