@@ -5,14 +5,48 @@ Ray is imported only through :func:`import_ray`, lazily: ``pip install pathways-
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from pathways_jax._src.backends import ray_auth
 from pathways_jax._src.backends.host_link import Link, RayCallLink
 from pathways_jax._src.core import errors
+
+
+@contextlib.contextmanager
+def ray_init_uninterrupted() -> Iterator[None]:
+    """A Ctrl-C during ``ray.init`` waits until it returned, then raises ``KeyboardInterrupt``; a second
+    one raises at once.
+
+    One landing as Ray builds its core worker left it half made: the next ``ray.init`` (``pw.init``
+    again, as a notebook's next cell does) aborted the whole process in Ray's native code ("An
+    unexpected system state has occurred"). Only on the main thread, with Python's own handler.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pressed: list[int] = []
+
+    def later(signum: int, frame: Any) -> None:
+        if pressed:  # pressed again: the user will not wait
+            raise KeyboardInterrupt
+        pressed.append(signum)
+
+    signal.signal(signal.SIGINT, later)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def import_ray() -> Any:
@@ -285,14 +319,15 @@ def join_ray(ray: Any, address: str | None, hosts: int) -> None:
         # when the child goes on running Python.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
         try:
-            ray.init(
-                # None: a new local cluster, never one a stale `ray start` file names.
-                address=address or "local",
-                include_dashboard=False,
-                log_to_driver=False,
-                num_cpus=None if address else max(hosts, os.cpu_count() or 1),
-                configure_logging=False,
-            )
+            with ray_init_uninterrupted():
+                ray.init(
+                    # None: a new local cluster, never one a stale `ray start` file names.
+                    address=address or "local",
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    num_cpus=None if address else max(hosts, os.cpu_count() or 1),
+                    configure_logging=False,
+                )
         except ConnectionError as exc:
             raise errors.ClusterError(
                 f"could not reach the Ray cluster at {address!r}: {exc}. Check the address, or start a "

@@ -362,6 +362,8 @@ class Dispatcher:
             try:
                 result = self.route.fetched(host, answer.result(timeout=CALL_TIMEOUT_S))
             except Exception as exc:
+                if self.closed:  # the hosts went with the close, not lost: a read at exit said "it died"
+                    raise errors.ClusterError(self.closed_message) from exc
                 lost = self.route.loss(host, exc, generation, "a value")
                 if lost is not None:
                     raise lost from exc

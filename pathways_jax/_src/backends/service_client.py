@@ -38,6 +38,7 @@ from pathways_jax._src.backends.ray_boot import (
     check_joined,
     check_reachable,
     import_ray,
+    ray_init_uninterrupted,
     send_saved_token,
 )
 from pathways_jax._src.backends.ray_dispatch import CALL_TIMEOUT_S, Dispatcher
@@ -47,7 +48,7 @@ from pathways_jax._src.backends.ray_losses import Losses
 from pathways_jax._src.backends.ray_places import Places
 from pathways_jax._src.backends.ray_send import Sender
 from pathways_jax._src.backends.ray_values import RemoteArray
-from pathways_jax._src.backends.service_route import ServiceRoute
+from pathways_jax._src.backends.service_route import STOPPED, ServiceRoute
 from pathways_jax._src.backends.version_check import version_mismatch, versions
 from pathways_jax._src.core import checks, errors, events, reentry
 
@@ -62,6 +63,10 @@ _SHARE_TIMEOUT_S = 60.0  # for the service's answer to a share
 # How long a close waits for the service to take this process's leave (a service that does not
 # answer, stopped or hung, still hears of it when this process's token actor is killed).
 _LEAVE_TIMEOUT_S = 5.0
+_REACH_S = 1.0  # for the Ray cluster's head to take a connection, as this process leaves
+# The Ray clusters (their heads' GCS addresses) a client's join connected this process to, where it
+# had no Ray session: leaving a service that is gone ends that session (ServiceBackend.close).
+_JOINED_RAY: set[str] = set()
 
 
 def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
@@ -81,14 +86,15 @@ def connect(address: str | None, *, start: bool = False, hosts: int = 1) -> Any:
             check_reachable(where)
             send_saved_token(where)
         try:
-            ray.init(
-                address=where,
-                namespace=NAMESPACE,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                num_cpus=max(hosts, os.cpu_count() or 1) if where == "local" else None,
-            )
+            with ray_init_uninterrupted():
+                ray.init(
+                    address=where,
+                    namespace=NAMESPACE,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    num_cpus=max(hosts, os.cpu_count() or 1) if where == "local" else None,
+                )
         except Exception as exc:
             raise errors.ClusterError(
                 f"could not reach the Ray cluster at {where!r}: {exc}. Start one with `ray start --head`, or "
@@ -123,7 +129,10 @@ def join(name: str, address: str | None, client_name: str | None) -> tuple[Any, 
     """Joins service ``name``: (its actor, this process's token actor, what the service said)."""
     import jax
 
+    fresh = not import_ray().is_initialized()
     ray = connect(address)
+    if fresh:  # this join made the process's Ray session: its close may end it (ServiceBackend.close)
+        _JOINED_RAY.add(str(ray.get_runtime_context().gcs_address))
     actor = find(ray, name, f"pw.init(service={name!r})")
     token = ray.remote(Token).options(num_cpus=0).remote()
     me = client_name or f"{socket.gethostname()}:{os.getpid()}"
@@ -237,6 +246,10 @@ class ServiceBackend:
         self.collect: Any = None  # set by the cluster: frees the store's values whose futures went
         self.slices_of: Any = None  # set by the cluster: its live slices' device ids, by slice id
         self.service = actor
+        # The Ray cluster this process joined (its head's GCS): one that ends (a service pw.serve started
+        # in its own process takes it along) ends this process too unless it disconnects (_ray_gone).
+        self._gcs = str(ray.get_runtime_context().gcs_address or "")
+        self._service_gone = False  # it stopped, or its actor died (not: it dropped this process only)
         self.service_name = joined["name"]
         self.incarnation = joined["incarnation"]
         self.client_id = joined["client"]
@@ -512,13 +525,15 @@ class ServiceBackend:
                 self._silence()  # looked at now: a later look that comes late is this process's pause
                 self._apply(health)
                 if "dropped" in health:  # it answers this process nothing more: said once (not once a run)
+                    self._service_gone = health["dropped"] == STOPPED
                     self._say_once(self.route.dropped_message(health["dropped"]))
                     self.route.dropped(health["dropped"])
                     logging.warning(
                         "pathways_jax: the controller service %r dropped this process (%s); its programs "
-                        "fail until pw.shutdown() and pw.init(...) join again.",
+                        "fail until pw.shutdown() and pw.init(...) join %s.",
                         self.service_name,
                         health["dropped"],
+                        "a running one" if self._service_gone else "again",
                     )
                     return
                 self.route.fail_late()  # a value its host sent that never came (lost on its way)
@@ -541,13 +556,18 @@ class ServiceBackend:
     def _gone(self, why: str) -> None:
         """The service is gone (``why``): what it owes fails, said in one line here (each run that fails
         for it logs no line of its own) and by every later call."""
+        self._service_gone = True
         self._say_once(self.route.gone_message(HostGone(-1, why)))
         self.route.fail_owed(why)
         logging.warning(
             "pathways_jax: the controller service %r is gone (%s); this process's programs fail until "
-            "pw.shutdown() and pw.init(...) join a running one.",
+            "pw.shutdown() and pw.init(...) join a running one.%s",
             self.service_name,
             why,
+            " Its Ray cluster is gone too: Ray ends a process whose cluster is gone for a minute, and "
+            "pw.shutdown() disconnects this one from it."
+            if self._ray_gone()
+            else "",
         )
 
     def _say_once(self, cause: str) -> None:
@@ -578,6 +598,28 @@ class ServiceBackend:
             if thread is threading.current_thread():
                 continue
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.ray.is_initialized() and (
+            (self._service_gone and self._gcs in _JOINED_RAY) or self._ray_gone()
+        ):
+            # Ray's own worker ends a process whose cluster's head is gone for 60 s (its "Failed to
+            # connect to GCS" exit): a notebook whose service stopped, and the Ray cluster pw.serve had
+            # started with it, died a minute after its pw.shutdown(), and pw.init could not join the
+            # next cluster meanwhile. Disconnected, it lives on and pw.init joins the next one. A Ray
+            # session of the user's own is left alone while its cluster lives.
+            _JOINED_RAY.discard(self._gcs)
+            with contextlib.suppress(Exception):
+                self.ray.shutdown()
+
+    def _ray_gone(self) -> bool:
+        """True if the head of the Ray cluster this process joined takes no connection any more."""
+        host, _, port = self._gcs.rpartition(":")
+        if not host or not port.isdigit():
+            return False
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_S).close()
+        except OSError:
+            return True
+        return False
 
     def _said_left(self, runs: int) -> None:
         """Says in one line that ``runs`` runs were in flight as this process left (none: nothing said);

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the channel needs the ray extra (pyzmq, msgspec): imported 
 
 _SEND_TIMEOUT_S = 10.0  # a service that takes no batch for this long is stuck (or gone)
 # A value its host says it sent straight here fails if it has not come within this long.
+STOPPED = "the service stopped"  # why a service that stops drops its clients (serving.actor)
 DIRECT_TIMEOUT_S = 30.0
 
 
@@ -136,6 +137,11 @@ class ServiceRoute:
 
     def dropped_message(self, why: str) -> str:
         """What a read says once the service dropped this process for ``why``, and what to do."""
+        if why == STOPPED:  # nothing to join again: it said "join it again" of a service that stopped
+            return (
+                f"the controller service {self.service_name!r} dropped this process: {why}. Call "
+                "pw.shutdown(), start the service again and pw.init(...) to join it."
+            )
         return (
             f"the controller service {self.service_name!r} dropped this process: {why}. "
             "Call pw.shutdown() and pw.init(...) to join it again."

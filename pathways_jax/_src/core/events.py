@@ -241,11 +241,12 @@ def unsaid(cause: str) -> None:
     _SAID.discard(cause)
 
 
-def run_failed(run: int, client: str, message: str) -> None:
+def run_failed(run: int, client: str, message: str, *, log: bool = True) -> None:
     """The controller failed run ``run``: logs ``message`` (WARNING, unless its cause was said
-    once: :func:`said_once`) and tells the sink."""
+    once: :func:`said_once`, or ``log`` is false: a run failed by an input that failed, whose
+    first failure was said) and tells the sink."""
     said = _SAID
-    if not (said and message.endswith(tuple(said))):
+    if log and not (said and message.endswith(tuple(said))):
         logging.warning("%s", message)
     sink = SINK
     if sink is not None:

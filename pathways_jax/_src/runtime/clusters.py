@@ -617,11 +617,21 @@ def _finish_closing(deadline: float) -> None:
 
 def _shutdown_at_exit() -> None:
     """The exit hook: stops a running cluster without counting as a user's ``pw.shutdown()``."""
-    context.exiting = True
     timeout = 60.0
-    current = _current
     try:
-        if current is not None and current._controller is not None:
+        # A daemon thread compiling a program now is waited for: inside XLA as the interpreter
+        # finalises, it aborted the process. One that would start a compile from here is held.
+        timeout = context.begin_exit(timeout)
+        current = _current
+        # A controller service's client leaves at once (Cluster.close): the service drops what it
+        # still queues for this process, so waiting here for the runs queued to finish only sent
+        # them to be dropped, one window at a time: a long queue held the exit up to the minute.
+        # (Its programs have no host callbacks to wait for: the Ray backend refuses them.)
+        if (
+            current is not None
+            and current._controller is not None
+            and not isinstance(current.backend, ServiceView)
+        ):
             # Not a minute for a host callback that never returns (exit_wait): a few seconds.
             timeout = exit_wait.exit_timeout(current._controller, timeout)
     except KeyboardInterrupt:  # a Ctrl-C as the exit waits: every part is still told to stop

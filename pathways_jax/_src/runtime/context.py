@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Iterator
 from typing import Protocol
 
 
@@ -38,6 +41,54 @@ exiting = False
 # How long park_at_exit holds a thread (an exit hook that waits for it gets it back then).
 EXIT_PARK_S = 10.0
 _never = threading.Event()
+
+# Threads other than the main one lowering a program now (XLA compiles), by thread id: how deep.
+_lowering: dict[int, int] = {}
+_lowered = threading.Condition()
+
+
+@contextlib.contextmanager
+def lowering() -> Iterator[None]:
+    """Marks a program's lowering (its XLA compiles) on a thread other than the main one.
+
+    A daemon thread inside XLA's compiler as the interpreter finalises aborts the
+    process ("terminate called after throwing an instance of ''"): a daemon thread
+    calling a new program (a background evaluator) as the main thread ended took the
+    whole exit down. The exit hook waits for the lowerings marked here
+    (:func:`begin_exit`); one that would start after it is held (:func:`park_at_exit`).
+    """
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    ident = threading.get_ident()
+    with _lowered:
+        held = exiting
+        if not held:
+            _lowering[ident] = _lowering.get(ident, 0) + 1
+    if held:
+        park_at_exit()
+        yield
+        return
+    try:
+        yield
+    finally:
+        with _lowered:
+            depth = _lowering.pop(ident) - 1
+            if depth:
+                _lowering[ident] = depth
+            _lowered.notify_all()
+
+
+def begin_exit(timeout: float) -> float:
+    """Marks the process as exiting, then waits (up to ``timeout`` s) for the lowerings other threads
+    are in (:func:`lowering`); returns the seconds left."""
+    global exiting
+    deadline = time.monotonic() + timeout
+    with _lowered:
+        exiting = True
+        while _lowering and (left := deadline - time.monotonic()) > 0:
+            _lowered.wait(left)
+    return max(0.0, deadline - time.monotonic())
 
 
 def park_at_exit() -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pathways_jax._src.compile.lowering import Plan, Prepared
 from pathways_jax._src.core import errors
+from pathways_jax._src.runtime import context
 from pathways_jax._src.runtime import controller as controller_lib
 from pathways_jax._src.runtime import slices as slices_lib
 
@@ -63,7 +64,8 @@ def lowered(
     # In a process forked from a running one JAX's compiler never returns: refused first.
     controller_lib.refuse_if_forked()
     current = slices_lib.still_placed(held)  # before the placement is read: a move in between fails it
-    plan = lower(graph, signature, slices_lib.placement_of(held), donated)
+    with context.lowering():  # its XLA compiles: the exit hook waits for them (a daemon thread's)
+        plan = lower(graph, signature, slices_lib.placement_of(held), donated)
     if not held:  # it places nothing: no backend's part, no cluster of its own
         return Runnable(plan, None, (None,) * len(plan.outputs), current)
     cluster = held[0].cluster
