@@ -57,11 +57,6 @@ def test_a_client_exiting_with_a_long_queue_leaves_at_once(service, monkeypatch)
         queued[-1].result(timeout=10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/controller.py (the lead's): a run failed by a failed input repeats the cause's "
-    "text and every message before it; patch in the svc50 report",
-)
 def test_a_chain_of_runs_behind_a_failure_says_the_first_failure_once(caplog):
     # A loop of steps queued behind one that fails (a host callback raising, a host lost): each
     # step's error was 'run N got an input from a failed run: ' + the previous step's whole error +

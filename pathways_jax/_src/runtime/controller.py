@@ -111,6 +111,8 @@ _CATCH_UP_S = 0.05
 # now starts after at most this many: measured in docs/DESIGN.md (Schedule).
 DEVICE_WINDOW = 4
 
+_FROM_FAILED = " got an input from a failed run: "  # a run failed by an input that failed
+
 
 class Drain(NamedTuple):
     """What ``Controller._next`` picks when every head waits for a window of short runs."""
@@ -983,10 +985,12 @@ class Controller:
                 case Ready():
                     env[slot] = entry.array
                 case Failed(message, cause):
+                    # Named by the run that failed first (its message holds the cause's text), not
+                    # by every run between: a chain of N runs queued behind a failure made N
+                    # messages, and N WARNING lines, each holding all those before it.
+                    first = message.rpartition(_FROM_FAILED)[2]
                     self._fail(
-                        run,
-                        f"program {graph.name!r} run {run.id} got an input from a failed run: {message}",
-                        cause,
+                        run, f"program {graph.name!r} run {run.id}{_FROM_FAILED}{first}", cause, said=True
                     )
                     return
                 case Freed():
@@ -1055,14 +1059,20 @@ class Controller:
         self.accounting.note(run, started, last)
         run.env = []
 
-    def _fail(self, run: Run, message: str, cause: BaseException | None, *, count: bool = True) -> None:
-        """Fails every output of ``run`` and frees what it holds; other runs are not touched."""
+    def _fail(
+        self, run: Run, message: str, cause: BaseException | None, *, count: bool = True, said: bool = False
+    ) -> None:
+        """Fails every output of ``run`` and frees what it holds; other runs are not touched.
+
+        ``said``: ``message`` already holds ``cause``'s text, logged with the run that failed first
+        (a run failed by an input that failed): not added again, nor logged again.
+        """
         run.failed = True
         if count:
             counts.bump("failed_runs")
             self.accounting.failed(run)
-        detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None else message
-        events.run_failed(run.id, run.client.name, detail)
+        detail = f"{message}: {type(cause).__name__}: {cause}" if cause is not None and not said else message
+        events.run_failed(run.id, run.client.name, detail, log=not said)
         if run.transient:
             self._release(run)
         self._store.free(
