@@ -213,6 +213,19 @@ def test_a_ctrl_c_as_ray_init_runs_waits_for_it_to_return(monkeypatch):
             pass
         done.append(True)
 
+    # The hold acts only under Python's own handler (a handler of the user's is left to do its
+    # work): set here, as a fresh process has it, whatever an earlier test of the suite's left.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_in_ray_init(monkeypatch, ray, service_client, init, done)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_in_ray_init(monkeypatch, ray, service_client, init, done) -> None:
+    import os
+    import signal
+
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(service_client, "check_reachable", lambda address: None)
